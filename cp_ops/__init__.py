@@ -1,0 +1,25 @@
+"""cp_ops — context-parallel (CP) attention for diffusion transformers.
+
+Public API:
+    attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
+    agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
+    select_transport(requested, device_type)                                       'torch' or 'fast'
+    local_attention(q, k, v, scale=None)                                           single-device reference
+The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library`.
+"""
+
+from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
+from .attention import attention, choose_mode, local_attention
+from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
+from .transport.select import select_transport
+
+__all__ = [
+    "attention",
+    "agkv_gather",
+    "ulysses_all_to_all",
+    "ulysses_all_to_all_inverse",
+    "select_transport",
+    "local_attention",
+    "choose_mode",
+]
+__version__ = "0.1.0"

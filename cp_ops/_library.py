@@ -1,0 +1,130 @@
+"""Every cp_ops ``torch.library`` op: schema, fake kernel and real kernel, side by side.
+
+The ops are *launches*: they start the communication and return at once, with their outputs registered
+so that ``torch.ops._c10d_functional.wait_tensor(out)`` waits for it (as c10d's functional collectives
+do) — a compiler can then move the launch early and the wait late. Outputs are not valid until waited.
+Python wrappers below give the synchronous form for eager users.
+
+Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and a
+resolved ``transport`` ('torch' or 'fast').
+
+Ops:
+    cp_ops::agkv_gather_start(k, v, world_size, group_name, transport) -> (k_full, v_full)
+        k, v ``[B, S_local, H, D]`` → ``[B, W*S_local, H, D]`` each, tokens in rank order.
+    cp_ops::ulysses_start(xs, world_size, group_name, transport) -> buf
+        n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
+    cp_ops::ulysses_inverse_start(x, world_size, group_name, transport) -> buf
+        ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_work
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from . import config, layout
+from .validate import check_ranks_agree
+
+_TRANSPORT_NAMES = ("torch", "fast")
+
+
+def _transport(name: str):
+    if name == "torch":
+        from .transport import torch as t
+    elif name == "fast":
+        from .transport import fast as t
+
+        if not getattr(t, "IMPLEMENTED", False):
+            raise RuntimeError(f"transport='fast' cannot run: {t.unavailable_reason('cuda')}")
+    else:
+        raise ValueError(f"transport must be one of {_TRANSPORT_NAMES} inside an op; got {name!r}")
+    return t
+
+
+def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
+    pg = _resolve_process_group(group_name)
+    if pg.size() != world_size:
+        raise ValueError(f"group '{group_name}' has {pg.size()} ranks but the op was given world_size={world_size}")
+    return pg
+
+
+def _register(work, *outs: torch.Tensor) -> None:
+    if config.blocking:
+        work.wait()
+        return
+    for out in outs:
+        _register_work(out, work)
+
+
+def _check_bshd_fake(name: str, t: torch.Tensor) -> None:
+    torch._check(t.dim() == 4, lambda: f"{name} must be 4-D [B, S, H, D]; got shape {tuple(t.shape)}")
+
+
+# ---- AGKV all-gather ---------------------------------------------------------------------------
+@torch.library.custom_op("cp_ops::agkv_gather_start", mutates_args=())
+def agkv_gather_start(
+    k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pg = _group(world_size, group_name)
+    check_ranks_agree(pg, "agkv_gather", k)
+    k_full, v_full, work = _transport(transport).agkv_start(k, v, pg)
+    _register(work, k_full, v_full)
+    return k_full, v_full
+
+
+@agkv_gather_start.register_fake
+def _(k, v, world_size, group_name, transport):
+    _check_bshd_fake("k", k)
+    torch._check(k.shape == v.shape, lambda: f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    torch._check(k.dtype == v.dtype, lambda: f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
+    b, s, h, d = k.shape
+    return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
+
+
+# ---- Ulysses all-to-all, sequence → heads ------------------------------------------------------
+@torch.library.custom_op("cp_ops::ulysses_start", mutates_args=())
+def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str) -> torch.Tensor:
+    pg = _group(world_size, group_name)
+    check_ranks_agree(pg, "ulysses", xs[0], extra=len(xs))
+    buf, work = _transport(transport).ulysses_start(xs, pg)
+    _register(work, buf)
+    return buf
+
+
+@ulysses_start.register_fake
+def _(xs, world_size, group_name, transport):
+    torch._check(len(xs) >= 1, lambda: "ulysses_start needs at least one tensor")
+    x0 = xs[0]
+    _check_bshd_fake("xs[0]", x0)
+    for i, x in enumerate(xs):
+        torch._check(x.shape == x0.shape, lambda: f"xs[{i}] shape {tuple(x.shape)} != xs[0] {tuple(x0.shape)}")
+        torch._check(x.dtype == x0.dtype, lambda: f"xs[{i}] dtype {x.dtype} != xs[0] {x0.dtype}")
+    b, s, h, d = x0.shape
+    torch._check(h % world_size == 0, lambda: f"heads={h} not divisible by world_size={world_size}")
+    return x0.new_empty(world_size, b, s, len(xs), h // world_size, d)
+
+
+# ---- Ulysses all-to-all, heads → sequence ------------------------------------------------------
+@torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
+def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str) -> torch.Tensor:
+    pg = _group(world_size, group_name)
+    check_ranks_agree(pg, "ulysses_inverse", x)
+    buf, work = _transport(transport).ulysses_inverse_start(x, pg)
+    _register(work, buf)
+    return buf
+
+
+@ulysses_inverse_start.register_fake
+def _(x, world_size, group_name, transport):
+    _check_bshd_fake("x", x)
+    b, s, hl, d = x.shape
+    torch._check(s % world_size == 0, lambda: f"seq={s} not divisible by world_size={world_size}")
+    return x.new_empty(world_size, b, s // world_size, hl, d)
+
+
+# ---- waits and synchronous wrappers ------------------------------------------------------------
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """Wait for the launch that produced ``t``; returns ``t``, now valid on the current stream."""
+    return torch.ops._c10d_functional.wait_tensor(t)

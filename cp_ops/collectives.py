@@ -1,0 +1,75 @@
+"""The CP collectives as public eager functions: group in, waited tensors out.
+
+For compiled code and overlap, call the launches (``torch.ops.cp_ops.*_start``) and
+``torch.ops._c10d_functional.wait_tensor`` yourself; :func:`cp_ops.attention` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _library as lib
+from . import layout
+from .group import resolve_group
+from .transport.select import select_transport
+from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
+
+
+def _prepare(names, tensors, group, transport):
+    check_same(names, tensors)
+    pg = resolve_group(group)
+    check_device_for_group(tensors[0], pg)
+    return pg, select_transport(transport, tensors[0].device.type)
+
+
+def agkv_gather(
+    k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather K and V over the CP group, tokens in rank order.
+
+    Args:
+        k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
+    Returns:
+        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]``, contiguous, ready for attention.
+    Raises:
+        ValueError / RuntimeError: as :func:`cp_ops.attention`.
+    """
+    pg, tr = _prepare(("k", "v"), (k, v), group, transport)
+    k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
+    return lib.wait(k_full), lib.wait(v_full)
+
+
+def ulysses_all_to_all(
+    *xs: torch.Tensor, group: Any = None, transport: str = "auto"
+) -> list[torch.Tensor]:
+    """Ulysses sequence → heads all-to-all of n tensors in one collective.
+
+    Args:
+        xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
+    Returns:
+        n tensors ``[B, W * S_local, H / W, D]``: the full sequence, this rank's head group (rank r gets
+        heads ``[r*H/W, (r+1)*H/W)``). Strided views of one buffer when B = 1.
+    Raises:
+        ValueError: H % W != 0, and the rules of :func:`cp_ops.attention`.
+    """
+    names = tuple(f"xs[{i}]" for i in range(len(xs)))
+    pg, tr = _prepare(names, xs, group, transport)
+    check_heads_divisible(xs[0].shape[2], pg.size())
+    buf = lib.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
+    return [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
+
+
+def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto") -> torch.Tensor:
+    """Ulysses heads → sequence all-to-all, the inverse of :func:`ulysses_all_to_all`.
+
+    Args:
+        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S.
+    Returns:
+        ``[B, S / W, W * H_local, D]``: this rank's token block, all heads.
+    """
+    pg, tr = _prepare(("x",), (x,), group, transport)
+    check_seq_divisible(x.shape[1], pg.size())
+    buf = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
+    return layout.ulysses_inverse_unpack(buf)

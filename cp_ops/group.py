@@ -1,0 +1,45 @@
+"""Resolve the CP group a public function was given into what the ops take (`group_name`, world size).
+
+Public functions accept ``None`` (the default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``
+(for a multi-dimensional mesh pass its CP dimension, ``mesh["cp"]``); ops take ``group_name: str`` the way
+``torch.ops._c10d_functional`` does, so a compiled graph names its group by a string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+
+def resolve_group(group: Any = None) -> dist.ProcessGroup:
+    """Return the ``ProcessGroup`` for ``group``.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: ``group`` is a DeviceMesh of more than one dimension, or of an unsupported type.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "cp_ops needs an initialized torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) (or launch with torchrun / `cp-ops ... --nproc N`) first"
+        )
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"a DeviceMesh CP group must be 1-D (pass mesh['cp']); got a {group.ndim}-D mesh "
+                f"with dimension names {group.mesh_dim_names}"
+            )
+        return group.get_group()
+    raise ValueError(f"group must be None, a ProcessGroup or a 1-D DeviceMesh; got {type(group).__name__}")
+
+
+def backend_name(group: dist.ProcessGroup) -> str:
+    """The group's backend string as torch reports it: 'nccl', 'gloo', 'fake', or 'cpu:gloo,cuda:nccl'."""
+    return str(dist.get_backend(group))

@@ -1,0 +1,85 @@
+"""Start W local ranks (or join a torchrun launch) and run a function on each.
+
+Run under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set), :func:`launch` joins that group; run standalone,
+it spawns ``nproc`` processes with ``torch.multiprocessing`` on a free localhost port. Backend: NCCL when
+CUDA is used, else gloo. Every group gets ``cp_ops.config.timeout_s`` so a collective that cannot
+complete raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import config
+
+# Multicast/NVLS stays off everywhere cp_ops starts ranks (it can take a shared host's GPUs out of service).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world_size: int, device: str) -> torch.device:
+    """Initialize torch.distributed for one rank; returns the rank's device (cuda:local_rank or cpu)."""
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timeout, device_id=dev)
+        return dev
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+    return torch.device("cpu")
+
+
+def _worker(rank: int, world_size: int, device: str, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ["LOCAL_RANK"] = str(rank)
+    dev = init_rank(rank, world_size, device)
+    try:
+        fn(rank, world_size, dev, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
+    """Run ``fn(rank, world_size, device, *args)`` on every rank.
+
+    Under torchrun ``nproc`` is ignored (WORLD_SIZE rules). Raises ``ValueError`` when ``device='cuda'``
+    and fewer than ``nproc`` GPUs are visible.
+    """
+    for k, v in SAFE_ENV.items():
+        os.environ.setdefault(k, v)
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dev = init_rank(rank, world, device)
+        try:
+            fn(rank, world, dev, *args)
+        finally:
+            dist.destroy_process_group()
+        return
+    if device == "cuda" and torch.cuda.device_count() < nproc:
+        raise ValueError(
+            f"--nproc {nproc} needs {nproc} visible GPUs; found {torch.cuda.device_count()} "
+            "(lower --nproc or use --device cpu)"
+        )
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1; got {nproc}")
+    mp.spawn(_worker, args=(nproc, device, free_port(), fn, args), nprocs=nproc, join=True)

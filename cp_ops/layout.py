@@ -1,0 +1,44 @@
+"""Token/head layouts of the CP collectives, as pure view/copy functions (traceable by torch.compile).
+
+Shapes (W = CP world size, n = tensors sent together, Hl = H / W heads per rank after Ulysses):
+
+- AGKV output: ``[B, W * S_local, H, D]`` — tokens in rank order, what attention reads; written in place.
+- Ulysses buffer (sequence → heads): ``[W, B, S_local, n, Hl, D]``; index 0 is the *source rank*, i.e. the
+  token block. Slot ``i`` as ``[B, S, Hl, D]`` is a view for B = 1 (no copy after the all-to-all).
+- Ulysses inverse buffer (heads → sequence): ``[W, B, S_local, Hl, D]``; index 0 is the source rank, i.e.
+  the head group; back to ``[B, S_local, H, D]`` is one permute copy.
+
+Method: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ulysses_pack(xs: list[torch.Tensor], world_size: int) -> torch.Tensor:
+    """Send buffer ``[W, B, S_local, n, Hl, D]`` from n tensors ``[B, S_local, H, D]``; slab w holds head group w."""
+    b, s, h, d = xs[0].shape
+    hl = h // world_size
+    buf = xs[0].new_empty(world_size, b, s, len(xs), hl, d)
+    for i, x in enumerate(xs):
+        buf[:, :, :, i].copy_(x.view(b, s, world_size, hl, d).permute(2, 0, 1, 3, 4))
+    return buf
+
+
+def ulysses_unpack(buf: torch.Tensor, i: int) -> torch.Tensor:
+    """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1)."""
+    w, b, s, _, hl, d = buf.shape
+    return buf[:, :, :, i].permute(1, 0, 2, 3, 4).reshape(b, w * s, hl, d)
+
+
+def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Send buffer ``[W, B, S_local, Hl, D]`` from ``[B, S, Hl, D]``; slab w holds token block w."""
+    b, s, hl, d = x.shape
+    return x.reshape(b, world_size, s // world_size, hl, d).transpose(0, 1).contiguous()
+
+
+def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
+    """``[W, B, S_local, Hl, D]`` (slab w = head group w) → ``[B, S_local, W * Hl, D]``."""
+    w, b, s, hl, d = buf.shape
+    return buf.permute(1, 2, 0, 3, 4).reshape(b, s, w * hl, d)

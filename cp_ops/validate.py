@@ -1,0 +1,116 @@
+"""Input rules of the public functions, each raising an error that names the rule and the values seen.
+
+Shape/dtype rules run in Python before any op (so they also hold while ``torch.compile`` traces); the
+cross-rank agreement check needs a collective, so it runs inside the ops' real kernels (eager and
+compiled alike), once per shape by default (``cp_ops.config.check_ranks``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import config
+from .group import backend_name
+
+_BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "fake": None}
+
+
+def check_bshd(name: str, t: torch.Tensor) -> None:
+    """``t`` must be 4-D, laid out [batch, seq, heads, head_dim] (BSHD)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must be 4-D [batch, seq, heads, head_dim] (BSHD); got {t.dim()}-D shape {tuple(t.shape)}"
+        )
+
+
+def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
+    """Tensors that go through one collective must share shape, dtype and device."""
+    for n, t in zip(names, tensors):
+        check_bshd(n, t)
+    first, t0 = names[0], tensors[0]
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.shape != t0.shape:
+            raise ValueError(
+                f"{first} and {n} must have the same BSHD shape (local tokens of one CP shard, equal heads); "
+                f"got {first} {tuple(t0.shape)} and {n} {tuple(t.shape)}"
+            )
+        if t.dtype != t0.dtype:
+            raise ValueError(f"{first} and {n} must have the same dtype; got {t0.dtype} and {t.dtype}")
+        if t.device != t0.device:
+            raise ValueError(f"{first} and {n} must be on the same device; got {t0.device} and {t.device}")
+
+
+def check_heads_divisible(heads: int, world_size: int) -> None:
+    """Ulysses splits heads over the CP group: W must divide H."""
+    if heads % world_size != 0:
+        raise ValueError(
+            f"mode='ulysses' needs the head count divisible by the CP world size; got heads={heads}, "
+            f"world_size={world_size} (use mode='agkv', or a CP group whose size divides {heads})"
+        )
+
+
+def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length") -> None:
+    """Tokens are split evenly: rank r holds the r-th of W equal contiguous blocks."""
+    if seq % world_size != 0:
+        raise ValueError(
+            f"the {what} must be divisible by the CP world size to split tokens evenly; got {what}={seq}, "
+            f"world_size={world_size}"
+        )
+
+
+def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The group's backend must be able to move tensors of ``t``'s device (NCCL: CUDA, gloo: CPU)."""
+    backend = backend_name(group)
+    if ":" in backend:  # 'cpu:gloo,cuda:nccl' — a device type per backend
+        devices = tuple(part.split(":")[0] for part in backend.split(","))
+    else:
+        devices = _BACKEND_DEVICES.get(backend)
+    if devices is not None and t.device.type not in devices:
+        raise ValueError(
+            f"the CP group's backend '{backend}' cannot move {t.device.type} tensors (it moves "
+            f"{'/'.join(devices)}); got a tensor on {t.device}: move the tensors to "
+            f"{devices[0]} or create the group with a backend for {t.device.type}"
+        )
+
+
+# ---- cross-rank agreement (runs inside op kernels) ---------------------------------------------
+_checked: set[tuple] = set()
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def check_ranks_agree(group: dist.ProcessGroup, op: str, t: torch.Tensor, extra: int = 0) -> None:
+    """Raise on every rank if the ranks called ``op`` with different shapes or dtypes.
+
+    Exchanges (op, B, S_local, H, D, dtype, extra) over ``group`` on the first call per key
+    (``config.check_ranks='once'``), so a mismatch raises ``ValueError`` instead of a hang or silently
+    wrong numbers. Costs one tiny all-gather and a host sync per new shape.
+    """
+    mode = config.check_ranks
+    if mode == "off" or backend_name(group) == "fake" or group.size() == 1:
+        return
+    dtype_id = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else 99
+    mine = (sum(map(ord, op)), *t.shape, dtype_id, extra)
+    key = (group.group_name, op, mine)
+    if mode == "once" and key in _checked:
+        return
+    dev = t.device if t.device.type != "meta" else torch.device("cpu")
+    local = torch.tensor(mine, dtype=torch.int64, device=dev)
+    gathered = torch.empty(group.size() * local.numel(), dtype=torch.int64, device=dev)
+    group.allgather_into_tensor_coalesced([gathered], [local]).wait()
+    rows = [tuple(r) for r in gathered.view(group.size(), -1).tolist()]
+    if any(r != rows[0] for r in rows):
+        seen = "; ".join(
+            f"rank {i}: [B, S_local, H, D]={list(r[1:5])} dtype={_name(r[5])}" for i, r in enumerate(rows)
+        )
+        raise ValueError(
+            f"cp_ops.{op}: the ranks of CP group '{group.group_name}' must call it with the same local shape "
+            f"and dtype (each rank holds an equal block of tokens, all heads); got {seen}"
+        )
+    _checked.add(key)
+
+
+def _name(dtype_id: int) -> str:
+    return str(_DTYPES[dtype_id]).replace("torch.", "") if dtype_id < len(_DTYPES) else f"id{dtype_id}"

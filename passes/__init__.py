@@ -1,0 +1,1 @@
+"""Inductor FX passes of cp_ops (the K/V-communication overlap pass arrives with its own issue)."""
