@@ -11,6 +11,7 @@ The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library
 from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
 from .attention import attention, choose_mode, local_attention
 from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
+from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
 from .transport.select import select_transport
 
 __all__ = [

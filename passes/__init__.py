@@ -1,1 +1,178 @@
-"""Inductor FX passes of cp_ops (the K/V-communication overlap pass arrives with its own issue)."""
+"""Inductor passes of cp_ops: the K/V-communication overlap pass.
+
+With the pass on, every ``torch.compile``'d model that calls :func:`cp_ops.attention` (or the launches
+``torch.ops.cp_ops.*_start`` directly) runs its K/V communication under the Q projection, Q norm and Q RoPE:
+no model edits. See :mod:`passes.overlap` for how.
+
+Public API:
+    install()        turn it on for every later compilation in this process (idempotent); uninstall() undoes
+    enabled()        context manager: on for the compilations that happen inside it (first calls!)
+    OverlapPass      the ``CustomGraphPass`` (stable ``uuid()``, so Inductor's FX graph cache stays on)
+    pin_windows      the scheduler pass that keeps each window's order in the generated code
+
+Both also register the Inductor lowerings of the launches (:mod:`passes.lowering`), which make Inductor keep
+each launch's inputs alive until its wait. Logs go to the ``cp_ops.passes`` logger (debug level: each
+window, the nodes moved, fused projections left whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from typing import Any, Iterator
+
+from .lowering import register as register_lowerings
+from .overlap import TAG, overlap_kv_communication, pin_windows
+
+__all__ = ["install", "uninstall", "enabled", "OverlapPass", "pin_windows", "inductor_options", "TAG"]
+
+log = logging.getLogger("cp_ops.passes")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for name in ("overlap.py", "lowering.py", "__init__.py"):
+        with open(os.path.join(_DIR, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _custom_graph_pass_base() -> type:
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+
+        return CustomGraphPass
+    except ImportError:  # pragma: no cover - very old Inductor: a plain callable (FX graph cache bypassed)
+        return object
+
+
+class OverlapPass(_custom_graph_pass_base()):
+    """Post-grad FX pass (``torch._inductor.config.post_grad_custom_post_pass``): opens the K/V windows.
+
+    ``__call__(graph)`` rewrites the ``torch.fx.Graph`` in place (see :func:`passes.overlap.overlap_kv_communication`);
+    ``uuid()`` is a hash of this package's source, so the FX graph cache stays on and is invalidated when the
+    pass changes. An optional ``inner`` pass (one installed before ours) runs first.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
+        self.inner = inner
+
+    def __call__(self, graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+        overlap_kv_communication(graph)
+
+    def uuid(self) -> Any:
+        inner = None
+        if self.inner is not None:
+            inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
+            if inner is None:
+                return None  # the inner pass cannot be cached, so neither can we
+        return ("cp_ops.passes.OverlapPass", _source_hash(), inner)
+
+
+class _ChainedSchedulerPass:
+    """``pin_windows`` after a scheduler pass that was installed before ours."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, snodes):
+        return pin_windows(self.inner(snodes))
+
+
+def _is_ours(p: Any) -> bool:
+    return isinstance(p, (OverlapPass, _ChainedSchedulerPass)) or p is pin_windows
+
+
+def inductor_options(existing: dict | None = None) -> dict:
+    """Inductor config entries that turn the pass on, merged over ``existing`` (e.g. ``torch.compile(options=)``).
+
+    Keys: ``post_grad_custom_post_pass`` (:class:`OverlapPass`) and, where this Inductor has it,
+    ``_pre_fusion_custom_pass`` (:func:`pin_windows`). A pass already set there runs before ours.
+    """
+    import torch._inductor.config as cfg
+
+    register_lowerings()
+    opts = dict(existing or {})
+    post = opts.get("post_grad_custom_post_pass", cfg.post_grad_custom_post_pass)
+    if not _is_ours(post):
+        if isinstance(post, (list, tuple)):
+            post = post[0] if len(post) == 1 else _run_all(post)
+        post = OverlapPass(post)
+    opts["post_grad_custom_post_pass"] = post
+    if hasattr(cfg, "_pre_fusion_custom_pass"):
+        pre = opts.get("_pre_fusion_custom_pass", cfg._pre_fusion_custom_pass)
+        if not _is_ours(pre):
+            pre = pin_windows if pre is None else _ChainedSchedulerPass(pre)
+        opts["_pre_fusion_custom_pass"] = pre
+    else:  # pragma: no cover - depends on the torch version
+        log.warning(
+            "cp_ops.passes: this Inductor has no _pre_fusion_custom_pass; the windows are ordered in the FX graph "
+            "but Inductor's scheduler may reorder Q kernels out of them"
+        )
+    return opts
+
+
+class _run_all:  # noqa: N801 - behaves like a function
+    def __init__(self, passes) -> None:
+        self.passes = list(passes)
+
+    def __call__(self, graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        ids = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        return None if any(i is None for i in ids) else tuple(ids)
+
+
+_saved: dict | None = None
+
+
+def install() -> None:
+    """Turn the overlap pass on for every compilation from now on in this process (idempotent).
+
+    Sets ``torch._inductor.config.post_grad_custom_post_pass`` and ``_pre_fusion_custom_pass`` (keeping any pass
+    already there, which then runs first) and registers the launches' Inductor lowerings. Already compiled
+    graphs are not recompiled. :func:`uninstall` restores the previous values.
+    """
+    global _saved
+    import torch._inductor.config as cfg
+
+    if _is_ours(cfg.post_grad_custom_post_pass):
+        return
+    keys = ["post_grad_custom_post_pass"] + (["_pre_fusion_custom_pass"] if hasattr(cfg, "_pre_fusion_custom_pass") else [])
+    _saved = {k: getattr(cfg, k) for k in keys}
+    for k, v in inductor_options().items():
+        setattr(cfg, k, v)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: restore the Inductor config values it replaced (no-op when not installed)."""
+    global _saved
+    import torch._inductor.config as cfg
+
+    if _saved is None:
+        return
+    for k, v in _saved.items():
+        setattr(cfg, k, v)
+    _saved = None
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """Context manager: the overlap pass is on for compilations that *happen* inside it.
+
+    ``torch.compile`` compiles at a model's first call, so make that call inside the block::
+
+        with passes.enabled():
+            out = compiled(x)   # compiles here, with the pass
+    """
+    import torch._inductor.config as cfg
+
+    with cfg.patch(inductor_options()):
+        yield

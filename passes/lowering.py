@@ -1,0 +1,107 @@
+"""Inductor lowerings that make the cp_ops launches *collectives* to Inductor.
+
+Without them Inductor lowers ``cp_ops::agkv_gather_start`` / ``ulysses_start`` / ``ulysses_inverse_start``
+as ordinary fallback kernels: ``_c10d_functional.wait_tensor`` on their outputs then tracks nothing, and the
+memory planner may hand a launch's *input* buffer to a later kernel while the transport is still reading it
+(on CUDA: an NCCL stream reading what a compute kernel is overwriting).
+
+Lowered here as ``ir._CollectiveKernel`` (out of place), exactly as Inductor lowers
+``symm_mem._low_contention_all_gather`` (``torch/_inductor/comm_lowering.py``):
+
+* the launch's outputs are collective outputs; ``wait_tensor`` on one of them is modelled as a mutation of
+  that output, so nothing reads it before the wait;
+* ``_WaitKernel.get_volatile_reads`` adds the launch input behind each output as a read of the wait, so that
+  input stays alive (is not reused) until the wait — for AGKV, ``wait(k_full)`` keeps ``k`` alive and
+  ``wait(v_full)`` keeps ``v`` alive;
+* ``is_collective`` is true for the launch, so Inductor's comm ordering (``decide_global_ordering_of_comms``)
+  keeps the launches of all ranks in one order.
+
+Ulysses launches have one output, and Inductor's wait tracks the *first* input behind it. That is enough for
+the torch transport, which packs every input into its own send buffer inside the launch (a stream-ordered
+copy, see :func:`cp_ops.layout.ulysses_pack`); a transport that reads inputs after the launch returns must
+keep that property (or pass one tensor per launch).
+
+Inputs are made contiguous first (as Inductor does for c10d collectives), so the buffer the transport reads
+is the buffer Inductor keeps alive.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import cp_ops._library  # noqa: F401  (registers torch.ops.cp_ops.*)
+
+log = logging.getLogger("cp_ops.passes")
+_registered = False
+
+
+def _lower_agkv(k, v, world_size, group_name, transport):
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    kernel = torch.ops.cp_ops.agkv_gather_start.default
+    k = ir.ExternKernel.require_contiguous(k)
+    v = ir.ExternKernel.require_contiguous(v)
+    with V.graph.fake_mode:
+        example, tensor_args, non_tensor_args, unflatten_args, unbacked = ir._CollectiveKernel.process_kernel(
+            kernel, k, v, world_size, group_name, transport
+        )
+    assert not unbacked, f"{kernel}: unexpected unbacked symbols {unbacked}"
+    for t in tensor_args:
+        t.realize()
+    device = tensor_args[0].get_device()
+    packed = ir._CollectiveKernel(ir.MultiOutputLayout(device=device), kernel, tensor_args, non_tensor_args, unflatten_args)
+    # Output i is written from input i: _WaitKernel.get_volatile_reads maps index i back to inputs[i].
+    packed.outputs = [
+        ir.MultiOutput(ir._CollectiveKernel.tensor_to_layout(t), packed, [(list, i)]) for i, t in enumerate(example)
+    ]
+    return [ir.TensorBox.create(o) for o in packed.outputs]
+
+
+def _lower_out_of_place(kernel):
+    def lower(inputs, *args):
+        from torch._inductor import ir
+
+        if isinstance(inputs, (list, tuple)):
+            inputs = [ir.ExternKernel.require_contiguous(t) for t in inputs]
+        else:
+            inputs = ir.ExternKernel.require_contiguous(inputs)
+        node = ir._CollectiveKernel.create_out_of_place(kernel, inputs, *args)
+        return ir.TensorBox.create(node)
+
+    return lower
+
+
+def register() -> bool:
+    """Register the Inductor lowerings of the cp_ops launches (idempotent).
+
+    Returns True when they are registered, False when this torch's Inductor lacks what they need
+    (``ir._CollectiveKernel``, ``lowering.register_lowering``); then Inductor lowers the launches as plain
+    fallback kernels and a warning says so. Importing :mod:`torch._inductor` costs about a second, so this runs
+    when the pass is installed, not when :mod:`cp_ops` is imported.
+    """
+    global _registered
+    if _registered:
+        return True
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import add_layout_constraint, constrain_to_fx_strides, register_lowering
+
+        needed = (ir._CollectiveKernel, ir.MultiOutput, ir.MultiOutputLayout, ir._CollectiveKernel.create_out_of_place)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the torch build
+        log.warning("cp_ops.passes: Inductor lowerings of the cp_ops launches not registered: %s", e)
+        return False
+    del needed
+    ops = torch.ops.cp_ops
+    table = {
+        ops.agkv_gather_start: _lower_agkv,
+        ops.ulysses_start: _lower_out_of_place(ops.ulysses_start.default),
+        ops.ulysses_inverse_start: _lower_out_of_place(ops.ulysses_inverse_start.default),
+    }
+    for op, fn in table.items():
+        add_layout_constraint(op, constrain_to_fx_strides)
+        register_lowering(op, type_promotion_kind=None)(fn)
+    _registered = True
+    return True

@@ -1,0 +1,427 @@
+"""The K/V-communication overlap pass: open a window from each K/V launch to its wait and put the Q work in it.
+
+A DiT attention block computes Q, K and V from the same input, then attention needs all three. With context
+parallelism, K and V (AGKV: all-gather; Ulysses: all-to-all) must travel before attention, and nothing but
+Q's own chain — projection GEMM, norm, RoPE — is independent of them. Models often compute Q first (Wan
+does), so as traced the launch comes after the Q work and the communication is fully exposed. This pass
+rewrites the post-grad FX graph so that it runs
+
+    K chain, V chain → K/V launch → Q projection → Q norm → Q RoPE (→ Q launch, Ulysses) → wait → attention
+
+Steps, per cp_ops launch in graph order (the shape of ``torch/_inductor/fx_passes/micro_pipeline_tp.py``:
+find, check, rewrite):
+
+1. ``_split_ulysses_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
+   ``select(buf, 3, slot)`` becomes ``ulysses_start([k, v])`` + ``ulysses_start([q])``; the slots read are
+   remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
+   Q's slot is the one that reaches the attention op's ``query`` argument.
+2. ``_open_window``: the Q side of a window is every node the attention depends on and the launch does
+   not. Q-side nodes before the launch (and anything that uses them) move to right after it — which is the
+   same as raising the launch to right after its last input — keeping their order.
+3. ``_sink_wait``: each wait moves to right before its first user.
+4. The window's nodes are tagged (``node.meta``); :func:`pin_windows`, a scheduler pass, then adds ordering
+   dependencies launch → Q-side kernels → wait, so that Inductor's own reordering (fusion, e.g. Q RoPE with
+   K RoPE; ``reorder_for_peak_memory``) keeps the Q kernels inside the window in the generated code.
+
+A fused QKV projection (one GEMM) is kept whole: splitting it would change the GEMM's shape, speed and
+numerics. The window then holds the Q-side work after that GEMM (norm, RoPE), and the debug log says so.
+Graphs without cp_ops launches are not touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+
+import cp_ops._library  # noqa: F401  (registers torch.ops.cp_ops.*)
+
+log = logging.getLogger("cp_ops.passes")
+
+aten = torch.ops.aten
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_AGKV = torch.ops.cp_ops.agkv_gather_start.default
+_ULYSSES = torch.ops.cp_ops.ulysses_start.default
+_ULYSSES_INV = torch.ops.cp_ops.ulysses_inverse_start.default
+TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
+
+# Ops that only re-view or copy a tensor: followed through when looking for the op that consumes it.
+_LAYOUT_OPS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.select.int,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.as_strided.default,
+    aten.contiguous.default,
+    operator.getitem,
+}
+_GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default}
+
+
+def _is_call(n: fx.Node, targets) -> bool:
+    return n.op == "call_function" and n.target in targets
+
+
+def _is_attention(n: fx.Node) -> bool:
+    name = getattr(n.target, "__name__", str(n.target))
+    return n.op == "call_function" and ("scaled_dot_product" in name or "flex_attention" in name)
+
+
+def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                stack.append(i)
+    return seen
+
+
+def _waits_of(launch: fx.Node) -> list[fx.Node]:
+    """The ``wait_tensor`` nodes on the launch's outputs (directly or through ``getitem``)."""
+    waits = []
+    for u in launch.users:
+        if _is_call(u, {_WAIT}):
+            waits.append(u)
+        elif _is_call(u, {operator.getitem}):
+            waits.extend(w for w in u.users if _is_call(w, {_WAIT}))
+    return waits
+
+
+def _first_compute_users(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(consumer, input it reads) for the first non-layout ops that read ``n`` through layout ops."""
+    out, stack, seen = [], [n], set()
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if _is_call(u, _LAYOUT_OPS):
+                stack.append(u)
+            else:
+                out.append((u, cur))
+    return out
+
+
+def _find_attention(waits: list[fx.Node], order: dict[fx.Node, int]) -> fx.Node | None:
+    """The attention op fed by the waits: the earliest non-layout consumer (an SDPA op when there is one)."""
+    users = [u for w in waits for u, _ in _first_compute_users(w)]
+    if not users:
+        return None
+    attn = [u for u in users if _is_attention(u)]
+    return min(attn or users, key=order.__getitem__)
+
+
+def _fake_val(target, args):
+    """``meta['val']`` for a new node: run ``target`` on the fake values of its arguments."""
+    vals = fx.node.map_arg(args, lambda a: a.meta["val"])
+    with _detect_fake_mode(vals):
+        return target(*vals)
+
+
+def _detect_fake_mode(vals):
+    from torch._guards import detect_fake_mode
+
+    flat = [v for v in torch.utils._pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)]
+    mode = detect_fake_mode(flat)
+    if mode is None:
+        raise RuntimeError("cp_ops overlap pass: no fake mode on the graph's values (meta['val'] missing)")
+    return mode
+
+
+def _new_call(graph: fx.Graph, target, args, like: fx.Node) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
+    node.meta["val"] = _fake_val(target, args)
+    return node
+
+
+# ---- step 1: Ulysses [q, k, v] → [k, v] + [q] ----------------------------------------------------
+def _query_slots(wait: fx.Node, selects: list[fx.Node]) -> set[int] | None:
+    """Slots whose unpacked tensor reaches an attention op as its query (argument 0); None if unknown."""
+    q_slots, known = set(), False
+    for sel in selects:
+        for consumer, via in _first_compute_users(sel):
+            if _is_attention(consumer):
+                known = True
+                if consumer.args and consumer.args[0] is via:
+                    q_slots.add(sel.args[2])
+    return q_slots if known else None
+
+
+def _split_ulysses_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    """Rewrite ``ulysses_start([..q..k..v..])`` into a K/V launch plus a Q launch; returns the K/V launch.
+
+    Returns None (graph unchanged, reason logged) when the buffer is used other than through one wait and
+    ``select(buf, 3, slot)`` views, or the query slot cannot be told from the attention op.
+    """
+    xs, world_size, group_name, transport = launch.args
+    if len(xs) < 2:
+        return None
+    waits = _waits_of(launch)
+    if len(launch.users) != 1 or len(waits) != 1:
+        log.debug("cp_ops.passes: %s kept whole: its buffer has users other than one wait", launch.name)
+        return None
+    wait = waits[0]
+    selects = list(wait.users)
+    if not all(_is_call(s, {aten.select.int}) and s.args[1] in (3, -3) and isinstance(s.args[2], int) for s in selects):
+        log.debug("cp_ops.passes: %s kept whole: its buffer is read other than by select(buf, 3, slot)", launch.name)
+        return None
+    q_slots = _query_slots(wait, selects)
+    if not q_slots or len(q_slots) == len(xs):
+        log.debug("cp_ops.passes: %s kept whole: cannot tell the query slot (found %s)", launch.name, q_slots)
+        return None
+    kv = [i for i in range(len(xs)) if i not in q_slots]
+    q = sorted(q_slots)
+    with graph.inserting_before(launch):
+        launch_kv = _new_call(graph, _ULYSSES, ([xs[i] for i in kv], world_size, group_name, transport), launch)
+        launch_q = _new_call(graph, _ULYSSES, ([xs[i] for i in q], world_size, group_name, transport), launch)
+    with graph.inserting_before(wait):
+        wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
+        wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
+    for sel in selects:
+        slot = sel.args[2]
+        src, new_slot = (wait_kv, kv.index(slot)) if slot in kv else (wait_q, q.index(slot))
+        sel.args = (src, 3, new_slot)
+        sel.meta["val"] = _fake_val(sel.target, sel.args)
+    graph.erase_node(wait)
+    graph.erase_node(launch)
+    log.debug(
+        "cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)",
+        launch.name, launch_kv.name, kv, launch_q.name, q,
+    )
+    return launch_kv
+
+
+# ---- steps 2 and 3: open the window, sink the waits --------------------------------------------
+def _fused_projection(q_side: set[fx.Node], launch_anc: set[fx.Node]) -> fx.Node | None:
+    """A GEMM that feeds both the launch and the Q side directly (through layout ops): a fused QKV GEMM."""
+    for s in q_side:
+        if _is_call(s, _GEMM_OPS):
+            continue
+        for i in s.all_input_nodes:
+            cur = i
+            while cur in launch_anc and _is_call(cur, _LAYOUT_OPS) and cur.all_input_nodes:
+                cur = cur.all_input_nodes[0]
+            if cur in launch_anc and _is_call(cur, _GEMM_OPS):
+                return cur
+    return None
+
+
+def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node]) -> list[fx.Node]:
+    """Move the Q-side nodes that precede ``launch`` to right after it; returns the nodes moved, in order."""
+    launch_anc = _ancestors([launch])
+    q_side = {
+        n for n in _ancestors([attn]) if n.op == "call_function" and n not in launch_anc and not _is_call(n, {_WAIT})
+    }
+    moved, moved_set = [], set()
+    for n in graph.nodes:
+        if n is launch:
+            break
+        if n.op == "call_function" and (n in q_side or any(i in moved_set for i in n.all_input_nodes)):
+            moved.append(n)
+            moved_set.add(n)
+    cursor = launch
+    for n in moved:
+        cursor.append(n)
+        cursor = n
+    return moved
+
+
+def _sink_wait(wait: fx.Node, order: dict[fx.Node, int]) -> None:
+    if wait.users:
+        first = min(wait.users, key=order.__getitem__)
+        if first is not wait.next:
+            first.prepend(wait)
+
+
+def _window_nodes(launch: fx.Node, waits: list[fx.Node], attn: fx.Node) -> list[fx.Node]:
+    """Nodes strictly between the launch and its earliest wait that attention needs and the launch does not."""
+    launch_anc = _ancestors([launch])
+    attn_anc = _ancestors([attn])
+    wait_set = set(waits)
+    out, n = [], launch.next
+    while n.op != "output" and n not in wait_set:
+        if n.op == "call_function" and n in attn_anc and n not in launch_anc and not _is_call(n, {_WAIT}):
+            out.append(n)
+        n = n.next
+    return out
+
+
+def overlap_kv_communication(graph: fx.Graph) -> int:
+    """Run the pass on a post-grad FX graph in place; returns the number of windows opened.
+
+    No-op (returns 0) on graphs without cp_ops launches. Each window is logged at debug level on the
+    ``cp_ops.passes`` logger with the nodes moved.
+    """
+    launches = [n for n in graph.nodes if _is_call(n, {_AGKV, _ULYSSES})]
+    if not launches:
+        return 0
+    opened = 0
+    for launch in launches:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if launch.target is _ULYSSES:
+            if len(launch.args[0]) >= 2:
+                split = _split_ulysses_launch(graph, launch, order)
+                if split is None:
+                    continue
+                launch = split
+                order = {n: i for i, n in enumerate(graph.nodes)}
+            elif launch.meta.get(TAG):
+                continue  # the Q launch of an already split Ulysses launch
+        waits = _waits_of(launch)
+        attn = _find_attention(waits, order) if waits else None
+        if attn is None:
+            log.debug("cp_ops.passes: %s: no wait or no consumer after its wait; no window", launch.name)
+            continue
+        moved = _open_window(graph, launch, attn, waits)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for w in waits:
+            _sink_wait(w, order)
+            order = {n: i for i, n in enumerate(graph.nodes)}
+        window = _window_nodes(launch, waits, attn)
+        wid = opened
+        launch.meta[TAG] = (wid, "launch")
+        for n in window:
+            n.meta[TAG] = (wid, "q")
+        for w in waits:
+            w.meta[TAG] = (wid, "wait")
+        opened += 1
+        fused = _fused_projection(set(window), _ancestors([launch]))
+        if fused is not None:
+            log.debug(
+                "cp_ops.passes: window %d: fused projection %s feeds both K/V and Q: kept as one GEMM (splitting "
+                "it changes the GEMM's shape and numerics); the window holds the Q-side work after it",
+                wid, fused.name,
+            )
+        log.debug(
+            "cp_ops.passes: window %d: %s(%s) → wait(s) %s before %s; moved after the launch: %s; in window: %s",
+            wid, launch.name, ", ".join(a.name for a in launch.all_input_nodes), [w.name for w in waits],
+            attn.name, [n.name for n in moved], [n.name for n in window],
+        )
+    # Q launches of split Ulysses launches belong to their window already; tag the others' waits nowhere.
+    graph.lint()
+    return opened
+
+
+# ---- step 4: pin the windows in Inductor's scheduler --------------------------------------------
+def _snode_tags(snode) -> set[tuple[int, str]]:
+    tags = set()
+    for sub in snode.get_nodes():
+        node = getattr(sub, "node", None)
+        for origin in getattr(node, "origins", ()) or ():
+            tag = origin.meta.get(TAG) if hasattr(origin, "meta") else None
+            if tag is not None:
+                tags.add(tag)
+    return tags
+
+
+def _weak_dep(name: str, mutating_buf: str):
+    from torch._inductor.dependencies import WeakDep
+
+    try:
+        return WeakDep(name, mutating_buf=mutating_buf, is_fake=True)
+    except TypeError:  # older Inductor: no is_fake
+        return WeakDep(name, mutating_buf=mutating_buf)
+
+
+def _gather_window(snodes: list, launch, q_tagged: list, waits: list) -> tuple[list, list]:
+    """Bring the window's Q-side scheduler nodes between the launch and the first wait.
+
+    Inductor realizes some Q buffers only where attention reads them (e.g. the RoPE output), which puts them
+    after the waits in its first node order. Those that do not depend on a wait — and whose other
+    dependencies are all before the first wait — move to right before it. Returns (new order, Q nodes in it).
+    """
+    pos = {sn: i for i, sn in enumerate(snodes)}
+    first_wait = min(pos[x] for x in waits)
+    wait_names = {x.get_name() for x in waits}
+    inside = [sn for sn in q_tagged if pos[launch] < pos[sn] < first_wait]
+    before_names = {sn.get_name() for sn in snodes[:first_wait]}
+    late = []
+    for sn in sorted((sn for sn in q_tagged if pos[sn] > first_wait), key=pos.__getitem__):
+        anc = set(getattr(sn, "ancestors", ()) or ())
+        if anc & wait_names or not anc <= before_names | {x.get_name() for x in late}:
+            continue
+        late.append(sn)
+    if late:
+        late_set = set(late)
+        rest = [sn for sn in snodes if sn not in late_set]
+        i = rest.index(snodes[first_wait])
+        snodes = rest[:i] + late + rest[i:]
+    return snodes, inside + late
+
+
+def pin_windows(snodes: list) -> list:
+    """Inductor scheduler pass (``config._pre_fusion_custom_pass``): pin each window's order.
+
+    For every window tagged by :func:`overlap_kv_communication`, each Q-side scheduler node gets an ordering
+    dependency (a fake ``WeakDep``, which does not extend buffer lifetimes) on the launch, and each wait gets
+    one on every Q-side node. Fusion and ``reorder_for_peak_memory`` respect them, so the generated code
+    keeps launch → Q kernels → wait. Returns ``snodes`` (same order).
+    """
+    from torch._inductor import ir
+
+    windows: dict[int, dict[str, list]] = {}
+    for sn in snodes:
+        tags = _snode_tags(sn)
+        roles = {}
+        for wid, role in tags:
+            roles.setdefault(wid, set()).add(role)
+        for wid, rs in roles.items():
+            node = getattr(sn, "node", None)
+            if "wait" in rs and isinstance(node, ir._WaitKernel):
+                role = "wait"
+            elif "launch" in rs and isinstance(node, ir._CollectiveKernel) and not isinstance(node, ir._WaitKernel):
+                role = "launch"
+            elif rs & {"launch", "wait"}:
+                continue  # input copies and output views made while lowering the launch or wait
+            else:
+                role = "q"
+            windows.setdefault(wid, {"launch": [], "q": [], "wait": []})[role].append(sn)
+    if not windows:
+        return snodes
+    changed = False
+    for wid, w in sorted(windows.items()):
+        if len(w["launch"]) != 1 or not w["wait"]:
+            log.debug("cp_ops.passes: window %d not pinned: launch/wait not found among scheduler nodes", wid)
+            continue
+        snodes, q_nodes = _gather_window(snodes, w["launch"][0], w["q"], w["wait"])
+        launch = w["launch"][0]
+        launch_buf = sorted(launch.get_buffer_names())[0]
+        for sn in q_nodes:
+            sn.add_fake_dep(_weak_dep(launch_buf, sorted(sn.get_buffer_names())[0]))
+        for wait in w["wait"]:
+            wait_buf = sorted(wait.get_buffer_names())[0]
+            for sn in q_nodes:
+                for buf in sn.get_buffer_names():
+                    wait.add_fake_dep(_weak_dep(buf, wait_buf))
+        changed = changed or bool(q_nodes)
+        log.debug(
+            "cp_ops.passes: window %d pinned in the scheduler: %s → %s → %s",
+            wid, launch.get_name(), [sn.get_name() for sn in q_nodes], [x.get_name() for x in w["wait"]],
+        )
+    if changed:
+        from torch._inductor.virtualized import V
+
+        V.graph.scheduler.nodes = snodes
+        V.graph.scheduler.compute_ancestors()
+    return snodes
