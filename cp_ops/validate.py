@@ -52,12 +52,12 @@ def check_heads_divisible(heads: int, world_size: int) -> None:
         )
 
 
-def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length") -> None:
+def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length", hint: str = "") -> None:
     """Tokens are split evenly: rank r holds the r-th of W equal contiguous blocks."""
     if seq % world_size != 0:
         raise ValueError(
             f"the {what} must be divisible by the CP world size to split tokens evenly; got {what}={seq}, "
-            f"world_size={world_size}"
+            f"world_size={world_size}{hint}"
         )
 
 

@@ -19,8 +19,9 @@ def _body(rank, world_size, device, fn, args, errq):
         raise
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> None:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; raise if any rank fails.
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu") -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on CPU, NCCL with one GPU
+    each on ``device='cuda'``); raise if any rank fails.
 
     ``fn`` must be importable (a module-level function of a test module).
     """
@@ -29,7 +30,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0) -> None:
     errq = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, "cpu", port, _body, (fn, args, errq)))
+        ctx.Process(target=_worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,0 +1,1 @@
+"""Integrations of cp_ops with model libraries (diffusers)."""

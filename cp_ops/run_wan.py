@@ -1,0 +1,110 @@
+"""``cp-ops run wan``: one forward pass of a real diffusers Wan transformer, single rank vs CP over W ranks.
+
+Random seeded weights (no checkpoint download). The single-rank baseline is the unmodified diffusers
+model on rank 0 (attention backend cuDNN on CUDA, the same kernel the CP attention uses); then the same
+model is parallelized in place with :func:`cp_ops.integrations.diffusers.parallelize` and run on all
+ranks. Prints CP time, single-rank time, speedup and max relative error (max |cp − ref| / max |ref|).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from .bench import DTYPES, environment
+from .timing import max_over_ranks, time_ms
+
+# Wan2.1-T2V-1.3B and -14B transformer configs (diffusers WanTransformer3DModel arguments); "tiny" is
+# the CPU default, same structure, minutes → seconds.
+CONFIGS = {
+    "1.3b": dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30, text_dim=4096,
+                 freq_dim=256, in_channels=16, out_channels=16, patch_size=(1, 2, 2)),
+    "14b": dict(num_attention_heads=40, attention_head_dim=128, ffn_dim=13824, num_layers=40, text_dim=4096,
+                freq_dim=256, in_channels=16, out_channels=16, patch_size=(1, 2, 2)),
+    "tiny": dict(num_attention_heads=4, attention_head_dim=16, ffn_dim=128, num_layers=2, text_dim=32,
+                 freq_dim=32, in_channels=4, out_channels=4, patch_size=(1, 2, 2)),
+}
+TEXT_TOKENS = {"1.3b": 512, "14b": 512, "tiny": 16}
+
+
+def build(config: str, layers: int | None, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    from diffusers import WanTransformer3DModel
+
+    cfg = dict(CONFIGS[config])
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1; got {layers}")
+        cfg["num_layers"] = layers
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = WanTransformer3DModel(**cfg)
+    # Cast as from_pretrained(torch_dtype=...) does: modules the class keeps in fp32 stay fp32, and RoPE
+    # tables (fp64 buffers) stay untouched.
+    keep = tuple(model._keep_in_fp32_modules or ())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and t.dtype == torch.float32 and not any(k in name.split(".") for k in keep):
+            t.data = t.data.to(dtype)
+    return model.eval(), cfg
+
+
+def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
+    """Rank body of ``cp-ops run wan``."""
+    from .integrations.diffusers import parallelize
+
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    dtype = DTYPES[args.dtype]
+    model, cfg = build(args.config, args.layers, device, dtype)
+    pt, ph, pw = cfg["patch_size"]
+    if args.height % ph or args.width % pw or args.frames % pt:
+        raise ValueError(f"latent --frames/--height/--width must be multiples of the patch {cfg['patch_size']}; "
+                         f"got {args.frames}/{args.height}/{args.width}")
+    tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
+    if tokens % world_size:
+        raise ValueError(f"the video has {tokens} tokens, not divisible by the CP world size {world_size}; "
+                         "change --frames/--height/--width")
+    g = torch.Generator(device=device).manual_seed(42)
+    x = torch.randn(args.batch, cfg["in_channels"], args.frames, args.height, args.width, generator=g,
+                    device=device, dtype=dtype)
+    text = torch.randn(args.batch, TEXT_TOKENS[args.config], cfg["text_dim"], generator=g, device=device, dtype=dtype)
+    t = torch.full((args.batch,), 500, device=device, dtype=torch.long)
+    if device.type == "cuda":
+        model.set_attention_backend("_native_cudnn")
+
+    def fwd(m):
+        with torch.no_grad():
+            return m(x, t, text, return_dict=False)[0]
+
+    single_ms, ref = 0.0, None
+    if rank == 0:
+        m = torch.compile(model, fullgraph=True) if args.compile else model
+        single_ms = time_ms(lambda: fwd(m), device, args.warmup, args.repeats)
+        ref = fwd(m).float()
+    dist.barrier()
+    if args.compile:
+        torch._dynamo.reset()
+    parallelize(model, mode=args.mode, transport=args.transport)
+    m = torch.compile(model, fullgraph=True) if args.compile else model
+    cp_ms = max_over_ranks(time_ms(lambda: fwd(m), device, args.warmup, args.repeats), device)
+    out = fwd(m).float()
+    if rank == 0:
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        meta = dict(environment(device, world_size), config=args.config, layers=cfg["num_layers"],
+                    heads=cfg["num_attention_heads"], dim=cfg["num_attention_heads"] * cfg["attention_head_dim"],
+                    tokens=tokens, latent=[args.batch, cfg["in_channels"], args.frames, args.height, args.width],
+                    dtype=args.dtype, mode=args.mode, transport=args.transport, compile=args.compile)
+        row = dict(cp_ms=cp_ms, single_ms=single_ms, speedup=single_ms / cp_ms, max_rel_err=err)
+        print(f"\ncp-ops run wan — Wan {args.config} ({cfg['num_layers']} layers, {meta['heads']} heads, "
+              f"dim {meta['dim']}), latent {meta['latent']} = {tokens} tokens, {args.dtype}, CP{world_size} "
+              f"mode={args.mode} transport={args.transport} compile={args.compile}, on {meta.get('gpu', 'CPU')}")
+        print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
+        print(f"{cp_ms:>10.2f} {single_ms:>10.2f} {row['speedup']:>7.2f}x {err:>12.2e}")
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "result": row}, f, indent=1)
+            print(f"wrote {args.out}")
+    dist.barrier()

@@ -1,0 +1,57 @@
+"""CLI smoke: the CPU defaults of `cp-ops bench` and `cp-ops run wan` exit 0 and print their tables."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "cp_ops", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_bench_cpu_default(tmp_path):
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    p = _cli("bench", "--device", "cpu", "--out", str(out), "--plot", str(plot))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "S     mode transport      CP ms   1-dev ms  speedup   rel err" in p.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["S"], r["mode"]) for r in rows} == {(s, m) for s in (512, 1024, 2048) for m in ("agkv", "ulysses")}
+    assert all(r["rel_err"] == 0.0 and r["cp_ms"] > 0 and r["single_ms"] > 0 for r in rows)
+    if "matplotlib" in sys.modules or __import__("importlib").util.find_spec("matplotlib"):
+        assert plot.stat().st_size > 1000
+
+
+def test_run_wan_cpu_default(tmp_path):
+    out = tmp_path / "wan.json"
+    p = _cli("run", "wan", "--device", "cpu", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "CP ms  1-rank ms  speedup  max rel err" in p.stdout
+    res = json.loads(out.read_text())
+    assert res["meta"]["tokens"] == 128 and res["result"]["max_rel_err"] == 0.0
+
+
+def test_env_and_help():
+    p = _cli("env")
+    assert p.returncode == 0, p.stderr
+    assert "transports:" in p.stdout and "torch  would run" in p.stdout and "fast   would not run:" in p.stdout
+    p = _cli("bench", "--help")
+    assert p.returncode == 0 and "--seqs" in p.stdout and "max over ranks" in p.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--device", "cpu", "--seqs", "513"], "S=513 is not divisible by the CP world size 2"),
+    (["bench", "--device", "cpu", "--transports", "fast"], "transport 'fast' cannot run: the tensors are on 'cpu'"),
+    (["run", "wan", "--device", "cpu", "--frames", "1", "--height", "6", "--width", "6"], "the video has 9 tokens"),
+])
+def test_cli_bad_input(args, message):
+    p = _cli(*args, "--out", "")
+    assert p.returncode != 0
+    assert message in p.stderr + p.stdout

@@ -1,0 +1,67 @@
+"""parallelize() on a tiny diffusers Wan transformer equals the unparallelized model (gloo, 2 and 4 ranks)."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from dist_util import run_ranks  # noqa: E402
+
+
+def _tiny_wan(heads):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=16,
+                                 in_channels=4, out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64,
+                                 num_layers=2).eval()
+
+
+def _wan_equal(rank, w):
+    from cp_ops.integrations.diffusers import CPWanAttnProcessor, parallelize
+
+    model = _tiny_wan(heads=4)
+    g = torch.Generator().manual_seed(1)
+    for b, frames, hw in [(1, 2, 8), (2, 4, 4)]:
+        x = torch.randn(b, 4, frames, hw, hw, generator=g)
+        t = torch.tensor([500, 300][:b])
+        text = torch.randn(b, 16, 32, generator=g)
+        with torch.no_grad():
+            ref = model(x, t, text).sample
+            for mode in ("agkv", "ulysses"):
+                cp_model = parallelize(copy.deepcopy(model), mode=mode, transport="torch")
+                assert isinstance(cp_model.blocks[0].attn1.processor, CPWanAttnProcessor)
+                assert not isinstance(cp_model.blocks[0].attn2.processor, CPWanAttnProcessor)
+                out = cp_model(x, t, text).sample
+                assert out.shape == ref.shape
+                # the same kernels see the same data: bitwise equal on CPU
+                assert torch.equal(out, ref), (mode, (out - ref).abs().max().item())
+    # a token count the CP group cannot split evenly is a clear error
+    cp_model = parallelize(copy.deepcopy(model), mode="agkv")
+    bad = torch.randn(1, 4, 1, 2, 6, generator=g)  # 1*1*3 = 3 tokens
+    with pytest.raises(ValueError, match=rf"token count at rope output 0 \(dim 1\)=3, world_size={w} \(choose latent"):
+        with torch.no_grad():
+            cp_model(bad, torch.tensor([1]), torch.randn(1, 16, 32, generator=g))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallelize_wan_equals_original(world_size):
+    run_ranks(_wan_equal, world_size)
+
+
+def test_parallelize_rejects_other_models():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_ops.integrations.diffusers import parallelize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match="supports .*WanTransformer3DModel.*got Linear"):
+            parallelize(torch.nn.Linear(2, 2))
+        with pytest.raises(ValueError, match="mode must be one of"):
+            parallelize(_tiny_wan(heads=2), mode="ring")
+    finally:
+        dist.destroy_process_group()

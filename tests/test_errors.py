@@ -1,0 +1,76 @@
+"""Every bad-input rule raises an error naming the rule and the values seen; transport selection."""
+
+import pytest
+import torch
+
+import cp_ops
+from dist_util import run_ranks
+
+
+def _bad_inputs(rank, w):
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 8, 4, 16, generator=g)
+    with pytest.raises(ValueError, match=r"4-D \[batch, seq, heads, head_dim\].*3-D shape \(8, 4, 16\)"):
+        cp_ops.attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match=r"same BSHD shape.*\(1, 8, 4, 16\).*\(1, 8, 2, 16\)"):
+        cp_ops.attention(q, q, q[:, :, :2])
+    with pytest.raises(ValueError, match="same dtype.*float32.*bfloat16"):
+        cp_ops.attention(q, q, q.bfloat16())
+    with pytest.raises(ValueError, match=r"divisible by the CP world size; got heads=3, world_size=2"):
+        cp_ops.attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], mode="ulysses")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        cp_ops.attention(q, q, q, mode="ring")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        cp_ops.attention(q, q, q, transport="nvlink")
+    m = torch.empty(1, 8, 4, 16, device="meta")
+    with pytest.raises(ValueError, match="backend 'gloo' cannot move meta tensors"):
+        cp_ops.attention(m, m, m)
+    with pytest.raises(RuntimeError, match="transport='fast' cannot run: the tensors are on 'cpu'"):
+        cp_ops.attention(q, q, q, transport="fast")
+    # ranks disagree on S_local: every rank raises, nobody hangs
+    s_local = 8 if rank == 0 else 16
+    x = torch.randn(1, s_local, 4, 16, generator=g)
+    with pytest.raises(ValueError, match=r"same local shape.*rank 0: \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: \[B, S_local, H, D\]=\[1, 16, 4, 16\]"):
+        cp_ops.attention(x, x, x, mode="agkv")
+    # ranks disagree on H (Ulysses)
+    hx = torch.randn(1, 8, 4 if rank == 0 else 6, 16, generator=g)
+    with pytest.raises(ValueError, match="same local shape"):
+        cp_ops.attention(hx, hx, hx, mode="ulysses")
+    # ranks disagree on dtype
+    dx = q if rank == 0 else q.double()
+    with pytest.raises(ValueError, match="dtype=float32.*dtype=float64"):
+        cp_ops.agkv_gather(dx, dx)
+    # the group is still healthy afterwards
+    out = cp_ops.attention(q, q, q, mode="agkv")
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="divisible by the CP world size to split tokens evenly; got sequence length=7, world_size=2"):
+        cp_ops.ulysses_all_to_all_inverse(torch.randn(1, 7, 2, 4, generator=g))
+
+
+def test_bad_inputs_raise_named_errors():
+    run_ranks(_bad_inputs, 2)
+
+
+def test_select_transport():
+    assert cp_ops.select_transport("torch", "cpu") == "torch"
+    assert cp_ops.select_transport("auto", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="transport='fast' cannot run: the tensors are on 'cpu'.*transport='torch'"):
+        cp_ops.select_transport("fast", "cpu")
+    with pytest.raises(ValueError, match=r"transport must be one of \('auto', 'torch', 'fast'\); got 'nccl'"):
+        cp_ops.select_transport("nccl", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-machine message")
+def test_fast_reason_without_cuda():
+    from cp_ops.transport.fast import unavailable_reason
+
+    assert "torch.cuda.is_available() is False" in unavailable_reason("cuda")
+
+
+def test_uninitialized_distributed_is_a_clear_error():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="initialized torch.distributed process group"):
+        cp_ops.attention(q, q, q)

@@ -1,0 +1,103 @@
+"""The launch ops on real gloo groups: async + wait_tensor, layouts, opcheck, torch.compile, blocking mode."""
+
+import pytest
+import torch
+
+import cp_ops
+from cp_ops import config, layout
+from dist_util import run_ranks
+
+
+def _rank_data(rank, b, s, h, d, seed):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randn(b, s, h, d, generator=g), torch.randn(b, s, h, d, generator=g)
+
+
+def _async_and_layouts(rank, w):
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    for b, s, h, d in [(1, 16, 4, 8), (2, 8, 8, 4)]:
+        k, v = _rank_data(rank, b, s, h, d, seed=s)
+        all_k = torch.cat([_rank_data(r, b, s, h, d, seed=s)[0] for r in range(w)], dim=1)
+        all_v = torch.cat([_rank_data(r, b, s, h, d, seed=s)[1] for r in range(w)], dim=1)
+        # async launch, then wait through c10d's wait_tensor
+        k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, w, name, "torch")
+        k_full = torch.ops._c10d_functional.wait_tensor(k_full)
+        v_full = torch.ops._c10d_functional.wait_tensor(v_full)
+        assert k_full.is_contiguous() and k_full.shape == (b, w * s, h, d)
+        assert torch.equal(k_full, all_k) and torch.equal(v_full, all_v)
+        # eager wrappers
+        k2, v2 = cp_ops.agkv_gather(k, v)
+        assert torch.equal(k2, all_k) and torch.equal(v2, all_v)
+        # Ulysses: rank r gets the full sequence of its head group
+        hl = h // w
+        outs = cp_ops.ulysses_all_to_all(k, v)
+        assert torch.equal(outs[0], all_k[:, :, rank * hl : (rank + 1) * hl])
+        assert torch.equal(outs[1], all_v[:, :, rank * hl : (rank + 1) * hl])
+        if b == 1:  # no copy after the all-to-all: a strided view of the receive buffer
+            assert outs[0].data_ptr() + outs[0].element_size() * hl * d == outs[1].data_ptr()
+        back = cp_ops.ulysses_all_to_all_inverse(outs[1])
+        assert torch.equal(back, v)
+        buf = torch.ops.cp_ops.ulysses_start([k], w, name, "torch")
+        buf = torch.ops._c10d_functional.wait_tensor(buf)
+        assert buf.shape == (w, b, s, 1, hl, d)
+        assert torch.equal(layout.ulysses_unpack(buf, 0), outs[0])
+    # blocking mode (CUDA_LAUNCH_BLOCKING-style) gives the same results
+    config.blocking = True
+    try:
+        k, v = _rank_data(rank, 1, 16, 4, 8, seed=3)
+        kb, vb = cp_ops.agkv_gather(k, v)
+    finally:
+        config.blocking = False
+    ka, va = cp_ops.agkv_gather(k, v)
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_async_launch_wait_tensor_and_layouts(world_size):
+    run_ranks(_async_and_layouts, world_size)
+
+
+def _opcheck(rank, w):
+    import torch.distributed as dist
+
+    name = dist.group.WORLD.group_name
+    config.blocking = True  # opcheck compares outputs without waiting: launch blocking
+    k, v = _rank_data(rank, 2, 8, 4, 16, seed=11)
+    torch.library.opcheck(torch.ops.cp_ops.agkv_gather_start, (k, v, w, name, "torch"))
+    torch.library.opcheck(torch.ops.cp_ops.ulysses_start, ([k, v, k * 2], w, name, "torch"))
+    torch.library.opcheck(torch.ops.cp_ops.ulysses_inverse_start, (k, w, name, "torch"))
+
+
+def test_opcheck_every_op():
+    run_ranks(_opcheck, 2)
+
+
+def _compiled_block(rank, w):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    b, h, d, s_local = 1, 4, 16, 32
+    proj = torch.nn.Linear(h * d, 3 * h * d)
+    norm = torch.nn.RMSNorm(h * d)
+    out_proj = torch.nn.Linear(h * d, h * d)
+
+    def block(x, mode):
+        q, k, v = proj(x).chunk(3, dim=-1)
+        q, k = norm(q), norm(k)
+        q, k, v = (t.unflatten(-1, (h, d)) for t in (q, k, v))
+        o = cp_ops.attention(q, k, v, group=dist.group.WORLD, mode=mode)
+        return out_proj(o.flatten(-2))
+
+    x = torch.randn(b, s_local, h * d, generator=torch.Generator().manual_seed(rank + 5))
+    for mode in ("agkv", "ulysses"):
+        with torch.no_grad():
+            eager = block(x, mode)
+            compiled = torch.compile(block, fullgraph=True)(x, mode)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        assert eager.abs().max() > 0
+
+
+def test_torch_compile_fullgraph_equals_eager():
+    run_ranks(_compiled_block, 2)
