@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests, benchmarks, logs and result files into OUT_DIR.
+#   benchmarks/gpu_all.sh OUT_DIR [section ...]     sections: env tests bench wan overlap fast (default: all)
+# Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
+# (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
+set -uo pipefail
+OUT=${1:?usage: benchmarks/gpu_all.sh OUT_DIR [section ...]}; shift
+SECTIONS=${*:-env tests bench wan overlap fast}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$OUT"
+cd "$ROOT"
+status=0
+step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"; local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; [ "$rc" = 0 ] || status=1; }
+for s in $SECTIONS; do case $s in
+  env)   step env python3 -m cp_ops env
+         nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true ;;
+  tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider ;;
+  bench) step bench python3 -m cp_ops bench --transports torch --no-progress \
+           --out "$OUT/bench_torch.json" --plot "$OUT/bench_torch.png" ;;
+  wan)   step wan_ulysses python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
+           --mode ulysses --transport torch --out "$OUT/wan_ulysses.json"
+         step wan_agkv python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
+           --mode agkv --transport torch --out "$OUT/wan_agkv.json"
+         step wan_compile python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
+           --mode ulysses --transport torch --compile --warmup 2 --repeats 10 --out "$OUT/wan_ulysses_compile.json" ;;
+  overlap) [ -f benchmarks/overlap_block.py ] && step overlap python3 benchmarks/overlap_block.py --out "$OUT" ;;
+  fast)  [ -f benchmarks/gpu_fast.sh ] && step fast bash benchmarks/gpu_fast.sh "$OUT" ;;
+  *) echo "unknown section $s"; status=1 ;;
+esac; done
+exit $status
