@@ -8,7 +8,7 @@ Public API:
     install()        turn it on for every later compilation in this process (idempotent); uninstall() undoes
     enabled()        context manager: on for the compilations that happen inside it (first calls!)
     OverlapPass      the ``CustomGraphPass`` (stable ``uuid()``, so Inductor's FX graph cache stays on)
-    pin_windows      the scheduler pass that keeps each window's order in the generated code
+    PinWindows       the scheduler pass (``pin_windows``) that keeps each window's order in the generated code
 
 Both also register the Inductor lowerings of the launches (:mod:`passes.lowering`), which make Inductor keep
 each launch's inputs alive until its wait. Logs go to the ``cp_ops.passes`` logger (debug level: each
@@ -18,6 +18,7 @@ window, the nodes moved, fused projections left whole).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -26,12 +27,13 @@ from typing import Any, Iterator
 from .lowering import register as register_lowerings
 from .overlap import TAG, overlap_kv_communication, pin_windows
 
-__all__ = ["install", "uninstall", "enabled", "OverlapPass", "pin_windows", "inductor_options", "TAG"]
+__all__ = ["install", "uninstall", "enabled", "OverlapPass", "PinWindows", "pin_windows", "inductor_options", "TAG"]
 
 log = logging.getLogger("cp_ops.passes")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+@functools.lru_cache(None)
 def _source_hash() -> str:
     h = hashlib.sha256()
     for name in ("overlap.py", "lowering.py", "__init__.py"):
@@ -74,25 +76,49 @@ class OverlapPass(_custom_graph_pass_base()):
         return ("cp_ops.passes.OverlapPass", _source_hash(), inner)
 
 
-class _ChainedSchedulerPass:
-    """``pin_windows`` after a scheduler pass that was installed before ours."""
+def _custom_scheduler_pass_base() -> type:
+    try:
+        from torch._inductor.custom_graph_pass import CustomSchedulerPass
 
-    def __init__(self, inner) -> None:
+        return CustomSchedulerPass
+    except ImportError:  # pragma: no cover - older Inductor: a plain callable (FX graph cache bypassed)
+        return object
+
+
+class PinWindows(_custom_scheduler_pass_base()):
+    """Scheduler pass (``torch._inductor.config._pre_fusion_custom_pass``): :func:`passes.overlap.pin_windows`.
+
+    A ``CustomSchedulerPass`` with the same source-hash ``uuid()`` as :class:`OverlapPass`, so the FX graph
+    cache stays on (a raw callable there makes Inductor bypass the cache). An optional ``inner`` scheduler
+    pass (one installed before ours) runs first.
+    """
+
+    def __init__(self, inner: Any = None) -> None:
         self.inner = inner
 
     def __call__(self, snodes):
-        return pin_windows(self.inner(snodes))
+        if self.inner is not None:
+            snodes = self.inner(snodes)
+        return pin_windows(snodes)
+
+    def uuid(self) -> Any:
+        inner = None
+        if self.inner is not None:
+            inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
+            if inner is None:
+                return None
+        return ("cp_ops.passes.PinWindows", _source_hash(), inner)
 
 
 def _is_ours(p: Any) -> bool:
-    return isinstance(p, (OverlapPass, _ChainedSchedulerPass)) or p is pin_windows
+    return isinstance(p, (OverlapPass, PinWindows))
 
 
 def inductor_options(existing: dict | None = None) -> dict:
     """Inductor config entries that turn the pass on, merged over ``existing`` (e.g. ``torch.compile(options=)``).
 
     Keys: ``post_grad_custom_post_pass`` (:class:`OverlapPass`) and, where this Inductor has it,
-    ``_pre_fusion_custom_pass`` (:func:`pin_windows`). A pass already set there runs before ours.
+    ``_pre_fusion_custom_pass`` (:class:`PinWindows`). A pass already set there runs before ours.
     """
     import torch._inductor.config as cfg
 
@@ -107,7 +133,7 @@ def inductor_options(existing: dict | None = None) -> dict:
     if hasattr(cfg, "_pre_fusion_custom_pass"):
         pre = opts.get("_pre_fusion_custom_pass", cfg._pre_fusion_custom_pass)
         if not _is_ours(pre):
-            pre = pin_windows if pre is None else _ChainedSchedulerPass(pre)
+            pre = PinWindows(pre)
         opts["_pre_fusion_custom_pass"] = pre
     else:  # pragma: no cover - depends on the torch version
         log.warning(

@@ -255,13 +255,16 @@ def _sink_wait(wait: fx.Node, order: dict[fx.Node, int]) -> None:
 
 
 def _window_nodes(launch: fx.Node, waits: list[fx.Node], attn: fx.Node) -> list[fx.Node]:
-    """Nodes strictly between the launch and its earliest wait that attention needs and the launch does not."""
+    """Nodes strictly between the launch and its earliest wait that attention needs, the launch does not, and
+    no wait precedes (e.g. not the unpacking of a Ulysses Q launch's buffer after its own wait)."""
     launch_anc = _ancestors([launch])
     attn_anc = _ancestors([attn])
     wait_set = set(waits)
-    out, n = [], launch.next
+    out, after_wait, n = [], set(), launch.next
     while n.op != "output" and n not in wait_set:
-        if n.op == "call_function" and n in attn_anc and n not in launch_anc and not _is_call(n, {_WAIT}):
+        if _is_call(n, {_WAIT}) or any(i in after_wait for i in n.all_input_nodes):
+            after_wait.add(n)
+        elif n.op == "call_function" and n in attn_anc and n not in launch_anc:
             out.append(n)
         n = n.next
     return out

@@ -1,0 +1,118 @@
+"""Helpers of the overlap-pass tests: compile a block with Inductor and capture post-grad graphs and code."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+
+import torch
+import torch.fx as fx
+
+_SKIP = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "getitem", "alias"}
+
+
+def _short(target) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", str(target))  # e.g. 'addmm.default'
+    ns = getattr(target, "namespace", "aten")
+    base = name.split(".")[0]
+    return base if ns == "aten" else f"{ns}.{base}"
+
+
+def compact_graph(graph: fx.Graph) -> str:
+    """One line per compute node of a post-grad graph, in order: ``name = op(inputs)``; views are looked
+    through (an input shown is the compute node or placeholder behind the views); nodes the overlap pass
+    tagged end in ``# window <id>: launch|q|wait``."""
+
+    def source(n: fx.Node) -> fx.Node:
+        while n.op == "call_function" and _short(n.target) in _SKIP and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n
+
+    lines = []
+    for n in graph.nodes:
+        if n.op != "call_function" or _short(n.target) in _SKIP:
+            continue
+        ins = []
+        for a in n.all_input_nodes:
+            s = source(a).name
+            if s not in ins:
+                ins.append(s)
+        line = f"{n.name} = {_short(n.target)}({', '.join(ins)})"
+        tag = n.meta.get("cp_ops_window")
+        lines.append(f"{line}  # window {tag[0]}: {tag[1]}" if tag else line)
+    return "\n".join(lines)
+
+
+class CaptureGraphs:
+    """A post-grad pass that records the graph before and after the overlap pass (``run_pass=False``: records
+    it, runs nothing). ``uuid()`` is None: Inductor's FX graph cache is bypassed, so every compile runs it."""
+
+    def __init__(self, run_pass: bool = True) -> None:
+        self.run_pass = run_pass
+        self.before: list[str] = []
+        self.after: list[str] = []
+        self.windows: list[int] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from passes.overlap import overlap_kv_communication
+
+        self.before.append(compact_graph(graph))
+        self.windows.append(overlap_kv_communication(graph) if self.run_pass else 0)
+        self.after.append(compact_graph(graph))
+
+    def uuid(self):
+        return None
+
+
+class LogRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def compile_and_get(model, args, overlap: bool = True):
+    """Compile ``model`` (Inductor, fullgraph, no FX graph cache), run it once on ``args`` under no_grad.
+
+    Returns (output, generated code of the call(), CaptureGraphs, log messages of ``cp_ops.passes``).
+    """
+    import torch._inductor.config as cfg
+    from torch._inductor.utils import run_and_get_code
+
+    import passes
+
+    cap = CaptureGraphs(run_pass=overlap)
+    opts = passes.inductor_options() if overlap else {}
+    opts["post_grad_custom_post_pass"] = cap
+    records = LogRecords()
+    log = logging.getLogger("cp_ops.passes")
+    old_level = log.level
+    log.setLevel(logging.DEBUG)
+    log.addHandler(records)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad(), cfg.patch(fx_graph_cache=False):
+            compiled = torch.compile(model, fullgraph=True, options=opts)
+            out, codes = run_and_get_code(compiled, *args)
+    finally:
+        log.removeHandler(records)
+        log.setLevel(old_level)
+    code = "\n".join(codes)
+    return out, call_section(code), cap, records.messages
+
+
+def call_section(code: str) -> str:
+    """The body of the generated ``call()``: the kernel launch order."""
+    i = code.index("def call(")
+    return code[i:]
+
+
+def kernel_lines(code: str) -> list[str]:
+    """The generated code's kernel calls, extern calls, collectives and waits, one per entry, in order."""
+    pat = re.compile(r"(extern_kernels\.\w+|cpp_fused\w*|triton_\w+|torch\.ops\.[\w.]+)\(")
+    return [m.group(1) for line in code.splitlines() for m in [pat.search(line)] if m and "assert" not in line]

@@ -1,0 +1,313 @@
+"""Graph-pass inspection: the post-grad graphs before/after the overlap pass (expecttest) and the order of
+Inductor's generated code (FileCheck): K/V launch → Q matmul → Q norm → Q RoPE → wait → attention.
+
+Traced and compiled in this process on a fake process group (``torch.testing._internal.distributed.fake_pg``):
+the code is only inspected, so no real communication is needed (the run itself moves nothing).
+"""
+
+from __future__ import annotations
+
+import re
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import FileCheck
+
+import cp_ops  # noqa: F401
+import passes
+import pass_blocks as pb
+from pass_util import compile_and_get, kernel_lines
+
+DIM, HEADS = 64, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def _wan_args(s_local=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, s_local, DIM, generator=g)
+    cos, sin = pb.rope_tables((2, 4, 4), DIM // HEADS, 0, s_local)
+    return x, cos, sin
+
+
+# Q-side checks shared by the blocks: Q GEMM(s) named by their Dynamo source node, then the Q norm
+# (a fused kernel with rsqrt) and the Q RoPE (neg/stack: in the same kernel on CPU, or a later one).
+def _check_q_window(fc: FileCheck, q_gemms: tuple[str, ...]) -> FileCheck:
+    for name in q_gemms:
+        fc = fc.check(f"Source Nodes: [{name}],").check_next("extern_kernels.")
+    return fc.check_regex(r"fused\w*rsqrt").check_regex(r"(neg|stack)\w*\(")
+
+
+def _last_cp_launch_line(code: str, op: str) -> str:
+    return [line for line in code.splitlines() if f"torch.ops.cp_ops.{op}.default(" in line][-1]
+
+
+class TestOverlapPass(expecttest.TestCase):
+    def test_wan_agkv_graph_and_code_order(self):
+        model = pb.WanBlock(DIM, HEADS, mode="agkv")
+        args = _wan_args()
+        _, code, cap, logs = compile_and_get(model, args)
+        self.assertEqual(cap.windows, [1])
+        self.assertExpectedInline(cap.after[0], """\
+addmm_1 = addmm(arg5_1, arg0_1, arg4_1)
+pow_2 = pow(addmm_1)
+mean_1 = mean(pow_2)
+add_1 = add(mean_1)
+rsqrt_1 = rsqrt(add_1)
+mul_2 = mul(addmm_1, rsqrt_1)
+mul_3 = mul(mul_2, arg6_1)
+mul_6 = mul(mul_3, arg9_1)
+select_2 = select(mul_3)
+neg_1 = neg(select_2)
+select_3 = select(mul_3)
+cat_1 = cat(neg_1, select_3)
+mul_7 = mul(cat_1, arg10_1)
+add_3 = add(mul_6, mul_7)
+addmm_2 = addmm(arg8_1, arg0_1, arg7_1)
+agkv_gather_start = cp_ops.agkv_gather_start(add_3, addmm_2)  # window 0: launch
+addmm = addmm(arg2_1, arg0_1, arg1_1)  # window 0: q
+pow_1 = pow(addmm)  # window 0: q
+mean = mean(pow_1)  # window 0: q
+add = add(mean)  # window 0: q
+rsqrt = rsqrt(add)  # window 0: q
+mul = mul(addmm, rsqrt)  # window 0: q
+mul_1 = mul(mul, arg3_1)  # window 0: q
+mul_4 = mul(mul_1, arg9_1)  # window 0: q
+select = select(mul_1)  # window 0: q
+neg = neg(select)  # window 0: q
+select_1 = select(mul_1)  # window 0: q
+cat = cat(neg, select_1)  # window 0: q
+mul_5 = mul(cat, arg10_1)  # window 0: q
+add_2 = add(mul_4, mul_5)  # window 0: q
+wait_tensor = _c10d_functional.wait_tensor(agkv_gather_start)  # window 0: wait
+wait_tensor_1 = _c10d_functional.wait_tensor(agkv_gather_start)  # window 0: wait
+_scaled_dot_product_flash_attention_for_cpu = _scaled_dot_product_flash_attention_for_cpu(add_2, wait_tensor, wait_tensor_1)
+addmm_3 = addmm(arg12_1, _scaled_dot_product_flash_attention_for_cpu, arg11_1)""")
+        fc = FileCheck().check("def call(").check("torch.ops.cp_ops.agkv_gather_start.default(")
+        _check_q_window(fc, ("linear",)).check("wait_tensor.default(").check("wait_tensor.default(").check(
+            "_scaled_dot_product_flash_attention_for_cpu.default("
+        ).run(code)
+        # The K/V work is all before the launch: the K GEMM ('linear_1') and V GEMM ('linear_2').
+        FileCheck().check("Source Nodes: [linear_1],").check("Source Nodes: [linear_2],").check(
+            "cp_ops.agkv_gather_start.default("
+        ).run(code)
+        self.assertTrue(any("window 0:" in m and "agkv_gather_start" in m for m in logs), logs)
+
+        # Without the pass, Inductor's fusion puts the Q GEMM and Q norm/RoPE before the launch: nothing overlaps.
+        _, code_off, _, _ = compile_and_get(model, args, overlap=False)
+        FileCheck().check("Source Nodes: [linear],").check("cp_ops.agkv_gather_start.default(").run(code_off)
+
+    def test_launch_inputs_stay_alive_until_wait(self):
+        # Inductor knows the launch is a collective: its input buffers are not freed or reused before the wait.
+        _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="agkv"), _wan_args())
+        lines = code.splitlines()
+        launch = next(i for i, l in enumerate(lines) if "cp_ops.agkv_gather_start.default(" in l)
+        m = re.search(r"(buf\d+) = torch\.ops\.cp_ops\.agkv_gather_start\.default\((.*)\)", lines[launch])
+        out, call_args = m.group(1), m.group(2)
+        inputs = re.findall(r"\b(buf\d+)\b", call_args)[:2]
+        self.assertEqual(len(inputs), 2, call_args)
+        outs = [re.match(r"\s*(buf\d+) = " + out + r"\[(\d)\]", l) for l in lines[launch:]]
+        outs = {int(o.group(2)): o.group(1) for o in outs if o}
+        for idx, inp in enumerate(inputs):
+            wait = next(i for i, l in enumerate(lines) if f"wait_tensor.default({outs[idx]})" in l)
+            freed = [i for i, l in enumerate(lines) if re.search(rf"del {inp}\b", l)]
+            self.assertTrue(freed, f"{inp} never freed")
+            self.assertGreater(freed[0], wait, f"input {inp} of the launch freed/reused before its wait")
+
+    def test_wan_ulysses_split_graph_and_code_order(self):
+        model = pb.WanBlock(DIM, HEADS, mode="ulysses")
+        _, code, cap, logs = compile_and_get(model, _wan_args())
+        self.assertEqual(cap.windows, [1])
+        self.assertExpectedInline(cap.before[0], """\
+addmm = addmm(arg2_1, arg0_1, arg1_1)
+pow_1 = pow(addmm)
+mean = mean(pow_1)
+add = add(mean)
+rsqrt = rsqrt(add)
+mul = mul(addmm, rsqrt)
+mul_1 = mul(mul, arg3_1)
+mul_4 = mul(mul_1, arg9_1)
+select = select(mul_1)
+neg = neg(select)
+select_1 = select(mul_1)
+cat = cat(neg, select_1)
+mul_5 = mul(cat, arg10_1)
+add_2 = add(mul_4, mul_5)
+addmm_1 = addmm(arg5_1, arg0_1, arg4_1)
+pow_2 = pow(addmm_1)
+mean_1 = mean(pow_2)
+add_1 = add(mean_1)
+rsqrt_1 = rsqrt(add_1)
+mul_2 = mul(addmm_1, rsqrt_1)
+mul_3 = mul(mul_2, arg6_1)
+mul_6 = mul(mul_3, arg9_1)
+select_2 = select(mul_3)
+neg_1 = neg(select_2)
+select_3 = select(mul_3)
+cat_1 = cat(neg_1, select_3)
+mul_7 = mul(cat_1, arg10_1)
+add_3 = add(mul_6, mul_7)
+addmm_2 = addmm(arg8_1, arg0_1, arg7_1)
+ulysses_start = cp_ops.ulysses_start(add_2, add_3, addmm_2)
+wait_tensor = _c10d_functional.wait_tensor(ulysses_start)
+select_4 = select(wait_tensor)
+select_5 = select(wait_tensor)
+select_6 = select(wait_tensor)
+_scaled_dot_product_flash_attention_for_cpu = _scaled_dot_product_flash_attention_for_cpu(select_4, select_5, select_6)
+ulysses_inverse_start = cp_ops.ulysses_inverse_start(_scaled_dot_product_flash_attention_for_cpu)
+wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_inverse_start)
+clone = clone(wait_tensor_1)
+addmm_3 = addmm(arg12_1, clone, arg11_1)""")
+        self.assertExpectedInline(cap.after[0], """\
+addmm_1 = addmm(arg5_1, arg0_1, arg4_1)
+pow_2 = pow(addmm_1)
+mean_1 = mean(pow_2)
+add_1 = add(mean_1)
+rsqrt_1 = rsqrt(add_1)
+mul_2 = mul(addmm_1, rsqrt_1)
+mul_3 = mul(mul_2, arg6_1)
+mul_6 = mul(mul_3, arg9_1)
+select_2 = select(mul_3)
+neg_1 = neg(select_2)
+select_3 = select(mul_3)
+cat_1 = cat(neg_1, select_3)
+mul_7 = mul(cat_1, arg10_1)
+add_3 = add(mul_6, mul_7)
+addmm_2 = addmm(arg8_1, arg0_1, arg7_1)
+ulysses_start_default = cp_ops.ulysses_start(add_3, addmm_2)  # window 0: launch
+addmm = addmm(arg2_1, arg0_1, arg1_1)  # window 0: q
+pow_1 = pow(addmm)  # window 0: q
+mean = mean(pow_1)  # window 0: q
+add = add(mean)  # window 0: q
+rsqrt = rsqrt(add)  # window 0: q
+mul = mul(addmm, rsqrt)  # window 0: q
+mul_1 = mul(mul, arg3_1)  # window 0: q
+mul_4 = mul(mul_1, arg9_1)  # window 0: q
+select = select(mul_1)  # window 0: q
+neg = neg(select)  # window 0: q
+select_1 = select(mul_1)  # window 0: q
+cat = cat(neg, select_1)  # window 0: q
+mul_5 = mul(cat, arg10_1)  # window 0: q
+add_2 = add(mul_4, mul_5)  # window 0: q
+ulysses_start_default_1 = cp_ops.ulysses_start(add_2)  # window 0: q
+wait_tensor_default_1 = _c10d_functional.wait_tensor(ulysses_start_default_1)
+select_4 = select(wait_tensor_default_1)
+wait_tensor_default = _c10d_functional.wait_tensor(ulysses_start_default)  # window 0: wait
+select_5 = select(wait_tensor_default)
+select_6 = select(wait_tensor_default)
+_scaled_dot_product_flash_attention_for_cpu = _scaled_dot_product_flash_attention_for_cpu(select_4, select_5, select_6)
+ulysses_inverse_start = cp_ops.ulysses_inverse_start(_scaled_dot_product_flash_attention_for_cpu)
+wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_inverse_start)
+clone = clone(wait_tensor_1)
+addmm_3 = addmm(arg12_1, clone, arg11_1)""")
+        # One [k, v] launch early, the [q] launch last, inside the window.
+        fc = FileCheck().check("def call(").check_regex(r"cp_ops\.ulysses_start\.default\(\[buf\d+, [^\]]*\]")
+        _check_q_window(fc, ("linear",)).check_regex(r"cp_ops\.ulysses_start\.default\(\[buf\d+\]").check(
+            "wait_tensor.default("
+        ).check("wait_tensor.default(").check("_scaled_dot_product_flash_attention_for_cpu.default(").run(code)
+        self.assertTrue(any("split ulysses_start" in m for m in logs), logs)
+
+    def test_flux_joint_tokens_per_head_norm(self):
+        model = pb.FluxBlock(DIM, HEADS, mode="agkv")
+        g = torch.Generator().manual_seed(1)
+        x, txt = torch.randn(1, 16, DIM, generator=g), torch.randn(1, 8, DIM, generator=g)
+        cos, sin = pb.rope_tables((3, 4, 2), DIM // HEADS, 0, 24)
+        _, code, cap, _ = compile_and_get(model, (x, txt, cos, sin))
+        self.assertEqual(cap.windows, [1])
+        # Both Q projections (text: 'linear', image: 'linear_1') run inside the window.
+        fc = FileCheck().check("def call(").check("cp_ops.agkv_gather_start.default(")
+        _check_q_window(fc, ("linear", "linear_1")).check("wait_tensor.default(").check(
+            "_scaled_dot_product_flash_attention_for_cpu.default("
+        ).run(code)
+        # All four K/V projections before the launch.
+        fc = FileCheck()
+        for name in ("linear_2", "linear_3", "linear_4", "linear_5"):
+            fc = fc.check(f"Source Nodes: [{name}],")
+        fc.check("cp_ops.agkv_gather_start.default(").run(code)
+
+    def test_fused_qkv_kept_whole(self):
+        # Pinned behaviour: the fused QKV GEMM is not split (logged); the window holds Q norm + RoPE.
+        model = pb.FusedQKVBlock(DIM, HEADS, mode="agkv")
+        _, code, cap, logs = compile_and_get(model, _wan_args())
+        self.assertEqual(cap.windows, [1])
+        kernels = kernel_lines(code)
+        self.assertEqual(sum(k.startswith("extern_kernels.") for k in kernels), 2, kernels)  # qkv + out
+        self.assertTrue(any("fused projection" in m and "kept as one GEMM" in m for m in logs), logs)
+        fc = FileCheck().check("def call(").check("Source Nodes: [linear],").check_next("extern_kernels.addmm(")
+        fc.check("cp_ops.agkv_gather_start.default(").check_regex(r"fused\w*rsqrt").check_regex(
+            r"(neg|stack)\w*\("
+        ).check("wait_tensor.default(").check("_scaled_dot_product_flash_attention_for_cpu.default(").run(code)
+
+    def test_two_layers_independent_windows(self):
+        model = pb.Stack(DIM, HEADS, layers=2, mode="agkv")
+        _, code, cap, logs = compile_and_get(model, _wan_args())
+        self.assertEqual(cap.windows, [2])
+        self.assertEqual(sum("pinned in the scheduler" in m for m in logs), 2, logs)
+        # Layer 0: Q GEMM 'linear'; layer 1: Q GEMM 'linear_4'. Layer 1's launch after layer 0's attention.
+        fc = FileCheck().check("def call(").check("cp_ops.agkv_gather_start.default(")
+        fc = _check_q_window(fc, ("linear",)).check("wait_tensor.default(").check("_scaled_dot_product")
+        fc = fc.check("cp_ops.agkv_gather_start.default(")
+        _check_q_window(fc, ("linear_4",)).check("wait_tensor.default(").check("_scaled_dot_product").run(code)
+        # Exactly one launch and two waits between consecutive attentions: no window spans layers.
+        kernels = kernel_lines(code)
+        attn = [i for i, k in enumerate(kernels) if k.startswith("torch.ops.aten._scaled_dot_product")]
+        launches = [i for i, k in enumerate(kernels) if "agkv_gather_start.default" in k]
+        self.assertEqual(len(attn), 2)
+        self.assertTrue(launches[0] < attn[0] < launches[1] < attn[1], kernels)
+
+    def test_no_cp_ops_graph_unchanged(self):
+        model = pb.WanBlock(DIM, HEADS, cp=False)
+        _, code, cap, logs = compile_and_get(model, _wan_args())
+        self.assertEqual(cap.windows, [0])
+        self.assertEqual(cap.before, cap.after)
+        self.assertFalse(logs)
+        self.assertNotIn("cp_ops", code)
+
+    def test_uuid_stable_and_fx_graph_cache_hits(self):
+        import tempfile
+
+        import torch._inductor.config as cfg
+        from torch._dynamo.utils import counters
+
+        self.assertIsNotNone(passes.OverlapPass().uuid())
+        self.assertEqual(passes.OverlapPass().uuid(), passes.OverlapPass().uuid())
+        model, args = pb.WanBlock(DIM, HEADS, mode="agkv"), _wan_args()
+        with tempfile.TemporaryDirectory() as d, pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TORCHINDUCTOR_CACHE_DIR", d)
+            outs = []
+            for _ in range(2):
+                torch._dynamo.reset()
+                counters.clear()
+                with torch.no_grad(), cfg.patch(fx_graph_cache=True, force_disable_caches=False):
+                    outs.append(cp_ops.compile(model, fullgraph=True)(*args))
+            self.assertEqual(counters["inductor"]["fxgraph_cache_hit"], 1, dict(counters["inductor"]))
+        self.assertTrue(torch.equal(outs[0], outs[1]))
+
+    def test_install_and_context_manager(self):
+        import torch._inductor.config as cfg
+
+        before = cfg.post_grad_custom_post_pass
+        with passes.enabled():
+            self.assertIsInstance(cfg.post_grad_custom_post_pass, passes.OverlapPass)
+        self.assertIs(cfg.post_grad_custom_post_pass, before)
+        passes.install()
+        try:
+            self.assertIsInstance(cfg.post_grad_custom_post_pass, passes.OverlapPass)
+            passes.install()  # idempotent: not wrapped twice
+            self.assertIsNone(cfg.post_grad_custom_post_pass.inner)
+        finally:
+            passes.uninstall()
+        self.assertIs(cfg.post_grad_custom_post_pass, before)
+        with self.assertRaisesRegex(ValueError, "backend='inductor'.*'eager'"):
+            cp_ops.compile(torch.nn.Linear(2, 2), backend="eager")
