@@ -1,0 +1,83 @@
+"""Build and load the fast transport's CUDA extension (``csrc/cp_fast.cu``), once per process, cached on disk.
+
+Built with ninja through ``torch.utils.cpp_extension.load`` for sm_90 on first use on a CUDA machine, into
+``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the source, torch and CUDA versions>``); a later
+process with the same source loads the cached ``.so`` without compiling. Never imported on CPU-only paths.
+A failed build leaves its full compiler output in ``<build dir>/build.log``; :func:`load` then returns the
+reason naming that file (and does not retry in this process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import traceback
+from pathlib import Path
+
+_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cp_fast.cu"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def source_path() -> Path:
+    return _SOURCE
+
+
+def build_dir() -> Path:
+    """Where the extension is (or will be) built: ``$CP_OPS_EXT_DIR`` or a per-source cache folder."""
+    import torch
+
+    base = os.environ.get("CP_OPS_EXT_DIR")
+    if base:
+        return Path(base)
+    h = hashlib.sha256()
+    if _SOURCE.exists():
+        h.update(_SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{torch.version.cuda}".encode())
+    return Path(os.path.expanduser("~/.cache/cp_ops/ext")) / h.hexdigest()[:16]
+
+
+def log_path() -> Path:
+    return build_dir() / "build.log"
+
+
+def load():
+    """Return ``(module, None)`` or ``(None, reason)``; builds on the first call, then cached in-process."""
+    with _lock:
+        if "result" in _state:
+            return _state["result"]
+        _state["result"] = _load()
+        return _state["result"]
+
+
+def _load():
+    if not _SOURCE.exists():
+        return None, f"the extension source {_SOURCE} is missing (cp_ops installed without csrc/)"
+    import torch
+    from torch.utils import cpp_extension
+
+    bdir = build_dir()
+    bdir.mkdir(parents=True, exist_ok=True)
+    old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    try:
+        mod = cpp_extension.load(
+            name="cp_ops_fast_ext",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr"],
+            build_directory=str(bdir),
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build/load failure becomes a reason with the log path
+        log = bdir / "build.log"
+        log.write_text(f"torch {torch.__version__} cuda {torch.version.cuda}\n{e}\n\n{traceback.format_exc()}")
+        return None, f"the cp_ops CUDA extension (csrc/cp_fast.cu) failed to build or load; build log: {log}"
+    finally:
+        if old_arch is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+    (bdir / "build.log").write_text(f"built/loaded OK: {getattr(mod, '__file__', '?')}\n")
+    return mod, None

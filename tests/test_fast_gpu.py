@@ -1,0 +1,306 @@
+"""Fast transport on 2+ Hopper GPUs (marked gpu; skipped without them): bitwise equality with the torch
+transport, 20 back-to-back layers, CUDA-graph capture/replay, shutdown and re-init, exit without shutdown.
+
+Each test spawns W = 2 NCCL ranks (``CP_OPS_GPU_WORLD`` to change) and reports the first rank's failure.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = int(os.environ.get("CP_OPS_GPU_WORLD", "2"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+        reason=f"needs {WORLD} CUDA GPUs",
+    ),
+]
+
+
+def _body(rank, world_size, device, fn, args, errq):
+    try:
+        fn(rank, world_size, *args)
+        errq.put((rank, None))
+    except BaseException:  # noqa: BLE001
+        errq.put((rank, traceback.format_exc()))
+        raise
+
+
+def run_gpu_ranks(fn, *args, world=WORLD, timeout=300.0):
+    from cp_ops.launch import _worker, free_port
+
+    os.environ.setdefault("CP_OPS_TIMEOUT_S", "120")
+    ctx = mp.get_context("spawn")
+    errq = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, "cuda", port, _body, (fn, args, errq))) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    errors = []
+    while not errq.empty():
+        r, err = errq.get()
+        if err:
+            errors.append(f"--- rank {r} ---\n{err}")
+    assert not errors, "\n".join(errors)
+    assert not hung, f"ranks {hung} did not finish within {timeout}s"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def _rand(shape, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def _ref_agkv(k, v, pg):
+    from cp_ops.transport import torch as tt
+
+    kf, vf, w = tt.agkv_start(k, v, pg)
+    w.wait()
+    return kf, vf
+
+
+def _ref_uly(xs, pg):
+    from cp_ops.transport import torch as tt
+
+    b, w = tt.ulysses_start(xs, pg)
+    w.wait()
+    return b
+
+
+def _ref_inv(x, pg):
+    from cp_ops.transport import torch as tt
+
+    b, w = tt.ulysses_inverse_start(x, pg)
+    w.wait()
+    return b
+
+
+# ---- bitwise equality ---------------------------------------------------------------------------
+def _bitwise(rank, world):
+    import torch.distributed as dist
+
+    from cp_ops import _library as lib
+    from cp_ops.transport import fast
+
+    pg = dist.group.WORLD
+    assert fast.unavailable_reason("cuda") is None, fast.unavailable_reason("cuda")
+    shapes = [(1, 256, 8, 128), (2, 384, 8, 128), (1, 1000, 40, 128), (2, 130, 16, 64), (1, 64, 2, 12)]
+    for path in ("ce", "sm", "auto"):
+        fast.configure(path=path)
+        for i, (b, s, h, d) in enumerate(shapes):
+            for dtype in (torch.bfloat16, torch.float32):
+                seed = 7919 * i + 31 * rank + (dtype == torch.float32)
+                k, v = _rand((b, s, h, d), seed, dtype), _rand((b, s, h, d), seed + 1, dtype)
+                kf, vf, work = fast.agkv_start(k, v, pg)
+                peer = (rank + 1) % world
+                fast.wait_source(kf, peer)
+                got_peer = kf[:, peer * s : (peer + 1) * s].clone()
+                work.wait()
+                rk, rv = _ref_agkv(k, v, pg)
+                assert torch.equal(kf, rk) and torch.equal(vf, rv), (path, b, s, h, d, dtype)
+                assert torch.equal(got_peer, rk[:, peer * s : (peer + 1) * s])
+                assert rk.abs().sum() > 0
+                xs = [_rand((b, s, h, d), seed + 2 + j, dtype) for j in range(3)]
+                buf, work = fast.ulysses_start(xs, pg)
+                work.wait()
+                assert torch.equal(buf, _ref_uly(xs, pg)), ("ulysses", path, b, s, h, d, dtype)
+                x = _rand((b, s * world, h // world, d), seed + 9, dtype)
+                buf, work = fast.ulysses_inverse_start(x, pg)
+                work.wait()
+                assert torch.equal(buf, _ref_inv(x, pg)), ("inverse", path, b, s, h, d, dtype)
+    # through the op layer and the public attention, fast vs torch
+    import cp_ops
+
+    k, v = _rand((1, 512, 8, 64), 5 + rank), _rand((1, 512, 8, 64), 50 + rank)
+    a = lib.wait(torch.ops.cp_ops.agkv_gather_start(k, v, world, pg.group_name, "fast")[0])
+    assert torch.equal(a, _ref_agkv(k, v, pg)[0])
+    q = _rand((1, 512, 8, 64), 500 + rank)
+    for mode in ("agkv", "ulysses"):
+        of = cp_ops.attention(q, k, v, group=pg, mode=mode, transport="fast")
+        ot = cp_ops.attention(q, k, v, group=pg, mode=mode, transport="torch")
+        assert torch.equal(of, ot), mode
+    d = fast.describe()
+    assert d["lane"]["width"] == world and d["lane"]["pool"]["used_bytes"] > 0
+    fast.shutdown()
+
+
+def test_bitwise_equal_to_torch_transport():
+    run_gpu_ranks(_bitwise)
+
+
+# ---- 20 layers back to back ---------------------------------------------------------------------
+def _layers(rank, world):
+    import torch.distributed as dist
+
+    from cp_ops.transport import fast
+
+    pg = dist.group.WORLD
+    b, s, h, d = 2, 512, 16, 128
+    for path in ("ce", "sm"):
+        fast.configure(path=path)
+        kept = []
+        for layer in range(20):
+            seed = lambda r, j: 100000 * (path == "sm") + 1000 * layer + 10 * r + j  # noqa: E731
+            k, v = _rand((b, s, h, d), seed(rank, 0)), _rand((b, s, h, d), seed(rank, 1))
+            kf, vf, w1 = fast.agkv_start(k, v, pg)
+            w1.wait()
+            if rank == 0:
+                torch.cuda._sleep(2_000_000)  # a slow consumer: the peer runs ahead and must not overwrite
+            kc, vc = kf.clone(), vf.clone()
+            xs = [k, v]
+            u, w2 = fast.ulysses_start(xs, pg)
+            w2.wait()
+            uc = u.clone()
+            x = _rand((b, s * world, h // world, d), seed(rank, 2))
+            inv, w3 = fast.ulysses_inverse_start(x, pg)
+            w3.wait()
+            kept.append((layer, kc, vc, uc, inv.clone(), seed))
+        torch.cuda.synchronize()
+        for layer, kc, vc, uc, ic, seed in kept:
+            ks = [_rand((b, s, h, d), seed(r, 0)) for r in range(world)]
+            vs = [_rand((b, s, h, d), seed(r, 1)) for r in range(world)]
+            assert torch.equal(kc, torch.cat(ks, 1)) and torch.equal(vc, torch.cat(vs, 1)), (path, layer)
+            hl = h // world
+            want = torch.stack(
+                [torch.stack([t[:, :, rank * hl : (rank + 1) * hl] for t in (ks[r], vs[r])], 2) for r in range(world)]
+            )
+            assert torch.equal(uc, want), ("ulysses", path, layer)
+            xsrc = [_rand((b, s * world, h // world, d), seed(r, 2)) for r in range(world)]
+            want = torch.stack([xsrc[r][:, rank * s : (rank + 1) * s] for r in range(world)])
+            assert torch.equal(ic, want), ("inverse", path, layer)
+    words = fast._lane.ext_lane.control_words()
+    assert words[2 * world] == fast._lane.calls  # device epoch counter == calls launched
+    fast.shutdown()
+
+
+def test_twenty_layers_back_to_back():
+    run_gpu_ranks(_layers)
+
+
+# ---- CUDA graph ---------------------------------------------------------------------------------
+def _graph(rank, world):
+    import torch.distributed as dist
+
+    from cp_ops.transport import fast
+
+    pg = dist.group.WORLD
+    b, s, h, d = 1, 1024, 8, 128
+    for path in ("ce", "sm"):
+        fast.configure(path=path)
+        k = torch.empty((b, s, h, d), device="cuda", dtype=torch.bfloat16)
+        v, x = torch.empty_like(k), torch.empty((b, s * world, h // world, d), device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            kf, vf, w = fast.agkv_start(k, v, pg)
+            w.wait()
+            u, w2 = fast.ulysses_start([k, v], pg)
+            w2.wait()
+            inv, w3 = fast.ulysses_inverse_start(x, pg)
+            w3.wait()
+            return kf.clone(), vf.clone(), u.clone(), inv.clone()
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                k.copy_(_rand(k.shape, 1 + rank)), v.copy_(_rand(k.shape, 2 + rank)), x.copy_(_rand(x.shape, 3 + rank))
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        for it in range(5):
+            k.copy_(_rand(k.shape, 1000 * it + 10 + rank))
+            v.copy_(_rand(k.shape, 1000 * it + 20 + rank))
+            x.copy_(_rand(x.shape, 1000 * it + 30 + rank))
+            g.replay()
+            rk, rv = _ref_agkv(k, v, pg)
+            assert torch.equal(outs[0], rk) and torch.equal(outs[1], rv), (path, it)
+            assert torch.equal(outs[2], _ref_uly([k, v], pg)), (path, it)
+            assert torch.equal(outs[3], _ref_inv(x, pg)), (path, it)
+            eager = step()  # eager calls interleaved with replays share the device epoch counter
+            assert all(torch.equal(a, bb) for a, bb in zip(eager, outs))
+        del g
+    fast.shutdown()
+
+
+def test_cuda_graph_replay_equals_eager():
+    run_gpu_ranks(_graph)
+
+
+# ---- shutdown, re-init, IPC heap, pool overflow, lane width -------------------------------------
+def _lifecycle(rank, world):
+    import torch.distributed as dist
+
+    from cp_ops.transport import fast, _fast_runtime
+
+    pg = dist.group.WORLD
+
+    def check(seed):
+        k, v = _rand((2, 256, 8, 128), seed + rank), _rand((2, 256, 8, 128), seed + 10 + rank)
+        kf, vf, w = fast.agkv_start(k, v, pg)
+        w.wait()
+        rk, rv = _ref_agkv(k, v, pg)
+        assert torch.equal(kf, rk) and torch.equal(vf, rv)
+        return w
+
+    fast.configure(path="ce")
+    assert isinstance(check(1), _fast_runtime.FastWork)
+    heap0 = fast._lane.heap.name
+    fast.shutdown()
+    assert fast._lane is None
+    check(2)  # re-init (a new runtime, pool and lane)
+    assert fast._lane.heap.name == heap0
+    fast.shutdown()
+    fast.configure(heap="ipc")
+    check(3)
+    assert fast._lane.heap.name == "ipc"
+    fast.shutdown()
+    fast.configure(pool_gb=1 / 1024)  # 1 MiB
+    k = _rand((1, 4096, 8, 128), 9)
+    with pytest.raises(RuntimeError, match="CP_OPS_FAST_POOL_GB"):
+        fast.agkv_start(k, k, pg)
+    fast.shutdown()
+    fast.configure(pool_gb=8, lane_width=world * 2)  # this group is not the lane's width: torch transport
+    kf, vf, w = fast.agkv_start(k, k, pg)
+    assert not isinstance(w, _fast_runtime.FastWork) and fast._lane is None
+    w.wait()
+    assert torch.equal(kf, _ref_agkv(k, k, pg)[0])
+
+
+def test_shutdown_reinit_ipc_overflow_lane_width():
+    run_gpu_ranks(_lifecycle)
+
+
+def _no_shutdown(rank, world):
+    import torch.distributed as dist
+
+    from cp_ops.transport import fast
+
+    k = _rand((1, 512, 8, 128), rank)
+    kf, vf, w = fast.agkv_start(k, k, dist.group.WORLD)
+    w.wait()
+    torch.cuda.synchronize()
+    # return without fast.shutdown(): the process must exit cleanly and promptly
+
+
+def test_exit_without_shutdown():
+    run_gpu_ranks(_no_shutdown, timeout=120)
