@@ -120,7 +120,11 @@ def _install_output_gather(module: torch.nn.Module, spec, pg) -> None:
     def gather_hook(mod, args, output):
         if not _spec_applies(spec, output):
             return output
-        return _all_gather(output.contiguous(), gather_dim=spec.gather_dim, group=pg)
+        # Gather along dim 0 (token dim moved to the front) then move it back: the rank-ordered blocks
+        # concatenate along the token dim, and no chunk/cat helper is traced (torch 2.11's Dynamo skips it).
+        d = spec.gather_dim % output.dim()
+        gathered = _all_gather(output.movedim(d, 0).contiguous(), gather_dim=0, group=pg)
+        return gathered.movedim(0, d)
 
     module.register_forward_hook(gather_hook)
 
