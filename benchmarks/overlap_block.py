@@ -317,7 +317,7 @@ class _PassLog(logging.Handler):
 
 def window_kernels(code: str) -> list[list[str]]:
     """From Inductor's generated code: for each cp_ops launch, the kernels called before its first wait."""
-    pat = re.compile(r"(extern_kernels\.\w+|triton_\w+|cpp_fused\w*|torch\.ops\.[\w.]+)\(")
+    pat = re.compile(r"(extern_kernels\.\w+|triton_\w+|cpp_fused\w*|torch\.ops\.[\w.]+)(?:\.run)?\(")
     calls = [m.group(1) for line in code.splitlines() if "assert" not in line for m in [pat.search(line)] if m]
     windows, cur = [], None
     for c in calls:

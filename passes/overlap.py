@@ -228,7 +228,12 @@ def _fused_projection(q_side: set[fx.Node], launch_anc: set[fx.Node]) -> fx.Node
 
 
 def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node]) -> list[fx.Node]:
-    """Move the Q-side nodes that precede ``launch`` to right after it; returns the nodes moved, in order."""
+    """Move the Q-side nodes that precede ``launch`` to after it, then raise ``launch`` to right after its last
+    input; returns the Q-side nodes moved, in order.
+
+    Safe by construction: the nodes moved later are not ancestors of the launch (nor is anything that uses
+    them, which moves with them), and the launch moves up only past nodes that are not its inputs.
+    """
     launch_anc = _ancestors([launch])
     q_side = {
         n for n in _ancestors([attn]) if n.op == "call_function" and n not in launch_anc and not _is_call(n, {_WAIT})
@@ -244,6 +249,10 @@ def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx
     for n in moved:
         cursor.append(n)
         cursor = n
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last_input = max(launch.all_input_nodes, key=order.__getitem__, default=None)
+    if last_input is not None and last_input.next is not launch:
+        last_input.append(launch)
     return moved
 
 
@@ -321,7 +330,6 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
             wid, launch.name, ", ".join(a.name for a in launch.all_input_nodes), [w.name for w in waits],
             attn.name, [n.name for n in moved], [n.name for n in window],
         )
-    # Q launches of split Ulysses launches belong to their window already; tag the others' waits nowhere.
     graph.lint()
     return opened
 
@@ -407,8 +415,10 @@ def pin_windows(snodes: list) -> list:
         if len(w["launch"]) != 1 or not w["wait"]:
             log.debug("cp_ops.passes: window %d not pinned: launch/wait not found among scheduler nodes", wid)
             continue
-        snodes, q_nodes = _gather_window(snodes, w["launch"][0], w["q"], w["wait"])
         launch = w["launch"][0]
+        launch_anc = set(getattr(launch, "ancestors", ()) or ())
+        q_tagged = [sn for sn in w["q"] if sn.get_name() not in launch_anc]  # never create a cycle
+        snodes, q_nodes = _gather_window(snodes, launch, q_tagged, w["wait"])
         launch_buf = sorted(launch.get_buffer_names())[0]
         for sn in q_nodes:
             sn.add_fake_dep(_weak_dep(launch_buf, sorted(sn.get_buffer_names())[0]))

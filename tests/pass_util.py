@@ -114,5 +114,5 @@ def call_section(code: str) -> str:
 
 def kernel_lines(code: str) -> list[str]:
     """The generated code's kernel calls, extern calls, collectives and waits, one per entry, in order."""
-    pat = re.compile(r"(extern_kernels\.\w+|cpp_fused\w*|triton_\w+|torch\.ops\.[\w.]+)\(")
+    pat = re.compile(r"(extern_kernels\.\w+|cpp_fused\w*|triton_\w+|torch\.ops\.[\w.]+)(?:\.run)?\(")
     return [m.group(1) for line in code.splitlines() for m in [pat.search(line)] if m and "assert" not in line]

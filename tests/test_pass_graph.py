@@ -311,3 +311,111 @@ addmm_3 = addmm(arg12_1, clone, arg11_1)""")
         self.assertIs(cfg.post_grad_custom_post_pass, before)
         with self.assertRaisesRegex(ValueError, "backend='inductor'.*'eager'"):
             cp_ops.compile(torch.nn.Linear(2, 2), backend="eager")
+
+
+class TestOverlapPassOnTracedGraph(expecttest.TestCase):
+    """The FX pass alone on a graph in model order (q first, as Wan computes it), traced with make_fx: in
+    Inductor, inference graphs come in partly reordered (``reorder_for_locality``); here nothing has moved."""
+
+    def _traced(self, mode):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        torch.manual_seed(0)
+        block = pb.WanBlock(DIM, HEADS, mode=mode)
+        params = {k: v.detach() for k, v in block.named_parameters()}
+
+        def fn(params, x, c, s):
+            return torch.func.functional_call(block, params, (x, c, s))
+
+        with torch.no_grad():
+            return make_fx(fn, tracing_mode="fake")(params, *_wan_args())
+
+    def test_agkv_kv_chains_and_launch_move_ahead_of_q(self):
+        from passes.overlap import overlap_kv_communication
+        from pass_util import compact_graph
+
+        gm = self._traced("agkv")
+        before = compact_graph(gm.graph)
+        self.assertEqual(overlap_kv_communication(gm.graph), 1)
+        after = compact_graph(gm.graph)
+        self.assertExpectedInline(before, """\
+addmm = addmm(params_2, x_1, params_1)
+pow_1 = pow(addmm)
+mean = mean(pow_1)
+add = add(mean)
+rsqrt = rsqrt(add)
+mul = mul(addmm, rsqrt)
+mul_1 = mul(mul, params_9)
+addmm_1 = addmm(params_4, x_1, params_3)
+pow_2 = pow(addmm_1)
+mean_1 = mean(pow_2)
+add_1 = add(mean_1)
+rsqrt_1 = rsqrt(add_1)
+mul_2 = mul(addmm_1, rsqrt_1)
+mul_3 = mul(mul_2, params_10)
+addmm_2 = addmm(params_6, x_1, params_5)
+select = select(mul_1)
+neg = neg(select)
+select_1 = select(mul_1)
+stack = stack(neg, select_1)
+mul_4 = mul(mul_1, c_1)
+mul_5 = mul(stack, s_1)
+add_2 = add(mul_4, mul_5)
+select_2 = select(mul_3)
+neg_1 = neg(select_2)
+select_3 = select(mul_3)
+stack_1 = stack(neg_1, select_3)
+mul_6 = mul(mul_3, c_1)
+mul_7 = mul(stack_1, s_1)
+add_3 = add(mul_6, mul_7)
+agkv_gather_start = cp_ops.agkv_gather_start(add_3, addmm_2)
+wait_tensor = _c10d_functional.wait_tensor(agkv_gather_start)
+wait_tensor_1 = _c10d_functional.wait_tensor(agkv_gather_start)
+_scaled_dot_product_flash_attention_for_cpu = _scaled_dot_product_flash_attention_for_cpu(add_2, wait_tensor, wait_tensor_1)
+addmm_3 = addmm(params_8, _scaled_dot_product_flash_attention_for_cpu, params_7)""")
+        self.assertExpectedInline(after, """\
+addmm_1 = addmm(params_4, x_1, params_3)
+pow_2 = pow(addmm_1)
+mean_1 = mean(pow_2)
+add_1 = add(mean_1)
+rsqrt_1 = rsqrt(add_1)
+mul_2 = mul(addmm_1, rsqrt_1)
+mul_3 = mul(mul_2, params_10)
+addmm_2 = addmm(params_6, x_1, params_5)
+select_2 = select(mul_3)
+neg_1 = neg(select_2)
+select_3 = select(mul_3)
+stack_1 = stack(neg_1, select_3)
+mul_6 = mul(mul_3, c_1)
+mul_7 = mul(stack_1, s_1)
+add_3 = add(mul_6, mul_7)
+agkv_gather_start = cp_ops.agkv_gather_start(add_3, addmm_2)  # window 0: launch
+addmm = addmm(params_2, x_1, params_1)  # window 0: q
+pow_1 = pow(addmm)  # window 0: q
+mean = mean(pow_1)  # window 0: q
+add = add(mean)  # window 0: q
+rsqrt = rsqrt(add)  # window 0: q
+mul = mul(addmm, rsqrt)  # window 0: q
+mul_1 = mul(mul, params_9)  # window 0: q
+select = select(mul_1)  # window 0: q
+neg = neg(select)  # window 0: q
+select_1 = select(mul_1)  # window 0: q
+stack = stack(neg, select_1)  # window 0: q
+mul_4 = mul(mul_1, c_1)  # window 0: q
+mul_5 = mul(stack, s_1)  # window 0: q
+add_2 = add(mul_4, mul_5)  # window 0: q
+wait_tensor = _c10d_functional.wait_tensor(agkv_gather_start)  # window 0: wait
+wait_tensor_1 = _c10d_functional.wait_tensor(agkv_gather_start)  # window 0: wait
+_scaled_dot_product_flash_attention_for_cpu = _scaled_dot_product_flash_attention_for_cpu(add_2, wait_tensor, wait_tensor_1)
+addmm_3 = addmm(params_8, _scaled_dot_product_flash_attention_for_cpu, params_7)""")
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        launch = next(n for n in nodes if "agkv_gather_start" in str(n.target))
+        gemms = [n for n in nodes if n.target is torch.ops.aten.addmm.default]
+        q_gemm = next(g for g in gemms if g.meta.get("cp_ops_window") == (0, "q"))
+        waits = [n for n in nodes if n.target is torch.ops._c10d_functional.wait_tensor.default]
+        sdpa = next(n for n in nodes if "scaled_dot_product" in str(n.target))
+        # launch right after its last input, then the Q GEMM, the waits right before attention
+        self.assertIs(nodes[pos[launch] - 1], max(launch.all_input_nodes, key=pos.__getitem__))
+        self.assertLess(pos[launch], pos[q_gemm])
+        self.assertTrue(all(pos[q_gemm] < pos[w] < pos[sdpa] for w in waits))
