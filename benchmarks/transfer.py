@@ -6,7 +6,7 @@ the torch transport's coalesced all-gather). Ulysses: the sequence->heads all-to
 transform folded into pitched peer writes; NCCL: the torch transport = pack + all_to_all_single, and the
 all_to_all_single alone on a pre-packed buffer).
 
-Method: CUDA events around launch + wait on the current stream; before each timed iteration a host sync,
+Method: CUDA events around launch + wait on the current stream; before each timed sample a host sync,
 a barrier and a ~0.2 ms GPU sleep (so host launch cost is hidden the way it is in a model, for every
 method alike); warm-up, then the median over iterations, then the max over ranks. Bandwidth is the bytes
 one rank sends to one peer divided by the time (GB/s = 1e9 bytes/s). Every fast output is checked bitwise
@@ -34,10 +34,12 @@ import torch.distributed as dist  # noqa: E402
 
 SIZES = [4096, 8192, 16384, 32768, 75600]
 H, D = 40, 128
-SLEEP_CYCLES = 400_000
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms: the host enqueues the timed calls while the GPU sleeps
+STEADY_REPS = 5
 
 
-def _timeit(fn, iters: int, warmup: int, group) -> float:
+def _timeit(fn, iters: int, warmup: int, group, reps: int = 1) -> float:
+    """ms per call: median over samples of (event time of ``reps`` back-to-back calls) / reps, max over ranks."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -48,10 +50,11 @@ def _timeit(fn, iters: int, warmup: int, group) -> float:
         torch.cuda._sleep(SLEEP_CYCLES)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b))
+        ts.append(a.elapsed_time(b) / reps)
     t = torch.tensor([statistics.median(ts)], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
@@ -108,6 +111,8 @@ def _body(rank, world, device, args):
         row["nccl_agkv_ms"] = _timeit(nccl_agkv, iters, 3, pg)
         row["nccl_ulysses_ms"] = _timeit(nccl_uly, iters, 3, pg)
         row["nccl_a2a_only_ms"] = _timeit(nccl_a2a, iters, 3, pg)
+        row["nccl_agkv_ss_ms"] = _timeit(nccl_agkv, iters, 1, pg, STEADY_REPS)
+        row["nccl_ulysses_ss_ms"] = _timeit(nccl_uly, iters, 1, pg, STEADY_REPS)
         for path in args.paths:
             fast.configure(path=path)
 
@@ -131,12 +136,15 @@ def _body(rank, world, device, args):
             row[f"{path}_ulysses_bitwise_equal"] = bool(flags[1])
             row[f"{path}_agkv_ms"] = _timeit(fast_agkv, iters, 3, pg)
             row[f"{path}_ulysses_ms"] = _timeit(fast_uly, iters, 3, pg)
+            row[f"{path}_agkv_ss_ms"] = _timeit(fast_agkv, iters, 1, pg, STEADY_REPS)
+            row[f"{path}_ulysses_ss_ms"] = _timeit(fast_uly, iters, 1, pg, STEADY_REPS)
             row[f"{path}_agkv_host_us"] = _host_us(fast_agkv)
         lane = fast._lane
         row["decisions"] = {k_: d.label() for k_, d in ((("/".join(map(str, kk))), dd) for kk, dd in lane.decisions.items())
                             if f"/{s}/" in k_}
         for op, nb in (("agkv", "agkv_bytes_per_peer"), ("ulysses", "ulysses_bytes_per_peer"),
-                       ("a2a_only", "ulysses_bytes_per_peer")):
+                       ("a2a_only", "ulysses_bytes_per_peer"), ("agkv_ss", "agkv_bytes_per_peer"),
+                       ("ulysses_ss", "ulysses_bytes_per_peer")):
             for m in ["nccl"] + list(args.paths):
                 key = f"{m}_{op}_ms"
                 if key in row:
@@ -146,6 +154,9 @@ def _body(rank, world, device, args):
         bu = min(row[f"{p}_ulysses_ms"] for p in args.paths)
         row["ulysses_ratio_best_fast_over_nccl"] = bu / row["nccl_ulysses_ms"]
         row["ulysses_ratio_best_fast_over_a2a_only"] = bu / row["nccl_a2a_only_ms"]
+        row["agkv_ss_ratio_best_fast_over_nccl"] = min(row[f"{p}_agkv_ss_ms"] for p in args.paths) / row["nccl_agkv_ss_ms"]
+        row["ulysses_ss_ratio_best_fast_over_nccl"] = (
+            min(row[f"{p}_ulysses_ss_ms"] for p in args.paths) / row["nccl_ulysses_ss_ms"])
         if rank == 0:
             print(json.dumps(row), flush=True)
         rows.append(row)
@@ -167,7 +178,9 @@ def _write(rows, describe, world, out: Path):
         "heap": describe["lane"]["heap"] if describe.get("lane") else None,
         "fabric": describe["lane"]["fabric"] if describe.get("lane") else None,
         "workload": f"bf16, B=1, H={H}, D={D}, K+V of one CP{world} shard per rank",
-        "method": "CUDA events, warm-up 3, median over iterations, max over ranks, GPU sleep before each",
+        "method": "CUDA events around launch+wait on the current stream; host sync + barrier + ~0.5 ms GPU sleep "
+                  "before each sample; warm-up 3; median over samples; max over ranks; 'single' = 1 call per sample, "
+                  f"'steady' = {STEADY_REPS} back-to-back calls per sample",
         "targets": "fast <= 0.7x NCCL at S >= 8K, <= 0.8x at 4K",
     }
     (out / "transfer.json").write_text(json.dumps({"meta": meta, "rows": rows, "fast": describe}, indent=1, default=str))
@@ -197,6 +210,18 @@ def _write(rows, describe, world, out: Path):
             + " | ".join(f"{r[f'{p}_ulysses_ms']:.3f} ({r[f'{p}_ulysses_GBps']:.0f})" for p in paths)
             + f" | {r['ulysses_ratio_best_fast_over_nccl']:.2f}x | "
             + ("yes" if all(r[f"{p}_ulysses_bitwise_equal"] for p in paths) else "NO") + " |")
+    lines += ["", f"## Steady state: {STEADY_REPS} back-to-back calls per timed sample (each waited on the stream)", "",
+              "| S | AGKV NCCL ms (GB/s) | " + " | ".join(f"AGKV fast {p.upper()} ms (GB/s)" for p in paths)
+              + " | AGKV best/NCCL | Ulysses NCCL ms | " + " | ".join(f"Ulysses fast {p.upper()} ms" for p in paths)
+              + " | Ulysses best/NCCL |",
+              "|---|---|" + "---|" * len(paths) + "---|---|" + "---|" * len(paths) + "---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['S']} | {r['nccl_agkv_ss_ms']:.3f} ({r['nccl_agkv_ss_GBps']:.0f}) | "
+            + " | ".join(f"{r[f'{p}_agkv_ss_ms']:.3f} ({r[f'{p}_agkv_ss_GBps']:.0f})" for p in paths)
+            + f" | {r['agkv_ss_ratio_best_fast_over_nccl']:.2f}x | {r['nccl_ulysses_ss_ms']:.3f} | "
+            + " | ".join(f"{r[f'{p}_ulysses_ss_ms']:.3f}" for p in paths)
+            + f" | {r['ulysses_ss_ratio_best_fast_over_nccl']:.2f}x |")
     lines += ["", "Host launch cost of one fast AGKV call (µs): "
               + ", ".join(f"S={r['S']}: " + "/".join(f"{r[f'{p}_agkv_host_us']:.0f}" for p in paths) for r in rows)]
     (out / "transfer.md").write_text("\n".join(lines) + "\n")

@@ -10,14 +10,16 @@
 //   arrived[W]  arrived[p] = last epoch whose data rank p finished writing into our buffers
 //   counter     this rank's epoch counter (device-side, so a captured CUDA graph advances it on replay)
 //   rec[NREC]   the epoch of each in-flight call slot (kernels of one call read it from here)
+//   blocks[n]   per send stream: blocks of the fused SM copy kernel done (the last one signals)
 //
 // Epochs are uint64 and only grow (one per call): they never wrap. A call (launch):
 //   cur stream:   begin kernel: e = ++counter; rec[slot] = e; ready[rank] := e on every peer
 //   local stream: copy own chunk into own buffer            -> event src[rank]
 //   send streams: per target t: spin until ready[t] >= e; copy (CE memcpy2D or SM kernel) into t's
-//                 buffer; arrived[rank] := e on t (release, system scope)
-//   recv stream:  per source p: spin until arrived[p] >= e  -> event src[p]; join all -> event done
-// `wait(stream, call)` makes `stream` wait for `done`; `wait_source` for one source's chunk.
+//                 buffer; arrived[rank] := e on t (release, system scope); the SM path does all three
+//                 in one fused kernel launch per target
+// `wait(stream, call)` (on the consumer's stream): wait for begin, spin until arrived[p] >= e for every
+// peer, join the local and send streams. `wait_source(stream, call, p)` spins on arrived[p] only.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -84,6 +86,17 @@ __global__ void wait_kernel(const uint64_t* flag, const uint64_t* rec) {
   }
 }
 
+// Spin until arrived[p] >= *rec for every p != rank (one thread per source).
+__global__ void wait_all_kernel(const uint64_t* arrived, int world, int rank, const uint64_t* rec) {
+  const uint64_t e = *rec;
+  for (int p = threadIdx.x; p < world; p += blockDim.x) {
+    if (p == rank) continue;
+    while (ld_acquire_sys(arrived + p) < e) __nanosleep(64);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence_system();
+}
+
 __global__ void signal_kernel(uint64_t* peer_flag, const uint64_t* rec) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     __threadfence_system();
@@ -102,7 +115,19 @@ struct CopyBatch {
 };
 
 // 16-byte vector copy of n 2-D regions (rows of vpr*16 bytes, given pitches); kUnroll loads in flight.
-__global__ void __launch_bounds__(kThreads) copy2d_kernel(const __grid_constant__ CopyBatch b) {
+// Fused flags (SM path): if wait_flag, every block first spins until *wait_flag >= *rec (the target's
+// ready flag); if peer_flag, the last block to finish (counted in *block_count, reset after) stores *rec
+// there with release semantics at system scope, after a system fence that covers every block's stores.
+__global__ void __launch_bounds__(kThreads) copy2d_kernel(const __grid_constant__ CopyBatch b, const uint64_t* wait_flag,
+                                                          const uint64_t* rec, uint64_t* peer_flag,
+                                                          unsigned int* block_count) {
+  if (wait_flag != nullptr) {
+    if (threadIdx.x == 0) {
+      const uint64_t e = *rec;
+      while (ld_acquire_sys(wait_flag) < e) __nanosleep(64);
+    }
+    __syncthreads();
+  }
   const unsigned long long total = b.start[b.n];
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
   for (unsigned long long base = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; base < total;
@@ -128,12 +153,37 @@ __global__ void __launch_bounds__(kThreads) copy2d_kernel(const __grid_constant_
     for (int u = 0; u < kUnroll; ++u)
       if (d[u]) *d[u] = v[u];
   }
+  if (peer_flag != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      const unsigned int prev = atomicAdd(block_count, 1u);
+      if (prev == gridDim.x - 1) {
+        *block_count = 0;
+        __threadfence_system();
+        st_release_sys(peer_flag, *rec);
+      }
+    }
+  }
 }
 
 // One 2-D copy: dst_off is an offset into the target's heap; src is an absolute device pointer.
 struct Desc {
   uint64_t dst_off, src, width, height, dpitch, spitch;
 };
+
+// Streams are process-wide per device and never destroyed: torch's caching allocator may still record
+// events on them (record_stream on the inputs) after a lane is released.
+std::vector<cudaStream_t>& lane_streams(int device, int n) {
+  static std::vector<std::vector<cudaStream_t>> per_device(64);
+  auto& v = per_device.at(device);
+  while ((int)v.size() < n) {
+    cudaStream_t s;
+    CP_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    v.push_back(s);
+  }
+  return v;
+}
 
 class Lane {
  public:
@@ -145,11 +195,11 @@ class Lane {
     if (n_send < 1) throw std::invalid_argument("Lane: n_send must be >= 1");
     CP_CUDA(cudaSetDevice(device_));
     CP_CUDA(cudaGetDeviceProperties(&props_, device_));
-    CP_CUDA(cudaStreamCreateWithFlags(&local_, cudaStreamNonBlocking));
-    CP_CUDA(cudaStreamCreateWithFlags(&recv_, cudaStreamNonBlocking));
-    send_.resize(n_send_);
-    for (auto& s : send_) CP_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    const int per_slot = 2 + world_ + 2 * n_send_;  // begin, done, src[W], send_end[n], tmp[n]
+    auto& ss = lane_streams(device_, 2 + n_send_);
+    local_ = ss[0];
+    recv_ = ss[1];
+    send_.assign(ss.begin() + 2, ss.begin() + 2 + n_send_);
+    const int per_slot = 2 + world_ + 2 * n_send_;  // begin, (spare), src[W], send_end[n], tmp[n]
     events_.resize((size_t)kNRec * per_slot);
     for (auto& e : events_) CP_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     // zero our control block (peers have not been told our heap is live until the Python barrier)
@@ -166,9 +216,6 @@ class Lane {
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
     for (auto e : events_) cudaEventDestroy(e);
-    for (auto s : send_) cudaStreamDestroy(s);
-    cudaStreamDestroy(local_);
-    cudaStreamDestroy(recv_);
     events_.clear();
     send_.clear();
   }
@@ -214,6 +261,17 @@ class Lane {
     for (size_t j = 0; j < targets.size(); ++j) {
       const int t = targets[j];
       const int g = (int)(j % inflight);
+      uint64_t* peer_arrived = reinterpret_cast<uint64_t*>(peer_bases_[t] + 8ull * (world_ + rank_));
+      if (path == 1) {  // SM: one fused kernel waits for ready[t], copies, raises arrived on t
+        cudaStream_t s = send_[g];
+        unsigned int* cnt = reinterpret_cast<unsigned int*>(ctrl + 2 * world_ + 1 + kNRec + g);
+        if (!copies(s, descs[t], peer_bases_[t], path, sm_blocks, 0, 1, ctrl + t, rec, peer_arrived, cnt)) {
+          wait_kernel<<<1, 32, 0, s>>>(ctrl + t, rec);
+          signal_kernel<<<1, 32, 0, s>>>(peer_arrived, rec);
+          CP_CUDA(cudaGetLastError());
+        }
+        continue;
+      }
       for (int q = 0; q < split; ++q) {
         cudaStream_t s = send_[g * split + q];
         wait_kernel<<<1, 32, 0, s>>>(ctrl + t, rec);  // ready[t] >= e
@@ -224,41 +282,59 @@ class Lane {
           CP_CUDA(cudaStreamWaitEvent(send_[g * split], ev_tmp(slot, g * split + q), 0));
         }
       }
-      uint64_t* peer_arrived = reinterpret_cast<uint64_t*>(peer_bases_[t] + 8ull * (world_ + rank_));
       signal_kernel<<<1, 32, 0, send_[g * split]>>>(peer_arrived, rec);
       CP_CUDA(cudaGetLastError());
     }
     for (int s = 0; s < used; ++s) CP_CUDA(cudaEventRecord(ev_send_end(slot, s), send_[s]));
 
-    // arrivals, per source
-    CP_CUDA(cudaStreamWaitEvent(recv_, ev_begin(slot), 0));
-    for (size_t j = 0; j < targets.size(); ++j) {
-      const int p = targets[j];  // XOR is symmetric: our j-th target sends to us at its j-th step
-      wait_kernel<<<1, 32, 0, recv_>>>(ctrl + world_ + p, rec);
-      CP_CUDA(cudaGetLastError());
-      CP_CUDA(cudaEventRecord(ev_src(slot, p), recv_));
-    }
-    CP_CUDA(cudaStreamWaitEvent(recv_, ev_src(slot, rank_), 0));
-    for (int s = 0; s < used; ++s) CP_CUDA(cudaStreamWaitEvent(recv_, ev_send_end(slot, s), 0));
-    CP_CUDA(cudaEventRecord(ev_done(slot), recv_));
+    used_[slot] = used;  // arrivals are awaited on the consumer's stream, in wait()/wait_source()
   }
 
+  // Make `stream` wait for every chunk of `call`: the epoch record (begin), a spin on every peer's arrival
+  // flag, our own chunk and our sends (joined so a CUDA-graph capture closes every forked stream).
   void wait(uint64_t stream, int64_t call) {
     check_live();
-    CP_CUDA(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev_done((int)(call % kNRec)), 0));
+    CP_CUDA(cudaSetDevice(device_));
+    const int slot = (int)(call % kNRec);
+    cudaStream_t x = reinterpret_cast<cudaStream_t>(stream);
+    uint64_t* ctrl = reinterpret_cast<uint64_t*>(local_base_);
+    CP_CUDA(cudaStreamWaitEvent(x, ev_begin(slot), 0));
+    if (world_ > 1) {
+      wait_all_kernel<<<1, 64, 0, x>>>(ctrl + world_, world_, rank_, ctrl + 2 * world_ + 1 + slot);
+      CP_CUDA(cudaGetLastError());
+    }
+    CP_CUDA(cudaStreamWaitEvent(x, ev_src(slot, rank_), 0));
+    for (int s = 0; s < used_[slot]; ++s) CP_CUDA(cudaStreamWaitEvent(x, ev_send_end(slot, s), 0));
   }
 
+  // Make `stream` wait for the chunk of group rank `src` only.
   void wait_source(uint64_t stream, int64_t call, int src) {
     check_live();
     if (src < 0 || src >= world_) throw std::invalid_argument("wait_source: source rank out of range");
-    CP_CUDA(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), ev_src((int)(call % kNRec), src), 0));
+    CP_CUDA(cudaSetDevice(device_));
+    const int slot = (int)(call % kNRec);
+    cudaStream_t x = reinterpret_cast<cudaStream_t>(stream);
+    uint64_t* ctrl = reinterpret_cast<uint64_t*>(local_base_);
+    if (src == rank_) {
+      CP_CUDA(cudaStreamWaitEvent(x, ev_src(slot, rank_), 0));
+      return;
+    }
+    CP_CUDA(cudaStreamWaitEvent(x, ev_begin(slot), 0));
+    wait_kernel<<<1, 32, 0, x>>>(ctrl + world_ + src, ctrl + 2 * world_ + 1 + slot);
+    CP_CUDA(cudaGetLastError());
   }
 
+  // True when our side of `call` is done (own chunk and sends); arrivals from peers are not queried.
   bool query(int64_t call) {
     check_live();
-    cudaError_t e = cudaEventQuery(ev_done((int)(call % kNRec)));
-    if (e == cudaErrorNotReady) return false;
-    CP_CUDA(e);
+    const int slot = (int)(call % kNRec);
+    std::vector<cudaEvent_t> evs{ev_src(slot, rank_)};
+    for (int s = 0; s < used_[slot]; ++s) evs.push_back(ev_send_end(slot, s));
+    for (auto ev : evs) {
+      cudaError_t e = cudaEventQuery(ev);
+      if (e == cudaErrorNotReady) return false;
+      CP_CUDA(e);
+    }
     return true;
   }
 
@@ -286,14 +362,16 @@ class Lane {
   }
   int per_slot() const { return 2 + world_ + 2 * n_send_; }
   cudaEvent_t ev_begin(int s) { return events_[(size_t)s * per_slot()]; }
-  cudaEvent_t ev_done(int s) { return events_[(size_t)s * per_slot() + 1]; }
   cudaEvent_t ev_src(int s, int p) { return events_[(size_t)s * per_slot() + 2 + p]; }
   cudaEvent_t ev_send_end(int s, int i) { return events_[(size_t)s * per_slot() + 2 + world_ + i]; }
   cudaEvent_t ev_tmp(int s, int i) { return events_[(size_t)s * per_slot() + 2 + world_ + n_send_ + i]; }
 
   // Issue part q of `split` of every copy in ds to `stream`; destination heap base `base`.
-  void copies(cudaStream_t stream, const std::vector<std::array<uint64_t, 6>>& ds, uint64_t base, int path,
-              int sm_blocks, int q, int split) {
+  // SM path only: wait_flag/peer_flag fuse the ready wait (first launch) and the arrival signal (last
+  // launch) into the copy kernel; returns false when no kernel was launched (nothing to copy).
+  bool copies(cudaStream_t stream, const std::vector<std::array<uint64_t, 6>>& ds, uint64_t base, int path,
+              int sm_blocks, int q, int split, const uint64_t* wait_flag = nullptr, const uint64_t* rec = nullptr,
+              uint64_t* peer_flag = nullptr, unsigned int* block_count = nullptr) {
     std::vector<Desc> parts;
     for (const auto& a : ds) {
       Desc d{a[0], a[1], a[2], a[3], a[4], a[5]};
@@ -324,8 +402,9 @@ class Lane {
         else
           CP_CUDA(cudaMemcpy2DAsync(dst, d.dpitch, src, d.spitch, d.width, d.height, cudaMemcpyDefault, stream));
       }
-      return;
+      return !parts.empty();
     }
+    std::vector<CopyBatch> batches;
     for (size_t i0 = 0; i0 < parts.size(); i0 += kMaxDesc) {
       CopyBatch b{};
       unsigned long long acc = 0;
@@ -345,12 +424,19 @@ class Lane {
         ++b.n;
       }
       b.start[b.n] = acc;
-      if (acc == 0) continue;
+      if (acc > 0) batches.push_back(b);
+    }
+    for (size_t i = 0; i < batches.size(); ++i) {
+      const CopyBatch& b = batches[i];
+      const unsigned long long acc = b.start[b.n];
       const unsigned long long need = (acc + (unsigned long long)kThreads * kUnroll - 1) / ((unsigned long long)kThreads * kUnroll);
       const int blocks = (int)std::max<unsigned long long>(1, std::min<unsigned long long>(need, (unsigned long long)sm_blocks));
-      copy2d_kernel<<<blocks, kThreads, 0, stream>>>(b);
+      const bool last = i + 1 == batches.size();
+      copy2d_kernel<<<blocks, kThreads, 0, stream>>>(b, i == 0 ? wait_flag : nullptr, rec, last ? peer_flag : nullptr,
+                                                     block_count);
       CP_CUDA(cudaGetLastError());
     }
+    return !batches.empty();
   }
 
   int rank_, world_, device_;
@@ -361,6 +447,7 @@ class Lane {
   cudaStream_t local_{}, recv_{};
   std::vector<cudaStream_t> send_;
   std::vector<cudaEvent_t> events_;
+  int used_[kNRec] = {0};
   bool released_ = false;
 };
 

@@ -93,7 +93,7 @@ class _NvshmemHeap:
             uid._data.view(np.int8)[:] = np.frombuffer(obj[0], dtype=np.int8)
             nvshmem.init(device=dev, uid=uid, rank=world_rank, nranks=world_size, initializer_method="uid")
             _NvshmemHeap._initialized = True
-        self.buf = nvshmem.buffer(nbytes, release=True, except_on_del=False)  # collective over the job
+        self.buf = nvshmem.buffer(nbytes, release=False, except_on_del=False)  # collective over the job
         self.local = int(self.buf.handle)
         ranks = dist.get_process_group_ranks(group)
         self.peers = []
@@ -161,8 +161,11 @@ def _parse_size(s: str) -> int:
 class Pool:
     """Bump allocator over the symmetric heap; buffers keyed by (role, shape, dtype), two slots each."""
 
-    def __init__(self, heap_tensor: torch.Tensor, start: int, capacity: int, cap_gb: float):
+    def __init__(self, heap_tensor: torch.Tensor, start: int, capacity: int, cap_gb: float, make=None):
+        # make(offset, nbytes) -> uint8 tensor over that range. Each slot gets its own storage, so two
+        # outputs of one op (k_full, v_full) do not alias in torch.library's eyes.
         self.heap = heap_tensor
+        self.make = make or (lambda off, n: heap_tensor[off : off + n])
         self.start, self.capacity, self.cap_gb = start, capacity, cap_gb
         self.used = 0
         self.buffers: dict[tuple, list[torch.Tensor]] = {}
@@ -187,7 +190,7 @@ class Pool:
             slots = []
             for _ in range(2):
                 off = self.start + self.used
-                t = self.heap[off : off + nbytes].view(dtype).view(shape)
+                t = self.make(off, nbytes).view(dtype).view(shape)
                 slots.append((t, off))
                 self.used += size
             self.buffers[key] = slots
@@ -210,14 +213,19 @@ class Pool:
 # ---- work ---------------------------------------------------------------------------------------
 class FastWork(dist.Work):
     """Completion of one fast call. ``wait()`` makes the current CUDA stream wait for every chunk (it does
-    not block the host); ``wait_source(src)`` for the chunk of group rank ``src`` only."""
+    not block the host; a spin kernel on that stream watches the peers' arrival flags); ``wait_source(src)``
+    for the chunk of group rank ``src`` only; ``is_completed()`` reports this rank's own copies only."""
 
     def __init__(self, lane: "Lane", call: int):
         super().__init__()
         self.lane, self.call = lane, call
+        self._waited: set = set()  # streams already made to wait (k_full and v_full share one work)
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - c10d signature
-        self.lane.ext_lane.wait(torch.cuda.current_stream(self.lane.device).cuda_stream, self.call)
+        s = torch.cuda.current_stream(self.lane.device).cuda_stream
+        if s not in self._waited:
+            self.lane.ext_lane.wait(s, self.call)
+            self._waited.add(s)
         return True
 
     def wait_source(self, src: int) -> None:
@@ -268,8 +276,10 @@ class Lane:
     def launch(self, key: tuple, descs: list, inputs: list, force: Decision | None = None) -> FastWork:
         d = force or self.decide(key, descs, inputs)
         cur = torch.cuda.current_stream(self.device)
-        for t in inputs:  # the caching allocator must not hand the inputs out while side streams read them
-            for s in self.streams:
+        # the caching allocator must not hand the inputs out while the side streams (local + send) read them
+        readers = self.streams[:1] + self.streams[2 : 2 + min(d.inflight, max(1, self.world - 1)) * max(1, d.split)]
+        for t in inputs:
+            for s in readers:
                 t.record_stream(s)
         call = self.calls
         self.calls += 1
@@ -416,5 +426,6 @@ def create_lane(group: dist.ProcessGroup, device: torch.device) -> Lane:
     dist.barrier(group=group)  # every control block is zeroed before any peer writes a flag
     heap_tensor = torch.as_tensor(_CudaMemory(heap.local, nbytes), device=device)
     streams = [torch.cuda.ExternalStream(s, device=device) for s in ext_lane.streams()]
-    pool = Pool(heap_tensor, ctrl, cap, settings.pool_gb)
+    pool = Pool(heap_tensor, ctrl, cap, settings.pool_gb,
+                make=lambda off, n: torch.as_tensor(_CudaMemory(heap.local + off, n), device=device))
     return Lane(group, dist.get_process_group_ranks(group), device, ext, ext_lane, heap, pool, fabric, streams)
