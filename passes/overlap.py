@@ -16,8 +16,8 @@ find, check, rewrite):
    remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
    Q's slot is the one that reaches the attention op's ``query`` argument.
 2. ``_open_window``: the Q side of a window is every node the attention depends on and the launch does
-   not. Q-side nodes before the launch (and anything that uses them) move to right after it — which is the
-   same as raising the launch to right after its last input — keeping their order.
+   not. Q-side nodes before the launch (and anything that uses them) move to after it, keeping their order;
+   then the launch rises to right after its last input (K after its norm and RoPE, V after its projection).
 3. ``_sink_wait``: each wait moves to right before its first user.
 4. The window's nodes are tagged (``node.meta``); :func:`pin_windows`, a scheduler pass, then adds ordering
    dependencies launch → Q-side kernels → wait, so that Inductor's own reordering (fusion, e.g. Q RoPE with
@@ -45,7 +45,6 @@ aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _AGKV = torch.ops.cp_ops.agkv_gather_start.default
 _ULYSSES = torch.ops.cp_ops.ulysses_start.default
-_ULYSSES_INV = torch.ops.cp_ops.ulysses_inverse_start.default
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
 
 # Ops that only re-view or copy a tensor: followed through when looking for the op that consumes it.
@@ -123,8 +122,9 @@ def _first_compute_users(n: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
 
 
 def _find_attention(waits: list[fx.Node], order: dict[fx.Node, int]) -> fx.Node | None:
-    """The attention op fed by the waits: the earliest non-layout consumer (an SDPA op when there is one)."""
-    users = [u for w in waits for u, _ in _first_compute_users(w)]
+    """The attention op fed by the waits: the earliest non-layout consumer (an SDPA op when there is one);
+    None when the waited tensors only leave the graph (nothing to overlap with)."""
+    users = [u for w in waits for u, _ in _first_compute_users(w) if u.op == "call_function"]
     if not users:
         return None
     attn = [u for u in users if _is_attention(u)]

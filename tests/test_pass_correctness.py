@@ -32,7 +32,6 @@ def _compile_and_run(model, args, overlap: bool):
 
 
 def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, records: _Records) -> None:
-    import cp_ops  # noqa: F401
     from pass_blocks import rope_tables
 
     s_local = GRID[0] * GRID[1] * GRID[2] // w
@@ -41,11 +40,23 @@ def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, re
     ref_model = block_cls(DIM, HEADS, cp=False).to(dtype)
     ref_model.load_state_dict(model.state_dict())
     x_full = torch.randn(1, s_local * w, DIM, dtype=dtype)
-    cos_full, sin_full = rope_tables(GRID, DIM // HEADS)
     sl = slice(rank * s_local, (rank + 1) * s_local)
-    args = (x_full[:, sl].contiguous(), cos_full[sl].contiguous(), sin_full[sl].contiguous())
+    if block_cls.__name__ == "FluxBlock":
+        # Joint attention: the single device runs [all text, all image] tokens; rank r holds [its text block,
+        # its image block], with the RoPE rows of those tokens.
+        t_local = 4
+        txt_full = torch.randn(1, t_local * w, DIM, dtype=dtype)
+        cos_full, sin_full = rope_tables((1, 1, (t_local + s_local) * w), DIM // HEADS)
+        joint = torch.cat([torch.arange(rank * t_local, (rank + 1) * t_local), t_local * w + torch.arange(s_local * w)[sl]])
+        args = (x_full[:, sl].contiguous(), txt_full[:, rank * t_local : (rank + 1) * t_local].contiguous(),
+                cos_full[joint], sin_full[joint])
+        ref_args, ref_rows = (x_full, txt_full, cos_full, sin_full), joint
+    else:
+        cos_full, sin_full = rope_tables(GRID, DIM // HEADS)
+        args = (x_full[:, sl].contiguous(), cos_full[sl].contiguous(), sin_full[sl].contiguous())
+        ref_args, ref_rows = (x_full, cos_full, sin_full), torch.arange(s_local * w)[sl]
     with torch.no_grad():
-        single = ref_model(x_full, cos_full, sin_full)[:, sl]
+        single = ref_model(*ref_args)[:, ref_rows]
         eager = model(*args)
         records.messages.clear()
         off = _compile_and_run(model, args, overlap=False)
@@ -74,6 +85,8 @@ def _all_cases(rank: int, w: int) -> None:
         (pb.WanBlock, "agkv", torch.float32),
         (pb.WanBlock, "ulysses", torch.float32),
         (pb.FusedQKVBlock, "ulysses", torch.bfloat16),
+        (pb.FluxBlock, "ulysses", torch.float32),
+        (pb.Stack, "agkv", torch.float32),
     ]:
         _check_block(rank, w, block_cls, mode, dtype, records)
 
