@@ -419,3 +419,48 @@ addmm_3 = addmm(params_8, _scaled_dot_product_flash_attention_for_cpu, params_7)
         self.assertIs(nodes[pos[launch] - 1], max(launch.all_input_nodes, key=pos.__getitem__))
         self.assertLess(pos[launch], pos[q_gemm])
         self.assertTrue(all(pos[q_gemm] < pos[w] < pos[sdpa] for w in waits))
+
+
+@pytest.mark.parametrize("mode", ["agkv", "ulysses"])
+def test_diffusers_wan_transformer_one_window_per_layer(mode):
+    """A real DiT: diffusers' Wan transformer (2 layers) parallelized by cp_ops.integrations.diffusers and
+    compiled whole: each layer's self-attention gets its window (Q GEMM + Q norm/RoPE kernel inside)."""
+    pytest.importorskip("diffusers")
+    from diffusers import WanTransformer3DModel
+
+    from cp_ops.integrations.diffusers import parallelize
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2).eval()
+    model = parallelize(model, mode=mode, transport="torch")
+
+    class Sample(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, t, text):
+            return self.m(x, t, text, return_dict=False)[0]
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(1, 4, 2, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 16, 32, generator=g))
+    _, code, cap, logs = compile_and_get(Sample(model), args)
+    assert cap.windows == [2], logs
+    kernels = kernel_lines(code)
+    launch = "cp_ops.agkv_gather_start" if mode == "agkv" else "cp_ops.ulysses_start"
+    windows, cur = [], None
+    for k in kernels:
+        if launch in k and cur is None:
+            cur = []
+        elif "wait_tensor" in k and cur is not None:
+            windows.append(cur)
+            cur = None
+        elif cur is not None:
+            cur.append(k)
+    assert len(windows) == 2, kernels
+    for w in windows:
+        assert w[0].startswith("extern_kernels."), w  # the Q projection first
+        assert any("rsqrt" in k for k in w[1:]), w  # then the Q norm (and RoPE, fused on CPU)
+        if mode == "ulysses":
+            assert w[-1] == "torch.ops.cp_ops.ulysses_start.default", w  # Q's all-to-all last
