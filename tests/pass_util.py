@@ -85,7 +85,9 @@ def compile_and_get(model, args, overlap: bool = True):
     from torch._inductor.utils import run_and_get_code
 
     import passes
+    import passes.overlap
 
+    passes.overlap.STRICT = True  # a failure inside the pass fails the test
     cap = CaptureGraphs(run_pass=overlap)
     opts = passes.inductor_options() if overlap else {}
     opts["post_grad_custom_post_pass"] = cap

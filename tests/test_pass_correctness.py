@@ -25,7 +25,9 @@ def _compile_and_run(model, args, overlap: bool):
     import torch._inductor.config as cfg
 
     import cp_ops
+    import passes.overlap
 
+    passes.overlap.STRICT = True  # a failure inside the pass fails the test
     torch._dynamo.reset()
     with cfg.patch(fx_graph_cache=False):
         return cp_ops.compile(model, fullgraph=True, overlap=overlap)(*args)

@@ -464,3 +464,25 @@ def test_diffusers_wan_transformer_one_window_per_layer(mode):
         assert any("rsqrt" in k for k in w[1:]), w  # then the Q norm (and RoPE, fused on CPU)
         if mode == "ulysses":
             assert w[-1] == "torch.ops.cp_ops.ulysses_start.default", w  # Q's all-to-all last
+
+
+def test_pass_failure_leaves_graph_alone_with_warning(monkeypatch, caplog):
+    """A bug inside the pass must not break the user's compile: that launch keeps its place, with a warning."""
+    import passes.overlap as ov
+    from pass_util import compact_graph
+
+    gm = TestOverlapPassOnTracedGraph()._traced("agkv")
+    before = compact_graph(gm.graph)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(ov, "STRICT", False)
+    monkeypatch.setattr(ov, "_open_window", boom)
+    with caplog.at_level("WARNING", logger="cp_ops.passes"):
+        assert ov.overlap_kv_communication(gm.graph) == 0
+    assert compact_graph(gm.graph) == before
+    assert "no overlap window for agkv_gather_start: RuntimeError: injected failure" in caplog.text
+    monkeypatch.setattr(ov, "STRICT", True)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        ov.overlap_kv_communication(gm.graph)
