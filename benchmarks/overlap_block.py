@@ -406,6 +406,11 @@ def run_rank(rank: int, world_size: int, device: torch.device, args) -> None:
                     if rank == 0:
                         print(f"  {variant:>7} {mode or '':>7} S={s:>6}: {row.get(variant + '_ms', single.get(s)):.3f} ms", flush=True)
                 del f
+                if rank == 0:  # partial results survive a later crash
+                    part = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results.values()]
+                    for r in part:
+                        r["single_ms"] = single.get(r["S"])
+                    _write(args, part, skipped, device, world_size, final=False)
                 break
             except Exception as e:  # noqa: BLE001 - record it and go on
                 # Compile errors are the same on every rank, so the ranks stay in step; an error on one rank
@@ -497,15 +502,18 @@ def _meta(args, device, world_size) -> dict:
 def _write(args, rows, skipped, device, world_size, final: bool) -> str:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "overlap_block.json")
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         json.dump({"meta": _meta(args, device, world_size), "rows": rows, "skipped": skipped,
-                   "targets": _targets(rows) if device.type == "cuda" else [], "complete": final}, f, indent=1)
+                   "targets": _targets(rows) if device.type == "cuda" and final else [], "complete": final}, f, indent=1)
+    os.replace(tmp, path)
     return path
 
 
 def _report(args, rows, skipped, device, world_size) -> None:
     meta = _meta(args, device, world_size)
-    print(f"\noverlap_block — Wan-14B-shape attention block, CP{world_size} on "
+    shape = "Wan-14B-shape" if (args.dim, args.heads) == (5120, 40) else "smoke-shape"
+    print(f"\noverlap_block — {shape} attention block, CP{world_size} on "
           f"{meta.get('gpu', platform.machine() + ' CPU')}, torch {meta['torch']}, {args.dtype}, dim={args.dim} "
           f"H={args.heads} D={args.dim // args.heads}, transport={args.transport}")
     print("times: median ms, max over ranks; exposed = CP − copy (% of CP block); overlap = comm time under compute")
@@ -540,13 +548,13 @@ def _plot(rows, meta, path) -> None:
     rows = [r for r in rows if "exposed_cp_pass_pct" in r]
     if not rows:
         return
-    for mode in sorted({r["mode"] for r in rows}):
+    for i, mode in enumerate(sorted({r["mode"] for r in rows})):
         rs = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["S"])
-        s = [r["S"] for r in rs]
-        a1.plot(s, [r["exposed_cp_pct"] for r in rs], "o--", label=f"{mode}, no pass")
-        a1.plot(s, [r["exposed_cp_pass_pct"] for r in rs], "o-", label=f"{mode}, with pass")
-        a2.plot(s, [r["speedup_cp"] for r in rs], "o--", label=f"{mode}, no pass")
-        a2.plot(s, [r["speedup_cp_pass"] for r in rs], "o-", label=f"{mode}, with pass")
+        s, c = [r["S"] for r in rs], f"C{i}"
+        a1.plot(s, [r["exposed_cp_pct"] for r in rs], "o--", color=c, label=f"{mode}, no pass")
+        a1.plot(s, [r["exposed_cp_pass_pct"] for r in rs], "o-", color=c, label=f"{mode}, with pass")
+        a2.plot(s, [r["speedup_cp"] for r in rs], "o--", color=c, label=f"{mode}, no pass")
+        a2.plot(s, [r["speedup_cp_pass"] for r in rs], "o-", color=c, label=f"{mode}, with pass")
     a1.axhline(5, color="grey", lw=0.8, ls=":", label="5% target")
     for a in (a1, a2):
         a.set_xscale("log", base=2)
@@ -554,7 +562,8 @@ def _plot(rows, meta, path) -> None:
         a.legend(fontsize=8)
     a1.set_ylabel("exposed communication (% of block time)")
     a2.set_ylabel(f"speedup over 1 device (CP{meta['world_size']})")
-    fig.suptitle(f"Wan-14B-shape attention block, {meta['dtype']}, {meta.get('gpu', meta['device'])}")
+    fig.suptitle(f"attention block dim={meta['dim']} H={meta['heads']} D={meta['head_dim']}, {meta['dtype']}, "
+                 f"CP{meta['world_size']} on {meta.get('gpu', meta['device'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -584,8 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-dir", default=None, help="where traces go (default a temp dir)")
     p.add_argument("--no-dynamic", dest="dynamic", action="store_false",
                    help="compile each S separately (default: S is dynamic, one compile per variant)")
-    p.add_argument("--max-minutes", type=float, default=8.0,
-                   help="start no new variant after this many minutes (default 8); the rest is listed as skipped")
+    p.add_argument("--max-minutes", type=float, default=7.0,
+                   help="start no new variant after this many minutes (default 7); the rest is listed as skipped")
     return p
 
 
