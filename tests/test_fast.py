@@ -236,3 +236,49 @@ def test_candidates_shared_egress_single_stream():
         assert all(c.path == 0 for c in lane.candidates(aligned=False))
     finally:
         s.path = old
+
+
+# ---- group probe (one node, P2P reachability, fabric) on 2 gloo ranks -----------------------------
+_SCENARIOS = {
+    "ok": (None, "nvlink"),
+    "pcie": (None, "shared-egress"),
+    "two_nodes": "spans more than one node",
+    "no_p2p": "cannot access peer GPU",
+    "hidden": "not visible to this process",
+}
+
+
+def _probe_body(rank, world):
+    import socket
+    import types
+
+    import torch.distributed as dist
+
+    for scenario, want in _SCENARIOS.items():
+        visible = 1 if scenario == "hidden" else world
+        # uuids: every rank sees GPU-0..GPU-{visible-1}; in 'hidden' each rank's own GPU has a private uuid
+        own = f"GPU-private-{rank}" if scenario == "hidden" else f"GPU-{rank}"
+        torch.cuda.get_device_properties = lambda d, own=own: types.SimpleNamespace(
+            uuid=own if not isinstance(d, int) else f"GPU-{d}")
+        torch.cuda.device_count = lambda visible=visible: visible
+        socket.gethostname = lambda host=(f"node{rank}" if scenario == "two_nodes" else "node0"): host
+
+        class Ext:
+            @staticmethod
+            def p2p_attributes(dev, peer, scenario=scenario):
+                return [0 if scenario == "no_p2p" else 1, 0 if scenario == "pcie" else 1, 0]
+
+        dev = types.SimpleNamespace(index=rank, type="cuda")
+        got = _fast_runtime.probe_group(dist.group.WORLD, dev, Ext)
+        if isinstance(want, tuple):
+            assert got == want, (scenario, got)
+        else:
+            assert got[0] is not None and want in got[0], (scenario, got)
+
+
+def test_probe_group_reasons_agreed_by_all_ranks():
+    """Multi-node, unreachable and hidden peers give a reason on every rank; PCIe-like links collapse the
+    fabric to 'shared-egress' (one remote stream)."""
+    from dist_util import run_ranks
+
+    run_ranks(_probe_body, 2, timeout=60)
