@@ -127,7 +127,7 @@ def inductor_options(existing: dict | None = None) -> dict:
     post = opts.get("post_grad_custom_post_pass", cfg.post_grad_custom_post_pass)
     if not _is_ours(post):
         if isinstance(post, (list, tuple)):
-            post = post[0] if len(post) == 1 else _run_all(post)
+            post = post[0] if len(post) == 1 else _PassSequence(post)
         post = OverlapPass(post)
     opts["post_grad_custom_post_pass"] = post
     if hasattr(cfg, "_pre_fusion_custom_pass"):
@@ -143,7 +143,9 @@ def inductor_options(existing: dict | None = None) -> dict:
     return opts
 
 
-class _run_all:  # noqa: N801 - behaves like a function
+class _PassSequence:
+    """Several post-grad passes run in order, as one (a list set in the config before ours)."""
+
     def __init__(self, passes) -> None:
         self.passes = list(passes)
 

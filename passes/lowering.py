@@ -57,7 +57,21 @@ def _lower_agkv(k, v, world_size, group_name, transport):
     packed.outputs = [
         ir.MultiOutput(ir._CollectiveKernel.tensor_to_layout(t), packed, [(list, i)]) for i, t in enumerate(example)
     ]
+    _mark_unaligned(packed.outputs, example)
     return [ir.TensorBox.create(o) for o in packed.outputs]
+
+
+def _mark_unaligned(bufs, examples) -> None:
+    """As ``_CollectiveKernel.create_out_of_place`` does: outputs Inductor may not assume aligned."""
+    try:
+        from torch._inductor import config
+        from torch._inductor.utils import tensor_is_aligned
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return
+    for buf, t in zip(bufs, examples):
+        if getattr(config, "assume_unaligned_fallback_output", False) or not tensor_is_aligned(t):
+            V.graph.unaligned_buffers.add(buf.get_name())
 
 
 def _lower_out_of_place(kernel):
