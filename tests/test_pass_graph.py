@@ -49,10 +49,6 @@ def _check_q_window(fc: FileCheck, q_gemms: tuple[str, ...]) -> FileCheck:
     return fc.check_regex(r"fused\w*rsqrt").check_regex(r"(neg|stack)\w*\(")
 
 
-def _last_cp_launch_line(code: str, op: str) -> str:
-    return [line for line in code.splitlines() if f"torch.ops.cp_ops.{op}.default(" in line][-1]
-
-
 class TestOverlapPass(expecttest.TestCase):
     def test_wan_agkv_graph_and_code_order(self):
         model = pb.WanBlock(DIM, HEADS, mode="agkv")
