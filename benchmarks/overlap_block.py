@@ -363,74 +363,82 @@ def run_rank(rank: int, world_size: int, device: torch.device, args) -> None:
         if _agree((time.time() - t_start) / 60 > args.max_minutes, device):
             skipped.append({"S": "*", "mode": mode or "*", "reason": f"{variant}: time budget --max-minutes {args.max_minutes} spent"})
             continue
-        fullgraph = True
-        for attempt in (1, 2):
+        f, info, fullgraph = None, {}, True
+        for attempt in (1, 2):  # compile (first call); on an error, once more with fullgraph=False
             try:
                 f = _build(args, variant, mode or "agkv", world_size, device, dtype, fullgraph=fullgraph)
-                info = {}
-                if variant in ("cp", "cp_pass") and seqs:
-                    s_local = seqs[0] // world_size
-                    plog = _PassLog()
-                    logging.getLogger("cp_ops.passes").setLevel(logging.DEBUG)
-                    logging.getLogger("cp_ops.passes").addHandler(plog)
-                    try:
-                        code_path = os.path.join(args.out, f"code_{variant}_{mode}.py") if rank == 0 else None
-                        wins = _first_call_with_code(
-                            f, _inputs(s_local, rank * s_local, args, device, dtype, seed=rank + 1), code_path
-                        )
-                    finally:
-                        logging.getLogger("cp_ops.passes").removeHandler(plog)
+                s0 = seqs[0] if variant == "single" else seqs[0] // world_size
+                first = _inputs(s0, 0 if variant == "single" else rank * s0, args, device, dtype, seed=rank + 1)
+                plog = _PassLog()
+                logging.getLogger("cp_ops.passes").setLevel(logging.DEBUG)
+                logging.getLogger("cp_ops.passes").addHandler(plog)
+                try:
+                    code_path = os.path.join(args.out, f"code_{variant}_{mode or 'single'}.py") if rank == 0 else None
+                    wins = _first_call_with_code(f, first, code_path)
+                finally:
+                    logging.getLogger("cp_ops.passes").removeHandler(plog)
+                if variant in ("cp", "cp_pass"):
                     info = {f"{variant}_windows_opened": plog.opened, f"{variant}_windows_pinned": plog.pinned,
                             f"{variant}_kernels_in_window": [len(w) for w in wins]}
                     if rank == 0:
-                        print(f"  {variant} {mode}: windows opened {plog.opened}, pinned {plog.pinned}, kernels between "
-                              f"launch and wait {[len(w) for w in wins]}: {wins}", flush=True)
-                for s in seqs:
-                    s_local = s // world_size
-                    if variant == "single":
-                        inputs = _inputs(s, 0, args, device, dtype, seed=99)
-                        single[s] = _measure(f, args, device, "single", inputs, None)["single_ms"]
-                        continue
-                    row = results.setdefault((mode, s), {"S": s, "mode": mode, "S_local": s_local})
-                    inputs = _inputs(s_local, rank * s_local, args, device, dtype, seed=rank + 1)
-                    trace = None
-                    if variant != "copy" and not args.no_profile:
-                        trace = os.path.join(trace_dir, f"trace_{mode}_{s}_{variant}_rank{rank}.json")
-                    row.update(_measure(f, args, device, variant, inputs, trace))
-                    row.update(info)
-                    if not fullgraph:
-                        row[f"{variant}_fullgraph"] = False
-                    if variant in ("cp", "cp_pass"):
-                        with torch.no_grad():
-                            row[f"_{variant}_out"] = f(*inputs).float().cpu()
-                    if rank == 0:
-                        print(f"  {variant:>7} {mode or '':>7} S={s:>6}: {row.get(variant + '_ms', single.get(s)):.3f} ms", flush=True)
-                del f
-                if rank == 0:  # partial results survive a later crash
-                    part = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results.values()]
-                    for r in part:
-                        r["single_ms"] = single.get(r["S"])
-                    _write(args, part, skipped, device, world_size, final=False)
+                        print(f"  {variant} {mode}: windows opened {plog.opened}, pinned {plog.pinned} (0 on an FX "
+                              f"graph cache hit), kernels between launch and wait {[len(w) for w in wins]}: {wins}",
+                              flush=True)
+                if not fullgraph:
+                    info[f"{variant}_fullgraph"] = False
                 break
-            except Exception as e:  # noqa: BLE001 - record it and go on
-                # Compile errors are the same on every rank, so the ranks stay in step; an error on one rank
-                # only leaves the others in a collective until the group's timeout (CP_OPS_TIMEOUT_S) raises.
-                msg = f"{variant}/{mode} (fullgraph={fullgraph}): {type(e).__name__}: {e}"[:2000]
+            except Exception as e:  # noqa: BLE001 - compile errors are the same on every rank: ranks stay in step
+                f = None
+                msg = f"{variant}/{mode} compile (fullgraph={fullgraph}): {type(e).__name__}: {e}"[:2000]
                 print(f"[rank {rank}] {msg}", flush=True)
                 traceback.print_exc()
+                fullgraph = False  # e.g. a graph break on this torch: retry, and say so in the results
+        if f is None:
+            for s in seqs:
+                if variant != "single":
+                    results.setdefault((mode, s), {"S": s, "mode": mode, "S_local": s // world_size})["error"] = msg
+            continue
+        for s in seqs:
+            s_local = s // world_size
+            row = None if variant == "single" else results.setdefault((mode, s), {"S": s, "mode": mode, "S_local": s_local})
+            try:
+                if variant == "single":
+                    single[s] = _measure(f, args, device, "single", _inputs(s, 0, args, device, dtype, seed=99), None)["single_ms"]
+                    if rank == 0:
+                        print(f"   single         S={s:>6}: {single[s]:.3f} ms", flush=True)
+                    continue
+                inputs = _inputs(s_local, rank * s_local, args, device, dtype, seed=rank + 1)
+                trace = None
+                if variant != "copy" and not args.no_profile:
+                    trace = os.path.join(trace_dir, f"trace_{mode}_{s}_{variant}_rank{rank}.json")
+                row.update(_measure(f, args, device, variant, inputs, trace))
+                row.update(info)
+                if variant in ("cp", "cp_pass"):
+                    with torch.no_grad():
+                        row[f"_{variant}_out"] = f(*inputs).cpu()
+                if rank == 0:
+                    print(f"  {variant:>7} {mode:>7} S={s:>6}: {row[variant + '_ms']:.3f} ms", flush=True)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest S: keep the other S
+                # An error on one rank only leaves the others in a collective until the group's timeout.
+                msg = f"{variant}/{mode} S={s}: {type(e).__name__}: {e}"[:2000]
+                print(f"[rank {rank}] {msg}", flush=True)
+                traceback.print_exc()
+                if row is not None:
+                    row["error"] = msg
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                if attempt == 1:
-                    fullgraph = False  # e.g. a graph break on this torch: retry, and say so in the results
-                    continue
-                for s in seqs:
-                    results.setdefault((mode, s), {"S": s, "mode": mode, "S_local": s // world_size})["error"] = msg
+        del f
+        if rank == 0:  # partial results survive a later crash
+            part = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results.values()]
+            for r in part:
+                r["single_ms"] = single.get(r["S"])
+            _write(args, part, skipped, device, world_size, final=False)
     rows = []
     for (mode, s), row in sorted(results.items(), key=lambda kv: (args.modes.index(kv[0][0]), kv[0][1])):
         row["single_ms"] = single.get(s)
         a, b = row.pop("_cp_out", None), row.pop("_cp_pass_out", None)
         if a is not None and b is not None:
-            row["max_abs_diff_pass_vs_nopass"] = max_over_ranks((a - b).abs().max().item(), device)
+            row["max_abs_diff_pass_vs_nopass"] = max_over_ranks((a.float() - b.float()).abs().max().item(), device)
         else:
             max_over_ranks(0.0, device)  # keep the ranks' collectives matched
         if "error" not in row and all(row.get(k) is not None for k in ("single_ms", "copy_ms", "cp_ms", "cp_pass_ms")):
