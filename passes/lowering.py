@@ -16,10 +16,9 @@ Lowered here as ``ir._CollectiveKernel`` (out of place), exactly as Inductor low
 * ``is_collective`` is true for the launch, so Inductor's comm ordering (``decide_global_ordering_of_comms``)
   keeps the launches of all ranks in one order.
 
-Ulysses launches have one output, and Inductor's wait tracks the *first* input behind it. That is enough for
-the torch transport, which packs every input into its own send buffer inside the launch (a stream-ordered
-copy, see :func:`cp_ops.layout.ulysses_pack`); a transport that reads inputs after the launch returns must
-keep that property (or pass one tensor per launch).
+Ulysses launches have one output but several inputs, and Inductor's wait tracks only the *first* input
+behind a single output; the fast transport reads every input after the launch returns (copy engines), so the
+``wait_tensor`` lowering is wrapped to report all of a Ulysses launch's inputs as reads of its wait.
 
 Inputs are made contiguous first (as Inductor does for c10d collectives), so the buffer the transport reads
 is the buffer Inductor keeps alive.
@@ -83,9 +82,43 @@ def _lower_out_of_place(kernel):
         else:
             inputs = ir.ExternKernel.require_contiguous(inputs)
         node = ir._CollectiveKernel.create_out_of_place(kernel, inputs, *args)
+        if len(node.inputs) > 1:
+            # One output read from several inputs: the wait must keep all of them alive (see _lower_wait).
+            node._cp_ops_volatile_inputs = list(node.inputs)
         return ir.TensorBox.create(node)
 
     return lower
+
+
+def _wrap_wait_lowering(lowerings: dict) -> None:
+    """Make ``wait_tensor`` on a multi-input Ulysses launch keep *every* input alive until the wait.
+
+    Inductor's ``_WaitKernel.get_volatile_reads`` returns the first input behind a single-output collective;
+    a Ulysses launch of ``[k, v]`` has one output and two inputs, and a transport that reads its inputs after
+    the launch returns (the fast transport's copy engines do) needs both. The registered ``wait_tensor``
+    lowering is wrapped: it runs unchanged, then a wait on such a launch reports all the launch's inputs as
+    volatile reads (read deps of the wait: their buffers are neither freed nor reused before it).
+    """
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    orig = lowerings.get(wait)
+    if orig is None or getattr(orig, "_cp_ops_wrapped", False):
+        return
+
+    def lower_wait(*args, **kwargs):
+        first = len(V.graph.operations)
+        out = orig(*args, **kwargs)
+        for op in V.graph.operations[first:]:
+            if isinstance(op, ir._WaitKernel) and op.inputs:
+                extra = getattr(op.inputs[0], "_cp_ops_volatile_inputs", None)
+                if extra:
+                    op.get_volatile_reads = lambda extra=extra: list(extra)
+        return out
+
+    lower_wait._cp_ops_wrapped = True
+    lowerings[wait] = lower_wait
 
 
 def register() -> bool:
@@ -117,5 +150,11 @@ def register() -> bool:
     for op, fn in table.items():
         add_layout_constraint(op, constrain_to_fx_strides)
         register_lowering(op, type_promotion_kind=None)(fn)
+    try:
+        from torch._inductor.lowering import lowerings
+
+        _wrap_wait_lowering(lowerings)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the torch version
+        log.warning("cp_ops.passes: Ulysses launches keep only their first input alive until the wait: %s", e)
     _registered = True
     return True

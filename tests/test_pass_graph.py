@@ -107,19 +107,27 @@ addmm_3 = addmm(arg12_1, _scaled_dot_product_flash_attention_for_cpu, arg11_1)""
     def test_launch_inputs_stay_alive_until_wait(self):
         # Inductor knows the launch is a collective: its input buffers are not freed or reused before the wait.
         _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="agkv"), _wan_args())
+        self._check_inputs_alive(code, "agkv_gather_start", 2)
+        # Ulysses [k, v] launch: one output, two inputs: both stay alive until its wait.
+        _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="ulysses"), _wan_args())
+        self._check_inputs_alive(code, "ulysses_start", 2)
+
+    def _check_inputs_alive(self, code: str, op: str, n_inputs: int):
+        """The first ``op`` launch's input buffers are freed (``del``) only after the wait on its output(s)."""
         lines = code.splitlines()
-        launch = next(i for i, l in enumerate(lines) if "cp_ops.agkv_gather_start.default(" in l)
-        m = re.search(r"(buf\d+) = torch\.ops\.cp_ops\.agkv_gather_start\.default\((.*)\)", lines[launch])
+        launch = next(i for i, l in enumerate(lines) if f"cp_ops.{op}.default(" in l)
+        m = re.search(rf"(buf\d+) = torch\.ops\.cp_ops\.{op}\.default\((.*)\)", lines[launch])
         out, call_args = m.group(1), m.group(2)
-        inputs = re.findall(r"\b(buf\d+)\b", call_args)[:2]
-        self.assertEqual(len(inputs), 2, call_args)
-        outs = [re.match(r"\s*(buf\d+) = " + out + r"\[(\d)\]", l) for l in lines[launch:]]
-        outs = {int(o.group(2)): o.group(1) for o in outs if o}
+        inputs = re.findall(r"\b(buf\d+)\b", call_args)[:n_inputs]
+        self.assertEqual(len(inputs), n_inputs, call_args)
+        # Multi-output (AGKV): output i = bufX[i] is written from input i; single output: bufX itself.
+        item = {int(mm.group(2)): mm.group(1) for l in lines[launch:] for mm in [re.match(rf"\s*(buf\d+) = {out}\[(\d)\]", l)] if mm}
         for idx, inp in enumerate(inputs):
-            wait = next(i for i, l in enumerate(lines) if f"wait_tensor.default({outs[idx]})" in l)
-            freed = [i for i, l in enumerate(lines) if re.search(rf"del {inp}\b", l)]
+            waited = item.get(idx, out)
+            wait = next(i for i, l in enumerate(lines) if f"wait_tensor.default({waited})" in l)
+            freed = [i for i, l in enumerate(lines) if i > launch and re.search(rf"del {inp}\b", l)]
             self.assertTrue(freed, f"{inp} never freed")
-            self.assertGreater(freed[0], wait, f"input {inp} of the launch freed/reused before its wait")
+            self.assertGreater(freed[0], wait, f"input {inp} of {op} freed/reused before its wait")
 
     def test_wan_ulysses_split_graph_and_code_order(self):
         model = pb.WanBlock(DIM, HEADS, mode="ulysses")
