@@ -21,7 +21,8 @@ behind a single output; the fast transport reads every input after the launch re
 ``wait_tensor`` lowering is wrapped to report all of a Ulysses launch's inputs as reads of its wait.
 
 Inputs are made contiguous first (as Inductor does for c10d collectives), so the buffer the transport reads
-is the buffer Inductor keeps alive.
+is the buffer Inductor keeps alive. Outputs are never recycled by Inductor's buffer reuse (the fast
+transport returns views of pooled symmetric buffers that peers write again at a later call).
 """
 
 from __future__ import annotations
@@ -57,7 +58,17 @@ def _lower_agkv(k, v, world_size, group_name, transport):
         ir.MultiOutput(ir._CollectiveKernel.tensor_to_layout(t), packed, [(list, i)]) for i, t in enumerate(example)
     ]
     _mark_unaligned(packed.outputs, example)
+    _never_reuse(packed.outputs)
     return [ir.TensorBox.create(o) for o in packed.outputs]
+
+
+def _never_reuse(bufs) -> None:
+    """Inductor must not recycle a launch's output memory for other tensors: the fast transport's outputs are
+    views of pooled symmetric buffers that peers write into again at a later call (see its module docs)."""
+    from torch._inductor.virtualized import V
+
+    for buf in bufs:
+        V.graph.never_reuse_buffers.add(buf.get_name())
 
 
 def _mark_unaligned(bufs, examples) -> None:
@@ -82,6 +93,7 @@ def _lower_out_of_place(kernel):
         else:
             inputs = ir.ExternKernel.require_contiguous(inputs)
         node = ir._CollectiveKernel.create_out_of_place(kernel, inputs, *args)
+        _never_reuse([node])
         if len(node.inputs) > 1:
             # One output read from several inputs: the wait must keep all of them alive (see _lower_wait).
             node._cp_ops_volatile_inputs = list(node.inputs)

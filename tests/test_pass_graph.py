@@ -112,6 +112,15 @@ addmm_3 = addmm(arg12_1, _scaled_dot_product_flash_attention_for_cpu, arg11_1)""
         _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="ulysses"), _wan_args())
         self._check_inputs_alive(code, "ulysses_start", 2)
 
+    def test_launch_outputs_never_recycled(self):
+        # The fast transport's outputs are views of pooled symmetric buffers that peers write again at a later
+        # call: Inductor must not recycle them for other tensors (it would, e.g. for the out projection).
+        _, code, _, _ = compile_and_get(pb.Stack(DIM, HEADS, layers=2, mode="ulysses"), _wan_args())
+        outs = re.findall(r"(buf\d+) = torch\.ops\.cp_ops\.\w+\.default\(", code)
+        self.assertEqual(len(outs), 6, code)  # per layer: [k, v] launch, [q] launch, inverse
+        recycled = [l.strip() for l in code.splitlines() for b in outs if re.search(rf"del {b}\s+# reuse", l)]
+        self.assertEqual(recycled, [])
+
     def _check_inputs_alive(self, code: str, op: str, n_inputs: int):
         """The first ``op`` launch's input buffers are freed (``del``) only after the wait on its output(s)."""
         lines = code.splitlines()
