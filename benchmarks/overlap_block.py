@@ -188,9 +188,13 @@ def max_over_ranks(x: float, device: torch.device) -> float:
     return float(t.item())
 
 
+# cp_ops' fast transport (csrc/cp_fast.cu): SM copy and flag kernels; its copy-engine path shows as memcpy PtoP.
+_FAST_KERNELS = re.compile(r"\b(copy2d|begin|wait_all|wait|signal)_kernel\b")
+
+
 def _is_comm(name: str) -> bool:
     n = name.lower()
-    return "nccl" in n or "gloo" in n or "memcpy ptop" in n or "cp_ops::" in n
+    return "nccl" in n or "gloo" in n or "memcpy ptop" in n or bool(_FAST_KERNELS.search(name))
 
 
 def _union(intervals):
@@ -206,8 +210,8 @@ def _union(intervals):
 def overlap_fraction(trace_path: str) -> dict:
     """Read a ``torch.profiler`` chrome trace; the fraction of communication time that overlaps compute.
 
-    GPU: communication = kernels whose name has 'nccl' (and peer-to-peer memcpy); compute = every other
-    kernel. CPU (smoke): communication = gloo events; compute = aten ops. Returns
+    GPU: communication = NCCL kernels, the fast transport's copy/flag kernels and peer-to-peer memcpys;
+    compute = every other kernel. CPU (smoke): communication = gloo events; compute = aten ops. Returns
     ``{"comm_ms", "overlap_ms", "fraction"}`` (fraction None when there is no communication event).
     """
     with open(trace_path) as f:

@@ -36,13 +36,16 @@ def test_overlap_fraction_gpu_trace(ob, tmp_path):
         _kernel("triton_poi_fused_mul_2", 255, 10),  # overlaps 5 more (union with the previous)
         _kernel("cudnn_attention_fwd", 280, 40),  # overlaps 20
         _kernel("nccl:all_gather", 0, 1000, cat="user_annotation"),  # CPU-side annotation: ignored on GPU
+        _kernel("(anonymous namespace)::copy2d_kernel(CopyBatch, unsigned long const*)", 400, 20),  # fast transport
+        _kernel("Memcpy PtoP (Device -> Device)", 430, 10, cat="gpu_memcpy"),  # fast transport, copy engine
+        _kernel("triton_poi_fused_add_4", 425, 10),  # overlaps the memcpy by 5, not the copy kernel
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     ov = ob.overlap_fraction(str(path))
-    assert ov["comm_ms"] == pytest.approx(0.2)
-    assert ov["overlap_ms"] == pytest.approx(0.085)
-    assert ov["fraction"] == pytest.approx(85 / 200)
+    assert ov["comm_ms"] == pytest.approx(0.23)
+    assert ov["overlap_ms"] == pytest.approx(0.090)
+    assert ov["fraction"] == pytest.approx(90 / 230)
 
 
 def test_overlap_fraction_without_comm_is_none(ob, tmp_path):
