@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, benchmarks, logs and result files into OUT_DIR.
-#   benchmarks/gpu_all.sh OUT_DIR [section ...]     sections: env tests bench wan overlap fast (default: all)
+#   benchmarks/gpu_all.sh OUT_DIR [section ...]
+#   sections: env tests bench wan wan_compile wan_fast overlap fast (default: all); one log, OUT_DIR/log.txt
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_all.sh OUT_DIR [section ...]}; shift
-SECTIONS=${*:-env tests bench wan overlap fast}
+SECTIONS=${*:-env tests bench wan wan_compile wan_fast overlap fast}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -13,21 +14,23 @@ mkdir -p "$OUT"
 cd "$ROOT"
 status=0
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"; local rc=${PIPESTATUS[0]}
+  "$@" 2>&1 | tee -a "$OUT/log.txt"; local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; [ "$rc" = 0 ] || status=1; }
 for s in $SECTIONS; do case $s in
   env)   step env python3 -m cp_ops env
          nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true ;;
-  tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider ;;
-  bench) step bench python3 -m cp_ops bench --transports torch --no-progress \
-           --out "$OUT/bench_torch.json" --plot "$OUT/bench_torch.png" ;;
+  tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fast_gpu.py -p no:cacheprovider ;;
+  bench) step bench python3 -m cp_ops bench --no-progress --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   wan)   step wan_ulysses python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode ulysses --transport torch --out "$OUT/wan_ulysses.json"
          step wan_agkv python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode agkv --transport torch --out "$OUT/wan_agkv.json"
-         step wan_compile python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
+         ;;
+  wan_compile) step wan_compile python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode ulysses --transport torch --compile --warmup 2 --repeats 10 --out "$OUT/wan_ulysses_compile.json" ;;
-  overlap) [ -f benchmarks/overlap_block.py ] && step overlap python3 benchmarks/overlap_block.py --out "$OUT" ;;
+  wan_fast) step wan_fast python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
+           --mode ulysses --transport fast --out "$OUT/wan_ulysses_fast.json" ;;
+  overlap) [ -f benchmarks/overlap_block.py ] && step overlap python3 benchmarks/overlap_block.py --out "$OUT" --max-minutes ${OVERLAP_MINUTES:-6} ;;
   fast)  [ -f benchmarks/gpu_fast.sh ] && step fast bash benchmarks/gpu_fast.sh "$OUT" ;;
   *) echo "unknown section $s"; status=1 ;;
 esac; done

@@ -58,7 +58,28 @@ def _register(work, *outs: torch.Tensor) -> None:
         _register_work(out, work)
 
 
+_lowering_registered = False
+
+
+def _ensure_inductor_lowering() -> None:
+    """Fake kernels run while torch.compile traces: register, once, the Inductor lowerings that make our
+    launches collectives (``passes/lowering.py``: inputs stay alive until the wait), so plain
+    ``torch.compile`` gets them too, not only ``cp_ops.compile``. Imports Inductor lazily, outside fake mode."""
+    global _lowering_registered
+    if _lowering_registered:
+        return
+    _lowering_registered = True
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes():
+        from passes import lowering
+
+        lowering.register()
+
+
 def _check_bshd_fake(name: str, t: torch.Tensor) -> None:
+    _ensure_inductor_lowering()
     torch._check(t.dim() == 4, lambda: f"{name} must be 4-D [B, S, H, D]; got shape {tuple(t.shape)}")
 
 
@@ -95,6 +116,7 @@ def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, tran
 
 @ulysses_start.register_fake
 def _(xs, world_size, group_name, transport):
+    _ensure_inductor_lowering()
     torch._check(len(xs) >= 1, lambda: "ulysses_start needs at least one tensor")
     x0 = xs[0]
     _check_bshd_fake("xs[0]", x0)
