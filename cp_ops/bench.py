@@ -22,6 +22,15 @@ from .transport.select import select_transport
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def fast_pool_gib(seqs: list[int], batch: int, heads: int, head_dim: int, dtype: torch.dtype, world_size: int) -> float:
+    """GiB of the fast transport's symmetric pool that a bench over ``seqs`` fills: the pool keeps every shape
+    it has seen, double-buffered — AGKV K and V ``[B, S, H, D]``, the Ulysses buffer (3 tensors) and its
+    inverse (``H / W`` heads each)."""
+    esz = torch.empty((), dtype=dtype).element_size()
+    per_token = batch * heads * head_dim * esz * (2 + 3 / world_size + 1 / world_size)
+    return 2 * sum(seqs) * per_token / 2**30
+
+
 def environment(device: torch.device, world_size: int) -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "world_size": world_size,
            "device": device.type}

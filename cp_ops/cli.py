@@ -8,6 +8,8 @@ embedded default) 2 gloo ranks on the CPU and shapes that finish in seconds.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 import torch
@@ -131,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cp-ops bench: --transports takes torch,fast,auto; got {bad}")
         if "fast" in args.transports and (why := unavailable_reason(device)) is not None:
             raise SystemExit(f"cp-ops bench: transport 'fast' cannot run: {why}")
+        if "fast" in args.transports and "CP_OPS_FAST_POOL_GB" not in os.environ:
+            from .bench import DTYPES, fast_pool_gib
+
+            world = int(os.environ.get("WORLD_SIZE", args.nproc))
+            need = fast_pool_gib(args.seqs, args.batch, args.heads, args.head_dim, DTYPES[args.dtype], world)
+            if need > 7:  # the pool's default is 8 GiB; leave room for its control block
+                os.environ["CP_OPS_FAST_POOL_GB"] = str(math.ceil(need * 1.1))
+                print(f"cp-ops bench: these shapes fill {need:.1f} GiB of the fast transport's symmetric pool; "
+                      f"using CP_OPS_FAST_POOL_GB={os.environ['CP_OPS_FAST_POOL_GB']} (set it to override)")
         launch(run_bench, args.nproc, device, args)
     elif args.cmd == "run":
         from .run_wan import run_wan
