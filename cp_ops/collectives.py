@@ -32,7 +32,9 @@ def agkv_gather(
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
     Returns:
-        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]``, contiguous, ready for attention.
+        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]``, contiguous, ready for attention. With the fast
+        transport they are views of pooled symmetric buffers, valid until the second-next call of the same
+        shape: consume or clone them.
     Raises:
         ValueError / RuntimeError: as :func:`cp_ops.attention`.
     """
