@@ -59,6 +59,8 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                 continue
             for tr in args.transports:
                 cases.append((s, mode, tr))
+    if not cases:
+        raise ValueError(f"nothing to measure: no (S, mode, transport) case is valid for H={h}, W={world_size}")
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm

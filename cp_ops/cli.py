@@ -8,6 +8,7 @@ embedded default) 2 gloo ranks on the CPU and shapes that finish in seconds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -38,13 +39,15 @@ def _device(args) -> str:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None,
-                   help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU; "
-                        "ignored under torchrun)")
+                   help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
+                        "under torchrun, W is torchrun's --nproc-per-node")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 1 CPU)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs; the median is reported (default 20 GPU, 3 CPU)")
-    p.add_argument("--out", default=None, help="JSON results path (default cp_ops_results/<command>.json; '' = none)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs; the median is reported (default 20 GPU, 10 CPU)")
+    p.add_argument("--out", default=None,
+                   help="JSON results path (default cp_ops_results/bench.json or run_wan_<mode>_<transport>[_compile].json; "
+                        "'' = none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--seqs", type=_csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
-    b.add_argument("--modes", type=_csv(str), default=["agkv", "ulysses"], help="agkv,ulysses (default both)")
+    b.add_argument("--modes", type=_csv(str), default=["agkv", "ulysses"],
+                   help="agkv,ulysses,auto (default agkv,ulysses; ulysses is skipped where W does not divide H)")
     b.add_argument("--transports", type=_csv(str), default=None,
                    help="torch,fast,auto (default: torch, plus fast where it can run)")
     b.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
@@ -87,12 +91,84 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--width", type=int, default=None, help="latent width (default 64 GPU, 16 CPU)")
     r.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
-    r.add_argument("--mode", choices=["auto", "agkv", "ulysses"], default="auto")
-    r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto")
+    r.add_argument("--mode", choices=["auto", "agkv", "ulysses"], default="auto",
+                   help="CP attention mode: agkv (gather K/V, keep local Q), ulysses (all-to-all sequence<->heads; "
+                        "W must divide the heads), auto (ulysses when W divides the heads, else agkv)")
+    r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
+                   help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
+                        "auto (fast where it can run, else torch; `cp-ops env` says which)")
     r.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) both runs")
 
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not")
     return ap
+
+
+def _fail(msg: str) -> None:
+    raise SystemExit(f"cp-ops: {msg}")
+
+
+def _check_bench(args, device: str, world: int) -> None:
+    from .transport.fast import unavailable_reason
+
+    args.seqs = args.seqs or (GPU_SEQS if device == "cuda" else CPU_SEQS)
+    args.heads = args.heads or (40 if device == "cuda" else 8)
+    args.head_dim = args.head_dim or (128 if device == "cuda" else 64)
+    bad = [m for m in args.modes if m not in ("agkv", "ulysses", "auto")]
+    if bad:
+        _fail(f"bench: --modes takes agkv,ulysses,auto; got {bad}")
+    if args.transports is None:
+        args.transports = ["torch"] + (["fast"] if unavailable_reason(device) is None else [])
+    bad = [t for t in args.transports if t not in ("torch", "fast", "auto")]
+    if bad:
+        _fail(f"bench: --transports takes torch,fast,auto; got {bad}")
+    if "fast" in args.transports and (why := unavailable_reason(device)) is not None:
+        _fail(f"bench: transport 'fast' cannot run: {why}")
+    bad = [s for s in args.seqs if s < world or s % world]
+    if bad:
+        _fail(f"bench: every S in --seqs must be a positive multiple of the CP world size {world}; got {bad}")
+    if args.heads % world and all(m == "ulysses" for m in args.modes):
+        _fail(f"bench: mode ulysses needs the CP world size {world} to divide --heads {args.heads}; "
+              "pick other heads or add --modes agkv")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        _fail("bench: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+    if "fast" in args.transports and "CP_OPS_FAST_POOL_GB" not in os.environ:
+        from .bench import DTYPES, fast_pool_gib
+
+        need = fast_pool_gib(args.seqs, args.batch, args.heads, args.head_dim, DTYPES[args.dtype], world)
+        if need > 7:  # the pool's default is 8 GiB; leave room for its control block
+            os.environ["CP_OPS_FAST_POOL_GB"] = str(math.ceil(need * 1.1))
+            print(f"cp-ops bench: these shapes fill {need:.1f} GiB of the fast transport's symmetric pool; "
+                  f"using CP_OPS_FAST_POOL_GB={os.environ['CP_OPS_FAST_POOL_GB']} (set it to override)")
+
+
+def _check_run_wan(args, device: str, world: int) -> None:
+    from .run_wan import CONFIGS
+    from .transport.fast import unavailable_reason
+
+    if importlib.util.find_spec("diffusers") is None:
+        _fail("run wan needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
+    gpu = device == "cuda"
+    args.config = args.config or ("1.3b" if gpu else "tiny")
+    args.frames = args.frames or (16 if gpu else 2)
+    args.height = args.height or (64 if gpu else 16)
+    args.width = args.width or (64 if gpu else 16)
+    cfg = CONFIGS[args.config]
+    pt, ph, pw = cfg["patch_size"]
+    if args.layers is not None and args.layers < 1:
+        _fail(f"run wan: --layers must be >= 1; got {args.layers}")
+    if min(args.frames, args.height, args.width, args.batch) < 1 or args.height % ph or args.width % pw or args.frames % pt:
+        _fail(f"run wan: latent --frames/--height/--width must be positive multiples of the patch "
+              f"{cfg['patch_size']} and --batch >= 1; got {args.frames}/{args.height}/{args.width}, batch {args.batch}")
+    tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
+    if tokens % world:
+        _fail(f"run wan: the video has {tokens} tokens (frames {args.frames // pt} x {args.height // ph} x "
+              f"{args.width // pw} patches), not divisible by the CP world size {world}; change --frames/--height/--width")
+    heads = cfg["num_attention_heads"]
+    if args.mode == "ulysses" and heads % world:
+        _fail(f"run wan: mode ulysses needs the CP world size {world} to divide the {heads} heads of Wan "
+              f"{args.config}; use --mode agkv")
+    if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
+        _fail(f"run wan: transport 'fast' cannot run: {why}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,48 +184,31 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device == "cuda"
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if gpu else 2
-    args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
-    args.repeats = args.repeats if args.repeats is not None else (20 if gpu else 3)
+    if args.nproc < 1:
+        _fail(f"--nproc must be >= 1; got {args.nproc}")
+    if gpu and not under_torchrun() and torch.cuda.device_count() < args.nproc:
+        _fail(f"--nproc {args.nproc} needs {args.nproc} visible GPUs; found {torch.cuda.device_count()} "
+              "(lower --nproc or use --device cpu)")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
+    args.repeats = args.repeats if args.repeats is not None else (20 if gpu else 10)
     if args.repeats < 1 or args.warmup < 0:
-        raise SystemExit(f"cp-ops: --repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
+        _fail(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
     if args.dtype is None:
         args.dtype = "bf16" if gpu else "fp32"
-    if args.out is None:
-        args.out = f"cp_ops_results/{'bench' if args.cmd == 'bench' else 'run_' + args.model}.json"
     if args.cmd == "bench":
         from .bench import run_bench
-        from .transport.fast import unavailable_reason
 
-        args.seqs = args.seqs or (GPU_SEQS if gpu else CPU_SEQS)
-        args.heads = args.heads or (40 if gpu else 8)
-        args.head_dim = args.head_dim or (128 if gpu else 64)
-        bad = [m for m in args.modes if m not in ("agkv", "ulysses", "auto")]
-        if bad:
-            raise SystemExit(f"cp-ops bench: --modes takes agkv,ulysses,auto; got {bad}")
-        if args.transports is None:
-            args.transports = ["torch"] + (["fast"] if unavailable_reason(device) is None else [])
-        bad = [t for t in args.transports if t not in ("torch", "fast", "auto")]
-        if bad:
-            raise SystemExit(f"cp-ops bench: --transports takes torch,fast,auto; got {bad}")
-        if "fast" in args.transports and (why := unavailable_reason(device)) is not None:
-            raise SystemExit(f"cp-ops bench: transport 'fast' cannot run: {why}")
-        if "fast" in args.transports and "CP_OPS_FAST_POOL_GB" not in os.environ:
-            from .bench import DTYPES, fast_pool_gib
-
-            world = int(os.environ.get("WORLD_SIZE", args.nproc))
-            need = fast_pool_gib(args.seqs, args.batch, args.heads, args.head_dim, DTYPES[args.dtype], world)
-            if need > 7:  # the pool's default is 8 GiB; leave room for its control block
-                os.environ["CP_OPS_FAST_POOL_GB"] = str(math.ceil(need * 1.1))
-                print(f"cp-ops bench: these shapes fill {need:.1f} GiB of the fast transport's symmetric pool; "
-                      f"using CP_OPS_FAST_POOL_GB={os.environ['CP_OPS_FAST_POOL_GB']} (set it to override)")
+        _check_bench(args, device, world)
+        if args.out is None:
+            args.out = "cp_ops_results/bench.json"
         launch(run_bench, args.nproc, device, args)
     elif args.cmd == "run":
         from .run_wan import run_wan
 
-        args.config = args.config or ("1.3b" if gpu else "tiny")
-        args.frames = args.frames or (16 if gpu else 2)
-        args.height = args.height or (64 if gpu else 16)
-        args.width = args.width or (64 if gpu else 16)
+        _check_run_wan(args, device, world)
+        if args.out is None:
+            args.out = f"cp_ops_results/run_wan_{args.mode}_{args.transport}{'_compile' if args.compile else ''}.json"
         launch(run_wan, args.nproc, device, args)
     if not under_torchrun():
         sys.stdout.flush()

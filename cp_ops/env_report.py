@@ -51,6 +51,9 @@ def print_env() -> None:
     print("transports:")
     for name, why in info["transports"].items():
         print(f"  {name:<6} {'would run' if why is None else 'would not run: ' + why}")
-    if "fast_runtime" in info:
-        print(f"fast runtime: {info['fast_runtime']}")
     print(f"  auto   → {'fast' if info['transports']['fast'] is None else 'torch'}")
+    runtime = info.get("fast_runtime") or {}
+    if runtime.get("settings"):
+        print("fast transport settings: " + ", ".join(f"{k}={v}" for k, v in runtime["settings"].items()))
+    if runtime.get("lane"):
+        print(f"fast lane: {runtime['lane']}")

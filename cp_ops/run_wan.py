@@ -35,8 +35,6 @@ def build(config: str, layers: int | None, device: torch.device, dtype: torch.dt
 
     cfg = dict(CONFIGS[config])
     if layers is not None:
-        if layers < 1:
-            raise ValueError(f"--layers must be >= 1; got {layers}")
         cfg["num_layers"] = layers
     torch.manual_seed(seed)
     with torch.device(device):
@@ -51,21 +49,19 @@ def build(config: str, layers: int | None, device: torch.device, dtype: torch.dt
 
 
 def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
-    """Rank body of ``cp-ops run wan``."""
+    """Rank body of ``cp-ops run wan`` (arguments validated by :mod:`cp_ops.cli` before the ranks start)."""
+    from .attention import choose_mode
     from .integrations.diffusers import parallelize
+    from .transport.select import select_transport
 
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     dtype = DTYPES[args.dtype]
     model, cfg = build(args.config, args.layers, device, dtype)
     pt, ph, pw = cfg["patch_size"]
-    if args.height % ph or args.width % pw or args.frames % pt:
-        raise ValueError(f"latent --frames/--height/--width must be multiples of the patch {cfg['patch_size']}; "
-                         f"got {args.frames}/{args.height}/{args.width}")
     tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
-    if tokens % world_size:
-        raise ValueError(f"the video has {tokens} tokens, not divisible by the CP world size {world_size}; "
-                         "change --frames/--height/--width")
+    mode = choose_mode(args.mode, cfg["num_attention_heads"], world_size)
+    transport = select_transport(args.transport, device.type)
     g = torch.Generator(device=device).manual_seed(42)
     x = torch.randn(args.batch, cfg["in_channels"], args.frames, args.height, args.width, generator=g,
                     device=device, dtype=dtype)
@@ -79,6 +75,8 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
             return m(x, t, text, return_dict=False)[0]
 
     single_ms, ref = 0.0, None
+    if rank == 0 and args.compile:
+        print("compiling the single-rank model (first call; tens of seconds) ...", flush=True)
     if rank == 0:
         m = torch.compile(model, fullgraph=True) if args.compile else model
         single_ms = time_ms(lambda: fwd(m), device, args.warmup, args.repeats)
@@ -87,6 +85,8 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     if args.compile:
         torch._dynamo.reset()
     parallelize(model, mode=args.mode, transport=args.transport)
+    if rank == 0 and args.compile:
+        print(f"compiling the CP{world_size} model ...", flush=True)
     m = torch.compile(model, fullgraph=True) if args.compile else model
     cp_ms = max_over_ranks(time_ms(lambda: fwd(m), device, args.warmup, args.repeats), device)
     out = fwd(m).float()
@@ -95,11 +95,11 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
         meta = dict(environment(device, world_size), config=args.config, layers=cfg["num_layers"],
                     heads=cfg["num_attention_heads"], dim=cfg["num_attention_heads"] * cfg["attention_head_dim"],
                     tokens=tokens, latent=[args.batch, cfg["in_channels"], args.frames, args.height, args.width],
-                    dtype=args.dtype, mode=args.mode, transport=args.transport, compile=args.compile)
+                    dtype=args.dtype, mode=mode, transport=transport, compile=args.compile)
         row = dict(cp_ms=cp_ms, single_ms=single_ms, speedup=single_ms / cp_ms, max_rel_err=err)
         print(f"\ncp-ops run wan — Wan {args.config} ({cfg['num_layers']} layers, {meta['heads']} heads, "
               f"dim {meta['dim']}), latent {meta['latent']} = {tokens} tokens, {args.dtype}, CP{world_size} "
-              f"mode={args.mode} transport={args.transport} compile={args.compile}, on {meta.get('gpu', 'CPU')}")
+              f"mode={mode} transport={transport} compile={args.compile}, on {meta.get('gpu', 'CPU')}")
         print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
         print(f"{cp_ms:>10.2f} {single_ms:>10.2f} {row['speedup']:>7.2f}x {err:>12.2e}")
         if args.out:

@@ -47,14 +47,19 @@ def test_env_and_help():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["bench", "--device", "cpu", "--seqs", "513"], "S=513 is not divisible by the CP world size 2"),
+    (["bench", "--device", "cpu", "--seqs", "512,513"], "every S in --seqs must be a positive multiple of the CP world size 2; got [513]"),
+    (["bench", "--device", "cpu", "--nproc", "0"], "--nproc must be >= 1; got 0"),
+    (["bench", "--device", "cpu", "--modes", "ulysses", "--heads", "3"], "mode ulysses needs the CP world size 2 to divide --heads 3"),
+    (["run", "wan", "--device", "cpu", "--transport", "fast"], "run wan: transport 'fast' cannot run: the tensors are on 'cpu'"),
+    (["run", "wan", "--device", "cpu", "--layers", "0"], "--layers must be >= 1; got 0"),
     (["bench", "--device", "cpu", "--transports", "fast"], "transport 'fast' cannot run: the tensors are on 'cpu'"),
     (["run", "wan", "--device", "cpu", "--frames", "1", "--height", "6", "--width", "6"], "the video has 9 tokens"),
 ])
 def test_cli_bad_input(args, message):
-    p = _cli(*args, "--out", "")
+    p = _cli(*args, "--out", "", timeout=60)
     assert p.returncode != 0
     assert message in p.stderr + p.stdout
+    assert "Traceback" not in p.stderr  # caught before any rank starts: one line, no spawn traceback
 
 
 def test_fast_pool_sizing_for_bench():
