@@ -150,3 +150,19 @@ def _(x, world_size, group_name, transport):
 def wait(t: torch.Tensor) -> torch.Tensor:
     """Wait for the launch that produced ``t``; returns ``t``, now valid on the current stream."""
     return torch.ops._c10d_functional.wait_tensor(t)
+
+
+# ---- autograd: forward-only, with an error that says so ------------------------------------------
+def _no_backward(name: str):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"cp_ops.{name} has no backward: cp_ops targets DiT inference (forward only). Run the model under "
+            "torch.no_grad() / torch.inference_mode(), or detach the inputs of cp_ops.attention"
+        )
+
+    return backward
+
+
+for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
+                   (ulysses_inverse_start, "ulysses_inverse_start")):
+    _op.register_autograd(_no_backward(_name), setup_context=lambda ctx, inputs, output: None)

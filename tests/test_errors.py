@@ -74,3 +74,17 @@ def test_uninitialized_distributed_is_a_clear_error():
     q = torch.randn(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match="initialized torch.distributed process group"):
         cp_ops.attention(q, q, q)
+
+
+def _backward_refused(rank, w):
+    g = torch.Generator().manual_seed(rank)
+    for mode, op in (("agkv", "agkv_gather_start"), ("ulysses", "ulysses_inverse_start")):
+        q = torch.randn(1, 8, 4, 16, generator=g, requires_grad=True)
+        out = cp_ops.attention(q, q * 1.0, q * 2.0, mode=mode)
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match=f"cp_ops.{op} has no backward: cp_ops targets DiT inference"):
+            out.sum().backward()
+
+
+def test_backward_is_a_clear_error():
+    run_ranks(_backward_refused, 2)
