@@ -63,5 +63,8 @@ def test_parallelize_rejects_other_models():
             parallelize(torch.nn.Linear(2, 2))
         with pytest.raises(ValueError, match="mode must be one of"):
             parallelize(_tiny_wan(heads=2), mode="ring")
+        model = parallelize(_tiny_wan(heads=2))
+        with pytest.raises(ValueError, match="already parallelized over CP group"):
+            parallelize(model)
     finally:
         dist.destroy_process_group()

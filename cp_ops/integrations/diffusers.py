@@ -132,7 +132,8 @@ def _install_output_gather(module: torch.nn.Module, spec, pg) -> None:
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto"):
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
-    After this call every rank runs the same forward on the same full inputs; internally each rank keeps
+    After this call every rank runs the same forward on the same full inputs (identical on every rank: same
+    latents, timestep and text embeddings — seed them alike); internally each rank keeps
     only its ``S / W`` tokens after patch embedding (and the matching RoPE rows), self-attention gets full
     context through cp_ops, and the output is all-gathered before unpatchify, so every rank returns the
     full output, equal to the unparallelized model's.
@@ -143,7 +144,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         mode, transport: as :func:`cp_ops.attention`.
 
     Raises:
-        ValueError: unsupported model class, unknown mode/transport; at run time, a token count not
+        ValueError: unsupported model class, unknown mode/transport, model already parallelized; at run time, a token count not
             divisible by the CP world size (the message names it).
         RuntimeError: torch.distributed not initialized.
     """
@@ -154,6 +155,11 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
+    if getattr(transformer, "_cp_ops_group", None) is not None:
+        raise ValueError(
+            f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
+            "parallelize a fresh model (hooks installed twice would split the tokens twice)"
+        )
     pg = resolve_group(group)
     from diffusers.models._modeling_parallel import ContextParallelOutput
 
