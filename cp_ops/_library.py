@@ -25,7 +25,7 @@ from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config, layout
-from .validate import check_ranks_agree
+from .validate import checked_call
 
 _TRANSPORT_NAMES = ("torch", "fast")
 
@@ -79,7 +79,6 @@ def _ensure_inductor_lowering() -> None:
 
 
 def _check_bshd_fake(name: str, t: torch.Tensor) -> None:
-    _ensure_inductor_lowering()
     torch._check(t.dim() == 4, lambda: f"{name} must be 4-D [B, S, H, D]; got shape {tuple(t.shape)}")
 
 
@@ -89,17 +88,25 @@ def agkv_gather_start(
     k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pg = _group(world_size, group_name)
-    check_ranks_agree(pg, "agkv_gather", k)
+    checked_call(pg, "agkv_gather", k, lambda: _check_agkv(k, v))
+    if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
+        b, s, h, d = k.shape
+        return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
     k_full, v_full, work = _transport(transport).agkv_start(k, v, pg)
     _register(work, k_full, v_full)
     return k_full, v_full
 
 
-@agkv_gather_start.register_fake
-def _(k, v, world_size, group_name, transport):
+def _check_agkv(k, v) -> None:
     _check_bshd_fake("k", k)
     torch._check(k.shape == v.shape, lambda: f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     torch._check(k.dtype == v.dtype, lambda: f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
+
+
+@agkv_gather_start.register_fake
+def _(k, v, world_size, group_name, transport):
+    _ensure_inductor_lowering()
+    _check_agkv(k, v)
     b, s, h, d = k.shape
     return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
 
@@ -108,15 +115,16 @@ def _(k, v, world_size, group_name, transport):
 @torch.library.custom_op("cp_ops::ulysses_start", mutates_args=())
 def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    check_ranks_agree(pg, "ulysses", xs[0], extra=len(xs))
+    checked_call(pg, "ulysses", xs[0] if xs else None, lambda: _check_ulysses(xs, world_size), extra=len(xs))
+    if xs[0].numel() == 0:
+        b, s, h, d = xs[0].shape
+        return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
     buf, work = _transport(transport).ulysses_start(xs, pg)
     _register(work, buf)
     return buf
 
 
-@ulysses_start.register_fake
-def _(xs, world_size, group_name, transport):
-    _ensure_inductor_lowering()
+def _check_ulysses(xs, world_size) -> None:
     torch._check(len(xs) >= 1, lambda: "ulysses_start needs at least one tensor")
     x0 = xs[0]
     _check_bshd_fake("xs[0]", x0)
@@ -125,24 +133,39 @@ def _(xs, world_size, group_name, transport):
         torch._check(x.dtype == x0.dtype, lambda: f"xs[{i}] dtype {x.dtype} != xs[0] {x0.dtype}")
     b, s, h, d = x0.shape
     torch._check(h % world_size == 0, lambda: f"heads={h} not divisible by world_size={world_size}")
-    return x0.new_empty(world_size, b, s, len(xs), h // world_size, d)
+
+
+@ulysses_start.register_fake
+def _(xs, world_size, group_name, transport):
+    _ensure_inductor_lowering()
+    _check_ulysses(xs, world_size)
+    b, s, h, d = xs[0].shape
+    return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
 
 
 # ---- Ulysses all-to-all, heads → sequence ------------------------------------------------------
 @torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
 def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    check_ranks_agree(pg, "ulysses_inverse", x)
+    checked_call(pg, "ulysses_inverse", x, lambda: _check_ulysses_inverse(x, world_size))
+    if x.numel() == 0:
+        b, s, hl, d = x.shape
+        return x.new_empty(world_size, b, s // world_size, hl, d)
     buf, work = _transport(transport).ulysses_inverse_start(x, pg)
     _register(work, buf)
     return buf
 
 
+def _check_ulysses_inverse(x, world_size) -> None:
+    _check_bshd_fake("x", x)
+    torch._check(x.shape[1] % world_size == 0, lambda: f"seq={x.shape[1]} not divisible by world_size={world_size}")
+
+
 @ulysses_inverse_start.register_fake
 def _(x, world_size, group_name, transport):
-    _check_bshd_fake("x", x)
+    _ensure_inductor_lowering()
+    _check_ulysses_inverse(x, world_size)
     b, s, hl, d = x.shape
-    torch._check(s % world_size == 0, lambda: f"seq={s} not divisible by world_size={world_size}")
     return x.new_empty(world_size, b, s // world_size, hl, d)
 
 

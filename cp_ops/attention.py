@@ -16,7 +16,7 @@ from . import _library as lib
 from . import layout
 from .group import resolve_group
 from .transport.select import select_transport
-from .validate import check_device_for_group, check_heads_divisible, check_same
+from .validate import check_device_for_group, check_heads_divisible, check_same, checked_call
 
 MODES = ("auto", "agkv", "ulysses")
 _CUDA_PRIORITY = [
@@ -105,13 +105,21 @@ def attention(
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
-    check_same(("q", "k", "v"), (q, k, v))
     pg = resolve_group(group)
     world_size = pg.size()
-    chosen = choose_mode(mode, q.shape[2], world_size)
-    resolved = select_transport(transport, q.device.type)
+    chosen, resolved = mode, transport
+
+    def local_checks():
+        nonlocal chosen, resolved
+        check_same(("q", "k", "v"), (q, k, v))
+        chosen = choose_mode(mode, q.shape[2], world_size)
+        resolved = select_transport(transport, q.device.type)
+        if world_size > 1:
+            check_device_for_group(q, pg)
+
+    op = f"attention/{mode}" if mode in MODES else "attention/invalid"
+    checked_call(pg, op, q, local_checks)
     if world_size == 1:
         return local_attention(q, k, v, scale)
-    check_device_for_group(q, pg)
     fn = ulysses_attention if chosen == "ulysses" else agkv_attention
     return fn(q, k, v, world_size=world_size, group_name=pg.group_name, transport=resolved, scale=scale)

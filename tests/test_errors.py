@@ -30,7 +30,7 @@ def _bad_inputs(rank, w):
     # ranks disagree on S_local: every rank raises, nobody hangs
     s_local = 8 if rank == 0 else 16
     x = torch.randn(1, s_local, 4, 16, generator=g)
-    with pytest.raises(ValueError, match=r"same local shape.*rank 0: \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: \[B, S_local, H, D\]=\[1, 16, 4, 16\]"):
+    with pytest.raises(ValueError, match=r"same local shape.*rank 0: attention/agkv \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: attention/agkv \[B, S_local, H, D\]=\[1, 16, 4, 16\]"):
         cp_ops.attention(x, x, x, mode="agkv")
     # ranks disagree on H (Ulysses)
     hx = torch.randn(1, 8, 4 if rank == 0 else 6, 16, generator=g)
@@ -40,6 +40,32 @@ def _bad_inputs(rank, w):
     dx = q if rank == 0 else q.double()
     with pytest.raises(ValueError, match="dtype=float32.*dtype=float64"):
         cp_ops.agkv_gather(dx, dx)
+    # one rank fails its own checks (H=3 with Ulysses), the other's inputs are fine: both raise, nobody waits
+    hh = 3 if rank == 1 else 4
+    x = torch.randn(1, 8, hh, 16, generator=g)
+    if rank == 1:
+        with pytest.raises(ValueError, match="got heads=3, world_size=2"):
+            cp_ops.attention(x, x, x, mode="ulysses")
+    else:
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of CP group '0' rejected their inputs"):
+            cp_ops.attention(x, x, x, mode="ulysses")
+    # ranks call different modes: the message names what each called
+    with pytest.raises(ValueError, match="rank 0: attention/agkv .* rank 1: attention/ulysses"):
+        cp_ops.attention(q, q, q, mode="agkv" if rank == 0 else "ulysses")
+    # non-float tensors and no tensors at all
+    with pytest.raises(ValueError, match="floating-point tensor.*got torch.int64"):
+        cp_ops.agkv_gather(q.long(), q.long())
+    with pytest.raises(ValueError, match="at least one tensor is needed"):
+        cp_ops.ulysses_all_to_all()
+    # direct op call with mismatched tensors: the real kernel checks what the fake kernel checks
+    import torch.distributed as dist
+
+    with pytest.raises(RuntimeError, match=r"xs\[1\] shape \(1, 8, 2, 16\) != xs\[0\] \(1, 8, 4, 16\)"):
+        torch.ops.cp_ops.ulysses_start([q, q[:, :, :2].contiguous()], w, dist.group.WORLD.group_name, "torch")
+    # an empty batch moves nothing and returns empty outputs
+    e = torch.randn(0, 8, 4, 16)
+    for mode in ("agkv", "ulysses"):
+        assert cp_ops.attention(e, e, e, mode=mode).shape == (0, 8, 4, 16)
     # the group is still healthy afterwards
     out = cp_ops.attention(q, q, q, mode="agkv")
     assert out.shape == q.shape and torch.isfinite(out).all()
