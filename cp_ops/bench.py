@@ -93,9 +93,15 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
             bar.update(1)
     if bar:
         bar.close()
+    error = None
     if rank == 0:
-        report(rows, dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d), args)
+        try:
+            report(rows, dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d), args)
+        except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
+            error = e
     dist.barrier()
+    if error is not None:
+        raise error
 
 
 def report(rows: list[dict], meta: dict, args) -> None:
@@ -138,5 +144,6 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     ax.set_title(f"CP{meta['world_size']} attention, {meta['dtype']}, H={meta['H']} D={meta['D']}")
     ax.legend()
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

@@ -110,9 +110,14 @@ def _fail(msg: str) -> None:
 def _check_bench(args, device: str, world: int) -> None:
     from .transport.fast import unavailable_reason
 
-    args.seqs = args.seqs or (GPU_SEQS if device == "cuda" else CPU_SEQS)
-    args.heads = args.heads or (40 if device == "cuda" else 8)
-    args.head_dim = args.head_dim or (128 if device == "cuda" else 64)
+    gpu = device == "cuda"
+    args.seqs = (GPU_SEQS if gpu else CPU_SEQS) if args.seqs is None else args.seqs
+    args.heads = (40 if gpu else 8) if args.heads is None else args.heads
+    args.head_dim = (128 if gpu else 64) if args.head_dim is None else args.head_dim
+    if not args.seqs:
+        _fail("bench: --seqs is empty; give comma-separated sequence lengths, e.g. --seqs 4096,8192")
+    if min(args.heads, args.head_dim, args.batch) < 1:
+        _fail(f"bench: --heads, --head-dim and --batch must be >= 1; got {args.heads}, {args.head_dim}, {args.batch}")
     bad = [m for m in args.modes if m not in ("agkv", "ulysses", "auto")]
     if bad:
         _fail(f"bench: --modes takes agkv,ulysses,auto; got {bad}")
@@ -149,9 +154,9 @@ def _check_run_wan(args, device: str, world: int) -> None:
         _fail("run wan needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
     gpu = device == "cuda"
     args.config = args.config or ("1.3b" if gpu else "tiny")
-    args.frames = args.frames or (16 if gpu else 2)
-    args.height = args.height or (64 if gpu else 16)
-    args.width = args.width or (64 if gpu else 16)
+    args.frames = (16 if gpu else 2) if args.frames is None else args.frames
+    args.height = (64 if gpu else 16) if args.height is None else args.height
+    args.width = (64 if gpu else 16) if args.width is None else args.width
     cfg = CONFIGS[args.config]
     pt, ph, pw = cfg["patch_size"]
     if args.layers is not None and args.layers < 1:

@@ -26,6 +26,11 @@ def resolve_group(group: Any = None) -> dist.ProcessGroup:
         )
     if group is None:
         return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of this CP group (dist.new_group returned "
+            "GroupMember.NON_GROUP_MEMBER here): call cp_ops only on the ranks of the group"
+        )
     if isinstance(group, dist.ProcessGroup):
         return group
     from torch.distributed.device_mesh import DeviceMesh

@@ -90,21 +90,31 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     m = torch.compile(model, fullgraph=True) if args.compile else model
     cp_ms = max_over_ranks(time_ms(lambda: fwd(m), device, args.warmup, args.repeats), device)
     out = fwd(m).float()
+    error = None
     if rank == 0:
-        err = ((out - ref).abs().max() / ref.abs().max()).item()
-        meta = dict(environment(device, world_size), config=args.config, layers=cfg["num_layers"],
-                    heads=cfg["num_attention_heads"], dim=cfg["num_attention_heads"] * cfg["attention_head_dim"],
-                    tokens=tokens, latent=[args.batch, cfg["in_channels"], args.frames, args.height, args.width],
-                    dtype=args.dtype, mode=mode, transport=transport, compile=args.compile)
-        row = dict(cp_ms=cp_ms, single_ms=single_ms, speedup=single_ms / cp_ms, max_rel_err=err)
-        print(f"\ncp-ops run wan — Wan {args.config} ({cfg['num_layers']} layers, {meta['heads']} heads, "
-              f"dim {meta['dim']}), latent {meta['latent']} = {tokens} tokens, {args.dtype}, CP{world_size} "
-              f"mode={mode} transport={transport} compile={args.compile}, on {meta.get('gpu', 'CPU')}")
-        print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
-        print(f"{cp_ms:>10.2f} {single_ms:>10.2f} {row['speedup']:>7.2f}x {err:>12.2e}")
-        if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "result": row}, f, indent=1)
-            print(f"wrote {args.out}")
+        try:
+            report(args, cfg, device, world_size, tokens, mode, transport, cp_ms, single_ms, out, ref)
+        except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
+            error = e
     dist.barrier()
+    if error is not None:
+        raise error
+
+
+def report(args, cfg, device, world_size, tokens, mode, transport, cp_ms, single_ms, out, ref) -> None:
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    meta = dict(environment(device, world_size), config=args.config, layers=cfg["num_layers"],
+                heads=cfg["num_attention_heads"], dim=cfg["num_attention_heads"] * cfg["attention_head_dim"],
+                tokens=tokens, latent=[args.batch, cfg["in_channels"], args.frames, args.height, args.width],
+                dtype=args.dtype, mode=mode, transport=transport, compile=args.compile)
+    row = dict(cp_ms=cp_ms, single_ms=single_ms, speedup=single_ms / cp_ms, max_rel_err=err)
+    print(f"\ncp-ops run wan — Wan {args.config} ({cfg['num_layers']} layers, {meta['heads']} heads, "
+          f"dim {meta['dim']}), latent {meta['latent']} = {tokens} tokens, {args.dtype}, CP{world_size} "
+          f"mode={mode} transport={transport} compile={args.compile}, on {meta.get('gpu', 'CPU')}")
+    print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
+    print(f"{cp_ms:>10.2f} {single_ms:>10.2f} {row['speedup']:>7.2f}x {err:>12.2e}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "result": row}, f, indent=1)
+        print(f"wrote {args.out}")

@@ -163,7 +163,12 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     pg = resolve_group(group)
     from diffusers.models._modeling_parallel import ContextParallelOutput
 
-    for path, spec in type(transformer)._cp_plan.items():
+    plan = type(transformer)._cp_plan
+    for path in plan:  # resolve every module first, so a failure installs nothing
+        transformer.get_submodule(path)
+    transformer._cp_ops_group = pg  # marks the model before any hook goes in
+
+    for path, spec in plan.items():
         module = transformer.get_submodule(path) if path else transformer
         if isinstance(spec, ContextParallelOutput):
             _install_output_gather(module, spec, pg)
@@ -173,5 +178,4 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     processor = CPWanAttnProcessor(pg, mode, transport)
     for block in transformer.blocks:
         block.attn1.set_processor(processor)
-    transformer._cp_ops_group = pg
     return transformer
