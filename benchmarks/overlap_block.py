@@ -33,7 +33,6 @@ import logging
 import os
 import platform
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ import torch.nn as nn  # noqa: E402
 import cp_ops  # noqa: E402
 from cp_ops import layout  # noqa: E402
 from cp_ops.launch import launch  # noqa: E402
+from cp_ops.timing import max_over_ranks, time_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ("single", "cp", "cp_pass", "copy")
@@ -160,32 +160,6 @@ class WanSelfAttention(nn.Module):
 
 
 # ---- timing and the profiler trace --------------------------------------------------------------------------
-def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> float:
-    """Median time of ``fn()`` in ms after ``warmup`` calls: CUDA events on GPU, perf_counter on CPU."""
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def max_over_ranks(x: float, device: torch.device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 # cp_ops' fast transport (csrc/cp_fast.cu): SM copy and flag kernels; its copy-engine path shows as memcpy PtoP.

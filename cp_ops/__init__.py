@@ -5,6 +5,7 @@ Public API:
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
     local_attention(q, k, v, scale=None)                                           single-device reference
+    compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
 The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library`.
 """
 
@@ -22,5 +23,6 @@ __all__ = [
     "select_transport",
     "local_attention",
     "choose_mode",
+    "compile",
 ]
 __version__ = "0.1.0"

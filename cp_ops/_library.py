@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from . import config, layout
+from . import config
 from .validate import checked_call
 
 _TRANSPORT_NAMES = ("torch", "fast")

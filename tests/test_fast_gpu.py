@@ -7,11 +7,10 @@ Each test spawns W = 2 NCCL ranks (``CP_OPS_GPU_WORLD`` to change) and reports t
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_util import run_ranks
 
 WORLD = int(os.environ.get("CP_OPS_GPU_WORLD", "2"))
 pytestmark = [
@@ -23,41 +22,10 @@ pytestmark = [
 ]
 
 
-def _body(rank, world_size, device, fn, args, errq):
-    try:
-        fn(rank, world_size, *args)
-        errq.put((rank, None))
-    except BaseException:  # noqa: BLE001
-        errq.put((rank, traceback.format_exc()))
-        raise
-
-
 def run_gpu_ranks(fn, *args, world=WORLD, timeout=300.0):
-    from cp_ops.launch import _worker, free_port
-
+    """``fn(rank, world, *args)`` on ``world`` NCCL ranks, one GPU each (tests/dist_util.run_ranks)."""
     os.environ.setdefault("CP_OPS_TIMEOUT_S", "120")
-    ctx = mp.get_context("spawn")
-    errq = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, "cuda", port, _body, (fn, args, errq))) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    errors = []
-    while not errq.empty():
-        r, err = errq.get()
-        if err:
-            errors.append(f"--- rank {r} ---\n{err}")
-    assert not errors, "\n".join(errors)
-    assert not hung, f"ranks {hung} did not finish within {timeout}s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(fn, world, *args, timeout=timeout, device="cuda")
 
 
 def _rand(shape, seed, dtype=torch.bfloat16):
