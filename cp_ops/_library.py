@@ -5,8 +5,9 @@ so that ``torch.ops._c10d_functional.wait_tensor(out)`` waits for it (as c10d's 
 do) — a compiler can then move the launch early and the wait late. Outputs are not valid until waited.
 Python wrappers below give the synchronous form for eager users.
 
-Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and a
-resolved ``transport`` ('torch' or 'fast').
+Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and an
+op-level ``transport`` from :func:`cp_ops.transport.select.op_transport`: 'torch', 'fast' (raises when the
+group cannot host the fast lane) or 'auto' (fast, else torch for that group).
 
 Ops:
     cp_ops::agkv_gather_start(k, v, world_size, group_name, transport) -> (k_full, v_full)
@@ -27,20 +28,23 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import config
 from .validate import checked_call
 
-_TRANSPORT_NAMES = ("torch", "fast")
+_TRANSPORT_NAMES = ("torch", "fast", "auto")
 
 
 def _transport(name: str):
+    """(transport module, extra kwargs) for an op-level transport name: 'torch'; 'fast' (raises when the group
+    cannot host the fast lane); 'auto' (fast, or torch for a group that cannot host the lane, logged once)."""
     if name == "torch":
         from .transport import torch as t
-    elif name == "fast":
+
+        return t, {}
+    if name in ("fast", "auto"):
         from .transport import fast as t
 
         if not getattr(t, "IMPLEMENTED", False):
             raise RuntimeError(f"transport='fast' cannot run: {t.unavailable_reason('cuda')}")
-    else:
-        raise ValueError(f"transport must be one of {_TRANSPORT_NAMES} inside an op; got {name!r}")
-    return t
+        return t, {"strict": name == "fast"}
+    raise ValueError(f"transport must be one of {_TRANSPORT_NAMES} inside an op; got {name!r}")
 
 
 def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
@@ -92,7 +96,8 @@ def agkv_gather_start(
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
-    k_full, v_full, work = _transport(transport).agkv_start(k, v, pg)
+    t, kw = _transport(transport)
+    k_full, v_full, work = t.agkv_start(k, v, pg, **kw)
     _register(work, k_full, v_full)
     return k_full, v_full
 
@@ -119,7 +124,8 @@ def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, tran
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
         return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
-    buf, work = _transport(transport).ulysses_start(xs, pg)
+    t, kw = _transport(transport)
+    buf, work = t.ulysses_start(xs, pg, **kw)
     _register(work, buf)
     return buf
 
@@ -151,7 +157,8 @@ def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, tra
     if x.numel() == 0:
         b, s, hl, d = x.shape
         return x.new_empty(world_size, b, s // world_size, hl, d)
-    buf, work = _transport(transport).ulysses_inverse_start(x, pg)
+    t, kw = _transport(transport)
+    buf, work = t.ulysses_inverse_start(x, pg, **kw)
     _register(work, buf)
     return buf
 

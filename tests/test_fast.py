@@ -167,7 +167,7 @@ def _emulate(world, monkeypatch, fn):
     outs = []
     monkeypatch.setattr(fast, "_register", lambda *a: None)
     for r in range(world):
-        monkeypatch.setattr(fast, "_lane_for", lambda g, d, _l=lanes[r]: _l)
+        monkeypatch.setattr(fast, "_lane_for", lambda g, d, strict=True, _l=lanes[r]: _l)
         outs.append(fn(r))
     _apply(lanes)
     return outs
@@ -214,7 +214,7 @@ def test_descriptors_double_buffer(monkeypatch):
     world = 2
     heaps = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(world)]
     lane = _EmuLane(0, world, heaps)
-    monkeypatch.setattr(fast, "_lane_for", lambda g, d: lane)
+    monkeypatch.setattr(fast, "_lane_for", lambda g, d, strict=True: lane)
     monkeypatch.setattr(fast, "_register", lambda *a: None)
     k = _data((1, 4, 2, 8), 0, 1)
     p = [fast.agkv_start(k, k, None)[0].data_ptr() for _ in range(3)]
@@ -282,3 +282,42 @@ def test_probe_group_reasons_agreed_by_all_ranks():
     from dist_util import run_ranks
 
     run_ranks(_probe_body, 2, timeout=60)
+
+
+def test_auto_falls_back_to_torch_for_a_group_that_cannot_host_the_lane(monkeypatch, caplog):
+    """A group-level refusal (node span, P2P reach, build) raises under 'fast' and uses torch under 'auto'."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cp_ops._library as lib
+
+    assert select.op_transport("auto", "cpu") == "torch" and select.op_transport("torch", "cpu") == "torch"
+    calls = []
+
+    def unfit(group, device):
+        calls.append(group.size())
+        raise _fast_runtime.GroupUnfit("transport='fast' cannot run: the CP group spans more than one node")
+
+    monkeypatch.setattr(fast, "unavailable_reason", lambda *a, **k: None)
+    monkeypatch.setattr(_fast_runtime, "create_lane", unfit)
+    monkeypatch.setattr(fast, "_lane", None)
+    monkeypatch.setattr(fast, "_unfit", {})
+    monkeypatch.setattr(fast, "_logged", set())
+    monkeypatch.setattr(_fast_runtime.settings, "lane_width", None)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        g = dist.group.WORLD
+        dev = torch.device("cpu")
+        with pytest.raises(RuntimeError, match="spans more than one node"):
+            fast._lane_for(g, dev, strict=True)
+        with caplog.at_level(logging.INFO, logger="cp_ops"):
+            assert fast._lane_for(g, dev, strict=False) is None
+            assert fast._lane_for(g, dev, strict=False) is None
+        assert calls == [2]  # probed once, the verdict cached for the group
+        assert sum("transport='auto'" in r.getMessage() for r in caplog.records) == 1
+        t, kw = lib._transport("auto")
+        assert t is fast and kw == {"strict": False}
+        assert lib._transport("fast")[1] == {"strict": True}
+    finally:
+        dist.destroy_process_group()
+    assert select.op_transport("auto", "cuda") == "auto"  # the device could run fast: the group decides

@@ -406,13 +406,18 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext) -> tuple[st
     return None, ("shared-egress" if any(f != "nvlink" for _, f in reasons) else "nvlink")
 
 
+class GroupUnfit(RuntimeError):
+    """The group cannot host a fast lane (extension build, node span, P2P reach); raised before any symmetric
+    memory exists, so ``transport='auto'`` can fall back to the torch transport cleanly."""
+
+
 def create_lane(group: dist.ProcessGroup, device: torch.device) -> Lane:
     ext, why = _fast_build.load()
     if ext is None:
-        raise RuntimeError(f"transport='fast' cannot run: {why}")
+        raise GroupUnfit(f"transport='fast' cannot run: {why}")
     reason, fabric = probe_group(group, device, ext)
     if reason is not None:
-        raise RuntimeError(f"transport='fast' cannot run: {reason}")
+        raise GroupUnfit(f"transport='fast' cannot run: {reason}")
     ctrl = ext.Lane.ctrl_bytes()
     cap = int(settings.pool_gb * _GB)
     nbytes = ctrl + cap

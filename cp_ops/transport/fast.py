@@ -189,8 +189,16 @@ def wait_source(t: torch.Tensor, src: int) -> torch.Tensor:
     return t
 
 
-def _lane_for(group, device: torch.device):
-    """The fast lane for ``group``, creating it at the first call; ``None`` when the group must use torch."""
+_unfit: dict = {}  # group ranks -> why the group cannot host a lane (transport='auto' then uses torch)
+
+
+def _lane_for(group, device: torch.device, strict: bool = True):
+    """The fast lane for ``group``, creating it at the first call; ``None`` when the group must use torch.
+
+    ``strict`` (transport='fast'): a group that cannot host a lane (more than one node, a peer not
+    P2P-reachable, the extension did not build) raises RuntimeError; not strict (transport='auto'): the
+    group uses the torch transport, logged once. Either way every rank of the group decides alike (the
+    probe's verdict is agreed collectively)."""
     global _lane
     reason = unavailable_reason(device.type, device.index)
     if reason is not None:
@@ -206,8 +214,17 @@ def _lane_for(group, device: torch.device):
         if s.lane_width is not None and width != s.lane_width:
             _log_once(("width", width), f"group width {width} != fast_lane_width {s.lane_width}")
             return None
-        _lane = _fast_runtime.create_lane(group, device)
-        return _lane
+        key = tuple(ranks)
+        if key not in _unfit:
+            try:
+                _lane = _fast_runtime.create_lane(group, device)
+                return _lane
+            except _fast_runtime.GroupUnfit as e:
+                _unfit[key] = str(e)
+        if strict:
+            raise RuntimeError(_unfit[key])
+        _log_once(("unfit", key), f"transport='auto': {_unfit[key]}")
+        return None
     if _lane.ranks != ranks:
         _log_once(("ranks", tuple(ranks)),
                   f"group {ranks} is not the process's fast lane {list(_lane.ranks)} (one fast lane per process)")
@@ -233,13 +250,13 @@ def _register(work, *outs):
         _works[o.data_ptr()] = work
 
 
-def agkv_start(k: torch.Tensor, v: torch.Tensor, group):
+def agkv_start(k: torch.Tensor, v: torch.Tensor, group, strict: bool = True):
     """All-gather K and V ``[B, S_local, H, D]`` into ``[B, W*S_local, H, D]`` each (tokens in rank order).
 
     Returns ``(k_full, v_full, work)``; the outputs are pooled (see module docstring). Bitwise equal to the
     torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
     """
-    lane = _lane_for(group, k.device)
+    lane = _lane_for(group, k.device, strict)
     if lane is None:
         from . import torch as tt
 
@@ -258,13 +275,13 @@ def agkv_start(k: torch.Tensor, v: torch.Tensor, group):
     return kf, vf, work
 
 
-def ulysses_start(xs: list[torch.Tensor], group):
+def ulysses_start(xs: list[torch.Tensor], group, strict: bool = True):
     """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, H/W, D]``
     (index 0 = source rank), the layout of :func:`cp_ops.layout.ulysses_pack` after the all-to-all.
 
     Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
     """
-    lane = _lane_for(group, xs[0].device)
+    lane = _lane_for(group, xs[0].device, strict)
     if lane is None:
         from . import torch as tt
 
@@ -285,13 +302,13 @@ def ulysses_start(xs: list[torch.Tensor], group):
     return buf, work
 
 
-def ulysses_inverse_start(x: torch.Tensor, group):
+def ulysses_inverse_start(x: torch.Tensor, group, strict: bool = True):
     """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source
     rank = head group), the layout of :func:`cp_ops.layout.ulysses_inverse_pack` after the all-to-all.
 
     Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
     """
-    lane = _lane_for(group, x.device)
+    lane = _lane_for(group, x.device, strict)
     if lane is None:
         from . import torch as tt
 

@@ -43,3 +43,13 @@ def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
             log.info("cp_ops: transport='auto' uses 'torch' on %s: fast transport unavailable: %s", device_type, reason)
         return "torch"
     return "fast"
+
+
+@torch.compiler.assume_constant_result
+def op_transport(requested: str = "auto", device_type: str = "cuda") -> str:
+    """The transport name the ops get: 'torch'; 'fast' (explicit: raises RuntimeError here when the device
+    cannot run it, and in the op when the group cannot host the fast lane); 'auto' when the device could run
+    fast (the op then uses fast, or torch for a group that cannot host the lane: more than one node, a peer
+    not P2P-reachable, the extension did not build — logged once). Raises as :func:`select_transport`."""
+    resolved = select_transport(requested, device_type)
+    return "auto" if requested == "auto" and resolved == "fast" else resolved
