@@ -27,9 +27,9 @@ Settings (environment, or :func:`configure` before the first fast call):
 
 Outputs are views of pooled buffers: valid until the second-next fast call of the same role and shape.
 
-Group-level requirements (one node, every peer P2P-reachable) are checked collectively when a group first
-uses the transport and raise RuntimeError there (``transport='auto'`` resolves per device, not per group,
-so it does not fall back for them). The first fast call is collective over the lane's group, and with the
+Group-level requirements (one node, every peer P2P-reachable, the extension built) are checked
+collectively when a group first uses the transport: with ``transport='fast'`` they raise RuntimeError
+there, with ``transport='auto'`` that group uses the torch transport (logged once). The first fast call is collective over the lane's group, and with the
 NVSHMEM heap over the whole job (NVSHMEM bootstrap and the symmetric allocation).
 
 Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
