@@ -8,17 +8,9 @@ import logging
 import torch
 
 from dist_util import run_ranks
+from pass_util import LogRecords
 
 DIM, HEADS, GRID = 64, 4, (2, 4, 4)  # 32 tokens in all, 16 per rank
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _compile_and_run(model, args, overlap: bool):
@@ -33,7 +25,7 @@ def _compile_and_run(model, args, overlap: bool):
         return cp_ops.compile(model, fullgraph=True, overlap=overlap)(*args)
 
 
-def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, records: _Records) -> None:
+def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, records: LogRecords) -> None:
     from pass_blocks import rope_tables
 
     s_local = GRID[0] * GRID[1] * GRID[2] // w
@@ -79,7 +71,7 @@ def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, re
 def _all_cases(rank: int, w: int) -> None:
     import pass_blocks as pb
 
-    records = _Records()
+    records = LogRecords()
     log = logging.getLogger("cp_ops.passes")
     log.setLevel(logging.DEBUG)
     log.addHandler(records)
