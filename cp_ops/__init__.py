@@ -13,7 +13,7 @@ from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
 from .attention import attention, choose_mode, local_attention
 from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
 from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
-from .transport.select import select_transport
+from .transport.base import select_transport
 
 __all__ = [
     "attention",

@@ -6,8 +6,8 @@ do) — a compiler can then move the launch early and the wait late. Outputs are
 Python wrappers below give the synchronous form for eager users.
 
 Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and an
-op-level ``transport`` from :func:`cp_ops.transport.select.op_transport`: 'torch', 'fast' (raises when the
-group cannot host the fast lane) or 'auto' (fast, else torch for that group).
+op-level ``transport`` from :func:`cp_ops.transport.base.resolve`: a registered name (raises when the group
+cannot use it) or 'auto' (the first of ``AUTO_ORDER`` that suits the group, else torch).
 
 Ops:
     cp_ops::agkv_gather_start(k, v, world_size, group_name, transport) -> (k_full, v_full)
@@ -26,25 +26,12 @@ from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config
+from .transport import base as transport_base
 from .validate import checked_call
 
-_TRANSPORT_NAMES = ("torch", "fast", "auto")
-
-
-def _transport(name: str):
-    """(transport module, extra kwargs) for an op-level transport name: 'torch'; 'fast' (raises when the group
-    cannot host the fast lane); 'auto' (fast, or torch for a group that cannot host the lane, logged once)."""
-    if name == "torch":
-        from .transport import torch as t
-
-        return t, {}
-    if name in ("fast", "auto"):
-        from .transport import fast as t
-
-        if not getattr(t, "IMPLEMENTED", False):
-            raise RuntimeError(f"transport='fast' cannot run: {t.unavailable_reason('cuda')}")
-        return t, {"strict": name == "fast"}
-    raise ValueError(f"transport must be one of {_TRANSPORT_NAMES} inside an op; got {name!r}")
+def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
+    """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
+    return transport_base.for_group(name, pg, t.device)
 
 
 def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
@@ -55,7 +42,7 @@ def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
 
 
 def _register(work, *outs: torch.Tensor) -> None:
-    if config.blocking:
+    if config.settings.blocking:
         work.wait()
         return
     for out in outs:
@@ -96,8 +83,7 @@ def agkv_gather_start(
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
-    t, kw = _transport(transport)
-    k_full, v_full, work = t.agkv_start(k, v, pg, **kw)
+    k_full, v_full, work = _transport(transport, pg, k).agkv_start(k, v, pg)
     _register(work, k_full, v_full)
     return k_full, v_full
 
@@ -124,8 +110,7 @@ def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, tran
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
         return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
-    t, kw = _transport(transport)
-    buf, work = t.ulysses_start(xs, pg, **kw)
+    buf, work = _transport(transport, pg, xs[0]).ulysses_start(xs, pg)
     _register(work, buf)
     return buf
 
@@ -157,8 +142,7 @@ def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, tra
     if x.numel() == 0:
         b, s, hl, d = x.shape
         return x.new_empty(world_size, b, s // world_size, hl, d)
-    t, kw = _transport(transport)
-    buf, work = t.ulysses_inverse_start(x, pg, **kw)
+    buf, work = _transport(transport, pg, x).ulysses_inverse_start(x, pg)
     _register(work, buf)
     return buf
 

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import _library as lib
 from . import layout
 from .group import resolve_group
-from .transport.select import op_transport
+from .transport.base import resolve as resolve_transport
 from .validate import check_device_for_group, check_heads_divisible, check_same, checked_call
 
 MODES = ("auto", "agkv", "ulysses")
@@ -113,7 +113,7 @@ def attention(
         nonlocal chosen, resolved
         check_same(("q", "k", "v"), (q, k, v))
         chosen = choose_mode(mode, q.shape[2], world_size)
-        resolved = op_transport(transport, q.device.type)
+        resolved = resolve_transport(transport, q.device.type)
         if world_size > 1:
             check_device_for_group(q, pg)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .attention import attention, choose_mode, local_attention
 from .timing import max_over_ranks, time_ms
-from .transport.select import select_transport
+from .transport.base import select_transport
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

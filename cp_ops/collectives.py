@@ -13,7 +13,7 @@ import torch
 from . import _library as lib
 from . import layout
 from .group import resolve_group
-from .transport.select import op_transport
+from .transport.base import resolve as resolve_transport
 from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible, checked_call
 
 
@@ -25,7 +25,7 @@ def _prepare(op, names, tensors, group, transport, more_checks=None, extra=0):
         nonlocal resolved
         check_same(names, tensors)
         check_device_for_group(tensors[0], pg)
-        resolved = op_transport(transport, tensors[0].device.type)
+        resolved = resolve_transport(transport, tensors[0].device.type)
         if more_checks is not None:
             more_checks(pg.size())
 

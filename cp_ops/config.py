@@ -1,36 +1,181 @@
-"""Process-wide cp_ops settings, read once from the environment and changeable at run time.
+"""The one cp_ops settings object: every ``CP_OPS_*`` environment variable is parsed here, once, at import.
 
-``CP_OPS_BLOCKING=1``       every async launch waits for its own completion before returning, the way
-                            ``CUDA_LAUNCH_BLOCKING=1`` does for kernels: a debugging aid for races.
-``CP_OPS_CHECK_RANKS``      ``once`` (default): the first call of each op at each shape exchanges the
-                            shape among the ranks and raises if they disagree; ``always``: every call
-                            does (slow, a host sync per call); ``off``: never.
-``CP_OPS_TIMEOUT_S``        seconds after which a process group created by cp_ops (CLI, launcher) gives
-                            up on a collective and raises instead of hanging (default 300).
+Nothing else in cp_ops reads or writes ``CP_OPS_*`` variables: code reads ``cp_ops.config.settings`` and
+changes it with :func:`configure` (the CLI passes its options that way; it never sets environment variables).
+
+| variable                   | field             | meaning (default)                                                      |
+|----------------------------|-------------------|------------------------------------------------------------------------|
+| ``CP_OPS_BLOCKING``        | ``blocking``      | every launch waits for itself, like ``CUDA_LAUNCH_BLOCKING`` (0)        |
+| ``CP_OPS_CHECK_RANKS``     | ``check_ranks``   | ``once`` per shape / ``always`` (debug: call counts, checksums) / ``off`` |
+| ``CP_OPS_TIMEOUT_S``       | ``timeout_s``     | bound on every collective and device-side wait, seconds (300)          |
+| ``CP_OPS_FAST_POOL_GB``    | ``fast_pool_gb``  | fast transport: ceiling of the symmetric pool per GPU, GiB (8)          |
+| ``CP_OPS_FAST_HEAP``       | ``fast_heap``     | fast transport symmetric memory: ``nvshmem`` or ``ipc`` (nvshmem)       |
+| ``CP_OPS_FAST_PATH``       | ``fast_path``     | fast transport copy path: ``auto`` (measured), ``ce``, ``sm`` (auto)    |
+| ``CP_OPS_FAST_LANE_WIDTH`` | ``fast_lane_width`` | the one CP-group width per process that uses the fast lane (first used) |
+| ``CP_OPS_FAST_TUNE``       | ``fast_tune``     | measure the fast fan-out per shape (1); 0: a fixed default             |
+| ``CP_OPS_EXT_DIR``         | ``ext_dir``       | where the fast transport's CUDA extension is built (a per-source cache) |
+
+Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
+group; :func:`cp_ops.validate.check_settings_agree` compares them once per group and raises on a mismatch.
+
+Errors: a bad value raises :class:`ConfigError` (a ``ValueError``) with one line naming the variable, the value
+seen and the values allowed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 
-def _flag(name: str, default: str) -> bool:
-    raw = os.environ.get(name, default).strip().lower()
-    if raw in ("1", "true", "yes", "on"):
+class ConfigError(ValueError):
+    """A ``CP_OPS_*`` value (or a :func:`configure` argument) outside its allowed values."""
+
+
+def _flag(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
         return True
-    if raw in ("", "0", "false", "no", "off"):
+    if v in ("", "0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name} must be 1/0 (or true/false, yes/no, on/off); got {raw!r}")
+    raise ConfigError(f"{name}={raw!r} is not a flag: use 1/0 (or true/false, yes/no, on/off)")
 
 
-blocking: bool = _flag("CP_OPS_BLOCKING", "0")
-check_ranks: str = os.environ.get("CP_OPS_CHECK_RANKS", "").strip() or "once"
-try:
-    timeout_s: float = float(os.environ.get("CP_OPS_TIMEOUT_S", "300"))
-except ValueError:
-    raise ValueError(
-        f"CP_OPS_TIMEOUT_S must be a number of seconds; got {os.environ['CP_OPS_TIMEOUT_S']!r}"
-    ) from None
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in allowed:
+            raise ConfigError(f"{name}={raw!r} is not allowed: use one of {'/'.join(allowed)}")
+        return v
 
-if check_ranks not in ("once", "always", "off"):
-    raise ValueError(f"CP_OPS_CHECK_RANKS must be one of once/always/off; got {check_ranks!r}")
+    return parse
+
+
+def _positive_float(name: str, raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number: give a positive number") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise ConfigError(f"{name}={raw!r} must be a positive finite number")
+    return v
+
+
+def _optional_width(name: str, raw: str) -> int | None:
+    if raw.strip() == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer: give a CP group width >= 1, or leave it unset") from None
+    if v < 1:
+        raise ConfigError(f"{name}={raw!r} must be a CP group width >= 1 (or unset)")
+    return v
+
+
+def _path(name: str, raw: str) -> str | None:
+    return raw.strip() or None
+
+
+# field -> (environment variable, parser, default)
+_FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
+    "blocking": ("CP_OPS_BLOCKING", _flag, False),
+    "check_ranks": ("CP_OPS_CHECK_RANKS", _choice("once", "always", "off"), "once"),
+    "timeout_s": ("CP_OPS_TIMEOUT_S", _positive_float, 300.0),
+    "fast_pool_gb": ("CP_OPS_FAST_POOL_GB", _positive_float, 8.0),
+    "fast_heap": ("CP_OPS_FAST_HEAP", _choice("nvshmem", "ipc"), "nvshmem"),
+    "fast_path": ("CP_OPS_FAST_PATH", _choice("auto", "ce", "sm"), "auto"),
+    "fast_lane_width": ("CP_OPS_FAST_LANE_WIDTH", _optional_width, None),
+    "fast_tune": ("CP_OPS_FAST_TUNE", _flag, True),
+    "ext_dir": ("CP_OPS_EXT_DIR", _path, None),
+}
+
+#: Settings that change what a collective does: every rank of a group must hold the same values.
+COLLECTIVE_FIELDS = ("check_ranks", "fast_heap", "fast_path", "fast_lane_width", "fast_tune", "fast_pool_gb")
+
+
+@dataclass
+class Settings:
+    """Every cp_ops setting; see the module docstring. ``sources[field]`` says where each value came from:
+    ``'default'``, ``'env CP_OPS_X'`` or ``'configure()'``."""
+
+    blocking: bool = False
+    check_ranks: str = "once"
+    timeout_s: float = 300.0
+    fast_pool_gb: float = 8.0
+    fast_heap: str = "nvshmem"
+    fast_path: str = "auto"
+    fast_lane_width: int | None = None
+    fast_tune: bool = True
+    ext_dir: str | None = None
+    sources: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def collective_values(self) -> tuple:
+        """The values of :data:`COLLECTIVE_FIELDS`, in that order (compared across the ranks of a group)."""
+        return tuple(getattr(self, f) for f in COLLECTIVE_FIELDS)
+
+    def describe(self) -> list[dict]:
+        """One row per setting: field, variable, value, source (what ``cp-ops env`` prints)."""
+        return [
+            {"field": f, "variable": var, "value": getattr(self, f), "source": self.sources.get(f, "default")}
+            for f, (var, _, _) in _FIELDS.items()
+        ]
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Parse every ``CP_OPS_*`` variable of ``environ`` (default ``os.environ``).
+
+    Raises:
+        ConfigError: a value outside its allowed values (one line: variable, value, allowed values).
+    """
+    environ = os.environ if environ is None else environ
+    values, sources = {}, {}
+    for f, (var, parse, default) in _FIELDS.items():
+        raw = environ.get(var)
+        if raw is None:
+            values[f], sources[f] = default, "default"
+        else:
+            values[f], sources[f] = parse(var, raw), f"env {var}"
+    return Settings(**values, sources=sources)
+
+
+def configure(**changes: Any) -> Settings:
+    """Change settings at run time (field names as in :class:`Settings`); returns the settings object.
+
+    Values are checked with the same rules as the environment variables. Some fields have their own
+    moment: the fast transport's heap, pool ceiling and lane width apply when its lane is created
+    (:func:`cp_ops.transport.fast.configure` enforces that).
+
+    Raises:
+        ConfigError: an unknown field or a value outside its allowed values.
+    """
+    for f, value in changes.items():
+        if f not in _FIELDS:
+            raise ConfigError(f"unknown cp_ops setting {f!r}; known: {', '.join(_FIELDS)}")
+        var, parse, _ = _FIELDS[f]
+        if value is not None and not isinstance(value, str):
+            value = parse(var, "1" if value is True else "0" if value is False else str(value))
+        elif isinstance(value, str):
+            value = parse(var, value)
+        elif f not in ("fast_lane_width", "ext_dir"):
+            raise ConfigError(f"setting {f} cannot be None")
+        setattr(settings, f, value)
+        settings.sources[f] = "configure()"
+    return settings
+
+
+def snapshot() -> Settings:
+    """A copy of the current settings (for tests that change and restore them)."""
+    return dataclasses.replace(settings, sources=dict(settings.sources))
+
+
+def restore(saved: Settings) -> None:
+    """Put back a :func:`snapshot`."""
+    for f in _FIELDS:
+        setattr(settings, f, getattr(saved, f))
+    settings.sources = dict(saved.sources)
+
+
+settings: Settings = from_env()

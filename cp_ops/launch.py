@@ -2,7 +2,7 @@
 
 Run under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set), :func:`launch` joins that group; run standalone,
 it spawns ``nproc`` processes with ``torch.multiprocessing`` on a free localhost port. Backend: NCCL when
-CUDA is used, else gloo. Every group gets ``cp_ops.config.timeout_s`` so a collective that cannot
+CUDA is used, else gloo. Every group gets ``cp_ops.config.settings.timeout_s`` so a collective that cannot
 complete raises instead of hanging.
 """
 
@@ -33,7 +33,7 @@ def init_rank(rank: int, world_size: int, device: str) -> torch.device:
     """Initialize torch.distributed for one rank; returns the rank's device (cuda:local_rank or cpu)."""
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
-    timeout = datetime.timedelta(seconds=config.timeout_s)
+    timeout = datetime.timedelta(seconds=config.settings.timeout_s)
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)

@@ -52,7 +52,7 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     """Rank body of ``cp-ops run wan`` (arguments validated by :mod:`cp_ops.cli` before the ranks start)."""
     from .attention import choose_mode
     from .integrations.diffusers import parallelize
-    from .transport.select import select_transport
+    from .transport.base import select_transport
 
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))

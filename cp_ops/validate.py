@@ -116,7 +116,7 @@ def check_ranks_agree(
         ValueError: on every rank, naming each rank's call, when they disagree or one failed its checks;
             on the failing rank the caller re-raises its own, more specific, error.
     """
-    mode = config.check_ranks
+    mode = config.settings.check_ranks
     if mode not in ("once", "always", "off"):
         raise ValueError(f"cp_ops.config.check_ranks must be once/always/off; got {mode!r}")
     if mode == "off" or group.size() == 1:

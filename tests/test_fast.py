@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from cp_ops import layout
-from cp_ops.transport import _fast_build, _fast_runtime, fast, select
+from cp_ops import config
+from cp_ops.transport import _fast_build, _fast_runtime, base, fast
 
 
 def test_reason_cpu_tensors_names_torch():
@@ -26,13 +27,13 @@ def test_reason_cpu_tensors_names_torch():
 
 def test_explicit_fast_raises_with_reason_and_auto_falls_back_once(caplog):
     with pytest.raises(RuntimeError, match=r"transport='fast' cannot run: the tensors are on 'cpu'"):
-        select.select_transport("fast", "cpu")
-    select._logged_fallback.discard("cpu")
+        base.select_transport("fast", "cpu")
+    base._logged.discard(("fast", "cpu"))
     with caplog.at_level(logging.INFO, logger="cp_ops"):
-        assert select.select_transport("auto", "cpu") == "torch"
-        assert select.select_transport("auto", "cpu") == "torch"
+        assert base.select_transport("auto", "cpu") == "torch"
+        assert base.select_transport("auto", "cpu") == "torch"
     msgs = [r.getMessage() for r in caplog.records if "uses 'torch'" in r.getMessage()]
-    assert len(msgs) == 1 and "fast transport unavailable" in msgs[0]
+    assert len(msgs) == 1 and "fast unavailable" in msgs[0]
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_reason_nvshmem_missing(fake_cuda, monkeypatch):
 
 
 def test_reason_build_failure_names_log(fake_cuda, monkeypatch, tmp_path):
-    monkeypatch.setenv("CP_OPS_EXT_DIR", str(tmp_path))
+    monkeypatch.setattr(config.settings, "ext_dir", str(tmp_path))
     monkeypatch.setattr(_fast_build, "_state", {})
     from torch.utils import cpp_extension
 
@@ -79,7 +80,7 @@ def test_reason_build_failure_names_log(fake_cuda, monkeypatch, tmp_path):
     assert "failed to build" in r and str(log) in r
     assert "planted failure" in log.read_text()
     with pytest.raises(RuntimeError, match="build log"):
-        select.select_transport("fast", "cuda")
+        base.select_transport("fast", "cuda")
     monkeypatch.setattr(_fast_build, "_state", {})
 
 
@@ -102,21 +103,21 @@ def test_import_stays_light():
 
 
 def test_configure_validation(monkeypatch):
-    s = _fast_runtime.settings
-    old = (s.heap, s.path, s.pool_gb)
-    with pytest.raises(ValueError, match="heap must be"):
+    s = config.settings
+    saved = config.snapshot()
+    with pytest.raises(ValueError, match="CP_OPS_FAST_HEAP='mpi' is not allowed: use one of nvshmem/ipc"):
         fast.configure(heap="mpi")
-    with pytest.raises(ValueError, match="path must be"):
+    with pytest.raises(ValueError, match="CP_OPS_FAST_PATH='tma' is not allowed"):
         fast.configure(path="tma")
     fast.configure(path="sm", pool_gb=2)
-    assert (s.path, s.pool_gb) == ("sm", 2.0)
+    assert (s.fast_path, s.fast_pool_gb) == ("sm", 2.0)
     d = fast.describe()
     assert d["settings"]["path"] == "sm" and d["settings"]["pool_gb"] == 2.0 and d["lane"] is None
     monkeypatch.setattr(fast, "_lane", object())
     with pytest.raises(RuntimeError, match="shutdown"):
         fast.configure(pool_gb=4)
     monkeypatch.setattr(fast, "_lane", None)
-    s.heap, s.path, s.pool_gb = old
+    config.restore(saved)
 
 
 def test_pool_slots_reuse_and_overflow():
@@ -167,7 +168,7 @@ def _emulate(world, monkeypatch, fn):
     outs = []
     monkeypatch.setattr(fast, "_register", lambda *a: None)
     for r in range(world):
-        monkeypatch.setattr(fast, "_lane_for", lambda g, d, strict=True, _l=lanes[r]: _l)
+        monkeypatch.setattr(fast, "_lane_for", lambda g, _l=lanes[r]: _l)
         outs.append(fn(r))
     _apply(lanes)
     return outs
@@ -214,7 +215,7 @@ def test_descriptors_double_buffer(monkeypatch):
     world = 2
     heaps = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(world)]
     lane = _EmuLane(0, world, heaps)
-    monkeypatch.setattr(fast, "_lane_for", lambda g, d, strict=True: lane)
+    monkeypatch.setattr(fast, "_lane_for", lambda g: lane)
     monkeypatch.setattr(fast, "_register", lambda *a: None)
     k = _data((1, 4, 2, 8), 0, 1)
     p = [fast.agkv_start(k, k, None)[0].data_ptr() for _ in range(3)]
@@ -224,9 +225,9 @@ def test_descriptors_double_buffer(monkeypatch):
 def test_candidates_shared_egress_single_stream():
     lane = _fast_runtime.Lane.__new__(_fast_runtime.Lane)
     lane.ranks, lane.fabric = [0, 1, 2, 3], "shared-egress"
-    s = _fast_runtime.settings
-    old = s.path
-    s.path = "auto"
+    s = config.settings
+    old = s.fast_path
+    s.fast_path = "auto"
     try:
         cands = lane.candidates(aligned=True)
         assert {c.inflight for c in cands} == {1}
@@ -235,7 +236,7 @@ def test_candidates_shared_egress_single_stream():
         assert {c.inflight for c in cands} == {1, 3} and any(c.path == 1 for c in cands)
         assert all(c.path == 0 for c in lane.candidates(aligned=False))
     finally:
-        s.path = old
+        s.fast_path = old
 
 
 # ---- group probe (one node, P2P reachability, fabric) on 2 gloo ranks -----------------------------
@@ -291,7 +292,7 @@ def test_auto_falls_back_to_torch_for_a_group_that_cannot_host_the_lane(monkeypa
 
     import cp_ops._library as lib
 
-    assert select.op_transport("auto", "cpu") == "torch" and select.op_transport("torch", "cpu") == "torch"
+    assert base.resolve("auto", "cpu") == "torch" and base.resolve("torch", "cpu") == "torch"
     calls = []
 
     def unfit(group, device):
@@ -302,22 +303,21 @@ def test_auto_falls_back_to_torch_for_a_group_that_cannot_host_the_lane(monkeypa
     monkeypatch.setattr(_fast_runtime, "create_lane", unfit)
     monkeypatch.setattr(fast, "_lane", None)
     monkeypatch.setattr(fast, "_unfit", {})
-    monkeypatch.setattr(fast, "_logged", set())
-    monkeypatch.setattr(_fast_runtime.settings, "lane_width", None)
+    monkeypatch.setattr(base, "_logged", set())
+    monkeypatch.setattr(base, "_group_choice", {})
+    monkeypatch.setattr(config.settings, "fast_lane_width", None)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         g = dist.group.WORLD
         dev = torch.device("cpu")
         with pytest.raises(RuntimeError, match="spans more than one node"):
-            fast._lane_for(g, dev, strict=True)
+            base.for_group("fast", g, dev)
         with caplog.at_level(logging.INFO, logger="cp_ops"):
-            assert fast._lane_for(g, dev, strict=False) is None
-            assert fast._lane_for(g, dev, strict=False) is None
+            assert base.for_group("auto", g, dev).name == "torch"
+            assert base.for_group("auto", g, dev).name == "torch"
         assert calls == [2]  # probed once, the verdict cached for the group
         assert sum("transport='auto'" in r.getMessage() for r in caplog.records) == 1
-        t, kw = lib._transport("auto")
-        assert t is fast and kw == {"strict": False}
-        assert lib._transport("fast")[1] == {"strict": True}
     finally:
         dist.destroy_process_group()
-    assert select.op_transport("auto", "cuda") == "auto"  # the device could run fast: the group decides
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert base.resolve("auto", "cuda") == "auto"  # the device could run fast: the group decides

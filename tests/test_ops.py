@@ -44,12 +44,12 @@ def _async_and_layouts(rank, w):
         assert buf.shape == (w, b, s, 1, hl, d)
         assert torch.equal(layout.ulysses_unpack(buf, 0), outs[0])
     # blocking mode (CUDA_LAUNCH_BLOCKING-style) gives the same results
-    config.blocking = True
+    config.settings.blocking = True
     try:
         k, v = _rank_data(rank, 1, 16, 4, 8, seed=3)
         kb, vb = cp_ops.agkv_gather(k, v)
     finally:
-        config.blocking = False
+        config.settings.blocking = False
     ka, va = cp_ops.agkv_gather(k, v)
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
@@ -63,7 +63,7 @@ def _opcheck(rank, w):
     import torch.distributed as dist
 
     name = dist.group.WORLD.group_name
-    config.blocking = True  # opcheck compares outputs without waiting: launch blocking
+    config.settings.blocking = True  # opcheck compares outputs without waiting: launch blocking
     k, v = _rank_data(rank, 2, 8, 4, 16, seed=11)
     torch.library.opcheck(torch.ops.cp_ops.agkv_gather_start, (k, v, w, name, "torch"))
     torch.library.opcheck(torch.ops.cp_ops.ulysses_start, ([k, v, k * 2], w, name, "torch"))

@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 
 from ..attention import MODES, attention
 from ..group import resolve_group
-from ..transport.select import TRANSPORTS
+from ..transport.base import names as transport_names
 from ..validate import check_seq_divisible
 
 SUPPORTED = ("WanTransformer3DModel",)
@@ -153,8 +153,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         raise ValueError(f"cp_ops.parallelize supports {SUPPORTED}; got {name}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
+    if transport not in transport_names():
+        raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     if getattr(transformer, "_cp_ops_group", None) is not None:
         raise ValueError(
             f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "

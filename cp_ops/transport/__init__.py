@@ -1,6 +1,7 @@
-"""Transports move CP tensors between ranks. Each module exposes the same three launches:
+"""Transports move CP tensors between ranks: :mod:`.base` (protocol, registry, the one selector),
+:mod:`.torch` (torch.distributed), :mod:`.fast` (NVSHMEM / CUDA P2P on one Hopper node)."""
 
-``agkv_start(k, v, group) -> (k_full, v_full, work)``, ``ulysses_start(xs, group) -> (buf, work)`` and
-``ulysses_inverse_start(x, group) -> (buf, work)``, with the layouts of :mod:`cp_ops.layout`; ``work.wait()``
-makes the outputs valid for the current stream. :mod:`.select` picks one by name.
-"""
+from .base import Transport, for_group, get, names, resolve, select_transport
+from . import torch as _torch_transport, fast as _fast_transport  # noqa: E402,F401  (each registers itself)
+
+__all__ = ["Transport", "for_group", "get", "names", "resolve", "select_transport"]

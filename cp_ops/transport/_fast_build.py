@@ -28,7 +28,9 @@ def build_dir() -> Path:
     """Where the extension is (or will be) built: ``$CP_OPS_EXT_DIR`` or a per-source cache folder."""
     import torch
 
-    base = os.environ.get("CP_OPS_EXT_DIR")
+    from .. import config
+
+    base = config.settings.ext_dir
     if base:
         return Path(base)
     h = hashlib.sha256()

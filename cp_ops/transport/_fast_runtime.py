@@ -34,24 +34,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import config
 from . import _fast_build
 
 log = logging.getLogger("cp_ops")
 
 _ALIGN = 256
 _GB = 1 << 30
-
-
-@dataclass
-class Settings:
-    pool_gb: float = float(os.environ.get("CP_OPS_FAST_POOL_GB", "8"))
-    heap: str = os.environ.get("CP_OPS_FAST_HEAP", "nvshmem")  # nvshmem | ipc
-    path: str = os.environ.get("CP_OPS_FAST_PATH", "auto")  # auto | ce | sm
-    lane_width: int | None = int(os.environ["CP_OPS_FAST_LANE_WIDTH"]) if os.environ.get("CP_OPS_FAST_LANE_WIDTH") else None
-    tune: bool = os.environ.get("CP_OPS_FAST_TUNE", "1") not in ("0", "false", "False")
-
-
-settings = Settings()
 
 
 class _CudaMemory:
@@ -291,28 +280,28 @@ class Lane:
         remote = max(1, w - 1)
         infl = [1] if self.fabric != "nvlink" else sorted({1, remote})
         out = []
-        if settings.path in ("auto", "ce") or not aligned:
+        if config.settings.fast_path in ("auto", "ce") or not aligned:
             for i in infl:
                 for s in (1, 2):
                     out.append(Decision(0, i, s, 0))
-        if settings.path in ("auto", "sm") and aligned:
+        if config.settings.fast_path in ("auto", "sm") and aligned:
             for b in (32, 64, 128):
                 out.append(Decision(1, infl[-1], 1, b))
         return out
 
     def default(self, aligned: bool) -> Decision:
         remote = max(1, self.world - 1)
-        if settings.path == "sm" and aligned:
+        if config.settings.fast_path == "sm" and aligned:
             return Decision(1, remote if self.fabric == "nvlink" else 1, 1, 64)
         return Decision(0, remote if self.fabric == "nvlink" else 1, 1, 0)
 
     def decide(self, key: tuple, descs: list, inputs: list) -> Decision:
         """Fan-out for this shape: measured once (max over ranks, so every rank picks the same), cached."""
-        full_key = (settings.path,) + key
+        full_key = (config.settings.fast_path,) + key
         if full_key in self.decisions:
             return self.decisions[full_key]
         aligned = _aligned(descs)
-        if not settings.tune or torch.cuda.is_current_stream_capturing():
+        if not config.settings.fast_tune or torch.cuda.is_current_stream_capturing():
             return self.default(aligned)  # deterministic on every rank; not cached, so eager calls still tune
         cands = self.candidates(aligned)
         times = []
@@ -419,11 +408,11 @@ def create_lane(group: dist.ProcessGroup, device: torch.device) -> Lane:
     if reason is not None:
         raise GroupUnfit(f"transport='fast' cannot run: {reason}")
     ctrl = ext.Lane.ctrl_bytes()
-    cap = int(settings.pool_gb * _GB)
+    cap = int(config.settings.fast_pool_gb * _GB)
     nbytes = ctrl + cap
-    heap_cls = {"nvshmem": _NvshmemHeap, "ipc": _IpcHeap}.get(settings.heap)
+    heap_cls = {"nvshmem": _NvshmemHeap, "ipc": _IpcHeap}.get(config.settings.fast_heap)
     if heap_cls is None:
-        raise ValueError(f"CP_OPS_FAST_HEAP must be 'nvshmem' or 'ipc'; got {settings.heap!r}")
+        raise ValueError(f"CP_OPS_FAST_HEAP must be 'nvshmem' or 'ipc'; got {config.settings.fast_heap!r}")
     heap = heap_cls(ext, group, device, nbytes)
     w = group.size()
     n_send = max(1, w - 1) * 2
@@ -431,6 +420,6 @@ def create_lane(group: dist.ProcessGroup, device: torch.device) -> Lane:
     dist.barrier(group=group)  # every control block is zeroed before any peer writes a flag
     heap_tensor = torch.as_tensor(_CudaMemory(heap.local, nbytes), device=device)
     streams = [torch.cuda.ExternalStream(s, device=device) for s in ext_lane.streams()]
-    pool = Pool(heap_tensor, ctrl, cap, settings.pool_gb,
+    pool = Pool(heap_tensor, ctrl, cap, config.settings.fast_pool_gb,
                 make=lambda off, n: torch.as_tensor(_CudaMemory(heap.local + off, n), device=device))
     return Lane(group, dist.get_process_group_ranks(group), device, ext, ext_lane, heap, pool, fabric, streams)

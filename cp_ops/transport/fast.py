@@ -46,19 +46,15 @@ import weakref
 
 import torch
 
-IMPLEMENTED = True
+from .. import config
+from .base import register
+
 log = logging.getLogger("cp_ops")
 
 _lane = None  # the process's one fast lane (cp_ops.transport._fast_runtime.Lane)
 _logged: set = set()
 _reason_cache: dict = {}
 _works: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
-
-
-def _settings():
-    from . import _fast_runtime
-
-    return _fast_runtime.settings
 
 
 def unavailable_reason(device_type: str, device_index: int | None = None) -> str | None:
@@ -90,16 +86,11 @@ def _device_reason(idx: int) -> str | None:
     if cap != (9, 0):
         name = torch.cuda.get_device_name(idx)
         return f"GPU {idx} ({name}) has compute capability {cap[0]}.{cap[1]}; the fast transport needs 9.0 (Hopper)"
-    import os
-
-    heap = os.environ.get("CP_OPS_FAST_HEAP", "nvshmem")
-    if heap == "nvshmem" and importlib.util.find_spec("nvshmem") is None:
+    if config.settings.fast_heap == "nvshmem" and importlib.util.find_spec("nvshmem") is None:
         return (
             "nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
             "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers"
         )
-    if not IMPLEMENTED:
-        return "this cp_ops build has no fast data path; use transport='torch' or 'auto'"
     from . import _fast_build
 
     _, why = _fast_build.load()
@@ -108,33 +99,21 @@ def _device_reason(idx: int) -> str | None:
 
 def configure(*, pool_gb: float | None = None, heap: str | None = None, path: str | None = None,
               lane_width: int | None = None, tune: bool | None = None, fast_lane_width: int | None = None) -> None:
-    """Change settings (see the module docstring). ``pool_gb``/``heap``/``lane_width`` (alias
-    ``fast_lane_width``) only before the lane exists (first fast call) or after :func:`shutdown`;
-    ``path``/``tune`` any time (decisions are cached per path).
+    """Change the fast transport's settings (fields ``fast_*`` of :data:`cp_ops.config.settings`).
+    ``pool_gb``/``heap``/``lane_width`` (alias ``fast_lane_width``) only before the lane exists (first fast
+    call) or after :func:`shutdown`; ``path``/``tune`` any time (decisions are cached per path).
 
     Raises:
         RuntimeError: a heap setting is changed while the lane is live.
-        ValueError: an unknown heap or path name.
+        cp_ops.config.ConfigError: an unknown heap or path name (a ValueError).
     """
-    s = _settings()
     if fast_lane_width is not None:
         lane_width = fast_lane_width
-    if heap is not None and heap not in ("nvshmem", "ipc"):
-        raise ValueError(f"heap must be 'nvshmem' or 'ipc'; got {heap!r}")
-    if path is not None and path not in ("auto", "ce", "sm"):
-        raise ValueError(f"path must be 'auto', 'ce' or 'sm'; got {path!r}")
     if _lane is not None and (pool_gb is not None or heap is not None or lane_width is not None):
         raise RuntimeError("pool_gb, heap and lane_width are fixed while the fast lane is live; call fast.shutdown() first")
-    if pool_gb is not None:
-        s.pool_gb = float(pool_gb)
-    if heap is not None:
-        s.heap = heap
-    if path is not None:
-        s.path = path
-    if lane_width is not None:
-        s.lane_width = int(lane_width)
-    if tune is not None:
-        s.tune = bool(tune)
+    changes = {"fast_pool_gb": pool_gb, "fast_heap": heap, "fast_path": path, "fast_lane_width": lane_width,
+               "fast_tune": tune}
+    config.configure(**{k: v for k, v in changes.items() if v is not None})
 
 
 def describe() -> dict:
@@ -144,20 +123,12 @@ def describe() -> dict:
     """
     import os
 
+    s = config.settings
     out = {
-        "implemented": IMPLEMENTED,
-        "settings": {
-            "pool_gb": float(os.environ.get("CP_OPS_FAST_POOL_GB", "8")),
-            "heap": os.environ.get("CP_OPS_FAST_HEAP", "nvshmem"),
-            "path": os.environ.get("CP_OPS_FAST_PATH", "auto"),
-            "lane_width": os.environ.get("CP_OPS_FAST_LANE_WIDTH") or "first CP group used",
-        },
+        "settings": {"pool_gb": s.fast_pool_gb, "heap": s.fast_heap, "path": s.fast_path,
+                     "lane_width": s.fast_lane_width or "first CP group used", "tune": s.fast_tune},
         "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,
     }
-    if "cp_ops.transport._fast_runtime" in __import__("sys").modules:
-        s = _settings()
-        out["settings"] = {"pool_gb": s.pool_gb, "heap": s.heap, "path": s.path,
-                           "lane_width": s.lane_width or "first CP group used", "tune": s.tune}
     if torch.cuda.is_available():
         idx = torch.cuda.current_device()
         out["unavailable_reason"] = _reason_cache.get(idx, "not checked yet in this process")
@@ -175,6 +146,10 @@ def shutdown() -> None:
     if _lane is None:
         return
     lane, _lane = _lane, None
+    _unfit.clear()
+    from .base import forget_groups
+
+    forget_groups()
     lane.close()
 
 
@@ -189,46 +164,46 @@ def wait_source(t: torch.Tensor, src: int) -> torch.Tensor:
     return t
 
 
-_unfit: dict = {}  # group ranks -> why the group cannot host a lane (transport='auto' then uses torch)
+_unfit: dict = {}  # group ranks -> why the group cannot host a lane
 
 
-def _lane_for(group, device: torch.device, strict: bool = True):
-    """The fast lane for ``group``, creating it at the first call; ``None`` when the group must use torch.
+def group_reason(group, device: torch.device) -> str | None:
+    """Why ``group`` cannot use the fast transport, or None (then the lane exists for it).
 
-    ``strict`` (transport='fast'): a group that cannot host a lane (more than one node, a peer not
-    P2P-reachable, the extension did not build) raises RuntimeError; not strict (transport='auto'): the
-    group uses the torch transport, logged once. Either way every rank of the group decides alike (the
-    probe's verdict is agreed collectively)."""
+    The process has one fast lane: the first group (of width ``settings.fast_lane_width`` when set) that
+    passes the collective probe (one node, every peer P2P-reachable, the extension built). Every other group
+    gets a reason naming the lane and its width."""
     global _lane
     reason = unavailable_reason(device.type, device.index)
     if reason is not None:
-        raise RuntimeError(f"transport='fast' cannot run: {reason}")
+        return reason
     import torch.distributed as dist
 
     from . import _fast_runtime
 
-    s = _fast_runtime.settings
+    s = config.settings
     width = group.size()
     ranks = dist.get_process_group_ranks(group)
-    if _lane is None:
-        if s.lane_width is not None and width != s.lane_width:
-            _log_once(("width", width), f"group width {width} != fast_lane_width {s.lane_width}")
+    if _lane is not None:
+        if _lane.ranks == ranks:
             return None
-        key = tuple(ranks)
-        if key not in _unfit:
-            try:
-                _lane = _fast_runtime.create_lane(group, device)
-                return _lane
-            except _fast_runtime.GroupUnfit as e:
-                _unfit[key] = str(e)
-        if strict:
-            raise RuntimeError(_unfit[key])
-        _log_once(("unfit", key), f"transport='auto': {_unfit[key]}")
-        return None
-    if _lane.ranks != ranks:
-        _log_once(("ranks", tuple(ranks)),
-                  f"group {ranks} is not the process's fast lane {list(_lane.ranks)} (one fast lane per process)")
-        return None
+        return (f"the process's one fast lane is CP group {list(_lane.ranks)} (width {_lane.world}); this group "
+                f"{ranks} (width {width}) is not it (set CP_OPS_FAST_LANE_WIDTH to pick the width that uses the lane)")
+    if s.fast_lane_width is not None and width != s.fast_lane_width:
+        return f"this group's width {width} != CP_OPS_FAST_LANE_WIDTH={s.fast_lane_width}, the width that uses the fast lane"
+    key = tuple(ranks)
+    if key not in _unfit:
+        try:
+            _lane = _fast_runtime.create_lane(group, device)
+            return None
+        except _fast_runtime.GroupUnfit as e:
+            _unfit[key] = str(e).removeprefix("transport='fast' cannot run: ")
+    return _unfit[key]
+
+
+def _lane_for(group):
+    if _lane is None or _lane.ranks != __import__("torch.distributed").distributed.get_process_group_ranks(group):
+        raise RuntimeError("cp_ops fast transport: no lane for this group (the selector must call group_reason first)")
     return _lane
 
 
@@ -250,17 +225,13 @@ def _register(work, *outs):
         _works[o.data_ptr()] = work
 
 
-def agkv_start(k: torch.Tensor, v: torch.Tensor, group, strict: bool = True):
+def agkv_start(k: torch.Tensor, v: torch.Tensor, group):
     """All-gather K and V ``[B, S_local, H, D]`` into ``[B, W*S_local, H, D]`` each (tokens in rank order).
 
     Returns ``(k_full, v_full, work)``; the outputs are pooled (see module docstring). Bitwise equal to the
     torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
     """
-    lane = _lane_for(group, k.device, strict)
-    if lane is None:
-        from . import torch as tt
-
-        return tt.agkv_start(k, v, group)
+    lane = _lane_for(group)
     w, r = lane.world, lane.rank
     b, s, h, d = k.shape
     k, v = _prep(k), _prep(v)
@@ -275,17 +246,13 @@ def agkv_start(k: torch.Tensor, v: torch.Tensor, group, strict: bool = True):
     return kf, vf, work
 
 
-def ulysses_start(xs: list[torch.Tensor], group, strict: bool = True):
+def ulysses_start(xs: list[torch.Tensor], group):
     """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, H/W, D]``
     (index 0 = source rank), the layout of :func:`cp_ops.layout.ulysses_pack` after the all-to-all.
 
     Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
     """
-    lane = _lane_for(group, xs[0].device, strict)
-    if lane is None:
-        from . import torch as tt
-
-        return tt.ulysses_start(xs, group)
+    lane = _lane_for(group)
     w, r = lane.world, lane.rank
     xs = [_prep(x) for x in xs]
     b, s, h, d = xs[0].shape
@@ -302,17 +269,13 @@ def ulysses_start(xs: list[torch.Tensor], group, strict: bool = True):
     return buf, work
 
 
-def ulysses_inverse_start(x: torch.Tensor, group, strict: bool = True):
+def ulysses_inverse_start(x: torch.Tensor, group):
     """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source
     rank = head group), the layout of :func:`cp_ops.layout.ulysses_inverse_pack` after the all-to-all.
 
     Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
     """
-    lane = _lane_for(group, x.device, strict)
-    if lane is None:
-        from . import torch as tt
-
-        return tt.ulysses_inverse_start(x, group)
+    lane = _lane_for(group)
     w, r = lane.world, lane.rank
     x = _prep(x)
     b, s, hl, d = x.shape
@@ -324,3 +287,28 @@ def ulysses_inverse_start(x: torch.Tensor, group, strict: bool = True):
     work = lane.launch(("ulysses_inv", b, s, hl, d, str(x.dtype)), descs, [x])
     _register(work, buf)
     return buf, work
+
+
+class FastTransport:
+    """The fast transport as a registered :class:`cp_ops.transport.base.Transport`."""
+
+    name = "fast"
+    pooled_outputs = True
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return unavailable_reason(device.type, device.index)
+
+    def group_reason(self, group, device: torch.device) -> str | None:
+        return group_reason(group, device)
+
+    def agkv_start(self, k, v, group):
+        return agkv_start(k, v, group)
+
+    def ulysses_start(self, xs, group):
+        return ulysses_start(xs, group)
+
+    def ulysses_inverse_start(self, x, group):
+        return ulysses_inverse_start(x, group)
+
+
+transport = register(FastTransport(), auto_rank=0)

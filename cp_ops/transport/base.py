@@ -1,0 +1,178 @@
+"""The transport protocol, the registry of transports, and the one selector (auto / explicit / fallback).
+
+A transport moves CP tensors between the ranks of a group with the layouts of :mod:`cp_ops.layout`. Adding
+one is one file that defines a :class:`Transport` and calls :func:`register`; the names the ops, the public
+API and the CLI accept (:func:`names`) derive from this registry.
+
+Selection happens in two steps, both here:
+
+* :func:`resolve` — at the public API (also while ``torch.compile`` traces; a constant for the compiler):
+  checks the name and the device. ``'torch'`` → ``'torch'``; an explicit name → that name, or RuntimeError
+  naming why it cannot run on this device; ``'auto'`` → ``'auto'`` when a preferred transport could run on
+  this device, else ``'torch'`` (logged once with the reason).
+* :func:`for_group` — inside an op's real kernel, with the group in hand: an explicit name must suit the
+  group (RuntimeError naming why, on every rank: the verdict is agreed collectively by the transport's
+  :meth:`Transport.group_reason`); ``'auto'`` takes the first transport of :data:`AUTO_ORDER` that suits the
+  group, else torch (logged once per group, with the reason).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("cp_ops")
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What every transport provides. Launches return at once; ``work.wait()`` makes the current stream
+    (CPU: the caller) wait for the data.
+
+    Attributes:
+        name: the registry name ('torch', 'fast', ...).
+        pooled_outputs: True when outputs are views of buffers the transport reuses (they must not reach users).
+    """
+
+    name: str
+    pooled_outputs: bool
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why this transport cannot run for tensors on ``device`` in this process (cheap, cached); None if it can."""
+
+    def group_reason(self, group: dist.ProcessGroup, device: torch.device) -> str | None:
+        """Why ``group`` cannot use this transport, or None. Includes this process's own
+        :meth:`unavailable_reason`; collective over ``group`` on its first call, so every rank gets the same
+        verdict (a failure on one rank is known to all at once); cached after; prepares the transport's
+        per-group state (lane, pool) when fit. Never waits longer than ``settings.timeout_s``."""
+
+    def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
+        """``[B, S_local, H, D]`` × 2 → ``(k_full, v_full, work)``, each ``[B, W*S_local, H, D]`` in rank order."""
+
+    def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
+        """n × ``[B, S_local, H, D]`` → ``(buf [W, B, S_local, n, H/W, D], work)``; index 0 = source rank."""
+
+    def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
+        """``[B, S, H/W, D]`` → ``(buf [W, B, S/W, H/W, D], work)``; index 0 = source rank (head group)."""
+
+
+_REGISTRY: dict[str, Transport] = {}
+#: Preference of ``transport='auto'``: the first that can run wins; 'torch' always can.
+AUTO_ORDER: list[str] = []
+_logged: set = set()
+_group_choice: dict[tuple, str] = {}
+
+
+def register(t: Transport, *, auto_rank: int | None = None) -> Transport:
+    """Add ``t`` to the registry; ``auto_rank`` (lower first) puts it in ``'auto'``'s preference order."""
+    _REGISTRY[t.name] = t
+    if auto_rank is not None:
+        AUTO_ORDER.insert(min(auto_rank, len(AUTO_ORDER)), t.name)
+    return t
+
+
+def names() -> tuple[str, ...]:
+    """Every name a caller may pass: 'auto' and each registered transport."""
+    return ("auto", *_REGISTRY)
+
+
+def get(name: str) -> Transport:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"transport must be one of {names()}; got {name!r}") from None
+
+
+def _log_once(key, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.info(msg, *args)
+
+
+@torch.compiler.assume_constant_result
+def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
+    """Resolve a public ``transport=`` argument for tensors of ``device_type``; see the module docstring.
+
+    Returns:
+        'auto' (a preferred transport may run; the group decides in the op), or a registered name.
+    Raises:
+        ValueError: ``requested`` is not one of :func:`names`.
+        RuntimeError: an explicit transport cannot run on this device; the message says why.
+    """
+    valid = names()
+    if requested not in valid:
+        raise ValueError(f"transport must be one of {valid}; got {requested!r}")
+    device = torch.device(device_type)
+    if requested != "auto":
+        reason = _REGISTRY[requested].unavailable_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"transport={requested!r} cannot run: {reason}")
+        return requested
+    for name in AUTO_ORDER:
+        if name == "torch":
+            break
+        reason = _REGISTRY[name].unavailable_reason(device)
+        if reason is None:
+            return "auto"
+        _log_once((name, device_type), "cp_ops: transport='auto' uses 'torch' on %s: %s unavailable: %s",
+                  device_type, name, reason)
+    return "torch"
+
+
+def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
+    """The transport a call will use on this device, as a name: never 'auto' (for reports and the CLI).
+
+    'auto' resolves to the first transport of :data:`AUTO_ORDER` that can run on ``device_type`` (a group
+    that cannot host it still falls back to 'torch' inside the op). Raises as :func:`resolve`.
+    """
+    r = resolve(requested, device_type)
+    if r != "auto":
+        return r
+    for name in AUTO_ORDER:
+        if _REGISTRY[name].unavailable_reason(torch.device(device_type)) is None:
+            return name
+    return "torch"
+
+
+def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
+    """The transport an op uses for ``group`` (called inside the op's real kernel).
+
+    Raises:
+        RuntimeError: an explicit transport that cannot run here or for this group (every rank of the group
+            raises alike); the message names why.
+    """
+    if name == "torch":
+        return _REGISTRY["torch"]
+    key = (name, group.group_name, device.type)
+    chosen = _group_choice.get(key)
+    if chosen is not None:
+        return _REGISTRY[chosen]
+    if name != "auto":
+        t = get(name)
+        reason = t.group_reason(group, device)
+        if reason is not None:
+            raise RuntimeError(
+                f"transport={name!r} cannot run for CP group '{group.group_name}' "
+                f"(ranks {dist.get_process_group_ranks(group)}): {reason}"
+            )
+        _group_choice[key] = name
+        return t
+    for cand in AUTO_ORDER:
+        t = _REGISTRY[cand]
+        reason = t.group_reason(group, device)
+        if reason is None:
+            _group_choice[key] = cand
+            return t
+        _log_once(("group", cand, group.group_name),
+                  "cp_ops: transport='auto' uses the next transport for CP group '%s': %s cannot run: %s",
+                  group.group_name, cand, reason)
+    _group_choice[key] = "torch"
+    return _REGISTRY["torch"]
+
+
+def forget_groups() -> None:
+    """Drop the per-group choices (after a transport is shut down and may be started again)."""
+    _group_choice.clear()
