@@ -35,10 +35,13 @@ class Transport(Protocol):
     Attributes:
         name: the registry name ('torch', 'fast', ...).
         pooled_outputs: True when outputs are views of buffers the transport reuses (they must not reach users).
+        slots_per_key: how many launches of one (op, shape, dtype) may be in flight (launched, not yet consumed)
+            at once before a launch would overwrite an unconsumed output; None = unbounded (fresh buffers).
     """
 
     name: str
     pooled_outputs: bool
+    slots_per_key: int | None
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why this transport cannot run for tensors on ``device`` in this process (cheap, cached); None if it can."""
@@ -171,6 +174,13 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
                   group.group_name, cand, reason)
     _group_choice[key] = "torch"
     return _REGISTRY["torch"]
+
+
+def inflight_limit() -> int | None:
+    """The fewest ``slots_per_key`` over the registered transports (what a compiler pass must respect when it
+    reorders launches: at most this many launches of one key in flight); None when every transport is unbounded."""
+    limits = [t.slots_per_key for t in _REGISTRY.values() if t.slots_per_key is not None]
+    return min(limits) if limits else None
 
 
 def forget_groups() -> None:

@@ -293,6 +293,7 @@ class FastTransport:
     """The fast transport as a registered :class:`cp_ops.transport.base.Transport`."""
 
     name = "fast"
+    slots_per_key = 2
     pooled_outputs = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:

@@ -16,6 +16,7 @@ from .base import register
 
 class TorchTransport:
     name = "torch"
+    slots_per_key = None
     pooled_outputs = False
 
     def unavailable_reason(self, device: torch.device) -> str | None:
