@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import _library as lib
 from . import modes
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
@@ -91,8 +92,29 @@ def attention(
 
     op = f"attention/{mode}" if f"attention/{mode}" in OPS else "attention/invalid"
     checked_call(pg, op, q, local_checks)
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then
+    # attach the output to q, k and v through a node whose backward raises
+    qd, kd, vd = (q.detach(), k.detach(), v.detach()) if wants_grad else (q, k, v)
     if world_size == 1:
-        return local_attention(q, k, v, scale)
-    return modes.get(chosen).fn(q, k, v, world_size=world_size, group_name=pg.group_name, transport=resolved,
-                                scale=scale)
+        out = local_attention(qd, kd, vd, scale)
+    else:
+        out = modes.get(chosen).fn(qd, kd, vd, world_size=world_size, group_name=pg.group_name,
+                                   transport=resolved, scale=scale)
+    return _ForwardOnly.apply(out, q, k, v) if wants_grad else out
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """``out`` unchanged (no copy), attached to the autograd graph of ``q, k, v`` by a backward that raises
+    (:func:`cp_ops._library.refuse_grad`, an op whose fake kernel lets AOTAutograd trace the joint graph)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        ctx.shape = q.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = lib.refuse_grad(grad, ctx.shape, "attention")
+        return None, g, g, g
 
