@@ -66,14 +66,20 @@ def attention(
         scale: softmax scale; default ``1/sqrt(D)``.
 
     Returns:
-        ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens.
+        ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
+        a transport's pooled buffer, so later calls do not change it).
+
+    Autograd: forward only. Inputs may require grad (e.g. a model whose parameters do, without
+    ``torch.no_grad()``): the forward runs, eager and under ``torch.compile(fullgraph=True)`` alike, saves
+    nothing for backward, and the output requires grad; a backward through it (to q, k or v) raises
+    RuntimeError "cp_ops.attention has no backward ...".
 
     Raises:
-        ValueError: not 4-D; q/k/v shape, dtype or device differ; mode='ulysses' with H % W != 0; tensors
-            on a device the group's backend cannot move; ranks disagree on shape or dtype (raised on every
-            rank at the first call of that shape); unknown mode or transport.
+        ValueError: not 4-D; q/k/v shape, dtype or device differ; a mode that splits heads (mode='ulysses')
+            with H % W != 0; tensors on a device the group's backend cannot move; ranks disagree on shape or
+            dtype (raised on every rank at the first call of that shape); unknown mode or transport.
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
-            initialized.
+            initialized; a backward through the output (see Autograd).
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).

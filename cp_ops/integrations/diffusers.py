@@ -144,6 +144,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         group: the CP group (None, ProcessGroup or 1-D DeviceMesh).
         mode, transport: as :func:`cp_ops.attention`.
 
+    Grad mode: the forward runs with or without ``torch.no_grad()`` (parameters that require grad are fine),
+    eager and under ``torch.compile(fullgraph=True)`` alike; a backward raises (cp_ops is forward only).
+
     Raises:
         ValueError: unsupported model class, unknown mode/transport, model already parallelized; at run time, a token count not
             divisible by the CP world size (the message names it).

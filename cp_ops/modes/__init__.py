@@ -3,7 +3,11 @@
 A mode turns the local shards ``q, k, v`` ``[B, S_local, H, D]`` of W ranks into this rank's attention
 output ``[B, S_local, H, D]`` using the ops of :mod:`cp_ops._library`. Its function is called as
 ``fn(q, k, v, *, world_size, group_name, transport, scale)`` after :func:`cp_ops.attention` has checked the
-inputs (same shape/dtype/device, ranks agree) and resolved the transport; W > 1.
+inputs (same shape/dtype/device, ranks agree) and resolved the transport; W > 1. Inputs never require
+grad there (:func:`cp_ops.attention` detaches them and attaches its own raising backward). The result must
+not alias a transport's receive buffer (``Transport.pooled_outputs``: the fast transport reuses them): end
+with a kernel that writes a new tensor (SDPA, or a copying unpack such as
+:func:`cp_ops.layout.ulysses_inverse_unpack`).
 
 A new mode is one file here that calls :func:`register` plus its name in the import line at the bottom;
 the public ``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from
