@@ -167,16 +167,48 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- autograd: forward-only, with an error that says so ------------------------------------------
+# The error lives in an op of its own, raised by its *real* kernel: a forward with inputs that require grad
+# runs (eager and torch.compile alike: AOTAutograd traces the joint graph through the fake kernel), and only
+# an actual backward raises.
+def no_backward_message(name: str) -> str:
+    return (
+        f"cp_ops.{name} has no backward: cp_ops targets DiT inference (forward only). Run the model under "
+        "torch.no_grad() / torch.inference_mode(), or detach the inputs of cp_ops.attention"
+    )
+
+
+@torch.library.custom_op("cp_ops::backward_unsupported", mutates_args=())
+def backward_unsupported(grad: torch.Tensor, shape: list[int], name: str) -> torch.Tensor:
+    """Called by every cp_ops backward: raises RuntimeError (:func:`no_backward_message`)."""
+    raise RuntimeError(no_backward_message(name))
+
+
+@backward_unsupported.register_fake
+def _(grad, shape, name):
+    return grad.new_empty(shape)
+
+
+def refuse_grad(grad: torch.Tensor, shape, name: str) -> torch.Tensor:
+    """The gradient (of ``shape``) for an input of a cp_ops function that has no backward: raises when run."""
+    return torch.ops.cp_ops.backward_unsupported(grad, list(shape), name)
+
+
+def _save_shapes(ctx, inputs, output):
+    # shapes only: the inputs themselves need not stay alive for a backward that only raises
+    ctx.shapes = [[x.shape for x in i] if isinstance(i, (list, tuple)) else i.shape for i in inputs
+                  if isinstance(i, (torch.Tensor, list, tuple))]
+
+
 def _no_backward(name: str):
     def backward(ctx, *grads):
-        raise RuntimeError(
-            f"cp_ops.{name} has no backward: cp_ops targets DiT inference (forward only). Run the model under "
-            "torch.no_grad() / torch.inference_mode(), or detach the inputs of cp_ops.attention"
-        )
+        g = next(x for x in grads if x is not None)
+        out = [[refuse_grad(g, s, name) for s in shape] if isinstance(shape, list) else refuse_grad(g, shape, name)
+               for shape in ctx.shapes]
+        return (*out, None, None, None)
 
     return backward
 
 
 for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
                    (ulysses_inverse_start, "ulysses_inverse_start")):
-    _op.register_autograd(_no_backward(_name), setup_context=lambda ctx, inputs, output: None)
+    _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)

@@ -1,7 +1,7 @@
-"""Context-parallel attention modes composed from the ops: AGKV and Ulysses.
+"""The public CP attention entry point, :func:`attention`, and the single-device :func:`local_attention`.
 
-Data path: :func:`attention` → mode (:func:`agkv_attention` / :func:`ulysses_attention`) → op
-(:mod:`cp_ops._library`) → transport (:mod:`cp_ops.transport`).
+Data path: :func:`attention` → mode (:mod:`cp_ops.modes`: AGKV, Ulysses, ...) → op (:mod:`cp_ops._library`)
+→ transport (:mod:`cp_ops.transport`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _library as lib
-from . import layout
+from . import modes
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .validate import check_device_for_group, check_heads_divisible, check_same, checked_call
+from .validate import OPS, check_device_for_group, check_same, checked_call
 
-MODES = ("auto", "agkv", "ulysses")
 _CUDA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
@@ -42,32 +41,6 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.transpose(1, 2)
 
 
-def choose_mode(mode: str, heads: int, world_size: int) -> str:
-    """``auto`` → 'ulysses' when the CP world size divides the head count, else 'agkv'."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-    if mode == "auto":
-        return "ulysses" if heads % world_size == 0 else "agkv"
-    if mode == "ulysses":
-        check_heads_divisible(heads, world_size)
-    return mode
-
-
-def agkv_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None):
-    """AGKV: gather every rank's K/V, attend with the local Q. Shapes as :func:`attention`."""
-    k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, world_size, group_name, transport)
-    return local_attention(q, lib.wait(k_full), lib.wait(v_full), scale)
-
-
-def ulysses_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None):
-    """Ulysses: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back."""
-    buf = lib.wait(torch.ops.cp_ops.ulysses_start([q, k, v], world_size, group_name, transport))
-    qh, kh, vh = (layout.ulysses_unpack(buf, i) for i in range(3))
-    out = local_attention(qh, kh, vh, scale)
-    back = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(out, world_size, group_name, transport))
-    return layout.ulysses_inverse_unpack(back)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,20 +60,26 @@ def attention(
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
         group: the CP group: ``None`` (default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
-            or 'auto' (Ulysses when W divides H, else AGKV).
+            or 'auto' (Ulysses when W divides H, else AGKV); any name of ``cp_ops.modes.names()``.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
 
     Returns:
-        ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens.
+        ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
+        a transport's pooled buffer, so later calls do not change it).
+
+    Autograd: forward only. Inputs may require grad (e.g. a model whose parameters do, without
+    ``torch.no_grad()``): the forward runs, eager and under ``torch.compile(fullgraph=True)`` alike, saves
+    nothing for backward, and the output requires grad; a backward through it (to q, k or v) raises
+    RuntimeError "cp_ops.attention has no backward ...".
 
     Raises:
-        ValueError: not 4-D; q/k/v shape, dtype or device differ; mode='ulysses' with H % W != 0; tensors
-            on a device the group's backend cannot move; ranks disagree on shape or dtype (raised on every
-            rank at the first call of that shape); unknown mode or transport.
+        ValueError: not 4-D; q/k/v shape, dtype or device differ; a mode that splits heads (mode='ulysses')
+            with H % W != 0; tensors on a device the group's backend cannot move; ranks disagree on shape or
+            dtype (raised on every rank at the first call of that shape); unknown mode or transport.
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
-            initialized.
+            initialized; a backward through the output (see Autograd).
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
@@ -112,14 +91,36 @@ def attention(
     def local_checks():
         nonlocal chosen, resolved
         check_same(("q", "k", "v"), (q, k, v))
-        chosen = choose_mode(mode, q.shape[2], world_size)
+        chosen = modes.choose(mode, q.shape[2], world_size)
         resolved = resolve_transport(transport, q.device.type)
         if world_size > 1:
             check_device_for_group(q, pg)
 
-    op = f"attention/{mode}" if mode in MODES else "attention/invalid"
+    op = f"attention/{mode}" if f"attention/{mode}" in OPS else "attention/invalid"
     checked_call(pg, op, q, local_checks)
+    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then
+    # attach the output to q, k and v through a node whose backward raises
+    qd, kd, vd = (q.detach(), k.detach(), v.detach()) if wants_grad else (q, k, v)
     if world_size == 1:
-        return local_attention(q, k, v, scale)
-    fn = ulysses_attention if chosen == "ulysses" else agkv_attention
-    return fn(q, k, v, world_size=world_size, group_name=pg.group_name, transport=resolved, scale=scale)
+        out = local_attention(qd, kd, vd, scale)
+    else:
+        out = modes.get(chosen).fn(qd, kd, vd, world_size=world_size, group_name=pg.group_name,
+                                   transport=resolved, scale=scale)
+    return _ForwardOnly.apply(out, q, k, v) if wants_grad else out
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """``out`` unchanged (no copy), attached to the autograd graph of ``q, k, v`` by a backward that raises
+    (:func:`cp_ops._library.refuse_grad`, an op whose fake kernel lets AOTAutograd trace the joint graph)."""
+
+    @staticmethod
+    def forward(ctx, out, q, k, v):
+        ctx.shape = q.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = lib.refuse_grad(grad, ctx.shape, "attention")
+        return None, g, g, g
+

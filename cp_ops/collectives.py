@@ -13,6 +13,7 @@ import torch
 from . import _library as lib
 from . import layout
 from .group import resolve_group
+from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
 from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible, checked_call
 
@@ -33,6 +34,19 @@ def _prepare(op, names, tensors, group, transport, more_checks=None, extra=0):
     return pg, resolved
 
 
+def _pooled(tr: str, pg, t: torch.Tensor) -> bool:
+    """Whether the op's outputs were views of the transport's reused buffers (the op's own choice, cached)."""
+    if t.numel() == 0:
+        return False
+    return transport_base.for_group(tr, pg, t.device).pooled_outputs
+
+
+def _owned(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``out``, or a copy of it if it shares memory with the (pooled) buffer ``buf``."""
+    same = out.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    return out.clone(memory_format=torch.contiguous_format) if same else out
+
+
 def agkv_gather(
     k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,15 +55,18 @@ def agkv_gather(
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
     Returns:
-        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]``, contiguous, ready for attention. With the fast
-        transport they are views of pooled symmetric buffers, valid until the second-next call of the same
-        shape: consume or clone them.
+        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]``, contiguous, ready for attention; tensors of
+        their own (with the fast transport, whose receive buffers are pooled, that is one copy of each —
+        :func:`cp_ops.attention` uses the ops directly and pays none).
     Raises:
         ValueError / RuntimeError: as :func:`cp_ops.attention`.
     """
     pg, tr = _prepare("agkv_gather", ("k", "v"), (k, v), group, transport)
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
-    return lib.wait(k_full), lib.wait(v_full)
+    k_full, v_full = lib.wait(k_full), lib.wait(v_full)
+    if _pooled(tr, pg, k):
+        return k_full.clone(), v_full.clone()
+    return k_full, v_full
 
 
 def ulysses_all_to_all(
@@ -61,7 +78,8 @@ def ulysses_all_to_all(
         xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
     Returns:
         n tensors ``[B, W * S_local, H / W, D]``: the full sequence, this rank's head group (rank r gets
-        heads ``[r*H/W, (r+1)*H/W)``). Strided views of one buffer when B = 1.
+        heads ``[r*H/W, (r+1)*H/W)``). Strided views of one fresh buffer when B = 1 (copies of their own
+        when the transport pools its receive buffers, as the fast one does).
     Raises:
         ValueError: H % W != 0, and the rules of :func:`cp_ops.attention`.
     """
@@ -69,7 +87,8 @@ def ulysses_all_to_all(
     pg, tr = _prepare("ulysses", names, xs, group, transport,
                       lambda w: check_heads_divisible(xs[0].shape[2], w), extra=len(xs))
     buf = lib.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
-    return [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
+    outs = [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
+    return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
 
 
 def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto") -> torch.Tensor:
@@ -78,7 +97,7 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     Args:
         x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S.
     Returns:
-        ``[B, S / W, W * H_local, D]``: this rank's token block, all heads.
+        ``[B, S / W, W * H_local, D]``: this rank's token block, all heads; a new tensor.
     """
     pg, tr = _prepare("ulysses_inverse", ("x",), (x,), group, transport,
                       lambda w: check_seq_divisible(x.shape[1], w))

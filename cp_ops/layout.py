@@ -6,7 +6,8 @@ Shapes (W = CP world size, n = tensors sent together, Hl = H / W heads per rank 
 - Ulysses buffer (sequence → heads): ``[W, B, S_local, n, Hl, D]``; index 0 is the *source rank*, i.e. the
   token block. Slot ``i`` as ``[B, S, Hl, D]`` is a view for B = 1 (no copy after the all-to-all).
 - Ulysses inverse buffer (heads → sequence): ``[W, B, S_local, Hl, D]``; index 0 is the source rank, i.e.
-  the head group; back to ``[B, S_local, H, D]`` is one permute copy.
+  the head group; back to ``[B, S_local, H, D]`` is one permute copy, always (never a view of the buffer,
+  which a transport may pool).
 
 Method: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509).
 """
@@ -39,6 +40,10 @@ def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
-    """``[W, B, S_local, Hl, D]`` (slab w = head group w) → ``[B, S_local, W * Hl, D]``."""
+    """``[W, B, S_local, Hl, D]`` (slab w = head group w) → ``[B, S_local, W * Hl, D]``, a new tensor.
+
+    One copy in every case, as before: ``reshape`` copied the permuted buffer anyway, except when
+    B·S_local = 1, where it returned a view of ``buf`` (a pooled receive slot under the fast transport).
+    """
     w, b, s, hl, d = buf.shape
-    return buf.permute(1, 2, 0, 3, 4).reshape(b, s, w * hl, d)
+    return buf.permute(1, 2, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(b, s, w * hl, d)

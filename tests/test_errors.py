@@ -104,11 +104,11 @@ def test_uninitialized_distributed_is_a_clear_error():
 
 def _backward_refused(rank, w):
     g = torch.Generator().manual_seed(rank)
-    for mode, op in (("agkv", "agkv_gather_start"), ("ulysses", "ulysses_inverse_start")):
+    for mode in ("agkv", "ulysses"):
         q = torch.randn(1, 8, 4, 16, generator=g, requires_grad=True)
         out = cp_ops.attention(q, q * 1.0, q * 2.0, mode=mode)
         assert out.requires_grad
-        with pytest.raises(RuntimeError, match=f"cp_ops.{op} has no backward: cp_ops targets DiT inference"):
+        with pytest.raises(RuntimeError, match="cp_ops.attention has no backward: cp_ops targets DiT inference"):
             out.sum().backward()
 
 

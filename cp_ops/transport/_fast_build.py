@@ -15,7 +15,22 @@ import threading
 import traceback
 from pathlib import Path
 
-_SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cp_fast.cu"
+def _find_source() -> Path:
+    """``cp_fast.cu`` as package data of the top-level ``csrc`` package: found the same way from a source
+    checkout, an editable install and a wheel (``pip install .``); the checkout path when ``csrc`` does not
+    import (the caller reports a missing file)."""
+    from importlib.resources import files
+
+    try:
+        found = Path(str(files("csrc").joinpath("cp_fast.cu")))
+        if found.is_file():
+            return found
+    except (ModuleNotFoundError, TypeError, NotADirectoryError):
+        pass
+    return Path(__file__).resolve().parents[2] / "csrc" / "cp_fast.cu"
+
+
+_SOURCE = _find_source()
 _lock = threading.Lock()
 _state: dict = {}
 

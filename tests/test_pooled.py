@@ -1,0 +1,67 @@
+"""Public results never alias a transport's pooled receive buffers (emulated on CPU by a registered test
+transport whose outputs are views of persistent slots, like the fast transport's)."""
+
+import torch
+
+import cp_ops
+from dist_util import run_ranks
+from pooled_transport import install
+
+
+def _shard(t, rank, w):
+    s = t.shape[1] // w
+    return t[:, rank * s:(rank + 1) * s]
+
+
+def _aliases(out, pool):
+    p = out.untyped_storage().data_ptr()
+    return any(p == buf.untyped_storage().data_ptr() for buf in pool.receive_buffers())
+
+
+def _data(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g) for _ in range(3)]
+
+
+def _public_outputs_are_owned(rank, w):
+    pool = install()
+    assert "pooled_test" in cp_ops.transport.names()  # the registry takes a transport from a test file
+    tr = "pooled_test"
+    # B*S_local = 1 is the shape where Ulysses' last unpack used to be a view; B = 1 / 2 the all-to-all's
+    for b, s in ((1, w), (1, 4 * w), (2, 2 * w)):
+        h, d = 2 * w, 8
+        q, k, v = _data((b, s, h, d), seed=s + b)
+        q2, k2, v2 = _data((b, s, h, d), seed=100 + s + b)  # a second call of the same shape refills the slots
+        sq, sk, sv = (_shard(t, rank, w) for t in (q, k, v))
+        s2 = [_shard(t, rank, w) for t in (q2, k2, v2)]
+        ref = _shard(cp_ops.local_attention(q, k, v), rank, w)
+        for mode in ("agkv", "ulysses"):
+            same = cp_ops.attention(sq, sk, sv, mode=mode, transport="torch")  # same kernels, fresh buffers
+            torch.testing.assert_close(same, ref, rtol=1e-5, atol=1e-5)
+            out = cp_ops.attention(sq, sk, sv, mode=mode, transport=tr)
+            assert not _aliases(out, pool), (mode, b, s)
+            cp_ops.attention(*s2, mode=mode, transport=tr)
+            assert torch.equal(out, same), (mode, b, s)  # still this call's numbers after the next call
+
+        kf, vf = cp_ops.agkv_gather(sk, sv, transport=tr)
+        assert not _aliases(kf, pool) and not _aliases(vf, pool)
+        cp_ops.agkv_gather(s2[1], s2[2], transport=tr)
+        assert torch.equal(kf, k) and torch.equal(vf, v)
+
+        hl = h // w
+        outs = cp_ops.ulysses_all_to_all(sq, sk, transport=tr)
+        assert not any(_aliases(o, pool) for o in outs)
+        cp_ops.ulysses_all_to_all(s2[0], s2[1], transport=tr)
+        assert torch.equal(outs[0], q[:, :, rank * hl:(rank + 1) * hl])
+        assert torch.equal(outs[1], k[:, :, rank * hl:(rank + 1) * hl])
+
+        x = q[:, :, rank * hl:(rank + 1) * hl]
+        back = cp_ops.ulysses_all_to_all_inverse(x, transport=tr)
+        assert not _aliases(back, pool)
+        cp_ops.ulysses_all_to_all_inverse(q2[:, :, rank * hl:(rank + 1) * hl], transport=tr)
+        assert torch.equal(back, _shard(q, rank, w))
+    assert len(pool.pool) >= 4  # the emulation was really used
+
+
+def test_public_outputs_never_alias_pooled_buffers():
+    run_ranks(_public_outputs_are_owned, 2)
