@@ -11,7 +11,7 @@ rewrites the post-grad FX graph so that it runs
 Steps, per cp_ops launch in graph order (the shape of ``torch/_inductor/fx_passes/micro_pipeline_tp.py``:
 find, check, rewrite):
 
-1. ``_split_ulysses_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
+1. ``_split_packed_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
    ``select(buf, 3, slot)`` becomes ``ulysses_start([k, v])`` + ``ulysses_start([q])``; the slots read are
    remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
    Q's slot is the one that reaches the attention op's ``query`` argument.
@@ -37,14 +37,16 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-import cp_ops._library  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops._library import KV_LAUNCH_OPS, LAUNCH_OPS
+from cp_ops.transport.base import inflight_limit
 
 log = logging.getLogger("cp_ops.passes")
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_AGKV = torch.ops.cp_ops.agkv_gather_start.default
-_ULYSSES = torch.ops.cp_ops.ulysses_start.default
+_KV_LAUNCHES = frozenset(KV_LAUNCH_OPS)  # the pass opens a window from each (cp_ops._library's ops table)
+_LAUNCHES = frozenset(LAUNCH_OPS)  # every launch: all count towards the in-flight bound
+AFTER = "cp_ops_after"  # node.meta key of a launch placed after another's consumption: (token, consumer nodes)
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
 STRICT = False  # True: a failure inside the pass raises instead of leaving that launch alone with a warning
 
@@ -169,8 +171,8 @@ def _query_slots(wait: fx.Node, selects: list[fx.Node]) -> set[int] | None:
     return q_slots if known else None
 
 
-def _split_ulysses_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
-    """Rewrite ``ulysses_start([..q..k..v..])`` into a K/V launch plus a Q launch; returns the K/V launch.
+def _split_packed_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    """Rewrite a packing launch (``ulysses_start([..q..k..v..])``: its first argument a list) into a K/V launch plus a Q launch; returns the K/V launch.
 
     Returns None (graph unchanged, reason logged) when the buffer is used other than through one wait and
     ``select(buf, 3, slot)`` views, or the query slot cannot be told from the attention op.
@@ -194,8 +196,8 @@ def _split_ulysses_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node,
     kv = [i for i in range(len(xs)) if i not in q_slots]
     q = sorted(q_slots)
     with graph.inserting_before(launch):
-        launch_kv = _new_call(graph, _ULYSSES, ([xs[i] for i in kv], world_size, group_name, transport), launch)
-        launch_q = _new_call(graph, _ULYSSES, ([xs[i] for i in q], world_size, group_name, transport), launch)
+        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], world_size, group_name, transport), launch)
+        launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], world_size, group_name, transport), launch)
     with graph.inserting_before(wait):
         wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
         wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
@@ -228,17 +230,35 @@ def _fused_projection(q_side: set[fx.Node], launch_anc: set[fx.Node]) -> fx.Node
     return None
 
 
-def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node]) -> list[fx.Node]:
-    """Move the Q-side nodes that precede ``launch`` to after it, then raise ``launch`` to right after its last
-    input; returns the Q-side nodes moved, in order.
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
 
-    Safe by construction: the nodes moved later are not ancestors of the launch (nor is anything that uses
-    them, which moves with them), and the launch moves up only past nodes that are not its inputs.
+
+def _open_window(
+    graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node], after: Iterable[fx.Node] = ()
+) -> list[fx.Node]:
+    """Put ``launch`` right after the last of its inputs and of ``after`` (nodes it must follow: the readers of
+    an older launch's output, see :func:`_inflight_bound`), and the Q-side nodes that precede it after it;
+    returns the Q-side nodes moved, in order.
+
+    Safe by construction: the nodes moved later are not ancestors of the launch or of ``after`` (nor is
+    anything that uses them, which moves with them); the launch moves up only past nodes that are not its
+    inputs, and down (past ``after``) only past nodes that do not use it, except its own getitems and waits,
+    which move down with it (the caller checked that, :func:`_can_follow`).
     """
-    launch_anc = _ancestors([launch])
+    after = list(after)
+    launch_anc = _ancestors([launch, *after]) | set(after)
     q_side = {
         n for n in _ancestors([attn]) if n.op == "call_function" and n not in launch_anc and not _is_call(n, {_WAIT})
     }
+    order = _order(graph)
+    anchor = max([*launch.all_input_nodes, *after], key=order.__getitem__, default=None)
+    if anchor is not None and order[anchor] > order[launch]:  # down, past `after`, with its getitems and waits
+        own = [n for n in _descendants(launch) if order[n] < order[anchor]]
+        cursor = anchor
+        for n in [launch, *sorted(own, key=order.__getitem__)]:
+            cursor.append(n)
+            cursor = n
     moved, moved_set = [], set()
     for n in graph.nodes:
         if n is launch:
@@ -250,11 +270,112 @@ def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx
     for n in moved:
         cursor.append(n)
         cursor = n
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    last_input = max(launch.all_input_nodes, key=order.__getitem__, default=None)
+    order = _order(graph)
+    last_input = max([*launch.all_input_nodes, *after], key=order.__getitem__, default=None)
     if last_input is not None and last_input.next is not launch:
         last_input.append(launch)
     return moved
+
+
+def _descendants(n: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [n]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _can_follow(launch: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Can ``launch`` move down to right after ``node``? Only its getitems and waits may lie in between."""
+    own = {launch, *(u for u in launch.users if _is_call(u, {operator.getitem}))}
+    for d in _descendants(launch):
+        if order[d] <= order[node] and not (_is_call(d, {operator.getitem, _WAIT}) and d.args[0] in own):
+            return False
+    return True
+
+
+# ---- the in-flight bound: at most inflight_limit() launches of one pool key between launch and read --------
+def _key(launch: fx.Node) -> tuple:
+    """What the transport pools a launch's outputs by: (op, dtype and shape of each tensor input); a symbolic
+    size is None (it may equal any size)."""
+    vals = [a.meta["val"] for a in launch.all_input_nodes]
+    return launch.target, tuple((v.dtype, tuple(d if isinstance(d, int) else None for d in v.shape)) for v in vals)
+
+
+def _may_share_key(a: tuple, b: tuple) -> bool:
+    if a[0] != b[0] or len(a[1]) != len(b[1]):
+        return False
+    for (da, sa), (db, sb) in zip(a[1], b[1]):
+        if da != db or len(sa) != len(sb) or any(x is not None and y is not None and x != y for x, y in zip(sa, sb)):
+            return False
+    return True
+
+
+def _readers(launch: fx.Node) -> list[fx.Node]:
+    """The nodes that read the launch's outputs (the first non-view users of its waits, the graph output
+    included): until the last of them runs, the output's pool slot is taken."""
+    return [u for w in _waits_of(launch) for u, _ in _first_compute_users(w)]
+
+
+def _interval(launch: fx.Node, order: dict[fx.Node, int]) -> tuple[int, int]:
+    """[launch, last reader) in graph order: while its output is in flight or unread (end of graph: no wait)."""
+    readers = _readers(launch)
+    return order[launch], max((order[r] for r in readers), default=len(order))
+
+
+def _inflight_bound(graph: fx.Graph, launch: fx.Node, limit: int) -> list[fx.Node] | None:
+    """The readers of older launches that ``launch`` must follow so that, anywhere between it and the last
+    reader of its output, at most ``limit`` launches of its key are in flight (launched, output not yet read).
+
+    The launch is at its earliest place. Where the bound is broken, it goes after the readers of the launch in
+    flight there whose output is read first (the oldest), and the check repeats from there. Returns [] when
+    the place is fine, None when the bound cannot be met (a node that uses the launch comes first).
+    """
+    order = _order(graph)
+    key = _key(launch)
+    others = [
+        _interval(n, order) + (n,)
+        for n in graph.nodes
+        if n is not launch and _is_call(n, _LAUNCHES) and _may_share_key(key, _key(n))
+    ]
+    start, end = _interval(launch, order)
+    pos, after = float(start), []
+    while True:
+        points = [pos] + sorted(s for s, _, _ in others if pos < s < end)
+        for t in points:
+            active = [(e, n) for s, e, n in others if s <= t < e]
+            if len(active) >= limit:
+                break
+        else:
+            return after
+        e_old, oldest = min(active, key=lambda x: x[0])
+        if e_old >= end or e_old >= len(order):
+            return None
+        readers = _readers(oldest)
+        last = max(readers, key=order.__getitem__)
+        if not _can_follow(launch, last, order):
+            return None
+        after.extend(r for r in readers if r not in after)
+        pos = e_old + 0.5
+
+
+def check_inflight(graph: fx.Graph, limit: int | None = None) -> list[str]:
+    """Places in ``graph`` where more than ``limit`` (default :func:`cp_ops.transport.base.inflight_limit`)
+    launches that may share a pool key are in flight at once; [] when none. One line per place."""
+    limit = inflight_limit() if limit is None else limit
+    if limit is None:
+        return []
+    order = _order(graph)
+    ls = [(n, _key(n)) + _interval(n, order) for n in graph.nodes if _is_call(n, _LAUNCHES)]
+    bad = []
+    for n, k, s, _ in ls:
+        active = [m.name for m, km, sm, em in ls if m is not n and sm < s < em and _may_share_key(k, km)]
+        if len(active) >= limit:
+            bad.append(f"{n.name} launched while {active} are in flight (limit {limit})")
+    return bad
 
 
 def _sink_wait(wait: fx.Node, order: dict[fx.Node, int]) -> None:
@@ -287,7 +408,7 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
     ``cp_ops.passes`` logger with the nodes moved. A launch the pass fails on is left as it is, with a
     warning (the compile goes on without that window), unless :data:`STRICT` is set (tests set it).
     """
-    launches = [n for n in graph.nodes if _is_call(n, {_AGKV, _ULYSSES})]
+    launches = [n for n in graph.nodes if _is_call(n, _KV_LAUNCHES)]
     if not launches:
         return 0
     opened = 0
@@ -299,15 +420,20 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
                 raise
             log.warning("cp_ops.passes: no overlap window for %s: %s: %s", launch.name, type(e).__name__, e)
     graph.lint()
+    bad = check_inflight(graph)
+    if bad:
+        if STRICT:
+            raise RuntimeError("cp_ops overlap pass: in-flight bound broken: " + "; ".join(bad))
+        log.warning("cp_ops.passes: in-flight bound broken (the fast transport will raise): %s", "; ".join(bad))
     return opened
 
 
 def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
     """Open window ``wid`` for one launch (after splitting a Ulysses [q, k, v] launch); returns 1 or 0."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if launch.target is _ULYSSES:
+    if isinstance(launch.args[0], (list, tuple)):  # a packing launch (Ulysses): split Q off
         if len(launch.args[0]) >= 2:
-            split = _split_ulysses_launch(graph, launch, order)
+            split = _split_packed_launch(graph, launch, order)
             if split is None:
                 return 0
             launch = split
@@ -320,7 +446,21 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
         log.debug("cp_ops.passes: %s: no wait or no consumer after its wait; no window", launch.name)
         return 0
     moved = _open_window(graph, launch, attn, waits)
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    limit = inflight_limit()
+    after = _inflight_bound(graph, launch, limit) if limit is not None else []
+    if after is None:
+        msg = f"{launch.name}: more than {limit} launches of its key would be in flight, whatever its place"
+        if STRICT:
+            raise RuntimeError(f"cp_ops overlap pass: {msg}")
+        log.warning("cp_ops.passes: %s", msg)
+    elif after:
+        moved = _open_window(graph, launch, attn, waits, after=after)
+        launch.meta[AFTER] = [r.name for r in after]
+        log.debug(
+            "cp_ops.passes: window %d: %s placed after %s (at most %d launches of its key in flight)",
+            wid, launch.name, [r.name for r in after], limit,
+        )
+    order = _order(graph)
     for w in waits:
         _sink_wait(w, order)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -392,6 +532,53 @@ def _gather_window(snodes: list, launch, q_tagged: list, waits: list) -> tuple[l
     return snodes, inside + late
 
 
+def _origins(snode) -> list:
+    out = []
+    for sub in snode.get_nodes():
+        out.extend(o for o in (getattr(getattr(sub, "node", None), "origins", ()) or ()) if hasattr(o, "meta"))
+    return out
+
+
+def _pin_inflight_bounds(snodes: list) -> bool:
+    """Keep each launch the FX pass placed after older launches' readers (``meta[AFTER]``) after them in the
+    generated code: an ordering dependency (fake ``WeakDep``) of the launch on every scheduler node that holds
+    one of those readers. Recomputes ancestors when it adds any; returns whether it did."""
+    from torch._inductor import ir
+
+    pos = {sn: i for i, sn in enumerate(snodes)}
+    by_origin: dict[str, list] = {}
+    for sn in snodes:
+        for o in _origins(sn):
+            by_origin.setdefault(o.name, []).append(sn)
+    added = False
+    for sn in snodes:
+        node = getattr(sn, "node", None)
+        if not isinstance(node, ir._CollectiveKernel) or isinstance(node, ir._WaitKernel):
+            continue
+        names = [r for o in _origins(sn) for r in (o.meta.get(AFTER) or ())]
+        if not names:
+            continue
+        launch_buf = sorted(sn.get_buffer_names())[0]
+        for reader in {r for name in names for r in by_origin.get(name, ())}:
+            if reader is sn:
+                continue
+            if pos[reader] > pos[sn] or sn.get_name() in (getattr(reader, "ancestors", ()) or ()):
+                msg = f"{sn.get_name()} cannot be kept after {reader.get_name()} (a reader of an older launch's output)"
+                if STRICT:
+                    raise RuntimeError(f"cp_ops overlap pass: {msg}")
+                log.warning("cp_ops.passes: %s", msg)
+                continue
+            for buf in reader.get_buffer_names():
+                sn.add_fake_dep(_weak_dep(buf, launch_buf))
+                added = True
+        log.debug("cp_ops.passes: %s pinned after %s", sn.get_name(), names)
+    if added:
+        from torch._inductor.virtualized import V
+
+        V.graph.scheduler.compute_ancestors()
+    return added
+
+
 def pin_windows(snodes: list) -> list:
     """:func:`_pin_windows`; on an error, a warning and the nodes unchanged in order (unless :data:`STRICT`)."""
     try:
@@ -413,6 +600,7 @@ def _pin_windows(snodes: list) -> list:
     """
     from torch._inductor import ir
 
+    changed = _pin_inflight_bounds(snodes)
     windows: dict[int, dict[str, list]] = {}
     for sn in snodes:
         tags = _snode_tags(sn)
@@ -431,8 +619,11 @@ def _pin_windows(snodes: list) -> list:
                 role = "q"
             windows.setdefault(wid, {"launch": [], "q": [], "wait": []})[role].append(sn)
     if not windows:
+        if changed:
+            from torch._inductor.virtualized import V
+
+            V.graph.scheduler.compute_ancestors()
         return snodes
-    changed = False
     for wid, w in sorted(windows.items()):
         if len(w["launch"]) != 1 or not w["wait"]:
             log.debug("cp_ops.passes: window %d not pinned: launch/wait not found among scheduler nodes", wid)
