@@ -297,84 +297,94 @@ def _can_follow(launch: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bo
     return True
 
 
-# ---- the in-flight bound: at most inflight_limit() launches of one pool key between launch and read --------
-def _key(launch: fx.Node) -> tuple:
-    """What the transport pools a launch's outputs by: (op, dtype and shape of each tensor input); a symbolic
-    size is None (it may equal any size)."""
+# ---- the in-flight bound: a launch reuses the pool slot of the launch `limit` before it (of its key) -------
+# A pooling transport (the fast one) gives each (op, shape, dtype) key `limit` = inflight_limit() output slots,
+# taken in turn: launch i of a key writes where launch i - limit wrote. So every reader of launch i - limit's
+# output must run before launch i; the pass keeps that true for every launch it moves.
+def _group_key(launch: fx.Node) -> tuple:
+    """Launches with equal group keys may share a pool key: (op, dtype and shape of each tensor input); with a
+    symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together."""
     vals = [a.meta["val"] for a in launch.all_input_nodes]
-    return launch.target, tuple((v.dtype, tuple(d if isinstance(d, int) else None for d in v.shape)) for v in vals)
-
-
-def _may_share_key(a: tuple, b: tuple) -> bool:
-    if a[0] != b[0] or len(a[1]) != len(b[1]):
-        return False
-    for (da, sa), (db, sb) in zip(a[1], b[1]):
-        if da != db or len(sa) != len(sb) or any(x is not None and y is not None and x != y for x, y in zip(sa, sb)):
-            return False
-    return True
+    if all(isinstance(d, int) for v in vals for d in v.shape):
+        return launch.target, tuple((v.dtype, tuple(v.shape)) for v in vals)
+    return launch.target, tuple((v.dtype, v.dim()) for v in vals)
 
 
 def _readers(launch: fx.Node) -> list[fx.Node]:
     """The nodes that read the launch's outputs (the first non-view users of its waits, the graph output
-    included): until the last of them runs, the output's pool slot is taken."""
+    included): until the last of them has run, the output's pool slot is taken."""
     return [u for w in _waits_of(launch) for u, _ in _first_compute_users(w)]
 
 
-def _interval(launch: fx.Node, order: dict[fx.Node, int]) -> tuple[int, int]:
-    """[launch, last reader) in graph order: while its output is in flight or unread (end of graph: no wait)."""
-    readers = _readers(launch)
-    return order[launch], max((order[r] for r in readers), default=len(order))
+def _last_read(launch: fx.Node, order: dict[fx.Node, int]) -> int:
+    """Position of the launch's last reader (end of graph when its output is never waited for)."""
+    return max((order[r] for r in _readers(launch)), default=len(order))
+
+
+def _fifo_broken(seq: list[tuple[float, int]], limit: int) -> list[int]:
+    """Indices k in ``seq`` (``(position, last read)`` per launch, in launch order) where launch k runs before
+    the last read of some launch j <= k - limit (the one whose slot it takes, or an earlier one)."""
+    bad, last = [], float("-inf")
+    for k, (pos, _) in enumerate(seq):
+        if k >= limit:
+            last = max(last, seq[k - limit][1])
+            if last > pos:
+                bad.append(k)
+    return bad
 
 
 def _inflight_bound(graph: fx.Graph, launch: fx.Node, limit: int) -> list[fx.Node] | None:
-    """The readers of older launches that ``launch`` must follow so that, anywhere between it and the last
-    reader of its output, at most ``limit`` launches of its key are in flight (launched, output not yet read).
-
-    The launch is at its earliest place. Where the bound is broken, it goes after the readers of the launch in
-    flight there whose output is read first (the oldest), and the check repeats from there. Returns [] when
-    the place is fine, None when the bound cannot be met (a node that uses the launch comes first).
+    """The nodes ``launch`` must follow so that it takes no pool slot whose output is still unread, and its
+    place shifts no later launch of its key onto one: the readers of launch i - limit (i: its index among the
+    launches of its key), and any later launch that would otherwise break. Returns [] when its earliest place
+    (where it is) is fine; None when no place before its own readers is (a warning, or an error when STRICT).
     """
     order = _order(graph)
-    key = _key(launch)
-    others = [
-        _interval(n, order) + (n,)
+    key = _group_key(launch)
+    others = sorted(
+        (order[n], _last_read(n, order), n)
         for n in graph.nodes
-        if n is not launch and _is_call(n, _LAUNCHES) and _may_share_key(key, _key(n))
-    ]
-    start, end = _interval(launch, order)
-    pos, after = float(start), []
-    while True:
-        points = [pos] + sorted(s for s, _, _ in others if pos < s < end)
-        for t in points:
-            active = [(e, n) for s, e, n in others if s <= t < e]
-            if len(active) >= limit:
-                break
-        else:
+        if n is not launch and _is_call(n, _LAUNCHES) and _group_key(n) == key
+    )
+    base = set(_fifo_broken([(p, e) for p, e, _ in others], limit))  # broken without it: not its doing
+    mine = (None, _last_read(launch, order), launch)
+    pos, after = float(order[launch]), []
+    for _ in range(len(others) + 2):
+        seq = sorted(others + [(pos,) + mine[1:]], key=lambda x: x[0])
+        i = next(k for k, x in enumerate(seq) if x[2] is launch)
+        bad = [k for k in _fifo_broken([(p, e) for p, e, _ in seq], limit) if k == i or (k > i and k - 1 not in base)]
+        if not bad:
             return after
-        e_old, oldest = min(active, key=lambda x: x[0])
-        if e_old >= end or e_old >= len(order):
+        if bad[0] == i:  # it would take the slot of an unread output: after the readers of launches <= i - limit
+            olds = [x[2] for x in seq[: i - limit + 1] if x[1] > pos]
+            new = [r for o in olds for r in _readers(o)]
+        else:  # it would push a later launch onto an unread slot: stay after that launch
+            new = [seq[bad[0]][2]]
+        after.extend(n for n in new if n not in after)
+        last = max(after, key=order.__getitem__)
+        if order[last] >= mine[1] or not _can_follow(launch, last, order):
             return None
-        readers = _readers(oldest)
-        last = max(readers, key=order.__getitem__)
-        if not _can_follow(launch, last, order):
-            return None
-        after.extend(r for r in readers if r not in after)
-        pos = e_old + 0.5
+        pos = order[last] + 0.5
+    return None
 
 
 def check_inflight(graph: fx.Graph, limit: int | None = None) -> list[str]:
-    """Places in ``graph`` where more than ``limit`` (default :func:`cp_ops.transport.base.inflight_limit`)
-    launches that may share a pool key are in flight at once; [] when none. One line per place."""
+    """Launches in ``graph`` that would take the pool slot of a launch whose output is still unread (the
+    launch ``limit`` before them of their key; default :func:`cp_ops.transport.base.inflight_limit`); one line
+    each, [] when none."""
     limit = inflight_limit() if limit is None else limit
     if limit is None:
         return []
     order = _order(graph)
-    ls = [(n, _key(n)) + _interval(n, order) for n in graph.nodes if _is_call(n, _LAUNCHES)]
+    groups: dict[tuple, list] = {}
+    for n in graph.nodes:
+        if _is_call(n, _LAUNCHES):
+            groups.setdefault(_group_key(n), []).append(n)
     bad = []
-    for n, k, s, _ in ls:
-        active = [m.name for m, km, sm, em in ls if m is not n and sm < s < em and _may_share_key(k, km)]
-        if len(active) >= limit:
-            bad.append(f"{n.name} launched while {active} are in flight (limit {limit})")
+    for seq in groups.values():
+        for k in _fifo_broken([(order[n], _last_read(n, order)) for n in seq], limit):
+            bad.append(f"{seq[k].name} runs before the output of {[n.name for n in seq[: k - limit + 1]]} is read "
+                       f"({limit} slots per key)")
     return bad
 
 
@@ -457,7 +467,7 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
         moved = _open_window(graph, launch, attn, waits, after=after)
         launch.meta[AFTER] = [r.name for r in after]
         log.debug(
-            "cp_ops.passes: window %d: %s placed after %s (at most %d launches of its key in flight)",
+            "cp_ops.passes: window %d: %s placed after %s (%d pool slots per key: no launch takes an unread slot)",
             wid, launch.name, [r.name for r in after], limit,
         )
     order = _order(graph)

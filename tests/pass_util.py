@@ -118,3 +118,75 @@ def kernel_lines(code: str) -> list[str]:
     """The generated code's kernel calls, extern calls, collectives and waits, one per entry, in order."""
     pat = re.compile(r"(extern_kernels\.\w+|cpp_fused\w*|triton_\w+|torch\.ops\.[\w.]+)(?:\.run)?\(")
     return [m.group(1) for line in code.splitlines() for m in [pat.search(line)] if m and "assert" not in line]
+
+
+class PooledTestTransport:
+    """A CPU stand-in for the fast transport's pool: the torch transport's AGKV result copied into one of
+    ``slots_per_key`` (= 2) buffers per (op, shape, dtype), taken in turn, so a third launch of one key in flight
+    overwrites the first's unread output — as the fast transport's pool would (its own check aside). Register
+    it only in rank processes (:func:`register_pooled_test_transport`): the registry is process-wide."""
+
+    name = "pooled_test"
+    slots_per_key = 2
+    pooled_outputs = True
+
+    def __init__(self) -> None:
+        self.pools: dict[tuple, list] = {}
+        self.turn: dict[tuple, int] = {}
+
+    def unavailable_reason(self, device):
+        return None
+
+    def group_reason(self, group, device):
+        return None
+
+    def _slot(self, key, like: torch.Tensor) -> torch.Tensor:
+        bufs = self.pools.setdefault(key, [torch.empty_like(like) for _ in range(self.slots_per_key)])
+        i = self.turn.get(key, 0)
+        self.turn[key] = i + 1
+        return bufs[i % self.slots_per_key]
+
+    def agkv_start(self, k, v, group):
+        from cp_ops.transport.torch import transport as torch_transport
+
+        k_full, v_full, work = torch_transport.agkv_start(k, v, group)
+        work.wait()
+        key = ("agkv", tuple(k.shape), k.dtype)
+        k_slot, v_slot = self._slot(key + ("k",), k_full), self._slot(key + ("v",), v_full)
+        k_slot.copy_(k_full)
+        v_slot.copy_(v_full)
+        return k_slot, v_slot, work
+
+    def ulysses_start(self, xs, group):
+        raise NotImplementedError("pooled_test: AGKV only")
+
+    def ulysses_inverse_start(self, x, group):
+        raise NotImplementedError("pooled_test: AGKV only")
+
+
+def register_pooled_test_transport() -> str:
+    """Register :class:`PooledTestTransport` (once per process); returns its name."""
+    from cp_ops.transport import base
+
+    if PooledTestTransport.name not in base.names():
+        base.register(PooledTestTransport())
+    return PooledTestTransport.name
+
+
+def check_inputs_alive(code: str, op: str, n_inputs: int) -> None:
+    """In generated code: the first ``op`` launch's input buffers are freed (``del``) only after the wait on its
+    output(s) (Inductor treats the launch as a collective). Raises AssertionError naming the buffer."""
+    lines = code.splitlines()
+    launch = next(i for i, l in enumerate(lines) if f"cp_ops.{op}.default(" in l)
+    m = re.search(rf"(buf\d+) = torch\.ops\.cp_ops\.{op}\.default\((.*)\)", lines[launch])
+    out, call_args = m.group(1), m.group(2)
+    inputs = re.findall(r"\b(buf\d+)\b", call_args)[:n_inputs]
+    assert len(inputs) == n_inputs, call_args
+    # Multi-output (AGKV): output i = bufX[i] is written from input i; single output: bufX itself.
+    item = {int(mm.group(2)): mm.group(1) for l in lines[launch:] for mm in [re.match(rf"\s*(buf\d+) = {out}\[(\d)\]", l)] if mm}
+    for idx, inp in enumerate(inputs):
+        waited = item.get(idx, out)
+        wait = next(i for i, l in enumerate(lines) if f"wait_tensor.default({waited})" in l)
+        freed = [i for i, l in enumerate(lines) if i > launch and re.search(rf"del {inp}\b", l)]
+        assert freed, f"{inp} never freed"
+        assert freed[0] > wait, f"input {inp} of {op} freed/reused before its wait"

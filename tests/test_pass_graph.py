@@ -17,8 +17,8 @@ from torch.testing import FileCheck
 
 import cp_ops  # noqa: F401
 import passes
-import pass_blocks as pb
-from pass_util import compile_and_get, kernel_lines
+from benchmarks import blocks as pb
+from pass_util import check_inputs_alive, compile_and_get, kernel_lines
 
 DIM, HEADS = 64, 4
 
@@ -122,21 +122,7 @@ addmm_3 = addmm(arg12_1, _scaled_dot_product_flash_attention_for_cpu, arg11_1)""
         self.assertEqual(recycled, [])
 
     def _check_inputs_alive(self, code: str, op: str, n_inputs: int):
-        """The first ``op`` launch's input buffers are freed (``del``) only after the wait on its output(s)."""
-        lines = code.splitlines()
-        launch = next(i for i, l in enumerate(lines) if f"cp_ops.{op}.default(" in l)
-        m = re.search(rf"(buf\d+) = torch\.ops\.cp_ops\.{op}\.default\((.*)\)", lines[launch])
-        out, call_args = m.group(1), m.group(2)
-        inputs = re.findall(r"\b(buf\d+)\b", call_args)[:n_inputs]
-        self.assertEqual(len(inputs), n_inputs, call_args)
-        # Multi-output (AGKV): output i = bufX[i] is written from input i; single output: bufX itself.
-        item = {int(mm.group(2)): mm.group(1) for l in lines[launch:] for mm in [re.match(rf"\s*(buf\d+) = {out}\[(\d)\]", l)] if mm}
-        for idx, inp in enumerate(inputs):
-            waited = item.get(idx, out)
-            wait = next(i for i, l in enumerate(lines) if f"wait_tensor.default({waited})" in l)
-            freed = [i for i, l in enumerate(lines) if i > launch and re.search(rf"del {inp}\b", l)]
-            self.assertTrue(freed, f"{inp} never freed")
-            self.assertGreater(freed[0], wait, f"input {inp} of {op} freed/reused before its wait")
+        check_inputs_alive(code, op, n_inputs)
 
     def test_wan_ulysses_split_graph_and_code_order(self):
         model = pb.WanBlock(DIM, HEADS, mode="ulysses")
