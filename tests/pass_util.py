@@ -24,12 +24,32 @@ def _short(target) -> str:
 def compact_graph(graph: fx.Graph) -> str:
     """One line per compute node of a post-grad graph, in order: ``name = op(inputs)``; views are looked
     through (an input shown is the compute node or placeholder behind the views); nodes the overlap pass
-    tagged end in ``# window <id>: launch|q|wait``."""
+    tagged end in ``# window <id>: launch|q|wait``.
+
+    Names are canonical, so the text is the same on every torch version (FX's name counters, the naming of
+    AOT placeholders and ``make_fx`` arguments differ between releases, e.g. 2.11 and 2.13): a placeholder
+    is ``in<k>`` (k: order of first use in the text), a compute node ``<op>_<k>`` (k: its rank among the
+    nodes of that op, in text order). What is checked stays whole: every op, its inputs (which node or
+    placeholder, same one where shared), the order and the window tags.
+    """
 
     def source(n: fx.Node) -> fx.Node:
         while n.op == "call_function" and _short(n.target) in _SKIP and n.all_input_nodes:
             n = n.all_input_nodes[0]
         return n
+
+    names: dict[fx.Node, str] = {}
+    per_op: dict[str, int] = {}
+
+    def name_of(n: fx.Node) -> str:
+        if n not in names:
+            if n.op == "call_function":
+                op = _short(n.target).split(".")[-1]
+                names[n] = f"{op}_{per_op.get(op, 0)}"
+                per_op[op] = per_op.get(op, 0) + 1
+            else:
+                names[n] = f"in{sum(1 for m in names if m.op != 'call_function')}"
+        return names[n]
 
     lines = []
     for n in graph.nodes:
@@ -37,10 +57,10 @@ def compact_graph(graph: fx.Graph) -> str:
             continue
         ins = []
         for a in n.all_input_nodes:
-            s = source(a).name
+            s = name_of(source(a))
             if s not in ins:
                 ins.append(s)
-        line = f"{n.name} = {_short(n.target)}({', '.join(ins)})"
+        line = f"{name_of(n)} = {_short(n.target)}({', '.join(ins)})"
         tag = n.meta.get("cp_ops_window")
         lines.append(f"{line}  # window {tag[0]}: {tag[1]}" if tag else line)
     return "\n".join(lines)

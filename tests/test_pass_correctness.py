@@ -69,10 +69,11 @@ def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, re
 
 
 def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
-    """Three K/V launches whose inputs are ready before the first attention, on a transport that pools outputs
-    in 2 slots per key, taken in turn: with the pass, the third launch waits until the output of the first
-    launched is read (``inflight_limit()`` = 2), so compiled == eager bitwise; with the bound off it overwrites
-    that unread K/V and an attention reads chunk 2's (checked below: the test can fail)."""
+    """Layers of three K/V launches whose inputs are ready before the first attention, on a transport that pools
+    outputs in 2 slots per key, taken in turn: with the pass, the third launch of each layer waits until the
+    output whose slot it takes is read (``inflight_limit()`` = 2), so compiled (2 layers) == eager bitwise;
+    with the bound off it overwrites that unread K/V and an attention reads another chunk's (checked on one
+    layer: the test can fail)."""
     from unittest import mock
 
     from benchmarks import blocks as pb
@@ -90,16 +91,12 @@ def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
         eager = two(*xs)
         records.messages.clear()
         on = _compile_and_run(two, xs, overlap=True)
-        placed = [m.split(": ")[2].split()[0] for m in records.messages if "placed after" in m]
+        placed = [m for m in records.messages if "placed after" in m]
         assert len(placed) == 2, records.messages  # the third launch of each layer
         assert torch.equal(on, eager), (on - eager).abs().max().item()
     model = two.blocks[0]
     with torch.no_grad():
         eager = model(*xs)
-        records.messages.clear()
-        on = _compile_and_run(model, xs, overlap=True)
-        assert any("placed after" in m for m in records.messages), records.messages
-        assert torch.equal(on, eager), (on - eager).abs().max().item()
         with mock.patch.object(passes.overlap, "inflight_limit", lambda: None):  # the bound off: 3 in flight
             unbounded = _compile_and_run(model, xs, overlap=True)
         assert not torch.equal(unbounded, eager), "the pooled stand-in did not overwrite an unread output"
