@@ -210,3 +210,28 @@ def check_inputs_alive(code: str, op: str, n_inputs: int) -> None:
         freed = [i for i, l in enumerate(lines) if i > launch and re.search(rf"del {inp}\b", l)]
         assert freed, f"{inp} never freed"
         assert freed[0] > wait, f"input {inp} of {op} freed/reused before its wait"
+
+
+def pool_slot_violations(code: str, op: str, slots: int = 2) -> list[str]:
+    """Run generated code's launch order through a pool of ``slots`` buffers taken in turn (as the fast
+    transport's, for launches of one key): launch k writes where launch k - slots wrote, so no line after
+    launch k may still read launch k - slots's outputs. Returns one line per violation ([] when none).
+    All ``op`` launches in ``code`` are taken as one key (same shapes)."""
+    lines = code.splitlines()
+    launches = []  # (line index, output buffers)
+    for i, l in enumerate(lines):
+        m = re.search(rf"(buf\d+) = torch\.ops\.cp_ops\.{op}\.default\(", l)
+        if m:
+            out = m.group(1)
+            items = [mm.group(1) for l2 in lines[i + 1 :] for mm in [re.match(rf"\s*(buf\d+) = {out}\[\d+\]", l2)] if mm]
+            launches.append((i, items or [out]))
+    bad = []
+    for k in range(slots, len(launches)):
+        start, (old_line, old_bufs) = launches[k][0], launches[k - slots]
+        for j, l in enumerate(lines[start + 1 :], start + 1):
+            if l.strip().startswith("del "):
+                continue
+            used = [b for b in old_bufs if re.search(rf"\b{b}\b", l)]
+            if used:
+                bad.append(f"line {j} reads {used} (launch at line {old_line}) after launch at line {start} took its slot")
+    return bad

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import cp_ops
 from benchmarks import blocks as pb
 from cp_ops.transport.base import inflight_limit
-from pass_util import compile_and_get
+from pass_util import compile_and_get, pool_slot_violations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM, HEADS = 64, 4
@@ -80,6 +80,18 @@ def test_repro_graph_third_launch_after_first_read():
     assert ov.check_inflight(gm.graph) == []
 
 
+def test_pool_slot_check_reads_generated_code():
+    """pool_slot_violations (used on the compiled 2-layer block below) finds a launch that takes an unread slot."""
+    launch = "        buf{o} = torch.ops.cp_ops.agkv_gather_start.default(buf0, buf1, 2, '0', 'torch')\n" \
+             "        buf{a} = buf{o}[0]\n        buf{b} = buf{o}[1]\n"
+    read = "        buf{r} = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, buf{a}, buf{b})\n"
+    l0, l1, l2 = (launch.format(o=o, a=o + 1, b=o + 2) for o in (10, 20, 30))
+    r0, r1, r2 = (read.format(r=o + 5, a=o + 1, b=o + 2) for o in (10, 20, 30))
+    assert pool_slot_violations(l0 + l1 + r0 + l2 + r1 + r2, "agkv_gather_start") == []
+    bad = pool_slot_violations(l0 + l1 + l2 + r0 + r1 + r2, "agkv_gather_start")
+    assert len(bad) == 1 and "['buf11', 'buf12']" in bad[0], bad
+
+
 def test_repro_graph_unbounded_is_caught():
     """Without the bound the pass reproduces the fault, and check_inflight (run at the end of every pass,
     STRICT: an error) names it: the check cannot pass vacuously."""
@@ -103,20 +115,20 @@ def test_two_layer_block_order_in_graph_and_code():
     placed = [m for m in logs if "placed after" in m]
     assert len(placed) == 2, logs
     assert any(" pinned after " in m for m in logs), logs
-    # Per layer: two launches in flight, attentions read them (in launch order: the pass raised the second
-    # launch above the first), then the third launch, on the slot of the first launched, then its read.
-    expected = ["L", "L", "R", "R", "L", "R"] * 2
+    # FX graph (the pass itself checks the pool turns at its end: STRICT raises): per layer, two launches go
+    # before the first attention (the window stays open), then the bound places the third.
     fx_order = [
         "L" if rhs.startswith("cp_ops.agkv_gather_start(") else "R"
         for rhs in (l.split(" = ", 1)[1] for l in cap.after[0].splitlines())
         if rhs.startswith(("cp_ops.agkv_gather_start(", "_scaled_dot_product"))
     ]
-    assert fx_order == expected, cap.after[0]
-    # Generated code: the same order (launch = a cp_ops call, read = an SDPA call).
+    assert len(fx_order) == 12 and fx_order[:2] == fx_order[6:8] == ["L", "L"], cap.after[0]
+    # Generated code: the same in kernel order, and no launch takes a pool slot whose output a later line reads.
     code_order = ["L" if "cp_ops.agkv_gather_start.default(" in l else "R"
                   for l in code.splitlines() if "cp_ops.agkv_gather_start.default(" in l
                   or "_scaled_dot_product_flash_attention_for_cpu.default(" in l]
-    assert code_order == expected, code
+    assert code_order == fx_order, code
+    assert pool_slot_violations(code, "agkv_gather_start") == [], code
 
 
 def test_plain_torch_compile_gets_lowerings_without_importing_passes(tmp_path):
