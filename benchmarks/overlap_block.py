@@ -28,6 +28,7 @@ on gloo (times there say nothing about GPUs).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -44,9 +45,9 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn as nn  # noqa: E402
 
 import cp_ops  # noqa: E402
+from benchmarks.blocks import WanBlock, rope_tables  # noqa: E402  (the blocks the pass tests use too)
 from cp_ops import layout  # noqa: E402
 from cp_ops.launch import launch  # noqa: E402
 from cp_ops.timing import max_over_ranks, time_ms  # noqa: E402
@@ -101,62 +102,6 @@ def copy_attention(q, k, v, *, mode: str, world_size: int):
     qh, kh, vh = (layout.ulysses_unpack(buf, i) for i in range(3))
     out = cp_ops.local_attention(qh, kh, vh)
     return layout.ulysses_inverse_unpack(torch.ops.cp_bench.local_a2a_inverse(out, world_size))
-
-
-# ---- the block ---------------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        y = x.float()
-        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-def rope_tables(tokens: int, head_dim: int, grid_hw: tuple[int, int], offset: int = 0):
-    """3-D RoPE (frame, height, width) tables ``cos, sin [tokens, head_dim]`` (fp32) for tokens offset..offset+tokens."""
-    h, w = grid_hw
-    idx = torch.arange(offset, offset + tokens)
-    pos = torch.stack((idx // (h * w), (idx // w) % h, idx % w), -1)
-    d_h = d_w = 2 * (head_dim // 6)
-    d_f = head_dim - d_h - d_w
-    angles = []
-    for axis, d in enumerate((d_f, d_h, d_w)):
-        inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        angles.append(pos[:, axis, None].double() * inv)
-    ang = torch.cat(angles, -1).repeat_interleave(2, -1)
-    return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x, cos, sin):
-    x1 = x.float().unflatten(-1, (-1, 2))
-    rot = torch.stack((-x1[..., 1], x1[..., 0]), -1).flatten(-2)
-    return (x.float() * cos[None, :, None, :] + rot * sin[None, :, None, :]).type_as(x)
-
-
-class WanSelfAttention(nn.Module):
-    """Wan 2.1 self-attention: q, k, v projections (q first), RMSNorm(dim) on q and k, RoPE, attention, out."""
-
-    def __init__(self, dim: int, heads: int, attn: str, mode: str, world_size: int, transport: str) -> None:
-        super().__init__()
-        self.heads, self.attn, self.mode, self.world_size, self.transport = heads, attn, mode, world_size, transport
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.norm_q, self.norm_k = RMSNorm(dim), RMSNorm(dim)
-
-    def forward(self, x, cos, sin):
-        q = self.norm_q(self.q(x)).unflatten(-1, (self.heads, -1))
-        k = self.norm_k(self.k(x)).unflatten(-1, (self.heads, -1))
-        v = self.v(x).unflatten(-1, (self.heads, -1))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.attn == "single":
-            o = cp_ops.local_attention(q, k, v)
-        elif self.attn == "copy":
-            o = copy_attention(q, k, v, mode=self.mode, world_size=self.world_size)
-        else:
-            o = cp_ops.attention(q, k, v, mode=self.mode, transport=self.transport)
-        return self.o(o.flatten(-2))
 
 
 # ---- timing and the profiler trace --------------------------------------------------------------------------
@@ -235,8 +180,10 @@ def profile_overlap(fn, device: torch.device, iters: int, path: str) -> dict:
 # ---- one rank -----------------------------------------------------------------------------------------------
 def _build(args, variant: str, mode: str, world_size: int, device, dtype, fullgraph: bool = True):
     torch.manual_seed(0)  # the same weights on every rank and in every variant
-    attn = {"single": "single", "copy": "copy"}.get(variant, "cp")
-    block = WanSelfAttention(args.dim, args.heads, attn, mode, world_size, args.transport)
+    attention = None
+    if variant == "copy":
+        attention = functools.partial(copy_attention, mode=mode, world_size=world_size)
+    block = WanBlock(args.dim, args.heads, cp=variant != "single", mode=mode, transport=args.transport, attention=attention)
     block = block.to(device=device, dtype=dtype).eval()
     torch._dynamo.reset()
     if variant in ("cp", "cp_pass"):
@@ -247,7 +194,7 @@ def _build(args, variant: str, mode: str, world_size: int, device, dtype, fullgr
 def _inputs(s_tokens: int, offset: int, args, device, dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, s_tokens, args.dim, generator=g).to(device=device, dtype=dtype)
-    cos, sin = rope_tables(s_tokens, args.dim // args.heads, (args.grid_hw, args.grid_hw), offset)
+    cos, sin = rope_tables((1, args.grid_hw, args.grid_hw), args.dim // args.heads, offset, s_tokens)
     cos, sin = cos.to(device), sin.to(device)
     if args.dynamic:  # one compile serves every S
         torch._dynamo.mark_dynamic(x, 1)

@@ -49,24 +49,95 @@ def _register(work, *outs: torch.Tensor) -> None:
         _register_work(out, work)
 
 
-_lowering_registered = False
+# ---- compile hooks: what a compiler integration (the Inductor lowerings in ``passes``) registers -----------
+#: Entry-point group of the compile hooks: callables with no arguments, run once, outside fake mode, the first
+#: time a cp_ops op is traced (``torch.compile``, ``make_fx``, opcheck). The project's own ``pyproject.toml``
+#: declares ``passes.lowering:register`` there, so plain ``torch.compile`` gets the lowerings that keep a
+#: launch's inputs alive until its wait, and the core never imports ``passes``.
+COMPILE_HOOK_GROUP = "cp_ops.compile_hooks"
+_compile_hooks: list = []  # added by add_compile_hook()
+_hooks_ran = False
 
 
-def _ensure_inductor_lowering() -> None:
-    """Fake kernels run while torch.compile traces: register, once, the Inductor lowerings that make our
-    launches collectives (``passes/lowering.py``: inputs stay alive until the wait), so plain
-    ``torch.compile`` gets them too, not only ``cp_ops.compile``. Imports Inductor lazily, outside fake mode."""
-    global _lowering_registered
-    if _lowering_registered:
-        return
-    _lowering_registered = True
+def add_compile_hook(fn) -> None:
+    """Run ``fn()`` the first time a cp_ops op is traced (at once when that already happened)."""
+    _compile_hooks.append(fn)
+    if _hooks_ran:
+        _call_outside_fake(fn)
+
+
+def declared_entry_points(group: str) -> list[tuple[str, object]]:
+    """``(name, loaded object)`` of every entry point in ``group``, sorted by name.
+
+    Read from installed distributions (``importlib.metadata``) and, when cp_ops runs from a source tree
+    (``PYTHONPATH`` at a checkout: no install, or an install of another checkout), from that tree's
+    ``pyproject.toml`` (Python >= 3.11). One that fails to load is left out with a warning.
+    """
+    import importlib
+    import importlib.metadata as md
+    import logging
+    import os
+
+    found = {(ep.name, ep.value) for ep in md.entry_points(group=group)}
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        import tomllib
+
+        with open(pyproject, "rb") as f:
+            meta = tomllib.load(f).get("project", {})
+        if meta.get("name") == "cp_ops":
+            found |= set(meta.get("entry-points", {}).get(group, {}).items())
+    except (ImportError, OSError, ValueError):  # Python 3.10 (no tomllib) or not a source tree
+        pass
+    out = []
+    for name, value in sorted(found):
+        try:
+            mod, _, attr = value.partition(":")
+            obj = importlib.import_module(mod.strip())
+            for part in attr.strip().split(".") if attr.strip() else ():
+                obj = getattr(obj, part)
+            out.append((name, obj))
+        except Exception as e:  # noqa: BLE001 - a broken integration must not break tracing
+            logging.getLogger("cp_ops").warning(
+                "cp_ops: entry point %s = %r (group %r) not loaded: %s: %s", name, value, group, type(e).__name__, e
+            )
+    return out
+
+
+def _call_outside_fake(fn) -> None:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
 
     with unset_fake_temporarily(), _disable_current_modes():
-        from passes import lowering
+        fn()
 
-        lowering.register()
+
+def _run_compile_hooks() -> None:
+    """Fake kernels call this: on the first trace, load and run every compile hook once, outside fake mode
+    (one that fails: a warning; tracing goes on)."""
+    global _hooks_ran
+    if _hooks_ran:
+        return
+    _hooks_ran = True
+    _call_outside_fake(_load_and_run_hooks)
+
+
+def _load_and_run_hooks() -> None:
+    import logging
+
+    log = logging.getLogger("cp_ops")
+    hooks = list(_compile_hooks) + [fn for _, fn in declared_entry_points(COMPILE_HOOK_GROUP)]
+    if not hooks:
+        log.warning(
+            "cp_ops: no compile hooks found (entry-point group %r): Inductor lowers the cp_ops launches as plain "
+            "kernels and may reuse a launch's input before its wait; install cp_ops (pip install -e .)",
+            COMPILE_HOOK_GROUP,
+        )
+    for fn in hooks:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a broken integration must not break tracing
+            log.warning("cp_ops: compile hook %r failed: %s: %s", fn, type(e).__name__, e)
 
 
 def _check_bshd_fake(name: str, t: torch.Tensor) -> None:
@@ -96,7 +167,7 @@ def _check_agkv(k, v) -> None:
 
 @agkv_gather_start.register_fake
 def _(k, v, world_size, group_name, transport):
-    _ensure_inductor_lowering()
+    _run_compile_hooks()
     _check_agkv(k, v)
     b, s, h, d = k.shape
     return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
@@ -128,7 +199,7 @@ def _check_ulysses(xs, world_size) -> None:
 
 @ulysses_start.register_fake
 def _(xs, world_size, group_name, transport):
-    _ensure_inductor_lowering()
+    _run_compile_hooks()
     _check_ulysses(xs, world_size)
     b, s, h, d = xs[0].shape
     return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
@@ -154,7 +225,7 @@ def _check_ulysses_inverse(x, world_size) -> None:
 
 @ulysses_inverse_start.register_fake
 def _(x, world_size, group_name, transport):
-    _ensure_inductor_lowering()
+    _run_compile_hooks()
     _check_ulysses_inverse(x, world_size)
     b, s, hl, d = x.shape
     return x.new_empty(world_size, b, s // world_size, hl, d)
@@ -212,3 +283,14 @@ def _no_backward(name: str):
 for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
                    (ulysses_inverse_start, "ulysses_inverse_start")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
+
+
+#: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
+LAUNCH_OPS = (
+    torch.ops.cp_ops.agkv_gather_start.default,
+    torch.ops.cp_ops.ulysses_start.default,
+    torch.ops.cp_ops.ulysses_inverse_start.default,
+)
+#: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each.
+#: A launch whose first argument is a list of tensors packs them; the pass may split such a launch by tensor.
+KV_LAUNCH_OPS = LAUNCH_OPS[:2]

@@ -24,6 +24,8 @@ import logging
 import os
 from typing import Any, Iterator
 
+from cp_ops.transport.base import inflight_limit
+
 from .lowering import register as register_lowerings
 from .overlap import TAG, overlap_kv_communication, pin_windows
 
@@ -55,8 +57,8 @@ class OverlapPass(_custom_graph_pass_base()):
     """Post-grad FX pass (``torch._inductor.config.post_grad_custom_post_pass``): opens the K/V windows.
 
     ``__call__(graph)`` rewrites the ``torch.fx.Graph`` in place (see :func:`passes.overlap.overlap_kv_communication`);
-    ``uuid()`` is a hash of this package's source, so the FX graph cache stays on and is invalidated when the
-    pass changes. An optional ``inner`` pass (one installed before ours) runs first.
+    ``uuid()`` is a hash of this package's source and the in-flight limit it enforces, so the FX graph cache
+    stays on and is invalidated when either changes. An optional ``inner`` pass (one installed before ours) runs first.
     """
 
     def __init__(self, inner: Any = None) -> None:
@@ -73,7 +75,7 @@ class OverlapPass(_custom_graph_pass_base()):
             inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
             if inner is None:
                 return None  # the inner pass cannot be cached, so neither can we
-        return ("cp_ops.passes.OverlapPass", _source_hash(), inner)
+        return ("cp_ops.passes.OverlapPass", _source_hash(), inflight_limit(), inner)
 
 
 def _custom_scheduler_pass_base() -> type:
@@ -107,7 +109,7 @@ class PinWindows(_custom_scheduler_pass_base()):
             inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
             if inner is None:
                 return None
-        return ("cp_ops.passes.PinWindows", _source_hash(), inner)
+        return ("cp_ops.passes.PinWindows", _source_hash(), inflight_limit(), inner)
 
 
 def _is_ours(p: Any) -> bool:

@@ -1,7 +1,7 @@
 """Inductor lowerings that make the cp_ops launches *collectives* to Inductor.
 
-Without them Inductor lowers ``cp_ops::agkv_gather_start`` / ``ulysses_start`` / ``ulysses_inverse_start``
-as ordinary fallback kernels: ``_c10d_functional.wait_tensor`` on their outputs then tracks nothing, and the
+Without them Inductor lowers the launches (``cp_ops._library.LAUNCH_OPS``: ``agkv_gather_start``,
+``ulysses_start``, ``ulysses_inverse_start``) as ordinary fallback kernels: ``_c10d_functional.wait_tensor`` on their outputs then tracks nothing, and the
 memory planner may hand a launch's *input* buffer to a later kernel while the transport is still reading it
 (on CUDA: an NCCL stream reading what a compute kernel is overwriting).
 
@@ -31,35 +31,38 @@ import logging
 
 import torch
 
-import cp_ops._library  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops._library import LAUNCH_OPS
 
 log = logging.getLogger("cp_ops.passes")
 _registered = False
 
 
-def _lower_agkv(k, v, world_size, group_name, transport):
-    from torch._inductor import ir
-    from torch._inductor.virtualized import V
+def _lower_one_output_per_input(kernel):
+    """A launch with one output per tensor input (AGKV: ``(k, v) → (k_full, v_full)``)."""
 
-    kernel = torch.ops.cp_ops.agkv_gather_start.default
-    k = ir.ExternKernel.require_contiguous(k)
-    v = ir.ExternKernel.require_contiguous(v)
-    with V.graph.fake_mode:
-        example, tensor_args, non_tensor_args, unflatten_args, unbacked = ir._CollectiveKernel.process_kernel(
-            kernel, k, v, world_size, group_name, transport
-        )
-    assert not unbacked, f"{kernel}: unexpected unbacked symbols {unbacked}"
-    for t in tensor_args:
-        t.realize()
-    device = tensor_args[0].get_device()
-    packed = ir._CollectiveKernel(ir.MultiOutputLayout(device=device), kernel, tensor_args, non_tensor_args, unflatten_args)
-    # Output i is written from input i: _WaitKernel.get_volatile_reads maps index i back to inputs[i].
-    packed.outputs = [
-        ir.MultiOutput(ir._CollectiveKernel.tensor_to_layout(t), packed, [(list, i)]) for i, t in enumerate(example)
-    ]
-    _mark_unaligned(packed.outputs, example)
-    _never_reuse(packed.outputs)
-    return [ir.TensorBox.create(o) for o in packed.outputs]
+    def lower(*args):
+        from torch._inductor import ir
+        from torch._inductor.virtualized import V
+
+        args = [ir.ExternKernel.require_contiguous(a) if isinstance(a, ir.IRNode) else a for a in args]
+        with V.graph.fake_mode:
+            example, tensor_args, non_tensor_args, unflatten_args, unbacked = ir._CollectiveKernel.process_kernel(
+                kernel, *args
+            )
+        assert not unbacked, f"{kernel}: unexpected unbacked symbols {unbacked}"
+        for t in tensor_args:
+            t.realize()
+        device = tensor_args[0].get_device()
+        packed = ir._CollectiveKernel(ir.MultiOutputLayout(device=device), kernel, tensor_args, non_tensor_args, unflatten_args)
+        # Output i is written from input i: _WaitKernel.get_volatile_reads maps index i back to inputs[i].
+        packed.outputs = [
+            ir.MultiOutput(ir._CollectiveKernel.tensor_to_layout(t), packed, [(list, i)]) for i, t in enumerate(example)
+        ]
+        _mark_unaligned(packed.outputs, example)
+        _never_reuse(packed.outputs)
+        return [ir.TensorBox.create(o) for o in packed.outputs]
+
+    return lower
 
 
 def _never_reuse(bufs) -> None:
@@ -139,7 +142,8 @@ def register() -> bool:
     Returns True when they are registered, False when this torch's Inductor lacks what they need
     (``ir._CollectiveKernel``, ``lowering.register_lowering``); then Inductor lowers the launches as plain
     fallback kernels and a warning says so. Importing :mod:`torch._inductor` costs about a second, so this runs
-    when the pass is installed, not when :mod:`cp_ops` is imported.
+    on the first trace of a cp_ops op (declared as a cp_ops compile hook in ``pyproject.toml``, entry-point
+    group ``cp_ops.compile_hooks``) or when the pass is installed, never when :mod:`cp_ops` is imported.
     """
     global _registered
     if _registered:
@@ -153,15 +157,11 @@ def register() -> bool:
         log.warning("cp_ops.passes: Inductor lowerings of the cp_ops launches not registered: %s", e)
         return False
     del needed
-    ops = torch.ops.cp_ops
-    table = {
-        ops.agkv_gather_start: _lower_agkv,
-        ops.ulysses_start: _lower_out_of_place(ops.ulysses_start.default),
-        ops.ulysses_inverse_start: _lower_out_of_place(ops.ulysses_inverse_start.default),
-    }
-    for op, fn in table.items():
-        add_layout_constraint(op, constrain_to_fx_strides)
-        register_lowering(op, type_promotion_kind=None)(fn)
+    for op in LAUNCH_OPS:  # the ops table of cp_ops._library
+        many = len(op._schema.returns) > 1
+        fn = _lower_one_output_per_input(op) if many else _lower_out_of_place(op)
+        add_layout_constraint(op.overloadpacket, constrain_to_fx_strides)
+        register_lowering(op.overloadpacket, type_promotion_kind=None)(fn)
     try:
         from torch._inductor.lowering import lowerings
 

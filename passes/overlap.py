@@ -11,7 +11,7 @@ rewrites the post-grad FX graph so that it runs
 Steps, per cp_ops launch in graph order (the shape of ``torch/_inductor/fx_passes/micro_pipeline_tp.py``:
 find, check, rewrite):
 
-1. ``_split_ulysses_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
+1. ``_split_packed_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
    ``select(buf, 3, slot)`` becomes ``ulysses_start([k, v])`` + ``ulysses_start([q])``; the slots read are
    remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
    Q's slot is the one that reaches the attention op's ``query`` argument.
@@ -37,14 +37,16 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-import cp_ops._library  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops._library import KV_LAUNCH_OPS, LAUNCH_OPS
+from cp_ops.transport.base import inflight_limit
 
 log = logging.getLogger("cp_ops.passes")
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_AGKV = torch.ops.cp_ops.agkv_gather_start.default
-_ULYSSES = torch.ops.cp_ops.ulysses_start.default
+_KV_LAUNCHES = frozenset(KV_LAUNCH_OPS)  # the pass opens a window from each (cp_ops._library's ops table)
+_LAUNCHES = frozenset(LAUNCH_OPS)  # every launch: all count towards the in-flight bound
+AFTER = "cp_ops_after"  # node.meta key of a launch placed after another's consumption: (token, consumer nodes)
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
 STRICT = False  # True: a failure inside the pass raises instead of leaving that launch alone with a warning
 
@@ -169,8 +171,8 @@ def _query_slots(wait: fx.Node, selects: list[fx.Node]) -> set[int] | None:
     return q_slots if known else None
 
 
-def _split_ulysses_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
-    """Rewrite ``ulysses_start([..q..k..v..])`` into a K/V launch plus a Q launch; returns the K/V launch.
+def _split_packed_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+    """Rewrite a packing launch (``ulysses_start([..q..k..v..])``: its first argument a list) into a K/V launch plus a Q launch; returns the K/V launch.
 
     Returns None (graph unchanged, reason logged) when the buffer is used other than through one wait and
     ``select(buf, 3, slot)`` views, or the query slot cannot be told from the attention op.
@@ -194,8 +196,8 @@ def _split_ulysses_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node,
     kv = [i for i in range(len(xs)) if i not in q_slots]
     q = sorted(q_slots)
     with graph.inserting_before(launch):
-        launch_kv = _new_call(graph, _ULYSSES, ([xs[i] for i in kv], world_size, group_name, transport), launch)
-        launch_q = _new_call(graph, _ULYSSES, ([xs[i] for i in q], world_size, group_name, transport), launch)
+        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], world_size, group_name, transport), launch)
+        launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], world_size, group_name, transport), launch)
     with graph.inserting_before(wait):
         wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
         wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
@@ -228,17 +230,35 @@ def _fused_projection(q_side: set[fx.Node], launch_anc: set[fx.Node]) -> fx.Node
     return None
 
 
-def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node]) -> list[fx.Node]:
-    """Move the Q-side nodes that precede ``launch`` to after it, then raise ``launch`` to right after its last
-    input; returns the Q-side nodes moved, in order.
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
 
-    Safe by construction: the nodes moved later are not ancestors of the launch (nor is anything that uses
-    them, which moves with them), and the launch moves up only past nodes that are not its inputs.
+
+def _open_window(
+    graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node], after: Iterable[fx.Node] = ()
+) -> list[fx.Node]:
+    """Put ``launch`` right after the last of its inputs and of ``after`` (nodes it must follow: the readers of
+    an older launch's output, see :func:`_inflight_bound`), and the Q-side nodes that precede it after it;
+    returns the Q-side nodes moved, in order.
+
+    Safe by construction: the nodes moved later are not ancestors of the launch or of ``after`` (nor is
+    anything that uses them, which moves with them); the launch moves up only past nodes that are not its
+    inputs, and down (past ``after``) only past nodes that do not use it, except its own getitems and waits,
+    which move down with it (the caller checked that, :func:`_can_follow`).
     """
-    launch_anc = _ancestors([launch])
+    after = list(after)
+    launch_anc = _ancestors([launch, *after]) | set(after)
     q_side = {
         n for n in _ancestors([attn]) if n.op == "call_function" and n not in launch_anc and not _is_call(n, {_WAIT})
     }
+    order = _order(graph)
+    anchor = max([*launch.all_input_nodes, *after], key=order.__getitem__, default=None)
+    if anchor is not None and order[anchor] > order[launch]:  # down, past `after`, with its getitems and waits
+        own = [n for n in _descendants(launch) if order[n] < order[anchor]]
+        cursor = anchor
+        for n in [launch, *sorted(own, key=order.__getitem__)]:
+            cursor.append(n)
+            cursor = n
     moved, moved_set = [], set()
     for n in graph.nodes:
         if n is launch:
@@ -250,11 +270,122 @@ def _open_window(graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx
     for n in moved:
         cursor.append(n)
         cursor = n
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    last_input = max(launch.all_input_nodes, key=order.__getitem__, default=None)
+    order = _order(graph)
+    last_input = max([*launch.all_input_nodes, *after], key=order.__getitem__, default=None)
     if last_input is not None and last_input.next is not launch:
         last_input.append(launch)
     return moved
+
+
+def _descendants(n: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [n]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _can_follow(launch: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Can ``launch`` move down to right after ``node``? Only its getitems and waits may lie in between."""
+    own = {launch, *(u for u in launch.users if _is_call(u, {operator.getitem}))}
+    for d in _descendants(launch):
+        if order[d] <= order[node] and not (_is_call(d, {operator.getitem, _WAIT}) and d.args[0] in own):
+            return False
+    return True
+
+
+# ---- the in-flight bound: a launch reuses the pool slot of the launch `limit` before it (of its key) -------
+# A pooling transport (the fast one) gives each (op, shape, dtype) key `limit` = inflight_limit() output slots,
+# taken in turn: launch i of a key writes where launch i - limit wrote. So every reader of launch i - limit's
+# output must run before launch i; the pass keeps that true for every launch it moves.
+def _group_key(launch: fx.Node) -> tuple:
+    """Launches with equal group keys may share a pool key: (op, dtype and shape of each tensor input); with a
+    symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together."""
+    vals = [a.meta["val"] for a in launch.all_input_nodes]
+    if all(isinstance(d, int) for v in vals for d in v.shape):
+        return launch.target, tuple((v.dtype, tuple(v.shape)) for v in vals)
+    return launch.target, tuple((v.dtype, v.dim()) for v in vals)
+
+
+def _readers(launch: fx.Node) -> list[fx.Node]:
+    """The nodes that read the launch's outputs (the first non-view users of its waits, the graph output
+    included): until the last of them has run, the output's pool slot is taken."""
+    return [u for w in _waits_of(launch) for u, _ in _first_compute_users(w)]
+
+
+def _last_read(launch: fx.Node, order: dict[fx.Node, int]) -> int:
+    """Position of the launch's last reader (end of graph when its output is never waited for)."""
+    return max((order[r] for r in _readers(launch)), default=len(order))
+
+
+def _fifo_broken(seq: list[tuple[float, int]], limit: int) -> list[int]:
+    """Indices k in ``seq`` (``(position, last read)`` per launch, in launch order) where launch k runs before
+    the last read of some launch j <= k - limit (the one whose slot it takes, or an earlier one)."""
+    bad, last = [], float("-inf")
+    for k, (pos, _) in enumerate(seq):
+        if k >= limit:
+            last = max(last, seq[k - limit][1])
+            if last > pos:
+                bad.append(k)
+    return bad
+
+
+def _inflight_bound(graph: fx.Graph, launch: fx.Node, limit: int) -> list[fx.Node] | None:
+    """The nodes ``launch`` must follow so that it takes no pool slot whose output is still unread, and its
+    place shifts no later launch of its key onto one: the readers of launch i - limit (i: its index among the
+    launches of its key), and any later launch that would otherwise break. Returns [] when its earliest place
+    (where it is) is fine; None when no place before its own readers is (a warning, or an error when STRICT).
+    """
+    order = _order(graph)
+    key = _group_key(launch)
+    others = sorted(
+        (order[n], _last_read(n, order), n)
+        for n in graph.nodes
+        if n is not launch and _is_call(n, _LAUNCHES) and _group_key(n) == key
+    )
+    base = set(_fifo_broken([(p, e) for p, e, _ in others], limit))  # broken without it: not its doing
+    mine = (None, _last_read(launch, order), launch)
+    pos, after = float(order[launch]), []
+    for _ in range(len(others) + 2):
+        seq = sorted(others + [(pos,) + mine[1:]], key=lambda x: x[0])
+        i = next(k for k, x in enumerate(seq) if x[2] is launch)
+        bad = [k for k in _fifo_broken([(p, e) for p, e, _ in seq], limit) if k == i or (k > i and k - 1 not in base)]
+        if not bad:
+            return after
+        if bad[0] == i:  # it would take the slot of an unread output: after the readers of launches <= i - limit
+            olds = [x[2] for x in seq[: i - limit + 1] if x[1] > pos]
+            new = [r for o in olds for r in _readers(o)]
+        else:  # it would push a later launch onto an unread slot: stay after that launch
+            new = [seq[bad[0]][2]]
+        after.extend(n for n in new if n not in after)
+        last = max(after, key=order.__getitem__)
+        if order[last] >= mine[1] or not _can_follow(launch, last, order):
+            return None
+        pos = order[last] + 0.5
+    return None
+
+
+def check_inflight(graph: fx.Graph, limit: int | None = None) -> list[str]:
+    """Launches in ``graph`` that would take the pool slot of a launch whose output is still unread (the
+    launch ``limit`` before them of their key; default :func:`cp_ops.transport.base.inflight_limit`); one line
+    each, [] when none."""
+    limit = inflight_limit() if limit is None else limit
+    if limit is None:
+        return []
+    order = _order(graph)
+    groups: dict[tuple, list] = {}
+    for n in graph.nodes:
+        if _is_call(n, _LAUNCHES):
+            groups.setdefault(_group_key(n), []).append(n)
+    bad = []
+    for seq in groups.values():
+        for k in _fifo_broken([(order[n], _last_read(n, order)) for n in seq], limit):
+            bad.append(f"{seq[k].name} runs before the output of {[n.name for n in seq[: k - limit + 1]]} is read "
+                       f"({limit} slots per key)")
+    return bad
 
 
 def _sink_wait(wait: fx.Node, order: dict[fx.Node, int]) -> None:
@@ -287,7 +418,7 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
     ``cp_ops.passes`` logger with the nodes moved. A launch the pass fails on is left as it is, with a
     warning (the compile goes on without that window), unless :data:`STRICT` is set (tests set it).
     """
-    launches = [n for n in graph.nodes if _is_call(n, {_AGKV, _ULYSSES})]
+    launches = [n for n in graph.nodes if _is_call(n, _KV_LAUNCHES)]
     if not launches:
         return 0
     opened = 0
@@ -299,15 +430,20 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
                 raise
             log.warning("cp_ops.passes: no overlap window for %s: %s: %s", launch.name, type(e).__name__, e)
     graph.lint()
+    bad = check_inflight(graph)
+    if bad:
+        if STRICT:
+            raise RuntimeError("cp_ops overlap pass: in-flight bound broken: " + "; ".join(bad))
+        log.warning("cp_ops.passes: in-flight bound broken (the fast transport will raise): %s", "; ".join(bad))
     return opened
 
 
 def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
     """Open window ``wid`` for one launch (after splitting a Ulysses [q, k, v] launch); returns 1 or 0."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if launch.target is _ULYSSES:
+    if isinstance(launch.args[0], (list, tuple)):  # a packing launch (Ulysses): split Q off
         if len(launch.args[0]) >= 2:
-            split = _split_ulysses_launch(graph, launch, order)
+            split = _split_packed_launch(graph, launch, order)
             if split is None:
                 return 0
             launch = split
@@ -320,7 +456,21 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
         log.debug("cp_ops.passes: %s: no wait or no consumer after its wait; no window", launch.name)
         return 0
     moved = _open_window(graph, launch, attn, waits)
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    limit = inflight_limit()
+    after = _inflight_bound(graph, launch, limit) if limit is not None else []
+    if after is None:
+        msg = f"{launch.name}: more than {limit} launches of its key would be in flight, whatever its place"
+        if STRICT:
+            raise RuntimeError(f"cp_ops overlap pass: {msg}")
+        log.warning("cp_ops.passes: %s", msg)
+    elif after:
+        moved = _open_window(graph, launch, attn, waits, after=after)
+        launch.meta[AFTER] = [r.name for r in after]
+        log.debug(
+            "cp_ops.passes: window %d: %s placed after %s (%d pool slots per key: no launch takes an unread slot)",
+            wid, launch.name, [r.name for r in after], limit,
+        )
+    order = _order(graph)
     for w in waits:
         _sink_wait(w, order)
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -392,6 +542,53 @@ def _gather_window(snodes: list, launch, q_tagged: list, waits: list) -> tuple[l
     return snodes, inside + late
 
 
+def _origins(snode) -> list:
+    out = []
+    for sub in snode.get_nodes():
+        out.extend(o for o in (getattr(getattr(sub, "node", None), "origins", ()) or ()) if hasattr(o, "meta"))
+    return out
+
+
+def _pin_inflight_bounds(snodes: list) -> bool:
+    """Keep each launch the FX pass placed after older launches' readers (``meta[AFTER]``) after them in the
+    generated code: an ordering dependency (fake ``WeakDep``) of the launch on every scheduler node that holds
+    one of those readers. Recomputes ancestors when it adds any; returns whether it did."""
+    from torch._inductor import ir
+
+    pos = {sn: i for i, sn in enumerate(snodes)}
+    by_origin: dict[str, list] = {}
+    for sn in snodes:
+        for o in _origins(sn):
+            by_origin.setdefault(o.name, []).append(sn)
+    added = False
+    for sn in snodes:
+        node = getattr(sn, "node", None)
+        if not isinstance(node, ir._CollectiveKernel) or isinstance(node, ir._WaitKernel):
+            continue
+        names = [r for o in _origins(sn) for r in (o.meta.get(AFTER) or ())]
+        if not names:
+            continue
+        launch_buf = sorted(sn.get_buffer_names())[0]
+        for reader in {r for name in names for r in by_origin.get(name, ())}:
+            if reader is sn:
+                continue
+            if pos[reader] > pos[sn] or sn.get_name() in (getattr(reader, "ancestors", ()) or ()):
+                msg = f"{sn.get_name()} cannot be kept after {reader.get_name()} (a reader of an older launch's output)"
+                if STRICT:
+                    raise RuntimeError(f"cp_ops overlap pass: {msg}")
+                log.warning("cp_ops.passes: %s", msg)
+                continue
+            for buf in reader.get_buffer_names():
+                sn.add_fake_dep(_weak_dep(buf, launch_buf))
+                added = True
+        log.debug("cp_ops.passes: %s pinned after %s", sn.get_name(), names)
+    if added:
+        from torch._inductor.virtualized import V
+
+        V.graph.scheduler.compute_ancestors()
+    return added
+
+
 def pin_windows(snodes: list) -> list:
     """:func:`_pin_windows`; on an error, a warning and the nodes unchanged in order (unless :data:`STRICT`)."""
     try:
@@ -413,6 +610,7 @@ def _pin_windows(snodes: list) -> list:
     """
     from torch._inductor import ir
 
+    changed = _pin_inflight_bounds(snodes)
     windows: dict[int, dict[str, list]] = {}
     for sn in snodes:
         tags = _snode_tags(sn)
@@ -431,8 +629,11 @@ def _pin_windows(snodes: list) -> list:
                 role = "q"
             windows.setdefault(wid, {"launch": [], "q": [], "wait": []})[role].append(sn)
     if not windows:
+        if changed:
+            from torch._inductor.virtualized import V
+
+            V.graph.scheduler.compute_ancestors()
         return snodes
-    changed = False
     for wid, w in sorted(windows.items()):
         if len(w["launch"]) != 1 or not w["wait"]:
             log.debug("cp_ops.passes: window %d not pinned: launch/wait not found among scheduler nodes", wid)

@@ -26,7 +26,7 @@ def _compile_and_run(model, args, overlap: bool):
 
 
 def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, records: LogRecords) -> None:
-    from pass_blocks import rope_tables
+    from benchmarks.blocks import rope_tables
 
     s_local = GRID[0] * GRID[1] * GRID[2] // w
     torch.manual_seed(1234)  # same weights and inputs on every rank
@@ -68,8 +68,42 @@ def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, re
     torch.testing.assert_close(eager, single, **tol)
 
 
+def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
+    """Layers of three K/V launches whose inputs are ready before the first attention, on a transport that pools
+    outputs in 2 slots per key, taken in turn: with the pass, the third launch of each layer waits until the
+    output whose slot it takes is read (``inflight_limit()`` = 2), so compiled (2 layers) == eager bitwise;
+    with the bound off it overwrites that unread K/V and an attention reads another chunk's (checked on one
+    layer: the test can fail)."""
+    from unittest import mock
+
+    from benchmarks import blocks as pb
+    from pass_util import register_pooled_test_transport
+
+    import passes.overlap
+
+    name = register_pooled_test_transport()
+    torch.manual_seed(1234 + rank)  # per-rank shards; weights below reset to one seed
+    xs = [torch.randn(3, 1, 8, DIM)]
+    torch.manual_seed(1234)
+    two = pb.KVFirstStack(DIM, HEADS, layers=2, transport=name)
+    with torch.no_grad():
+        # Two layers: the bound holds within each (3 launches per layer) and across (layer 2 after layer 1).
+        eager = two(*xs)
+        records.messages.clear()
+        on = _compile_and_run(two, xs, overlap=True)
+        placed = [m for m in records.messages if "placed after" in m]
+        assert len(placed) == 2, records.messages  # the third launch of each layer
+        assert torch.equal(on, eager), (on - eager).abs().max().item()
+    model = two.blocks[0]
+    with torch.no_grad():
+        eager = model(*xs)
+        with mock.patch.object(passes.overlap, "inflight_limit", lambda: None):  # the bound off: 3 in flight
+            unbounded = _compile_and_run(model, xs, overlap=True)
+        assert not torch.equal(unbounded, eager), "the pooled stand-in did not overwrite an unread output"
+
+
 def _all_cases(rank: int, w: int) -> None:
-    import pass_blocks as pb
+    from benchmarks import blocks as pb
 
     records = LogRecords()
     log = logging.getLogger("cp_ops.passes")
@@ -83,6 +117,7 @@ def _all_cases(rank: int, w: int) -> None:
         (pb.Stack, "agkv", torch.float32),
     ]:
         _check_block(rank, w, block_cls, mode, dtype, records)
+    _check_kv_first(rank, w, records)
 
 
 def test_compiled_with_pass_equals_without_and_eager_2_ranks():

@@ -1,11 +1,14 @@
-"""Small DiT attention blocks for the overlap-pass tests and benchmark (BSHD, context-parallel attention).
+"""Reference DiT attention blocks (BSHD, context-parallel attention): the one copy used by the overlap-pass
+tests (``tests/test_pass_*.py``) and the overlap benchmark (``benchmarks/overlap_block.py``).
 
 Blocks (all take the local token shard ``x [B, S_local, dim]`` and RoPE tables ``cos, sin [S_local, D]``):
     WanBlock        Q/K/V projections, RMSNorm over all heads (dim) on q and k, 3-D RoPE, attention, output proj.
     FluxBlock       Z-Image/Flux style: per-head RMSNorm (head_dim), joint text + image tokens (concatenated).
     FusedQKVBlock   one fused QKV GEMM, then split, norms, RoPE.
     Stack           several WanBlocks with residuals: several windows in one graph.
-``cp=False`` replaces CP attention with single-device attention (no cp ops in the graph).
+``cp=False`` replaces CP attention with single-device attention (no cp ops in the graph); ``attention=f``
+replaces it with ``f(q, k, v)`` (the benchmark's compute-only stand-in); ``transport`` is passed to
+:func:`cp_ops.attention`.
 """
 
 from __future__ import annotations
@@ -29,21 +32,22 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(grid: tuple[int, int, int], head_dim: int, offset: int = 0, count: int | None = None, theta: float = 10000.0):
-    """3-D RoPE (frames, height, width): ``cos, sin [count, head_dim]`` for tokens ``offset..offset+count``.
+    """3-D RoPE (frames, height, width): ``cos, sin [count, head_dim]`` (fp32) for tokens ``offset..offset+count``
+    of a frame-major token grid (``count=None``: to the end of ``grid``; the frame axis may run past ``grid[0]``).
 
     head_dim is split over the three axes (as Wan does: the frame axis gets the remainder), pairs interleaved.
     """
     f, h, w = grid
+    count = f * h * w - offset if count is None else count
+    idx = torch.arange(offset, offset + count)
+    pos = torch.stack((idx // (h * w), (idx // w) % h, idx % w), -1)
     d_h = d_w = 2 * (head_dim // 6)
     d_f = head_dim - d_h - d_w
-    pos = torch.stack(torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 3)
     angles = []
     for axis, d in enumerate((d_f, d_h, d_w)):
         inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         angles.append(pos[:, axis, None].double() * inv)
-    ang = torch.cat(angles, -1).repeat_interleave(2, -1)  # [S, head_dim]
-    count = pos.shape[0] - offset if count is None else count
-    ang = ang[offset : offset + count]
+    ang = torch.cat(angles, -1).repeat_interleave(2, -1)  # [count, head_dim]
     return ang.cos().float(), ang.sin().float()
 
 
@@ -56,25 +60,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class _Attn(nn.Module):
-    def __init__(self, heads: int, cp: bool, mode: str) -> None:
+    def __init__(self, heads: int, cp: bool, mode: str, transport: str = "torch", attention=None) -> None:
         super().__init__()
-        self.heads, self.cp, self.mode = heads, cp, mode
+        self.heads, self.cp, self.mode, self.transport, self.attention = heads, cp, mode, transport, attention
 
     def forward(self, q, k, v):
+        if self.attention is not None:
+            return self.attention(q, k, v)
         if self.cp:
-            return cp_ops.attention(q, k, v, mode=self.mode, transport="torch")
+            return cp_ops.attention(q, k, v, mode=self.mode, transport=self.transport)
         return cp_ops.local_attention(q, k, v)
 
 
 class WanBlock(nn.Module):
     """Wan 2.x self-attention: q, k, v computed in that order; RMSNorm over dim; 3-D RoPE."""
 
-    def __init__(self, dim: int, heads: int, cp: bool = True, mode: str = "agkv") -> None:
+    def __init__(self, dim: int, heads: int, cp: bool = True, mode: str = "agkv", transport: str = "torch",
+                 attention=None) -> None:
         super().__init__()
         self.heads = heads
         self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q, self.norm_k = RMSNorm(dim), RMSNorm(dim)
-        self.attn = _Attn(heads, cp, mode)
+        self.attn = _Attn(heads, cp, mode, transport, attention)
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
@@ -139,4 +146,44 @@ class Stack(nn.Module):
     def forward(self, x, cos, sin):
         for blk in self.blocks:
             x = x + blk(x, cos, sin)
+        return x
+
+
+class KVFirst(nn.Module):
+    """Independent attentions whose K and V are all computed before the first attention (as in
+    ``shared/repros/pass_three_inflight.py``): the overlap pass could put every K/V launch in flight at once.
+
+    Takes ``x [n, B, S_local, dim]`` (n chunks, each its own attention over its tokens); returns the n
+    outputs concatenated on the sequence, ``[B, n*S_local, dim]``. Q of chunk i is ``2 * x[i]``, kept only
+    where every K and V is finite (a guard that reads them all first; it changes no value when they are, and
+    keeps Inductor's ``reorder_for_locality`` from moving each projection down to its own attention).
+    """
+
+    def __init__(self, dim: int, heads: int, cp: bool = True, mode: str = "agkv", transport: str = "torch") -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.attn = _Attn(heads, cp, mode, transport)
+
+    def forward(self, x):
+        n, h = x.shape[0], self.heads
+        ks = [self.to_k(x[i]).unflatten(-1, (h, -1)) for i in range(n)]
+        vs = [self.to_v(x[i]).unflatten(-1, (h, -1)) for i in range(n)]
+        finite = torch.stack([t.isfinite().all() for t in ks + vs]).all()
+        qs = [torch.where(finite, x[i] * 2.0, torch.nan).unflatten(-1, (h, -1)) for i in range(n)]
+        return torch.cat([self.attn(q, k, v) for q, k, v in zip(qs, ks, vs)], 1).flatten(-2)
+
+
+class KVFirstStack(nn.Module):
+    """``layers`` :class:`KVFirst` blocks, each fed the previous one's output (``x [n, B, S_local, dim]`` in and out)."""
+
+    def __init__(self, dim: int, heads: int, layers: int = 2, cp: bool = True, mode: str = "agkv",
+                 transport: str = "torch") -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(KVFirst(dim, heads, cp, mode, transport) for _ in range(layers))
+
+    def forward(self, x):
+        n, s = x.shape[0], x.shape[2]
+        for blk in self.blocks:
+            x = blk(x).unflatten(1, (n, s)).movedim(1, 0)
         return x
