@@ -31,6 +31,7 @@ raises it as a RuntimeError naming the call, the peer, the flag and the values.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -326,6 +327,15 @@ class Pool:
         now = _holders(e.slots)
         return all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(now, e.baselines))
 
+    def _why_held(self, e: _Entry) -> str:
+        calls = [p for p in e.pending if p is not None]
+        if calls:
+            return f"in flight: call {calls[0]}"
+        now = _holders(e.slots)
+        refs = [f"slot {i}: refs {a[0]}>{b[0]} or storage users {a[1]}>{b[1]}"
+                for i, (a, b) in enumerate(zip(now, e.baselines)) if a[0] > b[0] or a[1] > b[1]]
+        return "referenced, " + "; ".join(refs) if refs else "held on another rank"
+
     def _allocate(self, key, shape, dtype) -> _Entry:
         n = 1
         for s in shape:
@@ -335,6 +345,8 @@ class Pool:
         need = self.slots * size
         desc = f"{key[0]} {tuple(shape)} {str(dtype).replace('torch.', '')}"
         lru = sorted(self.entries.values(), key=lambda x: x.last_use)
+        if self.used + need > self.capacity:
+            gc.collect()  # outputs dropped in reference cycles must not look held (rare path: the pool is full)
         mine = (self.allocs, desc, need, [str(x.key) for x in lru if self._evictable(x)])
         views = self.agree(mine)
         if any(v[:3] != mine[:3] for v in views):
@@ -352,7 +364,7 @@ class Pool:
                 victims.append(x)
                 free_after += self.slots * x.size
         if free_after < need:
-            held = [f"{x.key[0]} {x.key[1]}" for x in lru if str(x.key) not in agreed]
+            held = [f"{x.key[0]} {x.key[1]} ({self._why_held(x)})" for x in lru if str(x.key) not in agreed]
             raise RuntimeError(
                 f"cp_ops fast transport pool is full: {desc} needs {self.slots} x {nbytes / 2**20:.1f} MiB; "
                 f"{self.used / 2**20:.1f} of {self.capacity / 2**20:.1f} MiB hold {len(self.entries)} buffers, of which "
