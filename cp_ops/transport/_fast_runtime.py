@@ -427,8 +427,13 @@ class FastWork(dist.Work):
         s = torch.cuda.current_stream(lane.device).cuda_stream
         if s in self._waited:
             return True
-        if lane.slots.owner[self.slot] != self.call and not self._waited:
-            raise RuntimeError(f"cp_ops fast transport: call {self.call} was already released (its lane was shut down)")
+        if lane.slots.owner[self.slot] != self.call:
+            if not self._waited:
+                raise RuntimeError(f"cp_ops fast transport: call {self.call} was already released (its lane was shut down)")
+            raise RuntimeError(
+                f"cp_ops fast transport: an output of call {self.call} is waited on a second stream after its flag slot "
+                f"{self.slot} went to call {lane.slots.owner[self.slot]}; wait every output of one launch before "
+                f"{lane.slots.n} more launches (or on the stream that waited first)")
         lane.ext_lane.wait(s, self.slot, not self._waited)
         if not self._waited:
             lane.slots.release(self.slot, self.call)
@@ -671,7 +676,8 @@ def _hint(heap: str) -> str:
     return "hint: check that every GPU of the group is P2P-reachable (cp-ops env), or use transport='torch'"
 
 
-def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fabric: str | None = None) -> Lane:
+def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fabric: str | None = None,
+          slots_per_key: int = 2) -> Lane:
     """Start the fast lane on ``group`` (collective over the group, and only the group).
 
     Each stage (heap start-up, control-block allocation, lane creation) is tried on every rank and its outcome
@@ -724,7 +730,8 @@ def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fa
     def make(ptr, n):
         return torch.as_tensor(_CudaMemory(ptr, n), device=device)
 
-    pool = Pool(heap.alloc, heap.free, make, agree, quiesce, int(s.fast_pool_gb * _GB), s.fast_pool_gb, slots=2)
+    pool = Pool(heap.alloc, heap.free, make, agree, quiesce, int(s.fast_pool_gb * _GB), s.fast_pool_gb,
+                slots=slots_per_key)
     return Lane(group, dist.get_process_group_ranks(group), device, ext, ext_lane, heap, ctrl, pool,
                 fabric or "nvlink", streams, CallSlots(N_SLOTS))
 

@@ -174,7 +174,7 @@ class FastTransport:
         reason, fabric = _fast_runtime.probe_group(group, device, ext)
         if reason is not None:
             raise _fast_runtime.StartFailed(reason)
-        return _fast_runtime.start(group, device, ext, fabric=fabric)
+        return _fast_runtime.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key)
 
     def _lane_for(self, group):
         """The lane for ``group``; starts it (collective) when none exists. Raises RuntimeError naming why the
