@@ -192,6 +192,19 @@ def test_pool_evicts_least_recently_used_free_keys():
         pool.get("d", (256,), torch.float32, call=5)
 
 
+def test_pool_keeps_an_output_the_caller_still_holds():
+    """The slot tensor itself (not a view) still held by the caller is not evicted; dropped, it is."""
+    pool, log = _cpu_pool(4096)
+    held, _, ta = pool.get("a", (256,), torch.float32, call=0)
+    pool.consumed(ta)
+    pool.consumed(pool.get("b", (256,), torch.float32, call=1)[2])
+    pool.get("c", (256,), torch.float32, call=2)  # evicts b (a is held), not a
+    assert [k[0] for k in pool.entries] == ["a", "c"]
+    del held
+    pool.get("d", (256,), torch.float32, call=3)
+    assert [k[0] for k in pool.entries] == ["c", "d"] and log["free"] == [2048, 2048]
+
+
 def test_pool_eviction_needs_every_rank_to_agree():
     """A key one peer still uses (in flight or referenced there) is not evicted here either."""
     pool, log = _cpu_pool(4096, views=lambda obj: [obj, obj[:3] + ([],)])  # the peer can evict nothing
