@@ -90,12 +90,12 @@ def _body(rank, world, device, args):
         iters = args.iters if S < 32768 else max(10, args.iters // 2)
 
         def nccl_agkv():
-            kf, vf, w = tt.agkv_start(k, v, pg)
+            kf, vf, w = tt.transport.agkv_start(k, v, pg)
             w.wait()
             return kf, vf
 
         def nccl_uly():
-            b, w = tt.ulysses_start([k, v], pg)
+            b, w = tt.transport.ulysses_start([k, v], pg)
             w.wait()
             return b
 
@@ -117,12 +117,12 @@ def _body(rank, world, device, args):
             fast.configure(path=path)
 
             def fast_agkv():
-                kf, vf, w = fast.agkv_start(k, v, pg)
+                kf, vf, w = fast.transport.agkv_start(k, v, pg)
                 w.wait()
                 return kf, vf
 
             def fast_uly():
-                b, w = fast.ulysses_start([k, v], pg)
+                b, w = fast.transport.ulysses_start([k, v], pg)
                 w.wait()
                 return b
 
@@ -139,7 +139,7 @@ def _body(rank, world, device, args):
             row[f"{path}_agkv_ss_ms"] = _timeit(fast_agkv, iters, 1, pg, STEADY_REPS)
             row[f"{path}_ulysses_ss_ms"] = _timeit(fast_uly, iters, 1, pg, STEADY_REPS)
             row[f"{path}_agkv_host_us"] = _host_us(fast_agkv)
-        lane = fast._lane
+        lane = fast.transport.lane
         row["decisions"] = {k_: d.label() for k_, d in ((("/".join(map(str, kk))), dd) for kk, dd in lane.decisions.items())
                             if f"/{s}/" in k_}
         for op, nb in (("agkv", "agkv_bytes_per_peer"), ("ulysses", "ulysses_bytes_per_peer"),

@@ -1,33 +1,45 @@
-// cp_ops fast transport: direct peer writes (copy engine or SM copy kernel) with per-source arrival flags.
+// cp_ops fast transport: direct peer writes (copy engine or SM copy kernel) with per-call-slot flags.
 //
-// One `Lane` per process = one CP group on one node. The lane is given a symmetric heap: a local base
-// pointer and, for every group rank, the address of that rank's heap as mapped into this process
-// (NVSHMEM nvshmem_ptr, or CUDA IPC). Offsets are symmetric: the buffer at offset `o` on rank p is
-// `peer_base[p] + o` here. The heap starts with a control block of uint64 words:
+// One `Lane` per process = one CP group on one node. The lane is given a control block in symmetric memory:
+// a local base pointer and, for every group rank, the address of that rank's control block as mapped into
+// this process (NVSHMEM nvshmem_ptr, or CUDA IPC). Pool buffers are separate symmetric allocations; a launch
+// names its destinations as absolute pointers (descs[t] = copies into rank t's buffers, already translated).
 //
-//   ready[W]    ready[p]   = last epoch at which rank p allowed us to write into p's buffers
-//                            (written by p's begin kernel, i.e. after every earlier op on p's stream)
-//   arrived[W]  arrived[p] = last epoch whose data rank p finished writing into our buffers
-//   counter     this rank's epoch counter (device-side, so a captured CUDA graph advances it on replay)
-//   rec[NREC]   the epoch of each in-flight call slot (kernels of one call read it from here)
-//   blocks[n]   per send stream: blocks of the fused SM copy kernel done (the last one signals)
+// Control block (uint64 words; S = call slots, W = group width):
+//   gen[S]        gen[s] = how many calls used slot s here (the slot's generation; raised by our begin kernel)
+//   ready[S][W]   ready[s][p] = gen of the call in slot s at which rank p allowed us to write into p's buffers
+//                 (written by p's begin kernel, i.e. after every earlier op on p's stream)
+//   arrived[S][W] arrived[s][p] = gen of the call in slot s whose data rank p finished writing into our buffers
+//   blocks[n]     per send stream: blocks of the fused SM copy kernel done (the last one signals)
+//   err_claim     0 until a device wait times out here (the first one to time out writes the error record)
 //
-// Epochs are uint64 and only grow (one per call): they never wrap. A call (launch):
-//   cur stream:   begin kernel: e = ++counter; rec[slot] = e; ready[rank] := e on every peer
-//   local stream: copy own chunk into own buffer            -> event src[rank]
-//   send streams: per target t: spin until ready[t] >= e; copy (CE memcpy2D or SM kernel) into t's
-//                 buffer; arrived[rank] := e on t (release, system scope); the SM path does all three
-//                 in one fused kernel launch per target
-// `wait(stream, call)` (on the consumer's stream): wait for begin, spin until arrived[p] >= e for every
-// peer, join the local and send streams. `wait_source(stream, call, p)` spins on arrived[p] only.
+// Why per-slot flags (not one arrived[p] per peer): which send stream carries a call's signal depends on the
+// per-shape tuned decision, so two calls in flight can signal one target out of order; with one flag per
+// source the later call's flag can land first (stale data, then a lowered flag and a hang). A slot holds one
+// call at a time: the host gives slots round-robin (same sequence on every rank), refuses to reuse a slot whose
+// call was not waited yet, and the next begin kernel of a slot waits (on the device) for the previous call's
+// wait to finish; so on every rank the generations of a slot advance in the same order, a flag of slot s is
+// written by exactly one call at a time, and no peer atomics are needed (plain release stores: PCIe-safe).
+//
+// A call (launch), slot s:
+//   cur stream:   [wait for slot s's previous wait]; begin kernel: g = ++gen[s]; ready[s][rank] := g on every peer
+//   local stream: copy own chunk into own buffer                         -> event src
+//   send streams: per target t: spin until ready[s][t] >= g; copy (CE memcpy2D or SM kernel) into t's buffer;
+//                 arrived[s][rank] := g on t (release, system scope); the SM path fuses all three per target
+// `wait(stream, slot)`: wait for begin, spin until arrived[s][p] >= g for every peer, join local and send
+// streams, record the slot's done event. `wait_source(stream, slot, p)` spins on arrived[s][p] only.
+//
+// Bounded waits: every spin gives up after `timeout_ns` (%globaltimer) or at once when another wait on this
+// device already timed out, and the first one records (call, slot, peer, flag, value seen, wanted, waited ns)
+// in mapped pinned host memory; the host raises it (Lane.error()) at its next launch/wait/check.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -49,10 +61,24 @@ namespace py = pybind11;
 namespace {
 
 constexpr int kMaxW = 64;
-constexpr int kNRec = 64;       // in-flight call slots (events + device epoch records)
-constexpr int kMaxDesc = 16;    // copies per SM-kernel launch
+constexpr int kMaxDesc = 16;  // copies per SM-kernel launch
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;
+
+enum Flag : uint64_t { kReady = 1, kArrived = 2, kSource = 3 };
+
+// Host-visible error record (mapped pinned memory). `valid` is written last.
+struct ErrRec {
+  uint64_t valid, flag, call, slot, peer, seen, want, waited_ns;
+};
+
+struct Ctx {  // what a spin needs to give up and report
+  ErrRec* err;             // device pointer of the mapped host record
+  unsigned long long* claim;  // device word: 0 until the first timeout
+  uint64_t timeout_ns;
+  long long call;
+  int slot;
+};
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
@@ -62,45 +88,79 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Spin until *flag >= want; false (and the error recorded once per device) after the timeout or when
+// another wait already timed out.
+__device__ bool spin_geq(const uint64_t* flag, uint64_t want, const Ctx& c, uint64_t kind, int peer) {
+  uint64_t v = ld_acquire_sys(flag);
+  if (v >= want) return true;
+  const uint64_t t0 = now_ns();
+  for (;;) {
+    __nanosleep(100);
+    v = ld_acquire_sys(flag);
+    if (v >= want) return true;
+    if (*(volatile unsigned long long*)c.claim != 0) return false;  // someone timed out: give up now
+    const uint64_t dt = now_ns() - t0;
+    if (dt > c.timeout_ns) {
+      if (atomicCAS(c.claim, 0ull, 1ull) == 0ull) {
+        volatile ErrRec* e = c.err;
+        e->flag = kind;
+        e->call = (uint64_t)c.call;
+        e->slot = (uint64_t)c.slot;
+        e->peer = (uint64_t)peer;
+        e->seen = v;
+        e->want = want;
+        e->waited_ns = dt;
+        __threadfence_system();
+        e->valid = 1;
+        __threadfence_system();
+      }
+      return false;
+    }
+  }
+}
 
 struct PtrList {
   int n;
   unsigned long long p[kMaxW];
 };
 
-__global__ void begin_kernel(uint64_t* counter, uint64_t* rec, PtrList peers_ready) {
+__global__ void begin_kernel(uint64_t* gen, PtrList peers_ready) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
-    uint64_t e = *counter + 1;
-    *counter = e;
-    *rec = e;
+    const uint64_t g = *gen + 1;
+    *gen = g;
     __threadfence_system();
-    for (int i = 0; i < peers_ready.n; ++i) st_release_sys(reinterpret_cast<uint64_t*>(peers_ready.p[i]), e);
+    for (int i = 0; i < peers_ready.n; ++i) st_release_sys(reinterpret_cast<uint64_t*>(peers_ready.p[i]), g);
   }
 }
 
-__global__ void wait_kernel(const uint64_t* flag, const uint64_t* rec) {
+__global__ void wait_kernel(const uint64_t* flag, const uint64_t* gen, Ctx c, uint64_t kind, int peer) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
-    const uint64_t e = *rec;
-    while (ld_acquire_sys(flag) < e) __nanosleep(64);
+    spin_geq(flag, *gen, c, kind, peer);
     __threadfence_system();
   }
 }
 
-// Spin until arrived[p] >= *rec for every p != rank (one thread per source).
-__global__ void wait_all_kernel(const uint64_t* arrived, int world, int rank, const uint64_t* rec) {
-  const uint64_t e = *rec;
+// Spin until arrived[p] >= *gen for every p != rank (one thread per source).
+__global__ void wait_all_kernel(const uint64_t* arrived, int world, int rank, const uint64_t* gen, Ctx c) {
+  const uint64_t g = *gen;
   for (int p = threadIdx.x; p < world; p += blockDim.x) {
     if (p == rank) continue;
-    while (ld_acquire_sys(arrived + p) < e) __nanosleep(64);
+    spin_geq(arrived + p, g, c, kArrived, p);
   }
   __syncthreads();
   if (threadIdx.x == 0) __threadfence_system();
 }
 
-__global__ void signal_kernel(uint64_t* peer_flag, const uint64_t* rec) {
+__global__ void signal_kernel(uint64_t* peer_flag, const uint64_t* gen, const unsigned long long* claim) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
     __threadfence_system();
-    st_release_sys(peer_flag, *rec);
+    if (*(volatile const unsigned long long*)claim == 0) st_release_sys(peer_flag, *gen);
   }
 }
 
@@ -115,20 +175,17 @@ struct CopyBatch {
 };
 
 // 16-byte vector copy of n 2-D regions (rows of vpr*16 bytes, given pitches); kUnroll loads in flight.
-// Fused flags (SM path): if wait_flag, every block first spins until *wait_flag >= *rec (the target's
-// ready flag); if peer_flag, the last block to finish (counted in *block_count, reset after) stores *rec
-// there with release semantics at system scope, after a system fence that covers every block's stores.
+// Fused flags (SM path): if wait_flag, every block first spins until *wait_flag >= *gen (the target's
+// ready flag; a block that gives up copies nothing); if peer_flag, the last block to finish (counted in
+// *block_count, reset after) stores *gen there with release semantics at system scope, after a system fence
+// that covers every block's stores, unless a wait on this device timed out.
 __global__ void __launch_bounds__(kThreads) copy2d_kernel(const __grid_constant__ CopyBatch b, const uint64_t* wait_flag,
-                                                          const uint64_t* rec, uint64_t* peer_flag,
-                                                          unsigned int* block_count) {
-  if (wait_flag != nullptr) {
-    if (threadIdx.x == 0) {
-      const uint64_t e = *rec;
-      while (ld_acquire_sys(wait_flag) < e) __nanosleep(64);
-    }
-    __syncthreads();
-  }
-  const unsigned long long total = b.start[b.n];
+                                                          const uint64_t* gen, uint64_t* peer_flag,
+                                                          unsigned int* block_count, Ctx c, int peer) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = wait_flag == nullptr ? 1 : (int)spin_geq(wait_flag, *gen, c, kReady, peer);
+  __syncthreads();
+  const unsigned long long total = ok ? b.start[b.n] : 0;
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
   for (unsigned long long base = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; base < total;
        base += stride * kUnroll) {
@@ -161,15 +218,15 @@ __global__ void __launch_bounds__(kThreads) copy2d_kernel(const __grid_constant_
       if (prev == gridDim.x - 1) {
         *block_count = 0;
         __threadfence_system();
-        st_release_sys(peer_flag, *rec);
+        if (*(volatile unsigned long long*)c.claim == 0) st_release_sys(peer_flag, *gen);
       }
     }
   }
 }
 
-// One 2-D copy: dst_off is an offset into the target's heap; src is an absolute device pointer.
+// One 2-D copy: dst is an absolute pointer valid in this process (a peer's buffer as mapped here).
 struct Desc {
-  uint64_t dst_off, src, width, height, dpitch, spitch;
+  uint64_t dst, src, width, height, dpitch, spitch;
 };
 
 // Streams are process-wide per device and never destroyed: torch's caching allocator may still record
@@ -185,25 +242,37 @@ std::vector<cudaStream_t>& lane_streams(int device, int n) {
   return v;
 }
 
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  CP_CUDA(cudaStreamIsCapturing(s, &st));
+  return st != cudaStreamCaptureStatusNone;
+}
+
 class Lane {
  public:
-  Lane(int rank, int world, int device, uint64_t local_base, std::vector<uint64_t> peer_bases, int n_send)
-      : rank_(rank), world_(world), device_(device), local_base_(local_base), peer_bases_(std::move(peer_bases)),
-        n_send_(n_send) {
+  Lane(int rank, int world, int device, uint64_t ctrl, std::vector<uint64_t> peer_ctrl, int n_send, int n_slots,
+       double timeout_s)
+      : rank_(rank), world_(world), device_(device), ctrl_(ctrl), peer_ctrl_(std::move(peer_ctrl)), n_send_(n_send),
+        n_slots_(n_slots) {
     if (world < 1 || world > kMaxW) throw std::invalid_argument("Lane: world size must be in [1, 64]");
-    if ((int)peer_bases_.size() != world) throw std::invalid_argument("Lane: need one heap base per rank");
+    if ((int)peer_ctrl_.size() != world) throw std::invalid_argument("Lane: need one control block per rank");
     if (n_send < 1) throw std::invalid_argument("Lane: n_send must be >= 1");
+    if (n_slots < 1) throw std::invalid_argument("Lane: n_slots must be >= 1");
+    set_timeout(timeout_s);
     CP_CUDA(cudaSetDevice(device_));
-    CP_CUDA(cudaGetDeviceProperties(&props_, device_));
-    auto& ss = lane_streams(device_, 2 + n_send_);
+    auto& ss = lane_streams(device_, 1 + n_send_);
     local_ = ss[0];
-    recv_ = ss[1];
-    send_.assign(ss.begin() + 2, ss.begin() + 2 + n_send_);
-    const int per_slot = 2 + world_ + 2 * n_send_;  // begin, (spare), src[W], send_end[n], tmp[n]
-    events_.resize((size_t)kNRec * per_slot);
-    for (auto& e : events_) CP_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    send_.assign(ss.begin() + 1, ss.begin() + 1 + n_send_);
+    slots_.resize(n_slots_);
+    for (auto& sl : slots_) {  // all events up front: nothing is created while a CUDA graph is being captured
+      sl.events.resize(kEvTmp0 + 2 * n_send_);
+      for (auto& e : sl.events) CP_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    CP_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&err_host_), sizeof(ErrRec), cudaHostAllocMapped));
+    std::memset(err_host_, 0, sizeof(ErrRec));
+    CP_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&err_dev_), err_host_, 0));
     // zero our control block (peers have not been told our heap is live until the Python barrier)
-    CP_CUDA(cudaMemset(reinterpret_cast<void*>(local_base_), 0, ctrl_bytes()));
+    CP_CUDA(cudaMemset(reinterpret_cast<void*>(ctrl_), 0, ctrl_bytes(world_, n_slots_, n_send_)));
     CP_CUDA(cudaDeviceSynchronize());
   }
 
@@ -215,19 +284,32 @@ class Lane {
     released_ = true;
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
-    for (auto e : events_) cudaEventDestroy(e);
-    events_.clear();
+    for (auto& sl : slots_)
+      for (auto e : sl.events) cudaEventDestroy(e);
+    slots_.clear();
     send_.clear();
+    if (err_host_) cudaFreeHost(err_host_);
+    err_host_ = nullptr;
   }
 
-  static uint64_t ctrl_bytes() { return 64 * 1024; }
+  static uint64_t ctrl_bytes(int world, int n_slots, int n_send) {
+    const uint64_t words = (uint64_t)n_slots * (1 + 2 * (uint64_t)world) + (uint64_t)n_send + 8;
+    return (words * 8 + 4095) / 4096 * 4096;
+  }
 
-  // Launch one call. descs[t] = the copies whose destination is rank t (descs[rank] = local copy).
+  void set_timeout(double timeout_s) {
+    if (!(timeout_s > 0)) throw std::invalid_argument("Lane: timeout must be > 0 s");
+    timeout_ns_ = (uint64_t)(timeout_s * 1e9);
+  }
+
+  // Launch one call in `slot` (host call index `call`, for error reports). descs[t] = the copies whose
+  // destination is rank t (descs[rank] = local copy), destinations as absolute pointers.
   // path 0 = copy engine, 1 = SM kernel. inflight = remote targets in flight at once (send stream groups);
   // split = streams per target (CE only). Targets are visited rank^j (W a power of two) or (rank+j)%W.
-  void launch(uint64_t cur_stream, int64_t call, const std::vector<std::vector<std::array<uint64_t, 6>>>& descs,
+  void launch(uint64_t cur_stream, int64_t call, int slot, const std::vector<std::vector<std::array<uint64_t, 6>>>& descs,
               int path, int inflight, int split, int sm_blocks) {
     check_live();
+    check_slot(slot);
     if ((int)descs.size() != world_) throw std::invalid_argument("launch: need one descriptor list per rank");
     if (path == 1) split = 1;
     if (inflight < 1) inflight = 1;
@@ -235,101 +317,113 @@ class Lane {
     if (split < 1) split = 1;
     if (inflight * split > n_send_) throw std::invalid_argument("launch: inflight*split exceeds the lane's send streams");
     CP_CUDA(cudaSetDevice(device_));
-    const int slot = (int)(call % kNRec);
+    Slot& sl = slot_events(slot);
     cudaStream_t cur = reinterpret_cast<cudaStream_t>(cur_stream);
-    uint64_t* ctrl = reinterpret_cast<uint64_t*>(local_base_);
-    uint64_t* rec = ctrl + 2 * world_ + 1 + slot;
+    uint64_t* gen = gen_ptr(slot);
+    const Ctx c = ctx(call, slot);
 
+    // the slot's previous call must be fully waited on this device before its generation moves on
+    if (sl.done_valid && !capturing(cur)) CP_CUDA(cudaStreamWaitEvent(cur, sl.events[kEvDone], 0));
+    sl.done_valid = false;
     PtrList pr{};
     for (int p = 0; p < world_; ++p)
-      if (p != rank_) pr.p[pr.n++] = peer_bases_[p] + 8ull * rank_;  // ready[rank] on p
-    begin_kernel<<<1, 32, 0, cur>>>(ctrl + 2 * world_, rec, pr);
+      if (p != rank_) pr.p[pr.n++] = peer_ctrl_[p] + 8ull * ready_index(slot, rank_);
+    begin_kernel<<<1, 32, 0, cur>>>(gen, pr);
     CP_CUDA(cudaGetLastError());
-    CP_CUDA(cudaEventRecord(ev_begin(slot), cur));
+    CP_CUDA(cudaEventRecord(sl.events[kEvBegin], cur));
 
     // local chunk
-    CP_CUDA(cudaStreamWaitEvent(local_, ev_begin(slot), 0));
-    copies(local_, descs[rank_], local_base_, path, sm_blocks, 0, 1);
-    CP_CUDA(cudaEventRecord(ev_src(slot, rank_), local_));
+    CP_CUDA(cudaStreamWaitEvent(local_, sl.events[kEvBegin], 0));
+    copies(local_, descs[rank_], path, sm_blocks, 0, 1, c);
+    CP_CUDA(cudaEventRecord(sl.events[kEvSrc], local_));
 
     // remote chunks
     std::vector<int> targets;
     const bool pow2 = (world_ & (world_ - 1)) == 0;
     for (int j = 1; j < world_; ++j) targets.push_back(pow2 ? (rank_ ^ j) : (rank_ + j) % world_);
     const int used = std::min<int>(inflight, (int)targets.size()) * split;
-    for (int s = 0; s < used; ++s) CP_CUDA(cudaStreamWaitEvent(send_[s], ev_begin(slot), 0));
+    for (int s = 0; s < used; ++s) CP_CUDA(cudaStreamWaitEvent(send_[s], sl.events[kEvBegin], 0));
     for (size_t j = 0; j < targets.size(); ++j) {
       const int t = targets[j];
       const int g = (int)(j % inflight);
-      uint64_t* peer_arrived = reinterpret_cast<uint64_t*>(peer_bases_[t] + 8ull * (world_ + rank_));
-      if (path == 1) {  // SM: one fused kernel waits for ready[t], copies, raises arrived on t
+      uint64_t* peer_arrived = reinterpret_cast<uint64_t*>(peer_ctrl_[t] + 8ull * arrived_index(slot, rank_));
+      const uint64_t* ready_t = ctrl_words() + ready_index(slot, t);
+      if (path == 1) {  // SM: one fused kernel waits for ready[s][t], copies, raises arrived[s][rank] on t
         cudaStream_t s = send_[g];
-        unsigned int* cnt = reinterpret_cast<unsigned int*>(ctrl + 2 * world_ + 1 + kNRec + g);
-        if (!copies(s, descs[t], peer_bases_[t], path, sm_blocks, 0, 1, ctrl + t, rec, peer_arrived, cnt)) {
-          wait_kernel<<<1, 32, 0, s>>>(ctrl + t, rec);
-          signal_kernel<<<1, 32, 0, s>>>(peer_arrived, rec);
+        unsigned int* cnt = reinterpret_cast<unsigned int*>(ctrl_words() + blocks_index(g));
+        if (!copies(s, descs[t], path, sm_blocks, 0, 1, c, ready_t, gen, peer_arrived, cnt, t)) {
+          wait_kernel<<<1, 32, 0, s>>>(ready_t, gen, c, kReady, t);
+          signal_kernel<<<1, 32, 0, s>>>(peer_arrived, gen, claim_ptr());
           CP_CUDA(cudaGetLastError());
         }
         continue;
       }
       for (int q = 0; q < split; ++q) {
         cudaStream_t s = send_[g * split + q];
-        wait_kernel<<<1, 32, 0, s>>>(ctrl + t, rec);  // ready[t] >= e
+        wait_kernel<<<1, 32, 0, s>>>(ready_t, gen, c, kReady, t);
         CP_CUDA(cudaGetLastError());
-        copies(s, descs[t], peer_bases_[t], path, sm_blocks, q, split);
+        copies(s, descs[t], path, sm_blocks, q, split, c);
         if (q > 0) {
-          CP_CUDA(cudaEventRecord(ev_tmp(slot, g * split + q), s));
-          CP_CUDA(cudaStreamWaitEvent(send_[g * split], ev_tmp(slot, g * split + q), 0));
+          CP_CUDA(cudaEventRecord(sl.events[kEvTmp0 + n_send_ + g * split + q], s));
+          CP_CUDA(cudaStreamWaitEvent(send_[g * split], sl.events[kEvTmp0 + n_send_ + g * split + q], 0));
         }
       }
-      signal_kernel<<<1, 32, 0, send_[g * split]>>>(peer_arrived, rec);
+      signal_kernel<<<1, 32, 0, send_[g * split]>>>(peer_arrived, gen, claim_ptr());
       CP_CUDA(cudaGetLastError());
     }
-    for (int s = 0; s < used; ++s) CP_CUDA(cudaEventRecord(ev_send_end(slot, s), send_[s]));
-
-    used_[slot] = used;  // arrivals are awaited on the consumer's stream, in wait()/wait_source()
+    for (int s = 0; s < used; ++s) CP_CUDA(cudaEventRecord(sl.events[kEvTmp0 + s], send_[s]));
+    sl.used = used;
+    sl.call = call;
   }
 
-  // Make `stream` wait for every chunk of `call`: the epoch record (begin), a spin on every peer's arrival
-  // flag, our own chunk and our sends (joined so a CUDA-graph capture closes every forked stream).
-  void wait(uint64_t stream, int64_t call) {
+  // Make `stream` wait for every chunk of the call in `slot`: begin, a spin on every peer's arrival flag,
+  // our own chunk and our sends (joined so a CUDA-graph capture closes every forked stream). `record_done`:
+  // record the slot's done event (the slot's next begin waits for it; not while capturing).
+  void wait(uint64_t stream, int slot, bool record_done) {
     check_live();
+    check_slot(slot);
     CP_CUDA(cudaSetDevice(device_));
-    const int slot = (int)(call % kNRec);
+    Slot& sl = slot_events(slot);
     cudaStream_t x = reinterpret_cast<cudaStream_t>(stream);
-    uint64_t* ctrl = reinterpret_cast<uint64_t*>(local_base_);
-    CP_CUDA(cudaStreamWaitEvent(x, ev_begin(slot), 0));
+    CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvBegin], 0));
     if (world_ > 1) {
-      wait_all_kernel<<<1, 64, 0, x>>>(ctrl + world_, world_, rank_, ctrl + 2 * world_ + 1 + slot);
+      wait_all_kernel<<<1, 64, 0, x>>>(ctrl_words() + arrived_index(slot, 0), world_, rank_, gen_ptr(slot),
+                                       ctx(sl.call, slot));
       CP_CUDA(cudaGetLastError());
     }
-    CP_CUDA(cudaStreamWaitEvent(x, ev_src(slot, rank_), 0));
-    for (int s = 0; s < used_[slot]; ++s) CP_CUDA(cudaStreamWaitEvent(x, ev_send_end(slot, s), 0));
+    CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvSrc], 0));
+    for (int s = 0; s < sl.used; ++s) CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvTmp0 + s], 0));
+    if (record_done && !capturing(x)) {
+      CP_CUDA(cudaEventRecord(sl.events[kEvDone], x));
+      sl.done_valid = true;
+    }
   }
 
   // Make `stream` wait for the chunk of group rank `src` only.
-  void wait_source(uint64_t stream, int64_t call, int src) {
+  void wait_source(uint64_t stream, int slot, int src) {
     check_live();
+    check_slot(slot);
     if (src < 0 || src >= world_) throw std::invalid_argument("wait_source: source rank out of range");
     CP_CUDA(cudaSetDevice(device_));
-    const int slot = (int)(call % kNRec);
+    Slot& sl = slot_events(slot);
     cudaStream_t x = reinterpret_cast<cudaStream_t>(stream);
-    uint64_t* ctrl = reinterpret_cast<uint64_t*>(local_base_);
     if (src == rank_) {
-      CP_CUDA(cudaStreamWaitEvent(x, ev_src(slot, rank_), 0));
+      CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvSrc], 0));
       return;
     }
-    CP_CUDA(cudaStreamWaitEvent(x, ev_begin(slot), 0));
-    wait_kernel<<<1, 32, 0, x>>>(ctrl + world_ + src, ctrl + 2 * world_ + 1 + slot);
+    CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvBegin], 0));
+    wait_kernel<<<1, 32, 0, x>>>(ctrl_words() + arrived_index(slot, src), gen_ptr(slot), ctx(sl.call, slot), kSource,
+                                 src);
     CP_CUDA(cudaGetLastError());
   }
 
-  // True when our side of `call` is done (own chunk and sends); arrivals from peers are not queried.
-  bool query(int64_t call) {
+  // True when our side of the call in `slot` is done (own chunk and sends); peers' arrivals are not queried.
+  bool query(int slot) {
     check_live();
-    const int slot = (int)(call % kNRec);
-    std::vector<cudaEvent_t> evs{ev_src(slot, rank_)};
-    for (int s = 0; s < used_[slot]; ++s) evs.push_back(ev_send_end(slot, s));
+    check_slot(slot);
+    Slot& sl = slot_events(slot);
+    std::vector<cudaEvent_t> evs{sl.events[kEvSrc]};
+    for (int s = 0; s < sl.used; ++s) evs.push_back(sl.events[kEvTmp0 + s]);
     for (auto ev : evs) {
       cudaError_t e = cudaEventQuery(ev);
       if (e == cudaErrorNotReady) return false;
@@ -338,40 +432,68 @@ class Lane {
     return true;
   }
 
-  // Device epoch counter and the peers' flags as seen here (diagnostics; synchronizes the device).
-  std::vector<uint64_t> control_words() {
+  // The first device wait that timed out on this lane, or an empty list: [flag, call, slot, peer, seen, want,
+  // waited_ns] (flag 1 = ready, 2 = arrived, 3 = wait_source). Reads mapped host memory: no device sync.
+  std::vector<uint64_t> error() const {
+    if (err_host_ == nullptr) return {};
+    volatile ErrRec* e = err_host_;
+    if (e->valid == 0) return {};
+    return {e->flag, e->call, e->slot, e->peer, e->seen, e->want, e->waited_ns};
+  }
+
+  // Every slot's generation as seen here (diagnostics; synchronizes the device).
+  std::vector<uint64_t> generations() {
     check_live();
     CP_CUDA(cudaSetDevice(device_));
     CP_CUDA(cudaDeviceSynchronize());
-    std::vector<uint64_t> w(2 * world_ + 1);
-    CP_CUDA(cudaMemcpy(w.data(), reinterpret_cast<void*>(local_base_), w.size() * 8, cudaMemcpyDeviceToHost));
+    std::vector<uint64_t> w(n_slots_);
+    CP_CUDA(cudaMemcpy(w.data(), reinterpret_cast<void*>(ctrl_), w.size() * 8, cudaMemcpyDeviceToHost));
     return w;
   }
 
   std::vector<uint64_t> streams() const {
-    std::vector<uint64_t> r{reinterpret_cast<uint64_t>(local_), reinterpret_cast<uint64_t>(recv_)};
+    std::vector<uint64_t> r{reinterpret_cast<uint64_t>(local_)};
     for (auto s : send_) r.push_back(reinterpret_cast<uint64_t>(s));
     return r;
   }
 
-  int sm_count() const { return props_.multiProcessorCount; }
+  int n_slots() const { return n_slots_; }
 
  private:
-  void check_live() const {
-    if (released_) throw std::runtime_error("cp_ops fast transport: the lane was shut down (fast.shutdown())");
-  }
-  int per_slot() const { return 2 + world_ + 2 * n_send_; }
-  cudaEvent_t ev_begin(int s) { return events_[(size_t)s * per_slot()]; }
-  cudaEvent_t ev_src(int s, int p) { return events_[(size_t)s * per_slot() + 2 + p]; }
-  cudaEvent_t ev_send_end(int s, int i) { return events_[(size_t)s * per_slot() + 2 + world_ + i]; }
-  cudaEvent_t ev_tmp(int s, int i) { return events_[(size_t)s * per_slot() + 2 + world_ + n_send_ + i]; }
+  // per-slot events: begin, done (the slot's last full wait), src (own chunk), send_end[n_send], tmp[n_send]
+  enum { kEvBegin = 0, kEvDone = 1, kEvSrc = 2, kEvTmp0 = 3 };
+  struct Slot {
+    std::vector<cudaEvent_t> events;
+    int used = 0;
+    int64_t call = -1;
+    bool done_valid = false;
+  };
 
-  // Issue part q of `split` of every copy in ds to `stream`; destination heap base `base`.
+  void check_live() const {
+    if (released_) throw std::runtime_error("cp_ops fast transport: the lane was shut down (FastTransport.shutdown())");
+  }
+  void check_slot(int slot) const {
+    if (slot < 0 || slot >= n_slots_) throw std::invalid_argument("cp_ops fast transport: call slot out of range");
+  }
+  Slot& slot_events(int slot) { return slots_[slot]; }
+  uint64_t* ctrl_words() const { return reinterpret_cast<uint64_t*>(ctrl_); }
+  uint64_t* gen_ptr(int slot) const { return ctrl_words() + slot; }
+  uint64_t ready_index(int slot, int p) const { return (uint64_t)n_slots_ + (uint64_t)slot * world_ + p; }
+  uint64_t arrived_index(int slot, int p) const {
+    return (uint64_t)n_slots_ * (1 + world_) + (uint64_t)slot * world_ + p;
+  }
+  uint64_t blocks_index(int g) const { return (uint64_t)n_slots_ * (1 + 2 * world_) + g; }
+  unsigned long long* claim_ptr() const {
+    return reinterpret_cast<unsigned long long*>(ctrl_words() + blocks_index(n_send_));
+  }
+  Ctx ctx(int64_t call, int slot) const { return Ctx{err_dev_, claim_ptr(), timeout_ns_, (long long)call, slot}; }
+
+  // Issue part q of `split` of every copy in ds to `stream`.
   // SM path only: wait_flag/peer_flag fuse the ready wait (first launch) and the arrival signal (last
   // launch) into the copy kernel; returns false when no kernel was launched (nothing to copy).
-  bool copies(cudaStream_t stream, const std::vector<std::array<uint64_t, 6>>& ds, uint64_t base, int path,
-              int sm_blocks, int q, int split, const uint64_t* wait_flag = nullptr, const uint64_t* rec = nullptr,
-              uint64_t* peer_flag = nullptr, unsigned int* block_count = nullptr) {
+  bool copies(cudaStream_t stream, const std::vector<std::array<uint64_t, 6>>& ds, int path, int sm_blocks, int q,
+              int split, const Ctx& c, const uint64_t* wait_flag = nullptr, const uint64_t* gen = nullptr,
+              uint64_t* peer_flag = nullptr, unsigned int* block_count = nullptr, int peer = -1) {
     std::vector<Desc> parts;
     for (const auto& a : ds) {
       Desc d{a[0], a[1], a[2], a[3], a[4], a[5]};
@@ -379,13 +501,13 @@ class Lane {
       if (split > 1) {
         if (d.height >= (uint64_t)split) {  // split rows
           const uint64_t r0 = d.height * q / split, r1 = d.height * (q + 1) / split;
-          d.dst_off += r0 * d.dpitch;
+          d.dst += r0 * d.dpitch;
           d.src += r0 * d.spitch;
           d.height = r1 - r0;
         } else {  // split each row by 16-byte-aligned byte ranges
           const uint64_t units = (d.width + 15) / 16;
           const uint64_t c0 = std::min(d.width, units * q / split * 16), c1 = std::min(d.width, units * (q + 1) / split * 16);
-          d.dst_off += c0;
+          d.dst += c0;
           d.src += c0;
           d.width = c1 - c0;
         }
@@ -395,7 +517,7 @@ class Lane {
     }
     if (path == 0) {
       for (const auto& d : parts) {
-        void* dst = reinterpret_cast<void*>(base + d.dst_off);
+        void* dst = reinterpret_cast<void*>(d.dst);
         const void* src = reinterpret_cast<const void*>(d.src);
         if (d.height == 1 || (d.width == d.dpitch && d.width == d.spitch))
           CP_CUDA(cudaMemcpyAsync(dst, src, d.width * d.height, cudaMemcpyDefault, stream));
@@ -410,9 +532,9 @@ class Lane {
       unsigned long long acc = 0;
       for (size_t i = i0; i < parts.size() && b.n < kMaxDesc; ++i) {
         const Desc& d = parts[i];
-        if ((d.width | d.dpitch | d.spitch | (base + d.dst_off) | d.src) & 15)
+        if ((d.width | d.dpitch | d.spitch | d.dst | d.src) & 15)
           throw std::invalid_argument("SM copy path needs 16-byte aligned pointers, widths and pitches");
-        b.dst[b.n] = base + d.dst_off;
+        b.dst[b.n] = d.dst;
         b.src[b.n] = d.src;
         b.dpitch[b.n] = d.dpitch;
         b.spitch[b.n] = d.spitch;
@@ -432,22 +554,23 @@ class Lane {
       const unsigned long long need = (acc + (unsigned long long)kThreads * kUnroll - 1) / ((unsigned long long)kThreads * kUnroll);
       const int blocks = (int)std::max<unsigned long long>(1, std::min<unsigned long long>(need, (unsigned long long)sm_blocks));
       const bool last = i + 1 == batches.size();
-      copy2d_kernel<<<blocks, kThreads, 0, stream>>>(b, i == 0 ? wait_flag : nullptr, rec, last ? peer_flag : nullptr,
-                                                     block_count);
+      copy2d_kernel<<<blocks, kThreads, 0, stream>>>(b, i == 0 ? wait_flag : nullptr, gen, last ? peer_flag : nullptr,
+                                                     block_count, c, peer);
       CP_CUDA(cudaGetLastError());
     }
     return !batches.empty();
   }
 
   int rank_, world_, device_;
-  uint64_t local_base_;
-  std::vector<uint64_t> peer_bases_;
-  int n_send_;
-  cudaDeviceProp props_{};
-  cudaStream_t local_{}, recv_{};
+  uint64_t ctrl_;
+  std::vector<uint64_t> peer_ctrl_;
+  int n_send_, n_slots_;
+  uint64_t timeout_ns_ = 0;
+  cudaStream_t local_{};
   std::vector<cudaStream_t> send_;
-  std::vector<cudaEvent_t> events_;
-  int used_[kNRec] = {0};
+  std::vector<Slot> slots_;
+  ErrRec* err_host_ = nullptr;
+  ErrRec* err_dev_ = nullptr;
   bool released_ = false;
 };
 
@@ -501,18 +624,21 @@ std::vector<int> p2p_attributes(int dev, int peer) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "cp_ops fast transport kernels: peer-write AGKV/Ulysses lanes (copy engine + SM copy), flags";
+  m.doc() = "cp_ops fast transport kernels: peer-write AGKV/Ulysses lanes (copy engine + SM copy), per-slot flags";
   py::class_<Lane>(m, "Lane")
-      .def(py::init<int, int, int, uint64_t, std::vector<uint64_t>, int>(), py::arg("rank"), py::arg("world"),
-           py::arg("device"), py::arg("local_base"), py::arg("peer_bases"), py::arg("n_send"))
-      .def("launch", &Lane::launch, py::arg("cur_stream"), py::arg("call"), py::arg("descs"), py::arg("path"),
-           py::arg("inflight"), py::arg("split"), py::arg("sm_blocks"))
-      .def("wait", &Lane::wait)
+      .def(py::init<int, int, int, uint64_t, std::vector<uint64_t>, int, int, double>(), py::arg("rank"),
+           py::arg("world"), py::arg("device"), py::arg("ctrl"), py::arg("peer_ctrl"), py::arg("n_send"),
+           py::arg("n_slots"), py::arg("timeout_s"))
+      .def("launch", &Lane::launch, py::arg("cur_stream"), py::arg("call"), py::arg("slot"), py::arg("descs"),
+           py::arg("path"), py::arg("inflight"), py::arg("split"), py::arg("sm_blocks"))
+      .def("wait", &Lane::wait, py::arg("stream"), py::arg("slot"), py::arg("record_done"))
       .def("wait_source", &Lane::wait_source)
       .def("query", &Lane::query)
-      .def("control_words", &Lane::control_words)
+      .def("error", &Lane::error)
+      .def("set_timeout", &Lane::set_timeout)
+      .def("generations", &Lane::generations)
       .def("streams", &Lane::streams)
-      .def("sm_count", &Lane::sm_count)
+      .def("n_slots", &Lane::n_slots)
       .def("release", &Lane::release)
       .def_static("ctrl_bytes", &Lane::ctrl_bytes);
   m.def("ipc_malloc", &ipc_malloc);

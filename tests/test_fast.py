@@ -48,9 +48,9 @@ def fake_cuda(monkeypatch):
 
     real = iu.find_spec
     monkeypatch.setattr(iu, "find_spec", lambda name, *a: state["spec"] if name == "nvshmem" else real(name, *a))
-    fast._reason_cache.clear()
+    fast.transport._reason_cache.clear()
     yield state
-    fast._reason_cache.clear()
+    fast.transport._reason_cache.clear()
 
 
 def test_reason_not_hopper(fake_cuda):
@@ -113,64 +113,282 @@ def test_configure_validation(monkeypatch):
     assert (s.fast_path, s.fast_pool_gb) == ("sm", 2.0)
     d = fast.describe()
     assert d["settings"]["path"] == "sm" and d["settings"]["pool_gb"] == 2.0 and d["lane"] is None
-    monkeypatch.setattr(fast, "_lane", object())
+    monkeypatch.setattr(fast.transport, "lane", object())
     with pytest.raises(RuntimeError, match="shutdown"):
         fast.configure(pool_gb=4)
-    monkeypatch.setattr(fast, "_lane", None)
+    monkeypatch.setattr(fast.transport, "lane", None)
     config.restore(saved)
 
 
-def test_pool_slots_reuse_and_overflow():
-    heap = torch.zeros(4096 + 1024, dtype=torch.uint8)
-    pool = _fast_runtime.Pool(heap, start=1024, capacity=4096, cap_gb=4096 / 2**30)
-    a0, o0 = pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16)  # 512 bytes
-    a1, o1 = pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16)
-    a2, o2 = pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16)
-    assert (o0, o1, o2) == (1024, 1024 + 512, 1024) and a2.data_ptr() == a0.data_ptr()
-    assert a0.shape == (1, 8, 4, 8) and a0.dtype == torch.bfloat16
+# ---- pool: grows on demand, reuses by key, evicts LRU (agreed), never overwrites an un-waited slot ----
+def _cpu_pool(cap, views=None, slots=2):
+    """A Pool over CPU tensors (one rank); ``views(obj)`` fakes what the other ranks say in the agreement."""
+    log = {"alloc": [], "free": [], "quiesce": 0}
+    mem = {}
+
+    def alloc(n):
+        t = torch.zeros(n, dtype=torch.uint8)
+        mem[t.data_ptr()] = t
+        log["alloc"].append(n)
+        return _fast_runtime.Segment(t.data_ptr(), [t.data_ptr(), t.data_ptr() + (1 << 40)], n, t)
+
+    def make(ptr, n):
+        for base, t in mem.items():
+            if base <= ptr < base + t.numel():
+                return t[ptr - base : ptr - base + n]
+        raise AssertionError("pointer outside every allocation")
+
+    def free(seg):
+        log["free"].append(seg.nbytes)
+        mem.pop(seg.local)
+
+    def quiesce():
+        log["quiesce"] += 1
+
+    pool = _fast_runtime.Pool(alloc, free, make, views or (lambda obj: [obj, obj]), quiesce, cap, cap / 2**30,
+                              slots=slots)
+    return pool, log
+
+
+def test_pool_grows_on_demand_and_reuses_slots():
+    pool, log = _cpu_pool(4096)
+    assert log["alloc"] == [] and pool.used == 0  # a ceiling, not a reservation
+    a0, bases0, t0 = pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16, call=0)  # 512 bytes
+    assert log["alloc"] == [1024] and pool.used == 1024 and pool.allocs == 1
+    assert a0.shape == (1, 8, 4, 8) and a0.dtype == torch.bfloat16 and bases0[0] == a0.data_ptr()
+    a1, bases1, t1 = pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16, call=1)
+    assert bases1[0] - bases0[0] == 512 and bases1[1] - bases0[1] == 512  # same offset on every rank
+    pool.consumed(t0)
+    a2, _, t2 = pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16, call=2)
+    assert a2.data_ptr() == a0.data_ptr() and log["alloc"] == [1024]  # reused, no new allocation
     a0.fill_(3.0)
-    assert heap[1024:1536].view(torch.bfloat16).eq(3.0).all() and heap[1536:2048].eq(0).all()
+    assert a2.eq(3.0).all() and a1.eq(0).all()
+
+
+def test_pool_refuses_to_overwrite_an_unwaited_output():
+    """Three launches of one shape with two slots and no wait (pass_three_inflight.py): the third raises."""
+    pool, _ = _cpu_pool(4096)
+    pool.get("ulysses", (2, 1, 4, 2, 2, 8), torch.float32, call=0)
+    pool.get("ulysses", (2, 1, 4, 2, 2, 8), torch.float32, call=1)
+    with pytest.raises(RuntimeError, match=r"call 2 would overwrite pool slot 0 of ulysses .* output of call 0 "
+                                           r"\(launched, not waited\); at most 2 launches"):
+        pool.get("ulysses", (2, 1, 4, 2, 2, 8), torch.float32, call=2)
+
+
+def test_pool_evicts_least_recently_used_free_keys():
+    pool, log = _cpu_pool(4096)
+    ta = pool.get("a", (256,), torch.float32, call=0)[2]  # 2 x 1 KiB
+    tb = pool.get("b", (256,), torch.float32, call=1)[2]
+    pool.consumed(ta)
+    pool.consumed(tb)
+    pool.consumed(pool.get("a", (256,), torch.float32, call=2)[2])  # a is now the most recently used
+    pool.get("c", (256,), torch.float32, call=3)  # needs 2 KiB: evicts b (LRU), keeps a
+    assert [k[0] for k in pool.entries] == ["a", "c"] and log["free"] == [2048] and log["quiesce"] == 1
+    assert pool.used == 4096 and pool.evictions == 1
+    # a has an un-waited slot and c's output is referenced by the caller: nothing can go -> clear error
+    pool.get("a", (256,), torch.float32, call=4)
+    kept = pool.entries[("c", (256,), torch.float32)].slots[0][:1]  # noqa: F841 - a user's view
+    with pytest.raises(RuntimeError, match=r"pool is full: d \(256,\) float32.*2 are in use.*CP_OPS_FAST_POOL_GB"):
+        pool.get("d", (256,), torch.float32, call=5)
+
+
+def test_pool_keeps_an_output_the_caller_still_holds():
+    """The slot tensor itself (not a view) still held by the caller is not evicted; dropped, it is."""
+    pool, log = _cpu_pool(4096)
+    held, _, ta = pool.get("a", (256,), torch.float32, call=0)
+    pool.consumed(ta)
+    pool.consumed(pool.get("b", (256,), torch.float32, call=1)[2])
+    pool.get("c", (256,), torch.float32, call=2)  # evicts b (a is held), not a
+    assert [k[0] for k in pool.entries] == ["a", "c"]
+    del held
+    pool.get("d", (256,), torch.float32, call=3)
+    assert [k[0] for k in pool.entries] == ["c", "d"] and log["free"] == [2048, 2048]
+
+
+def test_pool_eviction_needs_every_rank_to_agree():
+    """A key one peer still uses (in flight or referenced there) is not evicted here either."""
+    pool, log = _cpu_pool(4096, views=lambda obj: [obj, obj[:3] + ([],)])  # the peer can evict nothing
+    for c, key in enumerate("ab"):
+        pool.consumed(pool.get(key, (256,), torch.float32, call=c)[2])
+    with pytest.raises(RuntimeError, match="pool is full"):
+        pool.get("c", (256,), torch.float32, call=2)
+    assert log["free"] == []
+
+
+def test_pool_allocation_disagreement_raises_naming_ranks():
+    pool, _ = _cpu_pool(4096, views=lambda obj: [obj, (obj[0], "agkv.k (1, 9, 4, 8) bfloat16", 1024, [])])
+    with pytest.raises(RuntimeError, match=r"ranks disagree on the pool allocation.*rank 0: \(0, 'agkv.k \(1, 8, 4, 8\)"
+                                           r".*rank 1: \(0, 'agkv.k \(1, 9, 4, 8\)"):
+        pool.get("agkv.k", (1, 8, 4, 8), torch.bfloat16, call=0)
+
+
+def test_pool_ceiling_names_the_setting():
+    pool, _ = _cpu_pool(4096)
     with pytest.raises(RuntimeError, match=r"pool is full: ulysses \(2, 64, 8, 8\).*CP_OPS_FAST_POOL_GB"):
-        pool.get("ulysses", (2, 64, 8, 8), torch.float32)
-    assert pool.describe()["used_bytes"] == 1024
+        pool.get("ulysses", (2, 64, 8, 8), torch.float32, call=0)
+    assert pool.used == 0
+
+
+# ---- call slots: no silent reuse ----------------------------------------------------------------
+def test_call_slots_raise_when_too_many_unwaited_calls():
+    slots = _fast_runtime.CallSlots(4)
+    got = [slots.acquire(c) for c in range(4)]
+    assert got == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match=r"call 4 needs a flag slot but slot 0 still holds call 0.*4 fast calls are "
+                                           r"in flight.*the most the lane allows is 4"):
+        slots.acquire(4)
+    slots.release(0, 0)
+    assert slots.acquire(5) == 0
+
+
+def test_call_slots_captured_by_a_graph_are_never_reused_eagerly():
+    slots = _fast_runtime.CallSlots(3)
+    assert slots.acquire(0, capturing=True) == 0
+    slots.release(0, 0)
+    assert [slots.acquire(1), slots.acquire(2)] == [1, 2]
+    slots.release(1, 1)
+    assert slots.acquire(3) == 1  # skips the pinned slot 0
+    assert slots.in_flight() == [2, 3]
+
+
+# ---- bounded waits: the recorded timeout becomes a RuntimeError naming call, peer, flag ------------
+def test_device_timeout_is_raised_with_call_peer_flag():
+    class ExtLane:
+        err = []
+
+        def error(self):
+            return self.err
+
+    lane = _fast_runtime.Lane.__new__(_fast_runtime.Lane)
+    lane.ext_lane, lane.ranks = ExtLane(), [4, 5, 6, 7]
+    lane.check()  # nothing recorded: no error
+    ExtLane.err = [2, 17, 5, 1, 3, 4, 2_500_000_000]
+    with pytest.raises(RuntimeError, match=r"timed out after 2.5 s \(CP_OPS_TIMEOUT_S\): call 17 \(slot 5\) waited for "
+                                           r"group rank 1 \(global rank 5\)'s arrived flag = 4, saw 3"):
+        lane.check()
+    ExtLane.err = [1, 3, 0, 2, 0, 1, 10**9]
+    with pytest.raises(RuntimeError, match=r"global rank 6\)'s ready flag = 1, saw 0.*never sent its begin"):
+        lane.check()
+
+
+# ---- the flag protocol, modelled (tests/fast_protocol.py) -----------------------------------------
+_PROGRAM = [("launch", 0), ("launch", 1), ("wait", 0), ("wait", 1), ("launch", 2), ("launch", 3), ("wait", 2),
+            ("launch", 4), ("wait", 3), ("wait", 4)]
+
+
+def _decisions(c, t):  # even calls: one send stream for every target; odd calls: one stream per target (W=4)
+    return 0 if c % 2 == 0 else t % 3
+
+
+@pytest.mark.parametrize("cur", ["one", "two"])
+def test_protocol_slot_flags_correct_under_any_schedule(cur):
+    """Calls in flight with different tuned decisions (send streams), on one or two current streams, slots
+    reused (2 slots, 5 calls): no schedule passes a wait on stale data or hangs."""
+    import fast_protocol as fp
+
+    cs = (lambda c: "cur") if cur == "one" else (lambda c: "cur" if c % 2 == 0 else "side")
+    assert fp.explore(4, _PROGRAM, _decisions, "slot", seeds=300, n_slots=2, cur_stream=cs) == []
+
+
+def test_protocol_old_epoch_flags_fail_at_w4():
+    """The old protocol (one arrival flag per source, overwritten with the epoch) in the same model: stale
+    data and hangs (signal_streams.py) -- so the model can see the fault the slot flags remove."""
+    import fast_protocol as fp
+
+    assert fp.explore(4, _PROGRAM, _decisions, "epoch", seeds=300) == ["hang", "stale"]
+    assert fp.explore(4, _PROGRAM, lambda c, t: 0, "epoch", seeds=100) == []  # one stream: ordered, fine
+
+
+def test_protocol_host_refuses_slot_reuse_before_wait():
+    import fast_protocol as fp
+
+    prog = [("launch", 0), ("launch", 1), ("launch", 2), ("wait", 0), ("wait", 1), ("wait", 2)]
+    with pytest.raises(fp.Violation, match="slot 0 still holds un-waited call 0"):
+        fp.run(2, prog, lambda c, t: 0, "slot", n_slots=2)
 
 
 # ---- descriptor emulation -----------------------------------------------------------------------
-class _EmuLane:
-    """A lane whose heap is a CPU tensor; launches are recorded and applied later by :func:`_apply`."""
+class _SymHeap:
+    """Symmetric allocations for W emulated ranks: the n-th allocation of each rank is one CPU tensor per rank."""
 
-    def __init__(self, rank, world, heaps):
-        self.rank, self.world, self.heaps = rank, world, heaps
-        self.pool = _fast_runtime.Pool(heaps[rank], start=64, capacity=heaps[rank].numel() - 64, cap_gb=1)
+    def __init__(self, world):
+        self.world, self.segs, self.count = world, [], [0] * world
+
+    def alloc_for(self, rank):
+        def alloc(nbytes):
+            n = self.count[rank]
+            self.count[rank] += 1
+            if n == len(self.segs):
+                self.segs.append([torch.zeros(nbytes, dtype=torch.uint8) for _ in range(self.world)])
+            ts = self.segs[n]
+            return _fast_runtime.Segment(ts[rank].data_ptr(), [t.data_ptr() for t in ts], nbytes, ts)
+
+        return alloc
+
+    def make(self, ptr, n):
+        for ts in self.segs:
+            for t in ts:
+                if t.data_ptr() <= ptr < t.data_ptr() + t.numel():
+                    return t[ptr - t.data_ptr() : ptr - t.data_ptr() + n]
+        raise AssertionError("pointer outside every allocation")
+
+    def owner(self, ptr):
+        """(rank, start, end) of the allocation holding ptr."""
+        for ts in self.segs:
+            for r, t in enumerate(ts):
+                if t.data_ptr() <= ptr < t.data_ptr() + t.numel():
+                    return r, t.data_ptr(), t.data_ptr() + t.numel()
+        raise AssertionError("pointer outside every allocation")
+
+
+class _EmuWork:
+    def __init__(self, pool, tickets):
+        self.pool, self.tickets = pool, tickets
+
+    def wait(self):
+        for t in self.tickets:
+            self.pool.consumed(t)
+
+
+class _EmuLane:
+    """A lane whose buffers are CPU tensors; launches are recorded and applied later by :func:`_apply`."""
+
+    def __init__(self, rank, world, heap):
+        self.rank, self.world, self.heap, self.calls = rank, world, heap, 0
+        self.pool = _fast_runtime.Pool(heap.alloc_for(rank), lambda seg: None, heap.make, lambda obj: [obj] * world,
+                                       lambda: None, 1 << 20, 1 / 1024, slots=fast.FastTransport.slots_per_key)
         self.launched = []
 
-    def launch(self, key, descs, inputs):
+    def next_call(self):
+        return self.calls
+
+    def launch(self, key, descs, inputs, tickets):
         assert len(descs) == self.world
         self.launched.append((descs, inputs))
-        return "work"
+        self.calls += 1
+        return _EmuWork(self.pool, tickets)
 
 
-def _apply(lanes):
+def _apply(lanes, heap):
     for lane in lanes:
         for descs, _inputs in lane.launched:
             for t, ds in enumerate(descs):
-                base = lanes[t].heaps[t].data_ptr()
-                for dst_off, src, width, height, dpitch, spitch in ds:
-                    assert dst_off + (height - 1) * dpitch + width <= lanes[t].heaps[t].numel()
+                for dst, src, width, height, dpitch, spitch in ds:
+                    owner, _start, end = heap.owner(dst)
+                    assert owner == t and dst + (height - 1) * dpitch + width <= end
                     for row in range(height):
-                        ctypes.memmove(base + dst_off + row * dpitch, src + row * spitch, width)
+                        ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
         lane.launched.clear()
 
 
 def _emulate(world, monkeypatch, fn):
-    heaps = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(world)]
-    lanes = [_EmuLane(r, world, heaps) for r in range(world)]
+    heap = _SymHeap(world)
+    lanes = [_EmuLane(r, world, heap) for r in range(world)]
     outs = []
-    monkeypatch.setattr(fast, "_register", lambda *a: None)
     for r in range(world):
-        monkeypatch.setattr(fast, "_lane_for", lambda g, _l=lanes[r]: _l)
+        monkeypatch.setattr(fast.transport, "_lane_for", lambda g, _l=lanes[r]: _l)
         outs.append(fn(r))
-    _apply(lanes)
+    _apply(lanes, heap)
     return outs
 
 
@@ -183,17 +401,17 @@ def _data(shape, r, i, dtype=torch.bfloat16):
 def test_descriptors_agkv(world, b, s, h, d, monkeypatch):
     ks = [_data((b, s, h, d), r, 1) for r in range(world)]
     vs = [_data((b, s, h, d), r, 2) for r in range(world)]
-    outs = _emulate(world, monkeypatch, lambda r: fast.agkv_start(ks[r], vs[r], None))
+    outs = _emulate(world, monkeypatch, lambda r: fast.transport.agkv_start(ks[r], vs[r], None))
     want_k, want_v = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
     for kf, vf, work in outs:
-        assert work == "work" and kf.shape == (b, world * s, h, d)
+        assert isinstance(work, _EmuWork) and kf.shape == (b, world * s, h, d)
         assert torch.equal(kf, want_k) and torch.equal(vf, want_v)
 
 
 @pytest.mark.parametrize("world,b,s,h,d,n", [(2, 1, 6, 4, 8, 3), (2, 2, 5, 6, 8, 2), (4, 2, 3, 8, 4, 3), (3, 1, 4, 6, 8, 1)])
 def test_descriptors_ulysses(world, b, s, h, d, n, monkeypatch):
     xs = [[_data((b, s, h, d), r, 10 + i) for i in range(n)] for r in range(world)]
-    outs = _emulate(world, monkeypatch, lambda r: fast.ulysses_start(xs[r], None))
+    outs = _emulate(world, monkeypatch, lambda r: fast.transport.ulysses_start(xs[r], None))
     packs = [layout.ulysses_pack(xs[r], world) for r in range(world)]
     for me, (buf, work) in enumerate(outs):
         want = torch.stack([packs[src][me] for src in range(world)])  # what all_to_all_single delivers
@@ -203,23 +421,28 @@ def test_descriptors_ulysses(world, b, s, h, d, n, monkeypatch):
 @pytest.mark.parametrize("world,b,s,hl,d", [(2, 1, 8, 2, 8), (2, 2, 6, 3, 8), (4, 2, 8, 2, 4), (3, 2, 6, 2, 8)])
 def test_descriptors_ulysses_inverse(world, b, s, hl, d, monkeypatch):
     xs = [_data((b, s, hl, d), r, 20) for r in range(world)]
-    outs = _emulate(world, monkeypatch, lambda r: fast.ulysses_inverse_start(xs[r], None))
+    outs = _emulate(world, monkeypatch, lambda r: fast.transport.ulysses_inverse_start(xs[r], None))
     packs = [layout.ulysses_inverse_pack(xs[r], world) for r in range(world)]
     for me, (buf, work) in enumerate(outs):
         want = torch.stack([packs[src][me] for src in range(world)])
         assert buf.shape == want.shape and torch.equal(buf, want)
 
 
-def test_descriptors_double_buffer(monkeypatch):
-    """Two back-to-back calls of one shape land in different slots; the third reuses the first."""
-    world = 2
-    heaps = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(world)]
-    lane = _EmuLane(0, world, heaps)
-    monkeypatch.setattr(fast, "_lane_for", lambda g: lane)
-    monkeypatch.setattr(fast, "_register", lambda *a: None)
+def test_descriptors_double_buffer_and_inflight_bound(monkeypatch):
+    """Two calls of one shape land in different slots; a third before any wait raises (it would overwrite the
+    first output); after the first is waited, the third reuses the first slot."""
+    heap = _SymHeap(2)
+    lane = _EmuLane(0, 2, heap)
+    monkeypatch.setattr(fast.transport, "_lane_for", lambda g: lane)
     k = _data((1, 4, 2, 8), 0, 1)
-    p = [fast.agkv_start(k, k, None)[0].data_ptr() for _ in range(3)]
-    assert p[0] != p[1] and p[2] == p[0]
+    (k0, _, w0), (k1, _, w1) = (fast.transport.agkv_start(k, k, None) for _ in range(2))
+    assert k0.data_ptr() != k1.data_ptr()
+    with pytest.raises(RuntimeError, match="would overwrite pool slot 0 of agkv.k"):
+        fast.transport.agkv_start(k, k, None)
+    assert lane.calls == 2  # the refused launch launched nothing and took no slot
+    w0.wait()
+    k2, _, _ = fast.transport.agkv_start(k, k, None)
+    assert k2.data_ptr() == k0.data_ptr()
 
 
 def test_candidates_shared_egress_single_stream():
@@ -285,39 +508,163 @@ def test_probe_group_reasons_agreed_by_all_ranks():
     run_ranks(_probe_body, 2, timeout=60)
 
 
-def test_auto_falls_back_to_torch_for_a_group_that_cannot_host_the_lane(monkeypatch, caplog):
-    """A group-level refusal (node span, P2P reach, build) raises under 'fast' and uses torch under 'auto'."""
+# ---- selection: explicit fast raises naming why; auto falls back, logged once ----------------------
+@pytest.fixture
+def fake_world(monkeypatch):
+    """A fake process group of 4 ranks (this process is rank 0); fresh selector caches."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import cp_ops._library as lib
+    monkeypatch.setattr(fast.transport, "lane", None)
+    monkeypatch.setattr(fast.transport, "_unfit", {})
+    monkeypatch.setattr(base, "_logged", set())
+    monkeypatch.setattr(base, "_group_choice", {})
+    monkeypatch.setattr(config.settings, "fast_lane_width", None)
+    monkeypatch.setattr(fast.transport, "unavailable_reason", lambda device: None)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
-    assert base.resolve("auto", "cpu") == "torch" and base.resolve("torch", "cpu") == "torch"
+
+def test_auto_falls_back_to_torch_for_a_group_that_cannot_host_the_lane(fake_world, monkeypatch, caplog):
+    """A group-level refusal (node span, P2P reach, start-up) raises under 'fast' and uses torch under 'auto'."""
     calls = []
 
     def unfit(group, device):
         calls.append(group.size())
-        raise _fast_runtime.GroupUnfit("transport='fast' cannot run: the CP group spans more than one node")
+        raise _fast_runtime.StartFailed("the CP group spans more than one node")
 
-    monkeypatch.setattr(fast, "unavailable_reason", lambda *a, **k: None)
-    monkeypatch.setattr(_fast_runtime, "create_lane", unfit)
-    monkeypatch.setattr(fast, "_lane", None)
-    monkeypatch.setattr(fast, "_unfit", {})
-    monkeypatch.setattr(base, "_logged", set())
-    monkeypatch.setattr(base, "_group_choice", {})
-    monkeypatch.setattr(config.settings, "fast_lane_width", None)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    monkeypatch.setattr(fast.transport, "_start", unfit)
+    dev = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match=r"transport='fast' cannot run for CP group .*ranks \[0, 1, 2, 3\].*spans more"):
+        base.for_group("fast", fake_world, dev)
+    with caplog.at_level(logging.INFO, logger="cp_ops"):
+        assert base.for_group("auto", fake_world, dev).name == "torch"
+        assert base.for_group("auto", fake_world, dev).name == "torch"
+    assert calls == [4]  # probed once, the verdict cached for the group
+    assert sum("transport='auto'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_explicit_fast_on_a_group_that_is_not_the_lane_raises(fake_world, monkeypatch, caplog):
+    """Explicit means explicit: a group other than the process's lane raises naming the lane's width and ranks
+    and this group's (it used to run silently on torch)."""
+    import types
+
+    monkeypatch.setattr(fast.transport, "lane", types.SimpleNamespace(ranks=[0, 1], world=2))
+    monkeypatch.setattr(fast.transport, "_start", lambda *a: pytest.fail("no second lane may start"))
+    dev = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match=r"transport='fast' cannot run for CP group '.*' \(ranks \[0, 1, 2, 3\]\): "
+                                           r"the process's one fast lane is CP group \[0, 1\] \(width 2\); this group "
+                                           r"\[0, 1, 2, 3\] \(width 4\) is not it"):
+        base.for_group("fast", fake_world, dev)
+    assert "(width 4) is not it" in fast.transport.group_reason(fake_world, dev)
+    with caplog.at_level(logging.INFO, logger="cp_ops"):
+        assert base.for_group("auto", fake_world, dev).name == "torch"
+    assert any("(width 4) is not it" in r.getMessage() for r in caplog.records)
+
+
+def test_explicit_fast_with_another_lane_width_raises(fake_world, monkeypatch):
+    monkeypatch.setattr(config.settings, "fast_lane_width", 2)
+    monkeypatch.setattr(fast.transport, "_start", lambda *a: pytest.fail("must not start"))
+    with pytest.raises(RuntimeError, match=r"has width 4, and CP_OPS_FAST_LANE_WIDTH=2 is the width that uses the fast"):
+        base.for_group("fast", fake_world, torch.device("cuda", 0))
+
+
+# ---- start-up failures reach every rank at once (gloo, W = 2 and 3) ---------------------------------
+class _FakeExtLane:
+    def __init__(self, *a):
+        self.args = a
+
+    @staticmethod
+    def ctrl_bytes(world, n_slots, n_send):
+        return 4096
+
+    def streams(self):
+        return []
+
+    def release(self):
+        pass
+
+
+class _FakeExt:
+    Lane = _FakeExtLane
+
+
+def _startup_body(rank, world, scenarios):
+    from cp_ops.transport import base, fast
+
+    for scenario in scenarios:
+        fast.transport.lane = None
+        fast.transport._unfit.clear()
+        base._group_choice.clear()
+        _startup_scenario(rank, world, scenario)
+
+
+def _startup_scenario(rank, world, scenario):
+    import torch.distributed as dist
+
+    from cp_ops.transport import _fast_build, _fast_runtime as rt, base, fast
+
+    bad = world - 1
+
+    class Heap:
+        name = "nvshmem"
+
+        def __init__(self, ext, group, device):
+            if scenario == "import" and rank == bad:
+                raise ImportError("libnvshmem_host.so.3: cannot open shared object file")
+
+        def start(self, stage):
+            def init():
+                if scenario == "init" and rank == bad:
+                    raise RuntimeError("NVSHMEM: planted init failure (nvshmemi_bootstrap)")
+            stage("NVSHMEM init (bootstrapped over the CP group)", init)
+
+        def alloc(self, n):
+            return rt.Segment(1 << 20, [1 << 20] * world, n)
+
+        def free(self, seg):
+            pass
+
+        def close(self):
+            pass
+
+    fast.transport.unavailable_reason = lambda device: (
+        "the cp_ops CUDA extension failed to build" if scenario == "build" and rank == 0 else None)
+    _fast_build.load = lambda: (_FakeExt, None)
+    rt.probe_group = lambda group, device, ext: (None, "nvlink")
+    rt.HEAPS["nvshmem"] = Heap
+    dev = torch.device("cuda", 0)
+    g = dist.group.WORLD
+    reason = fast.transport.group_reason(g, dev)
+    if scenario == "ok":
+        assert reason is None and fast.transport.lane is not None and fast.transport.lane.ranks == list(range(world))
+        assert isinstance(fast.transport.lane.ext_lane, _FakeExtLane)
+        assert fast.transport.lane.ext_lane.args[:3] == (rank, world, 0)  # NVSHMEM/lane rank = group rank
+        assert base.for_group("fast", g, dev) is fast.transport
+        return
+    want = {"import": f"group rank {bad}: ImportError: libnvshmem_host",
+            "init": f"group rank {bad}: RuntimeError: NVSHMEM: planted init failure",
+            "build": "group rank 0: the cp_ops CUDA extension failed to build"}[scenario]
+    assert reason is not None and want in reason, reason
+    if scenario != "build":
+        assert "hint:" in reason and "CP_OPS_FAST_HEAP=ipc" in reason
+    assert fast.transport.lane is None
     try:
-        g = dist.group.WORLD
-        dev = torch.device("cpu")
-        with pytest.raises(RuntimeError, match="spans more than one node"):
-            base.for_group("fast", g, dev)
-        with caplog.at_level(logging.INFO, logger="cp_ops"):
-            assert base.for_group("auto", g, dev).name == "torch"
-            assert base.for_group("auto", g, dev).name == "torch"
-        assert calls == [2]  # probed once, the verdict cached for the group
-        assert sum("transport='auto'" in r.getMessage() for r in caplog.records) == 1
-    finally:
-        dist.destroy_process_group()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert base.resolve("auto", "cuda") == "auto"  # the device could run fast: the group decides
+        base.for_group("fast", g, dev)
+        raise AssertionError("explicit fast must raise")
+    except RuntimeError as e:
+        assert want in str(e)
+    assert base.for_group("auto", g, dev).name == "torch"
+
+
+@pytest.mark.parametrize("world,scenarios", [(2, ("init", "build", "ok")), (3, ("import", "ok"))])
+def test_startup_failure_on_one_rank_reaches_every_rank(world, scenarios):
+    """A start-up stage failing on one rank (the NVSHMEM import or init, the extension build) gives every rank
+    the same verdict at once: explicit fast raises on every rank with the library's message and a hint; auto
+    uses torch. Start-up runs over the CP group only, with group ranks (NVSHMEM rank = group rank)."""
+    from dist_util import run_ranks
+
+    run_ranks(_startup_body, world, scenarios, timeout=90)

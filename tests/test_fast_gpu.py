@@ -36,7 +36,7 @@ def _rand(shape, seed, dtype=torch.bfloat16):
 def _ref_agkv(k, v, pg):
     from cp_ops.transport import torch as tt
 
-    kf, vf, w = tt.agkv_start(k, v, pg)
+    kf, vf, w = tt.transport.agkv_start(k, v, pg)
     w.wait()
     return kf, vf
 
@@ -44,7 +44,7 @@ def _ref_agkv(k, v, pg):
 def _ref_uly(xs, pg):
     from cp_ops.transport import torch as tt
 
-    b, w = tt.ulysses_start(xs, pg)
+    b, w = tt.transport.ulysses_start(xs, pg)
     w.wait()
     return b
 
@@ -52,7 +52,7 @@ def _ref_uly(xs, pg):
 def _ref_inv(x, pg):
     from cp_ops.transport import torch as tt
 
-    b, w = tt.ulysses_inverse_start(x, pg)
+    b, w = tt.transport.ulysses_inverse_start(x, pg)
     w.wait()
     return b
 
@@ -73,9 +73,9 @@ def _bitwise(rank, world):
             for dtype in (torch.bfloat16, torch.float32):
                 seed = 7919 * i + 31 * rank + (dtype == torch.float32)
                 k, v = _rand((b, s, h, d), seed, dtype), _rand((b, s, h, d), seed + 1, dtype)
-                kf, vf, work = fast.agkv_start(k, v, pg)
+                kf, vf, work = fast.transport.agkv_start(k, v, pg)
                 peer = (rank + 1) % world
-                fast.wait_source(kf, peer)
+                fast.transport.wait_source(kf, peer)
                 got_peer = kf[:, peer * s : (peer + 1) * s].clone()
                 work.wait()
                 rk, rv = _ref_agkv(k, v, pg)
@@ -83,11 +83,11 @@ def _bitwise(rank, world):
                 assert torch.equal(got_peer, rk[:, peer * s : (peer + 1) * s])
                 assert rk.abs().sum() > 0
                 xs = [_rand((b, s, h, d), seed + 2 + j, dtype) for j in range(3)]
-                buf, work = fast.ulysses_start(xs, pg)
+                buf, work = fast.transport.ulysses_start(xs, pg)
                 work.wait()
                 assert torch.equal(buf, _ref_uly(xs, pg)), ("ulysses", path, b, s, h, d, dtype)
                 x = _rand((b, s * world, h // world, d), seed + 9, dtype)
-                buf, work = fast.ulysses_inverse_start(x, pg)
+                buf, work = fast.transport.ulysses_inverse_start(x, pg)
                 work.wait()
                 assert torch.equal(buf, _ref_inv(x, pg)), ("inverse", path, b, s, h, d, dtype)
     # through the op layer and the public attention, fast vs torch
@@ -124,17 +124,17 @@ def _layers(rank, world):
         for layer in range(20):
             seed = lambda r, j: 100000 * (path == "sm") + 1000 * layer + 10 * r + j  # noqa: E731
             k, v = _rand((b, s, h, d), seed(rank, 0)), _rand((b, s, h, d), seed(rank, 1))
-            kf, vf, w1 = fast.agkv_start(k, v, pg)
+            kf, vf, w1 = fast.transport.agkv_start(k, v, pg)
             w1.wait()
             if rank == 0:
                 torch.cuda._sleep(2_000_000)  # a slow consumer: the peer runs ahead and must not overwrite
             kc, vc = kf.clone(), vf.clone()
             xs = [k, v]
-            u, w2 = fast.ulysses_start(xs, pg)
+            u, w2 = fast.transport.ulysses_start(xs, pg)
             w2.wait()
             uc = u.clone()
             x = _rand((b, s * world, h // world, d), seed(rank, 2))
-            inv, w3 = fast.ulysses_inverse_start(x, pg)
+            inv, w3 = fast.transport.ulysses_inverse_start(x, pg)
             w3.wait()
             kept.append((layer, kc, vc, uc, inv.clone(), seed))
         torch.cuda.synchronize()
@@ -150,8 +150,8 @@ def _layers(rank, world):
             xsrc = [_rand((b, s * world, h // world, d), seed(r, 2)) for r in range(world)]
             want = torch.stack([xsrc[r][:, rank * s : (rank + 1) * s] for r in range(world)])
             assert torch.equal(ic, want), ("inverse", path, layer)
-    words = fast._lane.ext_lane.control_words()
-    assert words[2 * world] == fast._lane.calls  # device epoch counter == calls launched
+    gens = fast.transport.lane.ext_lane.generations()
+    assert sum(gens) == fast.transport.lane.calls  # every call raised its slot's generation once
     fast.shutdown()
 
 
@@ -173,11 +173,11 @@ def _graph(rank, world):
         v, x = torch.empty_like(k), torch.empty((b, s * world, h // world, d), device="cuda", dtype=torch.bfloat16)
 
         def step():
-            kf, vf, w = fast.agkv_start(k, v, pg)
+            kf, vf, w = fast.transport.agkv_start(k, v, pg)
             w.wait()
-            u, w2 = fast.ulysses_start([k, v], pg)
+            u, w2 = fast.transport.ulysses_start([k, v], pg)
             w2.wait()
-            inv, w3 = fast.ulysses_inverse_start(x, pg)
+            inv, w3 = fast.transport.ulysses_inverse_start(x, pg)
             w3.wait()
             return kf.clone(), vf.clone(), u.clone(), inv.clone()
 
@@ -224,7 +224,7 @@ def _lifecycle(rank, world):
 
     def check(seed):
         k, v = _rand((2, 256, 8, 128), seed + rank), _rand((2, 256, 8, 128), seed + 10 + rank)
-        kf, vf, w = fast.agkv_start(k, v, pg)
+        kf, vf, w = fast.transport.agkv_start(k, v, pg)
         w.wait()
         rk, rv = _ref_agkv(k, v, pg)
         assert torch.equal(kf, rk) and torch.equal(vf, rv)
@@ -232,27 +232,29 @@ def _lifecycle(rank, world):
 
     fast.configure(path="ce")
     assert isinstance(check(1), _fast_runtime.FastWork)
-    heap0 = fast._lane.heap.name
+    heap0 = fast.transport.lane.heap.name
     fast.shutdown()
-    assert fast._lane is None
+    assert fast.transport.lane is None
     fast.configure(heap="ipc")
     check(2)
-    assert fast._lane.heap.name == "ipc"
+    assert fast.transport.lane.heap.name == "ipc"
     fast.shutdown()
-    fast.configure(pool_gb=1 / 1024)  # 1 MiB
+    fast.configure(pool_gb=1 / 1024)  # 1 MiB: a ceiling the first buffer does not fit under
     k = _rand((1, 4096, 8, 128), 9)
     with pytest.raises(RuntimeError, match="CP_OPS_FAST_POOL_GB"):
-        fast.agkv_start(k, k, pg)
+        fast.transport.agkv_start(k, k, pg)
     fast.shutdown()
-    fast.configure(pool_gb=2, lane_width=world * 2)  # this group is not the lane's width: torch transport
-    kf, vf, w = fast.agkv_start(k, k, pg)
-    assert not isinstance(w, _fast_runtime.FastWork) and fast._lane is None
-    w.wait()
-    assert torch.equal(kf, _ref_agkv(k, k, pg)[0])
-    _fast_runtime.settings.lane_width = None
+    from cp_ops import config
+
+    fast.configure(pool_gb=2, lane_width=world * 2)  # this group is not the lane's width: explicit fast raises
+    with pytest.raises(RuntimeError, match=rf"has width {world}, and CP_OPS_FAST_LANE_WIDTH={world * 2}"):
+        fast.transport.agkv_start(k, k, pg)
+    assert fast.transport.lane is None
+    config.configure(fast_lane_width=None)
+    fast.transport._unfit.clear()
     fast.configure(heap=heap0)  # last: a second runtime of the default heap (NVSHMEM re-init after finalize)
     check(3)
-    assert fast._lane.heap.name == heap0
+    assert fast.transport.lane.heap.name == heap0
     fast.shutdown()
 
 
@@ -266,7 +268,7 @@ def _no_shutdown(rank, world):
     from cp_ops.transport import fast
 
     k = _rand((1, 512, 8, 128), rank)
-    kf, vf, w = fast.agkv_start(k, k, dist.group.WORLD)
+    kf, vf, w = fast.transport.agkv_start(k, k, dist.group.WORLD)
     w.wait()
     torch.cuda.synchronize()
     # return without fast.shutdown(): the process must exit cleanly and promptly
@@ -274,3 +276,114 @@ def _no_shutdown(rank, world):
 
 def test_exit_without_shutdown():
     run_gpu_ranks(_no_shutdown, timeout=120)
+
+
+# ---- stress: 50 layers, mixed shapes, both modes, all paths, two launches in flight, pool eviction --------
+def _stress(rank, world):
+    import random
+    import time
+
+    import torch.distributed as dist
+
+    import cp_ops
+    from cp_ops.transport import fast
+
+    pg = dist.group.WORLD
+    T = fast.transport
+    fast.configure(pool_gb=1.0)  # the 8192-token shape needs ~0.9 GiB of it: the others get evicted and come back
+    shapes = [(1, 256, 8, 128), (2, 128, 16, 64), (1, 8192, 40, 128), (1, 1000, 40, 128), (1, 64, 2, 16)]
+    rng = random.Random(4242)  # the same sequence on every rank
+    t0 = time.time()
+    for layer in range(50):
+        fast.configure(path=("ce", "sm", "auto")[layer % 3])
+        b, s, h, d = rng.choice(shapes)
+        seed = 1_000_000 + 1000 * layer + 10 * rank
+        q, k, v = (_rand((b, s, h, d), seed + j) for j in range(3))
+        if rng.random() < 0.5:  # AGKV with a Ulysses launch of another key in flight, waited out of order
+            kf, vf, w1 = T.agkv_start(k, v, pg)
+            uq, w2 = T.ulysses_start([q], pg)
+            w2.wait()
+            w1.wait()
+            rk, rv = _ref_agkv(k, v, pg)
+            assert torch.equal(kf, rk) and torch.equal(vf, rv), ("agkv", layer, (b, s, h, d))
+            assert torch.equal(uq, _ref_uly([q], pg)), ("ulysses q", layer)
+        else:  # the overlap pass's Ulysses pattern: [k, v] and [q] in flight, then the inverse
+            ukv, w1 = T.ulysses_start([k, v], pg)
+            uq, w2 = T.ulysses_start([q], pg)
+            w1.wait()
+            w2.wait()
+            assert torch.equal(ukv, _ref_uly([k, v], pg)), ("ulysses kv", layer, (b, s, h, d))
+            assert torch.equal(uq, _ref_uly([q], pg)), ("ulysses q", layer)
+            x = _rand((b, s * world, h // world, d), seed + 7)
+            inv, w3 = T.ulysses_inverse_start(x, pg)
+            w3.wait()
+            assert torch.equal(inv, _ref_inv(x, pg)), ("inverse", layer)
+        kf = vf = uq = ukv = inv = None  # noqa: F841 - drop this layer's outputs (a model does): evictable
+        if layer % 10 == 9:
+            for mode in ("agkv", "ulysses"):
+                of = cp_ops.attention(q, k, v, group=pg, mode=mode, transport="fast")
+                ot = cp_ops.attention(q, k, v, group=pg, mode=mode, transport="torch")
+                assert torch.equal(of, ot), ("attention", mode, layer)
+            of = ot = None
+    torch.cuda.synchronize()
+    T.check()
+    lane = T.lane
+    pool = lane.pool.describe()
+    assert pool["evictions"] > 0 and pool["used_bytes"] <= pool["capacity_bytes"], pool
+    assert sum(lane.ext_lane.generations()) == lane.calls
+    # more launches of one key in flight than slots: refused, nothing overwritten
+    k = _rand((1, 256, 8, 128), 77 + rank)
+    a = T.agkv_start(k, k, pg)
+    b2 = T.agkv_start(k, k, pg)
+    with pytest.raises(RuntimeError, match="would overwrite pool slot"):
+        T.agkv_start(k, k, pg)
+    a[2].wait()
+    b2[2].wait()
+    assert torch.equal(a[0], _ref_agkv(k, k, pg)[0])
+    if rank == 0:
+        print(f"stress: 50 layers, {lane.calls} fast calls, pool {pool['used_bytes'] / 2**30:.2f} GiB used, "
+              f"{pool['allocations']} allocations, {pool['evictions']} evictions, {time.time() - t0:.1f} s", flush=True)
+    fast.shutdown()
+
+
+def test_stress_mixed_shapes_modes_paths_inflight():
+    run_gpu_ranks(_stress)
+
+
+# ---- bounded waits: a peer that never launches ------------------------------------------------------
+def _timeout(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    from cp_ops import config
+    from cp_ops.transport import fast
+
+    pg = dist.group.WORLD
+    config.configure(timeout_s=3)
+    T = fast.transport
+    k = _rand((1, 512, 8, 128), 5 + rank)
+    kf, vf, w = T.agkv_start(k, k, pg)  # tuned on both ranks
+    w.wait()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == world - 1:  # this rank launches a call its peers never make
+        t0 = time.time()
+        kf, vf, w = T.agkv_start(k, k, pg)
+        w.wait()
+        torch.cuda.synchronize()  # returns: every spin gave up within the timeout
+        dt = time.time() - t0
+        assert dt < 3 + 15, dt
+        with pytest.raises(RuntimeError, match=r"device wait timed out after 3\.\d s \(CP_OPS_TIMEOUT_S\): call \d+ "
+                                               r"\(slot \d+\) waited for group rank 0 \(global rank 0\)'s (ready|arrived)"):
+            T.check()
+        with pytest.raises(RuntimeError, match="timed out"):  # sticky: the next launch raises too
+            T.agkv_start(k, k, pg)
+        print(f"timeout: rank {rank} got the error after {dt:.1f} s", flush=True)
+    dist.barrier()
+    T.lane.ext_lane.release()  # the lane is unusable; release without the collective pool teardown
+    T.lane = None
+
+
+def test_device_wait_timeout_raises_on_host():
+    run_gpu_ranks(_timeout, timeout=120)

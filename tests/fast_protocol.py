@@ -1,0 +1,147 @@
+"""A Python model of the fast transport's flag protocol (csrc/cp_fast.cu), run under random device schedules.
+
+Each rank has CUDA-like streams (FIFO queues of ops; an op runs when its condition holds) and the control
+words of the protocol. The host program (launches and waits, in order) is enqueued up front; then a random
+scheduler runs any enabled stream head of any rank until all ops ran (or none can run: a hang).
+
+Two protocols:
+  * ``'epoch'`` — the old one: ``e = ++counter`` per call; ``ready[p] := e``, ``arrived[p] := e`` overwritten
+    (one flag per peer); a wait passes when ``arrived[p] >= e``.
+  * ``'slot'`` — the current one: a call owns slot ``s`` (round-robin over ``n_slots``; the host never reuses
+    a slot before its call was waited); its begin waits for the slot's previous wait (done event) and
+    raises ``gen[s]``; ``ready[s][p]``/``arrived[s][p] := gen[s]``; a wait passes when ``arrived[s][p] >= gen[s]``.
+
+A wait that passes before every source's data of its call landed is a *stale* result; ops left with none
+enabled is a *hang*. ``send_stream(call, target)`` is the tuned decision: which send stream carries the copy
+and the arrival signal of ``call`` to ``target``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+
+class Violation(Exception):
+    pass
+
+
+def run(world: int, program: list, send_stream, protocol: str, n_slots: int = 4, seed: int = 0,
+        cur_stream=lambda call: "cur") -> None:
+    """Run ``program`` (list of ("launch", call) / ("wait", call), the same on every rank) once under the
+    random schedule ``seed``. Raises :class:`Violation` ('stale ...' or 'hang ...')."""
+    rng = random.Random(seed)
+    ranks = [_Rank(r, world) for r in range(world)]
+    for rk in ranks:
+        rk.enqueue(program, ranks, send_stream, protocol, n_slots, cur_stream)
+    while True:
+        enabled = [(rk, q) for rk in ranks for q in rk.streams.values() if q and q[0][0]()]
+        if not enabled:
+            left = {rk.rank: {n: len(q) for n, q in rk.streams.items() if q} for rk in ranks}
+            if any(left.values()):
+                raise Violation(f"hang: ops left with none enabled: {left}")
+            return
+        rk, q = rng.choice(enabled)
+        _, act = q.popleft()
+        act()
+
+
+class _Rank:
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+        self.streams: dict[str, deque] = {}
+        self.counter = 0
+        self.gen: dict = {}
+        self.ready: dict = {}
+        self.arrived: dict = {}
+        self.data: set = set()  # (call, src) landed here
+        self.done: set = set()  # ids of completed ops (event records)
+        self.epoch: dict = {}  # call -> its epoch/generation on this rank (read by its kernels)
+
+    def q(self, name):
+        return self.streams.setdefault(name, deque())
+
+    def enqueue(self, program, ranks, send_stream, protocol, n_slots, cur_stream):
+        me, w = self.rank, self.world
+        slot_of, owner, last_wait = {}, {}, {}
+        nxt = 0
+        always = lambda: True  # noqa: E731
+        for kind, c in program:
+            if kind == "launch":
+                if protocol == "slot":
+                    s = nxt
+                    nxt = (nxt + 1) % n_slots
+                    if owner.get(s) is not None:
+                        raise Violation(f"host: slot {s} still holds un-waited call {owner[s]} (launch {c} refused)")
+                    owner[s], slot_of[c] = c, s
+                cur = self.q(cur_stream(c))
+                if protocol == "slot" and s in last_wait:
+                    dep = last_wait[s]
+                    cur.append((lambda dep=dep: dep in self.done, always))
+
+                def begin(c=c):
+                    if protocol == "slot":
+                        s = slot_of[c]
+                        g = self.gen.get(s, 0) + 1
+                        self.gen[s] = g
+                        self.epoch[c] = g
+                        for p in ranks:
+                            if p.rank != me:
+                                p.ready[(s, me)] = g
+                    else:
+                        self.counter += 1
+                        self.epoch[c] = self.counter
+                        for p in ranks:
+                            if p.rank != me:
+                                p.ready[me] = self.counter
+                    self.done.add(("begin", c))
+
+                cur.append((always, begin))
+                for t in range(w):
+                    if t == me:
+                        continue
+                    sq = self.q(f"send{send_stream(c, t)}")
+                    key = (lambda t=t, c=c: (slot_of[c], t)) if protocol == "slot" else (lambda t=t: t)
+                    sq.append((lambda c=c: ("begin", c) in self.done, always))
+                    sq.append((lambda c=c, key=key: self.ready.get(key(), 0) >= self.epoch[c], always))
+
+                    def copy(c=c, t=t):
+                        ranks[t].data.add((c, me))
+
+                    def signal(c=c, t=t):
+                        k = (slot_of[c], me) if protocol == "slot" else me
+                        ranks[t].arrived[k] = self.epoch[c]
+
+                    sq.append((always, copy))
+                    sq.append((always, signal))
+            else:  # wait, on the current stream of the call
+                cur = self.q(cur_stream(c))
+                cur.append((lambda c=c: ("begin", c) in self.done, always))
+
+                def arrived_all(c=c):
+                    k = (lambda p: (slot_of[c], p)) if protocol == "slot" else (lambda p: p)
+                    return all(self.arrived.get(k(p), 0) >= self.epoch[c] for p in range(w) if p != me)
+
+                def check(c=c):
+                    missing = [p for p in range(w) if p != me and (c, p) not in self.data]
+                    if missing:
+                        raise Violation(f"stale: rank {me}'s wait for call {c} passed before the data of ranks "
+                                        f"{missing} landed")
+                    self.done.add(("wait", c))
+
+                cur.append((arrived_all, check))
+                if protocol == "slot":
+                    s = slot_of[c]
+                    owner[s] = None
+                    last_wait[s] = ("wait", c)
+
+
+def explore(world, program, send_stream, protocol, seeds=200, **kw) -> list[str]:
+    """Violations found over ``seeds`` random schedules (deduplicated by kind)."""
+    found = []
+    for seed in range(seeds):
+        try:
+            run(world, program, send_stream, protocol, seed=seed, **kw)
+        except Violation as e:
+            found.append(str(e).split(":")[0])
+    return sorted(set(found))
