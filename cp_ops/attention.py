@@ -1,7 +1,7 @@
-"""Context-parallel attention modes composed from the ops: AGKV and Ulysses.
+"""The public CP attention entry point, :func:`attention`, and the single-device :func:`local_attention`.
 
-Data path: :func:`attention` → mode (:func:`agkv_attention` / :func:`ulysses_attention`) → op
-(:mod:`cp_ops._library`) → transport (:mod:`cp_ops.transport`).
+Data path: :func:`attention` → mode (:mod:`cp_ops.modes`: AGKV, Ulysses, ...) → op (:mod:`cp_ops._library`)
+→ transport (:mod:`cp_ops.transport`).
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _library as lib
-from . import layout
+from . import modes
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .validate import check_device_for_group, check_heads_divisible, check_same, checked_call
+from .validate import OPS, check_device_for_group, check_same, checked_call
 
-MODES = ("auto", "agkv", "ulysses")
 _CUDA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
     SDPBackend.FLASH_ATTENTION,
@@ -42,32 +40,6 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return out.transpose(1, 2)
 
 
-def choose_mode(mode: str, heads: int, world_size: int) -> str:
-    """``auto`` → 'ulysses' when the CP world size divides the head count, else 'agkv'."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-    if mode == "auto":
-        return "ulysses" if heads % world_size == 0 else "agkv"
-    if mode == "ulysses":
-        check_heads_divisible(heads, world_size)
-    return mode
-
-
-def agkv_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None):
-    """AGKV: gather every rank's K/V, attend with the local Q. Shapes as :func:`attention`."""
-    k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, world_size, group_name, transport)
-    return local_attention(q, lib.wait(k_full), lib.wait(v_full), scale)
-
-
-def ulysses_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None):
-    """Ulysses: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back."""
-    buf = lib.wait(torch.ops.cp_ops.ulysses_start([q, k, v], world_size, group_name, transport))
-    qh, kh, vh = (layout.ulysses_unpack(buf, i) for i in range(3))
-    out = local_attention(qh, kh, vh, scale)
-    back = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(out, world_size, group_name, transport))
-    return layout.ulysses_inverse_unpack(back)
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -87,7 +59,7 @@ def attention(
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
         group: the CP group: ``None`` (default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
-            or 'auto' (Ulysses when W divides H, else AGKV).
+            or 'auto' (Ulysses when W divides H, else AGKV); any name of ``cp_ops.modes.names()``.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
@@ -112,14 +84,15 @@ def attention(
     def local_checks():
         nonlocal chosen, resolved
         check_same(("q", "k", "v"), (q, k, v))
-        chosen = choose_mode(mode, q.shape[2], world_size)
+        chosen = modes.choose(mode, q.shape[2], world_size)
         resolved = resolve_transport(transport, q.device.type)
         if world_size > 1:
             check_device_for_group(q, pg)
 
-    op = f"attention/{mode}" if mode in MODES else "attention/invalid"
+    op = f"attention/{mode}" if f"attention/{mode}" in OPS else "attention/invalid"
     checked_call(pg, op, q, local_checks)
     if world_size == 1:
         return local_attention(q, k, v, scale)
-    fn = ulysses_attention if chosen == "ulysses" else agkv_attention
-    return fn(q, k, v, world_size=world_size, group_name=pg.group_name, transport=resolved, scale=scale)
+    return modes.get(chosen).fn(q, k, v, world_size=world_size, group_name=pg.group_name, transport=resolved,
+                                scale=scale)
+

@@ -15,7 +15,9 @@ import platform
 import torch
 import torch.distributed as dist
 
-from .attention import attention, choose_mode, local_attention
+from .attention import attention, local_attention
+from . import modes
+from .modes import choose as choose_mode
 from .timing import max_over_ranks, time_ms
 from .transport.base import select_transport
 
@@ -53,9 +55,9 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         if s % world_size:
             raise ValueError(f"--seqs: S={s} is not divisible by the CP world size {world_size}")
         for mode in args.modes:
-            if mode == "ulysses" and h % world_size:
+            if mode != "auto" and modes.get(mode).needs_heads_divisible and h % world_size:
                 if rank == 0:
-                    print(f"skip ulysses at H={h}: CP world size {world_size} does not divide the head count")
+                    print(f"skip {mode} at H={h}: CP world size {world_size} does not divide the head count")
                 continue
             for tr in args.transports:
                 cases.append((s, mode, tr))

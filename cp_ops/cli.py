@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from . import modes
+
 GPU_SEQS = [4096, 8192, 16384, 32768, 75600]
 CPU_SEQS = [512, 1024, 2048]
 
@@ -68,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--seqs", type=_csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
-    b.add_argument("--modes", type=_csv(str), default=["agkv", "ulysses"],
-                   help="agkv,ulysses,auto (default agkv,ulysses; ulysses is skipped where W does not divide H)")
+    b.add_argument("--modes", type=_csv(str), default=list(modes.names(False)),
+                   help=f"{','.join(modes.names())} (default {','.join(modes.names(False))}; a mode that splits "
+                        "heads, e.g. ulysses, is skipped where W does not divide H)")
     b.add_argument("--transports", type=_csv(str), default=None,
                    help="torch,fast,auto (default: torch, plus fast where it can run)")
     b.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--width", type=int, default=None, help="latent width (default 64 GPU, 16 CPU)")
     r.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
-    r.add_argument("--mode", choices=["auto", "agkv", "ulysses"], default="auto",
+    r.add_argument("--mode", choices=modes.names(), default="auto",
                    help="CP attention mode: agkv (gather K/V, keep local Q), ulysses (all-to-all sequence<->heads; "
                         "W must divide the heads), auto (ulysses when W divides the heads, else agkv)")
     r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
@@ -118,9 +121,9 @@ def _check_bench(args, device: str, world: int) -> None:
         _fail("bench: --seqs is empty; give comma-separated sequence lengths, e.g. --seqs 4096,8192")
     if min(args.heads, args.head_dim, args.batch) < 1:
         _fail(f"bench: --heads, --head-dim and --batch must be >= 1; got {args.heads}, {args.head_dim}, {args.batch}")
-    bad = [m for m in args.modes if m not in ("agkv", "ulysses", "auto")]
+    bad = [m for m in args.modes if m not in modes.names()]
     if bad:
-        _fail(f"bench: --modes takes agkv,ulysses,auto; got {bad}")
+        _fail(f"bench: --modes takes {','.join(modes.names())}; got {bad}")
     if args.transports is None:
         args.transports = ["torch"] + (["fast"] if unavailable_reason(device) is None else [])
     bad = [t for t in args.transports if t not in ("torch", "fast", "auto")]
@@ -131,8 +134,8 @@ def _check_bench(args, device: str, world: int) -> None:
     bad = [s for s in args.seqs if s < world or s % world]
     if bad:
         _fail(f"bench: every S in --seqs must be a positive multiple of the CP world size {world}; got {bad}")
-    if args.heads % world and all(m == "ulysses" for m in args.modes):
-        _fail(f"bench: mode ulysses needs the CP world size {world} to divide --heads {args.heads}; "
+    if args.heads % world and all(m != "auto" and modes.get(m).needs_heads_divisible for m in args.modes):
+        _fail(f"bench: mode {','.join(args.modes)} needs the CP world size {world} to divide --heads {args.heads}; "
               "pick other heads or add --modes agkv")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         _fail("bench: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
@@ -169,8 +172,8 @@ def _check_run_wan(args, device: str, world: int) -> None:
         _fail(f"run wan: the video has {tokens} tokens (frames {args.frames // pt} x {args.height // ph} x "
               f"{args.width // pw} patches), not divisible by the CP world size {world}; change --frames/--height/--width")
     heads = cfg["num_attention_heads"]
-    if args.mode == "ulysses" and heads % world:
-        _fail(f"run wan: mode ulysses needs the CP world size {world} to divide the {heads} heads of Wan "
+    if args.mode != "auto" and modes.get(args.mode).needs_heads_divisible and heads % world:
+        _fail(f"run wan: mode {args.mode} needs the CP world size {world} to divide the {heads} heads of Wan "
               f"{args.config}; use --mode agkv")
     if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
         _fail(f"run wan: transport 'fast' cannot run: {why}")

@@ -50,7 +50,7 @@ def build(config: str, layers: int | None, device: torch.device, dtype: torch.dt
 
 def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     """Rank body of ``cp-ops run wan`` (arguments validated by :mod:`cp_ops.cli` before the ranks start)."""
-    from .attention import choose_mode
+    from .modes import choose as choose_mode
     from .integrations.diffusers import parallelize
     from .transport.base import select_transport
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..attention import MODES, attention
+from .. import modes
+from ..attention import attention
 from ..group import resolve_group
 from ..transport.base import names as transport_names
 from ..validate import check_seq_divisible
@@ -151,8 +152,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     name = type(transformer).__name__
     if name not in SUPPORTED:
         raise ValueError(f"cp_ops.parallelize supports {SUPPORTED}; got {name}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    if mode not in modes.names():
+        raise ValueError(f"mode must be one of {modes.names()}; got {mode!r}")
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     if getattr(transformer, "_cp_ops_group", None) is not None:

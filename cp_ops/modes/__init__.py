@@ -1,0 +1,83 @@
+"""CP attention modes: a registry, one file per mode (:mod:`.agkv`, :mod:`.ulysses`).
+
+A mode turns the local shards ``q, k, v`` ``[B, S_local, H, D]`` of W ranks into this rank's attention
+output ``[B, S_local, H, D]`` using the ops of :mod:`cp_ops._library`. Its function is called as
+``fn(q, k, v, *, world_size, group_name, transport, scale)`` after :func:`cp_ops.attention` has checked the
+inputs (same shape/dtype/device, ranks agree) and resolved the transport; W > 1.
+
+A new mode is one file here that calls :func:`register` plus its name in the import line at the bottom;
+the public ``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from
+:func:`names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    fn: Callable[..., torch.Tensor]
+    #: W must divide H (the mode splits heads over the ranks).
+    needs_heads_divisible: bool
+    #: one line for help texts.
+    summary: str
+
+
+_REGISTRY: dict[str, Mode] = {}
+
+
+def register(name: str, fn: Callable[..., torch.Tensor], *, needs_heads_divisible: bool = False,
+             summary: str = "") -> Mode:
+    """Add a mode (replacing one of the same name). ``name`` must not be 'auto'."""
+    if name == "auto" or not name.isidentifier():
+        raise ValueError(f"a mode name must be an identifier other than 'auto'; got {name!r}")
+    m = Mode(name, fn, needs_heads_divisible, summary)
+    _REGISTRY[name] = m
+    return m
+
+
+def names(include_auto: bool = True) -> tuple[str, ...]:
+    """Every name a caller may pass as ``mode=``: 'auto' (unless ``include_auto=False``) and each registered mode."""
+    return (("auto",) if include_auto else ()) + tuple(_REGISTRY)
+
+
+def get(name: str) -> Mode:
+    """The registered mode ``name``. Raises ValueError naming the valid names."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"mode must be one of {names()}; got {name!r}") from None
+
+
+def check_heads(mode: str, heads: int, world_size: int) -> None:
+    """Raise ValueError if ``mode`` splits heads over the ranks and W does not divide H."""
+    if get(mode).needs_heads_divisible and heads % world_size != 0:
+        others = [m for m in names(False) if not _REGISTRY[m].needs_heads_divisible]
+        raise ValueError(
+            f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
+            f"world_size={world_size} (use mode={others[0]!r}, or a CP group whose size divides {heads})"
+            if others else
+            f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
+            f"world_size={world_size}"
+        )
+
+
+def choose(mode: str, heads: int, world_size: int) -> str:
+    """The concrete mode for ``mode=`` at ``heads`` H and CP world size W.
+
+    'auto' → 'ulysses' when W divides H (one all-to-all each way moves 4/W of the tensors, less than AGKV's
+    K/V gather), else 'agkv'. A named mode is checked (ValueError: unknown name; H % W != 0 for a mode that
+    splits heads) and returned.
+    """
+    if mode == "auto":
+        return "ulysses" if heads % world_size == 0 and "ulysses" in _REGISTRY else "agkv"
+    check_heads(mode, heads, world_size)
+    return mode
+
+
+from . import agkv, ulysses  # noqa: E402,F401  (each registers itself)
