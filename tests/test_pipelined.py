@@ -86,6 +86,10 @@ def _opcheck_and_compile(rank, w):
         torch.library.opcheck(torch.ops.cp_ops.agkv_pipelined_attention, (q, k, v, w, name, "torch", None, chunks))
     torch.library.opcheck(torch.ops.cp_ops.agkv_pipelined_attention, (q, k, v, w, name, "torch", 0.5, 2))
 
+    # ranks that disagree on chunks: ValueError on every rank, no hang
+    with pytest.raises(ValueError, match="same call"):
+        cp_ops.attention(q, k, v, mode="agkv", transport="torch", chunks=2 + rank)
+
     def fn(q, k, v, mode, chunks):
         return cp_ops.attention(q * 1.5, k, v + 1, mode=mode, transport="torch", chunks=chunks) * 2
 

@@ -58,19 +58,24 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     """
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])
-    name = _choice.get(key)
-    if name is not None:
-        out, lse = _KERNELS[name](qt, kt, vt, scale)
-        return out.transpose(1, 2), lse
-    order = _ORDER.get(q.device.type, ("math",))
+    first = _choice.get(key)
+    if first is not None:  # the kernel that worked for this (device, dtype, D) before: no try on the hot path
+        try:
+            out, lse = _KERNELS[first](qt, kt, vt, scale)
+            return out.transpose(1, 2), lse
+        except (RuntimeError, NotImplementedError):  # this shape is not for it: try the others
+            pass
     err = None
-    for name in order:
+    for name in _ORDER.get(q.device.type, ("math",)):
+        if name == first:
+            continue
         try:
             out, lse = _KERNELS[name](qt, kt, vt, scale)
-        except (RuntimeError, NotImplementedError) as e:  # kernel rejects dtype / head dim / arch
+        except (RuntimeError, NotImplementedError) as e:  # kernel rejects dtype / head dim / arch / shape
             err = e
             continue
-        _choice[key] = name
+        if first is None:
+            _choice[key] = name
         return out.transpose(1, 2), lse
     raise RuntimeError(f"cp_ops: no attention kernel with LSE accepted {q.dtype} D={q.shape[-1]} on {q.device}: {err}")
 

@@ -50,7 +50,7 @@ if triton is not None:
                       so_b, so_s, so_h, sl_b, sl_h, sl_s,
                       N: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                       WRITE_LSE: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64: offsets past 2**31
         rmask = rows < n_rows
         h = rows % H
         s = (rows // H) % S
