@@ -2,6 +2,7 @@
 # One call on the GPU machine: GPU tests, benchmarks, logs and result files into OUT_DIR.
 #   benchmarks/gpu_all.sh OUT_DIR [section ...]
 #   sections: env tests bench wan wan_compile wan_fast overlap fast (default: all); one log, OUT_DIR/log.txt
+#   also (not in the default): pipelined — tests/test_pipelined_gpu.py (-s: errors printed) + benchmarks/pipelined.py
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
@@ -32,6 +33,8 @@ for s in $SECTIONS; do case $s in
            --mode ulysses --transport fast --out "$OUT/wan_ulysses_fast.json" ;;
   overlap) [ -f benchmarks/overlap_block.py ] && step overlap python3 benchmarks/overlap_block.py --out "$OUT" --max-minutes ${OVERLAP_MINUTES:-6} ;;
   fast)  [ -f benchmarks/gpu_fast.sh ] && step fast bash benchmarks/gpu_fast.sh "$OUT" ;;
+  pipelined) step pipelined_tests python3 -m pytest -q -s -m gpu tests/test_pipelined_gpu.py -p no:cacheprovider
+         step pipelined_bench python3 benchmarks/pipelined.py --out "$OUT" --nproc ${PIPELINED_NPROC:-2} ;;
   *) echo "unknown section $s"; status=1 ;;
 esac; done
 exit $status

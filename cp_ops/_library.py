@@ -16,6 +16,8 @@ Ops:
         n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
     cp_ops::ulysses_inverse_start(x, world_size, group_name, transport) -> buf
         ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
+    cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks) -> out
+        ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below).
 """
 
 from __future__ import annotations
@@ -231,6 +233,43 @@ def _(x, world_size, group_name, transport):
     return x.new_empty(world_size, b, s // world_size, hl, d)
 
 
+# ==== pipelined ops (issue 9; cp_ops/modes/agkv_pipelined.py) =====================================
+# cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks) -> out
+#     q, k, v ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype): AGKV attention with the
+#     transfer under the attention of the blocks already here, partials merged by LSE. Synchronous for the
+#     caller's stream (not a launch: no wait_tensor needed).
+@torch.library.custom_op("cp_ops::agkv_pipelined_attention", mutates_args=())
+def agkv_pipelined_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str,
+    scale: float | None, chunks: int
+) -> torch.Tensor:
+    pg = _group(world_size, group_name)
+    checked_call(pg, "agkv_pipelined", q, lambda: _check_agkv_pipelined(q, k, v, chunks), extra=chunks)
+    if q.numel() == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    from .modes import agkv_pipelined
+
+    return agkv_pipelined.run(q, k, v, pg, _transport(transport, pg, k), scale, chunks)
+
+
+def _check_agkv_pipelined(q, k, v, chunks) -> None:
+    _check_agkv(k, v)
+    _check_bshd_fake("q", q)
+    torch._check(q.shape == k.shape, lambda: f"q and k shapes differ: {tuple(q.shape)} vs {tuple(k.shape)}")
+    torch._check(q.dtype == k.dtype, lambda: f"q and k dtypes differ: {q.dtype} vs {k.dtype}")
+    torch._check(chunks >= 1, lambda: f"chunks must be >= 1; got {chunks}")
+
+
+@agkv_pipelined_attention.register_fake
+def _(q, k, v, world_size, group_name, transport, scale, chunks):
+    _check_agkv_pipelined(q, k, v, chunks)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+PIPELINED_OPS = (agkv_pipelined_attention,)
+# ==== end of pipelined ops ======================================================================
+
+
 # ---- waits and synchronous wrappers ------------------------------------------------------------
 def wait(t: torch.Tensor) -> torch.Tensor:
     """Wait for the launch that produced ``t``; returns ``t``, now valid on the current stream."""
@@ -268,6 +307,7 @@ def _save_shapes(ctx, inputs, output):
     # shapes only: the inputs themselves need not stay alive for a backward that only raises
     ctx.shapes = [[x.shape for x in i] if isinstance(i, (list, tuple)) else i.shape for i in inputs
                   if isinstance(i, (torch.Tensor, list, tuple))]
+    ctx.n_other = len(inputs) - len(ctx.shapes)  # world_size, group_name, transport, ...: no gradient
 
 
 def _no_backward(name: str):
@@ -275,13 +315,14 @@ def _no_backward(name: str):
         g = next(x for x in grads if x is not None)
         out = [[refuse_grad(g, s, name) for s in shape] if isinstance(shape, list) else refuse_grad(g, shape, name)
                for shape in ctx.shapes]
-        return (*out, None, None, None)
+        return (*out, *([None] * ctx.n_other))
 
     return backward
 
 
 for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
-                   (ulysses_inverse_start, "ulysses_inverse_start")):
+                   (ulysses_inverse_start, "ulysses_inverse_start"),
+                   (agkv_pipelined_attention, "agkv_pipelined_attention")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
 
 

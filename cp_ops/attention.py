@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _library as lib
 from . import modes
+from .modes import pipelined
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
 from .validate import OPS, check_device_for_group, check_same, checked_call
@@ -50,6 +51,7 @@ def attention(
     mode: str = "auto",
     transport: str = "auto",
     scale: float | None = None,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """Context-parallel dense (non-causal) attention over the tokens of a CP group.
 
@@ -64,6 +66,11 @@ def attention(
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
+        chunks: pipeline stages (communication under attention; :mod:`cp_ops.modes.pipelined`): 1 =
+            transport-then-attend (bitwise equal to one device); k ≥ 2 = the mode's pipelined variant in k
+            stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
+            head sub-groups, exact); None = :func:`cp_ops.modes.pipelined.choose_chunks` (a heuristic for now).
+            Every rank must pass the same value.
 
     Returns:
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
@@ -77,7 +84,8 @@ def attention(
     Raises:
         ValueError: not 4-D; q/k/v shape, dtype or device differ; a mode that splits heads (mode='ulysses')
             with H % W != 0; tensors on a device the group's backend cannot move; ranks disagree on shape or
-            dtype (raised on every rank at the first call of that shape); unknown mode or transport.
+            dtype (raised on every rank at the first call of that shape); unknown mode or transport; chunks not None
+            or an int ≥ 1.
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
             initialized; a backward through the output (see Autograd).
 
@@ -90,6 +98,7 @@ def attention(
 
     def local_checks():
         nonlocal chosen, resolved
+        pipelined.check_chunks(chunks)
         check_same(("q", "k", "v"), (q, k, v))
         chosen = modes.choose(mode, q.shape[2], world_size)
         resolved = resolve_transport(transport, q.device.type)
@@ -97,7 +106,7 @@ def attention(
             check_device_for_group(q, pg)
 
     op = f"attention/{mode}" if f"attention/{mode}" in OPS else "attention/invalid"
-    checked_call(pg, op, q, local_checks)
+    checked_call(pg, op, q, local_checks, extra=chunks if isinstance(chunks, int) else 0)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then
     # attach the output to q, k and v through a node whose backward raises
@@ -105,8 +114,12 @@ def attention(
     if world_size == 1:
         out = local_attention(qd, kd, vd, scale)
     else:
-        out = modes.get(chosen).fn(qd, kd, vd, world_size=world_size, group_name=pg.group_name,
-                                   transport=resolved, scale=scale)
+        c = pipelined.choose_chunks(chosen, world_size, q, resolved) if chunks is None else chunks
+        kw = dict(world_size=world_size, group_name=pg.group_name, transport=resolved, scale=scale)
+        if c > 1 and chosen in pipelined.PIPELINED:
+            out = pipelined.PIPELINED[chosen](qd, kd, vd, chunks=c, **kw)
+        else:
+            out = modes.get(chosen).fn(qd, kd, vd, **kw)
     return _ForwardOnly.apply(out, q, k, v) if wants_grad else out
 
 

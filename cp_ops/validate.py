@@ -85,7 +85,7 @@ _checked: set[tuple] = set()
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
 # every call signature that is exchanged; the index travels, so a message can name what each rank called
 OPS = ("agkv_gather", "ulysses", "ulysses_inverse", "attention/auto", "attention/agkv", "attention/ulysses",
-       "attention/invalid")
+       "attention/invalid", "agkv_pipelined")
 
 
 def _exchange_device(group: dist.ProcessGroup) -> torch.device:

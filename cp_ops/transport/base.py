@@ -19,6 +19,7 @@ Selection happens in two steps, both here:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -60,6 +61,63 @@ class Transport(Protocol):
 
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         """``[B, S, H/W, D]`` → ``(buf [W, B, S/W, H/W, D], work)``; index 0 = source rank (head group)."""
+
+    # Optional: ``agkv_start_sources(k, v, group, pieces) -> (k_full, v_full, arrivals, work)``, an AGKV gather
+    # whose peers' pieces can be waited one by one (see :func:`agkv_start_sources`, which falls back to
+    # ``agkv_start`` for transports without it). Not a protocol member, so older transports still match.
+
+
+# ---- optional capability: AGKV with per-source arrival (pipelined AGKV) ----------------------------
+@dataclass
+class Arrival:
+    """One piece of a peer's K/V that lands by itself: tokens ``[lo, hi)`` of ``k_full``/``v_full`` (global
+    token positions, inside source rank ``src``'s block); ``work.wait()`` makes the current stream (CPU: the
+    caller) wait for this piece only (it may wait for more)."""
+
+    src: int
+    lo: int
+    hi: int
+    work: object
+
+
+class _SourceWait:
+    """Wait for one source of a work that signals per source (``work.wait_source(src)``, e.g. the fast
+    transport's); the protocol's generic per-source view of such a work."""
+
+    def __init__(self, work, src: int):
+        self.work, self.src = work, src
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        self.work.wait_source(self.src)
+        return True
+
+
+def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                       pieces: int = 1):
+    """Start an AGKV gather whose peers' chunks can be waited as they land (pipelined AGKV).
+
+    A transport may provide ``agkv_start_sources(k, v, group, pieces)`` itself; else this falls back to its
+    :meth:`Transport.agkv_start`, waiting per source where the work offers ``wait_source(src)`` (the fast
+    transport's), otherwise waiting for everything at the first piece.
+
+    Args:
+        k, v: ``[B, S_local, H, D]``.
+        pieces: split each peer's block into this many arrivals (a hint; a transport may give fewer).
+    Returns:
+        ``(k_full, v_full, arrivals, work)``: ``k_full``/``v_full`` ``[B, W*S_local, H, D]`` in rank order (this
+        rank's own block may be left unwritten: read ``k``/``v``); ``arrivals``: a list of :class:`Arrival`, the
+        peers' pieces in the order they are expected to land, together covering every peer token once; ``work``:
+        waits for everything (call it last: it also keeps the transport's reads of ``k``/``v`` ordered).
+    """
+    own = getattr(t, "agkv_start_sources", None)
+    if own is not None:
+        return own(k, v, group, pieces)
+    k_full, v_full, work = t.agkv_start(k, v, group)
+    w, r, s = group.size(), group.rank(), k.shape[1]
+    per_source = hasattr(work, "wait_source")
+    arrivals = [Arrival(src, src * s, (src + 1) * s, _SourceWait(work, src) if per_source else work)
+                for src in ((r - j) % w for j in range(1, w))]
+    return k_full, v_full, arrivals, work
 
 
 _REGISTRY: dict[str, Transport] = {}

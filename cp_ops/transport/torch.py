@@ -36,6 +36,36 @@ class TorchTransport:
         work = group.allgather_into_tensor_coalesced(outs, ins)
         return k_full, v_full, work
 
+    def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
+        """AGKV by point-to-point sends, one batch (one work) per (peer, piece), so each piece can be waited as
+        it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
+        into ``pieces`` token ranges. Returns as :func:`cp_ops.transport.base.agkv_start_sources` (own block of
+        ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order."""
+        from .base import Arrival
+
+        w, r = group.size(), group.rank()
+        b, s, h, d = k.shape
+        k_full = k.new_empty(b, w * s, h, d)
+        v_full = v.new_empty(b, w * s, h, d)
+        k_in, v_in = k.contiguous(), v.contiguous()
+        pieces = max(1, min(pieces, s))
+        cuts = [c * s // pieces for c in range(pieces + 1)]
+        arrivals, works = [], []
+        for j in range(1, w):
+            dst, src = dist.get_global_rank(group, (r + j) % w), (r - j) % w
+            src_g = dist.get_global_rank(group, src)
+            for lo, hi in zip(cuts, cuts[1:]):
+                ops = []
+                for tag, (x_in, x_full) in enumerate(((k_in, k_full), (v_in, v_full))):
+                    for i in range(b):
+                        ops.append(dist.P2POp(dist.isend, x_in[i, lo:hi], dst, group, tag=2 * i + tag))
+                        ops.append(dist.P2POp(dist.irecv, x_full[i, src * s + lo:src * s + hi], src_g, group,
+                                              tag=2 * i + tag))
+                work = _Works(dist.batch_isend_irecv(ops))
+                works.append(work)
+                arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
+        return k_full, v_full, arrivals, _Works(works)
+
     def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
         send = ulysses_pack(xs, group.size())
         recv = torch.empty_like(send)
@@ -47,6 +77,19 @@ class TorchTransport:
         recv = torch.empty_like(send)
         work = group.alltoall_base(recv, send, [], [])
         return recv, work
+
+
+class _Works:
+    """Several works as one: ``wait()`` waits for each (CUDA: the current stream waits; CPU: the host)."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
 
 
 transport = register(TorchTransport(), auto_rank=99)

@@ -1,0 +1,85 @@
+"""Single-device attention that also returns the log-sum-exp (LSE) of each query row, for LSE merges.
+
+``attention_with_lse(q, k, v, scale)``: ``[B, Sq, H, D]`` × ``[B, Skv, H, D]`` → ``(out [B, Sq, H, D]`` in
+q's dtype, ``lse [B, H, Sq]`` fp32, natural log of the softmax denominator of the scaled scores``)``.
+
+Kernels, the fastest first (the first one that accepts the dtype/shape is remembered per (device, dtype, D)):
+
+* CUDA: cuDNN, ``aten._scaled_dot_product_cudnn_attention(q, k, v, None, compute_log_sumexp=True, ...)``
+  (LSE returned as ``[B, H, Sq, 1]`` in torch 2.11 and 2.13; squeezed here); then torch's flash kernel,
+  ``aten._scaled_dot_product_flash_attention`` (LSE ``[B, H, Sq]``); then an fp32 math fallback (any dtype).
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns ``(out, logsumexp)``), the kernel that
+  ``F.scaled_dot_product_attention`` runs on CPU; math fallback for dtypes it rejects.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+_choice: dict[tuple, str] = {}  # (device type, dtype, D) -> kernel name that worked
+
+
+def _cudnn(qt, kt, vt, scale):
+    out, lse = aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, False, False, scale=scale)[:2]
+    return out, (lse.squeeze(-1) if lse.dim() == 4 else lse)
+
+
+def _flash(qt, kt, vt, scale):
+    out, lse = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, False, False, scale=scale)[:2]
+    return out, lse
+
+
+def _cpu_flash(qt, kt, vt, scale):
+    return aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, False, scale=scale)
+
+
+def _math(qt, kt, vt, scale):
+    """fp32 reference: scores, LSE, softmax @ V (memory O(Sq·Skv); the last resort)."""
+    s = scale if scale is not None else qt.shape[-1] ** -0.5
+    scores = torch.matmul(qt.float(), kt.float().transpose(-1, -2)) * s
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vt.float())
+    return out.to(qt.dtype), lse
+
+
+_KERNELS = {"cudnn": _cudnn, "flash": _flash, "cpu_flash": _cpu_flash, "math": _math}
+_ORDER = {"cuda": ("cudnn", "flash", "math"), "cpu": ("cpu_flash", "math")}
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+    """Dense non-causal attention of BSHD ``q`` ``[B, Sq, H, D]`` over ``k, v`` ``[B, Skv, H, D]``.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (a view;
+        strides are the kernel's). ``scale`` default ``1/sqrt(D)``.
+    Raises:
+        RuntimeError: no kernel accepted the inputs (the last kernel's error).
+    """
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    key = (q.device.type, q.dtype, q.shape[-1])
+    first = _choice.get(key)
+    if first is not None:  # the kernel that worked for this (device, dtype, D) before: no try on the hot path
+        try:
+            out, lse = _KERNELS[first](qt, kt, vt, scale)
+            return out.transpose(1, 2), lse
+        except (RuntimeError, NotImplementedError):  # this shape is not for it: try the others
+            pass
+    err = None
+    for name in _ORDER.get(q.device.type, ("math",)):
+        if name == first:
+            continue
+        try:
+            out, lse = _KERNELS[name](qt, kt, vt, scale)
+        except (RuntimeError, NotImplementedError) as e:  # kernel rejects dtype / head dim / arch / shape
+            err = e
+            continue
+        if first is None:
+            _choice[key] = name
+        return out.transpose(1, 2), lse
+    raise RuntimeError(f"cp_ops: no attention kernel with LSE accepted {q.dtype} D={q.shape[-1]} on {q.device}: {err}")
+
+
+def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """The kernel name chosen for these inputs so far (None before the first call): for reports."""
+    return _choice.get((device_type, dtype, head_dim))

@@ -1,0 +1,72 @@
+"""Pipelined Ulysses: the heads of each rank's head group are split into ``g`` sub-groups that travel and are
+attended one after another, so that the all-to-all of sub-group i+1 runs while sub-group i is attended, and
+the inverse all-to-all of sub-group i runs under sub-group i+1's attention. Exact (each head's attention is
+computed whole; no merge).
+
+Sub-group i takes, from every destination rank's head block ``[t*Hl, (t+1)*Hl)`` (``Hl = H/W``), the heads
+``[t*Hl + lo_i, t*Hl + hi_i)`` (``lo_i = i*Hl//g``); it is an ordinary Ulysses call on those heads
+(``cp_ops::ulysses_start`` / ``ulysses_inverse_start``, each waited by ``wait_tensor``), so every transport
+and the compiler see the usual launches. ``g = min(chunks, Hl)``. At most two launches of one kind are in flight
+(the fast transport's pooled buffers: ``slots_per_key`` = 2): sub-group i+2 is launched after sub-group i's
+buffer has been read, and the inverse of sub-group i is unpacked before sub-group i+2's inverse starts.
+
+Method: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509), head-chunked as in its later overlap work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _library as lib
+from .. import layout
+
+
+def _heads(x: torch.Tensor, world_size: int, lo: int, hi: int) -> torch.Tensor:
+    """``[B, S, H, D]`` → ``[B, S, W*(hi-lo), D]``: heads ``[lo, hi)`` of every rank's head block (a copy)."""
+    b, s, h, d = x.shape
+    if lo == 0 and hi == h // world_size:
+        return x
+    return x.reshape(b, s, world_size, h // world_size, d)[:, :, :, lo:hi].reshape(b, s, world_size * (hi - lo), d)
+
+
+def ulysses_pipelined_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None,
+                                chunks: int = 2) -> torch.Tensor:
+    """Pipelined Ulysses (see the module docstring). Shapes as :func:`cp_ops.attention`; W must divide H.
+
+    Returns ``[B, S_local, H, D]`` in q's dtype (contiguous)."""
+    from ..attention import local_attention
+
+    b, s, h, d = q.shape
+    w = world_size
+    hl = h // w
+    g = max(1, min(chunks, hl))
+    cuts = [i * hl // g for i in range(g + 1)]
+    spans = list(zip(cuts, cuts[1:]))
+    starts: dict[int, torch.Tensor] = {}
+    inverses: dict[int, torch.Tensor] = {}
+    result = q.new_empty(b, s, w, hl, d)
+
+    def launch(i):
+        lo, hi = spans[i]
+        xs = [_heads(x, w, lo, hi) for x in (q, k, v)]
+        starts[i] = torch.ops.cp_ops.ulysses_start(xs, w, group_name, transport)
+
+    def finish(i):  # heads -> sequence result of sub-group i, copied out of the (maybe pooled) buffer
+        back = lib.wait(inverses.pop(i))  # [W, B, S_local, hl_i, D]
+        lo, hi = spans[i]
+        result[:, :, :, lo:hi].copy_(back.permute(1, 2, 0, 3, 4))
+
+    launch(0)
+    if g > 1:
+        launch(1)
+    for i in range(g):
+        buf = lib.wait(starts.pop(i))
+        qh, kh, vh = (layout.ulysses_unpack(buf, j) for j in range(3))
+        out = local_attention(qh, kh, vh, scale)
+        inverses[i] = torch.ops.cp_ops.ulysses_inverse_start(out, w, group_name, transport)
+        if i >= 1:
+            finish(i - 1)
+        if i + 2 < g:
+            launch(i + 2)
+    finish(g - 1)
+    return result.view(b, s, h, d)
