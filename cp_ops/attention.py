@@ -16,7 +16,7 @@ from . import _library as lib
 from . import layout
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .validate import check_device_for_group, check_heads_divisible, check_same, checked_call
+from .validate import api_checked, check_device_for_group, check_heads_divisible, check_same
 
 MODES = ("auto", "agkv", "ulysses")
 _CUDA_PRIORITY = [
@@ -96,11 +96,13 @@ def attention(
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens.
 
     Raises:
-        ValueError: not 4-D; q/k/v shape, dtype or device differ; mode='ulysses' with H % W != 0; tensors
-            on a device the group's backend cannot move; ranks disagree on shape or dtype (raised on every
-            rank at the first call of that shape); unknown mode or transport.
+        ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16;
+            mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
+            transport; the ranks of the group disagree on the call (mode, shape, dtype, transport, collective
+            settings, call order) or one rank rejected its inputs — raised on every rank, naming each rank's
+            call (:mod:`cp_ops.validate`).
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
-            initialized.
+            initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
@@ -117,8 +119,7 @@ def attention(
         if world_size > 1:
             check_device_for_group(q, pg)
 
-    op = f"attention/{mode}" if mode in MODES else "attention/invalid"
-    checked_call(pg, op, q, local_checks)
+    api_checked(pg, "cp_ops.attention", local_checks)
     if world_size == 1:
         return local_attention(q, k, v, scale)
     fn = ulysses_attention if chosen == "ulysses" else agkv_attention

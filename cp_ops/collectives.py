@@ -14,10 +14,10 @@ from . import _library as lib
 from . import layout
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible, checked_call
+from .validate import api_checked, check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
 
 
-def _prepare(op, names, tensors, group, transport, more_checks=None, extra=0):
+def _prepare(api, names, tensors, group, transport, more_checks=None):
     pg = resolve_group(group)
     resolved = transport
 
@@ -29,7 +29,7 @@ def _prepare(op, names, tensors, group, transport, more_checks=None, extra=0):
         if more_checks is not None:
             more_checks(pg.size())
 
-    checked_call(pg, op, tensors[0] if tensors else None, local_checks, extra=extra)
+    api_checked(pg, api, local_checks)
     return pg, resolved
 
 
@@ -47,7 +47,7 @@ def agkv_gather(
     Raises:
         ValueError / RuntimeError: as :func:`cp_ops.attention`.
     """
-    pg, tr = _prepare("agkv_gather", ("k", "v"), (k, v), group, transport)
+    pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport)
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
     return lib.wait(k_full), lib.wait(v_full)
 
@@ -66,8 +66,8 @@ def ulysses_all_to_all(
         ValueError: H % W != 0, and the rules of :func:`cp_ops.attention`.
     """
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
-    pg, tr = _prepare("ulysses", names, xs, group, transport,
-                      lambda w: check_heads_divisible(xs[0].shape[2], w), extra=len(xs))
+    pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
+                      lambda w: check_heads_divisible(xs[0].shape[2], w))
     buf = lib.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
     return [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
 
@@ -80,7 +80,7 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     Returns:
         ``[B, S / W, W * H_local, D]``: this rank's token block, all heads.
     """
-    pg, tr = _prepare("ulysses_inverse", ("x",), (x,), group, transport,
+    pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
                       lambda w: check_seq_divisible(x.shape[1], w))
     buf = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
     return layout.ulysses_inverse_unpack(buf)
