@@ -1,9 +1,9 @@
 """Input rules and the cross-rank call contract, each raising an error that names the rule and the values seen.
 
 **Input rules** (one set): :func:`check_same`, :func:`check_heads_divisible`, :func:`check_seq_divisible`,
-... are written with ``torch._check_value`` so the same functions run in the public API (eager), in the ops'
-fake kernels (while ``torch.compile`` traces; symbolic sizes become guards or runtime asserts) and in the ops'
-real kernels (direct ``torch.ops.cp_ops.*`` calls). They raise ``ValueError`` (``TypeError`` for a non-tensor).
+... run in the public API (eager or traced by Dynamo), in the ops' fake kernels (while ``torch.compile``
+traces; a symbolic size goes through ``torch._check_value``: a guard or a runtime assert) and in the ops' real
+kernels (direct ``torch.ops.cp_ops.*`` calls). They raise ``ValueError`` (``TypeError`` for a non-tensor).
 
 **The rank contract**: every rank of a CP group makes the same cp_ops calls, in the same order, with the same
 local shape, dtype, transport argument and collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`).
@@ -24,6 +24,7 @@ the message names what each rank called. ``settings.check_ranks``:
 from __future__ import annotations
 
 import datetime
+import operator
 import pickle
 import struct
 import zlib
@@ -41,8 +42,14 @@ _BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"),
 
 
 def _require(cond, message: Callable[[], str]) -> None:
-    """``ValueError(message())`` unless ``cond``; symbolic conditions become guards/runtime asserts."""
-    torch._check_value(cond, message)
+    """``ValueError(message())`` unless ``cond``. Eager and Dynamo-traced code (the public API) check a plain
+    condition (Dynamo guards on it); in a fake kernel a symbolic condition goes through ``torch._check_value``
+    (a guard, or a runtime assert for an unbacked size)."""
+    if isinstance(cond, bool) or torch.compiler.is_dynamo_compiling():
+        if not cond:
+            raise ValueError(message())
+    else:
+        torch._check_value(cond, message)
 
 
 # ---- input rules ---------------------------------------------------------------------------------
@@ -117,6 +124,7 @@ _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs"}
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
+_collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
 
 def _id(key) -> int:
@@ -218,7 +226,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
         b = s = h = d = -1
         dtype = 0
     _PACK.pack_into(st.lbuf, 0, op_id, _id(pg.group_name), st.count, failed is not None, _id(transport),
-                    _id(config.settings.collective_values()), b, s, h, d, dtype, extra, *sums, 0)
+                    _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, 0)
     try:
         st.side._allgather_base(st.gathered, st.local).wait()
     except RuntimeError as e:
@@ -295,7 +303,7 @@ def _gather_objects(st: _Group, obj) -> list:
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = torch.empty(st.w * n, dtype=torch.uint8)
     st.side._allgather_base(out, buf).wait()
-    return [pickle.loads(out[i * n: i * n + int(sizes[i])].numpy().tobytes()) for i in range(st.w)]
+    return [pickle.loads(bytes(out[i * n: i * n + int(sizes[i])].tolist())) for i in range(st.w)]
 
 
 def input_checksum(t) -> int:
@@ -319,6 +327,16 @@ def check_inputs_agree(group: dist.ProcessGroup, what: str, inputs: dict) -> Non
     if len(inputs) > 3:
         raise ValueError(f"check_inputs_agree compares at most 3 inputs; got {len(inputs)}")
     exchange(group, what, "", inputs=inputs)
+
+
+def check_settings_agree(group: dist.ProcessGroup) -> None:
+    """Compare the collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) across the ranks of ``group`` now
+    (e.g. at start-up). Every op call's exchange compares them too; this makes one more exchange.
+
+    Raises:
+        ValueError: on every rank, naming each differing setting and each rank's value.
+    """
+    exchange(group, "cp_ops.check_settings_agree", "")
 
 
 def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) -> None:
