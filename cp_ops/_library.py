@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config
 from .transport import base as transport_base
-from .validate import checked_call
+from . import validate
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
     """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
@@ -142,17 +142,13 @@ def _load_and_run_hooks() -> None:
             log.warning("cp_ops: compile hook %r failed: %s: %s", fn, type(e).__name__, e)
 
 
-def _check_bshd_fake(name: str, t: torch.Tensor) -> None:
-    torch._check(t.dim() == 4, lambda: f"{name} must be 4-D [B, S, H, D]; got shape {tuple(t.shape)}")
-
-
 # ---- AGKV all-gather ---------------------------------------------------------------------------
 @torch.library.custom_op("cp_ops::agkv_gather_start", mutates_args=())
 def agkv_gather_start(
     k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pg = _group(world_size, group_name)
-    checked_call(pg, "agkv_gather", k, lambda: _check_agkv(k, v))
+    validate.op_checked(pg, "cp_ops::agkv_gather_start", transport, k, lambda: _check_agkv(k, v, world_size), extra=2)
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
@@ -161,16 +157,15 @@ def agkv_gather_start(
     return k_full, v_full
 
 
-def _check_agkv(k, v) -> None:
-    _check_bshd_fake("k", k)
-    torch._check(k.shape == v.shape, lambda: f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    torch._check(k.dtype == v.dtype, lambda: f"k and v dtypes differ: {k.dtype} vs {v.dtype}")
+# The fake kernels and the real kernels check the same rules (cp_ops.validate), which the public API uses too.
+def _check_agkv(k, v, world_size) -> None:
+    validate.check_same(("k", "v"), (k, v))
 
 
 @agkv_gather_start.register_fake
 def _(k, v, world_size, group_name, transport):
     _run_compile_hooks()
-    _check_agkv(k, v)
+    _check_agkv(k, v, world_size)
     b, s, h, d = k.shape
     return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
 
@@ -179,7 +174,8 @@ def _(k, v, world_size, group_name, transport):
 @torch.library.custom_op("cp_ops::ulysses_start", mutates_args=())
 def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    checked_call(pg, "ulysses", xs[0] if xs else None, lambda: _check_ulysses(xs, world_size), extra=len(xs))
+    validate.op_checked(pg, "cp_ops::ulysses_start", transport, xs[0] if xs else None,
+                        lambda: _check_ulysses(xs, world_size), extra=len(xs))
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
         return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
@@ -189,14 +185,8 @@ def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, tran
 
 
 def _check_ulysses(xs, world_size) -> None:
-    torch._check(len(xs) >= 1, lambda: "ulysses_start needs at least one tensor")
-    x0 = xs[0]
-    _check_bshd_fake("xs[0]", x0)
-    for i, x in enumerate(xs):
-        torch._check(x.shape == x0.shape, lambda: f"xs[{i}] shape {tuple(x.shape)} != xs[0] {tuple(x0.shape)}")
-        torch._check(x.dtype == x0.dtype, lambda: f"xs[{i}] dtype {x.dtype} != xs[0] {x0.dtype}")
-    b, s, h, d = x0.shape
-    torch._check(h % world_size == 0, lambda: f"heads={h} not divisible by world_size={world_size}")
+    validate.check_same(tuple(f"xs[{i}]" for i in range(len(xs))), tuple(xs))
+    validate.check_heads_divisible(xs[0].shape[2], world_size)
 
 
 @ulysses_start.register_fake
@@ -211,7 +201,8 @@ def _(xs, world_size, group_name, transport):
 @torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
 def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    checked_call(pg, "ulysses_inverse", x, lambda: _check_ulysses_inverse(x, world_size))
+    validate.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
+                        extra=1)
     if x.numel() == 0:
         b, s, hl, d = x.shape
         return x.new_empty(world_size, b, s // world_size, hl, d)
@@ -221,8 +212,8 @@ def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, tra
 
 
 def _check_ulysses_inverse(x, world_size) -> None:
-    _check_bshd_fake("x", x)
-    torch._check(x.shape[1] % world_size == 0, lambda: f"seq={x.shape[1]} not divisible by world_size={world_size}")
+    validate.check_same(("x",), (x,))
+    validate.check_seq_divisible(x.shape[1], world_size)
 
 
 @ulysses_inverse_start.register_fake
@@ -244,7 +235,8 @@ def agkv_pipelined_attention(
     scale: float | None, chunks: int
 ) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    checked_call(pg, "agkv_pipelined", q, lambda: _check_agkv_pipelined(q, k, v, chunks), extra=chunks)
+    validate.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, q,
+                        lambda: _check_agkv_pipelined(q, k, v, chunks), extra=chunks)
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     from .modes import agkv_pipelined
@@ -324,6 +316,7 @@ for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ul
                    (ulysses_inverse_start, "ulysses_inverse_start"),
                    (agkv_pipelined_attention, "agkv_pipelined_attention")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
+    validate.register_op(_op._qualname)  # the calls whose signatures the rank contract exchanges
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.

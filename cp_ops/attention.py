@@ -17,7 +17,7 @@ from . import modes
 from .modes import pipelined
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .validate import OPS, check_device_for_group, check_same, checked_call
+from .validate import api_checked, check_device_for_group, check_same
 
 _CUDA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
@@ -82,12 +82,14 @@ def attention(
     RuntimeError "cp_ops.attention has no backward ...".
 
     Raises:
-        ValueError: not 4-D; q/k/v shape, dtype or device differ; a mode that splits heads (mode='ulysses')
-            with H % W != 0; tensors on a device the group's backend cannot move; ranks disagree on shape or
-            dtype (raised on every rank at the first call of that shape); unknown mode or transport; chunks not None
-            or an int ≥ 1.
+        ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16;
+            mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
+            transport; chunks not None or an int ≥ 1; the ranks of the group disagree on the call (mode, shape,
+            dtype, transport, chunks, collective settings, call order) or one rank rejected its inputs — raised
+            on every rank, naming each rank's call (:mod:`cp_ops.validate`).
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
-            initialized; a backward through the output (see Autograd).
+            initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
+            output (see Autograd).
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
@@ -105,8 +107,7 @@ def attention(
         if world_size > 1:
             check_device_for_group(q, pg)
 
-    op = f"attention/{mode}" if f"attention/{mode}" in OPS else "attention/invalid"
-    checked_call(pg, op, q, local_checks, extra=chunks if isinstance(chunks, int) else 0)
+    api_checked(pg, "cp_ops.attention", local_checks)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then
     # attach the output to q, k and v through a node whose backward raises

@@ -15,10 +15,10 @@ from . import layout
 from .group import resolve_group
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
-from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible, checked_call
+from .validate import api_checked, check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
 
 
-def _prepare(op, names, tensors, group, transport, more_checks=None, extra=0):
+def _prepare(api, names, tensors, group, transport, more_checks=None):
     pg = resolve_group(group)
     resolved = transport
 
@@ -30,7 +30,7 @@ def _prepare(op, names, tensors, group, transport, more_checks=None, extra=0):
         if more_checks is not None:
             more_checks(pg.size())
 
-    checked_call(pg, op, tensors[0] if tensors else None, local_checks, extra=extra)
+    api_checked(pg, api, local_checks)
     return pg, resolved
 
 
@@ -61,7 +61,7 @@ def agkv_gather(
     Raises:
         ValueError / RuntimeError: as :func:`cp_ops.attention`.
     """
-    pg, tr = _prepare("agkv_gather", ("k", "v"), (k, v), group, transport)
+    pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport)
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
     k_full, v_full = lib.wait(k_full), lib.wait(v_full)
     if _pooled(tr, pg, k):
@@ -84,8 +84,8 @@ def ulysses_all_to_all(
         ValueError: H % W != 0, and the rules of :func:`cp_ops.attention`.
     """
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
-    pg, tr = _prepare("ulysses", names, xs, group, transport,
-                      lambda w: check_heads_divisible(xs[0].shape[2], w), extra=len(xs))
+    pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
+                      lambda w: check_heads_divisible(xs[0].shape[2], w))
     buf = lib.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
     outs = [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
@@ -99,7 +99,7 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     Returns:
         ``[B, S / W, W * H_local, D]``: this rank's token block, all heads; a new tensor.
     """
-    pg, tr = _prepare("ulysses_inverse", ("x",), (x,), group, transport,
+    pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
                       lambda w: check_seq_divisible(x.shape[1], w))
     buf = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
     return layout.ulysses_inverse_unpack(buf)

@@ -1,11 +1,34 @@
-"""Input rules of the public functions, each raising an error that names the rule and the values seen.
+"""Input rules and the cross-rank call contract, each raising an error that names the rule and the values seen.
 
-Shape/dtype rules run in Python before any op (so they also hold while ``torch.compile`` traces); the
-cross-rank agreement check needs a collective, so it runs inside the ops' real kernels (eager and
-compiled alike), once per shape by default (``cp_ops.config.check_ranks``).
+**Input rules** (one set): :func:`check_same`, :func:`check_heads_divisible`, :func:`check_seq_divisible`,
+... run in the public API (eager or traced by Dynamo), in the ops' fake kernels (while ``torch.compile``
+traces; a symbolic size goes through ``torch._check_value``: a guard or a runtime assert) and in the ops' real
+kernels (direct ``torch.ops.cp_ops.*`` calls). They raise ``ValueError`` (``TypeError`` for a non-tensor).
+
+**The rank contract**: every rank of a CP group makes the same cp_ops calls, in the same order, with the same
+local shape, dtype, transport argument and collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`).
+A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so
+every op call makes one exchange that all ranks always make (:func:`exchange`): a fixed-size int64 signature
+all-gathered over a host-only gloo side group of the CP group — no GPU work, no GPU sync, the host may run
+ahead of the GPU; bounded by ``settings.timeout_s``. Any difference, or any rank whose own input checks failed,
+raises on every rank before any data moves; a second exchange (only then) carries each rank's description so
+the message names what each rank called. ``settings.check_ranks``:
+
+* default (``'once'``): every call exchanges (call, call number, shape, dtype, transport, settings);
+  :func:`cp_ops.parallelize` checksums its full inputs once per input shape;
+* ``'always'`` (debug): as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
+  (a GPU sync each);
+* ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
 """
 
 from __future__ import annotations
+
+import datetime
+import operator
+import pickle
+import struct
+import zlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -13,56 +36,65 @@ import torch.distributed as dist
 from . import config
 from .group import backend_name
 
+#: The dtypes cp_ops moves and attends (the backends' kernels and the fast transport support these).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "fake": None}
 
 
+def _require(cond, message: Callable[[], str]) -> None:
+    """``ValueError(message())`` unless ``cond``. Eager and Dynamo-traced code (the public API) check a plain
+    condition (Dynamo guards on it); in a fake kernel a symbolic condition goes through ``torch._check_value``
+    (a guard, or a runtime assert for an unbacked size)."""
+    if isinstance(cond, bool) or torch.compiler.is_dynamo_compiling():
+        if not cond:
+            raise ValueError(message())
+    else:
+        torch._check_value(cond, message)
+
+
+# ---- input rules ---------------------------------------------------------------------------------
 def check_bshd(name: str, t: torch.Tensor) -> None:
-    """``t`` must be 4-D, laid out [batch, seq, heads, head_dim] (BSHD)."""
+    """``t`` must be a 4-D tensor laid out [batch, seq, heads, head_dim] (BSHD)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(
-            f"{name} must be 4-D [batch, seq, heads, head_dim] (BSHD); got {t.dim()}-D shape {tuple(t.shape)}"
-        )
+    _require(t.dim() == 4, lambda: f"{name} must be 4-D [batch, seq, heads, head_dim] (BSHD); got {t.dim()}-D "
+                                   f"shape {tuple(t.shape)}")
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    """``t`` must have a dtype of :data:`SUPPORTED_DTYPES` (float32, float16, bfloat16)."""
+    _require(t.dtype in SUPPORTED_DTYPES, lambda: f"{name} must be float32, float16 or bfloat16 (the dtypes cp_ops "
+                                                  f"supports); got {t.dtype}: convert it with .to(torch.bfloat16)")
 
 
 def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
-    """Tensors that go through one collective must share shape, dtype and device."""
-    if not tensors:
-        raise ValueError("at least one tensor is needed; got none")
+    """Tensors that go through one collective: BSHD, a supported dtype, and the same shape, dtype and device."""
+    _require(len(tensors) > 0, lambda: "at least one tensor is needed; got none")
     for n, t in zip(names, tensors):
         check_bshd(n, t)
     first, t0 = names[0], tensors[0]
-    if not t0.is_floating_point():
-        raise ValueError(f"{first} must be a floating-point tensor (fp32/fp16/bf16/fp64); got {t0.dtype}")
+    check_dtype(first, t0)
     for n, t in zip(names[1:], tensors[1:]):
-        if t.shape != t0.shape:
-            raise ValueError(
-                f"{first} and {n} must have the same BSHD shape (local tokens of one CP shard, equal heads); "
-                f"got {first} {tuple(t0.shape)} and {n} {tuple(t.shape)}"
-            )
-        if t.dtype != t0.dtype:
-            raise ValueError(f"{first} and {n} must have the same dtype; got {t0.dtype} and {t.dtype}")
-        if t.device != t0.device:
-            raise ValueError(f"{first} and {n} must be on the same device; got {t0.device} and {t.device}")
+        _require(t.shape == t0.shape, lambda: f"{first} and {n} must have the same BSHD shape (local tokens of one "
+                                              f"CP shard, equal heads); got {first} {tuple(t0.shape)} and {n} "
+                                              f"{tuple(t.shape)}")
+        _require(t.dtype == t0.dtype, lambda: f"{first} and {n} must have the same dtype; got {t0.dtype} and {t.dtype}")
+        _require(t.device == t0.device, lambda: f"{first} and {n} must be on the same device; got {t0.device} and "
+                                                f"{t.device}")
 
 
 def check_heads_divisible(heads: int, world_size: int) -> None:
     """Ulysses splits heads over the CP group: W must divide H."""
-    if heads % world_size != 0:
-        raise ValueError(
-            f"mode='ulysses' needs the head count divisible by the CP world size; got heads={heads}, "
-            f"world_size={world_size} (use mode='agkv', or a CP group whose size divides {heads})"
-        )
+    _require(heads % world_size == 0, lambda: (
+        f"mode='ulysses' needs the head count divisible by the CP world size; got heads={heads}, "
+        f"world_size={world_size} (use mode='agkv', or a CP group whose size divides {heads})"))
 
 
 def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length", hint: str = "") -> None:
     """Tokens are split evenly: rank r holds the r-th of W equal contiguous blocks."""
-    if seq % world_size != 0:
-        raise ValueError(
-            f"the {what} must be divisible by the CP world size to split tokens evenly; got {what}={seq}, "
-            f"world_size={world_size}{hint}"
-        )
+    _require(seq % world_size == 0, lambda: (
+        f"the {what} must be divisible by the CP world size to split tokens evenly; got {what}={seq}, "
+        f"world_size={world_size}{hint}"))
 
 
 def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
@@ -80,92 +112,249 @@ def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
         )
 
 
-# ---- cross-rank agreement ------------------------------------------------------------------------
-_checked: set[tuple] = set()
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
-# every call signature that is exchanged; the index travels, so a message can name what each rank called
-OPS = ("agkv_gather", "ulysses", "ulysses_inverse", "attention/auto", "attention/agkv", "attention/ulysses",
-       "attention/invalid", "agkv_pipelined")
+# ---- the rank contract ---------------------------------------------------------------------------
+#: Every call that exchanges a signature: name -> id (a stable hash, equal on every rank). The ops register
+#: themselves (``cp_ops._library``), the public API and integrations add the calls they check.
+OPS: dict[str, int] = {}
+# signature fields (int64 each): what they are called in messages
+_FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
+           "checksum0", "checksum1", "checksum2", "spare")
+_N = len(_FIELDS)
+_PACK = struct.Struct(f"<{_N}q")
+_ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
+           8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs"}
+_ids: dict = {}  # str/dtype/settings tuple -> stable int id
+_collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
 
-def _exchange_device(group: dist.ProcessGroup) -> torch.device:
-    backend = backend_name(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _id(key) -> int:
+    v = _ids.get(key)
+    if v is None:
+        v = _ids[key] = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    return v
 
 
-def _shape4(t) -> list[int]:
-    shape = list(t.shape) if isinstance(t, torch.Tensor) else []
-    return (shape + [-1] * 4)[:4] if len(shape) == 4 else [-1, -1, -1, -1]
+def register_op(name: str) -> int:
+    """Add ``name`` to :data:`OPS` (the calls whose signatures are exchanged); returns its id."""
+    OPS[name] = _id(name)
+    return OPS[name]
 
 
-def check_ranks_agree(
-    group: dist.ProcessGroup, op: str, t, extra: int = 0, local_error: BaseException | None = None
-) -> None:
-    """Raise on every rank if the ranks called ``op`` with different shapes or dtypes, or if some rank's
-    own input checks failed (``local_error``) — so no rank is left waiting in a collective.
+class _Group:
+    """Per CP group: the gloo side group (made at the first exchange), the call count, the signature buffers."""
 
-    Exchanges (op, B, S_local, H, D, dtype, extra, failed) over ``group`` on the first call per key
-    (``config.check_ranks='once'``; ``'always'``: every call; ``'off'``: never). Costs one tiny all-gather
-    and a host sync per new shape. With ``'once'``, a rank that switches to *another already-checked* shape
-    while its peers keep theirs is not detected (the collective then fails, hangs until the group timeout,
-    or returns wrong numbers): debug such code with ``CP_OPS_CHECK_RANKS=always``.
+    __slots__ = ("pg", "w", "skip", "side", "count", "lbuf", "gbuf", "local", "gathered", "seen")
+
+    def __init__(self, pg: dist.ProcessGroup):
+        self.pg, self.w = pg, pg.size()
+        self.skip = self.w == 1 or backend_name(pg) == "fake"
+        self.side, self.count, self.seen = None, 0, set()
+        self.lbuf, self.gbuf = bytearray(8 * _N), bytearray(8 * _N * self.w)
+        self.local = torch.frombuffer(self.lbuf, dtype=torch.int64)
+        self.gathered = torch.frombuffer(self.gbuf, dtype=torch.int64)
+
+
+_groups: dict[str, _Group] = {}
+_side_made: dict[str, int] = {}
+
+
+def _state(pg: dist.ProcessGroup) -> _Group:
+    st = _groups.get(pg.group_name)
+    if st is None or st.pg is not pg:  # a new group of that name (after destroy/init): start over
+        st = _groups[pg.group_name] = _Group(pg)
+    return st
+
+
+def call_count(group: dist.ProcessGroup) -> int:
+    """How many rank-checked cp_ops calls this rank has made on ``group`` (0 before the first)."""
+    st = _groups.get(group.group_name)
+    return st.count if st is not None and st.pg is group else 0
+
+
+def _make_side(st: _Group, op: str):
+    """A gloo process group over the CP group's ranks, private to cp_ops (its own store prefix): the exchange
+    never queues behind data collectives and never touches the GPU. Made by the group's ranks only."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    pg = st.pg
+    n = _side_made[pg.group_name] = _side_made.get(pg.group_name, -1) + 1
+    store = dist.PrefixStore(f"cp_ops/rank_check/{pg.group_name}/{n}/", _get_default_store())
+    timeout = config.settings.timeout_s
+    try:
+        st.side = dist.ProcessGroupGloo(store, pg.rank(), st.w, datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{op}: the ranks of CP group '{pg.group_name}' (ranks {dist.get_process_group_ranks(pg)}) did not all "
+            f"make their first cp_ops call within CP_OPS_TIMEOUT_S={timeout:g} s (a rank skipped it, crashed or is "
+            f"stuck): {str(e).splitlines()[0]}"
+        ) from e
+
+
+def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int = 0,
+             failed: BaseException | None = None, inputs: dict | None = None) -> None:
+    """Check the rank contract for one call: all ranks of ``pg`` exchange a signature; raise on every rank on
+    any difference. See the module docstring for what is compared under each ``settings.check_ranks``.
+
+    Args:
+        pg: the CP group. op: the call's name (an entry of :data:`OPS`, or a new one). transport: the
+            transport argument as given to the op. t: the tensor whose shape and dtype are compared (a
+            ``[B, S_local, H, D]`` tensor, or None). extra: the number of tensors in the call.
+        failed: this rank's own input error: peers learn that this rank stops (the caller re-raises it).
+        inputs: name -> tensor (at most 3) whose checksums (:func:`input_checksum`) must be equal on every rank.
+    Raises:
+        ValueError: on every rank (but a rank that passed ``failed``), naming each rank's call and what differs.
+        RuntimeError: the ranks did not all reach the exchange within ``settings.timeout_s``.
+    """
+    st = _groups.get(pg.group_name)
+    if st is None or st.pg is not pg:
+        st = _state(pg)
+    if st.skip or (st.count and config.settings.check_ranks == "off"):
+        return
+    if st.side is None:
+        _make_side(st, op)
+    st.count += 1
+    op_id = OPS.get(op) or register_op(op)
+    sums = (0, 0, 0)
+    if inputs is not None:
+        b, s, h, d, dtype = _id(tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())), \
+            -1, -1, -1, 0
+        sums = (tuple(input_checksum(x) for x in inputs.values()) + sums)[:3]
+    elif isinstance(t, torch.Tensor) and t.dim() == 4:
+        b, s, h, d = t.shape
+        dtype = _id(t.dtype)
+    else:
+        b = s = h = d = -1
+        dtype = 0
+    _PACK.pack_into(st.lbuf, 0, op_id, _id(pg.group_name), st.count, failed is not None, _id(transport),
+                    _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, 0)
+    try:
+        st.side._allgather_base(st.gathered, st.local).wait()
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{op}: call #{st.count} on CP group '{pg.group_name}': not every rank made this call within "
+            f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped a call, crashed, or is stuck; "
+            f"CP_OPS_CHECK_RANKS=always names skipped calls earlier): {str(e).splitlines()[0]}"
+        ) from e
+    if st.gbuf != bytes(st.lbuf) * st.w:
+        _disagree(st, op, transport, t, extra, failed, inputs)
+
+
+def _disagree(st: _Group, op, transport, t, extra, failed, inputs) -> None:
+    """Every rank gets here together (the gathered rows are the same everywhere): exchange descriptions,
+    then raise on every rank — except on a rank whose own checks failed (its caller raises its own error)."""
+    rows = [_PACK.unpack_from(st.gbuf, i * 8 * _N) for i in range(st.w)]
+    mine = {
+        "call": op, "n": st.count, "transport": transport,
+        "settings": dict(zip(config.COLLECTIVE_FIELDS, config.settings.collective_values())),
+        "shape": list(t.shape) if isinstance(t, torch.Tensor) else None,
+        "dtype": str(t.dtype).replace("torch.", "") if isinstance(t, torch.Tensor) else None, "tensors": extra,
+        "inputs": None if inputs is None else {k: (None if x is None else (list(x.shape), str(x.dtype)))
+                                               for k, x in inputs.items()},
+        "error": None if failed is None else f"{type(failed).__name__}: {str(failed).splitlines()[0]}",
+    }
+    desc = _gather_objects(st, mine)
+    if failed is not None:
+        return
+    g = st.pg.group_name
+    bad = [i for i, r in enumerate(rows) if r[3]]
+    if bad:
+        errors = "; ".join(f"rank {i}: {desc[i]['call']}: {desc[i]['error']}" for i in bad)
+        raise ValueError(
+            f"{op}: rank(s) {bad} of CP group '{g}' rejected their inputs ({errors}); this rank stops too, so no "
+            "rank waits in a collective"
+        )
+    aspects = []
+    for j in range(_N):
+        if any(r[j] != rows[0][j] for r in rows) and _ASPECT.get(j) and _ASPECT[j] not in aspects:
+            aspects.append(_ASPECT[j])
+    per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
+    raise ValueError(
+        f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
+        f"{', '.join(aspects)}: {per_rank}"
+    )
+
+
+def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
+    out = f"{d['call']} (call #{d['n']})"
+    if d["shape"] is not None:
+        out += f" [B, S_local, H, D]={d['shape']} dtype={d['dtype']} tensors={d['tensors']}"
+    elif d["tensors"]:
+        out += f" count={d['tensors']}"
+    if d["inputs"] is not None:
+        out += f" inputs={d['inputs']}"
+    if "transport" in aspects:
+        out += f" transport={d['transport']!r}"
+    if "settings" in aspects:
+        differ = [f for f in config.COLLECTIVE_FIELDS if any(e["settings"][f] != d["settings"][f] for e in everyone)]
+        out += " " + " ".join(f"{f}={d['settings'][f]!r}" for f in differ)
+    if "inputs" in aspects:
+        out += " (input checksums differ: the ranks were given different inputs; seed them alike)"
+    return out
+
+
+def _gather_objects(st: _Group, obj) -> list:
+    """All-gather one picklable object per rank over the side group (only on the error path)."""
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = torch.empty(st.w, dtype=torch.int64)
+    st.side._allgather_base(sizes, size).wait()
+    n = int(sizes.max())
+    buf = torch.zeros(n, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(st.w * n, dtype=torch.uint8)
+    st.side._allgather_base(out, buf).wait()
+    return [pickle.loads(bytes(out[i * n: i * n + int(sizes[i])].tolist())) for i in range(st.w)]
+
+
+def input_checksum(t) -> int:
+    """A cheap fingerprint of ``t``'s values: 61 strided samples, index-weighted, summed in fp64 (its bits as an
+    int). Equal tensors give equal checksums on the same device type; a GPU tensor costs one tiny sync."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    flat = t.detach().reshape(-1)
+    s = flat[:: max(1, flat.numel() // 61)].double()
+    w = torch.arange(1, s.numel() + 1, dtype=torch.float64, device=s.device)
+    return struct.unpack("<q", struct.pack("<d", float((s * w).sum())))[0]
+
+
+def check_inputs_agree(group: dist.ProcessGroup, what: str, inputs: dict) -> None:
+    """Raise on every rank unless ``inputs`` (name -> tensor or None, at most 3) have the same shapes, dtypes and
+    checksums on every rank of ``group`` (inputs that must be replicated, e.g. a DiT's latents and timestep).
 
     Raises:
-        ValueError: on every rank, naming each rank's call, when they disagree or one failed its checks;
-            on the failing rank the caller re-raises its own, more specific, error.
+        ValueError: on every rank, naming the inputs whose checksums differ.
     """
-    mode = config.settings.check_ranks
-    if mode not in ("once", "always", "off"):
-        raise ValueError(f"cp_ops.config.check_ranks must be once/always/off; got {mode!r}")
-    if mode == "off" or group.size() == 1:
-        return
-    dtype = t.dtype if isinstance(t, torch.Tensor) else None
-    dtype_id = _DTYPES.index(dtype) if dtype in _DTYPES else 99
-    mine = (OPS.index(op), *_shape4(t), dtype_id, extra, int(local_error is not None))
-    key = (group.group_name, mine)
-    if (mode == "once" and key in _checked) or backend_name(group) == "fake":  # cache first: hot path
-        return
-    dev = _exchange_device(group)
-    local = torch.tensor(mine, dtype=torch.int64, device=dev)
-    gathered = torch.empty(group.size() * local.numel(), dtype=torch.int64, device=dev)
-    group.allgather_into_tensor_coalesced([gathered], [local]).wait()
-    rows = [tuple(r) for r in gathered.view(group.size(), -1).tolist()]
-    failed = [i for i, r in enumerate(rows) if r[-1]]
-    if failed and local_error is None:
-        raise ValueError(
-            f"cp_ops.{op}: rank(s) {failed} of CP group '{group.group_name}' rejected their inputs (their error "
-            "says why); this rank stops too, so no rank waits in a collective"
-        )
-    if not failed and any(r != rows[0] for r in rows):
-        seen = "; ".join(
-            f"rank {i}: {OPS[r[0]]} [B, S_local, H, D]={list(r[1:5])} dtype={_name(r[5])}"
-            + (f" tensors={r[6]}" if r[6] else "")
-            for i, r in enumerate(rows)
-        )
-        raise ValueError(
-            f"cp_ops.{op}: the ranks of CP group '{group.group_name}' must make the same call with the same "
-            f"local shape and dtype (each rank holds an equal block of tokens, all heads); got {seen}"
-        )
-    if not failed:
-        _checked.add(key)
+    if len(inputs) > 3:
+        raise ValueError(f"check_inputs_agree compares at most 3 inputs; got {len(inputs)}")
+    exchange(group, what, "", inputs=inputs)
 
 
-def checked_call(group: dist.ProcessGroup, op: str, t, local_checks, extra: int = 0) -> None:
-    """Run this rank's input checks, then (eagerly) agree with the other ranks: every rank raises if any
-    rank's checks failed or the calls differ. While ``torch.compile`` traces, only the local checks run
-    (the op kernels still exchange shapes at run time)."""
-    error = None
+def check_settings_agree(group: dist.ProcessGroup) -> None:
+    """Compare the collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) across the ranks of ``group`` now
+    (e.g. at start-up). Every op call's exchange compares them too; this makes one more exchange.
+
+    Raises:
+        ValueError: on every rank, naming each differing setting and each rank's value.
+    """
+    exchange(group, "cp_ops.check_settings_agree", "")
+
+
+def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) -> None:
+    """Run a public function's input checks; if they fail, tell the peers (waiting in the op's rank check)
+    before raising, so no rank is left in a collective. While ``torch.compile`` traces, only the checks run."""
     try:
-        local_checks()
+        checks()
     except (ValueError, RuntimeError, TypeError) as e:
-        error = e
-    if not torch.compiler.is_compiling():
-        check_ranks_agree(group, op, t, extra, local_error=error)
-    if error is not None:
-        raise error
+        if not torch.compiler.is_compiling():
+            exchange(group, api, "", failed=e)
+        raise
 
 
-def _name(dtype_id: int) -> str:
-    return str(_DTYPES[dtype_id]).replace("torch.", "") if dtype_id < len(_DTYPES) else f"id{dtype_id}"
+def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Callable[[], None], extra: int = 0) -> None:
+    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange."""
+    try:
+        rules()
+    except (ValueError, RuntimeError, TypeError) as e:
+        exchange(group, op, transport, None, extra, failed=e)
+        raise
+    exchange(group, op, transport, t, extra)

@@ -30,15 +30,15 @@ def _bad_inputs(rank, w):
     # ranks disagree on S_local: every rank raises, nobody hangs
     s_local = 8 if rank == 0 else 16
     x = torch.randn(1, s_local, 4, 16, generator=g)
-    with pytest.raises(ValueError, match=r"same local shape.*rank 0: attention/agkv \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: attention/agkv \[B, S_local, H, D\]=\[1, 16, 4, 16\]"):
+    with pytest.raises(ValueError, match=r"same cp_ops calls.*differ in shape: rank 0: cp_ops::agkv_gather_start \(call #\d+\) \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: cp_ops::agkv_gather_start \(call #\d+\) \[B, S_local, H, D\]=\[1, 16, 4, 16\]"):
         cp_ops.attention(x, x, x, mode="agkv")
     # ranks disagree on H (Ulysses)
     hx = torch.randn(1, 8, 4 if rank == 0 else 6, 16, generator=g)
-    with pytest.raises(ValueError, match="same local shape"):
+    with pytest.raises(ValueError, match="differ in shape"):
         cp_ops.attention(hx, hx, hx, mode="ulysses")
     # ranks disagree on dtype
-    dx = q if rank == 0 else q.double()
-    with pytest.raises(ValueError, match="dtype=float32.*dtype=float64"):
+    dx = q if rank == 0 else q.bfloat16()
+    with pytest.raises(ValueError, match="differ in dtype.*dtype=float32.*dtype=bfloat16"):
         cp_ops.agkv_gather(dx, dx)
     # one rank fails its own checks (H=3 with Ulysses), the other's inputs are fine: both raise, nobody waits
     hh = 3 if rank == 1 else 4
@@ -47,20 +47,21 @@ def _bad_inputs(rank, w):
         with pytest.raises(ValueError, match="got heads=3, world_size=2"):
             cp_ops.attention(x, x, x, mode="ulysses")
     else:
-        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of CP group '0' rejected their inputs"):
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of CP group '0' rejected their inputs \(rank 1: "
+                                             r"cp_ops.attention: ValueError: .*got heads=3, world_size=2"):
             cp_ops.attention(x, x, x, mode="ulysses")
     # ranks call different modes: the message names what each called
-    with pytest.raises(ValueError, match="rank 0: attention/agkv .* rank 1: attention/ulysses"):
+    with pytest.raises(ValueError, match="differ in call.*rank 0: cp_ops::agkv_gather_start .* rank 1: cp_ops::ulysses_start"):
         cp_ops.attention(q, q, q, mode="agkv" if rank == 0 else "ulysses")
     # non-float tensors and no tensors at all
-    with pytest.raises(ValueError, match="floating-point tensor.*got torch.int64"):
+    with pytest.raises(ValueError, match="k must be float32, float16 or bfloat16.*got torch.int64"):
         cp_ops.agkv_gather(q.long(), q.long())
     with pytest.raises(ValueError, match="at least one tensor is needed"):
         cp_ops.ulysses_all_to_all()
     # direct op call with mismatched tensors: the real kernel checks what the fake kernel checks
     import torch.distributed as dist
 
-    with pytest.raises(RuntimeError, match=r"xs\[1\] shape \(1, 8, 2, 16\) != xs\[0\] \(1, 8, 4, 16\)"):
+    with pytest.raises(ValueError, match=r"xs\[0\] and xs\[1\] must have the same BSHD shape.*\(1, 8, 4, 16\) and xs\[1\] \(1, 8, 2, 16\)"):
         torch.ops.cp_ops.ulysses_start([q, q[:, :, :2].contiguous()], w, dist.group.WORLD.group_name, "torch")
     # an empty batch moves nothing and returns empty outputs
     e = torch.randn(0, 8, 4, 16)

@@ -47,6 +47,7 @@ def test_fake_kernel_rejects_bad_heads(fake_world_8):
     x = torch.randn(1, 8, 12, 4)
     with pytest.raises(ValueError, match="heads=12, world_size=8"):
         make_fx(lambda x: cp_ops.attention(x, x, x, mode="ulysses"), tracing_mode="fake")(x)
-    with pytest.raises(RuntimeError, match="heads=12 not divisible by world_size=8"):
+    # the fake kernel checks the public API's rule (cp_ops.validate), with the same message
+    with pytest.raises(ValueError, match="divisible by the CP world size; got heads=12, world_size=8"):
         make_fx(lambda x: torch.ops.cp_ops.ulysses_start([x], 8, dist.group.WORLD.group_name, "torch"),
                 tracing_mode="fake")(x)

@@ -22,7 +22,8 @@ from .. import modes
 from ..attention import attention
 from ..group import resolve_group
 from ..transport.base import names as transport_names
-from ..validate import check_seq_divisible
+from .. import config
+from ..validate import call_count, check_inputs_agree, check_seq_divisible, exchange
 
 SUPPORTED = ("WanTransformer3DModel",)
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
@@ -117,10 +118,48 @@ def _install_input_split(module: torch.nn.Module, specs: dict, pg, where: str) -
         module.register_forward_hook(out_hook)
 
 
-def _install_output_gather(module: torch.nn.Module, spec, pg) -> None:
+_CHECKED_INPUTS = ("hidden_states", "timestep", "encoder_hidden_states")
+
+
+class _RankChecks:
+    """The same-call contract at the model level (eager only; compiled code keeps the per-op checks):
+    the full inputs agree across ranks (a checksum; once per input shape, every forward under
+    ``CP_OPS_CHECK_RANKS=always``), and every rank made the same number of cp_ops calls before the output
+    gather (a rank that skipped a layer's attention raises on every rank instead of pairing layers off by one)."""
+
+    def __init__(self, model: torch.nn.Module, pg: dist.ProcessGroup):
+        self.pg, self.seen, self.start = pg, set(), 0
+        self.params = list(inspect.signature(model.forward).parameters)
+        model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
+
+    def before_forward(self, mod, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
+        mode = config.settings.check_ranks
+        if mode != "off":
+            inputs = {}
+            for n in _CHECKED_INPUTS:
+                i = self.params.index(n) if n in self.params else len(args)
+                inputs[n] = kwargs[n] if n in kwargs else args[i] if i < len(args) else None
+            key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())
+            if mode == "always" or key not in self.seen:
+                check_inputs_agree(self.pg, "cp_ops.parallelize inputs", inputs)
+                self.seen.add(key)
+        self.start = call_count(self.pg)
+
+    def before_gather(self):
+        if torch.compiler.is_compiling() or config.settings.check_ranks == "off":
+            return
+        exchange(self.pg, "cp_ops.parallelize output gather (calls this forward)", "",
+                 extra=call_count(self.pg) - self.start)
+
+
+def _install_output_gather(module: torch.nn.Module, spec, pg, checks: _RankChecks | None = None) -> None:
     def gather_hook(mod, args, output):
         if not _spec_applies(spec, output):
             return output
+        if checks is not None:
+            checks.before_gather()
         # Gather along dim 0 (token dim moved to the front) then move it back: the rank-ordered blocks
         # concatenate along the token dim, and no chunk/cat helper is traced (torch 2.11's Dynamo skips it).
         d = spec.gather_dim % output.dim()
@@ -149,7 +188,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
 
     Raises:
         ValueError: unsupported model class, unknown mode/transport, model already parallelized; at run time, a token count not
-            divisible by the CP world size (the message names it).
+            divisible by the CP world size (the message names it); on every rank, when the ranks were given
+            different inputs (checksums of hidden_states, timestep, encoder_hidden_states: per-rank seeds) or
+            made different cp_ops calls in one forward (see :mod:`cp_ops.validate`).
         RuntimeError: torch.distributed not initialized.
     """
     name = type(transformer).__name__
@@ -171,11 +212,12 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     for path in plan:  # resolve every module first, so a failure installs nothing
         transformer.get_submodule(path)
     transformer._cp_ops_group = pg  # marks the model before any hook goes in
+    checks = _RankChecks(transformer, pg)  # its pre-hook runs first: it sees the full inputs
 
     for path, spec in plan.items():
         module = transformer.get_submodule(path) if path else transformer
         if isinstance(spec, ContextParallelOutput):
-            _install_output_gather(module, spec, pg)
+            _install_output_gather(module, spec, pg, checks)
         else:
             _install_input_split(module, spec, pg, path or name)
 

@@ -1,0 +1,216 @@
+"""The same-call contract across the ranks of a CP group (cp_ops.validate): any disagreement raises on every
+rank, naming what each rank called — never a crash, a hang or a computed result. Unsupported dtypes are a
+clear error from the public API, the ops' real kernels and their fake kernels alike."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_ops
+from cp_ops import config
+from dist_util import run_ranks
+
+H, D = 12, 8  # W = 2, 3, 4 divide H (Ulysses)
+
+
+def _shards(rank, w, s_local, seed):
+    """q, k, v: this rank's block of a global [1, W*s_local, H, D] tensor, and the global k, v."""
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(1, w * s_local, H, D, generator=g) for _ in range(3)]
+    loc = [x[:, rank * s_local:(rank + 1) * s_local].contiguous() for x in full]
+    return loc, full
+
+
+def _check_correct(rank, w, s_local, seed, mode):
+    (q, k, v), (_, kf, vf) = _shards(rank, w, s_local, seed)
+    out = cp_ops.attention(q, k, v, mode=mode)
+    torch.testing.assert_close(out, cp_ops.local_attention(q, kf, vf), rtol=1e-5, atol=1e-5)
+
+
+def _shape_switch(rank, w):
+    last = w - 1
+    for mode in ("agkv", "ulysses"):
+        for s in (8, 16):  # both shapes are seen (and were "checked") on every rank
+            _check_correct(rank, w, s, s, mode)
+        # the last rank switches to the already-seen shape 8 while its peers keep 16
+        s = 8 if rank == last else 16
+        (q, k, v), _ = _shards(rank, w, s, 0)
+        with pytest.raises(ValueError, match=rf"differ in shape: rank 0: cp_ops::(agkv_gather|ulysses)_start \(call #\d+\) "
+                                             rf"\[B, S_local, H, D\]=\[1, 16, {H}, {D}\].*rank {last}: .*=\[1, 8, {H}, {D}\]"):
+            cp_ops.attention(q, k, v, mode=mode)
+        # the direct op call (what compiled code runs) checks the same
+        with pytest.raises(ValueError, match=rf"differ in shape.*\[1, 16, {H}, {D}\].*\[1, 8, {H}, {D}\]"):
+            torch.ops.cp_ops.agkv_gather_start(k, v, w, dist.group.WORLD.group_name, "torch")
+    # one rank calls AGKV, the others Ulysses, on the same shape
+    (q, k, v), _ = _shards(rank, w, 8, 0)
+    with pytest.raises(ValueError, match=rf"differ in call.*rank 0: cp_ops::agkv_gather_start.*rank {last}: cp_ops::ulysses_start"):
+        cp_ops.attention(q, k, v, mode="ulysses" if rank == last else "agkv")
+    # nothing computed, nothing left in flight: the group still works
+    _check_correct(rank, w, 8, 3, "agkv")
+    _check_correct(rank, w, 16, 4, "ulysses")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_switching_to_a_seen_shape_raise_on_every_rank(world_size):
+    run_ranks(_shape_switch, world_size)
+
+
+def _settings_mismatch(rank, w):
+    saved = config.snapshot()
+    (q, k, v), _ = _shards(rank, w, 8, 0)
+    try:
+        config.configure(fast_path="ce" if rank == 0 else "sm")
+        with pytest.raises(ValueError, match=r"differ in settings: rank 0: .* fast_path='ce'; rank 1: .* fast_path='sm'"):
+            cp_ops.attention(q, k, v, mode="agkv")
+        config.restore(saved)
+        # the transport argument the op was given ('auto' here, 'torch' on the others): named per rank
+        with pytest.raises(ValueError, match=r"differ in transport: rank 0: .* transport='auto'; rank 1: .* transport='torch'"):
+            torch.ops.cp_ops.agkv_gather_start(k, v, w, dist.group.WORLD.group_name, "auto" if rank == 0 else "torch")
+        # CP_OPS_CHECK_RANKS=off on one rank: the first call on a group still exchanges, so it is caught there
+        group = dist.new_group(list(range(w)))
+        config.configure(check_ranks="off" if rank == 0 else "once")
+        with pytest.raises(ValueError, match=r"differ in settings: rank 0: .* check_ranks='off'; rank 1: .* check_ranks='once'"):
+            cp_ops.attention(q, k, v, mode="agkv", group=group)
+        # 'off' on every rank: only that first exchange, no more
+        config.configure(check_ranks="off")
+        n = cp_ops.validate.call_count(group)
+        for _ in range(3):
+            cp_ops.attention(q, k, v, mode="agkv", group=group)
+        assert cp_ops.validate.call_count(group) == n
+    finally:
+        config.restore(saved)
+    _check_correct(rank, w, 8, 5, "agkv")
+
+
+def test_collective_settings_and_transport_must_match():
+    run_ranks(_settings_mismatch, 2)
+
+
+_BAD_DTYPES = (torch.float64, torch.float8_e4m3fn, torch.int32, torch.complex64)
+
+
+def _dtypes(rank, w):
+    q = torch.randn(1, 8, H, D)
+    name = dist.group.WORLD.group_name
+    for dt in _BAD_DTYPES:
+        x = q.to(dt)
+        msg = rf"must be float32, float16 or bfloat16 \(the dtypes cp_ops supports\); got {dt}"
+        for call in (lambda: cp_ops.attention(x, x, x, mode="agkv"), lambda: cp_ops.attention(x, x, x, mode="ulysses"),
+                     lambda: cp_ops.agkv_gather(x, x), lambda: cp_ops.ulysses_all_to_all(x, x),
+                     lambda: cp_ops.ulysses_all_to_all_inverse(x),
+                     lambda: torch.ops.cp_ops.agkv_gather_start(x, x, w, name, "torch"),
+                     lambda: torch.ops.cp_ops.ulysses_start([x], w, name, "torch"),
+                     lambda: torch.ops.cp_ops.ulysses_inverse_start(x, w, name, "torch")):
+            with pytest.raises(ValueError, match=msg):
+                call()
+    # only rank 1 passes float64: it names its dtype, its peers name rank 1's error
+    x = q.double() if rank == 1 else q
+    with pytest.raises(ValueError, match="got torch.float64" if rank == 1 else
+                       r"rank\(s\) \[1\] .*rejected their inputs.*got torch.float64"):
+        cp_ops.attention(x, x, x)
+    _check_correct(rank, w, 8, 6, "agkv")
+
+
+def test_unsupported_dtypes_are_named_errors():
+    run_ranks(_dtypes, 2)
+
+
+def test_unsupported_dtypes_in_fake_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for dt in _BAD_DTYPES:
+            x = torch.empty(1, 8, H, D, dtype=dt)
+            msg = rf"must be float32, float16 or bfloat16.*got {dt}"
+            with pytest.raises(ValueError, match=msg):
+                torch.ops.cp_ops.agkv_gather_start(x, x, 2, "g", "torch")
+            with pytest.raises(ValueError, match=msg):
+                torch.ops.cp_ops.ulysses_start([x, x], 2, "g", "torch")
+            with pytest.raises(ValueError, match=msg):
+                torch.ops.cp_ops.ulysses_inverse_start(x, 2, "g", "torch")
+        # the fake kernels use the same rules as the public API (same messages)
+        x = torch.empty(1, 8, 3, D)  # 3 heads, W = 2
+        with pytest.raises(ValueError, match="got heads=3, world_size=2"):
+            torch.ops.cp_ops.ulysses_start([x], 2, "g", "torch")
+        with pytest.raises(ValueError, match=r"k and v must have the same BSHD shape"):
+            torch.ops.cp_ops.agkv_gather_start(torch.empty(1, 8, H, D), torch.empty(1, 4, H, D), 2, "g", "torch")
+
+
+def _timeout(rank, w):
+    saved = config.snapshot()
+    config.configure(timeout_s=3)
+    try:
+        group = dist.new_group(list(range(w)))  # its side group gets the 3 s bound
+        (q, k, v), _ = _shards(rank, w, 8, 0)
+        cp_ops.attention(q, k, v, mode="agkv", group=group)
+        if rank == 0:  # rank 1 never makes this call: rank 0 raises within the bound instead of hanging
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"call #2 on CP group .* not every rank made this call within "
+                                                   r"CP_OPS_TIMEOUT_S=3 s"):
+                cp_ops.attention(q, k, v, mode="agkv", group=group)
+            assert time.monotonic() - t0 < 30
+        else:
+            time.sleep(8)
+    finally:
+        config.restore(saved)
+
+
+def test_a_missing_call_times_out_with_a_named_error():
+    run_ranks(_timeout, 2)
+
+
+# ---- item 12 through parallelize(): per-rank inputs, a skipped layer ---------------------------------
+class _SkipAttention:
+    """A processor that skips the CP attention call (as a rank-local cache would)."""
+
+    def __call__(self, attn, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def _parallelize_contract(rank, w, check_ranks):
+    import copy
+
+    from test_diffusers import _tiny_wan
+
+    from cp_ops.integrations.diffusers import parallelize
+
+    config.configure(check_ranks=check_ranks)
+    model = _tiny_wan(heads=4)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 2, 8, 8, generator=g)
+    t = torch.tensor([500])
+    text = torch.randn(1, 16, 32, generator=g)
+    cp = parallelize(copy.deepcopy(model), mode="agkv", transport="torch")
+    with torch.no_grad():
+        ref = model(x, t, text).sample
+        assert torch.equal(cp(x, t, text).sample, ref)
+        # per-rank seeds: rank 1's latents differ (same shape as the forward above)
+        x1 = x + 1e-3 * (rank == 1)
+        if check_ranks == "always":  # every forward is checked
+            with pytest.raises(ValueError, match=r"cp_ops.parallelize inputs: .*differ in inputs: rank 0: .*rank 1: .*"
+                                                 r"input checksums differ: the ranks were given different inputs"):
+                cp(x1, t, text)
+        # a new shape is checked under the default too
+        x2 = torch.randn(1, 4, 4, 8, 8, generator=torch.Generator().manual_seed(2 + rank))
+        with pytest.raises(ValueError, match="differ in inputs"):
+            cp(x2, t, text)
+        # per-rank text embeddings
+        with pytest.raises(ValueError, match="differ in inputs"):
+            cp(torch.randn(1, 4, 6, 8, 8, generator=torch.Generator().manual_seed(9)), t, text + rank)
+        # rank 1 skips the second layer's attention: every rank raises before the output gather
+        skip = parallelize(copy.deepcopy(model), mode="agkv", transport="torch")
+        if rank == 1:
+            skip.blocks[1].attn1.set_processor(_SkipAttention())
+        with pytest.raises(ValueError, match=r"differ in call.*rank 0: cp_ops::agkv_gather_start .*rank 1: "
+                                             r"cp_ops.parallelize output gather \(calls this forward\)"):
+            skip(x, t, text)
+        # the group is healthy afterwards
+        assert torch.equal(cp(x, t, text).sample, ref)
+
+
+@pytest.mark.parametrize("check_ranks", ["once", "always"])
+def test_parallelize_ranks_must_get_the_same_inputs_and_make_the_same_calls(check_ranks):
+    pytest.importorskip("diffusers")
+    run_ranks(_parallelize_contract, 2, check_ranks)
