@@ -28,6 +28,7 @@ from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config
+from ._hooks import run_compile_hooks  # the Inductor lowerings (passes/) arrive through it: core never imports passes
 from .transport import base as transport_base
 from . import validate
 
@@ -49,97 +50,6 @@ def _register(work, *outs: torch.Tensor) -> None:
         return
     for out in outs:
         _register_work(out, work)
-
-
-# ---- compile hooks: what a compiler integration (the Inductor lowerings in ``passes``) registers -----------
-#: Entry-point group of the compile hooks: callables with no arguments, run once, outside fake mode, the first
-#: time a cp_ops op is traced (``torch.compile``, ``make_fx``, opcheck). The project's own ``pyproject.toml``
-#: declares ``passes.lowering:register`` there, so plain ``torch.compile`` gets the lowerings that keep a
-#: launch's inputs alive until its wait, and the core never imports ``passes``.
-COMPILE_HOOK_GROUP = "cp_ops.compile_hooks"
-_compile_hooks: list = []  # added by add_compile_hook()
-_hooks_ran = False
-
-
-def add_compile_hook(fn) -> None:
-    """Run ``fn()`` the first time a cp_ops op is traced (at once when that already happened)."""
-    _compile_hooks.append(fn)
-    if _hooks_ran:
-        _call_outside_fake(fn)
-
-
-def declared_entry_points(group: str) -> list[tuple[str, object]]:
-    """``(name, loaded object)`` of every entry point in ``group``, sorted by name.
-
-    Read from installed distributions (``importlib.metadata``) and, when cp_ops runs from a source tree
-    (``PYTHONPATH`` at a checkout: no install, or an install of another checkout), from that tree's
-    ``pyproject.toml`` (Python >= 3.11). One that fails to load is left out with a warning.
-    """
-    import importlib
-    import importlib.metadata as md
-    import logging
-    import os
-
-    found = {(ep.name, ep.value) for ep in md.entry_points(group=group)}
-    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
-    try:
-        import tomllib
-
-        with open(pyproject, "rb") as f:
-            meta = tomllib.load(f).get("project", {})
-        if meta.get("name") == "cp_ops":
-            found |= set(meta.get("entry-points", {}).get(group, {}).items())
-    except (ImportError, OSError, ValueError):  # Python 3.10 (no tomllib) or not a source tree
-        pass
-    out = []
-    for name, value in sorted(found):
-        try:
-            mod, _, attr = value.partition(":")
-            obj = importlib.import_module(mod.strip())
-            for part in attr.strip().split(".") if attr.strip() else ():
-                obj = getattr(obj, part)
-            out.append((name, obj))
-        except Exception as e:  # noqa: BLE001 - a broken integration must not break tracing
-            logging.getLogger("cp_ops").warning(
-                "cp_ops: entry point %s = %r (group %r) not loaded: %s: %s", name, value, group, type(e).__name__, e
-            )
-    return out
-
-
-def _call_outside_fake(fn) -> None:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with unset_fake_temporarily(), _disable_current_modes():
-        fn()
-
-
-def _run_compile_hooks() -> None:
-    """Fake kernels call this: on the first trace, load and run every compile hook once, outside fake mode
-    (one that fails: a warning; tracing goes on)."""
-    global _hooks_ran
-    if _hooks_ran:
-        return
-    _hooks_ran = True
-    _call_outside_fake(_load_and_run_hooks)
-
-
-def _load_and_run_hooks() -> None:
-    import logging
-
-    log = logging.getLogger("cp_ops")
-    hooks = list(_compile_hooks) + [fn for _, fn in declared_entry_points(COMPILE_HOOK_GROUP)]
-    if not hooks:
-        log.warning(
-            "cp_ops: no compile hooks found (entry-point group %r): Inductor lowers the cp_ops launches as plain "
-            "kernels and may reuse a launch's input before its wait; install cp_ops (pip install -e .)",
-            COMPILE_HOOK_GROUP,
-        )
-    for fn in hooks:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - a broken integration must not break tracing
-            log.warning("cp_ops: compile hook %r failed: %s: %s", fn, type(e).__name__, e)
 
 
 # ---- AGKV all-gather ---------------------------------------------------------------------------
@@ -164,7 +74,7 @@ def _check_agkv(k, v, world_size) -> None:
 
 @agkv_gather_start.register_fake
 def _(k, v, world_size, group_name, transport):
-    _run_compile_hooks()
+    run_compile_hooks()
     _check_agkv(k, v, world_size)
     b, s, h, d = k.shape
     return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
@@ -191,7 +101,7 @@ def _check_ulysses(xs, world_size) -> None:
 
 @ulysses_start.register_fake
 def _(xs, world_size, group_name, transport):
-    _run_compile_hooks()
+    run_compile_hooks()
     _check_ulysses(xs, world_size)
     b, s, h, d = xs[0].shape
     return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
@@ -218,7 +128,7 @@ def _check_ulysses_inverse(x, world_size) -> None:
 
 @ulysses_inverse_start.register_fake
 def _(x, world_size, group_name, transport):
-    _run_compile_hooks()
+    run_compile_hooks()
     _check_ulysses_inverse(x, world_size)
     b, s, hl, d = x.shape
     return x.new_empty(world_size, b, s // world_size, hl, d)

@@ -36,7 +36,7 @@ def compile(model: Callable | None = None, *, overlap: bool = True, **kwargs: An
     """
     import torch
 
-    from ._library import declared_entry_points
+    from ._hooks import declared_entry_points
 
     backend = kwargs.get("backend", "inductor")
     if backend != "inductor":

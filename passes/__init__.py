@@ -11,7 +11,10 @@ Public API:
     PinWindows       the scheduler pass (``pin_windows``) that keeps each window's order in the generated code
 
 Both also register the Inductor lowerings of the launches (:mod:`passes.lowering`), which make Inductor keep
-each launch's inputs alive until its wait. Logs go to the ``cp_ops.passes`` logger (debug level: each
+each launch's inputs alive until its wait; plain ``torch.compile`` gets them too, through the compile hook
+this package declares (``pyproject.toml``, entry-point group ``cp_ops.compile_hooks``; cp_ops never imports
+``passes``). The pass keeps every launch off a pool slot whose output is still unread
+(:func:`cp_ops.transport.base.inflight_limit` slots per key, taken in turn). Logs go to the ``cp_ops.passes`` logger (debug level: each
 window, the nodes moved, fused projections left whole).
 """
 
