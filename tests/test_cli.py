@@ -65,7 +65,7 @@ def test_cli_bad_input(args, message):
 def test_fast_pool_sizing_for_bench():
     import torch
 
-    from cp_ops.bench import fast_pool_gib
+    from cp_ops.cli.bench import fast_pool_gib
 
     # S=75600, B=1, H=40, D=128, bf16, W=2: K+V [1,S,40,128] + Ulysses 3 tensors/2 + inverse 1/2, x2 slots
     expected = 2 * 75600 * 40 * 128 * 2 * (2 + 1.5 + 0.5) / 2**30

@@ -50,9 +50,8 @@ def build(config: str, layers: int | None, device: torch.device, dtype: torch.dt
 
 def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     """Rank body of ``cp-ops run wan`` (arguments validated by :mod:`cp_ops.cli` before the ranks start)."""
-    from .attention import choose_mode
-    from .integrations.diffusers import parallelize
-    from .transport.base import select_transport
+    from cp_ops import choose_mode, select_transport
+    from cp_ops.integrations.diffusers import parallelize
 
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))

@@ -7,7 +7,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from .transport import fast
+from cp_ops.transport import fast
 
 
 def collect() -> dict:

@@ -15,9 +15,9 @@ import platform
 import torch
 import torch.distributed as dist
 
-from .attention import attention, choose_mode, local_attention
+from cp_ops import attention, choose_mode, local_attention, select_transport
+
 from .timing import max_over_ranks, time_ms
-from .transport.base import select_transport
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

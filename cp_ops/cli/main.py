@@ -108,7 +108,7 @@ def _fail(msg: str) -> None:
 
 
 def _check_bench(args, device: str, world: int) -> None:
-    from .transport.fast import unavailable_reason
+    from cp_ops.transport.fast import unavailable_reason
 
     gpu = device == "cuda"
     args.seqs = (GPU_SEQS if gpu else CPU_SEQS) if args.seqs is None else args.seqs
@@ -148,7 +148,7 @@ def _check_bench(args, device: str, world: int) -> None:
 
 def _check_run_wan(args, device: str, world: int) -> None:
     from .run_wan import CONFIGS
-    from .transport.fast import unavailable_reason
+    from cp_ops.transport.fast import unavailable_reason
 
     if importlib.util.find_spec("diffusers") is None:
         _fail("run wan needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
