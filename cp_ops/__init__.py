@@ -7,14 +7,16 @@ Public API:
     local_attention(q, k, v, scale=None)                                           single-device reference
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
 The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library`.
+
+``import cp_ops`` itself imports nothing (no torch): the first use of any public name (``cp_ops.attention``,
+``from cp_ops import attention``, any submodule) imports the core, which registers ``torch.ops.cp_ops.*`` and
+parses the settings (a bad ``CP_OPS_*`` value raises :class:`cp_ops.config.ConfigError` there). This keeps the
+``cp-ops`` command's ``--help`` and argument errors instant, and lets it report a bad setting in one line.
 """
 
-from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
-from .attention import attention, choose_mode, local_attention
-from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
-from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
-from .transport.base import select_transport
+import sys as _sys
 
+__version__ = "0.1.0"
 __all__ = [
     "attention",
     "agkv_gather",
@@ -25,4 +27,29 @@ __all__ = [
     "choose_mode",
     "compile",
 ]
-__version__ = "0.1.0"
+
+
+def _load_core() -> None:
+    """Import the core's public names into this module (what ``import cp_ops`` did eagerly before)."""
+    from ._library import __name__ as _  # noqa: F401  (registers torch.ops.cp_ops.*)
+    from .attention import attention, choose_mode, local_attention
+    from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
+    from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
+    from .transport.base import select_transport
+
+    globals().update({k: v for k, v in locals().items() if k in __all__})
+
+
+if "torch" in _sys.modules:  # the usual case (torch imported first): the core costs ~20 ms more; register the ops now
+    _load_core()
+
+
+def __getattr__(name: str):
+    if name in __all__:  # the first public name used imports the core
+        _load_core()
+        return globals()[name]
+    raise AttributeError(f"module 'cp_ops' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

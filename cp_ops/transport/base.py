@@ -95,7 +95,6 @@ def _log_once(key, msg: str, *args) -> None:
         log.info(msg, *args)
 
 
-@torch.compiler.assume_constant_result
 def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
     """Resolve a public ``transport=`` argument for tensors of ``device_type``; see the module docstring.
 
@@ -124,6 +123,10 @@ def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
                   device_type, name, reason)
     return "torch"
 
+
+# What torch.compiler.assume_constant_result(resolve) does, without importing torch._dynamo when cp_ops is
+# imported (that costs ~1 s and sets TORCHINDUCTOR_CACHE_DIR); tests/test_cli_startup.py checks the equivalence.
+resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
     """The transport a call will use on this device, as a name: never 'auto' (for reports and the CLI).
