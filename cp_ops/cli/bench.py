@@ -3,7 +3,8 @@
 For each mode, transport and global sequence length S: CP attention time (median of repeats per rank,
 max over ranks), single-device SDPA time on the full sequence, speedup (single ÷ CP) and relative error
 of the CP output against the single-device output (max |cp − ref| / max |ref|, max over ranks).
-Dense non-causal attention, BSHD, S split evenly over the CP group.
+Dense non-causal attention, BSHD, S split evenly over the CP group. The single-device baseline runs on rank 0
+alone; every time has its interquartile range beside it; the table ends with a legend.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from cp_ops import attention, choose_mode, local_attention, select_transport
 
-from .timing import max_over_ranks, time_ms
+from .timing import max_over_ranks, max_over_ranks_each, samples_ms, summary
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,10 +43,39 @@ def environment(device: torch.device, world_size: int) -> dict:
     return env
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _write_json(path: str, payload: dict) -> None:
+    existed = os.path.exists(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"wrote {path}" + (" (replaced the file that was there)" if existed else ""))
+
+
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
-    """Rank body of ``cp-ops bench`` (see :mod:`cp_ops.cli` for the arguments)."""
+    """Rank body of ``cp-ops bench`` (see :mod:`cp_ops.cli.main` for the arguments).
+
+    Per S: every rank draws the same full q, k, v; rank 0 times single-device SDPA on them while the other ranks
+    wait at a barrier (no contention for cores or memory bandwidth); then every rank times CP attention on its
+    shard. A call's CP time is the slowest rank's; the reported time is the median over the timed runs, with
+    the interquartile range beside it.
+    """
+    threads = None
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+        cores = available_cores()
+        threads = max(1, cores // world_size)
+        torch.set_num_threads(threads)
+        if rank == 0 and world_size * threads > cores:
+            print(f"cp-ops bench: warning: {world_size} ranks x {threads} thread(s) = {world_size * threads} > "
+                  f"{cores} cores here: the ranks contend for cores, so CP times are inflated and speedups "
+                  "understated (use --nproc <= cores)", flush=True)
     dtype = DTYPES[args.dtype]
     b, h, d = args.batch, args.heads, args.head_dim
     cases = []
@@ -62,10 +92,11 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     if not cases:
         raise ValueError(f"nothing to measure: no (S, mode, transport) case is valid for H={h}, W={world_size}")
     bar = None
-    if rank == 0 and not args.no_progress:
+    if rank == 0 and args.progress is not False:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(cases), desc="cp-ops bench", unit="case")
+        # disable=None: shown only when stderr is a terminal (no \r updates in logs), unless --progress
+        bar = tqdm(total=len(cases), desc="cp-ops bench", unit="case", disable=None if args.progress is None else False)
     rows, ref_cache = [], {}
     for s, mode, tr in cases:
         if bar:
@@ -74,21 +105,32 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
             ref_cache.clear()
             g = torch.Generator(device=device).manual_seed(1234 + s)
             q, k, v = (torch.randn(b, s, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
-            ref_ms = time_ms(lambda: local_attention(q, k, v), device, args.warmup, args.repeats)
+            single = torch.zeros(5, dtype=torch.float64, device=device)
+            dist.barrier()
+            if rank == 0:  # alone: the other ranks wait at the barrier below
+                st = summary(samples_ms(lambda: local_attention(q, k, v), device, args.warmup, args.repeats))
+                single = torch.tensor([st[x] for x in STATS], dtype=torch.float64, device=device)
+            dist.barrier()
+            dist.broadcast(single, src=0)
             ref = local_attention(q, k, v)
             sl = s // world_size
             shard = lambda t: t[:, rank * sl : (rank + 1) * sl].contiguous()  # noqa: E731
-            ref_cache[s] = (shard(q), shard(k), shard(v), shard(ref), max_over_ranks(ref_ms, device))
+            ref_cache[s] = (shard(q), shard(k), shard(v), shard(ref), dict(zip(STATS, single.tolist())))
             del q, k, v, ref
-        ql, kl, vl, ref_l, ref_ms = ref_cache[s]
+        ql, kl, vl, ref_l, single = ref_cache[s]
         resolved = select_transport(tr, device.type)
         fn = lambda: attention(ql, kl, vl, mode=mode, transport=tr)  # noqa: E731
-        cp_ms = max_over_ranks(time_ms(fn, device, args.warmup, args.repeats), device)
+        cp = summary(max_over_ranks_each(samples_ms(fn, device, args.warmup, args.repeats), device))
         out = fn()
         err = ((out.float() - ref_l.float()).abs().max() / ref_l.float().abs().max()).item()
         err = max_over_ranks(err, device)
-        rows.append(dict(S=s, mode=choose_mode(mode, h, world_size), transport=resolved, cp_ms=cp_ms,
-                         single_ms=ref_ms, speedup=ref_ms / cp_ms, rel_err=err))
+        rows.append(dict(S=s, mode=choose_mode(mode, h, world_size), transport=resolved,
+                         cp_ms=cp["median"], single_ms=single["median"], speedup=single["median"] / cp["median"],
+                         rel_err=err,
+                         cp_ms_q1=cp["q1"], cp_ms_q3=cp["q3"], cp_ms_min=cp["min"], cp_ms_max=cp["max"],
+                         single_ms_q1=single["q1"], single_ms_q3=single["q3"],
+                         single_ms_min=single["min"], single_ms_max=single["max"],
+                         speedup_q1=single["q1"] / cp["q3"], speedup_q3=single["q3"] / cp["q1"]))
         if bar:
             bar.update(1)
     if bar:
@@ -96,7 +138,9 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     error = None
     if rank == 0:
         try:
-            report(rows, dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d), args)
+            meta = dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d, repeats=args.repeats,
+                        warmup=args.warmup, threads_per_rank=threads)
+            report(rows, meta, args)
         except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
             error = e
     dist.barrier()
@@ -104,21 +148,45 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         raise error
 
 
+STATS = ("median", "min", "max", "q1", "q3")
+HEADER = (f"{'S':>7} {'mode':>8} {'transport':>9} {'CP ms':>9} {'[p25–p75]':>17} {'1-dev ms':>9} "
+          f"{'[p25–p75]':>17} {'speedup':>8} {'[p25–p75]':>13} {'rel err':>9}")
+
+
+def legend(meta: dict) -> list[str]:
+    """What the table's columns mean (printed under it)."""
+    w = meta["world_size"]
+    lines = [
+        f"speedup = 1-device time ÷ CP time: higher is better, ideal = W = {w}. CP time of a call = the slowest rank's.",
+        f"[p25–p75] = interquartile range over the {meta['repeats']} timed runs (after {meta['warmup']} warm-up); "
+        "speedup's = 1-device p25 ÷ CP p75 to 1-device p75 ÷ CP p25.",
+        "1-device = SDPA on the full sequence, timed on rank 0 alone while the other ranks wait.",
+        "rel err = max |CP − 1-device| / max |1-device| over this rank's output, max over ranks (0 = bitwise equal).",
+    ]
+    if meta["device"] == "cpu":
+        lines.append(f"CPU: gloo, {meta['threads_per_rank']} thread(s) per rank, and the 1-device baseline runs with "
+                     "the same threads: CPU numbers are a functional check, not a performance claim.")
+    return lines
+
+
 def report(rows: list[dict], meta: dict, args) -> None:
     where = "GPU" if meta["device"] == "cuda" else "CPU"
     print(f"\ncp-ops bench — CP{meta['world_size']} on {meta.get('gpu', meta.get('cpu', where))}, torch "
-          f"{meta['torch']}, {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}, times = median, max over ranks")
-    head = f"{'S':>7} {'mode':>8} {'transport':>9} {'CP ms':>10} {'1-dev ms':>10} {'speedup':>8} {'rel err':>9}"
-    print(head)
-    print("-" * len(head))
+          f"{meta['torch']}, {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}, times = median [p25–p75]")
+    print(HEADER)
+    print("-" * len(HEADER))
     for r in rows:
-        print(f"{r['S']:>7} {r['mode']:>8} {r['transport']:>9} {r['cp_ms']:>10.3f} {r['single_ms']:>10.3f} "
-              f"{r['speedup']:>7.2f}x {r['rel_err']:>9.2e}")
+        cp_iqr = f"[{r['cp_ms_q1']:.3f}–{r['cp_ms_q3']:.3f}]"
+        one_iqr = f"[{r['single_ms_q1']:.3f}–{r['single_ms_q3']:.3f}]"
+        sp_iqr = f"[{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}]"
+        print(f"{r['S']:>7} {r['mode']:>8} {r['transport']:>9} {r['cp_ms']:>9.3f} {cp_iqr:>17} {r['single_ms']:>9.3f} "
+              f"{one_iqr:>17} {r['speedup']:>7.2f}x {sp_iqr:>13} {r['rel_err']:>9.2e}")
+    for line in legend(meta):
+        print(line)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        print(f"wrote {args.out}")
+        _write_json(args.out, {"meta": meta, "rows": rows})
+    else:
+        print("(no JSON written: --out PATH saves the results)")
     if args.plot:
         plot(rows, meta, args.plot)
 
