@@ -8,10 +8,13 @@ Public API:
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
 The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library`.
 
-``import cp_ops`` itself imports nothing (no torch): the first use of any public name (``cp_ops.attention``,
-``from cp_ops import attention``, any submodule) imports the core, which registers ``torch.ops.cp_ops.*`` and
-parses the settings (a bad ``CP_OPS_*`` value raises :class:`cp_ops.config.ConfigError` there). This keeps the
-``cp-ops`` command's ``--help`` and argument errors instant, and lets it report a bad setting in one line.
+Importing: when torch is already imported (the usual case), ``import cp_ops`` loads the core at once — it
+registers ``torch.ops.cp_ops.*`` and parses the settings (a bad ``CP_OPS_*`` value raises
+:class:`cp_ops.config.ConfigError`). Otherwise ``import cp_ops`` imports nothing, and the first public name used
+(``cp_ops.attention``, ``from cp_ops import attention``) loads the core; submodules import as usual. This keeps
+the ``cp-ops`` command's ``--help`` and argument errors instant (parsed before torch loads), and lets it report a
+bad setting in one line. Neither way imports torch's compiler (``torch._dynamo``, ``torch._inductor``) or changes
+a process-wide setting.
 """
 
 import sys as _sys
@@ -31,7 +34,7 @@ __all__ = [
 
 def _load_core() -> None:
     """Import the core's public names into this module (what ``import cp_ops`` did eagerly before)."""
-    from ._library import __name__ as _  # noqa: F401  (registers torch.ops.cp_ops.*)
+    from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
     from .attention import attention, choose_mode, local_attention
     from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
     from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)

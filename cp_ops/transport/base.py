@@ -128,6 +128,7 @@ def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
 # imported (that costs ~1 s and sets TORCHINDUCTOR_CACHE_DIR); tests/test_cli_startup.py checks the equivalence.
 resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
+
 def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
     """The transport a call will use on this device, as a name: never 'auto' (for reports and the CLI).
 
