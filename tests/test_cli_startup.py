@@ -75,7 +75,7 @@ def test_help_and_wrong_flags_answer_before_torch(args):
     assert result[:2] == (["0", "False"] if args[-1] == "--help" else ["2", "False"]), p.stdout + p.stderr
     # the whole command, interpreter start included, well under a second (best of 3: CI machines are noisy)
     best = min(_timed(args) for _ in range(3))
-    assert best < 0.8, f"cp-ops {' '.join(args)} took {best:.2f} s"
+    assert best < 0.9, f"cp-ops {' '.join(args)} took {best:.2f} s"
 
 
 def _timed(args):
