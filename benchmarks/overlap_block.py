@@ -18,7 +18,7 @@ Targets checked: with the pass, exposed communication <= 5% of block time at S >
 60% less exposed communication than without the pass.
 
 Writes ``overlap_block.json`` (+ ``overlap_block.png`` with matplotlib) to ``--out``. Launches its own ranks
-(``cp_ops.launch.launch``; or joins a ``torchrun`` launch). ``--device cpu`` is a smoke run with tiny shapes
+(``cp_ops.cli.launch.launch``; or joins a ``torchrun`` launch). ``--device cpu`` is a smoke run with tiny shapes
 on gloo (times there say nothing about GPUs).
 
     python benchmarks/overlap_block.py --out results/                 # 2 GPUs, S = 4K..32K, both modes
@@ -49,8 +49,8 @@ import torch.distributed as dist  # noqa: E402
 import cp_ops  # noqa: E402
 from benchmarks.blocks import WanBlock, rope_tables  # noqa: E402  (the blocks the pass tests use too)
 from cp_ops import layout  # noqa: E402
-from cp_ops.launch import launch  # noqa: E402
-from cp_ops.timing import max_over_ranks, time_ms  # noqa: E402
+from cp_ops.cli.launch import launch  # noqa: E402
+from cp_ops.cli.timing import max_over_ranks, time_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ("single", "cp", "cp_pass", "copy")

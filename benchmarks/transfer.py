@@ -259,7 +259,7 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args(argv)
     os.environ.setdefault("CP_OPS_FAST_POOL_GB", "16")
-    from cp_ops.launch import launch
+    from cp_ops.cli.launch import launch
 
     launch(_body, args.nproc, "cuda", args)
 

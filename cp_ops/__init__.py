@@ -9,16 +9,20 @@ Public API:
     local_attention(q, k, v, scale=None)                                           single-device reference
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
 The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library`.
+
+Importing: when torch is already imported (the usual case), ``import cp_ops`` loads the core at once — it
+registers ``torch.ops.cp_ops.*`` and parses the settings (a bad ``CP_OPS_*`` value raises
+:class:`cp_ops.config.ConfigError`). Otherwise ``import cp_ops`` imports nothing, and the first public name used
+(``cp_ops.attention``, ``from cp_ops import attention``) loads the core; submodules import as usual. Code that
+calls ``torch.ops.cp_ops.*`` directly imports torch first (or ``cp_ops._library``). This keeps
+the ``cp-ops`` command's ``--help`` and argument errors instant (parsed before torch loads), and lets it report a
+bad setting in one line. Neither way imports torch's compiler (``torch._dynamo``, ``torch._inductor``) or changes
+a process-wide setting.
 """
 
-from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
-from . import modes
-from .attention import attention, local_attention
-from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
-from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
-from .modes import choose as choose_mode
-from .transport.base import select_transport
+import sys as _sys
 
+__version__ = "0.1.0"
 __all__ = [
     "attention",
     "agkv_gather",
@@ -30,4 +34,35 @@ __all__ = [
     "modes",
     "compile",
 ]
-__version__ = "0.1.0"
+
+
+def _load_core() -> None:
+    """Import the core's public names into this module (what ``import cp_ops`` did eagerly before)."""
+    from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
+    from . import modes
+    from .attention import attention, local_attention
+    from .modes import choose as choose_mode
+    from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
+    from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
+    from .transport.base import select_transport
+
+    globals().update({k: v for k, v in locals().items() if k in __all__})
+
+
+if "torch" in _sys.modules:  # the usual case (torch imported first): the core costs ~20 ms more; register the ops now
+    _load_core()
+
+
+def __getattr__(name: str):
+    if name == "modes":  # a submodule (torch-free registry): import it alone, without the core
+        import importlib
+
+        return importlib.import_module(f"{__name__}.modes")
+    if name in __all__:  # the first public name used imports the core
+        _load_core()
+        return globals()[name]
+    raise AttributeError(f"module 'cp_ops' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

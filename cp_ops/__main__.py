@@ -1,5 +1,7 @@
+"""``python -m cp_ops ...`` = ``cp-ops ...`` (see :mod:`cp_ops.cli.main`)."""
+
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

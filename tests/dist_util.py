@@ -7,7 +7,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from cp_ops.launch import _worker, free_port
+from cp_ops.cli.launch import _worker, free_port
 
 
 def _body(rank, world_size, device, fn, args, errq):

@@ -9,38 +9,45 @@ not alias a transport's receive buffer (``Transport.pooled_outputs``: the fast t
 with a kernel that writes a new tensor (SDPA, or a copying unpack such as
 :func:`cp_ops.layout.ulysses_inverse_unpack`).
 
-A new mode is one file here that calls :func:`register` plus its name in the import line at the bottom;
-the public ``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from
-:func:`names`.
+A new mode is one file here that calls :func:`register` plus one line in :data:`_BUILTIN` (its name, module and
+properties, so the names are known without importing torch: the CLI lists them before torch loads); the
+public ``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from
+:func:`names`. A mode's module is imported the first time the mode is used.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
-
-import torch
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
-    fn: Callable[..., torch.Tensor]
+    fn: Callable[..., "torch.Tensor"] | None  # None until the mode's module is imported (see module)
     #: W must divide H (the mode splits heads over the ranks).
     needs_heads_divisible: bool
     #: one line for help texts.
     summary: str
+    #: the module that defines ``fn`` and calls :func:`register` (imported on first use).
+    module: str = ""
 
 
-_REGISTRY: dict[str, Mode] = {}
+#: The modes cp_ops ships: name -> (module, needs_heads_divisible, summary). One line per mode.
+_BUILTIN = {
+    "agkv": ("cp_ops.modes.agkv", False, "gather K/V, keep local Q"),
+    "ulysses": ("cp_ops.modes.ulysses", True, "all-to-all sequence <-> heads around attention"),
+}
+_REGISTRY: dict[str, Mode] = {n: Mode(n, None, div, summary, mod) for n, (mod, div, summary) in _BUILTIN.items()}
 
 
-def register(name: str, fn: Callable[..., torch.Tensor], *, needs_heads_divisible: bool = False,
+def register(name: str, fn: Callable[..., "torch.Tensor"], *, needs_heads_divisible: bool = False,
              summary: str = "") -> Mode:
     """Add a mode (replacing one of the same name). ``name`` must not be 'auto'."""
     if name == "auto" or not name.isidentifier():
         raise ValueError(f"a mode name must be an identifier other than 'auto'; got {name!r}")
-    m = Mode(name, fn, needs_heads_divisible, summary)
+    m = Mode(name, fn, needs_heads_divisible, summary, getattr(fn, "__module__", ""))
     _REGISTRY[name] = m
     return m
 
@@ -50,17 +57,30 @@ def names(include_auto: bool = True) -> tuple[str, ...]:
     return (("auto",) if include_auto else ()) + tuple(_REGISTRY)
 
 
-def get(name: str) -> Mode:
-    """The registered mode ``name``. Raises ValueError naming the valid names."""
+def spec(name: str) -> Mode:
+    """The registry entry of ``name`` (its properties; ``fn`` may still be None): imports nothing.
+    Raises ValueError naming the valid names."""
     try:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"mode must be one of {names()}; got {name!r}") from None
 
 
+def get(name: str) -> Mode:
+    """The registered mode ``name``. Raises ValueError naming the valid names."""
+    try:
+        m = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"mode must be one of {names()}; got {name!r}") from None
+    if m.fn is None:  # a built-in mode not imported yet: its module registers the function
+        importlib.import_module(m.module)
+        m = _REGISTRY[name]
+    return m
+
+
 def check_heads(mode: str, heads: int, world_size: int) -> None:
     """Raise ValueError if ``mode`` splits heads over the ranks and W does not divide H."""
-    if get(mode).needs_heads_divisible and heads % world_size != 0:
+    if spec(mode).needs_heads_divisible and heads % world_size != 0:
         others = [m for m in names(False) if not _REGISTRY[m].needs_heads_divisible]
         raise ValueError(
             f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
@@ -83,5 +103,3 @@ def choose(mode: str, heads: int, world_size: int) -> str:
     check_heads(mode, heads, world_size)
     return mode
 
-
-from . import agkv, ulysses  # noqa: E402,F401  (each registers itself)

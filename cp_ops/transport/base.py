@@ -153,7 +153,6 @@ def _log_once(key, msg: str, *args) -> None:
         log.info(msg, *args)
 
 
-@torch.compiler.assume_constant_result
 def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
     """Resolve a public ``transport=`` argument for tensors of ``device_type``; see the module docstring.
 
@@ -181,6 +180,11 @@ def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
         _log_once((name, device_type), "cp_ops: transport='auto' uses 'torch' on %s: %s unavailable: %s",
                   device_type, name, reason)
     return "torch"
+
+
+# What torch.compiler.assume_constant_result(resolve) does, without importing torch._dynamo when cp_ops is
+# imported (that costs ~1 s and sets TORCHINDUCTOR_CACHE_DIR); tests/test_cli_startup.py checks the equivalence.
+resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:

@@ -1,6 +1,6 @@
 """``cp-ops run wan``: one forward pass of a real diffusers Wan transformer, single rank vs CP over W ranks.
 
-Random seeded weights (no checkpoint download). The single-rank baseline is the unmodified diffusers
+The Wan architecture with random seeded weights (no checkpoint download): the output says so. The single-rank baseline is the unmodified diffusers
 model on rank 0 (attention backend cuDNN on CUDA, the same kernel the CP attention uses); then the same
 model is parallelized in place with :func:`cp_ops.integrations.diffusers.parallelize` and run on all
 ranks. Prints CP time, single-rank time, speedup and max relative error (max |cp − ref| / max |ref|).
@@ -8,13 +8,11 @@ ranks. Prints CP time, single-rank time, speedup and max relative error (max |cp
 
 from __future__ import annotations
 
-import json
-import os
 
 import torch
 import torch.distributed as dist
 
-from .bench import DTYPES, environment
+from .bench import DTYPES, _write_json, available_cores, environment
 from .timing import max_over_ranks, time_ms
 
 # Wan2.1-T2V-1.3B and -14B transformer configs (diffusers WanTransformer3DModel arguments); "tiny" is
@@ -48,14 +46,19 @@ def build(config: str, layers: int | None, device: torch.device, dtype: torch.dt
     return model.eval(), cfg
 
 
+def _compile(model, args):
+    import cp_ops
+
+    return cp_ops.compile(model, fullgraph=True, overlap=not args.no_overlap)
+
+
 def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
-    """Rank body of ``cp-ops run wan`` (arguments validated by :mod:`cp_ops.cli` before the ranks start)."""
-    from .modes import choose as choose_mode
-    from .integrations.diffusers import parallelize
-    from .transport.base import select_transport
+    """Rank body of ``cp-ops run wan`` (arguments validated by :mod:`cp_ops.cli.main` before the ranks start)."""
+    from cp_ops import choose_mode, select_transport
+    from cp_ops.integrations.diffusers import parallelize
 
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+        torch.set_num_threads(max(1, available_cores() // world_size))
     dtype = DTYPES[args.dtype]
     model, cfg = build(args.config, args.layers, device, dtype)
     pt, ph, pw = cfg["patch_size"]
@@ -78,7 +81,7 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     if rank == 0 and args.compile:
         print("compiling the single-rank model (first call; tens of seconds) ...", flush=True)
     if rank == 0:
-        m = torch.compile(model, fullgraph=True) if args.compile else model
+        m = _compile(model, args) if args.compile else model
         single_ms = time_ms(lambda: fwd(m), device, args.warmup, args.repeats)
         ref = fwd(m).float()
     dist.barrier()
@@ -87,7 +90,7 @@ def run_wan(rank: int, world_size: int, device: torch.device, args) -> None:
     parallelize(model, mode=args.mode, transport=args.transport)
     if rank == 0 and args.compile:
         print(f"compiling the CP{world_size} model ...", flush=True)
-    m = torch.compile(model, fullgraph=True) if args.compile else model
+    m = _compile(model, args) if args.compile else model
     cp_ms = max_over_ranks(time_ms(lambda: fwd(m), device, args.warmup, args.repeats), device)
     out = fwd(m).float()
     error = None
@@ -108,13 +111,21 @@ def report(args, cfg, device, world_size, tokens, mode, transport, cp_ms, single
                 tokens=tokens, latent=[args.batch, cfg["in_channels"], args.frames, args.height, args.width],
                 dtype=args.dtype, mode=mode, transport=transport, compile=args.compile)
     row = dict(cp_ms=cp_ms, single_ms=single_ms, speedup=single_ms / cp_ms, max_rel_err=err)
-    print(f"\ncp-ops run wan — Wan {args.config} ({cfg['num_layers']} layers, {meta['heads']} heads, "
-          f"dim {meta['dim']}), latent {meta['latent']} = {tokens} tokens, {args.dtype}, CP{world_size} "
-          f"mode={mode} transport={transport} compile={args.compile}, on {meta.get('gpu', 'CPU')}")
+    meta["weights"] = "random"
+    meta["compiled_with"] = (None if not args.compile else
+                             "torch.compile(fullgraph=True)" if args.no_overlap else "cp_ops.compile (overlap pass)")
+    print(f"\ncp-ops run wan — Wan {args.config} architecture, random weights ({cfg['num_layers']} layers, "
+          f"{meta['heads']} heads, dim {meta['dim']}), latent {meta['latent']} = {tokens} tokens, {args.dtype}, "
+          f"CP{world_size} mode={mode} transport={transport} compile={meta['compiled_with'] or 'no'}, "
+          f"on {meta.get('gpu', 'CPU')}")
     print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
     print(f"{cp_ms:>10.2f} {single_ms:>10.2f} {row['speedup']:>7.2f}x {err:>12.2e}")
+    print(f"speedup = 1-rank time ÷ CP time (ideal {world_size}x); times are medians of {args.repeats} runs, CP = the "
+          "slowest rank; max rel err = max |CP − 1-rank| / max |1-rank| (0 = bitwise equal).")
+    if device.type == "cpu":
+        print(f"CPU: a functional check, not a performance claim — the model is small (Wan {args.config} config) and "
+              "gloo's copies cost more than the attention they split, so a speedup below 1 is expected.")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "result": row}, f, indent=1)
-        print(f"wrote {args.out}")
+        _write_json(args.out, {"meta": meta, "result": row})
+    else:
+        print("(no JSON written: --out PATH saves the result)")

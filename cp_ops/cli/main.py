@@ -3,6 +3,10 @@
 Standalone, ``bench`` and ``run`` spawn ``--nproc`` local ranks themselves; under ``torchrun`` they join
 its ranks. Defaults: on a CUDA machine all visible GPUs with NCCL and the GPU shapes; otherwise (the
 embedded default) 2 gloo ranks on the CPU and shapes that finish in seconds.
+
+Arguments are parsed and checked before torch is imported (``--help`` and a wrong flag answer at once). A
+wrong argument or a bad ``CP_OPS_*`` value prints one line ``cp-ops: ...`` and exits 2; under torchrun only
+rank 0 prints it. Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
 """
 
 from __future__ import annotations
@@ -12,10 +16,9 @@ import importlib.util
 import math
 import os
 import sys
+import time
 
-import torch
-
-from . import modes
+from .. import modes
 
 GPU_SEQS = [4096, 8192, 16384, 32768, 75600]
 CPU_SEQS = [512, 1024, 2048]
@@ -31,11 +34,38 @@ def _csv(kind):
     return parse
 
 
+class UsageError(Exception):
+    """A wrong argument or setting: main() prints ``cp-ops: <message>`` once (rank 0) and returns 2."""
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say_once(line: str) -> None:
+    """Print one error line to stderr from rank 0 only; other torchrun ranks stay silent and let rank 0 exit
+    first (so torchrun's summary names rank 0's exit code 2 as the root cause)."""
+    if _rank0():
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(1.0)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors (unknown flag, bad choice): once, exit 2
+        if _rank0():
+            self.print_usage(sys.stderr)
+        _say_once(f"{self.prog}: error: {message}")
+        sys.exit(2)
+
+
 def _device(args) -> str:
+    import torch
+
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("cp-ops: --device cuda but torch.cuda.is_available() is False; use --device cpu")
+        _fail("--device cuda but torch.cuda.is_available() is False; use --device cpu")
     return args.device
 
 
@@ -48,20 +78,20 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs; the median is reported (default 20 GPU, 10 CPU)")
     p.add_argument("--out", default=None,
-                   help="JSON results path (default cp_ops_results/bench.json or run_wan_<mode>_<transport>[_compile].json; "
-                        "'' = none)")
+                   help="write the results as JSON to this path (checked for writability before the run; an existing "
+                        "file is overwritten and the output says so); default: no file")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="cp-ops",
-        description="Context-parallel attention for diffusion transformers: benchmark, run a real Wan "
-                    "transformer under CP, inspect the environment.",
+        description="Context-parallel attention for diffusion transformers: benchmark, run the Wan "
+                    "transformer architecture (random weights) under CP, inspect the environment.",
         epilog="examples:  cp-ops bench   |   cp-ops bench --seqs 4096,8192 --modes agkv   |   "
                "cp-ops run wan --config 1.3b --frames 16 --height 64 --width 64   |   cp-ops env   |   "
                "torchrun --nproc-per-node 2 -m cp_ops bench",
     )
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     b = sub.add_parser("bench", help="CP attention microbenchmark: time, speedup over one device, error",
                        description="Dense non-causal attention, BSHD, global S split evenly over W ranks. For each "
@@ -80,9 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", type=int, default=None, help="head dim D (default 128 GPU, 64 CPU)")
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     b.add_argument("--plot", default=None, help="write a PNG of speedup vs S to this path (needs matplotlib)")
-    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prog = b.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="show the progress bar even when stderr is not a terminal")
+    prog.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="no progress bar (default: shown only when stderr is a terminal)")
 
-    r = sub.add_parser("run", help="run a real diffusers DiT forward, single rank vs CP")
+    r = sub.add_parser("run", help="one forward of a diffusers DiT (Wan architecture, random weights), single rank vs CP")
     r.add_argument("model", choices=["wan"], help="the model family (Wan 2.1 transformer)")
     _common(r)
     r.add_argument("--config", choices=["1.3b", "14b", "tiny"], default=None,
@@ -100,18 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
                    help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
                         "auto (fast where it can run, else torch; `cp-ops env` says which)")
-    r.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) both runs")
+    r.add_argument("--compile", action="store_true",
+                   help="compile both runs with cp_ops.compile: torch.compile(fullgraph=True) plus the K/V "
+                        "overlap pass (a no-op on the single-rank model, which has no cp_ops ops)")
+    r.add_argument("--no-overlap", action="store_true",
+                   help="with --compile: plain torch.compile(fullgraph=True), without the overlap pass")
 
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not")
     return ap
 
 
 def _fail(msg: str) -> None:
-    raise SystemExit(f"cp-ops: {msg}")
+    raise UsageError(msg)
 
 
-def _check_bench(args, device: str, world: int) -> None:
-    from .transport.fast import unavailable_reason
+def _check_bench(args, device: str, world: int, settings) -> None:
+    from cp_ops.transport.fast import unavailable_reason
 
     gpu = device == "cuda"
     args.seqs = (GPU_SEQS if gpu else CPU_SEQS) if args.seqs is None else args.seqs
@@ -134,24 +172,25 @@ def _check_bench(args, device: str, world: int) -> None:
     bad = [s for s in args.seqs if s < world or s % world]
     if bad:
         _fail(f"bench: every S in --seqs must be a positive multiple of the CP world size {world}; got {bad}")
-    if args.heads % world and all(m != "auto" and modes.get(m).needs_heads_divisible for m in args.modes):
+    if args.heads % world and all(m != "auto" and modes.spec(m).needs_heads_divisible for m in args.modes):
         _fail(f"bench: mode {','.join(args.modes)} needs the CP world size {world} to divide --heads {args.heads}; "
               "pick other heads or add --modes agkv")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         _fail("bench: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
-    if "fast" in args.transports and "CP_OPS_FAST_POOL_GB" not in os.environ:
+    if "fast" in args.transports and settings.sources.get("fast_pool_gb") == "default":
         from .bench import DTYPES, fast_pool_gib
 
         need = fast_pool_gib(args.seqs, args.batch, args.heads, args.head_dim, DTYPES[args.dtype], world)
-        if need > 7:  # the pool's default is 8 GiB; leave room for its control block
-            os.environ["CP_OPS_FAST_POOL_GB"] = str(math.ceil(need * 1.1))
-            print(f"cp-ops bench: these shapes fill {need:.1f} GiB of the fast transport's symmetric pool; "
-                  f"using CP_OPS_FAST_POOL_GB={os.environ['CP_OPS_FAST_POOL_GB']} (set it to override)")
+        if need > settings.fast_pool_gb - 1:  # leave room for the pool's control block
+            args.settings["fast_pool_gb"] = math.ceil(need * 1.1)
+            if _rank0():
+                print(f"cp-ops bench: these shapes fill {need:.1f} GiB of the fast transport's symmetric pool; "
+                      f"using fast_pool_gb={args.settings['fast_pool_gb']} (set CP_OPS_FAST_POOL_GB to override)")
 
 
 def _check_run_wan(args, device: str, world: int) -> None:
     from .run_wan import CONFIGS
-    from .transport.fast import unavailable_reason
+    from cp_ops.transport.fast import unavailable_reason
 
     if importlib.util.find_spec("diffusers") is None:
         _fail("run wan needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
@@ -172,20 +211,72 @@ def _check_run_wan(args, device: str, world: int) -> None:
         _fail(f"run wan: the video has {tokens} tokens (frames {args.frames // pt} x {args.height // ph} x "
               f"{args.width // pw} patches), not divisible by the CP world size {world}; change --frames/--height/--width")
     heads = cfg["num_attention_heads"]
-    if args.mode != "auto" and modes.get(args.mode).needs_heads_divisible and heads % world:
+    if args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % world:
         _fail(f"run wan: mode {args.mode} needs the CP world size {world} to divide the {heads} heads of Wan "
               f"{args.config}; use --mode agkv")
     if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
         _fail(f"run wan: transport 'fast' cannot run: {why}")
+    if args.no_overlap and not args.compile:
+        _fail("run wan: --no-overlap only applies with --compile")
+
+
+def _check_out(path: str | None, flag: str) -> None:
+    """Fail before the run when ``path`` cannot be written; say when it will be overwritten."""
+    if not path:
+        return
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        _fail(f"{flag} {path} is a directory; give a file path")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        _fail(f"{flag} {path}: cannot write under {parent}")
+    if os.path.exists(full):
+        if not os.access(full, os.W_OK):
+            _fail(f"{flag} {path} exists and is not writable")
+        if _rank0():
+            print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
+
+
+def load_settings():
+    """``cp_ops.config.settings``; a bad ``CP_OPS_*`` value becomes a :class:`UsageError` (its one line)."""
+    try:
+        from cp_ops import config
+    except ValueError as e:  # cp_ops.config.ConfigError: parsed once at import
+        if type(e).__name__ != "ConfigError":
+            raise
+        _fail(str(e))
+    return config.settings
+
+
+def _rank_entry(rank: int, world_size: int, device, fn, args) -> None:
+    """What every rank runs: apply the CLI's settings with :func:`cp_ops.config.configure`, then ``fn``."""
+    from cp_ops import config
+
+    if args.settings:
+        config.configure(**args.settings)
+    fn(rank, world_size, device, args)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``cp-ops`` command. Returns the exit code: 0, or 2 for a wrong argument or setting."""
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except UsageError as e:
+        _say_once(f"cp-ops: {e}")
+        return 2
+
+
+def _main(args) -> int:
     if args.cmd == "env":
         from .env_report import print_env
 
-        print_env()
-        return 0
+        return print_env()
+    settings = load_settings()
+    import torch
+
     from .launch import launch, under_torchrun
 
     device = _device(args)
@@ -204,20 +295,18 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
     if args.dtype is None:
         args.dtype = "bf16" if gpu else "fp32"
+    args.settings = {}
     if args.cmd == "bench":
-        from .bench import run_bench
+        from .bench import run_bench as body
 
-        _check_bench(args, device, world)
-        if args.out is None:
-            args.out = "cp_ops_results/bench.json"
-        launch(run_bench, args.nproc, device, args)
-    elif args.cmd == "run":
-        from .run_wan import run_wan
+        _check_bench(args, device, world, settings)
+        _check_out(args.plot, "--plot")
+    else:
+        from .run_wan import run_wan as body
 
         _check_run_wan(args, device, world)
-        if args.out is None:
-            args.out = f"cp_ops_results/run_wan_{args.mode}_{args.transport}{'_compile' if args.compile else ''}.json"
-        launch(run_wan, args.nproc, device, args)
+    _check_out(args.out, "--out")
+    launch(_rank_entry, args.nproc, device, body, args)
     if not under_torchrun():
         sys.stdout.flush()
     return 0

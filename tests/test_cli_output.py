@@ -1,0 +1,117 @@
+"""What the CLI's output and files promise (issue 12 items 1, 7, 8, 9): the single-device baseline runs alone,
+oversubscribed cores are warned about, results go only where ``--out`` says (checked before the run), the
+progress bar stays out of logs, and under torchrun a bad argument is one line from rank 0 with exit code 2."""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+from dist_util import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--device", "cpu", "--seqs", "64", "--heads", "2", "--head-dim", "8", "--modes", "agkv", "--warmup", "0",
+         "--repeats", "2"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CP_OPS_")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
+
+
+def _cli(*args, cwd=ROOT, timeout=180, text=True):
+    return subprocess.run([sys.executable, "-m", "cp_ops", *args], capture_output=True, text=text,
+                          timeout=timeout, env=_env(), cwd=cwd)
+
+
+def _bench_rank(rank, world_size, out_dir):
+    """run_bench with local_attention instrumented: when each rank calls it, and what rank 0 prints."""
+    import torch
+
+    from cp_ops.cli import bench
+
+    calls = []
+    real = bench.local_attention
+
+    def timed(*a, **k):
+        t0 = time.time()
+        r = real(*a, **k)
+        calls.append((t0, time.time()))
+        return r
+
+    bench.local_attention = timed
+    bench.available_cores = lambda: 1  # pretend one core: 2 ranks x 1 thread oversubscribe it
+    args = argparse.Namespace(dtype="fp32", batch=1, heads=2, head_dim=8, seqs=[64, 128], modes=["agkv"],
+                              transports=["torch"], warmup=1, repeats=3, progress=False, out=None, plot=None)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        bench.run_bench(rank, world_size, torch.device("cpu"), args)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"calls": calls, "stdout": buf.getvalue()}, f)
+
+
+def test_single_device_baseline_runs_alone(tmp_path):
+    run_ranks(_bench_rank, 2, str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    per_s = 1 + 3 + 1  # rank 0: warm-up + timed runs, then the untimed reference
+    assert len(r0["calls"]) == 2 * per_s and len(r1["calls"]) == 2  # rank 1: only the untimed reference per S
+    for i in range(2):  # per S: rank 1 computes nothing until rank 0's timed runs are over
+        timed_end = r0["calls"][i * per_s + per_s - 2][1]
+        assert r1["calls"][i][0] >= timed_end, (r1["calls"][i], timed_end)
+    assert "warning: 2 ranks x 1 thread(s) = 2 > 1 cores here" in r0["stdout"]
+    assert "warning" not in r1["stdout"]
+
+
+def test_no_out_writes_nothing_and_progress_only_when_asked(tmp_path):
+    p = _cli("bench", *SMALL, "--progress", cwd=tmp_path, text=False)  # bytes: text mode turns \r into \n
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert b"(no JSON written: --out PATH saves the results)" in p.stdout
+    assert os.listdir(tmp_path) == []  # no cp_ops_results/ in the working directory
+    assert b"\r" in p.stderr and b"cp-ops bench" in p.stderr  # --progress shows the bar off a terminal too
+    # (without --progress, no bar off a terminal: tests/test_cli.py::test_bench_cpu_default)
+
+
+def test_out_checked_before_the_run(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for out, message in [(blocker / "bench.json", f"--out {blocker / 'bench.json'}: cannot write under {blocker}"),
+                         (tmp_path, f"--out {tmp_path} is a directory; give a file path")]:
+        t = time.perf_counter()
+        p = _cli("bench", *SMALL, "--out", str(out))
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"cp-ops: {message}"], p.stderr
+        assert "cp-ops bench —" not in p.stdout  # no rank ran
+        assert time.perf_counter() - t < 30
+    p = _cli("bench", *SMALL, "--plot", str(blocker / "x.png"), "--out", "")
+    assert p.returncode == 2 and "--plot" in p.stderr
+
+
+def test_out_overwrite_is_announced(tmp_path):
+    out = tmp_path / "bench.json"
+    out.write_text("{}")
+    p = _cli("bench", *SMALL, "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"cp-ops: --out {out} exists; it will be overwritten" in p.stdout
+    assert f"wrote {out} (replaced the file that was there)" in p.stdout
+    assert json.loads(out.read_text())["rows"][0]["S"] == 64
+
+
+def _torchrun(*args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_ops",
+                           *args], capture_output=True, text=True, timeout=180, env=_env(), cwd=ROOT)
+
+
+def test_torchrun_bad_argument_is_one_line_from_rank_0():
+    p = _torchrun("bench", *SMALL[:2], "--seqs", "64,65")
+    text = p.stdout + p.stderr
+    msg = "cp-ops: bench: every S in --seqs must be a positive multiple of the CP world size 2; got [65]"
+    assert text.count(msg) == 1 and text.count("cp-ops:") == 1, text
+    assert "cp_ops/" not in text and "cp_ops\\" not in text  # no traceback from cp_ops (torchrun adds its summary)
+    assert "exitcode  : 2" in text  # rank 0 exited 2: torchrun names it the root cause
+    p = _torchrun("bench", "--bogus")
+    text = p.stdout + p.stderr
+    assert text.count("cp-ops: error: unrecognized arguments: --bogus") == 1 and "exitcode  : 2" in text, text
