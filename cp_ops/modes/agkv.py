@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 
 from .. import _library as lib
-from .. import attention as _attention
+from ..attention import local_attention
 from . import register
 
 
 def agkv_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None) -> torch.Tensor:
     """AGKV: gather every rank's K/V, attend with the local Q. Shapes as :func:`cp_ops.attention`."""
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, world_size, group_name, transport)
-    return _attention.local_attention(q, lib.wait(k_full), lib.wait(v_full), scale)
+    return local_attention(q, lib.wait(k_full), lib.wait(v_full), scale)
 
 
 register("agkv", agkv_attention, summary="gather K/V, keep local Q")

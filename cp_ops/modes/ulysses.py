@@ -7,7 +7,7 @@ import torch
 
 from .. import _library as lib
 from .. import layout
-from .. import attention as _attention
+from ..attention import local_attention
 from . import register
 
 
@@ -15,7 +15,7 @@ def ulysses_attention(q, k, v, *, world_size: int, group_name: str, transport: s
     """Ulysses: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back."""
     buf = lib.wait(torch.ops.cp_ops.ulysses_start([q, k, v], world_size, group_name, transport))
     qh, kh, vh = (layout.ulysses_unpack(buf, i) for i in range(3))
-    out = _attention.local_attention(qh, kh, vh, scale)
+    out = local_attention(qh, kh, vh, scale)
     back = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(out, world_size, group_name, transport))
     return layout.ulysses_inverse_unpack(back)
 
