@@ -49,7 +49,7 @@ def _body(rank, world, device, args):
                         per_call.append((time.perf_counter() - t0) / args.calls * 1e6)
                         if device.type == "cuda":
                             torch.cuda.synchronize()
-                    med = torch.tensor([statistics.median(per_call)], dtype=torch.float64)
+                    med = torch.tensor([statistics.median(per_call)], dtype=torch.float64, device=device)
                     dist.all_reduce(med, op=dist.ReduceOp.MAX)
                     rows.append({"transport": tr, "mode": mode, "check_ranks": check, "host_us_per_call": med.item()})
     config.configure(check_ranks="once")

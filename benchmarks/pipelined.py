@@ -203,7 +203,7 @@ def main(argv=None) -> None:
     p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"])
     p.add_argument("--transports", nargs="+", default=["torch", "fast"])
     p.add_argument("--chunks", nargs="+", default=["1", "2", "4"],
-                   help="chunk counts ('None' = the heuristic; on CUDA it picks W for AGKV, 2 for Ulysses)")
+                   help="chunk counts ('None' = what chunks=None picks: 1 until the measured choice lands)")
     p.add_argument("--n", type=int, default=20, help="calls back to back per sample")
     p.add_argument("--reps", type=int, default=5, help="samples (median taken)")
     p.add_argument("--max-minutes", type=float, default=3.4, help="skip configurations that would run past this")
@@ -211,7 +211,7 @@ def main(argv=None) -> None:
     args.chunks = [None if c.lower() == "none" else int(c) for c in args.chunks]
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/pipelined.py needs CUDA GPUs")
-    from cp_ops.launch import launch
+    from cp_ops.cli.launch import launch
 
     launch(_worker, args.nproc, "cuda", args)
 

@@ -155,10 +155,7 @@ def agkv_pipelined_attention(
 
 
 def _check_agkv_pipelined(q, k, v, chunks) -> None:
-    _check_agkv(k, v, world_size)
-    _check_bshd_fake("q", q)
-    torch._check(q.shape == k.shape, lambda: f"q and k shapes differ: {tuple(q.shape)} vs {tuple(k.shape)}")
-    torch._check(q.dtype == k.dtype, lambda: f"q and k dtypes differ: {q.dtype} vs {k.dtype}")
+    validate.check_same(("q", "k", "v"), (q, k, v))
     torch._check(chunks >= 1, lambda: f"chunks must be >= 1; got {chunks}")
 
 

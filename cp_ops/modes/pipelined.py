@@ -5,14 +5,8 @@ device); ``c ≥ 2`` runs the mode's pipelined variant in c stages (:mod:`.agkv_
 :mod:`.ulysses_pipelined`); ``c = None`` asks :func:`choose_chunks`.
 
 :func:`choose_chunks` is the hook for the measured choice (issue 9, item 4: measure the variants on first
-use, agree over the ranks, cache on disk). Until then it is this heuristic, a pure function of the shape so
-that every rank picks the same:
-
-* CPU, or fewer than 4096 tokens in the whole sequence (W·S_local): 1 — pipelining's extra kernels and the
-  merge cost more than the transfer they hide.
-* AGKV: W stages (the local block, then one per peer) — on H200 the transfer of one peer's block takes about
-  as long as attending one block, so a stage per block hides all but the first.
-* Ulysses: 2 when each rank attends at least 2 heads (H/W ≥ 2), else 1.
+use, agree over the ranks, cache on disk). Until that lands it returns 1 — transport-then-attend, the path
+measured and bitwise equal to one device — so the pipelined variants run only when asked for (``chunks=k``).
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ PIPELINED: dict[str, Callable[..., torch.Tensor]] = {
     "agkv": agkv_pipelined_attention,
     "ulysses": ulysses_pipelined_attention,
 }
-MIN_TOKENS = 4096
 
 
 def check_chunks(chunks) -> None:
@@ -41,10 +34,7 @@ def check_chunks(chunks) -> None:
 def choose_chunks(mode: str, world_size: int, q: torch.Tensor, transport: str = "auto") -> int:
     """The stage count for a call whose ``chunks`` is None (see the module docstring). ``q``: ``[B, S_local, H, D]``.
 
-    Returns 1 when ``mode`` has no pipelined variant."""
-    del transport  # the measured choice (item 4) will key on it
-    if mode not in PIPELINED or q.device.type != "cuda" or world_size * q.shape[1] < MIN_TOKENS:
-        return 1
-    if mode == "agkv":
-        return world_size
-    return 2 if q.shape[2] // world_size >= 2 else 1
+    Returns 1 (transport-then-attend) for now: the pipelined variants are opt-in (``chunks=k``) until the
+    measured per-shape choice (issue 9, item 4) decides from numbers taken on the GPU."""
+    del mode, world_size, q, transport  # the measured choice will key on them
+    return 1
