@@ -4,7 +4,8 @@
 #   sections: env tests bench wan wan_compile wan_fast overlap fast (default: all); one log, OUT_DIR/log.txt
 #   also (not in the default): pipelined — tests/test_pipelined_gpu.py (-s: errors printed) + benchmarks/pipelined.py;
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
-#   cpu_suite — the whole CPU suite on this machine's torch (GPUs hidden), in the background (joined at the end);
+#   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
+#     background (joined at the end);
 #   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/rank check)
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
@@ -25,7 +26,7 @@ for s in $SECTIONS; do case $s in
   deps)  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
          export PYTHONPATH=$ROOT:/tmp/site CP_OPS_EXT_DIR=${CP_OPS_EXT_DIR:-/tmp/cp_ops_ext}
          python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
-  cpu_suite) ( CUDA_VISIBLE_DEVICES= timeout ${CPU_SUITE_TIMEOUT:-480} python3 -m pytest -q -m "not gpu" -p no:cacheprovider \
+  cpu_suite) ( CUDA_VISIBLE_DEVICES= timeout ${CPU_SUITE_TIMEOUT:-480} python3 -m pytest -q -m "not gpu" -p no:cacheprovider ${CPU_SUITE_TESTS:-} \
            > "$OUT/cpu_suite.txt" 2>&1; echo "cpu_suite rc=$?" >> "$OUT/cpu_suite.txt" ) & bg=$! ;;
   host)  step host python3 benchmarks/host_cost.py --nproc ${HOST_NPROC:-2} --out "$OUT" ;;
   env)   step env python3 -m cp_ops env
