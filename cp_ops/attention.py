@@ -138,3 +138,5 @@ class _ForwardOnly(torch.autograd.Function):
         g = lib.refuse_grad(grad, ctx.shape, "attention")
         return None, g, g, g
 
+
+modes.load_builtin()  # the mode functions, imported with the core (never inside traced code)

@@ -32,7 +32,7 @@ def test_registry_names_and_choose():
 
 
 def _new_mode_everywhere(rank, w):
-    from cp_ops.cli import build_parser
+    from cp_ops.cli.main import build_parser
 
     modes.register("mine", _mine, needs_heads_divisible=True, summary="test")
     assert "mine" in modes.names()

@@ -66,6 +66,14 @@ def spec(name: str) -> Mode:
         raise ValueError(f"mode must be one of {names()}; got {name!r}") from None
 
 
+def load_builtin() -> None:
+    """Import every built-in mode's module (the core calls this when it loads, so that no import happens
+    inside code that ``torch.compile`` traces)."""
+    for m in list(_REGISTRY.values()):
+        if m.fn is None and m.module:
+            importlib.import_module(m.module)
+
+
 def get(name: str) -> Mode:
     """The registered mode ``name``. Raises ValueError naming the valid names."""
     try:
