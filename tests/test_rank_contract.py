@@ -57,6 +57,21 @@ def test_ranks_switching_to_a_seen_shape_raise_on_every_rank(world_size):
     run_ranks(_shape_switch, world_size)
 
 
+def _shape_switch_over(rank, w, use_shm):
+    from cp_ops import validate
+
+    validate._USE_SHM = use_shm
+    _shape_switch(rank, w)
+    st = validate._groups[dist.group.WORLD.group_name]
+    # one host: the signature goes through shared memory (a few µs) unless told to use the gloo side group
+    assert (st.shm is not None) == use_shm, (use_shm, st.shm)
+
+
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "gloo"])
+def test_both_exchanges_catch_a_rank_switching_shape(use_shm):
+    run_ranks(_shape_switch_over, 2, use_shm)
+
+
 def _settings_mismatch(rank, w):
     saved = config.snapshot()
     (q, k, v), _ = _shards(rank, w, 8, 0)
