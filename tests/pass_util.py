@@ -6,7 +6,9 @@ import logging
 import operator
 import re
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 _SKIP = {"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "getitem", "alias"}
@@ -235,3 +237,15 @@ def pool_slot_violations(code: str, op: str, slots: int = 2) -> list[str]:
             if used:
                 bad.append(f"line {j} reads {used} (launch at line {old_line}) after launch at line {start} took its slot")
     return bad
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    """A 2-rank fake process group for a test module that imports this fixture (shape/tracing tests)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()

@@ -18,20 +18,10 @@ from torch.testing import FileCheck
 import cp_ops  # noqa: F401
 import passes
 from benchmarks import blocks as pb
-from pass_util import check_inputs_alive, compile_and_get, kernel_lines
+from pass_util import check_inputs_alive, compile_and_get, fake_group, kernel_lines  # noqa: F401  (fixture)
 
 DIM, HEADS = 64, 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _wan_args(s_local=16, seed=0):

@@ -22,21 +22,11 @@ import torch.distributed as dist
 import cp_ops
 from benchmarks import blocks as pb
 from cp_ops.transport.base import inflight_limit
-from pass_util import compile_and_get, pool_slot_violations
+from pass_util import compile_and_get, fake_group, pool_slot_violations  # noqa: F401  (fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIM, HEADS = 64, 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _repro_graph():
