@@ -61,7 +61,8 @@ def test_torch_logs_switch_as_documented():
 def test_extras_per_cuda_major():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]
-    assert not any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in project["dependencies"])
+    # numpy is a base dependency only so that torch does not warn "Failed to initialize NumPy" in every rank
+    assert "numpy" in project["dependencies"]
     extras = project["optional-dependencies"]
     for major in ("12", "13"):
         assert f"nvshmem4py-cu{major}" in extras[f"fast-cu{major}"] and "numpy" in extras[f"fast-cu{major}"]
