@@ -223,7 +223,8 @@ for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ul
                    (ulysses_inverse_start, "ulysses_inverse_start"),
                    (agkv_pipelined_attention, "agkv_pipelined_attention")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
-    validate.register_op(_op._qualname)  # the calls whose signatures the rank contract exchanges
+    # the calls whose signatures the rank contract exchanges (the pipelined op's extra integer is its chunks)
+    validate.register_op(_op._qualname, "chunks" if _op is agkv_pipelined_attention else "tensors")
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
