@@ -164,6 +164,24 @@ class _Group:
 
 
 _groups: dict[str, _Group] = {}
+
+
+def _release_side_groups() -> None:
+    """At interpreter exit, drop the gloo side groups and shared-memory maps while the interpreter is whole: a
+    gloo group left to die in the final teardown can abort the process ("terminate called without an active
+    exception") after its store is gone."""
+    for st in _groups.values():
+        st.side = None
+        st.shm = None
+    _groups.clear()
+    import gc
+
+    gc.collect()
+
+
+import atexit  # noqa: E402
+
+atexit.register(_release_side_groups)
 _side_made: dict[str, int] = {}
 
 
