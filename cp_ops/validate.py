@@ -285,9 +285,10 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
         dtype = 0
     _PACK.pack_into(st.lbuf, 0, op_id, _id(pg.group_name), st.count, failed is not None, _id(transport),
                     _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, 0)
+    mine = bytes(st.lbuf)
     try:
         if st.shm is not None:
-            if not st.shm.allgather(st.count, bytes(st.lbuf), st.gbuf, config.settings.timeout_s):
+            if not st.shm.allgather(st.count, mine, st.gbuf, config.settings.timeout_s):
                 raise RuntimeError("shared-memory rank check timed out")
         else:
             st.side._allgather_base(st.gathered, st.local).wait()
@@ -297,7 +298,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
             f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped a call, crashed, or is stuck; "
             f"CP_OPS_CHECK_RANKS=always names skipped calls earlier): {str(e).splitlines()[0]}"
         ) from e
-    if st.gbuf != bytes(st.lbuf) * st.w:
+    if st.gbuf != mine * st.w:
         _disagree(st, op, transport, t, extra, failed, inputs)
 
 
