@@ -81,20 +81,29 @@ class OverlapPass(_custom_graph_pass_base()):
         return ("cp_ops.passes.OverlapPass", _source_hash(), inflight_limit(), inner)
 
 
-def _custom_scheduler_pass_base() -> type:
+def _custom_scheduler_pass_bases() -> tuple[type, ...]:
+    """Bases for :class:`PinWindows`: ``CustomSchedulerPass`` and also ``CustomGraphPass``. The FX graph cache
+    of older Inductors (torch 2.11) keeps caching only when ``_pre_fusion_custom_pass`` is a ``CustomGraphPass``;
+    newer ones (2.13) ask for a ``CustomSchedulerPass``. Both are ABCs wanting ``__call__`` and ``uuid``."""
+    bases = []
     try:
         from torch._inductor.custom_graph_pass import CustomSchedulerPass
 
-        return CustomSchedulerPass
-    except ImportError:  # pragma: no cover - older Inductor: a plain callable (FX graph cache bypassed)
-        return object
+        bases.append(CustomSchedulerPass)
+    except ImportError:  # pragma: no cover - older Inductor
+        pass
+    graph_pass = _custom_graph_pass_base()
+    if graph_pass is not object:
+        bases.append(graph_pass)
+    return tuple(bases) or (object,)
 
 
-class PinWindows(_custom_scheduler_pass_base()):
+class PinWindows(*_custom_scheduler_pass_bases()):
     """Scheduler pass (``torch._inductor.config._pre_fusion_custom_pass``): :func:`passes.overlap.pin_windows`.
 
-    A ``CustomSchedulerPass`` with the same source-hash ``uuid()`` as :class:`OverlapPass`, so the FX graph
-    cache stays on (a raw callable there makes Inductor bypass the cache). An optional ``inner`` scheduler
+    A ``CustomSchedulerPass`` (and ``CustomGraphPass``, see :func:`_custom_scheduler_pass_bases`) with the same
+    source-hash ``uuid()`` as :class:`OverlapPass`, so the FX graph cache stays on (a raw callable there makes
+    Inductor bypass the cache). An optional ``inner`` scheduler
     pass (one installed before ours) runs first.
     """
 
