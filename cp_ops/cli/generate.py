@@ -92,7 +92,8 @@ def write(frames, video: bool, out: str) -> str:
             return out
         except (ImportError, AttributeError, RuntimeError, OSError) as e:
             png = os.path.splitext(out)[0] + ".png"
-            print(f"cp-ops generate: no video encoder ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) else type(e).__name__
+            print(f"cp-ops generate: no video encoder ({why}); "
                   f"writing the {len(frames)} frames as a PNG grid {png} (pip install imageio imageio-ffmpeg for MP4)")
             out = png
     if len(u8) == 1:
@@ -114,6 +115,10 @@ def generate(rank: int, world_size: int, device: torch.device, args) -> None:
 
     if device.type == "cpu":
         torch.set_num_threads(max(1, available_cores() // world_size))
+    if rank != 0:  # one progress bar (rank 0's): no loading bars from the other ranks either
+        from diffusers.utils import logging as dlogging
+
+        dlogging.disable_progress_bar()
     pipe = load_pipeline(args.checkpoint, DTYPES[args.dtype], device)
     if getattr(pipe, "transformer", None) is None:
         raise ValueError(f"generate: the pipeline {type(pipe).__name__} at {args.checkpoint} has no transformer")
