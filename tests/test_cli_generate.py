@@ -30,6 +30,7 @@ def _tiny_wan_pipeline(path):
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0))
     pipe.save_pretrained(path)
     torch.save(torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(5)), os.path.join(path, "embeds.pt"))
+    return pipe
 
 
 def test_generate_tiny_wan(tmp_path):
@@ -69,3 +70,20 @@ def test_generate_tiny_wan(tmp_path):
         got, want = np.asarray(Image.open(written)), np.asarray(Image.open(ref))
         assert got.shape == want.shape == (2 * 32, 3 * 32, 3)  # 5 frames: a 2 x 3 grid
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # CP2 = one process, up to rounding
+
+
+def test_run_checkpoint_loads_the_transformer(tmp_path, capsys):
+    """`run wan --checkpoint DIR` takes the transformer of a pipeline folder (weights as saved); a checkpoint of
+    another class is refused before any rank starts."""
+    from cp_ops.cli.main import main
+    from cp_ops.cli.models import MODELS, load_checkpoint
+
+    ckpt = tmp_path / "wan"
+    saved = _tiny_wan_pipeline(str(ckpt)).transformer
+    model, cfg = load_checkpoint(MODELS["wan"], str(ckpt), "cpu", torch.float32)
+    assert cfg["num_layers"] == 2 and cfg["in_channels"] == 16
+    for (n, a), (_, b) in zip(model.state_dict().items(), saved.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert main(["run", "flux", "--device", "cpu", "--checkpoint", str(ckpt), "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert "holds a WanTransformer3DModel; run flux takes a FluxTransformer2DModel" in err
