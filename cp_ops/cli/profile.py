@@ -264,6 +264,8 @@ def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) ->
             dist.barrier()
             with profile(activities=acts) as prof:
                 for _ in range(args.profile_runs):
+                    if args.cuda_graphs and args.compile:
+                        torch.compiler.cudagraph_mark_step_begin()
                     with record_function(FORWARD):
                         spec.predict(m, kw)
                 if device.type == "cuda":

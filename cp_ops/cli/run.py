@@ -90,14 +90,21 @@ class _Graphed:
         return self.out
 
 
-def _forward_fn(m, spec, kw):
+def _mark_step(args) -> None:
+    """A new CUDA-graph-tree step (``mode='reduce-overhead'``): the previous call's outputs may be overwritten."""
+    if args.cuda_graphs and args.compile:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def _forward_fn(m, spec, kw, args):
     def fwd():
+        _mark_step(args)
         with torch.no_grad():
             return spec.predict(m, kw)
     return fwd
 
 
-def denoise(m, spec, kw, steps: int, device, sync_each: bool = False):
+def denoise(m, spec, kw, steps: int, device, args=None):
     """``steps`` steps of the model's scheduler from the latents in ``kw`` (not modified). Returns
     ``(final latents fp32, per-step ms)``; a step = the transformer call + the scheduler update. On CUDA the
     steps are bracketed by events (the host never waits inside the loop)."""
@@ -119,6 +126,8 @@ def denoise(m, spec, kw, steps: int, device, sync_each: bool = False):
                 marks.append(time.perf_counter())
             spec.set_latents(kw, lat)
             kw[key] = spec.model_timestep(t.float()).expand(batch).to(tdtype)
+            if args is not None:
+                _mark_step(args)
             pred = spec.predict(m, kw)
             lat = sched.step(pred, t, lat, return_dict=False)[0]
         if cuda:
@@ -135,19 +144,19 @@ def denoise(m, spec, kw, steps: int, device, sync_each: bool = False):
 
 def _measure(m, spec, kw, args, device, graphs_ok: bool):
     """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32)``."""
-    fwd = _forward_fn(m, spec, kw)
+    fwd = _forward_fn(m, spec, kw, args)
     _sync(device)
     t0 = time.perf_counter()
     if args.steps:
-        denoise(m, spec, kw, 1, device)  # the first call: compiles when compiling
+        denoise(m, spec, kw, 1, device, args)  # the first call: compiles when compiling
     else:
         fwd()
     _sync(device)
     first_s = time.perf_counter() - t0
     if args.steps:
         for _ in range(max(0, min(args.warmup, 1))):
-            denoise(m, spec, kw, args.steps, device)
-        out, ms = denoise(m, spec, kw, args.steps, device)
+            denoise(m, spec, kw, args.steps, device, args)
+        out, ms = denoise(m, spec, kw, args.steps, device, args)
         return first_s, ms, out
     call = _Graphed(fwd, device) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
