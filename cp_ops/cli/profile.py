@@ -296,9 +296,9 @@ def print_breakdown(bd: dict) -> None:
 
     line("forward", bd["forward"])
     if bd["layers"]:
+        for name, d in bd["per_layer"].items():
+            line(f"  {name}"[:28], d)
         line(f"mean of {len(bd['per_layer'])} layers", bd["layers"])
-        worst = max(bd["per_layer"].items(), key=lambda kv: kv[1]["span_ms"])
-        line(f"slowest: {worst[0]}"[:28], worst[1])
     f = bd["forward"]
     print(f"replicated work {f['replicated_ms']:.3f} ms/forward "
           f"({', '.join(f'{k} {v:.3f}' for k, v in bd['replicated'].items()) or 'none marked'}); "
@@ -306,5 +306,5 @@ def print_breakdown(bd: dict) -> None:
           f"host syncs {f['host_syncs']:.0f} per forward"
           + (f" ({', '.join(f'{k}: {v:.0f}' for k, v in bd['host_syncs_by_region'].items())})"
              if bd["host_syncs_by_region"] else ""))
-    print("ms per forward; exposed comm = communication no other work of the same range overlaps; per-layer rows in "
-          "the JSON (--out) and in breakdown_rank*.json next to the trace.")
+    print("ms per forward; exposed comm = communication no other work of the same range overlaps; every rank's "
+          "breakdown in breakdown_rank*.json next to the traces (rank 0's also in --out).")
