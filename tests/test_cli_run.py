@@ -64,7 +64,7 @@ def _ranks_body(rank, world_size, outdir):
                               torch.Generator().manual_seed(3))
         with torch.no_grad():
             ref = spec.predict(model, kw)
-        ref_steps, _ = denoise(model, spec, kw, 2, torch.device("cpu"))
+        ref_steps, _ = denoise(model, spec, kw, 2, torch.device("cpu"), _ns(cfg=cfg_parallel))
         try:
             parallelize(model, mode="auto", transport="torch", **({"cfg_parallel": True} if cfg_parallel else {}))
         except (ValueError, TypeError) as e:
@@ -74,7 +74,7 @@ def _ranks_body(rank, world_size, outdir):
             continue
         with torch.no_grad():
             out = spec.predict(model, kw)
-        out_steps, _ = denoise(model, spec, kw, 2, torch.device("cpu"))
+        out_steps, _ = denoise(model, spec, kw, 2, torch.device("cpu"), _ns(cfg=cfg_parallel))
         err = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
         results[name + ("+cfg" if cfg_parallel else "")] = {"err": err(out, ref), "steps_err": err(out_steps, ref_steps)}
     dist.barrier()
@@ -158,7 +158,8 @@ def test_regional_compile_once_per_class(monkeypatch):
 
 
 def _trace(tmp_path):
-    """A hand-made Chrome trace: one forward, one layer with a compute, an all-to-all (70 µs of it exposed) and an
+    """A hand-made Chrome trace: two identical forwards 1 ms apart (the second's kernels start before the first's
+    host range would end + slack), each one layer with a compute, an all-to-all (70 µs of it exposed) and an
     attention kernel, a stream sync inside the layer, and an all-gather after the layer."""
     X = lambda name, cat, ts, dur, **a: dict(ph="X", name=name, cat=cat, ts=ts, dur=dur, pid=1,  # noqa: E731
                                                tid=(7 if cat in ("kernel",) else 1), args=a)
@@ -173,6 +174,8 @@ def _trace(tmp_path):
           X("_c10d_functional::all_gather_into_tensor", "cpu_op", 500, 10),
           X("cudaLaunchKernel", "cuda_runtime", 505, 2, correlation=4),
           X("ncclDevKernel_AllGather", "kernel", 600, 40, correlation=4)]
+    second = [dict(e, ts=e["ts"] + 1000, args={k: v + 100 for k, v in e["args"].items()}) for e in ev]
+    ev += second
     p = tmp_path / "trace.json"
     p.write_text(json.dumps({"traceEvents": ev}))
     return p
@@ -187,7 +190,7 @@ def test_profile_breakdown_arithmetic(tmp_path):
     # span 100..300 µs; busy = [100, 220] ∪ [250, 300] = 170 µs; comm 100 µs of which 70 µs not under the gemm
     assert approx(layer["span_ms"], 0.2) and approx(layer["busy_ms"], 0.17) and approx(layer["idle_ms"], 0.03)
     assert approx(layer["attention_ms"], 0.05) and approx(layer["comm_ms"], 0.1) and approx(layer["exposed_comm_ms"], 0.07)
-    assert layer["host_syncs"] == 1 and bd["device"] == "cuda" and bd["forwards"] == 1
+    assert layer["host_syncs"] == 1 and bd["device"] == "cuda" and bd["forwards"] == 2
     f = bd["forward"]
     assert approx(f["span_ms"], 0.54) and approx(f["busy_ms"], 0.21) and approx(f["gather_ms"], 0.04)
     assert f["host_syncs"] == 1

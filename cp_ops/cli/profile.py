@@ -145,33 +145,43 @@ def breakdown(trace_path: str) -> dict:
         lo = bisect.bisect_left(starts.get(tid, []), ts - longest.get(tid, 0))
         return [e for e in v[lo:hi] if e["ts"] <= ts <= e["ts"] + e["dur"]]
 
+    fidx = {id(f): i for i, f in enumerate(forwards)}
+
+    def fwd_of(stack):
+        """Index of the profiled forward whose range encloses this host event (None: outside every forward)."""
+        return next((fidx[id(e)] for e in stack if id(e) in fidx), None)
+
     def region(stack):
         inner = [e for e in stack if e["name"].startswith((LAYER, REPLICATED))]
         return max(inner, key=lambda e: e["ts"])["name"] if inner else None
 
     # the intervals: (region, category, start, end) with times in µs
-    items = []
+    items, dtoh = [], defaultdict(int)
     if cuda:
         for k in kernels:
             launch = runtime.get(k.get("args", {}).get("correlation"))
             if launch is None:
                 continue
             stack = enclosing((launch["pid"], launch["tid"]), launch["ts"])
-            if not any(e["name"] == FORWARD for e in stack):
+            fid = fwd_of(stack)
+            if fid is None:
                 continue
             names = [e["name"] for e in stack] + [k["name"]]
             cat = ("comm" if any(_has(n, _COMM) for n in names) else
                    "attention" if any(_has(n, _ATTN) for n in names) else "compute")
-            items.append((region(stack), cat, k["ts"], k["ts"] + k["dur"]))
+            items.append((region(stack), cat, k["ts"], k["ts"] + k["dur"], fid))
+            if "DtoH" in k["name"] or "Device -> Host" in k["name"]:
+                dtoh[region(stack)] += 1
     else:
         for o in ops:
             stack = enclosing((o["pid"], o["tid"]), o["ts"])
             parents = [e for e in stack if e is not o and e.get("cat") == "cpu_op"]
-            if parents or not any(e["name"] == FORWARD for e in stack):
+            fid = fwd_of(stack)
+            if parents or fid is None:
                 continue  # top-level ops only (their children are inside them)
             names = [o["name"]]
             cat = "comm" if _has(o["name"], _COMM) else "attention" if _has(o["name"], _ATTN) else "compute"
-            items.append((region(stack), cat, o["ts"], o["ts"] + o["dur"]))
+            items.append((region(stack), cat, o["ts"], o["ts"] + o["dur"], fid))
     # host syncs, by region
     syncs = defaultdict(int)
     for e in list(runtime.values()) + ops:
@@ -180,22 +190,21 @@ def breakdown(trace_path: str) -> dict:
             stack = enclosing((e["pid"], e["tid"]), e["ts"])
             if any(s["name"] == FORWARD for s in stack):
                 syncs[region(stack)] += 1
-    for k in kernels:
-        if "DtoH" in k["name"] or "Device -> Host" in k["name"]:
-            syncs["(DtoH copies)"] += 1
 
+    for r, n in dtoh.items():  # a device-to-host copy: the host waits for it (counted once with its sync call)
+        syncs[r] = max(syncs[r], n)
     nfwd = len(forwards)
 
     def stats(sel, span=None):
-        iv = [(s, e) for _, _, s, e in sel]
+        iv = [(s, e) for _, _, s, e, _ in sel]
         if not iv:
             return None
         lo, hi = (min(s for s, _ in iv), max(e for _, e in iv)) if span is None else span
         busy = _length(iv)
-        comm = [(s, e) for _, c, s, e in sel if c == "comm"]
-        other = [(s, e) for _, c, s, e in sel if c != "comm"]
+        comm = [(s, e) for _, c, s, e, _ in sel if c == "comm"]
+        other = [(s, e) for _, c, s, e, _ in sel if c != "comm"]
         return dict(span_ms=(hi - lo) / 1e3, busy_ms=busy / 1e3, idle_ms=max(0.0, (hi - lo) - busy) / 1e3,
-                    attention_ms=_length([(s, e) for _, c, s, e in sel if c == "attention"]) / 1e3,
+                    attention_ms=_length([(s, e) for _, c, s, e, _ in sel if c == "attention"]) / 1e3,
                     comm_ms=_length(comm) / 1e3, exposed_comm_ms=_minus(comm, other) / 1e3)
 
     def per_fwd(d):
@@ -209,9 +218,8 @@ def breakdown(trace_path: str) -> dict:
         if cuda:
             # per forward: span from the first to the last kernel of this layer in that forward
             st = defaultdict(float)
-            for f in forwards:
-                fsel = [x for x in sel if f["ts"] <= x[2] <= f["ts"] + f["dur"] + 1e6]
-                s = stats(fsel)
+            for i in range(len(forwards)):
+                s = stats([x for x in sel if x[4] == i])
                 for k, v in (s or {}).items():
                     st[k] += v
             d = dict(st)
@@ -226,14 +234,14 @@ def breakdown(trace_path: str) -> dict:
         d["host_syncs"] = syncs.get(name, 0) / nfwd
         per_layer[name.removeprefix(LAYER)] = d
     whole = []
-    for f in forwards:
-        sel = [x for x in items if f["ts"] <= x[2] <= f["ts"] + f["dur"] + (1e6 if cuda else 0)]
+    for i, f in enumerate(forwards):
+        sel = [x for x in items if x[4] == i]
         span = None if cuda else (f["ts"], f["ts"] + f["dur"])
         whole.append(stats(sel, span) or {})
     total = {k: sum(w.get(k, 0.0) for w in whole) / nfwd for k in (whole[0] if whole else {})}
     rep = [x for x in items if x[0] and x[0].startswith(REPLICATED)]
-    total["replicated_ms"] = _length([(s, e) for _, _, s, e in rep]) / 1e3 / nfwd
-    total["gather_ms"] = _length([(s, e) for r, c, s, e in items if r is None and c == "comm"]) / 1e3 / nfwd
+    total["replicated_ms"] = _length([(s, e) for _, _, s, e, _ in rep]) / 1e3 / nfwd
+    total["gather_ms"] = _length([(s, e) for r, c, s, e, _ in items if r is None and c == "comm"]) / 1e3 / nfwd
     total["host_syncs"] = sum(v for k, v in syncs.items()) / nfwd
     mean = {}
     if per_layer:
@@ -241,7 +249,7 @@ def breakdown(trace_path: str) -> dict:
             mean[k] = sum(d[k] for d in per_layer.values()) / len(per_layer)
     return dict(device="cuda" if cuda else "cpu", forwards=nfwd, trace=os.path.abspath(trace_path), forward=total,
                 layers=mean, per_layer=per_layer,
-                replicated={r.removeprefix(REPLICATED): _length([(s, e) for rr, _, s, e in rep if rr == r]) / 1e3 / nfwd
+                replicated={r.removeprefix(REPLICATED): _length([(s, e) for rr, _, s, e, _ in rep if rr == r]) / 1e3 / nfwd
                             for r in sorted({x[0] for x in rep})},
                 host_syncs_by_region={(k or "(outside blocks)"): v / nfwd for k, v in syncs.items()})
 

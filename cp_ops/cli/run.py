@@ -9,6 +9,11 @@ Per run, in this order, on the same model and the same inputs (every rank draws 
    a row diffusers refuses is printed with its reason;
 3. cp_ops: :func:`cp_ops.integrations.diffusers.parallelize` in place (``cfg_parallel=True`` with ``--cfg``).
 
+``--cfg``: the model is called with batch ``2 * --batch`` (rows ``[0, B)`` conditional, ``[B, 2B)`` unconditional,
+different text embeddings), the same full inputs on every rank, and must return the full batch-``2B`` output, equal
+to the unparallelized model's; ``parallelize(..., cfg_parallel=True)`` is expected to put the halves on two lanes
+of ``W / 2`` ranks each, CP inside each lane. The ``--steps`` loop then combines the halves with guidance 5.
+
 Each row: one forward (``--steps 0``, median of ``--repeats``) or a denoising loop of ``--steps N`` (the
 model's diffusers scheduler; time per step = median, total = sum), time (CP = the slowest rank), speedup
 over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile`` compiles every side the
@@ -104,16 +109,23 @@ def _forward_fn(m, spec, kw, args):
     return fwd
 
 
-def denoise(m, spec, kw, steps: int, device, args=None):
+def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
     """``steps`` steps of the model's scheduler from the latents in ``kw`` (not modified). Returns
     ``(final latents fp32, per-step ms)``; a step = the transformer call + the scheduler update. On CUDA the
-    steps are bracketed by events (the host never waits inside the loop)."""
+    steps are bracketed by events (the host never waits inside the loop).
+
+    With ``args.cfg`` (classifier-free guidance): the first half of the batch is the latents; each step feeds
+    ``cat([x, x])`` with the conditional (first half) and unconditional (second half) text of ``kw`` and
+    combines ``u + guidance * (c - u)``, as the pipelines do."""
     sched = spec.scheduler()
     sched.set_timesteps(steps, device=device)
     kw = dict(kw)
     key = "t" if "t" in kw else "timestep"
     tdtype, batch = kw[key].dtype, kw[key].shape[0]
+    cfg = bool(args is not None and getattr(args, "cfg", False))
     lat = spec.get_latents(kw).clone()
+    if cfg:
+        lat = lat[: lat.shape[0] // 2]
     cuda = device.type == "cuda"
     marks = []
     with torch.no_grad():
@@ -124,11 +136,14 @@ def denoise(m, spec, kw, steps: int, device, args=None):
                 marks.append(e)
             else:
                 marks.append(time.perf_counter())
-            spec.set_latents(kw, lat)
+            spec.set_latents(kw, torch.cat([lat, lat]) if cfg else lat)
             kw[key] = spec.model_timestep(t.float()).expand(batch).to(tdtype)
             if args is not None:
                 _mark_step(args)
             pred = spec.predict(m, kw)
+            if cfg:
+                cond, uncond = pred.chunk(2)
+                pred = uncond + guidance * (cond - uncond)
             lat = sched.step(pred, t, lat, return_dict=False)[0]
         if cuda:
             e = torch.cuda.Event(enable_timing=True)
