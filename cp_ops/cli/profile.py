@@ -50,10 +50,15 @@ def _has(name: str, words) -> bool:
     return any(w.lower() in n for w in words)
 
 
-def annotate(model: torch.nn.Module, spec) -> list:
+def annotate(model: torch.nn.Module, spec, compiled: str | None = None) -> list:
     """Install ``record_function`` ranges on ``model``'s blocks (``spec.blocks``) and replicated modules
-    (``spec.replicated`` name prefixes or suffixes); returns the hook handles."""
+    (``spec.replicated``: a module name or the last components of one); returns the hook handles.
+
+    ``compiled='regional'``: the blocks' forwards are compiled, so modules inside blocks get no range (a hook added
+    there would land inside a fullgraph region); ``'full'``: nothing is annotated (the whole forward is one graph)."""
     handles = []
+    if compiled == "full":
+        return handles
 
     def add(module, label):
         stack = []
@@ -75,6 +80,8 @@ def annotate(model: torch.nn.Module, spec) -> list:
             add(block, f"{LAYER}{kind}.{i}")
     for name, module in model.named_modules():
         hit = next((r for r in spec.replicated if name == r or name.endswith("." + r)), None)
+        if compiled and name.split(".")[0] in spec.blocks:
+            continue
         if name and hit:
             add(module, f"{REPLICATED}{hit}")  # one label per kind (e.g. attn2.to_k of every block)
     return handles
@@ -262,7 +269,7 @@ def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) ->
     from torch.profiler import ProfilerActivity, profile, record_function
 
     os.makedirs(args.profile, exist_ok=True)
-    handles = annotate(model, spec)
+    handles = annotate(model, spec, args.compile)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
         with torch.no_grad():
@@ -284,7 +291,7 @@ def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) ->
     path = os.path.join(args.profile, f"trace_rank{rank}.json")
     prof.export_chrome_trace(path)
     bd = breakdown(path)
-    bd.update(rank=rank, world_size=world_size)
+    bd.update(rank=rank, world_size=world_size, compiled=args.compile)
     with open(os.path.join(args.profile, f"breakdown_rank{rank}.json"), "w") as f:
         json.dump(bd, f, indent=1)
     return bd
@@ -296,6 +303,10 @@ def print_breakdown(bd: dict) -> None:
     what = "host CPU ops only (no GPU in this run): busy = op time, idle = time between ops" if cpu else \
         "GPU kernels: busy = union of kernel time, idle = GPU waiting (host-bound gaps)"
     print(f"\nprofile (rank {bd['rank']}, {bd['forwards']} forward(s), {what}); trace: {bd['trace']}")
+    if bd.get("compiled") == "full":
+        print("--compile full: one graph, no per-layer ranges (use --compile regional for per-layer rows)")
+    elif bd.get("compiled"):
+        print("--compile regional: ranges on the blocks and the modules outside them (none inside a compiled block)")
     cols = ("span_ms", "busy_ms", "idle_ms", "attention_ms", "comm_ms", "exposed_comm_ms", "host_syncs")
     print(f"{'':<28}" + "".join(f"{c.removesuffix('_ms'):>14}" for c in cols))
 
