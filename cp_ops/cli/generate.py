@@ -123,7 +123,9 @@ def generate(rank: int, world_size: int, device: torch.device, args) -> None:
     if getattr(pipe, "transformer", None) is None:
         raise ValueError(f"generate: the pipeline {type(pipe).__name__} at {args.checkpoint} has no transformer")
     try:
-        parallelize(pipe.transformer, mode=args.mode, transport=args.transport)
+        for name in ("transformer", "transformer_2"):  # Wan 2.2 A14B: two experts, both under CP
+            if getattr(pipe, name, None) is not None:
+                parallelize(getattr(pipe, name), mode=args.mode, transport=args.transport)
     except ValueError as e:
         if "support" not in str(e):
             raise
