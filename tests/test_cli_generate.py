@@ -33,13 +33,18 @@ def _tiny_wan_pipeline(path):
     return pipe
 
 
-def test_generate_tiny_wan(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("pipe") / "wan"
+    return ckpt, _tiny_wan_pipeline(str(ckpt))
+
+
+def test_generate_tiny_wan(tmp_path, tiny_wan):
     from PIL import Image
 
     from cp_ops.cli.generate import _call_kwargs, _frames, load_pipeline, write
 
-    ckpt = tmp_path / "wan"
-    _tiny_wan_pipeline(str(ckpt))
+    ckpt = tiny_wan[0]
     out = tmp_path / "video.mp4"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, "-m", "cp_ops", "generate", "--device", "cpu", "--checkpoint", str(ckpt),
@@ -72,14 +77,13 @@ def test_generate_tiny_wan(tmp_path):
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # CP2 = one process, up to rounding
 
 
-def test_run_checkpoint_loads_the_transformer(tmp_path, capsys):
+def test_run_checkpoint_loads_the_transformer(tiny_wan, capsys):
     """`run wan --checkpoint DIR` takes the transformer of a pipeline folder (weights as saved); a checkpoint of
     another class is refused before any rank starts."""
     from cp_ops.cli.main import main
     from cp_ops.cli.models import MODELS, load_checkpoint
 
-    ckpt = tmp_path / "wan"
-    saved = _tiny_wan_pipeline(str(ckpt)).transformer
+    ckpt, saved = tiny_wan[0], tiny_wan[1].transformer
     model, cfg = load_checkpoint(MODELS["wan"], str(ckpt), "cpu", torch.float32)
     assert cfg["num_layers"] == 2 and cfg["in_channels"] == 16
     for (n, a), (_, b) in zip(model.state_dict().items(), saved.state_dict().items()):

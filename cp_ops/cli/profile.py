@@ -20,8 +20,9 @@ The breakdown (per forward; ``layers`` = the mean over the blocks, ``per_layer``
   ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``, DtoH copies, ``aten::item`` /
   ``aten::_local_scalar_dense``), counted per range.
 
-On CPU (gloo) the trace has CPU ops only: the same numbers are computed over the host's op intervals (the
-output says so); communication then runs on gloo's threads and shows as the waiting ops.
+On CPU (gloo) the trace has CPU ops only: the same numbers are computed over the host's op intervals (every op,
+by its own name; the output says so); communication runs on gloo's threads and shows as the ops the host waits
+in, all of it exposed.
 """
 
 from __future__ import annotations
@@ -182,11 +183,11 @@ def breakdown(trace_path: str) -> dict:
     else:
         for o in ops:
             stack = enclosing((o["pid"], o["tid"]), o["ts"])
-            parents = [e for e in stack if e is not o and e.get("cat") == "cpu_op"]
             fid = fwd_of(stack)
-            if parents or fid is None:
-                continue  # top-level ops only (their children are inside them)
-            names = [o["name"]]
+            if fid is None:
+                continue
+            # every op at any depth, by its own name (unions below: nesting counts once; a compiled region's
+            # wrapper op is compute, the communication/attention ops it calls keep their category)
             cat = "comm" if _has(o["name"], _COMM) else "attention" if _has(o["name"], _ATTN) else "compute"
             items.append((region(stack), cat, o["ts"], o["ts"] + o["dur"], fid))
     # host syncs, by region
@@ -210,9 +211,11 @@ def breakdown(trace_path: str) -> dict:
         busy = _length(iv)
         comm = [(s, e) for _, c, s, e, _ in sel if c == "comm"]
         other = [(s, e) for _, c, s, e, _ in sel if c != "comm"]
+        # on the host (CPU run) the thread waits through every communication op: all of it is exposed
+        exposed = _minus(comm, other) if cuda else _length(comm)
         return dict(span_ms=(hi - lo) / 1e3, busy_ms=busy / 1e3, idle_ms=max(0.0, (hi - lo) - busy) / 1e3,
                     attention_ms=_length([(s, e) for _, c, s, e, _ in sel if c == "attention"]) / 1e3,
-                    comm_ms=_length(comm) / 1e3, exposed_comm_ms=_minus(comm, other) / 1e3)
+                    comm_ms=_length(comm) / 1e3, exposed_comm_ms=exposed / 1e3)
 
     def per_fwd(d):
         return None if d is None else {k: v / nfwd for k, v in d.items()}
