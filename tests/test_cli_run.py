@@ -107,7 +107,7 @@ def test_run_body_steps_and_compare(ranks_results):
     # --profile on CPU: a real trace per rank, the breakdown over the host's ops, every block and replicated module
     prof = wan["profile"]
     assert prof["device"] == "cpu" and set(prof["per_layer"]) == {"blocks.0", "blocks.1"}
-    assert os.path.getsize(prof["trace"]) > 1000 and prof["trace"].endswith("trace_rank0.json")
+    assert os.path.getsize(prof["trace"]) > 1000 and prof["trace"].endswith("trace_rank0.json.gz")
     assert 0 < prof["forward"]["busy_ms"] <= prof["forward"]["span_ms"] and prof["forward"]["comm_ms"] > 0
     assert prof["layers"]["attention_ms"] > 0 and prof["forward"]["gather_ms"] > 0
     assert {"condition_embedder", "attn2.to_k", "attn2.to_v"} <= set(prof["replicated"])

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
                         "on the same model and inputs; rows beside cp_ops'")
     r.add_argument("--profile", default=None, metavar="DIR",
-                   help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json and a per-layer "
+                   help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
                         "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
     r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
 

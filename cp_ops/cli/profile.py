@@ -3,8 +3,8 @@
 :func:`profile_run` marks every transformer block and every replicated module (timestep/text embeddings,
 cross-attention K/V over the replicated text: ``ModelSpec.replicated``) with ``record_function`` ranges
 (forward hooks; eager, or outside the compiled regions under ``--compile regional``), profiles
-``--profile-runs`` forwards, writes ``DIR/trace_rank{r}.json`` (Chrome trace: chrome://tracing or
-https://ui.perfetto.dev) and computes :func:`breakdown` from that trace file.
+``--profile-runs`` forwards, writes ``DIR/trace_rank{r}.json.gz`` (gzipped Chrome trace: https://ui.perfetto.dev
+or chrome://tracing open it) and computes :func:`breakdown` from that trace file.
 
 The breakdown (per forward; ``layers`` = the mean over the blocks, ``per_layer`` each block):
 
@@ -28,6 +28,7 @@ in, all of it exposed.
 from __future__ import annotations
 
 import bisect
+import gzip
 import json
 import os
 from collections import defaultdict
@@ -124,7 +125,8 @@ def _minus(a, b) -> float:
 def breakdown(trace_path: str) -> dict:
     """The breakdown of a Chrome trace written by ``torch.profiler`` (see the module docstring). Times in ms
     per profiled forward. Raises ``ValueError`` when the trace has no ``cp-ops forward`` range."""
-    with open(trace_path) as f:
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     ann = [e for e in events if e.get("cat") in ("user_annotation", "gpu_user_annotation") and
            e["name"].startswith("cp-ops ") and e.get("cat") == "user_annotation"]
@@ -266,7 +268,7 @@ def breakdown(trace_path: str) -> dict:
 
 def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) -> dict:
     """Profile ``args.profile_runs`` CP forwards of ``m`` (``model`` parallelized, maybe compiled; already
-    warm), write ``DIR/trace_rank{rank}.json`` and return this rank's :func:`breakdown` (also written as
+    warm), write ``DIR/trace_rank{rank}.json.gz`` and return this rank's :func:`breakdown` (also written as
     ``DIR/breakdown_rank{rank}.json``)."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -291,7 +293,7 @@ def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) ->
     finally:
         for h in handles:
             h.remove()
-    path = os.path.join(args.profile, f"trace_rank{rank}.json")
+    path = os.path.join(args.profile, f"trace_rank{rank}.json.gz")  # gzip: a 30-layer trace is tens of MB
     prof.export_chrome_trace(path)
     bd = breakdown(path)
     bd.update(rank=rank, world_size=world_size, compiled=args.compile)
