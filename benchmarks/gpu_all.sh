@@ -6,7 +6,13 @@
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
-#   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/rank check)
+#   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/rank check);
+#   wan11 — issue 11's measurements of `cp-ops run wan` (Wan2.1-1.3B config, latent 16x64x64 = 16x32x32 patches =
+#     16384 tokens, bf16; CP degree = all visible GPUs or $WAN_NPROC): eager Ulysses/AGKV with diffusers' native CP
+#     rows (--compare diffusers), --compile regional and full (compile time = first call), --cuda-graphs (eager
+#     capture; compiled reduce-overhead, torch and fast transports), --steps 4 (eager, compiled, with diffusers'
+#     rows), --profile (traces + per-layer breakdown in $OUT/wan11_profile), and Wan 14B --layers 4 at 75600 tokens
+#     (latent 21x90x160 = 21x45x80 patches); JSON per run in $OUT/wan11_*.json
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
@@ -37,6 +43,25 @@ for s in $SECTIONS; do case $s in
            --mode ulysses --transport torch --out "$OUT/wan_ulysses.json"
          step wan_agkv python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode agkv --transport torch --out "$OUT/wan_agkv.json"
+         ;;
+  wan11) W11="python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 ${WAN_NPROC:+--nproc $WAN_NPROC}"
+         step wan11_eager_ulysses $W11 --mode ulysses --transport torch --compare diffusers --out "$OUT/wan11_eager_ulysses.json"
+         step wan11_eager_agkv $W11 --mode agkv --transport torch --out "$OUT/wan11_eager_agkv.json"
+         step wan11_profile $W11 --mode ulysses --transport torch --warmup 3 --repeats 5 --profile "$OUT/wan11_profile" \
+           --out "$OUT/wan11_profile.json"
+         step wan11_compile_regional $W11 --mode ulysses --transport torch --compile regional --warmup 2 --repeats 10 \
+           --compare diffusers --out "$OUT/wan11_compile_regional.json"
+         step wan11_compile_full $W11 --mode ulysses --transport torch --compile full --warmup 2 --repeats 10 \
+           --out "$OUT/wan11_compile_full.json"
+         step wan11_graphs_eager $W11 --mode ulysses --transport torch --cuda-graphs --out "$OUT/wan11_graphs_eager.json"
+         step wan11_graphs_compiled $W11 --mode ulysses --transport torch --compile --cuda-graphs --warmup 2 --repeats 10 \
+           --out "$OUT/wan11_graphs_compiled.json"
+         step wan11_graphs_compiled_fast $W11 --mode ulysses --transport fast --compile --cuda-graphs --warmup 2 --repeats 10 \
+           --out "$OUT/wan11_graphs_compiled_fast.json"
+         step wan11_steps_eager $W11 --mode ulysses --transport torch --steps 4 --compare diffusers --out "$OUT/wan11_steps_eager.json"
+         step wan11_steps_compiled $W11 --mode ulysses --transport torch --steps 4 --compile --out "$OUT/wan11_steps_compiled.json"
+         step wan11_14b python3 -m cp_ops run wan --config 14b --layers 4 --frames 21 --height 90 --width 160 \
+           ${WAN_NPROC:+--nproc $WAN_NPROC} --mode ulysses --transport torch --warmup 2 --repeats 5 --out "$OUT/wan11_14b.json"
          ;;
   wan_compile) step wan_compile python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode ulysses --transport torch --compile --warmup 2 --repeats 10 --out "$OUT/wan_ulysses_compile.json" ;;

@@ -92,17 +92,3 @@ def test_cli_table_matches_the_parser():
         assert cmd in sub, cmd
     for flag in re.findall(r"(--[a-z][a-z-]+)", text):
         assert flag in flags or flag == "--nproc-per-node", f"README's CLI section names {flag}; the CLI has no such flag"
-
-
-def test_run_wan_compile_uses_cp_ops_compile(monkeypatch):
-    """The CLI table: --compile = cp_ops.compile (overlap pass on), --no-overlap = without the pass."""
-    import argparse
-
-    import cp_ops
-    from cp_ops.cli import run_wan
-
-    seen = []
-    monkeypatch.setattr(cp_ops, "compile", lambda model, **kw: seen.append(kw) or model)
-    run_wan._compile("m", argparse.Namespace(no_overlap=False))
-    run_wan._compile("m", argparse.Namespace(no_overlap=True))
-    assert seen == [dict(fullgraph=True, overlap=True), dict(fullgraph=True, overlap=False)]

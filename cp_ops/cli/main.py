@@ -1,4 +1,4 @@
-"""``cp-ops`` / ``python -m cp_ops``: bench, run wan, env.
+"""``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, generate, env.
 
 Standalone, ``bench`` and ``run`` spawn ``--nproc`` local ranks themselves; under ``torchrun`` they join
 its ranks. Defaults: on a CUDA machine all visible GPUs with NCCL and the GPU shapes; otherwise (the
@@ -20,6 +20,8 @@ import time
 
 from .. import modes
 
+#: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
+MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo")
 GPU_SEQS = [4096, 8192, 16384, 32768, 75600]
 CPU_SEQS = [512, 1024, 2048]
 
@@ -85,10 +87,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog="cp-ops",
-        description="Context-parallel attention for diffusion transformers: benchmark, run the Wan "
-                    "transformer architecture (random weights) under CP, inspect the environment.",
+        description="Context-parallel attention for diffusion transformers: benchmark, run a diffusers DiT "
+                    "(Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo) under CP, generate with a local pipeline, "
+                    "inspect the environment.",
         epilog="examples:  cp-ops bench   |   cp-ops bench --seqs 4096,8192 --modes agkv   |   "
-               "cp-ops run wan --config 1.3b --frames 16 --height 64 --width 64   |   cp-ops env   |   "
+               "cp-ops run wan --config 1.3b --frames 16 --height 64 --width 64   |   cp-ops run flux --steps 4   |   "
+               "cp-ops generate --checkpoint DIR --prompt '...'   |   cp-ops env   |   "
                "torchrun --nproc-per-node 2 -m cp_ops bench",
     )
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -116,16 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
     prog.add_argument("--no-progress", dest="progress", action="store_false",
                       help="no progress bar (default: shown only when stderr is a terminal)")
 
-    r = sub.add_parser("run", help="one forward of a diffusers DiT (Wan architecture, random weights), single rank vs CP")
-    r.add_argument("model", choices=["wan"], help="the model family (Wan 2.1 transformer)")
+    r = sub.add_parser("run", help="a diffusers DiT (Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo; random weights or "
+                                   "--checkpoint): one forward or --steps N, single rank vs CP",
+                       description="The model's released config with random seeded weights (or a local checkpoint's "
+                                   "transformer), the same inputs on every rank: the single-rank model on rank 0, "
+                                   "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time, "
+                                   "speedup, max relative error. Sizes are latent (VAE space, pixels / 8).")
+    r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     _common(r)
-    r.add_argument("--config", choices=["1.3b", "14b", "tiny"], default=None,
-                   help="Wan2.1-T2V-1.3B (30 layers, dim 1536, 12 heads), 14B (40 layers, dim 5120, 40 heads) "
-                        "or tiny (default 1.3b on GPU, tiny on CPU)")
-    r.add_argument("--layers", type=int, default=None, help="cut depth to N transformer blocks")
-    r.add_argument("--frames", type=int, default=None, help="latent frames (default 16 GPU, 2 CPU)")
-    r.add_argument("--height", type=int, default=None, help="latent height (default 64 GPU, 16 CPU)")
-    r.add_argument("--width", type=int, default=None, help="latent width (default 64 GPU, 16 CPU)")
+    r.add_argument("--config", default=None,
+                   help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
+                        "hunyuanvideo 13b; tiny for any (default: the first on GPU, tiny on CPU)")
+    r.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="load the transformer of this local diffusers checkpoint (pipeline folder or its "
+                        "transformer/ folder) instead of random weights")
+    r.add_argument("--layers", type=int, default=None,
+                   help="cut depth to N blocks of each kind (Flux, HunyuanVideo: N double- and N single-stream)")
+    r.add_argument("--frames", type=int, default=None, help="latent frames (video models; default 16 GPU, 2 CPU; image models 1)")
+    r.add_argument("--height", type=int, default=None, help="latent height (pixels / 8; default 64 video, 128 image on GPU; 16 CPU)")
+    r.add_argument("--width", type=int, default=None, help="latent width (pixels / 8; default as --height)")
+    r.add_argument("--text-tokens", type=int, default=None, help="text sequence length (default: the model's, see models.py)")
     r.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     r.add_argument("--mode", choices=modes.names(), default="auto",
@@ -134,11 +148,53 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
                    help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
                         "auto (fast where it can run, else torch; `cp-ops env` says which)")
-    r.add_argument("--compile", action="store_true",
-                   help="compile both runs with cp_ops.compile: torch.compile(fullgraph=True) plus the K/V "
-                        "overlap pass (a no-op on the single-rank model, which has no cp_ops ops)")
+    r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
+                   help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "
+                        "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "
+                        "(seconds); full = the whole model. The first call's time (compile included) is reported")
     r.add_argument("--no-overlap", action="store_true",
                    help="with --compile: plain torch.compile(fullgraph=True), without the overlap pass")
+    r.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA-graph replay (CUDA only): with --compile, mode='reduce-overhead'; without, explicit "
+                        "torch.cuda.graph capture of the forward")
+    r.add_argument("--steps", type=int, default=0,
+                   help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
+                        "times): time per step and total (default 0: one forward)")
+    r.add_argument("--cfg", action="store_true",
+                   help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
+                        "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
+    r.add_argument("--compare", choices=["diffusers"], default=None,
+                   help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
+                        "on the same model and inputs; rows beside cp_ops'")
+    r.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
+                        "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
+    r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
+
+    gen = sub.add_parser("generate", help="a whole local diffusers pipeline, its transformer under CP: writes the "
+                                          "image (PNG) or video (MP4, or a PNG grid of frames)",
+                         description="DiffusionPipeline.from_pretrained(--checkpoint), its transformer parallelized "
+                                     "with cp_ops; every rank runs the same sampling loop (same seed), rank 0 "
+                                     "writes the result and shows the pipeline's progress bar.")
+    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="a local diffusers pipeline folder")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", default=None, help="the text prompt")
+    src.add_argument("--prompt-embeds", default=None, metavar="FILE",
+                     help="a torch.save'd prompt-embedding tensor [B, L, dim] instead of --prompt (pipelines "
+                          "saved without a text encoder/tokenizer)")
+    gen.add_argument("--steps", type=int, default=None, help="sampling steps (default 30 GPU, 2 CPU)")
+    gen.add_argument("--height", type=int, default=None, help="pixel height (default: the pipeline's)")
+    gen.add_argument("--width", type=int, default=None, help="pixel width (default: the pipeline's)")
+    gen.add_argument("--frames", type=int, default=None, help="video frames (video pipelines; default: the pipeline's)")
+    gen.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the pipeline's)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0; the same on every rank)")
+    gen.add_argument("--out", default=None,
+                     help="output file (default out.png, or out.mp4 for a video pipeline; .png for a video = a grid)")
+    gen.add_argument("--nproc", type=int, default=None, help="CP world size W (default: all GPUs, 2 on CPU)")
+    gen.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
+    gen.add_argument("--mode", choices=modes.names(), default="auto", help="CP attention mode (as in run)")
+    gen.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto", help="as in run")
 
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not")
     return ap
@@ -188,36 +244,106 @@ def _check_bench(args, device: str, world: int, settings) -> None:
                       f"using fast_pool_gb={args.settings['fast_pool_gb']} (set CP_OPS_FAST_POOL_GB to override)")
 
 
-def _check_run_wan(args, device: str, world: int) -> None:
-    from .run_wan import CONFIGS
+def _check_run(args, device: str, world: int) -> None:
+    from .models import MODELS
     from cp_ops.transport.fast import unavailable_reason
 
+    what = f"run {args.model}"
     if importlib.util.find_spec("diffusers") is None:
-        _fail("run wan needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
+        _fail(f"{what} needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
+    spec = MODELS[args.model]
     gpu = device == "cuda"
-    args.config = args.config or ("1.3b" if gpu else "tiny")
-    args.frames = (16 if gpu else 2) if args.frames is None else args.frames
-    args.height = (64 if gpu else 16) if args.height is None else args.height
-    args.width = (64 if gpu else 16) if args.width is None else args.width
-    cfg = CONFIGS[args.config]
-    pt, ph, pw = cfg["patch_size"]
+    if args.checkpoint:
+        if args.config or args.layers is not None:
+            _fail(f"{what}: --checkpoint takes the checkpoint's config; drop --config/--layers")
+        if not os.path.isdir(args.checkpoint):
+            _fail(f"{what}: --checkpoint {args.checkpoint} is not a folder")
+        import json as _json
+
+        sub = os.path.join(args.checkpoint, "transformer", "config.json")
+        cfg_file = sub if os.path.isfile(sub) else os.path.join(args.checkpoint, "config.json")
+        if not os.path.isfile(cfg_file):
+            _fail(f"{what}: --checkpoint {args.checkpoint}: no config.json there nor in its transformer/ folder")
+        with open(cfg_file) as f:
+            cfg = _json.load(f)
+        if cfg.get("_class_name") != spec.cls:
+            _fail(f"{what}: --checkpoint {args.checkpoint} holds a {cfg.get('_class_name')}; {what} takes a {spec.cls}")
+        args.config = "checkpoint"
+        text = spec.text_tokens[spec.gpu_config] if gpu else 16
+    else:
+        args.config = args.config or (spec.gpu_config if gpu else "tiny")
+        if args.config not in spec.configs:
+            _fail(f"{what}: --config takes {'|'.join(spec.configs)}; got {args.config!r}")
+        cfg = spec.config(args.config, args.layers)
+        text = spec.text_tokens[args.config]
+    args.text_tokens = text if args.text_tokens is None else args.text_tokens
+    f0, h0, w0 = spec.gpu_latent if gpu else spec.cpu_latent
+    args.frames = f0 if args.frames is None else args.frames
+    args.height = h0 if args.height is None else args.height
+    args.width = w0 if args.width is None else args.width
+    pt, ph, pw = spec.patch(cfg)
     if args.layers is not None and args.layers < 1:
-        _fail(f"run wan: --layers must be >= 1; got {args.layers}")
+        _fail(f"{what}: --layers must be >= 1; got {args.layers}")
+    if not spec.video and args.frames != 1:
+        _fail(f"{what}: {spec.cls} is an image model; --frames must be 1, got {args.frames}")
     if min(args.frames, args.height, args.width, args.batch) < 1 or args.height % ph or args.width % pw or args.frames % pt:
-        _fail(f"run wan: latent --frames/--height/--width must be positive multiples of the patch "
-              f"{cfg['patch_size']} and --batch >= 1; got {args.frames}/{args.height}/{args.width}, batch {args.batch}")
+        _fail(f"{what}: latent --frames/--height/--width must be positive multiples of the patch "
+              f"{[pt, ph, pw]} and --batch >= 1; got {args.frames}/{args.height}/{args.width}, batch {args.batch}")
+    if args.text_tokens < 1:
+        _fail(f"{what}: --text-tokens must be >= 1; got {args.text_tokens}")
+    cp = world
+    if args.cfg:
+        if world < 2 or world % 2:
+            _fail(f"{what}: --cfg splits the ranks into 2 CFG lanes; the CP world size must be even, got {world}")
+        cp = world // 2
     tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
-    if tokens % world:
-        _fail(f"run wan: the video has {tokens} tokens (frames {args.frames // pt} x {args.height // ph} x "
-              f"{args.width // pw} patches), not divisible by the CP world size {world}; change --frames/--height/--width")
-    heads = cfg["num_attention_heads"]
-    if args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % world:
-        _fail(f"run wan: mode {args.mode} needs the CP world size {world} to divide the {heads} heads of Wan "
-              f"{args.config}; use --mode agkv")
+    if tokens % cp:
+        kind = "video" if spec.video else "image"
+        _fail(f"{what}: the {kind} has {tokens} tokens (frames {args.frames // pt} x {args.height // ph} x "
+              f"{args.width // pw} patches), not divisible by the CP world size {cp}; change --frames/--height/--width")
+    heads = cfg.get(spec.heads_key)
+    if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
+        _fail(f"{what}: mode {args.mode} needs the CP world size {cp} to divide the {heads} heads of "
+              f"{args.model} {args.config}; use --mode agkv")
     if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
-        _fail(f"run wan: transport 'fast' cannot run: {why}")
+        _fail(f"{what}: transport 'fast' cannot run: {why}")
     if args.no_overlap and not args.compile:
-        _fail("run wan: --no-overlap only applies with --compile")
+        _fail(f"{what}: --no-overlap only applies with --compile")
+    if args.cuda_graphs and not gpu:
+        _fail(f"{what}: --cuda-graphs needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
+    if args.cuda_graphs and args.steps and not args.compile:
+        _fail(f"{what}: --cuda-graphs with --steps needs --compile (mode='reduce-overhead'); the explicit "
+              "capture replays one forward on fixed inputs")
+    if args.steps < 0:
+        _fail(f"{what}: --steps must be >= 0; got {args.steps}")
+    if args.profile:
+        if os.path.exists(args.profile) and not os.path.isdir(args.profile):
+            _fail(f"{what}: --profile {args.profile} is a file; give a folder for the traces")
+        if args.profile_runs < 1:
+            _fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
+
+
+def _check_generate(args, device: str, world: int) -> None:
+    if importlib.util.find_spec("diffusers") is None:
+        _fail("generate needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
+    if not os.path.isfile(os.path.join(args.checkpoint, "model_index.json")):
+        _fail(f"generate: --checkpoint {args.checkpoint} has no model_index.json (not a diffusers pipeline folder)")
+    if args.prompt_embeds and not os.path.isfile(args.prompt_embeds):
+        _fail(f"generate: --prompt-embeds {args.prompt_embeds} is not a file")
+    args.steps = (30 if device == "cuda" else 2) if args.steps is None else args.steps
+    if args.steps < 1:
+        _fail(f"generate: --steps must be >= 1; got {args.steps}")
+    for k in ("height", "width", "frames"):
+        v = getattr(args, k)
+        if v is not None and v < 1:
+            _fail(f"generate: --{k} must be >= 1; got {v}")
+    if args.transport == "fast":
+        from cp_ops.transport.fast import unavailable_reason
+
+        if (why := unavailable_reason(device)) is not None:
+            _fail(f"generate: transport 'fast' cannot run: {why}")
+    if args.out and os.path.splitext(args.out)[1].lower() not in (".png", ".mp4"):
+        _fail(f"generate: --out must end in .png or .mp4; got {args.out}")
 
 
 def _check_out(path: str | None, flag: str) -> None:
@@ -276,6 +402,7 @@ def _main(args) -> int:
         return print_env()
     settings = load_settings()
     import torch
+    import torch.multiprocessing as mp
 
     from .launch import launch, under_torchrun
 
@@ -289,24 +416,34 @@ def _main(args) -> int:
         _fail(f"--nproc {args.nproc} needs {args.nproc} visible GPUs; found {torch.cuda.device_count()} "
               "(lower --nproc or use --device cpu)")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
+    if args.dtype is None:
+        args.dtype = "bf16" if gpu else "fp32"
+    args.settings = {}
+    if args.cmd == "generate":
+        from .generate import generate as body
+
+        _check_generate(args, device, world)
+        _check_out(args.out, "--out")
+        launch(_rank_entry, args.nproc, device, body, args)
+        return 0
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
     args.repeats = args.repeats if args.repeats is not None else (20 if gpu else 10)
     if args.repeats < 1 or args.warmup < 0:
         _fail(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
-    if args.dtype is None:
-        args.dtype = "bf16" if gpu else "fp32"
-    args.settings = {}
     if args.cmd == "bench":
         from .bench import run_bench as body
 
         _check_bench(args, device, world, settings)
         _check_out(args.plot, "--plot")
     else:
-        from .run_wan import run_wan as body
+        from .run import run_model as body
 
-        _check_run_wan(args, device, world)
+        _check_run(args, device, world)
     _check_out(args.out, "--out")
-    launch(_rank_entry, args.nproc, device, body, args)
+    try:
+        launch(_rank_entry, args.nproc, device, body, args)
+    except mp.ProcessExitedException as e:  # a rank's sys.exit(code): e.g. run's UNSUPPORTED (its line is printed)
+        return e.exit_code or 1
     if not under_torchrun():
         sys.stdout.flush()
     return 0

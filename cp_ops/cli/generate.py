@@ -1,0 +1,157 @@
+"""``cp-ops generate``: a whole local diffusers pipeline with its transformer under CP.
+
+Every rank loads ``DiffusionPipeline.from_pretrained(--checkpoint)`` (components recorded as ``null`` in
+``model_index.json``, e.g. a text encoder saved without weights, load as None), parallelizes
+``pipe.transformer`` with :func:`cp_ops.integrations.diffusers.parallelize` and runs the same sampling call
+with the same seeded generator (the pipeline's own loop, scheduler and VAE decode; only the transformer's
+tokens are split). Rank 0 shows the pipeline's progress bar and writes the result: an image as PNG; a video
+as MP4 through ``diffusers.utils.export_to_video`` when a video encoder is installed (imageio + imageio-ffmpeg,
+or OpenCV), else as a PNG grid of the frames (the output says which).
+
+``--prompt-embeds FILE``: a ``torch.save``'d tensor ``[B, L, dim]`` (passed as ``prompt_embeds``) or a dict
+of pipeline keyword tensors (``prompt_embeds``, ``negative_prompt_embeds``, ``pooled_prompt_embeds``, ...):
+for pipelines saved without a tokenizer/text encoder. Without negative embeddings the guidance scale is 1
+(no classifier-free guidance), since the pipeline could not encode the empty negative prompt.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .bench import DTYPES, available_cores
+from .run import UNSUPPORTED
+
+
+def load_pipeline(path: str, dtype: torch.dtype, device: torch.device):
+    """``DiffusionPipeline.from_pretrained(path, torch_dtype=dtype)`` on ``device``, null components as None."""
+    from diffusers import DiffusionPipeline
+
+    with open(os.path.join(path, "model_index.json")) as f:
+        index = json.load(f)
+    nulls = {k: None for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v == [None, None]}
+    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **nulls)
+    return pipe.to(device)
+
+
+def _call_kwargs(pipe, args, device) -> dict:
+    params = inspect.signature(pipe.__call__).parameters
+    kw = dict(num_inference_steps=args.steps, generator=torch.Generator(device="cpu").manual_seed(args.seed))
+    if args.prompt_embeds:
+        loaded = torch.load(args.prompt_embeds, map_location=device, weights_only=True)
+        extra = loaded if isinstance(loaded, dict) else {"prompt_embeds": loaded}
+        unknown = [k for k in extra if k not in params]
+        if unknown:
+            raise ValueError(f"--prompt-embeds {args.prompt_embeds}: {type(pipe).__name__} takes no {unknown}")
+        kw.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in extra.items()})
+        if "negative_prompt_embeds" not in extra and "guidance_scale" in params and args.guidance is None:
+            kw["guidance_scale"] = 1.0
+    else:
+        kw["prompt"] = args.prompt
+    for name, value in (("height", args.height), ("width", args.width), ("num_frames", args.frames),
+                        ("guidance_scale", args.guidance)):
+        if value is None:
+            continue
+        if name not in params:
+            raise ValueError(f"{type(pipe).__name__} takes no {name} (from --{name.replace('num_', '')})")
+        kw[name] = value
+    if "output_type" in params:
+        kw["output_type"] = "np"
+    return kw
+
+
+def _frames(result):
+    """The output as float ``[F, H, W, 3]`` in [0, 1] (F = 1 for an image) and whether it is a video."""
+    import numpy as np
+
+    if hasattr(result, "frames"):
+        x = np.asarray(result.frames[0] if not isinstance(result.frames, np.ndarray) else result.frames[0])
+        return x, True
+    x = np.asarray(result.images[0] if isinstance(result.images, list) else result.images[0])
+    return x[None], False
+
+
+def write(frames, video: bool, out: str) -> str:
+    """Write ``frames`` (float ``[F, H, W, 3]`` in [0, 1]); returns the path written (a ``.png`` grid replaces an
+    ``.mp4`` that no installed encoder can write)."""
+    import numpy as np
+    from PIL import Image
+
+    u8 = (np.clip(frames, 0, 1) * 255).round().astype("uint8")
+    if video and out.lower().endswith(".mp4"):
+        try:
+            from diffusers.utils import export_to_video
+
+            export_to_video(list(frames), out, fps=16)
+            return out
+        except (ImportError, AttributeError, RuntimeError, OSError) as e:
+            png = os.path.splitext(out)[0] + ".png"
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}" if str(e) else type(e).__name__
+            print(f"cp-ops generate: no video encoder ({why}); "
+                  f"writing the {len(frames)} frames as a PNG grid {png} (pip install imageio imageio-ffmpeg for MP4)")
+            out = png
+    if len(u8) == 1:
+        Image.fromarray(u8[0]).save(out)
+        return out
+    cols = math.ceil(math.sqrt(len(u8)))
+    rows = math.ceil(len(u8) / cols)
+    f, h, w, c = u8.shape
+    grid = np.zeros((rows * h, cols * w, c), dtype="uint8")
+    for i, fr in enumerate(u8):
+        grid[(i // cols) * h:(i // cols + 1) * h, (i % cols) * w:(i % cols + 1) * w] = fr
+    Image.fromarray(grid).save(out)
+    return out
+
+
+def generate(rank: int, world_size: int, device: torch.device, args) -> None:
+    """Rank body of ``cp-ops generate`` (arguments checked by :mod:`cp_ops.cli.main`)."""
+    from cp_ops.integrations.diffusers import parallelize
+
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, available_cores() // world_size))
+    if rank != 0:  # one progress bar (rank 0's): no loading bars from the other ranks either
+        from diffusers.utils import logging as dlogging
+
+        dlogging.disable_progress_bar()
+    pipe = load_pipeline(args.checkpoint, DTYPES[args.dtype], device)
+    if getattr(pipe, "transformer", None) is None:
+        raise ValueError(f"generate: the pipeline {type(pipe).__name__} at {args.checkpoint} has no transformer")
+    try:
+        for name in ("transformer", "transformer_2"):  # Wan 2.2 A14B: two experts, both under CP
+            if getattr(pipe, name, None) is not None:
+                parallelize(getattr(pipe, name), mode=args.mode, transport=args.transport)
+    except ValueError as e:
+        if "support" not in str(e):
+            raise
+        if rank == 0:
+            print(f"cp-ops generate: cp_ops.parallelize does not support {type(pipe.transformer).__name__} here: {e}",
+                  file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(UNSUPPORTED)
+    pipe.set_progress_bar_config(disable=rank != 0, desc=f"CP{world_size} steps")
+    kw = _call_kwargs(pipe, args, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    import time
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        result = pipe(**kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    if rank == 0:
+        frames, video = _frames(result)
+        out = args.out or ("out.mp4" if video else "out.png")
+        path = write(frames, video, out)
+        kind = f"video, {len(frames)} frames" if video else "image"
+        print(f"cp-ops generate: {type(pipe).__name__} ({type(pipe.transformer).__name__} under CP{world_size}), "
+              f"{args.steps} steps in {seconds:.1f} s ({kind} {frames.shape[2]}x{frames.shape[1]}): wrote {path}")
+    dist.barrier()

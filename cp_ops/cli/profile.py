@@ -1,0 +1,334 @@
+"""``cp-ops run --profile DIR``: a torch.profiler trace of the CP run and where its time goes, per layer.
+
+:func:`profile_run` marks every transformer block and every replicated module (timestep/text embeddings,
+cross-attention K/V over the replicated text: ``ModelSpec.replicated``) with ``record_function`` ranges
+(forward hooks; eager, or outside the compiled regions under ``--compile regional``), profiles
+``--profile-runs`` forwards, writes ``DIR/trace_rank{r}.json.gz`` (gzipped Chrome trace: https://ui.perfetto.dev
+or chrome://tracing open it) and computes :func:`breakdown` from that trace file.
+
+The breakdown (per forward; ``layers`` = the mean over the blocks, ``per_layer`` each block):
+
+- ``span_ms``: on CUDA from the first kernel to the last one launched in the range; on CPU the range's wall time;
+- ``busy_ms`` / ``idle_ms``: the union of the device intervals inside the span / the rest (on CUDA: GPU idle,
+  typically the host not keeping up; on CPU: time outside profiled ops, i.e. Python);
+- ``attention_ms``: intervals under an attention op (``scaled_dot_product``, ``attention``, flash/cuDNN/fmha kernels);
+- ``comm_ms`` and ``exposed_comm_ms``: intervals under a communication op (c10d/NCCL/gloo, ``cp_ops::*_start``,
+  ``wait_tensor``); exposed = the part no other interval of the same range covers;
+- ``replicated_ms``: busy time inside the replicated modules' ranges;
+- ``gather_ms``: communication launched outside every block and replicated range (the output gather);
+- ``host_syncs``: events that make the host wait for the device (``cudaStreamSynchronize``,
+  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``, DtoH copies, ``aten::item`` /
+  ``aten::_local_scalar_dense``), counted per range.
+
+On CPU (gloo) the trace has CPU ops only: the same numbers are computed over the host's op intervals (every op,
+by its own name; the output says so); communication runs on gloo's threads and shows as the ops the host waits
+in, all of it exposed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import os
+from collections import defaultdict
+
+import torch
+
+FORWARD = "cp-ops forward"
+LAYER = "cp-ops layer "
+REPLICATED = "cp-ops replicated "
+
+_ATTN = ("scaled_dot_product", "attention", "flash", "fmha", "sdpa", "cudnn_generated_fort_native_sdpa")
+_COMM = ("nccl", "c10d", "all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "broadcast",
+         "gloo", "cp_ops::agkv_gather_start", "cp_ops::ulysses", "wait_tensor", "record_param_comms", "nvshmem",
+         "memcpy ptop", "cp_fast")
+_SYNC_RUNTIME = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")
+
+
+def _has(name: str, words) -> bool:
+    n = name.lower()
+    return any(w.lower() in n for w in words)
+
+
+def annotate(model: torch.nn.Module, spec, compiled: str | None = None) -> list:
+    """Install ``record_function`` ranges on ``model``'s blocks (``spec.blocks``) and replicated modules
+    (``spec.replicated``: a module name or the last components of one); returns the hook handles.
+
+    ``compiled='regional'``: the blocks' forwards are compiled, so modules inside blocks get no range (a hook added
+    there would land inside a fullgraph region); ``'full'``: nothing is annotated (the whole forward is one graph)."""
+    handles = []
+    if compiled == "full":
+        return handles
+
+    def add(module, label):
+        stack = []
+
+        def pre(mod, args):
+            rf = torch.profiler.record_function(label)
+            rf.__enter__()
+            stack.append(rf)
+
+        def post(mod, args, out):
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    for kind in spec.blocks:
+        for i, block in enumerate(getattr(model, kind, [])):
+            add(block, f"{LAYER}{kind}.{i}")
+    for name, module in model.named_modules():
+        hit = next((r for r in spec.replicated if name == r or name.endswith("." + r)), None)
+        if compiled and name.split(".")[0] in spec.blocks:
+            continue
+        if name and hit:
+            add(module, f"{REPLICATED}{hit}")  # one label per kind (e.g. attn2.to_k of every block)
+    return handles
+
+
+def _union(iv):
+    out = []
+    for s, e in sorted(iv):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _length(iv) -> float:
+    return sum(e - s for s, e in _union(iv))
+
+
+def _minus(a, b) -> float:
+    """Length of union(a) not covered by union(b)."""
+    a, b = _union(a), _union(b)
+    total, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                total += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            total += e - cur
+    return total
+
+
+def breakdown(trace_path: str) -> dict:
+    """The breakdown of a Chrome trace written by ``torch.profiler`` (see the module docstring). Times in ms
+    per profiled forward. Raises ``ValueError`` when the trace has no ``cp-ops forward`` range."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    ann = [e for e in events if e.get("cat") in ("user_annotation", "gpu_user_annotation") and
+           e["name"].startswith("cp-ops ") and e.get("cat") == "user_annotation"]
+    forwards = [e for e in ann if e["name"] == FORWARD]
+    if not forwards:
+        raise ValueError(f"{trace_path}: no '{FORWARD}' range in the trace; was it written by cp-ops run --profile?")
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+               and "args" in e}
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    cuda = bool(kernels)
+
+    # host-side containment: the ops and annotations enclosing a host timestamp (per thread)
+    by_tid = defaultdict(list)
+    for e in ops + ann:
+        by_tid[(e["pid"], e["tid"])].append(e)
+    for v in by_tid.values():
+        v.sort(key=lambda e: e["ts"])
+
+    starts = {k: [e["ts"] for e in v] for k, v in by_tid.items()}
+    longest = {k: max((e["dur"] for e in v), default=0) for k, v in by_tid.items()}
+
+    def enclosing(tid, ts):
+        v = by_tid.get(tid, [])
+        hi = bisect.bisect_right(starts.get(tid, []), ts)
+        lo = bisect.bisect_left(starts.get(tid, []), ts - longest.get(tid, 0))
+        return [e for e in v[lo:hi] if e["ts"] <= ts <= e["ts"] + e["dur"]]
+
+    fidx = {id(f): i for i, f in enumerate(forwards)}
+
+    def fwd_of(stack):
+        """Index of the profiled forward whose range encloses this host event (None: outside every forward)."""
+        return next((fidx[id(e)] for e in stack if id(e) in fidx), None)
+
+    def region(stack):
+        inner = [e for e in stack if e["name"].startswith((LAYER, REPLICATED))]
+        return max(inner, key=lambda e: e["ts"])["name"] if inner else None
+
+    # the intervals: (region, category, start, end) with times in µs
+    items, dtoh = [], defaultdict(int)
+    if cuda:
+        for k in kernels:
+            launch = runtime.get(k.get("args", {}).get("correlation"))
+            if launch is None:
+                continue
+            stack = enclosing((launch["pid"], launch["tid"]), launch["ts"])
+            fid = fwd_of(stack)
+            if fid is None:
+                continue
+            names = [e["name"] for e in stack] + [k["name"]]
+            cat = ("comm" if any(_has(n, _COMM) for n in names) else
+                   "attention" if any(_has(n, _ATTN) for n in names) else "compute")
+            items.append((region(stack), cat, k["ts"], k["ts"] + k["dur"], fid))
+            if "DtoH" in k["name"] or "Device -> Host" in k["name"]:
+                dtoh[region(stack)] += 1
+    else:
+        for o in ops:
+            stack = enclosing((o["pid"], o["tid"]), o["ts"])
+            fid = fwd_of(stack)
+            if fid is None:
+                continue
+            # every op at any depth, by its own name (unions below: nesting counts once; a compiled region's
+            # wrapper op is compute, the communication/attention ops it calls keep their category)
+            cat = "comm" if _has(o["name"], _COMM) else "attention" if _has(o["name"], _ATTN) else "compute"
+            items.append((region(stack), cat, o["ts"], o["ts"] + o["dur"], fid))
+    # host syncs, by region
+    syncs = defaultdict(int)
+    for e in list(runtime.values()) + ops:
+        n = e["name"]
+        if (n.startswith(_SYNC_RUNTIME) and "Async" not in n) or n in _SYNC_OPS:
+            stack = enclosing((e["pid"], e["tid"]), e["ts"])
+            if any(s["name"] == FORWARD for s in stack):
+                syncs[region(stack)] += 1
+
+    for r, n in dtoh.items():  # a device-to-host copy: the host waits for it (counted once with its sync call)
+        syncs[r] = max(syncs[r], n)
+    nfwd = len(forwards)
+
+    def stats(sel, span=None):
+        iv = [(s, e) for _, _, s, e, _ in sel]
+        if not iv:
+            return None
+        lo, hi = (min(s for s, _ in iv), max(e for _, e in iv)) if span is None else span
+        busy = _length(iv)
+        comm = [(s, e) for _, c, s, e, _ in sel if c == "comm"]
+        other = [(s, e) for _, c, s, e, _ in sel if c != "comm"]
+        # on the host (CPU run) the thread waits through every communication op: all of it is exposed
+        exposed = _minus(comm, other) if cuda else _length(comm)
+        return dict(span_ms=(hi - lo) / 1e3, busy_ms=busy / 1e3, idle_ms=max(0.0, (hi - lo) - busy) / 1e3,
+                    attention_ms=_length([(s, e) for _, c, s, e, _ in sel if c == "attention"]) / 1e3,
+                    comm_ms=_length(comm) / 1e3, exposed_comm_ms=exposed / 1e3)
+
+    def per_fwd(d):
+        return None if d is None else {k: v / nfwd for k, v in d.items()}
+
+    layer_names = sorted({r for r, *_ in items if r and r.startswith(LAYER)},
+                         key=lambda n: (n.split()[-1].rsplit(".", 1)[0], int(n.rsplit(".", 1)[1])))
+    per_layer = {}
+    for name in layer_names:
+        sel = [x for x in items if x[0] == name]
+        if cuda:
+            # per forward: span from the first to the last kernel of this layer in that forward
+            st = defaultdict(float)
+            for i in range(len(forwards)):
+                s = stats([x for x in sel if x[4] == i])
+                for k, v in (s or {}).items():
+                    st[k] += v
+            d = dict(st)
+        else:
+            spans = [a for a in ann if a["name"] == name]
+            d = {k: 0.0 for k in ("span_ms", "busy_ms", "idle_ms", "attention_ms", "comm_ms", "exposed_comm_ms")}
+            for a in spans:
+                s = stats([x for x in sel if a["ts"] <= x[2] <= a["ts"] + a["dur"]], (a["ts"], a["ts"] + a["dur"]))
+                for k, v in (s or {}).items():
+                    d[k] += v
+        d = per_fwd(d)
+        d["host_syncs"] = syncs.get(name, 0) / nfwd
+        per_layer[name.removeprefix(LAYER)] = d
+    whole = []
+    for i, f in enumerate(forwards):
+        sel = [x for x in items if x[4] == i]
+        span = None if cuda else (f["ts"], f["ts"] + f["dur"])
+        whole.append(stats(sel, span) or {})
+    total = {k: sum(w.get(k, 0.0) for w in whole) / nfwd for k in (whole[0] if whole else {})}
+    rep = [x for x in items if x[0] and x[0].startswith(REPLICATED)]
+    total["replicated_ms"] = _length([(s, e) for _, _, s, e, _ in rep]) / 1e3 / nfwd
+    total["gather_ms"] = _length([(s, e) for r, c, s, e, _ in items if r is None and c == "comm"]) / 1e3 / nfwd
+    total["host_syncs"] = sum(v for k, v in syncs.items()) / nfwd
+    mean = {}
+    if per_layer:
+        for k in next(iter(per_layer.values())):
+            mean[k] = sum(d[k] for d in per_layer.values()) / len(per_layer)
+    return dict(device="cuda" if cuda else "cpu", forwards=nfwd, trace=os.path.abspath(trace_path), forward=total,
+                layers=mean, per_layer=per_layer,
+                replicated={r.removeprefix(REPLICATED): _length([(s, e) for rr, _, s, e, _ in rep if rr == r]) / 1e3 / nfwd
+                            for r in sorted({x[0] for x in rep})},
+                host_syncs_by_region={(k or "(outside blocks)"): v / nfwd for k, v in syncs.items()})
+
+
+def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) -> dict:
+    """Profile ``args.profile_runs`` CP forwards of ``m`` (``model`` parallelized, maybe compiled; already
+    warm), write ``DIR/trace_rank{rank}.json.gz`` and return this rank's :func:`breakdown` (also written as
+    ``DIR/breakdown_rank{rank}.json``)."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    os.makedirs(args.profile, exist_ok=True)
+    handles = annotate(model, spec, args.compile)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with torch.no_grad():
+            spec.predict(m, kw)  # the hooks' first pass, outside the trace
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            with profile(activities=acts) as prof:
+                for _ in range(args.profile_runs):
+                    if args.cuda_graphs and args.compile:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    with record_function(FORWARD):
+                        spec.predict(m, kw)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+    finally:
+        for h in handles:
+            h.remove()
+    path = os.path.join(args.profile, f"trace_rank{rank}.json.gz")  # gzip: a 30-layer trace is tens of MB
+    prof.export_chrome_trace(path)
+    bd = breakdown(path)
+    bd.update(rank=rank, world_size=world_size, compiled=args.compile)
+    with open(os.path.join(args.profile, f"breakdown_rank{rank}.json"), "w") as f:
+        json.dump(bd, f, indent=1)
+    return bd
+
+
+def print_breakdown(bd: dict) -> None:
+    """Print rank ``bd['rank']``'s breakdown: the whole forward, the mean layer, the replicated modules."""
+    cpu = bd["device"] == "cpu"
+    what = "host CPU ops only (no GPU in this run): busy = op time, idle = time between ops" if cpu else \
+        "GPU kernels: busy = union of kernel time, idle = GPU waiting (host-bound gaps)"
+    print(f"\nprofile (rank {bd['rank']}, {bd['forwards']} forward(s), {what}); trace: {bd['trace']}")
+    if bd.get("compiled") == "full":
+        print("--compile full: one graph, no per-layer ranges (use --compile regional for per-layer rows)")
+    elif bd.get("compiled"):
+        print("--compile regional: ranges on the blocks and the modules outside them (none inside a compiled block)")
+    cols = ("span_ms", "busy_ms", "idle_ms", "attention_ms", "comm_ms", "exposed_comm_ms", "host_syncs")
+    print(f"{'':<28}" + "".join(f"{c.removesuffix('_ms'):>14}" for c in cols))
+
+    def line(label, d):
+        print(f"{label:<28}" + "".join(f"{d.get(c, 0.0):>14.3f}" for c in cols))
+
+    line("forward", bd["forward"])
+    if bd["layers"]:
+        for name, d in bd["per_layer"].items():
+            line(f"  {name}"[:28], d)
+        line(f"mean of {len(bd['per_layer'])} layers", bd["layers"])
+    f = bd["forward"]
+    print(f"replicated work {f['replicated_ms']:.3f} ms/forward "
+          f"({', '.join(f'{k} {v:.3f}' for k, v in bd['replicated'].items()) or 'none marked'}); "
+          f"final gather (communication outside the blocks) {f['gather_ms']:.3f} ms; "
+          f"host syncs {f['host_syncs']:.0f} per forward"
+          + (f" ({', '.join(f'{k}: {v:.0f}' for k, v in bd['host_syncs_by_region'].items())})"
+             if bd["host_syncs_by_region"] else ""))
+    print("ms per forward; exposed comm = communication no other work of the same range overlaps; every rank's "
+          "breakdown in breakdown_rank*.json next to the traces (rank 0's also in --out).")

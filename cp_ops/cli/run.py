@@ -1,0 +1,385 @@
+"""``cp-ops run MODEL``: a real diffusers DiT (random seeded weights, or a local checkpoint), one rank vs CP.
+
+Per run, in this order, on the same model and the same inputs (every rank draws them from one seeded generator):
+
+1. the single-rank baseline: the unmodified diffusers model on rank 0 (attention backend cuDNN on CUDA, the
+   kernel the CP attention uses), the other ranks waiting;
+2. with ``--compare diffusers``: diffusers' own context parallelism (``enable_parallelism`` with
+   ``ContextParallelConfig(ulysses_degree=W)`` and ``(ring_degree=W)``) on a copy of the model, one row each;
+   a row diffusers refuses is printed with its reason;
+3. cp_ops: :func:`cp_ops.integrations.diffusers.parallelize` in place (``cfg_parallel=True`` with ``--cfg``).
+
+``--cfg``: the model is called with batch ``2 * --batch`` (rows ``[0, B)`` conditional, ``[B, 2B)`` unconditional,
+different text embeddings), the same full inputs on every rank, and must return the full batch-``2B`` output, equal
+to the unparallelized model's; ``parallelize(..., cfg_parallel=True)`` is expected to put the halves on two lanes
+of ``W / 2`` ranks each, CP inside each lane. The ``--steps`` loop then combines the halves with guidance 5.
+
+Each row: one forward (``--steps 0``, median of ``--repeats``) or a denoising loop of ``--steps N`` (the
+model's diffusers scheduler; time per step = median, total = sum), time (CP = the slowest rank), speedup
+over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile`` compiles every side the
+same way (``regional``: each repeated block's forward, as diffusers' ``compile_repeated_blocks``; ``full``:
+the whole model) through :func:`cp_ops.compile`; ``--cuda-graphs`` replays CUDA graphs; ``--profile DIR``
+traces the cp_ops run (see :mod:`cp_ops.cli.profile`). A model ``parallelize`` does not support (yet) ends
+the run with exit code 3 and one line saying so.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .bench import DTYPES, _write_json, available_cores, environment
+from .models import MODELS, build, load_checkpoint
+from .timing import max_over_ranks, max_over_ranks_each, time_ms
+
+#: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
+UNSUPPORTED = 3
+
+
+class _Skip(Exception):
+    """A comparison row that cannot run here (its reason is the row)."""
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compile_model(model, spec, args, overlap: bool):
+    """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``.
+
+    ``regional``: every block of ``spec.blocks`` gets ``block.forward = cp_ops.compile(block.forward, ...)``;
+    Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
+    diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
+    ``full``: ``cp_ops.compile(model, fullgraph=True)``. ``--cuda-graphs`` adds ``mode="reduce-overhead"``.
+    """
+    import cp_ops
+
+    if not args.compile:
+        return model, 0
+    kw = dict(fullgraph=True, overlap=overlap and not args.no_overlap)
+    if args.cuda_graphs:
+        kw["mode"] = "reduce-overhead"
+    if args.compile == "full":
+        return cp_ops.compile(model, **kw), 1
+    n = 0
+    for name in spec.blocks:
+        for block in getattr(model, name, []):
+            block.forward = cp_ops.compile(block.forward, **kw)
+            n += 1
+    return model, n
+
+
+class _Graphed:
+    """Explicit CUDA-graph capture of an eager forward (``--cuda-graphs`` without ``--compile``): the inputs
+    are static (this run feeds the same tensors every call), so replay recomputes the same output."""
+
+    def __init__(self, fn, device):
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = fn()
+
+    def __call__(self):
+        self.graph.replay()
+        return self.out
+
+
+def _mark_step(args) -> None:
+    """A new CUDA-graph-tree step (``mode='reduce-overhead'``): the previous call's outputs may be overwritten."""
+    if args.cuda_graphs and args.compile:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def _forward_fn(m, spec, kw, args):
+    def fwd():
+        _mark_step(args)
+        with torch.no_grad():
+            return spec.predict(m, kw)
+    return fwd
+
+
+def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
+    """``steps`` steps of the model's scheduler from the latents in ``kw`` (not modified). Returns
+    ``(final latents fp32, per-step ms)``; a step = the transformer call + the scheduler update. On CUDA the
+    steps are bracketed by events (the host never waits inside the loop).
+
+    With ``args.cfg`` (classifier-free guidance): the first half of the batch is the latents; each step feeds
+    ``cat([x, x])`` with the conditional (first half) and unconditional (second half) text of ``kw`` and
+    combines ``u + guidance * (c - u)``, as the pipelines do."""
+    sched = spec.scheduler()
+    sched.set_timesteps(steps, device=device)
+    kw = dict(kw)
+    key = "t" if "t" in kw else "timestep"
+    tdtype, batch = kw[key].dtype, kw[key].shape[0]
+    cfg = bool(args is not None and getattr(args, "cfg", False))
+    lat = spec.get_latents(kw).clone()
+    if cfg:
+        lat = lat[: lat.shape[0] // 2]
+    cuda = device.type == "cuda"
+    marks = []
+    with torch.no_grad():
+        for t in sched.timesteps:
+            if cuda:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                marks.append(e)
+            else:
+                marks.append(time.perf_counter())
+            spec.set_latents(kw, torch.cat([lat, lat]) if cfg else lat)
+            kw[key] = spec.model_timestep(t.float()).expand(batch).to(tdtype)
+            if args is not None:
+                _mark_step(args)
+            pred = spec.predict(m, kw)
+            if cfg:
+                cond, uncond = pred.chunk(2)
+                pred = uncond + guidance * (cond - uncond)
+            lat = sched.step(pred, t, lat, return_dict=False)[0]
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            marks.append(e)
+            e.synchronize()
+            ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        else:
+            marks.append(time.perf_counter())
+            ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    return lat.float(), ms
+
+
+def _measure(m, spec, kw, args, device, graphs_ok: bool):
+    """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32)``."""
+    fwd = _forward_fn(m, spec, kw, args)
+    _sync(device)
+    t0 = time.perf_counter()
+    if args.steps:
+        denoise(m, spec, kw, 1, device, args)  # the first call: compiles when compiling
+    else:
+        fwd()
+    _sync(device)
+    first_s = time.perf_counter() - t0
+    if args.steps:
+        for _ in range(max(0, min(args.warmup, 1))):
+            denoise(m, spec, kw, args.steps, device, args)
+        out, ms = denoise(m, spec, kw, args.steps, device, args)
+        return first_s, ms, out
+    call = _Graphed(fwd, device) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
+    ms = [time_ms(call, device, args.warmup, args.repeats)]
+    return first_s, ms, call().float()
+
+
+def _row(name, first_s, ms, out, ref, single, device, steps):
+    ms = max_over_ranks_each(ms, device)
+    t = statistics.median(ms)
+    first = max_over_ranks(first_s, device)
+    row = dict(name=name, ms=t, first_call_s=first, compile_s=max(0.0, first - t / 1e3))
+    if steps:
+        row.update(total_ms=sum(ms), step_ms=ms)
+    if ref is not None:
+        row["max_rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
+    if single is not None:
+        row["speedup"] = single / t
+    return row
+
+
+def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms):
+    """Rows of diffusers' native CP (Ulysses W, ring W) on copies of ``base`` (still unparallelized)."""
+    rows = []
+    try:
+        import transformers  # noqa: F401  (diffusers 0.42.1's CP hooks call logger.warning_once, added by it)
+    except ImportError:
+        import diffusers.hooks.context_parallel as dcp
+
+        if not hasattr(dcp.logger, "warning_once"):
+            dcp.logger.warning_once = dcp.logger.warning  # the same message, without transformers' dedup
+    from diffusers import ContextParallelConfig
+
+    for label, cpc in (("diffusers ulysses", dict(ulysses_degree=world)), ("diffusers ring", dict(ring_degree=world))):
+        reason = None
+        if device.type == "cpu":
+            reason = ("diffusers' enable_parallelism needs an accelerator (it places rank r on device "
+                      "r % torch.accelerator.device_count(), 0 on a CPU-only torch)")
+        try:
+            if reason:
+                raise _Skip(reason)
+            m = copy.deepcopy(base)
+            m.enable_parallelism(config=ContextParallelConfig(**cpc))
+            m, _ = compile_model(m, spec, args, overlap=False)
+            first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True)
+        except _Skip:
+            pass
+        except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        flags = [reason is not None]
+        t = torch.tensor(flags, dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if t.item():  # any rank failed: every rank skips the row (no rank waits in a collective alone)
+            rows.append(dict(name=label, skipped=reason or "refused on another rank"))
+        else:
+            rows.append(_row(label, first_s, ms, out, ref, single_ms, device, args.steps))
+        m = None
+        if args.compile:
+            torch._dynamo.reset()
+    return rows
+
+
+def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
+    """Rank body of ``cp-ops run MODEL`` (arguments checked by :mod:`cp_ops.cli.main` before the ranks start)."""
+    from cp_ops import choose_mode, select_transport
+    from cp_ops.integrations.diffusers import parallelize
+
+    spec = MODELS[args.model]
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, available_cores() // world_size))
+    dtype = DTYPES[args.dtype]
+    if args.checkpoint:
+        model, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
+    else:
+        model, cfg = build(spec, args.config, args.layers, device, dtype)
+    batch = args.batch * (2 if args.cfg else 1)  # --cfg: conditional + unconditional halves
+    g = torch.Generator(device=device).manual_seed(42)
+    kw = spec.make_inputs(cfg, args.text_tokens, batch, args.frames, args.height, args.width, device, dtype, g)
+    if device.type == "cuda":
+        model.set_attention_backend("_native_cudnn")
+    tokens = spec.tokens(cfg, args.frames, args.height, args.width)
+    mode = choose_mode(args.mode, spec.heads(cfg), world_size // (2 if args.cfg else 1))
+    transport = select_transport(args.transport, device.type)
+
+    single_ms, ref, rows = None, None, []
+    if rank == 0:
+        if args.compile:
+            print(f"compiling the single-rank model ({args.compile}) ...", flush=True)
+        m, _ = compile_model(model, spec, args, overlap=False)
+        first_s, ms, ref = _measure(m, spec, kw, args, device, graphs_ok=True)
+        single_ms = statistics.median(ms)
+        rows.append(dict(name="1 rank", ms=single_ms, first_call_s=first_s, compile_s=max(0.0, first_s - single_ms / 1e3),
+                         **(dict(total_ms=sum(ms), step_ms=ms) if args.steps else {})))
+        if args.compile:
+            _restore_blocks(model, spec)
+            torch._dynamo.reset()
+    dist.barrier()
+    if args.compare:
+        t = torch.tensor([single_ms or 0.0], dtype=torch.float64, device=device)
+        dist.broadcast(t, 0)
+        rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()))
+    try:
+        parallelize(model, mode=args.mode, transport=args.transport, **({"cfg_parallel": True} if args.cfg else {}))
+    except (ValueError, TypeError) as e:
+        if "support" in str(e) or "cfg_parallel" in str(e):
+            if rank == 0:
+                what = "the CFG-parallel layout (--cfg) of " if args.cfg else ""
+                print(f"cp-ops run {args.model}: cp_ops.parallelize does not support {what}{spec.cls} here: {e}",
+                      file=sys.stderr, flush=True)
+            dist.barrier()
+            dist.destroy_process_group()
+            sys.exit(UNSUPPORTED)
+        raise
+    if rank == 0 and args.compile:
+        print(f"compiling the CP{world_size} model ({args.compile}) ...", flush=True)
+    m, nblocks = compile_model(model, spec, args, overlap=True)
+    first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True)
+    rows.append(_row(f"cp_ops {mode}", first_s, ms, out, ref, single_ms, device, args.steps))
+    breakdown = None
+    if args.profile:
+        from .profile import profile_run
+
+        breakdown = profile_run(model, m, spec, kw, args, device, rank, world_size)
+    error = None
+    if rank == 0:
+        try:
+            report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks)
+        except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
+            error = e
+    dist.barrier()
+    if error is not None:
+        raise error
+
+
+def _restore_blocks(model, spec):
+    """Undo regional compilation (the instance ``forward`` attributes), so the next side compiles afresh."""
+    for name in spec.blocks:
+        for block in getattr(model, name, []):
+            block.__dict__.pop("forward", None)
+
+
+def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks) -> None:
+    ours = rows[-1]
+    single = rows[0]
+    layers = [cfg[k] for k in spec.layer_keys]
+    heads = spec.heads(cfg)
+    dim = cfg.get("dim") or heads * cfg["attention_head_dim"]
+    latent = [args.batch * (2 if args.cfg else 1), cfg["in_channels"] // (4 if spec.name in ("flux", "qwenimage") else 1),
+              args.frames, args.height, args.width]
+    layers_txt = "+".join(map(str, layers))
+    compiled_with = (None if not args.compile else
+                     f"{'torch.compile' if args.no_overlap else 'cp_ops.compile (overlap pass)'}, {args.compile}"
+                     + (", reduce-overhead (CUDA graphs)" if args.cuda_graphs else ""))
+    meta = dict(environment(device, world_size), model=args.model, cls=spec.cls, config=args.config,
+                checkpoint=args.checkpoint, layers=layers[0] if len(layers) == 1 else layers, heads=heads, dim=dim,
+                tokens=tokens, text_tokens=args.text_tokens, latent=latent, dtype=args.dtype, mode=mode,
+                transport=transport, compile=args.compile or False, cuda_graphs=args.cuda_graphs, cfg=args.cfg,
+                steps=args.steps, weights="checkpoint" if args.checkpoint else "random", compiled_with=compiled_with)
+    if args.compile:
+        meta["compiled_blocks"] = nblocks
+    try:
+        import diffusers
+
+        meta["diffusers"] = diffusers.__version__
+    except ImportError:
+        pass
+    weights = f"checkpoint {args.checkpoint}" if args.checkpoint else "random weights"
+    name = {"wan": "Wan"}.get(args.model, spec.cls)
+    print(f"\ncp-ops run {args.model} — {name} {args.config} architecture, {weights} ({layers_txt} layers, "
+          f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
+          f"{args.dtype}, CP{world_size} mode={mode} transport={transport} compile={compiled_with or 'no'}"
+          f"{' cfg-parallel' if args.cfg else ''}, on {meta.get('gpu', 'CPU')}")
+    if args.model == "wan" and not (args.steps or args.compare or args.compile):
+        # the original `cp-ops run wan` table (kept)
+        print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
+        print(f"{ours['ms']:>10.2f} {single['ms']:>10.2f} {ours['speedup']:>7.2f}x {ours['max_rel_err']:>12.2e}")
+    else:
+        unit = "ms/step" if args.steps else "ms"
+        print(f"{'':<18} {unit:>10} {'total ms' if args.steps else '':>10} {'speedup':>8} {'max rel err':>12}"
+              f"{'  compile s' if args.compile else ''}")
+        for r in rows:
+            if "skipped" in r:
+                print(f"{r['name']:<18} skipped: {r['skipped']}")
+                continue
+            sp = f"{r['speedup']:>7.2f}x" if "speedup" in r else f"{'':>8}"
+            err = f"{r['max_rel_err']:>12.2e}" if "max_rel_err" in r else f"{'(reference)':>12}"
+            tot = f"{r['total_ms']:>10.1f}" if args.steps else f"{'':>10}"
+            fc = f"  {r['compile_s']:>9.1f}" if args.compile else ""
+            print(f"{r['name']:<18} {r['ms']:>10.2f} {tot} {sp} {err}{fc}")
+    print(f"speedup = 1-rank time ÷ CP time (ideal {world_size}x); "
+          + (f"ms/step = median over the {args.steps} steps of one loop (transformer + scheduler step), total = their sum"
+             if args.steps else f"times are medians of {args.repeats} runs")
+          + ", CP = the slowest rank; max rel err = max |CP − 1-rank| / max |1-rank| (0 = bitwise equal).")
+    if args.compile:
+        print("compile s = wall time of the first call (compilation included) minus one steady-state call"
+              + (" (one step)" if args.steps else "") + "; the slowest rank for CP rows.")
+    if device.type == "cpu":
+        print(f"CPU: a functional check, not a performance claim — the model is small ({name} {args.config} config) and "
+              "gloo's copies cost more than the attention they split, so a speedup below 1 is expected.")
+    if breakdown is not None:
+        from .profile import print_breakdown
+
+        print_breakdown(breakdown)
+    result = {k: v for k, v in ours.items() if k != "name"}
+    result.update(cp_ms=ours["ms"], single_ms=single["ms"])
+    payload = {"meta": meta, "result": result, "rows": rows}
+    if breakdown is not None:
+        payload["profile"] = breakdown
+    if args.out:
+        _write_json(args.out, payload)
+    else:
+        print("(no JSON written: --out PATH saves the result)")
