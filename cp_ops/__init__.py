@@ -49,6 +49,19 @@ def _load_core() -> None:
     globals().update({k: v for k, v in locals().items() if k in __all__})
 
 
+class _Package(type(_sys)):
+    """The package's module type: a submodule that shares a public function's name (``cp_ops.attention``,
+    ``cp_ops.compile``) is not bound over the function when it is imported before the core (the import system
+    binds each loaded submodule on its package); the name then loads the core on first use (``__getattr__``)."""
+
+    def __setattr__(self, name, value):
+        if name in __all__ and name != "modes" and isinstance(value, type(_sys)):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
 if "torch" in _sys.modules:  # the usual case (torch imported first): the core costs ~20 ms more; register the ops now
     _load_core()
 
