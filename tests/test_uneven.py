@@ -154,8 +154,13 @@ def _errors(rank, w):
     assert out.shape == x.shape
 
 
-def test_errors_raise_on_every_rank():
-    run_ranks(_errors, 2)
+def _errors_and_opcheck(rank, w):
+    _errors(rank, w)
+    _opcheck(rank, w)
+
+
+def test_errors_raise_on_every_rank_and_opcheck():
+    run_ranks(_errors_and_opcheck, 2)
 
 
 def _compiled(rank, w):
@@ -194,14 +199,10 @@ def _opcheck(rank, w):
     mask = torch.rand(2, seq[rank], generator=g) > 0.5
     ops = torch.ops.cp_ops
     torch.library.opcheck(ops.agkv_gather_uneven_start, (k, v, mask, seq, w, name, "torch"))
-    torch.library.opcheck(ops.agkv_gather_uneven_start, (k, v, None, seq, w, name, "torch"))
     torch.library.opcheck(ops.ulysses_uneven_start, ([k, v], mask, seq, w, name, "torch"))
     x = torch.randn(2, 5, 2, 8, generator=g)
     torch.library.opcheck(ops.ulysses_inverse_uneven_start, (x, seq, w, name, "torch"))
 
-
-def test_opcheck_uneven_ops():
-    run_ranks(_opcheck, 2)
 
 
 def test_shard_sizes():
