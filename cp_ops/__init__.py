@@ -2,6 +2,8 @@
 
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
+        (also chunks=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.modes.uneven)
+    layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
     choose_mode(mode, heads, world_size)                                           the mode 'auto' picks
