@@ -186,8 +186,37 @@ def _compiled(rank, w):
         assert eager.numel() == 0 or eager.abs().max() > 0
 
 
+def _dynamic(rank, w):
+    """One graph for several uneven token counts under dynamic shapes (item 6 relies on it)."""
+    import torch._dynamo
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def fn(x):
+        seq = layout.shard_sizes(x.shape[1], w)
+        xs = layout.shard(x, 1, rank, w)
+        return cp_ops.attention(xs * 1.5, xs, xs, mode="agkv", seq_lens=seq)
+
+    torch._dynamo.reset()
+    cfn = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+    for total in (11, 13, 17):  # all uneven on W = 2
+        x = torch.randn(1, total, 2, 8, generator=torch.Generator().manual_seed(total))
+        with torch.no_grad():
+            assert torch.equal(cfn(x), fn(x)), total
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 3 token counts"
+
+
+def _compiled_and_dynamic(rank, w):
+    _compiled(rank, w)
+    _dynamic(rank, w)
+
+
 def test_compiled_equals_eager():
-    run_ranks(_compiled, 2)
+    run_ranks(_compiled_and_dynamic, 2)
 
 
 def _opcheck(rank, w):
