@@ -13,6 +13,7 @@
 #     capture; compiled reduce-overhead, torch and fast transports), --steps 4 (eager, compiled, with diffusers'
 #     rows), --profile (traces + per-layer breakdown in $OUT/wan11_profile), and Wan 14B --layers 4 at 75600 tokens
 #     (latent 21x90x160 = 21x45x80 patches); JSON per run in $OUT/wan11_*.json
+#   uneven — tests/test_uneven_gpu.py (-s) + benchmarks/uneven.py (seq_lens / key_mask cost vs the even call)
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
@@ -72,6 +73,8 @@ for s in $SECTIONS; do case $s in
   pipelined) step pipelined_tests python3 -m pytest -q -s -m gpu tests/test_pipelined_gpu.py -p no:cacheprovider
          step pipelined_bench python3 benchmarks/pipelined.py --out "$OUT" --nproc ${PIPELINED_NPROC:-2} \
            --max-minutes ${PIPELINED_MINUTES:-3.4} ;;
+  uneven) step uneven_tests python3 -m pytest -q -s -m gpu tests/test_uneven_gpu.py -p no:cacheprovider
+         step uneven_bench python3 benchmarks/uneven.py --out "$OUT" --nproc ${UNEVEN_NPROC:-2} ;;
   *) echo "unknown section $s"; status=1 ;;
 esac; done
 if [ -n "$bg" ]; then wait "$bg"; tail -3 "$OUT/cpu_suite.txt"; grep -q "cpu_suite rc=0" "$OUT/cpu_suite.txt" || status=1; fi
