@@ -169,8 +169,8 @@ def _body_w2(rank, w, tmp):
 
     # 7. the switch differs between ranks: ValueError on both (the settings are compared first), no hang
     config.configure(tune_modes=rank == 0)
-    with pytest.raises(ValueError, match="tune_modes"):
-        cp_ops.attention(*_inputs(rank, w, 4)[:3])
+    with pytest.raises(ValueError, match="tune_modes"):  # a new shape: rank 0 would measure, rank 1 not
+        cp_ops.attention(*_inputs(rank, w, 4, h=2)[:3])
 
 
 def test_tune_w2(tmp_path):

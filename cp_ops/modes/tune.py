@@ -28,11 +28,12 @@ holds (one all-reduce over the group) and use it only when every rank holds the 
 measure and every rank rewrites its entry. An unreadable file is ignored and an unwritable one reported once
 (a warning); neither stops the call.
 
-Before the first collective the ranks compare their collective settings (``tune_modes`` is one of
-:data:`cp_ops.config.COLLECTIVE_FIELDS`): a rank with measuring off next to one with it on raises ValueError on
-both instead of hanging.
+Before its first collective a measuring rank compares the collective settings over the group
+(:func:`cp_ops.validate.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`):
+a peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting
+instead of hanging. With measuring off no exchange is added.
 
-Not measured (the heuristic decides, nothing cached): a group of the 'fake' backend (tracing tests), symbolic
+Not measured (the heuristic decides): a group of one rank, or of the 'fake' backend (tracing tests), symbolic
 shapes under ``torch.compile`` (dynamic shapes), and a first call inside CUDA-graph capture. Under
 ``torch.compile`` the choice is made once at trace time (:func:`torch.compiler.assume_constant_result`) and
 baked into the graph.
@@ -87,7 +88,8 @@ class Choice(NamedTuple):
 #: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'disk' (decisions
 #: taken from the disk cache), 'heuristic'.
 stats = {"measured": 0, "timed": 0, "disk": 0, "heuristic": 0}
-_memo: dict[tuple, tuple] = {}  # key -> (process group, Choice)
+_memo: dict[tuple, tuple] = {}  # (group, request, shape, dtype, device, transport, tune_modes) -> (mode, chunks)
+_choices: dict[tuple, "Choice"] = {}  # the same key -> the Choice (source, times) for reports
 _warned: set[str] = set()
 
 
@@ -107,32 +109,40 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     """
     if mode != "auto" and chunks is not None:
         return chosen, chunks
+    if not torch.compiler.is_compiling():  # eager: the cached choice is one dict lookup
+        hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
+        if hit is not None:
+            return hit
     shape = tuple(q.shape)
     if not all(isinstance(x, int) for x in shape):  # symbolic sizes under torch.compile: nothing to key on
         return chosen, choose_chunks(chosen, group.size(), q, transport) if chunks is None else chunks
     return _decide(mode, chunks, chosen, shape, q.dtype, str(q.device), group.group_name, transport)
 
 
-@torch.compiler.assume_constant_result
 def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -> tuple[str, int]:
     """:func:`decide` on plain values (run, not traced, by ``torch.compile``: its result is a constant)."""
-    key = (group_name, mode, chunks, shape, dtype, device, transport, config.settings.tune_modes)
+    pg = _resolve(group_name)
+    key = (pg, mode, chunks, torch.Size(shape), dtype, torch.device(device), transport, config.settings.tune_modes)
     hit = _memo.get(key)
     if hit is not None:
-        pg = _resolve(group_name)
-        if hit[0] is pg:
-            return hit[1].mode, hit[1].chunks
-    c = _choose(mode, chunks, chosen, shape, dtype, torch.device(device), _resolve(group_name), transport)
-    return c.mode, c.chunks
+        return hit
+    c = _choose(mode, chunks, chosen, shape, dtype, torch.device(device), pg, transport)
+    if c is not None:
+        _memo[key] = (c.mode, c.chunks)
+        _choices[key] = c
+        return c.mode, c.chunks
+    return _choose_heuristic_only(mode, chunks, chosen, shape, pg.size(), transport)
+
+
+# What torch.compiler.assume_constant_result(_decide) does, without importing torch._dynamo at import (as
+# cp_ops.transport.base.resolve; tests/test_cli_startup.py checks that equivalence).
+_decide._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def describe(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
     """The :class:`Choice` :func:`decide` made for this request on ``group`` (None before it made one): what
     ``cp-ops bench --modes auto`` reports."""
-    key = (group.group_name, mode, chunks, tuple(q.shape), q.dtype, str(q.device), transport,
-           config.settings.tune_modes)
-    hit = _memo.get(key)
-    return hit[1] if hit is not None and hit[0] is group else None
+    return _choices.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
 
 
 def _resolve(group_name: str) -> dist.ProcessGroup:
@@ -169,6 +179,11 @@ def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> li
     return out
 
 
+def _choose_heuristic_only(mode, chunks, chosen, shape, world_size, transport) -> tuple[str, int]:
+    c = _heuristic(mode, chunks, chosen, shape, world_size, transport)
+    return c.mode, c.chunks
+
+
 def _heuristic(mode, chunks, chosen, shape, world_size, transport) -> Choice:
     stats["heuristic"] += 1
     c = chunks if chunks is not None else choose_chunks(chosen, world_size, _Shape(shape), transport)
@@ -182,31 +197,31 @@ class _Shape:
         self.shape = torch.Size(shape)
 
 
-def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice:
+def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice | None:
     from ..group import backend_name
-    from ..validate import check_settings_agree
 
     w = pg.size()
-    key = (pg.group_name, mode, chunks, shape, dtype, str(device), transport, config.settings.tune_modes)
     fake = backend_name(pg) == "fake"
-    if not fake:
-        check_settings_agree(pg)  # a rank with measuring off beside one with it on: raise on both, never hang
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    cands = candidates(mode, chunks, shape[2], w)
-    if not config.settings.tune_modes or fake or capturing:
-        choice = _heuristic(mode, chunks, chosen, shape, w, transport)
+    cands = candidates(mode, chunks, shape[2], w) if w > 1 else []
+    if not config.settings.tune_modes or fake or capturing or w == 1:
         if capturing:
-            return choice  # not kept: measured by the first call outside capture
+            return None  # the heuristic, not kept: measured by the first call outside capture
+        choice = _heuristic(mode, chunks, chosen, shape, w, transport)
     elif len(cands) == 1:
         choice = Choice(cands[0][0], cands[0][1], "single", {})
     else:
         choice = _agreed_or_measured(cands, shape, dtype, device, pg, transport)
-    _memo[key] = (pg, choice)
     return choice
 
 
 # ---- agreement, measuring ------------------------------------------------------------------------
 def _agreed_or_measured(cands, shape, dtype, device, pg, transport) -> Choice:
+    from ..validate import check_settings_agree
+
+    # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
+    # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
+    check_settings_agree(pg)
     dkey = disk_key(shape, dtype, device, pg.size(), transport, cands)
     entry = _read_cache().get(dkey)
     code = 0
@@ -382,3 +397,4 @@ def _warn_once(path: str, message: str) -> None:
 def clear_memory() -> None:
     """Forget the in-process choices (the next call of each request agrees or measures again); tests use it."""
     _memo.clear()
+    _choices.clear()
