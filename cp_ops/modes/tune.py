@@ -11,8 +11,7 @@ run the same schedule are listed once), and:
   (1: transport-then-attend; see its docstring for the measurements behind it).
 * on (the default): the fastest candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
   device, transport, request) and then a dict lookup (about 1 µs). Measuring: every rank runs every candidate
-  on synthetic random tensors of the call's shape and dtype (the call's data is not needed: at
-  ``torch.compile`` trace time the inputs are fake), through :func:`cp_ops.attention` with the candidate's
+  on synthetic random tensors of the call's shape and dtype (the call's data is not needed), through :func:`cp_ops.attention` with the candidate's
   explicit mode and chunks; :data:`WARMUP` calls, then the median over :data:`SAMPLES` samples of (time of n
   back-to-back calls) / n, n chosen so a sample lasts about :data:`SAMPLE_MS` (CUDA events on GPU,
   ``time.perf_counter`` on CPU). The times are max-reduced over the group (the slowest rank's time is the
@@ -33,10 +32,11 @@ Before its first collective a measuring rank compares the collective settings ov
 a peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting
 instead of hanging. With measuring off no exchange is added.
 
-Not measured (the heuristic decides): a group of one rank, or of the 'fake' backend (tracing tests), symbolic
-shapes under ``torch.compile`` (dynamic shapes), and a first call inside CUDA-graph capture. Under
-``torch.compile`` the choice is made once at trace time (:func:`torch.compiler.assume_constant_result`) and
-baked into the graph.
+Not measured (the heuristic decides): a group of one rank, or of the 'fake' backend (tracing tests), a first
+call inside CUDA-graph capture, and code traced by ``torch.compile`` (measuring at trace time was tried through
+:func:`torch.compiler.assume_constant_result`; Dynamo cannot pass it symbolic sizes — automatic dynamic shapes
+after a recompile — and fails the trace, so a traced call takes the heuristic; pass ``mode=``/``chunks=``
+explicitly, e.g. what :func:`describe` reports after an eager call, to compile the measured variant).
 """
 
 from __future__ import annotations
@@ -99,8 +99,7 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
 
     Args:
         mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``modes.choose(mode,
-            H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read; may be
-            fake). group: the CP group. transport: the resolved transport ('torch', 'fast').
+            H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the CP group. transport: the resolved transport ('torch', 'fast').
     Returns:
         the mode name and the chunk count (≥ 1) every rank of the group uses.
     Raises:
@@ -109,18 +108,16 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     """
     if mode != "auto" and chunks is not None:
         return chosen, chunks
-    if not torch.compiler.is_compiling():  # eager: the cached choice is one dict lookup
-        hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
-        if hit is not None:
-            return hit
-    shape = tuple(q.shape)
-    if not all(isinstance(x, int) for x in shape):  # symbolic sizes under torch.compile: nothing to key on
+    if torch.compiler.is_compiling():  # traced by torch.compile: the heuristic (see the module docstring)
         return chosen, choose_chunks(chosen, group.size(), q, transport) if chunks is None else chunks
-    return _decide(mode, chunks, chosen, shape, q.dtype, str(q.device), group.group_name, transport)
+    hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
+    if hit is not None:  # the cached choice: one dict lookup
+        return hit
+    return _decide(mode, chunks, chosen, tuple(q.shape), q.dtype, str(q.device), group.group_name, transport)
 
 
 def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -> tuple[str, int]:
-    """:func:`decide` on plain values (run, not traced, by ``torch.compile``: its result is a constant)."""
+    """:func:`decide` on plain values, after a miss of the eager cache."""
     pg = _resolve(group_name)
     key = (pg, mode, chunks, torch.Size(shape), dtype, torch.device(device), transport, config.settings.tune_modes)
     hit = _memo.get(key)
@@ -132,11 +129,6 @@ def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -
         _choices[key] = c
         return c.mode, c.chunks
     return _choose_heuristic_only(mode, chunks, chosen, shape, pg.size(), transport)
-
-
-# What torch.compiler.assume_constant_result(_decide) does, without importing torch._dynamo at import (as
-# cp_ops.transport.base.resolve; tests/test_cli_startup.py checks that equivalence).
-_decide._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def describe(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
