@@ -39,7 +39,12 @@ for s in $SECTIONS; do case $s in
   env)   step env python3 -m cp_ops env
          nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true ;;
   tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fast_gpu.py tests/test_stress.py -p no:cacheprovider ;;
-  bench) step bench python3 -m cp_ops bench --no-progress --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
+  bench) # issue 9 item 6: every S of the issue, both transports, the measured choice (auto) and each mode at chunks
+         # 1, 2, 4; all visible GPUs (BENCH_NPROC to change); the measured choices land in OUT/choices.json
+         step bench env CP_OPS_TUNE_CACHE="$OUT/choices.json" python3 -m cp_ops bench --no-progress \
+           ${BENCH_NPROC:+--nproc $BENCH_NPROC} --seqs ${BENCH_SEQS:-4096,8192,16384,32768,75600} \
+           --transports torch,fast --modes auto,agkv,ulysses --chunks ${BENCH_CHUNKS:-1,2,4} \
+           --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   wan)   step wan_ulysses python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode ulysses --transport torch --out "$OUT/wan_ulysses.json"
          step wan_agkv python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \

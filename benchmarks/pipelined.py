@@ -117,7 +117,13 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
                     def call(mode=mode, transport=transport, chunks=chunks):
                         return cp_ops.attention(ql, kl, vl, mode=mode, transport=transport, chunks=chunks)
 
-                    _, out = _once_ms(call, group)  # first call: plans, transport tuning
+                    _, out = _once_ms(call, group)  # first call: plans, transport tuning, the measured choice
+                    if mode == "auto" or chunks is None:
+                        from cp_ops.modes import tune
+                        from cp_ops.transport.base import resolve
+
+                        picked = tune.describe(mode, chunks, ql, group, resolve(transport, "cuda"))
+                        row["picked"] = f"{picked.mode} c={picked.chunks} ({picked.source})" if picked else None
                     first_ms, _ = _once_ms(call, group)
                     err = ((out.float() - ref_l).abs().max() / ref_l.abs().max()).item()
                     row["max_rel_err"] = _max(err, group)
@@ -131,6 +137,7 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
                     if rank == 0:
                         shown = (f"{row['ms']:.3f} ms  {row['speedup']:.2f}x" if "ms" in row else row["skipped"])
                         print(f"S={s:6d} W={world} {mode:8s} {transport:5s} chunks={chunks!s:4s} {shown}  "
+                              + (f"[picked {row['picked']}] " if row.get("picked") else "") +
                               f"(1 GPU {baseline[s]:.3f} ms; max rel err {row['max_rel_err']:.1e})", flush=True)
         del ql, kl, vl, ref_l
         torch.cuda.empty_cache()
@@ -160,7 +167,7 @@ def _write(args, world: int, baseline: dict, rows: list, elapsed_s: float) -> No
             if r is None or "ms" not in r:
                 cells.append("—")
                 continue
-            cells.append(f"{r['ms']:.3f} ({r['speedup']:.2f}x)")
+            cells.append(f"{r['ms']:.3f} ({r['speedup']:.2f}x)" + (f" [{r['picked']}]" if r.get("picked") else ""))
             if best is None or r["speedup"] > best["speedup"]:
                 best = r
         tag = f"{best['speedup']:.2f}x {best['mode']} {best['transport']} c={best['chunks']}" if best else "—"
@@ -200,10 +207,11 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="folder for pipelined.json / .md / .png")
     p.add_argument("--nproc", type=int, default=2, help="CP world size W (GPUs)")
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="global sequence lengths S")
-    p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"])
+    p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"], help="agkv ulysses auto")
     p.add_argument("--transports", nargs="+", default=["torch", "fast"])
     p.add_argument("--chunks", nargs="+", default=["1", "2", "4"],
-                   help="chunk counts ('None' = what chunks=None picks: 1 until the measured choice lands)")
+                   help="chunk counts ('None' = chunks=None: the measured choice, cp_ops.modes.tune; the row "
+                        "reports what it picked)")
     p.add_argument("--n", type=int, default=20, help="calls back to back per sample")
     p.add_argument("--reps", type=int, default=5, help="samples (median taken)")
     p.add_argument("--max-minutes", type=float, default=3.4, help="skip configurations that would run past this")

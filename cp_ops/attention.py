@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _library as lib
 from . import modes
-from .modes import pipelined
+from .modes import pipelined, tune
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
 from .validate import api_checked, check_device_for_group, check_same
@@ -64,14 +64,16 @@ def attention(
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
         group: the CP group: ``None`` (default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
-            or 'auto' (Ulysses when W divides H, else AGKV); any name of ``cp_ops.modes.names()``.
+            or 'auto' (the fastest, measured on first use: :mod:`cp_ops.modes.tune`); any name of
+            ``cp_ops.modes.names()``.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
         chunks: pipeline stages (communication under attention; :mod:`cp_ops.modes.pipelined`): 1 =
             transport-then-attend (bitwise equal to one device); k ≥ 2 = the mode's pipelined variant in k
             stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
-            head sub-groups, exact); None = :func:`cp_ops.modes.pipelined.choose_chunks` (a heuristic for now).
+            head sub-groups, exact); None = the fastest of 1, 2, 4 measured on first use (:mod:`cp_ops.modes.tune`;
+            ``CP_OPS_TUNE_MODES=0``: a heuristic).
             Every rank must pass the same value.
         seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
             ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
@@ -131,7 +133,7 @@ def attention(
     elif world_size == 1:
         out = local_attention(qd, kd, vd, scale)
     else:
-        c = pipelined.choose_chunks(chosen, world_size, q, resolved) if chunks is None else chunks
+        chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved)  # 'auto'/None: measured once, then cached
         kw = dict(world_size=world_size, group_name=pg.group_name, transport=resolved, scale=scale)
         if c > 1 and chosen in pipelined.PIPELINED:
             out = pipelined.PIPELINED[chosen](qd, kd, vd, chunks=c, **kw)

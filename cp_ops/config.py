@@ -14,6 +14,8 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_FAST_LANE_WIDTH`` | ``fast_lane_width`` | the one CP-group width per process that uses the fast lane (first used) |
 | ``CP_OPS_FAST_TUNE``       | ``fast_tune``     | measure the fast fan-out per shape (1); 0: a fixed default             |
 | ``CP_OPS_EXT_DIR``         | ``ext_dir``       | where the fast transport's CUDA extension is built (a per-source cache) |
+| ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None`` measured on first use (on); off: a heuristic |
+| ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
 group; :func:`cp_ops.validate.check_settings_agree` compares them once per group and raises on a mismatch.
@@ -90,10 +92,13 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "fast_lane_width": ("CP_OPS_FAST_LANE_WIDTH", _optional_width, None),
     "fast_tune": ("CP_OPS_FAST_TUNE", _flag, True),
     "ext_dir": ("CP_OPS_EXT_DIR", _path, None),
+    "tune_modes": ("CP_OPS_TUNE_MODES", _flag, True),
+    "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
 }
 
 #: Settings that change what a collective does: every rank of a group must hold the same values.
-COLLECTIVE_FIELDS = ("check_ranks", "fast_heap", "fast_path", "fast_lane_width", "fast_tune", "fast_pool_gb")
+COLLECTIVE_FIELDS = ("check_ranks", "fast_heap", "fast_path", "fast_lane_width", "fast_tune", "fast_pool_gb",
+                     "tune_modes")
 
 
 @dataclass
@@ -110,6 +115,8 @@ class Settings:
     fast_lane_width: int | None = None
     fast_tune: bool = True
     ext_dir: str | None = None
+    tune_modes: bool = True
+    tune_cache: str | None = None
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 
     def collective_values(self) -> tuple:
@@ -159,7 +166,7 @@ def configure(**changes: Any) -> Settings:
             value = parse(var, "1" if value is True else "0" if value is False else str(value))
         elif isinstance(value, str):
             value = parse(var, value)
-        elif f not in ("fast_lane_width", "ext_dir"):
+        elif f not in ("fast_lane_width", "ext_dir", "tune_cache"):
             raise ConfigError(f"setting {f} cannot be None")
         setattr(settings, f, value)
         settings.sources[f] = "configure()"

@@ -47,7 +47,8 @@ def _bench_rank(rank, world_size, out_dir):
     bench.local_attention = timed
     bench.available_cores = lambda: 1  # pretend one core: 2 ranks x 1 thread oversubscribe it
     args = argparse.Namespace(dtype="fp32", batch=1, heads=2, head_dim=8, seqs=[64, 128], modes=["agkv"],
-                              transports=["torch"], warmup=1, repeats=3, progress=False, out=None, plot=None)
+                              transports=["torch"], warmup=1, repeats=3, calls=2, chunks=[1], progress=False, out=None,
+                              plot=None)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         bench.run_bench(rank, world_size, torch.device("cpu"), args)
@@ -58,7 +59,8 @@ def _bench_rank(rank, world_size, out_dir):
 def test_single_device_baseline_runs_alone(tmp_path):
     run_ranks(_bench_rank, 2, str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    per_s = 1 + 3 + 1  # rank 0: warm-up + timed runs, then the untimed reference
+    # rank 0: steady state (warm-up + 3 samples x 2 calls), latency (3 runs), the share (warm-up + 3 x 2), reference
+    per_s = (1 + 3 * 2) + 3 + (1 + 3 * 2) + 1
     assert len(r0["calls"]) == 2 * per_s and len(r1["calls"]) == 2  # rank 1: only the untimed reference per S
     for i in range(2):  # per S: rank 1 computes nothing until rank 0's timed runs are over
         timed_end = r0["calls"][i * per_s + per_s - 2][1]

@@ -1,10 +1,15 @@
 """``cp-ops bench``: the standard CP attention microbenchmark.
 
-For each mode, transport and global sequence length S: CP attention time (median of repeats per rank,
-max over ranks), single-device SDPA time on the full sequence, speedup (single ÷ CP) and relative error
-of the CP output against the single-device output (max |cp − ref| / max |ref|, max over ranks).
-Dense non-causal attention, BSHD, S split evenly over the CP group. The single-device baseline runs on rank 0
-alone; every time has its interquartile range beside it; the table ends with a legend.
+For each global sequence length S, mode, chunk count and transport: the CP attention time in steady state (the
+headline: N calls back to back between two CUDA events while the host runs ahead, as consecutive layers of a
+model run; median over samples of time / N, each sample's time the slowest rank's) and the latency of one call
+(each call waited for), the single-device SDPA time on the full sequence measured the same way in the same run,
+the speedup (single ÷ CP, steady state), the **bound** — max(attention time at one rank's share, bytes each
+rank must receive ÷ the P2P bandwidth measured in the same run) — and the % of the bound reached, and the
+relative error of the CP output against the single-device output (max |cp − ref| / max |ref|, max over ranks).
+``--modes auto`` runs ``mode='auto', chunks=None`` (the measured choice, :mod:`cp_ops.modes.tune`) and reports
+the variant it picked. Dense non-causal attention, BSHD, S split evenly over the CP group. The single-device
+baselines run on rank 0 alone; every time has its interquartile range beside it; the table ends with a legend.
 """
 
 from __future__ import annotations
@@ -18,17 +23,21 @@ import torch.distributed as dist
 
 from cp_ops import attention, choose_mode, local_attention, modes, select_transport
 
-from .timing import max_over_ranks, max_over_ranks_each, samples_ms, summary
+from .timing import max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def fast_pool_gib(seqs: list[int], batch: int, heads: int, head_dim: int, dtype: torch.dtype, world_size: int) -> float:
+def fast_pool_gib(seqs: list[int], batch: int, heads: int, head_dim: int, dtype: torch.dtype, world_size: int,
+                  chunks: tuple = (1,)) -> float:
     """GiB of the fast transport's symmetric pool that a bench over ``seqs`` fills: the pool keeps every shape
     it has seen, double-buffered — AGKV K and V ``[B, S, H, D]``, the Ulysses buffer (3 tensors) and its
-    inverse (``H / W`` heads each)."""
+    inverse (``H / W`` heads each); pipelined Ulysses (a chunk count c > 1 in ``chunks``; None = the measured
+    choice, which tries 2 and 4) adds its head sub-groups' buffers (at most 2 shapes of about 1/c of them)."""
     esz = torch.empty((), dtype=dtype).element_size()
-    per_token = batch * heads * head_dim * esz * (2 + 3 / world_size + 1 / world_size)
+    counts = {c for c in chunks if c is not None and c > 1} | ({2, 4} if None in chunks else set())
+    ulysses = (3 / world_size + 1 / world_size) * (1 + sum(min(1.0, 2 / c) for c in counts))
+    per_token = batch * heads * head_dim * esz * (2 + ulysses)
     return 2 * sum(seqs) * per_token / 2**30
 
 
@@ -59,14 +68,56 @@ def _write_json(path: str, payload: dict) -> None:
     print(f"wrote {path}" + (" (replaced the file that was there)" if existed else ""))
 
 
+def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: torch.device, warmup: int = 2,
+              samples: int = 3, calls: int = 3) -> dict:
+    """The P2P bandwidth of this machine as the bench's bound uses it: the AGKV all-gather of ``k, v`` (this
+    rank's ``[B, S_local, H, D]`` shards, the largest S of the run) through each transport's op, steady state
+    (:func:`steady_ms`, max over ranks per sample, median); GB/s = bytes each rank receives ((W−1)·2·|k|) ÷ time.
+    Returns ``{'bytes': ..., 'by_transport': {name: {'ms', 'GBps'}}, 'GBps': best}`` (the same on every rank)."""
+    from cp_ops import _library as lib
+
+    w = dist.get_world_size()
+    name = dist.group.WORLD.group_name
+    recv = (w - 1) * 2 * k.numel() * k.element_size()
+    out = {"bytes": recv, "by_transport": {}}
+    for tr in transports:
+        def gather(tr=tr):
+            kf, vf = torch.ops.cp_ops.agkv_gather_start(k, v, w, name, tr)
+            lib.wait(kf), lib.wait(vf)
+
+        ms = summary(max_over_ranks_each(steady_ms(gather, device, warmup, samples, calls), device))["median"]
+        out["by_transport"][tr] = {"ms": ms, "GBps": recv / ms / 1e6}
+    out["GBps"] = max(x["GBps"] for x in out["by_transport"].values())
+    return out
+
+
+def received_bytes(mode: str, world_size: int, local_bytes: int) -> int | None:
+    """Bytes each rank must receive for one call of ``mode``, given one local tensor's bytes T: AGKV gathers
+    K and V from W−1 peers, 2(W−1)·T; Ulysses receives (W−1)/W of Q, K, V and of the output, 4(W−1)/W·T. None
+    for a mode whose traffic is not known here."""
+    if mode == "agkv":
+        return 2 * (world_size - 1) * local_bytes
+    if mode == "ulysses":
+        return 4 * (world_size - 1) * local_bytes // world_size
+    return None
+
+
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     """Rank body of ``cp-ops bench`` (see :mod:`cp_ops.cli.main` for the arguments).
 
-    Per S: every rank draws the same full q, k, v; rank 0 times single-device SDPA on them while the other ranks
-    wait at a barrier (no contention for cores or memory bandwidth); then every rank times CP attention on its
-    shard. A call's CP time is the slowest rank's; the reported time is the median over the timed runs, with
-    the interquartile range beside it.
+    Once: the P2P probe (:func:`p2p_probe`) at the largest S. Per S: every rank draws the same full q, k, v;
+    rank 0 times single-device SDPA on them (steady state and latency) and SDPA at one rank's share (its S/W
+    queries against all S keys: the bound's attention time) while the other ranks wait at a barrier (no
+    contention for cores or memory bandwidth); then every rank times CP attention on its shard, per mode,
+    chunk count and transport: ``args.warmup`` calls, ``args.repeats`` steady-state samples of ``args.calls``
+    calls, ``args.repeats`` single waited-for calls (latency). A sample's CP time is the slowest rank's; the
+    reported time is the median over the samples, with the interquartile range beside it.
     """
+    from cp_ops import config
+    from cp_ops.group import resolve_group
+    from cp_ops.modes import tune
+    from cp_ops.transport.base import resolve as resolve_transport
+
     threads = None
     if device.type == "cpu":
         cores = available_cores()
@@ -78,6 +129,9 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                   "understated (use --nproc <= cores)", flush=True)
     dtype = DTYPES[args.dtype]
     b, h, d = args.batch, args.heads, args.head_dim
+    calls = getattr(args, "calls", 1)
+    chunk_list = list(getattr(args, "chunks", None) or [1])
+    pg = resolve_group(None)
     cases = []
     for s in args.seqs:
         if s % world_size:
@@ -88,9 +142,16 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                     print(f"skip {mode} at H={h}: CP world size {world_size} does not divide the head count")
                 continue
             for tr in args.transports:
-                cases.append((s, mode, tr))
+                for c in ([None] if mode == "auto" else chunk_list):
+                    cases.append((s, mode, tr, c))
     if not cases:
         raise ValueError(f"nothing to measure: no (S, mode, transport) case is valid for H={h}, W={world_size}")
+    # the bound's bandwidth: the AGKV gather at the largest S, through every transport of the run
+    sl_max = max(args.seqs) // world_size
+    g = torch.Generator(device=device).manual_seed(99)
+    kp, vp = (torch.randn(b, sl_max, h, d, generator=g, device=device, dtype=dtype) for _ in range(2))
+    probe = p2p_probe(kp, vp, sorted({select_transport(t, device.type) for t in args.transports}), device)
+    del kp, vp
     bar = None
     if rank == 0 and args.progress is not False:
         from tqdm import tqdm
@@ -98,39 +159,61 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         # disable=None: shown only when stderr is a terminal (no \r updates in logs), unless --progress
         bar = tqdm(total=len(cases), desc="cp-ops bench", unit="case", disable=None if args.progress is None else False)
     rows, ref_cache = [], {}
-    for s, mode, tr in cases:
+    for s, mode, tr, c in cases:
         if bar:
-            bar.set_postfix_str(f"S={s} {mode}/{tr}")
+            bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
         if s not in ref_cache:
             ref_cache.clear()
             g = torch.Generator(device=device).manual_seed(1234 + s)
             q, k, v = (torch.randn(b, s, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
-            single = torch.zeros(5, dtype=torch.float64, device=device)
-            dist.barrier()
-            if rank == 0:  # alone: the other ranks wait at the barrier below
-                st = summary(samples_ms(lambda: local_attention(q, k, v), device, args.warmup, args.repeats))
-                single = torch.tensor([st[x] for x in STATS], dtype=torch.float64, device=device)
-            dist.barrier()
-            dist.broadcast(single, src=0)
-            ref = local_attention(q, k, v)
             sl = s // world_size
             shard = lambda t: t[:, rank * sl : (rank + 1) * sl].contiguous()  # noqa: E731
-            ref_cache[s] = (shard(q), shard(k), shard(v), shard(ref), dict(zip(STATS, single.tolist())))
+            base = torch.zeros(3 * len(STATS), dtype=torch.float64, device=device)
+            dist.barrier()
+            if rank == 0:  # alone: the other ranks wait at the barrier below
+                full = lambda: local_attention(q, k, v)  # noqa: E731
+                q0 = shard(q)
+                st = summary(steady_ms(full, device, args.warmup, args.repeats, calls))
+                lat = summary(samples_ms(full, device, 0, args.repeats))
+                share = summary(steady_ms(lambda: local_attention(q0, k, v), device, args.warmup, args.repeats, calls))
+                base = torch.tensor([x[n] for x in (st, lat, share) for n in STATS], dtype=torch.float64, device=device)
+                del q0
+            dist.barrier()
+            dist.broadcast(base, src=0)
+            vals = base.tolist()
+            n = len(STATS)
+            single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
+            ref = local_attention(q, k, v)
+            ref_cache[s] = (shard(q), shard(k), shard(v), shard(ref), single, single_lat, share)
             del q, k, v, ref
-        ql, kl, vl, ref_l, single = ref_cache[s]
+        ql, kl, vl, ref_l, single, single_lat, share = ref_cache[s]
         resolved = select_transport(tr, device.type)
-        fn = lambda: attention(ql, kl, vl, mode=mode, transport=tr)  # noqa: E731
-        cp = summary(max_over_ranks_each(samples_ms(fn, device, args.warmup, args.repeats), device))
+        fn = lambda: attention(ql, kl, vl, mode=mode, transport=tr, chunks=c)  # noqa: E731
+        cp = summary(max_over_ranks_each(steady_ms(fn, device, args.warmup, args.repeats, calls), device))
+        lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
         out = fn()
         err = ((out.float() - ref_l.float()).abs().max() / ref_l.float().abs().max()).item()
         err = max_over_ranks(err, device)
-        rows.append(dict(S=s, mode=choose_mode(mode, h, world_size), transport=resolved,
+        picked = tune.describe(mode, c, ql, pg, resolve_transport(tr, device.type)) if (mode == "auto" or c is None) \
+            else None
+        used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
+        used_chunks = picked.chunks if picked else c
+        recv = received_bytes(used_mode, world_size, ql.numel() * ql.element_size())
+        comm_ms = None if recv is None else recv / probe["GBps"] / 1e6
+        bound = max(share["median"], comm_ms or 0.0)
+        rows.append(dict(S=s, mode=used_mode, chunks=used_chunks, requested_mode=mode,
+                         requested_chunks="auto" if c is None else c, choice=picked.source if picked else "explicit",
+                         choice_times_ms=dict(picked.times_ms) if picked else {}, transport=resolved,
                          cp_ms=cp["median"], single_ms=single["median"], speedup=single["median"] / cp["median"],
                          rel_err=err,
                          cp_ms_q1=cp["q1"], cp_ms_q3=cp["q3"], cp_ms_min=cp["min"], cp_ms_max=cp["max"],
+                         cp_latency_ms=lat["median"], cp_latency_ms_q1=lat["q1"], cp_latency_ms_q3=lat["q3"],
                          single_ms_q1=single["q1"], single_ms_q3=single["q3"],
                          single_ms_min=single["min"], single_ms_max=single["max"],
-                         speedup_q1=single["q1"] / cp["q3"], speedup_q3=single["q3"] / cp["q1"]))
+                         single_latency_ms=single_lat["median"],
+                         speedup_q1=single["q1"] / cp["q3"], speedup_q3=single["q3"] / cp["q1"],
+                         attn_share_ms=share["median"], recv_bytes=recv, comm_ms=comm_ms, bound_ms=bound,
+                         bound_pct=100.0 * bound / cp["median"], bound_speedup=single["median"] / bound))
         if bar:
             bar.update(1)
     if bar:
@@ -139,7 +222,8 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     if rank == 0:
         try:
             meta = dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d, repeats=args.repeats,
-                        warmup=args.warmup, threads_per_rank=threads)
+                        calls=calls, warmup=args.warmup, threads_per_rank=threads, p2p=probe,
+                        tune_modes=config.settings.tune_modes)
             report(rows, meta, args)
         except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
             error = e
@@ -149,18 +233,31 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
 
 
 STATS = ("median", "min", "max", "q1", "q3")
-HEADER = (f"{'S':>7} {'mode':>8} {'transport':>9} {'CP ms':>9} {'[p25–p75]':>17} {'1-dev ms':>9} "
-          f"{'[p25–p75]':>17} {'speedup':>8} {'[p25–p75]':>13} {'rel err':>9}")
+HEADER = (f"{'S':>7} {'mode':>13} {'chunks':>6} {'transport':>9} {'CP ms':>9} {'[p25–p75]':>17} {'lat ms':>8} "
+          f"{'1-dev ms':>9} {'speedup':>8} {'[p25–p75]':>13} {'bound ms':>9} {'%bound':>6} {'rel err':>9}")
 
 
 def legend(meta: dict) -> list[str]:
     """What the table's columns mean (printed under it)."""
     w = meta["world_size"]
+    p2p = meta["p2p"]
+    probes = ", ".join(f"{t} {x['GBps']:.3g} GB/s" for t, x in p2p["by_transport"].items())
     lines = [
         f"speedup = 1-device time ÷ CP time: higher is better, ideal = W = {w}. CP time of a call = the slowest rank's.",
-        f"[p25–p75] = interquartile range over the {meta['repeats']} timed runs (after {meta['warmup']} warm-up); "
+        f"CP ms = steady state: {meta['calls']} call(s) back to back between two "
+        + ("CUDA events" if meta["device"] == "cuda" else "perf_counter reads")
+        + " (the host runs ahead, as consecutive layers do), per call; "
+        f"[p25–p75] = interquartile range over the {meta['repeats']} samples (after {meta['warmup']} warm-up calls); "
         "speedup's = 1-device p25 ÷ CP p75 to 1-device p75 ÷ CP p25.",
-        "1-device = SDPA on the full sequence, timed on rank 0 alone while the other ranks wait.",
+        f"lat ms = latency of one call waited for on its own (median of {meta['repeats']}; host launch cost included).",
+        "1-device = SDPA on the full sequence, timed the same way (steady state) on rank 0 alone while the other "
+        "ranks wait.",
+        f"bound = max(SDPA at one rank's share: S/W queries x S keys, timed like 1-device; bytes each rank receives "
+        f"(AGKV 2(W-1), Ulysses 4(W-1)/W local tensors) ÷ P2P bandwidth {p2p['GBps']:.3g} GB/s = best AGKV gather "
+        f"measured in this run at the largest S: {probes}); %bound = bound ÷ CP ms (100% = at the physical limit).",
+        "auto→X = what the measured choice picked (mode='auto' and/or chunks=None: --modes auto, --chunks auto; "
+        "cp_ops.modes.tune"
+        + ("" if meta.get("tune_modes", True) else "; measuring is off here: the heuristic") + ").",
         "rel err = max |CP − 1-device| / max |1-device| over this rank's output, max over ranks (0 = bitwise equal).",
     ]
     if meta["device"] == "cpu":
@@ -177,10 +274,12 @@ def report(rows: list[dict], meta: dict, args) -> None:
     print("-" * len(HEADER))
     for r in rows:
         cp_iqr = f"[{r['cp_ms_q1']:.3f}–{r['cp_ms_q3']:.3f}]"
-        one_iqr = f"[{r['single_ms_q1']:.3f}–{r['single_ms_q3']:.3f}]"
         sp_iqr = f"[{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}]"
-        print(f"{r['S']:>7} {r['mode']:>8} {r['transport']:>9} {r['cp_ms']:>9.3f} {cp_iqr:>17} {r['single_ms']:>9.3f} "
-              f"{one_iqr:>17} {r['speedup']:>7.2f}x {sp_iqr:>13} {r['rel_err']:>9.2e}")
+        mode = r["mode"] if r["requested_mode"] != "auto" else f"auto→{r['mode']}"
+        chunks = str(r["chunks"]) if r["requested_chunks"] != "auto" else f"auto→{r['chunks']}"
+        print(f"{r['S']:>7} {mode:>13} {chunks:>6} {r['transport']:>9} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
+              f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
+              f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}")
     for line in legend(meta):
         print(line)
     if args.out:
@@ -192,7 +291,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
 
 
 def plot(rows: list[dict], meta: dict, path: str) -> None:
-    """Speedup over one device vs global S, a line per mode/transport (PNG)."""
+    """Speedup over one device vs global S, a line per mode/chunks/transport, and per mode the bound's speedup
+    (1-device ÷ bound, dashed) (PNG)."""
     try:
         import matplotlib
 
@@ -201,16 +301,25 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     except ImportError:
         print("matplotlib is not installed: pip install matplotlib to get --plot; skipped")
         return
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    for key in sorted({(r["mode"], r["transport"]) for r in rows}):
-        pts = sorted((r["S"], r["speedup"]) for r in rows if (r["mode"], r["transport"]) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} / {key[1]}")
-    ax.axhline(meta["world_size"], color="grey", ls="--", lw=0.8, label=f"ideal {meta['world_size']}x")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+
+    def label(r):
+        m = "auto" if r["requested_mode"] == "auto" else r["mode"]
+        return (m, str(r["requested_chunks"]), r["transport"])
+
+    for key in sorted({label(r) for r in rows}):
+        pts = sorted((r["S"], r["speedup"]) for r in rows if label(r) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} c={key[1]} / {key[2]}")
+    for m in sorted({r["mode"] for r in rows if r["recv_bytes"] is not None}):
+        pts = sorted({(r["S"], r["bound_speedup"]) for r in rows if r["mode"] == m})
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="--", lw=1.2, color="black" if m == "agkv" else "grey",
+                label=f"bound {m}")
+    ax.axhline(meta["world_size"], color="grey", ls=":", lw=0.8, label=f"ideal {meta['world_size']}x")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("global sequence length S (tokens)")
-    ax.set_ylabel("speedup over 1 device")
+    ax.set_ylabel("speedup over 1 device (steady state)")
     ax.set_title(f"CP{meta['world_size']} attention, {meta['dtype']}, H={meta['H']} D={meta['D']}")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -36,6 +36,16 @@ def _csv(kind):
     return parse
 
 
+def _chunks(text: str):
+    """A ``--chunks`` item: an int >= 1, or 'auto' (None: the measured choice)."""
+    if text.strip().lower() in ("auto", "none"):
+        return None
+    v = int(text)
+    if v < 1:
+        raise ValueError(f"chunks must be >= 1 or auto; got {v}")
+    return v
+
+
 class UsageError(Exception):
     """A wrong argument or setting: main() prints ``cp-ops: <message>`` once (rank 0) and returns 2."""
 
@@ -78,7 +88,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs; the median is reported (default 20 GPU, 10 CPU)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs; the median is reported (default 20 GPU, 10 CPU; bench: steady-state samples and "
+                        "latency runs, default 5)")
     p.add_argument("--out", default=None,
                    help="write the results as JSON to this path (checked for writability before the run; an existing "
                         "file is overwritten and the output says so); default: no file")
@@ -97,10 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    b = sub.add_parser("bench", help="CP attention microbenchmark: time, speedup over one device, error",
+    b = sub.add_parser("bench", help="CP attention microbenchmark: time, speedup over one device, bound, error",
                        description="Dense non-causal attention, BSHD, global S split evenly over W ranks. For each "
-                                   "S, mode and transport: CP time (median, max over ranks), single-device SDPA "
-                                   "time, speedup and relative error against the single-device output.")
+                                   "S, mode, chunk count and transport: CP time in steady state (calls back to back, "
+                                   "median, max over ranks) and per-call latency, single-device SDPA time measured "
+                                   "the same way, speedup, the bound (max of attention at one rank's share and the "
+                                   "bytes to receive over the measured P2P bandwidth) and % of it reached, and "
+                                   "relative error against the single-device output.")
     _common(b)
     b.add_argument("--seqs", type=_csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
@@ -109,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads, e.g. ulysses, is skipped where W does not divide H)")
     b.add_argument("--transports", type=_csv(str), default=None,
                    help="torch,fast,auto (default: torch, plus fast where it can run)")
+    b.add_argument("--chunks", type=_csv(_chunks), default=[1],
+                   help="pipeline stages per named mode, comma-separated: 1 (transport-then-attend), k >= 2 "
+                        "(pipelined), auto (chunks=None: the measured choice) (default 1); --modes auto always "
+                        "runs mode='auto', chunks=None and reports the variant it picked")
+    b.add_argument("--calls", type=int, default=None,
+                   help="calls back to back per steady-state sample (default 10 GPU; 1 CPU, where gloo calls run "
+                        "one after another anyway)")
     b.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
     b.add_argument("--heads", type=int, default=None, help="heads H (default 40 GPU, 8 CPU)")
     b.add_argument("--head-dim", type=int, default=None, help="head dim D (default 128 GPU, 64 CPU)")
@@ -231,12 +253,19 @@ def _check_bench(args, device: str, world: int, settings) -> None:
     if args.heads % world and all(m != "auto" and modes.spec(m).needs_heads_divisible for m in args.modes):
         _fail(f"bench: mode {','.join(args.modes)} needs the CP world size {world} to divide --heads {args.heads}; "
               "pick other heads or add --modes agkv")
+    args.calls = (10 if gpu else 1) if getattr(args, "calls", None) is None else args.calls
+    args.chunks = getattr(args, "chunks", [1])
+    if args.calls < 1:
+        _fail(f"bench: --calls must be >= 1; got {args.calls}")
+    if not args.chunks:
+        _fail("bench: --chunks is empty; give e.g. --chunks 1,2,4,auto")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         _fail("bench: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     if "fast" in args.transports and settings.sources.get("fast_pool_gb") == "default":
         from .bench import DTYPES, fast_pool_gib
 
-        need = fast_pool_gib(args.seqs, args.batch, args.heads, args.head_dim, DTYPES[args.dtype], world)
+        need = fast_pool_gib(args.seqs, args.batch, args.heads, args.head_dim, DTYPES[args.dtype], world,
+                             tuple(args.chunks) + ((None,) if "auto" in args.modes else ()))
         if need > settings.fast_pool_gb - 1:  # leave room for the pool's control block
             args.settings["fast_pool_gb"] = math.ceil(need * 1.1)
             if _rank0():
@@ -427,7 +456,7 @@ def _main(args) -> int:
         launch(_rank_entry, args.nproc, device, body, args)
         return 0
     args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
-    args.repeats = args.repeats if args.repeats is not None else (20 if gpu else 10)
+    args.repeats = args.repeats if args.repeats is not None else (5 if args.cmd == "bench" else 20 if gpu else 10)
     if args.repeats < 1 or args.warmup < 0:
         _fail(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
     if args.cmd == "bench":

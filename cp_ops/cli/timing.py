@@ -1,4 +1,8 @@
-"""Timing for benchmarks: CUDA events on GPU (perf_counter on CPU), warm-up, median and spread, max over ranks."""
+"""Timing for benchmarks: CUDA events on GPU (perf_counter on CPU), warm-up, median and spread, max over ranks.
+
+Two ways to time a call: :func:`steady_ms` (N calls back to back between two CUDA events, the host running
+ahead as consecutive layers of a model run: the time per call a model sees) and :func:`samples_ms` (each call
+bracketed and waited for on its own: the latency of one call, host launch cost included)."""
 
 from __future__ import annotations
 
@@ -48,6 +52,32 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repe
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, samples: int, calls: int) -> list[float]:
+    """Steady-state time per call, ms, of each of ``samples`` samples: ``calls`` runs of ``fn()`` back to back
+    between two CUDA events on the current stream (no host wait in between: the host runs ahead), divided by
+    ``calls``; after ``warmup`` untimed runs. The device is synchronized before each sample (its queue empty).
+    On CPU: ``time.perf_counter`` around the ``calls`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(samples):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
     return times
 
 

@@ -1,0 +1,392 @@
+"""The measured choice of a CP attention variant: ``mode='auto'`` and/or ``chunks=None`` (issue 9, item 4).
+
+:func:`cp_ops.attention` calls :func:`decide` with what the caller asked for. An explicit mode *and* an explicit
+chunk count are returned unchanged. Otherwise the candidates are every variant the request leaves open
+(:func:`candidates`: modes 'agkv' and 'ulysses' — Ulysses only where W divides H — for ``mode='auto'``, else
+the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for ``chunks=None``, else the given count; variants that
+run the same schedule are listed once), and:
+
+* ``settings.tune_modes`` off (``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose` for the
+  mode (Ulysses when W divides H, else AGKV) and :func:`cp_ops.modes.pipelined.choose_chunks` for the stages
+  (1: transport-then-attend; see its docstring for the measurements behind it).
+* on (the default): the fastest candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
+  device, transport, request) and then a dict lookup (about 1 µs). Measuring: every rank runs every candidate
+  on synthetic random tensors of the call's shape and dtype (the call's data is not needed), through :func:`cp_ops.attention` with the candidate's
+  explicit mode and chunks; :data:`WARMUP` calls, then the median over :data:`SAMPLES` samples of (time of n
+  back-to-back calls) / n, n chosen so a sample lasts about :data:`SAMPLE_MS` (CUDA events on GPU,
+  ``time.perf_counter`` on CPU). The times are max-reduced over the group (the slowest rank's time is the
+  call's), so every rank holds the same vector and picks the same candidate (the first of the minima in
+  candidate order).
+
+Disk cache: the choices (with their measured times) are kept in a JSON file, ``settings.tune_cache``
+(``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
+file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions and the
+call. A rank cannot trust its own file alone (a rank with a stale or missing file would skip measuring while its
+peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
+holds (one all-reduce over the group) and use it only when every rank holds the same one; otherwise all
+measure and every rank rewrites its entry. An unreadable file is ignored and an unwritable one reported once
+(a warning); neither stops the call.
+
+Before its first collective a measuring rank compares the collective settings over the group
+(:func:`cp_ops.validate.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`):
+a peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting
+instead of hanging. With measuring off no exchange is added.
+
+Not measured (the heuristic decides): a group of one rank, or of the 'fake' backend (tracing tests), a first
+call inside CUDA-graph capture, and code traced by ``torch.compile`` (measuring at trace time was tried through
+:func:`torch.compiler.assume_constant_result`; Dynamo cannot pass it symbolic sizes — automatic dynamic shapes
+after a recompile — and fails the trace, so a traced call takes the heuristic; pass ``mode=``/``chunks=``
+explicitly, e.g. what :func:`describe` reports after an eager call, to compile the measured variant).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .. import config
+from . import choose as choose_mode
+from . import names as mode_names
+from . import spec as mode_spec
+from .agkv_pipelined import stage_plan
+from .pipelined import PIPELINED, choose_chunks
+
+#: Chunk counts tried for ``chunks=None``.
+CHUNKS = (1, 2, 4)
+#: Untimed calls per candidate (plans, transport tuning, allocator) before timing.
+WARMUP = 2
+#: Timed samples per candidate (the median is taken).
+SAMPLES = 3
+#: Target length of one sample, ms (n back-to-back calls, 1 ≤ n ≤ :data:`MAX_CALLS`).
+SAMPLE_MS = 20.0
+MAX_CALLS = 20
+#: Format of the disk cache; an entry of another format is ignored.
+FORMAT = 1
+
+
+class Choice(NamedTuple):
+    """A decision: the variant, where it came from ('measured', 'disk', 'heuristic', 'explicit', 'single'
+    (one candidate)), the candidates' max-over-ranks times in ms ({'agkv/2': 0.9, ...}; empty unless
+    measured or read from disk)."""
+
+    mode: str
+    chunks: int
+    source: str
+    times_ms: dict
+
+
+#: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'disk' (decisions
+#: taken from the disk cache), 'heuristic'.
+stats = {"measured": 0, "timed": 0, "disk": 0, "heuristic": 0}
+_memo: dict[tuple, tuple] = {}  # (group, request, shape, dtype, device, transport, tune_modes) -> (mode, chunks)
+_choices: dict[tuple, "Choice"] = {}  # the same key -> the Choice (source, times) for reports
+_warned: set[str] = set()
+
+
+def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup,
+           transport: str) -> tuple[str, int]:
+    """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks (see the module docstring).
+
+    Args:
+        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``modes.choose(mode,
+            H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the CP group. transport: the resolved transport ('torch', 'fast').
+    Returns:
+        the mode name and the chunk count (≥ 1) every rank of the group uses.
+    Raises:
+        ValueError: the ranks' collective settings differ (first use only; raised on every rank).
+        RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S`` (first use only).
+    """
+    if mode != "auto" and chunks is not None:
+        return chosen, chunks
+    if torch.compiler.is_compiling():  # traced by torch.compile: the heuristic (see the module docstring)
+        return chosen, choose_chunks(chosen, group.size(), q, transport) if chunks is None else chunks
+    hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
+    if hit is not None:  # the cached choice: one dict lookup
+        return hit
+    return _decide(mode, chunks, chosen, tuple(q.shape), q.dtype, str(q.device), group.group_name, transport)
+
+
+def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -> tuple[str, int]:
+    """:func:`decide` on plain values, after a miss of the eager cache."""
+    pg = _resolve(group_name)
+    key = (pg, mode, chunks, torch.Size(shape), dtype, torch.device(device), transport, config.settings.tune_modes)
+    hit = _memo.get(key)
+    if hit is not None:
+        return hit
+    c = _choose(mode, chunks, chosen, shape, dtype, torch.device(device), pg, transport)
+    if c is not None:
+        _memo[key] = (c.mode, c.chunks)
+        _choices[key] = c
+        return c.mode, c.chunks
+    return _choose_heuristic_only(mode, chunks, chosen, shape, pg.size(), transport)
+
+
+def describe(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
+    """The :class:`Choice` :func:`decide` made for this request on ``group`` (None before it made one): what
+    ``cp-ops bench --modes auto`` reports."""
+    return _choices.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
+
+
+def _resolve(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> list[tuple[str, int]]:
+    """The variants a request leaves open, in preference order (ties go to the earlier one): ``[(mode,
+    chunks), ...]``. Variants that run the same schedule (Ulysses head sub-groups capped at H/W; AGKV stage
+    plans that coincide) appear once."""
+    if mode == "auto":
+        ms = [m for m in ("agkv", "ulysses") if m in mode_names(False)
+              and not (mode_spec(m).needs_heads_divisible and heads % world_size)]
+    else:
+        ms = [mode]
+    out = []
+    for m in ms:
+        seen = set()
+        for c in (CHUNKS if chunks is None else (chunks,)):
+            if c > 1 and m not in PIPELINED:
+                sched = 1
+            elif c == 1:
+                sched = 1
+            elif m == "ulysses":
+                g = max(1, min(c, heads // world_size))
+                sched = 1 if g == 1 and chunks is None else ("g", g)
+            else:
+                sched = stage_plan(world_size, c)
+            if sched not in seen:
+                seen.add(sched)
+                out.append((m, c))
+    return out
+
+
+def _choose_heuristic_only(mode, chunks, chosen, shape, world_size, transport) -> tuple[str, int]:
+    c = _heuristic(mode, chunks, chosen, shape, world_size, transport)
+    return c.mode, c.chunks
+
+
+def _heuristic(mode, chunks, chosen, shape, world_size, transport) -> Choice:
+    stats["heuristic"] += 1
+    c = chunks if chunks is not None else choose_chunks(chosen, world_size, _Shape(shape), transport)
+    return Choice(chosen, c, "heuristic", {})
+
+
+class _Shape:
+    """A stand-in with ``.shape`` for :func:`choose_chunks` (which reads only the shape)."""
+
+    def __init__(self, shape):
+        self.shape = torch.Size(shape)
+
+
+def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice | None:
+    from ..group import backend_name
+
+    w = pg.size()
+    fake = backend_name(pg) == "fake"
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cands = candidates(mode, chunks, shape[2], w) if w > 1 else []
+    if not config.settings.tune_modes or fake or capturing or w == 1:
+        if capturing:
+            return None  # the heuristic, not kept: measured by the first call outside capture
+        choice = _heuristic(mode, chunks, chosen, shape, w, transport)
+    elif len(cands) == 1:
+        choice = Choice(cands[0][0], cands[0][1], "single", {})
+    else:
+        choice = _agreed_or_measured(cands, shape, dtype, device, pg, transport)
+    return choice
+
+
+# ---- agreement, measuring ------------------------------------------------------------------------
+def _agreed_or_measured(cands, shape, dtype, device, pg, transport) -> Choice:
+    from ..validate import check_settings_agree
+
+    # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
+    # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
+    check_settings_agree(pg)
+    dkey = disk_key(shape, dtype, device, pg.size(), transport, cands)
+    entry = _read_cache().get(dkey)
+    code = 0
+    if entry is not None and [entry.get("mode"), entry.get("chunks")] in [list(c) for c in cands]:
+        code = [list(c) for c in cands].index([entry["mode"], entry["chunks"]]) + 1
+    t = torch.tensor([code, -code], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    hi, lo = t[0].item(), -t[1].item()
+    if hi == lo and hi > 0:  # every rank holds the same cached candidate
+        stats["disk"] += 1
+        m, c = cands[int(hi) - 1]
+        return Choice(m, c, "disk", dict(entry.get("times_ms", {})))
+    times = measure(cands, shape, dtype, device, pg, transport)
+    best = min(range(len(cands)), key=lambda i: (times[i], i))
+    stats["measured"] += 1
+    named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
+    choice = Choice(cands[best][0], cands[best][1], "measured", named)
+    _write_cache(dkey, {"mode": choice.mode, "chunks": choice.chunks, "times_ms": named,
+                        "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    return choice
+
+
+def measure(cands, shape, dtype, device, pg, transport) -> list[float]:
+    """Each candidate's time per call in ms, max over the ranks of ``pg`` (the same list on every rank)."""
+    from ..attention import attention
+
+    g = torch.Generator(device=device).manual_seed(0x5EED)
+    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    times = []
+    for m, c in cands:
+        def run(m=m, c=c):
+            return attention(q, k, v, group=pg, mode=m, transport=transport, chunks=c)
+
+        times.append(_timer(run, device, pg))
+        stats["timed"] += 1
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    return t.tolist()
+
+
+def _batch_ms(run: Callable[[], object], device: torch.device, n: int) -> float:
+    """Time of ``n`` back-to-back calls, ms (CUDA events on GPU: the host runs ahead; perf_counter on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            run()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        run()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _time_candidate(run: Callable[[], object], device: torch.device, pg) -> float:
+    """One candidate on this rank: :data:`WARMUP` calls, one call to size the samples (its time max-reduced, so
+    every rank makes the same number of calls), then the median of :data:`SAMPLES` samples, ms per call."""
+    for _ in range(WARMUP):
+        run()
+    est = torch.tensor([_batch_ms(run, device, 1)], dtype=torch.float64, device=device)
+    dist.all_reduce(est, op=dist.ReduceOp.MAX, group=pg)
+    n = max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(est.item(), 1e-3))))
+    return statistics.median(_batch_ms(run, device, n) / n for _ in range(SAMPLES))
+
+
+#: How a candidate is timed on this rank: ``fn(run, device, group) -> ms`` (tests replace it).
+_timer = _time_candidate
+
+
+# ---- the disk cache ------------------------------------------------------------------------------
+def cache_path() -> str | None:
+    """The disk cache's file (None: ``tune_cache`` is 'off')."""
+    p = config.settings.tune_cache
+    if p is not None and p.strip().lower() == "off":
+        return None
+    if p:
+        return os.path.expanduser(p)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cp_ops", "choices.json")
+
+
+def machine(device: torch.device) -> dict:
+    """What a measured time depends on besides the call: device model, driver, torch and cp_ops versions."""
+    from .. import __version__
+
+    if device.type == "cuda":
+        dev, driver = torch.cuda.get_device_name(device), _driver_version()
+    else:
+        dev, driver = f"{device.type}:{platform.processor() or platform.machine()}:{_cores()} cores", "-"
+    return {"device": dev, "driver": driver, "torch": torch.__version__, "cp_ops": __version__}
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            for word in f.readline().split():
+                if word[:1].isdigit() and "." in word:
+                    return word
+    except OSError:
+        pass
+    try:
+        import ctypes
+
+        v = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+        return f"cuda-driver-api-{v.value}"
+    except (OSError, AttributeError):
+        return "unknown"
+
+
+def disk_key(shape, dtype, device, world_size, transport, cands) -> str:
+    """The disk cache's key of a decision (one line of JSON: machine, versions, call, candidates)."""
+    b, s, h, d = shape
+    return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
+                           dtype=str(dtype).replace("torch.", ""), transport=transport,
+                           candidates=[f"{m}/{c}" for m, c in cands]), sort_keys=True)
+
+
+def _read_cache() -> dict:
+    path = cache_path()
+    if path is None or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data.get("entries", {}) if isinstance(data, dict) and data.get("format") == FORMAT else {}
+    except (OSError, ValueError) as e:
+        _warn_once(path, f"cp_ops: ignoring the unreadable choice cache {path}: {e}")
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock; atomic replace)."""
+    path = cache_path()
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".lock", "a") as lock:
+            try:
+                import fcntl
+
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except ImportError:  # not POSIX: last writer wins
+                pass
+            entries = _read_cache()
+            entries[key] = entry
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"format": FORMAT, "entries": entries}, f, indent=1)
+            os.replace(tmp, path)
+    except OSError as e:
+        _warn_once(path, f"cp_ops: cannot write the choice cache {path} ({e}); set CP_OPS_TUNE_CACHE to a writable "
+                         "file, or to off")
+
+
+def _warn_once(path: str, message: str) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def clear_memory() -> None:
+    """Forget the in-process choices (the next call of each request agrees or measures again); tests use it."""
+    _memo.clear()
+    _choices.clear()
