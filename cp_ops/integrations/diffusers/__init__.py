@@ -18,6 +18,7 @@ from ...transport.base import names as transport_names
 from . import dispatch, hooks
 from .checks import RankChecks
 from .lanes import Lanes
+from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
 __all__ = ["parallelize", "SUPPORTED"]
@@ -78,11 +79,13 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     lanes = Lanes(transformer, pg) if cfg_parallel else None
     cp = lanes.cp if lanes is not None else pg
     transformer._cp_ops_group = cp  # marks the model before any hook goes in
-    checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # first pre-hook: full inputs
-    if lanes is not None:
-        lanes.install(transformer)
-    state = hooks.CPState(cp, mode, transport)
-    hooks.install(transformer, plan, state, checks.before_gather)
+    checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # a pre-hook: sees the full inputs
+    streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
+               for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
+    streams |= {s for ss in spec.attention.values() for s in ss}
+    state = hooks.CPState(cp, mode, transport, sorted(streams))
+    hooks.install(transformer, plan, state, checks.before_gather,
+                  outer_pre=(lanes.select,) if lanes else (), outer_post=(lanes.gather,) if lanes else ())
     for pattern, streams, modules in attn_modules:
         for path, module in modules:
             dispatch.route(module, state, streams, path)

@@ -10,6 +10,7 @@ from shapes, branch-free where the shape may be symbolic.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable
 
@@ -26,17 +27,25 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 class CPState:
     """One parallelized model's CP group and the full token count of each stream seen in the current forward."""
 
-    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str):
+    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams):
         self.pg, self.mode, self.transport = pg, mode, transport
         self.rank, self.world = pg.rank(), pg.size()
-        self.totals: dict[str, int] = {}
+        # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
+        # never change, so a forward that writes the totals before reading them traces once for all resolutions
+        self.totals: dict[str, int] = dict.fromkeys(streams, 0)
+
+    def record(self, stream: str, total) -> None:
+        if stream not in self.totals:
+            raise ValueError(f"cp_ops.parallelize: stream {stream!r} is not one of the plan's {tuple(self.totals)}")
+        self.totals[stream] = total
 
     def total(self, stream: str, where: str):
-        if stream not in self.totals:
+        v = self.totals.get(stream, 0)
+        if isinstance(v, int) and v == 0:
             raise RuntimeError(f"cp_ops.parallelize: {where} needs the token count of stream {stream!r}, which no "
-                               f"split has recorded in this forward (recorded: {sorted(self.totals)}); the model's "
-                               "plan splits that stream later than it is used")
-        return self.totals[stream]
+                               f"split has recorded (streams: {tuple(self.totals)}); the model's plan splits that "
+                               "stream later than it is used")
+        return v
 
     def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
         """Every rank's local token count of a sequence made of ``streams`` (each rank: its block of each)."""
@@ -49,7 +58,7 @@ def split_tensor(x: torch.Tensor, spec: Split, state: CPState, where: str) -> to
     dim = spec.dim % x.dim()
     if len(spec.streams) == 1:
         total = x.shape[dim]
-        state.totals[spec.streams[0]] = total
+        state.record(spec.streams[0], total)
         parts = [(0, total)]
     else:  # a concatenation of full streams: split each
         totals = [state.total(s, where) for s in spec.streams]
@@ -112,7 +121,10 @@ def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Mo
     return found
 
 
-def _install_split(module: torch.nn.Module, specs: dict, state: CPState, where: str) -> None:
+def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: str):
+    """(pre, post): a forward pre-hook splitting named inputs and a forward hook splitting outputs (None where the
+    entry has none)."""
+    pre_hook = out_hook = None
     by_name = {k: v for k, v in specs.items() if isinstance(k, str)}
     by_output = {k: v for k, v in specs.items() if isinstance(k, int)}
     # single-stream splits first: a multi-stream split reads the totals they record
@@ -136,7 +148,6 @@ def _install_split(module: torch.nn.Module, specs: dict, state: CPState, where: 
                         args[i] = split_tensor(args[i], spec, state, f"{where}.{name}")
             return tuple(args), kwargs
 
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
     if by_output:
 
         def out_hook(mod, args, output):
@@ -147,26 +158,60 @@ def _install_split(module: torch.nn.Module, specs: dict, state: CPState, where: 
                     outs[i] = split_tensor(outs[i], spec, state, f"{where} output {i}")
             return outs[0] if single else type(output)(outs)
 
-        module.register_forward_hook(out_hook)
+    return pre_hook, out_hook
 
 
-def _install_gather(module: torch.nn.Module, spec: Gather, state: CPState, before: Callable[[], None]) -> None:
+def _gather_hook(spec: Gather, state: CPState, before: Callable[[], None]):
     def gather_hook(mod, args, output):
         if not _applies(spec, output):
             return output
         before()
         return gather_tensor(output, spec, state)
 
-    module.register_forward_hook(gather_hook)
+    return gather_hook
 
 
-def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: Callable[[], None]) -> None:
-    """Install ``plan``'s hooks on ``model``. Every path is resolved first, so a bad plan installs nothing."""
+def wrap_forward(model: torch.nn.Module, pre: list, post: list) -> None:
+    """Run ``pre`` (``(mod, args, kwargs) -> (args, kwargs)``) before and ``post`` (``(mod, args, output) ->
+    output``) after ``model.forward``, inside it. Unlike module hooks of the compiled module itself (which
+    torch.compile traces as frames of their own), this keeps the model's splits, its forward and its gathers in one
+    traced frame: the token counts they share stay symbolic (one graph for every resolution)."""
+    if not pre and not post:
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        for f in pre:
+            args, kwargs = f(model, args, kwargs)
+        out = inner(*args, **kwargs)
+        for f in post:
+            out = f(model, args, out)
+        return out
+
+    model.forward = forward
+
+
+def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: Callable[[], None],
+            outer_pre: tuple = (), outer_post: tuple = ()) -> None:
+    """Install ``plan`` on ``model``: hooks on submodules; the model's own entries (path ``""``), preceded by
+    ``outer_pre`` and followed by ``outer_post``, wrap its forward (:func:`wrap_forward`). Every path is resolved
+    first, so a bad plan installs nothing."""
     resolved = [(pattern, entry, resolve(model, pattern)) for pattern, entry in plan]
+    root_pre, root_post = list(outer_pre), []
     for pattern, entry, modules in resolved:
         for path, module in modules:
             where = path or type(model).__name__
             if isinstance(entry, Gather):
-                _install_gather(module, entry, state, before_gather)
+                pre, post = None, _gather_hook(entry, state, before_gather)
             else:
-                _install_split(module, entry, state, where)
+                pre, post = _split_hooks(module, entry, state, where)
+            if module is model:
+                root_pre += [pre] if pre else []
+                root_post += [post] if post else []
+                continue
+            if pre:
+                module.register_forward_pre_hook(pre, with_kwargs=True)
+            if post:
+                module.register_forward_hook(post)
+    wrap_forward(model, root_pre, root_post + list(outer_post))

@@ -49,10 +49,6 @@ class Lanes:
         self.pair = pairs[cp_rank]
         self.params = list(inspect.signature(model.forward).parameters)
 
-    def install(self, model: torch.nn.Module) -> None:
-        model.register_forward_pre_hook(self.select, with_kwargs=True)
-        model.register_forward_hook(self.gather)
-
     def _pick(self, name, x):
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 2:
             return x[self.lane:self.lane + 1]
