@@ -52,6 +52,8 @@ def attention(
     transport: str = "auto",
     scale: float | None = None,
     chunks: int | None = None,
+    seq_lens: tuple[int, ...] | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel dense (non-causal) attention over the tokens of a CP group.
 
@@ -71,6 +73,13 @@ def attention(
             stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
             head sub-groups, exact); None = :func:`cp_ops.modes.pipelined.choose_chunks` (a heuristic for now).
             Every rank must pass the same value.
+        seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
+            ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
+            :func:`cp_ops.layout.shard_sizes`). Exact: the keys are the concatenation of all ranks' real tokens
+            (padded blocks are moved, the real rows selected before attention). None = every rank holds S_local.
+        key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
+            applied as SDPA's boolean mask over the full key sequence. With ``seq_lens`` or ``key_mask``: modes
+            'agkv'/'ulysses', ``chunks`` 1 or None (:mod:`cp_ops.modes.uneven`).
 
     Returns:
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
@@ -84,7 +93,8 @@ def attention(
     Raises:
         ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16;
             mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
-            transport; chunks not None or an int ≥ 1; the ranks of the group disagree on the call (mode, shape,
+            transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
+            S_local, mask dtype/shape; chunks > 1 with either); the ranks of the group disagree on the call (mode, shape,
             dtype, transport, chunks, collective settings, call order) or one rank rejected its inputs — raised
             on every rank, naming each rank's call (:mod:`cp_ops.validate`).
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
@@ -97,6 +107,7 @@ def attention(
     pg = resolve_group(group)
     world_size = pg.size()
     chosen, resolved = mode, transport
+    layout_call = seq_lens is not None or key_mask is not None  # uneven shards / key mask: cp_ops.modes.uneven
 
     def local_checks():
         nonlocal chosen, resolved
@@ -106,13 +117,18 @@ def attention(
         resolved = resolve_transport(transport, q.device.type)
         if world_size > 1:
             check_device_for_group(q, pg)
+        if layout_call:
+            uneven.check_call(q, chosen, world_size, pg.rank(), chunks, seq_lens, key_mask)
 
     api_checked(pg, "cp_ops.attention", local_checks)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then
     # attach the output to q, k and v through a node whose backward raises
     qd, kd, vd = (q.detach(), k.detach(), v.detach()) if wants_grad else (q, k, v)
-    if world_size == 1:
+    if layout_call:
+        out = uneven.attention(qd, kd, vd, mode=chosen, world_size=world_size, group_name=pg.group_name,
+                               transport=resolved, scale=scale, seq_lens=seq_lens, key_mask=key_mask)
+    elif world_size == 1:
         out = local_attention(qd, kd, vd, scale)
     else:
         c = pipelined.choose_chunks(chosen, world_size, q, resolved) if chunks is None else chunks
@@ -140,3 +156,4 @@ class _ForwardOnly(torch.autograd.Function):
 
 
 modes.load_builtin()  # the mode functions, imported with the core (never inside traced code)
+from .modes import uneven  # noqa: E402  (seq_lens / key_mask; imports local_attention from here)

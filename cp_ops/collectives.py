@@ -13,6 +13,7 @@ import torch
 from . import _library as lib
 from . import layout
 from .group import resolve_group
+from .modes import uneven
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
 from .validate import api_checked, check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
@@ -48,19 +49,25 @@ def _owned(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
 
 
 def agkv_gather(
-    k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto"
+    k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto", seq_lens=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather K and V over the CP group, tokens in rank order.
 
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
+        seq_lens: uneven shards (:mod:`cp_ops.modes.uneven`): W token counts in rank order, the same on every
+            rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
     Returns:
-        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]``, contiguous, ready for attention; tensors of
+        ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
+        every rank's real tokens, no padding), contiguous, ready for attention; tensors of
         their own (with the fast transport, whose receive buffers are pooled, that is one copy of each —
         :func:`cp_ops.attention` uses the ops directly and pays none).
     Raises:
-        ValueError / RuntimeError: as :func:`cp_ops.attention`.
+        ValueError / RuntimeError: as :func:`cp_ops.attention` (bad ``seq_lens``: length, values,
+            ``seq_lens[rank] != S_local``, ranks that disagree on it).
     """
+    if seq_lens is not None:
+        return _agkv_gather_uneven(k, v, group, transport, seq_lens)
     pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport)
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
     k_full, v_full = lib.wait(k_full), lib.wait(v_full)
@@ -70,19 +77,23 @@ def agkv_gather(
 
 
 def ulysses_all_to_all(
-    *xs: torch.Tensor, group: Any = None, transport: str = "auto"
+    *xs: torch.Tensor, group: Any = None, transport: str = "auto", seq_lens=None
 ) -> list[torch.Tensor]:
     """Ulysses sequence → heads all-to-all of n tensors in one collective.
 
     Args:
         xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
+        seq_lens: uneven shards, as :func:`agkv_gather`'s (``seq_lens[rank] == S_local``).
     Returns:
-        n tensors ``[B, W * S_local, H / W, D]``: the full sequence, this rank's head group (rank r gets
-        heads ``[r*H/W, (r+1)*H/W)``). Strided views of one fresh buffer when B = 1 (copies of their own
-        when the transport pools its receive buffers, as the fast one does).
+        n tensors ``[B, W * S_local, H / W, D]`` (``[B, sum(seq_lens), H / W, D]`` with ``seq_lens``: the real
+        tokens of every rank in rank order): the full sequence, this rank's head group (rank r gets
+        heads ``[r*H/W, (r+1)*H/W)``). Strided views of one fresh buffer when B = 1 and the shards are even
+        (copies of their own when the transport pools its receive buffers, as the fast one does).
     Raises:
-        ValueError: H % W != 0, and the rules of :func:`cp_ops.attention`.
+        ValueError: H % W != 0, bad ``seq_lens``, and the rules of :func:`cp_ops.attention`.
     """
+    if seq_lens is not None:
+        return _ulysses_uneven(xs, group, transport, seq_lens)
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
     pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
                       lambda w: check_heads_divisible(xs[0].shape[2], w))
@@ -91,15 +102,63 @@ def ulysses_all_to_all(
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
 
 
-def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto") -> torch.Tensor:
+def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto",
+                               seq_lens=None) -> torch.Tensor:
     """Ulysses heads → sequence all-to-all, the inverse of :func:`ulysses_all_to_all`.
 
     Args:
-        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S.
+        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S (without
+            ``seq_lens``).
+        seq_lens: uneven shards: W token counts in rank order, the same on every rank, summing to S; rank r
+            gets back tokens ``[sum(seq_lens[:r]), sum(seq_lens[:r+1]))``.
     Returns:
-        ``[B, S / W, W * H_local, D]``: this rank's token block, all heads; a new tensor.
+        ``[B, S / W, W * H_local, D]`` (``[B, seq_lens[rank], W * H_local, D]``): this rank's token block, all
+        heads; a new tensor.
+    Raises:
+        ValueError: W does not divide S (without ``seq_lens``); bad ``seq_lens`` (length, values, sum != S,
+            ranks that disagree on it); the rules of :func:`cp_ops.attention`.
     """
+    if seq_lens is not None:
+        return _ulysses_inverse_uneven(x, group, transport, seq_lens)
     pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
                       lambda w: check_seq_divisible(x.shape[1], w))
     buf = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
     return layout.ulysses_inverse_unpack(buf)
+
+
+# ---- uneven shards (cp_ops.modes.uneven: pad to max(seq_lens), move, select the real rows) -------------
+def _agkv_gather_uneven(k, v, group, transport, seq_lens):
+    pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
+                      lambda w: uneven.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
+    seq = list(seq_lens)
+    smax = uneven.s_max(seq)
+    kf, vf, _ = torch.ops.cp_ops.agkv_gather_uneven_start(k, v, None, seq, pg.size(), pg.group_name, tr)
+    kf, vf = lib.wait(kf), lib.wait(vf)
+    k_out, v_out = uneven.real_rows(kf, seq, smax), uneven.real_rows(vf, seq, smax)
+    if k_out is kf and _pooled(tr, pg, kf):
+        return kf.clone(), vf.clone()
+    return k_out, v_out
+
+
+def _ulysses_uneven(xs, group, transport, seq_lens):
+    names = tuple(f"xs[{i}]" for i in range(len(xs)))
+
+    def more(w):
+        check_heads_divisible(xs[0].shape[2], w)
+        uneven.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
+
+    pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more)
+    seq = list(seq_lens)
+    smax = uneven.s_max(seq)
+    buf, _ = torch.ops.cp_ops.ulysses_uneven_start(list(xs), None, seq, pg.size(), pg.group_name, tr)
+    buf = lib.wait(buf)
+    outs = [uneven.ulysses_real(buf, i, seq, smax) for i in range(len(xs))]
+    return [_owned(o, buf) for o in outs] if _pooled(tr, pg, buf) else outs
+
+
+def _ulysses_inverse_uneven(x, group, transport, seq_lens):
+    pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
+                      lambda w: uneven.check_seq_lens(seq_lens, w, total=x.shape[1]))
+    seq = list(seq_lens)
+    back = lib.wait(torch.ops.cp_ops.ulysses_inverse_uneven_start(x, seq, pg.size(), pg.group_name, tr))
+    return uneven.inverse_rows(back, seq[pg.rank()])

@@ -47,3 +47,44 @@ def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
     """
     w, b, s, hl, d = buf.shape
     return buf.permute(1, 2, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(b, s, w * hl, d)
+
+
+# ---- uneven shards (cp_ops.modes.uneven) ---------------------------------------------------------
+def shard_sizes(total: int, world_size: int) -> tuple[int, ...]:
+    """The standard split of ``total`` tokens over W ranks: ``torch.tensor_split``'s rule — the first
+    ``total % W`` ranks hold one token more (e.g. 7 tokens on W = 2 → ``(4, 3)``; 8423 on W = 3 →
+    ``(2808, 2808, 2807)``). Branch-free, so a symbolic ``total`` (``torch.compile(dynamic=True)``) stays symbolic.
+
+    Raises:
+        ValueError: ``world_size`` < 1 or ``total`` < 0.
+    """
+    if isinstance(world_size, int) and world_size < 1:
+        raise ValueError(f"shard_sizes: world_size must be >= 1; got {world_size}")
+    if isinstance(total, int) and total < 0:
+        raise ValueError(f"shard_sizes: total must be >= 0 tokens; got {total}")
+    return tuple((total + world_size - 1 - r) // world_size for r in range(world_size))
+
+
+def shard_offsets(seq_lens) -> tuple[int, ...]:
+    """Where each rank's block starts in the full sequence: ``(0, n0, n0 + n1, ...)`` (W entries)."""
+    out, acc = [], 0
+    for n in seq_lens:
+        out.append(acc)
+        acc = acc + n
+    return tuple(out)
+
+
+def shard(x: torch.Tensor, dim: int, rank: int, world_size: int, seq_lens=None) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (a view, ``x.narrow``): rank ``rank`` of ``world_size`` under
+    :func:`shard_sizes` (or under ``seq_lens``, W token counts summing to ``x.shape[dim]``, if given).
+
+    Raises:
+        ValueError: ``rank`` not in ``[0, W)``; ``seq_lens`` not W counts summing to ``x.shape[dim]``.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard: rank must be in [0, world_size={world_size}); got {rank}")
+    sizes = shard_sizes(x.shape[dim], world_size) if seq_lens is None else tuple(seq_lens)
+    if len(sizes) != world_size or sum(sizes) != x.shape[dim]:
+        raise ValueError(f"shard: seq_lens must be {world_size} token counts summing to x.shape[{dim}]="
+                         f"{x.shape[dim]}; got {list(sizes)}")
+    return x.narrow(dim, shard_offsets(sizes)[rank], sizes[rank])

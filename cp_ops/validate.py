@@ -120,11 +120,12 @@ def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
 OPS: dict[str, int] = {}
 # signature fields (int64 each): what they are called in messages
 _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
-           "checksum0", "checksum1", "checksum2", "spare")
+           "checksum0", "checksum1", "checksum2", "tag")
 _N = len(_FIELDS)
 _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
-           8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs"}
+           8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
+           15: "layout"}  # tag: a call's own extra agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
@@ -249,7 +250,8 @@ def _make_shm(st: _Group):
 
 
 def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int = 0,
-             failed: BaseException | None = None, inputs: dict | None = None) -> None:
+             failed: BaseException | None = None, inputs: dict | None = None, tag: int = 0,
+             note: str | None = None) -> None:
     """Check the rank contract for one call: all ranks of ``pg`` exchange a signature; raise on every rank on
     any difference. See the module docstring for what is compared under each ``settings.check_ranks``.
 
@@ -259,6 +261,8 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
             ``[B, S_local, H, D]`` tensor, or None). extra: the number of tensors in the call.
         failed: this rank's own input error: peers learn that this rank stops (the caller re-raises it).
         inputs: name -> tensor (at most 3) whose checksums (:func:`input_checksum`) must be equal on every rank.
+        tag: one more int64 that must be equal on every rank (e.g. a hash of the call's ``seq_lens``);
+            note: what ``tag`` stands for, in words, for the error message (e.g. ``'seq_lens=[3, 2]'``).
     Raises:
         ValueError: on every rank (but a rank that passed ``failed``), naming each rank's call and what differs.
         RuntimeError: the ranks did not all reach the exchange within ``settings.timeout_s``.
@@ -284,7 +288,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
         b = s = h = d = -1
         dtype = 0
     _PACK.pack_into(st.lbuf, 0, op_id, _id(pg.group_name), st.count, failed is not None, _id(transport),
-                    _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, 0)
+                    _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, tag)
     mine = bytes(st.lbuf)
     try:
         if st.shm is not None:
@@ -299,10 +303,10 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
             f"CP_OPS_CHECK_RANKS=always names skipped calls earlier): {str(e).splitlines()[0]}"
         ) from e
     if st.gbuf != mine * st.w:
-        _disagree(st, op, transport, t, extra, failed, inputs)
+        _disagree(st, op, transport, t, extra, failed, inputs, note)
 
 
-def _disagree(st: _Group, op, transport, t, extra, failed, inputs) -> None:
+def _disagree(st: _Group, op, transport, t, extra, failed, inputs, note=None) -> None:
     """Every rank gets here together (the gathered rows are the same everywhere): exchange descriptions,
     then raise on every rank — except on a rank whose own checks failed (its caller raises its own error)."""
     rows = [_PACK.unpack_from(st.gbuf, i * 8 * _N) for i in range(st.w)]
@@ -314,6 +318,7 @@ def _disagree(st: _Group, op, transport, t, extra, failed, inputs) -> None:
         "inputs": None if inputs is None else {k: (None if x is None else (list(x.shape), str(x.dtype)))
                                                for k, x in inputs.items()},
         "error": None if failed is None else f"{type(failed).__name__}: {str(failed).splitlines()[0]}",
+        "note": note,
     }
     desc = _gather_objects(st, mine)
     if failed is not None:
@@ -346,6 +351,8 @@ def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
         out += f" {'count' if label == 'tensors' else label}={d['tensors']}"
     if d["inputs"] is not None:
         out += f" inputs={d['inputs']}"
+    if d.get("note"):
+        out += f" {d['note']}"
     if "transport" in aspects:
         out += f" transport={d['transport']!r}"
     if "settings" in aspects:

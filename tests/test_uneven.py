@@ -1,0 +1,222 @@
+"""Uneven shards (``seq_lens``) and key-padding masks (``key_mask``) in cp_ops.attention and the collectives, on
+real gloo groups (W = 2, 3, 4): equal to single-device SDPA on the concatenation (bitwise at chunks=1), rank
+disagreement and bad inputs raise on every rank, torch.compile(fullgraph=True) = eager, opcheck on the new ops."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_ops
+from cp_ops import config, layout
+from cp_ops.modes.uneven import masked_attention
+from dist_util import run_ranks
+
+# (B, H, D, split): split = a total token count (cp_ops.layout.shard_sizes) or explicit seq_lens
+CASES = {
+    2: [(1, 4, 8, 7), (2, 2, 16, 31), (1, 4, 8, (0, 9)), (2, 6, 8, (13, 2))],
+    3: [(1, 3, 8, 95), (2, 6, 8, 20), (1, 3, 16, (5, 0, 12)), (1, 6, 8, (1, 1, 30))],
+    4: [(1, 4, 8, 30), (2, 8, 8, 13), (1, 4, 8, (1, 10, 0, 3)), (1, 2, 8, (6, 6, 6, 5))],
+}
+
+
+def _data(b, total, h, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, total, h, d, generator=g) for _ in range(3))
+    mask = torch.rand(b, total, generator=g) > 0.35
+    mask[:, 0] = True  # no batch row without a key here (that case is checked on its own below)
+    return q, k, v, mask
+
+
+def _same_kernel_refs(q, k, v, mask, rank, w, seq, mode, scale=None):
+    """What one device computes for this rank's rows with the kernel calls of ``mode``: AGKV attends this rank's
+    queries against all keys; Ulysses attends each head group over the full sequence. (CPU SDPA's result for a
+    row may depend on the query count and the head count of the call — by ~1e-7 at some shapes — so "the same
+    kernel sees the same data" means the same calls.)"""
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    if mode == "agkv":
+        return masked_attention(sh(q), k, v, scale, mask)
+    hl = q.shape[2] // w
+    groups = [masked_attention(*(t[:, :, g * hl:(g + 1) * hl] for t in (q, k, v)), scale, mask) for g in range(w)]
+    return sh(torch.cat(groups, dim=2))
+
+
+def _equal_to_single_device(rank, w):
+    pg = dist.group.WORLD
+    for i, (b, h, d, split) in enumerate(CASES[w]):
+        seq = layout.shard_sizes(split, w) if isinstance(split, int) else split
+        total = sum(seq)
+        q, k, v, mask = _data(b, total, h, d, seed=100 * w + i)
+        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+        assert sh(q).shape[1] == seq[rank]
+        ref = sh(cp_ops.local_attention(q, k, v))  # one device, one call
+        ref_m = sh(masked_attention(q, k, v, key_mask=mask))
+        assert ref.numel() == 0 or not torch.equal(ref, ref_m)  # the mask matters in these cases
+        modes = ["agkv", "ulysses"] if h % w == 0 else ["agkv"]
+        for mode in modes:
+            for m, full in ((None, ref), (mask, ref_m)):
+                out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=1, seq_lens=seq,
+                                       key_mask=None if m is None else sh(m))
+                assert out.shape == full.shape and out.is_contiguous()
+                # the same kernel calls see the same keys (padded rows removed before SDPA): bitwise
+                same = _same_kernel_refs(q, k, v, m, rank, w, seq, mode)
+                assert torch.equal(out, same), (mode, seq, m is not None, (out - same).abs().max().item())
+                torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+    # a key mask on even shards (seq_lens=None), bf16, a batch row whose keys are all masked (SDPA's answer: 0 on
+    # CPU), a custom scale
+    b, s, h, d = 2, 8 * w, 12, 8
+    q, k, v, mask = _data(b, s, h, d, seed=7)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    mask[1] = False
+    even = (8,) * w
+    full = layout.shard(masked_attention(q, k, v, 0.3, mask), 1, rank, w)
+    assert torch.equal(full[1], torch.zeros_like(full[1]))
+    for mode in ("agkv", "ulysses"):
+        out = cp_ops.attention(*(layout.shard(t, 1, rank, w) for t in (q, k, v)), mode=mode, scale=0.3,
+                               key_mask=layout.shard(mask, 1, rank, w))
+        same = _same_kernel_refs(q, k, v, mask, rank, w, even, mode, 0.3)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, same), mode
+        torch.testing.assert_close(out, full)
+
+
+def _collectives(rank, w):
+    seq = {2: (5, 2), 3: (4, 0, 7), 4: (3, 3, 1, 6)}[w]
+    b, h, d = 2, 2 * w, 4
+    q, k, v, _ = _data(b, sum(seq), h, d, seed=w)
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    kf, vf = cp_ops.agkv_gather(sh(k), sh(v), seq_lens=seq)
+    assert torch.equal(kf, k) and torch.equal(vf, v)
+    hl = h // w
+    heads = slice(rank * hl, (rank + 1) * hl)
+    qh, kh = cp_ops.ulysses_all_to_all(sh(q), sh(k), seq_lens=seq)
+    assert torch.equal(qh, q[:, :, heads]) and torch.equal(kh, k[:, :, heads])
+    back = cp_ops.ulysses_all_to_all_inverse(qh * 2, seq_lens=seq)
+    assert torch.equal(back, sh(q) * 2)
+    # the standard split through layout.shard (no seq_lens to shard) and even seq_lens
+    total = 4 * w + 1
+    x = torch.arange(total * h * 2, dtype=torch.float32).view(1, total, h, 2)
+    got, _ = cp_ops.agkv_gather(layout.shard(x, 1, rank, w), layout.shard(x, 1, rank, w),
+                                seq_lens=layout.shard_sizes(total, w))
+    assert torch.equal(got, x)
+    even = (4,) * w
+    x = x[:, : 4 * w]
+    got, _ = cp_ops.agkv_gather(x[:, 4 * rank: 4 * rank + 4], x[:, 4 * rank: 4 * rank + 4], seq_lens=even)
+    assert torch.equal(got, x)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_uneven_and_masked_equal_single_device(world_size):
+    run_ranks(_all_equal, world_size)
+
+
+def _all_equal(rank, w):
+    _equal_to_single_device(rank, w)
+    _collectives(rank, w)
+
+
+def _errors(rank, w):
+    x = torch.randn(1, 4 - rank, 2, 4)  # rank 0 holds 4 tokens, rank 1 holds 3
+    good = (4, 3)
+
+    def raises(match, **kw):
+        with pytest.raises(ValueError, match=match):
+            cp_ops.attention(x, x, x, mode=kw.pop("mode", "agkv"), **kw)
+
+    # every rank passes the same bad argument: each raises its own error
+    raises(r"one token count per rank .*world_size=2.*got 3", seq_lens=(4, 3, 0))
+    raises(r"non-negative token counts; got \[4, -1\]" if rank == 0 else r"seq_lens\[rank\] must equal",
+           seq_lens=(4, -1))
+    raises(r"seq_lens must hold ints; got float", seq_lens=(4.0, 3))
+    raises(r"seq_lens must be a tuple", seq_lens=7)
+    raises(r"seq_lens\[rank\] must equal .*seq_lens=\[3, 4\], rank=%d, S_local=%d" % (rank, 4 - rank),
+           seq_lens=(3, 4))
+    raises(r"chunks > 1 .* not supported with seq_lens or key_mask.*chunks=2", seq_lens=good, chunks=2)
+    raises(r"key_mask must be a bool key-padding mask .*additive float masks are not supported.*float32",
+           seq_lens=good, key_mask=torch.zeros(1, 4 - rank))
+    raises(r"key_mask must be \[B, S_local\] = \[1, %d\] .*per-query.*got shape \(1, 1, %d\)" % (4 - rank, 4 - rank),
+           seq_lens=good, key_mask=torch.ones(1, 1, 4 - rank, dtype=torch.bool))
+    raises(r"key_mask must be a bool tensor", key_mask=[True] * (4 - rank), seq_lens=good)
+    # one rank's bad input: the peer raises too (no hang), naming the rank that rejected its inputs
+    raises(r"seq_lens\[rank\] must equal" if rank == 1 else r"rank\(s\) \[1\] .* rejected their inputs",
+           seq_lens=(4, 4) if rank == 1 else good)
+    # ranks that disagree on seq_lens with equal padded shapes: every rank raises, naming each rank's seq_lens
+    for mode in ("agkv", "ulysses"):
+        raises(r"differ in layout.*rank 0: .*seq_lens=\[4, 2\].*rank 1: .*seq_lens=\[4, 3\]", mode=mode,
+               seq_lens=(4, 2) if rank == 0 else (4, 3))
+    # a mask on one rank only
+    raises(r"differ in .*key_mask=given.*key_mask=None|differ in .*key_mask=None.*key_mask=given",
+           seq_lens=good, key_mask=torch.ones(1, 4 - rank, dtype=torch.bool) if rank == 0 else None)
+    # the collectives
+    with pytest.raises(ValueError, match=r"sum\(seq_lens\) must equal .*x.shape\[1\]=5"):
+        cp_ops.ulysses_all_to_all_inverse(torch.randn(1, 5, 1, 4), seq_lens=good)
+    with pytest.raises(ValueError, match=r"differ in layout"):
+        cp_ops.ulysses_all_to_all_inverse(torch.randn(1, 7, 1, 4), seq_lens=(4, 3) if rank == 0 else (5, 2))
+    # still in step: a good call works
+    out = cp_ops.attention(x, x, x, mode="ulysses", seq_lens=good)
+    assert out.shape == x.shape
+
+
+def test_errors_raise_on_every_rank():
+    run_ranks(_errors, 2)
+
+
+def _compiled(rank, w):
+    seq = (5, 3, 0)[:w] if w == 3 else layout.shard_sizes(11, w)
+    b, h, d = 2, 2 * w, 8
+    proj = torch.nn.Linear(h * d, 3 * h * d)
+    torch.manual_seed(0)
+    for p in proj.parameters():
+        torch.nn.init.normal_(p)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(b, seq[rank], h * d, generator=g)
+    mask = torch.rand(b, seq[rank], generator=g) > 0.3
+
+    def block(x, mask, mode):
+        q, k, v = (t.unflatten(-1, (h, d)) for t in proj(x).chunk(3, dim=-1))
+        return cp_ops.attention(q, k, v, mode=mode, seq_lens=seq, key_mask=mask).flatten(-2) * 2
+
+    for mode in ("agkv", "ulysses"):
+        with torch.no_grad():
+            eager = block(x, mask, mode)
+            compiled = torch.compile(block, fullgraph=True)(x, mask, mode)
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+        assert eager.numel() == 0 or eager.abs().max() > 0
+
+
+def test_compiled_equals_eager():
+    run_ranks(_compiled, 3)
+
+
+def _opcheck(rank, w):
+    name = dist.group.WORLD.group_name
+    config.settings.blocking = True  # opcheck compares outputs without waiting: launch blocking
+    seq = [3, 2]
+    g = torch.Generator().manual_seed(rank)
+    k, v = (torch.randn(2, seq[rank], 4, 8, generator=g) for _ in range(2))
+    mask = torch.rand(2, seq[rank], generator=g) > 0.5
+    ops = torch.ops.cp_ops
+    torch.library.opcheck(ops.agkv_gather_uneven_start, (k, v, mask, seq, w, name, "torch"))
+    torch.library.opcheck(ops.agkv_gather_uneven_start, (k, v, None, seq, w, name, "torch"))
+    torch.library.opcheck(ops.ulysses_uneven_start, ([k, v], mask, seq, w, name, "torch"))
+    x = torch.randn(2, 5, 2, 8, generator=g)
+    torch.library.opcheck(ops.ulysses_inverse_uneven_start, (x, seq, w, name, "torch"))
+
+
+def test_opcheck_uneven_ops():
+    run_ranks(_opcheck, 2)
+
+
+def test_shard_sizes():
+    assert layout.shard_sizes(7, 2) == (4, 3)
+    assert layout.shard_sizes(8423, 3) == (2808, 2808, 2807)
+    assert layout.shard_sizes(32760, 6) == (5460,) * 6
+    assert layout.shard_sizes(2, 4) == (1, 1, 0, 0)
+    for total in range(0, 40):
+        for w in range(1, 7):
+            sizes = layout.shard_sizes(total, w)
+            assert sizes == tuple(t.shape[0] for t in torch.arange(total).tensor_split(w))
+            x = torch.arange(total)
+            assert torch.equal(torch.cat([layout.shard(x, 0, r, w) for r in range(w)]), x)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        layout.shard_sizes(4, 0)
+    with pytest.raises(ValueError, match=r"summing to x.shape\[0\]=4; got \[1, 2\]"):
+        layout.shard(torch.arange(4), 0, 0, 2, seq_lens=(1, 2))
