@@ -2,7 +2,8 @@
 
 ``build(name)`` returns the model; ``inputs(name, batch, size, text, gen, mask=False)`` returns forward kwargs with
 ``size`` image tokens-ish (the latent grid named by ``size``) and ``text`` text tokens; ``mask=True`` pads the
-text of the last sample (its last 3 text tokens masked out) where the model takes a text mask.
+text of the last sample (its last 3 text tokens masked out; Z-Image: the samples' unified sequences differ in
+length) where the model takes a text mask.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def build(name: str) -> torch.nn.Module:
     elif name == "zimage":
         m = d.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=H * D,
                                        n_layers=2, n_refiner_layers=1, n_heads=H, n_kv_heads=H, cap_feat_dim=16,
-                                       axes_dims=list(AX3), axes_lens=[64, 64, 64])
+                                       axes_dims=list(AX3), axes_lens=[128, 64, 64])
     elif name == "hunyuanvideo":
         m = d.HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=H, attention_head_dim=D,
                                              num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
@@ -86,7 +87,9 @@ def inputs(name: str, b: int, size: tuple, text: int, gen: torch.Generator, mask
                     encoder_attention_mask=text_mask.long(), num_frames=f, height=h, width=w)
     if name == "zimage":
         return dict(x=[r(4, 1, 2 * h, 2 * w) for _ in range(b)], t=t / 1000,
-                    cap_feats=[r(text - (3 if mask and i == b - 1 else 0), 16) for i in range(b)])
+                    # Z-Image pads each caption to a multiple of 32 tokens; samples differ in length (so the model
+                    # masks the shorter one's padding) only across such a boundary: +32 tokens for the last one
+                    cap_feats=[r(text + (32 if mask and i == b - 1 else 0), 16) for i in range(b)])
     if name == "hunyuanvideo":
         return dict(hidden_states=r(b, 4, f, 2 * h, 2 * w), timestep=t.long(), encoder_hidden_states=r(b, text, 16),
                     encoder_attention_mask=text_mask.long(), pooled_projections=r(b, 8),

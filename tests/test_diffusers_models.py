@@ -38,7 +38,10 @@ def _run(name, cases, w, mode):
         with torch.no_grad():
             ref = sample(model(**kw))
             out = sample(cp_model(**kw))
-        _compare(name, out, ref, (w, mode, b, size, text, mask))
+        # bitwise on W = 2, 4 with even shards; uneven shards or W = 3: each rank's query block has a length whose
+        # CPU SDPA reduction differs from one device's (measured: ≤ 2.4e-7 absolute)
+        even = (size[0] * size[1] * size[2]) % w == 0 and w in (2, 4)
+        _compare(name, out, ref, (w, mode, b, size, text, mask), exact=even)
 
 
 # (batch, (frames, h, w) latent grid in tokens, text tokens, masked text)

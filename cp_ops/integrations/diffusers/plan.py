@@ -8,7 +8,7 @@ A plan is a list of ``(module path, entry)`` pairs (paths such as ``"blocks.0"``
 - a :class:`Gather` — all-gather the module's output along the token dimension.
 
 Every split tensor belongs to a *stream* (``"image"``, ``"text"``, or a model's own name): the tokens of one
-stream are split by :func:`shard_sizes` over the ranks, rank r holding the r-th contiguous block. A tensor that
+stream are split by :func:`cp_ops.layout.shard_sizes` over the ranks, rank r holding the r-th contiguous block. A tensor that
 is the concatenation of several full streams (HunyuanVideo's joint mask: ``[image, text]``) names them all and is
 split stream by stream, each rank keeping ``[its image block, its text block]``.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...layout import shard_sizes  # noqa: F401 - the split rule (tensor_split's), re-exported for the hooks
 from . import _private
 
 
@@ -43,12 +44,6 @@ class Gather:
 
 
 Plan = list  # of (path, dict[str | int, Split] | Gather)
-
-
-def shard_sizes(total, world_size: int) -> tuple:
-    """``torch.tensor_split``'s rule: the first ``total % W`` ranks hold one token more (7 on W=2 → (4, 3)).
-    Branch-free, so a symbolic ``total`` under ``torch.compile(dynamic=True)`` stays symbolic."""
-    return tuple((total + world_size - 1 - r) // world_size for r in range(world_size))
 
 
 def from_diffusers(model_cls: type, text: set[tuple[str, str | int]] = frozenset(),
