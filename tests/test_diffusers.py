@@ -51,7 +51,7 @@ def _wan_equal(rank, w):
             cp_model(bad, torch.tensor([1]), torch.randn(1, 16, 32, generator=g))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])  # W = 3, 4 and the other models: test_diffusers_models.py
 def test_parallelize_wan_equals_original(world_size):
     run_ranks(_wan_equal, world_size)
 

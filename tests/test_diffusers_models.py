@@ -27,36 +27,47 @@ def _compare(name, out, ref, what, exact=True):
         assert rel <= 1e-5, (name, what, rel)
 
 
-def _run(name, cases, w, mode):
+def _run(name, cases, w):
     from cp_ops.integrations.diffusers import parallelize
 
     model = build(name)
-    cp_model = parallelize(copy.deepcopy(model), mode=mode, transport="torch")
-    for b, size, text, mask in cases:
+    cp = {}
+    for mode, b, size, text, mask in cases:
+        if mode not in cp:
+            cp[mode] = parallelize(copy.deepcopy(model), mode=mode, transport="torch")
         g = torch.Generator().manual_seed(hash((b, size, text)) % 1000)
         kw = inputs(name, b, size, text, g, mask=mask and name in MASKED)
         with torch.no_grad():
             ref = sample(model(**kw))
-            out = sample(cp_model(**kw))
+            out = sample(cp[mode](**kw))
         # bitwise on W = 2, 4 with even shards; uneven shards or W = 3: each rank's query block has a length whose
         # CPU SDPA reduction differs from one device's (measured: ≤ 2.4e-7 absolute)
         even = (size[0] * size[1] * size[2]) % w == 0 and w in (2, 4)
         _compare(name, out, ref, (w, mode, b, size, text, mask), exact=even)
 
 
-# (batch, (frames, h, w) latent grid in tokens, text tokens, masked text)
-DIVISIBLE = [(1, (2, 2, 2), 8, False), (2, (1, 2, 4), 8, True)]
-INDIVISIBLE = [(2, (1, 3, 3), 7, True)]  # 9 (or 18) image tokens, 7 text tokens
+# (mode, batch, (frames, h, w) latent grid in tokens, text tokens, masked text)
+CASES = {
+    # 8 / 16 image tokens, 8 text tokens (Z-Image: 64 / 96 unified); 9 / 18 image and 7 text tokens
+    2: [("ulysses", 1, (2, 2, 2), 8, False), ("ulysses", 2, (1, 2, 4), 8, True), ("agkv", 2, (1, 3, 3), 7, True)],
+    3: [("auto", 2, (1, 3, 3), 7, True)],  # AGKV (W does not divide the 4 heads); Z-Image refiner: 32 tokens
+    4: [("ulysses", 2, (1, 3, 3), 7, True)],  # 9 image tokens on 4 ranks, through Ulysses
+}
 
 
-def _models_equal(rank, w, names, cases):
+def _models_equal(rank, w, names):
     for name in names:
-        _run(name, cases, w, "auto")
+        _run(name, CASES[w], w)
+    if w == 2:
+        _compile_three_resolutions(rank, w, "wan")
+    if w == 4:
+        _cfg_lanes(rank, w, ["wan", "flux", "zimage"])
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_models_divisible(world_size):
-    run_ranks(_models_equal, world_size, ALL, DIVISIBLE)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_models_equal_unparallelized(world_size):
+    """Every supported model at W = 2, 3, 4 (W=2 also: one dynamic compile, three resolutions; W=4 also: CFG lanes)."""
+    run_ranks(_models_equal, world_size, ALL)
 
 
 def _cfg_lanes(rank, w, names):
@@ -80,10 +91,6 @@ def _cfg_lanes(rank, w, names):
                 cp_model(**inputs(name, 1, (1, 2, 4), 8, g))
 
 
-def test_cfg_lanes():
-    run_ranks(_cfg_lanes, 4, ["wan", "flux", "zimage"])
-
-
 def _compile_three_resolutions(rank, w, name):
     """One model compiled once (dynamic shapes, fullgraph: no graph break) serves three resolutions: one graph."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -105,6 +112,3 @@ def _compile_three_resolutions(rank, w, name):
         _compare(name, out, ref, ("compiled", size), exact=False)  # traced views/strides: equal to rounding
     assert counter.frame_count == 1, f"{counter.frame_count} compiles for 3 resolutions"
 
-
-def test_compile_three_resolutions():
-    run_ranks(_compile_three_resolutions, 2, "wan")
