@@ -73,3 +73,41 @@ def test_parallelize_rejects_other_models():
             parallelize(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_parallelize_clear_errors():
+    """Unknown model (lists the supported ones, says how to add one), unsupported mask kinds, odd CFG lanes."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_ops.integrations.diffusers import SUPPORTED, parallelize
+    from cp_ops.integrations.diffusers.dispatch import CPAttention
+    from diffusers_tiny import build
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=3)
+    try:
+        with pytest.raises(ValueError, match=r"supports \('WanTransformer3DModel', .*'HunyuanVideoTransformer3DModel'\); "
+                                             r"got Linear\. To add a model: one ModelSpec line"):
+            parallelize(torch.nn.Linear(2, 2))
+        assert len(SUPPORTED) == 8
+        with pytest.raises(ValueError, match="two equal lanes; the group has 3 ranks"):
+            parallelize(build("wan"), cfg_parallel=True)
+        import diffusers
+
+        hv = diffusers.HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, text_embed_dim=16, pooled_projection_dim=8,
+            rope_axes_dim=(2, 2, 4), image_condition_type="token_replace")
+        with pytest.raises(ValueError, match="token_replace' is not supported"):
+            parallelize(hv)
+        attn = CPAttention(state=None, streams=("image",), where="blocks.0.attn1")
+        q = torch.randn(2, 5, 2, 8)
+        assert attn.key_mask(None, q) is None
+        ok = torch.rand(2, 1, 1, 5) > 0.3
+        assert torch.equal(attn.key_mask(ok, q), ok[:, 0, 0])
+        for bad, what in [(torch.zeros(2, 1, 1, 5), "torch.float32"),  # additive float mask
+                          (torch.ones(2, 1, 5, 5, dtype=torch.bool), r"\(2, 1, 5, 5\)")]:  # per-query mask
+            with pytest.raises(ValueError, match=rf"key-padding masks only .* got .*{what}"):
+                attn.key_mask(bad, q)
+    finally:
+        dist.destroy_process_group()
