@@ -72,7 +72,7 @@ def inputs(name: str, b: int, size: tuple, text: int, gen: torch.Generator, mask
     if name == "flux":
         ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h).float(), torch.arange(w).float(), indexing="ij"), -1)
         return dict(hidden_states=r(b, h * w, 8), encoder_hidden_states=r(b, text, 16), pooled_projections=r(b, 8),
-                    timestep=t / 1000, img_ids=ids.reshape(-1, 3).float(), txt_ids=torch.zeros(text, 3))
+                    timestep=t / 1000, img_ids=ids.reshape(-1, 3).float().clone(), txt_ids=torch.zeros(text, 3))
     if name == "flux2":
         ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h).float(), torch.arange(w).float(), torch.zeros(1),
                                          indexing="ij"), -1).reshape(1, -1, 4).float().expand(b, -1, -1)
