@@ -111,3 +111,16 @@ def test_parallelize_clear_errors():
                 attn.key_mask(bad, q)
     finally:
         dist.destroy_process_group()
+
+
+def test_cp_ops_backend_refuses_calls_without_its_config():
+    """A routed processor path that bypasses parallel_config would attend to local tokens only: it raises."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    from cp_ops.integrations.diffusers import _private
+    from cp_ops.integrations.diffusers.dispatch import cp_ops_backend
+
+    member = _private.register_backend(cp_ops_backend)
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="called without its CP config"):
+        dispatch_attention_fn(q, q, q, backend=member)

@@ -60,13 +60,15 @@ def _models_equal(rank, w, names):
         _run(name, CASES[w], w)
     if w == 2:
         _compile_three_resolutions(rank, w, "flux")
+        _no_host_sync(rank, w, ["flux", "qwenimage", "zimage", "hunyuanvideo"])
     if w == 4:
         _cfg_lanes(rank, w, ["wan", "flux", "zimage"])
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_models_equal_unparallelized(world_size):
-    """Every supported model at W = 2, 3, 4 (W=2 also: one dynamic compile, three resolutions; W=4 also: CFG lanes)."""
+    """Every supported model at W = 2, 3, 4 (W=2 also: one dynamic compile for many resolutions, no host reads of
+    tensor values in a forward; W=4 also: CFG lanes)."""
     run_ranks(_models_equal, world_size, ALL)
 
 
@@ -113,3 +115,35 @@ def _compile_three_resolutions(rank, w, name):
         _compare(name, out, ref, ("compiled", size), exact=False)
         assert counter.frame_count == graphs, (size, f"{counter.frame_count} graphs, expected {graphs}")
 
+
+
+def _no_host_sync(rank, w, names):
+    """After the first forward of a shape (the once-per-shape input checksum), a parallelized model's forward reads
+    no tensor value on the host: Tensor.item/tolist/__bool__/__int__/__float__/numpy raise during it (on CUDA each
+    would be a device synchronisation per layer)."""
+    from cp_ops.integrations.diffusers import parallelize
+
+    reads = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
+    for name in names:
+        cp_model = parallelize(build(name), mode="auto", transport="torch")
+        g = torch.Generator().manual_seed(5)
+        kw = inputs(name, 2, (1, 3, 3), 7, g)  # uneven shards: the seq_lens path too
+        with torch.no_grad():
+            cp_model(**kw)  # first call of this shape: the input checksum reads values, once
+            saved = {r: getattr(torch.Tensor, r) for r in reads}
+
+            def refuse(r):
+                def f(self, *a, **k):
+                    raise AssertionError(f"host read Tensor.{r} during a parallelized forward")
+                return f
+
+            try:
+                for r in reads:
+                    setattr(torch.Tensor, r, refuse(r))
+                for read in (lambda: torch.ones(1).item(), lambda: bool(torch.ones(1)), lambda: int(torch.ones(1))):
+                    with pytest.raises(AssertionError, match="host read"):  # the trap works
+                        read()
+                cp_model(**kw)
+            finally:
+                for r, f in saved.items():
+                    setattr(torch.Tensor, r, f)

@@ -49,7 +49,6 @@ def _backend_member():
     member = str.__new__(names, BACKEND_VALUE)
     member._name_, member._value_ = "CP_OPS", BACKEND_VALUE
     member.__objclass__ = names
-    member.__init__(BACKEND_VALUE)
     names._member_map_["CP_OPS"] = member
     names._value2member_map_[BACKEND_VALUE] = member
     names._member_names_.append("CP_OPS")
@@ -67,16 +66,6 @@ def register_backend(fn: Callable) -> Any:
         _dispatch()._AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(fn)
         _REGISTERED["member"] = member
     return _REGISTERED["member"]
-
-
-def call_active_backend(**kwargs) -> torch.Tensor:
-    """Run diffusers' active (global) attention backend on ``kwargs`` (what ``dispatch_attention_fn`` does with
-    ``backend=None``), dropping the arguments that backend does not take; ``_parallel_config`` is None."""
-    registry = _dispatch()._AttentionBackendRegistry
-    name, fn = registry.get_active_backend()
-    kwargs["_parallel_config"] = None
-    supported = registry._supported_arg_names[name]
-    return fn(**{k: v for k, v in kwargs.items() if k in supported})
 
 
 def is_attention_module(module: torch.nn.Module) -> bool:

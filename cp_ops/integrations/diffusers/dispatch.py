@@ -6,8 +6,9 @@ processor at the ``cp_ops`` backend (registered in diffusers' backend registry, 
 :class:`CPAttention` as its ``_parallel_config``; the backend calls :func:`cp_ops.attention` with it. The model's
 own processor code (projections, norms, RoPE, joint text+image concatenation) runs unchanged.
 
-A call whose ``parallel_config`` is None (Wan's cross-attention to the replicated text: the processor passes None
-there) runs diffusers' active backend locally, as without cp_ops.
+Only the modules a model's registry entry names are routed (Wan's cross-attention ``attn2`` is not: it stays on
+its own backend, local). A routed processor that calls dispatch without its ``parallel_config`` (e.g. Flux2's
+reference-token KV-cache path) would attend to this rank's tokens only; the backend raises instead.
 """
 
 from __future__ import annotations
@@ -77,14 +78,22 @@ class CPAttention:
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, _parallel_config=None) -> torch.Tensor:
-    """diffusers attention backend ``cp_ops``: BSHD ``[B, S_local, H, D]`` in and out. CP attention through
-    :func:`cp_ops.attention` when ``_parallel_config`` is a :class:`CPAttention`, else diffusers' active backend."""
-    if isinstance(_parallel_config, CPAttention):
-        if enable_gqa:
-            raise ValueError(f"cp_ops.parallelize ({_parallel_config.where}): enable_gqa is not supported under CP")
-        return _parallel_config(query, key, value, attn_mask, dropout_p, is_causal, scale)
-    return _private.call_active_backend(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    """diffusers attention backend ``cp_ops``: BSHD ``[B, S_local, H, D]`` in and out, CP attention through
+    :func:`cp_ops.attention` over the group of ``_parallel_config`` (a :class:`CPAttention`).
+
+    Raises:
+        ValueError: ``_parallel_config`` is not a :class:`CPAttention` (a processor path that bypasses CP, or the
+            backend selected globally: it serves only the modules :func:`route` sends to it); enable_gqa.
+    """
+    if not isinstance(_parallel_config, CPAttention):
+        raise ValueError(
+            "diffusers attention backend 'cp_ops' was called without its CP config (parallel_config="
+            f"{type(_parallel_config).__name__}): a processor path that bypasses diffusers' parallel_config (e.g. "
+            "Flux2's reference-token KV cache) is not supported under cp_ops.parallelize, and the backend is not "
+            "for global use (attention_backend('cp_ops'))")
+    if enable_gqa:
+        raise ValueError(f"cp_ops.parallelize ({_parallel_config.where}): enable_gqa is not supported under CP")
+    return _parallel_config(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
 def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], where: str) -> CPAttention:
