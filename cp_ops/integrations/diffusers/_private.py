@@ -68,11 +68,6 @@ def register_backend(fn: Callable) -> Any:
     return _REGISTERED["member"]
 
 
-def is_attention_module(module: torch.nn.Module) -> bool:
-    """A diffusers attention module (one with a ``processor``)."""
-    return hasattr(module, "processor") and hasattr(module, "set_processor")
-
-
 def route_processor(module: torch.nn.Module, backend_member: Any, parallel_config: Any) -> None:
     """Give ``module`` its own copy of its processor, whose dispatch calls go to ``backend_member`` with
     ``parallel_config`` (processors may be shared between modules; the copy keeps the others untouched)."""
@@ -86,6 +81,3 @@ def route_processor(module: torch.nn.Module, backend_member: Any, parallel_confi
     proc._parallel_config = parallel_config
     module.set_processor(proc)
 
-
-def processor_config(module: torch.nn.Module) -> Any:
-    return getattr(module.processor, "_parallel_config", None)
