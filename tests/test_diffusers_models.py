@@ -59,6 +59,7 @@ def _models_equal(rank, w, names):
     for name in names:
         _run(name, CASES[w], w)
     if w == 2:
+        _wan22_per_token_timestep(rank, w)
         _compile_three_resolutions(rank, w, "flux")
         _no_host_sync(rank, w, ["flux", "qwenimage", "zimage", "hunyuanvideo"])
     if w == 4:
@@ -91,6 +92,22 @@ def _cfg_lanes(rank, w, names):
         with pytest.raises(ValueError, match="cfg_parallel=True takes a batch of 2"):
             with torch.no_grad():
                 cp_model(**inputs(name, 1, (1, 2, 4), 8, g))
+
+
+def _wan22_per_token_timestep(rank, w):
+    """Wan 2.2 TI2V passes one timestep per token ([B, S]); the class plan splits it with the tokens."""
+    from cp_ops.integrations.diffusers import parallelize
+
+    model = build("wan")
+    cp_model = parallelize(copy.deepcopy(model), mode="agkv", transport="torch")
+    g = torch.Generator().manual_seed(6)
+    for size in [(1, 2, 4), (1, 3, 3)]:  # 8 and 9 tokens
+        kw = inputs("wan", 2, size, 7, g)
+        kw["timestep"] = torch.randint(0, 1000, (2, size[0] * size[1] * size[2]), generator=g)
+        with torch.no_grad():
+            ref = sample(model(**kw))
+            out = sample(cp_model(**kw))
+        _compare("wan", out, ref, ("per-token timestep", size), exact=size == (1, 2, 4))
 
 
 def _compile_three_resolutions(rank, w, name):
