@@ -7,6 +7,7 @@
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
 #   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/rank check)
+#   uneven — tests/test_uneven_gpu.py (-s) + benchmarks/uneven.py (seq_lens / key_mask cost vs the even call)
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
@@ -47,6 +48,8 @@ for s in $SECTIONS; do case $s in
   pipelined) step pipelined_tests python3 -m pytest -q -s -m gpu tests/test_pipelined_gpu.py -p no:cacheprovider
          step pipelined_bench python3 benchmarks/pipelined.py --out "$OUT" --nproc ${PIPELINED_NPROC:-2} \
            --max-minutes ${PIPELINED_MINUTES:-3.4} ;;
+  uneven) step uneven_tests python3 -m pytest -q -s -m gpu tests/test_uneven_gpu.py -p no:cacheprovider
+         step uneven_bench python3 benchmarks/uneven.py --out "$OUT" --nproc ${UNEVEN_NPROC:-2} ;;
   *) echo "unknown section $s"; status=1 ;;
 esac; done
 if [ -n "$bg" ]; then wait "$bg"; tail -3 "$OUT/cpu_suite.txt"; grep -q "cpu_suite rc=0" "$OUT/cpu_suite.txt" || status=1; fi

@@ -2,6 +2,8 @@
 
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
+        (also chunks=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.modes.uneven)
+    layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
     choose_mode(mode, heads, world_size)                                           the mode 'auto' picks
@@ -48,6 +50,19 @@ def _load_core() -> None:
 
     globals().update({k: v for k, v in locals().items() if k in __all__})
 
+
+class _Package(type(_sys)):
+    """The package's module type: a submodule that shares a public function's name (``cp_ops.attention``,
+    ``cp_ops.compile``) is not bound over the function when it is imported before the core (the import system
+    binds each loaded submodule on its package); the name then loads the core on first use (``__getattr__``)."""
+
+    def __setattr__(self, name, value):
+        if name in __all__ and name != "modes" and isinstance(value, type(_sys)):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
 
 if "torch" in _sys.modules:  # the usual case (torch imported first): the core costs ~20 ms more; register the ops now
     _load_core()

@@ -21,8 +21,9 @@ device: bitwise equal to single-device attention on CPU where the same kernel se
 
 * AGKV: pad K/V → gather ``[B, W*S_max, H, D]`` → real K/V rows → SDPA with the local (unpadded) Q.
 * Ulysses: pad Q/K/V → all-to-all → real Q/K/V rows of the full sequence (H/W heads) → SDPA → re-pad the output
-  to ``[B, W*S_max, H/W, D]`` → the inverse all-to-all (``cp_ops::ulysses_inverse_start``) → this rank keeps the
-  first ``seq_lens[rank]`` rows of its block. (Attending the padded queries instead would save two copies but is
+  to ``[B, W*S_max, H/W, D]`` → the inverse all-to-all (``cp_ops::ulysses_inverse_uneven_start``) → this rank keeps
+  the first ``seq_lens[rank]`` rows of its block. With the torch transport the padding is written straight into the
+  all-to-all's send buffer (pad and pack in one copy, as its even pack). (Attending the padded queries instead would save two copies but is
   not bitwise: CPU SDPA's result for a row depends on the query count, by 2e-7 in a test.)
 
 **Ops** (``torch.library``; launches like :mod:`cp_ops._library`'s, outputs valid after ``wait_tensor``; exact fake
@@ -36,7 +37,8 @@ kernels, so ``torch.compile(fullgraph=True)`` traces them, each rank its own sha
   ``x [B, sum(seq_lens), H/W, D]`` → ``buf [W, B, S_max, H/W, D]``
 
 Each copies its inputs into private padded buffers before the launch (the transport then never reads a buffer a
-compiler may reuse; these ops have no Inductor lowering of their own) and folds a hash of ``(seq_lens, key_mask
+compiler may reuse; these ops have no Inductor lowering of their own; the torch transport's Ulysses packs them
+into its send buffer, which is that copy) and folds a hash of ``(seq_lens, key_mask
 given)`` into the rank contract's per-call signature (:func:`cp_ops.validate.exchange`'s ``tag``): ranks that
 disagree raise ValueError on every rank, naming each rank's ``seq_lens``.
 
@@ -209,6 +211,14 @@ def _tag(seq_lens, has_mask: bool) -> tuple[int, str]:
     return got
 
 
+def _like(x: torch.Tensor, s) -> torch.Tensor:
+    """``x`` if it has ``s`` tokens, else a meta tensor of ``x``'s shape with ``s`` tokens: what the rank contract
+    compares (every rank's padded shape)."""
+    if x.shape[1] == s:
+        return x
+    return torch.empty((x.shape[0], s, *x.shape[2:]), dtype=x.dtype, device="meta")
+
+
 def _checked(pg, op: str, transport: str, rules, seq_lens, has_mask: bool, extra: int, make_t):
     """An op's real kernel: its rules, then ``make_t()`` (the padded tensor whose shape every rank shares), then the
     rank contract's exchange with the ``seq_lens`` tag. Returns ``make_t()``'s tensor."""
@@ -292,14 +302,24 @@ def ulysses_uneven_start(
             check_key_mask(key_mask, xs[0])
 
     smax = max(seq_lens) if seq_lens else 0
-    first = _checked(pg, "cp_ops::ulysses_uneven_start", transport, rules, seq_lens, key_mask is not None, len(xs),
-                     lambda: _pad(xs[0], smax))
-    pads = [first] + [_pad(x, smax) for x in xs[1:]]
-    b, _, h, d = xs[0].shape
-    if first.numel() == 0:
-        buf = xs[0].new_empty(world_size, b, smax, len(xs), h // world_size, d)
+    _checked(pg, "cp_ops::ulysses_uneven_start", transport, rules, seq_lens, key_mask is not None, len(xs),
+             lambda: _like(xs[0], smax))
+    b, s, h, d = xs[0].shape
+    n, w = len(xs), world_size
+    if b * smax * h * d == 0:
+        buf = xs[0].new_empty(w, b, smax, n, h // w, d)
     else:
-        buf, work = lib._transport(transport, pg, first).ulysses_start(pads, pg)
+        tr = lib._transport(transport, pg, xs[0])
+        if tr.name == "torch":  # pad and pack in one copy (the torch transport reads nothing after the launch)
+            send = xs[0].new_empty(w, b, smax, n, h // w, d)
+            if s < smax:
+                send[:, :, s:].zero_()
+            for i, x in enumerate(xs):
+                send[:, :, :s, i].copy_(x.reshape(b, s, w, h // w, d).permute(2, 0, 1, 3, 4))
+            buf = torch.empty_like(send)
+            work = pg.alltoall_base(buf, send, [], [])
+        else:
+            buf, work = tr.ulysses_start([_pad(x, smax) for x in xs], pg)
         lib._register(work, buf)
     return buf, _mask_start(pg, key_mask, smax, world_size, xs[0])
 
@@ -328,13 +348,28 @@ def ulysses_inverse_uneven_start(
         check_seq_lens(seq_lens, world_size, total=x.shape[1])
 
     smax = max(seq_lens) if seq_lens else 0
-    xp = _checked(pg, "cp_ops::ulysses_inverse_uneven_start", transport, rules, seq_lens, False, 1,
-                  lambda: _repad(x.clone(memory_format=torch.contiguous_format), seq_lens, smax)
-                  if all(n == smax for n in seq_lens) else _repad(x, seq_lens, smax))
+    _checked(pg, "cp_ops::ulysses_inverse_uneven_start", transport, rules, seq_lens, False, 1,
+             lambda: _like(x, len(seq_lens) * smax))
     b, _, hl, d = x.shape
-    if xp.numel() == 0:
-        return x.new_empty(world_size, b, smax, hl, d)
-    buf, work = lib._transport(transport, pg, xp).ulysses_inverse_start(xp, pg)
+    w = world_size
+    if b * smax * hl * d == 0:
+        return x.new_empty(w, b, smax, hl, d)
+    tr = lib._transport(transport, pg, x)
+    if tr.name == "torch":  # re-pad and pack in one copy: slab r = rank r's block, zeros after its rows
+        send = x.new_empty(w, b, smax, hl, d)
+        off = 0
+        for r, n in enumerate(seq_lens):
+            send[r, :, :n].copy_(x[:, off:off + n])
+            if n < smax:
+                send[r, :, n:].zero_()
+            off += n
+        buf = torch.empty_like(send)
+        work = pg.alltoall_base(buf, send, [], [])
+    else:
+        xp = _repad(x, seq_lens, smax)
+        if xp is x:
+            xp = x.clone(memory_format=torch.contiguous_format)  # private: the transport reads it after the launch
+        buf, work = tr.ulysses_inverse_start(xp, pg)
     lib._register(work, buf)
     return buf
 
@@ -404,6 +439,9 @@ def attention(q, k, v, *, mode: str, world_size: int, group_name: str, transport
     buf = lib.wait(buf)
     qh, kh, vh = (ulysses_real(buf, i, seq, smax) for i in range(3))  # [B, sum(seq), Hl, D]: real rows
     mask = None if key_mask is None else mask_real(lib.wait(mf), seq)
-    out = _repad(masked_attention(qh, kh, vh, scale, mask), seq, smax)  # [B, W*smax, Hl, D]: the inverse's layout
-    back = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(out, world_size, group_name, transport))
-    return inverse_rows(back, q.shape[1])
+    out = masked_attention(qh, kh, vh, scale, mask)  # [B, sum(seq), Hl, D]
+    if all(n == smax for n in seq):
+        back = torch.ops.cp_ops.ulysses_inverse_start(out, world_size, group_name, transport)
+    else:  # re-pad to the even layout and back
+        back = torch.ops.cp_ops.ulysses_inverse_uneven_start(out, seq, world_size, group_name, transport)
+    return inverse_rows(lib.wait(back), q.shape[1])
