@@ -1,0 +1,93 @@
+"""Run a diffusers DiT under context parallelism with cp_ops attention.
+
+:func:`parallelize` installs the model's CP plan (:mod:`.plan`, :mod:`.hooks`: split the tokens over the CP group
+after the embeddings, gather them before unpatchify) and routes the self/joint attention modules' processors to
+the ``cp_ops`` attention backend registered in diffusers' dispatch (:mod:`.dispatch`); the model code — projections,
+norms, RoPE, joint concatenation — runs unchanged. Supported classes and how: :mod:`.registry`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import modes
+from ...group import resolve_group
+from ...transport.base import names as transport_names
+from . import dispatch, hooks
+from .checks import RankChecks
+from .lanes import Lanes
+from .plan import Gather
+from .registry import SUPPORTED, spec_for
+
+__all__ = ["parallelize", "SUPPORTED"]
+
+
+def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
+                cfg_parallel: bool = False) -> torch.nn.Module:
+    """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
+
+    Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
+    the tokens (uneven blocks when W does not divide the count: the first ``count % W`` ranks hold one more), the
+    attention gets full context through :func:`cp_ops.attention`, and the output is all-gathered, so every rank
+    returns the full output, equal to the unparallelized model's (bitwise where the same kernel sees the same data;
+    joint attention sees its keys in another order: equal to rounding).
+
+    Args:
+        transformer: a diffusers transformer of a class in :data:`SUPPORTED` (Wan 2.1/2.2, Wan VACE, Flux, Flux2,
+            Qwen-Image, LTX-Video, Z-Image, HunyuanVideo).
+        group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh).
+        mode, transport: as :func:`cp_ops.attention`.
+        cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
+            rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
+            the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
+            batch of 2, on every rank.
+
+    Grad mode: runs with or without ``torch.no_grad()``, eager and under ``torch.compile(fullgraph=True)``; a backward
+    raises (cp_ops is forward only).
+
+    Raises:
+        ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
+            mode/transport, model already parallelized, ``cfg_parallel`` on an odd number of ranks. At run time: a
+            stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
+            on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
+            (see :mod:`cp_ops.validate`); cfg_parallel with a batch other than 2.
+        RuntimeError: torch.distributed not initialized.
+    """
+    spec = spec_for(transformer)
+    name = type(transformer).__name__
+    if mode not in modes.names():
+        raise ValueError(f"mode must be one of {modes.names()}; got {mode!r}")
+    if transport not in transport_names():
+        raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
+    if getattr(transformer, "_cp_ops_group", None) is not None:
+        raise ValueError(
+            f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
+            "parallelize a fresh model (hooks installed twice would split the tokens twice)"
+        )
+    if spec.check is not None:
+        spec.check(transformer)
+    pg = resolve_group(group)
+    plan = spec.plan(transformer)
+    # resolve every path first, so a failure installs nothing
+    for path, _ in plan:
+        hooks.resolve(transformer, path)
+    attn_modules = [(pattern, streams, hooks.resolve(transformer, pattern))
+                    for pattern, streams in spec.attention.items()]
+
+    lanes = Lanes(transformer, pg) if cfg_parallel else None
+    cp = lanes.cp if lanes is not None else pg
+    transformer._cp_ops_group = cp  # marks the model before any hook goes in
+    checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # a pre-hook: sees the full inputs
+    streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
+               for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
+    streams |= {s for ss in spec.attention.values() for s in ss}
+    state = hooks.CPState(cp, mode, transport, sorted(streams))
+    hooks.install(transformer, plan, state, checks.before_gather,
+                  outer_pre=(lanes.select,) if lanes else (), outer_post=(lanes.gather,) if lanes else ())
+    for pattern, streams, modules in attn_modules:
+        for path, module in modules:
+            dispatch.route(module, state, streams, path)
+    transformer._cp_ops_state = state
+    return transformer

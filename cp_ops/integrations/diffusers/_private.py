@@ -1,0 +1,83 @@
+"""Every private diffusers API cp_ops touches, in one place (diffusers 0.42.x).
+
+- ``diffusers.models.attention_dispatch``: ``AttentionBackendName`` (an Enum; cp_ops adds one member, ``cp_ops``)
+  and ``_AttentionBackendRegistry`` (where the ``cp_ops`` backend function is registered, and the active backend
+  a non-CP call falls back to).
+- ``diffusers.models._modeling_parallel``: ``ContextParallelInput`` / ``ContextParallelOutput`` (the classes'
+  ``_cp_plan`` entries) — experimental in diffusers.
+- attention processors' ``_attention_backend`` and ``_parallel_config`` attributes: what every diffusers attention
+  processor passes to ``dispatch_attention_fn(..., backend=..., parallel_config=...)``.
+
+A diffusers upgrade that renames any of these breaks only this file.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from typing import Any, Callable
+
+import torch
+
+BACKEND_VALUE = "cp_ops"
+
+
+def _dispatch():
+    from diffusers.models import attention_dispatch
+
+    return attention_dispatch
+
+
+def cp_plan_classes():
+    """``(ContextParallelInput, ContextParallelOutput)`` from diffusers."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return ContextParallelInput, ContextParallelOutput
+
+
+def class_cp_plan(model_cls: type) -> dict | None:
+    """The model class's own CP plan (``_cp_plan``), or None where diffusers has none."""
+    return getattr(model_cls, "_cp_plan", None)
+
+
+def _backend_member():
+    """The ``AttentionBackendName`` member ``cp_ops``, added to diffusers' Enum once (the registry is keyed by
+    members, and ``dispatch_attention_fn`` accepts only members)."""
+    names = _dispatch().AttentionBackendName
+    if BACKEND_VALUE in names._value2member_map_:
+        return names._value2member_map_[BACKEND_VALUE]
+    member = str.__new__(names, BACKEND_VALUE)
+    member._name_, member._value_ = "CP_OPS", BACKEND_VALUE
+    member.__objclass__ = names
+    names._member_map_["CP_OPS"] = member
+    names._value2member_map_[BACKEND_VALUE] = member
+    names._member_names_.append("CP_OPS")
+    assert isinstance(member, enum.Enum) and names(BACKEND_VALUE) is member
+    return member
+
+
+_REGISTERED: dict[str, Any] = {}
+
+
+def register_backend(fn: Callable) -> Any:
+    """Register ``fn`` as diffusers attention backend ``cp_ops`` (once per process); returns its member."""
+    if "member" not in _REGISTERED:
+        member = _backend_member()
+        _dispatch()._AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(fn)
+        _REGISTERED["member"] = member
+    return _REGISTERED["member"]
+
+
+def route_processor(module: torch.nn.Module, backend_member: Any, parallel_config: Any) -> None:
+    """Give ``module`` its own copy of its processor, whose dispatch calls go to ``backend_member`` with
+    ``parallel_config`` (processors may be shared between modules; the copy keeps the others untouched)."""
+    proc = copy.copy(module.processor)
+    if not hasattr(type(proc), "_parallel_config") and not hasattr(proc, "_parallel_config"):
+        raise ValueError(
+            f"{type(module).__name__}'s processor {type(proc).__name__} does not route attention through diffusers' "
+            "dispatch (no _parallel_config); cp_ops cannot plug into it"
+        )
+    proc._attention_backend = backend_member
+    proc._parallel_config = parallel_config
+    module.set_processor(proc)
+

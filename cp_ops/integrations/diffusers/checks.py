@@ -1,0 +1,53 @@
+"""The same-call contract at the model level (eager only; compiled code keeps the per-op checks).
+
+The full inputs agree across ranks (a checksum; once per input shape — every forward under
+``CP_OPS_CHECK_RANKS=always``), and every rank made the same number of cp_ops calls before the output gather
+(a rank that skipped a layer's attention raises on every rank instead of pairing layers off by one).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from ... import config
+from ...validate import call_count, check_inputs_agree, exchange
+
+
+class RankChecks:
+    """Installed as the model's first forward pre-hook, so it sees the full inputs. ``inputs``: up to 3 forward
+    parameter names to checksum (a list argument, as Z-Image's ``x``, is checked by its first element)."""
+
+    def __init__(self, model: torch.nn.Module, pg: dist.ProcessGroup, inputs: tuple[str, ...],
+                 input_pg: dist.ProcessGroup | None = None):
+        # pg: the CP group (call counts); input_pg: the ranks that get the same full inputs (all CFG lanes)
+        self.pg, self.input_pg, self.seen, self.start, self.inputs = pg, input_pg or pg, set(), 0, inputs
+        self.params = list(inspect.signature(model.forward).parameters)
+        model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
+
+    def _arg(self, name, args, kwargs):
+        i = self.params.index(name) if name in self.params else len(args)
+        x = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+        if isinstance(x, (list, tuple)):
+            x = x[0] if x and isinstance(x[0], torch.Tensor) else None
+        return x if isinstance(x, torch.Tensor) else None
+
+    def before_forward(self, mod, args, kwargs):
+        if torch.compiler.is_compiling():
+            return
+        mode = config.settings.check_ranks
+        if mode != "off":
+            inputs = {n: self._arg(n, args, kwargs) for n in self.inputs}
+            key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())
+            if mode == "always" or key not in self.seen:
+                check_inputs_agree(self.input_pg, "cp_ops.parallelize inputs", inputs)
+                self.seen.add(key)
+        self.start = call_count(self.pg)
+
+    def before_gather(self):
+        if torch.compiler.is_compiling() or config.settings.check_ranks == "off":
+            return
+        exchange(self.pg, "cp_ops.parallelize output gather (calls this forward)", "",
+                 extra=call_count(self.pg) - self.start)

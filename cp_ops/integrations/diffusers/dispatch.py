@@ -1,0 +1,104 @@
+"""cp_ops attention plugged in at diffusers' attention dispatch.
+
+diffusers' attention processors end in ``dispatch_attention_fn(q, k, v, attn_mask=..., backend=
+processor._attention_backend, parallel_config=processor._parallel_config)``. :func:`route` points a module's
+processor at the ``cp_ops`` backend (registered in diffusers' backend registry, :mod:`._private`) with a
+:class:`CPAttention` as its ``_parallel_config``; the backend calls :func:`cp_ops.attention` with it. The model's
+own processor code (projections, norms, RoPE, joint text+image concatenation) runs unchanged.
+
+Only the modules a model's registry entry names are routed (Wan's cross-attention ``attn2`` is not: it stays on
+its own backend, local). A routed processor that calls dispatch without its ``parallel_config`` (e.g. Flux2's
+reference-token KV-cache path) would attend to this rank's tokens only; the backend raises instead.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ...attention import attention
+from . import _private
+from .hooks import CPState
+
+_HAS_SEQ_LENS = "seq_lens" in inspect.signature(attention).parameters
+_HAS_KEY_MASK = "key_mask" in inspect.signature(attention).parameters
+
+
+class CPAttention:
+    """A processor's ``_parallel_config``: the CP group (via the model's :class:`CPState`) and the streams its
+    token sequence is made of (``("text", "image")`` for joint attention: each rank holds its block of each)."""
+
+    def __init__(self, state: CPState, streams: tuple[str, ...], where: str):
+        self.state, self.streams, self.where = state, streams, where
+
+    def __repr__(self):
+        return f"CPAttention({self.where}, streams={self.streams}, W={self.state.world}, mode={self.state.mode!r})"
+
+    def key_mask(self, attn_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        """A key-padding mask ``[B, S_local]`` (bool, True = attend) from diffusers' ``attn_mask``.
+
+        Accepted: bool ``[B, S_local]`` or ``[B, 1, 1, S_local]`` (this rank's keys; the plan splits the mask with
+        the tokens). Raises ValueError for any other kind (float/additive masks, per-query masks).
+        """
+        if attn_mask is None:
+            return None
+        b, s = q.shape[0], q.shape[1]
+        shape = tuple(attn_mask.shape)
+        if attn_mask.dtype != torch.bool or shape not in ((b, s), (b, 1, 1, s), (1, s), (1, 1, 1, s)):
+            raise ValueError(
+                f"cp_ops.parallelize ({self.where}): CP attention takes key-padding masks only — bool, shape "
+                f"[B, S_local] or [B, 1, 1, S_local] = {(b, s)} / {(b, 1, 1, s)}; got dtype {attn_mask.dtype}, shape "
+                f"{shape}. Float (additive) and per-query masks are not supported under CP")
+        if not _HAS_KEY_MASK:
+            raise ValueError(f"cp_ops.parallelize ({self.where}): this model passes a key-padding mask, and this "
+                             "cp_ops build's attention() takes no key_mask")
+        return attn_mask.reshape(attn_mask.shape[0], s).expand(b, s)
+
+    def __call__(self, query, key, value, attn_mask, dropout_p, is_causal, scale):
+        if dropout_p != 0.0 or is_causal:
+            raise ValueError(f"cp_ops.parallelize ({self.where}): CP attention is non-causal without dropout; got "
+                             f"dropout_p={dropout_p}, is_causal={is_causal}")
+        st = self.state
+        kwargs = {}
+        mask = self.key_mask(attn_mask, query)
+        if mask is not None:
+            kwargs["key_mask"] = mask
+        totals = [st.total(s, self.where) for s in self.streams]
+        if any(t % st.world != 0 for t in totals):
+            if not _HAS_SEQ_LENS:
+                raise ValueError(
+                    f"cp_ops.parallelize ({self.where}): token counts {dict(zip(self.streams, totals))} not divisible "
+                    f"by the CP world size {st.world}, and this cp_ops build's attention() takes no seq_lens")
+            kwargs["seq_lens"] = st.seq_lens(self.streams, self.where)
+        return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
+                         **kwargs)
+
+
+def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False, _parallel_config=None) -> torch.Tensor:
+    """diffusers attention backend ``cp_ops``: BSHD ``[B, S_local, H, D]`` in and out, CP attention through
+    :func:`cp_ops.attention` over the group of ``_parallel_config`` (a :class:`CPAttention`).
+
+    Raises:
+        ValueError: ``_parallel_config`` is not a :class:`CPAttention` (a processor path that bypasses CP, or the
+            backend selected globally: it serves only the modules :func:`route` sends to it); enable_gqa.
+    """
+    if not isinstance(_parallel_config, CPAttention):
+        raise ValueError(
+            "diffusers attention backend 'cp_ops' was called without its CP config (parallel_config="
+            f"{type(_parallel_config).__name__}): a processor path that bypasses diffusers' parallel_config (e.g. "
+            "Flux2's reference-token KV cache) is not supported under cp_ops.parallelize, and the backend is not "
+            "for global use (attention_backend('cp_ops'))")
+    if enable_gqa:
+        raise ValueError(f"cp_ops.parallelize ({_parallel_config.where}): enable_gqa is not supported under CP")
+    return _parallel_config(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], where: str) -> CPAttention:
+    """Send ``module``'s attention through cp_ops over ``state``'s group; returns its :class:`CPAttention`."""
+    member = _private.register_backend(cp_ops_backend)
+    config = CPAttention(state, streams, where)
+    _private.route_processor(module, member, config)
+    return config

@@ -1,0 +1,217 @@
+"""The generic split/gather hooks that carry out a :mod:`plan <cp_ops.integrations.diffusers.plan>` on a model.
+
+Forward pre-hooks split named inputs, forward hooks split outputs or all-gather them. Uneven token counts follow
+:func:`~cp_ops.integrations.diffusers.plan.shard_sizes` (rank r holds the r-th contiguous block; the first
+``total % W`` ranks one token more); the gather pads each rank's block to ``ceil(total / W)`` tokens, all-gathers,
+and drops the pads. Each split records its stream's full token count in :class:`CPState`, which the attention
+(:mod:`.dispatch`) reads to know every rank's sequence length. No host synchronisation: every size is computed
+from shapes, branch-free where the shape may be symbolic.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from .plan import Gather, Plan, Split, shard_sizes
+
+# torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+class CPState:
+    """One parallelized model's CP group and the full token count of each stream seen in the current forward."""
+
+    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams):
+        self.pg, self.mode, self.transport = pg, mode, transport
+        self.rank, self.world = pg.rank(), pg.size()
+        # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
+        # never change, so a forward that writes the totals before reading them traces once for all resolutions
+        self.totals: dict[str, int] = dict.fromkeys(streams, 0)
+
+    def record(self, stream: str, total) -> None:
+        if stream not in self.totals:
+            raise ValueError(f"cp_ops.parallelize: stream {stream!r} is not one of the plan's {tuple(self.totals)}")
+        self.totals[stream] = total
+
+    def total(self, stream: str, where: str):
+        v = self.totals.get(stream, 0)
+        if isinstance(v, int) and v == 0:
+            raise RuntimeError(f"cp_ops.parallelize: {where} needs the token count of stream {stream!r}, which no "
+                               f"split has recorded (streams: {tuple(self.totals)}); the model's plan splits that "
+                               "stream later than it is used")
+        return v
+
+    def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
+        """Every rank's local token count of a sequence made of ``streams`` (each rank: its block of each)."""
+        per = [shard_sizes(self.total(s, where), self.world) for s in streams]
+        return tuple(sum(p[r] for p in per) for r in range(self.world))
+
+
+def split_tensor(x: torch.Tensor, spec: Split, state: CPState, where: str) -> torch.Tensor:
+    """This rank's block of ``x`` along ``spec.dim``; records each stream's total when it is the only one."""
+    dim = spec.dim % x.dim()
+    if len(spec.streams) == 1:
+        total = x.shape[dim]
+        state.record(spec.streams[0], total)
+        parts = [(0, total)]
+    else:  # a concatenation of full streams: split each
+        totals = [state.total(s, where) for s in spec.streams]
+        if sum(totals) != x.shape[dim]:
+            raise ValueError(f"cp_ops.parallelize: {where} has {x.shape[dim]} tokens along dim {dim}; the streams "
+                             f"{spec.streams} it concatenates hold {totals} tokens")
+        starts = [sum(totals[:i]) for i in range(len(totals))]
+        parts = list(zip(starts, totals))
+    r, w = state.rank, state.world
+    blocks = []
+    for start, total in parts:
+        if isinstance(total, int) and total < w:
+            raise ValueError(f"cp_ops.parallelize: {where} has {total} tokens along dim {dim}, fewer than the CP "
+                             f"world size {w}; every rank needs at least one token of each split stream")
+        sizes = shard_sizes(total, w)
+        blocks.append(x.narrow(dim, start + sum(sizes[:r]), sizes[r]))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
+
+
+def gather_tensor(x: torch.Tensor, spec: Gather, state: CPState) -> torch.Tensor:
+    """All ranks' blocks of ``x`` along ``spec.dim``, in rank order (uneven blocks per :func:`shard_sizes`)."""
+    d = spec.dim % x.dim()
+    w = state.world
+    total = state.total(spec.stream, f"the gather of stream {spec.stream!r}")
+    # gather along dim 0 (token dim moved to the front), then move it back: rank-ordered blocks concatenate
+    local = x.movedim(d, 0)
+    if total % w == 0:
+        out = _all_gather(local.contiguous(), gather_dim=0, group=state.pg)
+    else:
+        m = (total + w - 1) // w
+        rem = total % w
+        if local.shape[0] < m:  # this rank holds one token fewer: pad to m
+            local = torch.cat([local, local.new_zeros((m - local.shape[0],) + tuple(local.shape[1:]))])
+        g = _all_gather(local.contiguous(), gather_dim=0, group=state.pg).unflatten(0, (w, m))
+        out = torch.cat([g[:rem].flatten(0, 1), g[rem:, : m - 1].flatten(0, 1)])
+    return out.movedim(0, d)
+
+
+def _applies(spec, x) -> bool:
+    return isinstance(x, torch.Tensor) and (spec.expected_dims is None or x.dim() == spec.expected_dims)
+
+
+def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
+    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of every child of ``a``.
+
+    Raises:
+        ValueError: a path names no module.
+    """
+    found = [("", model)]
+    for atom in [a for a in pattern.split(".") if a] if pattern else []:
+        nxt = []
+        for path, mod in found:
+            children = list(mod.named_children()) if atom == "*" else \
+                [(atom, getattr(mod, atom))] if isinstance(getattr(mod, atom, None), torch.nn.Module) else []
+            nxt += [(f"{path}.{n}" if path else n, c) for n, c in children]
+        if not nxt:
+            raise ValueError(f"cp_ops.parallelize: plan path {pattern!r} names no module of "
+                             f"{type(model).__name__} (no {atom!r} under {[p for p, _ in found]})")
+        found = nxt
+    return found
+
+
+def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: str):
+    """(pre, post): a forward pre-hook splitting named inputs and a forward hook splitting outputs (None where the
+    entry has none)."""
+    pre_hook = out_hook = None
+    by_name = {k: v for k, v in specs.items() if isinstance(k, str)}
+    by_output = {k: v for k, v in specs.items() if isinstance(k, int)}
+    # single-stream splits first: a multi-stream split reads the totals they record
+    by_name = dict(sorted(by_name.items(), key=lambda kv: len(kv[1].streams)))
+    if by_name:
+        params = list(inspect.signature(module.forward).parameters)
+        missing = [n for n in by_name if n not in params and "kwargs" not in params]
+        if missing:
+            raise ValueError(f"cp_ops.parallelize: plan splits inputs {missing} of {where}, whose forward takes "
+                             f"{params}")
+
+        def pre_hook(mod, args, kwargs):
+            args = list(args)
+            for name, spec in by_name.items():
+                if name in kwargs:
+                    if _applies(spec, kwargs[name]):
+                        kwargs[name] = split_tensor(kwargs[name], spec, state, f"{where}.{name}")
+                elif name in params and params.index(name) < len(args):
+                    i = params.index(name)
+                    if _applies(spec, args[i]):
+                        args[i] = split_tensor(args[i], spec, state, f"{where}.{name}")
+            return tuple(args), kwargs
+
+    if by_output:
+
+        def out_hook(mod, args, output):
+            single = not isinstance(output, (tuple, list))
+            outs = [output] if single else list(output)
+            for i, spec in by_output.items():
+                if _applies(spec, outs[i]):
+                    outs[i] = split_tensor(outs[i], spec, state, f"{where} output {i}")
+            return outs[0] if single else type(output)(outs)
+
+    return pre_hook, out_hook
+
+
+def _gather_hook(spec: Gather, state: CPState, before: Callable[[], None]):
+    def gather_hook(mod, args, output):
+        if not _applies(spec, output):
+            return output
+        before()
+        return gather_tensor(output, spec, state)
+
+    return gather_hook
+
+
+def wrap_forward(model: torch.nn.Module, pre: list, post: list) -> None:
+    """Run ``pre`` (``(mod, args, kwargs) -> (args, kwargs)``) before and ``post`` (``(mod, args, output) ->
+    output``) after ``model.forward``, inside it. Unlike module hooks of the compiled module itself (which
+    torch.compile traces as frames of their own), this keeps the model's splits, its forward and its gathers in one
+    traced frame: the token counts they share stay symbolic (one graph for every resolution)."""
+    if not pre and not post:
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        for f in pre:
+            args, kwargs = f(model, args, kwargs)
+        out = inner(*args, **kwargs)
+        for f in post:
+            out = f(model, args, out)
+        return out
+
+    model.forward = forward
+
+
+def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: Callable[[], None],
+            outer_pre: tuple = (), outer_post: tuple = ()) -> None:
+    """Install ``plan`` on ``model``: hooks on submodules; the model's own entries (path ``""``), preceded by
+    ``outer_pre`` and followed by ``outer_post``, wrap its forward (:func:`wrap_forward`). Every path is resolved
+    first, so a bad plan installs nothing."""
+    resolved = [(pattern, entry, resolve(model, pattern)) for pattern, entry in plan]
+    root_pre, root_post = list(outer_pre), []
+    for pattern, entry, modules in resolved:
+        for path, module in modules:
+            where = path or type(model).__name__
+            if isinstance(entry, Gather):
+                pre, post = None, _gather_hook(entry, state, before_gather)
+            else:
+                pre, post = _split_hooks(module, entry, state, where)
+            if module is model:
+                root_pre += [pre] if pre else []
+                root_post += [post] if post else []
+                continue
+            if pre:
+                module.register_forward_pre_hook(pre, with_kwargs=True)
+            if post:
+                module.register_forward_hook(post)
+    wrap_forward(model, root_pre, root_post + list(outer_post))

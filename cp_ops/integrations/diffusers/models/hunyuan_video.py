@@ -1,0 +1,38 @@
+"""HunyuanVideo (``HunyuanVideoTransformer3DModel``): cp_ops's own CP plan (diffusers 0.42 has none).
+
+Joint attention over ``[video, text]`` with the text *sharded with the video*: the video tokens (and their RoPE
+rows) and the text tokens (after the token refiner, which runs on the full text on every rank) are split at the
+first double-stream block; the model's joint key mask ``[B, 1, 1, N_video + N_text]`` (text padding at the end) is
+split stream by stream at every block, each rank keeping ``[its video block, its text block]`` — the order in
+which the processors concatenate this rank's tokens. Every token sits on one rank and counts once in the softmax.
+
+Not supported: the image-to-video "token replace" variant (its first-frame modulation indexes the full sequence).
+"""
+
+from __future__ import annotations
+
+from ..plan import Gather, Split
+
+_JOINT = ("image", "text")
+
+
+def plan(model) -> list:
+    mask = {"attention_mask": Split(3, _JOINT, 4)}
+    return [
+        ("rope", {0: Split(0, ("image",), 2), 1: Split(0, ("image",), 2)}),
+        ("transformer_blocks.0", {"hidden_states": Split(1, ("image",), 3),
+                                  "encoder_hidden_states": Split(1, ("text",), 3)}),
+        ("transformer_blocks.*", mask),
+        ("single_transformer_blocks.*", mask),
+        ("proj_out", Gather(1, "image", 3)),
+    ]
+
+
+ATTENTION = {"transformer_blocks.*.attn": _JOINT, "single_transformer_blocks.*.attn": _JOINT}
+
+
+def check(model) -> None:
+    """Raises ValueError for the token-replace (image-to-video) variant."""
+    if model.config.image_condition_type == "token_replace":
+        raise ValueError("cp_ops.parallelize: HunyuanVideo with image_condition_type='token_replace' is not supported "
+                         "(its first-frame modulation indexes the full token sequence)")

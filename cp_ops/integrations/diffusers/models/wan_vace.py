@@ -1,0 +1,28 @@
+"""Wan VACE (``WanVACETransformer3DModel``): cp_ops's own CP plan (diffusers 0.42 has none).
+
+The VACE blocks run first on the full video latents and the control latents (same token count, zero-padded by
+the model), producing hints added to the main blocks' hidden states token by token. Plan: RoPE rows, the latents
+at every VACE block and at the first main block, and the control latents at the first VACE block are split over
+the CP group (the hints are then local, like the hidden states they are added to); self-attention (``attn1``) of
+both kinds of block goes through cp_ops; cross-attention to the replicated text stays local. Gathered after
+``proj_out``.
+"""
+
+from __future__ import annotations
+
+from ..plan import Gather, Split
+
+
+def plan(model) -> list:
+    img = ("image",)
+    return [
+        ("rope", {0: Split(1, img, 4), 1: Split(1, img, 4)}),
+        ("", {"timestep": Split(1, img, 2)}),
+        ("vace_blocks.0", {"control_hidden_states": Split(1, img, 3)}),
+        ("vace_blocks.*", {"hidden_states": Split(1, img, 3)}),
+        ("blocks.0", {"hidden_states": Split(1, img, 3)}),
+        ("proj_out", Gather(1, "image", 3)),
+    ]
+
+
+ATTENTION = {"blocks.*.attn1": ("image",), "vace_blocks.*.attn1": ("image",)}
