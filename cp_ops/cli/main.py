@@ -325,11 +325,6 @@ def _check_run(args, device: str, world: int) -> None:
         if world < 2 or world % 2:
             _fail(f"{what}: --cfg splits the ranks into 2 CFG lanes; the CP world size must be even, got {world}")
         cp = world // 2
-    tokens = (args.frames // pt) * (args.height // ph) * (args.width // pw)
-    if tokens % cp:
-        kind = "video" if spec.video else "image"
-        _fail(f"{what}: the {kind} has {tokens} tokens (frames {args.frames // pt} x {args.height // ph} x "
-              f"{args.width // pw} patches), not divisible by the CP world size {cp}; change --frames/--height/--width")
     heads = cfg.get(spec.heads_key)
     if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
         _fail(f"{what}: mode {args.mode} needs the CP world size {cp} to divide the {heads} heads of "

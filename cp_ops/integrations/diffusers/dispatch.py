@@ -13,16 +13,11 @@ reference-token KV-cache path) would attend to this rank's tokens only; the back
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ...attention import attention
 from . import _private
 from .hooks import CPState
-
-_HAS_SEQ_LENS = "seq_lens" in inspect.signature(attention).parameters
-_HAS_KEY_MASK = "key_mask" in inspect.signature(attention).parameters
 
 
 class CPAttention:
@@ -50,9 +45,6 @@ class CPAttention:
                 f"cp_ops.parallelize ({self.where}): CP attention takes key-padding masks only — bool, shape "
                 f"[B, S_local] or [B, 1, 1, S_local] = {(b, s)} / {(b, 1, 1, s)}; got dtype {attn_mask.dtype}, shape "
                 f"{shape}. Float (additive) and per-query masks are not supported under CP")
-        if not _HAS_KEY_MASK:
-            raise ValueError(f"cp_ops.parallelize ({self.where}): this model passes a key-padding mask, and this "
-                             "cp_ops build's attention() takes no key_mask")
         return attn_mask.reshape(attn_mask.shape[0], s).expand(b, s)
 
     def __call__(self, query, key, value, attn_mask, dropout_p, is_causal, scale):
@@ -66,10 +58,6 @@ class CPAttention:
             kwargs["key_mask"] = mask
         totals = [st.total(s, self.where) for s in self.streams]
         if any(t % st.world != 0 for t in totals):
-            if not _HAS_SEQ_LENS:
-                raise ValueError(
-                    f"cp_ops.parallelize ({self.where}): token counts {dict(zip(self.streams, totals))} not divisible "
-                    f"by the CP world size {st.world}, and this cp_ops build's attention() takes no seq_lens")
             kwargs["seq_lens"] = st.seq_lens(self.streams, self.where)
         return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
                          **kwargs)
