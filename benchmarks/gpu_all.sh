@@ -6,7 +6,8 @@
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
-#   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/rank check)
+#   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/chunks/rank check) and
+#     tests/test_graph_gpu.py (CUDA-graph capture: torch.cuda.graph and reduce-overhead, both transports)
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
@@ -28,10 +29,12 @@ for s in $SECTIONS; do case $s in
          python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
   cpu_suite) ( CUDA_VISIBLE_DEVICES= timeout ${CPU_SUITE_TIMEOUT:-480} python3 -m pytest -q -m "not gpu" -p no:cacheprovider ${CPU_SUITE_TESTS:-} \
            > "$OUT/cpu_suite.txt" 2>&1; echo "cpu_suite rc=$?" >> "$OUT/cpu_suite.txt" ) & bg=$! ;;
-  host)  step host python3 benchmarks/host_cost.py --nproc ${HOST_NPROC:-2} --out "$OUT" ;;
+  host)  step host python3 benchmarks/host_cost.py --nproc ${HOST_NPROC:-2} --profile ${HOST_PROFILE:-18} --out "$OUT"
+         step graph_tests python3 -m pytest -q -s -m gpu tests/test_graph_gpu.py -p no:cacheprovider ;;
   env)   step env python3 -m cp_ops env
          nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true ;;
-  tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fast_gpu.py tests/test_stress.py -p no:cacheprovider ;;
+  tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fast_gpu.py tests/test_stress.py \
+           tests/test_graph_gpu.py -p no:cacheprovider ;;
   bench) step bench python3 -m cp_ops bench --no-progress --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
   wan)   step wan_ulysses python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode ulysses --transport torch --out "$OUT/wan_ulysses.json"

@@ -21,6 +21,13 @@ the message names what each rank called. ``settings.check_ranks``:
 * ``'always'`` (debug): as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
   (a GPU sync each);
 * ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
+
+Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops._eager`: a :class:`CallCheck` whose
+signature is packed once per call key, named after the call's first op); compiled code makes one per op call.
+
+CUDA graphs: the exchange is host code, so it runs when a graph is *captured* (``torch.cuda.graph``, or the
+recording run of ``torch.compile(mode="reduce-overhead")``), never when it is replayed: a replay is not checked,
+and the ranks must replay the same graphs in the same order (as they must make the same calls).
 """
 
 from __future__ import annotations
