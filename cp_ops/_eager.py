@@ -19,7 +19,8 @@ used. The exchange is named after the call's first op ('cp_ops::agkv_gather_star
 pipelined Ulysses adds its chunks. Eager Ulysses makes one exchange per call where the op path makes one per
 launch, so the ranks of a group must all run a Ulysses layer eager, or all compiled.
 
-A mode takes this path when its function has an ``eager`` attribute:
+Tracing that is not Dynamo (``make_fx``, ``FakeTensorMode``, any torch dispatch mode) and tensor subclasses take
+the general path too, so they see the ops. A mode takes this path when its function has an ``eager`` attribute:
 ``fn.eager(q, k, v, pg, transport_object, scale[, chunks])`` (the built-in modes do); others, and inputs
 with no elements, take the general path (the ops). A new argument of :func:`cp_ops.attention` must be part
 of the key or send the call to the general path.
@@ -35,6 +36,7 @@ from .modes import pipelined
 from .transport import base as transport_base
 from .validate import CallCheck
 
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # > 0 while a TorchDispatchMode (tracing, fake, ...) is active
 _MAX_PLANS = 1024  # distinct keys kept (a model has a handful; a shape sweep clears and refills)
 _plans: dict = {}
 
@@ -64,7 +66,12 @@ class Plan:
 
 def lookup(q, k, v, group, mode, transport, chunks):
     """The plan for this call (built and cached on the first call with its key), or None: take the general path
-    (an argument that is not a tensor, a mode without a direct implementation, an empty tensor)."""
+    (an argument that is not a plain tensor — a tensor subclass, a FakeTensor —, a torch dispatch mode active —
+    make_fx tracing, FakeTensorMode, a flop or comm counter: they must see the ops —, a mode without a direct
+    implementation, an empty tensor)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+            or _dispatch_modes():
+        return None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
                transport, chunks, type(chunks))

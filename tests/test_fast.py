@@ -380,6 +380,9 @@ class _EmuLane:
     def next_call(self):
         return self.calls
 
+    def capturing(self):
+        return False
+
     def launch(self, key, descs, inputs, tickets):
         assert len(descs) == self.world
         self.launched.append((descs, inputs))

@@ -533,6 +533,10 @@ class Lane:
     def next_call(self) -> int:
         return self.calls
 
+    def capturing(self) -> bool:
+        """True while the current stream is capturing a CUDA graph (a launch then stays with the graph)."""
+        return torch.cuda.is_current_stream_capturing()
+
     def launch(self, key: tuple, descs: list, inputs: list, tickets: list, force: Decision | None = None) -> FastWork:
         self.check()
         d = force or self.decide(key, descs, inputs)

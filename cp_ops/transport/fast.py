@@ -171,7 +171,7 @@ class FastTransport:
     def _start(self, group, device: torch.device):
         from . import _fast_build, _fast_runtime
 
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "cp_ops fast transport: the first fast call on this group is being captured into a CUDA graph, but "
                 "the lane starts collectively (group-wide exchanges, symmetric allocations, device synchronization), "
@@ -279,7 +279,7 @@ class FastTransport:
         """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch; on failure give the
         pool slots back. Returns (outputs, work)."""
         call = lane.next_call()
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = lane.capturing()
         got = []
         try:
             for role, shape, dtype in bufs:
