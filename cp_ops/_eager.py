@@ -82,13 +82,26 @@ def lookup(q, k, v, group, mode, transport, chunks):
         if group is None and p.pg is not dist.group.WORLD:  # the default group was destroyed or replaced
             _plans.pop(key, None)
             return None
-        return p
-    p = _build(q, k, v, group, mode, transport, chunks)
-    if p is not None:
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = p
-    return p
+        return p.plan
+    plan = _build(q, k, v, group, mode, transport, chunks)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = _Entry(plan, plan.pg if plan is not None else _default_or_none(group))  # None: the general path
+    return plan
+
+
+class _Entry:
+    """A cached decision: the plan, or None (the general path: a mode without a direct implementation, an
+    empty tensor), and the group it was made for."""
+
+    __slots__ = ("plan", "pg")
+
+    def __init__(self, plan, pg):
+        self.plan, self.pg = plan, pg
+
+
+def _default_or_none(group):
+    return dist.group.WORLD if group is None else None
 
 
 def _build(q, k, v, group, mode, transport, chunks):
