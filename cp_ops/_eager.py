@@ -16,7 +16,7 @@ the ``torch.library`` dispatcher (whose Python wrapper, autograd and redispatch 
 Compiled code keeps the ops (their fake kernels, the overlap pass): under ``torch.compile`` this module is not
 used. The exchange is named after the call's first op ('cp_ops::agkv_gather_start', 'cp_ops::ulysses_start',
 'cp_ops::agkv_pipelined_attention'), and for chunks=1 AGKV and pipelined AGKV the signature equals that op's;
-pipelined Ulysses adds its chunks. Eager Ulysses makes one exchange per call where the op path makes one per
+Ulysses adds its chunks (1 when not pipelined), so it never equals a bare all-to-all of the same tensors. Eager Ulysses makes one exchange per call where the op path makes one per
 launch, so the ranks of a group must all run a Ulysses layer eager, or all compiled.
 
 Tracing that is not Dynamo (``make_fx``, ``FakeTensorMode``, any torch dispatch mode) and tensor subclasses take

@@ -33,7 +33,8 @@ def _ulysses_eager(q, k, v, pg, transport, scale=None) -> torch.Tensor:
 
 
 # what the rank contract compares for an eager call (one exchange): the signature of cp_ops::ulysses_start([q, k, v])
-_ulysses_eager.signature = lambda q, k, v, chunks: ("cp_ops::ulysses_start", q, 3, 0)
+# with chunks=1, so it never equals a bare all-to-all of the same tensors (which has no inverse to follow)
+_ulysses_eager.signature = lambda q, k, v, chunks: ("cp_ops::ulysses_start", q, 3, 1)
 ulysses_attention.eager = _ulysses_eager
 
 register("ulysses", ulysses_attention, needs_heads_divisible=True,
