@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, benchmarks, logs and result files into OUT_DIR.
 #   benchmarks/gpu_all.sh OUT_DIR [section ...]
+#   tests: every test marked gpu under tests/ (or the files in $GPU_TESTS);
 #   sections: env tests bench wan wan_compile wan_fast overlap fast (default: all); one log, OUT_DIR/log.txt
 #   also (not in the default): pipelined — tests/test_pipelined_gpu.py (-s: errors printed) + benchmarks/pipelined.py;
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
-#   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/rank check);
+#   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/chunks/rank check, --profile);
 #   wan11 — issue 11's measurements of `cp-ops run wan` (Wan2.1-1.3B config, latent 16x64x64 = 16x32x32 patches =
 #     16384 tokens, bf16; CP degree = all visible GPUs or $WAN_NPROC): eager Ulysses/AGKV with diffusers' native CP
 #     rows (--compare diffusers), --compile regional and full (compile time = first call), --cuda-graphs (eager
@@ -35,10 +36,10 @@ for s in $SECTIONS; do case $s in
          python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
   cpu_suite) ( CUDA_VISIBLE_DEVICES= timeout ${CPU_SUITE_TIMEOUT:-480} python3 -m pytest -q -m "not gpu" -p no:cacheprovider ${CPU_SUITE_TESTS:-} \
            > "$OUT/cpu_suite.txt" 2>&1; echo "cpu_suite rc=$?" >> "$OUT/cpu_suite.txt" ) & bg=$! ;;
-  host)  step host python3 benchmarks/host_cost.py --nproc ${HOST_NPROC:-2} --out "$OUT" ;;
+  host)  step host python3 benchmarks/host_cost.py --nproc ${HOST_NPROC:-2} --profile ${HOST_PROFILE:-18} --out "$OUT" ;;
   env)   step env python3 -m cp_ops env
          nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true ;;
-  tests) step gpu_tests python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_fast_gpu.py tests/test_stress.py -p no:cacheprovider ;;
+  tests) step gpu_tests python3 -m pytest -q -rs -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider ;;
   bench) # issue 9 item 6: every S of the issue, both transports, the measured choice (auto) and each mode at chunks
          # 1, 2, 4; all visible GPUs (BENCH_NPROC to change); the measured choices land in OUT/choices.json
          step bench env CP_OPS_TUNE_CACHE="$OUT/choices.json" python3 -m cp_ops bench --no-progress \

@@ -1,13 +1,22 @@
-"""Host time per ``cp_ops.attention`` call, per transport, mode and rank-check setting.
+"""Host time per ``cp_ops.attention`` call, per transport, mode, chunks and rank-check setting.
 
-At a tiny shape (B=1, S_local=128, H=8, D=64, bf16 on CUDA; fp32 on CPU) the GPU work is a few µs, so the
-wall time of N calls issued back to back (no synchronisation inside the loop) divided by N is the host's
-own cost per call: Python, validation, the rank-contract exchange, transport bookkeeping, launches.
+At a tiny shape (default B=1, S_local=128, H=8, D=64, bf16 on CUDA) the GPU work is a few µs, so the wall time
+of N calls issued back to back (no synchronisation inside the loop) divided by N is the host's own cost per
+call: Python, the plan lookup, the rank-contract exchange, transport bookkeeping, kernel launches.
 
-    python benchmarks/host_cost.py [--nproc 2] [--calls 300] [--out DIR]
+    python benchmarks/host_cost.py [--nproc 2] [--calls 300] [--out DIR]          # GPUs: NCCL ranks
+    python benchmarks/host_cost.py --fake [--nproc 2]                              # CPU: a fake CP group
 
-Prints one row per (transport, mode, check) with the median over 5 repeats, max over ranks, in µs; writes
-``host_cost.json`` under ``--out`` when given.
+``--fake`` (CPU): each rank is a real process (gloo default group), the CP group is a ``fake``-backend group
+whose collectives do nothing, so the rows are cp_ops' own host cost plus the attention kernel at the (CPU
+default: tiny) shape; the rank contract still exchanges across the processes (shared memory,
+its state's ``skip`` cleared). Without ``--fake`` on CPU the gloo collectives (synchronous, ~ms) dominate.
+
+Rows: transport (torch; fast on CUDA) × mode (agkv, ulysses) × chunks (1, 2) × check_ranks (once, off), the
+median and the minimum wall time over 5 timed loops and the median CPU time of the rank's process (the host
+work itself, without waiting for a core on a busy machine), max over ranks, in µs per call. Two reference rows: ``sdpa`` (one
+``cp_ops.local_attention`` over W·S_local keys: the attention kernel's own host cost) and ``rank check`` (one
+exchange of the rank contract). Writes ``host_cost.json`` under ``--out`` when given.
 """
 
 from __future__ import annotations
@@ -19,64 +28,152 @@ import statistics
 import time
 
 
+def _time_loop(fn, calls: int, sync, barrier) -> tuple[float, float, float]:
+    """(median, min) wall µs per call over 5 loops, and the median CPU time of this process per call (µs): on a
+    busy machine the wall time includes waiting for a core, the CPU time does not)."""
+    per_call, cpu = [], []
+    for _ in range(5):
+        barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+        cpu.append((time.process_time() - c0) / calls * 1e6)
+        sync()
+    return statistics.median(per_call), min(per_call), statistics.median(cpu)
+
+
+def _profile(fn, args, rank, label, sync, barrier) -> None:
+    """cProfile of ``args.calls`` calls; rank 0 prints the ``args.profile`` functions of most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        fn()
+    prof.disable()
+    sync()
+    if rank == 0:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
+        body = out.getvalue()
+        start = body.find("   ncalls")
+        print(f"--- profile (rank 0, {args.calls} calls, cProfile inflates Python-heavy rows): {label}")
+        print(body[start:].rstrip() if start >= 0 else body.rstrip())
+
+
 def _body(rank, world, device, args):
     import torch
     import torch.distributed as dist
 
     import cp_ops
-    from cp_ops import config
+    from cp_ops import config, validate
 
+    group = None
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the cores: no intra-op threads competing with the other rank
+    if args.fake:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the 'fake' backend)
+
+        group = dist.new_group(list(range(world)), backend="fake")
+        validate._state(group).skip = False  # each rank is a real process: the rank contract exchanges as usual
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = tuple(args.shape) if args.shape else ((1, 128, 8, 64) if device.type == "cuda" else (1, 16, 8, 16))
     g = torch.Generator(device=device).manual_seed(rank)
-    q, k, v = (torch.randn(1, 128, 8, 64, generator=g, device=device, dtype=dtype) for _ in range(3))
-    transports = ["torch"] + (["fast"] if device.type == "cuda" else [])
+    q, k, v = (torch.randn(*shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    transports = ["torch"]
+    if device.type == "cuda":
+        from cp_ops.transport import fast
+
+        reason = fast.unavailable_reason("cuda")
+        if reason is None:
+            transports.append("fast")
+        elif rank == 0:
+            print(f"fast transport skipped: {reason}")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def barrier():
+        dist.barrier()
+
     rows = []
+    saved = config.snapshot()
     with torch.no_grad():
+        kk = torch.randn(shape[0], world * shape[1], *shape[2:], generator=g, device=device, dtype=dtype)
+        med, lo, cpu = _time_loop(lambda: cp_ops.local_attention(q, kk, kk), args.calls, sync, barrier)
+        rows.append({"transport": "-", "mode": "sdpa", "chunks": "-", "check_ranks": "-", "median_us": med, "min_us": lo,
+                     "cpu_us": cpu})
+        pg = group or dist.group.WORLD
+        if hasattr(validate, "CallCheck"):
+            check_once = validate.CallCheck(pg, "host_cost rank check", "torch", shape, dtype, 3).check
+        else:  # before the eager plans (for before/after numbers)
+            def check_once():
+                validate.exchange(pg, "host_cost rank check", "torch", q, 3)
+        med, lo, cpu = _time_loop(check_once, args.calls, sync, barrier)
+        rows.append({"transport": "-", "mode": "rank check", "chunks": "-", "check_ranks": "once", "median_us": med,
+                     "min_us": lo, "cpu_us": cpu})
         for tr in transports:
             for mode in ("agkv", "ulysses"):
-                for check in ("once", "off"):
-                    config.configure(check_ranks=check)
-                    for _ in range(20):  # warm-up: first-call checks, tuning, pool
-                        cp_ops.attention(q, k, v, mode=mode, transport=tr, chunks=1)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    per_call = []
-                    for _ in range(5):
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        for _ in range(args.calls):
-                            cp_ops.attention(q, k, v, mode=mode, transport=tr, chunks=1)
-                        per_call.append((time.perf_counter() - t0) / args.calls * 1e6)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                    med = torch.tensor([statistics.median(per_call)], dtype=torch.float64, device=device)
-                    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-                    rows.append({"transport": tr, "mode": mode, "check_ranks": check, "host_us_per_call": med.item()})
-    config.configure(check_ranks="once")
+                for chunks in (1, 2):
+                    for check in ("once", "off"):
+                        config.configure(check_ranks=check)
+
+                        def call():
+                            cp_ops.attention(q, k, v, group=group, mode=mode, transport=tr, chunks=chunks)
+
+                        for _ in range(20):  # warm-up: first-call checks, the plan, tuning, the pool
+                            call()
+                        sync()
+                        med, lo, cpu = _time_loop(call, args.calls, sync, barrier)
+                        rows.append({"transport": tr, "mode": mode, "chunks": chunks, "check_ranks": check,
+                                     "median_us": med, "min_us": lo, "cpu_us": cpu})
+                        if args.profile and check == "once":
+                            _profile(call, args, rank, f"{tr} {mode} chunks={chunks} check={check}", sync, barrier)
+    config.restore(saved)
+    vals = torch.tensor([[r["median_us"], r["min_us"], r["cpu_us"]] for r in rows], dtype=torch.float64,
+                        device=device if not args.fake else "cpu")
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX)  # the default group (gloo under --fake)
+    for r, (med, lo, cpu) in zip(rows, vals.tolist()):
+        r["median_us"], r["min_us"], r["cpu_us"] = med, lo, cpu
     if rank == 0:
-        print(f"host time per cp_ops.attention call, W={world}, {device.type}, {args.calls} calls back to back, "
-              "median of 5, max over ranks")
-        print(f"{'transport':>9} {'mode':>8} {'check':>6} {'µs/call':>9}")
+        kind = "fake CP group (no data moved)" if args.fake else device.type
+        print(f"host time per cp_ops.attention call, W={world}, {kind}, shape {list(shape)} {str(dtype)[6:]}, "
+              f"{args.calls} calls back to back; median and min of 5 loops, max over ranks; torch {torch.__version__}")
+        print(f"{'transport':>9} {'mode':>10} {'chunks':>6} {'check':>6} {'median µs':>10} {'min µs':>8} "
+              f"{'CPU µs':>8}")
         for r in rows:
-            print(f"{r['transport']:>9} {r['mode']:>8} {r['check_ranks']:>6} {r['host_us_per_call']:9.1f}")
+            print(f"{r['transport']:>9} {r['mode']:>10} {r['chunks']!s:>6} {r['check_ranks']:>6} "
+                  f"{r['median_us']:10.1f} {r['min_us']:8.1f} {r['cpu_us']:8.1f}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "host_cost.json"), "w") as f:
-                json.dump({"world_size": world, "device": device.type, "rows": rows}, f, indent=1)
+                json.dump({"world_size": world, "device": device.type, "fake_group": args.fake, "shape": list(shape),
+                           "dtype": str(dtype), "calls": args.calls, "torch": torch.__version__, "rows": rows}, f,
+                          indent=1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=2, help="ranks (GPUs on CUDA; gloo processes on CPU)")
+    ap.add_argument("--nproc", type=int, default=2, help="ranks (GPUs on CUDA; processes on CPU)")
     ap.add_argument("--calls", type=int, default=300, help="calls per timed loop")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ap.add_argument("--fake", action="store_true", help="CPU: a fake-backend CP group (no data moved; see above)")
+    ap.add_argument("--shape", type=int, nargs=4, metavar=("B", "S_LOCAL", "H", "D"), default=None,
+                    help="default 1 128 8 64 on CUDA, 1 16 8 16 on CPU")
     ap.add_argument("--out", default=None, help="folder for host_cost.json")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print rank 0's cProfile top N functions (own time) per row with check_ranks=once")
     args = ap.parse_args()
     import torch
 
     from cp_ops.cli.launch import launch
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() and not args.fake
+                                                        else "cpu")
+    if args.fake and device != "cpu":
+        ap.error("--fake runs on CPU")
     launch(_body, args.nproc, device, args)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import _eager
 from . import _library as lib
 from . import modes
 from .modes import pipelined, tune
@@ -35,11 +36,42 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if q.is_cuda:
-        with sdpa_kernel(_CUDA_PRIORITY, set_priority=True):
-            out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        if torch.compiler.is_compiling():
+            with sdpa_kernel(_CUDA_PRIORITY, set_priority=True):
+                out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        else:
+            out = _sdpa_cuda_priority(qt, kt, vt, scale)
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
     return out.transpose(1, 2)
+
+
+# What ``sdpa_kernel(_CUDA_PRIORITY, set_priority=True)`` sets (these backends on, the others off, this order
+# first), done and undone only where the current state differs: the context manager costs ~19 µs of host time
+# per call, this ~2 µs (eager only; Dynamo traces the context manager).
+_PRIO = [int(b) for b in _CUDA_PRIORITY]
+_FLAGS = [(getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"),
+           getattr(SDPBackend, b) in _CUDA_PRIORITY)
+          for n, b in __import__("torch.nn.attention", fromlist=["_backend_names"])._backend_names.items()]
+
+
+def _sdpa_cuda_priority(qt, kt, vt, scale):
+    order = torch._C._get_sdp_priority_order()
+    reorder = order[:len(_PRIO)] != _PRIO
+    flipped = [(setter, want) for getter, setter, want in _FLAGS if getter() != want]
+    if not reorder and not flipped:
+        return F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+    if reorder:
+        torch._C._set_sdp_priority_order(_PRIO + [b for b in order if b not in _PRIO])
+    for setter, want in flipped:
+        setter(want)
+    try:
+        return F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+    finally:
+        if reorder:
+            torch._C._set_sdp_priority_order(order)
+        for setter, want in flipped:
+            setter(not want)
 
 
 def attention(
@@ -103,26 +135,28 @@ def attention(
             initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
             output (see Autograd).
 
+    Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks) runs
+    every check and caches its decisions; a repeat call is a dict lookup, one rank-contract exchange and the
+    mode's launches and kernels, called without the ``torch.library`` dispatcher (:mod:`cp_ops._eager`). CUDA
+    graphs: capturable (``torch.cuda.graph`` after an eager warm-up, ``torch.compile(mode="reduce-overhead")``);
+    the rank contract is checked at capture, not at replay.
+
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
+    # eager: the cached plan of this call (cp_ops._eager: one dict lookup, one rank-contract exchange, the mode's
+    # work called directly); under torch.compile, or a call the plan does not cover: the ops below
+    plan = None if torch.compiler.is_compiling() or seq_lens is not None or key_mask is not None \
+        else _eager.lookup(q, k, v, group, mode, transport, chunks)
+    if plan is not None:
+        wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        out = plan.run(q.detach(), k.detach(), v.detach(), scale) if wants_grad else plan.run(q, k, v, scale)
+        return _ForwardOnly.apply(out, q, k, v) if wants_grad else out
     pg = resolve_group(group)
     world_size = pg.size()
-    chosen, resolved = mode, transport
     layout_call = seq_lens is not None or key_mask is not None  # uneven shards / key mask: cp_ops.modes.uneven
-
-    def local_checks():
-        nonlocal chosen, resolved
-        pipelined.check_chunks(chunks)
-        check_same(("q", "k", "v"), (q, k, v))
-        chosen = modes.choose(mode, q.shape[2], world_size)
-        resolved = resolve_transport(transport, q.device.type)
-        if world_size > 1:
-            check_device_for_group(q, pg)
-        if layout_call:
-            uneven.check_call(q, chosen, world_size, pg.rank(), chunks, seq_lens, key_mask)
-
-    api_checked(pg, "cp_ops.attention", local_checks)
+    chosen, resolved = _checked(q, k, v, pg, mode, transport, chunks,
+                                (seq_lens, key_mask) if layout_call else None)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then
     # attach the output to q, k and v through a node whose backward raises
@@ -140,6 +174,28 @@ def attention(
         else:
             out = modes.get(chosen).fn(qd, kd, vd, **kw)
     return _ForwardOnly.apply(out, q, k, v) if wants_grad else out
+
+
+def _checked(q, k, v, pg, mode: str, transport: str, chunks, layout=None) -> tuple[str, str]:
+    """The input checks of :func:`attention` (on failure the peers learn it in their exchange, then this raises);
+    returns (the concrete mode, the resolved transport). ``layout``: ``(seq_lens, key_mask)`` of a call that
+    passes either (:func:`cp_ops.modes.uneven.check_call`), else None."""
+    world_size = pg.size()
+    chosen, resolved = mode, transport
+
+    def local_checks():
+        nonlocal chosen, resolved
+        pipelined.check_chunks(chunks)
+        check_same(("q", "k", "v"), (q, k, v))
+        chosen = modes.choose(mode, q.shape[2], world_size)
+        resolved = resolve_transport(transport, q.device.type)
+        if world_size > 1:
+            check_device_for_group(q, pg)
+        if layout is not None:
+            uneven.check_call(q, chosen, world_size, pg.rank(), chunks, *layout)
+
+    api_checked(pg, "cp_ops.attention", local_checks)
+    return chosen, resolved
 
 
 class _ForwardOnly(torch.autograd.Function):

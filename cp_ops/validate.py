@@ -21,6 +21,13 @@ the message names what each rank called. ``settings.check_ranks``:
 * ``'always'`` (debug): as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
   (a GPU sync each);
 * ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
+
+Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops._eager`: a :class:`CallCheck` whose
+signature is packed once per call key, named after the call's first op); compiled code makes one per op call.
+
+CUDA graphs: the exchange is host code, so it runs when a graph is *captured* (``torch.cuda.graph``, or the
+recording run of ``torch.compile(mode="reduce-overhead")``), never when it is replayed: a replay is not checked,
+and the ranks must replay the same graphs in the same order (as they must make the same calls).
 """
 
 from __future__ import annotations
@@ -120,12 +127,13 @@ def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
 OPS: dict[str, int] = {}
 # signature fields (int64 each): what they are called in messages
 _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
-           "checksum0", "checksum1", "checksum2", "tag")
+           "checksum0", "checksum1", "checksum2", "chunks", "tag")
 _N = len(_FIELDS)
 _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
-           15: "layout"}  # tag: a call's own extra agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
+           15: "chunks",
+           16: "layout"}  # tag: a call's own extra agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
@@ -288,7 +296,15 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
         b = s = h = d = -1
         dtype = 0
     _PACK.pack_into(st.lbuf, 0, op_id, _id(pg.group_name), st.count, failed is not None, _id(transport),
-                    _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, tag)
+                    _id(_collective_values(config.settings)), b, s, h, d, dtype, extra, *sums, 0, tag)
+    if not _gather(st, op):
+        t_ok = isinstance(t, torch.Tensor)
+        _disagree(st, op, transport, list(t.shape) if t_ok else None,
+                  str(t.dtype).replace("torch.", "") if t_ok else None, extra, failed, inputs, 0, note)
+
+
+def _gather(st: _Group, op: str) -> bool:
+    """All-gather the signature packed in ``st.lbuf``; True when every rank's equals this rank's."""
     mine = bytes(st.lbuf)
     try:
         if st.shm is not None:
@@ -298,23 +314,59 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
             st.side._allgather_base(st.gathered, st.local).wait()
     except RuntimeError as e:
         raise RuntimeError(
-            f"{op}: call #{st.count} on CP group '{pg.group_name}': not every rank made this call within "
+            f"{op}: call #{st.count} on CP group '{st.pg.group_name}': not every rank made this call within "
             f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped a call, crashed, or is stuck; "
             f"CP_OPS_CHECK_RANKS=always names skipped calls earlier): {str(e).splitlines()[0]}"
         ) from e
-    if st.gbuf != mine * st.w:
-        _disagree(st, op, transport, t, extra, failed, inputs, note)
+    return st.gbuf == mine * st.w
 
 
-def _disagree(st: _Group, op, transport, t, extra, failed, inputs, note=None) -> None:
+class CallCheck:
+    """The rank contract's exchange for one repeated call, its signature fixed once (what the eager fast path of
+    :func:`cp_ops.attention` runs per call: the same exchange as :func:`exchange`, without rebuilding the
+    signature). ``check()`` compares (call, call number, shape, dtype, transport, tensor count, chunks and the
+    collective settings, read at each call) across the ranks of ``pg``; raises as :func:`exchange`.
+
+    Args:
+        pg: the CP group. op: the call's name. transport: the transport argument as given. shape, dtype: the
+            compared tensor's ``[B, S_local, H, D]`` and dtype. extra: the tensor count (or chunks, see
+            :func:`register_op`). chunks: the pipeline stages of the call (0: not a pipelined call).
+    """
+
+    __slots__ = ("pg", "st", "op", "transport", "shape", "dtype", "extra", "chunks", "words")
+
+    def __init__(self, pg: dist.ProcessGroup, op: str, transport: str, shape, dtype: torch.dtype, extra: int,
+                 chunks: int = 0):
+        self.pg, self.st, self.op, self.transport = pg, _state(pg), op, transport
+        self.shape, self.dtype, self.extra, self.chunks = tuple(shape), dtype, extra, chunks
+        b, s, h, d = shape
+        # the words after (call number, failed): transport, [settings], shape, dtype, count, checksums, chunks
+        self.words = (OPS.get(op) or register_op(op), _id(pg.group_name), _id(transport), b, s, h, d, _id(dtype),
+                      extra, chunks)
+
+    def check(self) -> None:
+        st = self.st
+        if st.skip or (st.count and config.settings.check_ranks == "off"):
+            return
+        if st.side is None:
+            _make_side(st, self.op)
+        st.count += 1
+        op_id, gid, tid, b, s, h, d, dt, extra, chunks = self.words
+        _PACK.pack_into(st.lbuf, 0, op_id, gid, st.count, 0, tid, _id(_collective_values(config.settings)),
+                        b, s, h, d, dt, extra, 0, 0, 0, chunks, 0)
+        if not _gather(st, self.op):
+            _disagree(st, self.op, self.transport, list(self.shape), str(self.dtype).replace("torch.", ""),
+                      self.extra, None, None, self.chunks)
+
+
+def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, chunks, note=None) -> None:
     """Every rank gets here together (the gathered rows are the same everywhere): exchange descriptions,
     then raise on every rank — except on a rank whose own checks failed (its caller raises its own error)."""
     rows = [_PACK.unpack_from(st.gbuf, i * 8 * _N) for i in range(st.w)]
     mine = {
         "call": op, "n": st.count, "transport": transport,
         "settings": dict(zip(config.COLLECTIVE_FIELDS, config.settings.collective_values())),
-        "shape": list(t.shape) if isinstance(t, torch.Tensor) else None,
-        "dtype": str(t.dtype).replace("torch.", "") if isinstance(t, torch.Tensor) else None, "tensors": extra,
+        "shape": shape, "dtype": dtype, "tensors": extra, "chunks": chunks,
         "inputs": None if inputs is None else {k: (None if x is None else (list(x.shape), str(x.dtype)))
                                                for k, x in inputs.items()},
         "error": None if failed is None else f"{type(failed).__name__}: {str(failed).splitlines()[0]}",
@@ -353,6 +405,8 @@ def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
         out += f" inputs={d['inputs']}"
     if d.get("note"):
         out += f" {d['note']}"
+    if "chunks" in aspects:
+        out += f" chunks={d.get('chunks') or 'none (not pipelined)'}"
     if "transport" in aspects:
         out += f" transport={d['transport']!r}"
     if "settings" in aspects:

@@ -229,6 +229,24 @@ def test_pool_ceiling_names_the_setting():
     assert pool.used == 0
 
 
+def test_pool_keys_captured_by_a_graph_stay_and_new_keys_refuse_capture():
+    """A CUDA graph writes the buffers it captured at every replay: such a key is never evicted (the pool is full
+    rather than freeing memory a graph still writes); a key first seen while capturing raises (its allocation is
+    collective and synchronizes, which a capture cannot contain), naming the fix."""
+    pool, log = _cpu_pool(4096)
+    with pytest.raises(RuntimeError, match=r"first call of a \(256,\) float32 is being captured into a CUDA graph.*"
+                                           r"run the captured code once eagerly before capturing"):
+        pool.get("a", (256,), torch.float32, call=0, capturing=True)
+    assert pool.entries == {} and log["alloc"] == []
+    pool.consumed(pool.get("a", (256,), torch.float32, call=0)[2])  # warm-up (eager)
+    pool.consumed(pool.get("a", (256,), torch.float32, call=1, capturing=True)[2])  # captured
+    pool.consumed(pool.get("b", (256,), torch.float32, call=2)[2])
+    pool.get("c", (256,), torch.float32, call=3)  # evicts b, not a (the least recently used, but captured)
+    assert [k[0] for k in pool.entries] == ["a", "c"] and log["free"] == [2048]
+    with pytest.raises(RuntimeError, match=r"pool is full: d .*a \(256,\) \(captured by a CUDA graph"):
+        pool.get("d", (256,), torch.float32, call=4)  # c is in flight, a captured: nothing can go
+
+
 # ---- call slots: no silent reuse ----------------------------------------------------------------
 def test_call_slots_raise_when_too_many_unwaited_calls():
     slots = _fast_runtime.CallSlots(4)
@@ -361,6 +379,9 @@ class _EmuLane:
 
     def next_call(self):
         return self.calls
+
+    def capturing(self):
+        return False
 
     def launch(self, key, descs, inputs, tickets):
         assert len(descs) == self.world

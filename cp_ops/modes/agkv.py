@@ -16,4 +16,16 @@ def agkv_attention(q, k, v, *, world_size: int, group_name: str, transport: str,
     return local_attention(q, lib.wait(k_full), lib.wait(v_full), scale)
 
 
+def _agkv_eager(q, k, v, pg, transport, scale=None) -> torch.Tensor:
+    """Eager AGKV without the dispatcher (cp_ops._eager): the transport's gather, its wait, attention.
+    ``transport``: a Transport object; inputs checked and non-empty, the ranks' signatures exchanged."""
+    k_full, v_full, work = transport.agkv_start(k, v, pg)
+    work.wait()
+    return local_attention(q, k_full, v_full, scale)
+
+
+# what the rank contract compares for an eager call: the signature of cp_ops::agkv_gather_start(k, v)
+_agkv_eager.signature = lambda q, k, v, chunks: ("cp_ops::agkv_gather_start", k, 2, 0)
+agkv_attention.eager = _agkv_eager
+
 register("agkv", agkv_attention, summary="gather K/V, keep local Q")

@@ -81,3 +81,13 @@ def agkv_pipelined_attention(q, k, v, *, world_size: int, group_name: str, trans
                              chunks: int = 2) -> torch.Tensor:
     """Pipelined AGKV (see the module docstring). Shapes as :func:`cp_ops.attention`; ``chunks`` ≥ 2."""
     return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks)
+
+
+def _agkv_pipelined_eager(q, k, v, pg, transport, scale, chunks) -> torch.Tensor:
+    """Eager pipelined AGKV without the dispatcher (cp_ops._eager): :func:`run` (the op's real kernel)."""
+    return run(q, k, v, pg, transport, scale, chunks)
+
+
+# the rank contract's signature of an eager call: that of cp_ops::agkv_pipelined_attention (extra = chunks)
+_agkv_pipelined_eager.signature = lambda q, k, v, chunks: ("cp_ops::agkv_pipelined_attention", q, chunks, 0)
+agkv_pipelined_attention.eager = _agkv_pipelined_eager

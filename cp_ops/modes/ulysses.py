@@ -20,5 +20,22 @@ def ulysses_attention(q, k, v, *, world_size: int, group_name: str, transport: s
     return layout.ulysses_inverse_unpack(back)
 
 
+def _ulysses_eager(q, k, v, pg, transport, scale=None) -> torch.Tensor:
+    """Eager Ulysses without the dispatcher (cp_ops._eager): all-to-all, wait, attention, all-to-all back, wait,
+    a copying unpack (never a view of a pooled buffer). ``transport``: a Transport object."""
+    buf, work = transport.ulysses_start([q, k, v], pg)
+    work.wait()
+    out = local_attention(layout.ulysses_unpack(buf, 0), layout.ulysses_unpack(buf, 1), layout.ulysses_unpack(buf, 2),
+                          scale)
+    back, work = transport.ulysses_inverse_start(out, pg)
+    work.wait()
+    return layout.ulysses_inverse_unpack(back)
+
+
+# what the rank contract compares for an eager call (one exchange): the signature of cp_ops::ulysses_start([q, k, v])
+# with chunks=1, so it never equals a bare all-to-all of the same tensors (which has no inverse to follow)
+_ulysses_eager.signature = lambda q, k, v, chunks: ("cp_ops::ulysses_start", q, 3, 1)
+ulysses_attention.eager = _ulysses_eager
+
 register("ulysses", ulysses_attention, needs_heads_divisible=True,
          summary="all-to-all sequence<->heads; W must divide the heads")

@@ -34,25 +34,45 @@ def ulysses_pipelined_attention(q, k, v, *, world_size: int, group_name: str, tr
     """Pipelined Ulysses (see the module docstring). Shapes as :func:`cp_ops.attention`; W must divide H.
 
     Returns ``[B, S_local, H, D]`` in q's dtype (contiguous)."""
+    w = world_size
+    return _run(q, k, v, w, scale, chunks,
+                lambda xs: torch.ops.cp_ops.ulysses_start(xs, w, group_name, transport),
+                lambda x: torch.ops.cp_ops.ulysses_inverse_start(x, w, group_name, transport), lib.wait)
+
+
+def _launched(pair):
+    """The buffer of a transport's ``(buf, work)`` launch, once the current stream waits for it."""
+    pair[1].wait()
+    return pair[0]
+
+
+def _ulysses_pipelined_eager(q, k, v, pg, transport, scale, chunks) -> torch.Tensor:
+    """Eager pipelined Ulysses without the dispatcher (cp_ops._eager): the same schedule on the transport object's
+    launches and works."""
+    return _run(q, k, v, pg.size(), scale, chunks, lambda xs: transport.ulysses_start(xs, pg),
+                lambda x: transport.ulysses_inverse_start(x, pg), _launched)
+
+
+def _run(q, k, v, w: int, scale, chunks: int, start, inverse, wait) -> torch.Tensor:
+    """The schedule: ``start(xs)``/``inverse(x)`` launch, ``wait(launched)`` gives the received buffer."""
     from ..attention import local_attention
 
     b, s, h, d = q.shape
-    w = world_size
     hl = h // w
     g = max(1, min(chunks, hl))
     cuts = [i * hl // g for i in range(g + 1)]
     spans = list(zip(cuts, cuts[1:]))
-    starts: dict[int, torch.Tensor] = {}
-    inverses: dict[int, torch.Tensor] = {}
+    starts: dict = {}
+    inverses: dict = {}
     result = q.new_empty(b, s, w, hl, d)
 
     def launch(i):
         lo, hi = spans[i]
         xs = [_heads(x, w, lo, hi) for x in (q, k, v)]
-        starts[i] = torch.ops.cp_ops.ulysses_start(xs, w, group_name, transport)
+        starts[i] = start(xs)
 
     def finish(i):  # heads -> sequence result of sub-group i, copied out of the (maybe pooled) buffer
-        back = lib.wait(inverses.pop(i))  # [W, B, S_local, hl_i, D]
+        back = wait(inverses.pop(i))  # [W, B, S_local, hl_i, D]
         lo, hi = spans[i]
         result[:, :, :, lo:hi].copy_(back.permute(1, 2, 0, 3, 4))
 
@@ -60,13 +80,18 @@ def ulysses_pipelined_attention(q, k, v, *, world_size: int, group_name: str, tr
     if g > 1:
         launch(1)
     for i in range(g):
-        buf = lib.wait(starts.pop(i))
+        buf = wait(starts.pop(i))
         qh, kh, vh = (layout.ulysses_unpack(buf, j) for j in range(3))
         out = local_attention(qh, kh, vh, scale)
-        inverses[i] = torch.ops.cp_ops.ulysses_inverse_start(out, w, group_name, transport)
+        inverses[i] = inverse(out)
         if i >= 1:
             finish(i - 1)
         if i + 2 < g:
             launch(i + 2)
     finish(g - 1)
     return result.view(b, s, h, d)
+
+
+# the rank contract's signature of an eager call (one exchange): cp_ops::ulysses_start([q, k, v]) and its chunks
+_ulysses_pipelined_eager.signature = lambda q, k, v, chunks: ("cp_ops::ulysses_start", q, 3, chunks)
+ulysses_pipelined_attention.eager = _ulysses_pipelined_eager

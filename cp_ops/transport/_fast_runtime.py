@@ -24,6 +24,13 @@ the protocol); slots are given round-robin (the same sequence on every rank); a 
 holds an un-waited call raises naming the bound (no silent reuse). Slots used inside a CUDA-graph capture
 stay with that graph (never reused by eager calls) until :meth:`Lane.close`.
 
+CUDA graphs. Everything a replay needs is on the device: a slot's generation is raised by the begin kernel
+(``gen[s] + 1`` read on the device), every wait compares against it, timeouts use ``%globaltimer``, events are
+made when the lane starts, per-shape decisions fall back to the deterministic default while capturing. What
+cannot be captured raises a named error at capture time: the lane's start and a pool key's first allocation
+(collective, synchronizing). Pool keys used inside a capture are never evicted (the graph writes them at every
+replay) until :meth:`Lane.close`.
+
 Bounded waits. Every device spin gives up after ``settings.timeout_s`` and records what it waited for in
 mapped host memory; :meth:`Lane.check` (called at every launch and wait, and by ``FastTransport.check``)
 raises it as a RuntimeError naming the call, the peer, the flag and the values.
@@ -261,6 +268,7 @@ class _Entry:
     pending: list  # call index per slot whose output is not waited yet, or None
     turn: int = 0
     last_use: int = 0
+    captured: bool = False  # used inside a CUDA-graph capture: the graph writes it on replay, never evicted
 
 
 def _holders(slots: list) -> list:
@@ -289,17 +297,30 @@ class Pool:
         self.entries: dict[tuple, _Entry] = {}
         self.clock = 0
 
-    def get(self, role: str, shape: tuple, dtype: torch.dtype, call: int) -> tuple[torch.Tensor, list, tuple]:
+    def get(self, role: str, shape: tuple, dtype: torch.dtype, call: int,
+            capturing: bool = False) -> tuple[torch.Tensor, list, tuple]:
         """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here], ticket).
+        ``capturing``: the launch is being captured into a CUDA graph (the key must exist; it is then kept until
+        :meth:`release_all`, since the graph writes its slots at every replay).
 
         Raises:
             RuntimeError: the slot still holds an output that was not waited (more launches of this key in
-                flight than ``slots``); the key does not fit under the ceiling; ranks disagree on the allocation.
+                flight than ``slots``); the key does not fit under the ceiling; ranks disagree on the allocation;
+                a new key while capturing (allocation is collective and synchronizes: not capturable).
         """
         key = (role, tuple(shape), dtype)
         e = self.entries.get(key)
         if e is None:
+            if capturing:
+                raise RuntimeError(
+                    f"cp_ops fast transport: the first call of {role} {tuple(shape)} {str(dtype).replace('torch.', '')} "
+                    "is being captured into a CUDA graph, but its symmetric buffer is allocated collectively by that "
+                    "first call (a group-wide exchange and a device synchronization, which a capture cannot contain): "
+                    "run the captured code once eagerly before capturing (torch.cuda.graph warm-up; "
+                    "torch.compile(mode='reduce-overhead') does this)")
             e = self._allocate(key, shape, dtype)
+        if capturing:
+            e.captured = True
         i = e.turn
         if e.pending[i] is not None:
             raise RuntimeError(
@@ -322,12 +343,14 @@ class Pool:
             e.pending[i] = None
 
     def _evictable(self, e: _Entry) -> bool:
-        if any(p is not None for p in e.pending):
+        if e.captured or any(p is not None for p in e.pending):
             return False
         now = _holders(e.slots)
         return all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(now, e.baselines))
 
     def _why_held(self, e: _Entry) -> str:
+        if e.captured:
+            return "captured by a CUDA graph (kept until FastTransport.shutdown())"
         calls = [p for p in e.pending if p is not None]
         if calls:
             return f"in flight: call {calls[0]}"
@@ -509,6 +532,10 @@ class Lane:
     # -- one call -----------------------------------------------------------------------------
     def next_call(self) -> int:
         return self.calls
+
+    def capturing(self) -> bool:
+        """True while the current stream is capturing a CUDA graph (a launch then stays with the graph)."""
+        return torch.cuda.is_current_stream_capturing()
 
     def launch(self, key: tuple, descs: list, inputs: list, tickets: list, force: Decision | None = None) -> FastWork:
         self.check()

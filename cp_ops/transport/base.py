@@ -125,6 +125,8 @@ _REGISTRY: dict[str, Transport] = {}
 AUTO_ORDER: list[str] = []
 _logged: set = set()
 _group_choice: dict[tuple, str] = {}
+#: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops._eager's plans) is stale when it moved.
+epoch = 0
 
 
 def register(t: Transport, *, auto_rank: int | None = None) -> Transport:
@@ -247,4 +249,6 @@ def inflight_limit() -> int | None:
 
 def forget_groups() -> None:
     """Drop the per-group choices (after a transport is shut down and may be started again)."""
+    global epoch
     _group_choice.clear()
+    epoch += 1

@@ -34,6 +34,11 @@ Outputs are views of pooled buffers: valid until the second-next fast call of th
 (``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most
 256 fast calls may be launched and not yet waited (a launch beyond that raises).
 
+CUDA graphs (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): a fast call can be captured once its
+shape was called eagerly (the lane started, its pool buffers allocated, its per-shape decision tuned); a replay
+raises the slots' generations on the device. A first call captured raises RuntimeError naming why. Each captured
+call keeps its flag slot and its pool buffers until :meth:`FastTransport.shutdown` (256 slots per lane).
+
 Group-level requirements (one node, every peer P2P-reachable, the extension built, the heap started) are
 checked collectively when a group first uses the transport, and each start-up stage's outcome is exchanged
 over the group: with ``transport='fast'`` every rank raises RuntimeError naming the failing rank, the
@@ -81,6 +86,7 @@ class FastTransport:
 
     def __init__(self):
         self.lane = None
+        self._lane_group = None  # the last group object found to be the lane's
         self._unfit: dict = {}  # group ranks -> why the group cannot host the lane
         self._reason_cache: dict = {}  # device index -> why the device cannot run fast (or None)
         self._works: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # output data_ptr -> work
@@ -165,6 +171,12 @@ class FastTransport:
     def _start(self, group, device: torch.device):
         from . import _fast_build, _fast_runtime
 
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "cp_ops fast transport: the first fast call on this group is being captured into a CUDA graph, but "
+                "the lane starts collectively (group-wide exchanges, symmetric allocations, device synchronization), "
+                "which a capture cannot contain: run the captured code once eagerly before capturing "
+                "(torch.cuda.graph warm-up; torch.compile(mode='reduce-overhead') does this)")
         local = self.unavailable_reason(device)
         try:
             _fast_runtime.agree_outcome(group, "the fast transport's availability check", local)
@@ -181,9 +193,12 @@ class FastTransport:
         group cannot use the fast transport."""
         lane = self.lane
         if lane is not None:
+            if group is self._lane_group:  # the group that matched last time (no rank list built per call)
+                return lane
             import torch.distributed as dist
 
             if lane.ranks == dist.get_process_group_ranks(group):
+                self._lane_group = group
                 return lane
         reason = self.group_reason(group, torch.device("cuda", torch.cuda.current_device()))
         if reason is not None:
@@ -241,6 +256,7 @@ class FastTransport:
         if self.lane is None:
             return
         lane, self.lane = self.lane, None
+        self._lane_group = None
         self._unfit.clear()
         self._works.clear()
         from .base import forget_groups
@@ -263,10 +279,11 @@ class FastTransport:
         """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch; on failure give the
         pool slots back. Returns (outputs, work)."""
         call = lane.next_call()
+        capturing = lane.capturing()
         got = []
         try:
             for role, shape, dtype in bufs:
-                got.append(lane.pool.get(role, shape, dtype, call))
+                got.append(lane.pool.get(role, shape, dtype, call, capturing))
             descs = make_descs([g[1] for g in got])
             work = lane.launch(key, descs, inputs, [g[2] for g in got])
         except BaseException:

@@ -51,17 +51,21 @@ class TorchTransport:
         pieces = max(1, min(pieces, s))
         cuts = [c * s // pieces for c in range(pieces + 1)]
         arrivals, works = [], []
+        coalesce = group._get_backend(k.device).supports_coalescing
         for j in range(1, w):
-            dst, src = dist.get_global_rank(group, (r + j) % w), (r - j) % w
-            src_g = dist.get_global_rank(group, src)
+            dst, src = (r + j) % w, (r - j) % w  # group ranks
             for lo, hi in zip(cuts, cuts[1:]):
-                ops = []
+                if coalesce:  # what dist.batch_isend_irecv does for NCCL, without its per-op Python checks
+                    group._start_coalescing(k.device)
+                else:
+                    batch = []
                 for tag, (x_in, x_full) in enumerate(((k_in, k_full), (v_in, v_full))):
                     for i in range(b):
-                        ops.append(dist.P2POp(dist.isend, x_in[i, lo:hi], dst, group, tag=2 * i + tag))
-                        ops.append(dist.P2POp(dist.irecv, x_full[i, src * s + lo:src * s + hi], src_g, group,
-                                              tag=2 * i + tag))
-                work = _Works(dist.batch_isend_irecv(ops))
+                        a = group.send([x_in[i, lo:hi]], dst, 2 * i + tag)
+                        c = group.recv([x_full[i, src * s + lo:src * s + hi]], src, 2 * i + tag)
+                        if not coalesce:
+                            batch += [a, c]
+                work = _Works([group._end_coalescing(k.device)] if coalesce else batch)
                 works.append(work)
                 arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
         return k_full, v_full, arrivals, _Works(works)
