@@ -387,6 +387,10 @@ def _warn_once(path: str, message: str) -> None:
 
 
 def clear_memory() -> None:
-    """Forget the in-process choices (the next call of each request agrees or measures again); tests use it."""
+    """Forget the in-process choices (the next call of each request agrees or measures again), and the eager
+    plans of :mod:`cp_ops._eager` that hold them; tests use it."""
+    from .. import _eager
+
     _memo.clear()
     _choices.clear()
+    _eager.forget()
