@@ -14,6 +14,7 @@
 #     capture; compiled reduce-overhead, torch and fast transports), --steps 4 (eager, compiled, with diffusers'
 #     rows), --profile (traces + per-layer breakdown in $OUT/wan11_profile), and Wan 14B --layers 4 at 75600 tokens
 #     (latent 21x90x160 = 21x45x80 patches); JSON per run in $OUT/wan11_*.json
+#   models — issue 10's rows: cp-ops run for zimage (1024²), flux (1008²), qwenimage, hunyuanvideo, eager and compiled;
 #   uneven — tests/test_uneven_gpu.py (-s) + benchmarks/uneven.py (seq_lens / key_mask cost vs the even call)
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
@@ -79,6 +80,17 @@ for s in $SECTIONS; do case $s in
   pipelined) step pipelined_tests python3 -m pytest -q -s -m gpu tests/test_pipelined_gpu.py -p no:cacheprovider
          step pipelined_bench python3 benchmarks/pipelined.py --out "$OUT" --nproc ${PIPELINED_NPROC:-2} \
            --max-minutes ${PIPELINED_MINUTES:-3.4} ;;
+  models) # issue 10's GPU rows: each model at its released config (--layers ${MODEL_LAYERS:-2} blocks of each kind),
+         # CP over all visible GPUs, eager and compiled; Z-Image at 1024² and Flux at 1008² (latent = pixels / 8; 1008²
+         # gives 3969 tokens: uneven shards on CP2), Qwen-Image 1024², HunyuanVideo latent 16x64x64
+         for m in "zimage --height 128 --width 128" "flux --height 126 --width 126" "qwenimage --height 128 --width 128" \
+                  "hunyuanvideo"; do
+           n=${m%% *}
+           for c in "" "--compile"; do
+             step "model_${n}${c:+_compiled}" python3 -m cp_ops run $m --layers ${MODEL_LAYERS:-2} --warmup 3 --repeats 10 \
+               $c --out "$OUT/model_${n}${c:+_compiled}.json"
+           done
+         done ;;
   uneven) step uneven_tests python3 -m pytest -q -s -m gpu tests/test_uneven_gpu.py -p no:cacheprovider
          step uneven_bench python3 benchmarks/uneven.py --out "$OUT" --nproc ${UNEVEN_NPROC:-2} ;;
   *) echo "unknown section $s"; status=1 ;;
