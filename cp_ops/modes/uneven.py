@@ -121,10 +121,11 @@ def check_call(q: torch.Tensor, mode: str, world_size: int, rank: int, chunks, s
 
 # ---- helpers -------------------------------------------------------------------------------------
 def s_max(seq_lens) -> int:
-    """``max(seq_lens)`` (``torch.sym_max``: no guard on a symbolic count)."""
+    """``max(seq_lens)`` (``torch.sym_max`` where a count is symbolic: no guard on it; plain ``max`` for ints,
+    which torch 2.11's Dynamo needs: it refuses a ``torch.sym_max`` that returns an int)."""
     m = seq_lens[0]
     for n in seq_lens[1:]:
-        m = torch.sym_max(m, n)
+        m = max(m, n) if isinstance(m, int) and isinstance(n, int) else torch.sym_max(m, n)
     return m
 
 
