@@ -273,7 +273,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         dist.broadcast(t, 0)
         rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()))
     try:
-        parallelize(model, mode=args.mode, transport=args.transport, **({"cfg_parallel": True} if args.cfg else {}))
+        parallelize(model, mode=mode, transport=args.transport, **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
             if rank == 0:
