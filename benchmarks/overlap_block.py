@@ -50,7 +50,7 @@ import cp_ops  # noqa: E402
 from benchmarks.blocks import WanBlock, rope_tables  # noqa: E402  (the blocks the pass tests use too)
 from cp_ops import layout  # noqa: E402
 from cp_ops.cli.launch import launch  # noqa: E402
-from cp_ops.cli.timing import max_over_ranks, time_ms  # noqa: E402
+from cp_ops.timing import max_over_ranks, time_ms  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ("single", "cp", "cp_pass", "copy")

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cp_ops import attention, choose_mode, local_attention, modes, select_transport
 
-from .timing import max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
+from ..timing import max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

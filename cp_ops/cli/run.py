@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
 from .models import MODELS, build, load_checkpoint
-from .timing import max_over_ranks, max_over_ranks_each, time_ms
+from ..timing import max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
 UNSUPPORTED = 3

@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import statistics
-import time
 import warnings
 from typing import Callable, NamedTuple
 
@@ -55,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from . import choose as choose_mode
+from ..timing import max_over_ranks, steady_ms
 from . import names as mode_names
 from . import spec as mode_spec
 from .agkv_pipelined import stage_plan
@@ -254,32 +253,14 @@ def measure(cands, shape, dtype, device, pg, transport) -> list[float]:
     return t.tolist()
 
 
-def _batch_ms(run: Callable[[], object], device: torch.device, n: int) -> float:
-    """Time of ``n`` back-to-back calls, ms (CUDA events on GPU: the host runs ahead; perf_counter on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            run()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        run()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def _time_candidate(run: Callable[[], object], device: torch.device, pg) -> float:
     """One candidate on this rank: :data:`WARMUP` calls, one call to size the samples (its time max-reduced, so
     every rank makes the same number of calls), then the median of :data:`SAMPLES` samples, ms per call."""
     for _ in range(WARMUP):
         run()
-    est = torch.tensor([_batch_ms(run, device, 1)], dtype=torch.float64, device=device)
-    dist.all_reduce(est, op=dist.ReduceOp.MAX, group=pg)
-    n = max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(est.item(), 1e-3))))
-    return statistics.median(_batch_ms(run, device, n) / n for _ in range(SAMPLES))
+    est = max_over_ranks(steady_ms(run, device, 0, 1, 1)[0], device, pg)
+    n = max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(est, 1e-3))))
+    return statistics.median(steady_ms(run, device, 0, SAMPLES, n))
 
 
 #: How a candidate is timed on this rank: ``fn(run, device, group) -> ms`` (tests replace it).
