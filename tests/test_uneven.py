@@ -247,6 +247,10 @@ def test_shard_sizes():
             assert torch.equal(torch.cat([layout.shard(x, 0, r, w) for r in range(w)]), x)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         layout.shard_sizes(4, 0)
+    with pytest.raises(ValueError, match=r"total must be >= 0 tokens; got -1"):
+        layout.shard_sizes(-1, 2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\); got 2"):
+        layout.shard(torch.arange(4), 0, 2, 2)
     with pytest.raises(ValueError, match=r"summing to x.shape\[0\]=4; got \[1, 2\]"):
         layout.shard(torch.arange(4), 0, 0, 2, seq_lens=(1, 2))
 
