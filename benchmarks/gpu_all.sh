@@ -27,8 +27,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 mkdir -p "$OUT"
 cd "$ROOT"
 status=0
-step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS
-  "$@" 2>&1 | tee -a "$OUT/log.txt"; local rc=${PIPESTATUS[0]}
+# ONLY (a regex over step names) runs a subset; STEP_TIMEOUT (s, default 420) ends a step that hangs
+step() { local name=$1; shift; [[ $name =~ ${ONLY:-.} ]] || return 0; echo "=== $name: $*"; local t0=$SECONDS
+  timeout -k 10 ${STEP_TIMEOUT:-420} "$@" 2>&1 | tee -a "$OUT/log.txt"; local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; [ "$rc" = 0 ] || status=1; }
 bg=""
 for s in $SECTIONS; do case $s in
@@ -55,6 +56,8 @@ for s in $SECTIONS; do case $s in
   wan11) W11="python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 ${WAN_NPROC:+--nproc $WAN_NPROC}"
          step wan11_eager_ulysses $W11 --mode ulysses --transport torch --compare diffusers --out "$OUT/wan11_eager_ulysses.json"
          step wan11_eager_agkv $W11 --mode agkv --transport torch --out "$OUT/wan11_eager_agkv.json"
+         step wan11_eager_fast_ulysses $W11 --mode ulysses --transport fast --out "$OUT/wan11_eager_fast_ulysses.json"
+         step wan11_eager_fast_agkv $W11 --mode agkv --transport fast --out "$OUT/wan11_eager_fast_agkv.json"
          step wan11_profile $W11 --mode ulysses --transport torch --warmup 3 --repeats 5 --profile "$OUT/wan11_profile" \
            --out "$OUT/wan11_profile.json"
          step wan11_compile_regional $W11 --mode ulysses --transport torch --compile regional --warmup 2 --repeats 10 \

@@ -67,12 +67,36 @@ def compile_model(model, spec, args, overlap: bool):
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
         return cp_ops.compile(model, **kw), 1
+    # one compiled function per block class, bound to each instance: one backend object and one code object,
+    # so the instances share Dynamo's cache entry (a compile per instance gives each its own Inductor backend
+    # wrapper, which fails the cache's backend check: a recompile per block, past the recompile limit at 8)
+    import types
+
+    per_class: dict[type, Any] = {}
     n = 0
     for name in spec.blocks:
         for block in getattr(model, name, []):
-            block.forward = cp_ops.compile(block.forward, **kw)
+            cls = type(block)
+            if cls not in per_class:
+                per_class[cls] = cp_ops.compile(cls.forward, **kw)
+            block.forward = types.MethodType(per_class[cls], block)
+            block._cp_ops_strides = block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
             n += 1
     return model, n
+
+
+def _canonical(x):
+    if not isinstance(x, torch.Tensor) or x.stride() == torch.empty(x.shape, device="meta").stride():
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _canonical_strides(module, args, kwargs):
+    """Forward pre-hook of a regionally compiled block: tensor arguments with other than the contiguous strides
+    of their shape are copied to them. The first block's input is a view (diffusers' patch embedding
+    transposes; the CP split narrows the batch-1 sequence), which Dynamo guards by stride even along a size-1
+    dim: without this, every block class compiles twice, the second time for the first block alone."""
+    return tuple(_canonical(a) for a in args), {k: _canonical(v) for k, v in kwargs.items()}
 
 
 class _Graphed:
@@ -310,6 +334,9 @@ def _restore_blocks(model, spec):
     for name in spec.blocks:
         for block in getattr(model, name, []):
             block.__dict__.pop("forward", None)
+            hook = block.__dict__.pop("_cp_ops_strides", None)
+            if hook is not None:
+                hook.remove()
 
 
 def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks) -> None:
