@@ -67,6 +67,12 @@ class OverlapPass(_custom_graph_pass_base()):
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner
 
+    def __eq__(self, other: object) -> bool:  # equal passes keep Inductor backends equal: see _same_pass
+        return _same_pass(self, other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, id(self.inner) if self.inner is not None else None))
+
     def __call__(self, graph) -> None:
         if self.inner is not None:
             self.inner(graph)
@@ -110,6 +116,12 @@ class PinWindows(*_custom_scheduler_pass_bases()):
     def __init__(self, inner: Any = None) -> None:
         self.inner = inner
 
+    def __eq__(self, other: object) -> bool:  # equal passes keep Inductor backends equal: see _same_pass
+        return _same_pass(self, other)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, id(self.inner) if self.inner is not None else None))
+
     def __call__(self, snodes):
         if self.inner is not None:
             snodes = self.inner(snodes)
@@ -122,6 +134,14 @@ class PinWindows(*_custom_scheduler_pass_bases()):
             if inner is None:
                 return None
         return ("cp_ops.passes.PinWindows", _source_hash(), inflight_limit(), inner)
+
+
+def _same_pass(a: Any, b: Any) -> bool:
+    """Two of our passes are equal when of one class around the same inner pass. Each ``cp_ops.compile`` call
+    makes new pass objects; ``torch.compile``'s Inductor backend compares its options by ``==``, and Dynamo
+    reuses a compiled frame only under an equal backend: with identity equality, compiling each instance of a
+    repeated block (regional compilation) recompiled the shared ``forward`` once per instance."""
+    return type(a) is type(b) and a.inner is b.inner
 
 
 def _is_ours(p: Any) -> bool:

@@ -124,11 +124,11 @@ def test_model_cp_equals_single(ranks_results, name):
 
 
 def test_regional_compile_once_per_class(monkeypatch):
-    """--compile regional compiles each block class's forward once through cp_ops.compile with fullgraph; the 2
-    Wan blocks share one Dynamo frame, also when each cp_ops.compile call makes its own backend object (as
-    Inductor's does) and when a block's input is a narrowed view (the CP split of a batch-1 sequence: Dynamo
-    guards strides even along size-1 dims); --compile full wraps the model; --cuda-graphs adds
-    mode='reduce-overhead'; --no-overlap turns the pass off."""
+    """--compile regional compiles each block's forward through cp_ops.compile with fullgraph; the 2 Wan blocks
+    share one Dynamo frame (equal backends: see test_pass_graph's test_equal_options_share_compiled_frame), also
+    when a block's input is a narrowed view (the CP split of a batch-1 sequence: Dynamo guards strides even
+    along size-1 dims, so block inputs get contiguous strides); --compile full wraps the model; --cuda-graphs
+    adds mode='reduce-overhead'; --no-overlap turns the pass off."""
     import cp_ops
     from torch._dynamo.testing import CompileCounter
 
@@ -138,9 +138,7 @@ def test_regional_compile_once_per_class(monkeypatch):
 
     def fake_compile(fn, **kw):
         seen.append(kw)
-        # a new backend callable per call, as torch.compile's Inductor wrapper: Dynamo's cache entries made with
-        # one backend do not serve calls compiled with another (a recompile per block, before the fix)
-        return torch.compile(fn, backend=lambda gm, ex: counter(gm, ex), fullgraph=kw["fullgraph"])
+        return torch.compile(fn, backend=counter, fullgraph=kw["fullgraph"])
 
     monkeypatch.setattr(cp_ops, "compile", fake_compile)
     spec = MODELS["wan"]
@@ -156,7 +154,7 @@ def test_regional_compile_once_per_class(monkeypatch):
         view = x[:, :64]
         assert _canonical(view).stride() == (view.shape[1] * view.shape[2], view.shape[2], 1)
         assert _canonical(view) is not view and torch.equal(_canonical(view), view) and _canonical(x) is x
-    assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True)]
+    assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True)] * 2
     torch.testing.assert_close(out, ref)
     _restore_blocks(model, spec)
     assert all("forward" not in b.__dict__ and not b._forward_pre_hooks for b in model.blocks)

@@ -475,3 +475,33 @@ def test_pass_failure_leaves_graph_alone_with_warning(monkeypatch, caplog):
     monkeypatch.setattr(ov, "STRICT", True)
     with pytest.raises(RuntimeError, match="injected failure"):
         ov.overlap_kv_communication(gm.graph)
+
+
+def test_equal_options_share_compiled_frame():
+    """Each cp_ops.compile call builds new pass objects; they compare equal (same class, same inner pass), so two
+    instances of a repeated block compiled separately (regional compilation) share one Dynamo frame instead of
+    recompiling the shared forward per instance (Dynamo reuses a frame only under an equal backend)."""
+    from torch._dynamo.utils import counters
+
+    assert passes.inductor_options() == passes.inductor_options()
+    assert passes.OverlapPass() != passes.PinWindows() and passes.OverlapPass(len) != passes.OverlapPass()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    torch._dynamo.reset()
+    counters.clear()
+    blocks = [Block() for _ in range(3)]
+    for b in blocks:
+        b.forward = cp_ops.compile(b.forward, fullgraph=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for b in blocks:
+            torch.testing.assert_close(b(x), torch.relu(b.lin(x)))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

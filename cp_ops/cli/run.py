@@ -67,19 +67,12 @@ def compile_model(model, spec, args, overlap: bool):
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
         return cp_ops.compile(model, **kw), 1
-    # one compiled function per block class, bound to each instance: one backend object and one code object,
-    # so the instances share Dynamo's cache entry (a compile per instance gives each its own Inductor backend
-    # wrapper, which fails the cache's backend check: a recompile per block, past the recompile limit at 8)
-    import types
-
-    per_class: dict[type, Any] = {}
     n = 0
     for name in spec.blocks:
         for block in getattr(model, name, []):
-            cls = type(block)
-            if cls not in per_class:
-                per_class[cls] = cp_ops.compile(cls.forward, **kw)
-            block.forward = types.MethodType(per_class[cls], block)
+            # the instance's forward (hooks that wrap it, e.g. diffusers' own CP, stay inside); the blocks share
+            # one Dynamo frame: equal cp_ops.compile options make equal Inductor backends (passes' __eq__)
+            block.forward = cp_ops.compile(block.forward, **kw)
             block._cp_ops_strides = block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
             n += 1
     return model, n
