@@ -62,6 +62,10 @@ for s in $SECTIONS; do case $s in
            --out "$OUT/wan11_profile.json"
          step wan11_compile_regional $W11 --mode ulysses --transport torch --compile regional --warmup 2 --repeats 10 \
            --compare diffusers --out "$OUT/wan11_compile_regional.json"
+         step wan11_compile_fast_agkv $W11 --mode agkv --transport fast --compile regional --warmup 2 --repeats 10 \
+           --out "$OUT/wan11_compile_fast_agkv.json"
+         step wan11_compile_fast_ulysses $W11 --mode ulysses --transport fast --compile regional --warmup 2 --repeats 10 \
+           --out "$OUT/wan11_compile_fast_ulysses.json"
          step wan11_compile_full $W11 --mode ulysses --transport torch --compile full --warmup 2 --repeats 10 \
            --out "$OUT/wan11_compile_full.json"
          step wan11_graphs_eager $W11 --mode ulysses --transport torch --cuda-graphs --out "$OUT/wan11_graphs_eager.json"

@@ -167,3 +167,28 @@ def test_core_never_imports_the_tools_layer():
     p = _py("import sys, torch, cp_ops; cp_ops.attention; import passes; "
             "print([m for m in sys.modules if m.startswith('cp_ops.cli')])")
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+_HANGING_DESTROY = r"""
+import os, sys, time, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from cp_ops.cli import launch
+dist.destroy_process_group = lambda *a, **k: time.sleep(3600)   # the hang of pytorch#115388
+launch.shutdown(ok=sys.argv[2] == "ok", timeout_s=1.0)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ok", ["ok", "failed"])
+def test_shutdown_bounds_a_hanging_destroy(ok):
+    """A destroy_process_group that never returns (NCCL work captured in CUDA graphs) ends the rank after the
+    timeout with a message naming the hang, exit code 0 when the rank's work succeeded, 1 when it failed."""
+    from cp_ops.cli.launch import free_port
+
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", _HANGING_DESTROY, str(free_port()), ok], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == (0 if ok == "ok" else 1), (p.returncode, p.stderr[-2000:])
+    assert "destroy_process_group did not return within 1 s" in p.stderr and "pytorch/pytorch#115388" in p.stderr
+    assert "not reached" not in p.stdout and time.monotonic() - t0 < 60

@@ -9,8 +9,12 @@ complete raises instead of hanging.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
+import sys
+import threading
+import traceback
 from typing import Any, Callable
 
 import torch
@@ -45,15 +49,49 @@ def init_rank(rank: int, world_size: int, device: str) -> torch.device:
     return torch.device("cpu")
 
 
+#: seconds :func:`shutdown` gives ``destroy_process_group`` before the process exits without it
+DESTROY_TIMEOUT_S = 30.0
+
+
+def shutdown(ok: bool, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
+    """End this rank's process group, bounded in time.
+
+    After NCCL work was captured in CUDA graphs (``--cuda-graphs``, ``mode="reduce-overhead"``),
+    ``destroy_process_group`` can wait forever (pytorch/pytorch#115388, open; seen here as a run that printed
+    its results and never exited). So: drop Dynamo's caches and the CUDA-graph trees that hold the captured
+    collectives, synchronize, then destroy on a helper thread; if it is not done within ``timeout_s``, say so on
+    stderr and end the process at once (``os._exit``: exit code 0 when the rank's work succeeded (``ok``), else 1
+    after printing the pending traceback).
+    """
+    if not dist.is_initialized():
+        return
+    if "torch._dynamo" in sys.modules and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch._dynamo.reset()  # also resets the CUDA-graph trees (reduce-overhead's captured graphs)
+        gc.collect()
+        torch.cuda.synchronize()
+    done = threading.Thread(target=dist.destroy_process_group, name="cp_ops-destroy", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    if done.is_alive():
+        if not ok:
+            traceback.print_exc()
+        print(f"cp_ops: rank {os.environ.get('RANK', '?')}: torch.distributed.destroy_process_group did not return "
+              f"within {timeout_s:.0f} s (a known hang after NCCL work was captured in CUDA graphs, "
+              "pytorch/pytorch#115388); exiting without it", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0 if ok else 1)
+
+
 def _worker(rank: int, world_size: int, device: str, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     dev = init_rank(rank, world_size, device)
+    ok = False
     try:
         fn(rank, world_size, dev, *args)
+        ok = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(ok)
 
 
 def under_torchrun() -> bool:
@@ -71,10 +109,12 @@ def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dev = init_rank(rank, world, device)
+        ok = False
         try:
             fn(rank, world, dev, *args)
+            ok = True
         finally:
-            dist.destroy_process_group()
+            shutdown(ok)
         return
     if device == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(

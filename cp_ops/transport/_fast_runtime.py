@@ -205,7 +205,7 @@ class IpcHeap:
     def free(self, seg: Segment) -> None:
         for p in seg.handle:
             self.ext.ipc_close(self.dev, p)
-        dist.barrier(group=self.group)  # every peer closed its mapping before the memory goes
+        group_barrier(self.group, self.dev)  # every peer closed its mapping before the memory goes
         self.ext.device_free(self.dev, seg.local)
 
     def close(self) -> None:
@@ -625,14 +625,30 @@ class Lane:
         }
 
     def close(self):
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        group_barrier(self.group, self.device)
         self.ext_lane.release()
         self.pool.release_all()
         self.heap.free(self.ctrl)
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        group_barrier(self.group, self.device)
         self.heap.close()
+
+
+def group_barrier(group: dist.ProcessGroup, device) -> None:
+    """Host-side barrier over ``group``: every rank's host reaches it, and the device's prior work is done.
+
+    Not ``dist.barrier``: ProcessGroupNCCL keeps the tensor its barrier reduces alive between calls, so a first
+    barrier inside ``torch.compile(mode="reduce-overhead")``'s warm-up (which runs in the CUDA-graph pool) leaves
+    a tensor there that no graph output tracks, and the CUDA-graph trees refuse to go on ("Detected 1 tensor(s)
+    in the cudagraph pool not tracked as outputs"). A temporary all-reduced and synchronized does the same work.
+    """
+    if dist.get_backend(group) != "nccl":  # the protocol tests' lanes on CPU ranks (gloo): no device memory
+        dist.barrier(group=group)
+        return
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    t = torch.ones(1, device=dev)
+    dist.all_reduce(t, group=group)
+    torch.cuda.synchronize(dev)
+    del t
 
 
 def _aligned(descs: list) -> bool:
@@ -742,7 +758,7 @@ def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fa
     ctrl = stage("symmetric control block allocation", lambda: heap.alloc(ctrl_bytes))
     ext_lane = stage("lane creation", lambda: ext.Lane(me, w, device.index, ctrl.local, ctrl.peers, n_send, N_SLOTS,
                                                        s.timeout_s))
-    dist.barrier(group=group)  # every control block is zeroed before any peer writes a flag
+    group_barrier(group, device)  # every control block is zeroed before any peer writes a flag
     streams = [torch.cuda.ExternalStream(x, device=device) for x in ext_lane.streams()]
 
     def agree(obj):
@@ -751,8 +767,7 @@ def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fa
         return out
 
     def quiesce():
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
+        group_barrier(group, device)
 
     def make(ptr, n):
         return torch.as_tensor(_CudaMemory(ptr, n), device=device)
