@@ -69,6 +69,8 @@ for s in $SECTIONS; do case $s in
          step wan11_compile_full $W11 --mode ulysses --transport torch --compile full --warmup 2 --repeats 10 \
            --out "$OUT/wan11_compile_full.json"
          step wan11_graphs_eager $W11 --mode ulysses --transport torch --cuda-graphs --out "$OUT/wan11_graphs_eager.json"
+         step wan11_graphs_eager_fast_agkv $W11 --mode agkv --transport fast --cuda-graphs \
+           --out "$OUT/wan11_graphs_eager_fast_agkv.json"
          step wan11_graphs_compiled $W11 --mode ulysses --transport torch --compile --cuda-graphs --warmup 2 --repeats 10 \
            --out "$OUT/wan11_graphs_compiled.json"
          step wan11_graphs_compiled_fast $W11 --mode ulysses --transport fast --compile --cuda-graphs --warmup 2 --repeats 10 \
