@@ -18,19 +18,38 @@ import torch
 
 
 def ulysses_pack(xs: list[torch.Tensor], world_size: int) -> torch.Tensor:
-    """Send buffer ``[W, B, S_local, n, Hl, D]`` from n tensors ``[B, S_local, H, D]``; slab w holds head group w."""
+    """Send buffer ``[W, B, S_local, n, Hl, D]`` (contiguous) from n tensors ``[B, S_local, H, D]`` (any strides);
+    slab w holds head group w. One ``torch.stack`` of the n tensors seen as ``[W, B, S_local, Hl, D]`` (one
+    ``as_strided`` view each): n + 1 calls, one allocation, the copies issued from C++."""
     b, s, h, d = xs[0].shape
     hl = h // world_size
-    buf = xs[0].new_empty(world_size, b, s, len(xs), hl, d)
-    for i, x in enumerate(xs):
-        buf[:, :, :, i].copy_(x.view(b, s, world_size, hl, d).permute(2, 0, 1, 3, 4))
-    return buf
+    views = []
+    for x in xs:
+        sb, ss, sh, sd = x.stride()
+        views.append(x.as_strided((world_size, b, s, hl, d), (hl * sh, sb, ss, sh, sd), x.storage_offset()))
+    return torch.stack(views, dim=3)
 
 
 def ulysses_unpack(buf: torch.Tensor, i: int) -> torch.Tensor:
-    """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1)."""
+    """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1).
+
+    Compiled code reads the slots this way (``select(buf, 3, i)``: the overlap pass looks for it); eager code
+    reads all of them at once with :func:`ulysses_unpack_all`."""
     w, b, s, _, hl, d = buf.shape
     return buf[:, :, :, i].permute(1, 0, 2, 3, 4).reshape(b, w * s, hl, d)
+
+
+def ulysses_unpack_all(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every slot of a received Ulysses buffer ``[W, B, S_local, n, Hl, D]``: n tensors ``[B, W*S_local, Hl, D]``,
+    each equal to :func:`ulysses_unpack` ``(buf, i)`` with the same strides, in three calls instead of 3n.
+
+    B = 1: strided views of ``buf`` (no copy). B > 1: one copy of all n slots into one contiguous
+    ``[n, B, W*S_local, Hl, D]`` tensor whose slices are returned, when each slice starts 256-byte aligned (as a
+    fresh allocation does, so an attention kernel picks the same algorithm); else one copy per slot."""
+    w, b, s, n, hl, d = buf.shape
+    if b == 1 or (b * w * s * hl * d * buf.element_size()) % 256 == 0:
+        return buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * s, hl, d).unbind(0)
+    return tuple(ulysses_unpack(buf, i) for i in range(n))
 
 
 def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:

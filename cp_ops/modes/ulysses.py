@@ -25,8 +25,8 @@ def _ulysses_eager(q, k, v, pg, transport, scale=None) -> torch.Tensor:
     a copying unpack (never a view of a pooled buffer). ``transport``: a Transport object."""
     buf, work = transport.ulysses_start([q, k, v], pg)
     work.wait()
-    out = local_attention(layout.ulysses_unpack(buf, 0), layout.ulysses_unpack(buf, 1), layout.ulysses_unpack(buf, 2),
-                          scale)
+    qh, kh, vh = layout.ulysses_unpack_all(buf)  # views for B = 1 (the strides ulysses_unpack gives)
+    out = local_attention(qh, kh, vh, scale)
     back, work = transport.ulysses_inverse_start(out, pg)
     work.wait()
     return layout.ulysses_inverse_unpack(back)

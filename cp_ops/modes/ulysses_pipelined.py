@@ -37,7 +37,8 @@ def ulysses_pipelined_attention(q, k, v, *, world_size: int, group_name: str, tr
     w = world_size
     return _run(q, k, v, w, scale, chunks,
                 lambda xs: torch.ops.cp_ops.ulysses_start(xs, w, group_name, transport),
-                lambda x: torch.ops.cp_ops.ulysses_inverse_start(x, w, group_name, transport), lib.wait)
+                lambda x: torch.ops.cp_ops.ulysses_inverse_start(x, w, group_name, transport), lib.wait,
+                lambda buf: [layout.ulysses_unpack(buf, j) for j in range(3)])
 
 
 def _launched(pair):
@@ -50,11 +51,12 @@ def _ulysses_pipelined_eager(q, k, v, pg, transport, scale, chunks) -> torch.Ten
     """Eager pipelined Ulysses without the dispatcher (cp_ops._eager): the same schedule on the transport object's
     launches and works."""
     return _run(q, k, v, pg.size(), scale, chunks, lambda xs: transport.ulysses_start(xs, pg),
-                lambda x: transport.ulysses_inverse_start(x, pg), _launched)
+                lambda x: transport.ulysses_inverse_start(x, pg), _launched, layout.ulysses_unpack_all)
 
 
-def _run(q, k, v, w: int, scale, chunks: int, start, inverse, wait) -> torch.Tensor:
-    """The schedule: ``start(xs)``/``inverse(x)`` launch, ``wait(launched)`` gives the received buffer."""
+def _run(q, k, v, w: int, scale, chunks: int, start, inverse, wait, unpack) -> torch.Tensor:
+    """The schedule: ``start(xs)``/``inverse(x)`` launch, ``wait(launched)`` gives the received buffer,
+    ``unpack(buf)`` its q, k, v (per slot when traced, the form the compiler sees; all at once eagerly)."""
     from ..attention import local_attention
 
     b, s, h, d = q.shape
@@ -81,7 +83,7 @@ def _run(q, k, v, w: int, scale, chunks: int, start, inverse, wait) -> torch.Ten
         launch(1)
     for i in range(g):
         buf = wait(starts.pop(i))
-        qh, kh, vh = (layout.ulysses_unpack(buf, j) for j in range(3))
+        qh, kh, vh = unpack(buf)
         out = local_attention(qh, kh, vh, scale)
         inverses[i] = inverse(out)
         if i >= 1:
