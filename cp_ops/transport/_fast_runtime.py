@@ -269,6 +269,7 @@ class _Entry:
     turn: int = 0
     last_use: int = 0
     captured: bool = False  # used inside a CUDA-graph capture: the graph writes it on replay, never evicted
+    addrs: list = field(default_factory=list)  # per slot: [its address on each rank as mapped here] (made once)
 
 
 def _holders(slots: list) -> list:
@@ -299,7 +300,8 @@ class Pool:
 
     def get(self, role: str, shape: tuple, dtype: torch.dtype, call: int,
             capturing: bool = False) -> tuple[torch.Tensor, list, tuple]:
-        """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here], ticket).
+        """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here], ticket); the
+        address list is the pool's own (made once per key): read it, do not change it.
         ``capturing``: the launch is being captured into a CUDA graph (the key must exist; it is then kept until
         :meth:`release_all`, since the graph writes its slots at every replay).
 
@@ -333,7 +335,7 @@ class Pool:
         self.clock += 1
         e.last_use = self.clock
         e.pending[i] = call
-        return e.slots[i], [p + i * e.size for p in e.seg.peers], (key, i, call)
+        return e.slots[i], e.addrs[i], (key, i, call)
 
     def consumed(self, ticket: tuple) -> None:
         """The output of ``ticket`` (from :meth:`get`) was waited: its slot may be written again."""
@@ -408,7 +410,8 @@ class Pool:
         self.used += need
         slots = [self.make(seg.local + i * size, nbytes).view(dtype).view(shape) for i in range(self.slots)]
         base = _holders(slots)  # only the pool holds them now
-        e = _Entry(key, seg, size, slots, base, [None] * self.slots)
+        e = _Entry(key, seg, size, slots, base, [None] * self.slots,
+                   addrs=[[p + i * size for p in seg.peers] for i in range(self.slots)])
         self.entries[key] = e
         return e
 
@@ -433,6 +436,14 @@ class Pool:
 
 
 # ---- work ---------------------------------------------------------------------------------------
+def _current_stream(device: torch.device) -> int:
+    """The current CUDA stream of ``device`` as its ``cudaStream_t`` (``torch.cuda.current_stream(device)
+    .cuda_stream``, without building a Stream object: one C call, as Inductor's ``get_raw_stream``)."""
+    idx = torch.cuda.current_device() if device.index is None else device.index
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch have it
+    return raw(idx) if raw is not None else torch.cuda.current_stream(idx).cuda_stream
+
+
 class FastWork(dist.Work):
     """Completion of one fast call. ``wait()`` makes the current CUDA stream wait for every chunk (it does
     not block the host; a bounded spin kernel on that stream watches the peers' arrival flags);
@@ -447,7 +458,7 @@ class FastWork(dist.Work):
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - c10d signature
         lane = self.lane
         lane.check()
-        s = torch.cuda.current_stream(lane.device).cuda_stream
+        s = _current_stream(lane.device)
         if s in self._waited:
             return True
         if lane.slots.owner[self.slot] != self.call:
@@ -467,7 +478,7 @@ class FastWork(dist.Work):
 
     def wait_source(self, src: int) -> None:
         self.lane.check()
-        self.lane.ext_lane.wait_source(torch.cuda.current_stream(self.lane.device).cuda_stream, self.slot, src)
+        self.lane.ext_lane.wait_source(_current_stream(self.lane.device), self.slot, src)
 
     def is_completed(self) -> bool:
         self.lane.check()
@@ -540,7 +551,7 @@ class Lane:
     def launch(self, key: tuple, descs: list, inputs: list, tickets: list, force: Decision | None = None) -> FastWork:
         self.check()
         d = force or self.decide(key, descs, inputs)
-        cur = torch.cuda.current_stream(self.device)
+        cur = _current_stream(self.device)
         # the caching allocator must not hand the inputs out while the side streams (local + send) read them
         readers = self.streams[: 1 + min(d.inflight, max(1, self.world - 1)) * max(1, d.split)]
         for t in inputs:
@@ -550,7 +561,7 @@ class Lane:
         slot = self.slots.acquire(call, torch.cuda.is_current_stream_capturing())
         self.calls += 1
         try:
-            self.ext_lane.launch(cur.cuda_stream, call, slot, descs, d.path, d.inflight, d.split, d.sm_blocks)
+            self.ext_lane.launch(cur, call, slot, descs, d.path, d.inflight, d.split, d.sm_blocks)
         except Exception:
             self.slots.release(slot, call)
             raise

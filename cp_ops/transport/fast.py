@@ -65,11 +65,14 @@ from .base import register
 log = logging.getLogger("cp_ops")
 
 
-def _prep(t: torch.Tensor) -> torch.Tensor:
+def _prep(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` contiguous and 16-byte aligned (a copy only where it is not), and its address."""
     t = t.contiguous()
-    if t.data_ptr() % 16:
+    p = t.data_ptr()
+    if p % 16:
         t = t.clone()
-    return t
+        p = t.data_ptr()
+    return t, p
 
 
 class FastTransport:
@@ -304,14 +307,14 @@ class FastTransport:
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         b, s, h, d = k.shape
-        k, v = _prep(k), _prep(v)
+        (k, kp), (v, vp) = _prep(k), _prep(v)
         row = s * h * d * k.element_size()
         pitch = w * row
+        off = r * row
 
         def descs(bases):
             kb, vb = bases
-            return [[(kb[t] + r * row, k.data_ptr(), row, b, pitch, row), (vb[t] + r * row, v.data_ptr(), row, b, pitch, row)]
-                    for t in range(w)]
+            return [[(kb[t] + off, kp, row, b, pitch, row), (vb[t] + off, vp, row, b, pitch, row)] for t in range(w)]
 
         full = (b, w * s, h, d)
         (kf, vf), work = self._launch(lane, ("agkv", b, s, h, d, str(k.dtype)),
@@ -326,16 +329,19 @@ class FastTransport:
         """
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
-        xs = [_prep(x) for x in xs]
+        prepped = [_prep(x) for x in xs]
+        xs = [x for x, _ in prepped]
         b, s, h, d = xs[0].shape
         n, hl, es = len(xs), h // w, xs[0].element_size()
         slab = b * s * n * hl * d * es
         hb = hl * d * es
+        rows, dpitch, spitch = b * s, n * hb, h * d * es
+        # per input: (offset of its slot in this rank's slab, its address); slab t of the input is at + t * hb
+        parts = [(r * slab + i * hb, p) for i, (_, p) in enumerate(prepped)]
 
         def descs(bases):
             (ub,) = bases
-            return [[(ub[t] + r * slab + i * hb, x.data_ptr() + t * hb, hb, b * s, n * hb, h * d * es)
-                     for i, x in enumerate(xs)] for t in range(w)]
+            return [[(ub[t] + o, p + t * hb, hb, rows, dpitch, spitch) for o, p in parts] for t in range(w)]
 
         (buf,), work = self._launch(lane, ("ulysses", b, s, h, d, n, str(xs[0].dtype)),
                                     [("ulysses", (w, b, s, n, hl, d), xs[0].dtype)], descs, xs)
@@ -349,15 +355,15 @@ class FastTransport:
         """
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
-        x = _prep(x)
+        x, xp = _prep(x)
         b, s, hl, d = x.shape
         sl, es = s // w, x.element_size()
         blk = sl * hl * d * es
-        slab = b * blk
+        off, spitch = r * b * blk, s * hl * d * es
 
         def descs(bases):
             (ub,) = bases
-            return [[(ub[t] + r * slab, x.data_ptr() + t * blk, blk, b, blk, s * hl * d * es)] for t in range(w)]
+            return [[(ub[t] + off, xp + t * blk, blk, b, blk, spitch)] for t in range(w)]
 
         (buf,), work = self._launch(lane, ("ulysses_inv", b, s, hl, d, str(x.dtype)),
                                     [("ulysses_inv", (w, b, sl, hl, d), x.dtype)], descs, [x])
