@@ -17,6 +17,16 @@ median and the minimum wall time over 5 timed loops and the median CPU time of t
 work itself, without waiting for a core on a busy machine), max over ranks, in µs per call. Two reference rows: ``sdpa`` (one
 ``cp_ops.local_attention`` over W·S_local keys: the attention kernel's own host cost) and ``rank check`` (one
 exchange of the rank contract). Writes ``host_cost.json`` under ``--out`` when given.
+
+Graph rows (CUDA only; skipped with a printed reason on CPU and under ``--fake``): ``agkv graph`` and ``ulysses
+graph`` per transport, chunks 1: ``--graph-calls`` N calls of ``cp_ops.attention`` back to back captured in one
+``torch.cuda.CUDAGraph`` (each shape warmed up eagerly on a side stream first, as torch's docs say: a fast call's
+first call of a shape inside a capture raises by design), then replays issued back to back (``--calls`` / N of
+them, no synchronisation inside): host µs per attention call = the replays' wall time / (replays · N), and
+``GPU µs`` = the same replays' CUDA-event time / (replays · N) (the GPU's own time per call, for context: where it
+exceeds the host time, the host keeps ahead). The rank check runs at capture only (0 exchanges per replay); the
+fast transport keeps each captured call's flag slot and pool buffers until shutdown (256 slots per lane), so N is
+kept small (default 20).
 """
 
 from __future__ import annotations
@@ -63,6 +73,84 @@ def _profile(fn, args, rank, label, sync, barrier) -> None:
         start = body.find("   ncalls")
         print(f"--- profile (rank 0, {args.calls} calls, cProfile inflates Python-heavy rows): {label}")
         print(body[start:].rstrip() if start >= 0 else body.rstrip())
+
+
+def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[dict]:
+    """Host (and GPU) µs per call of ``cp_ops.attention`` replayed from a CUDA graph of ``args.graph_calls`` calls,
+    per transport and mode, chunks 1 (see the module docstring); [] with a printed reason off CUDA. Values are
+    max-reduced over the ranks here (the caller's reduce of median/min/CPU is then a no-op for these rows)."""
+    import torch
+    import torch.distributed as dist
+
+    import cp_ops
+    from cp_ops import config
+
+    if q.device.type != "cuda" or args.fake:
+        if rank == 0:
+            print("graph rows skipped: CUDA graphs need CUDA tensors and a real CP group "
+                  f"({'--fake' if args.fake else 'device ' + q.device.type})")
+        return []
+    n = max(1, args.graph_calls)
+    replays = max(1, args.calls // n)
+    config.configure(check_ranks="once")  # the check runs at capture; a replay exchanges nothing
+    rows = []
+    for tr in transports:
+        for mode in ("agkv", "ulysses"):
+            def call(tr=tr, mode=mode):
+                return cp_ops.attention(q, k, v, group=group, mode=mode, transport=tr, chunks=1)
+
+            # warm-up on a side stream (torch.cuda.graph's rule): the plan, communicators, the fast lane's pool
+            # buffers and per-shape decision, kernels' first-call setup
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            sync()
+            barrier()
+            g, reason = torch.cuda.CUDAGraph(), ""
+            try:
+                with torch.cuda.graph(g):
+                    for _ in range(n):
+                        call()
+            except Exception as e:  # noqa: BLE001 - a failed capture skips the row on every rank (below)
+                reason = f"{type(e).__name__}: {e}"
+            sync()
+            failed = torch.tensor([1.0 if reason else 0.0], device=q.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # every rank skips, or none: replays are collectives
+            if failed.item():
+                if rank == 0:
+                    print(f"graph row {tr} {mode} skipped: capture failed on a rank ({reason or 'on another rank'})")
+                del g
+                continue
+            g.replay()  # the first replay uploads the graph
+            sync()
+            host, cpu, gpu = [], [], []
+            for _ in range(5):
+                barrier()
+                sync()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(replays):
+                    g.replay()  # no synchronisation inside: the host's own cost per replay
+                host.append((time.perf_counter() - t0) / (replays * n) * 1e6)
+                cpu.append((time.process_time() - c0) / (replays * n) * 1e6)
+                end.record()
+                end.synchronize()
+                gpu.append(start.elapsed_time(end) / (replays * n) * 1e3)
+            vals = torch.tensor([statistics.median(host), min(host), statistics.median(cpu), statistics.median(gpu)],
+                                dtype=torch.float64, device=q.device)
+            dist.all_reduce(vals, op=dist.ReduceOp.MAX)
+            med, lo, c, gu = vals.tolist()
+            rows.append({"transport": tr, "mode": f"{mode} graph", "chunks": 1, "check_ranks": "once",
+                         "median_us": med, "min_us": lo, "cpu_us": c, "gpu_us": gu, "graph_calls": n,
+                         "replays": replays})
+            del g
+            sync()
+            barrier()
+    return rows
 
 
 def _body(rank, world, device, args):
@@ -131,6 +219,7 @@ def _body(rank, world, device, args):
                                      "median_us": med, "min_us": lo, "cpu_us": cpu})
                         if args.profile and check == "once":
                             _profile(call, args, rank, f"{tr} {mode} chunks={chunks} check={check}", sync, barrier)
+        rows += _graph_rows(q, k, v, group, transports, args, rank, sync, barrier)
     config.restore(saved)
     vals = torch.tensor([[r["median_us"], r["min_us"], r["cpu_us"]] for r in rows], dtype=torch.float64,
                         device=device if not args.fake else "cpu")
@@ -141,11 +230,12 @@ def _body(rank, world, device, args):
         kind = "fake CP group (no data moved)" if args.fake else device.type
         print(f"host time per cp_ops.attention call, W={world}, {kind}, shape {list(shape)} {str(dtype)[6:]}, "
               f"{args.calls} calls back to back; median and min of 5 loops, max over ranks; torch {torch.__version__}")
-        print(f"{'transport':>9} {'mode':>10} {'chunks':>6} {'check':>6} {'median µs':>10} {'min µs':>8} "
-              f"{'CPU µs':>8}")
+        print(f"{'transport':>9} {'mode':>13} {'chunks':>6} {'check':>6} {'median µs':>10} {'min µs':>8} "
+              f"{'CPU µs':>8} {'GPU µs':>8}")
         for r in rows:
-            print(f"{r['transport']:>9} {r['mode']:>10} {r['chunks']!s:>6} {r['check_ranks']:>6} "
-                  f"{r['median_us']:10.1f} {r['min_us']:8.1f} {r['cpu_us']:8.1f}")
+            gpu = f"{r['gpu_us']:8.1f}" if "gpu_us" in r else f"{'-':>8}"  # graph rows only
+            print(f"{r['transport']:>9} {r['mode']:>13} {r['chunks']!s:>6} {r['check_ranks']:>6} "
+                  f"{r['median_us']:10.1f} {r['min_us']:8.1f} {r['cpu_us']:8.1f} {gpu}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "host_cost.json"), "w") as f:
@@ -163,6 +253,8 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=4, metavar=("B", "S_LOCAL", "H", "D"), default=None,
                     help="default 1 128 8 64 on CUDA, 1 16 8 16 on CPU")
     ap.add_argument("--out", default=None, help="folder for host_cost.json")
+    ap.add_argument("--graph-calls", type=int, default=20, metavar="N",
+                    help="CUDA only: attention calls captured in one CUDA graph for the 'graph' rows (see above)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also print rank 0's cProfile top N functions (own time) per row with check_ranks=once")
     args = ap.parse_args()

@@ -46,7 +46,7 @@ def _check_output(out, q, k, v, ref, choice):
 
 def _fast_timing(tune):
     """Short measurements (the real timer, fewer and shorter samples): these are correctness tests."""
-    tune.WARMUP, tune.SAMPLES, tune.SAMPLE_MS = 1, 1, 1.0
+    tune.WARMUP, tune.ROUNDS, tune.MIN_ROUNDS, tune.SAMPLE_MS = 1, 1, 1, 1.0
 
 
 def _favour(target):
@@ -56,12 +56,9 @@ def _favour(target):
 
     from cp_ops.modes import tune
 
-    calls = []
-
-    def timer(run, device, pg):
+    def timer(cand, run, device, calls):
         run()  # the candidate must run (same calls on every rank)
-        i = len(calls) % len(tune_cands[0])
-        calls.append(i)
+        i = tune_cands[0].index(cand)
         return 1.5 if i == target else 1.0 if i == dist.get_rank() else 2.0
 
     tune_cands = [None]

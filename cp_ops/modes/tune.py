@@ -9,20 +9,41 @@ run the same schedule are listed once), and:
 * ``settings.tune_modes`` off (``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose` for the
   mode (Ulysses when W divides H, else AGKV) and :func:`cp_ops.modes.pipelined.choose_chunks` for the stages
   (1: transport-then-attend; see its docstring for the measurements behind it).
-* on (the default): the fastest candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
-  device, transport, request) and then a dict lookup (about 1 µs). Measuring: every rank runs every candidate
-  on synthetic random tensors of the call's shape and dtype (the call's data is not needed), through :func:`cp_ops.attention` with the candidate's
-  explicit mode and chunks; :data:`WARMUP` calls, then the median over :data:`SAMPLES` samples of (time of n
-  back-to-back calls) / n, n chosen so a sample lasts about :data:`SAMPLE_MS` (CUDA events on GPU,
-  ``time.perf_counter`` on CPU). The times are max-reduced over the group (the slowest rank's time is the
-  call's), so every rank holds the same vector and picks the same candidate (the first of the minima in
-  candidate order).
+* on (the default): a measured candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
+  device, transport, request) and then a dict lookup (about 1 µs). Measuring (:func:`measure`): every rank runs
+  every candidate on synthetic random tensors of the call's shape and dtype (the call's data is not needed),
+  through :func:`cp_ops.attention` with the candidate's explicit mode and chunks:
+
+  1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
+  2. rounds of samples, interleaved: each round times every candidate once, in candidate order (A B C A B C
+     ...), so drift over the measurement (clocks, temperature, first-use effects, other work on the machine)
+     hits every candidate alike instead of whichever ran first. A sample is n back-to-back calls between two
+     CUDA events (``time.perf_counter`` on CPU) divided by n, n chosen so it lasts about :data:`SAMPLE_MS`
+     (1 ≤ n ≤ :data:`MAX_CALLS`). Rounds: as many as fit in :data:`BUDGET_MS`, at least :data:`MIN_ROUNDS`,
+     at most :data:`ROUNDS`;
+  3. each candidate's time is the median of its samples, max-reduced over the group (the slowest rank's time
+     is the call's), so every rank holds the same vector;
+  4. :func:`pick` with the margin rule: a more complex candidate (more chunks; at equal chunks, the mode other
+     than the heuristic's) replaces a simpler one only if it is faster by more than :data:`MARGIN` (3 %):
+     the choice is the simplest candidate whose time is within the margin of the fastest. A deterministic
+     function of the shared vector, so every rank picks the same candidate. Why: on 2x H200 (S=4096, torch
+     transport) a pick by the bare minimum of 3 samples chose agkv chunks=2 (0.615 ms in the bench) over
+     chunks=1 (0.469 ms); and pipelined AGKV ran within 2 % of one stage from 8K to 75600 (see
+     :func:`cp_ops.modes.pipelined.choose_chunks`), inside the run-to-run spread, where the simpler variant
+     (fewer launches, less host time, bitwise equal to one device at chunks=1) is the better bet.
+
+  First-call cost per decision (c candidates, t = one call's time): about c·(WARMUP + 1)·t of warm-up and
+  sizing plus the timed rounds, ≤ max(:data:`BUDGET_MS`, :data:`MIN_ROUNDS`·c·(SAMPLE_MS + t)). At 2 GPUs,
+  S_local=2048, H=40, D=128 (6 candidates, t ≈ 0.5 ms): 20 calls a sample, 7 rounds of 60 ms, about 0.42 s
+  timed; for a call of 30 ms, 3 rounds, about 0.55 s timed plus 0.55 s of warm-up and sizing.
 
 Disk cache: the choices (with their measured times) are kept in a JSON file, ``settings.tune_cache``
 (``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
-file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions and the
-call. A rank cannot trust its own file alone (a rank with a stale or missing file would skip measuring while its
-peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
+file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call
+and :data:`MARGIN`. Format :data:`FORMAT` = 2 since the interleaved rounds and the margin: a file of format 1
+(choices by the bare minimum of 3 samples) is ignored, its requests measured again and the file rewritten in
+format 2. A rank cannot trust its own file alone (a rank with a stale or missing file would skip measuring while
+its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
 holds (one all-reduce over the group) and use it only when every rank holds the same one; otherwise all
 measure and every rank rewrites its entry. An unreadable file is ignored and an unwritable one reported once
 (a warning); neither stops the call.
@@ -54,7 +75,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config
-from ..timing import max_over_ranks, steady_ms
+from ..timing import max_over_ranks_each, steady_ms
 from . import names as mode_names
 from . import spec as mode_spec
 from .agkv_pipelined import stage_plan
@@ -64,19 +85,25 @@ from .pipelined import PIPELINED, choose_chunks
 CHUNKS = (1, 2, 4)
 #: Untimed calls per candidate (plans, transport tuning, allocator) before timing.
 WARMUP = 2
-#: Timed samples per candidate (the median is taken).
-SAMPLES = 3
+#: Most rounds of timed samples (one sample per candidate per round; the median per candidate is taken).
+ROUNDS = 7
+#: Fewest rounds, whatever :data:`BUDGET_MS` says.
+MIN_ROUNDS = 3
 #: Target length of one sample, ms (n back-to-back calls, 1 ≤ n ≤ :data:`MAX_CALLS`).
-SAMPLE_MS = 20.0
+SAMPLE_MS = 10.0
 MAX_CALLS = 20
-#: Format of the disk cache; an entry of another format is ignored.
-FORMAT = 1
+#: Time budget of the timed rounds of one decision, ms (estimated from the sizing call; see the module docstring).
+BUDGET_MS = 500.0
+#: A more complex candidate must be faster than a simpler one by more than this fraction to be chosen over it.
+MARGIN = 0.03
+#: Format of the disk cache; a file of another format is ignored (and replaced on the next write).
+FORMAT = 2
 
 
 class Choice(NamedTuple):
     """A decision: the variant, where it came from ('measured', 'disk', 'heuristic', 'explicit', 'single'
-    (one candidate)), the candidates' max-over-ranks times in ms ({'agkv/2': 0.9, ...}; empty unless
-    measured or read from disk)."""
+    (one candidate)), the candidates' times in ms, median of the samples on each rank, max over the ranks
+    ({'agkv/2': 0.9, ...}; empty unless measured or read from disk)."""
 
     mode: str
     chunks: int
@@ -143,7 +170,7 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
 
 
 def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> list[tuple[str, int]]:
-    """The variants a request leaves open, in preference order (ties go to the earlier one): ``[(mode,
+    """The variants a request leaves open, in measuring order (the last tie-break of :func:`pick`): ``[(mode,
     chunks), ...]``. Variants that run the same schedule (Ulysses head sub-groups capped at H/W; AGKV stage
     plans that coincide) appear once."""
     if mode == "auto":
@@ -202,12 +229,12 @@ def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice
     elif len(cands) == 1:
         choice = Choice(cands[0][0], cands[0][1], "single", {})
     else:
-        choice = _agreed_or_measured(cands, shape, dtype, device, pg, transport)
+        choice = _agreed_or_measured(cands, chosen, shape, dtype, device, pg, transport)
     return choice
 
 
 # ---- agreement, measuring ------------------------------------------------------------------------
-def _agreed_or_measured(cands, shape, dtype, device, pg, transport) -> Choice:
+def _agreed_or_measured(cands, default_mode, shape, dtype, device, pg, transport) -> Choice:
     from ..validate import check_settings_agree
 
     # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
@@ -226,45 +253,72 @@ def _agreed_or_measured(cands, shape, dtype, device, pg, transport) -> Choice:
         m, c = cands[int(hi) - 1]
         return Choice(m, c, "disk", dict(entry.get("times_ms", {})))
     times = measure(cands, shape, dtype, device, pg, transport)
-    best = min(range(len(cands)), key=lambda i: (times[i], i))
+    best = pick(cands, times, default_mode)
     stats["measured"] += 1
     named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
     choice = Choice(cands[best][0], cands[best][1], "measured", named)
-    _write_cache(dkey, {"mode": choice.mode, "chunks": choice.chunks, "times_ms": named,
+    _write_cache(dkey, {"mode": choice.mode, "chunks": choice.chunks, "times_ms": named, "margin": MARGIN,
                         "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     return choice
 
 
+def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, margin: float | None = None) -> int:
+    """The index of the chosen candidate: the simplest one whose time is within ``margin`` (default
+    :data:`MARGIN`) of the fastest, i.e. no candidate is faster than it by more than ``margin`` of its time
+    (``min(times) >= times[i] * (1 - margin)``).
+
+    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's mode,
+    :func:`cp_ops.modes.choose`) before another; then the earlier in ``cands``. A pure function of its
+    arguments: ranks holding the same max-reduced ``times`` pick the same index.
+    """
+    m = MARGIN if margin is None else margin
+    fastest = min(times)
+    ok = [i for i, t in enumerate(times) if fastest >= t * (1.0 - m)]
+    return min(ok, key=lambda i: (cands[i][1], cands[i][0] != default_mode, i))
+
+
 def measure(cands, shape, dtype, device, pg, transport) -> list[float]:
-    """Each candidate's time per call in ms, max over the ranks of ``pg`` (the same list on every rank)."""
+    """Each candidate's time per call in ms: the median of its interleaved samples on this rank, max over the
+    ranks of ``pg`` (the same list on every rank; see the module docstring for the schedule and its budget).
+    Every rank makes the same calls (the sizes come from max-reduced estimates): each call is a collective."""
     from ..attention import attention
 
     g = torch.Generator(device=device).manual_seed(0x5EED)
     q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
-    times = []
-    for m, c in cands:
-        def run(m=m, c=c):
-            return attention(q, k, v, group=pg, mode=m, transport=transport, chunks=c)
-
-        times.append(_timer(run, device, pg))
-        stats["timed"] += 1
-    t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    return t.tolist()
-
-
-def _time_candidate(run: Callable[[], object], device: torch.device, pg) -> float:
-    """One candidate on this rank: :data:`WARMUP` calls, one call to size the samples (its time max-reduced, so
-    every rank makes the same number of calls), then the median of :data:`SAMPLES` samples, ms per call."""
-    for _ in range(WARMUP):
-        run()
-    est = max_over_ranks(steady_ms(run, device, 0, 1, 1)[0], device, pg)
-    n = max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(est, 1e-3))))
-    return statistics.median(steady_ms(run, device, 0, SAMPLES, n))
+    runs = [lambda m=m, c=c: attention(q, k, v, group=pg, mode=m, transport=transport, chunks=c) for m, c in cands]
+    for run in runs:
+        for _ in range(WARMUP):
+            run()
+    est = max_over_ranks_each([_timer(cand, run, device, 1) for cand, run in zip(cands, runs)], device, pg)
+    calls, rounds = schedule(est)
+    samples: list[list[float]] = [[] for _ in cands]
+    for _ in range(rounds):  # interleaved: A B C A B C ...
+        for i, (cand, run) in enumerate(zip(cands, runs)):
+            samples[i].append(_timer(cand, run, device, calls[i]))
+    stats["timed"] += len(cands)
+    return max_over_ranks_each([statistics.median(s) for s in samples], device, pg)
 
 
-#: How a candidate is timed on this rank: ``fn(run, device, group) -> ms`` (tests replace it).
-_timer = _time_candidate
+def schedule(est_ms: list[float]) -> tuple[list[int], int]:
+    """``(calls per sample for each candidate, rounds)`` from the candidates' estimated ms per call (max over
+    ranks, so every rank gets the same): calls = ceil(:data:`SAMPLE_MS` / est) within [1, :data:`MAX_CALLS`];
+    rounds = the number of rounds that fit in :data:`BUDGET_MS`, within [:data:`MIN_ROUNDS`, :data:`ROUNDS`]."""
+    calls = [max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(e, 1e-3)))) for e in est_ms]
+    per_round = sum(n * max(e, 1e-3) for n, e in zip(calls, est_ms))
+    rounds = max(MIN_ROUNDS, min(ROUNDS, int(BUDGET_MS // per_round)))
+    return calls, rounds
+
+
+def _sample_ms(cand: tuple[str, int], run: Callable[[], object], device: torch.device, calls: int) -> float:
+    """One sample of candidate ``cand`` on this rank: ``calls`` runs of ``run()`` back to back, ms per call
+    (:func:`cp_ops.timing.steady_ms`)."""
+    del cand
+    return steady_ms(run, device, 0, 1, calls)[0]
+
+
+#: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it; the
+#: sizing call is ``calls=1``).
+_timer = _sample_ms
 
 
 # ---- the disk cache ------------------------------------------------------------------------------
@@ -316,10 +370,10 @@ def _driver_version() -> str:
 
 
 def disk_key(shape, dtype, device, world_size, transport, cands) -> str:
-    """The disk cache's key of a decision (one line of JSON: machine, versions, call, candidates)."""
+    """The disk cache's key of a decision (one line of JSON: machine, versions, call, candidates, :data:`MARGIN`)."""
     b, s, h, d = shape
     return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
-                           dtype=str(dtype).replace("torch.", ""), transport=transport,
+                           dtype=str(dtype).replace("torch.", ""), transport=transport, margin=MARGIN,
                            candidates=[f"{m}/{c}" for m, c in cands]), sort_keys=True)
 
 
