@@ -65,6 +65,63 @@ def _profile(fn, args, rank, label, sync, barrier) -> None:
         print(body[start:].rstrip() if start >= 0 else body.rstrip())
 
 
+#: uneven shards / key-padding masks (cp_ops.modes.uneven), torch transport, chunks=1: (label, seq_lens?, mask?)
+LAYOUT_CASES = (("seq", True, False), ("mask", False, True), ("seq+mask", True, True))
+
+
+def _layout_rows(q, k, v, group, rank, world, args, sync, barrier) -> list:
+    """Rows for ``cp_ops.attention(..., seq_lens=, key_mask=)`` calls (``--layouts``): each mode x LAYOUT_CASES,
+    check_ranks once. ``seq``: rank r holds S_local - r tokens (the last rows of q/k/v dropped); ``mask``: a random
+    bool key mask (about 1/3 padding keys)."""
+    import torch
+
+    import cp_ops
+    from cp_ops import config
+
+    s = q.shape[1]
+    seq = tuple(s - r for r in range(world))
+    mine = (q[:, : seq[rank]], k[:, : seq[rank]], v[:, : seq[rank]])
+    g = torch.Generator(device=q.device).manual_seed(rank + 100)
+    rows = []
+    config.configure(check_ranks="once")
+    for mode in ("agkv", "ulysses"):
+        for label, uneven, masked in LAYOUT_CASES:
+            qq, kk, vv = mine if uneven else (q, k, v)
+            mask = (torch.rand(q.shape[0], qq.shape[1], generator=g, device=q.device) > 0.35) if masked else None
+
+            def call():
+                cp_ops.attention(qq, kk, vv, group=group, mode=mode, transport="torch", chunks=1,
+                                 seq_lens=seq if uneven else None, key_mask=mask)
+
+            for _ in range(20):
+                call()
+            sync()
+            med, lo, cpu = _time_loop(call, args.calls, sync, barrier)
+            rows.append({"transport": "torch", "mode": f"{mode}/{label}", "chunks": 1, "check_ranks": "once",
+                         "median_us": med, "min_us": lo, "cpu_us": cpu})
+            if args.profile:
+                _profile(call, args, rank, f"torch {mode} {label}", sync, barrier)
+            if args.ops:  # every rank calls (the rank contract), rank 0 prints
+                n = _count_ops(call)
+                if rank == 0:
+                    print(f"aten ops per call (rank 0), torch {mode}/{label}: {n}")
+    return rows
+
+
+def _count_ops(fn) -> str:
+    """aten ops one call of ``fn`` runs, from the torch profiler's CPU events (a TorchDispatchMode would send
+    cp_ops.attention to its general path): top-level ``aten::`` calls (what Python dispatches) and all of them
+    (with the ops they call inside, e.g. ``aten::pad`` → ``aten::constant_pad_nd`` → ``aten::empty`` ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return f"{len(top)} top-level, {len(events)} in all"
+
+
 def _body(rank, world, device, args):
     import torch
     import torch.distributed as dist
@@ -131,6 +188,8 @@ def _body(rank, world, device, args):
                                      "median_us": med, "min_us": lo, "cpu_us": cpu})
                         if args.profile and check == "once":
                             _profile(call, args, rank, f"{tr} {mode} chunks={chunks} check={check}", sync, barrier)
+        if args.layouts:
+            rows += _layout_rows(q, k, v, group, rank, world, args, sync, barrier)
     config.restore(saved)
     vals = torch.tensor([[r["median_us"], r["min_us"], r["cpu_us"]] for r in rows], dtype=torch.float64,
                         device=device if not args.fake else "cpu")
@@ -141,10 +200,10 @@ def _body(rank, world, device, args):
         kind = "fake CP group (no data moved)" if args.fake else device.type
         print(f"host time per cp_ops.attention call, W={world}, {kind}, shape {list(shape)} {str(dtype)[6:]}, "
               f"{args.calls} calls back to back; median and min of 5 loops, max over ranks; torch {torch.__version__}")
-        print(f"{'transport':>9} {'mode':>10} {'chunks':>6} {'check':>6} {'median µs':>10} {'min µs':>8} "
+        print(f"{'transport':>9} {'mode':>13} {'chunks':>6} {'check':>6} {'median µs':>10} {'min µs':>8} "
               f"{'CPU µs':>8}")
         for r in rows:
-            print(f"{r['transport']:>9} {r['mode']:>10} {r['chunks']!s:>6} {r['check_ranks']:>6} "
+            print(f"{r['transport']:>9} {r['mode']:>13} {r['chunks']!s:>6} {r['check_ranks']:>6} "
                   f"{r['median_us']:10.1f} {r['min_us']:8.1f} {r['cpu_us']:8.1f}")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
@@ -163,6 +222,9 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=4, metavar=("B", "S_LOCAL", "H", "D"), default=None,
                     help="default 1 128 8 64 on CUDA, 1 16 8 16 on CPU")
     ap.add_argument("--out", default=None, help="folder for host_cost.json")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also time seq_lens / key_mask calls (cp_ops.modes.uneven; LAYOUT_CASES)")
+    ap.add_argument("--ops", action="store_true", help="with --layouts: print the aten ops per call (rank 0)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also print rank 0's cProfile top N functions (own time) per row with check_ranks=once")
     args = ap.parse_args()
