@@ -136,10 +136,10 @@ def attention(
             output (see Autograd).
 
     Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks;
-    ``seq_lens`` and the key mask's shape) runs every check and caches its decisions; a repeat call is a dict lookup, one rank-contract exchange and the
-    mode's launches and kernels, called without the ``torch.library`` dispatcher (:mod:`cp_ops._eager`). CUDA
-    graphs: capturable (``torch.cuda.graph`` after an eager warm-up, ``torch.compile(mode="reduce-overhead")``);
-    the rank contract is checked at capture, not at replay.
+    ``seq_lens`` and the key mask's shape) runs every check and caches its decisions; a repeat call is a dict
+    lookup, one rank-contract exchange and the mode's launches and kernels, called without the ``torch.library``
+    dispatcher (:mod:`cp_ops._eager`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
+    ``torch.compile(mode="reduce-overhead")``); the rank contract is checked at capture, not at replay.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).

@@ -26,6 +26,15 @@ device: bitwise equal to single-device attention on CPU where the same kernel se
   all-to-all's send buffer (pad and pack in one copy, as its even pack). (Attending the padded queries instead would save two copies but is
   not bitwise: CPU SDPA's result for a row depends on the query count, by 2e-7 in a test.)
 
+**Eager calls** take a cached plan (:class:`EagerPlan`, keyed in :mod:`cp_ops._eager` by the even call's key plus
+``seq_lens`` and the mask's shape, dtype and device; the mask's values are data, read at every call): the same
+method with padded shapes, offsets, the rank contract's tagged signature and the index tensors that select the real
+rows computed once, so a repeat call is a dict lookup, one exchange (named after the call's first op, with chunks=1
+for Ulysses) and the transport's launches: padding is copied into one fresh buffer (its rows are never read, so
+never written), the real rows are taken by one ``index_select`` (``take`` for the mask), the torch transport's
+collectives are called directly (AGKV: K, V and the mask in one coalesced all-gather). Bitwise equal to the ops
+(``tests/test_uneven_plan.py``). Compiled code, tracing and dispatch modes use the ops.
+
 **Ops** (``torch.library``; launches like :mod:`cp_ops._library`'s, outputs valid after ``wait_tensor``; exact fake
 kernels, so ``torch.compile(fullgraph=True)`` traces them, each rank its own shapes):
 
