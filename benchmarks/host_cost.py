@@ -109,17 +109,28 @@ def _layout_rows(q, k, v, group, rank, world, args, sync, barrier) -> list:
 
 
 def _count_ops(fn) -> str:
-    """aten ops one call of ``fn`` runs, from the torch profiler's CPU events (a TorchDispatchMode would send
-    cp_ops.attention to its general path): top-level ``aten::`` calls (what Python dispatches) and all of them
-    (with the ops they call inside, e.g. ``aten::pad`` → ``aten::constant_pad_nd`` → ``aten::empty`` ...)."""
+    """Ops one call of ``fn`` runs, from the torch profiler's CPU events (a TorchDispatchMode would send
+    cp_ops.attention to its general path): top-level ``aten::`` calls (what Python dispatches), all ``aten::`` calls
+    (with the ops they call inside, e.g. ``aten::pad`` → ``aten::constant_pad_nd`` → ``aten::empty`` ...), both
+    without the ops a collective runs inside (``c10d::*``: the fake group's own copies), and the custom ops
+    dispatched (``cp_ops::*``, ``_c10d_functional::*``: each through the dispatcher's Python layers)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
+
+    def in_collective(e):
+        while e is not None:
+            if e.name.startswith("c10d::"):
+                return True
+            e = e.cpu_parent
+        return False
+
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not in_collective(e)]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return f"{len(top)} top-level, {len(events)} in all"
+    custom = [e for e in prof.events() if e.name.startswith(("cp_ops::", "_c10d_functional::"))]
+    return f"aten {len(top)} top-level, {len(events)} in all; custom ops {len(custom)}"
 
 
 def _body(rank, world, device, args):
