@@ -153,6 +153,74 @@ def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[d
     return rows
 
 
+#: uneven shards / key-padding masks (cp_ops.modes.uneven), torch transport, chunks=1: (label, seq_lens?, mask?)
+LAYOUT_CASES = (("seq", True, False), ("mask", False, True), ("seq+mask", True, True))
+
+
+def _layout_rows(q, k, v, group, rank, world, args, sync, barrier) -> list:
+    """Rows for ``cp_ops.attention(..., seq_lens=, key_mask=)`` calls (``--layouts``): each mode x LAYOUT_CASES,
+    check_ranks once. ``seq``: rank r holds S_local - r tokens (the last rows of q/k/v dropped); ``mask``: a random
+    bool key mask (about 1/3 padding keys)."""
+    import torch
+
+    import cp_ops
+    from cp_ops import config
+
+    s = q.shape[1]
+    seq = tuple(s - r for r in range(world))
+    mine = (q[:, : seq[rank]], k[:, : seq[rank]], v[:, : seq[rank]])
+    g = torch.Generator(device=q.device).manual_seed(rank + 100)
+    rows = []
+    config.configure(check_ranks="once")
+    for mode in ("agkv", "ulysses"):
+        for label, uneven, masked in LAYOUT_CASES:
+            qq, kk, vv = mine if uneven else (q, k, v)
+            mask = (torch.rand(q.shape[0], qq.shape[1], generator=g, device=q.device) > 0.35) if masked else None
+
+            def call():
+                cp_ops.attention(qq, kk, vv, group=group, mode=mode, transport="torch", chunks=1,
+                                 seq_lens=seq if uneven else None, key_mask=mask)
+
+            for _ in range(20):
+                call()
+            sync()
+            med, lo, cpu = _time_loop(call, args.calls, sync, barrier)
+            rows.append({"transport": "torch", "mode": f"{mode}/{label}", "chunks": 1, "check_ranks": "once",
+                         "median_us": med, "min_us": lo, "cpu_us": cpu})
+            if args.profile:
+                _profile(call, args, rank, f"torch {mode} {label}", sync, barrier)
+            if args.ops:  # every rank calls (the rank contract), rank 0 prints
+                n = _count_ops(call)
+                if rank == 0:
+                    print(f"aten ops per call (rank 0), torch {mode}/{label}: {n}")
+    return rows
+
+
+def _count_ops(fn) -> str:
+    """Ops one call of ``fn`` runs, from the torch profiler's CPU events (a TorchDispatchMode would send
+    cp_ops.attention to its general path): top-level ``aten::`` calls (what Python dispatches), all ``aten::`` calls
+    (with the ops they call inside, e.g. ``aten::pad`` → ``aten::constant_pad_nd`` → ``aten::empty`` ...), both
+    without the ops a collective runs inside (``c10d::*``: the fake group's own copies), and the custom ops
+    dispatched (``cp_ops::*``, ``_c10d_functional::*``: each through the dispatcher's Python layers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def in_collective(e):
+        while e is not None:
+            if e.name.startswith("c10d::"):
+                return True
+            e = e.cpu_parent
+        return False
+
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not in_collective(e)]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    custom = [e for e in prof.events() if e.name.startswith(("cp_ops::", "_c10d_functional::"))]
+    return f"aten {len(top)} top-level, {len(events)} in all; custom ops {len(custom)}"
+
+
 def _body(rank, world, device, args):
     import torch
     import torch.distributed as dist
@@ -220,6 +288,8 @@ def _body(rank, world, device, args):
                         if args.profile and check == "once":
                             _profile(call, args, rank, f"{tr} {mode} chunks={chunks} check={check}", sync, barrier)
         rows += _graph_rows(q, k, v, group, transports, args, rank, sync, barrier)
+        if args.layouts:
+            rows += _layout_rows(q, k, v, group, rank, world, args, sync, barrier)
     config.restore(saved)
     vals = torch.tensor([[r["median_us"], r["min_us"], r["cpu_us"]] for r in rows], dtype=torch.float64,
                         device=device if not args.fake else "cpu")
@@ -255,6 +325,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for host_cost.json")
     ap.add_argument("--graph-calls", type=int, default=20, metavar="N",
                     help="CUDA only: attention calls captured in one CUDA graph for the 'graph' rows (see above)")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also time seq_lens / key_mask calls (cp_ops.modes.uneven; LAYOUT_CASES)")
+    ap.add_argument("--ops", action="store_true", help="with --layouts: print the aten ops per call (rank 0)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also print rank 0's cProfile top N functions (own time) per row with check_ranks=once")
     args = ap.parse_args()

@@ -2,7 +2,7 @@
 
 Eager (not while ``torch.compile`` traces), a call of :func:`cp_ops.attention` looks up its *plan* by
 
-    (q/k/v shapes, dtypes and devices, group, mode, transport, chunks)
+    (q/k/v shapes, dtypes and devices, group, mode, transport, chunks[, seq_lens, key_mask shape/dtype/device])
 
 A plan holds what the first call with that key decided after running every input check
 (:func:`cp_ops.attention._checked`): the process group, the concrete mode, the resolved transport name, the
@@ -18,6 +18,11 @@ used. The exchange is named after the call's first op ('cp_ops::agkv_gather_star
 'cp_ops::agkv_pipelined_attention'), and for chunks=1 AGKV and pipelined AGKV the signature equals that op's;
 Ulysses adds its chunks (1 when not pipelined), so it never equals a bare all-to-all of the same tensors. Eager Ulysses makes one exchange per call where the op path makes one per
 launch, so the ranks of a group must all run a Ulysses layer eager, or all compiled.
+
+A call with ``seq_lens`` or ``key_mask`` (uneven shards, key-padding masks) has a plan of its own,
+:class:`cp_ops.modes.uneven.EagerPlan` (its key adds ``seq_lens`` and the mask's shape; the mask's values are read
+at every call): padded shapes, offsets and the index tensors that select the real rows, computed once; one
+exchange per call, with the ``seq_lens`` tag of the uneven ops.
 
 Tracing that is not Dynamo (``make_fx``, ``FakeTensorMode``, any torch dispatch mode) and tensor subclasses take
 the general path too, so they see the ops. A mode takes this path when its function has an ``eager`` attribute:
@@ -51,7 +56,7 @@ class Plan:
         self.fn, self.chunks, self.check, self.device = fn, chunks, check, device
         self.tr, self.epoch = None, -1
 
-    def run(self, q, k, v, scale):
+    def run(self, q, k, v, scale, key_mask=None):  # key_mask: always None here (a layout call has its own plan)
         if self.check is not None:
             self.check.check()  # the rank contract: before any data moves
         if self.world == 1:
@@ -64,17 +69,23 @@ class Plan:
         return self.fn(q, k, v, self.pg, self.tr, scale)
 
 
-def lookup(q, k, v, group, mode, transport, chunks):
+def lookup(q, k, v, group, mode, transport, chunks, seq_lens=None, key_mask=None):
     """The plan for this call (built and cached on the first call with its key), or None: take the general path
     (an argument that is not a plain tensor — a tensor subclass, a FakeTensor —, a torch dispatch mode active —
     make_fx tracing, FakeTensorMode, a flop or comm counter: they must see the ops —, a mode without a direct
-    implementation, an empty tensor)."""
+    implementation, an empty tensor; with ``seq_lens``/``key_mask``: ``seq_lens`` not a tuple or list of ints,
+    a key mask that is not a plain tensor, no element to move on any rank)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
             or _dispatch_modes():
         return None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
                transport, chunks, type(chunks), config.settings.tune_modes)
+        if seq_lens is not None or key_mask is not None:
+            extra = _layout_key(seq_lens, key_mask)
+            if extra is None:
+                return None
+            key += extra
         p = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable group: the general path raises the error
         return None
@@ -83,7 +94,7 @@ def lookup(q, k, v, group, mode, transport, chunks):
             _plans.pop(key, None)
             return None
         return p.plan
-    plan = _build(q, k, v, group, mode, transport, chunks)
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = _Entry(plan, plan.pg if plan is not None else _default_or_none(group))  # None: the general path
@@ -104,11 +115,35 @@ def _default_or_none(group):
     return dist.group.WORLD if group is None else None
 
 
-def _build(q, k, v, group, mode, transport, chunks):
+def _layout_key(seq_lens, key_mask):
+    """What a ``seq_lens`` / ``key_mask`` call adds to its key: ``seq_lens`` (a tuple of ints) and the mask's shape,
+    dtype and device (its values are data, read at every call); None: the general path (it raises on a bad one).
+    Ints only, by type: ``4.0`` and ``True`` hash like ``4`` and ``1`` but are not token counts."""
+    if seq_lens is not None:
+        if type(seq_lens) is not tuple:
+            if type(seq_lens) is not list:
+                return None
+            seq_lens = tuple(seq_lens)
+        for n in seq_lens:
+            if type(n) is not int:
+                return None
+    if key_mask is None:
+        return (seq_lens, None)
+    if type(key_mask) is not torch.Tensor:
+        return None
+    return (seq_lens, key_mask.shape, key_mask.dtype, key_mask.device)
+
+
+def _build(q, k, v, group, mode, transport, chunks, seq_lens=None, key_mask=None):
     from .attention import _checked, local_attention
     from .group import resolve_group
 
     pg = resolve_group(group)
+    if seq_lens is not None or key_mask is not None:  # uneven shards / key mask: cp_ops.modes.uneven
+        from .modes import uneven
+
+        chosen, resolved = _checked(q, k, v, pg, mode, transport, chunks, (seq_lens, key_mask))  # raises as the API
+        return uneven.eager_plan(q, pg, chosen, resolved, seq_lens, key_mask is not None)
     chosen, resolved = _checked(q, k, v, pg, mode, transport, chunks)  # raises (on every rank) as the API does
     if q.numel() == 0:
         return None

@@ -55,18 +55,18 @@ _FLAGS = [(getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_
           for n, b in __import__("torch.nn.attention", fromlist=["_backend_names"])._backend_names.items()]
 
 
-def _sdpa_cuda_priority(qt, kt, vt, scale):
+def _sdpa_cuda_priority(qt, kt, vt, scale, attn_mask=None):
     order = torch._C._get_sdp_priority_order()
     reorder = order[:len(_PRIO)] != _PRIO
     flipped = [(setter, want) for getter, setter, want in _FLAGS if getter() != want]
     if not reorder and not flipped:
-        return F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, scale=scale)
     if reorder:
         torch._C._set_sdp_priority_order(_PRIO + [b for b in order if b not in _PRIO])
     for setter, want in flipped:
         setter(want)
     try:
-        return F.scaled_dot_product_attention(qt, kt, vt, scale=scale)
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=attn_mask, scale=scale)
     finally:
         if reorder:
             torch._C._set_sdp_priority_order(order)
@@ -135,22 +135,23 @@ def attention(
             initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
             output (see Autograd).
 
-    Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks) runs
-    every check and caches its decisions; a repeat call is a dict lookup, one rank-contract exchange and the
-    mode's launches and kernels, called without the ``torch.library`` dispatcher (:mod:`cp_ops._eager`). CUDA
-    graphs: capturable (``torch.cuda.graph`` after an eager warm-up, ``torch.compile(mode="reduce-overhead")``);
-    the rank contract is checked at capture, not at replay.
+    Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks;
+    ``seq_lens`` and the key mask's shape) runs every check and caches its decisions; a repeat call is a dict
+    lookup, one rank-contract exchange and the mode's launches and kernels, called without the ``torch.library``
+    dispatcher (:mod:`cp_ops._eager`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
+    ``torch.compile(mode="reduce-overhead")``); the rank contract is checked at capture, not at replay.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
     # eager: the cached plan of this call (cp_ops._eager: one dict lookup, one rank-contract exchange, the mode's
     # work called directly); under torch.compile, or a call the plan does not cover: the ops below
-    plan = None if torch.compiler.is_compiling() or seq_lens is not None or key_mask is not None \
-        else _eager.lookup(q, k, v, group, mode, transport, chunks)
+    plan = None if torch.compiler.is_compiling() else _eager.lookup(q, k, v, group, mode, transport, chunks, seq_lens,
+                                                                     key_mask)
     if plan is not None:
         wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        out = plan.run(q.detach(), k.detach(), v.detach(), scale) if wants_grad else plan.run(q, k, v, scale)
+        out = plan.run(q.detach(), k.detach(), v.detach(), scale, key_mask) if wants_grad \
+            else plan.run(q, k, v, scale, key_mask)
         return _ForwardOnly.apply(out, q, k, v) if wants_grad else out
     pg = resolve_group(group)
     world_size = pg.size()

@@ -330,19 +330,20 @@ class CallCheck:
     Args:
         pg: the CP group. op: the call's name. transport: the transport argument as given. shape, dtype: the
             compared tensor's ``[B, S_local, H, D]`` and dtype. extra: the tensor count (or chunks, see
-            :func:`register_op`). chunks: the pipeline stages of the call (0: not a pipelined call).
+            :func:`register_op`). chunks: the pipeline stages of the call (0: not a pipelined call). tag, note:
+            as :func:`exchange`'s (e.g. a hash of the call's ``seq_lens`` and those in words).
     """
 
-    __slots__ = ("pg", "st", "op", "transport", "shape", "dtype", "extra", "chunks", "words")
+    __slots__ = ("pg", "st", "op", "transport", "shape", "dtype", "extra", "chunks", "words", "note")
 
     def __init__(self, pg: dist.ProcessGroup, op: str, transport: str, shape, dtype: torch.dtype, extra: int,
-                 chunks: int = 0):
+                 chunks: int = 0, tag: int = 0, note: str | None = None):
         self.pg, self.st, self.op, self.transport = pg, _state(pg), op, transport
-        self.shape, self.dtype, self.extra, self.chunks = tuple(shape), dtype, extra, chunks
+        self.shape, self.dtype, self.extra, self.chunks, self.note = tuple(shape), dtype, extra, chunks, note
         b, s, h, d = shape
-        # the words after (call number, failed): transport, [settings], shape, dtype, count, checksums, chunks
+        # the words after (call number, failed): transport, [settings], shape, dtype, count, checksums, chunks, tag
         self.words = (OPS.get(op) or register_op(op), _id(pg.group_name), _id(transport), b, s, h, d, _id(dtype),
-                      extra, chunks)
+                      extra, chunks, tag)
 
     def check(self) -> None:
         st = self.st
@@ -351,12 +352,12 @@ class CallCheck:
         if st.side is None:
             _make_side(st, self.op)
         st.count += 1
-        op_id, gid, tid, b, s, h, d, dt, extra, chunks = self.words
+        op_id, gid, tid, b, s, h, d, dt, extra, chunks, tag = self.words
         _PACK.pack_into(st.lbuf, 0, op_id, gid, st.count, 0, tid, _id(_collective_values(config.settings)),
-                        b, s, h, d, dt, extra, 0, 0, 0, chunks, 0)
+                        b, s, h, d, dt, extra, 0, 0, 0, chunks, tag)
         if not _gather(st, self.op):
             _disagree(st, self.op, self.transport, list(self.shape), str(self.dtype).replace("torch.", ""),
-                      self.extra, None, None, self.chunks)
+                      self.extra, None, None, self.chunks, self.note)
 
 
 def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, chunks, note=None) -> None:

@@ -26,6 +26,15 @@ device: bitwise equal to single-device attention on CPU where the same kernel se
   all-to-all's send buffer (pad and pack in one copy, as its even pack). (Attending the padded queries instead would save two copies but is
   not bitwise: CPU SDPA's result for a row depends on the query count, by 2e-7 in a test.)
 
+**Eager calls** take a cached plan (:class:`EagerPlan`, keyed in :mod:`cp_ops._eager` by the even call's key plus
+``seq_lens`` and the mask's shape, dtype and device; the mask's values are data, read at every call): the same
+method with padded shapes, offsets, the rank contract's tagged signature and the index tensors that select the real
+rows computed once, so a repeat call is a dict lookup, one exchange (named after the call's first op, with chunks=1
+for Ulysses) and the transport's launches: padding is copied into one fresh buffer (its rows are never read, so
+never written), the real rows are taken by one ``index_select`` (``take`` for the mask), the torch transport's
+collectives are called directly (AGKV: K, V and the mask in one coalesced all-gather). Bitwise equal to the ops
+(``tests/test_uneven_plan.py``). Compiled code, tracing and dispatch modes use the ops.
+
 **Ops** (``torch.library``; launches like :mod:`cp_ops._library`'s, outputs valid after ``wait_tensor``; exact fake
 kernels, so ``torch.compile(fullgraph=True)`` traces them, each rank its own shapes):
 
@@ -58,7 +67,8 @@ from torch.nn.attention import sdpa_kernel
 from .. import _library as lib
 from .. import layout, validate
 from .._hooks import run_compile_hooks
-from ..attention import _CUDA_PRIORITY, local_attention
+from ..attention import _CUDA_PRIORITY, _sdpa_cuda_priority, local_attention
+from ..transport import base as transport_base
 
 #: The modes that take ``seq_lens`` / ``key_mask``.
 MODES = ("agkv", "ulysses")
@@ -446,3 +456,223 @@ def attention(q, k, v, *, mode: str, world_size: int, group_name: str, transport
     else:  # re-pad to the even layout and back
         back = torch.ops.cp_ops.ulysses_inverse_uneven_start(out, seq, world_size, group_name, transport)
     return inverse_rows(lib.wait(back), q.shape[1])
+
+
+# ---- the eager plan (cp_ops._eager): a repeated call without the ops ---------------------------------
+def eager_plan(q: torch.Tensor, pg, mode: str, transport: str, seq_lens, has_mask: bool):
+    """The plan of an eager ``cp_ops.attention(..., seq_lens=, key_mask=)`` call with ``q``'s shape, after its checks
+    (:func:`check_call`): an :class:`EagerPlan`, or None (the general path, on every rank alike: nothing to move,
+    ``B * max(seq_lens) * H * D == 0``)."""
+    w = pg.size()
+    if w == 1:
+        return _LocalPlan(pg)
+    b, s, h, d = q.shape
+    seq = tuple(seq_lens) if seq_lens is not None else (s,) * w
+    if b * max(seq) * h * d == 0:
+        return None
+    return EagerPlan(pg, mode, transport, seq, has_mask, q)
+
+
+class _LocalPlan:
+    """W = 1: :func:`masked_attention` (no exchange, as the general path)."""
+
+    __slots__ = ("pg",)
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def run(self, q, k, v, scale, key_mask=None):
+        return masked_attention(q, k, v, scale, key_mask)
+
+
+def _attend(q, k, v, scale, m4):
+    """:func:`masked_attention` with the mask already ``[B, 1, 1, Skv]`` (the same SDPA call; on CUDA the backend
+    order of :func:`cp_ops.local_attention` set without the ``sdpa_kernel`` context manager's host cost)."""
+    if m4 is None:
+        return local_attention(q, k, v, scale)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if q.is_cuda:
+        out = _sdpa_cuda_priority(qt, kt, vt, scale, m4)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=m4, scale=scale)
+    return out.transpose(1, 2)
+
+
+class EagerPlan:
+    """An eager ``seq_lens`` / ``key_mask`` call of one key (:mod:`cp_ops._eager`): the method of this module with
+    everything derivable from (seq_lens, mask shape, W, rank, shapes, dtype, device) computed once — padded shapes,
+    the index tensors that select the real rows (on the device) and the rank contract's signature with the
+    ``seq_lens`` tag of the ops (:class:`cp_ops.validate.CallCheck`: one exchange per call, named
+    'cp_ops::agkv_gather_uneven_start' (AGKV) or 'cp_ops::ulysses_uneven_start' with chunks=1 (Ulysses), the padded
+    shape ``[B, max(seq_lens), H, D]``). ``run(q, k, v, scale, key_mask)`` → ``[B, S_local, H, D]``: no input checks,
+    no dispatcher, no host sync; the mask's values are read at every call.
+
+    Per call: pad by copying into one fresh buffer (padding rows are never read: only the real rows are selected,
+    so they are left unwritten), the transport's launch (the torch transport's all-to-alls called directly, the
+    padding written straight into the send buffer), the mask's all-gather (bool), one ``index_select`` per
+    selection (AGKV: K and V; Ulysses: Q, K and V together from the received buffer; the output, re-padded, into
+    the inverse's send buffer) and ``take`` for the mask; blocks that are all full skip the selection (views)."""
+
+    __slots__ = ("pg", "mode", "resolved", "device", "check", "tr", "epoch", "torch_tr", "direct", "w", "b", "s",
+                 "smax", "full", "pad", "kv_idx", "flat_idx", "gather", "gview", "gdim", "gout", "mask_send",
+                 "mask_recv", "mask_view", "mask_idx", "heads", "send_shape", "pad3", "qkv_idx", "qkv_shape",
+                 "inv_idx", "inv_shape")
+
+    def __init__(self, pg, mode: str, resolved: str, seq: tuple, has_mask: bool, q: torch.Tensor):
+        w, dev = pg.size(), q.device
+        b, s, h, d = q.shape
+        smax, total = max(seq), sum(seq)
+        self.pg, self.mode, self.resolved, self.device = pg, mode, resolved, dev
+        self.tr, self.epoch, self.torch_tr, self.direct = None, -1, False, False
+        self.w, self.b, self.s, self.smax, self.full = w, b, s, smax, all(n == smax for n in seq)
+        tag, note = _tag(seq, has_mask)
+        op, extra, chunks = (("cp_ops::agkv_gather_uneven_start", 2, 0) if mode == "agkv"
+                             else ("cp_ops::ulysses_uneven_start", 3, 1))
+        self.check = validate.CallCheck(pg, op, resolved, (b, smax, h, d), q.dtype, extra, chunks, tag, note)
+        # token j of the full sequence is row t[j] of rank r[j]'s padded block
+        r = torch.repeat_interleave(torch.arange(w), torch.tensor(seq))
+        t = torch.arange(total) - torch.tensor(layout.shard_offsets(seq))[r]
+        bb = torch.arange(b).view(b, 1)
+        self.pad = (b, smax, h, d) if s < smax else None
+        # the mask: all-gathered [W*B, smax] bool → [B, 1, 1, total] (SDPA's boolean mask)
+        self.mask_send, self.mask_recv = (b, smax), (w * b, smax)
+        self.mask_view = (1, 1, 1, w * smax) if b == 1 and self.full else None
+        self.mask_idx = None if self.mask_view else ((r * b + bb) * smax + t).view(b, 1, 1, total).to(dev)
+        self.kv_idx = self.flat_idx = self.qkv_idx = self.inv_idx = None
+        self.heads = self.send_shape = self.pad3 = self.qkv_shape = self.inv_shape = None
+        if mode == "agkv":
+            # a transport's gather [B, W*smax, H, D] → its real rows (dim 1)
+            self.kv_idx = None if self.full else (r * smax + t).to(dev)
+            # the torch transport's, called directly: one coalesced all-gather of K, V (and the mask) into
+            # [W*B, smax, H, D] (rank-major) → viewed [1, W*smax, H, D] (B = 1: real rows on dim 1) or
+            # [W*B*smax, H, D] (B > 1: real rows of each batch row on dim 0, then viewed [B, total, H, D])
+            self.gather = (w * b, smax, h, d)
+            if b == 1:
+                self.gview, self.gdim, self.gout, self.flat_idx = (1, w * smax, h, d), 1, None, self.kv_idx
+            else:
+                self.gview, self.gdim, self.gout = (w * b * smax, h, d), 0, (b, total, h, d)
+                self.flat_idx = ((r * b + bb) * smax + t).reshape(-1).to(dev)
+            return
+        hl = h // w
+        self.heads = (b, s, w, hl, d)
+        self.send_shape = (w, b, smax, 3, hl, d)
+        self.pad3 = (3, b, smax, h, d) if s < smax else None
+        if not self.full:
+            # rows of the received [W, B, smax, 3, Hl, D] as [W*B*smax*3, Hl, D] → [3, B, total, Hl, D]
+            i3 = torch.arange(3).view(3, 1, 1)
+            self.qkv_idx = (((r * b + bb) * smax + t) * 3 + i3).reshape(-1).to(dev)
+            self.qkv_shape = (3, b, total, hl, d)
+            # the inverse's send rows: position p = r*smax + u of [W*smax] ← output row offset[r] + u (u < seq[r]),
+            # any row (0) in the padding
+            p = torch.arange(w * smax)
+            rp, u = p // smax, p % smax
+            n = torch.tensor(seq)[rp]
+            self.inv_idx = torch.where(u < n, torch.tensor(layout.shard_offsets(seq))[rp] + u, 0).to(dev)
+            self.inv_shape = (w, smax, b, hl, d)
+
+    def run(self, q, k, v, scale, key_mask=None):
+        self.check.check()  # the rank contract: before any data moves
+        if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
+            self.tr = transport_base.for_group(self.resolved, self.pg, self.device)
+            self.torch_tr, self.epoch = self.tr.name == "torch", transport_base.epoch
+            # AGKV: the torch transport's gather, called directly (one launch with the mask), but for full blocks
+            # and B > 1, where the transport's per-row gather needs no selection (no copy)
+            self.direct = self.torch_tr and (self.b == 1 or not self.full)
+        if self.mode == "agkv":
+            return self._agkv(q, k, v, scale, key_mask)
+        return self._ulysses(q, k, v, scale, key_mask)
+
+    def _mask_buffers(self, key_mask):
+        """(send [B, smax], receive [W*B, smax]) bool buffers of the mask's all-gather."""
+        s = self.s
+        if s == self.smax:
+            send = key_mask.contiguous()
+        else:
+            send = key_mask.new_empty(self.mask_send)
+            send.narrow(1, 0, s).copy_(key_mask)
+        return send, key_mask.new_empty(self.mask_recv)
+
+    def _mask_real(self, recv):
+        """The gathered ``[W*B, smax]`` mask → SDPA's ``[B, 1, 1, total]`` (the real keys)."""
+        return recv.view(self.mask_view) if self.mask_view else recv.take(self.mask_idx)
+
+    def _mask_start(self, key_mask):
+        send, recv = self._mask_buffers(key_mask)
+        return recv, self.pg._allgather_base(recv, send)
+
+    def _mask_wait(self, recv, work):
+        work.wait()
+        return self._mask_real(recv)
+
+    def _agkv(self, q, k, v, scale, key_mask):
+        if self.pad is not None:
+            s = self.s
+            ks, vs = k.new_empty(self.pad), v.new_empty(self.pad)
+            ks.narrow(1, 0, s).copy_(k)
+            vs.narrow(1, 0, s).copy_(v)
+        else:
+            ks, vs = k.contiguous(), v.contiguous()
+        if self.direct:
+            kr, vr = ks.new_empty(self.gather), vs.new_empty(self.gather)
+            if key_mask is None:
+                self.pg.allgather_into_tensor_coalesced([kr, vr], [ks, vs]).wait()
+                m4 = None
+            else:
+                ms, mr = self._mask_buffers(key_mask)
+                self.pg.allgather_into_tensor_coalesced([kr, vr, mr], [ks, vs, ms]).wait()
+                m4 = self._mask_real(mr)
+            kf, vf = kr.view(self.gview), vr.view(self.gview)
+            if self.flat_idx is not None:
+                kf, vf = kf.index_select(self.gdim, self.flat_idx), vf.index_select(self.gdim, self.flat_idx)
+                if self.gout is not None:
+                    kf, vf = kf.view(self.gout), vf.view(self.gout)
+            return _attend(q, kf, vf, scale, m4)
+        kf, vf, work = self.tr.agkv_start(ks, vs, self.pg)
+        m = None if key_mask is None else self._mask_start(key_mask)
+        work.wait()
+        if self.kv_idx is not None:
+            kf, vf = kf.index_select(1, self.kv_idx), vf.index_select(1, self.kv_idx)
+        return _attend(q, kf, vf, scale, None if m is None else self._mask_wait(*m))
+
+    def _ulysses(self, q, k, v, scale, key_mask):
+        s, smax, pg = self.s, self.smax, self.pg
+        if self.torch_tr:  # pad and pack in one copy into the all-to-all's send buffer
+            send = q.new_empty(self.send_shape)
+            dst = send.narrow(2, 0, s).unbind(3) if s < smax else send.unbind(3)
+            for x, to in zip((q, k, v), dst):
+                to.copy_(x.reshape(self.heads).permute(2, 0, 1, 3, 4))
+            buf = torch.empty_like(send)
+            work = pg.alltoall_base(buf, send, [], [])
+        else:
+            if self.pad3 is not None:
+                padded = q.new_empty(self.pad3)
+                for x, to in zip((q, k, v), padded.narrow(2, 0, s).unbind(0)):
+                    to.copy_(x)
+                xs = list(padded.unbind(0))
+            else:
+                xs = [q, k, v]
+            buf, work = self.tr.ulysses_start(xs, pg)
+        m = None if key_mask is None else self._mask_start(key_mask)
+        work.wait()
+        if self.qkv_idx is None:
+            qh, kh, vh = (layout.ulysses_unpack(buf, i) for i in range(3))
+        else:
+            hl, d = self.qkv_shape[3:]
+            qh, kh, vh = buf.view(-1, hl, d).index_select(0, self.qkv_idx).view(self.qkv_shape).unbind(0)
+        out = _attend(qh, kh, vh, scale, None if m is None else self._mask_wait(*m))  # [B, total, Hl, D]
+        if self.inv_idx is None:
+            back, work = self.tr.ulysses_inverse_start(out, pg)
+            work.wait()
+            return layout.ulysses_inverse_unpack(back)
+        if self.torch_tr:  # the re-padded output straight into the send buffer, laid out [W, smax, B, Hl, D]
+            send = out.transpose(0, 1).index_select(0, self.inv_idx)
+            back = torch.empty_like(send)
+            pg.alltoall_base(back, send, [], []).wait()
+            back = back.view(self.inv_shape)
+            if s < smax:
+                back = back.narrow(1, 0, s)
+            b, _, w, hl, d = self.heads
+            return back.permute(2, 1, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(b, s, w * hl, d)
+        back, work = self.tr.ulysses_inverse_start(out.index_select(1, self.inv_idx), pg)
+        work.wait()
+        return inverse_rows(back, s)
