@@ -131,6 +131,20 @@ class Settings:
         ]
 
 
+def _warn_unknown(environ: Mapping[str, str]) -> None:
+    """A ``CP_OPS_*`` variable that names no setting (a typo such as ``CP_OPS_CHECK_RANK``) would otherwise be
+    ignored in silence: warn, naming the closest known variable."""
+    import difflib
+    import logging
+
+    known = [var for var, _, _ in _FIELDS.values()]
+    for name in sorted(k for k in environ if k.startswith("CP_OPS_") and k not in known):
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        logging.getLogger("cp_ops").warning("cp_ops: %s is not a cp_ops setting and is ignored; %sknown: %s",
+                                            name, hint, ", ".join(known))
+
+
 def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """Parse every ``CP_OPS_*`` variable of ``environ`` (default ``os.environ``).
 
@@ -138,6 +152,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
         ConfigError: a value outside its allowed values (one line: variable, value, allowed values).
     """
     environ = os.environ if environ is None else environ
+    _warn_unknown(environ)
     values, sources = {}, {}
     for f, (var, parse, default) in _FIELDS.items():
         raw = environ.get(var)

@@ -192,3 +192,17 @@ def test_shutdown_bounds_a_hanging_destroy(ok):
     assert p.returncode == (0 if ok == "ok" else 1), (p.returncode, p.stderr[-2000:])
     assert "destroy_process_group did not return within 1 s" in p.stderr and "pytorch/pytorch#115388" in p.stderr
     assert "not reached" not in p.stdout and time.monotonic() - t0 < 60
+
+
+def test_unknown_cp_ops_variable_warns_with_the_closest_name(caplog):
+    """A misspelled CP_OPS_* variable is not ignored in silence: a warning names it and the closest setting."""
+    from cp_ops import config
+
+    with caplog.at_level("WARNING", logger="cp_ops"):
+        s = config.from_env({"CP_OPS_CHECK_RANK": "off", "CP_OPS_TIMEOUT_S": "9"})
+    assert s.check_ranks == "once" and s.timeout_s == 9
+    assert "CP_OPS_CHECK_RANK is not a cp_ops setting" in caplog.text and "did you mean CP_OPS_CHECK_RANKS?" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cp_ops"):
+        config.from_env({"CP_OPS_TIMEOUT_S": "9", "OTHER": "1"})
+    assert caplog.text == ""

@@ -1,7 +1,7 @@
 """Fast transport on 2+ Hopper GPUs (marked gpu; skipped without them): bitwise equality with the torch
 transport, 20 back-to-back layers, CUDA-graph capture/replay, shutdown and re-init, exit without shutdown.
 
-Each test spawns W = 2 NCCL ranks (``CP_OPS_GPU_WORLD`` to change) and reports the first rank's failure.
+Each test spawns W = 2 NCCL ranks (``GPU_TEST_WORLD`` to change) and reports the first rank's failure.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 from dist_util import run_ranks
 
-WORLD = int(os.environ.get("CP_OPS_GPU_WORLD", "2"))
+WORLD = int(os.environ.get("GPU_TEST_WORLD", "2"))
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(

@@ -4,7 +4,7 @@ eager call and ``torch.compile(mode="reduce-overhead")``, transports torch and f
 call on the same inputs (chunks=1: also to the single-GPU attention). The rank contract exchanges at capture, not
 at replay. A fast call that cannot be captured (its first call of a shape) raises a named error at capture time.
 
-Each test spawns W = 2 NCCL ranks (``CP_OPS_GPU_WORLD`` to change) and reports the first rank's failure.
+Each test spawns W = 2 NCCL ranks (``GPU_TEST_WORLD`` to change) and reports the first rank's failure.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_util import run_ranks
 
-WORLD = int(os.environ.get("CP_OPS_GPU_WORLD", "2"))
+WORLD = int(os.environ.get("GPU_TEST_WORLD", "2"))
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,

@@ -1,7 +1,7 @@
 """Pipelined AGKV and Ulysses on GPUs (marked gpu; skipped without them): bf16 vs one GPU, both transports;
 torch.compile(fullgraph=True) = eager. Run with ``-s`` to see the max relative error of every case.
 
-W = 2 NCCL ranks (``CP_OPS_GPU_WORLD`` to change). Tolerance: max |out - ref| / max |ref| ≤ 1e-2 (bf16 partial
+W = 2 NCCL ranks (``GPU_TEST_WORLD`` to change). Tolerance: max |out - ref| / max |ref| ≤ 1e-2 (bf16 partial
 outputs merged in fp32); ``chunks=1`` bitwise equal to one GPU (the same cuDNN kernel sees the same rows).
 """
 
@@ -15,7 +15,7 @@ import torch
 import cp_ops
 from dist_util import run_ranks
 
-WORLD = int(os.environ.get("CP_OPS_GPU_WORLD", "2"))
+WORLD = int(os.environ.get("GPU_TEST_WORLD", "2"))
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,

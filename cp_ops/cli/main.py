@@ -26,12 +26,12 @@ GPU_SEQS = [4096, 8192, 16384, 32768, 75600]
 CPU_SEQS = [512, 1024, 2048]
 
 
-def _csv(kind):
+def _csv(kind, what: str | None = None):
     def parse(text):
         try:
             return [kind(x) for x in text.split(",") if x]
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}: {e}") from e
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}: {e}") from e
 
     return parse
 
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "heads, e.g. ulysses, is skipped where W does not divide H)")
     b.add_argument("--transports", type=_csv(str), default=None,
                    help="torch,fast,auto (default: torch, plus fast where it can run)")
-    b.add_argument("--chunks", type=_csv(_chunks), default=[1],
+    b.add_argument("--chunks", type=_csv(_chunks, "chunk counts (ints >= 1 or auto)"), default=[1],
                    help="pipeline stages per named mode, comma-separated: 1 (transport-then-attend), k >= 2 "
                         "(pipelined), auto (chunks=None: the measured choice) (default 1); --modes auto always "
                         "runs mode='auto', chunks=None and reports the variant it picked")

@@ -21,7 +21,14 @@ import torch.distributed._functional_collectives as funcol
 from .plan import Gather, Plan, Split, shard_sizes
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_all_gather_async = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+def _all_gather(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+    """c10d's functional all-gather, waited at once (the current stream waits for it; the host does not): an
+    unwaited result whose consumer never runs a non-view op (an output the model drops) stays registered with
+    c10d ("unwaited collective calls" at exit), and on NCCL a consumer outside the dispatcher would race it."""
+    return funcol.wait_tensor(_all_gather_async(x, gather_dim=gather_dim, group=group))
 
 
 class CPState:
