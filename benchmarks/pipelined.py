@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from cp_ops import timing  # noqa: E402
+
 SIZES = [4096, 8192, 16384, 32768, 75600]
 B, H, D = 1, 40, 128
 WARMUP = 3
@@ -37,21 +39,7 @@ WARMUP = 3
 
 def _steady_ms(fn, n: int, reps: int, group) -> float:
     """Median over ``reps`` samples of (CUDA-event time of ``n`` back-to-back calls) / n, max over ranks."""
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    return _max(statistics.median(ts), group)
+    return _max(statistics.median(timing.steady_ms(fn, torch.device("cuda"), WARMUP, reps, n, align=group)), group)
 
 
 def _max(x: float, group) -> float:

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from cp_ops import timing  # noqa: E402
+
 B, H, D = 1, 40, 128
 CASES = ("even", "even+seq_lens", "uneven", "mask", "uneven+mask")
 
@@ -38,20 +40,8 @@ def _max(x: float) -> float:
 
 
 def _steady_ms(fn, n: int, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / n)
-    return _max(statistics.median(ts))
+    """Median over ``reps`` samples of ``n`` back-to-back calls per sample (ranks aligned), max over ranks."""
+    return _max(statistics.median(timing.steady_ms(fn, torch.device("cuda"), 3, reps, n, align=True)))
 
 
 def _worker(rank: int, world: int, dev: torch.device, args) -> None:

@@ -55,15 +55,19 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repe
     return times
 
 
-def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, samples: int, calls: int) -> list[float]:
+def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, samples: int, calls: int,
+              align: dist.ProcessGroup | bool | None = None) -> list[float]:
     """Steady-state time per call, ms, of each of ``samples`` samples: ``calls`` runs of ``fn()`` back to back
     between two CUDA events on the current stream (no host wait in between: the host runs ahead), divided by
     ``calls``; after ``warmup`` untimed runs. The device is synchronized before each sample (its queue empty).
-    On CPU: ``time.perf_counter`` around the ``calls`` runs."""
+    On CPU: ``time.perf_counter`` around the ``calls`` runs. ``align``: a process group (``True``: the default
+    group) whose ranks meet in a barrier before each sample, so every rank's sample starts together."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(samples):
+        if align is not None and align is not False:
+            dist.barrier(group=None if align is True else align)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
