@@ -285,8 +285,10 @@ def report(rows: list[dict], meta: dict, args) -> None:
         print(f"{r['S']:>7} {mode:>13} {chunks:>6} {r['transport']:>9} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
               f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
               f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}")
+    tuned = any("auto" in (r["requested_mode"], r["requested_chunks"]) for r in rows)
     for line in legend(meta):
-        print(line)
+        if tuned or not line.startswith("auto→X"):  # the auto legend only where an auto row is shown
+            print(line)
     if args.out:
         _write_json(args.out, {"meta": meta, "rows": rows})
     else:

@@ -113,4 +113,9 @@ def print_env() -> int:
         print("fast transport settings: " + ", ".join(f"{k}={v}" for k, v in runtime["settings"].items()))
     if runtime.get("lane"):
         print(f"fast lane: {runtime['lane']}")
+    from cp_ops import config
+    from cp_ops.modes import tune
+
+    print(f"measured mode/chunks choice (CP_OPS_TUNE_MODES): {'on' if config.settings.tune_modes else 'off'}; "
+          f"its cache file (CP_OPS_TUNE_CACHE): {tune.cache_path() or 'none'}")
     return 0

@@ -361,8 +361,8 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     name = {"wan": "Wan"}.get(args.model, spec.cls)
     print(f"\ncp-ops run {args.model} — {name} {args.config} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
-          f"{args.dtype}, CP{world_size} mode={mode} transport={transport} compile={compiled_with or 'no'}"
-          f"{' cfg-parallel' if args.cfg else ''}, on {meta.get('gpu', 'CPU')}")
+          f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
+          + f" mode={mode} transport={transport} compile={compiled_with or 'no'}, on {meta.get('gpu', 'CPU')}")
     if args.model == "wan" and not (args.steps or args.compare or args.compile):
         # the original `cp-ops run wan` table (kept)
         print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")
