@@ -56,7 +56,7 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repe
 
 
 def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, samples: int, calls: int,
-              align: dist.ProcessGroup | bool | None = None) -> list[float]:
+              align: dist.ProcessGroup | bool = False) -> list[float]:
     """Steady-state time per call, ms, of each of ``samples`` samples: ``calls`` runs of ``fn()`` back to back
     between two CUDA events on the current stream (no host wait in between: the host runs ahead), divided by
     ``calls``; after ``warmup`` untimed runs. The device is synchronized before each sample (its queue empty).
@@ -66,7 +66,7 @@ def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, sampl
         fn()
     times = []
     for _ in range(samples):
-        if align is not None and align is not False:
+        if align:
             dist.barrier(group=None if align is True else align)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

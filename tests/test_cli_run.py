@@ -132,7 +132,7 @@ def test_regional_compile_once_per_class(monkeypatch):
     import cp_ops
     from torch._dynamo.testing import CompileCounter
 
-    from cp_ops.cli.run import _canonical, _restore_blocks, compile_model
+    from cp_ops.cli.run import _canonical, _contiguous_strides, _restore_blocks, compile_model
 
     seen, counter = [], CompileCounter()
 
@@ -154,6 +154,8 @@ def test_regional_compile_once_per_class(monkeypatch):
         view = x[:, :64]
         assert _canonical(view).stride() == (view.shape[1] * view.shape[2], view.shape[2], 1)
         assert _canonical(view) is not view and torch.equal(_canonical(view), view) and _canonical(x) is x
+        for shape in [(1, 8192, 1536), (2, 0, 3), (1, 1, 4), (3, 4, 5, 6), (), (5, 1, 1)]:
+            assert _contiguous_strides(shape) == torch.empty(shape).stride(), shape
     assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True)] * 2
     torch.testing.assert_close(out, ref)
     _restore_blocks(model, spec)

@@ -78,8 +78,17 @@ def compile_model(model, spec, args, overlap: bool):
     return model, n
 
 
+def _contiguous_strides(shape) -> tuple:
+    """The strides ``torch.empty(shape)`` gets (row-major; a size-0 or size-1 dim counts as 1 in its outer ones)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _canonical(x):
-    if not isinstance(x, torch.Tensor) or x.stride() == torch.empty(x.shape, device="meta").stride():
+    if not isinstance(x, torch.Tensor) or x.stride() == _contiguous_strides(x.shape):
         return x
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
