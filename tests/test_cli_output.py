@@ -102,6 +102,14 @@ def test_out_overwrite_is_announced(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["S"] == 64
 
 
+def test_out_creates_missing_folders(tmp_path):
+    """--out into folders that do not exist yet: they are created (README: 'missing folders created')."""
+    out = tmp_path / "new" / "sub" / "bench.json"
+    p = _cli("bench", *SMALL, "--out", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"wrote {out}" in p.stdout and json.loads(out.read_text())["rows"][0]["S"] == 64
+
+
 def _torchrun(*args):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_ops",
                            *args], capture_output=True, text=True, timeout=180, env=_env(), cwd=ROOT)
