@@ -56,6 +56,7 @@ log = logging.getLogger("cp_ops")
 _ALIGN = 256
 _GB = 1 << 30
 N_SLOTS = 256  # device flag slots: the most un-waited fast calls in flight at once
+_SPARE_WORKS = 8  # finished works a lane keeps for reuse (Lane._work)
 _FLAGS = {1: "ready", 2: "arrived", 3: "arrived (wait_source)"}
 
 
@@ -454,6 +455,12 @@ class FastWork(dist.Work):
         super().__init__()
         self.lane, self.call, self.slot, self.tickets = lane, call, slot, tickets
         self._waited: set = set()  # streams already made to wait (k_full and v_full share one work)
+        self.ptrs: tuple = ()  # addresses of its outputs (FastTransport's wait_source map)
+
+    def _reset(self, call: int, slot: int, tickets: list) -> None:
+        """Reuse for a new launch (see :meth:`Lane._work`): only when waited and referenced by nobody."""
+        self.call, self.slot, self.tickets = call, slot, tickets
+        self._waited = set()
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - c10d signature
         lane = self.lane
@@ -525,6 +532,8 @@ class Lane:
     slots: CallSlots
     calls: int = 0
     decisions: dict = field(default_factory=dict)
+    # works kept for reuse (see _work); entry 0 is a sentinel only this list references
+    spare: list = field(default_factory=lambda: [object()])
 
     @property
     def world(self) -> int:
@@ -565,7 +574,26 @@ class Lane:
         except Exception:
             self.slots.release(slot, call)
             raise
-        return FastWork(self, call, slot, tickets)
+        return self._work(call, slot, tickets)
+
+    def _work(self, call: int, slot: int, tickets: list) -> FastWork:
+        """The work of a launch: a kept one that was waited and that nobody references any more (no Python
+        name, no c10d registration: ``_register_work`` holds a Python reference until ``wait_tensor``), reset;
+        else a new one (kept when there is room). A ``dist.Work`` subclass is built through pybind11 (measured as
+        the largest single host cost of a fast launch on the GPU host), so the eager paths reuse a handful."""
+        spare = self.spare
+        base = -1
+        for w in spare:  # the sentinel first: its count is the count of an object only this list holds
+            n = sys.getrefcount(w)
+            if base < 0:
+                base = n
+            elif n == base and w._waited:
+                w._reset(call, slot, tickets)
+                return w
+        w = FastWork(self, call, slot, tickets)
+        if len(spare) <= _SPARE_WORKS:
+            spare.append(w)
+        return w
 
     def candidates(self, aligned: bool) -> list[Decision]:
         w = self.world
@@ -636,6 +664,7 @@ class Lane:
         }
 
     def close(self):
+        del self.spare[1:]
         group_barrier(self.group, self.device)
         self.ext_lane.release()
         self.pool.release_all()

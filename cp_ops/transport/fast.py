@@ -294,8 +294,15 @@ class FastTransport:
                 lane.pool.consumed(g[2])
             raise
         outs = [g[0] for g in got]
-        for o in outs:
-            self._works[o.data_ptr()] = work
+        works = self._works
+        for p in getattr(work, "ptrs", ()):  # a reused work: its previous outputs no longer map to it
+            if works.get(p) is work:
+                del works[p]
+        ptrs = tuple(o.data_ptr() for o in outs)
+        for p in ptrs:
+            works[p] = work
+        if hasattr(work, "ptrs"):
+            work.ptrs = ptrs
         return outs, work
 
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group):

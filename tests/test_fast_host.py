@@ -1,0 +1,100 @@
+"""The fast transport's per-launch host state on CPU: works reused only when nobody can reach them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._C._distributed_c10d import _register_work
+
+from cp_ops.transport import _fast_runtime, fast
+
+
+def _lane():
+    lane = _fast_runtime.Lane.__new__(_fast_runtime.Lane)  # no device: only the work bookkeeping is used
+    lane.spare = [object()]
+    return lane
+
+
+def test_a_work_is_reused_only_once_waited_and_unreferenced(monkeypatch):
+    lane = _lane()
+    w0 = lane._work(0, 0, ["t0"])
+    assert isinstance(w0, _fast_runtime.FastWork) and (w0.call, w0.slot, w0.tickets) == (0, 0, ["t0"])
+    first = id(w0)
+    assert lane._work(1, 1, []) is not w0  # not waited yet (and still named here)
+    w0._waited.add(7)  # what FastWork.wait records
+    w2 = lane._work(2, 2, [])
+    assert w2 is not w0  # waited, but this test still holds it
+    t = torch.zeros(3)
+    _register_work(t, w0)  # c10d's registry (compiled code's wait_tensor) holds it now
+    del w0
+    w3 = lane._work(3, 3, [])
+    assert id(w3) != first  # registered, not waited through the registry: still reachable
+    monkeypatch.setattr(_fast_runtime.FastWork, "wait", lambda self, timeout=None: True)
+    torch.ops._c10d_functional.wait_tensor(t)  # the registry lets it go
+    w4 = lane._work(4, 4, ["t4"])
+    assert id(w4) == first and (w4.call, w4.slot, w4.tickets) == (4, 4, ["t4"]) and not w4._waited
+
+
+def test_the_lane_keeps_a_bounded_number_of_works():
+    lane = _lane()
+    held = [lane._work(c, c, []) for c in range(3 * _fast_runtime._SPARE_WORKS)]  # all in flight
+    assert len({id(w) for w in held}) == len(held)
+    assert len(lane.spare) == 1 + _fast_runtime._SPARE_WORKS
+
+
+def test_a_reused_work_no_longer_answers_for_its_old_outputs(monkeypatch):
+    """FastTransport.wait_source(t) finds a pending output's work by address; once a work is reused for another
+    launch, the outputs of its previous launch map to nothing (KeyError), as when the work was a new object."""
+    lane = _lane()
+    pool = _fast_runtime.Pool(lambda n: _seg(n), lambda seg: None, _make, lambda obj: [obj, obj], lambda: None,
+                              1 << 20, 1 / 1024, slots=2)
+
+    class Stub:
+        rank, world, calls = 0, 2, 0
+
+        def __init__(self):
+            self.pool = pool
+
+        def next_call(self):
+            return self.calls
+
+        def capturing(self):
+            return False
+
+        def launch(self, key, descs, inputs, tickets):
+            self.calls += 1
+            return lane._work(self.calls, self.calls, tickets)
+
+    stub = Stub()
+    monkeypatch.setattr(fast.transport, "_lane_for", lambda g: stub)
+    monkeypatch.setattr(fast.transport, "_works", type(fast.transport._works)())
+    x = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+    buf, work = fast.transport.ulysses_inverse_start(x, None)
+    assert fast.transport._works[buf.data_ptr()] is work
+    old_ptr, old_id = buf.data_ptr(), id(work)
+    for t in work.tickets:
+        pool.consumed(t)
+    work._waited.add(1)
+    del work
+    k = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+    kf, vf, work = fast.transport.agkv_start(k, k, None)  # another key: other buffers, the same work object
+    assert id(work) == old_id and fast.transport._works[kf.data_ptr()] is work
+    assert old_ptr not in fast.transport._works
+    with pytest.raises(KeyError):
+        fast.transport.wait_source(buf, 1)
+
+
+_mem: list = []
+
+
+def _seg(n):
+    t = torch.zeros(n, dtype=torch.uint8)
+    _mem.append(t)
+    return _fast_runtime.Segment(t.data_ptr(), [t.data_ptr(), t.data_ptr() + (1 << 40)], n, t)
+
+
+def _make(ptr, n):
+    for t in _mem:
+        if t.data_ptr() <= ptr < t.data_ptr() + t.numel():
+            return t[ptr - t.data_ptr():ptr - t.data_ptr() + n]
+    raise AssertionError("pointer outside every allocation")
