@@ -17,16 +17,22 @@ from __future__ import annotations
 import torch
 
 
-def ulysses_pack(xs: list[torch.Tensor], world_size: int) -> torch.Tensor:
+def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
     """Send buffer ``[W, B, S_local, n, Hl, D]`` (contiguous) from n tensors ``[B, S_local, H, D]`` (any strides);
     slab w holds head group w. One ``torch.stack`` of the n tensors seen as ``[W, B, S_local, Hl, D]`` (one
-    ``as_strided`` view each): n + 1 calls, one allocation, the copies issued from C++."""
+    ``as_strided`` view each): n + 1 calls, one allocation, the copies issued from C++.
+
+    ``lo``/``hi``: only heads ``[lo, hi)`` of every head group (pipelined Ulysses' sub-groups): the buffer is
+    ``[W, B, S_local, n, hi - lo, D]``, what packing ``x[:, :, w*Hl + lo : w*Hl + hi]`` (over w) would give, without
+    that intermediate copy."""
     b, s, h, d = xs[0].shape
     hl = h // world_size
+    hi = hl if hi is None else hi
     views = []
     for x in xs:
         sb, ss, sh, sd = x.stride()
-        views.append(x.as_strided((world_size, b, s, hl, d), (hl * sh, sb, ss, sh, sd), x.storage_offset()))
+        views.append(x.as_strided((world_size, b, s, hi - lo, d), (hl * sh, sb, ss, sh, sd),
+                                  x.storage_offset() + lo * sh))
     return torch.stack(views, dim=3)
 
 

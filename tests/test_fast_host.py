@@ -98,3 +98,20 @@ def _make(ptr, n):
         if t.data_ptr() <= ptr < t.data_ptr() + t.numel():
             return t[ptr - t.data_ptr():ptr - t.data_ptr() + n]
     raise AssertionError("pointer outside every allocation")
+
+
+@pytest.mark.parametrize("world,b,s,hl,d,lo,hi", [(2, 1, 6, 4, 8, 0, 2), (2, 2, 5, 4, 8, 1, 4), (4, 2, 3, 3, 4, 1, 2),
+                                                  (3, 1, 4, 2, 8, 0, 2)])
+def test_descriptors_ulysses_head_range(world, b, s, hl, d, lo, hi, monkeypatch):
+    """fast ulysses_start_heads (pipelined Ulysses' sub-group) delivers, byte for byte, what the torch transport's
+    all-to-all of layout.ulysses_pack(xs, W, lo, hi) delivers (emulated ranks, copies applied row by row)."""
+    from test_fast import _data, _emulate
+
+    from cp_ops import layout
+
+    xs = [[_data((b, s, world * hl, d), r, 30 + i) for i in range(3)] for r in range(world)]
+    outs = _emulate(world, monkeypatch, lambda r: fast.transport.ulysses_start_heads(xs[r], None, lo, hi))
+    packs = [layout.ulysses_pack(xs[r], world, lo, hi) for r in range(world)]
+    for me, (buf, _work) in enumerate(outs):
+        want = torch.stack([packs[src][me] for src in range(world)])
+        assert buf.shape == want.shape == (world, b, s, 3, hi - lo, d) and torch.equal(buf, want)

@@ -53,3 +53,54 @@ def test_unpack_all_equals_each_slot_with_its_strides(w, b, s, hl, d, n, dtype):
         assert shares == (b == 1)  # B = 1 reads the buffer in place; B > 1 copies
         if b > 1 and i > 0:  # one allocation for every slot exactly when aligned
             assert (o.data_ptr() - outs[0].data_ptr() == i * o.numel() * o.element_size()) == aligned
+
+
+@pytest.mark.parametrize("w,hl,lo,hi", [(2, 4, 0, 2), (2, 4, 2, 4), (3, 3, 1, 2), (4, 2, 0, 2)])
+def test_pack_of_a_head_range_equals_packing_those_heads(w, hl, lo, hi):
+    """pipelined Ulysses' sub-group: heads [lo, hi) of every head group, packed without the intermediate copy."""
+    b, s, d = 2, 3, 5
+    g = torch.Generator().manual_seed(w * 10 + lo)
+    xs = [torch.randn(b, s, w * hl, d, generator=g) for _ in range(3)]
+    sub = [x.view(b, s, w, hl, d)[:, :, :, lo:hi].reshape(b, s, w * (hi - lo), d) for x in xs]
+    out = layout.ulysses_pack(xs, w, lo, hi)
+    assert out.is_contiguous() and torch.equal(out, _pack_reference(sub, w))
+
+
+class _NoHeadRange:
+    """The torch transport without ``ulysses_start_heads``: pipelined Ulysses copies each sub-group first."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def ulysses_start(self, xs, group):
+        return self.inner.ulysses_start(xs, group)
+
+    def ulysses_inverse_start(self, x, group):
+        return self.inner.ulysses_inverse_start(x, group)
+
+
+def _eager_equals_ops(rank, w):
+    import torch.distributed as dist
+    from cp_ops.modes import ulysses, ulysses_pipelined
+    from cp_ops.transport import base
+
+    pg, tr = dist.group.WORLD, base.get("torch")
+    name = pg.group_name
+    for b in (1, 2):
+        g = torch.Generator().manual_seed(10 * b + rank)
+        q, k, v = (torch.randn(b, 6, 3 * w, 8, generator=g) for _ in range(3))
+        # transport-then-attend: the eager path (one pack, all slots unpacked at once) = the ops (per-slot unpack)
+        ops = ulysses.ulysses_attention(q, k, v, world_size=w, group_name=name, transport="torch", scale=0.3)
+        assert torch.equal(ulysses._ulysses_eager(q, k, v, pg, tr, 0.3), ops), b
+        for chunks in (2, 3):
+            ops = ulysses_pipelined.ulysses_pipelined_attention(q, k, v, world_size=w, group_name=name,
+                                                                transport="torch", scale=0.3, chunks=chunks)
+            direct = ulysses_pipelined._ulysses_pipelined_eager(q, k, v, pg, tr, 0.3, chunks)  # packs from q, k, v
+            copied = ulysses_pipelined._ulysses_pipelined_eager(q, k, v, pg, _NoHeadRange(tr), 0.3, chunks)
+            assert torch.equal(direct, ops) and torch.equal(copied, ops), (b, chunks)
+
+
+def test_eager_ulysses_bitwise_equals_the_ops():
+    from dist_util import run_ranks
+
+    run_ranks(_eager_equals_ops, 2)

@@ -6,7 +6,8 @@ computed whole; no merge).
 Sub-group i takes, from every destination rank's head block ``[t*Hl, (t+1)*Hl)`` (``Hl = H/W``), the heads
 ``[t*Hl + lo_i, t*Hl + hi_i)`` (``lo_i = i*Hl//g``); it is an ordinary Ulysses call on those heads
 (``cp_ops::ulysses_start`` / ``ulysses_inverse_start``, each waited by ``wait_tensor``), so every transport
-and the compiler see the usual launches. ``g = min(chunks, Hl)``. At most two launches of one kind are in flight
+and the compiler see the usual launches. Eagerly, a transport with ``ulysses_start_heads(xs, group, lo, hi)`` (torch,
+fast) sends a sub-group straight from q, k, v (no copy of the sub-group's heads first). ``g = min(chunks, Hl)``. At most two launches of one kind are in flight
 (the fast transport's pooled buffers: ``slots_per_key`` = 2): sub-group i+2 is launched after sub-group i's
 buffer has been read, and the inverse of sub-group i is unpacked before sub-group i+2's inverse starts.
 
@@ -36,7 +37,8 @@ def ulysses_pipelined_attention(q, k, v, *, world_size: int, group_name: str, tr
     Returns ``[B, S_local, H, D]`` in q's dtype (contiguous)."""
     w = world_size
     return _run(q, k, v, w, scale, chunks,
-                lambda xs: torch.ops.cp_ops.ulysses_start(xs, w, group_name, transport),
+                lambda lo, hi: torch.ops.cp_ops.ulysses_start([_heads(x, w, lo, hi) for x in (q, k, v)], w, group_name,
+                                                              transport),
                 lambda x: torch.ops.cp_ops.ulysses_inverse_start(x, w, group_name, transport), lib.wait,
                 lambda buf: [layout.ulysses_unpack(buf, j) for j in range(3)])
 
@@ -50,12 +52,21 @@ def _launched(pair):
 def _ulysses_pipelined_eager(q, k, v, pg, transport, scale, chunks) -> torch.Tensor:
     """Eager pipelined Ulysses without the dispatcher (cp_ops._eager): the same schedule on the transport object's
     launches and works."""
-    return _run(q, k, v, pg.size(), scale, chunks, lambda xs: transport.ulysses_start(xs, pg),
-                lambda x: transport.ulysses_inverse_start(x, pg), _launched, layout.ulysses_unpack_all)
+    w = pg.size()
+    heads = getattr(transport, "ulysses_start_heads", None)  # packs a sub-group straight from q, k, v
+    if heads is not None:
+        def start(lo, hi):
+            return heads([q, k, v], pg, lo, hi)
+    else:
+        def start(lo, hi):
+            return transport.ulysses_start([_heads(x, w, lo, hi) for x in (q, k, v)], pg)
+    return _run(q, k, v, w, scale, chunks, start, lambda x: transport.ulysses_inverse_start(x, pg), _launched,
+                layout.ulysses_unpack_all)
 
 
 def _run(q, k, v, w: int, scale, chunks: int, start, inverse, wait, unpack) -> torch.Tensor:
-    """The schedule: ``start(xs)``/``inverse(x)`` launch, ``wait(launched)`` gives the received buffer,
+    """The schedule: ``start(lo, hi)`` launches heads ``[lo, hi)`` of every head group of q, k, v, ``inverse(x)``
+    launches the way back, ``wait(launched)`` gives the received buffer,
     ``unpack(buf)`` its q, k, v (per slot when traced, the form the compiler sees; all at once eagerly)."""
     from ..attention import local_attention
 
@@ -69,9 +80,7 @@ def _run(q, k, v, w: int, scale, chunks: int, start, inverse, wait, unpack) -> t
     result = q.new_empty(b, s, w, hl, d)
 
     def launch(i):
-        lo, hi = spans[i]
-        xs = [_heads(x, w, lo, hi) for x in (q, k, v)]
-        starts[i] = start(xs)
+        starts[i] = start(*spans[i])
 
     def finish(i):  # heads -> sequence result of sub-group i, copied out of the (maybe pooled) buffer
         back = wait(inverses.pop(i))  # [W, B, S_local, hl_i, D]

@@ -334,24 +334,34 @@ class FastTransport:
 
         Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
         """
+        return self.ulysses_start_heads(xs, group, 0, None)
+
+    def ulysses_start_heads(self, xs: list[torch.Tensor], group, lo: int, hi: int | None):
+        """:meth:`ulysses_start` of heads ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group):
+        ``(buf [W, B, S_local, n, hi - lo, D], work)``, the pitched copies reading the whole tensors (no copy of
+        the sub-group first). ``hi=None``: every head (:meth:`ulysses_start`)."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         prepped = [_prep(x) for x in xs]
         xs = [x for x, _ in prepped]
         b, s, h, d = xs[0].shape
         n, hl, es = len(xs), h // w, xs[0].element_size()
-        slab = b * s * n * hl * d * es
-        hb = hl * d * es
+        hi = hl if hi is None else hi
+        hs = hi - lo  # heads per group that travel
+        slab = b * s * n * hs * d * es
+        hb = hs * d * es
+        gb = hl * d * es  # bytes of one head group in a token row of an input
         rows, dpitch, spitch = b * s, n * hb, h * d * es
-        # per input: (offset of its slot in this rank's slab, its address); slab t of the input is at + t * hb
-        parts = [(r * slab + i * hb, p) for i, (_, p) in enumerate(prepped)]
+        # per input: (offset of its slot in this rank's slab, address of its heads [lo, hi) of head group 0)
+        parts = [(r * slab + i * hb, p + lo * d * es) for i, (_, p) in enumerate(prepped)]
 
         def descs(bases):
             (ub,) = bases
-            return [[(ub[t] + o, p + t * hb, hb, rows, dpitch, spitch) for o, p in parts] for t in range(w)]
+            return [[(ub[t] + o, p + t * gb, hb, rows, dpitch, spitch) for o, p in parts] for t in range(w)]
 
-        (buf,), work = self._launch(lane, ("ulysses", b, s, h, d, n, str(xs[0].dtype)),
-                                    [("ulysses", (w, b, s, n, hl, d), xs[0].dtype)], descs, xs)
+        key = ("ulysses", b, s, h, d, n, str(xs[0].dtype)) if hs == hl else \
+            ("ulysses_heads", b, s, h, d, n, lo, hi, str(xs[0].dtype))
+        (buf,), work = self._launch(lane, key, [("ulysses", (w, b, s, n, hs, d), xs[0].dtype)], descs, xs)
         return buf, work
 
     def ulysses_inverse_start(self, x: torch.Tensor, group):

@@ -76,6 +76,14 @@ class TorchTransport:
         work = group.alltoall_base(recv, send, [], [])
         return recv, work
 
+    def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int, hi: int):
+        """:meth:`ulysses_start` of heads ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group):
+        ``(buf [W, B, S_local, n, hi - lo, D], work)``, packed straight from the whole tensors."""
+        send = ulysses_pack(xs, group.size(), lo, hi)
+        recv = torch.empty_like(send)
+        work = group.alltoall_base(recv, send, [], [])
+        return recv, work
+
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         send = ulysses_inverse_pack(x, group.size())
         recv = torch.empty_like(send)
