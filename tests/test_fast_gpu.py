@@ -86,6 +86,14 @@ def _bitwise(rank, world):
                 buf, work = fast.transport.ulysses_start(xs, pg)
                 work.wait()
                 assert torch.equal(buf, _ref_uly(xs, pg)), ("ulysses", path, b, s, h, d, dtype)
+                if h // world >= 2:  # pipelined Ulysses' sub-group: heads [1, H/W) of every head group
+                    from cp_ops.transport import torch as tt
+
+                    buf, work = fast.transport.ulysses_start_heads(xs, pg, 1, h // world)
+                    work.wait()
+                    ref, rw = tt.transport.ulysses_start_heads(xs, pg, 1, h // world)
+                    rw.wait()
+                    assert torch.equal(buf, ref), ("ulysses heads", path, b, s, h, d, dtype)
                 x = _rand((b, s * world, h // world, d), seed + 9, dtype)
                 buf, work = fast.transport.ulysses_inverse_start(x, pg)
                 work.wait()
@@ -101,6 +109,10 @@ def _bitwise(rank, world):
         of = cp_ops.attention(q, k, v, group=pg, mode=mode, transport="fast")
         ot = cp_ops.attention(q, k, v, group=pg, mode=mode, transport="torch")
         assert torch.equal(of, ot), mode
+    for _ in range(3):  # eager pipelined Ulysses (sub-groups sent straight from q, k, v), works reused
+        of = cp_ops.attention(q, k, v, group=pg, mode="ulysses", transport="fast", chunks=2)
+        ot = cp_ops.attention(q, k, v, group=pg, mode="ulysses", transport="torch", chunks=2)
+        assert torch.equal(of, ot), "ulysses chunks=2"
     d = fast.describe()
     assert d["lane"]["width"] == world and d["lane"]["pool"]["used_bytes"] > 0
     fast.shutdown()
