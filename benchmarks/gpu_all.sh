@@ -7,6 +7,7 @@
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
+#   timeline — benchmarks/timeline.py (profiler timeline per mode/transport/chunks: attn, merge, comm, idle, overlap);
 #   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/chunks/rank check, --profile);
 #   wan11 — issue 11's measurements of `cp-ops run wan` (Wan2.1-1.3B config, latent 16x64x64 = 16x32x32 patches =
 #     16384 tokens, bf16; CP degree = all visible GPUs or $WAN_NPROC): eager Ulysses/AGKV with diffusers' native CP
@@ -38,6 +39,9 @@ for s in $SECTIONS; do case $s in
          python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)" 2>&1 | tee -a "$OUT/log.txt" ;;
   cpu_suite) ( CUDA_VISIBLE_DEVICES= timeout ${CPU_SUITE_TIMEOUT:-480} python3 -m pytest -q -m "not gpu" -p no:cacheprovider ${CPU_SUITE_TESTS:-} \
            > "$OUT/cpu_suite.txt" 2>&1; echo "cpu_suite rc=$?" >> "$OUT/cpu_suite.txt" ) & bg=$! ;;
+  timeline) # where the GPU time of one attention call goes (benchmarks/timeline.py): per-class µs, idle, overlap
+         step timeline python3 benchmarks/timeline.py --out "$OUT/timeline" --sizes ${TIMELINE_SEQS:-4096 16384} \
+           --chunks ${TIMELINE_CHUNKS:-1 2 4} ${TIMELINE_ARGS:-} ;;
   host)  step host python3 benchmarks/host_cost.py --nproc ${HOST_NPROC:-2} --profile ${HOST_PROFILE:-18} --out "$OUT" ;;
   env)   step env python3 -m cp_ops env
          nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true ;;

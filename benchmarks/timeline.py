@@ -1,0 +1,215 @@
+"""Where the GPU time of ``cp_ops.attention`` goes: a profiler timeline of N calls back to back, per configuration.
+
+For each (S, mode, transport, chunks): warm-up, then ``--n`` calls issued back to back (as consecutive layers run)
+under ``torch.profiler`` with CUDA activity; the trace's GPU events are classified and summed per call:
+
+* ``attn``: attention kernels (cuDNN / flash / fmha), ``merge``: the LSE merge, ``comm``: NCCL kernels and
+  copy-engine copies (``gpu_memcpy``: the fast transport's P2P writes), ``wait``: the fast transport's spin
+  kernels (a stream waiting on a flag: not work), ``other``: everything else (packing copies, casts).
+* ``span``: first GPU event start to last end, per call — the time a model would see.
+* ``busy``: the union of all non-wait intervals; ``idle = span - busy`` (the GPU doing nothing: host-bound or
+  waiting on a peer); ``overlap``: time where a comm interval and a compute interval (attn, merge, other) run
+  at once — communication hidden under compute.
+* ``host``: wall time to issue the N calls / N (no synchronisation inside the loop): where ``host`` ≥ ``span``
+  the host, not the GPU, sets the pace.
+
+Every number is µs per call, max over ranks. The profiler adds a little host time per launch; the ``span``
+column of an uninstrumented run is ``cp-ops bench``'s steady-state time.
+
+Usage (2 GPUs): ``python benchmarks/timeline.py --out DIR [--nproc 2] [--sizes 4096] [--chunks 1 2]``;
+writes ``DIR/timeline.json`` and ``DIR/timeline.md``; ``--traces`` also keeps rank 0's Chrome traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+B, H, D = 1, 40, 128
+CLASSES = ("attn", "merge", "comm", "wait", "other")
+
+
+def classify(event: dict) -> str:
+    """The class (one of :data:`CLASSES`) of one Chrome-trace GPU event."""
+    name = event.get("name", "").lower()
+    if event.get("cat") == "gpu_memcpy":
+        return "comm"
+    if "nccl" in name:
+        return "comm"
+    if "merge" in name:
+        return "merge"
+    if any(w in name for w in ("spin", "wait_kernel", "wait_all", "wait_source")):
+        return "wait"
+    if any(w in name for w in ("cudnn", "flash", "fmha", "sdpa", "attention", "attn")):
+        return "attn"
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if hi > lo:
+            total += hi - lo
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(events: list[dict], calls: int) -> dict:
+    """µs per call of each class, span, busy, idle and overlap from Chrome-trace GPU events (``ts``/``dur`` in
+    µs); ``top``: the 8 kernels of most total time (name, count, µs per call)."""
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {"span": 0.0}
+    iv = {c: [] for c in CLASSES}
+    per_name: dict[str, list[float]] = {}
+    for e in gpu:
+        c = classify(e)
+        iv[c].append((e["ts"], e["ts"] + e["dur"]))
+        per_name.setdefault(e["name"][:90], []).append(e["dur"])
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    work = _union([i for c in CLASSES if c != "wait" for i in iv[c]])
+    compute = _union(iv["attn"] + iv["merge"] + iv["other"])
+    comm = _union(iv["comm"])
+    row = {c: _length(_union(iv[c])) / calls for c in CLASSES}
+    row.update(span=(end - start) / calls, busy=_length(work) / calls,
+               overlap=_intersect(compute, comm) / calls)
+    row["idle"] = row["span"] - row["busy"]
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    row["top"] = [(n, len(d), sum(d) / calls) for n, d in top]
+    return row
+
+
+def _max(x: float, group) -> float:
+    t = torch.tensor([x], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _measure(fn, n: int, group, trace_path: Path | None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) * 1e6 / n
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+        if trace_path is not None:
+            trace_path.write_text(path.read_text())
+    row = summarize(events, n)
+    row["host"] = host
+    for k in ("span", "busy", "idle", "overlap", "host", *CLASSES):
+        row[k] = _max(row.get(k, 0.0), group)
+    return row
+
+
+def _worker(rank: int, world: int, dev: torch.device, args) -> None:
+    import cp_ops
+
+    group = dist.group.WORLD
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for s in args.sizes:
+        sl = s // world
+        g = torch.Generator(device=dev).manual_seed(s)
+        q, k, v = (torch.randn(B, sl, H, D, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
+                   for _ in range(3))
+        qf, kf, vf = (torch.randn(B, s, H, D, generator=g, device=dev).to(torch.bfloat16) for _ in range(3))
+        configs = [("1 GPU", "-", None, lambda: cp_ops.local_attention(qf, kf, vf))]
+        for transport in args.transports:
+            for mode in args.modes:
+                for chunks in args.chunks:
+                    configs.append((mode, transport, chunks,
+                                    lambda m=mode, t=transport, c=chunks: cp_ops.attention(q, k, v, mode=m,
+                                                                                          transport=t, chunks=c)))
+        for mode, transport, chunks, fn in configs:
+            tag = f"S{s}_{mode.replace(' ', '')}_{transport}_c{chunks}"
+            trace = out / f"trace_{tag}_rank{rank}.json" if args.traces and rank == 0 else None
+            row = {"S": s, "W": world, "mode": mode, "transport": transport, "chunks": chunks,
+                   **_measure(fn, args.n, group, trace)}
+            rows.append(row)
+            if rank == 0:
+                print(f"S={s} {mode:7s} {transport:5s} c={chunks!s:4s} span {row['span']:7.1f} busy {row['busy']:7.1f} "
+                      f"idle {row['idle']:6.1f} attn {row['attn']:7.1f} merge {row['merge']:5.1f} comm "
+                      f"{row['comm']:6.1f} overlap {row['overlap']:6.1f} wait {row['wait']:6.1f} other "
+                      f"{row['other']:6.1f} host {row['host']:6.1f} µs/call", flush=True)
+                for name, count, us in row["top"]:
+                    print(f"      {us:8.1f} µs/call  x{count:<4d} {name}", flush=True)
+        del q, k, v, qf, kf, vf
+        torch.cuda.empty_cache()
+    if rank == 0:
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "W": world, "B": B, "H": H, "D": D,
+                "dtype": "bfloat16", "calls": args.n, "unit": "µs per call, max over ranks"}
+        (out / "timeline.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        cols = ("span", "busy", "idle", "attn", "merge", "comm", "overlap", "wait", "other", "host")
+        lines = [f"# cp_ops.attention GPU timeline, W={world}, {meta['gpu']}, torch {meta['torch']}", "",
+                 f"bf16 B={B} H={H} D={D}, {args.n} calls back to back under torch.profiler; µs per call, max over "
+                 "ranks (see benchmarks/timeline.py for the columns).", "",
+                 "| S | mode | transport | chunks | " + " | ".join(cols) + " |", "|---" * (4 + len(cols)) + "|"]
+        for r in rows:
+            lines.append(f"| {r['S']} | {r['mode']} | {r['transport']} | {r['chunks']} | "
+                         + " | ".join(f"{r.get(c, 0.0):.1f}" for c in cols) + " |")
+        (out / "timeline.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Columns: see the module docstring (python -c 'import benchmarks.timeline as t; "
+                                       "help(t)').")
+    p.add_argument("--out", required=True, help="folder for timeline.json / timeline.md (and traces)")
+    p.add_argument("--nproc", type=int, default=2, help="CP world size W (GPUs)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096], help="global sequence lengths S")
+    p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"])
+    p.add_argument("--transports", nargs="+", default=["torch", "fast"])
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2], help="chunk counts (1 = transport, then attend)")
+    p.add_argument("--n", type=int, default=20, help="calls back to back under the profiler")
+    p.add_argument("--traces", action="store_true", help="keep rank 0's Chrome trace per configuration")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/timeline.py needs CUDA GPUs")
+    from cp_ops.cli.launch import launch
+
+    launch(_worker, args.nproc, "cuda", args)
+
+
+if __name__ == "__main__":
+    main()
