@@ -83,7 +83,7 @@ def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[d
     import torch.distributed as dist
 
     import cp_ops
-    from cp_ops import config
+    from cp_ops import config, timing
 
     if q.device.type != "cuda" or args.fake:
         if rank == 0:
@@ -99,32 +99,15 @@ def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[d
             def call(tr=tr, mode=mode):
                 return cp_ops.attention(q, k, v, group=group, mode=mode, transport=tr, chunks=1)
 
-            # warm-up on a side stream (torch.cuda.graph's rule): the plan, communicators, the fast lane's pool
-            # buffers and per-shape decision, kernels' first-call setup
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    call()
-            torch.cuda.current_stream().wait_stream(side)
             sync()
             barrier()
-            g, reason = torch.cuda.CUDAGraph(), ""
-            try:
-                with torch.cuda.graph(g):
-                    for _ in range(n):
-                        call()
-            except Exception as e:  # noqa: BLE001 - a failed capture skips the row on every rank (below)
-                reason = f"{type(e).__name__}: {e}"
-            sync()
-            failed = torch.tensor([1.0 if reason else 0.0], device=q.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # every rank skips, or none: replays are collectives
-            if failed.item():
+            try:  # warm-up on a side stream, then the capture; every rank skips the row, or none
+                g = timing.Graphed(call, q.device, calls=n, warmup=3, group=dist.group.WORLD)
+            except RuntimeError as e:
                 if rank == 0:
-                    print(f"graph row {tr} {mode} skipped: capture failed on a rank ({reason or 'on another rank'})")
-                del g
+                    print(f"graph row {tr} {mode} skipped: {e}")
                 continue
-            g.replay()  # the first replay uploads the graph
+            g()  # the first replay uploads the graph
             sync()
             host, cpu, gpu = [], [], []
             for _ in range(5):
@@ -134,7 +117,7 @@ def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[d
                 start.record()
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(replays):
-                    g.replay()  # no synchronisation inside: the host's own cost per replay
+                    g()  # no synchronisation inside: the host's own cost per replay
                 host.append((time.perf_counter() - t0) / (replays * n) * 1e6)
                 cpu.append((time.process_time() - c0) / (replays * n) * 1e6)
                 end.record()

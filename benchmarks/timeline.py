@@ -3,9 +3,9 @@
 For each (S, mode, transport, chunks): warm-up, then ``--n`` calls issued back to back (as consecutive layers run)
 under ``torch.profiler`` with CUDA activity; the trace's GPU events are classified and summed per call:
 
-* ``attn``: attention kernels (cuDNN / flash / fmha), ``merge``: the LSE merge, ``comm``: NCCL kernels and
-  copy-engine copies (``gpu_memcpy``: the fast transport's P2P writes), ``wait``: the fast transport's spin
-  kernels (a stream waiting on a flag: not work), ``other``: everything else (packing copies, casts).
+* ``attn``: attention kernels (cuDNN / flash / fmha), ``merge``: the LSE merge, ``comm``: NCCL kernels, copy-engine
+  copies (``gpu_memcpy``: the fast transport's P2P writes) and the fast transport's SM copy kernel, ``wait``: the
+  fast transport's flag kernels (spins on a flag: not work), ``other``: everything else (packing copies, casts).
 * ``span``: first GPU event start to last end, per call — the time a model would see.
 * ``busy``: the union of all non-wait intervals; ``idle = span - busy`` (the GPU doing nothing: host-bound or
   waiting on a peer); ``overlap``: time where a comm interval and a compute interval (attn, merge, other) run
@@ -43,12 +43,12 @@ def classify(event: dict) -> str:
     name = event.get("name", "").lower()
     if event.get("cat") == "gpu_memcpy":
         return "comm"
-    if "nccl" in name:
+    if "nccl" in name or "copy2d_kernel" in name:  # NCCL; the fast transport's SM copy kernel
         return "comm"
     if "merge" in name:
         return "merge"
-    if any(w in name for w in ("spin", "wait_kernel", "wait_all", "wait_source")):
-        return "wait"
+    if any(w in name for w in ("wait_kernel", "wait_all_kernel", "begin_kernel", "signal_kernel")):
+        return "wait"  # the fast transport's flag protocol (csrc/cp_fast.cu): spins and one-thread flag writes
     if any(w in name for w in ("cudnn", "flash", "fmha", "sdpa", "attention", "attn")):
         return "attn"
     return "other"

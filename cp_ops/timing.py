@@ -98,3 +98,51 @@ def max_over_ranks_each(values: list[float], device: torch.device, group: dist.P
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
+
+
+class Graphed:
+    """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph; ``graphed()`` replays them and returns
+    the last call's output (static: the captured tensors, rewritten by each replay).
+
+    Capture follows torch's rule for ``torch.cuda.graph``: ``warmup`` calls first on a side stream (plans,
+    communicators, the fast transport's lane, pool buffers and per-shape decision, kernels' first-call setup),
+    then the capture on the current device. The inputs ``fn`` reads are the graph's: replays see their values at
+    replay time.
+
+    Args:
+        fn: the work to capture (eager PyTorch, cp_ops calls). device: a CUDA device. calls: calls per graph.
+        warmup: eager calls before the capture. group: when given, the ranks agree on the capture's outcome (a
+            replay runs collectives, so every rank must hold a graph or none).
+    Raises:
+        RuntimeError: the capture failed (with ``group``: on any rank, on every rank, naming the first reason).
+    """
+
+    def __init__(self, fn: Callable[[], object], device: torch.device, calls: int = 1, warmup: int = 2,
+                 group: dist.ProcessGroup | None = None):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph, self.out, reason = torch.cuda.CUDAGraph(), None, ""
+        try:
+            with torch.cuda.graph(self.graph):
+                for _ in range(calls):
+                    self.out = fn()
+        except Exception as e:  # noqa: BLE001 - agreed over the group below, then raised on every rank
+            if group is None:
+                raise
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if group is not None:
+            torch.cuda.synchronize(device)
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, reason, group=group)
+            bad = [(i, r) for i, r in enumerate(gathered) if r]
+            if bad:
+                self.graph = None
+                raise RuntimeError(f"CUDA-graph capture failed on rank(s) {[i for i, _ in bad]}: {bad[0][1]}")
+
+    def __call__(self):
+        self.graph.replay()
+        return self.out

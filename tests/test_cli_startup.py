@@ -206,3 +206,9 @@ def test_unknown_cp_ops_variable_warns_with_the_closest_name(caplog):
     with caplog.at_level("WARNING", logger="cp_ops"):
         config.from_env({"CP_OPS_TIMEOUT_S": "9", "OTHER": "1"})
     assert caplog.text == ""
+
+
+def test_graphs_on_cpu_is_a_usage_error_naming_the_rule():
+    p = _cli("bench", "--device", "cpu", "--graphs", "--seqs", "64")
+    assert p.returncode == 2, p.stderr
+    assert "--graphs needs CUDA GPUs" in p.stderr.strip().splitlines()[-1], p.stderr

@@ -479,6 +479,11 @@ def test_candidates_shared_egress_single_stream():
         cands = lane.candidates(aligned=True)
         assert {c.inflight for c in cands} == {1, 3} and any(c.path == 1 for c in cands)
         assert all(c.path == 0 for c in lane.candidates(aligned=False))
+        # a transfer under compute (pipelined AGKV) measures copy-engine fan-outs only, unless SM was asked for
+        ce = lane.candidates(aligned=True, ce_only=True)
+        assert ce and all(c.path == 0 for c in ce) and {c.inflight for c in ce} == {1, 3}
+        s.fast_path = "sm"
+        assert all(c.path == 1 for c in lane.candidates(aligned=True, ce_only=True))
     finally:
         s.fast_path = old
 

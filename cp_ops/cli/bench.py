@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cp_ops import attention, choose_mode, local_attention, modes, select_transport
 
-from ..timing import max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
+from ..timing import Graphed, max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -159,6 +159,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         # disable=None: shown only when stderr is a terminal (no \r updates in logs), unless --progress
         bar = tqdm(total=len(cases), desc="cp-ops bench", unit="case", disable=None if args.progress is None else False)
     rows, ref_cache = [], {}
+    graphs = bool(getattr(args, "graphs", False)) and device.type == "cuda"
     for s, mode, tr, c in cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
@@ -168,7 +169,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
             q, k, v = (torch.randn(b, s, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
             sl = s // world_size
             shard = lambda t: t[:, rank * sl : (rank + 1) * sl].contiguous()  # noqa: E731
-            base = torch.zeros(3 * len(STATS), dtype=torch.float64, device=device)
+            base = torch.zeros(3 * len(STATS) + 1, dtype=torch.float64, device=device)
             dist.barrier()
             if rank == 0:  # alone: the other ranks wait at the barrier below
                 full = lambda: local_attention(q, k, v)  # noqa: E731
@@ -176,13 +177,16 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                 st = summary(steady_ms(full, device, args.warmup, args.repeats, calls))
                 lat = summary(samples_ms(full, device, 0, args.repeats))
                 share = summary(steady_ms(lambda: local_attention(q0, k, v), device, args.warmup, args.repeats, calls))
-                base = torch.tensor([x[n] for x in (st, lat, share) for n in STATS], dtype=torch.float64, device=device)
+                graphed = _graph_ms(full, device, args, calls) if graphs else 0.0
+                base = torch.tensor([x[n] for x in (st, lat, share) for n in STATS] + [graphed], dtype=torch.float64,
+                                    device=device)
                 del q0
             dist.barrier()
             dist.broadcast(base, src=0)
             vals = base.tolist()
             n = len(STATS)
             single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
+            single["graph"] = vals[-1]
             ref = local_attention(q, k, v)
             ref_cache[s] = (shard(q), shard(k), shard(v), shard(ref), single, single_lat, share)
             del q, k, v, ref
@@ -198,6 +202,16 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
             else None
         used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
         used_chunks = picked.chunks if picked else c
+        graph = {}
+        if graphs:  # after the eager calls above: plans, tuning, the fast lane's buffers are ready for capture
+            try:
+                graph["graph_cp_ms"] = max_over_ranks(_graph_ms(fn, device, args, calls, pg), device)
+                graph["graph_single_ms"] = single["graph"]
+                graph["graph_speedup"] = single["graph"] / graph["graph_cp_ms"]
+            except RuntimeError as e:  # the capture failed (on some rank; every rank is told): no graph column
+                graph["graph_skipped"] = str(e)
+                if rank == 0:
+                    print(f"cp-ops bench: S={s} {mode}/{tr}/c={c}: no graph row: {e}", flush=True)
         recv = received_bytes(used_mode, world_size, ql.numel() * ql.element_size())
         comm_ms = None if recv is None else recv / probe["GBps"] / 1e6
         # on CPU gloo's copies through host memory are not a link's limit: the bound is the attention share alone
@@ -214,7 +228,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                          single_latency_ms=single_lat["median"],
                          speedup_q1=single["q1"] / cp["q3"], speedup_q3=single["q3"] / cp["q1"],
                          attn_share_ms=share["median"], recv_bytes=recv, comm_ms=comm_ms, bound_ms=bound,
-                         bound_pct=100.0 * bound / cp["median"], bound_speedup=single["median"] / bound))
+                         bound_pct=100.0 * bound / cp["median"], bound_speedup=single["median"] / bound, **graph))
         if bar:
             bar.update(1)
     if bar:
@@ -231,6 +245,18 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     dist.barrier()
     if error is not None:
         raise error
+
+
+def _graph_ms(fn, device: torch.device, args, calls: int, group=None) -> float:
+    """Steady-state ms per call of ``fn`` replayed from a CUDA graph of one call (:class:`cp_ops.timing.Graphed`):
+    ``calls`` replays back to back per sample, median of ``args.repeats`` samples. Raises RuntimeError when the
+    capture fails (with ``group``: on every rank)."""
+    g = Graphed(fn, device, calls=1, warmup=2, group=group)
+    try:
+        return summary(steady_ms(g, device, 1, args.repeats, calls))["median"]
+    finally:
+        del g
+        torch.cuda.synchronize(device)
 
 
 STATS = ("median", "min", "max", "q1", "q3")
@@ -275,8 +301,10 @@ def report(rows: list[dict], meta: dict, args) -> None:
     where = "GPU" if meta["device"] == "cuda" else "CPU"
     print(f"\ncp-ops bench — CP{meta['world_size']} on {meta.get('gpu', meta.get('cpu', where))}, torch "
           f"{meta['torch']}, {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}, times = median [p25–p75]")
-    print(HEADER)
-    print("-" * len(HEADER))
+    graphed = any("graph_cp_ms" in r or "graph_skipped" in r for r in rows)
+    header = HEADER + (f" {'graph CP ms (speedup)':>22}" if graphed else "")
+    print(header)
+    print("-" * len(header))
     for r in rows:
         cp_iqr = f"[{r['cp_ms_q1']:.3f}–{r['cp_ms_q3']:.3f}]"
         sp_iqr = f"[{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}]"
@@ -284,8 +312,13 @@ def report(rows: list[dict], meta: dict, args) -> None:
         chunks = str(r["chunks"]) if r["requested_chunks"] != "auto" else f"auto→{r['chunks']}"
         print(f"{r['S']:>7} {mode:>13} {chunks:>6} {r['transport']:>9} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
               f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
-              f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}")
+              f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}"
+              + (f" {_graph_cell(r):>22}" if graphed else ""))
     tuned = any("auto" in (r["requested_mode"], r["requested_chunks"]) for r in rows)
+    if graphed:
+        print("graph = the same call captured in a CUDA graph, replays back to back (no host launch cost), "
+              "speedup over the 1-device SDPA captured the same way; 'failed' = the capture failed (JSON: "
+              "graph_skipped).")
     for line in legend(meta):
         if tuned or not line.startswith("auto→X"):  # the auto legend only where an auto row is shown
             print(line)
@@ -295,6 +328,12 @@ def report(rows: list[dict], meta: dict, args) -> None:
         print("(no JSON written: --out PATH saves the results)")
     if args.plot:
         plot(rows, meta, args.plot)
+
+
+def _graph_cell(r: dict) -> str:
+    if "graph_cp_ms" in r:
+        return f"{r['graph_cp_ms']:.3f} ({r['graph_speedup']:.2f}x)"
+    return "failed" if "graph_skipped" in r else "-"
 
 
 def plot(rows: list[dict], meta: dict, path: str) -> None:
@@ -317,6 +356,10 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     for key in sorted({label(r) for r in rows}):
         pts = sorted((r["S"], r["speedup"]) for r in rows if label(r) == key)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} c={key[1]} / {key[2]}")
+    for key in sorted({label(r) for r in rows if "graph_speedup" in r}):
+        pts = sorted((r["S"], r["graph_speedup"]) for r in rows if label(r) == key and "graph_speedup" in r)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x", ls=":",
+                label=f"{key[0]} c={key[1]} / {key[2]} (CUDA graph)")
     for m in sorted({r["mode"] for r in rows if r["recv_bytes"] is not None}):
         pts = sorted({(r["S"], r["bound_speedup"]) for r in rows if r["mode"] == m})
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="--", lw=1.2, color="black" if m == "agkv" else "grey",

@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", type=int, default=None, help="head dim D (default 128 GPU, 64 CPU)")
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     b.add_argument("--plot", default=None, help="write a PNG of speedup vs S to this path (needs matplotlib)")
+    b.add_argument("--graphs", action="store_true",
+                   help="CUDA only: also time each case replayed from a CUDA graph (one call captured, replays back "
+                        "to back), the 1-device baseline captured the same way: the GPU-bound speedup, without "
+                        "the host's launch cost (what torch.compile(mode='reduce-overhead') or explicit capture "
+                        "gets). Captured fast-transport calls keep their symmetric buffers until exit, so keep "
+                        "--seqs small (e.g. 4096,8192)")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="show the progress bar even when stderr is not a terminal")
@@ -259,6 +265,8 @@ def _check_bench(args, device: str, world: int, settings) -> None:
         _fail(f"bench: --calls must be >= 1; got {args.calls}")
     if not args.chunks:
         _fail("bench: --chunks is empty; give e.g. --chunks 1,2,4,auto")
+    if getattr(args, "graphs", False) and not gpu:
+        _fail(f"bench: --graphs needs CUDA GPUs (it captures CUDA graphs); this run is on {device}: drop --graphs")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         _fail("bench: --plot needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     if "fast" in args.transports and settings.sources.get("fast_pool_gb") == "default":

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
 from .models import MODELS, build, load_checkpoint
+from .. import timing
 from ..timing import max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
@@ -99,26 +100,6 @@ def _canonical_strides(module, args, kwargs):
     transposes; the CP split narrows the batch-1 sequence), which Dynamo guards by stride even along a size-1
     dim: without this, every block class compiles twice, the second time for the first block alone."""
     return tuple(_canonical(a) for a in args), {k: _canonical(v) for k, v in kwargs.items()}
-
-
-class _Graphed:
-    """Explicit CUDA-graph capture of an eager forward (``--cuda-graphs`` without ``--compile``): the inputs
-    are static (this run feeds the same tensors every call), so replay recomputes the same output."""
-
-    def __init__(self, fn, device):
-        s = torch.cuda.Stream(device)
-        s.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn()
-
-    def __call__(self):
-        self.graph.replay()
-        return self.out
 
 
 def _mark_step(args) -> None:
@@ -199,7 +180,7 @@ def _measure(m, spec, kw, args, device, graphs_ok: bool):
             denoise(m, spec, kw, args.steps, device, args)
         out, ms = denoise(m, spec, kw, args.steps, device, args)
         return first_s, ms, out
-    call = _Graphed(fwd, device) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
+    call = timing.Graphed(fwd, device) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
     return first_s, ms, call().float()
 

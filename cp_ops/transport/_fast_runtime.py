@@ -595,16 +595,19 @@ class Lane:
             spare.append(w)
         return w
 
-    def candidates(self, aligned: bool) -> list[Decision]:
+    def candidates(self, aligned: bool, ce_only: bool = False) -> list[Decision]:
+        """The fan-outs measured for one shape; ``ce_only``: copy-engine ones only (a transfer meant to run
+        under compute, whose SMs an SM copy kernel would take), unless ``CP_OPS_FAST_PATH=sm`` asks for SM."""
         w = self.world
         remote = max(1, w - 1)
         infl = [1] if self.fabric != "nvlink" else sorted({1, remote})
         out = []
+        sm_ok = aligned and (config.settings.fast_path == "sm" or (config.settings.fast_path == "auto" and not ce_only))
         if config.settings.fast_path in ("auto", "ce") or not aligned:
             for i in infl:
                 for s in (1, 2):
                     out.append(Decision(0, i, s, 0))
-        if config.settings.fast_path in ("auto", "sm") and aligned:
+        if sm_ok:
             for b in (32, 64, 128):
                 out.append(Decision(1, infl[-1], 1, b))
         return out
@@ -621,9 +624,10 @@ class Lane:
         if full_key in self.decisions:
             return self.decisions[full_key]
         aligned = _aligned(descs)
+        ce_only = key[-1] == "under_compute"
         if not config.settings.fast_tune or torch.cuda.is_current_stream_capturing():
             return self.default(aligned)  # deterministic on every rank; not cached, so eager calls still tune
-        cands = self.candidates(aligned)
+        cands = self.candidates(aligned, ce_only)
         times = [self._time(descs, inputs, c) for c in cands]
         t = torch.tensor(times, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)

@@ -60,7 +60,7 @@ import weakref
 import torch
 
 from .. import config
-from .base import register
+from .base import Arrival, _SourceWait, register
 
 log = logging.getLogger("cp_ops")
 
@@ -305,8 +305,13 @@ class FastTransport:
             work.ptrs = ptrs
         return outs, work
 
-    def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group):
+    def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group, under_compute: bool = False):
         """All-gather K and V ``[B, S_local, H, D]`` into ``[B, W*S_local, H, D]`` each (tokens in rank order).
+
+        ``under_compute``: the transfer is meant to run under compute the caller issues next (pipelined AGKV):
+        with ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are measured and chosen for it (an SM copy kernel
+        takes SMs from that compute: measured on 2x H200 at 4K, the SM copy ran beside the attention instead of
+        under it), cached apart from the plain call's decision.
 
         Returns ``(k_full, v_full, work)``; the outputs are pooled (see the module docstring). Bitwise equal to
         the torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
@@ -324,9 +329,20 @@ class FastTransport:
             return [[(kb[t] + off, kp, row, b, pitch, row), (vb[t] + off, vp, row, b, pitch, row)] for t in range(w)]
 
         full = (b, w * s, h, d)
-        (kf, vf), work = self._launch(lane, ("agkv", b, s, h, d, str(k.dtype)),
-                                      [("agkv.k", full, k.dtype), ("agkv.v", full, v.dtype)], descs, [k, v])
+        key = ("agkv", b, s, h, d, str(k.dtype)) + (("under_compute",) if under_compute else ())
+        (kf, vf), work = self._launch(lane, key, [("agkv.k", full, k.dtype), ("agkv.v", full, v.dtype)], descs,
+                                      [k, v])
         return kf, vf, work
+
+    def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group, pieces: int = 1):
+        """:meth:`agkv_start` for pipelined AGKV (``under_compute=True``), each peer's block waited on its own
+        arrival flag (one piece per peer: the fast transport signals whole blocks; ``pieces`` is ignored).
+        Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
+        kf, vf, work = self.agkv_start(k, v, group, under_compute=True)
+        w, r, s = group.size(), group.rank(), k.shape[1]
+        arrivals = [Arrival(src, src * s, (src + 1) * s, _SourceWait(work, src))
+                    for src in ((r - j) % w for j in range(1, w))]
+        return kf, vf, arrivals, work
 
     def ulysses_start(self, xs: list[torch.Tensor], group):
         """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, H/W, D]``
