@@ -623,6 +623,8 @@ std::vector<int> p2p_attributes(int dev, int peer) {
 
 }  // namespace
 
+void register_lse_merge(pybind11::module_& m);  // csrc/lse_merge.cu
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "cp_ops fast transport kernels: peer-write AGKV/Ulysses lanes (copy engine + SM copy), per-slot flags";
   py::class_<Lane>(m, "Lane")
@@ -647,4 +649,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ipc_close", &ipc_close);
   m.def("device_free", &device_free);
   m.def("p2p_attributes", &p2p_attributes);
+  register_lse_merge(m);
 }

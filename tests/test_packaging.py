@@ -33,7 +33,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contains_cuda_source_and_passes(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "csrc/cp_fast.cu" in names
+    assert "csrc/cp_fast.cu" in names and "csrc/lse_merge.cu" in names
     for f in (ROOT / "passes").glob("*.py"):
         assert f"passes/{f.name}" in names, f.name
 

@@ -90,3 +90,35 @@ def _compiled(rank, w):
 
 def test_pipelined_compiled_equals_eager():
     _run(_compiled)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_extension_merge_matches_the_fp32_reference_and_triton():
+    """csrc/lse_merge.cu (used once the extension is loaded) against the eager fp32 merge and the Triton kernel:
+    every dtype, 2..4 partials, 16-byte and scalar paths (D·size % 16), strided LSEs as cuDNN returns them, and
+    a partial whose LSE is -inf for a row (its block had no key for it: weight 0)."""
+    from cp_ops.modes import lse_merge
+    from cp_ops.transport import _fast_build
+
+    ext, why = _fast_build.load()
+    assert ext is not None, why
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)):
+        for n in (2, 3, 4):
+            for b, s, h, d in ((1, 257, 40, 128), (2, 33, 3, 36), (1, 5, 2, 72)):
+                outs = [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype) for _ in range(n)]
+                # LSEs as cuDNN gives them: [B, H, S, 1] squeezed (strides of a [B, H, S] view)
+                lses = [(torch.randn(b, h, s, 1, generator=g, device="cuda") * 4).squeeze(-1) for _ in range(n)]
+                lses[0][:, 0, 0] = float("-inf")  # a block with no unmasked key for that row: weight 0
+                ref = lse_merge.merge_eager(outs, lses, dtype)
+                got = lse_merge._merge_ext(outs, lses, dtype)
+                assert got is not None, (dtype, n, b, s, h, d)
+                assert not torch.isnan(got.float()).any()
+                err = _rel(got, ref)
+                assert err <= tol, (dtype, n, (b, s, h, d), err)
+                tri = lse_merge._merge_triton(outs, lses, dtype, False)
+                assert _rel(got, tri) <= tol, (dtype, n, (b, s, h, d))
+    # not for it: partials in another dtype than the output -> None (the Triton kernel takes it)
+    o = [torch.randn(1, 4, 2, 8, device="cuda") for _ in range(2)]
+    l = [torch.randn(1, 2, 4, device="cuda") for _ in range(2)]
+    assert lse_merge._merge_ext(o, l, torch.bfloat16) is None

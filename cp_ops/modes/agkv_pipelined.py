@@ -66,14 +66,19 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, transport, sca
     o, lse = attention_with_lse(q, k, v, scale)  # own block: under the transfer
     outs.append(o)
     lses.append(lse)
-    for stage in _split(arrivals, later):
-        for a in stage:
-            a.work.wait()
+    stages = _split(arrivals, later)
+    for i, stage in enumerate(stages):
+        if i + 1 < len(stages):
+            for a in stage:
+                a.work.wait()
+        else:  # the last stage waits for everything that is left: one wait (it also orders the reads of k, v)
+            work.wait()
         for lo, hi in _runs(stage):
             o, lse = attention_with_lse(q, k_full[:, lo:hi], v_full[:, lo:hi], scale)
             outs.append(o)
             lses.append(lse)
-    work.wait()
+    if not stages:
+        work.wait()
     return merge(outs, lses, q.dtype).contiguous()
 
 

@@ -7,8 +7,12 @@ the merge of ring/flash attention). Computed as ``m = max_i lse_i``, ``w_i = exp
 ``out = Σ w_i o_i / Σ w_i`` so no exponent overflows.
 
 ``merge(outs, lses, dtype)``: n partials ``[B, S, H, D]`` (any dtype) and n LSEs ``[B, H, S]`` fp32 →
-``[B, S, H, D]`` in ``dtype``. On CUDA with Triton: one fused kernel (:mod:`triton`, a torch dependency on
-Linux CUDA builds) per ≤ 4 partials, one read of each partial and one write; else eager fp32 torch ops.
+``[B, S, H, D]`` in ``dtype``. On CUDA, one fused kernel per ≤ 4 partials (one read of each partial, one write):
+the CUDA kernel of ``csrc/lse_merge.cu`` when this process already loaded cp_ops' extension (the fast
+transport loads it; launched with plain integers through pybind11: measured 60 µs → a few µs of host time per
+merge on the 2x H200 host, where the Triton launcher's argument binding dominates) and the inputs suit it (2..4
+partials in the output dtype, fp32/bf16/fp16, last dim contiguous); else the Triton kernel (:mod:`triton`, a
+torch dependency on Linux CUDA builds); else eager fp32 torch ops.
 """
 
 from __future__ import annotations
@@ -122,6 +126,35 @@ def _merge_triton(outs, lses, dtype, return_lse):
     return out
 
 
+_EXT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _merge_ext(outs, lses, dtype):
+    """The merge through the extension's CUDA kernel, or None when it is not loaded or the inputs do not suit it
+    (then the caller takes the Triton kernel)."""
+    from ..transport import _fast_build
+
+    ext = _fast_build.loaded()
+    code = _EXT_DTYPES.get(dtype)
+    o0, l0 = outs[0], lses[0]
+    if ext is None or code is None or not 2 <= len(outs) <= _MAX_N or o0.stride(-1) != 1:
+        return None
+    st, lst = o0.stride(), l0.stride()
+    for o, l in zip(outs, lses):
+        if o.dtype != dtype or o.stride() != st or l.dtype != torch.float32 or l.stride() != lst:
+            return None
+    b, s, h, d = o0.shape
+    out = torch.empty(b, s, h, d, dtype=dtype, device=o0.device)
+    size = o0.element_size()
+    vec = (d * size) % 16 == 0 and all((st[i] * size) % 16 == 0 for i in range(3)) \
+        and all(o.data_ptr() % 16 == 0 for o in outs)  # out: fresh from the caching allocator (aligned)
+    dev = o0.device.index
+    ext.lse_merge(torch._C._cuda_getCurrentRawStream(dev), dev, code, [o.data_ptr() for o in outs],
+                  [l.data_ptr() for l in lses], out.data_ptr(), b, s, h, d, st[0], st[1], st[2],
+                  lst[0], lst[1], lst[2], vec)
+    return out
+
+
 def use_triton(device: torch.device) -> bool:
     """True when :func:`merge` runs the fused Triton kernel for tensors on ``device``."""
     return triton is not None and device.type == "cuda"
@@ -139,6 +172,10 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype
     dtype = outs[0].dtype if dtype is None else dtype
     if len(outs) == 1:
         return outs[0].to(dtype)
+    if outs[0].device.type == "cuda" and len(outs) <= _MAX_N:
+        out = _merge_ext(outs, lses, dtype)
+        if out is not None:
+            return out
     if not use_triton(outs[0].device):
         return merge_eager(outs, lses, dtype)
     while len(outs) > _MAX_N:  # fold the first 4 into one fp32 partial, then go on

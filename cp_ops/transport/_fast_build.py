@@ -1,7 +1,8 @@
-"""Build and load the fast transport's CUDA extension (``csrc/cp_fast.cu``), once per process, cached on disk.
+"""Build and load the fast transport's CUDA extension (``csrc/cp_fast.cu``, with the LSE merge kernel of
+``csrc/lse_merge.cu`` in the same module), once per process, cached on disk.
 
 Built with ninja through ``torch.utils.cpp_extension.load`` for sm_90 on first use on a CUDA machine, into
-``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the source, torch and CUDA versions>``); a later
+``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the sources, torch and CUDA versions>``); a later
 process with the same source loads the cached ``.so`` without compiling. Never imported on CPU-only paths.
 A failed build leaves its full compiler output in ``<build dir>/build.log``; :func:`load` then returns the
 reason naming that file (and does not retry in this process).
@@ -15,22 +16,28 @@ import threading
 import traceback
 from pathlib import Path
 
-def _find_source() -> Path:
-    """``cp_fast.cu`` as package data of the top-level ``csrc`` package: found the same way from a source
-    checkout, an editable install and a wheel (``pip install .``); the checkout path when ``csrc`` does not
-    import (the caller reports a missing file)."""
+def _find_source(name: str = "cp_fast.cu") -> Path:
+    """``name`` (a ``.cu`` file of ``csrc``) as package data of the top-level ``csrc`` package: found the same way
+    from a source checkout, an editable install and a wheel (``pip install .``); the checkout path when ``csrc``
+    does not import (the caller reports a missing file)."""
     from importlib.resources import files
 
     try:
-        found = Path(str(files("csrc").joinpath("cp_fast.cu")))
+        found = Path(str(files("csrc").joinpath(name)))
         if found.is_file():
             return found
     except (ModuleNotFoundError, TypeError, NotADirectoryError):
         pass
-    return Path(__file__).resolve().parents[2] / "csrc" / "cp_fast.cu"
+    return Path(__file__).resolve().parents[2] / "csrc" / name
 
 
-_SOURCE = _find_source()
+_SOURCE = _find_source()  # the transport's lanes and kernels
+_MERGE_SOURCE = _find_source("lse_merge.cu")  # the LSE merge kernel (its own concept, same module)
+
+
+def _sources() -> list[Path]:
+    """Every source of the extension."""
+    return [_SOURCE, _MERGE_SOURCE]
 _lock = threading.Lock()
 _state: dict = {}
 
@@ -49,14 +56,21 @@ def build_dir() -> Path:
     if base:
         return Path(base)
     h = hashlib.sha256()
-    if _SOURCE.exists():
-        h.update(_SOURCE.read_bytes())
+    for src in _sources():
+        if src.exists():
+            h.update(src.read_bytes())
     h.update(f"{torch.__version__}|{torch.version.cuda}".encode())
     return Path(os.path.expanduser("~/.cache/cp_ops/ext")) / h.hexdigest()[:16]
 
 
 def log_path() -> Path:
     return build_dir() / "build.log"
+
+
+def loaded():
+    """The extension module when this process already loaded it (by :func:`load`), else None: never builds."""
+    result = _state.get("result")
+    return result[0] if result else None
 
 
 def load():
@@ -69,8 +83,9 @@ def load():
 
 
 def _load():
-    if not _SOURCE.exists():
-        return None, f"the extension source {_SOURCE} is missing (cp_ops installed without csrc/)"
+    missing = [str(p) for p in _sources() if not p.exists()]
+    if missing:
+        return None, f"the extension source {', '.join(missing)} is missing (cp_ops installed without csrc/)"
     import torch
     from torch.utils import cpp_extension
 
@@ -81,7 +96,7 @@ def _load():
     try:
         mod = cpp_extension.load(
             name="cp_ops_fast_ext",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _sources()],
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr"],
             build_directory=str(bdir),

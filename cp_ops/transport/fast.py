@@ -311,7 +311,8 @@ class FastTransport:
         ``under_compute``: the transfer is meant to run under compute the caller issues next (pipelined AGKV):
         with ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are measured and chosen for it (an SM copy kernel
         takes SMs from that compute: measured on 2x H200 at 4K, the SM copy ran beside the attention instead of
-        under it), cached apart from the plain call's decision.
+        under it), cached apart from the plain call's decision; this rank's own block of ``k_full``/``v_full`` is
+        left unwritten (the caller reads ``k``/``v``).
 
         Returns ``(k_full, v_full, work)``; the outputs are pooled (see the module docstring). Bitwise equal to
         the torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
@@ -326,7 +327,8 @@ class FastTransport:
 
         def descs(bases):
             kb, vb = bases
-            return [[(kb[t] + off, kp, row, b, pitch, row), (vb[t] + off, vp, row, b, pitch, row)] for t in range(w)]
+            return [[] if under_compute and t == r else  # the pipelined caller reads its own block from k, v
+                    [(kb[t] + off, kp, row, b, pitch, row), (vb[t] + off, vp, row, b, pitch, row)] for t in range(w)]
 
         full = (b, w * s, h, d)
         key = ("agkv", b, s, h, d, str(k.dtype)) + (("under_compute",) if under_compute else ())
