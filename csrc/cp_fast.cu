@@ -22,10 +22,14 @@
 // written by exactly one call at a time, and no peer atomics are needed (plain release stores: PCIe-safe).
 //
 // A call (launch), slot s:
-//   cur stream:   [wait for slot s's previous wait]; begin kernel: g = ++gen[s]; ready[s][rank] := g on every peer
+//   cur stream:   [wait for slot s's previous wait]; begin kernel: g = ++gen[s]; ready[s][rank] := g on every
+//                 peer; spin until ready[s][t] >= g for every peer t (the rendezvous)   -> event begin
 //   local stream: copy own chunk into own buffer                         -> event src
-//   send streams: per target t: spin until ready[s][t] >= g; copy (CE memcpy2D or SM kernel) into t's buffer;
-//                 arrived[s][rank] := g on t (release, system scope); the SM path fuses all three per target
+//   send streams: per target t, after event begin: copy (CE memcpy2D or SM kernel) into t's buffer;
+//                 arrived[s][rank] := g on t (release, system scope); the SM path fuses both per target
+// (The readiness spin sits in the begin kernel, not on the send streams: a spin kernel there needs an SM and,
+// behind a full-occupancy kernel issued after the launch -- the attention the transfer should hide under --,
+// measured on 2x H200 to start only at that kernel's tail, so the copy ran after it instead of under it.)
 // `wait(stream, slot)`: wait for begin, spin until arrived[s][p] >= g for every peer, join local and send
 // streams, record the slot's done event. `wait_source(stream, slot, p)` spins on arrived[s][p] only.
 //
@@ -130,13 +134,26 @@ struct PtrList {
   unsigned long long p[kMaxW];
 };
 
-__global__ void begin_kernel(uint64_t* gen, PtrList peers_ready) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    const uint64_t g = *gen + 1;
+// g = ++gen; ready[s][rank] := g on every peer; then spin until every peer's ready[s][t] >= g here (one thread
+// per peer): the rendezvous. It runs on the caller's stream, so the send streams start their copies on an
+// event, with no kernel of their own in front: a spin kernel queued on a send stream needs a free SM and, behind
+// a full-occupancy kernel (the attention the transfer should hide under), waited for that kernel's tail.
+__global__ void begin_kernel(uint64_t* gen, PtrList peers_ready, const uint64_t* my_ready, int world, int rank,
+                             Ctx c) {
+  __shared__ uint64_t g;
+  if (threadIdx.x == 0) {
+    g = *gen + 1;
     *gen = g;
     __threadfence_system();
     for (int i = 0; i < peers_ready.n; ++i) st_release_sys(reinterpret_cast<uint64_t*>(peers_ready.p[i]), g);
   }
+  __syncthreads();
+  for (int p = threadIdx.x; p < world; p += blockDim.x) {
+    if (p == rank) continue;
+    spin_geq(my_ready + p, g, c, kReady, p);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence_system();
 }
 
 __global__ void wait_kernel(const uint64_t* flag, const uint64_t* gen, Ctx c, uint64_t kind, int peer) {
@@ -328,7 +345,7 @@ class Lane {
     PtrList pr{};
     for (int p = 0; p < world_; ++p)
       if (p != rank_) pr.p[pr.n++] = peer_ctrl_[p] + 8ull * ready_index(slot, rank_);
-    begin_kernel<<<1, 32, 0, cur>>>(gen, pr);
+    begin_kernel<<<1, 64, 0, cur>>>(gen, pr, ctrl_words() + ready_index(slot, 0), world_, rank_, c);
     CP_CUDA(cudaGetLastError());
     CP_CUDA(cudaEventRecord(sl.events[kEvBegin], cur));
 
@@ -347,12 +364,11 @@ class Lane {
       const int t = targets[j];
       const int g = (int)(j % inflight);
       uint64_t* peer_arrived = reinterpret_cast<uint64_t*>(peer_ctrl_[t] + 8ull * arrived_index(slot, rank_));
-      const uint64_t* ready_t = ctrl_words() + ready_index(slot, t);
-      if (path == 1) {  // SM: one fused kernel waits for ready[s][t], copies, raises arrived[s][rank] on t
+      // ready[s][t] >= g held at the begin event (the rendezvous): the send streams copy at once
+      if (path == 1) {  // SM: one fused kernel copies and raises arrived[s][rank] on t
         cudaStream_t s = send_[g];
         unsigned int* cnt = reinterpret_cast<unsigned int*>(ctrl_words() + blocks_index(g));
-        if (!copies(s, descs[t], path, sm_blocks, 0, 1, c, ready_t, gen, peer_arrived, cnt, t)) {
-          wait_kernel<<<1, 32, 0, s>>>(ready_t, gen, c, kReady, t);
+        if (!copies(s, descs[t], path, sm_blocks, 0, 1, c, nullptr, gen, peer_arrived, cnt, t)) {
           signal_kernel<<<1, 32, 0, s>>>(peer_arrived, gen, claim_ptr());
           CP_CUDA(cudaGetLastError());
         }
@@ -360,8 +376,6 @@ class Lane {
       }
       for (int q = 0; q < split; ++q) {
         cudaStream_t s = send_[g * split + q];
-        wait_kernel<<<1, 32, 0, s>>>(ready_t, gen, c, kReady, t);
-        CP_CUDA(cudaGetLastError());
         copies(s, descs[t], path, sm_blocks, q, split, c);
         if (q > 0) {
           CP_CUDA(cudaEventRecord(sl.events[kEvTmp0 + n_send_ + g * split + q], s));

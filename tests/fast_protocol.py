@@ -8,8 +8,10 @@ Two protocols:
   * ``'epoch'`` — the old one: ``e = ++counter`` per call; ``ready[p] := e``, ``arrived[p] := e`` overwritten
     (one flag per peer); a wait passes when ``arrived[p] >= e``.
   * ``'slot'`` — the current one: a call owns slot ``s`` (round-robin over ``n_slots``; the host never reuses
-    a slot before its call was waited); its begin waits for the slot's previous wait (done event) and
-    raises ``gen[s]``; ``ready[s][p]``/``arrived[s][p] := gen[s]``; a wait passes when ``arrived[s][p] >= gen[s]``.
+    a slot before its call was waited); its begin waits for the slot's previous wait (done event), raises
+    ``gen[s]``, writes ``ready[s][me] := gen[s]`` on every peer, then spins on the current stream until every
+    peer's ``ready[s][t] >= gen[s]`` (the rendezvous); the send streams wait for the rendezvous only, copy, and
+    raise ``arrived[s][me] := gen[s]`` on the target; a wait passes when ``arrived[s][p] >= gen[s]``.
 
 A wait that passes before every source's data of its call landed is a *stale* result; ops left with none
 enabled is a *hang*. ``send_stream(call, target)`` is the tuned decision: which send stream carries the copy
@@ -97,13 +99,23 @@ class _Rank:
                     self.done.add(("begin", c))
 
                 cur.append((always, begin))
+                if protocol == "slot":  # the begin kernel then spins until every peer's ready[s][t] >= g
+                    def ready_all(c=c):
+                        return all(self.ready.get((slot_of[c], t), 0) >= self.epoch[c] for t in range(w) if t != me)
+
+                    def rendezvous(c=c):
+                        self.done.add(("rendezvous", c))
+
+                    cur.append((ready_all, rendezvous))
                 for t in range(w):
                     if t == me:
                         continue
                     sq = self.q(f"send{send_stream(c, t)}")
-                    key = (lambda t=t, c=c: (slot_of[c], t)) if protocol == "slot" else (lambda t=t: t)
-                    sq.append((lambda c=c: ("begin", c) in self.done, always))
-                    sq.append((lambda c=c, key=key: self.ready.get(key(), 0) >= self.epoch[c], always))
+                    if protocol == "slot":  # the send streams wait for the rendezvous (an event): no spin of their own
+                        sq.append((lambda c=c: ("rendezvous", c) in self.done, always))
+                    else:
+                        sq.append((lambda c=c: ("begin", c) in self.done, always))
+                        sq.append((lambda c=c, t=t: self.ready.get(t, 0) >= self.epoch[c], always))
 
                     def copy(c=c, t=t):
                         ranks[t].data.add((c, me))
