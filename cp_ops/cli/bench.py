@@ -347,7 +347,7 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     except ImportError:
         print("matplotlib is not installed: pip install matplotlib to get --plot; skipped")
         return
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10.5, 4.8))
 
     def label(r):
         m = "auto" if r["requested_mode"] == "auto" else r["mode"]
@@ -369,7 +369,7 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     ax.set_xlabel("global sequence length S (tokens)")
     ax.set_ylabel("speedup over 1 device (steady state)")
     ax.set_title(f"CP{meta['world_size']} attention, {meta['dtype']}, H={meta['H']} D={meta['D']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: lines stay visible
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     fig.savefig(path, dpi=120)
