@@ -375,7 +375,7 @@ class _EmuLane:
         self.rank, self.world, self.heap, self.calls = rank, world, heap, 0
         self.pool = _fast_runtime.Pool(heap.alloc_for(rank), lambda seg: None, heap.make, lambda obj: [obj] * world,
                                        lambda: None, 1 << 20, 1 / 1024, slots=fast.FastTransport.slots_per_key)
-        self.launched = []
+        self.launched, self.keys = [], []
 
     def next_call(self):
         return self.calls
@@ -385,6 +385,7 @@ class _EmuLane:
 
     def launch(self, key, descs, inputs, tickets):
         assert len(descs) == self.world
+        self.keys.append(key)
         self.launched.append((descs, inputs))
         self.calls += 1
         return _EmuWork(self.pool, tickets)
@@ -427,6 +428,33 @@ def test_descriptors_agkv(world, b, s, h, d, monkeypatch):
     for kf, vf, work in outs:
         assert isinstance(work, _EmuWork) and kf.shape == (b, world * s, h, d)
         assert torch.equal(kf, want_k) and torch.equal(vf, want_v)
+
+
+@pytest.mark.parametrize("world,b,s,h,d", [(2, 1, 6, 4, 8), (4, 2, 3, 8, 4), (3, 2, 4, 6, 8)])
+def test_descriptors_agkv_under_compute(world, b, s, h, d, monkeypatch):
+    """Pipelined AGKV's gather: every peer's block lands, the own block is not copied (the pipeline reads k, v),
+    arrivals name each peer's token range once, and the launch is keyed apart from the plain gather (its
+    copy-engine-only decision)."""
+    ks = [_data((b, s, h, d), r, 3) for r in range(world)]
+    vs = [_data((b, s, h, d), r, 4) for r in range(world)]
+    heap = _SymHeap(world)
+    lanes = [_EmuLane(r, world, heap) for r in range(world)]
+    outs = []
+    for r in range(world):
+        monkeypatch.setattr(fast.transport, "_lane_for", lambda g, _l=lanes[r]: _l)
+        outs.append(fast.transport.agkv_start_sources(ks[r], vs[r], None))
+    _apply(lanes, heap)
+    for me, (kf, vf, arrivals, work) in enumerate(outs):
+        assert lanes[me].keys[-1][-1] == "under_compute"
+        assert sorted(a.src for a in arrivals) == [p for p in range(world) if p != me]
+        for p in range(world):
+            blk = slice(p * s, (p + 1) * s)
+            if p == me:  # never written: the pool's fresh memory, not this rank's (random, non-zero) k, v
+                assert not kf[:, blk].any() and not vf[:, blk].any()
+            else:
+                assert torch.equal(kf[:, blk], ks[p]) and torch.equal(vf[:, blk], vs[p])
+        for a in arrivals:
+            assert (a.lo, a.hi) == (a.src * s, (a.src + 1) * s)
 
 
 @pytest.mark.parametrize("world,b,s,h,d,n", [(2, 1, 6, 4, 8, 3), (2, 2, 5, 6, 8, 2), (4, 2, 3, 8, 4, 3), (3, 1, 4, 6, 8, 1)])

@@ -341,7 +341,8 @@ class FastTransport:
         arrival flag (one piece per peer: the fast transport signals whole blocks; ``pieces`` is ignored).
         Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
         kf, vf, work = self.agkv_start(k, v, group, under_compute=True)
-        w, r, s = group.size(), group.rank(), k.shape[1]
+        lane = self._lane_for(group)
+        w, r, s = lane.world, lane.rank, k.shape[1]
         arrivals = [Arrival(src, src * s, (src + 1) * s, _SourceWait(work, src))
                     for src in ((r - j) % w for j in range(1, w))]
         return kf, vf, arrivals, work
