@@ -7,6 +7,7 @@
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
+#   bench_graphs — cp-ops bench --graphs at 4K/8K (captured fast calls keep their pool buffers: small S only);
 #   timeline — benchmarks/timeline.py (profiler timeline per mode/transport/chunks: attn, merge, comm, idle, overlap);
 #   host — benchmarks/host_cost.py (host µs per attention call, per transport/mode/chunks/rank check, --profile);
 #   wan11 — issue 11's measurements of `cp-ops run wan` (Wan2.1-1.3B config, latent 16x64x64 = 16x32x32 patches =
@@ -52,6 +53,10 @@ for s in $SECTIONS; do case $s in
            ${BENCH_NPROC:+--nproc $BENCH_NPROC} --seqs ${BENCH_SEQS:-4096,8192,16384,32768,75600} \
            --transports torch,fast --modes auto,agkv,ulysses --chunks ${BENCH_CHUNKS:-1,2,4} \
            --out "$OUT/bench.json" --plot "$OUT/bench.png" ;;
+  bench_graphs) # the small S again, each case also replayed from a CUDA graph (no host launch cost): --graphs
+         step bench_graphs python3 -m cp_ops bench --no-progress ${BENCH_NPROC:+--nproc $BENCH_NPROC} \
+           --seqs ${BENCH_GRAPH_SEQS:-4096,8192} --transports torch,fast --modes auto,agkv,ulysses --chunks 1,2 --graphs \
+           --out "$OUT/bench_graphs.json" --plot "$OUT/bench_graphs.png" ;;
   wan)   step wan_ulysses python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
            --mode ulysses --transport torch --out "$OUT/wan_ulysses.json"
          step wan_agkv python3 -m cp_ops run wan --config 1.3b --frames 16 --height 64 --width 64 \
