@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from cp_ops import timing  # noqa: E402
+
 B, H, D = 1, 40, 128
 CLASSES = ("attn", "merge", "comm", "wait", "other")
 
@@ -108,12 +110,6 @@ def summarize(events: list[dict], calls: int) -> dict:
     return row
 
 
-def _max(x: float, group) -> float:
-    t = torch.tensor([x], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
-
-
 def _measure(fn, n: int, group, trace_path: Path | None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -136,7 +132,7 @@ def _measure(fn, n: int, group, trace_path: Path | None) -> dict:
     row = summarize(events, n)
     row["host"] = host
     for k in ("span", "busy", "idle", "overlap", "host", *CLASSES):
-        row[k] = _max(row.get(k, 0.0), group)
+        row[k] = timing.max_over_ranks(row.get(k, 0.0), torch.device("cuda"), group)
     return row
 
 
