@@ -149,13 +149,13 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
         q, k, v = (torch.randn(B, sl, H, D, generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
                    for _ in range(3))
         qf, kf, vf = (torch.randn(B, s, H, D, generator=g, device=dev).to(torch.bfloat16) for _ in range(3))
-        configs = [("1 GPU", "-", None, lambda: cp_ops.local_attention(qf, kf, vf))]
+        configs = [("1 GPU", "-", None, lambda a=qf, b=kf, c=vf: cp_ops.local_attention(a, b, c))]
         for transport in args.transports:
             for mode in args.modes:
                 for chunks in args.chunks:
                     configs.append((mode, transport, chunks,
-                                    lambda m=mode, t=transport, c=chunks: cp_ops.attention(q, k, v, mode=m,
-                                                                                          transport=t, chunks=c)))
+                                    lambda m=mode, t=transport, c=chunks, x=(q, k, v):
+                                    cp_ops.attention(*x, mode=m, transport=t, chunks=c)))
         for mode, transport, chunks, fn in configs:
             tag = f"S{s}_{mode.replace(' ', '')}_{transport}_c{chunks}"
             trace = out / f"trace_{tag}_rank{rank}.json" if args.traces and rank == 0 else None
@@ -169,7 +169,7 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
                       f"{row['other']:6.1f} host {row['host']:6.1f} µs/call", flush=True)
                 for name, count, us in row["top"]:
                     print(f"      {us:8.1f} µs/call  x{count:<4d} {name}", flush=True)
-        del q, k, v, qf, kf, vf
+        del q, k, v, qf, kf, vf, configs
         torch.cuda.empty_cache()
     if rank == 0:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "W": world, "B": B, "H": H, "D": D,
