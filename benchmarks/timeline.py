@@ -169,7 +169,7 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
                       f"{row['other']:6.1f} host {row['host']:6.1f} µs/call", flush=True)
                 for name, count, us in row["top"]:
                     print(f"      {us:8.1f} µs/call  x{count:<4d} {name}", flush=True)
-        del q, k, v, qf, kf, vf, configs
+        del q, k, v, qf, kf, vf, configs, fn
         torch.cuda.empty_cache()
     if rank == 0:
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "W": world, "B": B, "H": H, "D": D,
