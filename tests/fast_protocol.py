@@ -88,7 +88,9 @@ class _Rank:
                         raise Violation(f"host: slot {s} still holds un-waited call {owner[s]} (launch {c} refused)")
                     owner[s], slot_of[c] = c, s
                 if self.n_bufs:
-                    b = (c if isinstance(c, int) else hash(c)) % self.n_bufs
+                    if not isinstance(c, int):
+                        raise ValueError("n_bufs > 0 needs integer call ids")
+                    b = c % self.n_bufs
                     old = holder.get(b)
                     if old is not None and old not in waited:  # Pool.get refuses to overwrite an un-waited output
                         raise Violation(f"host: buffer {b} still holds un-waited call {old} (launch {c} refused)")
