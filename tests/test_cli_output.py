@@ -125,3 +125,13 @@ def test_torchrun_bad_argument_is_one_line_from_rank_0():
     p = _torchrun("bench", "--bogus")
     text = p.stdout + p.stderr
     assert text.count("cp-ops: error: unrecognized arguments: --bogus") == 1 and "exitcode  : 2" in text, text
+
+
+def test_bench_graph_cell_without_single_device_graph():
+    """`--graphs`: when the 1-device capture failed (rank 0 alone, now caught so the other ranks are not left at
+    the barrier), the CP graph time is still shown, the speedup as '-'."""
+    from cp_ops.cli import bench
+
+    assert bench._graph_cell({"graph_cp_ms": 1.25, "graph_speedup": None}) == "1.250 (-)"
+    assert bench._graph_cell({"graph_cp_ms": 1.25, "graph_speedup": 2.0}) == "1.250 (2.00x)"
+    assert bench._graph_cell({"graph_skipped": "x"}) == "failed" and bench._graph_cell({}) == "-"

@@ -399,3 +399,39 @@ def _timeout(rank, world):
 
 def test_device_wait_timeout_raises_on_host():
     run_gpu_ranks(_timeout, timeout=120)
+
+
+# ---- captured flag slots are never given back -----------------------------------------------------
+def _graphs_captured_and_dropped(rank, world):
+    import torch.distributed as dist
+
+    from cp_ops import timing
+    from cp_ops.transport import _fast_runtime, fast
+
+    pg = dist.group.WORLD
+    k = _rand((1, 256, 8, 128), 40 + rank)
+
+    def call():
+        kf, vf, w = fast.transport.agkv_start(k, k, pg)
+        w.wait()
+        return kf
+
+    call()
+    # what `cp-ops bench --graphs` (a Graphed per case), host_cost's graph rows and re-recorded CUDA-graph trees
+    # do in one process: capture a graph of fast calls, replay it, drop it; more graphs than the lane has slots
+    for i in range(_fast_runtime.N_SLOTS + 8):
+        g = timing.Graphed(call, k.device, calls=1, warmup=1, group=pg)
+        g()
+        torch.cuda.synchronize()
+        del g
+    kf = call()  # an eager call after every graph is gone
+    rk, _ = _ref_agkv(k, k, pg)
+    assert torch.equal(kf, rk)
+    fast.shutdown()
+
+
+def test_dropped_graphs_give_their_flag_slots_back():
+    """Known failure at 9398d49: CallSlots pins a slot used inside a capture until Lane.close, so after
+    N_SLOTS (256) captured-then-dropped graphs every fast call raises 'every one of the 256 flag slots is held by
+    a captured CUDA graph' (bench --graphs sweeps, repeated timing.Graphed)."""
+    run_gpu_ranks(_graphs_captured_and_dropped)

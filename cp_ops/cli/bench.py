@@ -177,7 +177,14 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                 st = summary(steady_ms(full, device, args.warmup, args.repeats, calls))
                 lat = summary(samples_ms(full, device, 0, args.repeats))
                 share = summary(steady_ms(lambda: local_attention(q0, k, v), device, args.warmup, args.repeats, calls))
-                graphed = _graph_ms(full, device, args, calls) if graphs else 0.0
+                graphed = 0.0
+                if graphs:
+                    try:  # rank 0 alone: a failure must not leave it out of the barrier the others wait at
+                        graphed = _graph_ms(full, device, args, calls)
+                    except Exception as e:  # noqa: BLE001 - no 1-device graph: the graph columns say so
+                        graphed = float("nan")
+                        print(f"cp-ops bench: S={s}: 1-device CUDA-graph capture failed: {type(e).__name__}: {e}",
+                              flush=True)
                 base = torch.tensor([x[n] for x in (st, lat, share) for n in STATS] + [graphed], dtype=torch.float64,
                                     device=device)
                 del q0
@@ -206,8 +213,9 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         if graphs:  # after the eager calls above: plans, tuning, the fast lane's buffers are ready for capture
             try:
                 graph["graph_cp_ms"] = max_over_ranks(_graph_ms(fn, device, args, calls, pg), device)
-                graph["graph_single_ms"] = single["graph"]
-                graph["graph_speedup"] = single["graph"] / graph["graph_cp_ms"]
+                ok = single["graph"] == single["graph"]  # NaN: the 1-device capture failed
+                graph["graph_single_ms"] = single["graph"] if ok else None
+                graph["graph_speedup"] = single["graph"] / graph["graph_cp_ms"] if ok else None
             except RuntimeError as e:  # the capture failed (on some rank; every rank is told): no graph column
                 graph["graph_skipped"] = str(e)
                 if rank == 0:
@@ -332,7 +340,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
 
 def _graph_cell(r: dict) -> str:
     if "graph_cp_ms" in r:
-        return f"{r['graph_cp_ms']:.3f} ({r['graph_speedup']:.2f}x)"
+        sp = "-" if r.get("graph_speedup") is None else f"{r['graph_speedup']:.2f}x"
+        return f"{r['graph_cp_ms']:.3f} ({sp})"
     return "failed" if "graph_skipped" in r else "-"
 
 
@@ -356,8 +365,8 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
     for key in sorted({label(r) for r in rows}):
         pts = sorted((r["S"], r["speedup"]) for r in rows if label(r) == key)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} c={key[1]} / {key[2]}")
-    for key in sorted({label(r) for r in rows if "graph_speedup" in r}):
-        pts = sorted((r["S"], r["graph_speedup"]) for r in rows if label(r) == key and "graph_speedup" in r)
+    for key in sorted({label(r) for r in rows if r.get("graph_speedup") is not None}):
+        pts = sorted((r["S"], r["graph_speedup"]) for r in rows if label(r) == key and r.get("graph_speedup") is not None)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x", ls=":",
                 label=f"{key[0]} c={key[1]} / {key[2]} (CUDA graph)")
     for m in sorted({r["mode"] for r in rows if r["recv_bytes"] is not None}):
