@@ -430,8 +430,11 @@ def _graphs_captured_and_dropped(rank, world):
     fast.shutdown()
 
 
+@pytest.mark.xfail(strict=True, reason="known limit: a flag slot used inside a capture stays pinned until the lane "
+                                        "closes (FastTransport.shutdown), so 256 captured fast calls per process at most")
 def test_dropped_graphs_give_their_flag_slots_back():
-    """Known failure at 9398d49: CallSlots pins a slot used inside a capture until Lane.close, so after
-    N_SLOTS (256) captured-then-dropped graphs every fast call raises 'every one of the 256 flag slots is held by
-    a captured CUDA graph' (bench --graphs sweeps, repeated timing.Graphed)."""
+    """CallSlots pins a slot used inside a capture until Lane.close, so after N_SLOTS (256) captured-then-dropped
+    graphs every fast call raises 'every one of the 256 flag slots is held by a captured CUDA graph' (bench
+    --graphs sweeps, repeated timing.Graphed). Strict xfail: it turns red once slots are given back, so the mark
+    goes with the fix (unpin at the same point on every rank once the graph is destroyed)."""
     run_gpu_ranks(_graphs_captured_and_dropped)

@@ -164,7 +164,7 @@ def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
     return lat.float(), ms
 
 
-def _measure(m, spec, kw, args, device, graphs_ok: bool):
+def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
     """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32)``."""
     fwd = _forward_fn(m, spec, kw, args)
     _sync(device)
@@ -180,7 +180,8 @@ def _measure(m, spec, kw, args, device, graphs_ok: bool):
             denoise(m, spec, kw, args.steps, device, args)
         out, ms = denoise(m, spec, kw, args.steps, device, args)
         return first_s, ms, out
-    call = timing.Graphed(fwd, device) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
+    # group: the ranks of a collective forward agree on the capture's outcome (a failure raises on all of them)
+    call = timing.Graphed(fwd, device, group=group) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
     return first_s, ms, call().float()
 
@@ -222,7 +223,7 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms):
             m = copy.deepcopy(base)
             m.enable_parallelism(config=ContextParallelConfig(**cpc))
             m, _ = compile_model(m, spec, args, overlap=False)
-            first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True)
+            first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
         except _Skip:
             pass
         except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
@@ -294,7 +295,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     if rank == 0 and args.compile:
         print(f"compiling the CP{world_size} model ({args.compile}) ...", flush=True)
     m, nblocks = compile_model(model, spec, args, overlap=True)
-    first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True)
+    first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
     rows.append(_row(f"cp_ops {mode}", first_s, ms, out, ref, single_ms, device, args.steps))
     breakdown = None
     if args.profile:
