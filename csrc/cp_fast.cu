@@ -193,14 +193,18 @@ struct CopyBatch {
 
 // 16-byte vector copy of n 2-D regions (rows of vpr*16 bytes, given pitches); kUnroll loads in flight.
 // Fused flags (SM path): if wait_flag, every block first spins until *wait_flag >= *gen (the target's
-// ready flag; a block that gives up copies nothing); if peer_flag, the last block to finish (counted in
+// ready flag; a block that gives up copies nothing; without it, a block copies nothing once a device wait here
+// timed out); if peer_flag, the last block to finish (counted in
 // *block_count, reset after) stores *gen there with release semantics at system scope, after a system fence
 // that covers every block's stores, unless a wait on this device timed out.
 __global__ void __launch_bounds__(kThreads) copy2d_kernel(const __grid_constant__ CopyBatch b, const uint64_t* wait_flag,
                                                           const uint64_t* gen, uint64_t* peer_flag,
                                                           unsigned int* block_count, Ctx c, int peer) {
   __shared__ int ok;
-  if (threadIdx.x == 0) ok = wait_flag == nullptr ? 1 : (int)spin_geq(wait_flag, *gen, c, kReady, peer);
+  // no wait_flag (the rendezvous in begin_kernel already waited): copy unless a device wait here timed out
+  if (threadIdx.x == 0)
+    ok = wait_flag == nullptr ? (int)(*(volatile unsigned long long*)c.claim == 0)
+                              : (int)spin_geq(wait_flag, *gen, c, kReady, peer);
   __syncthreads();
   const unsigned long long total = ok ? b.start[b.n] : 0;
   const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;

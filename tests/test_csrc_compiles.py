@@ -1,0 +1,38 @@
+"""The CUDA extension's sources compile and link for sm_90 with the nvcc on this machine (CPU-only machines with
+a CUDA toolkit: catches a csrc change that would break the fast transport's build on the GPU host). Skipped
+without nvcc. Nothing runs on a GPU here: behaviour is the GPU tests' (tests/test_fast_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+NVCC = shutil.which("nvcc")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
+def test_extension_sources_compile_and_link(tmp_path):
+    from cp_ops.transport import _fast_build
+
+    incs = [f"-I{os.path.join(os.path.dirname(torch.__file__), 'include')}", f"-I{sysconfig.get_paths()['include']}"]
+    objs = []
+    for src in _fast_build._sources():
+        assert src.is_file() and src.parent == ROOT / "csrc", src
+        obj = tmp_path / (src.stem + ".o")
+        p = subprocess.run([NVCC, "-std=c++17", "-O1", "--expt-relaxed-constexpr", "-arch=sm_90", "-Xcompiler", "-fPIC",
+                            *incs, "-DTORCH_EXTENSION_NAME=cp_ops_fast_ext", "-c", str(src), "-o", str(obj)],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"{src.name}:\n{p.stderr[-4000:]}"
+        objs.append(str(obj))
+    so = tmp_path / "cp_ops_fast_ext.so"
+    p = subprocess.run([NVCC, "-shared", "-arch=sm_90", *objs, "-o", str(so)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    syms = subprocess.run(["nm", "-C", str(so)], capture_output=True, text=True).stdout
+    assert "PyInit_cp_ops_fast_ext" in syms and "register_lse_merge" in syms
