@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dist_util import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +92,15 @@ def test_out_checked_before_the_run(tmp_path):
         assert time.perf_counter() - t < 30
     p = _cli("bench", *SMALL, "--plot", str(blocker / "x.png"), "--out", "")
     assert p.returncode == 2 and "--plot" in p.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_out_check_tries_the_write():
+    """/proc takes no new files, yet os.access says writable to root: the check tries the write, before the run."""
+    from cp_ops.cli.main import UsageError, _check_out
+
+    with pytest.raises(UsageError, match=r"^--out /proc/cp_ops_x\.json: cannot write under /proc \("):
+        _check_out("/proc/cp_ops_x.json", "--out")
 
 
 def test_out_overwrite_is_announced(tmp_path):

@@ -16,6 +16,7 @@ import importlib.util
 import math
 import os
 import sys
+import tempfile
 import time
 
 from .. import modes
@@ -81,16 +82,14 @@ def _device(args) -> str:
     return args.device
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, repeats_help: str) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
                         "under torchrun, W is torchrun's --nproc-per-node")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs; the median is reported (default 20 GPU, 10 CPU; bench: steady-state samples and "
-                        "latency runs, default 5)")
+    p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     p.add_argument("--out", default=None,
                    help="write the results as JSON to this path (checked for writability before the run; an existing "
                         "file is overwritten and the output says so); default: no file")
@@ -116,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the same way, speedup, the bound (max of attention at one rank's share and the "
                                    "bytes to receive over the measured P2P bandwidth) and % of it reached, and "
                                    "relative error against the single-device output.")
-    _common(b)
+    _common(b, "steady-state samples (each --calls calls back to back) and, separately, single waited-for calls "
+               "(latency); medians and p25-p75 are reported (default 5)")
     b.add_argument("--seqs", type=_csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
     b.add_argument("--modes", type=_csv(str), default=list(modes.names(False)),
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time, "
                                    "speedup, max relative error. Sizes are latent (VAE space, pixels / 8).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
-    _common(r)
+    _common(r, "timed forwards; the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one timed "
+               "loop, its median step)")
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
                         "hunyuanvideo 13b; tiny for any (default: the first on GPU, tiny on CPU)")
@@ -390,9 +391,17 @@ def _check_out(path: str | None, flag: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         _fail(f"{flag} {path}: cannot write under {parent}")
-    if os.path.exists(full):
-        if not os.access(full, os.W_OK):
-            _fail(f"{flag} {path} exists and is not writable")
+    exists = os.path.exists(full)
+    if exists and not os.access(full, os.W_OK):
+        _fail(f"{flag} {path} exists and is not writable")
+    try:  # os.access says yes to root everywhere (e.g. /proc, root-squashed NFS): try the write itself
+        if exists:
+            open(full, "ab").close()  # appends nothing: the file is unchanged
+        else:
+            tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        _fail(f"{flag} {path}: cannot write under {parent} ({e.strerror})")
+    if exists:
         if _rank0():
             print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
 
