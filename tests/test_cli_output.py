@@ -136,3 +136,28 @@ def test_torchrun_bad_argument_is_one_line_from_rank_0():
     p = _torchrun("bench", "--bogus")
     text = p.stdout + p.stderr
     assert text.count("cp-ops: error: unrecognized arguments: --bogus") == 1 and "exitcode  : 2" in text, text
+
+
+def test_plot_ticks_are_the_measured_seqs_and_a_one_point_bound_shows(tmp_path, monkeypatch):
+    """bench --plot: x ticks at the measured S (75600 is no power of 2), and a mode's bound at a single S (the auto
+    row picked Ulysses only there) is drawn as a visible point, not an invisible one-point line."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from cp_ops.cli.bench import plot
+
+    saved = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (saved.append(self), real_savefig(self, *a, **k)))
+
+    def row(s, mode, speedup, requested="agkv"):
+        return dict(S=s, mode=mode, requested_mode=requested, requested_chunks=1, transport="torch",
+                    speedup=speedup, recv_bytes=1, bound_speedup=speedup + 0.1)
+
+    rows = [row(16384, "agkv", 1.7), row(75600, "agkv", 1.9), row(75600, "ulysses", 1.95, requested="auto")]
+    plot(rows, dict(world_size=2, dtype="bf16", H=40, D=128), str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").stat().st_size > 1000
+    ax = saved[0].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16384", "75600"]
+    bound_u = next(ln for ln in ax.get_lines() if ln.get_label() == "bound ulysses")
+    assert len(bound_u.get_xdata()) == 1 and bound_u.get_marker() not in (None, "None", "", " ")
