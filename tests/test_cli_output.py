@@ -161,3 +161,14 @@ def test_plot_ticks_are_the_measured_seqs_and_a_one_point_bound_shows(tmp_path, 
     assert [t.get_text() for t in ax.get_xticklabels()] == ["16384", "75600"]
     bound_u = next(ln for ln in ax.get_lines() if ln.get_label() == "bound ulysses")
     assert len(bound_u.get_xdata()) == 1 and bound_u.get_marker() not in (None, "None", "", " ")
+
+
+def test_run_width_defaults_to_height():
+    """cp-ops run --help: '--width (default as --height)'; --height 8 alone gave a width of 16 (the CPU default)."""
+    pytest.importorskip("diffusers")
+    from cp_ops.cli.main import _check_run, build_parser
+
+    for argv, hw in [(["--height", "8"], (8, 8)), ([], (16, 16)), (["--height", "8", "--width", "4"], (8, 4))]:
+        args = build_parser().parse_args(["run", "wan", *argv])
+        _check_run(args, "cpu", 2)
+        assert (args.height, args.width) == hw, (argv, args.height, args.width)

@@ -317,8 +317,9 @@ def _check_run(args, device: str, world: int) -> None:
     args.text_tokens = text if args.text_tokens is None else args.text_tokens
     f0, h0, w0 = spec.gpu_latent if gpu else spec.cpu_latent
     args.frames = f0 if args.frames is None else args.frames
+    height_given = args.height is not None
     args.height = h0 if args.height is None else args.height
-    args.width = w0 if args.width is None else args.width
+    args.width = (args.height if height_given else w0) if args.width is None else args.width  # help: "as --height"
     pt, ph, pw = spec.patch(cfg)
     if args.layers is not None and args.layers < 1:
         _fail(f"{what}: --layers must be >= 1; got {args.layers}")
