@@ -172,3 +172,18 @@ def test_run_width_defaults_to_height():
         args = build_parser().parse_args(["run", "wan", *argv])
         _check_run(args, "cpu", 2)
         assert (args.height, args.width) == hw, (argv, args.height, args.width)
+
+
+def test_bench_default_seqs_on_a_width_they_do_not_fit():
+    """cp-ops bench --nproc 3 (CPU default S 512,1024,2048): the error says the S are the defaults and offers
+    multiples of 3, instead of blaming a --seqs the user never gave."""
+    from cp_ops import config
+    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+
+    args = build_parser().parse_args(["bench", "--nproc", "3"])
+    with pytest.raises(UsageError, match=r"^bench: the default S \[512, 1024, 2048\] are not all multiples of the CP "
+                                         r"world size 3; give --seqs, e\.g\. --seqs 510,1023,2046$"):
+        _check_bench(args, "cpu", 3, config.settings)
+    args = build_parser().parse_args(["bench", "--nproc", "3", "--seqs", "512"])
+    with pytest.raises(UsageError, match=r"every S in --seqs must be a positive multiple .* 3; got \[512\]"):
+        _check_bench(args, "cpu", 3, config.settings)

@@ -237,6 +237,7 @@ def _check_bench(args, device: str, world: int, settings) -> None:
     from cp_ops.transport.fast import unavailable_reason
 
     gpu = device == "cuda"
+    seqs_given = args.seqs is not None
     args.seqs = (GPU_SEQS if gpu else CPU_SEQS) if args.seqs is None else args.seqs
     args.heads = (40 if gpu else 8) if args.heads is None else args.heads
     args.head_dim = (128 if gpu else 64) if args.head_dim is None else args.head_dim
@@ -255,6 +256,10 @@ def _check_bench(args, device: str, world: int, settings) -> None:
     if "fast" in args.transports and (why := unavailable_reason(device)) is not None:
         _fail(f"bench: transport 'fast' cannot run: {why}")
     bad = [s for s in args.seqs if s < world or s % world]
+    if bad and not seqs_given:  # e.g. --nproc 3 with the default S: say so, and offer multiples of W
+        near = ",".join(str(max(world, s - s % world)) for s in args.seqs)
+        _fail(f"bench: the default S {args.seqs} are not all multiples of the CP world size {world}; give --seqs, "
+              f"e.g. --seqs {near}")
     if bad:
         _fail(f"bench: every S in --seqs must be a positive multiple of the CP world size {world}; got {bad}")
     if args.heads % world and all(m != "auto" and modes.spec(m).needs_heads_divisible for m in args.modes):
