@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", default=None,
                      help="output file (default out.png, or out.mp4 for a video pipeline; .png for a video = a grid)")
     gen.add_argument("--nproc", type=int, default=None, help="CP world size W (default: all GPUs, 2 on CPU)")
-    gen.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    gen.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                     help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
     gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     gen.add_argument("--mode", choices=modes.names(), default="auto", help="CP attention mode (as in run)")
     gen.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto", help="as in run")
