@@ -189,15 +189,17 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Columns: see the module docstring (python -c 'import benchmarks.timeline as t; "
-                                       "help(t)').")
+                                epilog=f"Shapes: bf16, B={B}, H={H}, D={D}; lists are space-separated (--sizes 4096 "
+                                       "8192). Columns: see the module docstring (from the repository root: python -c "
+                                       "'import benchmarks.timeline as t; help(t)').")
     p.add_argument("--out", required=True, help="folder for timeline.json / timeline.md (and traces)")
-    p.add_argument("--nproc", type=int, default=2, help="CP world size W (GPUs)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[4096], help="global sequence lengths S")
-    p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"])
-    p.add_argument("--transports", nargs="+", default=["torch", "fast"])
-    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2], help="chunk counts (1 = transport, then attend)")
-    p.add_argument("--n", type=int, default=20, help="calls back to back under the profiler")
+    p.add_argument("--nproc", type=int, default=2, help="CP world size W, one GPU per rank (default 2)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096], help="global sequence lengths S (default 4096)")
+    p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"], help="agkv, ulysses (default both)")
+    p.add_argument("--transports", nargs="+", default=["torch", "fast"], help="torch, fast (default both)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 2],
+                   help="chunk counts: 1 = transport, then attend; k >= 2 = pipelined (default 1 2)")
+    p.add_argument("--n", type=int, default=20, help="calls back to back under the profiler (default 20)")
     p.add_argument("--traces", action="store_true", help="keep rank 0's Chrome trace per configuration")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -391,8 +391,18 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
     per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
     raise ValueError(
         f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
-        f"{', '.join(aspects)}: {per_rank}"
+        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}"
     )
+
+
+def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
+    """Where the ranks differ only in S_local (uneven shards without ``seq_lens``): the ``seq_lens`` to pass."""
+    shapes = [d["shape"] for d in desc]
+    if aspects != ["shape"] or any(s is None or len(s) != 4 for s in shapes) or len(
+            {(s[0], s[2], s[3]) for s in shapes}) != 1:
+        return ""
+    return (f"; only S_local differs: for uneven shards pass seq_lens={tuple(s[1] for s in shapes)} (the same tuple "
+            "on every rank; cp_ops.layout.shard_sizes(total, W) is the standard split)")
 
 
 def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:

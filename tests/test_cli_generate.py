@@ -39,6 +39,7 @@ def tiny_wan(tmp_path_factory):
     return ckpt, _tiny_wan_pipeline(str(ckpt))
 
 
+@pytest.mark.filterwarnings("error:.*torch_dtype.*is deprecated:FutureWarning")  # dtype= where diffusers takes it
 def test_generate_tiny_wan(tmp_path, tiny_wan):
     from PIL import Image
 

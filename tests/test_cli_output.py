@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dist_util import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,6 +94,15 @@ def test_out_checked_before_the_run(tmp_path):
     assert p.returncode == 2 and "--plot" in p.stderr
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_out_check_tries_the_write():
+    """/proc takes no new files, yet os.access says writable to root: the check tries the write, before the run."""
+    from cp_ops.cli.main import UsageError, _check_out
+
+    with pytest.raises(UsageError, match=r"^--out /proc/cp_ops_x\.json: cannot write under /proc \("):
+        _check_out("/proc/cp_ops_x.json", "--out")
+
+
 def test_out_overwrite_is_announced(tmp_path):
     out = tmp_path / "bench.json"
     out.write_text("{}")
@@ -135,3 +146,54 @@ def test_bench_graph_cell_without_single_device_graph():
     assert bench._graph_cell({"graph_cp_ms": 1.25, "graph_speedup": None}) == "1.250 (-)"
     assert bench._graph_cell({"graph_cp_ms": 1.25, "graph_speedup": 2.0}) == "1.250 (2.00x)"
     assert bench._graph_cell({"graph_skipped": "x"}) == "failed" and bench._graph_cell({}) == "-"
+
+
+def test_plot_ticks_are_the_measured_seqs_and_a_one_point_bound_shows(tmp_path, monkeypatch):
+    """bench --plot: x ticks at the measured S (75600 is no power of 2), and a mode's bound at a single S (the auto
+    row picked Ulysses only there) is drawn as a visible point, not an invisible one-point line."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from cp_ops.cli.bench import plot
+
+    saved = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (saved.append(self), real_savefig(self, *a, **k)))
+
+    def row(s, mode, speedup, requested="agkv"):
+        return dict(S=s, mode=mode, requested_mode=requested, requested_chunks=1, transport="torch",
+                    speedup=speedup, recv_bytes=1, bound_speedup=speedup + 0.1)
+
+    rows = [row(16384, "agkv", 1.7), row(75600, "agkv", 1.9), row(75600, "ulysses", 1.95, requested="auto")]
+    plot(rows, dict(world_size=2, dtype="bf16", H=40, D=128), str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").stat().st_size > 1000
+    ax = saved[0].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["16384", "75600"]
+    bound_u = next(ln for ln in ax.get_lines() if ln.get_label() == "bound ulysses")
+    assert len(bound_u.get_xdata()) == 1 and bound_u.get_marker() not in (None, "None", "", " ")
+
+
+def test_run_width_defaults_to_height():
+    """cp-ops run --help: '--width (default as --height)'; --height 8 alone gave a width of 16 (the CPU default)."""
+    pytest.importorskip("diffusers")
+    from cp_ops.cli.main import _check_run, build_parser
+
+    for argv, hw in [(["--height", "8"], (8, 8)), ([], (16, 16)), (["--height", "8", "--width", "4"], (8, 4))]:
+        args = build_parser().parse_args(["run", "wan", *argv])
+        _check_run(args, "cpu", 2)
+        assert (args.height, args.width) == hw, (argv, args.height, args.width)
+
+
+def test_bench_default_seqs_on_a_width_they_do_not_fit():
+    """cp-ops bench --nproc 3 (CPU default S 512,1024,2048): the error says the S are the defaults and offers
+    multiples of 3, instead of blaming a --seqs the user never gave."""
+    from cp_ops import config
+    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+
+    args = build_parser().parse_args(["bench", "--nproc", "3"])
+    with pytest.raises(UsageError, match=r"^bench: the default S \[512, 1024, 2048\] are not all multiples of the CP "
+                                         r"world size 3; give --seqs, e\.g\. --seqs 510,1023,2046$"):
+        _check_bench(args, "cpu", 3, config.settings)
+    args = build_parser().parse_args(["bench", "--nproc", "3", "--seqs", "512"])
+    with pytest.raises(UsageError, match=r"every S in --seqs must be a positive multiple .* 3; got \[512\]"):
+        _check_bench(args, "cpu", 3, config.settings)

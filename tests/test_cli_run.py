@@ -53,8 +53,19 @@ def _ranks_body(rank, world_size, outdir):
     from cp_ops.cli.run import denoise, run_model
     from cp_ops.integrations.diffusers import parallelize
 
-    run_model(rank, world_size, torch.device("cpu"), _ns(steps=2, compare="diffusers", profile=os.path.join(outdir, "prof"),
-                                                         out=os.path.join(outdir, "wan_steps.json")))
+    import contextlib
+    import io
+
+    import cp_ops.cli.run as run_module
+
+    run_module.available_cores = lambda: 1  # as on a 1-core machine: 2 ranks oversubscribe it, rank 0 warns
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        run_model(rank, world_size, torch.device("cpu"), _ns(steps=2, compare="diffusers",
+                                                             profile=os.path.join(outdir, "prof"),
+                                                             out=os.path.join(outdir, "wan_steps.json")))
+    with open(os.path.join(outdir, f"run_stdout{rank}.txt"), "w") as fh:
+        fh.write(stdout.getvalue())
     results = {}
     for name, cfg_parallel in [(m, False) for m in ("wan",) + OTHERS] + [("wan", True)]:
         spec = MODELS[name]
@@ -91,6 +102,7 @@ def ranks_results(tmp_path_factory):
         models = json.load(f)
     with open(d / "wan_steps.json") as f:
         wan = json.load(f)
+    wan["stdout"] = [(d / f"run_stdout{r}.txt").read_text() for r in (0, 1)]
     return models, wan
 
 
@@ -111,6 +123,9 @@ def test_run_body_steps_and_compare(ranks_results):
     assert 0 < prof["forward"]["busy_ms"] <= prof["forward"]["span_ms"] and prof["forward"]["comm_ms"] > 0
     assert prof["layers"]["attention_ms"] > 0 and prof["forward"]["gather_ms"] > 0
     assert {"condition_embedder", "attn2.to_k", "attn2.to_v"} <= set(prof["replicated"])
+    # more ranks than cores: rank 0 says so, as cp-ops bench does
+    assert "cp-ops run: warning: 2 ranks x 1 thread(s) = 2 > 1 cores here" in wan["stdout"][0]
+    assert "warning" not in wan["stdout"][1]
 
 
 @pytest.mark.parametrize("name", ["wan"] + list(OTHERS) + ["wan+cfg"])

@@ -101,11 +101,12 @@ def test_bad_setting_is_one_line_exit_2(cmd):
 def test_env_lists_every_setting_with_its_source():
     import cp_ops.config as config
 
-    p = _cli("env", CP_OPS_FAST_PATH="ce")
+    p = _cli("env", CP_OPS_FAST_PATH="ce", CP_OPS_EXT_DIR="/tmp/cp_ops_ext_here")
     assert p.returncode == 0, p.stderr
     for row in config.from_env({}).describe():
         assert row["variable"] in p.stdout
     assert "fast_path        = ce         (env CP_OPS_FAST_PATH)" in p.stdout
+    assert "fast transport's CUDA extension folder (CP_OPS_EXT_DIR): /tmp/cp_ops_ext_here\n" in p.stdout
     assert "timeout_s        = 300.0      (default)" in p.stdout
 
 

@@ -30,13 +30,15 @@ from .run import UNSUPPORTED
 
 
 def load_pipeline(path: str, dtype: torch.dtype, device: torch.device):
-    """``DiffusionPipeline.from_pretrained(path, torch_dtype=dtype)`` on ``device``, null components as None."""
+    """``DiffusionPipeline.from_pretrained(path, dtype=dtype)`` (``torch_dtype=`` on older diffusers) on ``device``, null components as None."""
     from diffusers import DiffusionPipeline
 
     with open(os.path.join(path, "model_index.json")) as f:
         index = json.load(f)
     nulls = {k: None for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v == [None, None]}
-    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=dtype, **nulls)
+    from .models import dtype_kwarg
+
+    pipe = DiffusionPipeline.from_pretrained(path, **dtype_kwarg(dtype), **nulls)
     return pipe.to(device)
 
 

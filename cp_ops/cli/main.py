@@ -16,6 +16,7 @@ import importlib.util
 import math
 import os
 import sys
+import tempfile
 import time
 
 from .. import modes
@@ -81,16 +82,14 @@ def _device(args) -> str:
     return args.device
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, repeats_help: str) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
                         "under torchrun, W is torchrun's --nproc-per-node")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs; the median is reported (default 20 GPU, 10 CPU; bench: steady-state samples and "
-                        "latency runs, default 5)")
+    p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     p.add_argument("--out", default=None,
                    help="write the results as JSON to this path (checked for writability before the run; an existing "
                         "file is overwritten and the output says so); default: no file")
@@ -116,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the same way, speedup, the bound (max of attention at one rank's share and the "
                                    "bytes to receive over the measured P2P bandwidth) and % of it reached, and "
                                    "relative error against the single-device output.")
-    _common(b)
+    _common(b, "steady-state samples (each --calls calls back to back) and, separately, single waited-for calls "
+               "(latency); medians and p25-p75 are reported (default 5)")
     b.add_argument("--seqs", type=_csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
     b.add_argument("--modes", type=_csv(str), default=list(modes.names(False)),
@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time, "
                                    "speedup, max relative error. Sizes are latent (VAE space, pixels / 8).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
-    _common(r)
+    _common(r, "timed forwards; the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one timed "
+               "loop, its median step)")
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
                         "hunyuanvideo 13b; tiny for any (default: the first on GPU, tiny on CPU)")
@@ -219,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--out", default=None,
                      help="output file (default out.png, or out.mp4 for a video pipeline; .png for a video = a grid)")
     gen.add_argument("--nproc", type=int, default=None, help="CP world size W (default: all GPUs, 2 on CPU)")
-    gen.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    gen.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                     help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
     gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     gen.add_argument("--mode", choices=modes.names(), default="auto", help="CP attention mode (as in run)")
     gen.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto", help="as in run")
@@ -236,6 +238,7 @@ def _check_bench(args, device: str, world: int, settings) -> None:
     from cp_ops.transport.fast import unavailable_reason
 
     gpu = device == "cuda"
+    seqs_given = args.seqs is not None
     args.seqs = (GPU_SEQS if gpu else CPU_SEQS) if args.seqs is None else args.seqs
     args.heads = (40 if gpu else 8) if args.heads is None else args.heads
     args.head_dim = (128 if gpu else 64) if args.head_dim is None else args.head_dim
@@ -254,6 +257,10 @@ def _check_bench(args, device: str, world: int, settings) -> None:
     if "fast" in args.transports and (why := unavailable_reason(device)) is not None:
         _fail(f"bench: transport 'fast' cannot run: {why}")
     bad = [s for s in args.seqs if s < world or s % world]
+    if bad and not seqs_given:  # e.g. --nproc 3 with the default S: say so, and offer multiples of W
+        near = ",".join(str(max(world, s - s % world)) for s in args.seqs)
+        _fail(f"bench: the default S {args.seqs} are not all multiples of the CP world size {world}; give --seqs, "
+              f"e.g. --seqs {near}")
     if bad:
         _fail(f"bench: every S in --seqs must be a positive multiple of the CP world size {world}; got {bad}")
     if args.heads % world and all(m != "auto" and modes.spec(m).needs_heads_divisible for m in args.modes):
@@ -316,8 +323,9 @@ def _check_run(args, device: str, world: int) -> None:
     args.text_tokens = text if args.text_tokens is None else args.text_tokens
     f0, h0, w0 = spec.gpu_latent if gpu else spec.cpu_latent
     args.frames = f0 if args.frames is None else args.frames
+    height_given = args.height is not None
     args.height = h0 if args.height is None else args.height
-    args.width = w0 if args.width is None else args.width
+    args.width = (args.height if height_given else w0) if args.width is None else args.width  # help: "as --height"
     pt, ph, pw = spec.patch(cfg)
     if args.layers is not None and args.layers < 1:
         _fail(f"{what}: --layers must be >= 1; got {args.layers}")
@@ -390,9 +398,17 @@ def _check_out(path: str | None, flag: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         _fail(f"{flag} {path}: cannot write under {parent}")
-    if os.path.exists(full):
-        if not os.access(full, os.W_OK):
-            _fail(f"{flag} {path} exists and is not writable")
+    exists = os.path.exists(full)
+    if exists and not os.access(full, os.W_OK):
+        _fail(f"{flag} {path} exists and is not writable")
+    try:  # os.access says yes to root everywhere (e.g. /proc, root-squashed NFS): try the write itself
+        if exists:
+            open(full, "ab").close()  # appends nothing: the file is unchanged
+        else:
+            tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        _fail(f"{flag} {path}: cannot write under {parent} ({e.strerror})")
+    if exists:
         if _rank0():
             print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
 

@@ -332,5 +332,15 @@ def load_checkpoint(spec: ModelSpec, path: str, device, dtype):
         cls = json.load(f).get("_class_name")
     if cls != spec.cls:
         raise ValueError(f"--checkpoint {path} holds a {cls}; `cp-ops run {spec.name}` takes a {spec.cls}")
-    model = getattr(diffusers, spec.cls).from_pretrained(path, subfolder=sub, torch_dtype=dtype)
+    model = getattr(diffusers, spec.cls).from_pretrained(path, subfolder=sub, **dtype_kwarg(dtype))
     return model.to(device).eval(), dict(model.config)
+
+
+def dtype_kwarg(dtype) -> dict:
+    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers takes it (the versions that warn that
+    ``torch_dtype`` is deprecated: they have ``diffusers.utils.deprecation_utils._resolve_dtype``), else
+    ``torch_dtype=`` (older diffusers, which would not read ``dtype``)."""
+    import importlib
+
+    dep = importlib.import_module("diffusers.utils.deprecation_utils")
+    return {"dtype" if hasattr(dep, "_resolve_dtype") else "torch_dtype": dtype}

@@ -248,7 +248,12 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
 
     spec = MODELS[args.model]
     if device.type == "cpu":
-        torch.set_num_threads(max(1, available_cores() // world_size))
+        cores = available_cores()
+        threads = max(1, cores // world_size)
+        torch.set_num_threads(threads)
+        if rank == 0 and world_size * threads > cores:  # as cp-ops bench warns
+            print(f"cp-ops run: warning: {world_size} ranks x {threads} thread(s) = {world_size * threads} > {cores} "
+                  "cores here: the ranks contend for cores, so CP times are inflated (use --nproc <= cores)", flush=True)
     dtype = DTYPES[args.dtype]
     if args.checkpoint:
         model, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
