@@ -269,3 +269,17 @@ def test_submodule_import_before_core_keeps_public_functions():
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr
+
+
+def test_masked_attention_positional_mask_is_a_clear_error():
+    from cp_ops.modes.uneven import masked_attention
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=g) for _ in range(3))
+    mask = torch.rand(1, 4, generator=g) > 0.3
+    with pytest.raises(TypeError, match=r"4th positional argument is scale .* pass the mask as key_mask=mask"):
+        masked_attention(q, k, v, mask)
+    got = masked_attention(q, k, v, key_mask=mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                           attn_mask=mask[:, None, None, :]).transpose(1, 2)
+    assert torch.equal(got, ref)

@@ -226,7 +226,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         bound = max(share["median"], comm_ms or 0.0) if device.type == "cuda" else share["median"]
         rows.append(dict(S=s, mode=used_mode, chunks=used_chunks, requested_mode=mode,
                          requested_chunks="auto" if c is None else c, choice=picked.source if picked else "explicit",
-                         choice_times_ms=dict(picked.times_ms) if picked else {}, transport=resolved,
+                         choice_times_ms=dict(picked.times_ms) if picked else {}, transport=resolved, requested_transport=tr,
                          cp_ms=cp["median"], single_ms=single["median"], speedup=single["median"] / cp["median"],
                          rel_err=err,
                          cp_ms_q1=cp["q1"], cp_ms_q3=cp["q3"], cp_ms_min=cp["min"], cp_ms_max=cp["max"],
@@ -268,7 +268,7 @@ def _graph_ms(fn, device: torch.device, args, calls: int, group=None) -> float:
 
 
 STATS = ("median", "min", "max", "q1", "q3")
-HEADER = (f"{'S':>7} {'mode':>13} {'chunks':>6} {'transport':>9} {'CP ms':>9} {'[p25–p75]':>17} {'lat ms':>8} "
+HEADER = (f"{'S':>7} {'mode':>13} {'chunks':>6} {'transport':>10} {'CP ms':>9} {'[p25–p75]':>17} {'lat ms':>8} "
           f"{'1-dev ms':>9} {'speedup':>8} {'[p25–p75]':>13} {'bound ms':>9} {'%bound':>6} {'rel err':>9}")
 
 
@@ -318,7 +318,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
         sp_iqr = f"[{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}]"
         mode = r["mode"] if r["requested_mode"] != "auto" else f"auto→{r['mode']}"
         chunks = str(r["chunks"]) if r["requested_chunks"] != "auto" else f"auto→{r['chunks']}"
-        print(f"{r['S']:>7} {mode:>13} {chunks:>6} {r['transport']:>9} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
+        tr = r["transport"] if r.get("requested_transport") != "auto" else f"auto→{r['transport']}"
+        print(f"{r['S']:>7} {mode:>13} {chunks:>6} {tr:>10} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
               f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
               f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}"
               + (f" {_graph_cell(r):>22}" if graphed else ""))

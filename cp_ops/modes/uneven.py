@@ -196,7 +196,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     ``q`` ``[B, Sq, H, D]``, ``k``/``v`` ``[B, Skv, H, D]``, ``key_mask`` bool ``[B, Skv]`` (True = attend) or None
     (:func:`cp_ops.local_attention`) → ``[B, Sq, H, D]``. SDPA with ``attn_mask=key_mask[:, None, None, :]``; on
-    CUDA the backends in :func:`cp_ops.local_attention`'s order (one that cannot take a mask is skipped)."""
+    CUDA the backends in :func:`cp_ops.local_attention`'s order (one that cannot take a mask is skipped).
+
+    Raises:
+        TypeError: ``scale`` is a tensor (a mask passed as the 4th positional argument: pass ``key_mask=``)."""
+    if isinstance(scale, torch.Tensor):
+        raise TypeError("masked_attention: the 4th positional argument is scale (a float or None), got a tensor of "
+                        f"shape {list(scale.shape)}; pass the mask as key_mask=mask")
     if key_mask is None:
         return local_attention(q, k, v, scale)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
