@@ -35,8 +35,7 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
 from .models import MODELS, build, load_checkpoint
-from .. import timing
-from ..timing import max_over_ranks, max_over_ranks_each, time_ms
+from ..timing import Graphed, max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
 UNSUPPORTED = 3
@@ -181,7 +180,7 @@ def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
         out, ms = denoise(m, spec, kw, args.steps, device, args)
         return first_s, ms, out
     # group: the ranks of a collective forward agree on the capture's outcome (a failure raises on all of them)
-    call = timing.Graphed(fwd, device, group=group) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
+    call = Graphed(fwd, device, group=group) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
     return first_s, ms, call().float()
 

@@ -148,8 +148,10 @@ def _merge_ext(outs, lses, dtype):
     size = o0.element_size()
     vec = (d * size) % 16 == 0 and all((st[i] * size) % 16 == 0 for i in range(3)) \
         and all(o.data_ptr() % 16 == 0 for o in outs)  # out: fresh from the caching allocator (aligned)
+    from ..transport._fast_runtime import _current_stream  # loaded with the extension
+
     dev = o0.device.index
-    ext.lse_merge(torch._C._cuda_getCurrentRawStream(dev), dev, code, [o.data_ptr() for o in outs],
+    ext.lse_merge(_current_stream(o0.device), dev, code, [o.data_ptr() for o in outs],
                   [l.data_ptr() for l in lses], out.data_ptr(), b, s, h, d, st[0], st[1], st[2],
                   lst[0], lst[1], lst[2], vec)
     return out
@@ -172,7 +174,7 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype
     dtype = outs[0].dtype if dtype is None else dtype
     if len(outs) == 1:
         return outs[0].to(dtype)
-    if outs[0].device.type == "cuda" and len(outs) <= _MAX_N:
+    if outs[0].device.type == "cuda":
         out = _merge_ext(outs, lses, dtype)
         if out is not None:
             return out

@@ -113,11 +113,16 @@ def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: 
     if own is not None:
         return own(k, v, group, pieces)
     k_full, v_full, work = t.agkv_start(k, v, group)
-    w, r, s = group.size(), group.rank(), k.shape[1]
+    return k_full, v_full, source_arrivals(work, group.size(), group.rank(), k.shape[1]), work
+
+
+def source_arrivals(work, world: int, rank: int, s_local: int) -> list[Arrival]:
+    """One :class:`Arrival` per peer block of an AGKV gather (tokens ``[src·S_local, (src+1)·S_local)``), nearest
+    peer first (``rank − 1``, ``rank − 2``, ...): waited per source where ``work`` offers ``wait_source(src)``,
+    else each waits for the whole ``work``."""
     per_source = hasattr(work, "wait_source")
-    arrivals = [Arrival(src, src * s, (src + 1) * s, _SourceWait(work, src) if per_source else work)
-                for src in ((r - j) % w for j in range(1, w))]
-    return k_full, v_full, arrivals, work
+    return [Arrival(src, src * s_local, (src + 1) * s_local, _SourceWait(work, src) if per_source else work)
+            for src in ((rank - j) % world for j in range(1, world))]
 
 
 _REGISTRY: dict[str, Transport] = {}

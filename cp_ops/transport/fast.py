@@ -60,7 +60,7 @@ import weakref
 import torch
 
 from .. import config
-from .base import Arrival, _SourceWait, register
+from .base import register, source_arrivals
 
 log = logging.getLogger("cp_ops")
 
@@ -342,10 +342,7 @@ class FastTransport:
         Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
         kf, vf, work = self.agkv_start(k, v, group, under_compute=True)
         lane = self._lane_for(group)
-        w, r, s = lane.world, lane.rank, k.shape[1]
-        arrivals = [Arrival(src, src * s, (src + 1) * s, _SourceWait(work, src))
-                    for src in ((r - j) % w for j in range(1, w))]
-        return kf, vf, arrivals, work
+        return kf, vf, source_arrivals(work, lane.world, lane.rank, k.shape[1]), work
 
     def ulysses_start(self, xs: list[torch.Tensor], group):
         """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, H/W, D]``
