@@ -8,7 +8,8 @@
 //
 // Layouts (element strides): partials [B, S, H, D] with strides (so_b, so_s, so_h, 1), all n alike; LSEs fp32
 // [B, H, S] with strides (sl_b, sl_h, sl_s), all n alike; out [B, S, H, D] contiguous, the partials' dtype.
-// Each thread owns VEC consecutive elements of a row (16-byte loads and stores when VEC > 1).
+// Each thread owns VEC consecutive elements of a row (16-byte loads and stores when VEC > 1); in the common case
+// (see lse_merge_vec_kernel) a thread covers its slice of 2 rows with every load issued first.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -99,19 +100,93 @@ __global__ void __launch_bounds__(256) lse_merge_kernel(const __grid_constant__ 
   }
 }
 
+// The common case (16-byte accesses, one pass over D per thread: D * sizeof(T) <= 32 * 16, e.g. bf16 D <= 256):
+// N partials known at compile time and ROWS rows per thread, every load (N partial vectors and N LSEs per row)
+// issued before the first use, so a thread waits for one round trip to memory instead of two (the LSEs, then the
+// partials) and keeps ROWS * N vectors in flight.
+template <typename T, int VEC, int N, int ROWS>
+__global__ void __launch_bounds__(256) lse_merge_vec_kernel(const __grid_constant__ MergeArgs a, int tpr) {
+  const int rpb = blockDim.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int d0 = lane * VEC;
+  long long rows[ROWS];
+  uint4 x[ROWS][N];
+  float l[ROWS][N];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = ((long long)blockIdx.x * ROWS + r) * rpb + threadIdx.x / tpr;
+    const long long row = rows[r] < a.rows ? rows[r] : a.rows - 1;  // a clamped load; its store is skipped
+    const long long h = row % a.H;
+    const long long s = (row / a.H) % a.S;
+    const long long b = row / ((long long)a.H * a.S);
+    const long long loff = b * a.sl_b + h * a.sl_h + s * a.sl_s;
+    const long long ooff = b * a.so_b + s * a.so_s + h * a.so_h + d0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      l[r][i] = __ldg(reinterpret_cast<const float*>(a.l[i]) + loff);
+      x[r][i] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(a.o[i]) + ooff));
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (rows[r] >= a.rows) break;
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < N; ++i) m = fmaxf(m, l[r][i]);
+    if (m == -INFINITY) m = 0.f;
+    float w[N], den = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      w[i] = expf(l[r][i] - m);
+      den += w[i];
+    }
+    const float inv = 1.f / den;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const T* xv = reinterpret_cast<const T*>(&x[r][i]);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += w[i] * to_f<T>(xv[j]);
+    }
+    T y[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) y[j] = from_f<T>(acc[j] * inv);
+    *reinterpret_cast<uint4*>(reinterpret_cast<T*>(a.out) + rows[r] * a.D + d0) = *reinterpret_cast<uint4*>(y);
+  }
+}
+
+constexpr int kRows = 2;  // rows per thread of lse_merge_vec_kernel
+
+template <typename T, int N>
+void launch_vec(const MergeArgs& a, int tpr, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const long long per_block = (256 / tpr) * (long long)kRows;
+  const long long blocks = (a.rows + per_block - 1) / per_block;
+  if (blocks > 0x7fffffffLL) throw std::invalid_argument("lse_merge: too many rows for one launch");
+  lse_merge_vec_kernel<T, V, N, kRows><<<(unsigned int)blocks, 256, 0, stream>>>(a, tpr);
+}
+
 template <typename T>
 void launch_typed(const MergeArgs& a, bool vec, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
   const int per_row = vec ? a.D / V : a.D;
   int tpr = 1;
   while (tpr < per_row && tpr < 32) tpr *= 2;  // a power of two <= 32 dividing the block
-  const int rpb = 256 / tpr;
-  const long long blocks = (a.rows + rpb - 1) / rpb;
-  if (blocks > 0x7fffffffLL) throw std::invalid_argument("lse_merge: too many rows for one launch");
-  if (vec) {
-    lse_merge_kernel<T, V><<<(unsigned int)blocks, 256, 0, stream>>>(a, tpr);
+  if (vec && tpr * V == a.D && a.n >= 2) {  // one 16-byte vector per thread covers the row: the fast kernel
+    if (a.n == 2) launch_vec<T, 2>(a, tpr, stream);
+    else if (a.n == 3) launch_vec<T, 3>(a, tpr, stream);
+    else launch_vec<T, 4>(a, tpr, stream);
   } else {
-    lse_merge_kernel<T, 1><<<(unsigned int)blocks, 256, 0, stream>>>(a, tpr);
+    const int rpb = 256 / tpr;
+    const long long blocks = (a.rows + rpb - 1) / rpb;
+    if (blocks > 0x7fffffffLL) throw std::invalid_argument("lse_merge: too many rows for one launch");
+    if (vec) {
+      lse_merge_kernel<T, V><<<(unsigned int)blocks, 256, 0, stream>>>(a, tpr);
+    } else {
+      lse_merge_kernel<T, 1><<<(unsigned int)blocks, 256, 0, stream>>>(a, tpr);
+    }
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw std::runtime_error(std::string("lse_merge launch: ") + cudaGetErrorString(err));

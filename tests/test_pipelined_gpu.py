@@ -95,7 +95,8 @@ def test_pipelined_compiled_equals_eager():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_extension_merge_matches_the_fp32_reference_and_triton():
     """csrc/lse_merge.cu (used once the extension is loaded) against the eager fp32 merge and the Triton kernel:
-    every dtype, 2..4 partials, 16-byte and scalar paths (D·size % 16), strided LSEs as cuDNN returns them, and
+    every dtype, 2..4 partials, 16-byte (one vector per thread and row: the 2-row kernel; or several) and scalar
+    paths (D·size % 16), a row count that leaves a block part-filled, strided LSEs as cuDNN returns them, and
     a partial whose LSE is -inf for a row (its block had no key for it: weight 0)."""
     from cp_ops.modes import lse_merge
     from cp_ops.transport import _fast_build
@@ -105,7 +106,7 @@ def test_extension_merge_matches_the_fp32_reference_and_triton():
     g = torch.Generator(device="cuda").manual_seed(7)
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)):
         for n in (2, 3, 4):
-            for b, s, h, d in ((1, 257, 40, 128), (2, 33, 3, 36), (1, 5, 2, 72)):
+            for b, s, h, d in ((1, 257, 40, 128), (2, 33, 3, 36), (1, 5, 2, 72), (1, 77, 5, 64)):
                 outs = [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype) for _ in range(n)]
                 # LSEs as cuDNN gives them: [B, H, S, 1] squeezed (strides of a [B, H, S] view)
                 lses = [(torch.randn(b, h, s, 1, generator=g, device="cuda") * 4).squeeze(-1) for _ in range(n)]
