@@ -60,6 +60,11 @@ def _against_single_device(rank, w):
         for chunks in (2, 4):
             out = agkv_pipelined.run(ql, kl, vl, pg, _GatherOnly(base.get("torch")), 0.4, chunks)
             assert _rel(out, ref) <= 1e-5, ("fallback", chunks, _rel(out, ref))
+            # head rows: the first rows staged and merged, the rest over the whole gathered K/V (own block copied)
+            for t in (base.get("torch"), _GatherOnly(base.get("torch"))):
+                for head_rows in (1, S_LOCAL // 2, S_LOCAL - 1):
+                    out = agkv_pipelined.run(ql, kl, vl, pg, t, 0.4, chunks, head_rows=head_rows)
+                    assert out.shape == ref.shape and _rel(out, ref) <= 1e-5, (chunks, head_rows, _rel(out, ref))
     # bf16 inputs: fp32 merge, output in bf16
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, w * 16, w, 16, generator=g).bfloat16() for _ in range(3))
