@@ -105,18 +105,18 @@ def received_bytes(mode: str, world_size: int, local_bytes: int) -> int | None:
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     """Rank body of ``cp-ops bench`` (see :mod:`cp_ops.cli.main` for the arguments).
 
-    Once: the P2P probe (:func:`p2p_probe`) at the largest S. Per S: every rank draws the same full q, k, v;
-    rank 0 times single-device SDPA on them (steady state and latency) and SDPA at one rank's share (its S/W
-    queries against all S keys: the bound's attention time) while the other ranks wait at a barrier (no
-    contention for cores or memory bandwidth); then every rank times CP attention on its shard, per mode,
-    chunk count and transport: ``args.warmup`` calls, ``args.repeats`` steady-state samples of ``args.calls``
-    calls, ``args.repeats`` single waited-for calls (latency). A sample's CP time is the slowest rank's; the
-    reported time is the median over the samples, with the interquartile range beside it.
+    Once: the P2P probe (:func:`p2p_probe`) at the largest S. Per S (:func:`_bench_one_s`): every rank draws the
+    same full q, k, v; every case (mode, chunk count, transport) is checked against the single-device output and
+    warmed up (``args.warmup`` calls); then ``args.repeats`` interleaved rounds: rank 0 times single-device SDPA
+    (the full sequence, and one rank's share — its S/W queries against all S keys: the bound's attention time)
+    while the other ranks wait at a barrier (no contention for cores or memory bandwidth), then every rank takes
+    one steady-state sample (``args.calls`` calls) of every case. Drift over the run (clocks, temperature) hits
+    baseline and cases alike. Then ``args.repeats`` single waited-for calls per case (latency). A sample's CP
+    time is the slowest rank's; the reported time is the median over the samples, with the interquartile range
+    beside it.
     """
     from cp_ops import config
     from cp_ops.group import resolve_group
-    from cp_ops.modes import tune
-    from cp_ops.transport.base import resolve as resolve_transport
 
     threads = None
     if device.type == "cpu":
@@ -158,53 +158,99 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
 
         # disable=None: shown only when stderr is a terminal (no \r updates in logs), unless --progress
         bar = tqdm(total=len(cases), desc="cp-ops bench", unit="case", disable=None if args.progress is None else False)
-    rows, ref_cache = [], {}
+    rows = []
     graphs = bool(getattr(args, "graphs", False)) and device.type == "cuda"
-    for s, mode, tr, c in cases:
+    by_s: dict[int, list] = {}
+    for case in cases:
+        by_s.setdefault(case[0], []).append(case)
+    for s, s_cases in by_s.items():
+        rows += _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar)
+    if bar:
+        bar.close()
+    error = None
+    if rank == 0:
+        try:
+            meta = dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d, repeats=args.repeats,
+                        calls=calls, warmup=args.warmup, threads_per_rank=threads, p2p=probe,
+                        tune_modes=config.settings.tune_modes)
+            report(rows, meta, args)
+        except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
+            error = e
+    dist.barrier()
+    if error is not None:
+        raise error
+
+
+def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar) -> list[dict]:
+    """The rows of one S: warm-up and the output check of every case (the first call of an auto case measures its
+    choice), then ``args.repeats`` interleaved rounds — the 1-device baselines on rank 0 alone (the other ranks
+    wait at a barrier), then one steady-state sample of every case — so drift over the run (clocks, temperature)
+    hits the baseline and every case alike; then latencies and (``--graphs``) the CUDA-graph columns."""
+    from cp_ops.modes import tune
+    from cp_ops.transport.base import resolve as resolve_transport
+
+    dtype = DTYPES[args.dtype]
+    b, h, d = args.batch, args.heads, args.head_dim
+    calls = getattr(args, "calls", 1)
+    g = torch.Generator(device=device).manual_seed(1234 + s)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
+    sl = s // world_size
+    shard = lambda t: t[:, rank * sl : (rank + 1) * sl].contiguous()  # noqa: E731
+    ql, kl, vl = shard(q), shard(k), shard(v)
+    ref_l = shard(local_attention(q, k, v))  # every rank, untimed
+    fns, errs = [], []
+    for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
-        if s not in ref_cache:
-            ref_cache.clear()
-            g = torch.Generator(device=device).manual_seed(1234 + s)
-            q, k, v = (torch.randn(b, s, h, d, generator=g, device=device, dtype=dtype) for _ in range(3))
-            sl = s // world_size
-            shard = lambda t: t[:, rank * sl : (rank + 1) * sl].contiguous()  # noqa: E731
-            base = torch.zeros(3 * len(STATS) + 1, dtype=torch.float64, device=device)
-            dist.barrier()
-            if rank == 0:  # alone: the other ranks wait at the barrier below
-                full = lambda: local_attention(q, k, v)  # noqa: E731
-                q0 = shard(q)
-                st = summary(steady_ms(full, device, args.warmup, args.repeats, calls))
-                lat = summary(samples_ms(full, device, 0, args.repeats))
-                share = summary(steady_ms(lambda: local_attention(q0, k, v), device, args.warmup, args.repeats, calls))
-                graphed = 0.0
-                if graphs:
-                    try:  # rank 0 alone: a failure must not leave it out of the barrier the others wait at
-                        graphed = _graph_ms(full, device, args, calls)
-                    except Exception as e:  # noqa: BLE001 - no 1-device graph: the graph columns say so
-                        graphed = float("nan")
-                        print(f"cp-ops bench: S={s}: 1-device CUDA-graph capture failed: {type(e).__name__}: {e}",
-                              flush=True)
-                base = torch.tensor([x[n] for x in (st, lat, share) for n in STATS] + [graphed], dtype=torch.float64,
-                                    device=device)
-                del q0
-            dist.barrier()
-            dist.broadcast(base, src=0)
-            vals = base.tolist()
-            n = len(STATS)
-            single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
-            single["graph"] = vals[-1]
-            ref = local_attention(q, k, v)
-            ref_cache[s] = (shard(q), shard(k), shard(v), shard(ref), single, single_lat, share)
-            del q, k, v, ref
-        ql, kl, vl, ref_l, single, single_lat, share = ref_cache[s]
-        resolved = select_transport(tr, device.type)
-        fn = lambda: attention(ql, kl, vl, mode=mode, transport=tr, chunks=c)  # noqa: E731
-        cp = summary(max_over_ranks_each(steady_ms(fn, device, args.warmup, args.repeats, calls), device))
-        lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
+        fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, mode=mode, transport=tr, chunks=c)  # noqa: E731
         out = fn()
         err = ((out.float() - ref_l.float()).abs().max() / ref_l.float().abs().max()).item()
-        err = max_over_ranks(err, device)
+        errs.append(max_over_ranks(err, device))
+        for _ in range(args.warmup):
+            fn()
+        fns.append(fn)
+        del out
+    full = lambda: local_attention(q, k, v)  # noqa: E731
+    q0 = ql if rank == 0 else None
+    share_fn = lambda: local_attention(q0, k, v)  # noqa: E731
+    dist.barrier()
+    if rank == 0:  # alone: the other ranks wait at the barrier below
+        for _ in range(args.warmup):
+            full()
+            share_fn()
+    dist.barrier()
+    single_s, share_s, cp_s = [], [], [[] for _ in fns]
+    for _ in range(args.repeats):  # interleaved rounds: baseline, then every case once
+        if rank == 0:
+            single_s += steady_ms(full, device, 0, 1, calls)
+            share_s += steady_ms(share_fn, device, 0, 1, calls)
+        dist.barrier()
+        for i, fn in enumerate(fns):
+            cp_s[i] += steady_ms(fn, device, 0, 1, calls)
+        dist.barrier()
+    base = torch.zeros(3 * len(STATS) + 1, dtype=torch.float64, device=device)
+    if rank == 0:
+        lat = summary(samples_ms(full, device, 0, args.repeats))
+        graphed = 0.0
+        if graphs:
+            try:  # rank 0 alone: a failure must not leave it out of the barrier the others wait at
+                graphed = _graph_ms(full, device, args, calls)
+            except Exception as e:  # noqa: BLE001 - no 1-device graph: the graph columns say so
+                graphed = float("nan")
+                print(f"cp-ops bench: S={s}: 1-device CUDA-graph capture failed: {type(e).__name__}: {e}", flush=True)
+        base = torch.tensor([x[n] for x in (summary(single_s), lat, summary(share_s)) for n in STATS] + [graphed],
+                            dtype=torch.float64, device=device)
+    dist.barrier()
+    dist.broadcast(base, src=0)
+    vals = base.tolist()
+    n = len(STATS)
+    single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
+    single["graph"] = vals[-1]
+    rows = []
+    for (_, mode, tr, c), fn, err, samples in zip(s_cases, fns, errs, cp_s):
+        resolved = select_transport(tr, device.type)
+        cp = summary(max_over_ranks_each(samples, device))
+        lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
         picked = tune.describe(mode, c, ql, pg, resolve_transport(tr, device.type)) if (mode == "auto" or c is None) \
             else None
         used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
@@ -239,20 +285,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                          bound_pct=100.0 * bound / cp["median"], bound_speedup=single["median"] / bound, **graph))
         if bar:
             bar.update(1)
-    if bar:
-        bar.close()
-    error = None
-    if rank == 0:
-        try:
-            meta = dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d, repeats=args.repeats,
-                        calls=calls, warmup=args.warmup, threads_per_rank=threads, p2p=probe,
-                        tune_modes=config.settings.tune_modes)
-            report(rows, meta, args)
-        except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
-            error = e
-    dist.barrier()
-    if error is not None:
-        raise error
+    return rows
 
 
 def _graph_ms(fn, device: torch.device, args, calls: int, group=None) -> float:
@@ -286,7 +319,8 @@ def legend(meta: dict) -> list[str]:
         "speedup's = 1-device p25 ÷ CP p75 to 1-device p75 ÷ CP p25.",
         f"lat ms = latency of one call waited for on its own (median of {meta['repeats']}; host launch cost included).",
         "1-device = SDPA on the full sequence, timed the same way (steady state) on rank 0 alone while the other "
-        "ranks wait.",
+        f"ranks wait, in {meta['repeats']} rounds interleaved with the CP samples (each round: 1-device, then one "
+        "sample of every row of that S).",
         (f"bound = max(SDPA at one rank's share: S/W queries x S keys, timed like 1-device; bytes each rank receives "
          f"(AGKV 2(W-1), Ulysses 4(W-1)/W local tensors) ÷ P2P bandwidth {p2p['GBps']:.3g} GB/s = best AGKV gather "
          f"measured in this run at the largest S: {probes}); %bound = bound ÷ CP ms (100% = at the physical limit).")
