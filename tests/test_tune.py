@@ -217,6 +217,41 @@ def test_tune_under_compile_takes_the_heuristic():
     run_ranks(_compiled, 2)
 
 
+def _compiled_table(rank, w):
+    """The traced call's chunks=None reads the heuristic's table with the transport resolved ('torch' here; on a
+    GPU 'auto' resolves to the group's transport): a table entry of 3 stages makes the traced call pipelined."""
+    import torch.distributed as dist
+
+    from cp_ops import config
+    from cp_ops.modes import pipelined, tune
+    from cp_ops.transport.base import concrete_name
+
+    config.configure(tune_modes=False, tune_cache="off")
+    assert concrete_name("auto", dist.group.WORLD.group_name, "cpu") == "torch"  # for_group's choice on gloo/CPU
+    assert concrete_name("fast", dist.group.WORLD.group_name, "cpu") == "fast"  # an explicit name as is
+    pipelined.HEURISTIC_CHUNKS[("agkv", "torch")] = 3
+    q, k, v, ref = _inputs(rank, w, 11)
+    fn = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, mode="agkv") * 2, fullgraph=True)
+    out = fn(q, k, v)
+    assert torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=3) * 2)
+    assert not torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=1) * 2)  # LSE merge: not bitwise
+    assert _rel(out, ref * 2) <= 1e-5
+    # eager with measuring off: the same table
+    tune.clear_memory()
+    cp_ops.attention(q, k, v, mode="agkv")
+    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    assert (c.mode, c.chunks, c.source) == ("agkv", 3, "heuristic"), c
+    del pipelined.HEURISTIC_CHUNKS[("agkv", "torch")]
+    tune.clear_memory()
+    cp_ops.attention(q, k, v, mode="agkv")
+    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    assert (c.mode, c.chunks, c.source) == ("agkv", 1, "heuristic"), c
+
+
+def test_heuristic_table_decides_traced_and_unmeasured_calls():
+    run_ranks(_compiled_table, 2)
+
+
 def _gpu_body(rank, w):
     import torch.distributed as dist
 
