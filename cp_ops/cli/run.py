@@ -343,7 +343,8 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     meta = dict(environment(device, world_size), model=args.model, cls=spec.cls, config=args.config,
                 checkpoint=args.checkpoint, layers=layers[0] if len(layers) == 1 else layers, heads=heads, dim=dim,
                 tokens=tokens, text_tokens=args.text_tokens, latent=latent, dtype=args.dtype, mode=mode,
-                transport=transport, chunks=getattr(args, "chunks", None) or "auto", compile=args.compile or False, cuda_graphs=args.cuda_graphs, cfg=args.cfg,
+                transport=transport, chunks=getattr(args, "chunks", None) or "auto", compile=args.compile or False,
+                cuda_graphs=args.cuda_graphs, cfg=args.cfg,
                 steps=args.steps, weights="checkpoint" if args.checkpoint else "random", compiled_with=compiled_with)
     if args.compile:
         meta["compiled_blocks"] = nblocks

@@ -43,12 +43,12 @@ run the same schedule are listed once), and:
 
 Disk cache: the choices (with their measured times) are kept in a JSON file, ``settings.tune_cache``
 (``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
-file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call
-, :data:`MARGIN` and the heuristic's candidate. Format :data:`FORMAT` = 3 since the pick prefers the heuristic's
+file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call,
+:data:`MARGIN` and the heuristic's candidate. Format :data:`FORMAT` = 3 since the pick prefers the heuristic's
 candidate within the margin (format 2: the simplest; format 1: the bare minimum of 3 samples, before the
 interleaved rounds and the margin): a file of another format is ignored, its requests measured again and the
-file rewritten in format 3. A rank cannot trust its own file alone (a rank with a stale or missing file would skip measuring while
-its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
+file rewritten in format 3. A rank cannot trust its own file alone (a rank with a stale or missing file would skip
+measuring while its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
 holds (one all-reduce over the group) and use it only when every rank holds the same one; otherwise all
 measure and every rank rewrites its entry. An unreadable file is ignored and an unwritable one reported once
 (a warning); neither stops the call.
