@@ -105,7 +105,8 @@ def attention(
             transport-then-attend (bitwise equal to one device); k ≥ 2 = the mode's pipelined variant in k
             stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
             head sub-groups, exact); None = the fastest of 1, 2, 4 measured on first use (:mod:`cp_ops.modes.tune`;
-            ``CP_OPS_TUNE_MODES=0``: a heuristic).
+            ``CP_OPS_TUNE_MODES=0`` and code traced by ``torch.compile``: the heuristic
+            :func:`cp_ops.modes.pipelined.choose_chunks`, 2 for AGKV on the fast transport, else 1).
             Every rank must pass the same value.
         seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
             ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.

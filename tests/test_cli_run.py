@@ -38,7 +38,7 @@ def test_tiny_forward_inputs(name):
 
 def _ns(**kw):
     base = dict(model="wan", config="tiny", checkpoint=None, layers=None, frames=2, height=16, width=16, text_tokens=16,
-                batch=1, dtype="fp32", mode="auto", transport="torch", compile=None, no_overlap=False,
+                batch=1, dtype="fp32", mode="auto", transport="torch", chunks=None, compile=None, no_overlap=False,
                 cuda_graphs=False, steps=0, cfg=False, compare=None, profile=None, profile_runs=1, warmup=0,
                 repeats=1, out=None, settings={})
     base.update(kw)
@@ -64,6 +64,9 @@ def _ranks_body(rank, world_size, outdir):
         run_model(rank, world_size, torch.device("cpu"), _ns(steps=2, compare="diffusers",
                                                              profile=os.path.join(outdir, "prof"),
                                                              out=os.path.join(outdir, "wan_steps.json")))
+        # --mode agkv --chunks 2: parallelize pipelines the model's attention; recorded in the JSON meta
+        run_model(rank, world_size, torch.device("cpu"), _ns(mode="agkv", chunks=2,
+                                                             out=os.path.join(outdir, "wan_chunks.json")))
     with open(os.path.join(outdir, f"run_stdout{rank}.txt"), "w") as fh:
         fh.write(stdout.getvalue())
     results = {}
@@ -103,6 +106,8 @@ def ranks_results(tmp_path_factory):
     with open(d / "wan_steps.json") as f:
         wan = json.load(f)
     wan["stdout"] = [(d / f"run_stdout{r}.txt").read_text() for r in (0, 1)]
+    with open(d / "wan_chunks.json") as f:
+        wan["chunks_run"] = json.load(f)
     return models, wan
 
 
@@ -126,6 +131,35 @@ def test_run_body_steps_and_compare(ranks_results):
     # more ranks than cores: rank 0 says so, as cp-ops bench does
     assert "cp-ops run: warning: 2 ranks x 1 thread(s) = 2 > 1 cores here" in wan["stdout"][0]
     assert "warning" not in wan["stdout"][1]
+
+
+def test_run_chunks(ranks_results):
+    """`run wan --mode agkv --chunks 2`: the CP model runs pipelined AGKV (fp32 ≤ 1e-5 vs one rank; not bitwise:
+    the LSE merge), chunks recorded in the JSON meta and the header; the default run records chunks 'auto'."""
+    _, wan = ranks_results
+    run = wan["chunks_run"]
+    assert run["meta"]["chunks"] == 2 and run["meta"]["mode"] == "agkv" and wan["meta"]["chunks"] == "auto"
+    assert 0 < run["result"]["max_rel_err"] <= 1e-5, run["result"]
+    assert "mode=agkv transport=torch chunks=2 compile=no" in wan["stdout"][0]
+
+
+def test_run_chunks_argument():
+    """--chunks parses auto/ints >= 1 (auto = None, the default) and rejects the rest with argparse's usage error;
+    --help explains the values."""
+    from cp_ops.cli.main import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["run", "wan"]).chunks is None
+    assert p.parse_args(["run", "wan", "--chunks", "auto"]).chunks is None
+    assert p.parse_args(["run", "wan", "--chunks", "3"]).chunks == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(["run", "wan", "--chunks", bad])
+        assert e.value.code == 2
+    run_parser = next(a for a in p._subparsers._group_actions[0].choices.values() if a.prog.endswith(" run"))
+    text = " ".join(run_parser.format_help().split())
+    assert "1 = transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages" in text
+    assert "auto (default) = measured on the first eager call, the heuristic under --compile" in text
 
 
 @pytest.mark.parametrize("name", ["wan"] + list(OTHERS) + ["wan+cfg"])

@@ -47,6 +47,49 @@ def test_parallelize_wan_equals_original(world_size):
     run_ranks(_wan_equal, world_size)
 
 
+def _wan_chunks(rank, w):
+    """parallelize(chunks=...) reaches every CP attention call: chunks=2 pipelines the even calls (fp32 ≤ 1e-5 vs
+    the unparallelized model; not bitwise: the LSE merge), seq_lens calls (uneven shards) get chunks=1 (≤ 1e-5: as
+    without chunks); chunks=1 on even shards is bitwise."""
+    from cp_ops.integrations.diffusers import dispatch, parallelize
+
+    model = _tiny_wan(heads=4)
+    seen = []
+    real = dispatch.attention
+
+    def spy(*args, **kw):
+        seen.append((kw["chunks"], "seq_lens" in kw))
+        return real(*args, **kw)
+
+    dispatch.attention = spy
+    g = torch.Generator().manual_seed(3)
+    try:
+        for frames, hw, even in [(2, 8, True), (3, 2, False)]:  # 32 tokens; 3 tokens (uneven over 2 ranks)
+            x = torch.randn(1, 4, frames, hw, hw, generator=g)
+            t = torch.tensor([400])
+            text = torch.randn(1, 16, 32, generator=g)
+            with torch.no_grad():
+                ref = model(x, t, text).sample
+                for chunks in (2, 1):
+                    cp_model = parallelize(copy.deepcopy(model), mode="agkv", transport="torch", chunks=chunks)
+                    assert "chunks=" + str(chunks) in repr(cp_model.blocks[0].attn1.processor._parallel_config)
+                    seen.clear()
+                    out = cp_model(x, t, text).sample
+                    assert len(seen) == 2 and all(u == (not even) for _, u in seen), seen  # 2 layers, self-attention
+                    assert all(c == (chunks if even else 1) for c, _ in seen), (chunks, seen)
+                    err = ((out - ref).abs().max() / ref.abs().max()).item()
+                    if chunks == 1 and even:
+                        assert torch.equal(out, ref), (frames, chunks, err)
+                    else:  # pipelined: the LSE merge; uneven: padded keys (SDPA sums in another order)
+                        assert err <= 1e-5 and (err > 0 or not even), (frames, chunks, err)
+    finally:
+        dispatch.attention = real
+
+
+def test_parallelize_chunks():
+    run_ranks(_wan_chunks, 2)
+
+
 def test_parallelize_rejects_other_models():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -59,6 +102,9 @@ def test_parallelize_rejects_other_models():
             parallelize(torch.nn.Linear(2, 2))
         with pytest.raises(ValueError, match="mode must be one of"):
             parallelize(_tiny_wan(heads=2), mode="ring")
+        for bad in (0, -2, 1.5, True, "2"):
+            with pytest.raises(ValueError, match="chunks must be None"):
+                parallelize(_tiny_wan(heads=2), chunks=bad)
         model = parallelize(_tiny_wan(heads=2))
         with pytest.raises(ValueError, match="already parallelized over CP group"):
             parallelize(model)

@@ -147,4 +147,13 @@ def test_chunks_rules():
         with pytest.raises(ValueError, match="chunks must be None"):
             pipelined.check_chunks(bad)
     q = torch.empty(1, 4096, 8, 64, device="meta")
-    assert pipelined.choose_chunks("agkv", 2, q) == 1  # until the measured choice: transport-then-attend
+    # the heuristic's table (2026-11-30c, 2x H200): AGKV on the fast transport pipelines in 2 stages, the rest 1
+    assert pipelined.HEURISTIC_CHUNKS == {("agkv", "fast"): 2}
+    assert pipelined.choose_chunks("agkv", 2, q, "fast") == 2
+    assert pipelined.choose_chunks("agkv", 4, q, "fast") == 2
+    assert pipelined.choose_chunks("agkv", 2, q, "torch") == 1
+    assert pipelined.choose_chunks("ulysses", 2, q, "fast") == 1
+    assert pipelined.choose_chunks("ulysses", 2, q, "torch") == 1
+    assert pipelined.choose_chunks("agkv", 1, q, "fast") == 1  # W = 1: nothing to pipeline
+    with pytest.raises(ValueError, match="'auto'"):
+        pipelined.choose_chunks("agkv", 2, q, "auto")  # callers resolve the transport first

@@ -217,6 +217,85 @@ def test_tune_under_compile_takes_the_heuristic():
     run_ranks(_compiled, 2)
 
 
+def _compiled_table(rank, w):
+    """The traced call's chunks=None reads the heuristic's table with the transport resolved ('torch' here; on a
+    GPU 'auto' resolves to the group's transport): a table entry of 3 stages makes the traced call pipelined."""
+    import torch.distributed as dist
+
+    from cp_ops import config
+    from cp_ops.modes import pipelined, tune
+    from cp_ops.transport.base import concrete_name
+
+    config.configure(tune_modes=False, tune_cache="off")
+    assert concrete_name("auto", dist.group.WORLD.group_name, "cpu") == "torch"  # for_group's choice on gloo/CPU
+    assert concrete_name("fast", dist.group.WORLD.group_name, "cpu") == "fast"  # an explicit name as is
+    pipelined.HEURISTIC_CHUNKS[("agkv", "torch")] = 3
+    q, k, v, ref = _inputs(rank, w, 11)
+    assert _traces_pipelined(q, k, v, "torch")
+    fn = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, mode="agkv") * 2, fullgraph=True)
+    out = fn(q, k, v)
+    assert torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=3) * 2)
+    assert not torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=1) * 2)  # LSE merge: not bitwise
+    assert _rel(out, ref * 2) <= 1e-5
+    # eager with measuring off: the same table
+    tune.clear_memory()
+    cp_ops.attention(q, k, v, mode="agkv")
+    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    assert (c.mode, c.chunks, c.source) == ("agkv", 3, "heuristic"), c
+    del pipelined.HEURISTIC_CHUNKS[("agkv", "torch")]
+    assert not _traces_pipelined(q, k, v, "torch")
+    tune.clear_memory()
+    cp_ops.attention(q, k, v, mode="agkv")
+    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    assert (c.mode, c.chunks, c.source) == ("agkv", 1, "heuristic"), c
+
+
+def test_heuristic_table_decides_traced_and_unmeasured_calls():
+    run_ranks(_compiled_table, 2)
+
+
+def _traces_pipelined(q, k, v, transport):
+    """Whether ``cp_ops.attention(q, k, v, mode='agkv', transport=transport)`` (chunks=None), traced by
+    torch.compile(fullgraph=True), calls the pipelined AGKV op (the heuristic gave chunks ≥ 2)."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, mode="agkv", transport=transport), backend=backend,
+                       fullgraph=True)
+    fn(q, k, v)
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("cp_ops" in t for t in targets), targets
+    return any("agkv_pipelined_attention" in t for t in targets)
+
+
+def _gpu_traced(rank, w):
+    """On GPUs a traced chunks=None call resolves transport='auto' for the group at trace time: pipelined AGKV (2
+    stages) where the fast transport runs the group, 1 stage on torch (2026-11-30c table)."""
+    from cp_ops import config
+    from cp_ops.modes import pipelined
+    from cp_ops.transport import fast
+
+    config.configure(tune_modes=True, tune_cache="off")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(1, 1024, 8, 64, generator=g, device="cuda").bfloat16() for _ in range(3))
+    fast_ok = fast.unavailable_reason("cuda") is None
+    assert pipelined.HEURISTIC_CHUNKS == {("agkv", "fast"): 2}
+    assert not _traces_pipelined(q, k, v, "torch")
+    assert _traces_pipelined(q, k, v, "auto") == fast_ok
+    if fast_ok:
+        assert _traces_pipelined(q, k, v, "fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_traced_heuristic_on_gpus():
+    run_ranks(_gpu_traced, 2, timeout=400.0, device="cuda")
+
+
 def _gpu_body(rank, w):
     import torch.distributed as dist
 

@@ -46,6 +46,24 @@ def test_margin_prefers_the_heuristic_mode_at_equal_chunks_then_fewer_chunks():
     assert tune.pick([A1, ("agkv", 1)], [1.0, 1.0], "agkv") == 0
 
 
+def test_margin_prefers_the_heuristic_candidate_within_the_margin():
+    # the 2026-11-30c case at 32K: agkv/1 18.68 ms, agkv/2 18.65 ms (fast transport: the heuristic's agkv/2)
+    assert tune.pick([A1, A2, A4], [18.68, 18.65, 18.90], "agkv", preferred=A2) == 1
+    # within the margin but slower: the heuristic's candidate still wins the tie (2 % slower than agkv/1)
+    assert tune.pick([A1, A2], [1.00, 1.02], "agkv", preferred=A2) == 1
+    # without the preference (format 2's rule): the simplest within the margin
+    assert tune.pick([A1, A2], [1.00, 1.02], "agkv") == 0
+    # chunks=1 faster by more than the margin: 1, whatever the heuristic says
+    assert tune.pick([A1, A2], [1.00, 1.04], "agkv", preferred=A2) == 0
+    assert tune.pick([A2, A1], [1.04, 1.00], "agkv", preferred=A2) == 1
+    # the heuristic's candidate beyond the margin: the rest keep today's order (simplest within the margin)
+    assert tune.pick([A1, A2, A4], [1.00, 1.10, 0.99], "agkv", preferred=A2) == 0
+    # a preferred candidate not among the candidates (deduplicated away): today's order
+    assert tune.pick([A1, U1], [1.00, 0.99], "ulysses", preferred=A2) == 1
+    # a list (as read back from JSON) matches like the tuple
+    assert tune.pick([A1, A2], [1.00, 1.01], "agkv", preferred=["agkv", 2]) == 1
+
+
 def test_schedule_is_bounded():
     # short calls: MAX_CALLS per sample, ROUNDS rounds, well under the budget
     calls, rounds = tune.schedule([0.05] * 6)
@@ -173,12 +191,27 @@ def _body(rank, w):
     c, _ = _decide(q, k, v, table, "ranks differ 2")
     assert _gather((c.mode, c.chunks)) == [A2] * w, c
 
+    # 5. the heuristic's candidate wins within the margin: with the table giving AGKV on this transport 2 stages
+    # (as it does for the fast transport), agkv/2 2 % *slower* than agkv/1 is chosen; 5 % slower, agkv/1 is
+    from cp_ops.modes import pipelined
+
+    saved = dict(pipelined.HEURISTIC_CHUNKS)
+    pipelined.HEURISTIC_CHUNKS[("agkv", "torch")] = 2
+    try:
+        c, _ = _decide(q, k, v, {A1: [1.0], A2: [1.02], A4: [1.5]}, "heuristic within")
+        assert (c.mode, c.chunks) == A2, c
+        c, _ = _decide(q, k, v, {A1: [1.0], A2: [1.05], A4: [1.5]}, "heuristic beyond")
+        assert (c.mode, c.chunks) == A1, c
+    finally:
+        pipelined.HEURISTIC_CHUNKS.clear()
+        pipelined.HEURISTIC_CHUNKS.update(saved)
+
 
 def test_measuring_interleaves_takes_the_median_applies_the_margin_and_ranks_agree():
     run_ranks(_body, 2)
 
 
-@pytest.mark.parametrize("fmt", [1, "missing"])
+@pytest.mark.parametrize("fmt", [1, 2, "missing"])
 def test_disk_cache_of_another_format_is_ignored(tmp_path, fmt):
     import json
 
@@ -192,9 +225,9 @@ def test_disk_cache_of_another_format_is_ignored(tmp_path, fmt):
     saved = config.snapshot()
     try:
         config.configure(tune_cache=str(path))
-        assert tune.FORMAT == 2 and tune._read_cache() == {}
+        assert tune.FORMAT == 3 and tune._read_cache() == {}
         tune._write_cache("k2", {"mode": "agkv", "chunks": 1})
-        assert json.loads(path.read_text()) == {"format": 2, "entries": {"k2": {"mode": "agkv", "chunks": 1}}}
+        assert json.loads(path.read_text()) == {"format": 3, "entries": {"k2": {"mode": "agkv", "chunks": 1}}}
         assert tune._read_cache() == {"k2": {"mode": "agkv", "chunks": 1}}
     finally:
         config.restore(saved)

@@ -47,6 +47,14 @@ def _chunks(text: str):
     return v
 
 
+def _chunks_arg(text: str):
+    """``cp-ops run --chunks``: 'auto' (None) or an int >= 1; argparse's error otherwise."""
+    try:
+        return _chunks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected auto or an int >= 1; got {text!r}") from e
+
+
 class UsageError(Exception):
     """A wrong argument or setting: main() prints ``cp-ops: <message>`` once (rank 0) and returns 2."""
 
@@ -177,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
                    help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
                         "auto (fast where it can run, else torch; `cp-ops env` says which)")
+    r.add_argument("--chunks", type=_chunks_arg, default=None, metavar="{auto,1,2,3,4,...}",
+                   help="pipeline stages of every CP attention call (parallelize(..., chunks=)): 1 = "
+                        "transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages "
+                        "(communication under attention); auto (default) = measured on the first eager call, the "
+                        "heuristic under --compile (2 for agkv on the fast transport, else 1). Calls on uneven "
+                        "shards or with a key mask use 1")
     r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
                    help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "
                         "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "

@@ -285,7 +285,8 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         dist.broadcast(t, 0)
         rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()))
     try:
-        parallelize(model, mode=mode, transport=args.transport, **({"cfg_parallel": True} if args.cfg else {}))
+        parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
+                    **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
             if rank == 0:
@@ -342,7 +343,8 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     meta = dict(environment(device, world_size), model=args.model, cls=spec.cls, config=args.config,
                 checkpoint=args.checkpoint, layers=layers[0] if len(layers) == 1 else layers, heads=heads, dim=dim,
                 tokens=tokens, text_tokens=args.text_tokens, latent=latent, dtype=args.dtype, mode=mode,
-                transport=transport, compile=args.compile or False, cuda_graphs=args.cuda_graphs, cfg=args.cfg,
+                transport=transport, chunks=getattr(args, "chunks", None) or "auto", compile=args.compile or False,
+                cuda_graphs=args.cuda_graphs, cfg=args.cfg,
                 steps=args.steps, weights="checkpoint" if args.checkpoint else "random", compiled_with=compiled_with)
     if args.compile:
         meta["compiled_blocks"] = nblocks
@@ -357,7 +359,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     print(f"\ncp-ops run {args.model} — {name} {args.config} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
           f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
-          + f" mode={mode} transport={transport} compile={compiled_with or 'no'}, on {meta.get('gpu', 'CPU')}")
+          + f" mode={mode} transport={transport} chunks={meta['chunks']} compile={compiled_with or 'no'}, on {meta.get('gpu', 'CPU')}")
     if args.model == "wan" and not (args.steps or args.compare or args.compile):
         # the original `cp-ops run wan` table (kept)
         print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")

@@ -28,15 +28,39 @@ def check_chunks(chunks) -> None:
         raise ValueError(f"chunks must be None (heuristic) or an int >= 1 (1 = transport-then-attend); got {chunks!r}")
 
 
-def choose_chunks(mode: str, world_size: int, q: torch.Tensor, transport: str = "auto") -> int:
-    """The heuristic stage count for ``chunks=None`` when measuring is off (``CP_OPS_TUNE_MODES=0``) or impossible
-    (:mod:`.tune`). ``q``: ``[B, S_local, H, D]`` (only its shape is read).
+#: The heuristic's stage counts, keyed by (mode, transport as run: 'fast' or 'torch', never 'auto'); a key not listed
+#: gets 1. Source and numbers: :func:`choose_chunks`.
+HEURISTIC_CHUNKS: dict[tuple[str, str], int] = {
+    ("agkv", "fast"): 2,
+}
 
-    Rule: 1 (transport-then-attend, bitwise equal to one device) for every mode and shape. Source: CP2 on 2x H200,
-    bf16, B=1, H=40, D=128, steady state (benchmarks/results/2026-11-29_h200x2_torch2.11_cu130/
-    pipelined_gloo_check_0019c2b.md): Ulysses with 2 or 4 head sub-groups was slower than 1 at every S (4K to
-    75600; 2-4x slower at 4K); AGKV with 2 or 4 stages was slower at 4K (1.04-1.11 ms vs 0.93 ms, fast) and within 2 %
-    of 1 stage from 8K to 75600 (best gain 1.9 %, S=32K, fast transport) — inside the run-to-run spread, so
-    no rule on S is supported by these numbers. Where pipelining pays, the measured choice finds it."""
-    del mode, world_size, q, transport
-    return 1
+
+def choose_chunks(mode: str, world_size: int, q: torch.Tensor, transport: str) -> int:
+    """The heuristic stage count for ``chunks=None`` where the choice is not measured: measuring off
+    (``CP_OPS_TUNE_MODES=0``), code traced by ``torch.compile``, a first call inside CUDA-graph capture (see
+    :mod:`.tune`); also the candidate :func:`.tune.pick` prefers among the measured ones within its margin.
+
+    Args:
+        mode: the concrete mode ('agkv', 'ulysses', ...). world_size: W. q: ``[B, S_local, H, D]`` (unused: the rule
+            does not depend on the shape). transport: the transport the call runs on, 'fast' or 'torch' (what
+            :func:`cp_ops.transport.base.concrete_name` gives; never 'auto').
+    Returns:
+        1 where W = 1 (nothing to pipeline); else :data:`HEURISTIC_CHUNKS` ``[(mode, transport)]``, 1 for a pair not
+        listed: 2 for AGKV on the fast transport, 1 (transport-then-attend, bitwise equal to one device) otherwise.
+    Raises:
+        ValueError: transport is 'auto' (a caller must resolve it first: the rule depends on the transport run).
+
+    Source: CP2 on 2x H200, bf16, B=1, H=40, D=128, steady-state speedup over one GPU, eager
+    (benchmarks/results/2026-11-30c_h200x2_torch2.11_cu130/README.md). Fast transport, AGKV, chunks=2 vs chunks=1:
+    4096: 1.36x vs 1.23x; 8192: 1.71x vs 1.59x; 16384: 1.80x vs 1.75x; 32768: 1.93x vs 1.86x; 75600: 1.96x vs
+    1.95x — 2 stages ahead at every S. Torch transport: chunks=2 within ±2 % of chunks=1 (no gain). Ulysses head
+    sub-groups were slower than one group at every S on both transports (2026-11-29,
+    pipelined_gloo_check_0019c2b.md). Not measured at W > 2: the table holds for W = 2 and is used for every W.
+    """
+    del q
+    if transport == "auto":
+        raise ValueError("choose_chunks needs the transport the call runs on ('fast' or 'torch'), got 'auto': resolve "
+                         "it with cp_ops.transport.base.concrete_name")
+    if world_size <= 1:
+        return 1
+    return HEURISTIC_CHUNKS.get((mode, transport), 1)

@@ -8,7 +8,8 @@ run the same schedule are listed once), and:
 
 * ``settings.tune_modes`` off (``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose` for the
   mode (Ulysses when W divides H, else AGKV) and :func:`cp_ops.modes.pipelined.choose_chunks` for the stages
-  (1: transport-then-attend; see its docstring for the measurements behind it).
+  (a table keyed by mode and the transport the call runs on, 'auto' resolved for the group: AGKV on the fast
+  transport 2, else 1; see its docstring for the measurements behind it).
 * on (the default): a measured candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
   device, transport, request) and then a dict lookup (about 1 µs). Measuring (:func:`measure`): every rank runs
   every candidate on synthetic random tensors of the call's shape and dtype (the call's data is not needed),
@@ -23,14 +24,17 @@ run the same schedule are listed once), and:
      at most :data:`ROUNDS`;
   3. each candidate's time is the median of its samples, max-reduced over the group (the slowest rank's time
      is the call's), so every rank holds the same vector;
-  4. :func:`pick` with the margin rule: a more complex candidate (more chunks; at equal chunks, the mode other
-     than the heuristic's) replaces a simpler one only if it is faster by more than :data:`MARGIN` (3 %):
-     the choice is the simplest candidate whose time is within the margin of the fastest. A deterministic
-     function of the shared vector, so every rank picks the same candidate. Why: on 2x H200 (S=4096, torch
-     transport) a pick by the bare minimum of 3 samples chose agkv chunks=2 (0.615 ms in the bench) over
-     chunks=1 (0.469 ms); and pipelined AGKV ran within 2 % of one stage from 8K to 75600 (see
-     :func:`cp_ops.modes.pipelined.choose_chunks`), inside the run-to-run spread, where the simpler variant
-     (fewer launches, less host time, bitwise equal to one device at chunks=1) is the better bet.
+  4. :func:`pick` with the margin rule: among the candidates whose time is within :data:`MARGIN` (3 %) of the
+     fastest, the heuristic's candidate (:func:`heuristic_candidate`: the (mode, chunks) measuring-off would
+     run) if it is one of them; else the simplest of them (fewer chunks; at equal chunks, the heuristic's mode;
+     then candidate order). A candidate other than the heuristic's is chosen only if it is faster by more than
+     the margin. A deterministic function of the shared vector and the call, so every rank picks the same
+     candidate. Why a margin: on 2x H200 (S=4096, torch transport) a pick by the bare minimum of 3 samples chose
+     agkv chunks=2 (0.615 ms in the bench) over chunks=1 (0.469 ms). Why the heuristic's candidate first: within
+     the run-to-run spread the tie goes to what the bench measured faster across the S range; at 32K (fast
+     AGKV) the tuner measured chunks 1 and 2 within 0.2 % (18.68 vs 18.65 ms) and, preferring the simplest, kept
+     chunks=1, while the explicit chunks=2 row ran 4 % faster in the same run (2026-11-30c; see
+     :func:`cp_ops.modes.pipelined.choose_chunks`).
 
   First-call cost per decision (c candidates, t = one call's time): about c·(WARMUP + 1)·t of warm-up and
   sizing plus the timed rounds, ≤ max(:data:`BUDGET_MS`, :data:`MIN_ROUNDS`·c·(SAMPLE_MS + t)). At 2 GPUs,
@@ -39,11 +43,12 @@ run the same schedule are listed once), and:
 
 Disk cache: the choices (with their measured times) are kept in a JSON file, ``settings.tune_cache``
 (``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
-file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call
-and :data:`MARGIN`. Format :data:`FORMAT` = 2 since the interleaved rounds and the margin: a file of format 1
-(choices by the bare minimum of 3 samples) is ignored, its requests measured again and the file rewritten in
-format 2. A rank cannot trust its own file alone (a rank with a stale or missing file would skip measuring while
-its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
+file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call,
+:data:`MARGIN` and the heuristic's candidate. Format :data:`FORMAT` = 3 since the pick prefers the heuristic's
+candidate within the margin (format 2: the simplest; format 1: the bare minimum of 3 samples, before the
+interleaved rounds and the margin): a file of another format is ignored, its requests measured again and the
+file rewritten in format 3. A rank cannot trust its own file alone (a rank with a stale or missing file would skip
+measuring while its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
 holds (one all-reduce over the group) and use it only when every rank holds the same one; otherwise all
 measure and every rank rewrites its entry. An unreadable file is ignored and an unwritable one reported once
 (a warning); neither stops the call.
@@ -79,6 +84,7 @@ from ..timing import max_over_ranks_each, steady_ms
 from . import names as mode_names
 from . import spec as mode_spec
 from .agkv_pipelined import stage_plan
+from ..transport.base import concrete_name
 from .pipelined import PIPELINED, choose_chunks
 
 #: Chunk counts tried for ``chunks=None``.
@@ -97,7 +103,7 @@ BUDGET_MS = 500.0
 #: A more complex candidate must be faster than a simpler one by more than this fraction to be chosen over it.
 MARGIN = 0.03
 #: Format of the disk cache; a file of another format is ignored (and replaced on the next write).
-FORMAT = 2
+FORMAT = 3
 
 
 class Choice(NamedTuple):
@@ -135,7 +141,9 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     if mode != "auto" and chunks is not None:
         return chosen, chunks
     if torch.compiler.is_compiling():  # traced by torch.compile: the heuristic (see the module docstring)
-        return chosen, choose_chunks(chosen, group.size(), q, transport) if chunks is None else chunks
+        if chunks is not None:
+            return chosen, chunks
+        return chosen, choose_chunks(chosen, group.size(), q, concrete_name(transport, group.group_name, q.device))
     hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
     if hit is not None:  # the cached choice: one dict lookup
         return hit
@@ -154,7 +162,7 @@ def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -
         _memo[key] = (c.mode, c.chunks)
         _choices[key] = c
         return c.mode, c.chunks
-    return _choose_heuristic_only(mode, chunks, chosen, shape, pg.size(), transport)
+    return _choose_heuristic_only(mode, chunks, chosen, shape, pg, device, transport)
 
 
 def describe(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
@@ -197,15 +205,25 @@ def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> li
     return out
 
 
-def _choose_heuristic_only(mode, chunks, chosen, shape, world_size, transport) -> tuple[str, int]:
-    c = _heuristic(mode, chunks, chosen, shape, world_size, transport)
+def _choose_heuristic_only(mode, chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
+    c = _heuristic(mode, chunks, chosen, shape, pg, device, transport)
     return c.mode, c.chunks
 
 
-def _heuristic(mode, chunks, chosen, shape, world_size, transport) -> Choice:
+def heuristic_candidate(chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
+    """The ``(mode, chunks)`` the heuristic gives a request: ``chosen`` (:func:`cp_ops.modes.choose`) and the given
+    ``chunks``, or for ``chunks=None`` :func:`cp_ops.modes.pipelined.choose_chunks` on the transport the call runs
+    on (``transport`` 'auto' resolved for the group by :func:`cp_ops.transport.base.concrete_name`)."""
+    if chunks is not None:
+        return chosen, chunks
+    return chosen, choose_chunks(chosen, pg.size(), _Shape(shape), concrete_name(transport, pg.group_name, device))
+
+
+def _heuristic(mode, chunks, chosen, shape, pg, device, transport) -> Choice:
+    del mode
     stats["heuristic"] += 1
-    c = chunks if chunks is not None else choose_chunks(chosen, world_size, _Shape(shape), transport)
-    return Choice(chosen, c, "heuristic", {})
+    m, c = heuristic_candidate(chunks, chosen, shape, pg, device, transport)
+    return Choice(m, c, "heuristic", {})
 
 
 class _Shape:
@@ -225,22 +243,23 @@ def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice
     if not config.settings.tune_modes or fake or capturing or w == 1:
         if capturing:
             return None  # the heuristic, not kept: measured by the first call outside capture
-        choice = _heuristic(mode, chunks, chosen, shape, w, transport)
+        choice = _heuristic(mode, chunks, chosen, shape, pg, device, transport)
     elif len(cands) == 1:
         choice = Choice(cands[0][0], cands[0][1], "single", {})
     else:
-        choice = _agreed_or_measured(cands, chosen, shape, dtype, device, pg, transport)
+        preferred = heuristic_candidate(chunks, chosen, shape, pg, device, transport)
+        choice = _agreed_or_measured(cands, chosen, preferred, shape, dtype, device, pg, transport)
     return choice
 
 
 # ---- agreement, measuring ------------------------------------------------------------------------
-def _agreed_or_measured(cands, default_mode, shape, dtype, device, pg, transport) -> Choice:
+def _agreed_or_measured(cands, default_mode, preferred, shape, dtype, device, pg, transport) -> Choice:
     from ..validate import check_settings_agree
 
     # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
     # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
     check_settings_agree(pg)
-    dkey = disk_key(shape, dtype, device, pg.size(), transport, cands)
+    dkey = disk_key(shape, dtype, device, pg.size(), transport, cands, preferred)
     entry = _read_cache().get(dkey)
     code = 0
     if entry is not None and [entry.get("mode"), entry.get("chunks")] in [list(c) for c in cands]:
@@ -253,7 +272,7 @@ def _agreed_or_measured(cands, default_mode, shape, dtype, device, pg, transport
         m, c = cands[int(hi) - 1]
         return Choice(m, c, "disk", dict(entry.get("times_ms", {})))
     times = measure(cands, shape, dtype, device, pg, transport)
-    best = pick(cands, times, default_mode)
+    best = pick(cands, times, default_mode, preferred=preferred)
     stats["measured"] += 1
     named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
     choice = Choice(cands[best][0], cands[best][1], "measured", named)
@@ -262,18 +281,24 @@ def _agreed_or_measured(cands, default_mode, shape, dtype, device, pg, transport
     return choice
 
 
-def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, margin: float | None = None) -> int:
-    """The index of the chosen candidate: the simplest one whose time is within ``margin`` (default
-    :data:`MARGIN`) of the fastest, i.e. no candidate is faster than it by more than ``margin`` of its time
-    (``min(times) >= times[i] * (1 - margin)``).
+def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, margin: float | None = None,
+         preferred: tuple[str, int] | None = None) -> int:
+    """The index of the chosen candidate among those within ``margin`` (default :data:`MARGIN`) of the fastest,
+    i.e. no candidate is faster than it by more than ``margin`` of its time (``min(times) >= times[i] * (1 -
+    margin)``): ``preferred`` (the heuristic's candidate for the call, :func:`heuristic_candidate`) when it is
+    among them; else the simplest of them.
 
-    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's mode,
-    :func:`cp_ops.modes.choose`) before another; then the earlier in ``cands``. A pure function of its
-    arguments: ranks holding the same max-reduced ``times`` pick the same index.
+    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's mode, :func:`cp_ops.modes.choose`)
+    before another; then the earlier in ``cands``. A pure function of its arguments: ranks holding the same
+    max-reduced ``times`` (and the same ``preferred``, which every rank derives alike) pick the same index.
     """
     m = MARGIN if margin is None else margin
     fastest = min(times)
     ok = [i for i, t in enumerate(times) if fastest >= t * (1.0 - m)]
+    if preferred is not None:
+        for i in ok:
+            if tuple(cands[i]) == tuple(preferred):
+                return i
     return min(ok, key=lambda i: (cands[i][1], cands[i][0] != default_mode, i))
 
 
@@ -369,12 +394,15 @@ def _driver_version() -> str:
         return "unknown"
 
 
-def disk_key(shape, dtype, device, world_size, transport, cands) -> str:
-    """The disk cache's key of a decision (one line of JSON: machine, versions, call, candidates, :data:`MARGIN`)."""
+def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None) -> str:
+    """The disk cache's key of a decision (one line of JSON: machine, versions, call, candidates, :data:`MARGIN`,
+    the heuristic's candidate :func:`pick` prefers within the margin, so a change of the heuristic's table
+    measures again)."""
     b, s, h, d = shape
     return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
                            dtype=str(dtype).replace("torch.", ""), transport=transport, margin=MARGIN,
-                           candidates=[f"{m}/{c}" for m, c in cands]), sort_keys=True)
+                           candidates=[f"{m}/{c}" for m, c in cands],
+                           preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}"), sort_keys=True)
 
 
 def _read_cache() -> dict:

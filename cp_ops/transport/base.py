@@ -211,6 +211,31 @@ def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
     return "torch"
 
 
+def concrete_name(name: str, group_name: str, device) -> str:
+    """The transport a call with resolved transport ``name`` (what :func:`resolve` returned) runs on the CP group
+    named ``group_name`` on ``device``: 'fast' or 'torch' (any registered name), never 'auto' — what heuristics
+    keyed by transport read (:func:`cp_ops.modes.pipelined.choose_chunks`).
+
+    An explicit name is returned as is. For ``'auto'``: :func:`for_group`'s choice for the group (collective over the
+    group the first time, as the op's first call would be; cached after); for a group of the 'fake' backend (tracing
+    tests: it never runs a transport) the name :func:`select_transport` gives for the device. A constant for the
+    compiler (as :func:`resolve`): called while ``torch.compile`` traces, with the group's name and the device.
+    """
+    if name != "auto":
+        return name
+    from ..group import backend_name
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    device = torch.device(device)
+    pg = _resolve_process_group(group_name)
+    if backend_name(pg) == "fake":
+        return select_transport(name, device.type)
+    return for_group(name, pg, device).name
+
+
+concrete_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The transport an op uses for ``group`` (called inside the op's real kernel).
 

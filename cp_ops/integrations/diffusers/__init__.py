@@ -14,6 +14,7 @@ import torch
 
 from ... import modes
 from ...group import resolve_group
+from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
 from . import dispatch, hooks
 from .checks import RankChecks
@@ -25,7 +26,7 @@ __all__ = ["parallelize", "SUPPORTED"]
 
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
-                cfg_parallel: bool = False) -> torch.nn.Module:
+                chunks: int | None = None, cfg_parallel: bool = False) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
     Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
@@ -39,6 +40,14 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             Qwen-Image, LTX-Video, Z-Image, HunyuanVideo).
         group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh).
         mode, transport: as :func:`cp_ops.attention`.
+        chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
+            ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
+            None (default) = measured on the first eager call of each shape, the heuristic
+            (:func:`cp_ops.modes.pipelined.choose_chunks`) under ``torch.compile``. Rule for calls that carry
+            ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding
+            masks), which only run transport-then-attend (:mod:`cp_ops.modes.uneven`): they get ``chunks=1`` when
+            ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
+            runs, pipelined only where its shards are even.
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
@@ -49,8 +58,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
 
     Raises:
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
-            mode/transport, model already parallelized, ``cfg_parallel`` on an odd number of ranks. At run time: a
-            stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
+            mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
+            an odd number of ranks. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
             (see :mod:`cp_ops.validate`); cfg_parallel with a batch other than 2.
         RuntimeError: torch.distributed not initialized.
@@ -61,6 +70,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         raise ValueError(f"mode must be one of {modes.names()}; got {mode!r}")
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
+    check_chunks(chunks)
     if getattr(transformer, "_cp_ops_group", None) is not None:
         raise ValueError(
             f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
@@ -83,7 +93,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
                for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
     streams |= {s for ss in spec.attention.values() for s in ss}
-    state = hooks.CPState(cp, mode, transport, sorted(streams))
+    state = hooks.CPState(cp, mode, transport, sorted(streams), chunks)
     hooks.install(transformer, plan, state, checks.before_gather,
                   outer_pre=(lanes.select,) if lanes else (), outer_post=(lanes.gather,) if lanes else ())
     for pattern, streams, modules in attn_modules:

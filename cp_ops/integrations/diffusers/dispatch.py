@@ -28,7 +28,8 @@ class CPAttention:
         self.state, self.streams, self.where = state, streams, where
 
     def __repr__(self):
-        return f"CPAttention({self.where}, streams={self.streams}, W={self.state.world}, mode={self.state.mode!r})"
+        return (f"CPAttention({self.where}, streams={self.streams}, W={self.state.world}, mode={self.state.mode!r}, "
+                f"chunks={self.state.chunks!r})")
 
     def key_mask(self, attn_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
         """A key-padding mask ``[B, S_local]`` (bool, True = attend) from diffusers' ``attn_mask``.
@@ -59,8 +60,11 @@ class CPAttention:
         totals = [st.total(s, self.where) for s in self.streams]
         if any(t % st.world != 0 for t in totals):
             kwargs["seq_lens"] = st.seq_lens(self.streams, self.where)
+        chunks = st.chunks
+        if kwargs and chunks is not None and chunks > 1:  # seq_lens / key_mask: transport-then-attend only
+            chunks = 1
         return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
-                         **kwargs)
+                         chunks=chunks, **kwargs)
 
 
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,

@@ -32,10 +32,12 @@ def _all_gather(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
 
 
 class CPState:
-    """One parallelized model's CP group and the full token count of each stream seen in the current forward."""
+    """One parallelized model's CP group, its attention settings (mode, transport, chunks: as
+    :func:`~cp_ops.integrations.diffusers.parallelize` got them) and the full token count of each stream seen in the
+    current forward."""
 
-    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams):
-        self.pg, self.mode, self.transport = pg, mode, transport
+    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams, chunks: int | None = None):
+        self.pg, self.mode, self.transport, self.chunks = pg, mode, transport, chunks
         self.rank, self.world = pg.rank(), pg.size()
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
         # never change, so a forward that writes the totals before reading them traces once for all resolutions
