@@ -141,6 +141,12 @@ def test_run_chunks(ranks_results):
     assert run["meta"]["chunks"] == 2 and run["meta"]["mode"] == "agkv" and wan["meta"]["chunks"] == "auto"
     assert 0 < run["result"]["max_rel_err"] <= 1e-5, run["result"]
     assert "mode=agkv transport=torch chunks=2 compile=no" in wan["stdout"][0]
+    # one forward per row: the final times come from interleaved rounds; the first, sequential ones are kept
+    single, cp = run["rows"][0], run["rows"][-1]
+    assert single["name"] == "1 rank" and single["ms"] > 0 and single["ms_sequential"] > 0
+    assert cp["ms"] > 0 and cp["ms_sequential"] > 0 and cp["speedup"] == single["ms"] / cp["ms"]
+    assert "in interleaved rounds (each: the 1-rank model on rank 0 alone" in wan["stdout"][0]
+    assert "ms_sequential" not in {k for r in wan["rows"] for k in r}  # --steps: one loop per side, not interleaved
 
 
 def test_run_chunks_argument():

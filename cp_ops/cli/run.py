@@ -14,7 +14,8 @@ different text embeddings), the same full inputs on every rank, and must return 
 to the unparallelized model's; ``parallelize(..., cfg_parallel=True)`` is expected to put the halves on two lanes
 of ``W / 2`` ranks each, CP inside each lane. The ``--steps`` loop then combines the halves with guidance 5.
 
-Each row: one forward (``--steps 0``, median of ``--repeats``) or a denoising loop of ``--steps N`` (the
+Each row: one forward (``--steps 0``, median of ``--repeats``; without ``--cuda-graphs`` the final times come from
+interleaved rounds, every side once per round, so drift over the run hits all alike) or a denoising loop of ``--steps N`` (the
 model's diffusers scheduler; time per step = median, total = sum), time (CP = the slowest rank), speedup
 over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile`` compiles every side the
 same way (``regional``: each repeated block's forward, as diffusers' ``compile_repeated_blocks``; ``full``:
@@ -164,7 +165,8 @@ def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
 
 
 def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
-    """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32)``."""
+    """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32, call)``:
+    ``call()`` runs one more forward the same way (None with ``--steps``)."""
     fwd = _forward_fn(m, spec, kw, args)
     _sync(device)
     t0 = time.perf_counter()
@@ -178,11 +180,11 @@ def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
         for _ in range(max(0, min(args.warmup, 1))):
             denoise(m, spec, kw, args.steps, device, args)
         out, ms = denoise(m, spec, kw, args.steps, device, args)
-        return first_s, ms, out
+        return first_s, ms, out, None
     # group: the ranks of a collective forward agree on the capture's outcome (a failure raises on all of them)
     call = Graphed(fwd, device, group=group) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
-    return first_s, ms, call().float()
+    return first_s, ms, call().float(), call
 
 
 def _row(name, first_s, ms, out, ref, single, device, steps):
@@ -199,8 +201,9 @@ def _row(name, first_s, ms, out, ref, single, device, steps):
     return row
 
 
-def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms):
-    """Rows of diffusers' native CP (Ulysses W, ring W) on copies of ``base`` (still unparallelized)."""
+def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: list | None = None):
+    """Rows of diffusers' native CP (Ulysses W, ring W) on copies of ``base`` (still unparallelized). ``keep``: a
+    list that gets ``(row, call)`` of every row that ran (its model kept alive for :func:`_interleaved`)."""
     rows = []
     try:
         import transformers  # noqa: F401  (diffusers 0.42.1's CP hooks call logger.warning_once, added by it)
@@ -222,7 +225,7 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms):
             m = copy.deepcopy(base)
             m.enable_parallelism(config=ContextParallelConfig(**cpc))
             m, _ = compile_model(m, spec, args, overlap=False)
-            first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
+            first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
         except _Skip:
             pass
         except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
@@ -234,10 +237,60 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms):
             rows.append(dict(name=label, skipped=reason or "refused on another rank"))
         else:
             rows.append(_row(label, first_s, ms, out, ref, single_ms, device, args.steps))
-        m = None
+            if keep is not None and call is not None:
+                keep.append((rows[-1], call))
+        m = call = None
         if args.compile:
             torch._dynamo.reset()
     return rows
+
+
+def _can_interleave(model, args, device) -> bool:
+    """Whether the final times come from interleaved rounds (:func:`_interleaved`): one forward per row (no
+    ``--steps``, no ``--cuda-graphs``), and on CUDA room for the extra model copies that stay alive (the 1-rank
+    model and, with ``--compare``, diffusers' two): their weights within half the free memory on every rank (the
+    ranks agree: the rounds are collective)."""
+    ok = not args.steps and not args.cuda_graphs
+    if ok and device.type == "cuda":
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        ok = weights * (3 if args.compare else 1) < 0.5 * torch.cuda.mem_get_info(device)[0]
+    t = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    if not t.item() and ok and dist.get_rank() == 0:
+        print("cp-ops run: too little free GPU memory to keep every side's model for interleaved timing: "
+              "each side is timed once, one after another", flush=True)
+    return bool(t.item())
+
+
+def _interleaved(single_row, single_call, cp, args, device, rank: int) -> None:
+    """Time every side again in ``args.repeats`` interleaved rounds and make those the rows' times: each round
+    runs one forward of the 1-rank model on rank 0 alone (the other ranks wait at a barrier), then one forward of
+    every CP row (``cp``: ``[(row, call)]``, the same rows in the same order on every rank). Drift over the run
+    (clocks, temperature) then hits every side alike; the first, sequential measurement stays in each row as
+    ``ms_sequential`` (and ``speedup_sequential``). One untimed forward of each first (a compiled side whose
+    Dynamo cache was reset compiles again there)."""
+    dist.barrier()
+    if rank == 0:
+        single_call()
+    for _, call in cp:
+        call()
+    single_s, cp_s = [], [[] for _ in cp]
+    for _ in range(args.repeats):
+        dist.barrier()
+        if rank == 0:
+            single_s.append(time_ms(single_call, device, 0, 1))
+        dist.barrier()
+        for j, (_, call) in enumerate(cp):
+            cp_s[j].append(time_ms(call, device, 0, 1))
+    t = torch.tensor([statistics.median(single_s) if rank == 0 else 0.0], dtype=torch.float64, device=device)
+    dist.broadcast(t, 0)
+    single = float(t.item())
+    if single_row is not None:
+        single_row.update(ms_sequential=single_row["ms"], ms=single)
+    for (row, _), samples in zip(cp, cp_s):
+        ms = statistics.median(max_over_ranks_each(samples, device))
+        row.update(ms_sequential=row["ms"], ms=ms, speedup=single / ms,
+                   **({"speedup_sequential": row["speedup"]} if "speedup" in row else {}))
 
 
 def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
@@ -267,23 +320,30 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     mode = choose_mode(args.mode, spec.heads(cfg), world_size // (2 if args.cfg else 1))
     transport = select_transport(args.transport, device.type)
 
-    single_ms, ref, rows = None, None, []
+    # one forward per row: every side is timed again in interleaved rounds at the end (see _interleaved); the
+    # 1-rank model is then a copy, kept beside the parallelized one
+    interleave = _can_interleave(model, args, device)
+    single_ms, ref, rows, single_call, cp_calls = None, None, [], None, []
     if rank == 0:
         if args.compile:
             print(f"compiling the single-rank model ({args.compile}) ...", flush=True)
-        m, _ = compile_model(model, spec, args, overlap=False)
-        first_s, ms, ref = _measure(m, spec, kw, args, device, graphs_ok=True)
+        single_model = copy.deepcopy(model) if interleave else model
+        m, _ = compile_model(single_model, spec, args, overlap=False)
+        first_s, ms, ref, single_call = _measure(m, spec, kw, args, device, graphs_ok=True)
         single_ms = statistics.median(ms)
         rows.append(dict(name="1 rank", ms=single_ms, first_call_s=first_s, compile_s=max(0.0, first_s - single_ms / 1e3),
                          **(dict(total_ms=sum(ms), step_ms=ms) if args.steps else {})))
-        if args.compile:
+        if args.compile and not interleave:
             _restore_blocks(model, spec)
+        if args.compile:
             torch._dynamo.reset()
+        del m
     dist.barrier()
     if args.compare:
         t = torch.tensor([single_ms or 0.0], dtype=torch.float64, device=device)
         dist.broadcast(t, 0)
-        rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()))
+        rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()),
+                                keep=cp_calls if interleave else None)
     try:
         parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
                     **({"cfg_parallel": True} if args.cfg else {}))
@@ -300,8 +360,11 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     if rank == 0 and args.compile:
         print(f"compiling the CP{world_size} model ({args.compile}) ...", flush=True)
     m, nblocks = compile_model(model, spec, args, overlap=True)
-    first_s, ms, out = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
+    first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
     rows.append(_row(f"cp_ops {mode}", first_s, ms, out, ref, single_ms, device, args.steps))
+    if interleave:
+        _interleaved(rows[0] if rank == 0 else None, single_call, cp_calls + [(rows[-1], call)], args, device, rank)
+        single_call = cp_calls = None
     breakdown = None
     if args.profile:
         from .profile import profile_run
@@ -379,7 +442,9 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
             print(f"{r['name']:<18} {r['ms']:>10.2f} {tot} {sp} {err}{fc}")
     print(f"speedup = 1-rank time ÷ CP time (ideal {world_size}x); "
           + (f"ms/step = median over the {args.steps} steps of one loop (transformer + scheduler step), total = their sum"
-             if args.steps else f"times are medians of {args.repeats} runs")
+             if args.steps else f"times are medians of {args.repeats} runs"
+             + ("" if args.cuda_graphs else " in interleaved rounds (each: the 1-rank model on rank 0 alone, then "
+                "every CP row once; JSON ms_sequential: the first, one-side-at-a-time medians)"))
           + ", CP = the slowest rank; max rel err = max |CP − 1-rank| / max |1-rank| (0 = bitwise equal).")
     if args.compile:
         print("compile s = wall time of the first call (compilation included) minus one steady-state call"
