@@ -63,7 +63,7 @@ def test_run_wan_cpu_default(tmp_path):
     assert "CPU: a functional check, not a performance claim" in p.stdout
     res = json.loads(out.read_text())
     assert res["meta"]["tokens"] == 128 and res["result"]["max_rel_err"] == 0.0
-    assert res["meta"]["weights"] == "random" and res["meta"]["mode"] == "ulysses" and res["meta"]["transport"] == "torch"
+    assert res["meta"]["weights"] == "random" and res["meta"]["mode"] == "agkv" and res["meta"]["transport"] == "torch"
 
 
 def test_env_and_help():

@@ -116,9 +116,9 @@ def test_run_body_steps_and_compare(ranks_results):
     bitwise, diffusers' rows skipped on CPU with their reason; the JSON carries env and versions."""
     _, wan = ranks_results
     rows = {r["name"]: r for r in wan["rows"]}
-    assert set(rows) == {"1 rank", "diffusers ulysses", "diffusers ring", "cp_ops ulysses"}
-    assert len(rows["1 rank"]["step_ms"]) == 2 and len(rows["cp_ops ulysses"]["step_ms"]) == 2
-    assert rows["cp_ops ulysses"]["max_rel_err"] == 0.0 and rows["cp_ops ulysses"]["total_ms"] > 0
+    assert set(rows) == {"1 rank", "diffusers ulysses", "diffusers ring", "cp_ops agkv"}  # auto at W = 2: AGKV
+    assert len(rows["1 rank"]["step_ms"]) == 2 and len(rows["cp_ops agkv"]["step_ms"]) == 2
+    assert rows["cp_ops agkv"]["max_rel_err"] == 0.0 and rows["cp_ops agkv"]["total_ms"] > 0
     assert "needs an accelerator" in rows["diffusers ring"]["skipped"]
     assert wan["meta"]["steps"] == 2 and wan["meta"]["diffusers"] and wan["meta"]["torch"]
     # --profile on CPU: a real trace per rank, the breakdown over the host's ops, every block and replicated module

@@ -153,14 +153,14 @@ def _body_w2(rank, w, tmp):
     out4 = cp_ops.attention(q2, k2, v2)
     assert tune.stats["measured"] == measured + 2 and torch.equal(out4, out2)
 
-    # 6. switch off: the heuristic (Ulysses when W divides H, chunks 1), bitwise the explicit call, nothing measured
+    # 6. switch off: the heuristic (AGKV at W = 2, chunks 1 on torch), bitwise the explicit call, nothing measured
     config.configure(tune_modes=False)
     q3, k3, v3, ref3 = _inputs(rank, w, 3)
     out5 = cp_ops.attention(q3, k3, v3)
     c5 = tune.describe("auto", None, q3, pg, "torch")
-    assert (c5.mode, c5.chunks, c5.source) == (modes.choose("auto", H, w), 1, "heuristic") == ("ulysses", 1, "heuristic")
+    assert (c5.mode, c5.chunks, c5.source) == (modes.choose("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic")
     assert tune.stats["measured"] == measured + 2
-    assert torch.equal(out5, cp_ops.attention(q3, k3, v3, mode="ulysses", chunks=1))
+    assert torch.equal(out5, cp_ops.attention(q3, k3, v3, mode="agkv", chunks=1))
     assert cp_ops.attention(q3, k3, v3, mode="agkv").shape == q3.shape
     assert tune.describe("agkv", None, q3, pg, "torch")[:3] == ("agkv", 1, "heuristic")
 

@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     r.add_argument("--mode", choices=modes.names(), default="auto",
                    help="CP attention mode: agkv (gather K/V, keep local Q), ulysses (all-to-all sequence<->heads; "
-                        "W must divide the heads), auto (ulysses when W divides the heads, else agkv)")
+                        "W must divide the heads), auto (agkv at W = 2; from W = 3 ulysses when W divides the heads, else agkv)")
     r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
                    help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
                         "auto (fast where it can run, else torch; `cp-ops env` says which)")

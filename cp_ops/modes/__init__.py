@@ -102,12 +102,17 @@ def check_heads(mode: str, heads: int, world_size: int) -> None:
 def choose(mode: str, heads: int, world_size: int) -> str:
     """The concrete mode for ``mode=`` at ``heads`` H and CP world size W.
 
-    'auto' → 'ulysses' when W divides H (one all-to-all each way moves 4/W of the tensors, less than AGKV's
-    K/V gather), else 'agkv'. A named mode is checked (ValueError: unknown name; H % W != 0 for a mode that
-    splits heads) and returned.
+    'auto' → 'agkv' at W = 2 or where W does not divide H; else 'ulysses'. Why: per rank Ulysses receives
+    4(W−1)/W of one local tensor (Q, K, V in, the output back), AGKV 2(W−1) (K and V of every peer): equal at
+    W = 2, where Ulysses still adds a second all-to-all after the attention (nothing to hide it under) and the
+    head packing, and AGKV measured ahead at every S on 2x H200 (bf16, H=40, D=128, chunks 1: 4K 1.23x vs 1.10x
+    fast, 1.10x vs 0.88x torch; 8K 1.53x vs 1.48x fast, 1.40x vs 1.27x torch;
+    benchmarks/results/2026-11-30d_h200x2_torch2.11_cu130); from W = 3 Ulysses moves less (W = 4: 3 vs 6 local
+    tensors). A named mode is checked (ValueError: unknown name; H % W != 0 for a mode that splits heads) and
+    returned.
     """
     if mode == "auto":
-        return "ulysses" if heads % world_size == 0 and "ulysses" in _REGISTRY else "agkv"
+        return "ulysses" if world_size > 2 and heads % world_size == 0 and "ulysses" in _REGISTRY else "agkv"
     check_heads(mode, heads, world_size)
     return mode
 

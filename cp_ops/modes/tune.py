@@ -7,7 +7,7 @@ the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for ``chunks=None``, else 
 run the same schedule are listed once), and:
 
 * ``settings.tune_modes`` off (``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose` for the
-  mode (Ulysses when W divides H, else AGKV) and :func:`cp_ops.modes.pipelined.choose_chunks` for the stages
+  mode (:func:`cp_ops.modes.choose`: AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and :func:`cp_ops.modes.pipelined.choose_chunks` for the stages
   (a table keyed by mode and the transport the call runs on, 'auto' resolved for the group: AGKV on the fast
   transport 2, else 1; see its docstring for the measurements behind it).
 * on (the default): a measured candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
