@@ -76,6 +76,33 @@ def test_pipelined_bf16_vs_single_gpu(transport):
     _run(_vs_single_gpu, transport)
 
 
+def _fp32_and_fp16(rank, w):
+    """fp32 (the tiny diffusers models' dtype) and fp16 on both transports, tiny and odd shapes: the LSE kernels are
+    picked by dtype (cuDNN/flash for the half dtypes only; torch's memory-efficient kernel for fp32: the cuDNN op,
+    called directly, took fp32 and returned NaN)."""
+    from cp_ops.modes import attention_lse
+
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
+        for b, s_local, h, d in ((2, 9, 4, 8), (1, 333, 6, 64)):
+            g = torch.Generator(device="cuda").manual_seed(s_local + d)
+            q, k, v = (torch.randn(b, w * s_local, h, d, generator=g, device="cuda").to(dtype) for _ in range(3))
+            ref = cp_ops.local_attention(q.float(), k.float(), v.float())
+            sh = lambda t: t[:, rank * s_local:(rank + 1) * s_local].contiguous()  # noqa: E731
+            for transport in ("torch", "fast"):
+                for chunks in (2, 3):
+                    out = cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", transport=transport, chunks=chunks)
+                    torch.cuda.synchronize()
+                    err = _rel(out, sh(ref))
+                    assert out.dtype == dtype and err <= tol, (dtype, (b, s_local, h, d), transport, chunks, err)
+        if rank == 0:
+            print(f"{dtype}: LSE kernel {attention_lse.kernel_for('cuda', dtype, 64)}", flush=True)
+    assert attention_lse.kernel_for("cuda", torch.float32, 64) == "efficient"
+
+
+def test_pipelined_fp32_fp16_vs_reference():
+    _run(_fp32_and_fp16)
+
+
 def _compiled(rank, w):
     q, k, v = (_rand((1, 1000, 8, 128), 10 * rank + j) for j in range(3))
     for mode, chunks in (("agkv", 2), ("agkv", 3), ("ulysses", 2), ("ulysses", 4)):

@@ -5,9 +5,13 @@ q's dtype, ``lse [B, H, Sq]`` fp32, natural log of the softmax denominator of th
 
 Kernels, the fastest first (the first one that accepts the dtype/shape is remembered per (device, dtype, D)):
 
-* CUDA: cuDNN, ``aten._scaled_dot_product_cudnn_attention(q, k, v, None, compute_log_sumexp=True, ...)``
-  (LSE returned as ``[B, H, Sq, 1]`` in torch 2.11 and 2.13; squeezed here); then torch's flash kernel,
-  ``aten._scaled_dot_product_flash_attention`` (LSE ``[B, H, Sq]``); then an fp32 math fallback (any dtype).
+* CUDA, fp16/bf16: cuDNN, ``aten._scaled_dot_product_cudnn_attention(q, k, v, None, compute_log_sumexp=True,
+  ...)`` (LSE returned as ``[B, H, Sq, 1]`` in torch 2.11 and 2.13; squeezed here); then torch's flash kernel,
+  ``aten._scaled_dot_product_flash_attention`` (LSE ``[B, H, Sq]``). Both are called only for the half dtypes
+  they are written for: called directly (past SDPA's dispatcher, which checks dtypes), the cuDNN op accepted fp32
+  and returned NaN on 2x H200 (torch 2.11; a tiny fp32 Wan under pipelined AGKV).
+* CUDA, any dtype (fp32): torch's memory-efficient kernel, ``aten._scaled_dot_product_efficient_attention(...,
+  compute_log_sumexp=True)`` (LSE ``[B, H, Sq rounded up to 32]``; sliced here); then an fp32 math fallback.
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns ``(out, logsumexp)``), the kernel that
   ``F.scaled_dot_product_attention`` runs on CPU; math fallback for dtypes it rejects.
 """
@@ -20,14 +24,29 @@ aten = torch.ops.aten
 _choice: dict[tuple, str] = {}  # (device type, dtype, D) -> kernel name that worked
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _half_only(qt, name: str) -> None:
+    if qt.dtype not in _HALF:
+        raise RuntimeError(f"{name} attention is called for fp16/bf16 only; got {qt.dtype}")
+
+
 def _cudnn(qt, kt, vt, scale):
+    _half_only(qt, "cuDNN")
     out, lse = aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, False, False, scale=scale)[:2]
     return out, (lse.squeeze(-1) if lse.dim() == 4 else lse)
 
 
 def _flash(qt, kt, vt, scale):
+    _half_only(qt, "flash")
     out, lse = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, False, False, scale=scale)[:2]
     return out, lse
+
+
+def _efficient(qt, kt, vt, scale):
+    out, lse = aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, False, scale=scale)[:2]
+    return out, lse[..., : qt.shape[-2]]  # the kernel pads the query axis of its LSE to a multiple of 32
 
 
 def _cpu_flash(qt, kt, vt, scale):
@@ -43,8 +62,8 @@ def _math(qt, kt, vt, scale):
     return out.to(qt.dtype), lse
 
 
-_KERNELS = {"cudnn": _cudnn, "flash": _flash, "cpu_flash": _cpu_flash, "math": _math}
-_ORDER = {"cuda": ("cudnn", "flash", "math"), "cpu": ("cpu_flash", "math")}
+_KERNELS = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient, "cpu_flash": _cpu_flash, "math": _math}
+_ORDER = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", "math")}
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
