@@ -120,10 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Dense non-causal attention, BSHD, global S split evenly over W ranks. For each "
                                    "S, mode, chunk count and transport: CP time in steady state (calls back to back, "
                                    "median, max over ranks) and per-call latency, single-device SDPA time measured "
-                                   "the same way, speedup, the bound (max of attention at one rank's share and the "
-                                   "bytes to receive over the measured P2P bandwidth) and % of it reached, and "
+                                   "the same way on rank 0 alone (per S, --repeats rounds: each times the "
+                                   "single-device baseline, then one sample of every case), speedup, the bound "
+                                   "(max of attention at one rank's share and the bytes to receive over the "
+                                   "measured P2P bandwidth) and % of it reached, and "
                                    "relative error against the single-device output.")
-    _common(b, "steady-state samples (each --calls calls back to back) and, separately, single waited-for calls "
+    _common(b, "interleaved rounds per S, each one steady-state sample (--calls calls back to back) of the "
+               "single-device baseline and of every case; and, separately, as many single waited-for calls "
                "(latency); medians and p25-p75 are reported (default 5)")
     b.add_argument("--seqs", type=_csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
@@ -160,11 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--checkpoint): one forward or --steps N, single rank vs CP",
                        description="The model's released config with random seeded weights (or a local checkpoint's "
                                    "transformer), the same inputs on every rank: the single-rank model on rank 0, "
-                                   "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time, "
-                                   "speedup, max relative error. Sizes are latent (VAE space, pixels / 8).")
+                                   "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time (one "
+                                   "forward per row: re-timed at the end in --repeats interleaved rounds, every side "
+                                   "once per round), speedup, max relative error. Sizes are latent (VAE space, "
+                                   "pixels / 8).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
-    _common(r, "timed forwards; the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one timed "
-               "loop, its median step)")
+    _common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
+               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one "
+               "timed loop, its median step)")
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
                         "hunyuanvideo 13b; tiny for any (default: the first on GPU, tiny on CPU)")
@@ -447,9 +453,27 @@ def _rank_entry(rank: int, world_size: int, device, fn, args) -> None:
     fn(rank, world_size, device, args)
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an argument the command does not take is reported by that command's parser (its usage,
+    not the top-level one), naming the commands that do take such a flag (``cp-ops run wan --plot x`` →
+    ``--plot is an option of cp-ops bench``)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        hints = []
+        for flag in dict.fromkeys(f.split("=")[0] for f in extra if f.startswith("--")):
+            owners = [f"cp-ops {n}" for n, p in sub.items() if n != args.cmd and flag in p._option_string_actions]
+            if owners:
+                hints.append(f"{flag} is an option of {', '.join(owners)}")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        sub[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``cp-ops`` command. Returns the exit code: 0, or 2 for a wrong argument or setting."""
-    args = build_parser().parse_args(argv)
+    args = _parse(argv)
     try:
         return _main(args)
     except UsageError as e:

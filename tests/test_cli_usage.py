@@ -1,0 +1,47 @@
+"""What a user sees for a flag the command does not take, and the help's account of the timing: an unknown
+argument is reported by the subcommand's own parser (its usage, not the top-level one), naming the other commands
+that take that flag; `bench --help` and `run --help` say the times come from interleaved rounds."""
+
+import pytest
+
+from cp_ops.cli.main import build_parser, main
+
+
+def _error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_flag_of_another_command_names_that_command(capsys):
+    lines = _error(capsys, ["run", "wan", "--plot", "x.png"])
+    assert lines[0].startswith("usage: cp-ops run ")  # run's usage, where its options are listed
+    assert lines[-1] == ("cp-ops run: error: unrecognized arguments: --plot x.png "
+                         "(--plot is an option of cp-ops bench)"), lines
+    lines = _error(capsys, ["bench", "--steps=3", "--compile", "--foo"])
+    assert lines[0].startswith("usage: cp-ops bench ")
+    assert lines[-1] == ("cp-ops bench: error: unrecognized arguments: --steps=3 --compile --foo (--steps is an option "
+                         "of cp-ops run, cp-ops generate; --compile is an option of cp-ops run)"), lines
+
+
+def test_unknown_flag_and_stray_word(capsys):
+    lines = _error(capsys, ["bench", "--foo"])
+    assert lines[0].startswith("usage: cp-ops bench ")
+    assert lines[-1] == "cp-ops bench: error: unrecognized arguments: --foo"
+    lines = _error(capsys, ["run", "wan", "extra"])
+    assert lines[0].startswith("usage: cp-ops run ") and lines[-1] == "cp-ops run: error: unrecognized arguments: extra"
+
+
+def test_bad_value_still_argparse_error(capsys):
+    lines = _error(capsys, ["run", "wan", "--chunks", "0"])
+    assert lines[-1] == "cp-ops run: error: argument --chunks: expected auto or an int >= 1; got '0'"
+
+
+def test_help_describes_the_interleaved_rounds():
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    for name in ("bench", "run"):
+        text = " ".join(sub[name].format_help().split())
+        assert "interleaved rounds" in text, name
+    assert "each times the single-device baseline, then one sample of every case" in " ".join(
+        sub["bench"].format_help().split())
