@@ -443,8 +443,9 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     print(f"speedup = 1-rank time ÷ CP time (ideal {world_size}x); "
           + (f"ms/step = median over the {args.steps} steps of one loop (transformer + scheduler step), total = their sum"
              if args.steps else f"times are medians of {args.repeats} runs"
-             + ("" if args.cuda_graphs else " in interleaved rounds (each: the 1-rank model on rank 0 alone, then "
-                "every CP row once; JSON ms_sequential: the first, one-side-at-a-time medians)"))
+             + (" in interleaved rounds (each: the 1-rank model on rank 0 alone, then every CP row once; JSON "
+                "ms_sequential: the first, one-side-at-a-time medians)" if "ms_sequential" in ours  # _interleaved ran
+                else ", one side after another (not interleaved)"))
           + ", CP = the slowest rank; max rel err = max |CP − 1-rank| / max |1-rank| (0 = bitwise equal).")
     if args.compile:
         print("compile s = wall time of the first call (compilation included) minus one steady-state call"
