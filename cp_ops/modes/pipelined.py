@@ -25,7 +25,10 @@ PIPELINED: dict[str, Callable[..., torch.Tensor]] = {
 def check_chunks(chunks) -> None:
     """``chunks`` must be None or an int ≥ 1 (ValueError naming the value)."""
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"chunks must be None (heuristic) or an int >= 1 (1 = transport-then-attend); got {chunks!r}")
+        auto = isinstance(chunks, str) and chunks.lower() == "auto"
+        hint = " (None is what `cp-ops run --chunks auto` passes)" if auto else ""
+        raise ValueError("chunks must be None (the default: the measured choice; the heuristic where nothing is "
+                         f"measured) or an int >= 1 (1 = transport-then-attend); got {chunks!r}{hint}")
 
 
 #: The heuristic's stage counts, keyed by (mode, transport as run: 'fast' or 'torch', never 'auto'); a key not listed
@@ -53,9 +56,12 @@ def choose_chunks(mode: str, world_size: int, q: torch.Tensor, transport: str) -
     Source: CP2 on 2x H200, bf16, B=1, H=40, D=128, steady-state speedup over one GPU, eager
     (benchmarks/results/2026-11-30c_h200x2_torch2.11_cu130/README.md). Fast transport, AGKV, chunks=2 vs chunks=1:
     4096: 1.36x vs 1.23x; 8192: 1.71x vs 1.59x; 16384: 1.80x vs 1.75x; 32768: 1.93x vs 1.86x; 75600: 1.96x vs
-    1.95x — 2 stages ahead at every S. Torch transport: chunks=2 within ±2 % of chunks=1 (no gain). Ulysses head
-    sub-groups were slower than one group at every S on both transports (2026-11-29,
-    pipelined_gloo_check_0019c2b.md). Not measured at W > 2: the table holds for W = 2 and is used for every W.
+    1.95x — 2 stages ahead at every S. Re-measured in interleaved rounds (2026-11-30d, same shapes): 4096: 1.20x vs
+    1.23x (eager at 4K is host-bound; from a CUDA graph 1.66x vs 1.31x); 8192: 1.76x vs 1.53x; 16384: 1.86x vs
+    1.76x; 32768: 1.92x vs 1.89x; 75600: 1.94x vs 1.93x. Torch transport: chunks=2 within ±2 % of chunks=1 (no
+    gain) in 2026-11-30c; in 2026-11-30d mixed: 4096 0.90x vs 1.10x, 8192 1.40x vs 1.40x, 16384 1.70x vs 1.68x,
+    32768 1.82x vs 1.72x, 75600 1.91x vs 1.91x (kept at 1). Ulysses head sub-groups were slower than one group at
+    every S on both transports (2026-11-29, pipelined_gloo_check_0019c2b.md). Not measured at W > 2: the table holds for W = 2 and is used for every W.
     """
     del q
     if transport == "auto":
