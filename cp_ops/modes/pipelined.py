@@ -61,7 +61,8 @@ def choose_chunks(mode: str, world_size: int, q: torch.Tensor, transport: str) -
     1.76x; 32768: 1.92x vs 1.89x; 75600: 1.94x vs 1.93x. Torch transport: chunks=2 within ±2 % of chunks=1 (no
     gain) in 2026-11-30c; in 2026-11-30d mixed: 4096 0.90x vs 1.10x, 8192 1.40x vs 1.40x, 16384 1.70x vs 1.68x,
     32768 1.82x vs 1.72x, 75600 1.91x vs 1.91x (kept at 1). Ulysses head sub-groups were slower than one group at
-    every S on both transports (2026-11-29, pipelined_gloo_check_0019c2b.md). Not measured at W > 2: the table holds for W = 2 and is used for every W.
+    every S on both transports (2026-11-29, pipelined_gloo_check_0019c2b.md). Not measured at W > 2: the table
+    holds for W = 2 and is used for every W.
     """
     del q
     if transport == "auto":
