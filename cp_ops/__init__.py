@@ -2,11 +2,12 @@
 
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
-        (also chunks=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.modes.uneven)
+        (also chunks=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.modes.uneven;
+        mode 'auto' / chunks None: measured on the first eager call, cp_ops.modes.tune)
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
-    choose_mode(mode, heads, world_size)                                           the mode 'auto' picks
+    choose_mode(mode, heads, world_size)                                           the heuristic for 'auto' (unmeasured)
     modes.names() / modes.register(name, fn, ...)                                  the CP attention modes
     local_attention(q, k, v, scale=None)                                           single-device reference
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
