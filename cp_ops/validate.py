@@ -391,7 +391,7 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
     per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
     raise ValueError(
         f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
-        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}"
+        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}{_variant_hint(aspects, desc)}"
     )
 
 
@@ -403,6 +403,20 @@ def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
         return ""
     return (f"; only S_local differs: for uneven shards pass seq_lens={tuple(s[1] for s in shapes)} (the same tuple "
             "on every rank; cp_ops.layout.shard_sizes(total, W) is the standard split)")
+
+
+#: The ops an attention call's exchange is made for (its variant's first op): ranks at the same call number with
+#: different ones were most likely given different ``mode`` or ``chunks``.
+_VARIANT_OPS = frozenset(f"cp_ops::{n}" for n in ("agkv_gather_start", "ulysses_start", "agkv_pipelined_attention",
+                                                   "agkv_gather_uneven_start", "ulysses_uneven_start"))
+
+
+def _variant_hint(aspects: list[str], desc: list[dict]) -> str:
+    """Where the ranks started different CP variants at the same call number: name mode/chunks as the likely cause."""
+    if "call" not in aspects or "call number" in aspects or not all(d["call"] in _VARIANT_OPS for d in desc):
+        return ""
+    return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) must get "
+            "the same mode and chunks on every rank")
 
 
 def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:

@@ -39,8 +39,9 @@ def _bad_inputs(rank, w):
     assert "seq_lens" not in str(e.value)
     # ranks disagree on dtype
     dx = q if rank == 0 else q.bfloat16()
-    with pytest.raises(ValueError, match="differ in dtype.*dtype=float32.*dtype=bfloat16"):
+    with pytest.raises(ValueError, match="differ in dtype.*dtype=float32.*dtype=bfloat16") as e:
         cp_ops.agkv_gather(dx, dx)
+    assert "CP variants" not in str(e.value)  # the same op on every rank: no mode/chunks hint
     # one rank fails its own checks (H=3 with Ulysses), the other's inputs are fine: both raise, nobody waits
     hh = 3 if rank == 1 else 4
     x = torch.randn(1, 8, hh, 16, generator=g)
@@ -51,9 +52,14 @@ def _bad_inputs(rank, w):
         with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of CP group '0' rejected their inputs \(rank 1: "
                                              r"cp_ops.attention: ValueError: .*got heads=3, world_size=2"):
             cp_ops.attention(x, x, x, mode="ulysses")
-    # ranks call different modes: the message names what each called
-    with pytest.raises(ValueError, match="differ in call.*rank 0: cp_ops::agkv_gather_start .* rank 1: cp_ops::ulysses_start"):
+    # ranks call different modes: the message names what each called, and mode/chunks as the likely cause
+    with pytest.raises(ValueError, match="differ in call.*rank 0: cp_ops::agkv_gather_start .* rank 1: "
+                                         "cp_ops::ulysses_start.*must get the same mode and chunks on every rank"):
         cp_ops.attention(q, q, q, mode="agkv" if rank == 0 else "ulysses")
+    # ... or different chunks (rank 1 pipelines AGKV)
+    with pytest.raises(ValueError, match="differ in call.*rank 0: cp_ops::agkv_gather_start .* rank 1: "
+                                         "cp_ops::agkv_pipelined_attention .*chunks=2.*the same mode and chunks"):
+        cp_ops.attention(q, q, q, mode="agkv", chunks=1 + rank)
     # non-float tensors and no tensors at all
     with pytest.raises(ValueError, match="k must be float32, float16 or bfloat16.*got torch.int64"):
         cp_ops.agkv_gather(q.long(), q.long())
