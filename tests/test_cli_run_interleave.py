@@ -72,3 +72,40 @@ def test_kept_copies_freed_and_room_check_agrees(tmp_path):
     msg = "too little free GPU memory to keep every side's model for interleaved timing"
     assert r0["stdout"].count(msg) == 2, r0["stdout"]  # rank 0 says so whether it or a peer lacked the room
     assert msg not in r1["stdout"]
+
+
+def test_regional_compile_stays_static_across_sides(monkeypatch):
+    """Every side compiles with static shapes: in the interleaved rounds rank 0's 1-rank model (all tokens) compiles
+    again beside the CP model (its shard's tokens) in one Dynamo frame; with automatic dynamic shapes that second
+    compile would be a symbolic-shape graph, not the one the first measurement timed. Two tiny Wan models at
+    different token counts through compile_model (Dynamo with a recording backend): no graph gets a symbolic size."""
+    import cp_ops
+    from cp_ops.cli.models import MODELS, build
+    from cp_ops.cli.run import compile_model
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        vals = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        graphs.append(sum(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+            isinstance(s, torch.SymInt) for s in v.shape)) for v in vals))  # inputs with a symbolic size
+        return gm.forward
+
+    def fake_compile(fn, overlap=True, **kw):
+        return torch.compile(fn, backend=record, **kw)
+
+    monkeypatch.setattr(cp_ops, "compile", fake_compile)
+    spec = MODELS["wan"]
+    torch._dynamo.reset()
+    try:
+        for hw in (16, 8):  # 128 then 32 tokens: the same block class, so the same Dynamo frame
+            model, cfg = build(spec, "tiny", 1, "cpu", torch.float32)
+            kw = spec.make_inputs(cfg, 16, 1, 2, hw, hw, "cpu", torch.float32, torch.Generator().manual_seed(0))
+            m, n = compile_model(model, spec, _ns(compile="regional"), overlap=False)
+            with torch.no_grad():
+                spec.predict(m, kw)
+            assert n == 1
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 2, graphs
+    assert graphs == [0, 0], graphs

@@ -57,13 +57,16 @@ def compile_model(model, spec, args, overlap: bool):
     ``regional``: every block of ``spec.blocks`` gets ``block.forward = cp_ops.compile(block.forward, ...)``;
     Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
     diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
-    ``full``: ``cp_ops.compile(model, fullgraph=True)``. ``--cuda-graphs`` adds ``mode="reduce-overhead"``.
+    ``full``: ``cp_ops.compile(model, fullgraph=True)``. Static shapes (``dynamic=False``) for both.
+    ``--cuda-graphs`` adds ``mode="reduce-overhead"``.
     """
     import cp_ops
 
     if not args.compile:
         return model, 0
-    kw = dict(fullgraph=True, overlap=overlap and not args.no_overlap)
+    # dynamic=False: every side's graphs static, as the first measurement's; else the 1-rank model compiling again
+    # in the interleaved rounds beside the CP model (other token counts, one Dynamo frame) gets symbolic sizes
+    kw = dict(fullgraph=True, overlap=overlap and not args.no_overlap, dynamic=False)
     if args.cuda_graphs:
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
