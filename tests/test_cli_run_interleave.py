@@ -52,7 +52,9 @@ def _body(rank, world_size, outdir):
     out = {}
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        run_module.run_model(rank, world_size, torch.device("cpu"), _ns())
+        # --compare on CPU: diffusers' rows are skipped (with their reason) and left out of the rounds
+        run_module.run_model(rank, world_size, torch.device("cpu"),
+                             _ns(compare="diffusers", out=os.path.join(outdir, "run.json")))
         out["free"] = dict(seen)
         # the room check disagrees: rank 0 alone lacks it (then rank 1 alone): every rank times one side at a time
         for short in (0, 1):
@@ -67,6 +69,11 @@ def test_kept_copies_freed_and_room_check_agrees(tmp_path):
     run_ranks(_body, 2, str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["free"] == {"copies": 1, "alive": 0}, r0["free"]  # the 1-rank copy, gone before the report
+    rows = json.loads((tmp_path / "run.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["1 rank", "diffusers ulysses", "diffusers ring", "cp_ops agkv"]
+    assert all(set(r) == {"name", "skipped"} for r in rows[1:3]), rows
+    single, cp = rows[0], rows[-1]
+    assert single["ms_sequential"] > 0 and cp["ms_sequential"] > 0 and cp["speedup"] == single["ms"] / cp["ms"]
     for r in (r0, r1):
         assert r["interleave_short0"] is False and r["interleave_short1"] is False
     msg = "too little free GPU memory to keep every side's model for interleaved timing"
