@@ -78,6 +78,7 @@ def test_no_out_writes_nothing_and_progress_only_when_asked(tmp_path):
     assert b"(no JSON written: --out PATH saves the results)" in p.stdout
     assert os.listdir(tmp_path) == []  # no cp_ops_results/ in the working directory
     assert b"\r" in p.stderr and b"cp-ops bench" in p.stderr  # --progress shows the bar off a terminal too
+    assert b"S=64 round 2/2 of 1 case(s)" in p.stderr  # the interleaved rounds show, not only finished cases
     # (without --progress, no bar off a terminal: tests/test_cli.py::test_bench_cpu_default)
 
 

@@ -183,7 +183,7 @@ def test_regional_compile_once_per_class(monkeypatch):
     share one Dynamo frame (equal backends: see test_pass_graph's test_equal_options_share_compiled_frame), also
     when a block's input is a narrowed view (the CP split of a batch-1 sequence: Dynamo guards strides even
     along size-1 dims, so block inputs get contiguous strides); --compile full wraps the model; --cuda-graphs
-    adds mode='reduce-overhead'; --no-overlap turns the pass off."""
+    adds mode='reduce-overhead'; --no-overlap turns the pass off; static shapes everywhere (dynamic=False)."""
     import cp_ops
     from torch._dynamo.testing import CompileCounter
 
@@ -211,13 +211,13 @@ def test_regional_compile_once_per_class(monkeypatch):
         assert _canonical(view) is not view and torch.equal(_canonical(view), view) and _canonical(x) is x
         for shape in [(1, 8192, 1536), (2, 0, 3), (1, 1, 4), (3, 4, 5, 6), (), (5, 1, 1)]:
             assert _contiguous_strides(shape) == torch.empty(shape).stride(), shape
-    assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True)] * 2
+    assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True, dynamic=False)] * 2
     torch.testing.assert_close(out, ref)
     _restore_blocks(model, spec)
     assert all("forward" not in b.__dict__ and not b._forward_pre_hooks for b in model.blocks)
     seen.clear()
     compile_model(model, spec, _ns(compile="full", cuda_graphs=True, no_overlap=True), overlap=True)
-    assert seen == [dict(fullgraph=True, overlap=False, mode="reduce-overhead")]
+    assert seen == [dict(fullgraph=True, overlap=False, dynamic=False, mode="reduce-overhead")]
     torch._dynamo.reset()
 
 

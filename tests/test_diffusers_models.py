@@ -60,8 +60,10 @@ def _models_equal(rank, w, names):
         _run(name, CASES[w], w)
     if w == 2:
         _wan22_per_token_timestep(rank, w)
-        _compile_three_resolutions(rank, w, "flux")
-        _no_host_sync(rank, w, ["flux", "qwenimage", "zimage", "hunyuanvideo"])
+        # modes by name: 'auto' is AGKV at W = 2 since session 6, and Ulysses was what these exercised before it
+        _compile_three_resolutions(rank, w, "flux", "ulysses")  # (AGKV too: +12 s of CI on 2 cores)
+        for mode in ("agkv", "ulysses"):
+            _no_host_sync(rank, w, ["flux", "qwenimage", "zimage", "hunyuanvideo"], mode)
     if w == 4:
         _cfg_lanes(rank, w, ["wan", "flux", "zimage"])
 
@@ -110,7 +112,7 @@ def _wan22_per_token_timestep(rank, w):
         _compare("wan", out, ref, ("per-token timestep", size), exact=size == (1, 2, 4))
 
 
-def _compile_three_resolutions(rank, w, name):
+def _compile_three_resolutions(rank, w, name, mode):
     """One model compiled once (dynamic shapes, fullgraph: no graph break) serves three resolutions from one graph;
     an image token count W does not divide adds one graph (the uneven gather), not one per shape."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -118,7 +120,7 @@ def _compile_three_resolutions(rank, w, name):
     from cp_ops.integrations.diffusers import parallelize
 
     model = build(name)
-    cp_model = parallelize(copy.deepcopy(model), mode="auto", transport="torch")
+    cp_model = parallelize(copy.deepcopy(model), mode=mode, transport="torch")
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(cp_model, backend=counter, dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(4)
@@ -129,12 +131,12 @@ def _compile_three_resolutions(rank, w, name):
         with torch.no_grad():
             ref = sample(model(**kw))
             out = sample(compiled(**kw))
-        _compare(name, out, ref, ("compiled", size), exact=False)
-        assert counter.frame_count == graphs, (size, f"{counter.frame_count} graphs, expected {graphs}")
+        _compare(name, out, ref, ("compiled", mode, size), exact=False)
+        assert counter.frame_count == graphs, (mode, size, f"{counter.frame_count} graphs, expected {graphs}")
 
 
 
-def _no_host_sync(rank, w, names):
+def _no_host_sync(rank, w, names, mode):
     """After the first forward of a shape (the once-per-shape input checksum), a parallelized model's forward reads
     no tensor value on the host: Tensor.item/tolist/__bool__/__int__/__float__/numpy raise during it (on CUDA each
     would be a device synchronisation per layer)."""
@@ -142,7 +144,7 @@ def _no_host_sync(rank, w, names):
 
     reads = ("item", "tolist", "__bool__", "__int__", "__float__", "numpy")
     for name in names:
-        cp_model = parallelize(build(name), mode="auto", transport="torch")
+        cp_model = parallelize(build(name), mode=mode, transport="torch")
         g = torch.Generator().manual_seed(5)
         kw = inputs(name, 2, (1, 3, 3), 7, g)  # uneven shards: the seq_lens path too
         with torch.no_grad():

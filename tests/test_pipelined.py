@@ -65,13 +65,21 @@ def _against_single_device(rank, w):
                 for head_rows in (1, S_LOCAL // 2, S_LOCAL - 1):
                     out = agkv_pipelined.run(ql, kl, vl, pg, t, 0.4, chunks, head_rows=head_rows)
                     assert out.shape == ref.shape and _rel(out, ref) <= 1e-5, (chunks, head_rows, _rel(out, ref))
-    # bf16 inputs: fp32 merge, output in bf16
+    # every dtype cp_ops takes, against an fp64 reference on the same (rounded) inputs: fp32 merge, output in the
+    # input's dtype (attention_with_lse: CPU's flash kernel for all three; CUDA's dtype rule is tested on GPU);
+    # fp64 is refused by name on every rank
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, w * 16, w, 16, generator=g).bfloat16() for _ in range(3))
-    ref = _shard(cp_ops.local_attention(q.float(), k.float(), v.float()), rank, w)
-    for mode in ("agkv", "ulysses"):
-        out = cp_ops.attention(*(_shard(t, rank, w) for t in (q, k, v)), mode=mode, transport="torch", chunks=w)
-        assert out.dtype == torch.bfloat16 and _rel(out, ref) <= 1e-2, (mode, _rel(out, ref))
+    q64, k64, v64 = (torch.randn(1, w * 16, w, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+        q, k, v = (t.to(dtype) for t in (q64, k64, v64))
+        ref = _shard(cp_ops.local_attention(q.double(), k.double(), v.double()), rank, w)
+        for mode in ("agkv", "ulysses"):
+            for chunks in (1, 2, w):
+                out = cp_ops.attention(*(_shard(t, rank, w) for t in (q, k, v)), mode=mode, transport="torch",
+                                       chunks=chunks)
+                assert out.dtype == dtype and _rel(out, ref) <= tol, (dtype, mode, chunks, _rel(out, ref))
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16.*got torch.float64"):
+        cp_ops.attention(*(_shard(t, rank, w) for t in (q64, k64, v64)), mode="agkv", transport="torch", chunks=2)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -231,3 +231,27 @@ def test_disk_cache_of_another_format_is_ignored(tmp_path, fmt):
         assert tune._read_cache() == {"k2": {"mode": "agkv", "chunks": 1}}
     finally:
         config.restore(saved)
+
+
+@pytest.mark.parametrize("entries", [[["k", {"mode": "agkv", "chunks": 2}]], {"k": "agkv/2", "ok": {"mode": "agkv",
+                                     "chunks": 1}}, {"k": {"mode": "agkv", "chunks": 2, "times_ms": 3.0}}, "x", None])
+def test_disk_cache_of_the_right_format_with_a_bad_shape_is_ignored(tmp_path, entries):
+    """A format-3 file whose entries are not a dict of dicts (hand-edited, another tool's): those entries are
+    ignored, as an unreadable file is — not an AttributeError on the rank holding the file (its peers would wait for
+    it in the agreement's all-reduce until CP_OPS_TIMEOUT_S)."""
+    import json
+
+    from cp_ops import config
+
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps({"format": 3, "entries": entries}))
+    saved = config.snapshot()
+    try:
+        config.configure(tune_cache=str(path))
+        got = tune._read_cache()
+        assert got == ({"ok": {"mode": "agkv", "chunks": 1}} if isinstance(entries, dict) and "ok" in entries else {})
+        assert all(isinstance(e, dict) and isinstance(e.get("times_ms", {}), dict) for e in got.values())
+        tune._write_cache("k2", {"mode": "agkv", "chunks": 1})  # a good entry replaces the bad ones
+        assert tune._read_cache()["k2"] == {"mode": "agkv", "chunks": 1}
+    finally:
+        config.restore(saved)

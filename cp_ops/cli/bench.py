@@ -220,7 +220,9 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
             share_fn()
     dist.barrier()
     single_s, share_s, cp_s = [], [], [[] for _ in fns]
-    for _ in range(args.repeats):  # interleaved rounds: baseline, then every case once
+    for i_round in range(args.repeats):  # interleaved rounds: baseline, then every case once
+        if bar:  # the cases of this S finish together, after the last round: say where the rounds are
+            bar.set_postfix_str(f"S={s} round {i_round + 1}/{args.repeats} of {len(fns)} case(s)")
         if rank == 0:
             single_s += steady_ms(full, device, 0, 1, calls)
             share_s += steady_ms(share_fn, device, 0, 1, calls)

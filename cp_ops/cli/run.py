@@ -57,13 +57,16 @@ def compile_model(model, spec, args, overlap: bool):
     ``regional``: every block of ``spec.blocks`` gets ``block.forward = cp_ops.compile(block.forward, ...)``;
     Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
     diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
-    ``full``: ``cp_ops.compile(model, fullgraph=True)``. ``--cuda-graphs`` adds ``mode="reduce-overhead"``.
+    ``full``: ``cp_ops.compile(model, fullgraph=True)``. Static shapes (``dynamic=False``) for both.
+    ``--cuda-graphs`` adds ``mode="reduce-overhead"``.
     """
     import cp_ops
 
     if not args.compile:
         return model, 0
-    kw = dict(fullgraph=True, overlap=overlap and not args.no_overlap)
+    # dynamic=False: every side's graphs static, as the first measurement's; else the 1-rank model compiling again
+    # in the interleaved rounds beside the CP model (other token counts, one Dynamo frame) gets symbolic sizes
+    kw = dict(fullgraph=True, overlap=overlap and not args.no_overlap, dynamic=False)
     if args.cuda_graphs:
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
@@ -250,16 +253,22 @@ def _can_interleave(model, args, device) -> bool:
     ``--steps``, no ``--cuda-graphs``), and on CUDA room for the extra model copies that stay alive (the 1-rank
     model and, with ``--compare``, diffusers' two): their weights within half the free memory on every rank (the
     ranks agree: the rounds are collective)."""
-    ok = not args.steps and not args.cuda_graphs
-    if ok and device.type == "cuda":
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        ok = weights * (3 if args.compare else 1) < 0.5 * torch.cuda.mem_get_info(device)[0]
-    t = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    wanted = not args.steps and not args.cuda_graphs  # the same arguments on every rank
+    t = torch.tensor([int(wanted and _room_for_copies(model, args, device))], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    if not t.item() and ok and dist.get_rank() == 0:
+    if wanted and not t.item() and dist.get_rank() == 0:  # whichever rank lacked the room
         print("cp-ops run: too little free GPU memory to keep every side's model for interleaved timing: "
               "each side is timed once, one after another", flush=True)
     return bool(t.item())
+
+
+def _room_for_copies(model, args, device) -> bool:
+    """Whether this rank has room for the model copies :func:`_interleaved` keeps alive (the 1-rank model and, with
+    ``--compare``, diffusers' two): their weights within half the free GPU memory; always on CPU."""
+    if device.type != "cuda":
+        return True
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights * (3 if args.compare else 1) < 0.5 * torch.cuda.mem_get_info(device)[0]
 
 
 def _interleaved(single_row, single_call, cp, args, device, rank: int) -> None:
@@ -323,7 +332,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     # one forward per row: every side is timed again in interleaved rounds at the end (see _interleaved); the
     # 1-rank model is then a copy, kept beside the parallelized one
     interleave = _can_interleave(model, args, device)
-    single_ms, ref, rows, single_call, cp_calls = None, None, [], None, []
+    single_ms, ref, rows, single_call, cp_calls, single_model = None, None, [], None, [], None
     if rank == 0:
         if args.compile:
             print(f"compiling the single-rank model ({args.compile}) ...", flush=True)
@@ -364,7 +373,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     rows.append(_row(f"cp_ops {mode}", first_s, ms, out, ref, single_ms, device, args.steps))
     if interleave:
         _interleaved(rows[0] if rank == 0 else None, single_call, cp_calls + [(rows[-1], call)], args, device, rank)
-        single_call = cp_calls = None
+    single_call = cp_calls = single_model = None  # the kept copies: freed before --profile and the report
     breakdown = None
     if args.profile:
         from .profile import profile_run

@@ -412,7 +412,11 @@ def _read_cache() -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-        return data.get("entries", {}) if isinstance(data, dict) and data.get("format") == FORMAT else {}
+        entries = data.get("entries") if isinstance(data, dict) and data.get("format") == FORMAT else None
+        if not isinstance(entries, dict):
+            return {}
+        # only well-formed entries (a hand-edited file must not raise on the rank holding it alone)
+        return {k: e for k, e in entries.items() if isinstance(e, dict) and isinstance(e.get("times_ms", {}), dict)}
     except (OSError, ValueError) as e:
         _warn_once(path, f"cp_ops: ignoring the unreadable choice cache {path}: {e}")
         return {}
