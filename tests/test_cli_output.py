@@ -137,7 +137,7 @@ def test_torchrun_bad_argument_is_one_line_from_rank_0():
     assert "exitcode  : 2" in text  # rank 0 exited 2: torchrun names it the root cause
     p = _torchrun("bench", "--bogus")
     text = p.stdout + p.stderr
-    assert text.count("cp-ops: error: unrecognized arguments: --bogus") == 1 and "exitcode  : 2" in text, text
+    assert text.count("cp-ops bench: error: unrecognized arguments: --bogus") == 1 and "exitcode  : 2" in text, text
 
 
 def test_bench_graph_cell_without_single_device_graph():
