@@ -87,7 +87,7 @@ def _timed(args):
 def test_wrong_flag_is_usage_plus_one_line():
     p = _cli("bench", "--bogus")
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1] == "cp-ops: error: unrecognized arguments: --bogus"
+    assert p.stderr.strip().splitlines()[-1] == "cp-ops bench: error: unrecognized arguments: --bogus"
 
 
 @pytest.mark.parametrize("cmd", [["bench", "--device", "cpu"], ["run", "wan", "--device", "cpu"]])
