@@ -2,7 +2,6 @@
 the rounds are freed once the rounds are over (before --profile and the report), and ranks that disagree on the
 room for the copies all time one side at a time, rank 0 saying why whichever rank lacked the room."""
 
-import argparse
 import gc
 import json
 import os
@@ -14,12 +13,10 @@ from dist_util import run_ranks
 
 
 def _ns(**kw):
-    base = dict(model="wan", config="tiny", checkpoint=None, layers=None, frames=2, height=16, width=16, text_tokens=16,
-                batch=1, dtype="fp32", mode="agkv", transport="torch", chunks=None, compile=None, no_overlap=False,
-                cuda_graphs=False, steps=0, cfg=False, compare=None, profile=None, profile_runs=1, warmup=0,
-                repeats=2, out=None, settings={})
-    base.update(kw)
-    return argparse.Namespace(**base)
+    """test_cli_run's run arguments, with AGKV and 2 interleaved rounds."""
+    from test_cli_run import _ns as base
+
+    return base(**{"mode": "agkv", "repeats": 2, **kw})
 
 
 def _body(rank, world_size, outdir):
