@@ -58,20 +58,12 @@ def _runs(arrivals) -> list[tuple[int, int]]:
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, transport, scale: float | None,
-        chunks: int, head_rows: int | None = None) -> torch.Tensor:
-    """The real kernel of ``cp_ops::agkv_pipelined_attention`` (``transport``: a Transport object).
-
-    ``head_rows`` (experimental; None = every row): only the first ``head_rows`` local query rows take the
-    staged path (own block, then the peers' pieces, LSE-merged); the other rows attend the whole gathered K/V
-    once, after the last arrival, unmerged. Split attention and the merge then cost only on the head rows, while
-    the head rows' own-block stage still covers the transfer when it is long enough."""
+        chunks: int) -> torch.Tensor:
+    """The real kernel of ``cp_ops::agkv_pipelined_attention`` (``transport``: a Transport object)."""
     pieces, later = stage_plan(group.size(), chunks)
-    split = head_rows is not None and 0 < head_rows < q.shape[1]
-    k_full, v_full, arrivals, work = transport_base.agkv_start_sources(transport, k, v, group, pieces,
-                                                                       own_block=split)
-    qa = q[:, :head_rows] if split else q
+    k_full, v_full, arrivals, work = transport_base.agkv_start_sources(transport, k, v, group, pieces)
     outs, lses = [], []
-    o, lse = attention_with_lse(qa, k, v, scale)  # own block: under the transfer
+    o, lse = attention_with_lse(q, k, v, scale)  # own block: under the transfer
     outs.append(o)
     lses.append(lse)
     stages = _split(arrivals, later)
@@ -82,14 +74,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, transport, sca
         else:  # the last stage waits for everything that is left: one wait (it also orders the reads of k, v)
             work.wait()
         for lo, hi in _runs(stage):
-            o, lse = attention_with_lse(qa, k_full[:, lo:hi], v_full[:, lo:hi], scale)
+            o, lse = attention_with_lse(q, k_full[:, lo:hi], v_full[:, lo:hi], scale)
             outs.append(o)
             lses.append(lse)
-    head = merge(outs, lses, q.dtype)
-    if not split:
-        return head.contiguous()
-    tail, _ = attention_with_lse(q[:, head_rows:], k_full, v_full, scale)
-    return torch.cat([head, tail], dim=1)
+    return merge(outs, lses, q.dtype).contiguous()
 
 
 def agkv_pipelined_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None,

@@ -93,7 +93,7 @@ class _SourceWait:
 
 
 def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                       pieces: int = 1, own_block: bool = False):
+                       pieces: int = 1):
     """Start an AGKV gather whose peers' chunks can be waited as they land (pipelined AGKV).
 
     A transport may provide ``agkv_start_sources(k, v, group, pieces)`` itself; else this falls back to its
@@ -103,17 +103,15 @@ def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: 
     Args:
         k, v: ``[B, S_local, H, D]``.
         pieces: split each peer's block into this many arrivals (a hint; a transport may give fewer).
-        own_block: this rank's own block must be written too (it is ready once ``work`` is waited).
     Returns:
         ``(k_full, v_full, arrivals, work)``: ``k_full``/``v_full`` ``[B, W*S_local, H, D]`` in rank order (this
-        rank's own block may be left unwritten unless ``own_block``: read ``k``/``v``); ``arrivals``: a list of
-        :class:`Arrival`, the
+        rank's own block may be left unwritten: read ``k``/``v``); ``arrivals``: a list of :class:`Arrival`, the
         peers' pieces in the order they are expected to land, together covering every peer token once; ``work``:
         waits for everything (call it last: it also keeps the transport's reads of ``k``/``v`` ordered).
     """
-    start = getattr(t, "agkv_start_sources", None)
-    if start is not None:
-        return start(k, v, group, pieces, own_block=own_block)
+    own = getattr(t, "agkv_start_sources", None)
+    if own is not None:
+        return own(k, v, group, pieces)
     k_full, v_full, work = t.agkv_start(k, v, group)
     return k_full, v_full, source_arrivals(work, group.size(), group.rank(), k.shape[1]), work
 

@@ -305,16 +305,14 @@ class FastTransport:
             work.ptrs = ptrs
         return outs, work
 
-    def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group, under_compute: bool = False,
-                   own_block: bool = False):
+    def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group, under_compute: bool = False):
         """All-gather K and V ``[B, S_local, H, D]`` into ``[B, W*S_local, H, D]`` each (tokens in rank order).
 
         ``under_compute``: the transfer is meant to run under compute the caller issues next (pipelined AGKV):
         with ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are measured and chosen for it (an SM copy kernel
         takes SMs from that compute: measured on 2x H200 at 4K, the SM copy ran beside the attention instead of
         under it), cached apart from the plain call's decision; this rank's own block of ``k_full``/``v_full`` is
-        left unwritten (the caller reads ``k``/``v``) unless ``own_block`` (a local copy-engine copy, for a caller
-        that attends some queries over the whole gathered K/V).
+        left unwritten (the caller reads ``k``/``v``).
 
         Returns ``(k_full, v_full, work)``; the outputs are pooled (see the module docstring). Bitwise equal to
         the torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
@@ -329,21 +327,20 @@ class FastTransport:
 
         def descs(bases):
             kb, vb = bases
-            return [[] if under_compute and not own_block and t == r else  # the caller reads its own block from k, v
+            return [[] if under_compute and t == r else  # the pipelined caller reads its own block from k, v
                     [(kb[t] + off, kp, row, b, pitch, row), (vb[t] + off, vp, row, b, pitch, row)] for t in range(w)]
 
         full = (b, w * s, h, d)
-        key = ("agkv", b, s, h, d, str(k.dtype)) + (("under_compute",) if under_compute else ()) \
-            + (("own",) if under_compute and own_block else ())
+        key = ("agkv", b, s, h, d, str(k.dtype)) + (("under_compute",) if under_compute else ())
         (kf, vf), work = self._launch(lane, key, [("agkv.k", full, k.dtype), ("agkv.v", full, v.dtype)], descs,
                                       [k, v])
         return kf, vf, work
 
-    def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group, pieces: int = 1, own_block: bool = False):
+    def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group, pieces: int = 1):
         """:meth:`agkv_start` for pipelined AGKV (``under_compute=True``), each peer's block waited on its own
         arrival flag (one piece per peer: the fast transport signals whole blocks; ``pieces`` is ignored).
         Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
-        kf, vf, work = self.agkv_start(k, v, group, under_compute=True, own_block=own_block)
+        kf, vf, work = self.agkv_start(k, v, group, under_compute=True)
         lane = self._lane_for(group)
         return kf, vf, source_arrivals(work, lane.world, lane.rank, k.shape[1]), work
 

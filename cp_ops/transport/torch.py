@@ -36,13 +36,11 @@ class TorchTransport:
         work = group.allgather_into_tensor_coalesced(outs, ins)
         return k_full, v_full, work
 
-    def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1,
-                           own_block: bool = False):
+    def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
         """AGKV by point-to-point sends, one batch (one work) per (peer, piece), so each piece can be waited as
         it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
         into ``pieces`` token ranges. Returns as :func:`cp_ops.transport.base.agkv_start_sources` (own block of
-        ``k_full``/``v_full`` unwritten unless ``own_block``: then copied on the caller's stream). On NCCL the
-        batches run in issue order, so pieces land in list order."""
+        ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order."""
         from .base import Arrival
 
         w, r = group.size(), group.rank()
@@ -50,9 +48,6 @@ class TorchTransport:
         k_full = k.new_empty(b, w * s, h, d)
         v_full = v.new_empty(b, w * s, h, d)
         k_in, v_in = k.contiguous(), v.contiguous()
-        if own_block:
-            k_full[:, r * s:(r + 1) * s].copy_(k_in)
-            v_full[:, r * s:(r + 1) * s].copy_(v_in)
         pieces = max(1, min(pieces, s))
         cuts = [c * s // pieces for c in range(pieces + 1)]
         arrivals, works = [], []
