@@ -85,6 +85,37 @@ def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, sampl
     return times
 
 
+def interleaved_rounds(baselines: list[Callable[[], object]], cases: list[Callable[[], object]], rounds: int,
+                       sample: Callable[[Callable[[], object]], float], on_round: Callable[[int], None] | None = None
+                       ) -> tuple[list[list[float]], list[list[float]]]:
+    """Samples of single-device baselines and CP cases taken in ``rounds`` interleaved rounds, so drift over the
+    measurement (clocks, temperature) hits every side alike: each round, the ranks meet at a barrier, rank 0 takes
+    one sample of every baseline alone (the other ranks wait at a second barrier: no contention), then every rank
+    takes one sample of every case (collective: every rank passes the same cases in the same order).
+
+    Args:
+        baselines: callables timed on rank 0 only (other ranks may pass the same list; it is not run there).
+        cases: callables every rank runs. sample: ``fn -> ms`` (e.g. one :func:`steady_ms` sample).
+        on_round: called with the round's index before it (progress reports).
+    Returns:
+        ``(baseline samples, case samples)``: one list of ``rounds`` ms per callable (baselines: empty lists on
+        ranks other than 0); this rank's own times (reduce over ranks with :func:`max_over_ranks_each`).
+    """
+    rank0 = dist.get_rank() == 0
+    base_s, case_s = [[] for _ in baselines], [[] for _ in cases]
+    for r in range(rounds):
+        if on_round is not None:
+            on_round(r)
+        dist.barrier()
+        if rank0:
+            for out, fn in zip(base_s, baselines):
+                out.append(sample(fn))
+        dist.barrier()
+        for out, fn in zip(case_s, cases):
+            out.append(sample(fn))
+    return base_s, case_s
+
+
 def max_over_ranks(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
     """The maximum of ``value`` over the ranks of ``group`` (every rank gets it)."""
     t = torch.tensor([value], dtype=torch.float64, device=device)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from cp_ops import attention, choose_mode, local_attention, modes, select_transport
 
-from ..timing import Graphed, max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
+from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -219,17 +219,13 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
             full()
             share_fn()
     dist.barrier()
-    single_s, share_s, cp_s = [], [], [[] for _ in fns]
-    for i_round in range(args.repeats):  # interleaved rounds: baseline, then every case once
-        if bar:  # the cases of this S finish together, after the last round: say where the rounds are
-            bar.set_postfix_str(f"S={s} round {i_round + 1}/{args.repeats} of {len(fns)} case(s)")
-        if rank == 0:
-            single_s += steady_ms(full, device, 0, 1, calls)
-            share_s += steady_ms(share_fn, device, 0, 1, calls)
-        dist.barrier()
-        for i, fn in enumerate(fns):
-            cp_s[i] += steady_ms(fn, device, 0, 1, calls)
-        dist.barrier()
+    # interleaved rounds: the baselines (rank 0 alone), then every case once; the cases of this S finish together,
+    # after the last round, so the bar says where the rounds are
+    progress = (lambda i: bar.set_postfix_str(f"S={s} round {i + 1}/{args.repeats} of {len(fns)} case(s)")) if bar \
+        else None
+    (single_s, share_s), cp_s = interleaved_rounds([full, share_fn], fns, args.repeats,
+                                                   lambda fn: steady_ms(fn, device, 0, 1, calls)[0], progress)
+    dist.barrier()  # rank 0's latency runs below start once every rank's last case sample is over
     base = torch.zeros(3 * len(STATS) + 1, dtype=torch.float64, device=device)
     if rank == 0:
         lat = summary(samples_ms(full, device, 0, args.repeats))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
 from .models import MODELS, build, load_checkpoint
-from ..timing import Graphed, max_over_ranks, max_over_ranks_each, time_ms
+from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
 UNSUPPORTED = 3
@@ -283,14 +283,8 @@ def _interleaved(single_row, single_call, cp, args, device, rank: int) -> None:
         single_call()
     for _, call in cp:
         call()
-    single_s, cp_s = [], [[] for _ in cp]
-    for _ in range(args.repeats):
-        dist.barrier()
-        if rank == 0:
-            single_s.append(time_ms(single_call, device, 0, 1))
-        dist.barrier()
-        for j, (_, call) in enumerate(cp):
-            cp_s[j].append(time_ms(call, device, 0, 1))
+    (single_s,), cp_s = interleaved_rounds([single_call], [call for _, call in cp], args.repeats,
+                                           lambda fn: time_ms(fn, device, 0, 1))
     t = torch.tensor([statistics.median(single_s) if rank == 0 else 0.0], dtype=torch.float64, device=device)
     dist.broadcast(t, 0)
     single = float(t.item())

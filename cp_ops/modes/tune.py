@@ -141,9 +141,7 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     if mode != "auto" and chunks is not None:
         return chosen, chunks
     if torch.compiler.is_compiling():  # traced by torch.compile: the heuristic (see the module docstring)
-        if chunks is not None:
-            return chosen, chunks
-        return chosen, choose_chunks(chosen, group.size(), q, concrete_name(transport, group.group_name, q.device))
+        return heuristic_candidate(chunks, chosen, q.shape, group, q.device, transport)
     hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
     if hit is not None:  # the cached choice: one dict lookup
         return hit
@@ -162,7 +160,7 @@ def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -
         _memo[key] = (c.mode, c.chunks)
         _choices[key] = c
         return c.mode, c.chunks
-    return _choose_heuristic_only(mode, chunks, chosen, shape, pg, device, transport)
+    return _choose_heuristic_only(chunks, chosen, shape, pg, device, transport)
 
 
 def describe(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
@@ -205,8 +203,8 @@ def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> li
     return out
 
 
-def _choose_heuristic_only(mode, chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
-    c = _heuristic(mode, chunks, chosen, shape, pg, device, transport)
+def _choose_heuristic_only(chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
+    c = _heuristic(chunks, chosen, shape, pg, device, transport)
     return c.mode, c.chunks
 
 
@@ -219,8 +217,7 @@ def heuristic_candidate(chunks, chosen, shape, pg, device, transport) -> tuple[s
     return chosen, choose_chunks(chosen, pg.size(), _Shape(shape), concrete_name(transport, pg.group_name, device))
 
 
-def _heuristic(mode, chunks, chosen, shape, pg, device, transport) -> Choice:
-    del mode
+def _heuristic(chunks, chosen, shape, pg, device, transport) -> Choice:
     stats["heuristic"] += 1
     m, c = heuristic_candidate(chunks, chosen, shape, pg, device, transport)
     return Choice(m, c, "heuristic", {})
@@ -243,7 +240,7 @@ def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice
     if not config.settings.tune_modes or fake or capturing or w == 1:
         if capturing:
             return None  # the heuristic, not kept: measured by the first call outside capture
-        choice = _heuristic(mode, chunks, chosen, shape, pg, device, transport)
+        choice = _heuristic(chunks, chosen, shape, pg, device, transport)
     elif len(cands) == 1:
         choice = Choice(cands[0][0], cands[0][1], "single", {})
     else:
