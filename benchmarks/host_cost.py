@@ -136,7 +136,7 @@ def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[d
     return rows
 
 
-#: uneven shards / key-padding masks (cp_ops.modes.uneven), torch transport, chunks=1: (label, seq_lens?, mask?)
+#: uneven shards / key-padding masks (cp_ops.layout.Shards), torch transport, chunks=1: (label, seq_lens?, mask?)
 LAYOUT_CASES = (("seq", True, False), ("mask", False, True), ("seq+mask", True, True))
 
 
@@ -309,7 +309,7 @@ def main() -> None:
     ap.add_argument("--graph-calls", type=int, default=20, metavar="N",
                     help="CUDA only: attention calls captured in one CUDA graph for the 'graph' rows (see above)")
     ap.add_argument("--layouts", action="store_true",
-                    help="also time seq_lens / key_mask calls (cp_ops.modes.uneven; LAYOUT_CASES)")
+                    help="also time seq_lens / key_mask calls (cp_ops.layout.Shards; LAYOUT_CASES)")
     ap.add_argument("--ops", action="store_true", help="with --layouts: print the aten ops per call (rank 0)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also print rank 0's cProfile top N functions (own time) per row with check_ranks=once")

@@ -5,7 +5,7 @@ Workload: bf16, B=1, H=40, D=128, dense non-causal; per global size S (a multipl
 transport: ``even`` (S, no new argument: the even path), ``even+seq_lens`` (S, ``seq_lens`` given: the uneven path on
 equal shards), ``uneven`` (S+1 tokens, :func:`cp_ops.layout.shard_sizes`), ``mask`` (S, a key mask with the last 10%
 of the keys padding), ``uneven+mask`` (S+1 and the mask). Baselines: single-GPU SDPA over the whole sequence
-(:func:`cp_ops.local_attention`, or :func:`cp_ops.modes.uneven.masked_attention` for the masked rows), timed in the
+(:func:`cp_ops.local_attention`, or :func:`cp_ops.local_attention (key_mask=)` for the masked rows), timed in the
 same run. Steady state: warm-up, then N calls back to back between two CUDA events; median over samples; max over
 ranks. Each configuration's output is checked against the single-GPU output (max relative error, bf16).
 
@@ -47,7 +47,7 @@ def _steady_ms(fn, n: int, reps: int) -> float:
 def _worker(rank: int, world: int, dev: torch.device, args) -> None:
     import cp_ops
     from cp_ops import layout
-    from cp_ops.modes.uneven import masked_attention
+    from cp_ops.kernels import local_attention as masked_attention
     from cp_ops.transport import base as transport_base
 
     transports = [t for t in args.transports if transport_base.get(t).unavailable_reason(dev) is None]

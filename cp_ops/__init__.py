@@ -2,8 +2,9 @@
 
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
-        (also chunks=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.modes.uneven;
-        mode 'auto' / chunks None: measured on the first eager call, cp_ops.modes.tune)
+        (also chunks=, tag=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.layout.Shards;
+        mode 'auto' / chunks None: the heuristic, cp_ops.modes.choose / cp_ops.modes.pipelined.choose_chunks;
+        measured only where asked for, cp_ops.modes.tune)
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
@@ -11,13 +12,13 @@ Public API:
     modes.names() / modes.register(name, fn, ...)                                  the CP attention modes
     local_attention(q, k, v, scale=None)                                           single-device reference
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
-The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops._library`.
+The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops.ops`.
 
 Importing: when torch is already imported (the usual case), ``import cp_ops`` loads the core at once — it
 registers ``torch.ops.cp_ops.*`` and parses the settings (a bad ``CP_OPS_*`` value raises
 :class:`cp_ops.config.ConfigError`). Otherwise ``import cp_ops`` imports nothing, and the first public name used
 (``cp_ops.attention``, ``from cp_ops import attention``) loads the core; submodules import as usual. Code that
-calls ``torch.ops.cp_ops.*`` directly imports torch first (or ``cp_ops._library``). This keeps
+calls ``torch.ops.cp_ops.*`` directly imports torch first (or ``cp_ops.ops``). This keeps
 the ``cp-ops`` command's ``--help`` and argument errors instant (parsed before torch loads), and lets it report a
 bad setting in one line. Neither way imports torch's compiler (``torch._dynamo``, ``torch._inductor``) or changes
 a process-wide setting.
@@ -41,9 +42,11 @@ __all__ = [
 
 def _load_core() -> None:
     """Import the core's public names into this module (what ``import cp_ops`` did eagerly before)."""
-    from . import _library  # noqa: F401  (registers torch.ops.cp_ops.*)
+    from . import ops  # noqa: F401  (registers torch.ops.cp_ops.*)
     from . import modes
     from .attention import attention, local_attention
+
+    modes.load_builtin()  # the mode bodies, imported with the core (never inside traced code)
     from .modes import choose as choose_mode
     from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
     from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)

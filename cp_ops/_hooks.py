@@ -5,7 +5,7 @@ Integrations are declared as Python entry points (``pyproject.toml``, ``[project
 
 * :data:`COMPILE_HOOK_GROUP` (``cp_ops.compile_hooks``): callables with no arguments, run once, outside fake
   mode, the first time a cp_ops op is traced (``torch.compile``, ``make_fx``, opcheck) — the fake kernels of
-  :mod:`cp_ops._library` call :func:`run_compile_hooks`. The project declares ``passes.lowering:register``
+  :mod:`cp_ops.ops` call :func:`run_compile_hooks`. The project declares ``passes.lowering:register``
   there, so plain ``torch.compile`` gets the lowerings that keep a launch's inputs alive until its wait.
 * ``cp_ops.overlap_pass`` (read by :func:`cp_ops.compile`): the overlap pass's Inductor options.
 

@@ -10,10 +10,8 @@ from typing import Any
 
 import torch
 
-from . import _library as lib
-from . import layout
+from . import layout, ops
 from .group import resolve_group
-from .modes import uneven
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
 from .validate import api_checked, check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
@@ -55,7 +53,7 @@ def agkv_gather(
 
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
-        seq_lens: uneven shards (:mod:`cp_ops.modes.uneven`): W token counts in rank order, the same on every
+        seq_lens: uneven shards (:class:`cp_ops.layout.Shards`): W token counts in rank order, the same on every
             rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
@@ -70,7 +68,7 @@ def agkv_gather(
         return _agkv_gather_uneven(k, v, group, transport, seq_lens)
     pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport)
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
-    k_full, v_full = lib.wait(k_full), lib.wait(v_full)
+    k_full, v_full = ops.wait(k_full), ops.wait(v_full)
     if _pooled(tr, pg, k):
         return k_full.clone(), v_full.clone()
     return k_full, v_full
@@ -97,7 +95,7 @@ def ulysses_all_to_all(
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
     pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
                       lambda w: check_heads_divisible(xs[0].shape[2], w))
-    buf = lib.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
+    buf = ops.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
     outs = [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
 
@@ -122,19 +120,19 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
         return _ulysses_inverse_uneven(x, group, transport, seq_lens)
     pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
                       lambda w: check_seq_divisible(x.shape[1], w))
-    buf = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
+    buf = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
     return layout.ulysses_inverse_unpack(buf)
 
 
-# ---- uneven shards (cp_ops.modes.uneven: pad to max(seq_lens), move, select the real rows) -------------
+# ---- uneven shards (cp_ops.layout.Shards: pad to max(seq_lens), move with the even ops, select the real rows) ----
 def _agkv_gather_uneven(k, v, group, transport, seq_lens):
     pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
-                      lambda w: uneven.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
-    seq = list(seq_lens)
-    smax = uneven.s_max(seq)
-    kf, vf, _ = torch.ops.cp_ops.agkv_gather_uneven_start(k, v, None, seq, pg.size(), pg.group_name, tr)
-    kf, vf = lib.wait(kf), lib.wait(vf)
-    k_out, v_out = uneven.real_rows(kf, seq, smax), uneven.real_rows(vf, seq, smax)
+                      lambda w: layout.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
+    sh = layout.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
+    kf, vf = torch.ops.cp_ops.agkv_gather_start(sh.pad(k), sh.pad(v), pg.size(), pg.group_name, tr, "", 0,
+                                                list(seq_lens))
+    kf, vf = ops.wait(kf), ops.wait(vf)
+    k_out, v_out = sh.rows(kf), sh.rows(vf)
     if k_out is kf and _pooled(tr, pg, kf):
         return kf.clone(), vf.clone()
     return k_out, v_out
@@ -145,20 +143,21 @@ def _ulysses_uneven(xs, group, transport, seq_lens):
 
     def more(w):
         check_heads_divisible(xs[0].shape[2], w)
-        uneven.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
+        layout.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
 
     pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more)
-    seq = list(seq_lens)
-    smax = uneven.s_max(seq)
-    buf, _ = torch.ops.cp_ops.ulysses_uneven_start(list(xs), None, seq, pg.size(), pg.group_name, tr)
-    buf = lib.wait(buf)
-    outs = [uneven.ulysses_real(buf, i, seq, smax) for i in range(len(xs))]
+    sh = layout.Shards(seq_lens, pg.size(), pg.rank(), xs[0].shape[1], xs[0].device)
+    buf = ops.wait(torch.ops.cp_ops.ulysses_start([sh.pad(x) for x in xs], pg.size(), pg.group_name, tr, "", 0,
+                                                  list(seq_lens)))
+    outs = list(sh.ulysses_rows(buf, lambda b: [layout.ulysses_unpack(b, i) for i in range(len(xs))]))
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, buf) else outs
 
 
 def _ulysses_inverse_uneven(x, group, transport, seq_lens):
     pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
-                      lambda w: uneven.check_seq_lens(seq_lens, w, total=x.shape[1]))
-    seq = list(seq_lens)
-    back = lib.wait(torch.ops.cp_ops.ulysses_inverse_uneven_start(x, seq, pg.size(), pg.group_name, tr))
-    return uneven.inverse_rows(back, seq[pg.rank()])
+                      lambda w: layout.check_seq_lens(seq_lens, w, total=x.shape[1]))
+    sh = layout.Shards(seq_lens, pg.size(), pg.rank(), seq_lens[pg.rank()], x.device)
+    xp = sh.repad(x)
+    back = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(xp, pg.size(), pg.group_name, tr, "", 0,
+                                                           list(seq_lens)))
+    return sh.inverse_rows(back)

@@ -58,6 +58,17 @@ def ulysses_unpack_all(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(ulysses_unpack(buf, i) for i in range(n))
 
 
+def ulysses_heads(x: torch.Tensor, world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """``[B, S, H, D]`` → ``[B, S, W*(hi-lo), D]``: heads ``[lo, hi)`` of every rank's head group (pipelined Ulysses'
+    sub-group; a copy), or ``x`` itself when that is every head."""
+    b, s, h, d = x.shape
+    hl = h // world_size
+    hi = hl if hi is None else hi
+    if lo == 0 and hi == hl:
+        return x
+    return x.reshape(b, s, world_size, hl, d)[:, :, :, lo:hi].reshape(b, s, world_size * (hi - lo), d)
+
+
 def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """Send buffer ``[W, B, S_local, Hl, D]`` from ``[B, S, Hl, D]``; slab w holds token block w."""
     b, s, hl, d = x.shape
@@ -74,7 +85,7 @@ def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
     return buf.permute(1, 2, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(b, s, w * hl, d)
 
 
-# ---- uneven shards (cp_ops.modes.uneven) ---------------------------------------------------------
+# ---- uneven shards: helpers of Shards (below) ---------------------------------------------------------
 def shard_sizes(total: int, world_size: int) -> tuple[int, ...]:
     """The standard split of ``total`` tokens over W ranks: ``torch.tensor_split``'s rule — the first
     ``total % W`` ranks hold one token more (e.g. 7 tokens on W = 2 → ``(4, 3)``; 8423 on W = 3 →
@@ -113,3 +124,174 @@ def shard(x: torch.Tensor, dim: int, rank: int, world_size: int, seq_lens=None) 
         raise ValueError(f"shard: seq_lens must be {world_size} token counts summing to x.shape[{dim}]="
                          f"{x.shape[dim]}; got {list(sizes)}")
     return x.narrow(dim, shard_offsets(sizes)[rank], sizes[rank])
+
+
+# ---- uneven shards and key-padding masks: a layout every mode body takes ----------------------------
+def check_seq_lens(seq_lens, world_size: int, rank: int | None = None, s_local: int | None = None,
+                   total: int | None = None) -> None:
+    """``seq_lens`` must be W non-negative ints (rank order); ``seq_lens[rank] == s_local`` and
+    ``sum(seq_lens) == total`` where given. Raises ValueError naming the rule and the values seen."""
+    from .validate import _require
+
+    if not isinstance(seq_lens, (tuple, list)):
+        raise ValueError(f"seq_lens must be a tuple of {world_size} token counts (one per rank of the CP group, in "
+                         f"rank order) or None; got {type(seq_lens).__name__} {seq_lens!r}")
+    if len(seq_lens) != world_size:
+        raise ValueError(f"seq_lens must have one token count per rank of the CP group (world_size={world_size}); "
+                         f"got {len(seq_lens)}: {list(seq_lens)}")
+    for n in seq_lens:
+        if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)):
+            raise ValueError(f"seq_lens must hold ints; got {type(n).__name__} {n!r} in {list(seq_lens)}")
+        _require(n >= 0, lambda: f"seq_lens must be non-negative token counts; got {list(seq_lens)}")
+    if rank is not None and s_local is not None:
+        _require(seq_lens[rank] == s_local, lambda: (
+            f"seq_lens[rank] must equal this rank's local token count (q.shape[1]); got seq_lens={list(seq_lens)}, "
+            f"rank={rank}, S_local={s_local}"))
+    if total is not None:
+        _require(sum(seq_lens) == total, lambda: (
+            f"sum(seq_lens) must equal the full sequence length x.shape[1]; got seq_lens={list(seq_lens)} "
+            f"(sum {sum(seq_lens)}), x.shape[1]={total}"))
+
+
+def check_key_mask(key_mask, x: torch.Tensor) -> None:
+    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device (``x``: ``[B, S_local, H, D]``)."""
+    from .validate import _require
+
+    if not isinstance(key_mask, torch.Tensor):
+        raise ValueError(f"key_mask must be a bool tensor [B, S_local] (True = attend this key, False = padding) or "
+                         f"None; got {type(key_mask).__name__}")
+    if key_mask.dtype != torch.bool:
+        raise ValueError(f"key_mask must be a bool key-padding mask (True = attend, False = padding); additive float "
+                         f"masks are not supported; got dtype {key_mask.dtype} (for a 0/1 mask pass mask > 0)")
+    b, s = x.shape[0], x.shape[1]
+    _require(key_mask.dim() == 2 and key_mask.shape[0] == b and key_mask.shape[1] == s, lambda: (
+        f"key_mask must be [B, S_local] = [{b}, {s}] (one flag per key of this rank, the same for every query and "
+        f"head; per-query and per-head masks are not supported); got shape {tuple(key_mask.shape)}"))
+    if key_mask.device != x.device:
+        raise ValueError(f"key_mask must be on the device of q/k/v ({x.device}); got {key_mask.device}")
+
+
+def s_max(seq_lens):
+    """``max(seq_lens)`` (``torch.sym_max`` where a count is symbolic: no guard on it; plain ``max`` for ints,
+    which torch 2.11's Dynamo needs: it refuses a ``torch.sym_max`` that returns an int)."""
+    m = seq_lens[0]
+    for n in seq_lens[1:]:
+        m = max(m, n) if isinstance(m, int) and isinstance(n, int) else torch.sym_max(m, n)
+    return m
+
+
+class Shards:
+    """Uneven shards and/or a key-padding mask of one CP attention call: the layout a mode body moves and selects.
+
+    **The rule.** ``seq_lens``: W non-negative token counts in rank order, the same on every rank; rank r holds
+    ``seq_lens[r]`` consecutive tokens and the full sequence is their concatenation, ``total = sum(seq_lens)``
+    tokens (any split: :func:`shard_sizes`, another, 0 on some ranks). None: every rank holds ``S_local``.
+    ``key_mask`` (given to the body per call): bool ``[B, S_local]``, True = attend this key; it travels with its
+    rank's keys and is applied as SDPA's boolean mask over the full key sequence.
+
+    **Method** (exact; padded keys are never attended): every rank pads its block to ``smax = max(seq_lens)`` rows
+    (:meth:`pad`: one copy into a fresh buffer; the padding rows are never read, so never written), the transports
+    move the padded blocks with their even layouts, and the receiver selects the real rows (one ``index_select``
+    with indices computed once here) before attention, so SDPA sees exactly the K/V (and mask) of one device:
+    bitwise equal to single-device attention where the same kernel sees the same data. Blocks that are all full
+    skip the selection.
+
+    Args:
+        seq_lens: the W counts, or None (even: every rank ``s_local``). world, rank: W and this rank.
+        s_local: this rank's token count (``q.shape[1]``). device: where the index tensors live.
+    """
+
+    def __init__(self, seq_lens, world: int, rank: int, s_local: int, device):
+        seq = tuple(seq_lens) if seq_lens is not None else (s_local,) * world
+        self.seq, self.world, self.rank, self.s_local = seq, world, rank, s_local
+        self.smax = s_max(seq)
+        self.total = sum(seq)
+        self.full = all(n == self.smax for n in seq)
+        self.device = device
+        self._kv = self._inv = None
+
+    # -- indices (built on first use, kept) --
+    def kv_index(self) -> torch.Tensor:
+        """Row of ``[W*smax]`` (padded blocks in rank order) for each of the ``total`` real tokens."""
+        if self._kv is None:
+            r = torch.repeat_interleave(torch.arange(self.world), torch.tensor(self.seq))
+            t = torch.arange(self.total) - torch.tensor(shard_offsets(self.seq))[r]
+            self._kv = (r * self.smax + t).to(self.device)
+        return self._kv
+
+    def inverse_index(self) -> torch.Tensor:
+        """For each row ``p = r*smax + u`` of the re-padded ``[W*smax]``: the real row ``offset[r] + u`` (u < seq[r]),
+        any row (0) in the padding."""
+        if self._inv is None:
+            w, smax = self.world, self.smax
+            p = torch.arange(w * smax)
+            rp, u = p // smax, p % smax
+            n = torch.tensor(self.seq)[rp]
+            self._inv = torch.where(u < n, torch.tensor(shard_offsets(self.seq))[rp] + u, 0).to(self.device)
+        return self._inv
+
+    # -- what the bodies call --
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S_local, ...]`` → ``[B, smax, ...]``: a fresh contiguous buffer with x's rows first (x itself, made
+        contiguous, when ``S_local == smax``); the padding rows are left unwritten (never read)."""
+        if self.s_local == self.smax:
+            return x.contiguous()
+        out = x.new_empty((x.shape[0], self.smax, *x.shape[2:]))
+        out.narrow(1, 0, self.s_local).copy_(x)
+        return out
+
+    def pad_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
+        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (what travels; padding rows unwritten)."""
+        return self.pad(key_mask.to(torch.uint8))
+
+    def rows(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """``[.., W*smax, ..]`` (padded blocks in rank order along ``dim``) → ``[.., total, ..]``: the real rows
+        (``full`` itself when every block is full). Eager: one ``index_select``; traced: ``torch.cat`` of W slices
+        (no index constant in the graph); the same copies, bitwise equal."""
+        if self.full:
+            return full
+        if torch.compiler.is_compiling():
+            return torch.cat([full.narrow(dim, r * self.smax, n) for r, n in enumerate(self.seq)], dim=dim)
+        return full.index_select(dim, self.kv_index())
+
+    def mask(self, gathered: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+        """A gathered mask ``[W*B, smax]`` uint8 (rank-major) → SDPA's bool ``[B, 1, 1, total]`` (real keys)."""
+        if gathered is None:
+            return None
+        m = gathered.view(self.world, batch, self.smax).transpose(0, 1).reshape(batch, self.world * self.smax)
+        return (self.rows(m) != 0).view(batch, 1, 1, self.total)
+
+    def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
+        """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
+        (``unpack(buf)`` when every block is full; else one copy of all n slots)."""
+        if self.full:
+            return tuple(unpack(buf))
+        w, b, smax, n, hl, d = buf.shape
+        return self.rows(buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * smax, hl, d), 2).unbind(0)
+
+    def repad(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]`` (block r at ``r*smax``; padding rows hold any value, never
+        read): what the inverse all-to-all sends (``out`` itself when every block is full)."""
+        if self.full:
+            return out
+        if torch.compiler.is_compiling():
+            parts, off = [], 0
+            for n in self.seq:
+                parts.append(out.narrow(1, off, n))
+                if n < self.smax:
+                    parts.append(out.new_zeros(out.shape[0], self.smax - n, *out.shape[2:]))
+                off += n
+            return torch.cat(parts, dim=1)
+        return out.index_select(1, self.inverse_index())
+
+    def inverse_rows(self, back: torch.Tensor) -> torch.Tensor:
+        """A received inverse buffer ``[W, B, smax, Hl, D]`` → this rank's ``[B, S_local, W*Hl, D]`` (a new tensor)."""
+        if self.s_local == self.smax:
+            return ulysses_inverse_unpack(back)
+        w, b, smax, hl, d = back.shape
+        return back[:, :, :self.s_local].permute(1, 2, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(
+            b, self.s_local, w * hl, d)
+
+    def block(self, src: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` of ``[W*smax]`` that hold rank ``src``'s real tokens."""
+        return src * self.smax, src * self.smax + self.seq[src]

@@ -22,7 +22,7 @@ the message names what each rank called. ``settings.check_ranks``:
   (a GPU sync each);
 * ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
 
-Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops._eager`: a :class:`CallCheck` whose
+Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops.dispatch`: a :class:`CallCheck` whose
 signature is packed once per call key, named after the call's first op); compiled code makes one per op call.
 
 CUDA graphs: the exchange is host code, so it runs when a graph is *captured* (``torch.cuda.graph``, or the
@@ -123,7 +123,7 @@ def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
 
 # ---- the rank contract ---------------------------------------------------------------------------
 #: Every call that exchanges a signature: name -> id (a stable hash, equal on every rank). The ops register
-#: themselves (``cp_ops._library``), the public API and integrations add the calls they check.
+#: themselves (``cp_ops.ops``), the public API and integrations add the calls they check.
 OPS: dict[str, int] = {}
 # signature fields (int64 each): what they are called in messages
 _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
@@ -133,7 +133,7 @@ _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
            15: "chunks",
-           16: "layout"}  # tag: a call's own extra agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
+           16: "variant"}  # tag: a call's own extra agreement (cp_ops.validate.variant_tag: mode, chunks, seq_lens, key_mask, tag), named by its note
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
@@ -508,3 +508,60 @@ def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Call
         exchange(group, op, transport, None, extra, failed=e)
         raise
     exchange(group, op, transport, t, extra)
+
+
+# ---- the variant tag: what a call's signature carries beyond shapes (mode, chunks, shards, the caller's tag) ----
+_TAG_NOTES: dict[int, str] = {}
+
+
+def variant_tag(**fields) -> int:
+    """A stable int (equal on every rank for equal fields) for the rank contract's ``tag`` word, and the fields in
+    words for its error messages (:func:`tag_note`). Fields whose value is None are left out. Values must have a
+    repr that is the same on every rank (ints, strings, tuples of them); raises TypeError for other types (an
+    object's default repr holds its address)."""
+    parts = []
+    for k, v in fields.items():
+        if v is None:
+            continue
+        if not _stable(v):
+            raise TypeError(f"{k} must be an int, a str, or a tuple of them (the same on every rank); got "
+                            f"{type(v).__name__} {v!r}")
+        parts.append(f"{k}={list(v) if isinstance(v, tuple) else v}")
+    note = " ".join(parts)
+    t = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
+    _TAG_NOTES[t] = note
+    return t
+
+
+def _stable(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_stable(x) for x in v)
+    return isinstance(v, (int, str)) and not isinstance(v, bool) or isinstance(v, bool)
+
+
+def with_seq_lens(tag: int, seq_lens) -> int:
+    """``tag`` with a call's uneven token counts folded in (the ops do this at run time, where the counts are concrete
+    even when the compiled graph's are symbolic; the eager path does it once per plan)."""
+    if seq_lens is None:
+        return tag
+    seq = [int(n) for n in seq_lens]
+    key = (tag, tuple(seq))
+    got = _SEQ_TAGS.get(key)
+    if got is None:
+        base = _TAG_NOTES.get(tag, "")
+        note = f"{base} seq_lens={seq}".strip()
+        got = _SEQ_TAGS[key] = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
+        _TAG_NOTES[got] = note
+    return got
+
+
+_SEQ_TAGS: dict = {}
+
+
+def tag_note(tag: int) -> str | None:
+    """The words :func:`variant_tag` made ``tag`` from (None for an unknown tag)."""
+    return _TAG_NOTES.get(tag)
+
+
+# a constant for the compiler: called while torch.compile traces (the dispatcher's decisions), with constant arguments
+variant_tag._dynamo_marked_constant = True  # type: ignore[attr-defined]

@@ -1,9 +1,9 @@
 // cp_ops LSE merge: n (2..4) partial attention outputs over disjoint key blocks -> attention over all keys.
 //
 // For query row x (= (b, s, h)) with partials o_i = softmax over key block i only and lse_i = log sum_j exp(s_xj)
-// over that block: out = sum_i w_i o_i / sum_i w_i, w_i = exp(lse_i - m), m = max_i lse_i (m := 0 when every
+// over that block: out = sum_i w_i o_i / sum_i w_i, w_i = exp(lse_i - m), m = max_i lse_i (m := 0 and out := 0 when every
 // lse_i is -inf: a row with no keys) -- the merge of ring / flash-decoding (Milakov & Gimelshein 2018), in fp32.
-// The same arithmetic as cp_ops/modes/lse_merge.py's Triton kernel; this one is launched through pybind11 with
+// The same arithmetic as cp_ops/kernels/merge.py's Triton kernel; this one is launched through pybind11 with
 // plain integers (a few µs of host time where Triton's launcher costs tens), for cp_ops' eager pipelined AGKV.
 //
 // Layouts (element strides): partials [B, S, H, D] with strides (so_b, so_s, so_h, 1), all n alike; LSEs fp32
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(256) lse_merge_kernel(const __grid_constant__ 
     w[i] = i < a.n ? expf(w[i] - m) : 0.f;
     den += w[i];
   }
-  const float inv = 1.f / den;
+  const float inv = den > 0.f ? 1.f / den : 0.f;  // every lse_i -inf: no key anywhere, out = 0
   const long long ooff = b * a.so_b + s * a.so_s + h * a.so_h;
   T* out = reinterpret_cast<T*>(a.out) + row * a.D;
   for (int d0 = lane * VEC; d0 < a.D; d0 += tpr * VEC) {
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(256) lse_merge_vec_kernel(const __grid_constan
       w[i] = expf(l[r][i] - m);
       den += w[i];
     }
-    const float inv = 1.f / den;
+    const float inv = den > 0.f ? 1.f / den : 0.f;  // every lse_i -inf: no key anywhere, out = 0
     float acc[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = 0.f;

@@ -1,6 +1,6 @@
 """Inductor lowerings that make the cp_ops launches *collectives* to Inductor.
 
-Without them Inductor lowers the launches (``cp_ops._library.LAUNCH_OPS``: ``agkv_gather_start``,
+Without them Inductor lowers the launches (``cp_ops.ops.LAUNCH_OPS``: ``agkv_gather_start``,
 ``ulysses_start``, ``ulysses_inverse_start``) as ordinary fallback kernels: ``_c10d_functional.wait_tensor`` on their outputs then tracks nothing, and the
 memory planner may hand a launch's *input* buffer to a later kernel while the transport is still reading it
 (on CUDA: an NCCL stream reading what a compute kernel is overwriting).
@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from cp_ops._library import LAUNCH_OPS
+from cp_ops.ops import LAUNCH_OPS
 
 log = logging.getLogger("cp_ops.passes")
 _registered = False
@@ -157,7 +157,7 @@ def register() -> bool:
         log.warning("cp_ops.passes: Inductor lowerings of the cp_ops launches not registered: %s", e)
         return False
     del needed
-    for op in LAUNCH_OPS:  # the ops table of cp_ops._library
+    for op in LAUNCH_OPS:  # the ops table of cp_ops.ops
         many = len(op._schema.returns) > 1
         fn = _lower_one_output_per_input(op) if many else _lower_out_of_place(op)
         add_layout_constraint(op.overloadpacket, constrain_to_fx_strides)

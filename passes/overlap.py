@@ -37,14 +37,14 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from cp_ops._library import KV_LAUNCH_OPS, LAUNCH_OPS
+from cp_ops.ops import KV_LAUNCH_OPS, LAUNCH_OPS
 from cp_ops.transport.base import inflight_limit
 
 log = logging.getLogger("cp_ops.passes")
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_KV_LAUNCHES = frozenset(KV_LAUNCH_OPS)  # the pass opens a window from each (cp_ops._library's ops table)
+_KV_LAUNCHES = frozenset(KV_LAUNCH_OPS)  # the pass opens a window from each (cp_ops.ops's ops table)
 _LAUNCHES = frozenset(LAUNCH_OPS)  # every launch: all count towards the in-flight bound
 AFTER = "cp_ops_after"  # node.meta key of a launch placed after another's consumption: (token, consumer nodes)
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}

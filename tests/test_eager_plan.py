@@ -1,4 +1,4 @@
-"""The lean eager path of cp_ops.attention (cp_ops._eager): a repeat call reuses its cached plan (no input checks,
+"""The lean eager path of cp_ops.attention (cp_ops.dispatch's plans): a repeat call reuses its cached plan (no input checks,
 no dispatcher), still makes exactly one rank-contract exchange per call, and still catches ranks that disagree —
 including on chunks, which pipelined Ulysses adds to its signature. CPU gloo, W = 2."""
 
@@ -13,31 +13,29 @@ H, D = 4, 8
 
 
 def _plans(rank, w):
-    import importlib
+    from cp_ops import dispatch as A
+    from cp_ops import validate
 
-    from cp_ops import _eager, validate
-
-    A = importlib.import_module("cp_ops.attention")
     pg = dist.group.WORLD
     g = torch.Generator().manual_seed(11)
     full = [torch.randn(1, w * 6, H, D, generator=g) for _ in range(3)]
     q, k, v = (x[:, rank * 6:(rank + 1) * 6].contiguous() for x in full)
     ref = cp_ops.local_attention(q, full[1], full[2])
     built = []
-    orig_build, orig_checked = _eager._build, A._checked
-    _eager._build = lambda *a: built.append(a[4:7]) or orig_build(*a)
-    A._checked = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
+    orig_build, orig_checked = A._build, A.decide
+    A._build = lambda *a: built.append(a[4:7]) or orig_build(*a)
+    A.decide = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
     try:
         for mode in ("agkv", "ulysses"):
             for chunks in (1, 2):
-                A._checked = orig_checked
+                A.decide = orig_checked
                 first = cp_ops.attention(q, k, v, mode=mode, chunks=chunks)  # builds the plan (checks run once)
-                A._checked = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
+                A.decide = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
                 n = validate.call_count(pg)
                 for _ in range(3):
                     out = cp_ops.attention(q, k, v, mode=mode, chunks=chunks)
                     assert torch.equal(out, first)
-                # one exchange per call, whatever the mode and chunks (the op path made one per launch)
+                # one exchange per call, whatever the mode and chunks (made by the call's first launch, as traced)
                 assert validate.call_count(pg) == n + 3, (mode, chunks, validate.call_count(pg) - n)
                 if chunks == 1:
                     assert torch.equal(out, ref), mode  # bitwise: the same SDPA kernel on the same data
@@ -45,11 +43,11 @@ def _plans(rank, w):
                     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert built == [("agkv", "auto", 1), ("agkv", "auto", 2), ("ulysses", "auto", 1), ("ulysses", "auto", 2)]
     finally:
-        _eager._build, A._checked = orig_build, orig_checked
+        A._build, A.decide = orig_build, orig_checked
     # a rank that passes another chunks count to pipelined Ulysses (same call name, same shape): named, on every rank
     c = 1 if rank == 0 else 2
-    with pytest.raises(ValueError, match=r"differ in chunks: rank 0: cp_ops::ulysses_start \(call #\d+\) .* chunks=1; "
-                                         r"rank 1: cp_ops::ulysses_start .* chunks=2"):
+    with pytest.raises(ValueError, match=r"differ in (shape, )?variant: rank 0: cp_ops.attention \(call #\d+\) .*mode=ulysses "
+                                         r"chunks=1.*; rank 1: cp_ops.attention .*mode=ulysses chunks=2"):
         cp_ops.attention(q, k, v, mode="ulysses", chunks=c)
     # the group is healthy afterwards, and a seen shape on one rank vs another seen shape is still caught
     cp_ops.attention(q[:, :3].contiguous(), k[:, :3].contiguous(), v[:, :3].contiguous(), mode="agkv")

@@ -30,7 +30,7 @@ def _bad_inputs(rank, w):
     # ranks disagree on S_local: every rank raises, nobody hangs
     s_local = 8 if rank == 0 else 16
     x = torch.randn(1, s_local, 4, 16, generator=g)
-    with pytest.raises(ValueError, match=r"same cp_ops calls.*differ in shape: rank 0: cp_ops::agkv_gather_start \(call #\d+\) \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: cp_ops::agkv_gather_start \(call #\d+\) \[B, S_local, H, D\]=\[1, 16, 4, 16\].*; only S_local differs: for uneven shards pass seq_lens=\(8, 16\)"):
+    with pytest.raises(ValueError, match=r"same cp_ops calls.*differ in shape: rank 0: cp_ops.attention \(call #\d+\) \[B, S_local, H, D\]=\[1, 8, 4, 16\].*rank 1: cp_ops.attention \(call #\d+\) \[B, S_local, H, D\]=\[1, 16, 4, 16\].*; only S_local differs: for uneven shards pass seq_lens=\(8, 16\)"):
         cp_ops.attention(x, x, x, mode="agkv")
     # ranks disagree on H (Ulysses): no seq_lens hint
     hx = torch.randn(1, 8, 4 if rank == 0 else 6, 16, generator=g)

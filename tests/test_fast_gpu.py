@@ -61,7 +61,7 @@ def _ref_inv(x, pg):
 def _bitwise(rank, world):
     import torch.distributed as dist
 
-    from cp_ops import _library as lib
+    from cp_ops import ops as lib
     from cp_ops.transport import fast
 
     pg = dist.group.WORLD

@@ -8,11 +8,10 @@ from cp_ops import modes
 from dist_util import run_ranks
 
 
-def _mine(q, k, v, *, world_size, group_name, transport, scale=None):
-    """A test mode: AGKV through the registry's own entry, tagged so the test sees it ran."""
+def _mine(q, k, v, comm, *, scale=None, chunks=1, shards=None, key_mask=None):
+    """A test mode body: AGKV's body through the registry, counted so the test sees it ran."""
     _mine.calls += 1
-    return modes.get("agkv").fn(q, k, v, world_size=world_size, group_name=group_name, transport=transport,
-                                scale=scale)
+    return modes.body("agkv", 1)(q, k, v, comm, scale=scale, chunks=chunks, shards=shards, key_mask=key_mask)
 
 
 _mine.calls = 0

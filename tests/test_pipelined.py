@@ -5,8 +5,10 @@ import pytest
 import torch
 
 import cp_ops
-from cp_ops.modes import agkv_pipelined, lse_merge, pipelined
-from cp_ops.modes.attention_lse import attention_with_lse
+from cp_ops.comm import DirectComm
+from cp_ops.kernels import attention_with_lse
+from cp_ops.kernels import merge as lse_merge
+from cp_ops.modes import agkv_pipelined, pipelined
 from dist_util import run_ranks
 
 CHUNKS = (1, 2, 3, 4, None)
@@ -58,7 +60,8 @@ def _against_single_device(rank, w):
         # the generic fallback of the per-source capability (a transport with only agkv_start)
         pg = dist.group.WORLD
         for chunks in (2, 4):
-            out = agkv_pipelined.run(ql, kl, vl, pg, _GatherOnly(base.get("torch")), 0.4, chunks)
+            comm = DirectComm(pg, _GatherOnly(base.get("torch")))
+            out = agkv_pipelined.agkv_pipelined(ql, kl, vl, comm, scale=0.4, chunks=chunks)
             assert _rel(out, ref) <= 1e-5, ("fallback", chunks, _rel(out, ref))
     # every dtype cp_ops takes, against an fp64 reference on the same (rounded) inputs: fp32 merge, output in the
     # input's dtype (attention_with_lse: CPU's flash kernel for all three; CUDA's dtype rule is tested on GPU);

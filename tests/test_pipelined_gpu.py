@@ -40,7 +40,7 @@ def _rel(out, ref) -> float:
 
 
 def _vs_single_gpu(rank, w, transport):
-    from cp_ops.modes import attention_lse, lse_merge
+    from cp_ops.kernels import lse as attention_lse, merge as lse_merge
     from cp_ops.transport import fast
 
     if transport == "fast":
@@ -80,7 +80,7 @@ def _fp32_and_fp16(rank, w):
     """fp32 (the tiny diffusers models' dtype) and fp16 on both transports, tiny and odd shapes: the LSE kernels are
     picked by dtype (cuDNN/flash for the half dtypes only; torch's memory-efficient kernel for fp32: the cuDNN op,
     called directly, took fp32 and returned NaN)."""
-    from cp_ops.modes import attention_lse
+    from cp_ops.kernels import lse as attention_lse
 
     for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
         for b, s_local, h, d in ((2, 9, 4, 8), (1, 333, 6, 64)):
@@ -125,7 +125,7 @@ def test_extension_merge_matches_the_fp32_reference_and_triton():
     every dtype, 2..4 partials, 16-byte (one vector per thread and row: the 2-row kernel; or several) and scalar
     paths (D·size % 16), a row count that leaves a block part-filled, strided LSEs as cuDNN returns them, and
     a partial whose LSE is -inf for a row (its block had no key for it: weight 0)."""
-    from cp_ops.modes import lse_merge
+    from cp_ops.kernels import merge as lse_merge
     from cp_ops.transport import _fast_build
 
     ext, why = _fast_build.load()

@@ -32,7 +32,7 @@ def _run_layers(rank, world, device, dtype, shapes, transport):
     import torch.distributed as dist
 
     import cp_ops
-    from cp_ops import _library as lib
+    from cp_ops import ops as lib
     from cp_ops import layout
 
     pg = dist.group.WORLD

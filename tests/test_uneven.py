@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import cp_ops
 from cp_ops import config, layout
-from cp_ops.modes.uneven import masked_attention
+from cp_ops.kernels import local_attention as masked_attention
 from dist_util import run_ranks
 
 # (B, H, D, split): split = a total token count (cp_ops.layout.shard_sizes) or explicit seq_lens
@@ -61,6 +61,14 @@ def _equal_to_single_device(rank, w):
                 same = _same_kernel_refs(q, k, v, m, rank, w, seq, mode)
                 assert torch.equal(out, same), (mode, seq, m is not None, (out - same).abs().max().item())
                 torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+                # pipelined: AGKV (LSE merge: not bitwise) without a mask, Ulysses (exact per head) with or without
+                for chunks in (2, 3):
+                    if mode == "agkv" and m is not None:
+                        continue
+                    out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=chunks, seq_lens=seq,
+                                           key_mask=None if m is None else sh(m))
+                    # (Ulysses attends fewer heads per SDPA call: CPU SDPA differs by ~1e-7, so not bitwise)
+                    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
     # a key mask on even shards (seq_lens=None), bf16, a batch row whose keys are all masked (SDPA's answer: 0 on
     # CPU), a custom scale
     b, s, h, d = 2, 8 * w, 12, 8
@@ -128,7 +136,8 @@ def _errors(rank, w):
     raises(r"seq_lens must be a tuple", seq_lens=7)
     raises(r"seq_lens\[rank\] must equal .*seq_lens=\[3, 4\], rank=%d, S_local=%d" % (rank, 4 - rank),
            seq_lens=(3, 4))
-    raises(r"chunks > 1 .* not supported with seq_lens or key_mask.*chunks=2", seq_lens=good, chunks=2)
+    raises(r"mode='agkv' with chunks > 1 takes no key_mask.*chunks=2", seq_lens=good, chunks=2,
+           key_mask=torch.ones(1, 4 - rank, dtype=torch.bool))
     raises(r"key_mask must be a bool key-padding mask .*additive float masks are not supported.*float32",
            seq_lens=good, key_mask=torch.zeros(1, 4 - rank))
     raises(r"key_mask must be \[B, S_local\] = \[1, %d\] .*per-query.*got shape \(1, 1, %d\)" % (4 - rank, 4 - rank),
@@ -139,7 +148,7 @@ def _errors(rank, w):
            seq_lens=(4, 4) if rank == 1 else good)
     # ranks that disagree on seq_lens with equal padded shapes: every rank raises, naming each rank's seq_lens
     for mode in ("agkv", "ulysses"):
-        raises(r"differ in layout.*rank 0: .*seq_lens=\[4, 2\].*rank 1: .*seq_lens=\[4, 3\]", mode=mode,
+        raises(r"differ in variant.*rank 0: .*seq_lens=\[4, 2\].*rank 1: .*seq_lens=\[4, 3\]", mode=mode,
                seq_lens=(4, 2) if rank == 0 else (4, 3))
     # a mask on one rank only
     raises(r"differ in .*key_mask=given.*key_mask=None|differ in .*key_mask=None.*key_mask=given",
@@ -147,7 +156,7 @@ def _errors(rank, w):
     # the collectives
     with pytest.raises(ValueError, match=r"sum\(seq_lens\) must equal .*x.shape\[1\]=5"):
         cp_ops.ulysses_all_to_all_inverse(torch.randn(1, 5, 1, 4), seq_lens=good)
-    with pytest.raises(ValueError, match=r"differ in .*layout.*seq_lens=\[4, 3\].*seq_lens=\[5, 2\]"):
+    with pytest.raises(ValueError, match=r"differ in .*variant.*seq_lens=\[4, 3\].*seq_lens=\[5, 2\]"):
         cp_ops.ulysses_all_to_all_inverse(torch.randn(1, 7, 1, 4), seq_lens=(4, 3) if rank == 0 else (5, 2))
     # still in step: a good call works
     out = cp_ops.attention(x, x, x, mode="ulysses", seq_lens=good)
@@ -224,13 +233,17 @@ def _opcheck(rank, w):
     config.settings.blocking = True  # opcheck compares outputs without waiting: launch blocking
     seq = [3, 2]
     g = torch.Generator().manual_seed(rank)
-    k, v = (torch.randn(2, seq[rank], 4, 8, generator=g) for _ in range(2))
-    mask = torch.rand(2, seq[rank], generator=g) > 0.5
+    sh = layout.Shards(seq, w, rank, seq[rank], "cpu")
+    k, v = (sh.pad(torch.randn(2, seq[rank], 4, 8, generator=g)) for _ in range(2))  # padded to max(seq_lens)
+    mask = sh.pad_mask(torch.rand(2, seq[rank], generator=g) > 0.5)
     ops = torch.ops.cp_ops
-    torch.library.opcheck(ops.agkv_gather_uneven_start, (k, v, mask, seq, w, name, "torch"))
-    torch.library.opcheck(ops.ulysses_uneven_start, ([k, v], mask, seq, w, name, "torch"))
-    x = torch.randn(2, 5, 2, 8, generator=g)
-    torch.library.opcheck(ops.ulysses_inverse_uneven_start, (x, seq, w, name, "torch"))
+    torch.library.opcheck(ops.agkv_gather_start, (k, v, w, name, "torch", "", 0, seq))
+    torch.library.opcheck(ops.mask_gather_start, (mask, w, name))
+    torch.library.opcheck(ops.ulysses_start, ([k, v], w, name, "torch", "", 0, seq))
+    x = torch.randn(2, 6, 2, 8, generator=g)
+    torch.library.opcheck(ops.ulysses_inverse_start, (x, w, name, "torch", "", 0, seq))
+    ql, kl, vl = (torch.randn(2, seq[rank], 4, 8, generator=g) for _ in range(3))  # this rank's own rows
+    torch.library.opcheck(ops.agkv_pipelined_attention, (ql, kl, vl, w, name, "torch", 0.5, 2, seq, "", 0))
 
 
 
@@ -262,7 +275,7 @@ def test_submodule_import_before_core_keeps_public_functions():
     import subprocess
     import sys
 
-    code = ("import sys, cp_ops; assert 'torch' not in sys.modules; from cp_ops.modes.uneven import masked_attention; "
+    code = ("import sys, cp_ops; assert 'torch' not in sys.modules; from cp_ops.attention import local_attention; "
             "import types; assert callable(cp_ops.attention) and not isinstance(cp_ops.attention, types.ModuleType); "
             "assert callable(cp_ops.compile) and not isinstance(cp_ops.compile, types.ModuleType)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -272,7 +285,7 @@ def test_submodule_import_before_core_keeps_public_functions():
 
 
 def test_masked_attention_positional_mask_is_a_clear_error():
-    from cp_ops.modes.uneven import masked_attention
+    from cp_ops.kernels import local_attention as masked_attention
 
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 4, 2, 8, generator=g) for _ in range(3))

@@ -1,10 +1,8 @@
-"""The eager plan of ``cp_ops.attention(..., seq_lens=, key_mask=)`` (cp_ops.modes.uneven.EagerPlan, cached by
-cp_ops._eager): a repeat call reuses its plan (no input checks, one rank-contract exchange), another ``seq_lens`` or
+"""The eager plan of ``cp_ops.attention(..., seq_lens=, key_mask=)`` (cp_ops.dispatch.Plan with a
+cp_ops.layout.Shards): a repeat call reuses its plan (no input checks, one rank-contract exchange), another ``seq_lens`` or
 mask shape builds another plan, a mask whose values change between calls of one shape is honoured exactly, and the
 plan's output is bitwise the general path's (the ops) for AGKV and Ulysses, B = 1 and 2, uneven and full blocks,
 a rank with no token. CPU gloo, W = 2 and 3."""
-
-import importlib
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cp_ops
 from cp_ops import layout
-from cp_ops.modes.uneven import masked_attention
+from cp_ops.kernels import local_attention as masked_attention
 from dist_util import run_ranks
 
 
@@ -43,17 +41,17 @@ def _ref(q, k, v, mask, rank, w, seq, mode):
 
 
 def _cache_and_masks(rank, w):
-    from cp_ops import _eager, validate
+    from cp_ops import dispatch as A
+    from cp_ops import validate
 
-    A = importlib.import_module("cp_ops.attention")
     pg = dist.group.WORLD
     b, h, d = 2, 4, 8
     seq_a, seq_b = (7, 4), (5, 6)  # same total, another split
     q, k, v, _ = _data(b, 11, h, d, seed=5)
-    _eager.forget()
+    A.forget()
     built = []
-    orig_build, orig_checked = _eager._build, A._checked
-    _eager._build = lambda *a: built.append((a[4], a[7])) or orig_build(*a)
+    orig_build, orig_checked = A._build, A.decide
+    A._build = lambda *a: built.append((a[4], a[7])) or orig_build(*a)
 
     def no_checks(*a):
         raise AssertionError("input checks ran on a cached call")
@@ -69,18 +67,18 @@ def _cache_and_masks(rank, w):
                     out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq, key_mask=sh(mask))
                     assert validate.call_count(pg) == n + 1, "one exchange per call"  # first call too
                     assert torch.equal(out, _ref(q, k, v, mask, rank, w, seq, mode)), (mode, seq, i)
-                    A._checked = no_checks  # from the second call on: the plan, no checks
-                A._checked = orig_checked
+                    A.decide = no_checks  # from the second call on: the plan, no checks
+                A.decide = orig_checked
                 # without a mask: another key, another plan; then cached too
                 for _ in range(2):
                     out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq)
                     assert torch.equal(out, _ref(q, k, v, None, rank, w, seq, mode))
-                    A._checked = no_checks
-                A._checked = orig_checked
+                    A.decide = no_checks
+                A.decide = orig_checked
         # one plan per (mode, seq_lens, mask given): built once each
         assert built == [(m, s) for m in ("agkv", "ulysses") for s in (seq_a, seq_a, seq_b, seq_b)], built
     finally:
-        _eager._build, A._checked = orig_build, orig_checked
+        A._build, A.decide = orig_build, orig_checked
     # a list of the same counts hits the tuple's plan; 4.0 is not a token count, even where (4, ...) is cached
     sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq_a)  # noqa: E731
     out = cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", seq_lens=list(seq_a))
@@ -94,7 +92,7 @@ def _cache_and_masks(rank, w):
         cp_ops.attention(xa, xa, xa, mode="agkv", seq_lens=seq_a)
         cp_ops.attention(xc, xc, xc, mode="agkv", seq_lens=seq_c)
     x, seq = (xa, seq_a) if rank == 0 else (xc, seq_c)
-    with pytest.raises(ValueError, match=r"differ in layout.*seq_lens=\[7, 4\].*seq_lens=\[7, 3\]"):
+    with pytest.raises(ValueError, match=r"differ in variant.*seq_lens=\[7, 4\].*seq_lens=\[7, 3\]"):
         cp_ops.attention(x, x, x, mode="agkv", seq_lens=seq)
 
 

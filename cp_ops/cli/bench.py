@@ -74,7 +74,7 @@ def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: t
     rank's ``[B, S_local, H, D]`` shards, the largest S of the run) through each transport's op, steady state
     (:func:`steady_ms`, max over ranks per sample, median); GB/s = bytes each rank receives ((W−1)·2·|k|) ÷ time.
     Returns ``{'bytes': ..., 'by_transport': {name: {'ms', 'GBps'}}, 'GBps': best}`` (the same on every rank)."""
-    from cp_ops import _library as lib
+    from cp_ops import ops as lib
 
     w = dist.get_world_size()
     name = dist.group.WORLD.group_name

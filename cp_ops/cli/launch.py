@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import cp_ops._library  # noqa: F401  (every rank this starts has torch.ops.cp_ops.* registered)
+import cp_ops.ops  # noqa: F401  (every rank this starts has torch.ops.cp_ops.* registered)
 from cp_ops import config
 
 # Multicast/NVLS stays off everywhere cp_ops starts ranks (it can take a shared host's GPUs out of service).

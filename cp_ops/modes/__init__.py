@@ -1,18 +1,24 @@
-"""CP attention modes: a registry, one file per mode (:mod:`.agkv`, :mod:`.ulysses`).
+"""CP attention modes: a registry of mode bodies, one file per body.
 
-A mode turns the local shards ``q, k, v`` ``[B, S_local, H, D]`` of W ranks into this rank's attention
-output ``[B, S_local, H, D]`` using the ops of :mod:`cp_ops._library`. Its function is called as
-``fn(q, k, v, *, world_size, group_name, transport, scale)`` after :func:`cp_ops.attention` has checked the
-inputs (same shape/dtype/device, ranks agree) and resolved the transport; W > 1. Inputs never require
-grad there (:func:`cp_ops.attention` detaches them and attaches its own raising backward). The result must
-not alias a transport's receive buffer (``Transport.pooled_outputs``: the fast transport reuses them): end
-with a kernel that writes a new tensor (SDPA, or a copying unpack such as
-:func:`cp_ops.layout.ulysses_inverse_unpack`).
+A mode body turns the local shards ``q, k, v`` ``[B, S_local, H, D]`` of W ranks into this rank's attention output
+``[B, S_local, H, D]`` (q's dtype, a tensor of its own: never a view of a transport's pooled buffer). It is one
+function written against the communication interface of :mod:`cp_ops.comm`::
 
-A new mode is one file here that calls :func:`register` plus one line in :data:`_BUILTIN` (its name, module and
-properties, so the names are known without importing torch: the CLI lists them before torch loads); the
-public ``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from
-:func:`names`. A mode's module is imported the first time the mode is used.
+    body(q, k, v, comm, *, scale, chunks, shards, key_mask) -> out
+
+``comm`` launches and waits (traced: the ``torch.library`` ops; eager: the transport directly — the same body
+either way), ``chunks`` is the pipeline stage count, ``shards`` a :class:`cp_ops.layout.Shards` for uneven shards or a
+key mask (None for the even, unmasked call), ``key_mask`` the bool ``[B, S_local]`` mask or None. The dispatcher
+(:mod:`cp_ops.dispatch`) has checked the inputs, resolved the transport and agreed the call's variant; W > 1;
+inputs never require grad there. Bodies import :mod:`cp_ops.kernels`, :mod:`cp_ops.layout` and nothing above.
+
+A new mode is one file here defining its body plus one line in :data:`_BUILTIN` (its name, module, body function,
+properties), so the names are known without importing torch (the CLI lists them before torch loads); the public
+``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from :func:`names`.
+
+Modes:
+    agkv     — :mod:`.agkv` (chunks 1) and :mod:`.agkv_pipelined` (chunks ≥ 2): gather K/V, keep the local Q.
+    ulysses  — :mod:`.ulysses` (any chunks: head sub-groups): all-to-all sequence ↔ heads; W must divide H.
 """
 
 from __future__ import annotations
@@ -25,29 +31,38 @@ from typing import Callable
 @dataclass(frozen=True)
 class Mode:
     name: str
-    fn: Callable[..., "torch.Tensor"] | None  # None until the mode's module is imported (see module)
     #: W must divide H (the mode splits heads over the ranks).
     needs_heads_divisible: bool
     #: one line for help texts.
     summary: str
-    #: the module that defines ``fn`` and calls :func:`register` (imported on first use).
-    module: str = ""
+    #: "module:function" of the body for chunks = 1 (a callable once registered at run time).
+    body: str | Callable
+    #: "module:function" of the body for chunks ≥ 2, or None (then chunks ≥ 2 runs ``body`` too).
+    pipelined: str | Callable | None = None
+    #: the pipelined body waits per source (``comm.agkv_sources``), which traced code cannot express: traced, it runs
+    #: inside one op (``cp_ops::agkv_pipelined_attention``) that calls the same body with the direct comm.
+    pipelined_as_op: bool = False
+    #: the mode's bodies take ``shards``/``key_mask`` (uneven shards, key masks); pipelined with a key mask too.
+    masks_pipelined: bool = True
 
 
-#: The modes cp_ops ships: name -> (module, needs_heads_divisible, summary). One line per mode.
+#: The modes cp_ops ships. One line per mode.
 _BUILTIN = {
-    "agkv": ("cp_ops.modes.agkv", False, "gather K/V, keep local Q"),
-    "ulysses": ("cp_ops.modes.ulysses", True, "all-to-all sequence <-> heads around attention"),
+    "agkv": Mode("agkv", False, "gather K/V, keep local Q", "cp_ops.modes.agkv:agkv",
+                 "cp_ops.modes.agkv_pipelined:agkv_pipelined", pipelined_as_op=True, masks_pipelined=False),
+    "ulysses": Mode("ulysses", True, "all-to-all sequence<->heads; W must divide the heads",
+                    "cp_ops.modes.ulysses:ulysses"),
 }
-_REGISTRY: dict[str, Mode] = {n: Mode(n, None, div, summary, mod) for n, (mod, div, summary) in _BUILTIN.items()}
+_REGISTRY: dict[str, Mode] = dict(_BUILTIN)
 
 
-def register(name: str, fn: Callable[..., "torch.Tensor"], *, needs_heads_divisible: bool = False,
+def register(name: str, body: Callable, *, pipelined: Callable | None = None, needs_heads_divisible: bool = False,
              summary: str = "") -> Mode:
-    """Add a mode (replacing one of the same name). ``name`` must not be 'auto'."""
+    """Add a mode (replacing one of the same name): ``body`` (and ``pipelined`` for chunks ≥ 2) as described in the
+    module docstring. Raises ValueError: ``name`` is 'auto' or not an identifier."""
     if name == "auto" or not name.isidentifier():
         raise ValueError(f"a mode name must be an identifier other than 'auto'; got {name!r}")
-    m = Mode(name, fn, needs_heads_divisible, summary, getattr(fn, "__module__", ""))
+    m = Mode(name, needs_heads_divisible, summary, body, pipelined)
     _REGISTRY[name] = m
     return m
 
@@ -58,45 +73,54 @@ def names(include_auto: bool = True) -> tuple[str, ...]:
 
 
 def spec(name: str) -> Mode:
-    """The registry entry of ``name`` (its properties; ``fn`` may still be None): imports nothing.
-    Raises ValueError naming the valid names."""
+    """The registry entry of ``name`` (imports nothing). Raises ValueError naming the valid names."""
     try:
         return _REGISTRY[name]
     except KeyError:
         raise ValueError(f"mode must be one of {names()}; got {name!r}") from None
 
 
+_LOADED: dict[str, Callable] = {}  # "module:function" -> the body (imported once; traced code only reads this)
+
+
+def _load(ref):
+    if callable(ref):
+        return ref
+    fn = _LOADED.get(ref)
+    if fn is None:
+        mod, name = ref.split(":")
+        fn = _LOADED[ref] = getattr(importlib.import_module(mod), name)
+    return fn
+
+
+def body(name: str, chunks: int) -> Callable:
+    """The body of mode ``name`` for ``chunks`` stages (imports its module on first use)."""
+    m = spec(name)
+    return _load(m.pipelined if chunks > 1 and m.pipelined is not None else m.body)
+
+
 def load_builtin() -> None:
-    """Import every built-in mode's module (the core calls this when it loads, so that no import happens
-    inside code that ``torch.compile`` traces)."""
+    """Import every built-in body (the core calls this when it loads, so that no import happens inside code that
+    ``torch.compile`` traces)."""
     for m in list(_REGISTRY.values()):
-        if m.fn is None and m.module:
-            importlib.import_module(m.module)
+        for ref in (m.body, m.pipelined):
+            if ref is not None:
+                _load(ref)
 
 
-def get(name: str) -> Mode:
-    """The registered mode ``name``. Raises ValueError naming the valid names."""
-    try:
-        m = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"mode must be one of {names()}; got {name!r}") from None
-    if m.fn is None:  # a built-in mode not imported yet: its module registers the function
-        importlib.import_module(m.module)
-        m = _REGISTRY[name]
-    return m
+def heads_divisible(heads: int, world_size: int) -> bool:
+    """Whether W divides H (the rule of every mode that splits heads)."""
+    return heads % world_size == 0
 
 
 def check_heads(mode: str, heads: int, world_size: int) -> None:
     """Raise ValueError if ``mode`` splits heads over the ranks and W does not divide H."""
-    if spec(mode).needs_heads_divisible and heads % world_size != 0:
+    if spec(mode).needs_heads_divisible and not heads_divisible(heads, world_size):
         others = [m for m in names(False) if not _REGISTRY[m].needs_heads_divisible]
-        raise ValueError(
-            f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
-            f"world_size={world_size} (use mode={others[0]!r}, or a CP group whose size divides {heads})"
-            if others else
-            f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
-            f"world_size={world_size}"
-        )
+        hint = f"use mode={others[0]!r}, or a CP group whose size divides {heads}" if others else \
+            f"use a CP group whose size divides {heads}"
+        raise ValueError(f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
+                         f"world_size={world_size} ({hint})")
 
 
 def choose(mode: str, heads: int, world_size: int) -> str:
@@ -112,7 +136,7 @@ def choose(mode: str, heads: int, world_size: int) -> str:
     returned.
     """
     if mode == "auto":
-        return "ulysses" if world_size > 2 and heads % world_size == 0 and "ulysses" in _REGISTRY else "agkv"
+        return "ulysses" if world_size > 2 and heads_divisible(heads, world_size) and "ulysses" in _REGISTRY \
+            else "agkv"
     check_heads(mode, heads, world_size)
     return mode
-

@@ -6,15 +6,19 @@ needed); the peers' pieces — each peer's block split into ``ceil((k-1)/(W-1))`
 (the torch transport can; the fast transport lands whole blocks, one signal per source) — are taken in arrival
 order and cut into ``k-1`` consecutive stages; stage i waits for its pieces only and attends the local Q against
 them (one attention per run of adjacent tokens). The ≥ 2 partial outputs are merged once at the end by
-:func:`cp_ops.modes.lse_merge.merge` (one fused Triton kernel on CUDA). With communication time C and
+:func:`cp_ops.kernels.merge` (one fused kernel on CUDA). With communication time C and
 attention time A over all W blocks, transport-then-attend costs ``C + A``; this costs about
 ``max(A/W, first piece) + ...`` — communication hides under attention except the first piece's remainder.
 
-Everything runs inside one ``torch.library`` op, ``cp_ops::agkv_pipelined_attention`` (:mod:`cp_ops._library`),
-synchronous for the caller's stream: its output is valid on return, needs no ``wait_tensor``, and its fake kernel
-is exact (``[B, S_local, H, D]``, contiguous, q's dtype), so ``torch.compile(fullgraph=True)`` traces it as one
-node. (Why one op: per-source waits are views of one gathered buffer, and c10d's work registry keys waits by
-storage, one work per storage; a launch/wait split would lose the per-source order.)
+Traced code runs this body inside one ``torch.library`` op, ``cp_ops::agkv_pipelined_attention`` (:mod:`cp_ops.ops`),
+whose real kernel calls it with the direct comm: synchronous for the caller's stream, its fake kernel exact
+(``[B, S_local, H, D]``, contiguous, q's dtype). (Why one op: per-source waits are views of one gathered buffer, and
+c10d's work registry keys waits by storage, one work per storage; a launch/wait split would lose the per-source
+order.) Eager code calls the body directly.
+
+Uneven shards (``shards``): the padded blocks travel; each stage attends only the real rows of the blocks that
+landed (runs are joined only across full blocks). A key mask is not supported here (the LSE kernels take no mask:
+the dispatcher runs a masked AGKV call with chunks = 1).
 
 Method: AGKV as in Megatron-LM context parallelism / xDiT; the LSE merge as in ring attention (Liu et al.,
 2023, arXiv:2310.01889) and flash-decoding.
@@ -26,9 +30,7 @@ import math
 
 import torch
 
-from ..transport import base as transport_base
-from .attention_lse import attention_with_lse
-from .lse_merge import merge
+from ..kernels import attention_with_lse, merge
 
 
 def stage_plan(world_size: int, chunks: int) -> tuple[int, int]:
@@ -46,26 +48,40 @@ def _split(items: list, n: int) -> list[list]:
     return [items[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
-def _runs(arrivals) -> list[tuple[int, int]]:
-    """Token ranges of ``arrivals`` with adjacent ranges joined (one attention per run)."""
+def _runs(arrivals, shards=None) -> list[tuple[int, int]]:
+    """Token ranges of ``arrivals`` (clipped to each source's real rows under ``shards``), adjacent ranges joined (one
+    attention per run), empty ones dropped."""
     out: list[list[int]] = []
     for a in sorted(arrivals, key=lambda a: a.lo):
-        if out and out[-1][1] == a.lo:
-            out[-1][1] = a.hi
+        lo, hi = a.lo, a.hi
+        if shards is not None:
+            blo, bhi = shards.block(a.src)
+            lo, hi = max(lo, blo), min(hi, bhi)
+        if hi <= lo:
+            continue
+        if out and out[-1][1] == lo:
+            out[-1][1] = hi
         else:
-            out.append([a.lo, a.hi])
+            out.append([lo, hi])
     return [(lo, hi) for lo, hi in out]
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, transport, scale: float | None,
-        chunks: int) -> torch.Tensor:
-    """The real kernel of ``cp_ops::agkv_pipelined_attention`` (``transport``: a Transport object)."""
-    pieces, later = stage_plan(group.size(), chunks)
-    k_full, v_full, arrivals, work = transport_base.agkv_start_sources(transport, k, v, group, pieces)
+def agkv_pipelined(q, k, v, comm, *, scale=None, chunks: int = 2, shards=None, key_mask=None) -> torch.Tensor:
+    """The pipelined AGKV body (:mod:`cp_ops.modes`), ``chunks`` ≥ 2: ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``
+    (contiguous, q's dtype). ``comm`` must offer ``agkv_sources`` (the direct comm)."""
+    if key_mask is not None:
+        raise ValueError("pipelined AGKV takes no key_mask (its LSE kernels take no mask); use chunks=1")
+    pieces, later = stage_plan(comm.world, chunks)
+    kp, vp = (k, v) if shards is None else (shards.pad(k), shards.pad(v))
+    k_full, v_full, arrivals, work = comm.agkv_sources(kp, vp, pieces)
+    if q.shape[1] == 0:  # a rank without tokens (uneven shards) still sends its block: nothing to attend
+        work.wait()
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
     outs, lses = [], []
-    o, lse = attention_with_lse(q, k, v, scale)  # own block: under the transfer
-    outs.append(o)
-    lses.append(lse)
+    if k.shape[1]:
+        o, lse = attention_with_lse(q, k, v, scale)  # own block: under the transfer
+        outs.append(o)
+        lses.append(lse)
     stages = _split(arrivals, later)
     for i, stage in enumerate(stages):
         if i + 1 < len(stages):
@@ -73,24 +89,10 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, transport, sca
                 a.work.wait()
         else:  # the last stage waits for everything that is left: one wait (it also orders the reads of k, v)
             work.wait()
-        for lo, hi in _runs(stage):
+        for lo, hi in _runs(stage, shards):
             o, lse = attention_with_lse(q, k_full[:, lo:hi], v_full[:, lo:hi], scale)
             outs.append(o)
             lses.append(lse)
+    if not stages:
+        work.wait()
     return merge(outs, lses, q.dtype).contiguous()
-
-
-def agkv_pipelined_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None,
-                             chunks: int = 2) -> torch.Tensor:
-    """Pipelined AGKV (see the module docstring). Shapes as :func:`cp_ops.attention`; ``chunks`` ≥ 2."""
-    return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks)
-
-
-def _agkv_pipelined_eager(q, k, v, pg, transport, scale, chunks) -> torch.Tensor:
-    """Eager pipelined AGKV without the dispatcher (cp_ops._eager): :func:`run` (the op's real kernel)."""
-    return run(q, k, v, pg, transport, scale, chunks)
-
-
-# the rank contract's signature of an eager call: that of cp_ops::agkv_pipelined_attention (extra = chunks)
-_agkv_pipelined_eager.signature = lambda q, k, v, chunks: ("cp_ops::agkv_pipelined_attention", q, chunks, 0)
-agkv_pipelined_attention.eager = _agkv_pipelined_eager

@@ -2,24 +2,25 @@
 
 ``cp_ops.attention(..., chunks=c)``: ``c = 1`` runs the mode as transport-then-attend (bitwise equal to one
 device); ``c ≥ 2`` runs the mode's pipelined variant in c stages (:mod:`.agkv_pipelined`,
-:mod:`.ulysses_pipelined`); ``c = None`` is decided by :mod:`.tune` (measured on first use), or by
+:mod:`.ulysses`); ``c = None`` is decided by :mod:`.tune` (measured on first use), or by
 :func:`choose_chunks` (the heuristic) where measuring is off.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .agkv_pipelined import agkv_pipelined_attention
-from .ulysses_pipelined import ulysses_pipelined_attention
+from . import names
 
-#: mode name → its pipelined variant, called as ``fn(q, k, v, *, world_size, group_name, transport, scale, chunks)``.
-PIPELINED: dict[str, Callable[..., torch.Tensor]] = {
-    "agkv": agkv_pipelined_attention,
-    "ulysses": ulysses_pipelined_attention,
-}
+
+class _Pipelined:
+    """The modes that take ``chunks`` ≥ 2: every registered mode (its pipelined body, or its body with ``chunks``)."""
+
+    def __contains__(self, name) -> bool:
+        return name in names(False)
+
+
+PIPELINED = _Pipelined()
 
 
 def check_chunks(chunks) -> None:

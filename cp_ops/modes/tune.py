@@ -452,9 +452,9 @@ def _warn_once(path: str, message: str) -> None:
 
 def clear_memory() -> None:
     """Forget the in-process choices (the next call of each request agrees or measures again), and the eager
-    plans of :mod:`cp_ops._eager` that hold them; tests use it."""
-    from .. import _eager
+    plans of :mod:`cp_ops.dispatch` that hold them; tests use it."""
+    from .. import dispatch
 
     _memo.clear()
     _choices.clear()
-    _eager.forget()
+    dispatch.forget()

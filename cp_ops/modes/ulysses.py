@@ -1,41 +1,64 @@
-"""Ulysses mode: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back
-(DeepSpeed-Ulysses, Jacobs et al., 2023, arXiv:2309.14509). W must divide H."""
+"""Ulysses: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back
+(DeepSpeed-Ulysses, Jacobs et al., 2023, arXiv:2309.14509). W must divide H. Exact at every ``chunks``.
+
+``chunks = g ≥ 2`` pipelines it: the heads of each rank's head group are split into ``min(g, H/W)`` sub-groups that
+travel and are attended one after another, so the all-to-all of sub-group i+1 runs while sub-group i is attended,
+and the inverse all-to-all of sub-group i runs under sub-group i+1's attention (each head's attention is computed
+whole; no merge). Sub-group i takes heads ``[lo_i, hi_i)`` (``lo_i = i*Hl//g``) of every destination rank's head
+block. At most two launches of one kind are in flight (the fast transport's pooled buffers: ``slots_per_key`` = 2):
+sub-group i+2 is launched after sub-group i's buffer has been read, and the inverse of sub-group i is copied out
+before sub-group i+2's inverse starts. ``chunks = 1`` is the same schedule with one sub-group.
+
+Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows, the real rows of the full sequence are
+selected after the all-to-all (one copy for q, k, v together), the output is re-padded for the way back and this
+rank keeps its first ``S_local`` rows; the mask is gathered beside the first sub-group and applied to every one.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .. import _library as lib
-from .. import layout
-from ..attention import local_attention
-from . import register
+from ..kernels import local_attention
 
 
-def ulysses_attention(q, k, v, *, world_size: int, group_name: str, transport: str, scale=None) -> torch.Tensor:
-    """Ulysses: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back."""
-    buf = lib.wait(torch.ops.cp_ops.ulysses_start([q, k, v], world_size, group_name, transport))
-    qh, kh, vh = (layout.ulysses_unpack(buf, i) for i in range(3))
-    out = local_attention(qh, kh, vh, scale)
-    back = lib.wait(torch.ops.cp_ops.ulysses_inverse_start(out, world_size, group_name, transport))
-    return layout.ulysses_inverse_unpack(back)
+def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask=None) -> torch.Tensor:
+    """The Ulysses body (:mod:`cp_ops.modes`): ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype)."""
+    w = comm.world
+    b, s, h, d = q.shape
+    hl = h // w
+    g = max(1, min(chunks, hl))
+    cuts = [i * hl // g for i in range(g + 1)]
+    spans = list(zip(cuts, cuts[1:]))
+    if shards is not None:
+        q, k, v = shards.pad(q), shards.pad(k), shards.pad(v)
+    starts: dict = {}
+    inverses: dict = {}
+    result = q.new_empty(b, s, w, hl, d)
 
+    def launch(i):
+        starts[i] = comm.ulysses([q, k, v], *spans[i])
 
-def _ulysses_eager(q, k, v, pg, transport, scale=None) -> torch.Tensor:
-    """Eager Ulysses without the dispatcher (cp_ops._eager): all-to-all, wait, attention, all-to-all back, wait,
-    a copying unpack (never a view of a pooled buffer). ``transport``: a Transport object."""
-    buf, work = transport.ulysses_start([q, k, v], pg)
-    work.wait()
-    qh, kh, vh = layout.ulysses_unpack_all(buf)  # views for B = 1 (the strides ulysses_unpack gives)
-    out = local_attention(qh, kh, vh, scale)
-    back, work = transport.ulysses_inverse_start(out, pg)
-    work.wait()
-    return layout.ulysses_inverse_unpack(back)
+    def finish(i):  # heads -> sequence result of sub-group i, copied out of the (maybe pooled) buffer
+        back = inverses.pop(i).wait()  # [W, B, S_local or smax, hl_i, D]
+        lo, hi = spans[i]
+        if back.shape[2] != s:
+            back = back.narrow(2, 0, s)
+        result[:, :, :, lo:hi].copy_(back.permute(1, 2, 0, 3, 4))
 
-
-# what the rank contract compares for an eager call (one exchange): the signature of cp_ops::ulysses_start([q, k, v])
-# with chunks=1, so it never equals a bare all-to-all of the same tensors (which has no inverse to follow)
-_ulysses_eager.signature = lambda q, k, v, chunks: ("cp_ops::ulysses_start", q, 3, 1)
-ulysses_attention.eager = _ulysses_eager
-
-register("ulysses", ulysses_attention, needs_heads_divisible=True,
-         summary="all-to-all sequence<->heads; W must divide the heads")
+    launch(0)  # the call's first launch: the rank contract's exchange
+    m4 = None
+    if key_mask is not None:
+        m4 = shards.mask(comm.mask(shards.pad_mask(key_mask)).wait(), b)
+    if g > 1:
+        launch(1)
+    for i in range(g):
+        buf = starts.pop(i).wait()
+        qh, kh, vh = comm.unpack(buf) if shards is None else shards.ulysses_rows(buf, comm.unpack)
+        out = local_attention(qh, kh, vh, scale, m4)
+        inverses[i] = comm.ulysses_inverse(out if shards is None else shards.repad(out))
+        if i >= 1:
+            finish(i - 1)
+        if i + 2 < g:
+            launch(i + 2)
+    finish(g - 1)
+    return result.view(b, s, h, d)

@@ -130,7 +130,7 @@ _REGISTRY: dict[str, Transport] = {}
 AUTO_ORDER: list[str] = []
 _logged: set = set()
 _group_choice: dict[tuple, str] = {}
-#: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops._eager's plans) is stale when it moved.
+#: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops.dispatch's plans) is stale when it moved.
 epoch = 0
 
 

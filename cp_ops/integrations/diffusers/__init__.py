@@ -45,7 +45,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             None (default) = measured on the first eager call of each shape, the heuristic
             (:func:`cp_ops.modes.pipelined.choose_chunks`) under ``torch.compile``. Rule for calls that carry
             ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding
-            masks), which only run transport-then-attend (:mod:`cp_ops.modes.uneven`): they get ``chunks=1`` when
+            masks), which only run transport-then-attend (:class:`cp_ops.layout.Shards`): they get ``chunks=1`` when
             ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
             runs, pipelined only where its shards are even.
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every

@@ -37,7 +37,9 @@ def merge_eager(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no keys anywhere: -inf everywhere
     w = torch.exp(lse - m)
     den = w.sum(0)
-    wt = (w / den).permute(0, 1, 3, 2).unsqueeze(-1)  # [n, B, S, H, 1]
+    # a row whose every partial LSE is -inf attended no key at all: its output is 0 (what SDPA gives on CPU for
+    # an all-masked row), never 0/0
+    wt = torch.where(den > 0, w / den, torch.zeros_like(w)).permute(0, 1, 3, 2).unsqueeze(-1)  # [n, B, S, H, 1]
     acc = wt[0] * outs[0].float()
     for i in range(1, len(outs)):
         acc = acc + wt[i] * outs[i].float()
@@ -90,7 +92,7 @@ if triton is not None:
             w = tl.exp(l3 - m)
             den += w
             acc += w[:, None] * tl.load(O3 + ooff, mask=mask, other=0.0).to(tl.float32)
-        out = acc / den[:, None]
+        out = tl.where(den[:, None] > 0, acc / den[:, None], 0.0)  # no key anywhere (every LSE -inf): 0
         tl.store(OUT + rows[:, None] * D + d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
         if WRITE_LSE:
             tl.store(LOUT + rows, m + tl.log(den), mask=rmask)

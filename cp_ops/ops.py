@@ -1,22 +1,32 @@
-"""Every cp_ops ``torch.library`` op: schema, fake kernel and real kernel, side by side.
+"""Every cp_ops ``torch.library`` op in one table: schema, fake kernel and real kernel, side by side.
 
 The ops are *launches*: they start the communication and return at once, with their outputs registered
 so that ``torch.ops._c10d_functional.wait_tensor(out)`` waits for it (as c10d's functional collectives
 do) — a compiler can then move the launch early and the wait late. Outputs are not valid until waited.
-Python wrappers below give the synchronous form for eager users.
+Mode bodies reach them through :class:`cp_ops.comm.OpComm`; eager calls skip them (:class:`cp_ops.comm.DirectComm`).
 
 Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and an
 op-level ``transport`` from :func:`cp_ops.transport.base.resolve`: a registered name (raises when the group
 cannot use it) or 'auto' (the first of ``AUTO_ORDER`` that suits the group, else torch).
 
+The rank contract (:mod:`cp_ops.validate`): a launch's real kernel exchanges the call's signature unless ``call`` is
+``'-'`` (a later launch of a call whose first launch exchanged); ``call`` names the call in messages (default: the op)
+``tag`` carries its variant (:func:`cp_ops.validate.variant_tag`) and ``seq_lens`` the uneven token counts, folded
+into the tag at run time (:func:`cp_ops.validate.with_seq_lens`). These three only name and check the call: the data
+moved depends on the tensors alone (padded blocks for uneven shards: :class:`cp_ops.layout.Shards`).
+
 Ops:
-    cp_ops::agkv_gather_start(k, v, world_size, group_name, transport) -> (k_full, v_full)
+    cp_ops::agkv_gather_start(k, v, world_size, group_name, transport, call='', tag=0, seq_lens=None)
+        -> (k_full, v_full)
         k, v ``[B, S_local, H, D]`` → ``[B, W*S_local, H, D]`` each, tokens in rank order.
-    cp_ops::ulysses_start(xs, world_size, group_name, transport) -> buf
+    cp_ops::mask_gather_start(mask, world_size, group_name) -> mask_full
+        uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys; never exchanges.
+    cp_ops::ulysses_start(xs, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
-    cp_ops::ulysses_inverse_start(x, world_size, group_name, transport) -> buf
+    cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
-    cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks) -> out
+    cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
+                                     call='', tag=0) -> out
         ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below).
 """
 
@@ -31,6 +41,7 @@ from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (passes/) arrive through it: core never imports passes
 from .transport import base as transport_base
 from . import validate
+from .comm import DirectComm
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
     """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
@@ -44,6 +55,23 @@ def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
     return pg
 
 
+def _contract(pg, op: str, call: str, transport: str, t, extra: int, tag: int, rules, seq_lens=None) -> None:
+    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange — unless ``call`` is
+    '-' (a later launch of a call that exchanged at its first launch). ``seq_lens`` (uneven shards) is folded into
+    ``tag`` here, where the counts are concrete."""
+    if call == "-":
+        rules()
+        return
+    tag = validate.with_seq_lens(tag, seq_lens)
+    name, note = call or op, validate.tag_note(tag)
+    try:
+        rules()
+    except (ValueError, RuntimeError, TypeError) as e:
+        validate.exchange(pg, name, transport, None, extra, failed=e, tag=tag, note=note)
+        raise
+    validate.exchange(pg, name, transport, t, extra, tag=tag, note=note)
+
+
 def _register(work, *outs: torch.Tensor) -> None:
     if config.settings.blocking:
         work.wait()
@@ -55,10 +83,12 @@ def _register(work, *outs: torch.Tensor) -> None:
 # ---- AGKV all-gather ---------------------------------------------------------------------------
 @torch.library.custom_op("cp_ops::agkv_gather_start", mutates_args=())
 def agkv_gather_start(
-    k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str
+    k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "", tag: int = 0,
+    seq_lens: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::agkv_gather_start", transport, k, lambda: _check_agkv(k, v, world_size), extra=2)
+    _contract(pg, "cp_ops::agkv_gather_start", call, transport, k, 2, tag, lambda: _check_agkv(k, v, world_size),
+              seq_lens)
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
@@ -73,7 +103,7 @@ def _check_agkv(k, v, world_size) -> None:
 
 
 @agkv_gather_start.register_fake
-def _(k, v, world_size, group_name, transport):
+def _(k, v, world_size, group_name, transport, call="", tag=0, seq_lens=None):
     run_compile_hooks()
     _check_agkv(k, v, world_size)
     b, s, h, d = k.shape
@@ -82,10 +112,11 @@ def _(k, v, world_size, group_name, transport):
 
 # ---- Ulysses all-to-all, sequence → heads ------------------------------------------------------
 @torch.library.custom_op("cp_ops::ulysses_start", mutates_args=())
-def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str) -> torch.Tensor:
+def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str, call: str = "",
+                  tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::ulysses_start", transport, xs[0] if xs else None,
-                        lambda: _check_ulysses(xs, world_size), extra=len(xs))
+    _contract(pg, "cp_ops::ulysses_start", call, transport, xs[0] if xs else None, len(xs), tag,
+              lambda: _check_ulysses(xs, world_size), seq_lens)
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
         return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
@@ -100,7 +131,7 @@ def _check_ulysses(xs, world_size) -> None:
 
 
 @ulysses_start.register_fake
-def _(xs, world_size, group_name, transport):
+def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
     run_compile_hooks()
     _check_ulysses(xs, world_size)
     b, s, h, d = xs[0].shape
@@ -109,10 +140,11 @@ def _(xs, world_size, group_name, transport):
 
 # ---- Ulysses all-to-all, heads → sequence ------------------------------------------------------
 @torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
-def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str) -> torch.Tensor:
+def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
+                          tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
-                        extra=1)
+    _contract(pg, "cp_ops::ulysses_inverse_start", call, transport, x, 1, tag,
+              lambda: _check_ulysses_inverse(x, world_size), seq_lens)
     if x.numel() == 0:
         b, s, hl, d = x.shape
         return x.new_empty(world_size, b, s // world_size, hl, d)
@@ -127,31 +159,62 @@ def _check_ulysses_inverse(x, world_size) -> None:
 
 
 @ulysses_inverse_start.register_fake
-def _(x, world_size, group_name, transport):
+def _(x, world_size, group_name, transport, call="", tag=0, seq_lens=None):
     run_compile_hooks()
     _check_ulysses_inverse(x, world_size)
     b, s, hl, d = x.shape
     return x.new_empty(world_size, b, s // world_size, hl, d)
 
 
-# ==== pipelined ops (issue 9; cp_ops/modes/agkv_pipelined.py) =====================================
-# cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks) -> out
+# ---- key-padding mask beside its keys -------------------------------------------------------------
+@torch.library.custom_op("cp_ops::mask_gather_start", mutates_args=())
+def mask_gather_start(mask: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    pg = _group(world_size, group_name)
+    out = mask.new_empty(world_size * mask.shape[0], mask.shape[1])
+    if out.numel():
+        _register(pg._allgather_base(out, mask.contiguous()), out)
+    return out
+
+
+@mask_gather_start.register_fake
+def _(mask, world_size, group_name):
+    run_compile_hooks()
+    torch._check(mask.dim() == 2, lambda: f"mask_gather_start takes a [B, S] mask; got {mask.dim()}-D")
+    return mask.new_empty(world_size * mask.shape[0], mask.shape[1])
+
+
+# ---- pipelined AGKV: the body of cp_ops/modes/agkv_pipelined.py as one op ----------------------------
+# cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens, call, tag)
 #     q, k, v ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype): AGKV attention with the
 #     transfer under the attention of the blocks already here, partials merged by LSE. Synchronous for the
-#     caller's stream (not a launch: no wait_tensor needed).
+#     caller's stream (not a launch: no wait_tensor needed). ``seq_lens``: uneven shards (cp_ops.layout.Shards).
 @torch.library.custom_op("cp_ops::agkv_pipelined_attention", mutates_args=())
 def agkv_pipelined_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str,
-    scale: float | None, chunks: int
+    scale: float | None, chunks: int, seq_lens: list[int] | None = None, call: str = "", tag: int = 0
 ) -> torch.Tensor:
-    pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, q,
-                        lambda: _check_agkv_pipelined(q, k, v, chunks), extra=chunks)
-    if q.numel() == 0:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-    from .modes import agkv_pipelined
+    from . import layout
+    from .modes.agkv_pipelined import agkv_pipelined
 
-    return agkv_pipelined.run(q, k, v, pg, _transport(transport, pg, k), scale, chunks)
+    pg = _group(world_size, group_name)
+    shards = None if seq_lens is None else layout.Shards(seq_lens, world_size, pg.rank(), k.shape[1], k.device)
+
+    def rules():
+        _check_agkv_pipelined(q, k, v, chunks)
+        if seq_lens is not None:
+            layout.check_seq_lens(seq_lens, world_size, pg.rank(), k.shape[1])
+
+    smax = k.shape[1] if seq_lens is None else max(seq_lens)
+    like = k if smax == k.shape[1] else torch.empty((k.shape[0], smax, *k.shape[2:]), dtype=k.dtype, device="meta")
+    _contract(pg, "cp_ops::agkv_pipelined_attention", call, transport, like, 2, tag, rules, seq_lens)
+    if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    comm = DirectComm(pg, _transport(transport, pg, k))
+    try:
+        return agkv_pipelined(q, k, v, comm, scale=scale, chunks=chunks, shards=shards)
+    except BaseException:
+        comm.drain()
+        raise
 
 
 def _check_agkv_pipelined(q, k, v, chunks) -> None:
@@ -160,13 +223,11 @@ def _check_agkv_pipelined(q, k, v, chunks) -> None:
 
 
 @agkv_pipelined_attention.register_fake
-def _(q, k, v, world_size, group_name, transport, scale, chunks):
+def _(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None, call="", tag=0):
     _check_agkv_pipelined(q, k, v, chunks)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-PIPELINED_OPS = (agkv_pipelined_attention,)
-# ==== end of pipelined ops ======================================================================
 
 
 # ---- waits and synchronous wrappers ------------------------------------------------------------
@@ -205,7 +266,8 @@ def refuse_grad(grad: torch.Tensor, shape, name: str) -> torch.Tensor:
 def _save_shapes(ctx, inputs, output):
     # shapes only: the inputs themselves need not stay alive for a backward that only raises
     ctx.shapes = [[x.shape for x in i] if isinstance(i, (list, tuple)) else i.shape for i in inputs
-                  if isinstance(i, (torch.Tensor, list, tuple))]
+                  if isinstance(i, torch.Tensor) or (isinstance(i, (list, tuple)) and i
+                                                     and isinstance(i[0], torch.Tensor))]
     ctx.n_other = len(inputs) - len(ctx.shapes)  # world_size, group_name, transport, ...: no gradient
 
 
@@ -221,10 +283,10 @@ def _no_backward(name: str):
 
 for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
                    (ulysses_inverse_start, "ulysses_inverse_start"),
-                   (agkv_pipelined_attention, "agkv_pipelined_attention")):
+                   (agkv_pipelined_attention, "agkv_pipelined_attention")):  # mask_gather_start: bool-like, no grad
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
-    # the calls whose signatures the rank contract exchanges (the pipelined op's extra integer is its chunks)
-    validate.register_op(_op._qualname, "chunks" if _op is agkv_pipelined_attention else "tensors")
+    # the calls whose signatures the rank contract exchanges
+    validate.register_op(_op._qualname)
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
@@ -232,6 +294,7 @@ LAUNCH_OPS = (
     torch.ops.cp_ops.agkv_gather_start.default,
     torch.ops.cp_ops.ulysses_start.default,
     torch.ops.cp_ops.ulysses_inverse_start.default,
+    torch.ops.cp_ops.mask_gather_start.default,
 )
 #: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each.
 #: A launch whose first argument is a list of tensors packs them; the pass may split such a launch by tensor.

@@ -1,0 +1,250 @@
+"""Dispatch: one :func:`cp_ops.attention` call → its checks and decisions → one mode body run with one comm.
+
+The data path (``docs/architecture.md``): public API (:mod:`cp_ops.attention`) → **dispatch** (here) → mode body
+(:mod:`cp_ops.modes`) → comm (:mod:`cp_ops.comm`) → op (:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`)
+→ kernel (:mod:`cp_ops.kernels`, ``csrc/``).
+
+**Decisions** (:func:`decide`, the same on both paths): the input rules (:mod:`cp_ops.validate`, :mod:`cp_ops.layout`;
+a rank whose rules fail tells its peers before raising, so every rank raises), the concrete mode
+(:func:`cp_ops.modes.choose`), the transport (:func:`cp_ops.transport.base.resolve`), the stage count
+(:func:`cp_ops.modes.tune.decide`: the heuristic by default, measured only when asked), the body, the layout
+(:class:`cp_ops.layout.Shards` for ``seq_lens``/``key_mask``) and the variant tag the rank contract compares
+(:func:`cp_ops.validate.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``).
+
+**Two paths, one body:**
+
+* *traced* (``torch.compile``, or a call the eager path does not cover: a tensor subclass or FakeTensor, a torch
+  dispatch mode such as make_fx or a flop counter, an empty tensor): the body runs with :class:`~cp_ops.comm.OpComm`
+  (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it once).
+* *eager*: a :class:`Plan` cached by the call's key — (q/k/v shapes, dtypes, devices, group, mode, transport, chunks,
+  the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag``) — holds the decisions of the first call
+  with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
+  called directly, no dispatcher. A new argument of :func:`cp_ops.attention` must be part of the key.
+
+Both make one rank-contract exchange per call, at the call's first launch, with the same signature, so ranks that
+run a layer eager and compiled still agree. If the body raises between a launch and its wait (CUDA OOM in the
+attention), the comm waits for what it launched (:meth:`~cp_ops.comm.DirectComm.drain`) before the error propagates:
+the transport and the group stay usable and the peers' collectives of this call complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import config, layout, modes, validate
+from .comm import DirectComm, OpComm
+from .group import resolve_group
+from .kernels import local_attention
+from .modes import pipelined, tune
+from .transport import base as transport_base
+
+#: The rank contract's name of an attention call (its messages say "cp_ops.attention (call #n)").
+CALL = "cp_ops.attention"
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # > 0 while a TorchDispatchMode (tracing, fake, ...) is active
+_MAX_PLANS = 1024  # distinct keys kept (a model has a handful; a shape sweep clears and refills)
+_plans: dict = {}
+
+
+class Decision(NamedTuple):
+    """What a call runs: the concrete mode, the resolved transport, the stages, the body, whether it runs as the
+    pipelined op when traced, the rank contract's tag, the uneven counts (or None) and whether a mask comes."""
+
+    world: int
+    mode: str
+    transport: str
+    chunks: int
+    body: Any
+    as_op: bool
+    tag: int
+    seq_lens: tuple | None
+    has_mask: bool
+
+
+def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, seq_lens, key_mask, tag) -> Decision:
+    """Check a call's inputs (every rank raises if one rank's fail) and make its decisions (module docstring).
+
+    Raises:
+        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
+    """
+    world = pg.size()
+    chosen, resolved = mode, transport
+
+    def local_checks():
+        nonlocal chosen, resolved
+        pipelined.check_chunks(chunks)
+        validate.check_same(("q", "k", "v"), (q, k, v))
+        chosen = modes.choose(mode, q.shape[2], world)
+        resolved = transport_base.resolve(transport, q.device.type)
+        if world > 1:
+            validate.check_device_for_group(q, pg)
+        if seq_lens is not None:
+            layout.check_seq_lens(seq_lens, world, pg.rank(), q.shape[1])
+        if key_mask is not None:
+            layout.check_key_mask(key_mask, q)
+            if chunks is not None and chunks > 1 and not modes.spec(chosen).masks_pipelined:
+                raise ValueError(f"mode={chosen!r} with chunks > 1 takes no key_mask (its pipelined variant merges "
+                                 f"partial outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass "
+                                 "chunks=1 or None")
+        if tag is not None:
+            validate.variant_tag(tag=tag)  # TypeError for a tag whose repr differs across ranks
+
+    validate.api_checked(pg, CALL, local_checks)
+    if world == 1:
+        return Decision(1, chosen, resolved, 1, None, False, 0, None, key_mask is not None)
+    layout_call = seq_lens is not None or key_mask is not None
+    if layout_call and chunks is None:
+        c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
+    else:
+        chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved)
+    seq = tuple(seq_lens) if seq_lens is not None else None
+    spec = modes.spec(chosen)
+    t = validate.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
+                             tag=tag)
+    return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
+                    key_mask is not None)
+
+
+def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag) -> torch.Tensor:
+    """Run one CP attention call (inputs detached by the caller): the eager plan where it applies, else the traced
+    path. Shapes and errors as :func:`cp_ops.attention`."""
+    if not torch.compiler.is_compiling():
+        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+        if plan is not None:
+            return plan.run(q, k, v, scale, key_mask)
+    pg = resolve_group(group)
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag)
+    if d.world == 1:
+        return local_attention(q, k, v, scale, key_mask)
+    if d.as_op:
+        return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, d.world, pg.group_name, d.transport, scale,
+                                                         d.chunks, None if d.seq_lens is None else list(d.seq_lens),
+                                                         CALL, d.tag)
+    shards = _shards(d, pg, q)
+    comm = OpComm(d.world, pg.group_name, d.transport, CALL, d.tag, pg.rank(), d.seq_lens)
+    try:
+        return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=shards, key_mask=key_mask)
+    except BaseException:
+        if not torch.compiler.is_compiling():
+            comm.drain()
+        raise
+
+
+def _shards(d: Decision, pg, q) -> layout.Shards | None:
+    if d.seq_lens is None and not d.has_mask:
+        return None
+    return layout.Shards(d.seq_lens, d.world, pg.rank(), q.shape[1], q.device)
+
+
+# ---- the eager path: plans ---------------------------------------------------------------------------------------
+class FirstLaunchCheck:
+    """The rank contract's exchange of a plan's calls, made by the first launch of each call
+    (:class:`~cp_ops.comm.DirectComm`): a :class:`cp_ops.validate.CallCheck` packed once for the first launch's
+    shape, dtype and tensor count — the signature the op would exchange for the same launch."""
+
+    __slots__ = ("pg", "transport", "tag", "key", "cc")
+
+    def __init__(self, pg, transport: str, tag: int):
+        self.pg, self.transport, self.tag = pg, transport, tag
+        self.key = self.cc = None
+
+    def __call__(self, shape, dtype, extra: int) -> None:
+        key = (tuple(shape), dtype, extra)
+        if key != self.key:
+            self.cc = validate.CallCheck(self.pg, CALL, self.transport, shape, dtype, extra, 0, self.tag,
+                                         validate.tag_note(self.tag))
+            self.key = key
+        self.cc.check()
+
+
+class Plan:
+    """What every eager call with one key runs (module docstring): ``run(q, k, v, scale, key_mask)`` → output."""
+
+    __slots__ = ("pg", "d", "shards", "comm", "epoch", "device")
+
+    def __init__(self, pg, d: Decision, shards, device):
+        self.pg, self.d, self.shards, self.device = pg, d, shards, device
+        self.comm, self.epoch = None, -1
+
+    def run(self, q, k, v, scale, key_mask=None):
+        d = self.d
+        if d.world == 1:
+            return local_attention(q, k, v, scale, key_mask)
+        if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
+            pg, resolved, device = self.pg, d.transport, self.device
+            self.comm = DirectComm(pg, None, FirstLaunchCheck(pg, resolved, validate.with_seq_lens(d.tag, d.seq_lens)),
+                                   lambda: transport_base.for_group(resolved, pg, device))
+            self.epoch = transport_base.epoch
+        comm = self.comm.begin()
+        try:
+            return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=self.shards, key_mask=key_mask)
+        except BaseException:
+            comm.drain()
+            raise
+
+
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+    """The plan for this call (built and cached on the first call with its key), or None: take the traced path (an
+    argument that is not a plain tensor, a torch dispatch mode active — they must see the ops —, nothing to move,
+    ``seq_lens`` not a tuple or list of ints, an unhashable key)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+            or _dispatch_modes():
+        return None
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
+               transport, chunks, type(chunks), config.settings.tune_modes, tag)
+        if seq_lens is not None or key_mask is not None:
+            extra = _layout_key(seq_lens, key_mask)
+            if extra is None:
+                return None
+            key += extra
+        e = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, an unhashable group or tag: the traced path raises the error
+        return None
+    if e is not None:
+        if group is None and e[1] is not dist.group.WORLD:  # the default group was destroyed or replaced
+            _plans.pop(key, None)
+            return None
+        return e[0]
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = (plan, plan.pg if plan is not None else (dist.group.WORLD if group is None else None))
+    return plan
+
+
+def _layout_key(seq_lens, key_mask):
+    """What a ``seq_lens`` / ``key_mask`` call adds to its key: ``seq_lens`` (a tuple of ints) and the mask's shape,
+    dtype and device (its values are data, read at every call); None: the traced path (it raises on a bad one).
+    Ints only, by type: ``4.0`` and ``True`` hash like ``4`` and ``1`` but are not token counts."""
+    if seq_lens is not None:
+        if type(seq_lens) is not tuple:
+            if type(seq_lens) is not list:
+                return None
+            seq_lens = tuple(seq_lens)
+        for n in seq_lens:
+            if type(n) is not int:
+                return None
+    if key_mask is None:
+        return (seq_lens, None)
+    if type(key_mask) is not torch.Tensor:
+        return None
+    return (seq_lens, key_mask.shape, key_mask.dtype, key_mask.device)
+
+
+def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+    pg = resolve_group(group)
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag)  # raises (every rank) as the API
+    shards = _shards(d, pg, q) if d.world > 1 else None
+    b, s, h, hd = q.shape
+    rows = shards.smax if shards is not None else s
+    if d.world > 1 and b * rows * h * hd == 0:
+        return None  # nothing to move: the ops' empty path
+    return Plan(pg, d, shards, q.device)
+
+
+def forget() -> None:
+    """Drop every cached plan (tests; after changing what a plan caches, e.g. the chunks choice)."""
+    _plans.clear()
