@@ -230,7 +230,8 @@ def test_cuda_graph_replay_equals_eager():
 def _lifecycle(rank, world):
     import torch.distributed as dist
 
-    from cp_ops.transport import fast, _fast_runtime
+    from cp_ops.transport import fast
+    from cp_ops.transport.fast import lane as flane
 
     pg = dist.group.WORLD
 
@@ -243,7 +244,7 @@ def _lifecycle(rank, world):
         return w
 
     fast.configure(path="ce")
-    assert isinstance(check(1), _fast_runtime.FastWork)
+    assert isinstance(check(1), flane.FastWork)
     heap0 = fast.transport.lane.heap.name
     fast.shutdown()
     assert fast.transport.lane is None
@@ -406,7 +407,8 @@ def _graphs_captured_and_dropped(rank, world):
     import torch.distributed as dist
 
     from cp_ops import timing
-    from cp_ops.transport import _fast_runtime, fast
+    from cp_ops.transport import fast
+    from cp_ops.transport.fast import lane as flane
 
     pg = dist.group.WORLD
     k = _rand((1, 256, 8, 128), 40 + rank)
@@ -419,7 +421,7 @@ def _graphs_captured_and_dropped(rank, world):
     call()
     # what `cp-ops bench --graphs` (a Graphed per case), host_cost's graph rows and re-recorded CUDA-graph trees
     # do in one process: capture a graph of fast calls, replay it, drop it; more graphs than the lane has slots
-    for i in range(_fast_runtime.N_SLOTS + 8):
+    for i in range(flane.N_SLOTS + 8):
         g = timing.Graphed(call, k.device, calls=1, warmup=1, group=pg)
         g()
         torch.cuda.synchronize()

@@ -18,7 +18,8 @@ copy-engine streams; path/inflight/split are measured per shape at its first cal
 so every rank picks the same, and cached. A shared-egress fabric (a peer link without native atomics, i.e.
 PCIe-like) uses one remote stream; the flag protocol uses no peer atomics. Symmetric memory comes from
 NVSHMEM (nvshmem4py, bootstrapped over the lane's group only) or CUDA IPC; see
-:mod:`cp_ops.transport._fast_runtime` for the heap, the call slots, the pool and the bounded waits; kernels
+the package's modules for the heap (:mod:`.heap`), the call slots (:mod:`.slots`), the pool (:mod:`.pool`), the lane
+and its works and bounded waits (:mod:`.lane`), start-up (:mod:`.start`, :mod:`.collective`); kernels
 and the flag protocol in ``csrc/cp_fast.cu``.
 
 Settings (:data:`cp_ops.config.settings`, or :func:`configure` before the first fast call):
@@ -59,8 +60,8 @@ import weakref
 
 import torch
 
-from .. import config
-from .base import register, source_arrivals
+from ... import config
+from ..base import register, source_arrivals
 
 log = logging.getLogger("cp_ops")
 
@@ -79,7 +80,7 @@ class FastTransport:
     """The fast transport (see the module docstring); the registered instance is :data:`transport`.
 
     Attributes:
-        lane: the process's one fast lane (``_fast_runtime.Lane``) or None before the first fast call.
+        lane: the process's one fast lane (:class:`cp_ops.transport.fast.lane.Lane`) or None before the first fast call.
         slots_per_key: pool slots per (op, shape, dtype): launches of one key that may be in flight at once.
     """
 
@@ -127,7 +128,7 @@ class FastTransport:
                 "nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
                 "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers"
             )
-        from . import _fast_build
+        from .. import _fast_build
 
         _, why = _fast_build.load()
         return why
@@ -164,15 +165,16 @@ class FastTransport:
                 self.lane = self._start(group, device)
                 return None
             except RuntimeError as e:
-                from . import _fast_runtime
+                from .collective import StartFailed
 
-                if not isinstance(e, (_fast_runtime.StartFailed,)):
+                if not isinstance(e, StartFailed):
                     raise
                 self._unfit[key] = str(e)
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
-        from . import _fast_build, _fast_runtime
+        from .. import _fast_build
+        from . import collective, start
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -182,14 +184,14 @@ class FastTransport:
                 "(torch.cuda.graph warm-up; torch.compile(mode='reduce-overhead') does this)")
         local = self.unavailable_reason(device)
         try:
-            _fast_runtime.agree_outcome(group, "the fast transport's availability check", local)
-        except _fast_runtime.StartFailed as e:
-            raise _fast_runtime.StartFailed(str(e)) from None
+            collective.agree_outcome(group, "the fast transport's availability check", local)
+        except collective.StartFailed as e:
+            raise collective.StartFailed(str(e)) from None
         ext, _ = _fast_build.load()
-        reason, fabric = _fast_runtime.probe_group(group, device, ext)
+        reason, fabric = start.probe_group(group, device, ext)
         if reason is not None:
-            raise _fast_runtime.StartFailed(reason)
-        return _fast_runtime.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key)
+            raise collective.StartFailed(reason)
+        return start.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key)
 
     def _lane_for(self, group):
         """The lane for ``group``; starts it (collective) when none exists. Raises RuntimeError naming why the
@@ -262,7 +264,7 @@ class FastTransport:
         self._lane_group = None
         self._unfit.clear()
         self._works.clear()
-        from .base import forget_groups
+        from ..base import forget_groups
 
         forget_groups()
         lane.close()
