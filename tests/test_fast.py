@@ -477,7 +477,7 @@ class _EmuLane:
         self.rank, self.world, self.heap, self.calls = rank, world, heap, 0
         self.pool = fpool.Pool(heap.alloc_for(rank), lambda seg: None, heap.make, lambda obj: [obj] * world,
                                        lambda: None, 1 << 20, 1 / 1024, slots=fast.FastTransport.slots_per_key)
-        self.launched, self.keys = [], []
+        self.launched, self.keys, self.outputs = [], [], []
 
     def next_call(self):
         return self.calls
@@ -485,9 +485,10 @@ class _EmuLane:
     def capturing(self):
         return False
 
-    def launch(self, key, descs, inputs, tickets):
+    def launch(self, key, descs, inputs, tickets, outputs=()):
         assert len(descs) == self.world
         self.keys.append(key)
+        self.outputs.append(list(outputs))
         self.launched.append((descs, inputs))
         self.calls += 1
         return _EmuWork(self.pool, tickets)
@@ -764,7 +765,13 @@ def _startup_scenario(rank, world, scenario):
     from cp_ops.transport import _fast_build, base, fast
     from cp_ops.transport.fast import heap as fheap, start as fstart
 
+    import threading
+
+    from cp_ops import config
+
     bad = world - 1
+    starts = [0]
+    config.configure(timeout_s=3 if scenario == "stuck" else 60)
 
     class Heap:
         name = "nvshmem"
@@ -773,11 +780,14 @@ def _startup_scenario(rank, world, scenario):
             if scenario == "import" and rank == bad:
                 raise ImportError("libnvshmem_host.so.3: cannot open shared object file")
 
-        def start(self, stage):
+        def start(self, stage, exchange):
             def init():
+                starts[0] += 1
                 if scenario == "init" and rank == bad:
                     raise RuntimeError("NVSHMEM: planted init failure (nvshmemi_bootstrap)")
-            stage("NVSHMEM init (bootstrapped over the CP group)", init)
+                if scenario == "stuck" and rank == bad:  # NVSHMEM init that never returns on one rank
+                    threading.Event().wait(300)
+            stage("NVSHMEM init (bootstrapped over the CP group)", init, bounded=True)
 
         def alloc(self, n):
             return fheap.Segment(1 << 20, [1 << 20] * world, n)
@@ -791,7 +801,7 @@ def _startup_scenario(rank, world, scenario):
     fast.transport.unavailable_reason = lambda device: (
         "the cp_ops CUDA extension failed to build" if scenario == "build" and rank == 0 else None)
     _fast_build.load = lambda: (_FakeExt, None)
-    fstart.probe_group = lambda group, device, ext: (None, "nvlink")
+    fstart.probe_group = lambda group, device, ext, exchange=None: (None, "nvlink")
     fstart.HEAPS["nvshmem"] = Heap
     dev = torch.device("cuda", 0)
     g = dist.group.WORLD
@@ -804,8 +814,14 @@ def _startup_scenario(rank, world, scenario):
         return
     want = {"import": f"group rank {bad}: ImportError: libnvshmem_host",
             "init": f"group rank {bad}: RuntimeError: NVSHMEM: planted init failure",
+            "stuck": f"NVSHMEM init (bootstrapped over the CP group) failed on group rank {bad}: StageStuck: cp_ops fast "
+                     "transport: NVSHMEM init (bootstrapped over the CP group) did not finish within 3 s",
             "build": "group rank 0: the cp_ops CUDA extension failed to build"}[scenario]
     assert reason is not None and want in reason, reason
+    assert reason.startswith("cp_ops") or scenario == "build", reason
+    seen = [None] * world
+    dist.all_gather_object(seen, reason)
+    assert seen == [reason] * world, seen  # the same verdict, word for word, on every rank
     if scenario != "build":
         assert "hint:" in reason and "CP_OPS_FAST_HEAP=ipc" in reason
     assert fast.transport.lane is None
@@ -815,13 +831,20 @@ def _startup_scenario(rank, world, scenario):
     except RuntimeError as e:
         assert want in str(e)
     assert base.for_group("auto", g, dev).name == "torch"
+    n = starts[0]
+    assert fast.transport.group_reason(g, dev) == reason and starts[0] == n  # the verdict is kept: no retry
 
 
-@pytest.mark.parametrize("world,scenarios", [(2, ("init", "build", "ok")), (3, ("import", "ok"))])
+@pytest.mark.parametrize("world,scenarios", [(2, ("init", "build", "ok")), (3, ("import", "ok")), (2, ("stuck",))])
 def test_startup_failure_on_one_rank_reaches_every_rank(world, scenarios):
     """A start-up stage failing on one rank (the NVSHMEM import or init, the extension build) gives every rank
     the same verdict at once: explicit fast raises on every rank with the library's message and a hint; auto
-    uses torch. Start-up runs over the CP group only, with group ranks (NVSHMEM rank = group rank)."""
+    uses torch. Start-up runs over the CP group only, with group ranks (NVSHMEM rank = group rank).
+
+    'stuck' (issue 20 item 6): NVSHMEM init never returns on one rank. Before: the others waited in a raw collective
+    until the group's timeout, with a message naming neither cp_ops nor NVSHMEM, and auto did not fall back. Now the
+    init is bounded by CP_OPS_TIMEOUT_S (3 s here) and every rank gets the same StartFailed naming the rank, NVSHMEM
+    and cp_ops; auto uses torch; the verdict is kept (the next call does not retry)."""
     from dist_util import run_ranks
 
     run_ranks(_startup_body, world, scenarios, timeout=90)

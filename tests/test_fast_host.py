@@ -22,7 +22,7 @@ def test_a_work_is_reused_only_once_waited_and_unreferenced(monkeypatch):
     assert isinstance(w0, flane.FastWork) and (w0.call, w0.slot, w0.tickets) == (0, 0, ["t0"])
     first = id(w0)
     assert lane._work(1, 1, []) is not w0  # not waited yet (and still named here)
-    w0._waited.add(7)  # what FastWork.wait records
+    w0._first = 7  # what FastWork.wait records (the stream it waited on)
     w2 = lane._work(2, 2, [])
     assert w2 is not w0  # waited, but this test still holds it
     t = torch.zeros(3)
@@ -33,7 +33,7 @@ def test_a_work_is_reused_only_once_waited_and_unreferenced(monkeypatch):
     monkeypatch.setattr(flane.FastWork, "wait", lambda self, timeout=None: True)
     torch.ops._c10d_functional.wait_tensor(t)  # the registry lets it go
     w4 = lane._work(4, 4, ["t4"])
-    assert id(w4) == first and (w4.call, w4.slot, w4.tickets) == (4, 4, ["t4"]) and not w4._waited
+    assert id(w4) == first and (w4.call, w4.slot, w4.tickets) == (4, 4, ["t4"]) and w4._first is None and not w4.settled
 
 
 def test_the_lane_keeps_a_bounded_number_of_works():
@@ -62,7 +62,7 @@ def test_a_reused_work_no_longer_answers_for_its_old_outputs(monkeypatch):
         def capturing(self):
             return False
 
-        def launch(self, key, descs, inputs, tickets):
+        def launch(self, key, descs, inputs, tickets, outputs=()):
             self.calls += 1
             return lane._work(self.calls, self.calls, tickets)
 
@@ -75,7 +75,7 @@ def test_a_reused_work_no_longer_answers_for_its_old_outputs(monkeypatch):
     old_ptr, old_id = buf.data_ptr(), id(work)
     for t in work.tickets:
         pool.consumed(t)
-    work._waited.add(1)
+    work._first = 1
     del work
     k = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     kf, vf, work = fast.transport.agkv_start(k, k, None)  # another key: other buffers, the same work object

@@ -173,6 +173,10 @@ class FastTransport:
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
+        """Start the lane on ``group`` (collective). Every exchange is bounded by ``CP_OPS_TIMEOUT_S`` and agreed,
+        so a rank that fails or is stuck gives every rank the same :class:`~.collective.StartFailed`."""
+        import torch.distributed as dist
+
         from .. import _fast_build
         from . import collective, start
 
@@ -182,16 +186,19 @@ class FastTransport:
                 "the lane starts collectively (group-wide exchanges, symmetric allocations, device synchronization), "
                 "which a capture cannot contain: run the captured code once eagerly before capturing "
                 "(torch.cuda.graph warm-up; torch.compile(mode='reduce-overhead') does this)")
-        local = self.unavailable_reason(device)
+        exchange = collective.Exchange(group, "start")  # bounded, agreed exchanges (every rank makes the same ones)
         try:
-            collective.agree_outcome(group, "the fast transport's availability check", local)
-        except collective.StartFailed as e:
-            raise collective.StartFailed(str(e)) from None
-        ext, _ = _fast_build.load()
-        reason, fabric = start.probe_group(group, device, ext)
-        if reason is not None:
-            raise collective.StartFailed(reason)
-        return start.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key)
+            local = self.unavailable_reason(device)
+            collective.agree_outcome(exchange, "the fast transport's availability check", local)
+            ext, _ = _fast_build.load()
+            reason, fabric = start.probe_group(group, device, ext, exchange)
+            if reason is not None:
+                raise collective.StartFailed(reason)
+            return start.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key, exchange=exchange,
+                               lane_exchange=collective.Exchange(group, "lane"))
+        except collective.PeerTimeout as e:  # outside a stage (the group probe, the NVSHMEM unique-ID exchange)
+            raise collective.StartFailed(f"cp_ops: transport='fast' could not start for CP group "
+                                         f"{dist.get_process_group_ranks(group)}: {e}") from None
 
     def _lane_for(self, group):
         """The lane for ``group``; starts it (collective) when none exists. Raises RuntimeError naming why the
@@ -290,12 +297,14 @@ class FastTransport:
             for role, shape, dtype in bufs:
                 got.append(lane.pool.get(role, shape, dtype, call, capturing))
             descs = make_descs([g[1] for g in got])
-            work = lane.launch(key, descs, inputs, [g[2] for g in got])
+            outs = [g[0] for g in got]
+            # the outputs' bytes, poisoned (NaN) on the device when a wait of this call times out
+            work = lane.launch(key, descs, inputs, [g[2] for g in got],
+                               outputs=[(o.data_ptr(), o.numel() * o.element_size()) for o in outs])
         except BaseException:
             for g in got:
                 lane.pool.consumed(g[2])
             raise
-        outs = [g[0] for g in got]
         works = self._works
         for p in getattr(work, "ptrs", ()):  # a reused work: its previous outputs no longer map to it
             if works.get(p) is work:

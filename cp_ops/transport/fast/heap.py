@@ -43,11 +43,12 @@ class Segment:
 
 
 class NvshmemHeap:
-    """NVSHMEM bootstrapped over ``group`` only (UID broadcast over the group; NVSHMEM rank = group rank).
+    """NVSHMEM bootstrapped over ``group`` only (unique ID shared over the group; NVSHMEM rank = group rank).
     The constructor is local (imports, device); :meth:`start` is collective over the group."""
 
     name = "nvshmem"
     _initialized = False
+    _in_init = False  # an init entered and not returned (stuck in its bootstrap): never start again in this process
 
     def __init__(self, ext, group: dist.ProcessGroup, device: torch.device):
         import nvshmem.core as nvshmem
@@ -57,8 +58,10 @@ class NvshmemHeap:
         self.dev = Device(device.index)
         self.dev.set_current()
 
-    def start(self, stage) -> None:
-        """``stage(name, fn)`` runs ``fn`` on every rank and raises on every rank if any rank failed."""
+    def start(self, stage, exchange) -> None:
+        """``stage(name, fn, bounded=False)`` runs ``fn`` on every rank and raises on every rank if any rank failed
+        (``bounded``: in a helper thread, failed after ``CP_OPS_TIMEOUT_S``); ``exchange(what, obj) -> list`` is the
+        start's bounded all-gather (:class:`~.collective.Exchange`)."""
         if NvshmemHeap._initialized:
             return
         import numpy as np
@@ -70,21 +73,28 @@ class NvshmemHeap:
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(512 << 20))
 
         def make_uid():
+            if NvshmemHeap._in_init:
+                raise RuntimeError("an earlier NVSHMEM init of this process never returned (stuck in its bootstrap); "
+                                   "NVSHMEM cannot start again in this process")
             if me != 0:
                 return None
             return bytes(nvshmem.get_unique_id()._data.view(np.int8).tobytes())
 
         payload = stage("NVSHMEM unique-ID creation", make_uid)
-        obj = [payload]
-        dist.broadcast_object_list(obj, src=dist.get_global_rank(self.group, 0), group=self.group)
+        uid_bytes = exchange("NVSHMEM unique-ID exchange", payload)[0]
 
-        def init():
-            uid = nvshmem.get_unique_id(empty=True)
-            uid._data.view(np.int8)[:] = np.frombuffer(obj[0], dtype=np.int8)
-            nvshmem.init(device=self.dev, uid=uid, rank=me, nranks=n, initializer_method="uid")
-            NvshmemHeap._initialized = True
+        def init():  # in a helper thread (bounded): the CUDA device is current per thread
+            NvshmemHeap._in_init = True
+            try:
+                self.dev.set_current()
+                uid = nvshmem.get_unique_id(empty=True)
+                uid._data.view(np.int8)[:] = np.frombuffer(uid_bytes, dtype=np.int8)
+                nvshmem.init(device=self.dev, uid=uid, rank=me, nranks=n, initializer_method="uid")
+                NvshmemHeap._initialized = True
+            finally:
+                NvshmemHeap._in_init = False
 
-        stage("NVSHMEM init (bootstrapped over the CP group)", init)
+        stage("NVSHMEM init (bootstrapped over the CP group)", init, bounded=True)
 
     def alloc(self, nbytes: int) -> Segment:
         """Collective over the group (NVSHMEM spans exactly the group)."""
@@ -121,7 +131,7 @@ class IpcHeap:
     def __init__(self, ext, group: dist.ProcessGroup, device: torch.device):
         self.ext, self.group, self.dev = ext, group, device.index
 
-    def start(self, stage) -> None:
+    def start(self, stage, exchange) -> None:
         pass
 
     def alloc(self, nbytes: int) -> Segment:

@@ -45,50 +45,122 @@ def _current_stream(device: torch.device) -> int:
 
 
 class FastWork(dist.Work):
-    """Completion of one fast call. ``wait()`` makes the current CUDA stream wait for every chunk (it does
-    not block the host; a bounded spin kernel on that stream watches the peers' arrival flags);
-    ``wait_source(src)`` for the chunk of group rank ``src`` only; ``is_completed()`` reports this rank's own
-    copies only. Raises RuntimeError when a device wait of the lane timed out (see :meth:`Lane.check`)."""
+    """Completion of one fast call.
+
+    ``wait()``: the first wait makes the current CUDA stream wait for every chunk (no host block: a bounded spin
+    kernel on that stream watches the peers' arrival flags; after a device timeout the call's outputs are poisoned
+    with NaN) and gives back the call's flag slot and pool slots; a later wait on the same stream is a no-op; on
+    another stream, that stream waits for the first one (an event recorded there now), valid while the outputs'
+    pool buffers were not handed to a later call (the second-next call of the same shape), else RuntimeError.
+    ``wait_source(src)``: the chunk of group rank ``src`` only. ``cancel()``: give the call up (see there).
+    ``is_completed()``: this rank's own copies only (True once waited or cancelled).
+
+    Raises:
+        RuntimeError: a device wait of the lane timed out (see :meth:`Lane.check`); the call was cancelled; the
+            lane was shut down; a second-stream wait after the outputs were recycled.
+    """
 
     def __init__(self, lane: "Lane", call: int, slot: int, tickets: list):
         super().__init__()
         self.lane, self.call, self.slot, self.tickets = lane, call, slot, tickets
-        self._waited: set = set()  # streams already made to wait (k_full and v_full share one work)
         self.ptrs: tuple = ()  # addresses of its outputs (FastTransport's wait_source map)
+        self._reset(call, slot, tickets)
 
     def _reset(self, call: int, slot: int, tickets: list) -> None:
-        """Reuse for a new launch (see :meth:`Lane._work`): only when waited and referenced by nobody."""
+        """Reuse for a new launch (see :meth:`Lane._work`): only when settled and referenced by nobody."""
         self.call, self.slot, self.tickets = call, slot, tickets
-        self._waited = set()
+        self._first = None  # the stream (cudaStream_t) the call was first waited on; None before
+        self._joined: tuple = ()  # other streams made to wait for the first one
+        self._cancelled = False
+
+    @property
+    def settled(self) -> bool:
+        """Waited (on some stream) or cancelled: the flag slot and pool slots are given back."""
+        return self._first is not None or self._cancelled
+
+    def _give_back(self) -> None:
+        lane = self.lane
+        lane.slots.release(self.slot, self.call)
+        for t in self.tickets:
+            lane.pool.consumed(t)
+
+    def _held(self) -> None:
+        if self._cancelled:
+            raise RuntimeError(f"cp_ops fast transport: call {self.call} was cancelled (work.cancel()): its outputs "
+                               "were never completed; launch it again")
+        if self.lane.slots.owner[self.slot] != self.call:
+            raise RuntimeError(f"cp_ops fast transport: call {self.call} was already released (its lane was shut down)")
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - c10d signature
         lane = self.lane
         lane.check()
         s = _current_stream(lane.device)
-        if s in self._waited:
+        if s == self._first or s in self._joined:
             return True
-        if lane.slots.owner[self.slot] != self.call:
-            if not self._waited:
-                raise RuntimeError(f"cp_ops fast transport: call {self.call} was already released (its lane was shut down)")
-            raise RuntimeError(
-                f"cp_ops fast transport: an output of call {self.call} is waited on a second stream after its flag slot "
-                f"{self.slot} went to call {lane.slots.owner[self.slot]}; wait every output of one launch before "
-                f"{lane.slots.n} more launches (or on the stream that waited first)")
-        lane.ext_lane.wait(s, self.slot, not self._waited)
-        if not self._waited:
-            lane.slots.release(self.slot, self.call)
-            for t in self.tickets:
-                lane.pool.consumed(t)
-        self._waited.add(s)
+        if self._first is None:
+            self._held()
+            lane.ext_lane.wait(s, self.slot, True)
+            self._first = s
+            self._give_back()
+        else:
+            self._join(s)
         return True
 
+    def _join(self, s: int) -> None:
+        """Make stream ``s`` wait for the stream the call was first waited on (a second-stream wait)."""
+        lane = self.lane
+        gone = [(t, lane.pool.writer(t)) for t in self.tickets if lane.pool.writer(t) != t[2]]
+        if gone:
+            (key, _i, _c), now = gone[0]
+            raise RuntimeError(
+                f"cp_ops fast transport: an output of call {self.call} ({key[0]} {key[1]}) is waited on a second stream "
+                f"after its pool buffer went to {'call ' + str(now) if now is not None else 'eviction'}: a fast output "
+                f"is valid until the second-next call of the same shape; wait it on every stream before that")
+        dev = lane.device
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.ExternalStream(self._first, device=dev))
+        torch.cuda.ExternalStream(s, device=dev).wait_event(ev)
+        self._joined += (s,)
+
     def wait_source(self, src: int) -> None:
-        self.lane.check()
-        self.lane.ext_lane.wait_source(_current_stream(self.lane.device), self.slot, src)
+        lane = self.lane
+        lane.check()
+        s = _current_stream(lane.device)
+        if self._first is not None:  # the whole call was waited: this stream needs that wait, nothing more
+            if s != self._first and s not in self._joined:
+                self._join(s)
+            return
+        self._held()
+        lane.ext_lane.wait_source(s, self.slot, src)
+
+    def cancel(self) -> None:
+        """Give up a launched call that will not be waited (unwinding after an exception between launch and wait,
+        e.g. an out-of-memory error in the attention issued between them): its flag slot and pool slots are given
+        back at once, its outputs are invalid. Never raises and touches no CUDA state (safe in an ``except`` or
+        ``finally`` block, after a device fault too); a no-op once waited or cancelled. The device stays ordered:
+        the next launch in the same flag slot waits for this call's own copies and signals (``Lane.launch`` in
+        ``csrc/cp_fast.cu``), and the peers, which waited for this call, are unaffected. A later :meth:`wait`
+        raises RuntimeError naming the cancel."""
+        if self.settled:
+            return
+        self._cancelled = True
+        try:
+            self._give_back()
+        except Exception:  # noqa: BLE001 - never mask the exception being unwound
+            pass
 
     def is_completed(self) -> bool:
+        if self.settled:
+            return True
         self.lane.check()
         return self.lane.ext_lane.query(self.slot)
+
+    def __del__(self):  # dropped un-waited (a launch abandoned by an exception): give its slots back
+        try:
+            if not self._cancelled and self._first is None:
+                self.cancel()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, half-built object
+            pass
 
 
 # ---- lane ---------------------------------------------------------------------------------------
@@ -156,7 +228,10 @@ class Lane:
         """True while the current stream is capturing a CUDA graph (a launch then stays with the graph)."""
         return torch.cuda.is_current_stream_capturing()
 
-    def launch(self, key: tuple, descs: list, inputs: list, tickets: list, force: Decision | None = None) -> FastWork:
+    def launch(self, key: tuple, descs: list, inputs: list, tickets: list, force: Decision | None = None,
+               outputs: list = ()) -> FastWork:
+        """Launch one call (``descs[t]``: the copies into rank t's buffers); ``outputs``: ``[(address, bytes)]`` of
+        this rank's output buffers, poisoned (NaN) by the device when a wait of this call times out."""
         self.check()
         d = force or self.decide(key, descs, inputs)
         cur = _current_stream(self.device)
@@ -169,24 +244,28 @@ class Lane:
         slot = self.slots.acquire(call, torch.cuda.is_current_stream_capturing())
         self.calls += 1
         try:
-            self.ext_lane.launch(cur, call, slot, descs, d.path, d.inflight, d.split, d.sm_blocks)
+            self.ext_lane.launch(cur, call, slot, descs, d.path, d.inflight, d.split, d.sm_blocks, list(outputs))
         except Exception:
             self.slots.release(slot, call)
             raise
         return self._work(call, slot, tickets)
 
     def _work(self, call: int, slot: int, tickets: list) -> FastWork:
-        """The work of a launch: a kept one that was waited and that nobody references any more (no Python
-        name, no c10d registration: ``_register_work`` holds a Python reference until ``wait_tensor``), reset;
-        else a new one (kept when there is room). A ``dist.Work`` subclass is built through pybind11 (measured as
-        the largest single host cost of a fast launch on the GPU host), so the eager paths reuse a handful."""
+        """The work of a launch: a kept one that nobody references any more (no Python name, no c10d
+        registration: ``_register_work`` holds a Python reference until ``wait_tensor``), reset; else a new one
+        (kept when there is room). A ``dist.Work`` subclass is built through pybind11 (measured as the largest
+        single host cost of a fast launch on the GPU host), so the eager paths reuse a handful. A kept work that
+        nobody references but that was never waited (its launch abandoned by an exception) is cancelled first,
+        so its flag slot and pool slots come back (:meth:`FastWork.cancel`)."""
         spare = self.spare
         base = -1
         for w in spare:  # the sentinel first: its count is the count of an object only this list holds
             n = sys.getrefcount(w)
             if base < 0:
                 base = n
-            elif n == base and w._waited:
+            elif n == base:
+                if not w.settled:
+                    w.cancel()
                 w._reset(call, slot, tickets)
                 return w
         w = FastWork(self, call, slot, tickets)

@@ -37,6 +37,7 @@ class _Entry:
     last_use: int = 0
     captured: bool = False  # used inside a CUDA-graph capture: the graph writes it on replay, never evicted
     addrs: list = field(default_factory=list)  # per slot: [its address on each rank as mapped here] (made once)
+    writers: list = field(default_factory=list)  # per slot: the last call given it (outlives the wait)
 
 
 def _holders(slots: list) -> list:
@@ -53,11 +54,16 @@ class Pool:
     """Symmetric buffers keyed by (role, shape, dtype), ``slots`` each; grows on demand up to ``cap_bytes``.
 
     ``alloc(nbytes) -> Segment`` and ``free(segment)`` are collective over the group; ``make(ptr, nbytes)``
-    gives a uint8 tensor over local memory; ``agree(obj) -> list`` all-gathers a small object over the group;
-    ``quiesce()`` waits until no rank's device touches the pool (before a free)."""
+    gives a uint8 tensor over local memory; ``agree(obj) -> list`` all-gathers a small object over the group (bounded:
+    :class:`~.collective.Exchange`); ``quiesce()`` waits until no rank's device touches the pool (before a free);
+    ``room(nbytes) -> str | None``: why this rank cannot allocate ``nbytes`` now (e.g. free GPU memory), checked and
+    agreed before every allocation, so a rank short of memory makes every rank raise the same error instead of
+    failing alone inside a collective allocation."""
 
-    def __init__(self, alloc, free, make, agree, quiesce, cap_bytes: int, cap_gb: float, slots: int = 2):
+    def __init__(self, alloc, free, make, agree, quiesce, cap_bytes: int, cap_gb: float, slots: int = 2, room=None):
         self.alloc_fn, self.free_fn, self.make, self.agree, self.quiesce = alloc, free, make, agree, quiesce
+        self.room = room
+        self.broken: str | None = None  # an allocation failed on some rank after the agreement: no more growth
         self.capacity, self.cap_gb, self.slots = cap_bytes, cap_gb, slots
         self.used = 0
         self.allocs = 0  # allocations made so far (compared over the group at each new one)
@@ -102,7 +108,14 @@ class Pool:
         self.clock += 1
         e.last_use = self.clock
         e.pending[i] = call
+        e.writers[i] = call
         return e.slots[i], e.addrs[i], (key, i, call)
+
+    def writer(self, ticket: tuple):
+        """The last call given the slot of ``ticket`` (its own call while not recycled), None once evicted."""
+        key, i, _call = ticket
+        e = self.entries.get(key)
+        return e.writers[i] if e is not None else None
 
     def consumed(self, ticket: tuple) -> None:
         """The output of ``ticket`` (from :meth:`get`) was waited: its slot may be written again."""
@@ -139,14 +152,22 @@ class Pool:
         lru = sorted(self.entries.values(), key=lambda x: x.last_use)
         if self.used + need > self.capacity:
             gc.collect()  # outputs dropped in reference cycles must not look held (rare path: the pool is full)
+        if self.broken:
+            raise RuntimeError(self.broken)
         mine = (self.allocs, desc, need, [str(x.key) for x in lru if self._evictable(x)])
-        views = self.agree(mine)
+        views = self.agree(mine + (self.room(need) if self.room is not None else None,))
         if any(v[:3] != mine[:3] for v in views):
             raise RuntimeError(
                 "cp_ops fast transport: ranks disagree on the pool allocation (number, buffer, bytes): "
                 + "; ".join(f"rank {r}: {v[:3]}" for r, v in enumerate(views))
                 + ". Every rank must make the same fast calls in the same order"
             )
+        short = [(r, v[4]) for r, v in enumerate(views) if len(v) > 4 and v[4] is not None]
+        if short:
+            raise RuntimeError(
+                f"cp_ops fast transport: the pool cannot grow by {desc} ({need / 2**20:.1f} MiB) on every rank: "
+                + "; ".join(f"group rank {r}: {why}" for r, why in short)
+                + ". Free GPU memory, lower CP_OPS_FAST_POOL_GB, or use transport='torch'")
         agreed = set(views[0][3]).intersection(*[set(v[3]) for v in views[1:]])
         victims, free_after = [], self.capacity - self.used
         for x in lru:
@@ -172,13 +193,25 @@ class Pool:
                 self.free_fn(x.seg)
                 self.evictions += 1
                 log.info("cp_ops fast: pool evicted %s %s (least recently used) for %s", x.key[0], x.key[1], desc)
-        seg = self.alloc_fn(need)
+        seg, err = None, None
+        try:
+            seg = self.alloc_fn(need)
+        except Exception as e:  # noqa: BLE001 - every rank must learn it
+            err = f"{type(e).__name__}: {e}"
+        failed = [(r, x) for r, x in enumerate(self.agree((self.allocs, err))) if x[1] is not None]
+        if failed:
+            # a symmetric allocation made on some ranks only cannot be freed (the free is collective): it stays
+            # allocated, and the pool grows no more (every rank raises the same error now and at its next growth)
+            self.broken = ("cp_ops fast transport: the pool's symmetric allocation of " f"{need / 2**20:.1f} MiB for {desc}"
+                           " failed on " + "; ".join(f"group rank {r}: {x[1]}" for r, x in failed)
+                           + ". The pool cannot grow any more: FastTransport.shutdown() on every rank, then retry")
+            raise RuntimeError(self.broken)
         self.allocs += 1
         self.used += need
         slots = [self.make(seg.local + i * size, nbytes).view(dtype).view(shape) for i in range(self.slots)]
         base = _holders(slots)  # only the pool holds them now
         e = _Entry(key, seg, size, slots, base, [None] * self.slots,
-                   addrs=[[p + i * size for p in seg.peers] for i in range(self.slots)])
+                   addrs=[[p + i * size for p in seg.peers] for i in range(self.slots)], writers=[None] * self.slots)
         self.entries[key] = e
         return e
 
