@@ -29,22 +29,33 @@ Settings (:data:`cp_ops.config.settings`, or :func:`configure` before the first 
     ``CP_OPS_FAST_PATH``        ``auto`` (measure both), ``ce`` (copy engine) or ``sm`` (copy kernel)
     ``CP_OPS_FAST_LANE_WIDTH``  the one group width that uses the fast lane (default: the first CP group used)
     ``CP_OPS_FAST_TUNE``        ``0`` disables the per-shape measurement (then: CE, all targets in flight)
-    ``CP_OPS_TIMEOUT_S``        bound on every device-side wait (then a RuntimeError at the next launch/wait/check)
+    ``CP_OPS_TIMEOUT_S``        bound on every device-side wait and on every start-up/pool exchange (see Faults)
 
 Outputs are views of pooled buffers: valid until the second-next fast call of the same role and shape
 (``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most
-256 fast calls may be launched and not yet waited (a launch beyond that raises).
+256 fast calls may be launched and not yet waited (a launch beyond that raises). A work may be waited on several
+streams (the later ones wait for the first; RuntimeError once the outputs were recycled).
 
 CUDA graphs (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): a fast call can be captured once its
 shape was called eagerly (the lane started, its pool buffers allocated, its per-shape decision tuned); a replay
 raises the slots' generations on the device. A first call captured raises RuntimeError naming why. Each captured
-call keeps its flag slot and its pool buffers until :meth:`FastTransport.shutdown` (256 slots per lane).
+call keeps its flag slot while its graph lives (given back, on every rank alike, once the graph is destroyed; at
+most 248 of the 256 slots held by live graphs) and its pool buffers until :meth:`FastTransport.shutdown`.
 
 Group-level requirements (one node, every peer P2P-reachable, the extension built, the heap started) are
 checked collectively when a group first uses the transport, and each start-up stage's outcome is exchanged
-over the group: with ``transport='fast'`` every rank raises RuntimeError naming the failing rank, the
-library's message and a hint; with ``transport='auto'`` that group uses the torch transport (logged once).
-The process has one fast lane: a group that is not it gets a reason naming the lane's width and ranks.
+over the group through the c10d store, bounded by ``CP_OPS_TIMEOUT_S`` and agreed: with ``transport='fast'`` every
+rank raises the same RuntimeError naming the failing (or stuck) rank, the library's message and a hint; with
+``transport='auto'`` that group uses the torch transport on every rank (logged once); the verdict is kept (no
+retry until :meth:`FastTransport.shutdown`). The process has one fast lane: a group that is not it gets a reason
+naming the lane's width and ranks.
+
+Faults (``docs/fast_transport.md``): a device wait that gives up after ``CP_OPS_TIMEOUT_S`` poisons the call's
+outputs on that rank (NaN) and the error is raised by the next wait, launch, :meth:`FastTransport.check` or
+:meth:`FastTransport.synchronize`. A launch that will not be waited (an exception between launch and wait) is
+given up with ``work.cancel()`` (never raises; a work dropped un-waited is cancelled when the lane next needs its
+slots). Pool growth checks free memory on every rank and agrees on the outcome before and after the collective
+allocation.
 
 Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
 (0.69-0.78x the NCCL all-gather time), Ulysses 260-344 GB/s (0.49-0.52x the torch transport's

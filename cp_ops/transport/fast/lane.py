@@ -15,6 +15,7 @@ raises it as a RuntimeError naming the call, the peer, the flag and the values.
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import sys
@@ -206,9 +207,25 @@ class Lane:
     # works kept for reuse (see _work); entry 0 is a sentinel only this list references
     spare: list = field(default_factory=lambda: [object()])
 
+    def __post_init__(self):
+        self.pool.reclaim = self.slots.reclaim = self.reclaim_dropped
+
     @property
     def world(self) -> int:
         return len(self.ranks)
+
+    def reclaim_dropped(self) -> None:
+        """Cancel every launch whose work nobody can reach any more and that was never waited (its caller failed
+        between launch and wait and did not cancel it): run when a launch finds its flag slot or pool slot still
+        held, before raising. Collects reference cycles first (a stored exception's traceback can hold the work)."""
+        gc.collect()
+        base = -1
+        for w in self.spare:  # as in _work: the sentinel's count is that of an object only this list holds
+            n = sys.getrefcount(w)
+            if base < 0:
+                base = n
+            elif n == base and not w.settled:
+                w.cancel()
 
     @property
     def rank(self) -> int:

@@ -63,6 +63,7 @@ class Pool:
     def __init__(self, alloc, free, make, agree, quiesce, cap_bytes: int, cap_gb: float, slots: int = 2, room=None):
         self.alloc_fn, self.free_fn, self.make, self.agree, self.quiesce = alloc, free, make, agree, quiesce
         self.room = room
+        self.reclaim = None  # () -> None: give back what abandoned launches hold (set by the lane)
         self.broken: str | None = None  # an allocation failed on some rank after the agreement: no more growth
         self.capacity, self.cap_gb, self.slots = cap_bytes, cap_gb, slots
         self.used = 0
@@ -97,12 +98,15 @@ class Pool:
         if capturing:
             e.captured = True
         i = e.turn
+        if e.pending[i] is not None and self.reclaim is not None:
+            self.reclaim()  # works dropped un-waited give their slots back (Lane.reclaim_dropped)
         if e.pending[i] is not None:
             raise RuntimeError(
                 f"cp_ops fast transport: call {call} would overwrite pool slot {i} of {role} {tuple(shape)} "
                 f"{str(dtype).replace('torch.', '')}, which still holds the output of call {e.pending[i]} (launched, "
                 f"not waited); at most {self.slots} launches of one shape may be in flight (slots_per_key="
-                f"{self.slots}): wait an output before launching the next one of the same shape"
+                f"{self.slots}): wait an output before launching the next one of the same shape, or cancel a launch "
+                "that will not be waited (work.cancel(), e.g. after an exception)"
             )
         e.turn = (i + 1) % self.slots
         self.clock += 1

@@ -34,6 +34,7 @@ class CallSlots:
         self.reclaim_at = n // 2  # pinned slots at which a capturing acquire reclaims first
         self.eager_min = max(1, min(_EAGER_MIN, n // 4))  # slots captures never pin
         self.reclaims = 0
+        self.reclaim = None  # () -> None: give back what abandoned launches hold (set by the lane)
         self.next = 0
 
     def acquire(self, call: int, capturing: bool = False) -> int:
@@ -56,6 +57,8 @@ class CallSlots:
             if s in self.pinned:
                 s = (s + 1) % self.n
                 continue
+            if self.owner[s] is not None and self.reclaim is not None:
+                self.reclaim()  # works dropped un-waited give their slots back (Lane.reclaim_dropped)
             if self.owner[s] is not None:
                 inflight = sorted(c for c in self.owner if c is not None)
                 raise RuntimeError(
