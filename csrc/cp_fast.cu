@@ -35,7 +35,17 @@
 //
 // Bounded waits: every spin gives up after `timeout_ns` (%globaltimer) or at once when another wait on this
 // device already timed out, and the first one records (call, slot, peer, flag, value seen, wanted, waited ns)
-// in mapped pinned host memory; the host raises it (Lane.error()) at its next launch/wait/check.
+// in mapped pinned host memory; the host raises it (Lane.error()) at its next launch/wait/check. A wait (or
+// wait_source) whose spin gave up poisons the call's outputs on this rank (every byte 0xFF: NaN in every float
+// dtype) before its stream goes on, so nothing computed from data that never arrived looks normal.
+//
+// A call never waited (cancelled, or its work dropped after an exception between launch and wait) records no done
+// event; the next launch in its slot then waits for that call's begin, own copy and sends instead, so the slot's
+// generations and arrival signals still advance in order.
+//
+// CUDA graphs: a launch captured into a graph gives the graph a CUDA user object; when the graph (and every
+// executable made from it) is destroyed, its destructor queues the slot, and `freed_slots()` hands the queue to
+// the host (CallSlots reclaims a slot once every rank saw it freed).
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -44,6 +54,8 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -134,6 +146,31 @@ struct PtrList {
   unsigned long long p[kMaxW];
 };
 
+constexpr int kMaxPoison = 4;  // output buffers per call (AGKV: k_full, v_full)
+
+// Output buffers of one call on this rank, filled with 0xFF bytes (NaN) when its wait gives up.
+struct PoisonList {
+  int n;
+  unsigned long long ptr[kMaxPoison];
+  unsigned long long bytes[kMaxPoison];
+};
+
+// Every thread of the block fills the regions (16-byte stores where aligned, bytes at the edges).
+__device__ void poison(const PoisonList& pl) {
+  const int4 nan4 = make_int4(-1, -1, -1, -1);
+  for (int i = 0; i < pl.n; ++i) {
+    unsigned char* p = reinterpret_cast<unsigned char*>(pl.ptr[i]);
+    const unsigned long long n = pl.bytes[i];
+    const unsigned long long head = min(n, (unsigned long long)((16 - (pl.ptr[i] & 15)) & 15));
+    const unsigned long long vecs = (n - head) / 16;
+    for (unsigned long long j = threadIdx.x; j < head; j += blockDim.x) p[j] = 0xFF;
+    int4* v = reinterpret_cast<int4*>(p + head);
+    for (unsigned long long j = threadIdx.x; j < vecs; j += blockDim.x) v[j] = nan4;
+    for (unsigned long long j = head + vecs * 16 + threadIdx.x; j < n; j += blockDim.x) p[j] = 0xFF;
+  }
+  __threadfence();
+}
+
 // g = ++gen; ready[s][rank] := g on every peer; then spin until every peer's ready[s][t] >= g here (one thread
 // per peer): the rendezvous. It runs on the caller's stream, so the send streams start their copies on an
 // event, with no kernel of their own in front: a spin kernel queued on a send stream needs a free SM and, behind
@@ -156,21 +193,32 @@ __global__ void begin_kernel(uint64_t* gen, PtrList peers_ready, const uint64_t*
   if (threadIdx.x == 0) __threadfence_system();
 }
 
-__global__ void wait_kernel(const uint64_t* flag, const uint64_t* gen, Ctx c, uint64_t kind, int peer) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) {
-    spin_geq(flag, *gen, c, kind, peer);
+// One source's arrival (wait_source); the call's outputs poisoned if the spin gave up.
+__global__ void wait_kernel(const uint64_t* flag, const uint64_t* gen, Ctx c, uint64_t kind, int peer,
+                            const PoisonList pl) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) {
+    bad = spin_geq(flag, *gen, c, kind, peer) ? 0 : 1;
     __threadfence_system();
   }
+  __syncthreads();
+  if (bad) poison(pl);
 }
 
-// Spin until arrived[p] >= *gen for every p != rank (one thread per source).
-__global__ void wait_all_kernel(const uint64_t* arrived, int world, int rank, const uint64_t* gen, Ctx c) {
+// Spin until arrived[p] >= *gen for every p != rank (one thread per source); the call's outputs poisoned if a
+// spin gave up.
+__global__ void wait_all_kernel(const uint64_t* arrived, int world, int rank, const uint64_t* gen, Ctx c,
+                                const PoisonList pl) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
   const uint64_t g = *gen;
   for (int p = threadIdx.x; p < world; p += blockDim.x) {
     if (p == rank) continue;
-    spin_geq(arrived + p, g, c, kArrived, p);
+    if (!spin_geq(arrived + p, g, c, kArrived, p)) atomicExch(&bad, 1);
   }
   __syncthreads();
+  if (bad) poison(pl);
   if (threadIdx.x == 0) __threadfence_system();
 }
 
@@ -269,6 +317,27 @@ bool capturing(cudaStream_t s) {
   return st != cudaStreamCaptureStatusNone;
 }
 
+// Slots whose CUDA graph was destroyed (filled by user-object destructors on CUDA's internal thread, drained by
+// the host); shared with the pending destructors, so it outlives a released lane.
+struct FreedQueue {
+  std::mutex mu;
+  std::vector<int> slots;
+};
+
+struct FreedNote {  // one captured launch's user object: the queue and the slot
+  std::shared_ptr<FreedQueue> q;
+  int slot;
+};
+
+void CUDART_CB on_graph_freed(void* p) {  // no CUDA calls allowed here
+  FreedNote* note = static_cast<FreedNote*>(p);
+  {
+    std::lock_guard<std::mutex> lock(note->q->mu);
+    note->q->slots.push_back(note->slot);
+  }
+  delete note;
+}
+
 class Lane {
  public:
   Lane(int rank, int world, int device, uint64_t ctrl, std::vector<uint64_t> peer_ctrl, int n_send, int n_slots,
@@ -327,11 +396,13 @@ class Lane {
   // destination is rank t (descs[rank] = local copy), destinations as absolute pointers.
   // path 0 = copy engine, 1 = SM kernel. inflight = remote targets in flight at once (send stream groups);
   // split = streams per target (CE only). Targets are visited rank^j (W a power of two) or (rank+j)%W.
+  // outputs = (address, bytes) of this rank's output buffers (poisoned when a wait of this call gives up).
   void launch(uint64_t cur_stream, int64_t call, int slot, const std::vector<std::vector<std::array<uint64_t, 6>>>& descs,
-              int path, int inflight, int split, int sm_blocks) {
+              int path, int inflight, int split, int sm_blocks, const std::vector<std::array<uint64_t, 2>>& outputs) {
     check_live();
     check_slot(slot);
     if ((int)descs.size() != world_) throw std::invalid_argument("launch: need one descriptor list per rank");
+    if ((int)outputs.size() > kMaxPoison) throw std::invalid_argument("launch: more than 4 output buffers");
     if (path == 1) split = 1;
     if (inflight < 1) inflight = 1;
     if (inflight > std::max(1, world_ - 1)) inflight = std::max(1, world_ - 1);
@@ -343,9 +414,18 @@ class Lane {
     uint64_t* gen = gen_ptr(slot);
     const Ctx c = ctx(call, slot);
 
-    // the slot's previous call must be fully waited on this device before its generation moves on
-    if (sl.done_valid && !capturing(cur)) CP_CUDA(cudaStreamWaitEvent(cur, sl.events[kEvDone], 0));
+    // the slot's previous call must be fully waited on this device before its generation moves on; one never
+    // waited (cancelled or dropped) has no done event: wait for its begin, own copy and sends instead
+    const bool cap = capturing(cur);
+    if (!cap && sl.done_valid) {
+      CP_CUDA(cudaStreamWaitEvent(cur, sl.events[kEvDone], 0));
+    } else if (!cap && sl.call >= 0 && !sl.captured) {
+      CP_CUDA(cudaStreamWaitEvent(cur, sl.events[kEvBegin], 0));
+      CP_CUDA(cudaStreamWaitEvent(cur, sl.events[kEvSrc], 0));
+      for (int q = 0; q < sl.used; ++q) CP_CUDA(cudaStreamWaitEvent(cur, sl.events[kEvTmp0 + q], 0));
+    }
     sl.done_valid = false;
+    if (cap) note_graph(cur, slot);
     PtrList pr{};
     for (int p = 0; p < world_; ++p)
       if (p != rank_) pr.p[pr.n++] = peer_ctrl_[p] + 8ull * ready_index(slot, rank_);
@@ -392,6 +472,13 @@ class Lane {
     for (int s = 0; s < used; ++s) CP_CUDA(cudaEventRecord(sl.events[kEvTmp0 + s], send_[s]));
     sl.used = used;
     sl.call = call;
+    sl.captured = cap;
+    sl.poison = PoisonList{};
+    for (const auto& o : outputs) {
+      sl.poison.ptr[sl.poison.n] = o[0];
+      sl.poison.bytes[sl.poison.n] = o[1];
+      ++sl.poison.n;
+    }
   }
 
   // Make `stream` wait for every chunk of the call in `slot`: begin, a spin on every peer's arrival flag,
@@ -404,13 +491,14 @@ class Lane {
     Slot& sl = slot_events(slot);
     cudaStream_t x = reinterpret_cast<cudaStream_t>(stream);
     CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvBegin], 0));
-    if (world_ > 1) {
-      wait_all_kernel<<<1, 64, 0, x>>>(ctrl_words() + arrived_index(slot, 0), world_, rank_, gen_ptr(slot),
-                                       ctx(sl.call, slot));
-      CP_CUDA(cudaGetLastError());
-    }
+    // own copy and sends first, so a poisoning wait kernel is the last writer of the outputs here
     CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvSrc], 0));
     for (int s = 0; s < sl.used; ++s) CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvTmp0 + s], 0));
+    if (world_ > 1) {
+      wait_all_kernel<<<1, 64, 0, x>>>(ctrl_words() + arrived_index(slot, 0), world_, rank_, gen_ptr(slot),
+                                       ctx(sl.call, slot), sl.poison);
+      CP_CUDA(cudaGetLastError());
+    }
     if (record_done && !capturing(x)) {
       CP_CUDA(cudaEventRecord(sl.events[kEvDone], x));
       sl.done_valid = true;
@@ -430,8 +518,8 @@ class Lane {
       return;
     }
     CP_CUDA(cudaStreamWaitEvent(x, sl.events[kEvBegin], 0));
-    wait_kernel<<<1, 32, 0, x>>>(ctrl_words() + arrived_index(slot, src), gen_ptr(slot), ctx(sl.call, slot), kSource,
-                                 src);
+    wait_kernel<<<1, 64, 0, x>>>(ctrl_words() + arrived_index(slot, src), gen_ptr(slot), ctx(sl.call, slot), kSource,
+                                 src, sl.poison);
     CP_CUDA(cudaGetLastError());
   }
 
@@ -477,6 +565,14 @@ class Lane {
 
   int n_slots() const { return n_slots_; }
 
+  // Slots whose CUDA graph was destroyed since the last call (see on_graph_freed); no CUDA call.
+  std::vector<int> freed_slots() {
+    std::lock_guard<std::mutex> lock(freed_->mu);
+    std::vector<int> out;
+    out.swap(freed_->slots);
+    return out;
+  }
+
  private:
   // per-slot events: begin, done (the slot's last full wait), src (own chunk), send_end[n_send], tmp[n_send]
   enum { kEvBegin = 0, kEvDone = 1, kEvSrc = 2, kEvTmp0 = 3 };
@@ -485,7 +581,26 @@ class Lane {
     int used = 0;
     int64_t call = -1;
     bool done_valid = false;
+    bool captured = false;  // its last call was captured into a CUDA graph (its events hold no eager record)
+    PoisonList poison{};    // its last call's outputs here
   };
+
+  // The graph being captured on `s` owns a user object whose destructor queues `slot` (graph destroyed).
+  void note_graph(cudaStream_t s, int slot) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    cudaGraph_t graph = nullptr;
+    CP_CUDA(cudaStreamGetCaptureInfo(s, &st, &id, &graph));
+    if (st != cudaStreamCaptureStatusActive || graph == nullptr) return;
+    FreedNote* note = new FreedNote{freed_, slot};
+    cudaUserObject_t obj;
+    cudaError_t e = cudaUserObjectCreate(&obj, note, on_graph_freed, 1, cudaUserObjectNoDestructorSync);
+    if (e != cudaSuccess) {
+      delete note;
+      CP_CUDA(e);
+    }
+    CP_CUDA(cudaGraphRetainUserObject(graph, obj, 1, cudaGraphUserObjectMove));
+  }
 
   void check_live() const {
     if (released_) throw std::runtime_error("cp_ops fast transport: the lane was shut down (FastTransport.shutdown())");
@@ -590,6 +705,7 @@ class Lane {
   ErrRec* err_host_ = nullptr;
   ErrRec* err_dev_ = nullptr;
   bool released_ = false;
+  std::shared_ptr<FreedQueue> freed_ = std::make_shared<FreedQueue>();
 };
 
 // ---- heap helpers for the CUDA-IPC backend and fabric probing ------------------------------------
@@ -650,7 +766,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("world"), py::arg("device"), py::arg("ctrl"), py::arg("peer_ctrl"), py::arg("n_send"),
            py::arg("n_slots"), py::arg("timeout_s"))
       .def("launch", &Lane::launch, py::arg("cur_stream"), py::arg("call"), py::arg("slot"), py::arg("descs"),
-           py::arg("path"), py::arg("inflight"), py::arg("split"), py::arg("sm_blocks"))
+           py::arg("path"), py::arg("inflight"), py::arg("split"), py::arg("sm_blocks"),
+           py::arg("outputs") = std::vector<std::array<uint64_t, 2>>{})
       .def("wait", &Lane::wait, py::arg("stream"), py::arg("slot"), py::arg("record_done"))
       .def("wait_source", &Lane::wait_source)
       .def("query", &Lane::query)
@@ -659,6 +776,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("generations", &Lane::generations)
       .def("streams", &Lane::streams)
       .def("n_slots", &Lane::n_slots)
+      .def("freed_slots", &Lane::freed_slots)
       .def("release", &Lane::release)
       .def_static("ctrl_bytes", &Lane::ctrl_bytes);
   m.def("ipc_malloc", &ipc_malloc);

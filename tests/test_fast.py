@@ -17,7 +17,9 @@ import torch
 
 from cp_ops import layout
 from cp_ops import config
-from cp_ops.transport import _fast_build, _fast_runtime, base, fast
+from cp_ops.transport import _fast_build, base, fast
+from cp_ops.transport.fast import collective as fcoll, heap as fheap, lane as flane, pool as fpool
+from cp_ops.transport.fast import slots as fslots, start as fstart
 
 
 def test_reason_cpu_tensors_names_torch():
@@ -130,7 +132,7 @@ def _cpu_pool(cap, views=None, slots=2):
         t = torch.zeros(n, dtype=torch.uint8)
         mem[t.data_ptr()] = t
         log["alloc"].append(n)
-        return _fast_runtime.Segment(t.data_ptr(), [t.data_ptr(), t.data_ptr() + (1 << 40)], n, t)
+        return fheap.Segment(t.data_ptr(), [t.data_ptr(), t.data_ptr() + (1 << 40)], n, t)
 
     def make(ptr, n):
         for base, t in mem.items():
@@ -145,7 +147,7 @@ def _cpu_pool(cap, views=None, slots=2):
     def quiesce():
         log["quiesce"] += 1
 
-    pool = _fast_runtime.Pool(alloc, free, make, views or (lambda obj: [obj, obj]), quiesce, cap, cap / 2**30,
+    pool = fpool.Pool(alloc, free, make, views or (lambda obj: [obj, obj]), quiesce, cap, cap / 2**30,
                               slots=slots)
     return pool, log
 
@@ -249,7 +251,7 @@ def test_pool_keys_captured_by_a_graph_stay_and_new_keys_refuse_capture():
 
 # ---- call slots: no silent reuse ----------------------------------------------------------------
 def test_call_slots_raise_when_too_many_unwaited_calls():
-    slots = _fast_runtime.CallSlots(4)
+    slots = fslots.CallSlots(4)
     got = [slots.acquire(c) for c in range(4)]
     assert got == [0, 1, 2, 3]
     with pytest.raises(RuntimeError, match=r"call 4 needs a flag slot but slot 0 still holds call 0.*4 fast calls are "
@@ -260,7 +262,7 @@ def test_call_slots_raise_when_too_many_unwaited_calls():
 
 
 def test_call_slots_captured_by_a_graph_are_never_reused_eagerly():
-    slots = _fast_runtime.CallSlots(3)
+    slots = fslots.CallSlots(3)
     assert slots.acquire(0, capturing=True) == 0
     slots.release(0, 0)
     assert [slots.acquire(1), slots.acquire(2)] == [1, 2]
@@ -277,7 +279,7 @@ def test_device_timeout_is_raised_with_call_peer_flag():
         def error(self):
             return self.err
 
-    lane = _fast_runtime.Lane.__new__(_fast_runtime.Lane)
+    lane = flane.Lane.__new__(flane.Lane)
     lane.ext_lane, lane.ranks = ExtLane(), [4, 5, 6, 7]
     lane.check()  # nothing recorded: no error
     ExtLane.err = [2, 17, 5, 1, 3, 4, 2_500_000_000]
@@ -439,7 +441,7 @@ class _SymHeap:
             if n == len(self.segs):
                 self.segs.append([torch.zeros(nbytes, dtype=torch.uint8) for _ in range(self.world)])
             ts = self.segs[n]
-            return _fast_runtime.Segment(ts[rank].data_ptr(), [t.data_ptr() for t in ts], nbytes, ts)
+            return fheap.Segment(ts[rank].data_ptr(), [t.data_ptr() for t in ts], nbytes, ts)
 
         return alloc
 
@@ -473,9 +475,9 @@ class _EmuLane:
 
     def __init__(self, rank, world, heap):
         self.rank, self.world, self.heap, self.calls = rank, world, heap, 0
-        self.pool = _fast_runtime.Pool(heap.alloc_for(rank), lambda seg: None, heap.make, lambda obj: [obj] * world,
+        self.pool = fpool.Pool(heap.alloc_for(rank), lambda seg: None, heap.make, lambda obj: [obj] * world,
                                        lambda: None, 1 << 20, 1 / 1024, slots=fast.FastTransport.slots_per_key)
-        self.launched, self.keys = [], []
+        self.launched, self.keys, self.outputs = [], [], []
 
     def next_call(self):
         return self.calls
@@ -483,9 +485,10 @@ class _EmuLane:
     def capturing(self):
         return False
 
-    def launch(self, key, descs, inputs, tickets):
+    def launch(self, key, descs, inputs, tickets, outputs=()):
         assert len(descs) == self.world
         self.keys.append(key)
+        self.outputs.append(list(outputs))
         self.launched.append((descs, inputs))
         self.calls += 1
         return _EmuWork(self.pool, tickets)
@@ -595,7 +598,7 @@ def test_descriptors_double_buffer_and_inflight_bound(monkeypatch):
 
 
 def test_candidates_shared_egress_single_stream():
-    lane = _fast_runtime.Lane.__new__(_fast_runtime.Lane)
+    lane = flane.Lane.__new__(flane.Lane)
     lane.ranks, lane.fabric = [0, 1, 2, 3], "shared-egress"
     s = config.settings
     old = s.fast_path
@@ -647,7 +650,7 @@ def _probe_body(rank, world):
                 return [0 if scenario == "no_p2p" else 1, 0 if scenario == "pcie" else 1, 0]
 
         dev = types.SimpleNamespace(index=rank, type="cuda")
-        got = _fast_runtime.probe_group(dist.group.WORLD, dev, Ext)
+        got = fstart.probe_group(dist.group.WORLD, dev, Ext)
         if isinstance(want, tuple):
             assert got == want, (scenario, got)
         else:
@@ -688,7 +691,7 @@ def test_auto_falls_back_to_torch_for_a_group_that_cannot_host_the_lane(fake_wor
 
     def unfit(group, device):
         calls.append(group.size())
-        raise _fast_runtime.StartFailed("the CP group spans more than one node")
+        raise fcoll.StartFailed("the CP group spans more than one node")
 
     monkeypatch.setattr(fast.transport, "_start", unfit)
     dev = torch.device("cuda", 0)
@@ -759,9 +762,16 @@ def _startup_body(rank, world, scenarios):
 def _startup_scenario(rank, world, scenario):
     import torch.distributed as dist
 
-    from cp_ops.transport import _fast_build, _fast_runtime as rt, base, fast
+    from cp_ops.transport import _fast_build, base, fast
+    from cp_ops.transport.fast import heap as fheap, start as fstart
+
+    import threading
+
+    from cp_ops import config
 
     bad = world - 1
+    starts = [0]
+    config.configure(timeout_s=3 if scenario == "stuck" else 60)
 
     class Heap:
         name = "nvshmem"
@@ -770,14 +780,17 @@ def _startup_scenario(rank, world, scenario):
             if scenario == "import" and rank == bad:
                 raise ImportError("libnvshmem_host.so.3: cannot open shared object file")
 
-        def start(self, stage):
+        def start(self, stage, exchange):
             def init():
+                starts[0] += 1
                 if scenario == "init" and rank == bad:
                     raise RuntimeError("NVSHMEM: planted init failure (nvshmemi_bootstrap)")
-            stage("NVSHMEM init (bootstrapped over the CP group)", init)
+                if scenario == "stuck" and rank == bad:  # NVSHMEM init that never returns on one rank
+                    threading.Event().wait(300)
+            stage("NVSHMEM init (bootstrapped over the CP group)", init, bounded=True)
 
         def alloc(self, n):
-            return rt.Segment(1 << 20, [1 << 20] * world, n)
+            return fheap.Segment(1 << 20, [1 << 20] * world, n)
 
         def free(self, seg):
             pass
@@ -788,8 +801,8 @@ def _startup_scenario(rank, world, scenario):
     fast.transport.unavailable_reason = lambda device: (
         "the cp_ops CUDA extension failed to build" if scenario == "build" and rank == 0 else None)
     _fast_build.load = lambda: (_FakeExt, None)
-    rt.probe_group = lambda group, device, ext: (None, "nvlink")
-    rt.HEAPS["nvshmem"] = Heap
+    fstart.probe_group = lambda group, device, ext, exchange=None: (None, "nvlink")
+    fstart.HEAPS["nvshmem"] = Heap
     dev = torch.device("cuda", 0)
     g = dist.group.WORLD
     reason = fast.transport.group_reason(g, dev)
@@ -801,8 +814,14 @@ def _startup_scenario(rank, world, scenario):
         return
     want = {"import": f"group rank {bad}: ImportError: libnvshmem_host",
             "init": f"group rank {bad}: RuntimeError: NVSHMEM: planted init failure",
+            "stuck": f"NVSHMEM init (bootstrapped over the CP group) failed on group rank {bad}: StageStuck: cp_ops fast "
+                     "transport: NVSHMEM init (bootstrapped over the CP group) did not finish within 3 s",
             "build": "group rank 0: the cp_ops CUDA extension failed to build"}[scenario]
     assert reason is not None and want in reason, reason
+    assert reason.startswith("cp_ops") or scenario == "build", reason
+    seen = [None] * world
+    dist.all_gather_object(seen, reason)
+    assert seen == [reason] * world, seen  # the same verdict, word for word, on every rank
     if scenario != "build":
         assert "hint:" in reason and "CP_OPS_FAST_HEAP=ipc" in reason
     assert fast.transport.lane is None
@@ -812,13 +831,20 @@ def _startup_scenario(rank, world, scenario):
     except RuntimeError as e:
         assert want in str(e)
     assert base.for_group("auto", g, dev).name == "torch"
+    n = starts[0]
+    assert fast.transport.group_reason(g, dev) == reason and starts[0] == n  # the verdict is kept: no retry
 
 
-@pytest.mark.parametrize("world,scenarios", [(2, ("init", "build", "ok")), (3, ("import", "ok"))])
+@pytest.mark.parametrize("world,scenarios", [(2, ("init", "build", "ok")), (3, ("import", "ok")), (2, ("stuck",))])
 def test_startup_failure_on_one_rank_reaches_every_rank(world, scenarios):
     """A start-up stage failing on one rank (the NVSHMEM import or init, the extension build) gives every rank
     the same verdict at once: explicit fast raises on every rank with the library's message and a hint; auto
-    uses torch. Start-up runs over the CP group only, with group ranks (NVSHMEM rank = group rank)."""
+    uses torch. Start-up runs over the CP group only, with group ranks (NVSHMEM rank = group rank).
+
+    'stuck' (issue 20 item 6): NVSHMEM init never returns on one rank. Before: the others waited in a raw collective
+    until the group's timeout, with a message naming neither cp_ops nor NVSHMEM, and auto did not fall back. Now the
+    init is bounded by CP_OPS_TIMEOUT_S (3 s here) and every rank gets the same StartFailed naming the rank, NVSHMEM
+    and cp_ops; auto uses torch; the verdict is kept (the next call does not retry)."""
     from dist_util import run_ranks
 
     run_ranks(_startup_body, world, scenarios, timeout=90)

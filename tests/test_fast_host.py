@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch._C._distributed_c10d import _register_work
 
-from cp_ops.transport import _fast_runtime, fast
+from cp_ops.transport import fast
+from cp_ops.transport.fast import heap as fheap, lane as flane, pool as fpool
 
 
 def _lane():
-    lane = _fast_runtime.Lane.__new__(_fast_runtime.Lane)  # no device: only the work bookkeeping is used
+    lane = flane.Lane.__new__(flane.Lane)  # no device: only the work bookkeeping is used
     lane.spare = [object()]
     return lane
 
@@ -18,10 +19,10 @@ def _lane():
 def test_a_work_is_reused_only_once_waited_and_unreferenced(monkeypatch):
     lane = _lane()
     w0 = lane._work(0, 0, ["t0"])
-    assert isinstance(w0, _fast_runtime.FastWork) and (w0.call, w0.slot, w0.tickets) == (0, 0, ["t0"])
+    assert isinstance(w0, flane.FastWork) and (w0.call, w0.slot, w0.tickets) == (0, 0, ["t0"])
     first = id(w0)
     assert lane._work(1, 1, []) is not w0  # not waited yet (and still named here)
-    w0._waited.add(7)  # what FastWork.wait records
+    w0._first = 7  # what FastWork.wait records (the stream it waited on)
     w2 = lane._work(2, 2, [])
     assert w2 is not w0  # waited, but this test still holds it
     t = torch.zeros(3)
@@ -29,24 +30,24 @@ def test_a_work_is_reused_only_once_waited_and_unreferenced(monkeypatch):
     del w0
     w3 = lane._work(3, 3, [])
     assert id(w3) != first  # registered, not waited through the registry: still reachable
-    monkeypatch.setattr(_fast_runtime.FastWork, "wait", lambda self, timeout=None: True)
+    monkeypatch.setattr(flane.FastWork, "wait", lambda self, timeout=None: True)
     torch.ops._c10d_functional.wait_tensor(t)  # the registry lets it go
     w4 = lane._work(4, 4, ["t4"])
-    assert id(w4) == first and (w4.call, w4.slot, w4.tickets) == (4, 4, ["t4"]) and not w4._waited
+    assert id(w4) == first and (w4.call, w4.slot, w4.tickets) == (4, 4, ["t4"]) and w4._first is None and not w4.settled
 
 
 def test_the_lane_keeps_a_bounded_number_of_works():
     lane = _lane()
-    held = [lane._work(c, c, []) for c in range(3 * _fast_runtime._SPARE_WORKS)]  # all in flight
+    held = [lane._work(c, c, []) for c in range(3 * flane._SPARE_WORKS)]  # all in flight
     assert len({id(w) for w in held}) == len(held)
-    assert len(lane.spare) == 1 + _fast_runtime._SPARE_WORKS
+    assert len(lane.spare) == 1 + flane._SPARE_WORKS
 
 
 def test_a_reused_work_no_longer_answers_for_its_old_outputs(monkeypatch):
     """FastTransport.wait_source(t) finds a pending output's work by address; once a work is reused for another
     launch, the outputs of its previous launch map to nothing (KeyError), as when the work was a new object."""
     lane = _lane()
-    pool = _fast_runtime.Pool(lambda n: _seg(n), lambda seg: None, _make, lambda obj: [obj, obj], lambda: None,
+    pool = fpool.Pool(lambda n: _seg(n), lambda seg: None, _make, lambda obj: [obj, obj], lambda: None,
                               1 << 20, 1 / 1024, slots=2)
 
     class Stub:
@@ -61,7 +62,7 @@ def test_a_reused_work_no_longer_answers_for_its_old_outputs(monkeypatch):
         def capturing(self):
             return False
 
-        def launch(self, key, descs, inputs, tickets):
+        def launch(self, key, descs, inputs, tickets, outputs=()):
             self.calls += 1
             return lane._work(self.calls, self.calls, tickets)
 
@@ -74,7 +75,7 @@ def test_a_reused_work_no_longer_answers_for_its_old_outputs(monkeypatch):
     old_ptr, old_id = buf.data_ptr(), id(work)
     for t in work.tickets:
         pool.consumed(t)
-    work._waited.add(1)
+    work._first = 1
     del work
     k = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
     kf, vf, work = fast.transport.agkv_start(k, k, None)  # another key: other buffers, the same work object
@@ -90,7 +91,7 @@ _mem: list = []
 def _seg(n):
     t = torch.zeros(n, dtype=torch.uint8)
     _mem.append(t)
-    return _fast_runtime.Segment(t.data_ptr(), [t.data_ptr(), t.data_ptr() + (1 << 40)], n, t)
+    return fheap.Segment(t.data_ptr(), [t.data_ptr(), t.data_ptr() + (1 << 40)], n, t)
 
 
 def _make(ptr, n):

@@ -150,7 +150,7 @@ def _merge_ext(outs, lses, dtype):
     size = o0.element_size()
     vec = (d * size) % 16 == 0 and all((st[i] * size) % 16 == 0 for i in range(3)) \
         and all(o.data_ptr() % 16 == 0 for o in outs)  # out: fresh from the caching allocator (aligned)
-    from ..transport._fast_runtime import _current_stream  # loaded with the extension
+    from ..transport.fast.lane import _current_stream  # loaded with the extension
 
     dev = o0.device.index
     ext.lse_merge(_current_stream(o0.device), dev, code, [o.data_ptr() for o in outs],

@@ -18,7 +18,8 @@ copy-engine streams; path/inflight/split are measured per shape at its first cal
 so every rank picks the same, and cached. A shared-egress fabric (a peer link without native atomics, i.e.
 PCIe-like) uses one remote stream; the flag protocol uses no peer atomics. Symmetric memory comes from
 NVSHMEM (nvshmem4py, bootstrapped over the lane's group only) or CUDA IPC; see
-:mod:`cp_ops.transport._fast_runtime` for the heap, the call slots, the pool and the bounded waits; kernels
+the package's modules for the heap (:mod:`.heap`), the call slots (:mod:`.slots`), the pool (:mod:`.pool`), the lane
+and its works and bounded waits (:mod:`.lane`), start-up (:mod:`.start`, :mod:`.collective`); kernels
 and the flag protocol in ``csrc/cp_fast.cu``.
 
 Settings (:data:`cp_ops.config.settings`, or :func:`configure` before the first fast call):
@@ -28,22 +29,33 @@ Settings (:data:`cp_ops.config.settings`, or :func:`configure` before the first 
     ``CP_OPS_FAST_PATH``        ``auto`` (measure both), ``ce`` (copy engine) or ``sm`` (copy kernel)
     ``CP_OPS_FAST_LANE_WIDTH``  the one group width that uses the fast lane (default: the first CP group used)
     ``CP_OPS_FAST_TUNE``        ``0`` disables the per-shape measurement (then: CE, all targets in flight)
-    ``CP_OPS_TIMEOUT_S``        bound on every device-side wait (then a RuntimeError at the next launch/wait/check)
+    ``CP_OPS_TIMEOUT_S``        bound on every device-side wait and on every start-up/pool exchange (see Faults)
 
 Outputs are views of pooled buffers: valid until the second-next fast call of the same role and shape
 (``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most
-256 fast calls may be launched and not yet waited (a launch beyond that raises).
+256 fast calls may be launched and not yet waited (a launch beyond that raises). A work may be waited on several
+streams (the later ones wait for the first; RuntimeError once the outputs were recycled).
 
 CUDA graphs (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): a fast call can be captured once its
 shape was called eagerly (the lane started, its pool buffers allocated, its per-shape decision tuned); a replay
 raises the slots' generations on the device. A first call captured raises RuntimeError naming why. Each captured
-call keeps its flag slot and its pool buffers until :meth:`FastTransport.shutdown` (256 slots per lane).
+call keeps its flag slot while its graph lives (given back, on every rank alike, once the graph is destroyed; at
+most 248 of the 256 slots held by live graphs) and its pool buffers until :meth:`FastTransport.shutdown`.
 
 Group-level requirements (one node, every peer P2P-reachable, the extension built, the heap started) are
 checked collectively when a group first uses the transport, and each start-up stage's outcome is exchanged
-over the group: with ``transport='fast'`` every rank raises RuntimeError naming the failing rank, the
-library's message and a hint; with ``transport='auto'`` that group uses the torch transport (logged once).
-The process has one fast lane: a group that is not it gets a reason naming the lane's width and ranks.
+over the group through the c10d store, bounded by ``CP_OPS_TIMEOUT_S`` and agreed: with ``transport='fast'`` every
+rank raises the same RuntimeError naming the failing (or stuck) rank, the library's message and a hint; with
+``transport='auto'`` that group uses the torch transport on every rank (logged once); the verdict is kept (no
+retry until :meth:`FastTransport.shutdown`). The process has one fast lane: a group that is not it gets a reason
+naming the lane's width and ranks.
+
+Faults (``docs/fast_transport.md``): a device wait that gives up after ``CP_OPS_TIMEOUT_S`` poisons the call's
+outputs on that rank (NaN) and the error is raised by the next wait, launch, :meth:`FastTransport.check` or
+:meth:`FastTransport.synchronize`. A launch that will not be waited (an exception between launch and wait) is
+given up with ``work.cancel()`` (never raises; a work dropped un-waited is cancelled when the lane next needs its
+slots). Pool growth checks free memory on every rank and agrees on the outcome before and after the collective
+allocation.
 
 Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
 (0.69-0.78x the NCCL all-gather time), Ulysses 260-344 GB/s (0.49-0.52x the torch transport's
@@ -59,8 +71,8 @@ import weakref
 
 import torch
 
-from .. import config
-from .base import register, source_arrivals
+from ... import config
+from ..base import register, source_arrivals
 
 log = logging.getLogger("cp_ops")
 
@@ -79,7 +91,7 @@ class FastTransport:
     """The fast transport (see the module docstring); the registered instance is :data:`transport`.
 
     Attributes:
-        lane: the process's one fast lane (``_fast_runtime.Lane``) or None before the first fast call.
+        lane: the process's one fast lane (:class:`cp_ops.transport.fast.lane.Lane`) or None before the first fast call.
         slots_per_key: pool slots per (op, shape, dtype): launches of one key that may be in flight at once.
     """
 
@@ -127,7 +139,7 @@ class FastTransport:
                 "nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
                 "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers"
             )
-        from . import _fast_build
+        from .. import _fast_build
 
         _, why = _fast_build.load()
         return why
@@ -164,15 +176,20 @@ class FastTransport:
                 self.lane = self._start(group, device)
                 return None
             except RuntimeError as e:
-                from . import _fast_runtime
+                from .collective import StartFailed
 
-                if not isinstance(e, (_fast_runtime.StartFailed,)):
+                if not isinstance(e, StartFailed):
                     raise
                 self._unfit[key] = str(e)
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
-        from . import _fast_build, _fast_runtime
+        """Start the lane on ``group`` (collective). Every exchange is bounded by ``CP_OPS_TIMEOUT_S`` and agreed,
+        so a rank that fails or is stuck gives every rank the same :class:`~.collective.StartFailed`."""
+        import torch.distributed as dist
+
+        from .. import _fast_build
+        from . import collective, start
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -180,16 +197,19 @@ class FastTransport:
                 "the lane starts collectively (group-wide exchanges, symmetric allocations, device synchronization), "
                 "which a capture cannot contain: run the captured code once eagerly before capturing "
                 "(torch.cuda.graph warm-up; torch.compile(mode='reduce-overhead') does this)")
-        local = self.unavailable_reason(device)
+        exchange = collective.Exchange(group, "start")  # bounded, agreed exchanges (every rank makes the same ones)
         try:
-            _fast_runtime.agree_outcome(group, "the fast transport's availability check", local)
-        except _fast_runtime.StartFailed as e:
-            raise _fast_runtime.StartFailed(str(e)) from None
-        ext, _ = _fast_build.load()
-        reason, fabric = _fast_runtime.probe_group(group, device, ext)
-        if reason is not None:
-            raise _fast_runtime.StartFailed(reason)
-        return _fast_runtime.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key)
+            local = self.unavailable_reason(device)
+            collective.agree_outcome(exchange, "the fast transport's availability check", local)
+            ext, _ = _fast_build.load()
+            reason, fabric = start.probe_group(group, device, ext, exchange)
+            if reason is not None:
+                raise collective.StartFailed(reason)
+            return start.start(group, device, ext, fabric=fabric, slots_per_key=self.slots_per_key, exchange=exchange,
+                               lane_exchange=collective.Exchange(group, "lane"))
+        except collective.PeerTimeout as e:  # outside a stage (the group probe, the NVSHMEM unique-ID exchange)
+            raise collective.StartFailed(f"cp_ops: transport='fast' could not start for CP group "
+                                         f"{dist.get_process_group_ranks(group)}: {e}") from None
 
     def _lane_for(self, group):
         """The lane for ``group``; starts it (collective) when none exists. Raises RuntimeError naming why the
@@ -262,7 +282,7 @@ class FastTransport:
         self._lane_group = None
         self._unfit.clear()
         self._works.clear()
-        from .base import forget_groups
+        from ..base import forget_groups
 
         forget_groups()
         lane.close()
@@ -288,12 +308,14 @@ class FastTransport:
             for role, shape, dtype in bufs:
                 got.append(lane.pool.get(role, shape, dtype, call, capturing))
             descs = make_descs([g[1] for g in got])
-            work = lane.launch(key, descs, inputs, [g[2] for g in got])
+            outs = [g[0] for g in got]
+            # the outputs' bytes, poisoned (NaN) on the device when a wait of this call times out
+            work = lane.launch(key, descs, inputs, [g[2] for g in got],
+                               outputs=[(o.data_ptr(), o.numel() * o.element_size()) for o in outs])
         except BaseException:
             for g in got:
                 lane.pool.consumed(g[2])
             raise
-        outs = [g[0] for g in got]
         works = self._works
         for p in getattr(work, "ptrs", ()):  # a reused work: its previous outputs no longer map to it
             if works.get(p) is work:
