@@ -72,13 +72,18 @@ class _Comm:
         return p
 
     def drain(self) -> None:
-        """Wait for every launch of this comm that nobody waited (after a body raised); errors of those waits are
-        dropped (the body's own error is the one raised)."""
+        """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
+        transport's work has it (the fast transport: the copies already queued still land, the slots are given
+        back), else a wait. Errors here are dropped (the body's own error is the one raised)."""
         while self.pending:
             p = self.pending.pop()
             p.comm = None
             try:
-                self._wait(p)
+                cancel = getattr(p.work, "cancel", None)
+                if cancel is not None:
+                    cancel()
+                else:
+                    self._wait(p)
             except Exception:  # noqa: BLE001 - the caller re-raises the body's error
                 pass
 
