@@ -14,6 +14,7 @@ import torch
 from . import dispatch
 from . import ops
 from .kernels import local_attention
+from .layout import check_not_bhsd
 
 __all__ = ["attention", "local_attention"]
 
@@ -31,6 +32,7 @@ def attention(
     seq_lens: tuple[int, ...] | None = None,
     key_mask: torch.Tensor | None = None,
     tag: Hashable | None = None,
+    layout: str = "bshd",
 ) -> torch.Tensor:
     """Context-parallel dense (non-causal) attention over the tokens of a CP group.
 
@@ -60,6 +62,10 @@ def attention(
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
             applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`). AGKV with a
             mask runs 1 stage (its pipelined variant's LSE kernels take no mask).
+        layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in
+            and out; transposed views, no copy of its own). The misuse rule: a 'bshd' call whose dim 2 (read as
+            heads) holds more than 128 entries and more than dim 1 (read as tokens) — e.g. ``[1, 8, 512, 64]`` — is a
+            BHSD tensor passed without ``layout='bhsd'``: ValueError naming both layouts (no DiT has that many heads).
         tag: this call site's identity for the rank contract (an int, a str, or a tuple of them; the same on every
             rank), e.g. the layer index: ranks whose calls pair different tags (a rank skipped a layer) raise on every
             rank at the first mispaired call. :func:`cp_ops.parallelize` passes each attention module's layer.
@@ -93,6 +99,13 @@ def attention(
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
+    if layout != "bshd":
+        if layout != "bhsd":
+            raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group=group, mode=mode,
+                        transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag)
+        return out.transpose(1, 2)
+    check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
         return dispatch.attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag)

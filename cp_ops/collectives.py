@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from . import layout, ops
+from . import layout as _lay
+from . import ops
 from .group import resolve_group
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
@@ -46,14 +47,30 @@ def _owned(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
     return out.clone(memory_format=torch.contiguous_format) if same else out
 
 
+def _layout(layout: str, tensors) -> bool:
+    """True for 'bhsd' (the caller transposes in and out); checks 'bshd' inputs by :func:`cp_ops.attention`'s rule."""
+    if layout == "bhsd":
+        return True
+    if layout != "bshd":
+        raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
+    for i, t in enumerate(tensors):
+        _lay.check_not_bhsd(f"tensor {i}", t)
+    return False
+
+
+def _t(x):
+    return x.transpose(1, 2)
+
+
 def agkv_gather(
-    k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto", seq_lens=None
+    k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto", seq_lens=None,
+    layout: str = "bshd"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather K and V over the CP group, tokens in rank order.
 
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
-        seq_lens: uneven shards (:class:`cp_ops.layout.Shards`): W token counts in rank order, the same on every
+        seq_lens: uneven shards (:class:`cp_ops._lay.Shards`): W token counts in rank order, the same on every
             rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
@@ -64,6 +81,9 @@ def agkv_gather(
         ValueError / RuntimeError: as :func:`cp_ops.attention` (bad ``seq_lens``: length, values,
             ``seq_lens[rank] != S_local``, ranks that disagree on it).
     """
+    if _layout(layout, (k, v)):
+        kf, vf = agkv_gather(_t(k), _t(v), group=group, transport=transport, seq_lens=seq_lens)
+        return _t(kf), _t(vf)
     if seq_lens is not None:
         return _agkv_gather_uneven(k, v, group, transport, seq_lens)
     pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport)
@@ -75,13 +95,14 @@ def agkv_gather(
 
 
 def ulysses_all_to_all(
-    *xs: torch.Tensor, group: Any = None, transport: str = "auto", seq_lens=None
+    *xs: torch.Tensor, group: Any = None, transport: str = "auto", seq_lens=None, layout: str = "bshd"
 ) -> list[torch.Tensor]:
     """Ulysses sequence → heads all-to-all of n tensors in one collective.
 
     Args:
         xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
         seq_lens: uneven shards, as :func:`agkv_gather`'s (``seq_lens[rank] == S_local``).
+        layout: 'bshd' (default) or 'bhsd': every tensor in and out in that layout (as :func:`cp_ops.attention`).
     Returns:
         n tensors ``[B, W * S_local, H / W, D]`` (``[B, sum(seq_lens), H / W, D]`` with ``seq_lens``: the real
         tokens of every rank in rank order): the full sequence, this rank's head group (rank r gets
@@ -90,18 +111,21 @@ def ulysses_all_to_all(
     Raises:
         ValueError: H % W != 0, bad ``seq_lens``, and the rules of :func:`cp_ops.attention`.
     """
+    if _layout(layout, xs):
+        return [_t(o) for o in ulysses_all_to_all(*(_t(x) for x in xs), group=group, transport=transport,
+                                                   seq_lens=seq_lens)]
     if seq_lens is not None:
         return _ulysses_uneven(xs, group, transport, seq_lens)
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
     pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
                       lambda w: check_heads_divisible(xs[0].shape[2], w))
     buf = ops.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
-    outs = [layout.ulysses_unpack(buf, i) for i in range(len(xs))]
+    outs = [_lay.ulysses_unpack(buf, i) for i in range(len(xs))]
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
 
 
 def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto",
-                               seq_lens=None) -> torch.Tensor:
+                               seq_lens=None, layout: str = "bshd") -> torch.Tensor:
     """Ulysses heads → sequence all-to-all, the inverse of :func:`ulysses_all_to_all`.
 
     Args:
@@ -116,19 +140,21 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
         ValueError: W does not divide S (without ``seq_lens``); bad ``seq_lens`` (length, values, sum != S,
             ranks that disagree on it); the rules of :func:`cp_ops.attention`.
     """
+    if _layout(layout, (x,)):
+        return _t(ulysses_all_to_all_inverse(_t(x), group=group, transport=transport, seq_lens=seq_lens))
     if seq_lens is not None:
         return _ulysses_inverse_uneven(x, group, transport, seq_lens)
     pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
                       lambda w: check_seq_divisible(x.shape[1], w))
     buf = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
-    return layout.ulysses_inverse_unpack(buf)
+    return _lay.ulysses_inverse_unpack(buf)
 
 
-# ---- uneven shards (cp_ops.layout.Shards: pad to max(seq_lens), move with the even ops, select the real rows) ----
+# ---- uneven shards (cp_ops._lay.Shards: pad to max(seq_lens), move with the even ops, select the real rows) ----
 def _agkv_gather_uneven(k, v, group, transport, seq_lens):
     pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
-                      lambda w: layout.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
-    sh = layout.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
+                      lambda w: _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
+    sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
     kf, vf = torch.ops.cp_ops.agkv_gather_start(sh.pad(k), sh.pad(v), pg.size(), pg.group_name, tr, "", 0,
                                                 list(seq_lens))
     kf, vf = ops.wait(kf), ops.wait(vf)
@@ -143,20 +169,20 @@ def _ulysses_uneven(xs, group, transport, seq_lens):
 
     def more(w):
         check_heads_divisible(xs[0].shape[2], w)
-        layout.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
+        _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
 
     pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more)
-    sh = layout.Shards(seq_lens, pg.size(), pg.rank(), xs[0].shape[1], xs[0].device)
+    sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), xs[0].shape[1], xs[0].device)
     buf = ops.wait(torch.ops.cp_ops.ulysses_start([sh.pad(x) for x in xs], pg.size(), pg.group_name, tr, "", 0,
                                                   list(seq_lens)))
-    outs = list(sh.ulysses_rows(buf, lambda b: [layout.ulysses_unpack(b, i) for i in range(len(xs))]))
+    outs = list(sh.ulysses_rows(buf, lambda b: [_lay.ulysses_unpack(b, i) for i in range(len(xs))]))
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, buf) else outs
 
 
 def _ulysses_inverse_uneven(x, group, transport, seq_lens):
     pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
-                      lambda w: layout.check_seq_lens(seq_lens, w, total=x.shape[1]))
-    sh = layout.Shards(seq_lens, pg.size(), pg.rank(), seq_lens[pg.rank()], x.device)
+                      lambda w: _lay.check_seq_lens(seq_lens, w, total=x.shape[1]))
+    sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), seq_lens[pg.rank()], x.device)
     xp = sh.repad(x)
     back = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(xp, pg.size(), pg.group_name, tr, "", 0,
                                                            list(seq_lens)))

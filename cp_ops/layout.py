@@ -17,6 +17,21 @@ from __future__ import annotations
 import torch
 
 
+#: More heads than any DiT has: a 'bshd' tensor whose dim 2 holds more (and more than its dim 1) is BHSD.
+MAX_HEADS = 128
+
+
+def check_not_bhsd(name: str, t) -> None:
+    """Raise ValueError when ``t``, passed as BSHD, is a BHSD tensor by the rule of :func:`cp_ops.attention`'s ``layout``."""
+    if isinstance(t, torch.Tensor) and t.dim() == 4:
+        s, h = t.shape[1], t.shape[2]
+        if isinstance(s, int) and isinstance(h, int) and h > MAX_HEADS and h > s:
+            raise ValueError(
+                f"{name} has shape {list(t.shape)}: read as [B, S_local, H, D] (layout='bshd', the default) that is "
+                f"{h} heads and {s} tokens, more heads than any DiT has; it looks like [B, H, S, D] (layout='bhsd', "
+                "SDPA's layout): pass layout='bhsd', or transpose it with .transpose(1, 2)")
+
+
 def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
     """Send buffer ``[W, B, S_local, n, Hl, D]`` (contiguous) from n tensors ``[B, S_local, H, D]`` (any strides);
     slab w holds head group w. One ``torch.stack`` of the n tensors seen as ``[W, B, S_local, Hl, D]`` (one

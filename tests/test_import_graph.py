@@ -1,0 +1,102 @@
+"""The package's import graph has no cycle (issue 19: layers, a leaf that modes import and that imports no mode).
+
+Every ``import``/``from ... import`` in ``cp_ops/`` counts, module level or inside a function (a lazy import still
+makes the modules depend on each other). ``from . import x`` counts as a dependency on the submodule ``x`` only; a name
+taken from a package's ``__init__`` counts as a dependency on that package."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _modules() -> dict[str, str]:
+    mods = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "cp_ops")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                mods[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return mods
+
+
+def _imports(name: str, path: str, mods: dict) -> set[str]:
+    is_pkg = path.endswith("__init__.py")
+    deps = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            deps.update(a.name for a in node.names if a.name in mods)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = (name if is_pkg else name.rsplit(".", 1)[0]).split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                mod = base + ("." + node.module if node.module else "")
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in mods]
+            deps.update(subs)
+            if len(subs) < len(node.names) and mod in mods:
+                deps.add(mod)
+    deps.discard(name)
+    return deps
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_in_cp_ops():
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    assert "cp_ops.dispatch" in graph and "cp_ops.kernels.sdpa" in graph  # the walk found the package
+    cycles = _cycles(graph)
+    detail = "; ".join(" / ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles)
+    assert not cycles, f"import cycles: {detail}"
+
+
+def test_the_detector_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_leaves_import_nothing_above_them():
+    """kernels/ imports no mode, comm, dispatch or API; mode bodies import no dispatch, op, transport or API."""
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    for m in (n for n in graph if n.startswith("cp_ops.kernels")):
+        bad = {d for d in graph[m] if not d.startswith(("cp_ops.kernels", "cp_ops.transport._fast_build",
+                                                        "cp_ops.transport.fast.lane"))}
+        assert not bad, (m, bad)
+    for m in ("cp_ops.modes.agkv", "cp_ops.modes.ulysses", "cp_ops.modes.agkv_pipelined"):
+        bad = {d for d in graph[m] if d.startswith(("cp_ops.dispatch", "cp_ops.ops", "cp_ops.transport",
+                                                    "cp_ops.attention", "cp_ops.comm"))}
+        assert not bad, (m, bad)
