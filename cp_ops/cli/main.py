@@ -179,9 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformer/ folder) instead of random weights")
     r.add_argument("--layers", type=int, default=None,
                    help="cut depth to N blocks of each kind (Flux, HunyuanVideo: N double- and N single-stream)")
-    r.add_argument("--frames", type=int, default=None, help="latent frames (video models; default 16 GPU, 2 CPU; image models 1)")
-    r.add_argument("--height", type=int, default=None, help="latent height (pixels / 8; default 64 video, 128 image on GPU; 16 CPU)")
-    r.add_argument("--width", type=int, default=None, help="latent width (pixels / 8; default as --height)")
+    r.add_argument("--frames", type=int, default=None, help="latent frames (video models; default on GPU the model's standard length: wan 21 (81 "
+                        "frames), hunyuanvideo 16 (61 frames); 2 CPU; image models 1)")
+    r.add_argument("--height", type=int, default=None, help="latent height (pixels / 8; default on GPU the model's standard resolution: wan 60x104 "
+                        "(480p), hunyuanvideo 68x120 (544x960), flux/zimage 128 (1024²), qwenimage 166 (1328²); 16 CPU)")
+    r.add_argument("--width", type=int, default=None,
+                   help="latent width (pixels / 8; default: as --height when --height is given, else the model's)")
     r.add_argument("--text-tokens", type=int, default=None, help="text sequence length (default: the model's, see models.py)")
     r.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
@@ -219,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
                         "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
     r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
+    r.add_argument("--bound", type=_csv(int, "CP world sizes"), default=None, metavar="W[,W...]",
+                   help="the zero-communication bound on ONE device instead of a CP run: the model parallelized over a "
+                        "fake process group of W ranks (this process = rank 0 of W, collectives move nothing); "
+                        "bound(W) = 1-device time / rank 0's time, per compile mode (--bound-compile); see "
+                        "docs/measuring.md")
+    r.add_argument("--bound-compile", type=_csv(str, "compile modes"), default=None, metavar="MODE[,MODE...]",
+                   help="with --bound: compile modes, each eager|regional|full, optionally +graphs (CUDA graphs) "
+                        "(default eager,regional,regional+graphs on CUDA, eager on CPU)")
+    r.add_argument("--cost", action="store_true",
+                   help="with --bound: also time each W with cp_ops' attention replaced by plain local attention of "
+                        "the same shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
+    r.add_argument("--no-group1", action="store_true",
+                   help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
+                        "then diffusers' alone")
 
     gen = sub.add_parser("generate", help="a whole local diffusers pipeline, its transformer under CP: writes the "
                                           "image (PNG) or video (MP4, or a PNG grid of frames)",
@@ -381,6 +398,50 @@ def _check_run(args, device: str, world: int) -> None:
             _fail(f"{what}: --profile {args.profile} is a file; give a folder for the traces")
         if args.profile_runs < 1:
             _fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
+    if args.bound is not None:
+        _check_bound(args, what, spec, cfg, gpu)
+    elif args.bound_compile or args.cost or args.no_group1:
+        _fail(f"{what}: --bound-compile, --cost and --no-group1 apply only with --bound W[,W...]")
+
+
+def _check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
+    """``run --bound``: one process, a fake group of each W (see :mod:`cp_ops.cli.bound`)."""
+    from .bound import DEFAULT_CPU, DEFAULT_CUDA, parse_mode
+
+    from .launch import under_torchrun
+
+    if under_torchrun():
+        _fail(f"{what} --bound runs in one process on one device (a fake group stands in for the ranks); "
+              "run it without torchrun")
+    if not args.bound or min(args.bound) < 1:
+        _fail(f"{what}: --bound takes CP world sizes >= 1, e.g. --bound 2,4,8; got {args.bound}")
+    for flag, bad in (("--compare", args.compare), ("--steps", args.steps), ("--cfg", args.cfg),
+                      ("--transport fast", args.transport == "fast")):
+        if bad:
+            _fail(f"{what}: {flag} does not apply with --bound (one process, fake groups: nothing is transferred, "
+                  "the transport is 'torch')")
+    if args.compile or args.cuda_graphs:
+        if args.bound_compile:
+            _fail(f"{what}: give the compile modes either as --bound-compile or as --compile/--cuda-graphs, not both")
+        args.bound_compile = [(args.compile or "eager") + ("+graphs" if args.cuda_graphs else "")]
+    args.bound_compile = args.bound_compile or list(DEFAULT_CUDA if gpu else DEFAULT_CPU)
+    for m in args.bound_compile:
+        try:
+            _, graphs = parse_mode(m)
+        except ValueError as e:
+            _fail(f"{what}: --bound-compile: {e}")
+        if graphs and not gpu:
+            _fail(f"{what}: --bound-compile {m} needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
+    heads = cfg.get(spec.heads_key)
+    for w in args.bound:
+        if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:
+            _fail(f"{what}: mode {args.mode} needs W={w} to divide the {heads} heads; use --mode agkv or --mode auto")
+    tokens = spec.tokens(cfg, args.frames, args.height, args.width)
+    top = max(args.bound)
+    if tokens < top or args.text_tokens < top:
+        _fail(f"{what} --bound {top}: every rank needs at least one token of each split stream; got {tokens} image "
+              f"and {args.text_tokens} text tokens (raise --height/--width or --text-tokens)")
+    args.chunks = 1 if args.chunks is None else args.chunks
 
 
 def _check_generate(args, device: str, world: int) -> None:
@@ -512,8 +573,10 @@ def _main(args) -> int:
         _check_out(args.out, "--out")
         launch(_rank_entry, args.nproc, device, body, args)
         return 0
-    args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
-    args.repeats = args.repeats if args.repeats is not None else (5 if args.cmd == "bench" else 20 if gpu else 10)
+    bound = args.cmd == "run" and args.bound is not None
+    args.warmup = args.warmup if args.warmup is not None else (2 if bound else 5) if gpu else (1 if bound else 2)
+    args.repeats = args.repeats if args.repeats is not None else (
+        5 if args.cmd == "bench" or bound else 20 if gpu else 10)
     if args.repeats < 1 or args.warmup < 0:
         _fail(f"--repeats must be >= 1 and --warmup >= 0; got {args.repeats}, {args.warmup}")
     if args.cmd == "bench":
@@ -526,6 +589,15 @@ def _main(args) -> int:
 
         _check_run(args, device, world)
     _check_out(args.out, "--out")
+    if bound:  # one process, this device: no ranks to launch
+        from .bound import run_bound
+
+        if args.settings:
+            from cp_ops import config
+
+            config.configure(**args.settings)
+        run_bound(args, torch.device(device, 0) if gpu else torch.device("cpu"))
+        return 0
     try:
         launch(_rank_entry, args.nproc, device, body, args)
     except mp.ProcessExitedException as e:  # a rank's sys.exit(code): e.g. run's UNSUPPORTED (its line is printed)
