@@ -270,6 +270,12 @@ CATEGORIES = (
 )
 
 
+#: profiler rows with device time that are not kernels: host ops (their kernels are counted), CUPTI's "Command Buffer
+#: Full" (the host blocked on a full launch queue: the device is the bottleneck, not device work itself)
+HOST_SIDE = ("aten::", "cp_ops::", "c10d::", "_c10d", "Torch-Compiled", "CompiledFunction", "cudaGraph", "## ",
+             "Command Buffer Full")
+
+
 def category(name: str) -> str:
     n = name.lower()
     for cat, words in CATEGORIES:
@@ -288,9 +294,8 @@ def kernel_summary(events, cuda: bool) -> dict:
             t = getattr(e, "self_device_time_total", None)
             if t is None:
                 t = getattr(e, "self_cuda_time_total", 0)
-            if not t or e.key.startswith(("aten::", "cp_ops::", "c10d::", "_c10d", "Torch-Compiled", "CompiledFunction",
-                                          "cudaGraph", "## ")):
-                continue  # host-side ops whose self device time is their kernels' (counted as kernels)
+            if not t or e.key.startswith(HOST_SIDE):
+                continue  # host-side ops whose self device time is their kernels' (counted as kernels), CUPTI markers
         else:
             t = e.self_cpu_time_total
         if t > 0:
@@ -324,17 +329,29 @@ def _mode_args(args, base: str, graphs: bool):
 
 def run_bound(args, device: torch.device) -> list[dict]:
     """The body of ``cp-ops run MODEL --bound ...`` (arguments checked by :mod:`cp_ops.cli.main`); one process.
-    Returns the result rows (and prints the table; ``--out`` writes them as JSON with the run's metadata)."""
+    Returns the result rows (and prints the table; ``--out`` writes them as JSON with the run's metadata).
+    torch.distributed: a fake default group is created and destroyed here when none is initialized (else the
+    initialized one must be a fake group of >= max(W) ranks with this process as rank 0: :func:`fake_groups`)."""
+    import torch._dynamo
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # every side of every W compiles each block class again (its shapes differ): past Dynamo's default limit of 8
+    key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    created = not dist.is_initialized()
+    groups = fake_groups([1] + list(args.bound))
+    try:
+        with torch._dynamo.config.patch(**{key: max(getattr(torch._dynamo.config, key), 64)}):
+            return _run(args, device, groups)
+    finally:
+        if created:  # the default group this call made (and every group inside it)
+            dist.destroy_process_group()
+
+
+def _run(args, device: torch.device, groups: dict) -> list[dict]:
     from .. import choose_mode
     from .bench import DTYPES, environment
 
-    try:  # every side of every W recompiles each block class (its shapes differ): Dynamo's default limit is 8
-        torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
-    except AttributeError:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    groups = fake_groups([1] + list(args.bound))
     spec = MODELS[args.model]
     dtype = DTYPES[args.dtype]
     if args.checkpoint:

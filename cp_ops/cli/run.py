@@ -54,7 +54,7 @@ def _sync(device):
 def compile_model(model, spec, args, overlap: bool):
     """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``.
 
-    ``regional``: every block of ``spec.blocks`` gets ``block.forward = cp_ops.compile(block.forward, ...)``;
+    ``regional``: every block (:func:`repeated_blocks`) gets ``block.forward = cp_ops.compile(block.forward, ...)``;
     Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
     diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
     ``full``: ``cp_ops.compile(model, fullgraph=True)``. Static shapes (``dynamic=False``) for both.
@@ -72,14 +72,31 @@ def compile_model(model, spec, args, overlap: bool):
     if args.compile == "full":
         return cp_ops.compile(model, **kw), 1
     n = 0
-    for name in spec.blocks:
-        for block in getattr(model, name, []):
-            # the instance's forward (hooks that wrap it, e.g. diffusers' own CP, stay inside); the blocks share
-            # one Dynamo frame: equal cp_ops.compile options make equal Inductor backends (passes' __eq__)
-            block.forward = cp_ops.compile(block.forward, **kw)
-            block._cp_ops_strides = block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
-            n += 1
+    for block in repeated_blocks(model, spec):
+        # the instance's forward (hooks that wrap it, e.g. diffusers' own CP, stay inside); the blocks share
+        # one Dynamo frame: equal cp_ops.compile options make equal Inductor backends (passes' __eq__)
+        block.forward = cp_ops.compile(block.forward, **kw)
+        block._cp_ops_strides = block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
+        n += 1
     return model, n
+
+
+def repeated_blocks(model, spec) -> list:
+    """The modules regional compilation compiles: every submodule whose class the model's class names in
+    ``_repeated_blocks`` (diffusers' list for ``compile_repeated_blocks``: e.g. Z-Image's refiner blocks are
+    ``ZImageTransformerBlock`` too, and run eager otherwise — with their cp_ops attention calls and split/gather),
+    else the children of ``spec.blocks``. A module inside another listed one is not listed again."""
+    names = set(getattr(type(model), "_repeated_blocks", None) or ())
+    if not names:
+        return [b for name in spec.blocks for b in getattr(model, name, [])]
+    found, inside = [], set()
+    for path, module in model.named_modules():
+        if any(path.startswith(p + ".") for p in inside):
+            continue
+        if type(module).__name__ in names:
+            found.append(module)
+            inside.add(path)
+    return found
 
 
 def _contiguous_strides(shape) -> tuple:
@@ -386,12 +403,11 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
 
 def _restore_blocks(model, spec):
     """Undo regional compilation (the instance ``forward`` attributes), so the next side compiles afresh."""
-    for name in spec.blocks:
-        for block in getattr(model, name, []):
-            block.__dict__.pop("forward", None)
-            hook = block.__dict__.pop("_cp_ops_strides", None)
-            if hook is not None:
-                hook.remove()
+    for block in repeated_blocks(model, spec):
+        block.__dict__.pop("forward", None)
+        hook = block.__dict__.pop("_cp_ops_strides", None)
+        if hook is not None:
+            hook.remove()
 
 
 def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks) -> None:
