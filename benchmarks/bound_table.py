@@ -7,7 +7,7 @@ keys issue 21 names (``model, config, layers, tokens, compile, cuda_graphs, worl
 bound_speedup, cp_ops_cost_ms``) and the run's others (``one_gpu_from``, ``diffusers_ms``, ``group1_ms``,
 ``plain_ms``, ``cp_ops_cost_pct``, ``mode``, ``rank0_samples``, ...). ``--profiles``: the runs' profiles
 (``--profile``), per model and compile mode, corrected for the CUPTI marker "Command Buffer Full" (a host wait, not
-device work; runs before commit 89eb72c counted it in ``busy_ms`` and the ``other`` category).
+device work; runs before commit cd0732b counted it in ``busy_ms`` and the ``other`` category).
 """
 
 from __future__ import annotations

@@ -78,10 +78,10 @@ def annotate(model: torch.nn.Module, spec, compiled: str | None = None) -> list:
         handles.append(module.register_forward_hook(post))
 
     inside = set()
-    if compiled:  # every module inside a compiled block (run.repeated_blocks: also e.g. Z-Image's refiners)
-        from .run import repeated_blocks
+    if compiled:  # every module inside a compiled block (compiled.repeated_blocks: also e.g. Z-Image's refiners)
+        from ..integrations.diffusers.compiled import repeated_blocks
 
-        inside = {id(m) for b in repeated_blocks(model, spec) for m in b.modules() if m is not b}
+        inside = {id(m) for b in repeated_blocks(model, spec.blocks) for m in b.modules() if m is not b}
     for kind in spec.blocks:
         for i, block in enumerate(getattr(model, kind, [])):
             add(block, f"{LAYER}{kind}.{i}")
