@@ -16,13 +16,14 @@ from ... import modes
 from ...group import resolve_group
 from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
-from . import dispatch, hooks
+from . import caches, dispatch, hooks
+from .caches import agree_step_caches
 from .checks import RankChecks
 from .lanes import Lanes
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
-__all__ = ["parallelize", "SUPPORTED"]
+__all__ = ["parallelize", "agree_step_caches", "SUPPORTED"]
 
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
@@ -59,6 +60,10 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         cuda_graphs: with ``compile``, CUDA graphs over each block (``mode="reduce-overhead"``; CUDA only): call
             ``torch.compiler.cudagraph_mark_step_begin()`` before each forward (each denoising step).
 
+    Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
+    made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
+    caches that decide by step or timestep agree already; ``SeaCache`` is refused (ValueError).
+
     Grad mode: runs with or without ``torch.no_grad()``, eager and under ``torch.compile(fullgraph=True)``; a backward
     raises (cp_ops is forward only).
 
@@ -80,6 +85,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if cuda_graphs and not compile:
         raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
                          "mode='reduce-overhead'); got compile=False")
+    if (why := caches.refused_cache(transformer)) is not None:
+        raise ValueError(why)
     if compile:
         from .compiled import not_compilable
 
@@ -103,6 +110,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     lanes = Lanes(transformer, pg) if cfg_parallel else None
     cp = lanes.cp if lanes is not None else pg
     transformer._cp_ops_group = cp  # marks the model before any hook goes in
+    transformer._cp_ops_input_group = pg  # every rank holding part of the inputs (both CFG lanes): step caches
     checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # a pre-hook: sees the full inputs
     streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
                for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
@@ -114,6 +122,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         for path, module in modules:
             dispatch.route(module, state, streams, path)
     transformer._cp_ops_state = state
+    caches.agree_step_caches(transformer)  # caches enabled before (their decisions reduced over the group) ...
+    caches.wrap_enable_cache(transformer)  # ... and after, through model.enable_cache
     if compile:
         from .compiled import compile_blocks
 
