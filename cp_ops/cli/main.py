@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cost", action="store_true",
                    help="with --bound: also time each W with cp_ops' attention replaced by plain local attention of "
                         "the same shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
+    r.add_argument("--random-memory", action="store_true",
+                   help="with --bound (experimental, CUDA): fill the GPU's free memory with random values first, so "
+                        "buffers a fake collective never writes hold random values rather than zeros (zeros make "
+                        "rank 0's kernels faster than real data: docs/measuring.md)")
     r.add_argument("--no-group1", action="store_true",
                    help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
                         "then diffusers' alone")
@@ -400,8 +404,8 @@ def _check_run(args, device: str, world: int) -> None:
             _fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
     if args.bound is not None:
         _check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1:
-        _fail(f"{what}: --bound-compile, --cost and --no-group1 apply only with --bound W[,W...]")
+    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory:
+        _fail(f"{what}: --bound-compile, --cost, --no-group1 and --random-memory apply only with --bound W[,W...]")
 
 
 def _check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
