@@ -174,3 +174,12 @@ def test_fill_free_memory_leaves_random_values():
     x = torch.empty(2**28, dtype=torch.bfloat16, device=dev)  # 512 MiB, unwritten
     nonzero = (x != 0).float().mean().item()
     assert nonzero > 0.9, f"only {nonzero:.1%} of a fresh buffer holds the fill's values"
+
+
+def test_config_label_names_reduced_depth():
+    from cp_ops.cli.models import config_label
+
+    spec = MODELS["flux"]
+    assert config_label(spec, "dev", spec.config("dev")) == "dev"
+    assert config_label(spec, "dev", spec.config("dev", 2)) == "dev (2+2 of 19+38 layers)"
+    assert config_label(spec, "checkpoint", {"num_layers": 3}) == "checkpoint"

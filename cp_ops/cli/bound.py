@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..integrations.diffusers.dispatch import CPAttention
 from ..timing import Graphed, time_ms
-from .models import MODELS, build, load_checkpoint
+from .models import MODELS, build, config_label, load_checkpoint
 
 #: compile modes --bound-compile takes: a base and an optional "+graphs"
 BASES = ("eager", "regional", "full")
@@ -387,9 +387,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     filled = fill_free_memory(device) if getattr(args, "random_memory", False) else 0.0
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
     layers = [cfg[k] for k in spec.layer_keys]
-    released = [spec.configs[args.config][k] for k in spec.layer_keys] if args.config in spec.configs else layers
-    config_name = args.config + ("" if layers == released else f" ({'+'.join(map(str, layers))} of "
-                                                               f"{'+'.join(map(str, released))} layers)")
+    config_name = config_label(spec, args.config, cfg)
     meta = dict(environment(device, 1), model=args.model, cls=spec.cls, config=config_name,
                 layers=layers[0] if len(layers) == 1 else layers, tokens=tokens, text_tokens=args.text_tokens,
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",

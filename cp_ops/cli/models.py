@@ -294,6 +294,18 @@ MODELS: dict[str, ModelSpec] = {s.name: s for s in (WAN, ZIMAGE, FLUX, QWEN, HUN
 CONFIGS = WAN.configs
 
 
+def config_label(spec: ModelSpec, config: str, cfg: dict) -> str:
+    """``config`` as a result row names it: the released config's name, and ``" (L of R layers)"`` when ``cfg`` (the
+    config built) has fewer blocks than the released one (``--layers``), so a reduced-depth row says so."""
+    if config not in spec.configs:
+        return config
+    used = [cfg[k] for k in spec.layer_keys]
+    released = [spec.configs[config][k] for k in spec.layer_keys]
+    if used == released:
+        return config
+    return f"{config} ({'+'.join(map(str, used))} of {'+'.join(map(str, released))} layers)"
+
+
 def spec_for_class(name: str) -> ModelSpec | None:
     """The spec whose diffusers class is ``name`` (e.g. from a checkpoint's ``config.json``), or None."""
     return next((s for s in MODELS.values() if s.cls == name), None)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
-from .models import MODELS, build, load_checkpoint
+from .models import MODELS, build, config_label, load_checkpoint
 from ..integrations.diffusers.compiled import canonical as _canonical  # noqa: F401  (tests' names)
 from ..integrations.diffusers.compiled import contiguous_strides as _contiguous_strides  # noqa: F401
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
@@ -378,6 +378,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
                      f"{'torch.compile' if args.no_overlap else 'cp_ops.compile (overlap pass)'}, {args.compile}"
                      + (", reduce-overhead (CUDA graphs)" if args.cuda_graphs else ""))
     meta = dict(environment(device, world_size), model=args.model, cls=spec.cls, config=args.config,
+                config_label=config_label(spec, args.config, cfg),
                 checkpoint=args.checkpoint, layers=layers[0] if len(layers) == 1 else layers, heads=heads, dim=dim,
                 tokens=tokens, text_tokens=args.text_tokens, latent=latent, dtype=args.dtype, mode=mode,
                 transport=transport, chunks=getattr(args, "chunks", None) or "auto", compile=args.compile or False,
@@ -393,7 +394,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
         pass
     weights = f"checkpoint {args.checkpoint}" if args.checkpoint else "random weights"
     name = {"wan": "Wan"}.get(args.model, spec.cls)
-    print(f"\ncp-ops run {args.model} — {name} {args.config} architecture, {weights} ({layers_txt} layers, "
+    print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
           f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
           + f" mode={mode} transport={transport} chunks={meta['chunks']} compile={compiled_with or 'no'}, on {meta.get('gpu', 'CPU')}")
