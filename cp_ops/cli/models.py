@@ -27,6 +27,11 @@ import torch
 class ModelSpec:
     """One model family: see the module docstring.
 
+    ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA, the model's standard resolution (issue 21):
+    Wan2.1 480p, 81 frames (21 x 60 x 104 = 32760 tokens); HunyuanVideo 544x960, 61 frames (16 x 68 x 120 = 32640);
+    Flux.1-dev and Z-Image-Turbo 1024x1024 (4096 tokens); Qwen-Image 1328x1328 (6889 tokens). ``cpu_latent``: the
+    tiny configs' (seconds on a CPU).
+
     ``layer_keys``: config entries ``--layers N`` sets to N (every block kind: Flux and HunyuanVideo get N
     double-stream and N single-stream blocks). ``text_tokens``: text sequence length per config (the
     pipeline's ``max_sequence_length`` where it pads, else a typical prompt's valid tokens). ``replicated``:
@@ -126,7 +131,7 @@ WAN = ModelSpec(
                      freq_dim=32, in_channels=4, out_channels=4, patch_size=(1, 2, 2)),
     },
     gpu_config="1.3b", layer_keys=("num_layers",), text_tokens={"1.3b": 512, "14b": 512, "tiny": 16},
-    gpu_latent=(16, 64, 64), cpu_latent=(2, 16, 16), video=True,
+    gpu_latent=(21, 60, 104), cpu_latent=(2, 16, 16), video=True,
     make_inputs=_wan_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
     model_timestep=lambda t: t, scheduler=_unipc_flow(3.0), patch=lambda c: tuple(c["patch_size"]),
     heads_key="num_attention_heads", replicated=("condition_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k"),
@@ -171,7 +176,7 @@ HUNYUAN = ModelSpec(
                      rope_theta=256.0, rope_axes_dim=(4, 6, 6)),
     },
     gpu_config="13b", layer_keys=("num_layers", "num_single_layers"), text_tokens={"13b": 256, "tiny": 16},
-    gpu_latent=(16, 64, 64), cpu_latent=(2, 16, 16), video=True,
+    gpu_latent=(16, 68, 120), cpu_latent=(2, 16, 16), video=True,
     make_inputs=_hunyuan_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
     model_timestep=lambda t: t, scheduler=_flow_euler(7.0),
     patch=lambda c: (c["patch_size_t"], c["patch_size"], c["patch_size"]), heads_key="num_attention_heads",
@@ -241,7 +246,7 @@ QWEN = ModelSpec(
                      num_attention_heads=4, joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6)),
     },
     gpu_config="20b", layer_keys=("num_layers",), text_tokens={"20b": 128, "tiny": 7},
-    gpu_latent=(1, 128, 128), cpu_latent=(1, 16, 16), video=False,
+    gpu_latent=(1, 166, 166), cpu_latent=(1, 16, 16), video=False,
     make_inputs=_qwen_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
     model_timestep=lambda t: t / 1000, scheduler=_flow_euler(3.0), patch=lambda c: (1, 2, 2),
     heads_key="num_attention_heads", replicated=("time_text_embed", "txt_norm", "txt_in"),
@@ -287,6 +292,18 @@ ZIMAGE = ModelSpec(
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (WAN, ZIMAGE, FLUX, QWEN, HUNYUAN)}
 #: Backward-compatible view of Wan's configs (``cp_ops.cli.run_wan.CONFIGS`` before ``run`` took every model).
 CONFIGS = WAN.configs
+
+
+def config_label(spec: ModelSpec, config: str, cfg: dict) -> str:
+    """``config`` as a result row names it: the released config's name, and ``" (L of R layers)"`` when ``cfg`` (the
+    config built) has fewer blocks than the released one (``--layers``), so a reduced-depth row says so."""
+    if config not in spec.configs:
+        return config
+    used = [cfg[k] for k in spec.layer_keys]
+    released = [spec.configs[config][k] for k in spec.layer_keys]
+    if used == released:
+        return config
+    return f"{config} ({'+'.join(map(str, used))} of {'+'.join(map(str, released))} layers)"
 
 
 def spec_for_class(name: str) -> ModelSpec | None:

@@ -77,12 +77,17 @@ def annotate(model: torch.nn.Module, spec, compiled: str | None = None) -> list:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
 
+    inside = set()
+    if compiled:  # every module inside a compiled block (compiled.repeated_blocks: also e.g. Z-Image's refiners)
+        from ..integrations.diffusers.compiled import repeated_blocks
+
+        inside = {id(m) for b in repeated_blocks(model, spec.blocks) for m in b.modules() if m is not b}
     for kind in spec.blocks:
         for i, block in enumerate(getattr(model, kind, [])):
             add(block, f"{LAYER}{kind}.{i}")
     for name, module in model.named_modules():
         hit = next((r for r in spec.replicated if name == r or name.endswith("." + r)), None)
-        if compiled and name.split(".")[0] in spec.blocks:
+        if compiled and (name.split(".")[0] in spec.blocks or id(module) in inside):
             continue
         if name and hit:
             add(module, f"{REPLICATED}{hit}")  # one label per kind (e.g. attn2.to_k of every block)

@@ -35,7 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
-from .models import MODELS, build, load_checkpoint
+from .models import MODELS, build, config_label, load_checkpoint
+from ..integrations.diffusers.compiled import canonical as _canonical  # noqa: F401  (tests' names)
+from ..integrations.diffusers.compiled import contiguous_strides as _contiguous_strides  # noqa: F401
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
@@ -54,7 +56,8 @@ def _sync(device):
 def compile_model(model, spec, args, overlap: bool):
     """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``.
 
-    ``regional``: every block of ``spec.blocks`` gets ``block.forward = cp_ops.compile(block.forward, ...)``;
+    ``regional``: :func:`cp_ops.integrations.diffusers.compiled.compile_blocks` (every repeated block gets
+    ``block.forward = cp_ops.compile(block.forward, ...)``);
     Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
     diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
     ``full``: ``cp_ops.compile(model, fullgraph=True)``. Static shapes (``dynamic=False``) for both.
@@ -71,38 +74,9 @@ def compile_model(model, spec, args, overlap: bool):
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
         return cp_ops.compile(model, **kw), 1
-    n = 0
-    for name in spec.blocks:
-        for block in getattr(model, name, []):
-            # the instance's forward (hooks that wrap it, e.g. diffusers' own CP, stay inside); the blocks share
-            # one Dynamo frame: equal cp_ops.compile options make equal Inductor backends (passes' __eq__)
-            block.forward = cp_ops.compile(block.forward, **kw)
-            block._cp_ops_strides = block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
-            n += 1
-    return model, n
+    from ..integrations.diffusers.compiled import compile_blocks
 
-
-def _contiguous_strides(shape) -> tuple:
-    """The strides ``torch.empty(shape)`` gets (row-major; a size-0 or size-1 dim counts as 1 in its outer ones)."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _canonical(x):
-    if not isinstance(x, torch.Tensor) or x.stride() == _contiguous_strides(x.shape):
-        return x
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
-
-
-def _canonical_strides(module, args, kwargs):
-    """Forward pre-hook of a regionally compiled block: tensor arguments with other than the contiguous strides
-    of their shape are copied to them. The first block's input is a view (diffusers' patch embedding
-    transposes; the CP split narrows the batch-1 sequence), which Dynamo guards by stride even along a size-1
-    dim: without this, every block class compiles twice, the second time for the first block alone."""
-    return tuple(_canonical(a) for a in args), {k: _canonical(v) for k, v in kwargs.items()}
+    return model, compile_blocks(model, cuda_graphs=args.cuda_graphs, overlap=kw["overlap"], blocks=spec.blocks)
 
 
 def _mark_step(args) -> None:
@@ -386,12 +360,9 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
 
 def _restore_blocks(model, spec):
     """Undo regional compilation (the instance ``forward`` attributes), so the next side compiles afresh."""
-    for name in spec.blocks:
-        for block in getattr(model, name, []):
-            block.__dict__.pop("forward", None)
-            hook = block.__dict__.pop("_cp_ops_strides", None)
-            if hook is not None:
-                hook.remove()
+    from ..integrations.diffusers.compiled import uncompile_blocks
+
+    uncompile_blocks(model, spec.blocks)
 
 
 def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks) -> None:
@@ -407,6 +378,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
                      f"{'torch.compile' if args.no_overlap else 'cp_ops.compile (overlap pass)'}, {args.compile}"
                      + (", reduce-overhead (CUDA graphs)" if args.cuda_graphs else ""))
     meta = dict(environment(device, world_size), model=args.model, cls=spec.cls, config=args.config,
+                config_label=config_label(spec, args.config, cfg),
                 checkpoint=args.checkpoint, layers=layers[0] if len(layers) == 1 else layers, heads=heads, dim=dim,
                 tokens=tokens, text_tokens=args.text_tokens, latent=latent, dtype=args.dtype, mode=mode,
                 transport=transport, chunks=getattr(args, "chunks", None) or "auto", compile=args.compile or False,
@@ -422,7 +394,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
         pass
     weights = f"checkpoint {args.checkpoint}" if args.checkpoint else "random weights"
     name = {"wan": "Wan"}.get(args.model, spec.cls)
-    print(f"\ncp-ops run {args.model} — {name} {args.config} architecture, {weights} ({layers_txt} layers, "
+    print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
           f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
           + f" mode={mode} transport={transport} chunks={meta['chunks']} compile={compiled_with or 'no'}, on {meta.get('gpu', 'CPU')}")

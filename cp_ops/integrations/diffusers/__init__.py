@@ -16,17 +16,19 @@ from ... import modes
 from ...group import resolve_group
 from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
-from . import dispatch, hooks
+from . import caches, dispatch, hooks
+from .caches import agree_step_caches
 from .checks import RankChecks
 from .lanes import Lanes
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
-__all__ = ["parallelize", "SUPPORTED"]
+__all__ = ["parallelize", "agree_step_caches", "SUPPORTED"]
 
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
-                chunks: int | None = None, cfg_parallel: bool = False) -> torch.nn.Module:
+                chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
+                cuda_graphs: bool = False) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
     Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
@@ -52,6 +54,15 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
             batch of 2, on every rank.
+        compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
+            :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
+            path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).
+        cuda_graphs: with ``compile``, CUDA graphs over each block (``mode="reduce-overhead"``; CUDA only): call
+            ``torch.compiler.cudagraph_mark_step_begin()`` before each forward (each denoising step).
+
+    Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
+    made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
+    caches that decide by step or timestep agree already; ``SeaCache`` is refused (ValueError).
 
     Grad mode: runs with or without ``torch.no_grad()``, eager and under ``torch.compile(fullgraph=True)``; a backward
     raises (cp_ops is forward only).
@@ -59,7 +70,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     Raises:
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
             mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
-            an odd number of ranks. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
+            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
             (see :mod:`cp_ops.validate`); cfg_parallel with a batch other than 2.
         RuntimeError: torch.distributed not initialized.
@@ -71,6 +82,16 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     check_chunks(chunks)
+    if cuda_graphs and not compile:
+        raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
+                         "mode='reduce-overhead'); got compile=False")
+    if (why := caches.refused_cache(transformer)) is not None:
+        raise ValueError(why)
+    if compile:
+        from .compiled import not_compilable
+
+        if (why := not_compilable(transformer)) is not None:
+            raise ValueError(f"parallelize(compile=True): {why}")
     if getattr(transformer, "_cp_ops_group", None) is not None:
         raise ValueError(
             f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
@@ -89,6 +110,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     lanes = Lanes(transformer, pg) if cfg_parallel else None
     cp = lanes.cp if lanes is not None else pg
     transformer._cp_ops_group = cp  # marks the model before any hook goes in
+    transformer._cp_ops_input_group = pg  # every rank holding part of the inputs (both CFG lanes): step caches
     checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # a pre-hook: sees the full inputs
     streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
                for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
@@ -100,4 +122,10 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         for path, module in modules:
             dispatch.route(module, state, streams, path)
     transformer._cp_ops_state = state
+    caches.agree_step_caches(transformer)  # caches enabled before (their decisions reduced over the group) ...
+    caches.wrap_enable_cache(transformer)  # ... and after, through model.enable_cache
+    if compile:
+        from .compiled import compile_blocks
+
+        compile_blocks(transformer, cuda_graphs=cuda_graphs)
     return transformer

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 21's zero-communication bound of the full-size DiTs on ONE GPU, one call:
+#   benchmarks/gpu_bound.sh OUT_DIR [step ...]
+# Each step is `MODEL[:CONFIG]@MODES` (MODES: comma-separated --bound-compile modes), run as
+#   cp-ops run MODEL --config CONFIG --bound $BOUND_W --bound-compile MODES --cost [--profile] --out OUT/bound_<name>.json
+# at the model's standard resolution (the CUDA defaults of cp-ops run), every step under STEP_TIMEOUT seconds.
+# Env: BOUND_W (default 2,4,8), STEP_TIMEOUT (default 300), BOUND_ARGS (extra arguments for every step),
+#      PROFILE_RE (steps whose name matches get --profile OUT/prof), DEADLINE (seconds after which no new step starts).
+# Wheels in .whl/ (diffusers and its importlib_metadata) are installed into /tmp/site first when present.
+set -uo pipefail
+OUT=${1:?usage: benchmarks/gpu_bound.sh OUT_DIR [step ...]}; shift
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=$ROOT:/tmp/site
+else
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
+nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
+T0=$SECONDS
+status=0
+for st in "$@"; do
+  if [ -n "${DEADLINE:-}" ] && [ $((SECONDS - T0)) -ge "$DEADLINE" ]; then echo "=== $st: skipped (DEADLINE ${DEADLINE} s)" | tee -a "$LOG"; continue; fi
+  spec=${st%@*}; modes=${st#*@}; model=${spec%:*}; cfg=""; [ "$spec" != "$model" ] && cfg=${spec#*:}
+  name=${model}${cfg:+_$cfg}_${modes//[,+]/_}
+  prof=""; [[ $st =~ ${PROFILE_RE:-^$} ]] && prof="--profile /tmp/bound_prof"
+  echo "=== $name: cp-ops run $model ${cfg:+--config $cfg} --bound ${BOUND_W:-2,4,8} --bound-compile $modes --cost $prof ${BOUND_ARGS:-}" | tee -a "$LOG"
+  t=$SECONDS
+  timeout -k 10 "${STEP_TIMEOUT:-300}" python3 -m cp_ops run "$model" ${cfg:+--config $cfg} --bound "${BOUND_W:-2,4,8}" \
+    --bound-compile "$modes" --cost $prof ${BOUND_ARGS:-} --out "$OUT/bound_$name.json" 2>&1 | grep -v "^USDT" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
+  echo "=== $name: rc=$rc in $((SECONDS - t)) s" | tee -a "$LOG"
+done
+nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
+exit $status

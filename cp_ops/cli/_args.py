@@ -1,0 +1,111 @@
+"""What every ``cp-ops`` command's arguments share, torch-free (``--help`` and a wrong flag answer before torch
+loads): the usage error and how it is reported once (rank 0 under torchrun), the parser class, list/chunk value
+parsers, the options bench and run share, and the output-path check."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def csv(kind, what: str | None = None):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}: {e}") from e
+
+    return parse
+
+
+def chunks(text: str):
+    """A ``--chunks`` item: an int >= 1, or 'auto' (None: the measured choice)."""
+    if text.strip().lower() in ("auto", "none"):
+        return None
+    v = int(text)
+    if v < 1:
+        raise ValueError(f"chunks must be >= 1 or auto; got {v}")
+    return v
+
+
+def chunks_arg(text: str):
+    """``cp-ops run --chunks``: 'auto' (None) or an int >= 1; argparse's error otherwise."""
+    try:
+        return chunks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected auto or an int >= 1; got {text!r}") from e
+
+
+class UsageError(Exception):
+    """A wrong argument or setting: main() prints ``cp-ops: <message>`` once (rank 0) and returns 2."""
+
+
+def rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def say_once(line: str) -> None:
+    """Print one error line to stderr from rank 0 only; other torchrun ranks stay silent and let rank 0 exit
+    first (so torchrun's summary names rank 0's exit code 2 as the root cause)."""
+    if rank0():
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(1.0)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors (unknown flag, bad choice): once, exit 2
+        if rank0():
+            self.print_usage(sys.stderr)
+        say_once(f"{self.prog}: error: {message}")
+        sys.exit(2)
+
+
+
+def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
+    p.add_argument("--nproc", type=int, default=None,
+                   help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
+                        "under torchrun, W is torchrun's --nproc-per-node")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
+    p.add_argument("--repeats", type=int, default=None, help=repeats_help)
+    p.add_argument("--out", default=None,
+                   help="write the results as JSON to this path (checked for writability before the run; an existing "
+                        "file is overwritten and the output says so); default: no file")
+
+
+
+def fail(msg: str) -> None:
+    raise UsageError(msg)
+
+
+def check_out(path: str | None, flag: str) -> None:
+    """Fail before the run when ``path`` cannot be written; say when it will be overwritten."""
+    if not path:
+        return
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        fail(f"{flag} {path} is a directory; give a file path")
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: cannot write under {parent}")
+    exists = os.path.exists(full)
+    if exists and not os.access(full, os.W_OK):
+        fail(f"{flag} {path} exists and is not writable")
+    try:  # os.access says yes to root everywhere (e.g. /proc, root-squashed NFS): try the write itself
+        if exists:
+            open(full, "ab").close()  # appends nothing: the file is unchanged
+        else:
+            tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        fail(f"{flag} {path}: cannot write under {parent} ({e.strerror})")
+    if exists:
+        if rank0():
+            print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
+

@@ -1,0 +1,512 @@
+"""``cp-ops run MODEL --bound W[,W...]``: the zero-communication bound of a DiT on ONE device.
+
+The model is parallelized by :func:`cp_ops.integrations.diffusers.parallelize` over a *fake* process group of W
+ranks (``torch.testing._internal.distributed.fake_pg``: this process is rank 0 of W, collectives move nothing), so
+one forward does exactly rank 0's work — its ``S / W`` tokens (uneven: the first ``S % W`` ranks hold one more), its
+queries against all S keys, the replicated text/timestep work — plus cp_ops' host path, without any transfer.
+
+    bound(W) = t(one device) / t(rank 0 of W)
+
+No CP implementation of the same model can beat it (its limits: ``docs/measuring.md``). ``t(one device)`` is the
+faster of two single-device sides, and each row says which: ``diffusers`` (the unmodified model, attention backend
+cuDNN on CUDA) and ``group of 1`` (the model parallelized over a fake group of one rank: cp_ops' path, no split).
+
+Sides, one shared set of weights (each side is a copy of the module tree whose parameters and buffers are the
+original's, so a side costs no weight memory): ``diffusers``, ``group of 1``, ``cp_ops W`` for each W and, with
+``--cost``, ``plain W``: the ``cp_ops W`` model with every cp_ops attention call replaced by plain local attention
+of the same shapes (:class:`PlainAttention`), so ``rank0_ms - plain_ms`` is cp_ops' own cost inside the bound
+(host path, padding and mask handling, the collectives' launch and wait; the split/gather hooks stay in both).
+
+Compile modes (``--bound-compile``): ``eager``, ``regional`` (each repeated block compiled, as ``cp-ops run
+--compile``), ``full`` (the whole forward, fullgraph), each optionally ``+graphs`` (CUDA graphs: under compile
+``mode='reduce-overhead'``, in eager an explicit capture of the forward). In each mode every side is compiled the
+same way, its first call timed (compile included), then all sides are timed in ``--repeats`` interleaved rounds
+(each round one sample of every side; a sample = the median of ``n`` waited-for forwards, ``n`` so that a sample
+lasts ~0.2 s), so drift hits every side alike. A mode that fails (e.g. a compile error) becomes a row with its
+reason; the other modes still run.
+
+Result rows (``--out``): one per compile mode x W, keys ``model, config, layers, tokens, compile, cuda_graphs,
+world_size, one_gpu_ms, rank0_ms, bound_speedup, cp_ops_cost_ms`` (as issue 21 names them) and more
+(``one_gpu_from``, ``diffusers_ms``, ``group1_ms``, ``plain_ms``, ``cp_ops_cost_pct``, ``mode``, ...).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..integrations.diffusers.dispatch import CPAttention
+from ..timing import Graphed, time_ms
+from .models import MODELS, build, config_label, load_checkpoint
+
+#: compile modes --bound-compile takes: a base and an optional "+graphs"
+BASES = ("eager", "regional", "full")
+#: default modes: CUDA / CPU (CUDA graphs need CUDA; compiling on CPU takes minutes for nothing measured)
+DEFAULT_CUDA = ("eager", "regional", "regional+graphs")
+DEFAULT_CPU = ("eager",)
+#: a sample (median of n forwards) lasts about this long, ms; n in [1, MAX_CALLS]
+SAMPLE_MS = 200.0
+MAX_CALLS = 10
+
+
+def parse_mode(text: str) -> tuple[str, bool]:
+    """``'regional+graphs'`` → ``('regional', True)``. Raises ValueError naming the accepted forms."""
+    base, _, extra = text.strip().partition("+")
+    if base not in BASES or extra not in ("", "graphs"):
+        raise ValueError(f"a compile mode is one of {'|'.join(BASES)}, optionally +graphs (e.g. regional+graphs); "
+                         f"got {text!r}")
+    return base, extra == "graphs"
+
+
+def mode_name(base: str, graphs: bool) -> str:
+    return base + ("+graphs" if graphs else "")
+
+
+# ---- the fake groups and the sides ----------------------------------------------------------------------------
+
+def fake_groups(worlds) -> dict[int, dist.ProcessGroup]:
+    """A fake process group of each size in ``worlds`` (this process = rank 0 of each): the default group is a
+    fake group of ``max(worlds)`` ranks (created here when torch.distributed is not initialized), the others
+    ``dist.new_group(range(W))`` inside it.
+
+    Raises:
+        RuntimeError: torch.distributed is already initialized with another backend or a smaller world.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the 'fake' backend
+
+    top = max(worlds)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=top)
+    elif dist.get_backend() != "fake" or dist.get_world_size() < top or dist.get_rank() != 0:
+        raise RuntimeError(f"cp-ops run --bound needs a fake default process group of >= {top} ranks with this "
+                           f"process as rank 0; torch.distributed is initialized with backend "
+                           f"{dist.get_backend()!r}, world size {dist.get_world_size()}, rank {dist.get_rank()}")
+    return {w: (dist.group.WORLD if w == dist.get_world_size() else dist.new_group(list(range(w))))
+            for w in sorted(set(worlds))}
+
+
+def fill_free_memory(device: torch.device, headroom_gib: float = 4.0, chunk_gib: float = 1.0) -> float:
+    """Fill the device's free memory with standard-normal bf16 values and give it back to the driver; returns GiB
+    filled (0 on a CPU). Experimental (``--random-memory``): a fake collective never writes its output, so what the
+    kernels after it read is whatever that memory held — zeros in memory the process never used, on which this GPU
+    runs attention and GEMMs ~13-15 % faster than on real values (docs/measuring.md). Memory the driver hands back
+    later in the same process is expected (not guaranteed: CUDA does not promise either way) to keep these values.
+    ``headroom_gib`` stays unfilled."""
+    if device.type != "cuda":
+        return 0.0
+    free, _ = torch.cuda.mem_get_info(device)
+    chunk = int(chunk_gib * 2**30) // 2
+    n = max(0, int((free - headroom_gib * 2**30) // (chunk * 2)))
+    g = torch.Generator(device=device).manual_seed(0)
+    blocks = []
+    for _ in range(n):
+        blocks.append(torch.empty(chunk, dtype=torch.bfloat16, device=device).normal_(generator=g))
+    torch.cuda.synchronize(device)
+    del blocks
+    torch.cuda.empty_cache()
+    return n * chunk * 2 / 2**30
+
+
+def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model``'s module tree (own hooks, processors, forwards) whose parameters and buffers ARE
+    ``model``'s (no weight memory): what :func:`cp_ops.integrations.diffusers.parallelize` and regional compilation
+    modify is per module, never a weight."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+class PlainAttention(CPAttention):
+    """Stands in for cp_ops' attention of a parallelized model in the ``plain W`` side: plain local attention of
+    the shapes rank 0 of the mode computes, with no cp_ops code (no host path, no collective, no mask or padding
+    handling beyond SDPA's own). Copies stand in for the transfers' writes:
+
+    - AGKV (``mode='agkv'``): local Q ``[B, S_local, H, D]`` against K/V of all S tokens (the local block
+      repeated W times, cut to S);
+    - Ulysses: Q, K, V of all S tokens and ``H / W`` heads (the local block repeated over the sequence, cut to S,
+      the first ``H / W`` heads), and the output's first ``S_local`` tokens repeated over the heads.
+
+    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K). Attention runs on
+    cuDNN first on CUDA (as :func:`cp_ops.local_attention`). Output ``[B, S_local, H, D]``, the query's dtype.
+    Its values are not the model's (the copies repeat this rank's tokens): a timing stand-in only.
+    """
+
+    def __init__(self, cp: CPAttention, mode: str):
+        super().__init__(cp.state, cp.streams, cp.where)
+        self.mode = mode
+
+    def __call__(self, query, key, value, attn_mask, dropout_p, is_causal, scale):
+        st = self.state
+        w = st.world
+        total = sum(st.total(s, self.where) for s in self.streams)
+        mask = self.key_mask(attn_mask, query)
+        b, s_local, h, _ = query.shape
+
+        def full(x):  # [B, S_local, ...] -> [B, S, ...]: the local block repeated, cut to S
+            return x.repeat(1, w, *([1] * (x.dim() - 2)))[:, :total]
+
+        if self.mode == "ulysses":
+            q, k, v = (full(x[:, :, : h // w]) for x in (query, key, value))
+        else:
+            q, k, v = query, full(key), full(value)
+        m = None if mask is None else full(mask)[:, None, None, :]
+        out = _sdpa(q, k, v, m, scale)
+        if self.mode == "ulysses":
+            out = out[:, :s_local].repeat(1, 1, w, 1)
+        return out
+
+
+def _sdpa(q, k, v, mask, scale):
+    """BSHD SDPA, cuDNN first on CUDA (then flash, memory-efficient, math), as :func:`cp_ops.local_attention`."""
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def to_plain(model: torch.nn.Module, mode: str) -> int:
+    """Replace the cp_ops attention of every routed processor of the parallelized ``model`` with
+    :class:`PlainAttention`; returns how many. Raises RuntimeError when there is none (not parallelized)."""
+    n = 0
+    for module in model.modules():
+        proc = getattr(module, "processor", None)
+        cfg = getattr(proc, "_parallel_config", None)
+        if isinstance(cfg, CPAttention) and not isinstance(cfg, PlainAttention):
+            proc._parallel_config = PlainAttention(cfg, mode)
+            n += 1
+    if not n:
+        raise RuntimeError("to_plain: no attention processor of this model routes to cp_ops (parallelize it first)")
+    return n
+
+
+@dataclass
+class Side:
+    """One timed variant of the model in one compile mode."""
+
+    name: str
+    kind: str  # 'diffusers' | 'group1' | 'cp' | 'plain'
+    world: int
+    mode: str | None = None  # the CP attention mode (cp / plain sides)
+    call: Callable[[], object] | None = None
+    first_s: float = 0.0
+    samples: list = field(default_factory=list)
+    out: torch.Tensor | None = None
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.samples)
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _make_call(m, spec, kw, margs, device):
+    from .run import _forward_fn
+
+    fwd = _forward_fn(m, spec, kw, margs)
+    if margs.cuda_graphs and not margs.compile:
+        return Graphed(fwd, device)
+    return fwd
+
+
+def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
+    """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain), compile it as ``margs``
+    says, run and time its first call; sets ``side.call``, ``side.first_s`` and ``side.out``."""
+    from ..integrations.diffusers import parallelize
+    from .run import compile_model
+
+    m = shared_copy(base)
+    if side.kind != "diffusers":
+        parallelize(m, groups[side.world], mode=side.mode, transport="torch", chunks=args.chunks)
+        if side.kind == "plain":
+            to_plain(m, side.mode)
+    m, _ = compile_model(m, spec, margs, overlap=side.kind != "diffusers")
+    _sync(device)
+    t0 = time.perf_counter()
+    call = _make_call(m, spec, kw, margs, device)
+    out = call()
+    _sync(device)
+    side.first_s = time.perf_counter() - t0
+    side.call = call
+    side.out = out.detach().float().cpu() if isinstance(out, torch.Tensor) else None
+
+
+def _time_sides(sides: list[Side], device, warmup: int, rounds: int) -> None:
+    """``warmup`` untimed forwards of each side, then ``rounds`` interleaved rounds: each takes one sample of every
+    side (the median of ``n`` waited-for forwards; ``n`` from the warm-up's time, so a sample lasts ~SAMPLE_MS)."""
+    calls = {}
+    for s in sides:
+        t = time_ms(s.call, device, max(0, warmup - 1), 1) if warmup else SAMPLE_MS
+        calls[s.name] = max(1, min(MAX_CALLS, int(SAMPLE_MS / max(t, 1e-3))))
+    for _ in range(rounds):
+        for s in sides:
+            s.samples.append(time_ms(s.call, device, 0, calls[s.name]))
+
+
+def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
+    """One profiled forward of every side: GPU kernel time by category (attention, GEMM, copy, Triton/Inductor,
+    other) and the top kernels; on CPU, op time by the same categories. Writes nothing itself (the caller does)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    result = {}
+    for s in sides:
+        s.call()
+        _sync(device)
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            s.call()
+            _sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+        result[s.name] = dict(wall_ms=wall, **kernel_summary(prof.key_averages(), device.type == "cuda"))
+    return result
+
+
+#: kernel/op name fragments per category (first match wins), lower case
+CATEGORIES = (
+    ("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("copy", ("memcpy", "memset", "copy", "catarray", "aten::cat", "aten::repeat", "fill", "aten::zero")),
+    ("triton", ("triton",)),
+)
+
+
+#: profiler rows with device time that are not kernels: host ops (their kernels are counted), CUPTI's "Command Buffer
+#: Full" (the host blocked on a full launch queue: the device is the bottleneck, not device work itself)
+HOST_SIDE = ("aten::", "cp_ops::", "c10d::", "_c10d", "Torch-Compiled", "CompiledFunction", "cudaGraph", "## ",
+             "Command Buffer Full")
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    for cat, words in CATEGORIES:
+        if any(w in n for w in words):
+            return cat
+    return "other"
+
+
+def kernel_summary(events, cuda: bool) -> dict:
+    """``{'busy_ms', 'by_category': {cat: ms}, 'top': [[name, ms, calls], ...]}`` of one profiled forward: on CUDA
+    the device time of kernels and memcpy/memset (events with device time and no children on the device side),
+    on CPU the self CPU time of every op."""
+    rows = []
+    for e in events:
+        if cuda:
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if not t or e.key.startswith(HOST_SIDE):
+                continue  # host-side ops whose self device time is their kernels' (counted as kernels), CUPTI markers
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key, t / 1e3, e.count))
+    by = {}
+    for name, ms, _ in rows:
+        c = category(name)
+        by[c] = by.get(c, 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]])
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+
+def _sides_for(spec, cfg, args, choose_mode) -> list[Side]:
+    heads = spec.heads(cfg)
+    sides = [Side("diffusers", "diffusers", 1)]
+    if not args.no_group1:
+        sides.append(Side("group of 1", "group1", 1, mode="agkv"))
+    for w in args.bound:
+        mode = choose_mode(args.mode, heads, w)
+        sides.append(Side(f"cp_ops W{w}", "cp", w, mode=mode))
+        if args.cost:
+            sides.append(Side(f"plain W{w}", "plain", w, mode=mode))
+    return sides
+
+
+def _mode_args(args, base: str, graphs: bool):
+    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs, no_overlap=False, steps=0)
+
+
+def run_bound(args, device: torch.device) -> list[dict]:
+    """The body of ``cp-ops run MODEL --bound ...`` (arguments checked by :mod:`cp_ops.cli.main`); one process.
+    Returns the result rows (and prints the table; ``--out`` writes them as JSON with the run's metadata).
+    torch.distributed: a fake default group is created and destroyed here when none is initialized (else the
+    initialized one must be a fake group of >= max(W) ranks with this process as rank 0: :func:`fake_groups`)."""
+    import torch._dynamo
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # every side of every W compiles each block class again (its shapes differ): past Dynamo's default limit of 8
+    key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    created = not dist.is_initialized()
+    groups = fake_groups([1] + list(args.bound))
+    try:
+        with torch._dynamo.config.patch(**{key: max(getattr(torch._dynamo.config, key), 64)}):
+            return _run(args, device, groups)
+    finally:
+        if created:  # the default group this call made (and every group inside it)
+            dist.destroy_process_group()
+
+
+def _run(args, device: torch.device, groups: dict) -> list[dict]:
+    from .. import choose_mode
+    from .bench import DTYPES, environment
+
+    spec = MODELS[args.model]
+    dtype = DTYPES[args.dtype]
+    if args.checkpoint:
+        base, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
+    else:
+        base, cfg = build(spec, args.config, args.layers, device, dtype)
+    g = torch.Generator(device=device).manual_seed(42)
+    kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype, g)
+    if device.type == "cuda":
+        base.set_attention_backend("_native_cudnn")
+    filled = fill_free_memory(device) if getattr(args, "random_memory", False) else 0.0
+    tokens = spec.tokens(cfg, args.frames, args.height, args.width)
+    layers = [cfg[k] for k in spec.layer_keys]
+    config_name = config_label(spec, args.config, cfg)
+    meta = dict(environment(device, 1), model=args.model, cls=spec.cls, config=config_name,
+                layers=layers[0] if len(layers) == 1 else layers, tokens=tokens, text_tokens=args.text_tokens,
+                latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
+                chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
+                warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
+                random_memory_gib=filled)
+    try:
+        import diffusers
+
+        meta["diffusers"] = diffusers.__version__
+    except ImportError:
+        pass
+    print(f"cp-ops run {args.model} --bound {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
+          f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
+    rows, profiles = [], {}
+    for mode_text in args.bound_compile:
+        base_mode, graphs = parse_mode(mode_text)
+        margs = _mode_args(args, base_mode, graphs)
+        sides = _sides_for(spec, cfg, args, choose_mode)
+        t_mode = time.perf_counter()
+        try:
+            for s in sides:
+                _prepare(s, base, spec, kw, margs, device, groups, args)
+                print(f"  [{mode_text}] {s.name}: first call {s.first_s:.1f} s", flush=True)
+            _time_sides(sides, device, args.warmup, args.repeats)
+            if args.profile:
+                profiles[mode_text] = _profile_sides(sides, device, args.profile, mode_text)
+        except Exception as e:  # noqa: BLE001 - a mode that cannot run is a row with its reason
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            print(f"  [{mode_text}] failed: {reason}", flush=True)
+            rows.append(dict(model=args.model, config=config_name, compile=base_mode, cuda_graphs=graphs,
+                             skipped=reason))
+        else:
+            rows += _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs)
+            _check_outputs(sides)
+        finally:
+            print(f"  [{mode_text}] {time.perf_counter() - t_mode:.0f} s", flush=True)
+            for s in sides:
+                s.call = None
+            sides = None
+            if base_mode != "eager":
+                torch._dynamo.reset()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.out:  # after every mode: a later mode that is killed (a time limit) keeps the earlier rows
+            from .bench import _write_json
+
+            _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles))
+    print_table(rows, meta)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        path = os.path.join(args.profile, f"bound_profile_{args.model}_{'_'.join(args.bound_compile)}.json")
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, profiles=profiles), f, indent=1)
+        print_profiles(profiles)
+        print(f"profile: {path}")
+    return rows
+
+
+def _check_outputs(sides: list[Side]) -> None:
+    """Every side returned the full output shape, finite where it is the model's own (not the plain stand-in's
+    repeated tokens, nor a fake group's untouched gather buffers: those are uninitialised memory)."""
+    ref = next(s.out for s in sides if s.kind == "diffusers")
+    for s in sides:
+        if s.out is None or tuple(s.out.shape) != tuple(ref.shape):
+            raise RuntimeError(f"--bound: side {s.name!r} returned shape {None if s.out is None else tuple(s.out.shape)}, "
+                               f"expected the full output {tuple(ref.shape)}")
+    for s in sides:
+        if s.kind in ("diffusers", "group1") and not torch.isfinite(s.out).all():
+            raise RuntimeError(f"--bound: side {s.name!r} returned non-finite values")
+
+
+def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs) -> list[dict]:
+    by = {s.name: s for s in sides}
+    single = [s for s in sides if s.kind in ("diffusers", "group1")]
+    best = min(single, key=lambda s: s.ms)
+    out = []
+    for w in args.bound:
+        cp = by[f"cp_ops W{w}"]
+        row = dict(model=args.model, cls=spec.cls, config=config_name, layers=layers[0] if len(layers) == 1 else layers,
+                   tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs,
+                   world_size=w, mode=cp.mode, one_gpu_ms=best.ms, one_gpu_from=best.name,
+                   diffusers_ms=by["diffusers"].ms, rank0_ms=cp.ms, bound_speedup=best.ms / cp.ms,
+                   first_call_s=cp.first_s, rank0_samples=cp.samples)
+        if "group of 1" in by:
+            row["group1_ms"] = by["group of 1"].ms
+        plain = by.get(f"plain W{w}")
+        if plain is not None:
+            row.update(plain_ms=plain.ms, cp_ops_cost_ms=cp.ms - plain.ms,
+                       cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms)
+        out.append(row)
+    return out
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    print(f"\nzero-communication bound, {meta['cls']} {meta['config']}, {meta['tokens']} tokens, on "
+          f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})")
+    print(f"{'compile':<17} {'W':>3} {'mode':>8} {'1 device ms':>12} {'from':>11} {'rank 0 ms':>10} {'bound':>7} "
+          f"{'cp_ops cost':>16}")
+    for r in rows:
+        name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
+        if "skipped" in r:
+            print(f"{name:<17} failed: {r['skipped']}")
+            continue
+        cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
+        print(f"{name:<17} {r['world_size']:>3} {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
+              f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
+              f"{r['bound_speedup']:>6.2f}x {cost:>16}")
+    print("bound = 1-device time / rank 0's time of a W-rank fake group (no transfer: no CP run can beat it); "
+          "1 device = the faster of diffusers' own path and cp_ops over a group of 1; cp_ops cost = rank 0 minus "
+          "the same forward with plain local attention of the same shapes (--cost), % of rank 0's forward.")
+
+
+def print_profiles(profiles: dict) -> None:
+    cats = ("attention", "gemm", "copy", "triton", "other")
+    for mode, sides in profiles.items():
+        print(f"\nprofile [{mode}]: one forward, device time by kernel category (ms)")
+        print(f"{'side':<14} {'wall':>9} {'busy':>9} " + " ".join(f"{c:>9}" for c in cats))
+        for name, p in sides.items():
+            print(f"{name:<14} {p['wall_ms']:>9.2f} {p['busy_ms']:>9.2f} "
+                  + " ".join(f"{p['by_category'].get(c, 0.0):>9.2f}" for c in cats))

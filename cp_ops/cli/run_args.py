@@ -1,0 +1,218 @@
+"""``cp-ops run``'s arguments: its parser and checks (``--bound`` included; torch-free until a check needs the core)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from .. import modes
+from ._args import chunks_arg, common, csv, fail
+
+#: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
+MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo")
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("run", help="a diffusers DiT (Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo; random weights or "
+                                   "--checkpoint): one forward or --steps N, single rank vs CP",
+                       description="The model's released config with random seeded weights (or a local checkpoint's "
+                                   "transformer), the same inputs on every rank: the single-rank model on rank 0, "
+                                   "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time (one "
+                                   "forward per row: re-timed at the end in --repeats interleaved rounds, every side "
+                                   "once per round), speedup, max relative error. Sizes are latent (VAE space, "
+                                   "pixels / 8).")
+    r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
+    common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
+               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one "
+               "timed loop, its median step)")
+    r.add_argument("--config", default=None,
+                   help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
+                        "hunyuanvideo 13b; tiny for any (default: the first on GPU, tiny on CPU)")
+    r.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="load the transformer of this local diffusers checkpoint (pipeline folder or its "
+                        "transformer/ folder) instead of random weights")
+    r.add_argument("--layers", type=int, default=None,
+                   help="cut depth to N blocks of each kind (Flux, HunyuanVideo: N double- and N single-stream)")
+    r.add_argument("--frames", type=int, default=None, help="latent frames (video models; default on GPU the model's standard length: wan 21 (81 "
+                        "frames), hunyuanvideo 16 (61 frames); 2 CPU; image models 1)")
+    r.add_argument("--height", type=int, default=None, help="latent height (pixels / 8; default on GPU the model's standard resolution: wan 60x104 "
+                        "(480p), hunyuanvideo 68x120 (544x960), flux/zimage 128 (1024²), qwenimage 166 (1328²); 16 CPU)")
+    r.add_argument("--width", type=int, default=None,
+                   help="latent width (pixels / 8; default: as --height when --height is given, else the model's)")
+    r.add_argument("--text-tokens", type=int, default=None, help="text sequence length (default: the model's, see models.py)")
+    r.add_argument("--batch", type=int, default=1, help="batch (default 1)")
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
+    r.add_argument("--mode", choices=modes.names(), default="auto",
+                   help="CP attention mode: agkv (gather K/V, keep local Q), ulysses (all-to-all sequence<->heads; "
+                        "W must divide the heads), auto (agkv at W = 2; from W = 3 ulysses when W divides the heads, else agkv)")
+    r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
+                   help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
+                        "auto (fast where it can run, else torch; `cp-ops env` says which)")
+    r.add_argument("--chunks", type=chunks_arg, default=None, metavar="{auto,1,2,3,4,...}",
+                   help="pipeline stages of every CP attention call (parallelize(..., chunks=)): 1 = "
+                        "transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages "
+                        "(communication under attention); auto (default) = measured on the first eager call, the "
+                        "heuristic under --compile (2 for agkv on the fast transport, else 1). Calls on uneven "
+                        "shards or with a key mask use 1")
+    r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
+                   help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "
+                        "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "
+                        "(seconds); full = the whole model. The first call's time (compile included) is reported")
+    r.add_argument("--no-overlap", action="store_true",
+                   help="with --compile: plain torch.compile(fullgraph=True), without the overlap pass")
+    r.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA-graph replay (CUDA only): with --compile, mode='reduce-overhead'; without, explicit "
+                        "torch.cuda.graph capture of the forward")
+    r.add_argument("--steps", type=int, default=0,
+                   help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
+                        "times): time per step and total (default 0: one forward)")
+    r.add_argument("--cfg", action="store_true",
+                   help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
+                        "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
+    r.add_argument("--compare", choices=["diffusers"], default=None,
+                   help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
+                        "on the same model and inputs; rows beside cp_ops'")
+    r.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
+                        "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
+    r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
+    r.add_argument("--bound", type=csv(int, "CP world sizes"), default=None, metavar="W[,W...]",
+                   help="the zero-communication bound on ONE device instead of a CP run: the model parallelized over a "
+                        "fake process group of W ranks (this process = rank 0 of W, collectives move nothing); "
+                        "bound(W) = 1-device time / rank 0's time, per compile mode (--bound-compile); see "
+                        "docs/measuring.md")
+    r.add_argument("--bound-compile", type=csv(str, "compile modes"), default=None, metavar="MODE[,MODE...]",
+                   help="with --bound: compile modes, each eager|regional|full, optionally +graphs (CUDA graphs) "
+                        "(default eager,regional,regional+graphs on CUDA, eager on CPU)")
+    r.add_argument("--cost", action="store_true",
+                   help="with --bound: also time each W with cp_ops' attention replaced by plain local attention of "
+                        "the same shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
+    r.add_argument("--random-memory", action="store_true",
+                   help="with --bound (experimental, CUDA): fill the GPU's free memory with random values first, so "
+                        "buffers a fake collective never writes hold random values rather than zeros (zeros make "
+                        "rank 0's kernels faster than real data: docs/measuring.md)")
+    r.add_argument("--no-group1", action="store_true",
+                   help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
+                        "then diffusers' alone")
+
+
+def check(args, device: str, world: int) -> None:
+    """Check ``cp-ops run``'s arguments and fill in the defaults that depend on the device and the model; a wrong
+    one raises :class:`~cp_ops.cli._args.UsageError` (via :func:`~cp_ops.cli._args.fail`)."""
+    from .models import MODELS
+    from cp_ops.transport.fast import unavailable_reason
+
+    what = f"run {args.model}"
+    if importlib.util.find_spec("diffusers") is None:
+        fail(f"{what} needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
+    spec = MODELS[args.model]
+    gpu = device == "cuda"
+    if args.checkpoint:
+        if args.config or args.layers is not None:
+            fail(f"{what}: --checkpoint takes the checkpoint's config; drop --config/--layers")
+        if not os.path.isdir(args.checkpoint):
+            fail(f"{what}: --checkpoint {args.checkpoint} is not a folder")
+        import json as _json
+
+        sub = os.path.join(args.checkpoint, "transformer", "config.json")
+        cfg_file = sub if os.path.isfile(sub) else os.path.join(args.checkpoint, "config.json")
+        if not os.path.isfile(cfg_file):
+            fail(f"{what}: --checkpoint {args.checkpoint}: no config.json there nor in its transformer/ folder")
+        with open(cfg_file) as f:
+            cfg = _json.load(f)
+        if cfg.get("_class_name") != spec.cls:
+            fail(f"{what}: --checkpoint {args.checkpoint} holds a {cfg.get('_class_name')}; {what} takes a {spec.cls}")
+        args.config = "checkpoint"
+        text = spec.text_tokens[spec.gpu_config] if gpu else 16
+    else:
+        args.config = args.config or (spec.gpu_config if gpu else "tiny")
+        if args.config not in spec.configs:
+            fail(f"{what}: --config takes {'|'.join(spec.configs)}; got {args.config!r}")
+        cfg = spec.config(args.config, args.layers)
+        text = spec.text_tokens[args.config]
+    args.text_tokens = text if args.text_tokens is None else args.text_tokens
+    f0, h0, w0 = spec.gpu_latent if gpu else spec.cpu_latent
+    args.frames = f0 if args.frames is None else args.frames
+    height_given = args.height is not None
+    args.height = h0 if args.height is None else args.height
+    args.width = (args.height if height_given else w0) if args.width is None else args.width  # help: "as --height"
+    pt, ph, pw = spec.patch(cfg)
+    if args.layers is not None and args.layers < 1:
+        fail(f"{what}: --layers must be >= 1; got {args.layers}")
+    if not spec.video and args.frames != 1:
+        fail(f"{what}: {spec.cls} is an image model; --frames must be 1, got {args.frames}")
+    if min(args.frames, args.height, args.width, args.batch) < 1 or args.height % ph or args.width % pw or args.frames % pt:
+        fail(f"{what}: latent --frames/--height/--width must be positive multiples of the patch "
+              f"{[pt, ph, pw]} and --batch >= 1; got {args.frames}/{args.height}/{args.width}, batch {args.batch}")
+    if args.text_tokens < 1:
+        fail(f"{what}: --text-tokens must be >= 1; got {args.text_tokens}")
+    cp = world
+    if args.cfg:
+        if world < 2 or world % 2:
+            fail(f"{what}: --cfg splits the ranks into 2 CFG lanes; the CP world size must be even, got {world}")
+        cp = world // 2
+    heads = cfg.get(spec.heads_key)
+    if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
+        fail(f"{what}: mode {args.mode} needs the CP world size {cp} to divide the {heads} heads of "
+              f"{args.model} {args.config}; use --mode agkv")
+    if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
+        fail(f"{what}: transport 'fast' cannot run: {why}")
+    if args.no_overlap and not args.compile:
+        fail(f"{what}: --no-overlap only applies with --compile")
+    if args.cuda_graphs and not gpu:
+        fail(f"{what}: --cuda-graphs needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
+    if args.cuda_graphs and args.steps and not args.compile:
+        fail(f"{what}: --cuda-graphs with --steps needs --compile (mode='reduce-overhead'); the explicit "
+              "capture replays one forward on fixed inputs")
+    if args.steps < 0:
+        fail(f"{what}: --steps must be >= 0; got {args.steps}")
+    if args.profile:
+        if os.path.exists(args.profile) and not os.path.isdir(args.profile):
+            fail(f"{what}: --profile {args.profile} is a file; give a folder for the traces")
+        if args.profile_runs < 1:
+            fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
+    if args.bound is not None:
+        check_bound(args, what, spec, cfg, gpu)
+    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory:
+        fail(f"{what}: --bound-compile, --cost, --no-group1 and --random-memory apply only with --bound W[,W...]")
+
+
+def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
+    """``run --bound``: one process, a fake group of each W (see :mod:`cp_ops.cli.bound`)."""
+    from .bound import DEFAULT_CPU, DEFAULT_CUDA, parse_mode
+
+    from .launch import under_torchrun
+
+    if under_torchrun():
+        fail(f"{what} --bound runs in one process on one device (a fake group stands in for the ranks); "
+              "run it without torchrun")
+    if not args.bound or min(args.bound) < 1:
+        fail(f"{what}: --bound takes CP world sizes >= 1, e.g. --bound 2,4,8; got {args.bound}")
+    for flag, bad in (("--compare", args.compare), ("--steps", args.steps), ("--cfg", args.cfg),
+                      ("--transport fast", args.transport == "fast")):
+        if bad:
+            fail(f"{what}: {flag} does not apply with --bound (one process, fake groups: nothing is transferred, "
+                  "the transport is 'torch')")
+    if args.compile or args.cuda_graphs:
+        if args.bound_compile:
+            fail(f"{what}: give the compile modes either as --bound-compile or as --compile/--cuda-graphs, not both")
+        args.bound_compile = [(args.compile or "eager") + ("+graphs" if args.cuda_graphs else "")]
+    args.bound_compile = args.bound_compile or list(DEFAULT_CUDA if gpu else DEFAULT_CPU)
+    for m in args.bound_compile:
+        try:
+            _, graphs = parse_mode(m)
+        except ValueError as e:
+            fail(f"{what}: --bound-compile: {e}")
+        if graphs and not gpu:
+            fail(f"{what}: --bound-compile {m} needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
+    heads = cfg.get(spec.heads_key)
+    for w in args.bound:
+        if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:
+            fail(f"{what}: mode {args.mode} needs W={w} to divide the {heads} heads; use --mode agkv or --mode auto")
+    tokens = spec.tokens(cfg, args.frames, args.height, args.width)
+    top = max(args.bound)
+    if tokens < top or args.text_tokens < top:
+        fail(f"{what} --bound {top}: every rank needs at least one token of each split stream; got {tokens} image "
+              f"and {args.text_tokens} text tokens (raise --height/--width or --text-tokens)")
+    args.chunks = 1 if args.chunks is None else args.chunks
+

@@ -1,0 +1,102 @@
+"""diffusers' step caches on a parallelized model: every rank decides the same (issue 21 item 7).
+
+A step cache skips the model's remaining blocks in a step when a metric says the step changes little. diffusers 0.42's
+``FirstBlockCache`` computes that metric from the first block's residual — under CP, from *this rank's* tokens only,
+so ranks can decide differently: one runs 40 blocks (40 CP attention calls), another skips them, and the collectives
+pair up wrongly or hang (peers hit exactly this: cache-dit #1094, vllm-omni #4814, sglang #19955).
+
+:func:`agree_step_caches` makes the decision over the whole group: the metric's sums (``sum |r - r_prev|`` and
+``sum |r_prev|``) are all-reduced over every rank that holds part of the tokens, so each rank computes the ratio of
+all tokens — the one-device metric, up to the order of the sums — and all decide alike. Caches that decide from the
+step index or timestep alone (``MagCache``, ``TaylorSeerCache``, ``FasterCache``, ``PyramidAttentionBroadcast``) agree
+already and are left as they are. ``SeaCache`` (an indicator built from the hidden states, not reduced here) is refused.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+
+#: cache hook classes that decide from this rank's tokens and that cp_ops cannot (yet) make agree
+_REFUSED = ("SeaCacheRootHook", "SeaCacheLeaderBlockHook", "SeaCacheBlockHook", "SeaCachePostNormHook")
+
+
+def _hooks(model: torch.nn.Module):
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in (getattr(registry, "hooks", None) or {}).values():
+            yield hook
+
+
+def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Make the step caches enabled on ``model`` (``model.enable_cache(...)``) decide alike on every rank; returns how
+    many decision points it changed (0: none enabled, or only caches that agree already). Idempotent.
+    :func:`~cp_ops.integrations.diffusers.parallelize` calls it, and again after each ``model.enable_cache``.
+
+    Args:
+        model: a parallelized diffusers transformer.
+        group: the ranks whose tokens make up the model's input (default: the group ``parallelize`` was given — with
+            CFG lanes, both lanes, so the metric covers the whole batch as on one device).
+
+    Raises:
+        ValueError: a cache that decides from this rank's tokens in a way cp_ops does not reduce (SeaCache); the
+            model is not parallelized and no group is given.
+    """
+    pg = group if group is not None else getattr(model, "_cp_ops_input_group", None)
+    if pg is None:
+        raise ValueError("agree_step_caches: the model is not parallelized (cp_ops.integrations.diffusers."
+                         "parallelize) and no group was given")
+    why = refused_cache(model)
+    if why:
+        raise ValueError(why)
+    n = 0
+    for hook in _hooks(model):
+        if type(hook).__name__ == "FBCHeadBlockHook" and not getattr(hook, "_cp_ops_group", None):
+            hook._cp_ops_group = pg
+            hook._should_compute_remaining_blocks = types.MethodType(_fbc_should_compute, hook)
+            n += 1
+    return n
+
+
+def refused_cache(model: torch.nn.Module) -> str | None:
+    """The error for a step cache on ``model`` that cp_ops cannot make agree across ranks (SeaCache), or None."""
+    for hook in _hooks(model):
+        name = type(hook).__name__
+        if name in _REFUSED:
+            return (f"cp_ops: diffusers' {name} decides from each rank's own tokens, which under context parallelism "
+                    "makes ranks skip different steps (collectives then pair wrongly); cp_ops reduces "
+                    "FirstBlockCache's metric over the group but not SeaCache's. Use FirstBlockCacheConfig, "
+                    "MagCacheConfig or TaylorSeerCacheConfig with a parallelized model")
+    return None
+
+
+@torch.compiler.disable
+def _fbc_should_compute(self, hidden_states_residual: torch.Tensor) -> bool:
+    """``FBCHeadBlockHook._should_compute_remaining_blocks`` over the whole group: ``mean|r - r_prev| / mean|r_prev|``
+    of all ranks' tokens (sums all-reduced; both means count the same elements, so the ratio of sums is the ratio of
+    means) against the threshold. Every rank has a previous residual or none alike (the first step computes)."""
+    prev = self.state_manager.get_state().head_block_residual
+    if prev is None:
+        return True
+    sums = torch.stack([(hidden_states_residual - prev).abs().sum(), prev.abs().sum()]).double()
+    dist.all_reduce(sums, group=self._cp_ops_group)
+    return (sums[0] / sums[1]).item() > self.threshold
+
+
+def wrap_enable_cache(model: torch.nn.Module) -> None:
+    """After ``model.enable_cache(config)`` (diffusers' ``CacheMixin``), call :func:`agree_step_caches` (instance
+    attribute: other models of the class are untouched). No-op for a model without ``enable_cache``."""
+    inner = getattr(model, "enable_cache", None)
+    if inner is None or getattr(inner, "_cp_ops_wrapped", False):
+        return
+
+    def enable_cache(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        agree_step_caches(model)
+        return out
+
+    enable_cache._cp_ops_wrapped = True
+    enable_cache.__doc__ = inner.__doc__
+    model.enable_cache = enable_cache

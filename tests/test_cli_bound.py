@@ -1,0 +1,185 @@
+"""`cp-ops run MODEL --bound W[,W...]` (cp_ops.cli.bound): the zero-communication bound on one device over fake
+groups of 2, 4 and 8 ranks, on the tiny configs (CPU): every side returns the full output shape, the bound is finite
+and positive, the plain-attention stand-in computes what it claims, the weights are shared, and argument errors."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_ops
+
+from cp_ops.cli import bound
+from cp_ops.cli.main import main
+from cp_ops.cli.models import MODELS, build
+
+
+def _args(model, **kw):
+    spec = MODELS[model]
+    f, h, w = spec.cpu_latent
+    base = dict(model=model, config="tiny", checkpoint=None, layers=None, frames=f, height=h, width=w,
+                text_tokens=16, batch=1, dtype="fp32", mode="auto", chunks=1, bound=[2, 4, 8],
+                bound_compile=["eager"], cost=True, no_group1=False, profile=None, warmup=1, repeats=2, out=None,
+                random_memory=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("model", ["wan", "flux", "qwenimage", "zimage"])
+def test_bound_tiny_fake_groups(model, tmp_path):
+    """W = 2, 4, 8 on one CPU: one row per W, finite positive times and bound, cost = rank 0 - plain, the JSON
+    written; every side's output had the full shape (run_bound raises otherwise); no process group left behind.
+    flux/qwenimage split the text too (joint attention), qwenimage/zimage carry key masks (text, padding)."""
+    out = tmp_path / "b.json"
+    rows = bound.run_bound(_args(model, out=str(out)), torch.device("cpu"))
+    assert not dist.is_initialized()
+    assert [r["world_size"] for r in rows] == [2, 4, 8]
+    for r in rows:
+        assert math.isfinite(r["bound_speedup"]) and r["bound_speedup"] > 0
+        assert r["rank0_ms"] > 0 and r["one_gpu_ms"] == min(r["diffusers_ms"], r["group1_ms"])
+        assert r["one_gpu_from"] in ("diffusers", "group of 1")
+        assert r["cp_ops_cost_ms"] == pytest.approx(r["rank0_ms"] - r["plain_ms"])
+        spec = MODELS[model]
+        layers = [spec.configs["tiny"][k] for k in spec.layer_keys]
+        assert r["layers"] == (layers[0] if len(layers) == 1 else layers) and r["config"] == "tiny"
+        assert r["mode"] == cp_ops.choose_mode("auto", spec.heads(spec.configs["tiny"]), r["world_size"])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows)) and saved["meta"]["tokens"] == rows[0]["tokens"]
+
+
+def test_bound_reduced_depth_says_so():
+    rows = bound.run_bound(_args("wan", layers=1, bound=[2], cost=False, no_group1=True, repeats=1),
+                           torch.device("cpu"))
+    assert rows[0]["config"] == "tiny (1 of 2 layers)" and "group1_ms" not in rows[0] and "plain_ms" not in rows[0]
+    assert rows[0]["one_gpu_from"] == "diffusers"
+
+
+@pytest.fixture
+def fake_world_4():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fake_groups_and_shared_copy(fake_world_4):
+    groups = bound.fake_groups([1, 2, 4])
+    assert {w: g.size() for w, g in groups.items()} == {1: 1, 2: 2, 4: 4}
+    assert all(g.rank() == 0 for g in groups.values())
+    with pytest.raises(RuntimeError, match="fake default process group of >= 8 ranks"):
+        bound.fake_groups([8])
+    model, _ = build(MODELS["wan"], "tiny", None, "cpu", torch.float32)
+    copy = bound.shared_copy(model)
+    assert copy is not model and copy.blocks[0] is not model.blocks[0]
+    assert all(a is b for a, b in zip(copy.parameters(), model.parameters()))
+    from cp_ops.integrations.diffusers import parallelize
+
+    parallelize(copy, groups[2], mode="agkv", transport="torch")
+    assert getattr(model, "_cp_ops_group", None) is None  # the original stays unparallelized
+    assert bound.to_plain(copy, "agkv") == len(copy.blocks)
+    with pytest.raises(RuntimeError, match="no attention processor"):
+        bound.to_plain(model, "agkv")
+
+
+class _State:
+    def __init__(self, world, totals):
+        self.world, self.totals = world, totals
+
+    def total(self, stream, where):
+        return self.totals[stream]
+
+
+@pytest.mark.parametrize("mode", ["agkv", "ulysses"])
+def test_plain_attention_shapes_and_values(mode):
+    """The stand-in attends what it says: AGKV = local Q against the local K/V repeated W times, cut to S (uneven:
+    S = 2 * 5 + 1 over W = 4 ranks here, rank 0 holding 3); Ulysses = all S tokens, H / W heads, the output's first
+    S_local tokens repeated over the heads; the key mask repeated like K. Fresh random inputs; output [B, S_local, H, D]."""
+    from cp_ops.integrations.diffusers.dispatch import CPAttention
+
+    w, b, s_local, h, d, total = 4, 2, 3, 8, 16, 11
+    cp = CPAttention(_State(w, {"text": 4, "image": 7}), ("text", "image"), "test")
+    plain = bound.PlainAttention(cp, mode)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, s_local, h, d, generator=g) for _ in range(3))
+    mask = torch.rand(b, s_local, generator=g) > 0.3
+    mask[:, 0] = True
+    out = plain(q, k, v, mask, 0.0, False, None)
+    assert out.shape == (b, s_local, h, d) and torch.isfinite(out).all()
+
+    def rep(x):
+        return torch.cat([x] * w, dim=1)[:, :total]
+
+    m = rep(mask)[:, None, None, :]
+    if mode == "agkv":
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), rep(k).transpose(1, 2), rep(v).transpose(1, 2), attn_mask=m).transpose(1, 2)
+    else:
+        qs, ks, vs = (rep(x[:, :, : h // w]).transpose(1, 2) for x in (q, k, v))
+        full = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=m).transpose(1, 2)
+        ref = full[:, :s_local].repeat(1, 1, w, 1)
+    torch.testing.assert_close(out, ref)
+
+
+def test_parse_mode():
+    assert bound.parse_mode("regional+graphs") == ("regional", True)
+    assert bound.parse_mode("eager") == ("eager", False)
+    for bad in ("graphs", "regional+cuda", "fullgraph", ""):
+        with pytest.raises(ValueError, match="one of eager|regional|full"):
+            bound.parse_mode(bad)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--bound", "2", "--compare", "diffusers"], "--compare does not apply with --bound"),
+    (["--bound", "2", "--steps", "2"], "--steps does not apply with --bound"),
+    (["--bound", "0"], "--bound takes CP world sizes >= 1"),
+    (["--bound", "2", "--bound-compile", "regional+graphs"], "needs CUDA"),
+    (["--bound", "2", "--bound-compile", "fast"], "a compile mode is one of"),
+    (["--bound", "2", "--compile", "--bound-compile", "eager"], "either as --bound-compile or as --compile"),
+    (["--bound", "8", "--text-tokens", "4"], "at least one token of each split stream"),
+    (["--bound", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),
+    (["--cost"], "apply only with --bound"),
+])
+def test_bound_argument_errors(extra, message, capsys):
+    assert main(["run", "flux", "--device", "cpu"] + extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bound_cli_end_to_end(tmp_path, capsys):
+    """`cp-ops run wan --bound 2 --device cpu` through main(): one process, the table printed, the JSON written."""
+    out = tmp_path / "b.json"
+    assert main(["run", "wan", "--device", "cpu", "--bound", "2", "--repeats", "1", "--warmup", "0",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "zero-communication bound" in text and "eager" in text
+    assert json.loads(out.read_text())["rows"][0]["world_size"] == 2
+    assert not dist.is_initialized()
+
+
+def test_fill_free_memory_cpu_noop():
+    assert bound.fill_free_memory(torch.device("cpu")) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fill_free_memory_leaves_random_values():
+    """After the fill, a large fresh allocation (never written) holds the random values, not zeros: what a fake
+    collective's output buffer then reads. CUDA does not promise this; the test says whether it holds here."""
+    dev = torch.device("cuda", 0)
+    gib = bound.fill_free_memory(dev, headroom_gib=8.0)
+    assert gib > 1.0
+    x = torch.empty(2**28, dtype=torch.bfloat16, device=dev)  # 512 MiB, unwritten
+    nonzero = (x != 0).float().mean().item()
+    assert nonzero > 0.9, f"only {nonzero:.1%} of a fresh buffer holds the fill's values"
+
+
+def test_config_label_names_reduced_depth():
+    from cp_ops.cli.models import config_label
+
+    spec = MODELS["flux"]
+    assert config_label(spec, "dev", spec.config("dev")) == "dev"
+    assert config_label(spec, "dev", spec.config("dev", 2)) == "dev (2+2 of 19+38 layers)"
+    assert config_label(spec, "checkpoint", {"num_layers": 3}) == "checkpoint"
