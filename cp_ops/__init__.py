@@ -25,6 +25,10 @@ a process-wide setting.
 
 import sys as _sys
 
+from . import _checkout as _checkout
+
+_checkout.install()  # a source checkout: cp_ops.passes is <root>/passes, as the wheel installs it
+
 __version__ = "0.1.0"
 __all__ = [
     "attention",

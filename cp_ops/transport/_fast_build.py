@@ -17,18 +17,12 @@ import traceback
 from pathlib import Path
 
 def _find_source(name: str = "cp_fast.cu") -> Path:
-    """``name`` (a ``.cu`` file of ``csrc``) as package data of the top-level ``csrc`` package: found the same way
-    from a source checkout, an editable install and a wheel (``pip install .``); the checkout path when ``csrc``
-    does not import (the caller reports a missing file)."""
-    from importlib.resources import files
+    """``name`` (a ``.cu`` file of the repository's ``csrc/``): ``cp_ops/csrc/<name>`` in an installed wheel,
+    ``<root>/csrc/<name>`` in a source checkout or an editable install (:func:`cp_ops._checkout.part_dir`).
+    May not exist (cp_ops installed without its sources): :func:`load` reports that."""
+    from .._checkout import part_dir
 
-    try:
-        found = Path(str(files("csrc").joinpath(name)))
-        if found.is_file():
-            return found
-    except (ModuleNotFoundError, TypeError, NotADirectoryError):
-        pass
-    return Path(__file__).resolve().parents[2] / "csrc" / name
+    return Path(part_dir("csrc")) / name
 
 
 _SOURCE = _find_source()  # the transport's lanes and kernels
