@@ -33,7 +33,8 @@ from typing import Any, Iterator
 from cp_ops.transport.base import inflight_limit
 
 from .lowering import register as register_lowerings
-from .overlap import TAG, overlap_kv_communication, pin_windows
+from .overlap import TAG, overlap_kv_communication
+from .pin import pin_windows
 
 __all__ = ["install", "uninstall", "enabled", "OverlapPass", "PinWindows", "pin_windows", "inductor_options", "TAG"]
 
@@ -44,9 +45,9 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 @functools.lru_cache(None)
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for name in ("overlap.py", "lowering.py", "__init__.py"):
+    for name in sorted(f for f in os.listdir(_DIR) if f.endswith(".py")):  # every module of the pass
         with open(os.path.join(_DIR, name), "rb") as f:
-            h.update(f.read())
+            h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
 
 
@@ -108,7 +109,7 @@ def _custom_scheduler_pass_bases() -> tuple[type, ...]:
 
 
 class PinWindows(*_custom_scheduler_pass_bases()):
-    """Scheduler pass (``torch._inductor.config._pre_fusion_custom_pass``): :func:`passes.overlap.pin_windows`.
+    """Scheduler pass (``torch._inductor.config._pre_fusion_custom_pass``): :func:`cp_ops.passes.pin.pin_windows`.
 
     A ``CustomSchedulerPass`` (and ``CustomGraphPass``, see :func:`_custom_scheduler_pass_bases`) with the same
     source-hash ``uuid()`` as :class:`OverlapPass`, so the FX graph cache stays on (a raw callable there makes
