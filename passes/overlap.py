@@ -459,7 +459,7 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
             del dead[n_dead:]
             if STRICT:
                 raise
-            log.warning("cp_ops.passes: no overlap window for %s (its rewrite undone): %s: %s",
+            log.warning("cp_ops.passes: no overlap window for %s: %s: %s (its rewrite undone: it keeps its place)",
                         launch.name, type(e).__name__, e)
     broken = [line for name, line in _broken_inflight(graph, skip=dead) if name not in broken_as_traced]
     if broken:
