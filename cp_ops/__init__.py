@@ -3,7 +3,7 @@
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
         (also chunks=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.modes.uneven;
-        mode 'auto' / chunks None: measured on the first eager call, cp_ops.modes.tune)
+        mode 'auto' / chunks None: the documented heuristic; measured with CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
