@@ -19,8 +19,29 @@ import cp_ops.passes.overlap as ov
 from cp_ops import passes
 from benchmarks import blocks as pb
 from pass_util import fake_group  # noqa: F401  (fixture)
-from test_pass_graph import DIM, HEADS, TestOverlapPassOnTracedGraph, _wan_args
 from test_pass_inflight import _events, _repro_graph
+
+DIM, HEADS = 64, 4
+
+
+def _wan_args(s_local=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, s_local, DIM, generator=g)
+    cos, sin = pb.rope_tables((2, 4, 4), DIM // HEADS, 0, s_local)
+    return x, cos, sin
+
+
+def _traced(model):
+    """``model``'s post-grad-like graph in model order (make_fx, fake tensors; as test_pass_graph traces)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def fn(params, *args):
+        return torch.func.functional_call(model, params, args)
+
+    with torch.no_grad():
+        return make_fx(fn, tracing_mode="fake")(params, *_wan_args())
 
 
 def _state(graph) -> list[tuple]:
@@ -51,7 +72,8 @@ def _fail_after(fn, ok_calls: int):
     ("ulysses", "_open_window"),  # after [q, k, v] was split into [k, v] + [q]
 ])
 def test_failure_partway_leaves_the_graph_as_it_was(monkeypatch, caplog, mode, step):
-    gm = TestOverlapPassOnTracedGraph()._traced(mode)
+    torch.manual_seed(0)
+    gm = _traced(pb.WanBlock(DIM, HEADS, mode=mode))
     before = _state(gm.graph)
     monkeypatch.setattr(ov, "STRICT", False)
     monkeypatch.setattr(ov, step, _boom)
@@ -70,22 +92,14 @@ def test_failure_partway_leaves_the_graph_as_it_was(monkeypatch, caplog, mode, s
 def test_failure_in_a_later_launch_keeps_the_earlier_windows(monkeypatch, caplog):
     """Two layers: the second launch fails after its window opened; the first layer's window stays, the second
     launch is exactly where a pass that skipped it would leave it."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     torch.manual_seed(0)
     model = pb.Stack(DIM, HEADS, layers=2)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def trace():
-        with torch.no_grad():
-            return make_fx(lambda p, *a: torch.func.functional_call(model, p, a), tracing_mode="fake")(params, *_wan_args())
-
     monkeypatch.setattr(ov, "STRICT", False)
-    reference = trace()  # the pass run on the first launch only: what the failed second must leave
+    reference = _traced(model)  # the pass run on the first launch only: what the failed second must leave
     launches = [n for n in reference.graph.nodes if n.op == "call_function" and n.target in ov._KV_LAUNCHES]
     assert len(launches) == 2
     ov._process_launch(reference.graph, launches[0], 0, [])
-    gm = trace()
+    gm = _traced(model)
     monkeypatch.setattr(ov, "_sink_wait", _fail_after(ov._sink_wait, 2))  # the first launch's two waits (K, V)
     with caplog.at_level("WARNING", logger="cp_ops.passes"):
         assert ov.overlap_kv_communication(gm.graph) == 1
