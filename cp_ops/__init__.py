@@ -4,7 +4,7 @@ Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
         (also chunks=, tag=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.layout.Shards;
         mode 'auto' / chunks None: the heuristic, cp_ops.modes.choose / cp_ops.modes.pipelined.choose_chunks;
-        measured only where asked for, cp_ops.modes.tune)
+        measured only with CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
@@ -26,7 +26,11 @@ a process-wide setting.
 
 import sys as _sys
 
-__version__ = "0.1.0"
+from . import _checkout as _checkout
+
+_checkout.install()  # a source checkout: cp_ops.passes is <root>/passes, as the wheel installs it
+
+from ._version import __version__  # noqa: E402,F401
 __all__ = [
     "attention",
     "agkv_gather",

@@ -14,7 +14,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_FAST_LANE_WIDTH`` | ``fast_lane_width`` | the one CP-group width per process that uses the fast lane (first used) |
 | ``CP_OPS_FAST_TUNE``       | ``fast_tune``     | measure the fast fan-out per shape (1); 0: a fixed default             |
 | ``CP_OPS_EXT_DIR``         | ``ext_dir``       | where the fast transport's CUDA extension is built (a per-source cache) |
-| ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None`` measured on first use (on); off: a heuristic |
+| ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None``: the heuristic (0, reproducible); 1: measured |
 | ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
@@ -92,7 +92,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "fast_lane_width": ("CP_OPS_FAST_LANE_WIDTH", _optional_width, None),
     "fast_tune": ("CP_OPS_FAST_TUNE", _flag, True),
     "ext_dir": ("CP_OPS_EXT_DIR", _path, None),
-    "tune_modes": ("CP_OPS_TUNE_MODES", _flag, True),
+    "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default (issue 20, item 3)
     "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
 }
 
@@ -115,7 +115,7 @@ class Settings:
     fast_lane_width: int | None = None
     fast_tune: bool = True
     ext_dir: str | None = None
-    tune_modes: bool = True
+    tune_modes: bool = False
     tune_cache: str | None = None
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -98,13 +98,29 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     if layout_call and chunks is None:
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
-        chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved)
+        chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     t = validate.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
                              tag=tag)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None)
+
+
+def runner(q, pg, transport: str):
+    """What the opt-in measured choice times (:func:`cp_ops.modes.tune.measure`): ``runner(mode, chunks)`` → a call of
+    this dispatcher with that explicit mode and chunks on random ``q, k, v`` of ``q``'s shape, dtype and device
+    (seeded alike on every rank: a collective every rank makes alike; the call's own data is not needed)."""
+    made: list = []
+
+    def make(mode: str, chunks: int):
+        if not made:
+            g = torch.Generator(device=q.device).manual_seed(0x5EED)
+            made.extend(torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype) for _ in range(3))
+        a, b, c = made
+        return lambda: attention(a, b, c, pg, mode, transport, None, chunks, None, None, None)
+
+    return make
 
 
 def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag) -> torch.Tensor:
@@ -248,3 +264,6 @@ def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
 def forget() -> None:
     """Drop every cached plan (tests; after changing what a plan caches, e.g. the chunks choice)."""
     _plans.clear()
+
+
+tune.on_clear(forget)  # the plans hold the measured choices

@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import _register_work
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config
-from ._hooks import run_compile_hooks  # the Inductor lowerings (passes/) arrive through it: core never imports passes
+from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes), imported lazily on the first trace
 from .transport import base as transport_base
 from . import validate
 from .comm import DirectComm

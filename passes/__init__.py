@@ -2,7 +2,7 @@
 
 With the pass on, every ``torch.compile``'d model that calls :func:`cp_ops.attention` (or the launches
 ``torch.ops.cp_ops.*_start`` directly) runs its K/V communication under the Q projection, Q norm and Q RoPE:
-no model edits. See :mod:`passes.overlap` for how.
+no model edits. See :mod:`cp_ops.passes.overlap` for how.
 
 Public API:
     install()        turn it on for every later compilation in this process (idempotent); uninstall() undoes
@@ -10,12 +10,15 @@ Public API:
     OverlapPass      the ``CustomGraphPass`` (stable ``uuid()``, so Inductor's FX graph cache stays on)
     PinWindows       the scheduler pass (``pin_windows``) that keeps each window's order in the generated code
 
-Both also register the Inductor lowerings of the launches (:mod:`passes.lowering`), which make Inductor keep
-each launch's inputs alive until its wait; plain ``torch.compile`` gets them too, through the compile hook
-this package declares (``pyproject.toml``, entry-point group ``cp_ops.compile_hooks``; cp_ops never imports
-``passes``). The pass keeps every launch off a pool slot whose output is still unread
+Both also register the Inductor lowerings of the launches (:mod:`cp_ops.passes.lowering`), which make Inductor keep
+each launch's inputs alive until its wait; plain ``torch.compile`` gets them too: cp_ops' fake kernels import
+:mod:`cp_ops.passes.lowering` lazily on the first trace (:mod:`cp_ops._hooks`); ``import cp_ops`` does not import
+this package. The pass keeps every launch off a pool slot whose output is still unread
 (:func:`cp_ops.transport.base.inflight_limit` slots per key, taken in turn). Logs go to the ``cp_ops.passes`` logger (debug level: each
 window, the nodes moved, fused projections left whole).
+
+This folder sits at the repository's top level (``passes/``); the wheel installs it as ``cp_ops/passes`` and a
+checkout maps it there at import (:mod:`cp_ops._checkout`): import it as ``cp_ops.passes``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any, Iterator
 from cp_ops.transport.base import inflight_limit
 
 from .lowering import register as register_lowerings
-from .overlap import TAG, overlap_kv_communication, pin_windows
+from .overlap import TAG, overlap_kv_communication
+from .pin import pin_windows
 
 __all__ = ["install", "uninstall", "enabled", "OverlapPass", "PinWindows", "pin_windows", "inductor_options", "TAG"]
 
@@ -41,9 +45,9 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 @functools.lru_cache(None)
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for name in ("overlap.py", "lowering.py", "__init__.py"):
+    for name in sorted(f for f in os.listdir(_DIR) if f.endswith(".py")):  # every module of the pass
         with open(os.path.join(_DIR, name), "rb") as f:
-            h.update(f.read())
+            h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
 
 
@@ -59,7 +63,7 @@ def _custom_graph_pass_base() -> type:
 class OverlapPass(_custom_graph_pass_base()):
     """Post-grad FX pass (``torch._inductor.config.post_grad_custom_post_pass``): opens the K/V windows.
 
-    ``__call__(graph)`` rewrites the ``torch.fx.Graph`` in place (see :func:`passes.overlap.overlap_kv_communication`);
+    ``__call__(graph)`` rewrites the ``torch.fx.Graph`` in place (see :func:`cp_ops.passes.overlap.overlap_kv_communication`);
     ``uuid()`` is a hash of this package's source and the in-flight limit it enforces, so the FX graph cache
     stays on and is invalidated when either changes. An optional ``inner`` pass (one installed before ours) runs first.
     """
@@ -105,7 +109,7 @@ def _custom_scheduler_pass_bases() -> tuple[type, ...]:
 
 
 class PinWindows(*_custom_scheduler_pass_bases()):
-    """Scheduler pass (``torch._inductor.config._pre_fusion_custom_pass``): :func:`passes.overlap.pin_windows`.
+    """Scheduler pass (``torch._inductor.config._pre_fusion_custom_pass``): :func:`cp_ops.passes.pin.pin_windows`.
 
     A ``CustomSchedulerPass`` (and ``CustomGraphPass``, see :func:`_custom_scheduler_pass_bases`) with the same
     source-hash ``uuid()`` as :class:`OverlapPass`, so the FX graph cache stays on (a raw callable there makes
@@ -231,7 +235,7 @@ def enabled() -> Iterator[None]:
 
     ``torch.compile`` compiles at a model's first call, so make that call inside the block::
 
-        with passes.enabled():
+        with cp_ops.passes.enabled():
             out = compiled(x)   # compiles here, with the pass
     """
     import torch._inductor.config as cfg

@@ -19,9 +19,15 @@ find, check, rewrite):
    not. Q-side nodes before the launch (and anything that uses them) move to after it, keeping their order;
    then the launch rises to right after its last input (K after its norm and RoPE, V after its projection).
 3. ``_sink_wait``: each wait moves to right before its first user.
-4. The window's nodes are tagged (``node.meta``); :func:`pin_windows`, a scheduler pass, then adds ordering
-   dependencies launch → Q-side kernels → wait, so that Inductor's own reordering (fusion, e.g. Q RoPE with
-   K RoPE; ``reorder_for_peak_memory``) keeps the Q kernels inside the window in the generated code.
+4. The window's nodes are tagged (``node.meta``); :func:`cp_ops.passes.pin.pin_windows`, a scheduler pass, then
+   adds ordering dependencies launch → Q-side kernels → wait, so that Inductor's own reordering (fusion, e.g. Q
+   RoPE with K RoPE; ``reorder_for_peak_memory``) keeps the Q kernels inside the window in the generated code.
+
+All or nothing: each launch's rewrite starts from a snapshot of the graph (:mod:`cp_ops.passes.rollback`); when
+one fails partway the graph is put back as it was before that launch (that launch keeps its place, a warning
+says why). At the end :func:`check_inflight` checks the pool-slot bound (below); when the pass broke it for any
+launch, the whole graph is put back as traced (no window) with a warning. :data:`STRICT` turns both into
+errors (tests set it).
 
 A fused QKV projection (one GEMM) is kept whole: splitting it would change the GEMM's shape, speed and
 numerics. The window then holds the Q-side work after that GEMM (norm, RoPE), and the debug log says so.
@@ -40,6 +46,8 @@ import torch.fx as fx
 from cp_ops.ops import KV_LAUNCH_OPS, LAUNCH_OPS
 from cp_ops.transport.base import inflight_limit
 
+from .rollback import GraphSnapshot
+
 log = logging.getLogger("cp_ops.passes")
 
 aten = torch.ops.aten
@@ -48,7 +56,7 @@ _KV_LAUNCHES = frozenset(KV_LAUNCH_OPS)  # the pass opens a window from each (cp
 _LAUNCHES = frozenset(LAUNCH_OPS)  # every launch: all count towards the in-flight bound
 AFTER = "cp_ops_after"  # node.meta key of a launch placed after another's consumption: (token, consumer nodes)
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
-STRICT = False  # True: a failure inside the pass raises instead of leaving that launch alone with a warning
+STRICT = False  # True: a failure inside the pass (or of its final check) raises instead of undoing it with a warning
 
 # Ops that only re-view or copy a tensor: followed through when looking for the op that consumes it.
 _LAYOUT_OPS = {
@@ -171,13 +179,17 @@ def _query_slots(wait: fx.Node, selects: list[fx.Node]) -> set[int] | None:
     return q_slots if known else None
 
 
-def _split_packed_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int]) -> fx.Node | None:
+def _split_packed_launch(
+    graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int], dead: list[fx.Node]
+) -> fx.Node | None:
     """Rewrite a packing launch (``ulysses_start([..q..k..v..])``: its first argument a list) into a K/V launch plus a Q launch; returns the K/V launch.
 
+    The packing launch and its wait, left without users, are appended to ``dead``: the caller erases them once
+    the whole pass has succeeded (until then a :class:`GraphSnapshot` can still put them back in use).
     Returns None (graph unchanged, reason logged) when the buffer is used other than through one wait and
     ``select(buf, 3, slot)`` views, or the query slot cannot be told from the attention op.
     """
-    xs, world_size, group_name, transport = launch.args
+    xs, *rest = launch.args  # (world_size, group_name, transport[, call, tag, seq_lens])
     if len(xs) < 2:
         return None
     waits = _waits_of(launch)
@@ -196,8 +208,10 @@ def _split_packed_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, 
     kv = [i for i in range(len(xs)) if i not in q_slots]
     q = sorted(q_slots)
     with graph.inserting_before(launch):
-        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], world_size, group_name, transport), launch)
-        launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], world_size, group_name, transport), launch)
+        # the K/V launch keeps the call's rank-contract arguments (it runs first: the exchange is made there); the
+        # Q launch is a later launch of the same call ('-': no exchange)
+        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], *rest), launch)
+        launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], *rest[:3], "-", *rest[4:]), launch)
     with graph.inserting_before(wait):
         wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
         wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
@@ -206,8 +220,7 @@ def _split_packed_launch(graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, 
         src, new_slot = (wait_kv, kv.index(slot)) if slot in kv else (wait_q, q.index(slot))
         sel.args = (src, 3, new_slot)
         sel.meta["val"] = _fake_val(sel.target, sel.args)
-    graph.erase_node(wait)
-    graph.erase_node(launch)
+    dead.extend((wait, launch))
     log.debug(
         "cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)",
         launch.name, launch_kv.name, kv, launch_q.name, q,
@@ -337,7 +350,7 @@ def _inflight_bound(graph: fx.Graph, launch: fx.Node, limit: int) -> list[fx.Nod
     """The nodes ``launch`` must follow so that it takes no pool slot whose output is still unread, and its
     place shifts no later launch of its key onto one: the readers of launch i - limit (i: its index among the
     launches of its key), and any later launch that would otherwise break. Returns [] when its earliest place
-    (where it is) is fine; None when no place before its own readers is (a warning, or an error when STRICT).
+    (where it is) is fine; None when no place before its own readers is (the launch then gets no window).
     """
     order = _order(graph)
     key = _group_key(launch)
@@ -372,19 +385,26 @@ def check_inflight(graph: fx.Graph, limit: int | None = None) -> list[str]:
     """Launches in ``graph`` that would take the pool slot of a launch whose output is still unread (the
     launch ``limit`` before them of their key; default :func:`cp_ops.transport.base.inflight_limit`); one line
     each, [] when none."""
+    return [line for _, line in _broken_inflight(graph, limit)]
+
+
+def _broken_inflight(graph: fx.Graph, limit: int | None = None, skip: Iterable[fx.Node] = ()) -> list[tuple[str, str]]:
+    """(launch name, line) for each launch :func:`check_inflight` reports; launches in ``skip`` (replaced ones,
+    not yet erased) left out."""
     limit = inflight_limit() if limit is None else limit
     if limit is None:
         return []
+    skip = set(skip)
     order = _order(graph)
     groups: dict[tuple, list] = {}
     for n in graph.nodes:
-        if _is_call(n, _LAUNCHES):
+        if _is_call(n, _LAUNCHES) and n not in skip:
             groups.setdefault(_group_key(n), []).append(n)
     bad = []
     for seq in groups.values():
         for k in _fifo_broken([(order[n], _last_read(n, order)) for n in seq], limit):
-            bad.append(f"{seq[k].name} runs before the output of {[n.name for n in seq[: k - limit + 1]]} is read "
-                       f"({limit} slots per key)")
+            bad.append((seq[k].name, f"{seq[k].name} runs before the output of {[n.name for n in seq[: k - limit + 1]]} "
+                                     f"is read ({limit} slots per key)"))
     return bad
 
 
@@ -415,35 +435,65 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
     """Run the pass on a post-grad FX graph in place; returns the number of windows opened.
 
     No-op (returns 0) on graphs without cp_ops launches. Each window is logged at debug level on the
-    ``cp_ops.passes`` logger with the nodes moved. A launch the pass fails on is left as it is, with a
-    warning (the compile goes on without that window), unless :data:`STRICT` is set (tests set it).
+    ``cp_ops.passes`` logger with the nodes moved. All or nothing (see the module docs): a launch the pass fails
+    on keeps its place and the graph is as before that launch, with a warning (the compile goes on without that
+    window); a result that breaks the in-flight bound where the traced graph did not is undone whole (the graph
+    as traced, 0 returned), with a warning. With :data:`STRICT` set (tests) both raise ``RuntimeError`` instead,
+    after the graph is restored.
+
+    A launch that, already as traced, takes the pool slot of an output not yet read is reported with a warning
+    and left as it is: on a pooling transport (fast) that output would be overwritten before it is read, and the
+    runtime does not detect it (its guard tracks waits, not reads).
     """
     launches = [n for n in graph.nodes if _is_call(n, _KV_LAUNCHES)]
     if not launches:
         return 0
+    traced = GraphSnapshot(graph)
+    broken_as_traced = dict(_broken_inflight(graph))
+    dead: list[fx.Node] = []  # launches and waits replaced by a split: erased once the pass has succeeded
     opened = 0
     for launch in launches:
+        before, n_dead = GraphSnapshot(graph), len(dead)
         try:
-            opened += _process_launch(graph, launch, opened)
+            opened += _process_launch(graph, launch, opened, dead)
         except Exception as e:  # noqa: BLE001 - an optimization must not break the user's compile
+            before.restore()
+            del dead[n_dead:]
             if STRICT:
                 raise
-            log.warning("cp_ops.passes: no overlap window for %s: %s: %s", launch.name, type(e).__name__, e)
-    graph.lint()
-    bad = check_inflight(graph)
-    if bad:
+            log.warning("cp_ops.passes: no overlap window for %s: %s: %s (its rewrite undone: it keeps its place)",
+                        launch.name, type(e).__name__, e)
+    broken = [line for name, line in _broken_inflight(graph, skip=dead) if name not in broken_as_traced]
+    if broken:
+        traced.restore()
+        msg = ("the rewritten graph would let a launch take the pool slot of an output not yet read, which the "
+               "traced graph did not: " + "; ".join(broken))
         if STRICT:
-            raise RuntimeError("cp_ops overlap pass: in-flight bound broken: " + "; ".join(bad))
-        log.warning("cp_ops.passes: in-flight bound broken (the fast transport will raise): %s", "; ".join(bad))
+            raise RuntimeError(f"cp_ops overlap pass: {msg}")
+        log.warning("cp_ops.passes: overlap pass undone, the graph runs as traced (no overlap): %s", msg)
+        return 0
+    for n in dead:  # each wait before its launch: users first
+        graph.erase_node(n)
+    graph.lint()
+    if broken_as_traced:
+        log.warning(
+            "cp_ops.passes: as traced, %s: on a pooling transport (fast) such an output is overwritten before it is "
+            "read, which the runtime does not detect (it tracks waits, not reads)", "; ".join(broken_as_traced.values()),
+        )
     return opened
 
 
-def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
-    """Open window ``wid`` for one launch (after splitting a Ulysses [q, k, v] launch); returns 1 or 0."""
+class _NoWindow(RuntimeError):
+    """No safe place for a launch's window: its rewrite is undone (see :func:`overlap_kv_communication`)."""
+
+
+def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int, dead: list[fx.Node]) -> int:
+    """Open window ``wid`` for one launch (after splitting a Ulysses [q, k, v] launch); returns 1 or 0.
+    Raises when the launch has no place that keeps the in-flight bound (the caller undoes the rewrite)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     if isinstance(launch.args[0], (list, tuple)):  # a packing launch (Ulysses): split Q off
         if len(launch.args[0]) >= 2:
-            split = _split_packed_launch(graph, launch, order)
+            split = _split_packed_launch(graph, launch, order, dead)
             if split is None:
                 return 0
             launch = split
@@ -459,11 +509,11 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
     limit = inflight_limit()
     after = _inflight_bound(graph, launch, limit) if limit is not None else []
     if after is None:
-        msg = f"{launch.name}: more than {limit} launches of its key would be in flight, whatever its place"
-        if STRICT:
-            raise RuntimeError(f"cp_ops overlap pass: {msg}")
-        log.warning("cp_ops.passes: %s", msg)
-    elif after:
+        raise _NoWindow(
+            f"cp_ops overlap pass: {launch.name}: more than {limit} launches of its key would be in flight, "
+            "whatever its place"
+        )
+    if after:
         moved = _open_window(graph, launch, attn, waits, after=after)
         launch.meta[AFTER] = [r.name for r in after]
         log.debug(
@@ -493,171 +543,3 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int) -> int:
         attn.name, [n.name for n in moved], [n.name for n in window],
     )
     return 1
-
-
-# ---- step 4: pin the windows in Inductor's scheduler --------------------------------------------
-def _snode_tags(snode) -> set[tuple[int, str]]:
-    tags = set()
-    for sub in snode.get_nodes():
-        node = getattr(sub, "node", None)
-        for origin in getattr(node, "origins", ()) or ():
-            tag = origin.meta.get(TAG) if hasattr(origin, "meta") else None
-            if tag is not None:
-                tags.add(tag)
-    return tags
-
-
-def _weak_dep(name: str, mutating_buf: str):
-    from torch._inductor.dependencies import WeakDep
-
-    try:
-        return WeakDep(name, mutating_buf=mutating_buf, is_fake=True)
-    except TypeError:  # older Inductor: no is_fake
-        return WeakDep(name, mutating_buf=mutating_buf)
-
-
-def _gather_window(snodes: list, launch, q_tagged: list, waits: list) -> tuple[list, list]:
-    """Bring the window's Q-side scheduler nodes between the launch and the first wait.
-
-    Inductor realizes some Q buffers only where attention reads them (e.g. the RoPE output), which puts them
-    after the waits in its first node order. Those that do not depend on a wait — and whose other
-    dependencies are all before the first wait — move to right before it. Returns (new order, Q nodes in it).
-    """
-    pos = {sn: i for i, sn in enumerate(snodes)}
-    first_wait = min(pos[x] for x in waits)
-    wait_names = {x.get_name() for x in waits}
-    inside = [sn for sn in q_tagged if pos[launch] < pos[sn] < first_wait]
-    before_names = {sn.get_name() for sn in snodes[:first_wait]}
-    late = []
-    for sn in sorted((sn for sn in q_tagged if pos[sn] > first_wait), key=pos.__getitem__):
-        anc = set(getattr(sn, "ancestors", ()) or ())
-        if anc & wait_names or not anc <= before_names | {x.get_name() for x in late}:
-            continue
-        late.append(sn)
-    if late:
-        late_set = set(late)
-        rest = [sn for sn in snodes if sn not in late_set]
-        i = rest.index(snodes[first_wait])
-        snodes = rest[:i] + late + rest[i:]
-    return snodes, inside + late
-
-
-def _origins(snode) -> list:
-    out = []
-    for sub in snode.get_nodes():
-        out.extend(o for o in (getattr(getattr(sub, "node", None), "origins", ()) or ()) if hasattr(o, "meta"))
-    return out
-
-
-def _pin_inflight_bounds(snodes: list) -> bool:
-    """Keep each launch the FX pass placed after older launches' readers (``meta[AFTER]``) after them in the
-    generated code: an ordering dependency (fake ``WeakDep``) of the launch on every scheduler node that holds
-    one of those readers. Recomputes ancestors when it adds any; returns whether it did."""
-    from torch._inductor import ir
-
-    pos = {sn: i for i, sn in enumerate(snodes)}
-    by_origin: dict[str, list] = {}
-    for sn in snodes:
-        for o in _origins(sn):
-            by_origin.setdefault(o.name, []).append(sn)
-    added = False
-    for sn in snodes:
-        node = getattr(sn, "node", None)
-        if not isinstance(node, ir._CollectiveKernel) or isinstance(node, ir._WaitKernel):
-            continue
-        names = [r for o in _origins(sn) for r in (o.meta.get(AFTER) or ())]
-        if not names:
-            continue
-        launch_buf = sorted(sn.get_buffer_names())[0]
-        for reader in {r for name in names for r in by_origin.get(name, ())}:
-            if reader is sn:
-                continue
-            if pos[reader] > pos[sn] or sn.get_name() in (getattr(reader, "ancestors", ()) or ()):
-                msg = f"{sn.get_name()} cannot be kept after {reader.get_name()} (a reader of an older launch's output)"
-                if STRICT:
-                    raise RuntimeError(f"cp_ops overlap pass: {msg}")
-                log.warning("cp_ops.passes: %s", msg)
-                continue
-            for buf in reader.get_buffer_names():
-                sn.add_fake_dep(_weak_dep(buf, launch_buf))
-                added = True
-        log.debug("cp_ops.passes: %s pinned after %s", sn.get_name(), names)
-    if added:
-        from torch._inductor.virtualized import V
-
-        V.graph.scheduler.compute_ancestors()
-    return added
-
-
-def pin_windows(snodes: list) -> list:
-    """:func:`_pin_windows`; on an error, a warning and the nodes unchanged in order (unless :data:`STRICT`)."""
-    try:
-        return _pin_windows(snodes)
-    except Exception as e:  # noqa: BLE001 - an optimization must not break the user's compile
-        if STRICT:
-            raise
-        log.warning("cp_ops.passes: windows not pinned in the scheduler: %s: %s", type(e).__name__, e)
-        return snodes
-
-
-def _pin_windows(snodes: list) -> list:
-    """Inductor scheduler pass (``config._pre_fusion_custom_pass``): pin each window's order.
-
-    For every window tagged by :func:`overlap_kv_communication`, each Q-side scheduler node gets an ordering
-    dependency (a fake ``WeakDep``, which does not extend buffer lifetimes) on the launch, and each wait gets
-    one on every Q-side node. Fusion and ``reorder_for_peak_memory`` respect them, so the generated code
-    keeps launch → Q kernels → wait. Returns ``snodes`` (same order).
-    """
-    from torch._inductor import ir
-
-    changed = _pin_inflight_bounds(snodes)
-    windows: dict[int, dict[str, list]] = {}
-    for sn in snodes:
-        tags = _snode_tags(sn)
-        roles = {}
-        for wid, role in tags:
-            roles.setdefault(wid, set()).add(role)
-        for wid, rs in roles.items():
-            node = getattr(sn, "node", None)
-            if "wait" in rs and isinstance(node, ir._WaitKernel):
-                role = "wait"
-            elif "launch" in rs and isinstance(node, ir._CollectiveKernel) and not isinstance(node, ir._WaitKernel):
-                role = "launch"
-            elif rs & {"launch", "wait"}:
-                continue  # input copies and output views made while lowering the launch or wait
-            else:
-                role = "q"
-            windows.setdefault(wid, {"launch": [], "q": [], "wait": []})[role].append(sn)
-    if not windows:
-        if changed:
-            from torch._inductor.virtualized import V
-
-            V.graph.scheduler.compute_ancestors()
-        return snodes
-    for wid, w in sorted(windows.items()):
-        if len(w["launch"]) != 1 or not w["wait"]:
-            log.debug("cp_ops.passes: window %d not pinned: launch/wait not found among scheduler nodes", wid)
-            continue
-        launch = w["launch"][0]
-        launch_anc = set(getattr(launch, "ancestors", ()) or ())
-        q_tagged = [sn for sn in w["q"] if sn.get_name() not in launch_anc]  # never create a cycle
-        snodes, q_nodes = _gather_window(snodes, launch, q_tagged, w["wait"])
-        launch_buf = sorted(launch.get_buffer_names())[0]
-        for sn in q_nodes:
-            sn.add_fake_dep(_weak_dep(launch_buf, sorted(sn.get_buffer_names())[0]))
-        for wait in w["wait"]:
-            wait_buf = sorted(wait.get_buffer_names())[0]
-            for sn in q_nodes:
-                for buf in sn.get_buffer_names():
-                    wait.add_fake_dep(_weak_dep(buf, wait_buf))
-        changed = changed or bool(q_nodes)
-        log.debug(
-            "cp_ops.passes: window %d pinned in the scheduler: %s → %s → %s",
-            wid, launch.get_name(), [sn.get_name() for sn in q_nodes], [x.get_name() for x in w["wait"]],
-        )
-    if changed:
-        from torch._inductor.virtualized import V
-
-        V.graph.scheduler.nodes = snodes
-        V.graph.scheduler.compute_ancestors()
-    return snodes

@@ -6,6 +6,3 @@ sys.path.insert(0, os.path.dirname(__file__))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
-# The suite compares against single-device references bitwise where the path is transport-then-attend: measuring
-# (cp_ops.modes.tune) is off unless a test turns it on (tests/test_tune.py); spawned ranks inherit this.
-os.environ.setdefault("CP_OPS_TUNE_MODES", "0")

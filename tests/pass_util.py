@@ -79,7 +79,7 @@ class CaptureGraphs:
         self.windows: list[int] = []
 
     def __call__(self, graph: fx.Graph) -> None:
-        from passes.overlap import overlap_kv_communication
+        from cp_ops.passes.overlap import overlap_kv_communication
 
         self.before.append(compact_graph(graph))
         self.windows.append(overlap_kv_communication(graph) if self.run_pass else 0)
@@ -106,8 +106,8 @@ def compile_and_get(model, args, overlap: bool = True):
     import torch._inductor.config as cfg
     from torch._inductor.utils import run_and_get_code
 
-    import passes
-    import passes.overlap
+    from cp_ops import passes
+    import cp_ops.passes.overlap  # noqa: F401 - binds passes.overlap
 
     passes.overlap.STRICT = True  # a failure inside the pass fails the test
     cap = CaptureGraphs(run_pass=overlap)

@@ -165,7 +165,7 @@ def test_core_never_imports_the_tools_layer():
     bad = {(os.path.relpath(p, ROOT), m) for p in core for m in _imports(p)
            if (m == "cp_ops.cli" or m.startswith("cp_ops.cli.")) and not p.endswith(os.path.join("cp_ops", "__main__.py"))}
     assert not bad, f"the core imports the tools layer: {sorted(bad)}"
-    p = _py("import sys, torch, cp_ops; cp_ops.attention; import passes; "
+    p = _py("import sys, torch, cp_ops; cp_ops.attention; import cp_ops.passes; "
             "print([m for m in sys.modules if m.startswith('cp_ops.cli')])")
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 

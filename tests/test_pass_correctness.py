@@ -17,9 +17,9 @@ def _compile_and_run(model, args, overlap: bool):
     import torch._inductor.config as cfg
 
     import cp_ops
-    import passes.overlap
+    import cp_ops.passes.overlap
 
-    passes.overlap.STRICT = True  # a failure inside the pass fails the test
+    cp_ops.passes.overlap.STRICT = True  # a failure inside the pass fails the test
     torch._dynamo.reset()
     with cfg.patch(fx_graph_cache=False):
         return cp_ops.compile(model, fullgraph=True, overlap=overlap)(*args)
@@ -79,7 +79,7 @@ def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
     from benchmarks import blocks as pb
     from pass_util import register_pooled_test_transport
 
-    import passes.overlap
+    import cp_ops.passes.overlap
 
     name = register_pooled_test_transport()
     torch.manual_seed(1234 + rank)  # per-rank shards; weights below reset to one seed
@@ -97,7 +97,7 @@ def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
     model = two.blocks[0]
     with torch.no_grad():
         eager = model(*xs)
-        with mock.patch.object(passes.overlap, "inflight_limit", lambda: None):  # the bound off: 3 in flight
+        with mock.patch.object(cp_ops.passes.overlap, "inflight_limit", lambda: None):  # the bound off: 3 in flight
             unbounded = _compile_and_run(model, xs, overlap=True)
         assert not torch.equal(unbounded, eager), "the pooled stand-in did not overwrite an unread output"
 

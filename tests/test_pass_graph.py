@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.testing import FileCheck
 
 import cp_ops  # noqa: F401
-import passes
+from cp_ops import passes
 from benchmarks import blocks as pb
 from pass_util import check_inputs_alive, compile_and_get, fake_group, kernel_lines  # noqa: F401  (fixture)
 
@@ -320,7 +320,7 @@ class TestOverlapPassOnTracedGraph(expecttest.TestCase):
             return make_fx(fn, tracing_mode="fake")(params, *_wan_args())
 
     def test_agkv_kv_chains_and_launch_move_ahead_of_q(self):
-        from passes.overlap import overlap_kv_communication
+        from cp_ops.passes.overlap import overlap_kv_communication
         from pass_util import compact_graph
 
         gm = self._traced("agkv")
@@ -457,7 +457,7 @@ def test_diffusers_wan_transformer_one_window_per_layer(mode):
 
 def test_pass_failure_leaves_graph_alone_with_warning(monkeypatch, caplog):
     """A bug inside the pass must not break the user's compile: that launch keeps its place, with a warning."""
-    import passes.overlap as ov
+    import cp_ops.passes.overlap as ov
     from pass_util import compact_graph
 
     gm = TestOverlapPassOnTracedGraph()._traced("agkv")

@@ -7,7 +7,7 @@ import torch
 
 import cp_ops
 from cp_ops import layout
-from cp_ops.modes.uneven import masked_attention
+from cp_ops.kernels import local_attention as masked_attention
 from dist_util import run_ranks
 
 pytestmark = [

@@ -6,14 +6,20 @@ chunk count are returned unchanged. Otherwise the candidates are every variant t
 the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for ``chunks=None``, else the given count; variants that
 run the same schedule are listed once), and:
 
-* ``settings.tune_modes`` off (``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose` for the
-  mode (:func:`cp_ops.modes.choose`: AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and :func:`cp_ops.modes.pipelined.choose_chunks` for the stages
-  (a table keyed by mode and the transport the call runs on, 'auto' resolved for the group: AGKV on the fast
-  transport 2, else 1; see its docstring for the measurements behind it).
-* on (the default): a measured candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype,
-  device, transport, request) and then a dict lookup (about 1 µs). Measuring (:func:`measure`): every rank runs
+* ``settings.tune_modes`` off (the default; ``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose`
+  for the mode (AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and
+  :func:`cp_ops.modes.pipelined.choose_chunks` for the stages (a table keyed by mode and the transport the call
+  runs on, 'auto' resolved for the group: AGKV on the fast transport 2, else 1; see its docstring for the
+  measurements behind it). No timing, no file: the same inputs give the same variant, hence the same outputs,
+  from run to run, whatever the load on the machine (as ``torch.backends.cudnn.benchmark = False``). Measured
+  choices differ with load (pipelined or not: ~5e-3 relative in bf16), so measuring is opt-in.
+* on (``CP_OPS_TUNE_MODES=1``, or ``cp_ops.config.configure(tune_modes=True)`` on every rank): a measured
+  candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype, device, transport, request) and
+  then a dict lookup (about 1 µs); kept in the disk cache below, so a later process with the same cache makes
+  the same choice without timing (deterministic once cached). Measuring (:func:`measure`): every rank runs
   every candidate on synthetic random tensors of the call's shape and dtype (the call's data is not needed),
-  through :func:`cp_ops.attention` with the candidate's explicit mode and chunks:
+  through ``runner(mode, chunks)`` (default: :func:`cp_ops.attention` with the candidate's explicit mode and
+  chunks; a caller may pass its own, see :func:`decide`):
 
   1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
   2. rounds of samples, interleaved: each round times every candidate once, in candidate order (A B C A B C
@@ -41,7 +47,8 @@ run the same schedule are listed once), and:
   S_local=2048, H=40, D=128 (6 candidates, t ≈ 0.5 ms): 20 calls a sample, 7 rounds of 60 ms, about 0.42 s
   timed; for a call of 30 ms, 3 rounds, about 0.55 s timed plus 0.55 s of warm-up and sizing.
 
-Disk cache: the choices (with their measured times) are kept in a JSON file, ``settings.tune_cache``
+Disk cache (measuring on only; nothing is read or written with it off): the choices (with their measured times)
+are kept in a JSON file, ``settings.tune_cache``
 (``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
 file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call,
 :data:`MARGIN` and the heuristic's candidate. Format :data:`FORMAT` = 3 since the pick prefers the heuristic's
@@ -50,8 +57,11 @@ interleaved rounds and the margin): a file of another format is ignored, its req
 file rewritten in format 3. A rank cannot trust its own file alone (a rank with a stale or missing file would skip
 measuring while its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
 holds (one all-reduce over the group) and use it only when every rank holds the same one; otherwise all
-measure and every rank rewrites its entry. An unreadable file is ignored and an unwritable one reported once
-(a warning); neither stops the call.
+measure and every rank rewrites its entry. A file that does not parse (bad JSON, nesting too deep for the
+parser: ``RecursionError``) or whose entries have wrong types (:func:`_valid_entry`) is ignored, in whole or
+those entries, with a warning naming the file, on the rank holding it: that rank then holds no cached candidate,
+so every rank measures alike (no rank raises while its peers wait). An unwritable file is reported once (a
+warning); neither stops the call.
 
 Before its first collective a measuring rank compares the collective settings over the group
 (:func:`cp_ops.validate.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`):
@@ -122,16 +132,23 @@ class Choice(NamedTuple):
 stats = {"measured": 0, "timed": 0, "disk": 0, "heuristic": 0}
 _memo: dict[tuple, tuple] = {}  # (group, request, shape, dtype, device, transport, tune_modes) -> (mode, chunks)
 _choices: dict[tuple, "Choice"] = {}  # the same key -> the Choice (source, times) for reports
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
+
+
+#: ``runner(mode, chunks) -> run``: ``run()`` makes one call of the candidate (a collective: every rank calls it
+#: alike), on tensors of the decided call's shape, dtype and device.
+Runner = Callable[[str, int], Callable[[], object]]
 
 
 def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup,
-           transport: str) -> tuple[str, int]:
+           transport: str, runner: Runner | None = None) -> tuple[str, int]:
     """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks (see the module docstring).
 
     Args:
         mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``modes.choose(mode,
             H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the CP group. transport: the resolved transport ('torch', 'fast').
+        runner: what :func:`measure` times when measuring is on and the choice is not cached (see :data:`Runner`);
+            required where measuring runs (the dispatcher gives :func:`cp_ops.dispatch.runner`).
     Returns:
         the mode name and the chunk count (≥ 1) every rank of the group uses.
     Raises:
@@ -145,17 +162,17 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
     if hit is not None:  # the cached choice: one dict lookup
         return hit
-    return _decide(mode, chunks, chosen, tuple(q.shape), q.dtype, str(q.device), group.group_name, transport)
+    return _decide(mode, chunks, chosen, tuple(q.shape), q.dtype, str(q.device), group.group_name, transport, runner)
 
 
-def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport) -> tuple[str, int]:
+def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport, runner=None) -> tuple[str, int]:
     """:func:`decide` on plain values, after a miss of the eager cache."""
     pg = _resolve(group_name)
     key = (pg, mode, chunks, torch.Size(shape), dtype, torch.device(device), transport, config.settings.tune_modes)
     hit = _memo.get(key)
     if hit is not None:
         return hit
-    c = _choose(mode, chunks, chosen, shape, dtype, torch.device(device), pg, transport)
+    c = _choose(mode, chunks, chosen, shape, dtype, torch.device(device), pg, transport, runner)
     if c is not None:
         _memo[key] = (c.mode, c.chunks)
         _choices[key] = c
@@ -230,7 +247,7 @@ class _Shape:
         self.shape = torch.Size(shape)
 
 
-def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice | None:
+def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport, runner=None) -> Choice | None:
     from ..group import backend_name
 
     w = pg.size()
@@ -245,12 +262,12 @@ def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport) -> Choice
         choice = Choice(cands[0][0], cands[0][1], "single", {})
     else:
         preferred = heuristic_candidate(chunks, chosen, shape, pg, device, transport)
-        choice = _agreed_or_measured(cands, chosen, preferred, shape, dtype, device, pg, transport)
+        choice = _agreed_or_measured(cands, chosen, preferred, shape, dtype, device, pg, transport, runner)
     return choice
 
 
 # ---- agreement, measuring ------------------------------------------------------------------------
-def _agreed_or_measured(cands, default_mode, preferred, shape, dtype, device, pg, transport) -> Choice:
+def _agreed_or_measured(cands, default_mode, preferred, shape, dtype, device, pg, transport, runner=None) -> Choice:
     from ..validate import check_settings_agree
 
     # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
@@ -268,7 +285,7 @@ def _agreed_or_measured(cands, default_mode, preferred, shape, dtype, device, pg
         stats["disk"] += 1
         m, c = cands[int(hi) - 1]
         return Choice(m, c, "disk", dict(entry.get("times_ms", {})))
-    times = measure(cands, shape, dtype, device, pg, transport)
+    times = measure(cands, shape, dtype, device, pg, transport, runner)
     best = pick(cands, times, default_mode, preferred=preferred)
     stats["measured"] += 1
     named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
@@ -299,15 +316,19 @@ def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, ma
     return min(ok, key=lambda i: (cands[i][1], cands[i][0] != default_mode, i))
 
 
-def measure(cands, shape, dtype, device, pg, transport) -> list[float]:
+def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = None) -> list[float]:
     """Each candidate's time per call in ms: the median of its interleaved samples on this rank, max over the
     ranks of ``pg`` (the same list on every rank; see the module docstring for the schedule and its budget).
-    Every rank makes the same calls (the sizes come from max-reduced estimates): each call is a collective."""
-    from ..attention import attention
+    Every rank makes the same calls (the sizes come from max-reduced estimates): each call is a collective.
 
-    g = torch.Generator(device=device).manual_seed(0x5EED)
-    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
-    runs = [lambda m=m, c=c: attention(q, k, v, group=pg, mode=m, transport=transport, chunks=c) for m, c in cands]
+    ``runner(mode, chunks)`` gives the zero-argument call timed for each candidate (:data:`Runner`, given by the
+    caller: :func:`cp_ops.dispatch.runner`), made once per candidate before timing.
+
+    Raises:
+        ValueError: no runner (this module makes no call of its own: it takes one from its caller)."""
+    if runner is None:
+        raise ValueError("tune.measure needs a runner(mode, chunks) from its caller (cp_ops.dispatch.runner)")
+    runs = [runner(m, c) for m, c in cands]
     for run in runs:
         for _ in range(WARMUP):
             run()
@@ -357,7 +378,7 @@ def cache_path() -> str | None:
 
 def machine(device: torch.device) -> dict:
     """What a measured time depends on besides the call: device model, driver, torch and cp_ops versions."""
-    from .. import __version__
+    from .._version import __version__
 
     if device.type == "cuda":
         dev, driver = torch.cuda.get_device_name(device), _driver_version()
@@ -402,21 +423,43 @@ def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None)
                            preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}"), sort_keys=True)
 
 
+def _valid_entry(e) -> bool:
+    """A cache entry as :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, ``times_ms`` (if
+    present) a dict of str -> finite number. Anything else (hand-edited, another tool's, mangled) is ignored."""
+    if not isinstance(e, dict) or not isinstance(e.get("mode"), str):
+        return False
+    c = e.get("chunks")
+    if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+        return False
+    times = e.get("times_ms", {})
+    return isinstance(times, dict) and all(
+        isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+        for k, t in times.items()
+    )
+
+
 def _read_cache() -> dict:
+    """The cache file's well-formed entries ({} when off, missing or unreadable; a warning names a file that does
+    not parse or holds malformed entries). Never raises on the file's content: a rank holding a mangled file
+    alone must not fail while its peers wait for it in the agreement's all-reduce."""
     path = cache_path()
     if path is None or not os.path.exists(path):
         return {}
     try:
         with open(path) as f:
             data = json.load(f)
-        entries = data.get("entries") if isinstance(data, dict) and data.get("format") == FORMAT else None
-        if not isinstance(entries, dict):
-            return {}
-        # only well-formed entries (a hand-edited file must not raise on the rank holding it alone)
-        return {k: e for k, e in entries.items() if isinstance(e, dict) and isinstance(e.get("times_ms", {}), dict)}
-    except (OSError, ValueError) as e:
-        _warn_once(path, f"cp_ops: ignoring the unreadable choice cache {path}: {e}")
+    except (OSError, ValueError, RecursionError, MemoryError) as e:  # RecursionError: nesting too deep to parse
+        _warn_once(path, f"cp_ops: ignoring the choice cache {path}, which does not parse ({type(e).__name__}: "
+                         f"{str(e)[:200]}); it is rewritten after the next measurement")
         return {}
+    entries = data.get("entries") if isinstance(data, dict) and data.get("format") == FORMAT else None
+    if not isinstance(entries, dict):
+        return {}  # another format (or none): measured again and rewritten in this one
+    good = {k: e for k, e in entries.items() if _valid_entry(e)}
+    if len(good) < len(entries):
+        _warn_once(path, f"cp_ops: ignoring {len(entries) - len(good)} malformed entries of the choice cache {path} "
+                         "(wrong types); they are dropped at the next write")
+    return good
 
 
 def _write_cache(key: str, entry: dict) -> None:
@@ -445,16 +488,26 @@ def _write_cache(key: str, entry: dict) -> None:
 
 
 def _warn_once(path: str, message: str) -> None:
-    if path not in _warned:
-        _warned.add(path)
+    """Warn ``message`` (about the cache file ``path``) once per process."""
+    if (path, message) not in _warned:
+        _warned.add((path, message))
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def clear_memory() -> None:
     """Forget the in-process choices (the next call of each request agrees or measures again), and the eager
-    plans of :mod:`cp_ops.dispatch` that hold them; tests use it."""
-    from .. import dispatch
-
+    plans that hold them (callbacks added with :func:`on_clear`: :mod:`cp_ops.dispatch` adds its ``forget``); tests
+    use it."""
     _memo.clear()
     _choices.clear()
-    dispatch.forget()
+    for fn in _ON_CLEAR:
+        fn()
+
+
+_ON_CLEAR: list = []
+
+
+def on_clear(fn) -> None:
+    """Call ``fn()`` whenever :func:`clear_memory` runs (a cache above this module that holds its choices)."""
+    if fn not in _ON_CLEAR:
+        _ON_CLEAR.append(fn)

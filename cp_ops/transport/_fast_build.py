@@ -6,29 +6,37 @@ Built with ninja through ``torch.utils.cpp_extension.load`` for sm_90 on first u
 process with the same source loads the cached ``.so`` without compiling. Never imported on CPU-only paths.
 A failed build leaves its full compiler output in ``<build dir>/build.log``; :func:`load` then returns the
 reason naming that file (and does not retry in this process).
+
+One build per build folder at a time, across processes (:func:`build_lock`): an ``flock`` on
+``<build dir>/cp_ops_build.lock``, which the OS releases when its holder dies (a rank killed during the ~1 min
+build leaves no stale lock), waited for at most ``CP_OPS_TIMEOUT_S``; the timeout is a reason naming the lock file
+and its holder's pid. Inside it, a ``<build dir>/lock`` left by torch's own build lock (``FileBaton``: a file that
+outlives a killed holder, on which every later build would wait forever) is stale and removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
 import threading
 import traceback
 from pathlib import Path
+from typing import Iterator
+
+from .._checkout import part_dir
+from ._file_lock import LockTimeout, file_lock
+
+log = logging.getLogger("cp_ops")
+LOCK_NAME = "cp_ops_build.lock"  # our flock in the build folder
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 
 def _find_source(name: str = "cp_fast.cu") -> Path:
-    """``name`` (a ``.cu`` file of ``csrc``) as package data of the top-level ``csrc`` package: found the same way
-    from a source checkout, an editable install and a wheel (``pip install .``); the checkout path when ``csrc``
-    does not import (the caller reports a missing file)."""
-    from importlib.resources import files
-
-    try:
-        found = Path(str(files("csrc").joinpath(name)))
-        if found.is_file():
-            return found
-    except (ModuleNotFoundError, TypeError, NotADirectoryError):
-        pass
-    return Path(__file__).resolve().parents[2] / "csrc" / name
+    """``name`` (a ``.cu`` file of the repository's ``csrc/``): ``cp_ops/csrc/<name>`` in an installed wheel,
+    ``<root>/csrc/<name>`` in a source checkout or an editable install (:func:`cp_ops._checkout.part_dir`).
+    May not exist (cp_ops installed without its sources): :func:`load` reports that."""
+    return Path(part_dir("csrc")) / name
 
 
 _SOURCE = _find_source()  # the transport's lanes and kernels
@@ -65,6 +73,33 @@ def build_dir() -> Path:
     return Path(os.path.expanduser("~/.cache/cp_ops/ext")) / h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def build_lock(bdir: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the build folder ``bdir``'s lock (one build or load per folder across the host's processes).
+
+    Waits at most ``timeout_s`` (default ``CP_OPS_TIMEOUT_S``) for a live holder; a dead holder's lock is released
+    by the OS. While held, a torch ``FileBaton`` file (``bdir/lock``) is stale (every cp_ops build takes this lock
+    first) and is removed, so ``cpp_extension.load`` does not wait on it forever.
+
+    Raises:
+        LockTimeout: a live process held the lock for ``timeout_s`` s (the message names the lock file, the
+            holder's pid and what to do).
+    """
+    from .. import config
+
+    timeout_s = config.settings.timeout_s if timeout_s is None else timeout_s
+    lock = bdir / LOCK_NAME
+    hint = (f"If that process is building the extension, wait for it (a build takes ~1 min) or raise "
+            f"CP_OPS_TIMEOUT_S (now {timeout_s:g} s); if it hangs, end it. transport='torch' needs no build.")
+    with file_lock(lock, timeout_s, purpose=f"the cp_ops CUDA extension build in {bdir}", hint=hint):
+        baton = bdir / TORCH_BATON
+        if baton.exists():
+            log.warning("cp_ops: removing %s, a stale torch build lock (left by a process killed during the build)",
+                        baton)
+            baton.unlink(missing_ok=True)
+        yield
+
+
 def log_path() -> Path:
     return build_dir() / "build.log"
 
@@ -88,11 +123,20 @@ def _load():
     missing = [str(p) for p in _sources() if not p.exists()]
     if missing:
         return None, f"the extension source {', '.join(missing)} is missing (cp_ops installed without csrc/)"
+    bdir = build_dir()
+    bdir.mkdir(parents=True, exist_ok=True)
+    try:
+        with build_lock(bdir):
+            return _build(bdir)
+    except LockTimeout as e:
+        return None, str(e)
+
+
+def _build(bdir: Path):
+    """Build (or load the cached) extension in ``bdir``; the caller holds :func:`build_lock`."""
     import torch
     from torch.utils import cpp_extension
 
-    bdir = build_dir()
-    bdir.mkdir(parents=True, exist_ok=True)
     old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     try:
@@ -105,9 +149,9 @@ def _load():
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build/load failure becomes a reason with the log path
-        log = bdir / "build.log"
-        log.write_text(f"torch {torch.__version__} cuda {torch.version.cuda}\n{e}\n\n{traceback.format_exc()}")
-        return None, f"the cp_ops CUDA extension (csrc/cp_fast.cu) failed to build or load; build log: {log}"
+        log_file = bdir / "build.log"
+        log_file.write_text(f"torch {torch.__version__} cuda {torch.version.cuda}\n{e}\n\n{traceback.format_exc()}")
+        return None, f"the cp_ops CUDA extension (csrc/cp_fast.cu) failed to build or load; build log: {log_file}"
     finally:
         if old_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
