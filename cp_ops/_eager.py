@@ -8,8 +8,8 @@ A plan holds what the first call with that key decided after running every input
 (:func:`cp_ops.attention._checked`): the process group, the concrete mode, the resolved transport name, the
 stage count, the mode's direct implementation, the transport object (:func:`cp_ops.transport.base.for_group`,
 re-bound after :func:`~cp_ops.transport.base.forget_groups`) and the rank contract's signature
-(:class:`cp_ops.validate.CallCheck`). A repeat call is a dict lookup, **one** signature exchange across the
-ranks (the rank contract of :mod:`cp_ops.validate`: still every call, unless ``CP_OPS_CHECK_RANKS=off``), and
+(:class:`cp_ops.contract.CallCheck`). A repeat call is a dict lookup, **one** signature exchange across the
+ranks (the rank contract of :mod:`cp_ops.contract`: still every call, unless ``CP_OPS_CHECK_RANKS=off``), and
 the mode's work: transport launches and waits and the attention kernels, called directly instead of through
 the ``torch.library`` dispatcher (whose Python wrapper, autograd and redispatch layers cost more than the rest).
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import config, modes
 from .modes import pipelined, tune
 from .transport import base as transport_base
-from .validate import CallCheck
+from .contract import CallCheck
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # > 0 while a TorchDispatchMode (tracing, fake, ...) is active
 _MAX_PLANS = 1024  # distinct keys kept (a model has a handful; a shape sweep clears and refills)

@@ -30,7 +30,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (passes/) arrive through it: core never imports passes
 from .transport import base as transport_base
-from . import validate
+from . import contract, validate
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
     """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
@@ -58,7 +58,7 @@ def agkv_gather_start(
     k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::agkv_gather_start", transport, k, lambda: _check_agkv(k, v, world_size), extra=2)
+    contract.op_checked(pg, "cp_ops::agkv_gather_start", transport, k, lambda: _check_agkv(k, v, world_size), extra=2)
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
@@ -84,7 +84,7 @@ def _(k, v, world_size, group_name, transport):
 @torch.library.custom_op("cp_ops::ulysses_start", mutates_args=())
 def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::ulysses_start", transport, xs[0] if xs else None,
+    contract.op_checked(pg, "cp_ops::ulysses_start", transport, xs[0] if xs else None,
                         lambda: _check_ulysses(xs, world_size), extra=len(xs))
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
@@ -111,7 +111,7 @@ def _(xs, world_size, group_name, transport):
 @torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
 def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
+    contract.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
                         extra=1)
     if x.numel() == 0:
         b, s, hl, d = x.shape
@@ -145,7 +145,7 @@ def agkv_pipelined_attention(
     scale: float | None, chunks: int
 ) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    validate.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, q,
+    contract.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, q,
                         lambda: _check_agkv_pipelined(q, k, v, chunks), extra=chunks)
     if q.numel() == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -224,7 +224,7 @@ for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ul
                    (agkv_pipelined_attention, "agkv_pipelined_attention")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
     # the calls whose signatures the rank contract exchanges (the pipelined op's extra integer is its chunks)
-    validate.register_op(_op._qualname, "chunks" if _op is agkv_pipelined_attention else "tensors")
+    contract.register_op(_op._qualname, "chunks" if _op is agkv_pipelined_attention else "tensors")
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.

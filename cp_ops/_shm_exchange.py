@@ -1,6 +1,6 @@
 """Host-memory all-gather of the rank contract's fixed-size signature among the ranks of one node.
 
-The rank contract (:mod:`cp_ops.validate`) exchanges a few int64 words on every cp_ops call. Over gloo
+The rank contract (:mod:`cp_ops.contract`) exchanges a few int64 words on every cp_ops call. Over gloo
 (localhost TCP, a worker thread per call) that costs ~0.4 ms per call on an H200 host — more than the whole
 attention of a 4K-token CP2 layer. When every rank of the group runs on one host, the words go through a
 small shared-memory file instead: each rank writes its row, then reads the peers' rows, spinning (with

@@ -18,7 +18,8 @@ from . import modes
 from .modes import pipelined, tune
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .validate import api_checked, check_device_for_group, check_same
+from .contract import api_checked
+from .validate import check_device_for_group, check_same
 
 _CUDA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
@@ -131,7 +132,7 @@ def attention(
             transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
             S_local, mask dtype/shape; chunks > 1 with either); the ranks of the group disagree on the call (mode, shape,
             dtype, transport, chunks, collective settings, call order) or one rank rejected its inputs — raised
-            on every rank, naming each rank's call (:mod:`cp_ops.validate`).
+            on every rank, naming each rank's call (:mod:`cp_ops.contract`).
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
             initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
             output (see Autograd).

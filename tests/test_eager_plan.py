@@ -15,7 +15,7 @@ H, D = 4, 8
 def _plans(rank, w):
     import importlib
 
-    from cp_ops import _eager, validate
+    from cp_ops import _eager, contract
 
     A = importlib.import_module("cp_ops.attention")
     pg = dist.group.WORLD
@@ -33,12 +33,12 @@ def _plans(rank, w):
                 A._checked = orig_checked
                 first = cp_ops.attention(q, k, v, mode=mode, chunks=chunks)  # builds the plan (checks run once)
                 A._checked = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
-                n = validate.call_count(pg)
+                n = contract.call_count(pg)
                 for _ in range(3):
                     out = cp_ops.attention(q, k, v, mode=mode, chunks=chunks)
                     assert torch.equal(out, first)
                 # one exchange per call, whatever the mode and chunks (the op path made one per launch)
-                assert validate.call_count(pg) == n + 3, (mode, chunks, validate.call_count(pg) - n)
+                assert contract.call_count(pg) == n + 3, (mode, chunks, contract.call_count(pg) - n)
                 if chunks == 1:
                     assert torch.equal(out, ref), mode  # bitwise: the same SDPA kernel on the same data
                 else:

@@ -43,7 +43,7 @@ def _ref(q, k, v, mask, rank, w, seq, mode):
 
 
 def _cache_and_masks(rank, w):
-    from cp_ops import _eager, validate
+    from cp_ops import _eager, contract
 
     A = importlib.import_module("cp_ops.attention")
     pg = dist.group.WORLD
@@ -65,9 +65,9 @@ def _cache_and_masks(rank, w):
                 for i in range(3):  # the mask's values change at every call, its shape does not
                     mask = torch.rand(b, 11, generator=torch.Generator().manual_seed(100 * i + len(built))) > 0.5
                     mask[:, 3] = True
-                    n = validate.call_count(pg)
+                    n = contract.call_count(pg)
                     out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq, key_mask=sh(mask))
-                    assert validate.call_count(pg) == n + 1, "one exchange per call"  # first call too
+                    assert contract.call_count(pg) == n + 1, "one exchange per call"  # first call too
                     assert torch.equal(out, _ref(q, k, v, mask, rank, w, seq, mode)), (mode, seq, i)
                     A._checked = no_checks  # from the second call on: the plan, no checks
                 A._checked = orig_checked

@@ -48,7 +48,7 @@ kernels, so ``torch.compile(fullgraph=True)`` traces them, each rank its own sha
 Each copies its inputs into private padded buffers before the launch (the transport then never reads a buffer a
 compiler may reuse; these ops have no Inductor lowering of their own; the torch transport's Ulysses packs them
 into its send buffer, which is that copy) and folds a hash of ``(seq_lens, key_mask
-given)`` into the rank contract's per-call signature (:func:`cp_ops.validate.exchange`'s ``tag``): ranks that
+given)`` into the rank contract's per-call signature (:func:`cp_ops.contract.exchange`'s ``tag``): ranks that
 disagree raise ValueError on every rank, naming each rank's ``seq_lens``.
 
 **Pipelined variants** (``chunks`` ≥ 2) assume equal shards and no mask: ``chunks=k > 1`` with ``seq_lens`` or
@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from .. import _library as lib
-from .. import layout, validate
+from .. import contract, layout, validate
 from .._hooks import run_compile_hooks
 from ..attention import _CUDA_PRIORITY, _sdpa_cuda_priority, local_attention
 from ..transport import base as transport_base
@@ -243,10 +243,10 @@ def _checked(pg, op: str, transport: str, rules, seq_lens, has_mask: bool, extra
     try:
         rules()
     except (ValueError, RuntimeError, TypeError) as e:
-        validate.exchange(pg, op, transport, None, extra, failed=e, tag=tag, note=note)
+        contract.exchange(pg, op, transport, None, extra, failed=e, tag=tag, note=note)
         raise
     t = make_t()
-    validate.exchange(pg, op, transport, t, extra, tag=tag, note=note)
+    contract.exchange(pg, op, transport, t, extra, tag=tag, note=note)
     return t
 
 
@@ -425,7 +425,7 @@ for _op, _name in ((agkv_gather_uneven_start, "agkv_gather_uneven_start"),
                    (ulysses_uneven_start, "ulysses_uneven_start"),
                    (ulysses_inverse_uneven_start, "ulysses_inverse_uneven_start")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
-    validate.register_op(_op._qualname)
+    contract.register_op(_op._qualname)
 
 #: The launches of this file (a compiler integration may lower them as it lowers ``cp_ops._library.LAUNCH_OPS``).
 UNEVEN_LAUNCH_OPS = (
@@ -508,7 +508,7 @@ class EagerPlan:
     """An eager ``seq_lens`` / ``key_mask`` call of one key (:mod:`cp_ops._eager`): the method of this module with
     everything derivable from (seq_lens, mask shape, W, rank, shapes, dtype, device) computed once — padded shapes,
     the index tensors that select the real rows (on the device) and the rank contract's signature with the
-    ``seq_lens`` tag of the ops (:class:`cp_ops.validate.CallCheck`: one exchange per call, named
+    ``seq_lens`` tag of the ops (:class:`cp_ops.contract.CallCheck`: one exchange per call, named
     'cp_ops::agkv_gather_uneven_start' (AGKV) or 'cp_ops::ulysses_uneven_start' with chunks=1 (Ulysses), the padded
     shape ``[B, max(seq_lens), H, D]``). ``run(q, k, v, scale, key_mask)`` → ``[B, S_local, H, D]``: no input checks,
     no dispatcher, no host sync; the mask's values are read at every call.
@@ -534,7 +534,7 @@ class EagerPlan:
         tag, note = _tag(seq, has_mask)
         op, extra, chunks = (("cp_ops::agkv_gather_uneven_start", 2, 0) if mode == "agkv"
                              else ("cp_ops::ulysses_uneven_start", 3, 1))
-        self.check = validate.CallCheck(pg, op, resolved, (b, smax, h, d), q.dtype, extra, chunks, tag, note)
+        self.check = contract.CallCheck(pg, op, resolved, (b, smax, h, d), q.dtype, extra, chunks, tag, note)
         # token j of the full sequence is row t[j] of rank r[j]'s padded block
         r = torch.repeat_interleave(torch.arange(w), torch.tensor(seq))
         t = torch.arange(total) - torch.tensor(layout.shard_offsets(seq))[r]
