@@ -84,6 +84,7 @@ class FastTransport:
     """
 
     name = "fast"
+    device_types = ("cuda",)
     slots_per_key = 2
     pooled_outputs = True
 
