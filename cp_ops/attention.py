@@ -18,7 +18,7 @@ from . import modes
 from .modes import pipelined, tune
 from .group import resolve_group
 from .transport.base import resolve as resolve_transport
-from .contract import api_checked
+from .contract import api_checked, caller_tag, on_group_destroyed
 from .validate import check_device_for_group, check_same
 
 _CUDA_PRIORITY = [
@@ -87,6 +87,7 @@ def attention(
     chunks: int | None = None,
     seq_lens: tuple[int, ...] | None = None,
     key_mask: torch.Tensor | None = None,
+    tag: Any = None,
 ) -> torch.Tensor:
     """Context-parallel dense (non-causal) attention over the tokens of a CP group.
 
@@ -116,6 +117,13 @@ def attention(
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
             applied as SDPA's boolean mask over the full key sequence. With ``seq_lens`` or ``key_mask``: modes
             'agkv'/'ulysses', ``chunks`` 1 or None (:mod:`cp_ops.modes.uneven`).
+        tag: the call's identity in the rank contract (:mod:`cp_ops.contract`), e.g. the layer's index or name; the
+            same value on every rank for the same call. Layers of one shape are otherwise indistinguishable: with a
+            tag per layer, a rank that skips one layer's attention raises ValueError on every rank at the first
+            mispaired call instead of pairing the next layer with its peers' skipped one (wrong outputs). Any value
+            whose ``repr`` is the same on every rank (an int, a str, a tuple of them); None = untagged. Checked in
+            eager calls (code traced by ``torch.compile`` is checked without it). :func:`cp_ops.parallelize` tags
+            each attention module by its path.
 
     Returns:
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
@@ -131,11 +139,11 @@ def attention(
             mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
             transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
             S_local, mask dtype/shape; chunks > 1 with either); the ranks of the group disagree on the call (mode, shape,
-            dtype, transport, chunks, collective settings, call order) or one rank rejected its inputs — raised
+            dtype, transport, chunks, collective settings, call order, tag) or one rank rejected its inputs — raised
             on every rank, naming each rank's call (:mod:`cp_ops.contract`).
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
-            initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
-            output (see Autograd).
+            initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a peer on this host exited (named,
+            within about a second; :mod:`cp_ops.contract`); a backward through the output (see Autograd).
 
     Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks;
     ``seq_lens`` and the key mask's shape) runs every check and caches its decisions; a repeat call is a dict
@@ -146,6 +154,10 @@ def attention(
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
+    if tag is not None and not torch.compiler.is_compiling():  # every exchange of this call carries the tag
+        with caller_tag(tag):
+            return attention(q, k, v, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks,
+                             seq_lens=seq_lens, key_mask=key_mask)
     # eager: the cached plan of this call (cp_ops._eager: one dict lookup, one rank-contract exchange, the mode's
     # work called directly); under torch.compile, or a call the plan does not cover: the ops below
     plan = None if torch.compiler.is_compiling() else _eager.lookup(q, k, v, group, mode, transport, chunks, seq_lens,
@@ -217,4 +229,5 @@ class _ForwardOnly(torch.autograd.Function):
 
 
 modes.load_builtin()  # the mode functions, imported with the core (never inside traced code)
+on_group_destroyed(lambda pg: _eager.forget())  # eager plans hold their group: drop them when it is destroyed
 from .modes import uneven  # noqa: E402  (seq_lens / key_mask; imports local_attention from here)
