@@ -85,7 +85,7 @@ _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
            15: "chunks",
-           16: "layout",  # tag: a call's own extra agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
+           16: "layout",  # tag: a call's own agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
            17: "caller tag"}
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
@@ -316,8 +316,9 @@ def _setup(st: _Group, op: str) -> None:
     except RuntimeError as e:
         gone = peers.exited(range(st.w))
         why = "; ".join(f"{peers.name(r)} {how}" for r, how in gone) if gone else str(e).splitlines()[0]
-        st.release(f"{op}: setting up the rank contract of {where} failed after every rank had arrived: {why}; "
-                   "the group cannot be used by cp_ops any more")
+        st.release(f"{op}: setting up the rank contract of {where} failed after every rank had arrived (a peer died, "
+                   f"or one that had timed out earlier did not call again): {why}; the group cannot be used by cp_ops "
+                   "any more")
         raise RuntimeError(st.broken) from e
 
 

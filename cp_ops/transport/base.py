@@ -277,7 +277,8 @@ def _agree_auto(group: dist.ProcessGroup, device: torch.device) -> str:
     """``'auto'``'s choice for ``group``, the same on every rank: the first transport of :data:`AUTO_ORDER` that
     every rank can run (each rank's :meth:`Transport.unavailable_reason`, all-gathered), whose
     :meth:`Transport.group_reason` (called on every rank) every rank accepts; else 'torch'. Collective, once per
-    (group, device type) until :func:`forget_groups`; bounded by ``settings.timeout_s`` (:func:`cp_ops.contract.agree`)."""
+    (group, device type) until :func:`forget_groups`; bounded by ``settings.timeout_s``
+    (:func:`cp_ops.contract.agree`)."""
     import json
 
     from ..contract import agree
