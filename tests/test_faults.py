@@ -128,12 +128,13 @@ def _only_rank_0_runs_the_model(rank, w):
 
     model = parallelize(diffusers_tiny.build("wan"), mode="agkv", transport="torch")
     if rank == 1:
-        return  # exits cleanly, never running the forward
+        return  # exits cleanly, never running the forward (its teardown: seconds on a busy machine)
+    config.configure(timeout_s=120.0)
     t0 = time.monotonic()
     with torch.no_grad(), pytest.raises(RuntimeError, match=_dead_in()):
         model(**_wan_inputs())
     took = time.monotonic() - t0
-    assert took < 10.0, took
+    assert took < 30.0, took  # rank 1's exit + at most 0.25 s; the timeout would be 120 s and say so
     print(f"absent peer noticed in {took:.2f} s")
 
 
@@ -160,7 +161,9 @@ def _dies_while_mapping(rank, w):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"CP group '0'.*" + _dead_in()):
         _attend(rank, w, 0)
-    assert time.monotonic() - t0 < 5.0
+    took = time.monotonic() - t0
+    assert took < 5.0, took
+    print(f"peer dying while mapping noticed in {took:.2f} s")
     assert not os.path.exists(path), f"{path} left behind"
 
 
