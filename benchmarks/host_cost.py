@@ -209,7 +209,12 @@ def _body(rank, world, device, args):
     import torch.distributed as dist
 
     import cp_ops
-    from cp_ops import config, validate
+    from cp_ops import config
+
+    try:
+        from cp_ops import contract as validate  # the rank contract (cp_ops.validate before the split)
+    except ImportError:
+        from cp_ops import validate
 
     group = None
     if device.type == "cpu":

@@ -1,6 +1,6 @@
 """Host-memory all-gather of the rank contract's fixed-size signature among the ranks of one node.
 
-The rank contract (:mod:`cp_ops.validate`) exchanges a few int64 words on every cp_ops call. Over gloo
+The rank contract (:mod:`cp_ops.contract`) exchanges a few int64 words on every cp_ops call. Over gloo
 (localhost TCP, a worker thread per call) that costs ~0.4 ms per call on an H200 host — more than the whole
 attention of a 4K-token CP2 layer. When every rank of the group runs on one host, the words go through a
 small shared-memory file instead: each rank writes its row, then reads the peers' rows, spinning (with
@@ -10,10 +10,16 @@ Layout: for each rank, two slots (call-number parity), each ``[call number, crc,
 (int64). A rank can be at most one call ahead of the slowest peer that has not yet read its row (it must
 first see that peer's row of the previous call), so two slots per rank never overwrite an unread row. The crc
 (over the call number and the words) makes a torn read look like "not yet written" on any memory model.
+
+The file's pages are reserved when it is made (``posix_fallocate``; where a file system lacks it, zeros written):
+a full ``/dev/shm`` is an ``OSError`` naming it at :meth:`ShmExchange.create` (the contract then exchanges over
+gloo), never a SIGBUS at the first write through the map. :meth:`ShmExchange.attach` checks the file's size
+before mapping it, for the same reason.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
@@ -21,6 +27,32 @@ import tempfile
 import time
 import uuid
 import zlib
+
+
+#: Seconds between ``on_wait`` calls while :meth:`ShmExchange.allgather` waits.
+CHECK_EVERY_S = 0.25
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes of the file ``fd`` now (``posix_fallocate``; zeros written where the file system does not
+    support it). Raises OSError (ENOSPC: no room) instead of leaving a sparse file whose pages fail later as SIGBUS."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, size)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    if os.pwrite(fd, bytes(size), 0) != size:
+        raise OSError(errno.ENOSPC, "short write")
 
 
 class ShmExchange:
@@ -39,7 +71,17 @@ class ShmExchange:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    _reserve(fd, size)
+                except OSError as e:
+                    _unlink(path)
+                    raise OSError(e.errno, f"cannot reserve {size} bytes in {os.path.dirname(path)} for the rank "
+                                           f"contract's shared-memory exchange ({e.strerror}): {os.path.dirname(path)} "
+                                           "is full or too small (docker: --shm-size)") from e
+            else:
+                got = os.fstat(fd).st_size
+                if got < size:
+                    raise OSError(errno.EINVAL, f"{path} holds {got} bytes, the exchange of {world} ranks needs {size}")
             self.mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -55,18 +97,21 @@ class ShmExchange:
         return cls(path, world, rank, n, create=False)
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Remove the file's name (every rank keeps its mapping)."""
+        _unlink(self.path)
+
+    def close(self) -> None:
+        """Unmap the file (the exchange cannot be used after)."""
+        self.mm.close()
 
     def _offset(self, rank: int, call: int) -> int:
         return (rank * 2 + (call & 1)) * self.slot_bytes
 
-    def allgather(self, call: int, words: bytes, out: bytearray, timeout_s: float) -> bool:
+    def allgather(self, call: int, words: bytes, out: bytearray, timeout_s: float, on_wait=None) -> bool:
         """Publish this rank's ``words`` (``n`` packed int64) for call number ``call`` (>= 1, +1 per call) and fill
         ``out`` (``world * n`` int64) with every rank's words. Returns False when some rank did not publish within
-        ``timeout_s`` seconds (``out`` is then incomplete)."""
+        ``timeout_s`` seconds (``out`` is then incomplete). ``on_wait(pending ranks)``, when given, is called about
+        every :data:`CHECK_EVERY_S` seconds of waiting (after the first spins) and may raise (a peer has exited)."""
         vals = self.words.unpack(words)
         crc = zlib.crc32(words, call & 0xFFFFFFFF)
         self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)
@@ -94,8 +139,11 @@ class ShmExchange:
                 continue
             now = time.monotonic()
             if deadline is None:
-                deadline = now + timeout_s
+                deadline, next_check = now + timeout_s, now + CHECK_EVERY_S
             elif now > deadline:
                 return False
+            if on_wait is not None and now >= next_check:
+                on_wait(pending)
+                next_check = now + CHECK_EVERY_S
             time.sleep(0.00005 if spins < 2000 else 0.001)
         return True

@@ -15,7 +15,8 @@ from . import ops
 from .group import resolve_group
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
-from .validate import api_checked, check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
+from .contract import api_checked
+from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
 
 
 def _prepare(api, names, tensors, group, transport, more_checks=None):

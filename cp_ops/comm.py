@@ -23,7 +23,7 @@ stream):
   ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
   :func:`cp_ops.transport.base.agkv_start_sources`.
 
-**The rank contract** (:mod:`cp_ops.validate`): one exchange per call, made by the call's *first* launch in both
+**The rank contract** (:mod:`cp_ops.contract`): one exchange per call, made by the call's *first* launch in both
 implementations, with the same signature (call name, the first launch's tensor shape and dtype and tensor count,
 the transport argument, and ``tag``: a hash of the variant — mode, chunks, uneven shards, mask, the caller's
 layer tag — described in words in error messages). Later launches of the same call exchange nothing: the body
@@ -98,7 +98,7 @@ class OpComm(_Comm):
     Args:
         world: the CP world size W. group_name: the CP group's name. transport: the resolved transport argument
             ('torch', 'fast' or 'auto': :func:`cp_ops.transport.base.resolve`). call: the rank contract's call name
-            for the first launch (e.g. 'cp_ops.attention'). tag: the variant's hash (:func:`cp_ops.validate.variant_tag`).
+            for the first launch (e.g. 'cp_ops.attention'). tag: the variant's hash (:func:`cp_ops.contract.variant_tag`).
         rank: this rank. seq_lens: the uneven token counts (given to the first launch, which folds them into the tag).
     """
 

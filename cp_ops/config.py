@@ -18,7 +18,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
-group; :func:`cp_ops.validate.check_settings_agree` compares them once per group and raises on a mismatch.
+group; :func:`cp_ops.contract.check_settings_agree` compares them once per group and raises on a mismatch.
 
 Errors: a bad value raises :class:`ConfigError` (a ``ValueError``) with one line naming the variable, the value
 seen and the values allowed.

@@ -9,7 +9,7 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
 (:func:`cp_ops.modes.choose`), the transport (:func:`cp_ops.transport.base.resolve`), the stage count
 (:func:`cp_ops.modes.tune.decide`: the heuristic by default, measured only when asked), the body, the layout
 (:class:`cp_ops.layout.Shards` for ``seq_lens``/``key_mask``) and the variant tag the rank contract compares
-(:func:`cp_ops.validate.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``).
+(:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``).
 
 **Two paths, one body:**
 
@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import config, layout, modes, validate
+from . import config, contract, layout, modes, validate
 from .comm import DirectComm, OpComm
 from .group import resolve_group
 from .kernels import local_attention
@@ -89,9 +89,9 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
                                  f"partial outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass "
                                  "chunks=1 or None")
         if tag is not None:
-            validate.variant_tag(tag=tag)  # TypeError for a tag whose repr differs across ranks
+            contract.variant_tag(tag=tag)  # TypeError for a tag whose repr differs across ranks
 
-    validate.api_checked(pg, CALL, local_checks)
+    contract.api_checked(pg, CALL, local_checks)
     if world == 1:
         return Decision(1, chosen, resolved, 1, None, False, 0, None, key_mask is not None)
     layout_call = seq_lens is not None or key_mask is not None
@@ -101,7 +101,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
-    t = validate.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
+    t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
                              tag=tag)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None)
@@ -157,7 +157,7 @@ def _shards(d: Decision, pg, q) -> layout.Shards | None:
 # ---- the eager path: plans ---------------------------------------------------------------------------------------
 class FirstLaunchCheck:
     """The rank contract's exchange of a plan's calls, made by the first launch of each call
-    (:class:`~cp_ops.comm.DirectComm`): a :class:`cp_ops.validate.CallCheck` packed once for the first launch's
+    (:class:`~cp_ops.comm.DirectComm`): a :class:`cp_ops.contract.CallCheck` packed once for the first launch's
     shape, dtype and tensor count — the signature the op would exchange for the same launch."""
 
     __slots__ = ("pg", "transport", "tag", "key", "cc")
@@ -169,8 +169,8 @@ class FirstLaunchCheck:
     def __call__(self, shape, dtype, extra: int) -> None:
         key = (tuple(shape), dtype, extra)
         if key != self.key:
-            self.cc = validate.CallCheck(self.pg, CALL, self.transport, shape, dtype, extra, 0, self.tag,
-                                         validate.tag_note(self.tag))
+            self.cc = contract.CallCheck(self.pg, CALL, self.transport, shape, dtype, extra, 0, self.tag,
+                                         contract.tag_note(self.tag))
             self.key = key
         self.cc.check()
 
@@ -190,7 +190,7 @@ class Plan:
             return local_attention(q, k, v, scale, key_mask)
         if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
             pg, resolved, device = self.pg, d.transport, self.device
-            self.comm = DirectComm(pg, None, FirstLaunchCheck(pg, resolved, validate.with_seq_lens(d.tag, d.seq_lens)),
+            self.comm = DirectComm(pg, None, FirstLaunchCheck(pg, resolved, contract.with_seq_lens(d.tag, d.seq_lens)),
                                    lambda: transport_base.for_group(resolved, pg, device))
             self.epoch = transport_base.epoch
         comm = self.comm.begin()
@@ -267,3 +267,4 @@ def forget() -> None:
 
 
 tune.on_clear(forget)  # the plans hold the measured choices
+contract.on_group_destroyed(lambda pg: forget())  # the plans hold their group: drop them when it is destroyed

@@ -9,10 +9,10 @@ Each op takes ``world_size: int`` (so fake kernels need no process group), ``gro
 op-level ``transport`` from :func:`cp_ops.transport.base.resolve`: a registered name (raises when the group
 cannot use it) or 'auto' (the first of ``AUTO_ORDER`` that suits the group, else torch).
 
-The rank contract (:mod:`cp_ops.validate`): a launch's real kernel exchanges the call's signature unless ``call`` is
+The rank contract (:mod:`cp_ops.contract`): a launch's real kernel exchanges the call's signature unless ``call`` is
 ``'-'`` (a later launch of a call whose first launch exchanged); ``call`` names the call in messages (default: the op)
-``tag`` carries its variant (:func:`cp_ops.validate.variant_tag`) and ``seq_lens`` the uneven token counts, folded
-into the tag at run time (:func:`cp_ops.validate.with_seq_lens`). These three only name and check the call: the data
+``tag`` carries its variant (:func:`cp_ops.contract.variant_tag`) and ``seq_lens`` the uneven token counts, folded
+into the tag at run time (:func:`cp_ops.contract.with_seq_lens`). These three only name and check the call: the data
 moved depends on the tensors alone (padded blocks for uneven shards: :class:`cp_ops.layout.Shards`).
 
 Ops:
@@ -40,7 +40,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes), imported lazily on the first trace
 from .transport import base as transport_base
-from . import validate
+from . import contract, validate
 from .comm import DirectComm
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
@@ -62,14 +62,14 @@ def _contract(pg, op: str, call: str, transport: str, t, extra: int, tag: int, r
     if call == "-":
         rules()
         return
-    tag = validate.with_seq_lens(tag, seq_lens)
-    name, note = call or op, validate.tag_note(tag)
+    tag = contract.with_seq_lens(tag, seq_lens)
+    name, note = call or op, contract.tag_note(tag)
     try:
         rules()
     except (ValueError, RuntimeError, TypeError) as e:
-        validate.exchange(pg, name, transport, None, extra, failed=e, tag=tag, note=note)
+        contract.exchange(pg, name, transport, None, extra, failed=e, tag=tag, note=note)
         raise
-    validate.exchange(pg, name, transport, t, extra, tag=tag, note=note)
+    contract.exchange(pg, name, transport, t, extra, tag=tag, note=note)
 
 
 def _register(work, *outs: torch.Tensor) -> None:
@@ -286,7 +286,7 @@ for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ul
                    (agkv_pipelined_attention, "agkv_pipelined_attention")):  # mask_gather_start: bool-like, no grad
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
     # the calls whose signatures the rank contract exchanges
-    validate.register_op(_op._qualname)
+    contract.register_op(_op._qualname)
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.

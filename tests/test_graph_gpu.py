@@ -67,7 +67,7 @@ def _cuda_graph(rank, w, transport):
     import torch.distributed as dist
 
     import cp_ops
-    from cp_ops import validate
+    from cp_ops import contract
 
     _check_transport(transport)
     dev = torch.device("cuda", rank)
@@ -97,9 +97,9 @@ def _cuda_graph(rank, w, transport):
         prev = None
         for it in range(4):
             _fill((q, k, v), 7919 * (ci + 1) + 97 * it + rank)
-            n0 = validate.call_count(pg)
+            n0 = contract.call_count(pg)
             g.replay()
-            assert validate.call_count(pg) == n0, "a replay exchanged (the rank check runs at capture only)"
+            assert contract.call_count(pg) == n0, "a replay exchanged (the rank check runs at capture only)"
             got = out.clone()
             eager = step()  # an eager call between replays, on the same inputs
             torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""The same-call contract across the ranks of a CP group (cp_ops.validate): any disagreement raises on every
+"""The same-call contract across the ranks of a CP group (cp_ops.contract): any disagreement raises on every
 rank, naming what each rank called — never a crash, a hang or a computed result. Unsupported dtypes are a
 clear error from the public API, the ops' real kernels and their fake kernels alike."""
 
@@ -59,11 +59,11 @@ def test_ranks_switching_to_a_seen_shape_raise_on_every_rank(world_size):
 
 
 def _shape_switch_over(rank, w, use_shm):
-    from cp_ops import validate
+    from cp_ops import contract
 
-    validate._USE_SHM = use_shm
+    contract._USE_SHM = use_shm
     _shape_switch(rank, w)
-    st = validate._groups[dist.group.WORLD.group_name]
+    st = contract._groups[dist.group.WORLD.group_name]
     # one host: the signature goes through shared memory (a few µs) unless told to use the gloo side group
     assert (st.shm is not None) == use_shm, (use_shm, st.shm)
 
@@ -91,10 +91,10 @@ def _settings_mismatch(rank, w):
             cp_ops.attention(q, k, v, mode="agkv", group=group)
         # 'off' on every rank: only that first exchange, no more
         config.configure(check_ranks="off")
-        n = cp_ops.validate.call_count(group)
+        n = cp_ops.contract.call_count(group)
         for _ in range(3):
             cp_ops.attention(q, k, v, mode="agkv", group=group)
-        assert cp_ops.validate.call_count(group) == n
+        assert cp_ops.contract.call_count(group) == n
     finally:
         config.restore(saved)
     _check_correct(rank, w, 8, 5, "agkv")

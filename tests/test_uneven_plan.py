@@ -42,7 +42,7 @@ def _ref(q, k, v, mask, rank, w, seq, mode):
 
 def _cache_and_masks(rank, w):
     from cp_ops import dispatch as A
-    from cp_ops import validate
+    from cp_ops import contract as validate
 
     pg = dist.group.WORLD
     b, h, d = 2, 4, 8

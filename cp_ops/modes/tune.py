@@ -64,7 +64,7 @@ so every rank measures alike (no rank raises while its peers wait). An unwritabl
 warning); neither stops the call.
 
 Before its first collective a measuring rank compares the collective settings over the group
-(:func:`cp_ops.validate.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`):
+(:func:`cp_ops.contract.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`):
 a peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting
 instead of hanging. With measuring off no exchange is added.
 
@@ -268,7 +268,7 @@ def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport, runner=No
 
 # ---- agreement, measuring ------------------------------------------------------------------------
 def _agreed_or_measured(cands, default_mode, preferred, shape, dtype, device, pg, transport, runner=None) -> Choice:
-    from ..validate import check_settings_agree
+    from ..contract import check_settings_agree
 
     # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
     # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)

@@ -8,12 +8,16 @@ Selection happens in two steps, both here:
 
 * :func:`resolve` — at the public API (also while ``torch.compile`` traces; a constant for the compiler):
   checks the name and the device. ``'torch'`` → ``'torch'``; an explicit name → that name, or RuntimeError
-  naming why it cannot run on this device; ``'auto'`` → ``'auto'`` when a preferred transport could run on
-  this device, else ``'torch'`` (logged once with the reason).
+  naming why it cannot run on this device; ``'auto'`` → ``'auto'`` when a preferred transport moves tensors of
+  this device type (its ``device_types``), else ``'torch'`` (logged once with the reason). Whether it can run
+  *here* is not asked at this step: that may differ from rank to rank, and the resolved name is part of the rank
+  contract's signature, so it must be the same on every rank.
 * :func:`for_group` — inside an op's real kernel, with the group in hand: an explicit name must suit the
   group (RuntimeError naming why, on every rank: the verdict is agreed collectively by the transport's
-  :meth:`Transport.group_reason`); ``'auto'`` takes the first transport of :data:`AUTO_ORDER` that suits the
-  group, else torch (logged once per group, with the reason).
+  :meth:`Transport.group_reason`); ``'auto'`` takes the first transport of :data:`AUTO_ORDER` that every rank of
+  the group can run — each rank's own :meth:`Transport.unavailable_reason` and then the group's
+  :meth:`Transport.group_reason`, each agreed across the ranks (:func:`cp_ops.contract.agree`, once per group) —,
+  else torch on every rank (logged once per group, with the reason and the ranks that refused).
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class Transport(Protocol):
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         """``[B, S, H/W, D]`` → ``(buf [W, B, S/W, H/W, D], work)``; index 0 = source rank (head group)."""
 
+    # Optional: ``device_types``, a tuple of the device types the transport ever moves (e.g. ``("cuda",)``); absent:
+    # any. ``'auto'`` asks a transport at the group only for tensors of those types (see :func:`resolve`).
     # Optional: ``agkv_start_sources(k, v, group, pieces) -> (k_full, v_full, arrivals, work)``, an AGKV gather
     # whose peers' pieces can be waited one by one (see :func:`agkv_start_sources`, which falls back to
     # ``agkv_start`` for transports without it). Not a protocol member, so older transports still match.
@@ -181,12 +187,17 @@ def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
     for name in AUTO_ORDER:
         if name == "torch":
             break
-        reason = _REGISTRY[name].unavailable_reason(device)
-        if reason is None:
-            return "auto"
+        if _moves(_REGISTRY[name], device_type):
+            return "auto"  # whether it runs here is agreed with the group's other ranks (for_group)
         _log_once((name, device_type), "cp_ops: transport='auto' uses 'torch' on %s: %s unavailable: %s",
-                  device_type, name, reason)
+                  device_type, name, _REGISTRY[name].unavailable_reason(device))
     return "torch"
+
+
+def _moves(t: Transport, device_type: str) -> bool:
+    """Whether ``t`` ever moves tensors of ``device_type`` (its optional ``device_types``; absent: any)."""
+    types = getattr(t, "device_types", None)
+    return types is None or device_type in types
 
 
 # What torch.compiler.assume_constant_result(resolve) does, without importing torch._dynamo when cp_ops is
@@ -257,17 +268,39 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
             )
         _group_choice[key] = name
         return t
-    for cand in AUTO_ORDER:
-        t = _REGISTRY[cand]
-        reason = t.group_reason(group, device)
-        if reason is None:
-            _group_choice[key] = cand
-            return t
+    chosen = _agree_auto(group, device)
+    _group_choice[key] = chosen
+    return _REGISTRY[chosen]
+
+
+def _agree_auto(group: dist.ProcessGroup, device: torch.device) -> str:
+    """``'auto'``'s choice for ``group``, the same on every rank: the first transport of :data:`AUTO_ORDER` that
+    every rank can run (each rank's :meth:`Transport.unavailable_reason`, all-gathered), whose
+    :meth:`Transport.group_reason` (called on every rank) every rank accepts; else 'torch'. Collective, once per
+    (group, device type) until :func:`forget_groups`; bounded by ``settings.timeout_s``
+    (:func:`cp_ops.contract.agree`)."""
+    import json
+
+    from ..contract import agree
+
+    cands = [c for c in AUTO_ORDER if c != "torch" and _moves(_REGISTRY[c], device.type)]
+    if not cands:
+        return "torch"
+    base = f"transport auto/{device.type}"
+    local = [_REGISTRY[c].unavailable_reason(device) or "" for c in cands]
+    rows = [json.loads(r) for r in agree(group, base, json.dumps(local), "transport='auto' (each rank's transports)")]
+    for i, cand in enumerate(cands):
+        refused = [(r, row[i]) for r, row in enumerate(rows) if row[i]]
+        if not refused:
+            reason = _REGISTRY[cand].group_reason(group, device) or ""  # collective: every rank calls it
+            verdicts = agree(group, f"{base}/{cand}", reason, f"transport='auto' (the group's verdict on {cand!r})")
+            refused = [(r, v) for r, v in enumerate(verdicts) if v]
+            if not refused:
+                return cand
         _log_once(("group", cand, group.group_name),
-                  "cp_ops: transport='auto' uses the next transport for CP group '%s': %s cannot run: %s",
-                  group.group_name, cand, reason)
-    _group_choice[key] = "torch"
-    return _REGISTRY["torch"]
+                  "cp_ops: transport='auto' uses the next transport for CP group '%s' on every rank: %s cannot run "
+                  "on rank(s) %s: %s", group.group_name, cand, [r for r, _ in refused], refused[0][1])
+    return "torch"
 
 
 def inflight_limit() -> int | None:

@@ -72,7 +72,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
             an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
-            (see :mod:`cp_ops.validate`); cfg_parallel with a batch other than 2.
+            (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
         RuntimeError: torch.distributed not initialized.
     """
     spec = spec_for(transformer)

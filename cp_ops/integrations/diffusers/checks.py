@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ...validate import call_count, check_inputs_agree, exchange
+from ...contract import call_count, check_inputs_agree, exchange
 
 
 class RankChecks:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from ...contract import announce
 from .plan import Gather, Plan, Split, shard_sizes
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
@@ -39,6 +40,7 @@ class CPState:
     def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams, chunks: int | None = None):
         self.pg, self.mode, self.transport, self.chunks = pg, mode, transport, chunks
         self.rank, self.world = pg.rank(), pg.size()
+        announce(pg)  # this rank's pid, so a peer waiting for it later can tell that it exited (cp_ops._peers)
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
         # never change, so a forward that writes the totals before reading them traces once for all resolutions
         self.totals: dict[str, int] = dict.fromkeys(streams, 0)

@@ -96,6 +96,7 @@ class FastTransport:
     """
 
     name = "fast"
+    device_types = ("cuda",)
     slots_per_key = 2
     pooled_outputs = True
 

@@ -1,0 +1,177 @@
+"""The peers of a CP group: who they are, whether their processes still run, and a bounded all-gather of short
+strings through the default store — the rendezvous under cp_ops' per-group state (:mod:`cp_ops.contract`).
+
+Keys live in the default process group's store (``torch.distributed``'s TCPStore) under
+``cp_ops/contract/<group name>/``:
+
+* **Identity** (``id/<rank>``): host name, pid namespace, pid and process start time, published once per group by
+  :meth:`Peers.announce` — at a rank's first cp_ops call on the group, or earlier (:func:`cp_ops.parallelize`
+  announces when it installs, so a rank that never reaches a call is still known).
+* **Liveness**: a peer on this host (same host name and pid namespace, read from ``/proc``) whose process is gone —
+  no such pid, a zombie, or its pid now held by a process started later — has *exited*; a wait for it raises within
+  about :data:`CHECK_EVERY_S` seconds, naming its rank and pid. Peers on other hosts (or without ``/proc``) are not
+  watched: their waits end at the timeout, or at once when the connection to them closes.
+* **Gather** (:meth:`Peers.gather`): every rank sets ``<key>/<rank>`` and polls for the others' until
+  ``settings.timeout_s``. Keys are fixed per purpose, so a rank that timed out and calls again meets a late peer at
+  the same keys (a retry works); a group name is used once per default store (``dist.new_group`` names are not
+  reused), so keys never meet those of another group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+#: Seconds between liveness checks of the peers a wait is waiting for.
+CHECK_EVERY_S = 0.25
+_PREFIX = "cp_ops/contract/"
+
+
+class PeerExited(RuntimeError):
+    """A peer this rank waits for has exited (same host; seen in ``/proc``)."""
+
+
+class PeersTimeout(RuntimeError):
+    """Some peers did not arrive within the timeout (the message names them)."""
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks) of process ``pid`` from ``/proc/<pid>/stat``; None: no such
+    process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ("?", "")  # exists, unreadable: alive as far as we know
+    rest = data[data.rindex(b")") + 2:].split()  # fields 3.. (the name, field 2, may hold spaces)
+    return rest[0].decode(), rest[19].decode()  # field 3: state; field 22: start time
+
+
+class Identity(NamedTuple):
+    """Where a rank's process runs: enough to tell, on the same host, whether it still runs."""
+
+    host: str
+    pidns: str  # '' when unknown (no /proc): not watched
+    pid: int
+    start: str  # process start time (clock ticks since boot), '' when unknown
+
+    def encode(self) -> str:
+        return f"{self.host}\t{self.pidns}\t{self.pid}\t{self.start}"
+
+    @classmethod
+    def decode(cls, s: str) -> "Identity":
+        host, ns, pid, start = s.split("\t")
+        return cls(host, ns, int(pid), start)
+
+
+def identity() -> Identity:
+    """This process's :class:`Identity`."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    st = _proc_stat(os.getpid()) if ns else None
+    return Identity(socket.gethostname(), ns, os.getpid(), st[1] if st else "")
+
+
+def exited(peer: Identity, me: Identity) -> str | None:
+    """How ``peer``'s process is known to have ended, or None (it runs, or it cannot be watched from here: another
+    host or pid namespace, no ``/proc``)."""
+    if not peer.pidns or peer.host != me.host or peer.pidns != me.pidns:
+        return None
+    st = _proc_stat(peer.pid)
+    if st is None:
+        return "exited"
+    if st[0] in ("Z", "X", "x"):
+        return "exited (a zombie, not yet reaped by its parent)"
+    if peer.start and st[1] and st[1] != peer.start:
+        return "exited (its pid now belongs to a newer process)"
+    return None
+
+
+class Peers:
+    """The rendezvous of one CP group ``pg`` (see the module docstring). Blocking calls are bounded by the
+    ``timeout_s`` they are given and by the store's own timeout for one store operation."""
+
+    def __init__(self, pg: dist.ProcessGroup):
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.pg, self.rank, self.w = pg, pg.rank(), pg.size()
+        self.global_ranks = dist.get_process_group_ranks(pg)
+        self.base = f"{_PREFIX}{pg.group_name}/"
+        self.store = _get_default_store()
+        self.me = identity()
+        self.ids: list[Identity | None] = [None] * self.w
+        self.ids[self.rank] = self.me
+        self.announced = False
+
+    def announce(self) -> None:
+        """Publish this rank's identity for the group (once; one store write, no wait)."""
+        if not self.announced:
+            self.store.set(f"{self.base}id/{self.rank}", self.me.encode())
+            self.announced = True
+
+    def _identity(self, r: int) -> Identity | None:
+        ident = self.ids[r]
+        if ident is None:
+            key = f"{self.base}id/{r}"
+            if self.store.check([key]):
+                ident = self.ids[r] = Identity.decode(self.store.get(key).decode())
+        return ident
+
+    def exited(self, ranks) -> list[tuple[int, str]]:
+        """(rank, how) for each of ``ranks`` (group ranks) known to have exited."""
+        out = []
+        for r in ranks:
+            ident = self._identity(r)
+            why = exited(ident, self.me) if ident is not None else None
+            if why is not None:
+                out.append((r, why))
+        return out
+
+    def name(self, r: int) -> str:
+        """'rank r' with its global rank and pid when known, for messages."""
+        ident = self.ids[r]
+        where = f", pid {ident.pid} on {ident.host}" if ident is not None else ""
+        return f"rank {r} (global rank {self.global_ranks[r]}{where})"
+
+    def check_alive(self, ranks) -> None:
+        """Raise :class:`PeerExited` naming each of ``ranks`` whose process has exited."""
+        gone = self.exited(ranks)
+        if gone:
+            raise PeerExited("; ".join(f"{self.name(r)} {why}" for r, why in gone))
+
+    def gather(self, key: str, value: str, timeout_s: float, what: str) -> list[str]:
+        """Every rank's ``value`` for ``key``, in group-rank order. Waits at most ``timeout_s`` seconds, checking
+        every :data:`CHECK_EVERY_S` s that the peers still waited for are alive.
+
+        Raises:
+            PeerExited: a peer waited for has exited. PeersTimeout: some peers did not set ``key`` in time (named,
+                with ``what`` they did not do).
+        """
+        self.announce()
+        keys = [f"{self.base}{key}/{r}" for r in range(self.w)]
+        self.store.set(keys[self.rank], value)
+        pending = [r for r in range(self.w) if r != self.rank]
+        t0 = time.monotonic()
+        deadline, next_check, pause = t0 + timeout_s, t0 + CHECK_EVERY_S, 0.0005
+        while True:
+            pending = [r for r in pending if not self.store.check([keys[r]])]
+            if not pending:
+                break
+            now = time.monotonic()
+            if now >= next_check:
+                self.check_alive(pending)
+                next_check = now + CHECK_EVERY_S
+            if now >= deadline:
+                raise PeersTimeout(f"{', '.join(self.name(r) for r in pending)} did not {what} within {timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        out = [self.store.get(k).decode() if r != self.rank else value for r, k in enumerate(keys)]
+        return out

@@ -1,0 +1,707 @@
+"""The cross-rank call contract: every rank of a CP group makes the same cp_ops calls, in the same order, with the
+same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) and
+caller tag — else an error on every rank, naming what each rank called, before any data moves.
+
+A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so every op
+call makes one exchange that all ranks always make (:func:`exchange`): a fixed-size int64 signature all-gathered
+through host shared memory when the group's ranks share one host (:mod:`cp_ops._shm_exchange`, 5 µs per call at
+W=2 measured on the 2-core CI machine), else over a host-only gloo side group of the CP group (~0.4-0.6 ms per
+call) — no GPU work, no GPU sync, the host may run ahead of the GPU. Any difference, or any rank whose own input
+checks failed (:mod:`cp_ops.validate`: :func:`api_checked`, :func:`op_checked`), raises on every rank; a second
+exchange (only then) carries each rank's description so the message names what each rank called.
+``settings.check_ranks``:
+
+* default (``'once'``): every call exchanges (call, call number, shape, dtype, transport, settings, caller tag);
+  :func:`cp_ops.parallelize` checksums its full inputs once per input shape;
+* ``'always'`` (debug): as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
+  (a GPU sync each);
+* ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
+
+Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops._eager`: a :class:`CallCheck` whose
+signature is packed once per call key, named after the call's first op); compiled code makes one per op call.
+
+**Caller tag.** Two layers of one shape make identical signatures, so a rank that skips one layer's attention would
+pair its next call with its peers' call of the skipped layer. Inside :class:`caller_tag` (what
+``cp_ops.attention(..., tag=...)`` opens; :func:`cp_ops.parallelize` tags each attention module by its path, e.g.
+``'blocks.3.attn1'``) every exchange carries the tag, so the first mispaired call raises on every rank. A tag is
+any value whose ``repr`` is the same on every rank (an int, a str, a tuple of them); eager calls only (code traced by
+``torch.compile`` is checked without it).
+
+**Setting up a group** (its first exchange; see :mod:`cp_ops._peers`): the ranks meet through the default store
+(each publishes host, pid and process start time), then make the gloo side group and, on one host, the
+shared-memory exchange. Faults, each bounded:
+
+* a peer that never arrives: RuntimeError after ``settings.timeout_s`` naming the missing ranks; calling again waits
+  for them again at the same store keys, so a late peer and a retrying rank meet;
+* a peer on this host that has exited (its process gone, also while waiting in any later exchange): RuntimeError
+  within about a quarter second, naming its rank and pid; the group is then unusable for cp_ops (every later call
+  raises at once);
+* ``/dev/shm`` full (or not shared): a warning naming it, and the gloo side group carries the exchange;
+* a peer dying while mapping the shared-memory file: the error names it; the file is removed.
+
+Waits and their bounds: the store rendezvous and the setup's store gathers (``settings.timeout_s``, liveness every
+0.25 s); the gloo side group's creation (``settings.timeout_s``; it starts only after every rank arrived); each
+exchange (shared memory: ``settings.timeout_s``, liveness every 0.25 s; gloo: the side group's timeout,
+``settings.timeout_s``; a same-host peer that exits closes its sockets, which fails the wait at once); the
+description gather of a disagreement (gloo, ``settings.timeout_s``).
+
+**Groups end**: what cp_ops made for a group (side group, shared-memory map) is released when a group that was
+destroyed (``dist.destroy_process_group(group)``) is noticed — at the first exchange on any new group — and at exit.
+
+CUDA graphs: the exchange is host code, so it runs when a graph is *captured* (``torch.cuda.graph``, or the
+recording run of ``torch.compile(mode="reduce-overhead")``), never when it is replayed: a replay is not checked,
+and the ranks must replay the same graphs in the same order (as they must make the same calls).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import operator
+import pickle
+import struct
+import threading
+import zlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import config
+from ._peers import Peers, PeerExited
+from .group import backend_name
+
+log = logging.getLogger("cp_ops")
+
+#: Every call that exchanges a signature: name -> id (a stable hash, equal on every rank). The ops register
+#: themselves (``cp_ops._library``), the public API and integrations add the calls they check.
+OPS: dict[str, int] = {}
+# signature fields (int64 each): what they are called in messages
+_FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
+           "checksum0", "checksum1", "checksum2", "chunks", "tag", "caller")
+_N = len(_FIELDS)
+_PACK = struct.Struct(f"<{_N}q")
+_ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
+           8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
+           15: "chunks",
+           16: "layout",  # tag: a call's own agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
+           17: "caller tag"}
+_ids: dict = {}  # str/dtype/settings tuple -> stable int id
+_collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
+
+
+def _id(key) -> int:
+    v = _ids.get(key)
+    if v is None:
+        v = _ids[key] = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+    return v
+
+
+#: What a call's ``extra`` integer means in messages, per call name (default: the number of tensors).
+_EXTRA_LABEL: dict[str, str] = {}
+
+
+def register_op(name: str, extra_label: str = "tensors") -> int:
+    """Add ``name`` to :data:`OPS` (the calls whose signatures are exchanged); returns its id. ``extra_label``
+    names the call's ``extra`` integer in error messages (e.g. 'chunks')."""
+    OPS[name] = _id(name)
+    if extra_label != "tensors":
+        _EXTRA_LABEL[name] = extra_label
+    return OPS[name]
+
+
+# ---- the caller tag ------------------------------------------------------------------------------
+class _Caller(threading.local):
+    id = 0  # the tag's signature word (0: no tag)
+    tag = None  # the tag itself, for messages
+
+
+_caller = _Caller()
+_tag_ids: dict = {}
+
+
+def tag_id(tag) -> int:
+    """A stable nonzero int for ``tag`` (a CRC of its ``repr``: equal on every rank for ints, strs, tuples)."""
+    try:
+        v = _tag_ids.get(tag)
+    except TypeError:  # unhashable: not cached
+        return (zlib.crc32(repr(tag).encode()) & 0x7FFFFFFF) or 1
+    if v is None:
+        if len(_tag_ids) >= 4096:
+            _tag_ids.clear()
+        v = _tag_ids[tag] = (zlib.crc32(repr(tag).encode()) & 0x7FFFFFFF) or 1
+    return v
+
+
+class caller_tag:
+    """``with caller_tag(tag):`` every rank-contract exchange this thread makes inside carries ``tag`` (see the module
+    docstring); ranks whose calls carry different tags raise on every rank. ``None``: no tag. Nests."""
+
+    __slots__ = ("tag", "id", "prev")
+
+    def __init__(self, tag):
+        self.tag, self.id = tag, (0 if tag is None else tag_id(tag))
+
+    def __enter__(self):
+        c = _caller
+        self.prev = (c.id, c.tag)
+        c.id, c.tag = self.id, self.tag
+        return self
+
+    def __exit__(self, *exc):
+        _caller.id, _caller.tag = self.prev
+
+
+# ---- per-group state -----------------------------------------------------------------------------
+class _Group:
+    """Per CP group: the peers' rendezvous, the gloo side group and shared-memory exchange (made at the first
+    exchange), the call count, the signature buffers; ``broken``: why the group cannot be used any more."""
+
+    __slots__ = ("pg", "w", "gid", "skip", "side", "shm", "peers", "broken", "count", "agreed", "lbuf", "gbuf",
+                 "local", "gathered")
+
+    def __init__(self, pg: dist.ProcessGroup):
+        self.pg, self.w, self.gid = pg, pg.size(), _id(pg.group_name)
+        self.skip = self.w == 1 or backend_name(pg) == "fake"
+        self.side, self.shm, self.peers, self.broken, self.count, self.agreed = None, None, None, None, 0, 0
+        self.lbuf, self.gbuf = bytearray(8 * _N), bytearray(8 * _N * self.w)
+        self.local = torch.frombuffer(self.lbuf, dtype=torch.int64)
+        self.gathered = torch.frombuffer(self.gbuf, dtype=torch.int64)
+
+    def release(self, why: str | None = None) -> None:
+        """Drop the side group and unmap the shared memory; ``why``: every later exchange raises it."""
+        self.side = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        if why is not None:
+            self.broken = why
+
+
+_groups: dict[str, _Group] = {}
+
+
+def _release_all() -> None:
+    """At interpreter exit, drop the gloo side groups and shared-memory maps while the interpreter is whole: a
+    gloo group left to die in the final teardown can abort the process ("terminate called without an active
+    exception") after its store is gone."""
+    for st in _groups.values():
+        st.release()
+    _groups.clear()
+    import gc
+
+    gc.collect()
+
+
+atexit.register(_release_all)
+
+
+def _live_groups():
+    """The process groups torch still knows (a dict keyed by group), or None where this torch does not say."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return getattr(world, "pg_names", None)
+
+
+#: Called with each destroyed group cp_ops notices (see :func:`on_group_destroyed`).
+_on_destroyed: list[Callable[[dist.ProcessGroup], None]] = []
+
+
+def on_group_destroyed(fn: Callable[[dist.ProcessGroup], None]) -> None:
+    """Call ``fn(group)`` when cp_ops notices that ``group`` was destroyed (at the first exchange on a new group):
+    a per-group cache (plans, transports' state) drops what it holds for the group, so the group's own resources
+    (gloo threads and sockets) are freed as they are for code that never used cp_ops."""
+    _on_destroyed.append(fn)
+
+
+def _forget_destroyed() -> None:
+    """Release the state of every group that was destroyed (``dist.destroy_process_group``)."""
+    live = _live_groups()
+    if live is None:
+        return
+    for name, st in list(_groups.items()):
+        if st.pg not in live:
+            st.release(f"CP group '{name}' was destroyed (torch.distributed.destroy_process_group)")
+            del _groups[name]
+            for fn in _on_destroyed:
+                fn(st.pg)
+
+
+def _state(pg: dist.ProcessGroup) -> _Group:
+    st = _groups.get(pg.group_name)
+    if st is None or st.pg is not pg:  # a new group of that name (after destroy/init): start over
+        if st is not None:
+            st.release(f"CP group '{pg.group_name}' was replaced by a new group of that name")
+        _forget_destroyed()  # a new group: the moment to release what destroyed ones held
+        st = _groups[pg.group_name] = _Group(pg)
+    return st
+
+
+def call_count(group: dist.ProcessGroup) -> int:
+    """How many rank-checked cp_ops calls this rank has made on ``group`` (0 before the first)."""
+    st = _groups.get(group.group_name)
+    return st.count if st is not None and st.pg is group else 0
+
+
+def announce(group: dist.ProcessGroup) -> None:
+    """Publish this rank's process identity for ``group`` now (one store write, no wait), so that a peer waiting for
+    this rank later can tell that it exited (:mod:`cp_ops._peers`). :func:`cp_ops.parallelize` calls it; a rank's
+    first exchange on a group does it anyway."""
+    st = _state(group)
+    if st.skip:
+        return
+    if st.peers is None:
+        st.peers = Peers(group)
+    st.peers.announce()
+
+
+def agree(group: dist.ProcessGroup, key: str, value: str, what: str) -> list[str]:
+    """Every rank's ``value`` (a short str), in group-rank order, through the default store: the agreement of a rare
+    per-group decision (e.g. ``transport='auto'``'s choice). Every rank of ``group`` makes the same agreements in the
+    same order, with the same ``key`` (the n-th agreement on a group meets at store key ``agree/<n>/<key>``; one that
+    failed is retried at the same n, so a late peer and a retrying rank meet). A group of one rank or of the 'fake'
+    backend: ``[value] * W``.
+
+    Raises:
+        RuntimeError: not every rank reached it within ``settings.timeout_s``, or a peer on this host exited (named).
+    """
+    st = _state(group)
+    if st.skip:
+        return [value] * st.w
+    if st.peers is None:
+        st.peers = Peers(group)
+    try:
+        out = st.peers.gather(f"agree/{st.agreed}/{key}", value, config.settings.timeout_s, f"reach {what}")
+    except RuntimeError as e:
+        raise RuntimeError(f"{what}: CP group '{group.group_name}' "
+                           f"(ranks {st.peers.global_ranks}): {str(e).splitlines()[0]}") from e
+    st.agreed += 1
+    return out
+
+
+#: Exchange through host shared memory when every rank of the group is on one host (else over gloo).
+_USE_SHM = True
+
+
+def _setup(st: _Group, op: str) -> None:
+    """The group's first exchange: meet the peers through the store, then make the gloo side group and (one host)
+    the shared-memory exchange. See the module docstring for the faults and bounds."""
+    if st.broken:
+        raise RuntimeError(st.broken)
+    pg, timeout = st.pg, config.settings.timeout_s
+    if st.peers is None:
+        st.peers = Peers(pg)
+    peers = st.peers
+    where = f"CP group '{pg.group_name}' (ranks {peers.global_ranks})"
+    try:
+        ids = peers.gather("ready", peers.me.encode(), timeout, "make their first cp_ops call on this group")
+    except RuntimeError as e:  # nothing made yet: calling again waits for the peers again, at the same keys
+        if isinstance(e, PeerExited):
+            st.broken = f"{op}: {where}: {e}; the group cannot be used by cp_ops any more"
+            raise RuntimeError(st.broken) from e
+        raise RuntimeError(
+            f"{op}: the ranks of {where} did not all make their first cp_ops call within CP_OPS_TIMEOUT_S="
+            f"{timeout:g} s (a rank skipped it, crashed or is stuck): {str(e).splitlines()[0]}; calling again waits "
+            "for them again") from e
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ._peers import Identity
+
+    peers.ids = [Identity.decode(s) for s in ids]
+    try:
+        store = dist.PrefixStore(f"{peers.base}side/", _get_default_store())
+        st.side = dist.ProcessGroupGloo(store, pg.rank(), st.w, datetime.timedelta(seconds=timeout))
+        if _USE_SHM:
+            st.shm = _make_shm(st)
+    except RuntimeError as e:
+        gone = peers.exited(range(st.w))
+        why = "; ".join(f"{peers.name(r)} {how}" for r, how in gone) if gone else str(e).splitlines()[0]
+        st.release(f"{op}: setting up the rank contract of {where} failed after every rank had arrived (a peer died, "
+                   f"or one that had timed out earlier did not call again): {why}; the group cannot be used by cp_ops "
+                   "any more")
+        raise RuntimeError(st.broken) from e
+
+
+def _make_shm(st: _Group):
+    """The shared-memory exchange for a group whose ranks share one host (None: exchange over gloo), agreed by every
+    rank through the store. Rank 0 makes the file and removes its name once every rank mapped it, or on any error."""
+    from ._shm_exchange import ShmExchange
+
+    peers, timeout = st.peers, config.settings.timeout_s
+    if len({i.host for i in peers.ids}) != 1:
+        return None
+    rank, x = st.pg.rank(), None
+    try:
+        made = ""
+        if rank == 0:
+            try:
+                x = ShmExchange.create(st.w, _N)
+                made = "path:" + x.path
+            except OSError as e:  # e.g. /dev/shm full: exchange over gloo
+                made = "error:" + str(e)
+        made = peers.gather("shm/file", made, timeout, "reach the shared-memory setup")[0]
+        if not made.startswith("path:"):
+            log.warning("cp_ops: CP group '%s': the rank contract exchanges over gloo (~0.5 ms per call) instead of "
+                        "host shared memory: rank 0 could not make the file: %s", st.pg.group_name, made[6:])
+            return None
+        err = ""
+        if rank != 0:
+            try:
+                x = ShmExchange.attach(made[5:], st.w, rank, _N)
+            except OSError as e:  # e.g. another container's /dev/shm under the same host name
+                err = str(e)
+        errs = peers.gather("shm/mapped", err, timeout, "map the shared-memory file")
+    except BaseException:
+        if x is not None:
+            if rank == 0:
+                x.unlink()
+            x.close()
+        raise
+    if rank == 0:
+        x.unlink()  # every rank has it mapped (or gave up): the name is no longer needed
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        if x is not None:
+            x.close()
+        log.warning("cp_ops: CP group '%s': the rank contract exchanges over gloo (~0.5 ms per call) instead of host "
+                    "shared memory: %s", st.pg.group_name, "; ".join(f"rank {r}: {e}" for r, e in bad))
+        return None
+    return x
+
+
+# ---- the exchange --------------------------------------------------------------------------------
+def _signed(st: _Group, op: str, op_id: int, tid: int, b, s, h, d, dt: int, extra: int, s0: int, s1: int, s2: int,
+            chunks: int, tag: int, failed: bool) -> bool:
+    """The one signature packer: this call's words into ``st.lbuf``, then the all-gather. True when every rank's
+    signature equals this rank's (or this call does not exchange: one rank, 'fake' backend, ``check_ranks='off'``
+    after the first call)."""
+    if st.skip or (st.count and config.settings.check_ranks == "off"):
+        return True
+    if st.side is None:
+        _setup(st, op)
+    st.count += 1
+    _PACK.pack_into(st.lbuf, 0, op_id, st.gid, st.count, failed, tid, _id(_collective_values(config.settings)),
+                    b, s, h, d, dt, extra, s0, s1, s2, chunks, tag, _caller.id)
+    return _gather(st, op)
+
+
+def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int = 0,
+             failed: BaseException | None = None, inputs: dict | None = None, tag: int = 0,
+             note: str | None = None) -> None:
+    """Check the rank contract for one call: all ranks of ``pg`` exchange a signature; raise on every rank on
+    any difference. See the module docstring for what is compared under each ``settings.check_ranks``.
+
+    Args:
+        pg: the CP group. op: the call's name (an entry of :data:`OPS`, or a new one). transport: the
+            transport argument as given to the op. t: the tensor whose shape and dtype are compared (a
+            ``[B, S_local, H, D]`` tensor, or None). extra: the number of tensors in the call.
+        failed: this rank's own input error: peers learn that this rank stops (the caller re-raises it).
+        inputs: name -> tensor (at most 3) whose checksums (:func:`input_checksum`) must be equal on every rank.
+        tag: one more int64 that must be equal on every rank (e.g. a hash of the call's ``seq_lens``);
+            note: what ``tag`` stands for, in words, for the error message (e.g. ``'seq_lens=[3, 2]'``).
+    Raises:
+        ValueError: on every rank (but a rank that passed ``failed``), naming each rank's call and what differs.
+        RuntimeError: the ranks did not all reach the exchange within ``settings.timeout_s``, or a peer exited.
+    """
+    st = _groups.get(pg.group_name)
+    if st is None or st.pg is not pg:
+        st = _state(pg)
+    if st.skip or (st.count and config.settings.check_ranks == "off"):
+        return
+    sums = (0, 0, 0)
+    if inputs is not None:
+        b, s, h, d, dtype = _id(tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())), \
+            -1, -1, -1, 0
+        sums = (tuple(input_checksum(x) for x in inputs.values()) + sums)[:3]
+    elif isinstance(t, torch.Tensor) and t.dim() == 4:
+        b, s, h, d = t.shape
+        dtype = _id(t.dtype)
+    else:
+        b = s = h = d = -1
+        dtype = 0
+    if not _signed(st, op, OPS.get(op) or register_op(op), _id(transport), b, s, h, d, dtype, extra, *sums, 0, tag,
+                   failed is not None):
+        t_ok = isinstance(t, torch.Tensor)
+        _disagree(st, op, transport, list(t.shape) if t_ok else None,
+                  str(t.dtype).replace("torch.", "") if t_ok else None, extra, failed, inputs, 0, note)
+
+
+def _gather(st: _Group, op: str) -> bool:
+    """All-gather the signature packed in ``st.lbuf``; True when every rank's equals this rank's."""
+    mine = bytes(st.lbuf)
+    try:
+        if st.shm is not None:
+            if not st.shm.allgather(st.count, mine, st.gbuf, config.settings.timeout_s, st.peers.check_alive):
+                raise RuntimeError("shared-memory rank check timed out")
+        else:
+            st.side._allgather_base(st.gathered, st.local).wait()
+    except RuntimeError as e:
+        g = st.pg.group_name
+        gone = st.peers.exited(range(st.w)) if st.peers is not None else []
+        if gone:
+            st.release(f"{op}: CP group '{g}': " + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
+                       + "; the group cannot be used by cp_ops any more")
+            raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': "
+                               + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
+                               + " while this rank waited for it in the rank check") from e
+        raise RuntimeError(
+            f"{op}: call #{st.count} on CP group '{g}': not every rank made this call within "
+            f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped a call, crashed, or is stuck; "
+            f"CP_OPS_CHECK_RANKS=always names skipped calls earlier): {str(e).splitlines()[0]}"
+        ) from e
+    return st.gbuf == mine * st.w
+
+
+class CallCheck:
+    """The rank contract's exchange for one repeated call, its signature fixed once (what the eager fast path of
+    :func:`cp_ops.attention` runs per call: the same exchange as :func:`exchange`, without rebuilding the
+    signature). ``check()`` compares (call, call number, shape, dtype, transport, tensor count, chunks, the
+    collective settings and the caller tag, both read at each call) across the ranks of ``pg``; raises as
+    :func:`exchange`.
+
+    Args:
+        pg: the CP group. op: the call's name. transport: the transport argument as given. shape, dtype: the
+            compared tensor's ``[B, S_local, H, D]`` and dtype. extra: the tensor count (or chunks, see
+            :func:`register_op`). chunks: the pipeline stages of the call (0: not a pipelined call). tag, note:
+            as :func:`exchange`'s (e.g. a hash of the call's ``seq_lens`` and those in words).
+    """
+
+    __slots__ = ("pg", "st", "op", "transport", "shape", "dtype", "extra", "chunks", "tag", "words", "note")
+
+    def __init__(self, pg: dist.ProcessGroup, op: str, transport: str, shape, dtype: torch.dtype, extra: int,
+                 chunks: int = 0, tag: int = 0, note: str | None = None):
+        self.pg, self.st, self.op, self.transport = pg, _state(pg), op, transport
+        self.shape, self.dtype, self.extra, self.chunks, self.tag, self.note = \
+            tuple(shape), dtype, extra, chunks, tag, note
+        b, s, h, d = shape
+        self.words = (OPS.get(op) or register_op(op), _id(transport), b, s, h, d, _id(dtype))
+
+    def check(self) -> None:
+        op_id, tid, b, s, h, d, dt = self.words
+        if not _signed(self.st, self.op, op_id, tid, b, s, h, d, dt, self.extra, 0, 0, 0, self.chunks, self.tag, False):
+            _disagree(self.st, self.op, self.transport, list(self.shape), str(self.dtype).replace("torch.", ""),
+                      self.extra, None, None, self.chunks, self.note)
+
+
+# ---- the error on every rank ---------------------------------------------------------------------
+def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, chunks, note=None) -> None:
+    """Every rank gets here together (the gathered rows are the same everywhere): exchange descriptions,
+    then raise on every rank — except on a rank whose own checks failed (its caller raises its own error)."""
+    rows = [_PACK.unpack_from(st.gbuf, i * 8 * _N) for i in range(st.w)]
+    mine = {
+        "call": op, "n": st.count, "transport": transport,
+        "settings": dict(zip(config.COLLECTIVE_FIELDS, config.settings.collective_values())),
+        "shape": shape, "dtype": dtype, "tensors": extra, "chunks": chunks,
+        "inputs": None if inputs is None else {k: (None if x is None else (list(x.shape), str(x.dtype)))
+                                               for k, x in inputs.items()},
+        "error": None if failed is None else f"{type(failed).__name__}: {str(failed).splitlines()[0]}",
+        "note": note,
+        "caller": None if _caller.tag is None else repr(_caller.tag),
+    }
+    desc = _gather_objects(st, mine)
+    if failed is not None:
+        return
+    g = st.pg.group_name
+    bad = [i for i, r in enumerate(rows) if r[3]]
+    if bad:
+        errors = "; ".join(f"rank {i}: {desc[i]['call']}: {desc[i]['error']}" for i in bad)
+        raise ValueError(
+            f"{op}: rank(s) {bad} of CP group '{g}' rejected their inputs ({errors}); this rank stops too, so no "
+            "rank waits in a collective"
+        )
+    aspects = []
+    for j in range(_N):
+        if any(r[j] != rows[0][j] for r in rows) and _ASPECT.get(j) and _ASPECT[j] not in aspects:
+            aspects.append(_ASPECT[j])
+    per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
+    raise ValueError(
+        f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
+        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}{_variant_hint(aspects, desc)}"
+        f"{_caller_hint(aspects, desc)}"
+    )
+
+
+def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
+    """Where the ranks differ only in S_local (uneven shards without ``seq_lens``): the ``seq_lens`` to pass."""
+    shapes = [d["shape"] for d in desc]
+    if aspects != ["shape"] or any(s is None or len(s) != 4 for s in shapes) or len(
+            {(s[0], s[2], s[3]) for s in shapes}) != 1:
+        return ""
+    return (f"; only S_local differs: for uneven shards pass seq_lens={tuple(s[1] for s in shapes)} (the same tuple "
+            "on every rank; cp_ops.layout.shard_sizes(total, W) is the standard split)")
+
+
+#: The ops an attention call's exchange is made for (its variant's first op): ranks at the same call number with
+#: different ones were most likely given different ``mode`` or ``chunks``.
+_VARIANT_OPS = frozenset(f"cp_ops::{n}" for n in ("agkv_gather_start", "ulysses_start", "agkv_pipelined_attention",
+                                                   "agkv_gather_uneven_start", "ulysses_uneven_start"))
+
+
+def _variant_hint(aspects: list[str], desc: list[dict]) -> str:
+    """Where the ranks started different CP variants at the same call number: name mode/chunks as the likely cause."""
+    if "call" not in aspects or "call number" in aspects or not all(d["call"] in _VARIANT_OPS for d in desc):
+        return ""
+    return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) must get "
+            "the same mode and chunks on every rank")
+
+
+def _caller_hint(aspects: list[str], desc: list[dict]) -> str:
+    """Where the ranks' caller tags differ: a rank skipped (or reordered) a tagged call, e.g. one layer's attention."""
+    if "caller tag" not in aspects:
+        return ""
+    hint = ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the layers "
+            "in another order — every rank must make every CP attention call")
+    if any(" at 0x" in (d.get("caller") or "") for d in desc):
+        hint += "; a tag whose repr holds a memory address differs on every rank: tag by a name or an index"
+    return hint
+
+
+def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
+    out = f"{d['call']} (call #{d['n']})"
+    label = _EXTRA_LABEL.get(d["call"], "tensors")
+    if d["shape"] is not None:
+        out += f" [B, S_local, H, D]={d['shape']} dtype={d['dtype']} {label}={d['tensors']}"
+    elif d["tensors"]:
+        out += f" {'count' if label == 'tensors' else label}={d['tensors']}"
+    if d["inputs"] is not None:
+        out += f" inputs={d['inputs']}"
+    if d.get("note"):
+        out += f" {d['note']}"
+    if d.get("caller") is not None or "caller tag" in aspects:
+        out += f" tag={d.get('caller') or 'none'}"
+    if "chunks" in aspects:
+        out += f" chunks={d.get('chunks') or 'none (not pipelined)'}"
+    if "transport" in aspects:
+        out += f" transport={d['transport']!r}"
+    if "settings" in aspects:
+        differ = [f for f in config.COLLECTIVE_FIELDS if any(e["settings"][f] != d["settings"][f] for e in everyone)]
+        out += " " + " ".join(f"{f}={d['settings'][f]!r}" for f in differ)
+    if "inputs" in aspects:
+        out += " (input checksums differ: the ranks were given different inputs; seed them alike)"
+    return out
+
+
+def _gather_objects(st: _Group, obj) -> list:
+    """All-gather one picklable object per rank over the side group (only on the error path)."""
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = torch.empty(st.w, dtype=torch.int64)
+    st.side._allgather_base(sizes, size).wait()
+    n = int(sizes.max())
+    buf = torch.zeros(n, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(st.w * n, dtype=torch.uint8)
+    st.side._allgather_base(out, buf).wait()
+    return [pickle.loads(bytes(out[i * n: i * n + int(sizes[i])].tolist())) for i in range(st.w)]
+
+
+# ---- checks built on the exchange ----------------------------------------------------------------
+def input_checksum(t) -> int:
+    """A cheap fingerprint of ``t``'s values: 61 strided samples, index-weighted, summed in fp64 (its bits as an
+    int). Equal tensors give equal checksums on the same device type; a GPU tensor costs one tiny sync."""
+    if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    flat = t.detach().reshape(-1)
+    s = flat[:: max(1, flat.numel() // 61)].double()
+    w = torch.arange(1, s.numel() + 1, dtype=torch.float64, device=s.device)
+    return struct.unpack("<q", struct.pack("<d", float((s * w).sum())))[0]
+
+
+def check_inputs_agree(group: dist.ProcessGroup, what: str, inputs: dict) -> None:
+    """Raise on every rank unless ``inputs`` (name -> tensor or None, at most 3) have the same shapes, dtypes and
+    checksums on every rank of ``group`` (inputs that must be replicated, e.g. a DiT's latents and timestep).
+
+    Raises:
+        ValueError: on every rank, naming the inputs whose checksums differ.
+    """
+    if len(inputs) > 3:
+        raise ValueError(f"check_inputs_agree compares at most 3 inputs; got {len(inputs)}")
+    exchange(group, what, "", inputs=inputs)
+
+
+def check_settings_agree(group: dist.ProcessGroup) -> None:
+    """Compare the collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) across the ranks of ``group`` now
+    (e.g. at start-up). Every op call's exchange compares them too; this makes one more exchange.
+
+    Raises:
+        ValueError: on every rank, naming each differing setting and each rank's value.
+    """
+    exchange(group, "cp_ops.check_settings_agree", "")
+
+
+def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) -> None:
+    """Run a public function's input checks; if they fail, tell the peers (waiting in the op's rank check)
+    before raising, so no rank is left in a collective. While ``torch.compile`` traces, only the checks run."""
+    try:
+        checks()
+    except (ValueError, RuntimeError, TypeError) as e:
+        if not torch.compiler.is_compiling():
+            exchange(group, api, "", failed=e)
+        raise
+
+
+def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Callable[[], None], extra: int = 0) -> None:
+    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange."""
+    try:
+        rules()
+    except (ValueError, RuntimeError, TypeError) as e:
+        exchange(group, op, transport, None, extra, failed=e)
+        raise
+    exchange(group, op, transport, t, extra)
+
+
+# ---- the variant tag: what a call's signature carries beyond shapes (mode, chunks, shards, the caller's tag) ----
+_TAG_NOTES: dict[int, str] = {}
+
+
+def variant_tag(**fields) -> int:
+    """A stable int (equal on every rank for equal fields) for the rank contract's ``tag`` word, and the fields in
+    words for its error messages (:func:`tag_note`). Fields whose value is None are left out. Values must have a
+    repr that is the same on every rank (ints, strings, tuples of them); raises TypeError for other types (an
+    object's default repr holds its address)."""
+    parts = []
+    for k, v in fields.items():
+        if v is None:
+            continue
+        if not _stable(v):
+            raise TypeError(f"{k} must be an int, a str, or a tuple of them (the same on every rank); got "
+                            f"{type(v).__name__} {v!r}")
+        parts.append(f"{k}={list(v) if isinstance(v, tuple) else v}")
+    note = " ".join(parts)
+    t = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
+    _TAG_NOTES[t] = note
+    return t
+
+
+def _stable(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_stable(x) for x in v)
+    return isinstance(v, (int, str)) and not isinstance(v, bool) or isinstance(v, bool)
+
+
+def with_seq_lens(tag: int, seq_lens) -> int:
+    """``tag`` with a call's uneven token counts folded in (the ops do this at run time, where the counts are concrete
+    even when the compiled graph's are symbolic; the eager path does it once per plan)."""
+    if seq_lens is None:
+        return tag
+    seq = [int(n) for n in seq_lens]
+    key = (tag, tuple(seq))
+    got = _SEQ_TAGS.get(key)
+    if got is None:
+        base = _TAG_NOTES.get(tag, "")
+        note = f"{base} seq_lens={seq}".strip()
+        got = _SEQ_TAGS[key] = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
+        _TAG_NOTES[got] = note
+    return got
+
+
+_SEQ_TAGS: dict = {}
+
+
+def tag_note(tag: int) -> str | None:
+    """The words :func:`variant_tag` made ``tag`` from (None for an unknown tag)."""
+    return _TAG_NOTES.get(tag)
+
+
+# a constant for the compiler: called while torch.compile traces (the dispatcher's decisions), with constant arguments
+variant_tag._dynamo_marked_constant = True  # type: ignore[attr-defined]
