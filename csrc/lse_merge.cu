@@ -3,7 +3,7 @@
 // For query row x (= (b, s, h)) with partials o_i = softmax over key block i only and lse_i = log sum_j exp(s_xj)
 // over that block: out = sum_i w_i o_i / sum_i w_i, w_i = exp(lse_i - m), m = max_i lse_i (m := 0 and out := 0 when every
 // lse_i is -inf: a row with no keys) -- the merge of ring / flash-decoding (Milakov & Gimelshein 2018), in fp32.
-// The same arithmetic as cp_ops/kernels/merge.py's Triton kernel; this one is launched through pybind11 with
+// The same arithmetic as cp_ops/kernels/lse_merge.py's Triton kernel; this one is launched through pybind11 with
 // plain integers (a few µs of host time where Triton's launcher costs tens), for cp_ops' eager pipelined AGKV.
 //
 // Layouts (element strides): partials [B, S, H, D] with strides (so_b, so_s, so_h, 1), all n alike; LSEs fp32

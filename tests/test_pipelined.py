@@ -7,7 +7,7 @@ import torch
 import cp_ops
 from cp_ops.comm import DirectComm
 from cp_ops.kernels import attention_with_lse
-from cp_ops.kernels import merge as lse_merge
+from cp_ops.kernels import lse_merge
 from cp_ops.modes import agkv_pipelined, pipelined
 from dist_util import run_ranks
 
@@ -165,3 +165,21 @@ def test_chunks_rules():
     assert pipelined.choose_chunks("agkv", 1, q, "fast") == 1  # W = 1: nothing to pipeline
     with pytest.raises(ValueError, match="'auto'"):
         pipelined.choose_chunks("agkv", 2, q, "auto")  # callers resolve the transport first
+
+
+def test_merge_of_a_row_with_no_key_anywhere_is_zero():
+    """Issue 20 item 15: every partial LSE of a row -inf (no key attended anywhere) merges to 0, as SDPA gives for an
+    all-masked row on CPU, never NaN; the other rows are untouched."""
+    g = torch.Generator().manual_seed(9)
+    outs = [torch.randn(2, 5, 3, 8, generator=g) for _ in range(3)]
+    lses = [torch.randn(2, 3, 5, generator=g) for _ in range(3)]
+    full = lse_merge.merge(outs, lses)
+    for lse in lses:
+        lse[1, 2, 4] = float("-inf")
+    out = lse_merge.merge(outs, lses)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out[1, 4, 2], torch.zeros(8))
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[1, 4, 2] = False
+    assert torch.equal(out[keep], full[keep])
+

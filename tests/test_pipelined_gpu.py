@@ -40,7 +40,7 @@ def _rel(out, ref) -> float:
 
 
 def _vs_single_gpu(rank, w, transport):
-    from cp_ops.kernels import lse as attention_lse, merge as lse_merge
+    from cp_ops.kernels import lse as attention_lse, lse_merge
     from cp_ops.transport import fast
 
     if transport == "fast":
@@ -125,7 +125,7 @@ def test_extension_merge_matches_the_fp32_reference_and_triton():
     every dtype, 2..4 partials, 16-byte (one vector per thread and row: the 2-row kernel; or several) and scalar
     paths (D·size % 16), a row count that leaves a block part-filled, strided LSEs as cuDNN returns them, and
     a partial whose LSE is -inf for a row (its block had no key for it: weight 0)."""
-    from cp_ops.kernels import merge as lse_merge
+    from cp_ops.kernels import lse_merge
     from cp_ops.transport import _fast_build
 
     ext, why = _fast_build.load()
@@ -138,13 +138,17 @@ def test_extension_merge_matches_the_fp32_reference_and_triton():
                 # LSEs as cuDNN gives them: [B, H, S, 1] squeezed (strides of a [B, H, S] view)
                 lses = [(torch.randn(b, h, s, 1, generator=g, device="cuda") * 4).squeeze(-1) for _ in range(n)]
                 lses[0][:, 0, 0] = float("-inf")  # a block with no unmasked key for that row: weight 0
+                for lse in lses:  # a row with no key in any block (issue 20 item 15): defined as 0, never NaN
+                    lse[:, -1, -1] = float("-inf")
                 ref = lse_merge.merge_eager(outs, lses, dtype)
                 got = lse_merge._merge_ext(outs, lses, dtype)
                 assert got is not None, (dtype, n, b, s, h, d)
                 assert not torch.isnan(got.float()).any()
+                assert torch.equal(got[:, -1, -1], torch.zeros_like(got[:, -1, -1])), (dtype, n, "all -inf row")
                 err = _rel(got, ref)
                 assert err <= tol, (dtype, n, (b, s, h, d), err)
                 tri = lse_merge._merge_triton(outs, lses, dtype, False)
+                assert not torch.isnan(tri.float()).any() and not tri[:, -1, -1].any(), (dtype, n, "Triton")
                 assert _rel(got, tri) <= tol, (dtype, n, (b, s, h, d))
     # not for it: partials in another dtype than the output -> None (the Triton kernel takes it)
     o = [torch.randn(1, 4, 2, 8, device="cuda") for _ in range(2)]

@@ -6,7 +6,7 @@ needed); the peers' pieces — each peer's block split into ``ceil((k-1)/(W-1))`
 (the torch transport can; the fast transport lands whole blocks, one signal per source) — are taken in arrival
 order and cut into ``k-1`` consecutive stages; stage i waits for its pieces only and attends the local Q against
 them (one attention per run of adjacent tokens). The ≥ 2 partial outputs are merged once at the end by
-:func:`cp_ops.kernels.merge` (one fused kernel on CUDA). With communication time C and
+:func:`cp_ops.kernels.lse_merge.merge` (one fused kernel on CUDA). With communication time C and
 attention time A over all W blocks, transport-then-attend costs ``C + A``; this costs about
 ``max(A/W, first piece) + ...`` — communication hides under attention except the first piece's remainder.
 
