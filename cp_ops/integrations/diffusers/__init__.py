@@ -19,6 +19,7 @@ from ...transport.base import names as transport_names
 from . import dispatch, hooks
 from .checks import RankChecks
 from .lanes import Lanes
+from .pipeline import parallelize_pipeline  # noqa: F401 - public: the whole-pipeline one-liner
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 

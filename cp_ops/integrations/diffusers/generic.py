@@ -22,8 +22,9 @@ What a registry line states by hand, this finds from the class and its plan:
   ``encoder_hidden_states``: :func:`watch`; e.g. LTX's text) all-gathers K/V (and the mask over them) and attends
   locally. Limit: tokens left unsplit inside the region (LTX-2's audio) are told from split ones by their length
   alone; where an unsplit length equals one rank's block of a split stream but not another's, the ranks take
-  different paths and the model-level call check raises on every rank at the output gather. Two stream combinations that give this rank's length but different per-rank counts raise
-  (name the streams in a registry line instead).
+  different paths and the model-level call check raises on every rank at the output gather. Two stream
+  combinations that give this rank's length but different per-rank counts raise (name the streams in a registry
+  line instead).
 
 A class whose plan cp_ops cannot take raises ``ValueError`` from :func:`~.plan.from_diffusers` or
 :func:`~.hooks.resolve` before any hook goes in.
@@ -130,7 +131,8 @@ def streams_of(state, n_local: int, where: str, single: bool = False) -> tuple[s
         raise ValueError(
             f"cp_ops.parallelize ({where}): cannot tell which token streams this attention's {n_local} local tokens "
             f"are: {[s for s, _ in found]} all fit on rank {state.rank} but give the ranks different counts "
-            f"{sorted(counts)}; name the module's streams in a registry line (cp_ops/integrations/diffusers/registry.py)")
+            f"{sorted(counts)}; name the module's streams in a registry line "
+            "(cp_ops/integrations/diffusers/registry.py)")
     return found[0][0]
 
 
