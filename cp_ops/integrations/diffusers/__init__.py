@@ -20,6 +20,7 @@ from . import caches, dispatch, hooks
 from .caches import agree_step_caches
 from .checks import RankChecks
 from .lanes import Lanes
+from .pipeline import parallelize_pipeline  # noqa: F401 - public: the whole-pipeline one-liner
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 

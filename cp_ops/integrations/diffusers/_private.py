@@ -7,6 +7,8 @@
   ``_cp_plan`` entries) — experimental in diffusers.
 - attention processors' ``_attention_backend`` and ``_parallel_config`` attributes: what every diffusers attention
   processor passes to ``dispatch_attention_fn(..., backend=..., parallel_config=...)``.
+- ``diffusers.models.attention.AttentionModuleMixin`` and ``diffusers.models.attention_processor.Attention``: the
+  attention module classes the generic installer looks for.
 
 A diffusers upgrade that renames any of these breaks only this file.
 """
@@ -81,3 +83,17 @@ def route_processor(module: torch.nn.Module, backend_member: Any, parallel_confi
     proc._parallel_config = parallel_config
     module.set_processor(proc)
 
+
+
+def attention_module_classes() -> tuple[type, ...]:
+    """The classes of diffusers attention modules (the ones whose processors take ``_parallel_config``)."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return (AttentionModuleMixin, Attention)
+
+
+def local_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, backend) -> torch.Tensor:
+    """diffusers' ``dispatch_attention_fn`` on ``backend`` (None: the active backend), without CP."""
+    return _dispatch().dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, scale=scale, backend=backend, parallel_config=None)

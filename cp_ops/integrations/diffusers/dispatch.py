@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...attention import attention
-from . import _private
+from . import _private, generic
 from .hooks import CPState
 
 
@@ -52,6 +52,8 @@ class CPAttention:
         if dropout_p != 0.0 or is_causal:
             raise ValueError(f"cp_ops.parallelize ({self.where}): CP attention is non-causal without dropout; got "
                              f"dropout_p={dropout_p}, is_causal={is_causal}")
+        if not self.streams:  # a module of a generic _cp_plan model: its streams are found per call
+            return generic.call(self, query, key, value, attn_mask, dropout_p, is_causal, scale)
         st = self.state
         kwargs = {}
         mask = self.key_mask(attn_mask, query)
@@ -92,5 +94,8 @@ def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], whe
     """Send ``module``'s attention through cp_ops over ``state``'s group; returns its :class:`CPAttention`."""
     member = _private.register_backend(cp_ops_backend)
     config = CPAttention(state, streams, where)
+    config.local_backend = getattr(module.processor, "_attention_backend", None)  # for calls that need no CP
+    if not streams:
+        generic.watch(module, config)
     _private.route_processor(module, member, config)
     return config

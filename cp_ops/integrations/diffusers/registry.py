@@ -5,8 +5,10 @@ or an adapter in :mod:`.models`), which attention modules go through cp_ops and 
 sequence holds (``("text", "image")``: joint attention, the text sharded with the image), and the inputs the
 model-level rank check compares.
 
-Adding a model: one :class:`ModelSpec` line here — ``plan=_diffusers(...)`` when its class has ``_cp_plan``, else a
-new adapter file in ``models/`` with ``plan(model)`` and ``ATTENTION`` — and a tiny-config test in
+A class with a diffusers ``_cp_plan`` and no line here runs through the generic installer (:mod:`.generic`: text
+inputs by name, attention modules and their streams found from the model). Adding a model: one :class:`ModelSpec`
+line here — ``plan=_diffusers(...)`` where the generic installer's guesses are wrong for its class — else a new
+adapter file in ``models/`` with ``plan(model)`` and ``ATTENTION`` — and a tiny-config test in
 ``tests/test_diffusers_models.py``.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import _private, generic
 from .models import hunyuan_video, wan_vace, zimage
 from .plan import Plan, from_diffusers
 
@@ -69,15 +72,20 @@ SUPPORTED: dict[str, ModelSpec] = {
 
 
 def spec_for(model) -> ModelSpec:
-    """The :class:`ModelSpec` of ``model``'s class.
+    """The :class:`ModelSpec` of ``model``'s class: its line in :data:`SUPPORTED`, else, for a class with a diffusers
+    ``_cp_plan``, the generic installer's (:mod:`.generic`; built for this model: its attention modules).
 
     Raises:
         ValueError: an unsupported class — listing the supported ones and how to add one.
     """
     name = type(model).__name__
+    if name not in SUPPORTED and _private.class_cp_plan(type(model)):
+        return ModelSpec(plan=generic.plan, attention=generic.attention(model), text="streams found per call",
+                         plan_source="diffusers _cp_plan (generic installer, generic.py)")
     if name not in SUPPORTED:
         raise ValueError(
             f"cp_ops.parallelize supports {tuple(SUPPORTED)}; got {name}. To add a model: one ModelSpec line in "
             "cp_ops/integrations/diffusers/registry.py (its diffusers _cp_plan with the text inputs named, or an "
-            "adapter in cp_ops/integrations/diffusers/models/ giving plan(model) and the attention modules)")
+            "adapter in cp_ops/integrations/diffusers/models/ giving plan(model) and the attention modules); a class "
+            "with a diffusers _cp_plan needs none (the generic installer takes it)")
     return SUPPORTED[name]

@@ -1,0 +1,30 @@
+"""A diffusers pipeline on W GPUs (or CPU processes) under context parallelism; rank 0 saves the result.
+
+    torchrun --nproc-per-node 2 -m cp_ops.examples.generate                       # tiny Wan 2.2-style pipeline, CPU
+    torchrun --nproc-per-node 8 -m cp_ops.examples.generate --checkpoint Wan-AI/Wan2.2-T2V-A14B-Diffusers \\
+        --prompt "a red fox in the snow" --out fox.gif
+"""
+import argparse
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import export_to_gif
+
+from cp_ops.examples.tiny import tiny_wan22
+from cp_ops.integrations.diffusers import parallelize_pipeline
+
+p = argparse.ArgumentParser()
+p.add_argument("--checkpoint"), p.add_argument("--prompt", default="a red fox in the snow")
+p.add_argument("--steps", type=int, default=30), p.add_argument("--out", default="generated.gif")
+args = p.parse_args()
+if args.checkpoint:  # every rank loads the same pipeline
+    pipe = DiffusionPipeline.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
+    call = dict(prompt=args.prompt, num_inference_steps=args.steps)
+else:  # no checkpoint: a tiny two-transformer pipeline with random weights, built here (no download)
+    pipe, call = tiny_wan22()
+pipe = parallelize_pipeline(pipe)  # every transformer, on cuda:LOCAL_RANK (CPU without CUDA)
+out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pil")  # the same seed on every rank
+if pipe.cp_ops_writes_output:  # rank 0 writes
+    export_to_gif(out.frames[0] if hasattr(out, "frames") else out.images, args.out)
+    print(f"wrote {args.out} ({len(pipe.cp_ops_transformers)} transformers under CP)")
+torch.distributed.destroy_process_group()
