@@ -99,6 +99,10 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
         chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
+    if not isinstance(c, int):  # Dynamo made the caller's int symbolic (automatic dynamic); the variant is a constant
+        raise ValueError(f"chunks must be a Python int constant under torch.compile; got a symbolic {c!r} (an int "
+                         "that changed between compiles of the same code): compile with dynamic=False, or keep chunks "
+                         "a constant of the model (parallelize(..., chunks=...))")
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",

@@ -114,8 +114,9 @@ def test_fake_group_eager_compiled_and_captured(world):
         for mode, chunks in VARIANTS:
             out = cp_ops.attention(q, k, v, mode=mode, chunks=chunks, transport="torch")
             assert out.shape == q.shape and out.dtype == q.dtype
+            # dynamic=False: the same lambda recompiled with another closure int would make chunks symbolic
             comp = torch.compile(lambda a, b_, c: cp_ops.attention(a, b_, c, mode=mode, chunks=chunks,
-                                                                    transport="torch"), fullgraph=True)
+                                                                    transport="torch"), fullgraph=True, dynamic=False)
             assert comp(q, k, v).shape == q.shape
             # capture after the eager warm-up, replay
             static = [t.clone() for t in (q, k, v)]

@@ -7,17 +7,19 @@ and the inverse all-to-all of sub-group i runs under sub-group i+1's attention (
 whole; no merge). Sub-group i takes heads ``[lo_i, hi_i)`` (``lo_i = i*Hl//g``) of every destination rank's head
 block. At most two launches of one kind are in flight (the fast transport's pooled buffers: ``slots_per_key`` = 2):
 sub-group i+2 is launched after sub-group i's buffer has been read, and the inverse of sub-group i is copied out
-before sub-group i+2's inverse starts. ``chunks = 1`` is the same schedule with one sub-group.
+before sub-group i+2's inverse starts.
 
 Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows, the real rows of the full sequence are
 selected after the all-to-all (one copy for q, k, v together), the output is re-padded for the way back and this
 rank keeps its first ``S_local`` rows; the mask is gathered beside the first sub-group and applied to every one.
+``chunks = 1`` takes the same steps with one group of all heads, unpacking the way back in one copy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import layout
 from ..kernels import local_attention
 
 
@@ -31,6 +33,16 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     spans = list(zip(cuts, cuts[1:]))
     if shards is not None:
         q, k, v = shards.pad(q), shards.pad(k), shards.pad(v)
+    if g == 1:  # transport-then-attend: all heads at once, one copying unpack of the way back
+        m4 = None
+        pending = comm.ulysses([q, k, v])  # the call's first launch: the rank contract's exchange
+        if key_mask is not None:
+            m4 = shards.mask(comm.mask(shards.pad_mask(key_mask)).wait(), b)
+        buf = pending.wait()
+        qh, kh, vh = comm.unpack(buf) if shards is None else shards.ulysses_rows(buf, comm.unpack)
+        out = local_attention(qh, kh, vh, scale, m4)
+        back = comm.ulysses_inverse(out if shards is None else shards.repad(out)).wait()
+        return layout.ulysses_inverse_unpack(back) if shards is None else shards.inverse_rows(back)
     starts: dict = {}
     inverses: dict = {}
     result = q.new_empty(b, s, w, hl, d)
