@@ -14,7 +14,6 @@ import torch
 from . import dispatch
 from . import ops
 from .kernels import local_attention
-from .layout import check_not_bhsd
 
 __all__ = ["attention", "local_attention"]
 
@@ -105,7 +104,6 @@ def attention(
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group=group, mode=mode,
                         transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag)
         return out.transpose(1, 2)
-    check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
         return dispatch.attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag)

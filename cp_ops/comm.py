@@ -40,10 +40,12 @@ from __future__ import annotations
 import torch
 
 from . import layout
+from .transport.base import agkv_start_sources
 
 
 class Pending:
-    """A launch not yet waited: ``wait()`` returns its outputs (a tensor, or a tuple of them), once."""
+    """A launch not yet waited: ``wait()`` returns its outputs (a tensor, or a tuple of them), valid on the current
+    stream; waiting again returns them again."""
 
     __slots__ = ("outs", "work", "comm")
 
@@ -59,6 +61,22 @@ class Pending:
         return self.outs
 
 
+class _DirectPending(Pending):
+    """A :class:`DirectComm` launch: its wait is the transport's ``work.wait()`` (no further indirection: the eager
+    hot path)."""
+
+    __slots__ = ()
+
+    def wait(self):
+        comm = self.comm
+        if comm is not None:
+            self.comm = None
+            comm.pending.discard(self)
+            if self.work is not None:
+                self.work.wait()
+        return self.outs
+
+
 class _Comm:
     """What both implementations share: the call's identity for the rank contract and the pending launches."""
 
@@ -66,8 +84,10 @@ class _Comm:
         self.world, self.rank = world, rank
         self.pending: set[Pending] = set()
 
+    _pending_type = Pending
+
     def _launched(self, outs, work) -> Pending:
-        p = Pending(outs, work, self)
+        p = self._pending_type(outs, work, self)
         self.pending.add(p)
         return p
 
@@ -147,28 +167,30 @@ class DirectComm(_Comm):
 
     Args:
         pg: the CP process group. transport: the transport object (:func:`cp_ops.transport.base.for_group`).
-        check: the rank contract's check for the first launch of each call: a callable ``check(shape, dtype,
-            extra)`` (the first launch's tensor — as the op would get it — and its tensor count;
-            :class:`cp_ops.dispatch.FirstLaunchCheck`), or None (the caller exchanged already: the real kernel of
-            ``cp_ops::agkv_pipelined_attention``).
+        check: makes the rank contract's check of the calls' first launch: ``check(shape, dtype, extra)`` (the first
+            launch's tensor — as the op would get it — and its tensor count) → an object whose ``check()`` exchanges
+            (:class:`cp_ops.contract.CallCheck`; made once: a comm serves calls of one shape), or None (the caller
+            exchanged already: the real kernel of ``cp_ops::agkv_pipelined_attention``).
         resolve: gives the transport object when ``transport`` is None, called once, after the first exchange
             (choosing it may be collective: :func:`cp_ops.transport.base.for_group`).
-    Call :meth:`begin` before each call's first launch.
+    Set ``armed = True`` before each call's first launch (the dispatcher's plan does).
     """
+
+    _pending_type = _DirectPending
+    unpack = staticmethod(layout.ulysses_unpack_all)
 
     def __init__(self, pg, transport, check=None, resolve=None):
         super().__init__(pg.size(), pg.rank())
-        self.pg, self.tr, self.check, self.resolve = pg, transport, check, resolve
-        self.armed = False
-
-    def begin(self) -> "DirectComm":
-        self.armed = self.check is not None
-        return self
+        self.pg, self.tr, self.make_check, self.resolve = pg, transport, check, resolve
+        self.armed, self.cc = False, None
 
     def _first(self, t, extra: int, shape=None) -> None:
         if self.armed:
             self.armed = False
-            self.check(t.shape if shape is None else shape, t.dtype, extra)
+            cc = self.cc
+            if cc is None:
+                cc = self.cc = self.make_check(t.shape if shape is None else shape, t.dtype, extra)
+            cc.check()
         if self.tr is None:
             self.tr = self.resolve()
 
@@ -178,7 +200,8 @@ class DirectComm(_Comm):
         return p.outs
 
     def agkv(self, k, v, mask=None) -> Pending:
-        self._first(k, 2)
+        if self.armed or self.tr is None:
+            self._first(k, 2)
         if mask is not None and getattr(self.tr, "gathers_masks", False):
             kf, vf, mf, work = self.tr.agkv_start(k, v, self.pg, mask=mask)  # one coalesced launch
             return self._launched((kf, vf, mf), work)
@@ -196,16 +219,16 @@ class DirectComm(_Comm):
         return self._launched(*self._mask(m))
 
     def agkv_sources(self, k, v, pieces: int):
-        from .transport.base import agkv_start_sources
-
-        self._first(k, 2)
+        if self.armed or self.tr is None:
+            self._first(k, 2)
         kf, vf, arrivals, work = agkv_start_sources(self.tr, k, v, self.pg, pieces)
         p = self._launched((kf, vf), work)  # drained on error; waited by the body as work.wait()
         return kf, vf, arrivals, _Done(p, work)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
-        b, s, h, d = xs[0].shape  # the op sees heads [lo, hi) of every head group: [B, S, W*(hi-lo), D]
-        self._first(xs[0], len(xs), (b, s, self.world * ((h // self.world if hi is None else hi) - lo), d))
+        if self.armed or self.tr is None:  # the op sees heads [lo, hi) of every head group: [B, S, W*(hi-lo), D]
+            b, s, h, d = xs[0].shape
+            self._first(xs[0], len(xs), (b, s, self.world * ((h // self.world if hi is None else hi) - lo), d))
         heads = getattr(self.tr, "ulysses_start_heads", None)  # packs a sub-group straight from the inputs
         if heads is not None:
             buf, work = heads(xs, self.pg, lo, hi)
@@ -214,7 +237,8 @@ class DirectComm(_Comm):
         return self._launched(buf, work)
 
     def ulysses_inverse(self, x) -> Pending:
-        self._first(x, 1)
+        if self.armed or self.tr is None:
+            self._first(x, 1)
         buf, work = self.tr.ulysses_inverse_start(x, self.pg)
         return self._launched(buf, work)
 

@@ -76,6 +76,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         nonlocal chosen, resolved
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
+        layout.check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
         chosen = modes.choose(mode, q.shape[2], world)
         resolved = transport_base.resolve(transport, q.device.type)
         if world > 1:
@@ -159,26 +160,6 @@ def _shards(d: Decision, pg, q) -> layout.Shards | None:
 
 
 # ---- the eager path: plans ---------------------------------------------------------------------------------------
-class FirstLaunchCheck:
-    """The rank contract's exchange of a plan's calls, made by the first launch of each call
-    (:class:`~cp_ops.comm.DirectComm`): a :class:`cp_ops.contract.CallCheck` packed once for the first launch's
-    shape, dtype and tensor count — the signature the op would exchange for the same launch."""
-
-    __slots__ = ("pg", "transport", "tag", "key", "cc")
-
-    def __init__(self, pg, transport: str, tag: int):
-        self.pg, self.transport, self.tag = pg, transport, tag
-        self.key = self.cc = None
-
-    def __call__(self, shape, dtype, extra: int) -> None:
-        key = (tuple(shape), dtype, extra)
-        if key != self.key:
-            self.cc = contract.CallCheck(self.pg, CALL, self.transport, shape, dtype, extra, 0, self.tag,
-                                         contract.tag_note(self.tag))
-            self.key = key
-        self.cc.check()
-
-
 class Plan:
     """What every eager call with one key runs (module docstring): ``run(q, k, v, scale, key_mask)`` → output."""
 
@@ -194,10 +175,14 @@ class Plan:
             return local_attention(q, k, v, scale, key_mask)
         if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
             pg, resolved, device = self.pg, d.transport, self.device
-            self.comm = DirectComm(pg, None, FirstLaunchCheck(pg, resolved, contract.with_seq_lens(d.tag, d.seq_lens)),
-                                   lambda: transport_base.for_group(resolved, pg, device))
+            tag = contract.with_seq_lens(d.tag, d.seq_lens)
+            # the rank contract's exchange at each call's first launch: the signature the op would exchange for it
+            check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, resolved, shape, dtype, extra, 0, tag,
+                                                                    contract.tag_note(tag)))
+            self.comm = DirectComm(pg, None, check, lambda: transport_base.for_group(resolved, pg, device))
             self.epoch = transport_base.epoch
-        comm = self.comm.begin()
+        comm = self.comm
+        comm.armed = True
         try:
             return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=self.shards, key_mask=key_mask)
         except BaseException:

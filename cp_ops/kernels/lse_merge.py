@@ -39,7 +39,8 @@ def merge_eager(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch
     den = w.sum(0)
     # a row whose every partial LSE is -inf attended no key at all: its output is 0 (what SDPA gives on CPU for
     # an all-masked row), never 0/0
-    wt = torch.where(den > 0, w / den, torch.zeros_like(w)).permute(0, 1, 3, 2).unsqueeze(-1)  # [n, B, S, H, 1]
+    # (den is >= 1 wherever some LSE is finite: its largest term is exp(0); clamping only touches den == 0, where w == 0)
+    wt = (w / den.clamp_min(torch.finfo(torch.float32).tiny)).permute(0, 1, 3, 2).unsqueeze(-1)  # [n, B, S, H, 1]
     acc = wt[0] * outs[0].float()
     for i in range(1, len(outs)):
         acc = acc + wt[i] * outs[i].float()

@@ -29,8 +29,6 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     b, s, h, d = q.shape
     hl = h // w
     g = max(1, min(chunks, hl))
-    cuts = [i * hl // g for i in range(g + 1)]
-    spans = list(zip(cuts, cuts[1:]))
     if shards is not None:
         q, k, v = shards.pad(q), shards.pad(k), shards.pad(v)
     if g == 1:  # transport-then-attend: all heads at once, one copying unpack of the way back
@@ -43,6 +41,8 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
         out = local_attention(qh, kh, vh, scale, m4)
         back = comm.ulysses_inverse(out if shards is None else shards.repad(out)).wait()
         return layout.ulysses_inverse_unpack(back) if shards is None else shards.inverse_rows(back)
+    cuts = [i * hl // g for i in range(g + 1)]
+    spans = list(zip(cuts, cuts[1:]))
     starts: dict = {}
     inverses: dict = {}
     result = q.new_empty(b, s, w, hl, d)

@@ -100,7 +100,7 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
             :func:`~cp_ops.integrations.diffusers.parallelize` raises.
         RuntimeError: torch.distributed cannot start.
     """
-    from . import parallelize
+    from .install import parallelize
 
     components = getattr(pipe, "components", None)
     if not isinstance(components, dict):

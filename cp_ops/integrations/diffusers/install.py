@@ -1,0 +1,123 @@
+"""parallelize: one diffusers transformer made context-parallel (the hooks, the attention backend, the checks, the
+optional compiled path); re-exported by :mod:`cp_ops.integrations.diffusers`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import modes
+from ...group import resolve_group
+from ...modes.pipelined import check_chunks
+from ...transport.base import names as transport_names
+from . import caches, dispatch, hooks
+from .caches import agree_step_caches
+from .checks import RankChecks
+from .lanes import Lanes
+from .plan import Gather
+from .registry import SUPPORTED, spec_for
+
+def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
+                chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
+                cuda_graphs: bool = False) -> torch.nn.Module:
+    """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
+
+    Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
+    the tokens (uneven blocks when W does not divide the count: the first ``count % W`` ranks hold one more), the
+    attention gets full context through :func:`cp_ops.attention`, and the output is all-gathered, so every rank
+    returns the full output, equal to the unparallelized model's (bitwise where the same kernel sees the same data;
+    joint attention sees its keys in another order: equal to rounding).
+
+    Args:
+        transformer: a diffusers transformer of a class in :data:`SUPPORTED` (Wan 2.1/2.2, Wan VACE, Flux, Flux2,
+            Qwen-Image, LTX-Video, Z-Image, HunyuanVideo).
+        group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh).
+        mode, transport: as :func:`cp_ops.attention`.
+        chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
+            ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
+            None (default) = measured on the first eager call of each shape, the heuristic
+            (:func:`cp_ops.modes.pipelined.choose_chunks`) under ``torch.compile``. Rule for calls that carry
+            ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding
+            masks), which only run transport-then-attend (:class:`cp_ops.layout.Shards`): they get ``chunks=1`` when
+            ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
+            runs, pipelined only where its shards are even.
+        cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
+            rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
+            the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
+            batch of 2, on every rank.
+        compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
+            :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
+            path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).
+        cuda_graphs: with ``compile``, CUDA graphs over each block (``mode="reduce-overhead"``; CUDA only): call
+            ``torch.compiler.cudagraph_mark_step_begin()`` before each forward (each denoising step).
+
+    Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
+    made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
+    caches that decide by step or timestep agree already; ``SeaCache`` is refused (ValueError).
+
+    Grad mode: runs with or without ``torch.no_grad()``, eager and under ``torch.compile(fullgraph=True)``; a backward
+    raises (cp_ops is forward only).
+
+    Raises:
+        ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
+            mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
+            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
+            on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
+            (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
+        RuntimeError: torch.distributed not initialized.
+    """
+    spec = spec_for(transformer)
+    name = type(transformer).__name__
+    if mode not in modes.names():
+        raise ValueError(f"mode must be one of {modes.names()}; got {mode!r}")
+    if transport not in transport_names():
+        raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
+    check_chunks(chunks)
+    if cuda_graphs and not compile:
+        raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
+                         "mode='reduce-overhead'); got compile=False")
+    if (why := caches.refused_cache(transformer)) is not None:
+        raise ValueError(why)
+    if compile:
+        from .compiled import not_compilable
+
+        if (why := not_compilable(transformer)) is not None:
+            raise ValueError(f"parallelize(compile=True): {why}")
+    if getattr(transformer, "_cp_ops_group", None) is not None:
+        raise ValueError(
+            f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
+            "parallelize a fresh model (hooks installed twice would split the tokens twice)"
+        )
+    if spec.check is not None:
+        spec.check(transformer)
+    pg = resolve_group(group)
+    plan = spec.plan(transformer)
+    # resolve every path first, so a failure installs nothing
+    for path, _ in plan:
+        hooks.resolve(transformer, path)
+    attn_modules = [(pattern, streams, hooks.resolve(transformer, pattern))
+                    for pattern, streams in spec.attention.items()]
+
+    lanes = Lanes(transformer, pg) if cfg_parallel else None
+    cp = lanes.cp if lanes is not None else pg
+    transformer._cp_ops_group = cp  # marks the model before any hook goes in
+    transformer._cp_ops_input_group = pg  # every rank holding part of the inputs (both CFG lanes): step caches
+    checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # a pre-hook: sees the full inputs
+    streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
+               for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
+    streams |= {s for ss in spec.attention.values() for s in ss}
+    state = hooks.CPState(cp, mode, transport, sorted(streams), chunks)
+    hooks.install(transformer, plan, state, checks.before_gather,
+                  outer_pre=(lanes.select,) if lanes else (), outer_post=(lanes.gather,) if lanes else ())
+    for pattern, streams, modules in attn_modules:
+        for path, module in modules:
+            dispatch.route(module, state, streams, path)
+    transformer._cp_ops_state = state
+    caches.agree_step_caches(transformer)  # caches enabled before (their decisions reduced over the group) ...
+    caches.wrap_enable_cache(transformer)  # ... and after, through model.enable_cache
+    if compile:
+        from .compiled import compile_blocks
+
+        compile_blocks(transformer, cuda_graphs=cuda_graphs)
+    return transformer
