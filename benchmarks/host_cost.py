@@ -92,7 +92,7 @@ def _graph_rows(q, k, v, group, transports, args, rank, sync, barrier) -> list[d
         return []
     n = max(1, args.graph_calls)
     replays = max(1, args.calls // n)
-    config.configure(check_ranks="once")  # the check runs at capture; a replay exchanges nothing
+    config.configure(check_ranks="on")  # the check runs at capture; a replay exchanges nothing
     rows = []
     for tr in transports:
         for mode in ("agkv", "ulysses"):
@@ -154,7 +154,7 @@ def _layout_rows(q, k, v, group, rank, world, args, sync, barrier) -> list:
     mine = (q[:, : seq[rank]], k[:, : seq[rank]], v[:, : seq[rank]])
     g = torch.Generator(device=q.device).manual_seed(rank + 100)
     rows = []
-    config.configure(check_ranks="once")
+    config.configure(check_ranks="on")
     for mode in ("agkv", "ulysses"):
         for label, uneven, masked in LAYOUT_CASES:
             qq, kk, vv = mine if uneven else (q, k, v)

@@ -6,7 +6,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | variable                   | field             | meaning (default)                                                      |
 |----------------------------|-------------------|------------------------------------------------------------------------|
 | ``CP_OPS_BLOCKING``        | ``blocking``      | every launch waits for itself, like ``CUDA_LAUNCH_BLOCKING`` (0)        |
-| ``CP_OPS_CHECK_RANKS``     | ``check_ranks``   | ``once`` per shape / ``always`` (debug: call counts, checksums) / ``off`` |
+| ``CP_OPS_CHECK_RANKS``     | ``check_ranks``   | ``on`` (every call) / ``debug`` (+ input checksums every forward) / ``off``; ``once``/``always`` deprecated |
 | ``CP_OPS_TIMEOUT_S``       | ``timeout_s``     | bound on every collective and device-side wait, seconds (300)          |
 | ``CP_OPS_FAST_POOL_GB``    | ``fast_pool_gb``  | fast transport: ceiling of the symmetric pool per GPU, GiB (8)          |
 | ``CP_OPS_FAST_HEAP``       | ``fast_heap``     | fast transport symmetric memory: ``nvshmem`` or ``ipc`` (nvshmem)       |
@@ -43,6 +43,23 @@ def _flag(name: str, raw: str) -> bool:
     if v in ("", "0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name}={raw!r} is not a flag: use 1/0 (or true/false, yes/no, on/off)")
+
+
+def _choice_renamed(allowed: tuple[str, ...], old: dict[str, str]) -> Callable[[str, str], str]:
+    """:func:`_choice` that also takes the old spellings in ``old`` (old -> new), with a DeprecationWarning."""
+    plain = _choice(*allowed)
+
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower()
+        if v in old:
+            import warnings
+
+            warnings.warn(f"{name}={raw!r} is the old spelling of {old[v]!r} (values now: {'/'.join(allowed)})",
+                          DeprecationWarning, stacklevel=4)
+            return old[v]
+        return plain(name, raw)
+
+    return parse
 
 
 def _choice(*allowed: str) -> Callable[[str, str], str]:
@@ -84,7 +101,8 @@ def _path(name: str, raw: str) -> str | None:
 # field -> (environment variable, parser, default)
 _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "blocking": ("CP_OPS_BLOCKING", _flag, False),
-    "check_ranks": ("CP_OPS_CHECK_RANKS", _choice("once", "always", "off"), "once"),
+    "check_ranks": ("CP_OPS_CHECK_RANKS", _choice_renamed(("on", "debug", "off"), {"once": "on", "always": "debug"}),
+                    "on"),
     "timeout_s": ("CP_OPS_TIMEOUT_S", _positive_float, 300.0),
     "fast_pool_gb": ("CP_OPS_FAST_POOL_GB", _positive_float, 8.0),
     "fast_heap": ("CP_OPS_FAST_HEAP", _choice("nvshmem", "ipc"), "nvshmem"),
@@ -107,7 +125,7 @@ class Settings:
     ``'default'``, ``'env CP_OPS_X'`` or ``'configure()'``."""
 
     blocking: bool = False
-    check_ranks: str = "once"
+    check_ranks: str = "on"
     timeout_s: float = 300.0
     fast_pool_gb: float = 8.0
     fast_heap: str = "nvshmem"

@@ -11,14 +11,14 @@ checks failed (:mod:`cp_ops.validate`: :func:`api_checked`, :func:`op_checked`),
 exchange (only then) carries each rank's description so the message names what each rank called.
 ``settings.check_ranks``:
 
-* default (``'once'``): every call exchanges (call, call number, shape, dtype, transport, settings, caller tag);
+* default (``'on'``): every call exchanges (call, call number, shape, dtype, transport, settings, caller tag);
   :func:`cp_ops.parallelize` checksums its full inputs once per input shape;
-* ``'always'`` (debug): as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
+* ``'debug'``: as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
   (a GPU sync each);
 * ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
 
 Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops._eager`: a :class:`CallCheck` whose
-signature is packed once per call key, named after the call's first op); compiled code makes one per op call.
+signature is packed once per call key); compiled code makes one per call too, at its first launch.
 
 **Caller tag.** Two layers of one shape make identical signatures, so a rank that skips one layer's attention would
 pair its next call with its peers' call of the skipped layer. Inside :class:`caller_tag` (what
@@ -447,7 +447,7 @@ def _gather(st: _Group, op: str) -> bool:
         raise RuntimeError(
             f"{op}: call #{st.count} on CP group '{g}': not every rank made this call within "
             f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped a call, crashed, or is stuck; "
-            f"CP_OPS_CHECK_RANKS=always names skipped calls earlier): {str(e).splitlines()[0]}"
+            f"CP_OPS_CHECK_RANKS=debug names skipped calls earlier): {str(e).splitlines()[0]}"
         ) from e
     return st.gbuf == mine * st.w
 

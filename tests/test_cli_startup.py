@@ -201,7 +201,7 @@ def test_unknown_cp_ops_variable_warns_with_the_closest_name(caplog):
 
     with caplog.at_level("WARNING", logger="cp_ops"):
         s = config.from_env({"CP_OPS_CHECK_RANK": "off", "CP_OPS_TIMEOUT_S": "9"})
-    assert s.check_ranks == "once" and s.timeout_s == 9
+    assert s.check_ranks == "on" and s.timeout_s == 9
     assert "CP_OPS_CHECK_RANK is not a cp_ops setting" in caplog.text and "did you mean CP_OPS_CHECK_RANKS?" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="cp_ops"):

@@ -91,3 +91,15 @@ def test_cli_table_matches_the_parser():
         assert cmd in sub, cmd
     for flag in re.findall(r"(--[a-z][a-z-]+)", text):
         assert flag in flags or flag == "--nproc-per-node", f"README's CLI section names {flag}; the CLI has no such flag"
+
+
+def test_readme_is_a_guide_a_user_finishes():
+    """Issue 22 item 4: at most 150 lines, no commit hashes or run history, and links to docs that exist."""
+    lines = README.splitlines()
+    assert len(lines) <= 150, len(lines)
+    hashes = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", README) if re.search(r"[a-f]", w) and re.search(r"\d", w)]
+    assert not hashes, hashes
+    for link in re.findall(r"\]\(([^)#]+)\)", README):
+        if not link.startswith("http"):
+            assert os.path.exists(os.path.join(ROOT, link)), link
+

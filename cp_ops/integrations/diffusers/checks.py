@@ -1,7 +1,7 @@
 """The same-call contract at the model level (eager only; compiled code keeps the per-op checks).
 
 The full inputs agree across ranks (a checksum; once per input shape — every forward under
-``CP_OPS_CHECK_RANKS=always``), and every rank made the same number of cp_ops calls before the output gather
+``CP_OPS_CHECK_RANKS=debug``), and every rank made the same number of cp_ops calls before the output gather
 (a rank that skipped a layer's attention raises on every rank instead of pairing layers off by one).
 """
 
@@ -41,7 +41,7 @@ class RankChecks:
         if mode != "off":
             inputs = {n: self._arg(n, args, kwargs) for n in self.inputs}
             key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())
-            if mode == "always" or key not in self.seen:
+            if mode == "debug" or key not in self.seen:
                 check_inputs_agree(self.input_pg, "cp_ops.parallelize inputs", inputs)
                 self.seen.add(key)
         self.start = call_count(self.pg)
