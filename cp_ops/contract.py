@@ -60,6 +60,7 @@ import datetime
 import logging
 import operator
 import pickle
+import re
 import struct
 import threading
 import zlib
@@ -85,7 +86,7 @@ _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
            15: "chunks",
-           16: "layout",  # tag: a call's own agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
+           16: "variant",  # tag: the call's variant (mode, chunks, key mask, seq_lens, the caller's tag=), named by its note
            17: "caller tag"}
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
@@ -547,6 +548,15 @@ def _variant_hint(aspects: list[str], desc: list[dict]) -> str:
 
 def _caller_hint(aspects: list[str], desc: list[dict]) -> str:
     """Where the ranks' caller tags differ: a rank skipped (or reordered) a tagged call, e.g. one layer's attention."""
+    if "variant" in aspects:  # cp_ops.attention(tag=...): the tag is part of the variant's note
+        notes = [d.get("note") or "" for d in desc]
+        if len({re.sub(r" ?tag=\S+", "", n) for n in notes}) == 1 and len(set(notes)) > 1:
+            return ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the "
+                    "layers in another order — every rank must make every CP attention call")
+        modes_chunks = {tuple(re.findall(r"\b(?:mode|chunks)=\S+", n)) for n in notes}
+        if len(modes_chunks) > 1:
+            return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) "
+                    "must get the same mode and chunks on every rank")
     if "caller tag" not in aspects:
         return ""
     hint = ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the layers "

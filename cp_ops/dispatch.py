@@ -100,16 +100,24 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
         chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
-    if not isinstance(c, int):  # Dynamo made the caller's int symbolic (automatic dynamic); the variant is a constant
-        raise ValueError(f"chunks must be a Python int constant under torch.compile; got a symbolic {c!r} (an int "
-                         "that changed between compiles of the same code): compile with dynamic=False, or keep chunks "
-                         "a constant of the model (parallelize(..., chunks=...))")
+    if torch.compiler.is_compiling():
+        c = _constant(c)  # the variant tag is a constant of the graph
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
                              tag=tag)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None)
+
+
+def _constant(n):
+    """``n`` as a Python int while Dynamo traces, where an int argument that changed between compiles of the same code
+    is symbolic (automatic dynamic): comparing it with each candidate guards on its value and yields the constant.
+    Raises ValueError past 4096 (no stage count is that large)."""
+    for i in range(1, 4097):
+        if n == i:
+            return i
+    raise ValueError(f"chunks must be an int from 1 to 4096; got {n!r}")
 
 
 def runner(q, pg, transport: str):

@@ -53,12 +53,12 @@ def _bad_inputs(rank, w):
                                              r"cp_ops.attention: ValueError: .*got heads=3, world_size=2"):
             cp_ops.attention(x, x, x, mode="ulysses")
     # ranks call different modes: the message names what each called, and mode/chunks as the likely cause
-    with pytest.raises(ValueError, match="differ in call.*rank 0: cp_ops::agkv_gather_start .* rank 1: "
-                                         "cp_ops::ulysses_start.*must get the same mode and chunks on every rank"):
+    with pytest.raises(ValueError, match="differ in .*variant.*rank 0: cp_ops.attention .*mode=agkv.* rank 1: "
+                                         "cp_ops.attention .*mode=ulysses.*must get the same mode and chunks on every rank"):
         cp_ops.attention(q, q, q, mode="agkv" if rank == 0 else "ulysses")
     # ... or different chunks (rank 1 pipelines AGKV)
-    with pytest.raises(ValueError, match="differ in call.*rank 0: cp_ops::agkv_gather_start .* rank 1: "
-                                         "cp_ops::agkv_pipelined_attention .*chunks=2.*the same mode and chunks"):
+    with pytest.raises(ValueError, match="differ in variant.*rank 0: cp_ops.attention .*chunks=1.* rank 1: "
+                                         "cp_ops.attention .*chunks=2.*the same mode and chunks"):
         cp_ops.attention(q, q, q, mode="agkv", chunks=1 + rank)
     # non-float tensors and no tensors at all
     with pytest.raises(ValueError, match="k must be float32, float16 or bfloat16.*got torch.int64"):
