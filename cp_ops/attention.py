@@ -63,8 +63,10 @@ def attention(
             mask runs 1 stage (its pipelined variant's LSE kernels take no mask).
         layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in
             and out; transposed views, no copy of its own). The misuse rule: a 'bshd' call whose dim 2 (read as
-            heads) holds more than 128 entries and more than dim 1 (read as tokens) — e.g. ``[1, 8, 512, 64]`` — is a
-            BHSD tensor passed without ``layout='bhsd'``: ValueError naming both layouts (no DiT has that many heads).
+            heads) holds more than 64 entries and more than dim 1 (read as tokens) — e.g. ``[1, 8, 512, 64]`` — is a
+            BHSD tensor passed without ``layout='bhsd'``: ValueError naming both layouts (no DiT we know has more than
+            40 heads). A smaller BHSD tensor (e.g. 24 heads, 32 tokens per rank) looks like a valid BSHD one: pass
+            ``layout=`` whenever your tensors are BHSD.
         tag: this call site's identity for the rank contract (an int, a str, or a tuple of them; the same on every
             rank), e.g. the layer index: ranks whose calls pair different tags (a rank skipped a layer) raise on every
             rank at the first mispaired call. :func:`cp_ops.parallelize` passes each attention module's layer.

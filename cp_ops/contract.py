@@ -529,7 +529,8 @@ def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
             {(s[0], s[2], s[3]) for s in shapes}) != 1:
         return ""
     return (f"; only S_local differs: for uneven shards pass seq_lens={tuple(s[1] for s in shapes)} (the same tuple "
-            "on every rank; cp_ops.layout.shard_sizes(total, W) is the standard split)")
+            "on every rank: the token count each rank holds, as you cut them; cp_ops.layout.shard(x, 1, rank, W) cuts the "
+            "standard split, whose counts are cp_ops.layout.shard_sizes(total, W))")
 
 
 #: The ops an attention call's exchange is made for (its variant's first op): ranks at the same call number with

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 
-#: More heads than any DiT has: a 'bshd' tensor whose dim 2 holds more (and more than its dim 1) is BHSD.
-MAX_HEADS = 128
+#: More heads than the DiTs we know have (Wan 14B: 40): a 'bshd' tensor whose dim 2 holds more, and more than its dim 1,
+#: is taken for BHSD. Smaller BHSD tensors cannot be told apart from BSHD ones by their shape: pass layout= always.
+MAX_HEADS = 64
 
 
 def check_not_bhsd(name: str, t) -> None:

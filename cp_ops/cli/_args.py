@@ -22,7 +22,7 @@ def csv(kind, what: str | None = None):
 
 
 def chunks(text: str):
-    """A ``--chunks`` item: an int >= 1, or 'auto' (None: the measured choice)."""
+    """A ``--chunks`` item: an int >= 1, or 'auto' (None: the heuristic, or measured with CP_OPS_TUNE_MODES=1)."""
     if text.strip().lower() in ("auto", "none"):
         return None
     v = int(text)

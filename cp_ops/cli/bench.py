@@ -7,7 +7,7 @@ model run; median over samples of time / N, each sample's time the slowest rank'
 the speedup (single ÷ CP, steady state), the **bound** — max(attention time at one rank's share, bytes each
 rank must receive ÷ the P2P bandwidth measured in the same run) — and the % of the bound reached, and the
 relative error of the CP output against the single-device output (max |cp − ref| / max |ref|, max over ranks).
-``--modes auto`` runs ``mode='auto', chunks=None`` (the measured choice, :mod:`cp_ops.modes.tune`) and reports
+``--modes auto`` runs ``mode='auto', chunks=None`` (the heuristic; measured with ``CP_OPS_TUNE_MODES=1``) and reports
 the variant it picked. Dense non-causal attention, BSHD, S split evenly over the CP group. The single-device
 baselines run on rank 0 alone; every time has its interquartile range beside it; the table ends with a legend.
 """
@@ -326,9 +326,9 @@ def legend(meta: dict) -> list[str]:
         ("bound = SDPA at one rank's share (S/W queries x S keys, timed like 1-device); on CPU the transfer term is "
          "left out (gloo's copies through host memory are not a link's limit; comm_ms in the JSON has it); "
          "%bound = bound ÷ CP ms."),
-        "auto→X = what the measured choice picked (mode='auto' and/or chunks=None: --modes auto, --chunks auto; "
-        "cp_ops.modes.tune"
-        + ("" if meta.get("tune_modes", True) else "; measuring is off here: the heuristic") + ").",
+        "auto→X = what mode='auto' and/or chunks=None picked (--modes auto, --chunks auto): "
+        + ("measured (CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)." if meta.get("tune_modes", False)
+           else "the heuristic (cp_ops.modes.choose, choose_chunks; measuring: CP_OPS_TUNE_MODES=1)."),
         "rel err = max |CP − 1-device| / max |1-device| over this rank's output, max over ranks (0 = bitwise equal).",
     ]
     if meta["device"] == "cpu":

@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
                    help="torch,fast,auto (default: torch, plus fast where it can run)")
     b.add_argument("--chunks", type=csv(chunks, "chunk counts (ints >= 1 or auto)"), default=[1],
                    help="pipeline stages per named mode, comma-separated: 1 (transport-then-attend), k >= 2 "
-                        "(pipelined), auto (chunks=None: the measured choice) (default 1); --modes auto always "
+                        "(pipelined), auto (chunks=None: the heuristic; measured with CP_OPS_TUNE_MODES=1) (default 1); --modes auto always "
                         "runs mode='auto', chunks=None and reports the variant it picked")
     b.add_argument("--calls", type=int, default=None,
                    help="calls back to back per steady-state sample (default 10 GPU; 1 CPU, where gloo calls run "

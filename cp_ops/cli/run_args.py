@@ -51,8 +51,8 @@ def add_parser(sub) -> None:
     r.add_argument("--chunks", type=chunks_arg, default=None, metavar="{auto,1,2,3,4,...}",
                    help="pipeline stages of every CP attention call (parallelize(..., chunks=)): 1 = "
                         "transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages "
-                        "(communication under attention); auto (default) = measured on the first eager call, the "
-                        "heuristic under --compile (2 for agkv on the fast transport, else 1). Calls on uneven "
+                        "(communication under attention); auto (default) = the heuristic (2 for agkv on the fast "
+                        "transport, else 1; measured on the first eager call only with CP_OPS_TUNE_MODES=1). Calls on uneven "
                         "shards or with a key mask use 1")
     r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
                    help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "

@@ -7,8 +7,13 @@
 import argparse
 
 import torch
-from diffusers import DiffusionPipeline
-from diffusers.utils import export_to_gif
+try:
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import export_to_gif
+    import transformers  # noqa: F401  (diffusers' Wan pipeline needs it)
+except ImportError as e:  # the example's own dependencies: say which extra brings them
+    raise SystemExit(f"cp_ops.examples.generate needs diffusers and transformers: pip install -e '.[generate]' "
+                     f"(or pip install 'cp_ops[generate]'); {e}") from None
 
 from cp_ops.examples.tiny import tiny_wan22
 from cp_ops.integrations.diffusers import parallelize_pipeline
