@@ -6,3 +6,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
+def pytest_sessionfinish(session, exitstatus):
+    """End the rank fork server (tests/dist_util.py) if this session started one."""
+    dist_util = sys.modules.get("dist_util")
+    if dist_util is not None:
+        dist_util.stop_server()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per way tests/dist_util.run_ranks started ranks (forked from the fork server, or spawned and why)."""
+    dist_util = sys.modules.get("dist_util")
+    if dist_util is not None and dist_util.STATS:
+        terminalreporter.write_sep("-", "rank processes (tests/dist_util.py)")
+        for what, n in sorted(dist_util.STATS.items()):
+            terminalreporter.write_line(f"{n:4d} calls: {what}")

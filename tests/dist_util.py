@@ -1,7 +1,25 @@
-"""Run a test body on W real gloo ranks (separate processes) and re-raise the first rank's failure."""
+"""Run a test body on W real gloo ranks (separate processes) and re-raise the first rank's failure.
+
+Every call gets W fresh processes with their own process group, as a spawn per call did, but on CPU they are
+forked from one fork server (``multiprocessing``'s ``forkserver``, started at the first call of a pytest session,
+ended at its end) that has already imported torch, torch.distributed, Dynamo/Inductor, pytest and cp_ops: a rank
+costs a ``fork`` instead of an interpreter start and ``import torch`` (~2-5 s a process on CI's 2 cores). Nothing
+a test does in its ranks (monkeypatching, cp_ops' per-group state, a killed or hung rank) can reach another test:
+the processes die with the call.
+
+Each rank takes the calling test's environment: ``CP_OPS_*`` set or removed by the test reach it, and
+``cp_ops.config.settings`` is re-read from them, as ``import cp_ops`` would have. What the server cannot give a rank
+exactly as a fresh interpreter would, it does not: ``device='cuda'``, ``fresh=True`` (a test about import-time
+behaviour), an environment that differs from the server's in a variable that may be read at import (anything but
+:data:`_PER_CALL`: say ``TORCH_LOGS``, ``TORCHINDUCTOR_FX_GRAPH_CACHE``), and ``CP_OPS_TESTS_SPAWN=1`` (every call)
+spawn fresh interpreters as before. The session's summary says how many calls did which, and why.
+"""
 
 from __future__ import annotations
 
+import atexit
+import collections
+import multiprocessing.forkserver
 import os
 import traceback
 
@@ -9,30 +27,114 @@ import torch.multiprocessing as mp
 
 from cp_ops.cli.launch import _worker, free_port
 
+#: modules the fork server imports once (what a rank would otherwise import itself, in seconds on 2 cores)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "pytest", "cp_ops",
+           "cp_ops.cli.launch"]
+#: variables (or prefixes) that may differ between the server's environment and a call's: applied in the rank before
+#: anything reads them (CP_OPS_*: read at import, re-read by the rank; the others: read where used). Inductor sets
+#: TORCHINDUCTOR_CACHE_DIR in the test process at its first compile.
+_PER_CALL = ("CP_OPS_", "PYTEST_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NCCL_", "NVSHMEM_", "GLOO_",
+             "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+#: how many calls forked from the server, how many spawned and why (printed at the end of a pytest session)
+STATS: collections.Counter = collections.Counter()
+_server_env: dict | None = None  # the environment the fork server started with (None: not started)
+
 
 def _body(rank, world_size, device, fn, args, errq):
     try:
         fn(rank, world_size, *args)
         errq.put((rank, None))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
+    except BaseException as e:  # noqa: BLE001 - report any failure to the parent
         errq.put((rank, traceback.format_exc()))
+        e._cp_ops_reported = True
         raise
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu") -> None:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on CPU, NCCL with one GPU
-    each on ``device='cuda'``); raise if any rank fails.
+def _forked(rank, world_size, device, port, env, removed, body_args):
+    """A forked rank: take the caller's environment (``env``; ``removed``: variables the server started with that the
+    caller no longer has; what the server's imports set stays, as a fresh rank's imports would set it), re-read
+    cp_ops' settings from it, then run as a spawned rank would (``cp_ops.cli.launch._worker``). A failure before
+    the body starts is reported too."""
+    errq = body_args[-1]
+    try:
+        for k in removed:
+            os.environ.pop(k, None)
+        os.environ.update(env)
+        from cp_ops import config
 
-    ``fn`` must be importable (a module-level function of a test module).
+        config.restore(config.from_env())
+        _worker(rank, world_size, device, port, _body, body_args)
+    except BaseException as e:  # noqa: BLE001
+        if not getattr(e, "_cp_ops_reported", False):
+            errq.put((rank, "(before or after the test body)\n" + traceback.format_exc()))
+        raise
+
+
+def _import_env_differs(env: dict) -> list[str]:
+    """Variables (other than per-call ones) whose value differs from the fork server's."""
+    keys = set(env) | set(_server_env or {})
+    return sorted(k for k in keys if not k.startswith(_PER_CALL) and env.get(k) != _server_env.get(k))
+
+
+def start_method(device: str, fresh: bool, env: dict) -> str:
+    """``'forkserver'`` (fork from the session's server) or ``'spawn: <why>'`` (fresh interpreters) for a call;
+    starts the server if it is to be used and not running (its environment is compared with ``env``)."""
+    if fresh or device != "cpu" or env.get("CP_OPS_TESTS_SPAWN", "0") == "1":
+        why = "fresh=True" if fresh else f"device={device}" if device != "cpu" else "CP_OPS_TESTS_SPAWN=1"
+        return "spawn: " + why
+    _forkserver_context()
+    differs = _import_env_differs(env)
+    if differs:
+        return "spawn: environment differs from the fork server's: " + ", ".join(differs)
+    return "forkserver"
+
+
+def _forkserver_context():
+    """The fork server's context, started on first use with :data:`PRELOAD` and the current environment."""
+    global _server_env
+    ctx = mp.get_context("forkserver")
+    if _server_env is None:
+        ctx.set_forkserver_preload(PRELOAD)
+        _server_env = dict(os.environ)
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+def stop_server() -> None:
+    """End the fork server (pytest session end; also at interpreter exit). The next call starts a new one."""
+    global _server_env
+    if _server_env is not None:
+        multiprocessing.forkserver._forkserver._stop()
+        _server_env = None
+
+
+atexit.register(stop_server)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu", fresh: bool = False) -> None:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on CPU, NCCL with one GPU
+    each on ``device='cuda'``); raise if any rank fails, hangs past ``timeout`` seconds or exits non-zero.
+
+    ``fn`` must be importable (a module-level function of a test module). ``fresh=True``: spawn new interpreters
+    (for a test about what a rank imports); otherwise CPU ranks are forked from the session's fork server (see the
+    module docstring for when it spawns anyway).
     """
     os.environ.setdefault("CP_OPS_TIMEOUT_S", "60")
-    ctx = mp.get_context("spawn")
+    env = dict(os.environ)
+    how = start_method(device, fresh, env)
+    STATS["forked from the fork server" if how == "forkserver" else how] += 1
+    forked = how == "forkserver"
+    ctx = _forkserver_context() if forked else mp.get_context("spawn")
     errq = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
-        for r in range(world_size)
-    ]
+    if forked:
+        removed = [k for k in _server_env if k not in env]
+        procs = [ctx.Process(target=_forked, args=(r, world_size, device, port, env, removed, (fn, args, errq)))
+                 for r in range(world_size)]
+    else:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
+                 for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
@@ -41,11 +143,14 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
     for p in procs:
         if p.is_alive():
             p.kill()
+            p.join(10)
     errors = []
     while not errq.empty():
         rank, err = errq.get()
         if err:
             errors.append(f"--- rank {rank} ---\n{err}")
+    errq.close()
+    errq.join_thread()
     if errors:
         raise AssertionError("\n".join(errors))
     if hung:
@@ -53,3 +158,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     if bad:
         raise AssertionError(f"ranks exited non-zero: {bad}")
+
