@@ -2,17 +2,18 @@
 
 Every call gets W fresh processes with their own process group, as a spawn per call did, but on CPU they are
 forked from one fork server (``multiprocessing``'s ``forkserver``, started at the first call of a pytest session,
-ended at its end) that has already imported torch, torch.distributed, Dynamo/Inductor, pytest and cp_ops: a rank
-costs a ``fork`` instead of an interpreter start and ``import torch`` (~2-5 s a process on CI's 2 cores). Nothing
-a test does in its ranks (monkeypatching, cp_ops' per-group state, a killed or hung rank) can reach another test:
-the processes die with the call.
+ended at its end) that has already imported torch, Dynamo/Inductor, pytest, cp_ops and diffusers' models
+(tests/rank_preload.py): a rank costs a ``fork`` instead of an interpreter start and those imports (~2-5 s for
+``import torch`` alone, a process on CI's 2 cores). Nothing a test does in its ranks (monkeypatching, cp_ops'
+per-group state, a killed or hung rank) can reach another test: the processes die with the call.
 
 Each rank takes the calling test's environment: ``CP_OPS_*`` set or removed by the test reach it, and
 ``cp_ops.config.settings`` is re-read from them, as ``import cp_ops`` would have. What the server cannot give a rank
 exactly as a fresh interpreter would, it does not: ``device='cuda'``, ``fresh=True`` (a test about import-time
-behaviour), an environment that differs from the server's in a variable that may be read at import (anything but
-:data:`_PER_CALL`: say ``TORCH_LOGS``, ``TORCHINDUCTOR_FX_GRAPH_CACHE``), and ``CP_OPS_TESTS_SPAWN=1`` (every call)
-spawn fresh interpreters as before. The session's summary says how many calls did which, and why.
+behaviour), an environment that differs from the server's in a variable that may be read at import
+(:data:`IMPORT_TIME`: say ``TORCH_LOGS``, ``TORCHINDUCTOR_FX_GRAPH_CACHE``, ``OMP_NUM_THREADS``), and
+``CP_OPS_TESTS_SPAWN=1`` (every call) spawn fresh interpreters as before. The session's summary says how many
+calls did which, and why.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ import torch.multiprocessing as mp
 
 from cp_ops.cli.launch import _worker, free_port
 
-#: modules the fork server imports once (what a rank would otherwise import itself, in seconds on 2 cores)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "pytest", "cp_ops",
-           "cp_ops.cli.launch"]
-#: variables (or prefixes) that may differ between the server's environment and a call's: applied in the rank before
-#: anything reads them (CP_OPS_*: read at import, re-read by the rank; the others: read where used). Inductor sets
-#: TORCHINDUCTOR_CACHE_DIR in the test process at its first compile.
-_PER_CALL = ("CP_OPS_", "PYTEST_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "NCCL_", "NVSHMEM_", "GLOO_",
-             "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+#: what the fork server imports once (tests/rank_preload.py lists the modules)
+PRELOAD = ["rank_preload"]
+#: variables (by prefix) that torch, its compiler, OpenMP/MKL, diffusers or Python may read at import: a call whose
+#: environment differs from the fork server's in one of them spawns fresh ranks (the server's imports did not see
+#: it); any other difference (CP_OPS_*, which the rank re-reads, NCCL_*, what Inductor writes into the test
+#: process's environment as it runs) is applied in the rank before its body runs
+IMPORT_TIME = ("TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA_", "HF_",
+               "DIFFUSERS_", "TRANSFORMERS_", "PYTHON", "LD_")
+#: read where used, not at import (Inductor sets TORCHINDUCTOR_CACHE_DIR in the test process at its first compile)
+_READ_WHERE_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 #: how many calls forked from the server, how many spawned and why (printed at the end of a pytest session)
 STATS: collections.Counter = collections.Counter()
@@ -72,9 +75,10 @@ def _forked(rank, world_size, device, port, env, removed, body_args):
 
 
 def _import_env_differs(env: dict) -> list[str]:
-    """Variables (other than per-call ones) whose value differs from the fork server's."""
+    """Variables that may be read at import (:data:`IMPORT_TIME`) whose value differs from the fork server's."""
     keys = set(env) | set(_server_env or {})
-    return sorted(k for k in keys if not k.startswith(_PER_CALL) and env.get(k) != _server_env.get(k))
+    return sorted(k for k in keys if k.startswith(IMPORT_TIME) and k not in _READ_WHERE_USED
+                  and env.get(k) != _server_env.get(k))
 
 
 def start_method(device: str, fresh: bool, env: dict) -> str:

@@ -36,7 +36,8 @@ def _hang_on_rank_0(rank, w):
 
 
 def test_a_hung_rank_is_killed_and_named():
-    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 3.0s"):
+    # (rank 1 returns at once, but on a loaded machine it may not be done within the timeout either)
+    with pytest.raises(AssertionError, match=r"ranks \[0(, 1)?\] did not finish within 3.0s"):
         run_ranks(_hang_on_rank_0, 2, timeout=3.0)
 
 
@@ -106,8 +107,11 @@ def test_fresh_interpreters_when_the_environment_or_device_needs_them():
         differs + "TORCH_SHOW_CPP_STACKTRACES")
     assert dist_util.start_method("cpu", False, dict(env, TORCHINDUCTOR_FX_GRAPH_CACHE="0")) == (
         differs + "TORCHINDUCTOR_FX_GRAPH_CACHE")
-    # read where used: applied in the rank (Inductor sets TORCHINDUCTOR_CACHE_DIR in this process at a compile)
+    assert dist_util.start_method("cpu", False, dict(env, OMP_NUM_THREADS="1")) == differs + "OMP_NUM_THREADS"
+    # read where used: applied in the rank (Inductor writes both into this process's environment as it compiles)
     assert dist_util.start_method("cpu", False, dict(env, TORCHINDUCTOR_CACHE_DIR="/tmp/x")) == "forkserver"
+    assert dist_util.start_method("cpu", False, dict(env, _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR="1")) == "forkserver"
+    assert dist_util.start_method("cpu", False, dict(env, SOME_TEST_VARIABLE="1")) == "forkserver"
     assert dist_util.start_method("cpu", False, dict(env, CP_OPS_TESTS_SPAWN="1")) == "spawn: CP_OPS_TESTS_SPAWN=1"
     assert dist_util.start_method("cuda", False, env) == "spawn: device=cuda"
     assert dist_util.start_method("cpu", True, env) == "spawn: fresh=True"
