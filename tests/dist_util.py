@@ -5,7 +5,9 @@ forked from one fork server (``multiprocessing``'s ``forkserver``, started at th
 ended at its end) that has already imported torch, Dynamo/Inductor, pytest, cp_ops and diffusers' models
 (tests/rank_preload.py): a rank costs a ``fork`` instead of an interpreter start and those imports (~2-5 s for
 ``import torch`` alone, a process on CI's 2 cores). Nothing a test does in its ranks (monkeypatching, cp_ops'
-per-group state, a killed or hung rank) can reach another test: the processes die with the call.
+per-group state, a killed or hung rank) can reach another test: the processes die with the call. CPU ranks run
+``torch.set_num_threads(cores // W)`` (at least 1), as the CPU ranks of ``cp-ops bench``/``run``/``generate`` do:
+W ranks with a thread per core each spun on each other's cores (on CI's 2 cores, -30% CPU time measured).
 
 Each rank takes the calling test's environment: ``CP_OPS_*`` set or removed by the test reach it, and
 ``cp_ops.config.settings`` is re-read from them, as ``import cp_ops`` would have. What the server cannot give a rank
@@ -24,6 +26,7 @@ import multiprocessing.forkserver
 import os
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 from cp_ops.cli.launch import _worker, free_port
@@ -46,6 +49,8 @@ _server_env: dict | None = None  # the environment the fork server started with 
 
 def _body(rank, world_size, device, fn, args, errq):
     try:
+        if device.type == "cpu":  # the ranks share the cores, as cp-ops bench/run/generate's CPU ranks do
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         fn(rank, world_size, *args)
         errq.put((rank, None))
     except BaseException as e:  # noqa: BLE001 - report any failure to the parent
@@ -109,7 +114,9 @@ def stop_server() -> None:
     """End the fork server (pytest session end; also at interpreter exit). The next call starts a new one."""
     global _server_env
     if _server_env is not None:
-        multiprocessing.forkserver._forkserver._stop()
+        stop = getattr(multiprocessing.forkserver._forkserver, "_stop", None)  # private; Python 3.8-3.13 have it
+        if stop is not None:
+            stop()
         _server_env = None
 
 
