@@ -6,6 +6,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """End the rank fork server (tests/dist_util.py) if this session started one."""
     dist_util = sys.modules.get("dist_util")
