@@ -64,9 +64,9 @@ def _settings_from_env(rank, w, timeout_s, tune_modes):
 def test_cp_ops_variables_set_or_removed_by_the_test_reach_the_ranks(monkeypatch):
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "77")
     monkeypatch.delenv("CP_OPS_TUNE_MODES", raising=False)
-    run_ranks(_settings_from_env, 2, 77.0, True)
+    run_ranks(_settings_from_env, 2, 77.0, False)  # tune_modes: off by default (reproducible)
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "78")  # a second call sees the new value, not the first call's
-    run_ranks(_settings_from_env, 2, 78.0, True)
+    run_ranks(_settings_from_env, 2, 78.0, False)
 
 
 def _mutate_state(rank, w):
@@ -74,8 +74,8 @@ def _mutate_state(rank, w):
 
     _STATE["calls"] += 1
     assert _STATE["calls"] == 1, _STATE  # a fresh process every call: the previous call's increment is gone
-    assert config.settings.check_ranks == "once", config.settings.check_ranks
-    config.configure(check_ranks="always")  # a test changing settings in its ranks changes nothing after it
+    assert config.settings.check_ranks == "on", config.settings.check_ranks
+    config.configure(check_ranks="debug")  # a test changing settings in its ranks changes nothing after it
     assert dist.get_world_size() == w and dist.get_rank() == rank
 
 
