@@ -29,6 +29,7 @@ the transport and the group stay usable and the peers' collectives of this call 
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -71,6 +72,12 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     """
     world = pg.size()
     chosen, resolved = mode, transport
+    if tag is not None and torch.compiler.is_compiling():
+        tag = constant(tag)
+        if _symbolic(tag):
+            raise ValueError(f"tag must be a Python constant under torch.compile; got {tag!r} holding a symbolic int "
+                             "(an int that changed between compiles of the same code): pass a str tag (e.g. "
+                             "f'layer{i}'), or compile with dynamic=False")
 
     def local_checks():
         nonlocal chosen, resolved
@@ -100,6 +107,8 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
         chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
+    if torch.compiler.is_compiling():
+        c = constant(c)
     if not isinstance(c, int):  # Dynamo made the caller's int symbolic (automatic dynamic); the variant is a constant
         raise ValueError(f"chunks must be a Python int constant under torch.compile; got a symbolic {c!r} (an int "
                          "that changed between compiles of the same code): compile with dynamic=False, or keep chunks "
@@ -110,6 +119,26 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
                              tag=tag)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None)
+
+
+def constant(value):
+    """``value`` (an int, or a tuple/list of them, str, ...) with every int made a constant of the trace (under
+    ``torch.compile``). Dynamo holds an int that changed between compiles of the same code (a function argument, a
+    closure cell: ``chunks``, ``tag``) as a lazy constant (torch 2.13) or a symbolic int (automatic dynamic), which
+    :func:`cp_ops.contract.variant_tag` (a constant function) cannot take; ``operator.index`` makes the lazy one a
+    constant guarded by value (one graph per value). A symbolic int stays symbolic (the callers raise)."""
+    t = type(value)
+    if t is tuple or t is list:
+        return t(constant(x) for x in value)
+    if t is int:
+        return operator.index(value)
+    return value
+
+
+def _symbolic(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic(x) for x in value)
+    return isinstance(value, torch.SymInt)
 
 
 def runner(q, pg, transport: str):
