@@ -85,7 +85,7 @@ _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
            15: "chunks",
-           16: "layout",  # tag: a call's own agreement (cp_ops.modes.uneven: seq_lens, key_mask), named by its note
+           16: "variant",  # tag: the call's variant (mode, chunks, key_mask, seq_lens, tag=), named by its note
            17: "caller tag"}
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster

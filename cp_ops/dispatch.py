@@ -17,7 +17,8 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
   dispatch mode such as make_fx or a flop counter, an empty tensor): the body runs with :class:`~cp_ops.comm.OpComm`
   (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it once).
 * *eager*: a :class:`Plan` cached by the call's key — (q/k/v shapes, dtypes, devices, group, mode, transport, chunks,
-  the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag``) — holds the decisions of the first call
+  the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag`` by type and repr: ``True``, ``1``
+  and ``1.0`` hash alike but are different tags) — holds the decisions of the first call
   with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
   called directly, no dispatcher. A new argument of :func:`cp_ops.attention` must be part of the key.
 
@@ -228,14 +229,15 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
         return None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
-               transport, chunks, type(chunks), config.settings.tune_modes, tag)
+               transport, chunks, type(chunks), config.settings.tune_modes,
+               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)))
         if seq_lens is not None or key_mask is not None:
             extra = _layout_key(seq_lens, key_mask)
             if extra is None:
                 return None
             key += extra
         e = _plans.get(key)
-    except (AttributeError, TypeError):  # not tensors, an unhashable group or tag: the traced path raises the error
+    except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
         return None
     if e is not None:
         if group is None and e[1] is not dist.group.WORLD:  # the default group was destroyed or replaced

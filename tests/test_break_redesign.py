@@ -44,6 +44,32 @@ def test_int_tag_and_chunks_changing_between_compiles():
     run_ranks(_compiled_changing_ints, 2)
 
 
+# ---- the eager plan cache and tags that hash alike ----------------------------------------------------------------
+def _tags_hash_alike(rank, w):
+    """``True == 1 == 1.0`` with one hash: the plan cache keyed by the tag served tag=1 with the plan (and variant tag)
+    of tag=True, so a rank whose cache did not hold that plan disagreed with its peers, and tag=1.0 (not a valid tag)
+    was accepted after tag=1."""
+    b, h, d = 1, 2 * w, 8
+    q, k, v = _data(b, 3 * w, h, d, seed=10 + w)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    ref = sh(local_attention(q, k, v))
+    torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=True), ref)
+    if rank == 1:
+        dispatch.forget()  # e.g. the cache was cleared (a shape sweep, a tuning reset) on one rank only
+    torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=1), ref)
+    with pytest.raises(TypeError, match=r"tag must be an int, a str, or a tuple of them .*got float 1.0"):
+        cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=1.0)
+    # a list tag (unhashable) takes the eager plan too, and ranks with different tags are named on every rank
+    torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=[1, "a"]), ref)
+    with pytest.raises(ValueError, match=r"differ in variant: rank 0: .*tag=0.*; rank 1: .*tag=1"):
+        cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=rank)
+    torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=1), ref)
+
+
+def test_plan_cache_tells_tags_apart():
+    run_ranks(_tags_hash_alike, 2)
+
+
 # ---- an exception between a launch and its wait, on every rank: the next call works ---------------------------------
 class _Injected(RuntimeError):
     pass
