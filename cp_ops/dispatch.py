@@ -17,7 +17,8 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
   dispatch mode such as make_fx or a flop counter, an empty tensor): the body runs with :class:`~cp_ops.comm.OpComm`
   (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it once).
 * *eager*: a :class:`Plan` cached by the call's key — (q/k/v shapes, dtypes, devices, group, mode, transport, chunks,
-  the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag``) — holds the decisions of the first call
+  the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag`` by type and repr: ``True``, ``1``
+  and ``1.0`` hash alike but are different tags) — holds the decisions of the first call
   with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
   called directly, no dispatcher. A new argument of :func:`cp_ops.attention` must be part of the key.
 
@@ -29,6 +30,7 @@ the transport and the group stay usable and the peers' collectives of this call 
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -71,6 +73,12 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     """
     world = pg.size()
     chosen, resolved = mode, transport
+    if tag is not None and torch.compiler.is_compiling():
+        tag = constant(tag)
+        if _symbolic(tag):
+            raise ValueError(f"tag must be a Python constant under torch.compile; got {tag!r} holding a symbolic int "
+                             "(an int that changed between compiles of the same code): pass a str tag (e.g. "
+                             "f'layer{i}'), or compile with dynamic=False")
 
     def local_checks():
         nonlocal chosen, resolved
@@ -101,7 +109,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     else:
         chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
     if torch.compiler.is_compiling():
-        c = _constant(c)  # the variant tag is a constant of the graph
+        c = _constant(constant(c))  # the variant tag is a constant of the graph
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
@@ -112,12 +120,34 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
 
 def _constant(n):
     """``n`` as a Python int while Dynamo traces, where an int argument that changed between compiles of the same code
-    is symbolic (automatic dynamic): comparing it with each candidate guards on its value and yields the constant.
-    Raises ValueError past 4096 (no stage count is that large)."""
+    can stay symbolic (automatic dynamic; torch 2.11): comparing it with each candidate guards on its value and yields
+    the constant. Raises ValueError past 4096 (no stage count is that large)."""
+    if type(n) is int:
+        return n
     for i in range(1, 4097):
         if n == i:
             return i
     raise ValueError(f"chunks must be an int from 1 to 4096; got {n!r}")
+
+
+def constant(value):
+    """``value`` (an int, or a tuple/list of them, str, ...) with every int made a constant of the trace (under
+    ``torch.compile``). Dynamo holds an int that changed between compiles of the same code (a function argument, a
+    closure cell: ``chunks``, ``tag``) as a lazy constant (torch 2.13) or a symbolic int (automatic dynamic), which
+    :func:`cp_ops.contract.variant_tag` (a constant function) cannot take; ``operator.index`` makes the lazy one a
+    constant guarded by value (one graph per value). A symbolic int stays symbolic (the callers raise)."""
+    t = type(value)
+    if t is tuple or t is list:
+        return t(constant(x) for x in value)
+    if t is int:
+        return operator.index(value)
+    return value
+
+
+def _symbolic(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic(x) for x in value)
+    return isinstance(value, torch.SymInt)
 
 
 def runner(q, pg, transport: str):
@@ -207,14 +237,15 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
         return None
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
-               transport, chunks, type(chunks), config.settings.tune_modes, tag)
+               transport, chunks, type(chunks), config.settings.tune_modes,
+               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)))
         if seq_lens is not None or key_mask is not None:
             extra = _layout_key(seq_lens, key_mask)
             if extra is None:
                 return None
             key += extra
         e = _plans.get(key)
-    except (AttributeError, TypeError):  # not tensors, an unhashable group or tag: the traced path raises the error
+    except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
         return None
     if e is not None:
         if group is None and e[1] is not dist.group.WORLD:  # the default group was destroyed or replaced
