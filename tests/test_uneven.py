@@ -233,9 +233,10 @@ def _opcheck(rank, w):
     config.settings.blocking = True  # opcheck compares outputs without waiting: launch blocking
     seq = [3, 2]
     g = torch.Generator().manual_seed(rank)
-    sh = layout.Shards(seq, w, rank, seq[rank], "cpu")
-    k, v = (sh.pad(torch.randn(2, seq[rank], 4, 8, generator=g)) for _ in range(2))  # padded to max(seq_lens)
-    mask = sh.pad_mask(torch.rand(2, seq[rank], generator=g) > 0.5)
+    pad = max(seq) - seq[rank]  # padded to max(seq_lens) with zeros (opcheck compares every row, padding too)
+    k, v = (torch.nn.functional.pad(torch.randn(2, seq[rank], 4, 8, generator=g), (0, 0, 0, 0, 0, pad))
+            for _ in range(2))
+    mask = torch.nn.functional.pad((torch.rand(2, seq[rank], generator=g) > 0.5).to(torch.uint8), (0, pad))
     ops = torch.ops.cp_ops
     torch.library.opcheck(ops.agkv_gather_start, (k, v, w, name, "torch", "", 0, seq))
     torch.library.opcheck(ops.mask_gather_start, (mask, w, name))
