@@ -219,3 +219,8 @@ def restore(saved: Settings) -> None:
 
 
 settings: Settings = from_env()
+
+
+#: Environment every process cp_ops starts (or joins torch.distributed in) gets: NVLink multicast / NVLS off in NCCL,
+#: PyTorch symmetric memory and NVSHMEM (a program using it can take a host's shared GPUs out of service).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -165,7 +165,8 @@ def test_run_chunks_argument():
     run_parser = next(a for a in p._subparsers._group_actions[0].choices.values() if a.prog.endswith(" run"))
     text = " ".join(run_parser.format_help().split())
     assert "1 = transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages" in text
-    assert "auto (default) = measured on the first eager call, the heuristic under --compile" in text
+    assert "auto (default) = the heuristic (2 for agkv on the fast transport, else 1; measured on the first eager call " \
+           "only with CP_OPS_TUNE_MODES=1)" in text
 
 
 @pytest.mark.parametrize("name", ["wan"] + list(OTHERS) + ["wan+cfg"])

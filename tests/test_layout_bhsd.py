@@ -37,7 +37,7 @@ def test_bhsd_equals_bshd():
     run_ranks(_bhsd, 2)
 
 
-def test_bhsd_passed_as_bshd_is_an_error_naming_both_layouts():
+def _misuse(rank, w):
     x = torch.randn(1, 8, 512, 64)  # [B, H, S, D] per rank, passed without layout=
     with pytest.raises(ValueError, match=r"q has shape \[1, 8, 512, 64\].*512 heads and 8 tokens.*layout='bhsd'"):
         cp_ops.attention(x, x, x)
@@ -45,3 +45,9 @@ def test_bhsd_passed_as_bshd_is_an_error_naming_both_layouts():
         cp_ops.agkv_gather(x, x)
     with pytest.raises(ValueError, match=r"layout must be 'bshd' \(\[B, S, H, D\]\) or 'bhsd'.*got 'sbhd'"):
         cp_ops.attention(x, x, x, layout="sbhd")
+    out = cp_ops.attention(x, x, x, layout="bhsd", mode="agkv")  # the group is fine afterwards
+    assert out.shape == x.shape
+
+
+def test_bhsd_passed_as_bshd_is_an_error_naming_both_layouts():
+    run_ranks(_misuse, 2)

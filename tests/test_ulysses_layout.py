@@ -80,8 +80,12 @@ class _NoHeadRange:
 
 
 def _eager_equals_ops(rank, w):
+    """The one Ulysses body: with the direct comm (eager: one pack, all slots unpacked at once) and with the op comm
+    (traced: torch.library launches, per-slot unpack) the same bits, chunks 1, 2, 3; and with a transport without
+    ulysses_start_heads (each sub-group's heads copied first)."""
     import torch.distributed as dist
-    from cp_ops.modes import ulysses, ulysses_pipelined
+    from cp_ops.comm import DirectComm, OpComm
+    from cp_ops.modes.ulysses import ulysses
     from cp_ops.transport import base
 
     pg, tr = dist.group.WORLD, base.get("torch")
@@ -89,14 +93,10 @@ def _eager_equals_ops(rank, w):
     for b in (1, 2):
         g = torch.Generator().manual_seed(10 * b + rank)
         q, k, v = (torch.randn(b, 6, 3 * w, 8, generator=g) for _ in range(3))
-        # transport-then-attend: the eager path (one pack, all slots unpacked at once) = the ops (per-slot unpack)
-        ops = ulysses.ulysses_attention(q, k, v, world_size=w, group_name=name, transport="torch", scale=0.3)
-        assert torch.equal(ulysses._ulysses_eager(q, k, v, pg, tr, 0.3), ops), b
-        for chunks in (2, 3):
-            ops = ulysses_pipelined.ulysses_pipelined_attention(q, k, v, world_size=w, group_name=name,
-                                                                transport="torch", scale=0.3, chunks=chunks)
-            direct = ulysses_pipelined._ulysses_pipelined_eager(q, k, v, pg, tr, 0.3, chunks)  # packs from q, k, v
-            copied = ulysses_pipelined._ulysses_pipelined_eager(q, k, v, pg, _NoHeadRange(tr), 0.3, chunks)
+        for chunks in (1, 2, 3):
+            ops = ulysses(q, k, v, OpComm(w, name, "torch", "", 0, rank), scale=0.3, chunks=chunks)
+            direct = ulysses(q, k, v, DirectComm(pg, tr), scale=0.3, chunks=chunks)  # packs from q, k, v
+            copied = ulysses(q, k, v, DirectComm(pg, _NoHeadRange(tr)), scale=0.3, chunks=chunks)
             assert torch.equal(direct, ops) and torch.equal(copied, ops), (b, chunks)
 
 

@@ -24,8 +24,7 @@ import torch.multiprocessing as mp
 import cp_ops.ops  # noqa: F401  (every rank this starts has torch.ops.cp_ops.* registered)
 from cp_ops import config
 
-# Multicast/NVLS stays off everywhere cp_ops starts ranks (it can take a shared host's GPUs out of service).
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from cp_ops.config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
 
 
 def free_port() -> int:

@@ -53,7 +53,7 @@ def _init_group(device: torch.device) -> None:
     if dist.is_initialized():
         return
     from ... import config
-    from ...cli.launch import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
+    from ...config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
 
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
