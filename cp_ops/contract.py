@@ -651,14 +651,23 @@ def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) 
         raise
 
 
-def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Callable[[], None], extra: int = 0) -> None:
-    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange."""
+def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Callable[[], None], extra: int = 0, *,
+               call: str = "", tag: int = 0, seq_lens=None) -> None:
+    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange, named ``call`` (the
+    op's own name when empty) with the variant ``tag`` (``seq_lens`` folded in here, where the counts are concrete:
+    :func:`with_seq_lens`) — unless ``call`` is '-' (a later launch of a call whose first launch exchanged): then
+    only the rules."""
+    if call == "-":
+        rules()
+        return
+    tag = with_seq_lens(tag, seq_lens)
+    name, note = call or op, tag_note(tag)
     try:
         rules()
     except (ValueError, RuntimeError, TypeError) as e:
-        exchange(group, op, transport, None, extra, failed=e)
+        exchange(group, name, transport, None, extra, failed=e, tag=tag, note=note)
         raise
-    exchange(group, op, transport, t, extra)
+    exchange(group, name, transport, t, extra, tag=tag, note=note)
 
 
 # ---- the variant tag: what a call's signature carries beyond shapes (mode, chunks, shards, the caller's tag) ----

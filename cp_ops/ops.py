@@ -55,23 +55,6 @@ def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
     return pg
 
 
-def _contract(pg, op: str, call: str, transport: str, t, extra: int, tag: int, rules, seq_lens=None) -> None:
-    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange — unless ``call`` is
-    '-' (a later launch of a call that exchanged at its first launch). ``seq_lens`` (uneven shards) is folded into
-    ``tag`` here, where the counts are concrete."""
-    if call == "-":
-        rules()
-        return
-    tag = contract.with_seq_lens(tag, seq_lens)
-    name, note = call or op, contract.tag_note(tag)
-    try:
-        rules()
-    except (ValueError, RuntimeError, TypeError) as e:
-        contract.exchange(pg, name, transport, None, extra, failed=e, tag=tag, note=note)
-        raise
-    contract.exchange(pg, name, transport, t, extra, tag=tag, note=note)
-
-
 def _register(work, *outs: torch.Tensor) -> None:
     if config.settings.blocking:
         work.wait()
@@ -87,8 +70,8 @@ def agkv_gather_start(
     seq_lens: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pg = _group(world_size, group_name)
-    _contract(pg, "cp_ops::agkv_gather_start", call, transport, k, 2, tag, lambda: _check_agkv(k, v, world_size),
-              seq_lens)
+    contract.op_checked(pg, "cp_ops::agkv_gather_start", transport, k, lambda: _check_agkv(k, v, world_size), 2,
+                        call=call, tag=tag, seq_lens=seq_lens)
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
@@ -115,8 +98,8 @@ def _(k, v, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str, call: str = "",
                   tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    _contract(pg, "cp_ops::ulysses_start", call, transport, xs[0] if xs else None, len(xs), tag,
-              lambda: _check_ulysses(xs, world_size), seq_lens)
+    contract.op_checked(pg, "cp_ops::ulysses_start", transport, xs[0] if xs else None,
+                        lambda: _check_ulysses(xs, world_size), len(xs), call=call, tag=tag, seq_lens=seq_lens)
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
         return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
@@ -143,8 +126,8 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
                           tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    _contract(pg, "cp_ops::ulysses_inverse_start", call, transport, x, 1, tag,
-              lambda: _check_ulysses_inverse(x, world_size), seq_lens)
+    contract.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
+                        1, call=call, tag=tag, seq_lens=seq_lens)
     if x.numel() == 0:
         b, s, hl, d = x.shape
         return x.new_empty(world_size, b, s // world_size, hl, d)
@@ -206,7 +189,8 @@ def agkv_pipelined_attention(
 
     smax = k.shape[1] if seq_lens is None else max(seq_lens)
     like = k if smax == k.shape[1] else torch.empty((k.shape[0], smax, *k.shape[2:]), dtype=k.dtype, device="meta")
-    _contract(pg, "cp_ops::agkv_pipelined_attention", call, transport, like, 2, tag, rules, seq_lens)
+    contract.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, like, rules, 2, call=call, tag=tag,
+                        seq_lens=seq_lens)
     if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     comm = DirectComm(pg, _transport(transport, pg, k))

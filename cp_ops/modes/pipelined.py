@@ -10,18 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import names
-
-
-class _Pipelined:
-    """The modes that take ``chunks`` ≥ 2: every registered mode (its pipelined body, or its body with ``chunks``)."""
-
-    def __contains__(self, name) -> bool:
-        return name in names(False)
-
-
-PIPELINED = _Pipelined()
-
 
 def check_chunks(chunks) -> None:
     """``chunks`` must be None or an int ≥ 1 (ValueError naming the value)."""

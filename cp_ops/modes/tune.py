@@ -95,7 +95,7 @@ from . import names as mode_names
 from . import spec as mode_spec
 from .agkv_pipelined import stage_plan
 from ..transport.base import concrete_name
-from .pipelined import PIPELINED, choose_chunks
+from .pipelined import choose_chunks
 
 #: Chunk counts tried for ``chunks=None``.
 CHUNKS = (1, 2, 4)
@@ -205,9 +205,7 @@ def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> li
     for m in ms:
         seen = set()
         for c in (CHUNKS if chunks is None else (chunks,)):
-            if c > 1 and m not in PIPELINED:
-                sched = 1
-            elif c == 1:
+            if c == 1:
                 sched = 1
             elif m == "ulysses":
                 g = max(1, min(c, heads // world_size))
