@@ -7,6 +7,7 @@
 * A fake process group of W ranks on the one GPU (no data moved): every variant runs eager, compiled and captured
   in a CUDA graph and replayed (shapes, dtype, no error) — what the zero-communication bound and CUDA-graphed models
   rely on.
+* The CUDA extension's LSE merge (csrc/lse_merge.cu) against the fp32 reference and the Triton kernel.
 """
 
 import os
@@ -114,7 +115,9 @@ def test_fake_group_eager_compiled_and_captured(world):
         for mode, chunks in VARIANTS:
             out = cp_ops.attention(q, k, v, mode=mode, chunks=chunks, transport="torch")
             assert out.shape == q.shape and out.dtype == q.dtype
-            # dynamic=False: the same lambda recompiled with another closure int would make chunks symbolic
+            # dynamic=False: the same lambda recompiled with another closure int would make chunks symbolic;
+            # reset: one lambda per variant would otherwise pass Dynamo's recompile limit (8) for its code object
+            torch._dynamo.reset()
             comp = torch.compile(lambda a, b_, c: cp_ops.attention(a, b_, c, mode=mode, chunks=chunks,
                                                                     transport="torch"), fullgraph=True, dynamic=False)
             assert comp(q, k, v).shape == q.shape
@@ -133,3 +136,43 @@ def test_fake_group_eager_compiled_and_captured(world):
             assert got.shape == q.shape, (mode, chunks)
     finally:
         dist.destroy_process_group()
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def test_extension_merge_matches_the_fp32_reference_and_triton():
+    """csrc/lse_merge.cu (used once the extension is loaded) against the eager fp32 merge and the Triton kernel:
+    every dtype, 2..4 partials, 16-byte (one vector per thread and row: the 2-row kernel; or several) and scalar
+    paths (D·size % 16), a row count that leaves a block part-filled, strided LSEs as cuDNN returns them, and
+    a partial whose LSE is -inf for a row (its block had no key for it: weight 0)."""
+    from cp_ops.kernels import lse_merge
+    from cp_ops.transport import _fast_build
+
+    ext, why = _fast_build.load()
+    assert ext is not None, why
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)):
+        for n in (2, 3, 4):
+            for b, s, h, d in ((1, 257, 40, 128), (2, 33, 3, 36), (1, 5, 2, 72), (1, 77, 5, 64)):
+                outs = [torch.randn(b, s, h, d, generator=g, device="cuda").to(dtype) for _ in range(n)]
+                # LSEs as cuDNN gives them: [B, H, S, 1] squeezed (strides of a [B, H, S] view)
+                lses = [(torch.randn(b, h, s, 1, generator=g, device="cuda") * 4).squeeze(-1) for _ in range(n)]
+                lses[0][:, 0, 0] = float("-inf")  # a block with no unmasked key for that row: weight 0
+                for lse in lses:  # a row with no key in any block (issue 20 item 15): defined as 0, never NaN
+                    lse[:, -1, -1] = float("-inf")
+                ref = lse_merge.merge_eager(outs, lses, dtype)
+                got = lse_merge._merge_ext(outs, lses, dtype)
+                assert got is not None, (dtype, n, b, s, h, d)
+                assert not torch.isnan(got.float()).any()
+                assert torch.equal(got[:, -1, -1], torch.zeros_like(got[:, -1, -1])), (dtype, n, "all -inf row")
+                err = _rel(got, ref)
+                assert err <= tol, (dtype, n, (b, s, h, d), err)
+                tri = lse_merge._merge_triton(outs, lses, dtype, False)
+                assert not torch.isnan(tri.float()).any() and not tri[:, -1, -1].any(), (dtype, n, "Triton")
+                assert _rel(got, tri) <= tol, (dtype, n, (b, s, h, d))
+    # not for it: partials in another dtype than the output -> None (the Triton kernel takes it)
+    o = [torch.randn(1, 4, 2, 8, device="cuda") for _ in range(2)]
+    l = [torch.randn(1, 2, 4, device="cuda") for _ in range(2)]
+    assert lse_merge._merge_ext(o, l, torch.bfloat16) is None
