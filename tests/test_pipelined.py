@@ -152,7 +152,9 @@ def test_chunks_rules():
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="chunks must be None"):
             pipelined.check_chunks(bad)
-    with pytest.raises(ValueError, match=r"the measured choice.*got 'auto' \(None is what `cp-ops run --chunks auto`"):
+    with pytest.raises(ValueError, match=r"None \(the default: the heuristic, choose_chunks; measured on first use "
+                                         r"where CP_OPS_TUNE_MODES=1\).*got 'auto' \(None is what `cp-ops run --chunks "
+                                         r"auto`"):
         pipelined.check_chunks("auto")  # the CLI's spelling, passed to the API
     q = torch.empty(1, 4096, 8, 64, device="meta")
     # the heuristic's table (2026-11-30c, 2x H200): AGKV on the fast transport pipelines in 2 stages, the rest 1

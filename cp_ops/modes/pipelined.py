@@ -2,8 +2,8 @@
 
 ``cp_ops.attention(..., chunks=c)``: ``c = 1`` runs the mode as transport-then-attend (bitwise equal to one
 device); ``c ≥ 2`` runs the mode's pipelined variant in c stages (:mod:`.agkv_pipelined`,
-:mod:`.ulysses`); ``c = None`` is decided by :mod:`.tune` (measured on first use), or by
-:func:`choose_chunks` (the heuristic) where measuring is off.
+:mod:`.ulysses`); ``c = None`` is the heuristic :func:`choose_chunks` by default, measured on first use by
+:mod:`.tune` where measuring is asked for (``CP_OPS_TUNE_MODES=1``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ def check_chunks(chunks) -> None:
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         auto = isinstance(chunks, str) and chunks.lower() == "auto"
         hint = " (None is what `cp-ops run --chunks auto` passes)" if auto else ""
-        raise ValueError("chunks must be None (the default: the measured choice; the heuristic where nothing is "
-                         f"measured) or an int >= 1 (1 = transport-then-attend); got {chunks!r}{hint}")
+        raise ValueError("chunks must be None (the default: the heuristic, choose_chunks; measured on first use where "
+                         "CP_OPS_TUNE_MODES=1) or an int >= 1 (1 = transport-then-attend); got "
+                         f"{chunks!r}{hint}")
 
 
 #: The heuristic's stage counts, keyed by (mode, transport as run: 'fast' or 'torch', never 'auto'); a key not listed
