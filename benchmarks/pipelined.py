@@ -107,11 +107,8 @@ def _worker(rank: int, world: int, dev: torch.device, args) -> None:
 
                     _, out = _once_ms(call, group)  # first call: plans, transport tuning, the measured choice
                     if mode == "auto" or chunks is None:
-                        from cp_ops.modes import tune
-                        from cp_ops.transport.base import resolve
-
-                        picked = tune.describe(mode, chunks, ql, group, resolve(transport, "cuda"))
-                        row["picked"] = f"{picked.mode} c={picked.chunks} ({picked.source})" if picked else None
+                        picked = cp_ops.describe(ql, group=group, mode=mode, transport=transport, chunks=chunks)
+                        row["picked"] = f"{picked.mode} c={picked.chunks} ({picked.source})"
                     first_ms, _ = _once_ms(call, group)
                     err = ((out.float() - ref_l).abs().max() / ref_l.abs().max()).item()
                     row["max_rel_err"] = _max(err, group)

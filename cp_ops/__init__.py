@@ -5,6 +5,8 @@ Public API:
         (also chunks=, tag=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.layout.Shards;
         mode 'auto' / chunks None: the heuristic, cp_ops.modes.choose / cp_ops.modes.pipelined.choose_chunks;
         measured only with CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)
+    describe(q, *, group=None, mode="auto", transport="auto", chunks=None, ...)   what attention picked / would pick
+        for that call: mode, chunks, transport, source (explicit, heuristic, measured, cached, ...) and why; local
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
     agkv_gather / ulysses_all_to_all / ulysses_all_to_all_inverse                  the collectives, eager
     select_transport(requested, device_type)                                       'torch' or 'fast'
@@ -33,6 +35,7 @@ _checkout.install()  # a source checkout: cp_ops.passes is <root>/passes, as the
 from ._version import __version__  # noqa: E402,F401
 __all__ = [
     "attention",
+    "describe",
     "agkv_gather",
     "ulysses_all_to_all",
     "ulysses_all_to_all_inverse",
@@ -48,7 +51,7 @@ def _load_core() -> None:
     """Import the core's public names into this module (what ``import cp_ops`` did eagerly before)."""
     from . import ops  # noqa: F401  (registers torch.ops.cp_ops.*)
     from . import modes
-    from .attention import attention, local_attention
+    from .attention import attention, describe, local_attention
 
     modes.load_builtin()  # the mode bodies, imported with the core (never inside traced code)
     from .modes import choose as choose_mode

@@ -13,9 +13,10 @@ import torch
 
 from . import dispatch
 from . import ops
+from .modes.tune import Choice
 from .kernels import local_attention
 
-__all__ = ["attention", "local_attention"]
+__all__ = ["attention", "describe", "local_attention"]
 
 
 def attention(
@@ -42,8 +43,9 @@ def attention(
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
         group: the CP group: ``None`` (default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
-            or 'auto' (the fastest, measured on first use: :mod:`cp_ops.modes.tune`); any name of
-            ``cp_ops.modes.names()``.
+            or 'auto' (the heuristic :func:`cp_ops.modes.choose`; the fastest, measured on first use, where
+            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.modes.tune`); any name of ``cp_ops.modes.names()``. What a call
+            ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
@@ -114,6 +116,58 @@ def attention(
     out = dispatch.attention(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens,
                              key_mask, tag)
     return _ForwardOnly.apply(out, q, k, v)
+
+
+def describe(
+    q: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    group: Any = None,
+    mode: str = "auto",
+    transport: str = "auto",
+    scale: float | None = None,
+    chunks: int | None = None,
+    seq_lens: tuple[int, ...] | None = None,
+    key_mask: torch.Tensor | None = None,
+    tag: Hashable | None = None,
+    layout: str = "bshd",
+) -> Choice:
+    """What :func:`attention` picked — or, before the first such call, would pick — for a call with these arguments:
+    the mode, the chunk count, the transport and why. Pass the call's own arguments (``k``, ``v``, ``scale`` and
+    ``tag`` are accepted so a call can be copied as is, and not read: the choice depends on ``q``'s shape, dtype and
+    device, the group and the other keywords).
+
+    Local: no collective, no measuring, no file read; any rank may call it alone, at any time.
+
+    Args:
+        q: ``[B, S_local, H, D]`` (or ``[B, H, S_local, D]`` with ``layout='bhsd'``), the call's q (shape, dtype and
+            device are read, never the values). The keywords: as :func:`attention`.
+    Returns:
+        :class:`cp_ops.modes.tune.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
+        ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
+        'explicit' (mode and chunks given), 'heuristic' (``cp_ops.modes.choose`` and
+        ``cp_ops.modes.pipelined.choose_chunks``: measuring off — the default —, a traced call, a group of one rank,
+        uneven shards or a key mask), 'single' (one candidate left), 'measured' (timed by this process's first call:
+        ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every rank holds), 'pending' (measuring is on
+        and no call was made yet: mode and chunks are the heuristic's until the first call measures); ``times_ms``
+        the candidates' times in ms, max over ranks (``{'agkv/1': 0.47, ...}``; empty unless measured or cached);
+        ``transport`` 'torch' or 'fast' ('auto' before the group's first call agreed on one); ``why`` the reason in
+        words. Code traced by ``torch.compile`` always runs the heuristic's variant; to compile a measured one pass
+        the ``mode`` and ``chunks`` this returns after an eager call.
+    Raises:
+        ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a
+            BHSD tensor passed as BSHD, unknown mode or transport, mode='ulysses' with H % W != 0, chunks not None or
+            an int ≥ 1, ``layout`` not 'bshd'/'bhsd'.
+        TypeError: q is not a tensor.
+        RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.
+    """
+    del k, v, scale, tag  # the choice does not depend on them
+    if layout != "bshd":
+        if layout != "bhsd":
+            raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
+        q = q.transpose(1, 2)
+    return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -7,7 +7,8 @@ The data path (``docs/architecture.md``): public API (:mod:`cp_ops.attention`) â
 **Decisions** (:func:`decide`, the same on both paths): the input rules (:mod:`cp_ops.validate`, :mod:`cp_ops.layout`;
 a rank whose rules fail tells its peers before raising, so every rank raises), the concrete mode
 (:func:`cp_ops.modes.choose`), the transport (:func:`cp_ops.transport.base.resolve`), the stage count
-(:func:`cp_ops.modes.tune.decide`: the heuristic by default, measured only when asked), the body, the layout
+(:func:`cp_ops.choices.decide`, which stores what :mod:`cp_ops.modes.tune` decides: the heuristic by default,
+measured only when asked), the body, the layout
 (:class:`cp_ops.layout.Shards` for ``seq_lens``/``key_mask``) and the variant tag the rank contract compares
 (:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``).
 
@@ -36,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import config, contract, layout, modes, validate
+from . import choices, config, contract, layout, modes, validate
 from .comm import DirectComm, OpComm
 from .group import resolve_group
 from .kernels import local_attention
@@ -107,7 +108,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     if layout_call and chunks is None:
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
-        chosen, c = tune.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
+        chosen, c = choices.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
     if torch.compiler.is_compiling():
         c = _constant(constant(c))  # the variant tag is a constant of the graph
     seq = tuple(seq_lens) if seq_lens is not None else None
@@ -164,6 +165,42 @@ def runner(q, pg, transport: str):
         return lambda: attention(a, b, c, pg, mode, transport, None, chunks, None, None, None)
 
     return make
+
+
+def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask) -> tune.Choice:
+    """What a call of :func:`attention` with these arguments runs, without a collective: :func:`cp_ops.describe`
+    (arguments, return and errors there; ``q`` in BSHD)."""
+    pg = resolve_group(group)
+    world = pg.size()
+    pipelined.check_chunks(chunks)
+    validate.check_same(("q",), (q,))
+    layout.check_not_bhsd("q", q)
+    chosen = modes.choose(mode, q.shape[2], world)
+    resolved = transport_base.resolve(transport, q.device.type)
+    runs_on = transport_base.agreed_name(resolved, pg.group_name, q.device)
+    shown = runs_on or "auto"
+    if mode != "auto" and chunks is not None:
+        return tune.Choice(chosen, chunks, "explicit", {}, shown, "mode and chunks given by the caller")
+    if world == 1:
+        return tune.Choice(chosen, 1, "heuristic", {}, shown, "a group of one rank: local attention, nothing moved")
+    if (seq_lens is not None or key_mask is not None) and chunks is None:
+        return tune.Choice(chosen, 1, "heuristic", {}, shown,
+                           "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
+    stored = choices.lookup(mode, chunks, q, pg, resolved)
+    if stored is not None:
+        return stored._replace(transport=shown)
+    # not decided yet: what the first call would decide, short of measuring and of asking the group
+    name = runs_on or transport_base.select_transport(resolved, q.device.type)
+    note = "" if runs_on else (f"; transport 'auto' is agreed with the group at the first call: '{name}' assumed (this "
+                               "rank can run it)")
+    c = tune.choose(mode, chunks, chosen, tuple(q.shape), pg, q.device, name, config.settings.tune_modes)
+    if isinstance(c, tune.Open):
+        cands = ", ".join(f"{m}/{n}" for m, n in c.candidates)
+        return tune.Choice(c.preferred[0], c.preferred[1], "pending", {}, shown,
+                           f"measuring on (CP_OPS_TUNE_MODES=1) and no call made yet: the first eager call measures "
+                           f"{cands} (or takes the choice every rank's cache file holds); until then the heuristic's "
+                           f"candidate{note}")
+    return c._replace(transport=shown, why=c.why + note)
 
 
 def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag) -> torch.Tensor:
@@ -294,5 +331,5 @@ def forget() -> None:
     _plans.clear()
 
 
-tune.on_clear(forget)  # the plans hold the measured choices
+choices.on_forget(forget)  # the plans hold the stored choices
 contract.on_group_destroyed(lambda pg: forget())  # the plans hold their group: drop them when it is destroyed

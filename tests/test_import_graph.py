@@ -100,3 +100,26 @@ def test_leaves_import_nothing_above_them():
         bad = {d for d in graph[m] if d.startswith(("cp_ops.dispatch", "cp_ops.ops", "cp_ops.transport",
                                                     "cp_ops.attention", "cp_ops.comm"))}
         assert not bad, (m, bad)
+
+
+def test_the_measured_choice_keeps_no_cache():
+    """Issue 19 item 3: cp_ops.modes.tune is the decision (candidates, heuristic, pick, timing with the caller's
+    runner); the stored choices (memory, the file, the ranks' agreement on it) are cp_ops.choices, which dispatch
+    owns. tune.py holds no mutable module state, reads or writes no file; choices.py does, and imports tune."""
+    mods = _modules()
+    tree = ast.parse(open(mods["cp_ops.modes.tune"]).read())
+    state = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            v = node.value
+            if isinstance(v, (ast.Dict, ast.Set, ast.List, ast.DictComp, ast.SetComp, ast.ListComp)) or (
+                    isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in ("dict", "set", "list")):
+                state.append(ast.unparse(node)[:60])
+    assert not state, f"cp_ops/modes/tune.py keeps module state: {state}"
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not imported & {"json", "os", "fcntl"}, imported
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "open" not in calls
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    assert "cp_ops.modes.tune" in graph["cp_ops.choices"] and "cp_ops.choices" in graph["cp_ops.dispatch"]
+    assert "cp_ops.choices" not in graph["cp_ops.modes.tune"]

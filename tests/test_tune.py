@@ -1,4 +1,4 @@
-"""The measured choice of mode='auto' / chunks=None (issue 9 item 4, cp_ops.modes.tune) on real gloo groups:
+"""The measured choice of mode='auto' / chunks=None (issue 9 item 4: cp_ops.modes.tune decides, cp_ops.choices stores) on real gloo groups:
 every rank picks the same variant (times max-reduced), the choice is measured once then cached, the disk cache
 round-trips under a key naming the machine and the call, a rank whose file differs measures with the others
 (no desync), the switch off gives the heuristic, explicit mode/chunks are honoured, and the output equals the
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cp_ops
+from cp_ops import choices
 from dist_util import run_ranks
 
 B, S_LOCAL, H, D = 1, 5, 6, 8  # S_local odd; W = 2 and 3 divide H (Ulysses is a candidate)
@@ -81,26 +82,26 @@ def _body_w2(rank, w, tmp):
     cands = tune.candidates("auto", None, H, w)
     assert cands == [("agkv", 1), ("agkv", 2), ("agkv", 4), ("ulysses", 1), ("ulysses", 2), ("ulysses", 4)], cands
     assert tune.candidates("auto", None, 4, w)[3:] == [("ulysses", 1), ("ulysses", 2)]  # H/W=2: ulysses/4 = /2
-    assert tune.stats["measured"] == 1 and tune.stats["timed"] == len(cands), tune.stats
-    choice = tune.describe("auto", None, q, pg, "torch")
+    assert choices.stats["measured"] == 1 and choices.stats["timed"] == len(cands), choices.stats
+    choice = choices.lookup("auto", None, q, pg, "torch")
     assert choice.source == "measured" and set(choice.times_ms) == {f"{m}/{c}" for m, c in cands}
     assert len(set(_gather((choice.mode, choice.chunks, tuple(sorted(choice.times_ms.items())))))) == 1
     _check_output(out, q, k, v, ref, choice)
     for _ in range(3):  # cached: no more measuring
         assert torch.equal(cp_ops.attention(q, k, v), out)
-    assert tune.stats["measured"] == 1 and tune.stats["timed"] == len(cands)
+    assert choices.stats["measured"] == 1 and choices.stats["timed"] == len(cands)
 
     # 2. explicit mode and chunks honoured: explicit both = no decision; a named mode keeps its name
-    assert tune.decide("ulysses", 2, "ulysses", q, pg, "torch") == ("ulysses", 2)
+    assert choices.decide("ulysses", 2, "ulysses", q, pg, "torch") == ("ulysses", 2)
     cp_ops.attention(q, k, v, mode="agkv", chunks=4)
-    assert tune.stats["timed"] == len(cands)
+    assert choices.stats["timed"] == len(cands)
     out_u = cp_ops.attention(q, k, v, mode="ulysses")  # chunks measured among ulysses 1, 2, 4 only
-    cu = tune.describe("ulysses", None, q, pg, "torch")
+    cu = choices.lookup("ulysses", None, q, pg, "torch")
     assert cu.mode == "ulysses" and set(cu.times_ms) == {"ulysses/1", "ulysses/2", "ulysses/4"}, cu
-    assert tune.stats["timed"] == len(cands) + 3, tune.stats
+    assert choices.stats["timed"] == len(cands) + 3, choices.stats
     _check_output(out_u, q, k, v, ref, cu)
     out_a = cp_ops.attention(q, k, v, chunks=1)  # mode measured at chunks=1
-    ca = tune.describe("auto", 1, q, pg, "torch")
+    ca = choices.lookup("auto", 1, q, pg, "torch")
     assert ca.chunks == 1 and set(ca.times_ms) == {"agkv/1", "ulysses/1"} and len(set(_gather(ca.mode))) == 1
     _check_output(out_a, q, k, v, ref, ca)
 
@@ -112,7 +113,7 @@ def _body_w2(rank, w, tmp):
     holder[0] = cands2
     tune._timer = timer
     out2 = cp_ops.attention(q2, k2, v2)
-    c2 = tune.describe("auto", None, q2, pg, "torch")
+    c2 = choices.lookup("auto", None, q2, pg, "torch")
     assert (c2.mode, c2.chunks) == ("agkv", 2) and c2.times_ms["agkv/2"] == 1.5, c2
     assert all(t == 2.0 for n, t in c2.times_ms.items() if n != "agkv/2"), c2.times_ms
     _check_output(out2, q2, k2, v2, ref2, c2)
@@ -125,14 +126,14 @@ def _body_w2(rank, w, tmp):
     assert (kd["W"], kd["B"], kd["S_local"], kd["D"], kd["dtype"], kd["transport"]) == (w, B, S_LOCAL, D, "float32",
                                                                                           "torch")
     assert kd["candidates"] == [f"{m}/{c}" for m, c in cands2] and entries[key]["mode"] == "agkv"
-    tune.clear_memory()
+    choices.forget()
     tune._timer = lambda *a: pytest.fail("measured although every rank holds the same cached choice")
-    measured = tune.stats["measured"]
+    measured = choices.stats["measured"]
     assert torch.equal(cp_ops.attention(q2, k2, v2), out2)
-    assert tune.stats["measured"] == measured and tune.describe("auto", None, q2, pg, "torch").source == "disk"
+    assert choices.stats["measured"] == measured and choices.lookup("auto", None, q2, pg, "torch").source == "cached"
 
     # 5. one rank's file differs (stale: another candidate): every rank measures again, none desyncs
-    tune.clear_memory()
+    choices.forget()
     if rank == 1:
         path = os.path.join(tmp, "rank1.json")
         data = json.load(open(path))
@@ -142,27 +143,27 @@ def _body_w2(rank, w, tmp):
     holder[0] = cands2
     tune._timer = timer
     out3 = cp_ops.attention(q2, k2, v2)
-    assert tune.stats["measured"] == measured + 1, tune.stats  # on both ranks, rank 0's file agreeing or not
-    assert _gather(tune.describe("auto", None, q2, pg, "torch")[:2]) == [("agkv", 2)] * w
+    assert choices.stats["measured"] == measured + 1, choices.stats  # on both ranks, rank 0's file agreeing or not
+    assert _gather(choices.lookup("auto", None, q2, pg, "torch")[:2]) == [("agkv", 2)] * w
     assert torch.equal(out3, out2)
     assert json.load(open(os.path.join(tmp, f"rank{rank}.json")))["entries"][key]["mode"] == "agkv"  # rewritten
     # ... and one rank without a file at all
-    tune.clear_memory()
+    choices.forget()
     if rank == 0:
         os.remove(os.path.join(tmp, "rank0.json"))
     out4 = cp_ops.attention(q2, k2, v2)
-    assert tune.stats["measured"] == measured + 2 and torch.equal(out4, out2)
+    assert choices.stats["measured"] == measured + 2 and torch.equal(out4, out2)
 
     # 6. switch off: the heuristic (AGKV at W = 2, chunks 1 on torch), bitwise the explicit call, nothing measured
     config.configure(tune_modes=False)
     q3, k3, v3, ref3 = _inputs(rank, w, 3)
     out5 = cp_ops.attention(q3, k3, v3)
-    c5 = tune.describe("auto", None, q3, pg, "torch")
+    c5 = choices.lookup("auto", None, q3, pg, "torch")
     assert (c5.mode, c5.chunks, c5.source) == (modes.choose("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic")
-    assert tune.stats["measured"] == measured + 2
+    assert choices.stats["measured"] == measured + 2
     assert torch.equal(out5, cp_ops.attention(q3, k3, v3, mode="agkv", chunks=1))
     assert cp_ops.attention(q3, k3, v3, mode="agkv").shape == q3.shape
-    assert tune.describe("agkv", None, q3, pg, "torch")[:3] == ("agkv", 1, "heuristic")
+    assert choices.lookup("agkv", None, q3, pg, "torch")[:3] == ("agkv", 1, "heuristic")
 
     # 7. the switch differs between ranks: ValueError on both (the settings are compared first), no hang
     config.configure(tune_modes=rank == 0)
@@ -186,7 +187,7 @@ def _body_w3(rank, w, tmp):
     for h in (H, 4):  # 4 heads: W=3 does not divide them, AGKV only
         q, k, v, ref = _inputs(rank, w, 10 + h, h=h)
         out = cp_ops.attention(q, k, v)
-        c = tune.describe("auto", None, q, pg, "torch")
+        c = choices.lookup("auto", None, q, pg, "torch")
         assert c.source == "measured" and len(set(_gather((c.mode, c.chunks)))) == 1, c
         if h == 4:
             assert c.mode == "agkv" and set(c.times_ms) == {"agkv/1", "agkv/2", "agkv/4"}, c
@@ -209,7 +210,7 @@ def _compiled(rank, w):
         g = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(1, s_local, H, D, generator=g) for _ in range(3))
         out = fn(q, k, v)
-        assert tune.stats["measured"] == 0 and tune.stats["timed"] == 0, tune.stats
+        assert choices.stats["measured"] == 0 and choices.stats["timed"] == 0, choices.stats
         assert torch.equal(out, cp_ops.attention(q, k, v, mode=modes.choose("auto", H, w), chunks=1) * 2)
 
 
@@ -238,15 +239,15 @@ def _compiled_table(rank, w):
     assert not torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=1) * 2)  # LSE merge: not bitwise
     assert _rel(out, ref * 2) <= 1e-5
     # eager with measuring off: the same table
-    tune.clear_memory()
+    choices.forget()
     cp_ops.attention(q, k, v, mode="agkv")
-    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == ("agkv", 3, "heuristic"), c
     del pipelined.HEURISTIC_CHUNKS[("agkv", "torch")]
     assert not _traces_pipelined(q, k, v, "torch")
-    tune.clear_memory()
+    choices.forget()
     cp_ops.attention(q, k, v, mode="agkv")
-    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == ("agkv", 1, "heuristic"), c
 
 
@@ -311,16 +312,16 @@ def _gpu_body(rank, w):
     sh = lambda t: t[:, rank * s_local:(rank + 1) * s_local].contiguous()  # noqa: E731
     for transport in ["torch"] + (["fast"] if fast.unavailable_reason("cuda") is None else []):
         out = cp_ops.attention(sh(q), sh(k), sh(v), transport=transport)
-        c = tune.describe("auto", None, sh(q), dist.group.WORLD, transport)
+        c = choices.lookup("auto", None, sh(q), dist.group.WORLD, transport)
         everyone = _gather((c.mode, c.chunks, c.source))
         if rank == 0:
             print(f"tuned W={w} {transport} bf16 {[b, s_local, h, d]}: {c.mode} chunks={c.chunks} "
                   f"times {c.times_ms}", flush=True)
         assert len(set(everyone)) == 1 and c.source == "measured", everyone
         assert _rel(out, sh(ref)) <= 1e-2
-        measured = tune.stats["measured"]
+        measured = choices.stats["measured"]
         cp_ops.attention(sh(q), sh(k), sh(v), transport=transport)
-        assert tune.stats["measured"] == measured
+        assert choices.stats["measured"] == measured
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Reproducible by default (issue 20, items 3 and 13; cp_ops.modes.tune):
+"""Reproducible by default (issue 20, items 3 and 13; cp_ops.modes.tune, cp_ops.choices):
 
 * ``mode='auto'`` / ``chunks=None`` take the documented heuristic unless measuring is asked for
   (``CP_OPS_TUNE_MODES=1`` or ``config.configure(tune_modes=True)``): nothing timed, nothing read or written under
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cp_ops
+from cp_ops import choices
 from cp_ops import config
 from cp_ops.modes import tune
 from dist_util import run_ranks
@@ -55,13 +56,13 @@ def _default_body(rank, w, home):
     tune._timer = lambda *a: pytest.fail("timed a candidate with measuring off")
     q, k, v = _inputs(rank, w, 3)
     outs = [cp_ops.attention(q, k, v) for _ in range(2)]
-    c = tune.describe("auto", None, q, dist.group.WORLD, "torch")
+    c = choices.lookup("auto", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == (modes.choose("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic"), c
-    assert tune.stats["measured"] == tune.stats["timed"] == tune.stats["disk"] == 0, tune.stats
+    assert choices.stats["measured"] == choices.stats["timed"] == choices.stats["cached"] == 0, choices.stats
     explicit = cp_ops.attention(q, k, v, mode="agkv", chunks=1)
     assert torch.equal(outs[0], explicit) and torch.equal(outs[1], explicit)
     cp_ops.attention(q, k, v, mode="agkv")  # chunks=None alone: the heuristic too
-    assert tune.describe("agkv", None, q, dist.group.WORLD, "torch").source == "heuristic"
+    assert choices.lookup("agkv", None, q, dist.group.WORLD, "torch").source == "heuristic"
     written = [os.path.join(d, f) for d, _, fs in os.walk(home) for f in fs]
     assert written == [], written  # nothing under ~/.cache (or anywhere under HOME)
     assert _gather((c.mode, c.chunks)) == [("agkv", 1)] * w
@@ -84,22 +85,22 @@ def test_unparsable_or_wrongly_typed_cache_is_ignored_with_a_warning(tmp_path):
            {"mode": "agkv", "chunks": 1, "times_ms": {"agkv/1": [[[1.0]]]}}, {"mode": [["agkv"]], "chunks": 1},
            {"mode": "agkv", "chunks": 1, "times_ms": {"agkv/1": float("nan")}}]
     saved = config.snapshot()
-    tune._warned.clear()
+    choices._warned.clear()
     try:
         config.configure(tune_cache=str(path))
-        path.write_text(json.dumps({"format": tune.FORMAT, "entries": {"ok": good, **{f"b{i}": e for i, e in
+        path.write_text(json.dumps({"format": choices.FORMAT, "entries": {"ok": good, **{f"b{i}": e for i, e in
                                                                                        enumerate(bad)}}}))
         with pytest.warns(RuntimeWarning, match=f"ignoring {len(bad)} malformed entries of the choice cache {path}"):
-            assert tune._read_cache() == {"ok": good}
+            assert choices._read_cache() == {"ok": good}
         path.write_text(_DEEP)
         with pytest.warns(RuntimeWarning, match=f"ignoring the choice cache {path}, which does not parse "
                                                 r"\(RecursionError"):
-            assert tune._read_cache() == {}
-        tune._write_cache("k", good)  # the next write replaces the mangled file
-        assert json.loads(path.read_text()) == {"format": tune.FORMAT, "entries": {"k": good}}
+            assert choices._read_cache() == {}
+        choices._write_cache("k", good)  # the next write replaces the mangled file
+        assert json.loads(path.read_text()) == {"format": choices.FORMAT, "entries": {"k": good}}
     finally:
         config.restore(saved)
-        tune._warned.clear()
+        choices._warned.clear()
 
 
 def _mangled_body(rank, w, tmp):
@@ -117,16 +118,15 @@ def _mangled_body(rank, w, tmp):
         out = cp_ops.attention(q, k, v, mode="agkv")
     msgs = [str(x.message) for x in caught if issubclass(x.category, RuntimeWarning)]
     assert any(path in m and "RecursionError" in m for m in msgs) == (rank == 1), msgs
-    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
-    assert c.source == "measured" and tune.stats["measured"] == 1, (c, tune.stats)  # every rank measured alike
+    c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
+    assert c.source == "measured" and choices.stats["measured"] == 1, (c, choices.stats)  # every rank measured alike
     assert _gather((c.mode, c.chunks)) == [(c.mode, c.chunks)] * w
     assert torch.equal(out, cp_ops.attention(q, k, v, mode=c.mode, chunks=c.chunks))
-    assert json.load(open(path))["format"] == tune.FORMAT  # rewritten, well-formed
+    assert json.load(open(path))["format"] == choices.FORMAT  # rewritten, well-formed
 
     # the runner comes from the caller: decide() times the calls it is given, not the built-in synthetic ones
-    tune.clear_memory()
+    choices.forget()
     config.configure(tune_cache="off")
-    tune.default_runner = lambda *a: pytest.fail("the default runner was used although the caller gave one")
     ran = []
 
     def runner(mode, chunks):
@@ -136,7 +136,7 @@ def _mangled_body(rank, w, tmp):
 
         return run
 
-    got = tune.decide("agkv", None, "agkv", q, dist.group.WORLD, "torch", runner=runner)
+    got = choices.decide("agkv", None, "agkv", q, dist.group.WORLD, "torch", runner=runner)
     cands = tune.candidates("agkv", None, H, w)
     assert got in cands and set(ran) == set(cands), (got, ran)
     assert _gather(got) == [got] * w

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import cp_ops
+from cp_ops import choices
 from cp_ops.modes import tune
 from dist_util import run_ranks
 
@@ -132,11 +133,11 @@ def _decide(q, k, v, table, seed_note):
     log)."""
     import torch.distributed as dist
 
-    tune.clear_memory()
+    choices.forget()
     timer = table if isinstance(table, _Injected) else _Injected(table)
     tune._timer = timer
     out = cp_ops.attention(q, k, v, mode="agkv")
-    c = tune.describe("agkv", None, q, dist.group.WORLD, "torch")
+    c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert c is not None and c.source == "measured", (seed_note, c)
     # the output is the chosen variant's, bitwise (same kernels, same data)
     assert torch.equal(out, cp_ops.attention(q, k, v, mode=c.mode, chunks=c.chunks)), seed_note
@@ -225,10 +226,10 @@ def test_disk_cache_of_another_format_is_ignored(tmp_path, fmt):
     saved = config.snapshot()
     try:
         config.configure(tune_cache=str(path))
-        assert tune.FORMAT == 3 and tune._read_cache() == {}
-        tune._write_cache("k2", {"mode": "agkv", "chunks": 1})
+        assert choices.FORMAT == 3 and choices._read_cache() == {}
+        choices._write_cache("k2", {"mode": "agkv", "chunks": 1})
         assert json.loads(path.read_text()) == {"format": 3, "entries": {"k2": {"mode": "agkv", "chunks": 1}}}
-        assert tune._read_cache() == {"k2": {"mode": "agkv", "chunks": 1}}
+        assert choices._read_cache() == {"k2": {"mode": "agkv", "chunks": 1}}
     finally:
         config.restore(saved)
 
@@ -248,10 +249,10 @@ def test_disk_cache_of_the_right_format_with_a_bad_shape_is_ignored(tmp_path, en
     saved = config.snapshot()
     try:
         config.configure(tune_cache=str(path))
-        got = tune._read_cache()
+        got = choices._read_cache()
         assert got == ({"ok": {"mode": "agkv", "chunks": 1}} if isinstance(entries, dict) and "ok" in entries else {})
         assert all(isinstance(e, dict) and isinstance(e.get("times_ms", {}), dict) for e in got.values())
-        tune._write_cache("k2", {"mode": "agkv", "chunks": 1})  # a good entry replaces the bad ones
-        assert tune._read_cache()["k2"] == {"mode": "agkv", "chunks": 1}
+        choices._write_cache("k2", {"mode": "agkv", "chunks": 1})  # a good entry replaces the bad ones
+        assert choices._read_cache()["k2"] == {"mode": "agkv", "chunks": 1}
     finally:
         config.restore(saved)

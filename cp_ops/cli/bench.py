@@ -21,7 +21,7 @@ import platform
 import torch
 import torch.distributed as dist
 
-from cp_ops import attention, choose_mode, local_attention, modes, select_transport
+from cp_ops import attention, choose_mode, describe, local_attention, modes, select_transport
 
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
 
@@ -186,9 +186,6 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     choice), then ``args.repeats`` interleaved rounds — the 1-device baselines on rank 0 alone (the other ranks
     wait at a barrier), then one steady-state sample of every case — so drift over the run (clocks, temperature)
     hits the baseline and every case alike; then latencies and (``--graphs``) the CUDA-graph columns."""
-    from cp_ops.modes import tune
-    from cp_ops.transport.base import resolve as resolve_transport
-
     dtype = DTYPES[args.dtype]
     b, h, d = args.batch, args.heads, args.head_dim
     calls = getattr(args, "calls", 1)
@@ -249,8 +246,7 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
         resolved = select_transport(tr, device.type)
         cp = summary(max_over_ranks_each(samples, device))
         lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
-        picked = tune.describe(mode, c, ql, pg, resolve_transport(tr, device.type)) if (mode == "auto" or c is None) \
-            else None
+        picked = describe(ql, group=pg, mode=mode, transport=tr, chunks=c) if (mode == "auto" or c is None) else None
         used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
         used_chunks = picked.chunks if picked else c
         graph = {}

@@ -1,25 +1,31 @@
-"""The measured choice of a CP attention variant: ``mode='auto'`` and/or ``chunks=None`` (issue 9, item 4).
+"""The choice of a CP attention variant for ``mode='auto'`` and/or ``chunks=None`` (issue 9 item 4; issue 19 item
+3): the pure decision. It takes a runner from its caller and keeps no cache of its own: what was chosen is kept by
+:mod:`cp_ops.choices` (memory, the cache file, the ranks' agreement on cached entries), which
+:mod:`cp_ops.dispatch` owns.
 
-:func:`cp_ops.attention` calls :func:`decide` with what the caller asked for. An explicit mode *and* an explicit
-chunk count are returned unchanged. Otherwise the candidates are every variant the request leaves open
-(:func:`candidates`: modes 'agkv' and 'ulysses' — Ulysses only where W divides H — for ``mode='auto'``, else
-the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for ``chunks=None``, else the given count; variants that
-run the same schedule are listed once), and:
+An explicit mode *and* an explicit chunk count are the caller's (:func:`choose` returns them, source 'explicit').
+Otherwise the candidates are every variant the request leaves open (:func:`candidates`: modes 'agkv' and 'ulysses' —
+Ulysses only where W divides H — for ``mode='auto'``, else the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for
+``chunks=None``, else the given count; variants that run the same schedule are listed once), and:
 
-* ``settings.tune_modes`` off (the default; ``CP_OPS_TUNE_MODES=0``): the heuristic — :func:`cp_ops.modes.choose`
-  for the mode (AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and
-  :func:`cp_ops.modes.pipelined.choose_chunks` for the stages (a table keyed by mode and the transport the call
-  runs on, 'auto' resolved for the group: AGKV on the fast transport 2, else 1; see its docstring for the
-  measurements behind it). No timing, no file: the same inputs give the same variant, hence the same outputs,
-  from run to run, whatever the load on the machine (as ``torch.backends.cudnn.benchmark = False``). Measured
-  choices differ with load (pipelined or not: ~5e-3 relative in bf16), so measuring is opt-in.
-* on (``CP_OPS_TUNE_MODES=1``, or ``cp_ops.config.configure(tune_modes=True)`` on every rank): a measured
-  candidate, measured on first use per (CP group, W, B, S_local, H, D, dtype, device, transport, request) and
-  then a dict lookup (about 1 µs); kept in the disk cache below, so a later process with the same cache makes
-  the same choice without timing (deterministic once cached). Measuring (:func:`measure`): every rank runs
-  every candidate on synthetic random tensors of the call's shape and dtype (the call's data is not needed),
-  through ``runner(mode, chunks)`` (default: :func:`cp_ops.attention` with the candidate's explicit mode and
-  chunks; a caller may pass its own, see :func:`decide`):
+* unmeasured (measuring off — ``CP_OPS_TUNE_MODES=0``, the default —, a group of one rank or of the 'fake' backend,
+  code traced by ``torch.compile``, a call inside CUDA-graph capture): the heuristic (:func:`heuristic`) —
+  :func:`cp_ops.modes.choose` for the mode (AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and
+  :func:`cp_ops.modes.pipelined.choose_chunks` for the stages (a table keyed by mode and the transport the call runs
+  on, 'auto' resolved for the group: AGKV on the fast transport 2, else 1; see its docstring for the measurements
+  behind it). No timing: the same inputs give the same variant, hence the same outputs, from run to run, whatever
+  the load on the machine (as ``torch.backends.cudnn.benchmark = False``). Measured choices differ with load
+  (pipelined or not: ~5e-3 relative in bf16), so measuring is opt-in. Measuring at trace time was tried through
+  :func:`torch.compiler.assume_constant_result`; Dynamo cannot pass it symbolic sizes (automatic dynamic shapes after
+  a recompile) and fails the trace, so a traced call takes the heuristic; pass ``mode=``/``chunks=`` explicitly
+  (e.g. what :func:`cp_ops.describe` reports after an eager call) to compile the measured variant.
+* one candidate left (e.g. ``mode='agkv', chunks=None`` at W = 2 on a shape whose stage plans coincide): that one
+  (source 'single').
+* measuring on (``CP_OPS_TUNE_MODES=1``, or ``cp_ops.config.configure(tune_modes=True)`` on every rank), several
+  candidates: :func:`choose` returns them (an :class:`Open` request); the caller takes a choice it stored (the cache
+  every rank holds alike) or has :func:`measured` time them with its ``runner`` (:func:`measure`): every rank runs
+  every candidate, through ``runner(mode, chunks)`` (:data:`Runner`; the dispatcher's runs :func:`cp_ops.attention`
+  on synthetic random tensors of the call's shape and dtype, :func:`cp_ops.dispatch.runner`):
 
   1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
   2. rounds of samples, interleaved: each round times every candidate once, in candidate order (A B C A B C
@@ -47,49 +53,18 @@ run the same schedule are listed once), and:
   S_local=2048, H=40, D=128 (6 candidates, t ≈ 0.5 ms): 20 calls a sample, 7 rounds of 60 ms, about 0.42 s
   timed; for a call of 30 ms, 3 rounds, about 0.55 s timed plus 0.55 s of warm-up and sizing.
 
-Disk cache (measuring on only; nothing is read or written with it off): the choices (with their measured times)
-are kept in a JSON file, ``settings.tune_cache``
-(``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
-file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call,
-:data:`MARGIN` and the heuristic's candidate. Format :data:`FORMAT` = 3 since the pick prefers the heuristic's
-candidate within the margin (format 2: the simplest; format 1: the bare minimum of 3 samples, before the
-interleaved rounds and the margin): a file of another format is ignored, its requests measured again and the
-file rewritten in format 3. A rank cannot trust its own file alone (a rank with a stale or missing file would skip
-measuring while its peers measure, and the collectives would mismatch): on first use the ranks exchange which cached candidate each
-holds (one all-reduce over the group) and use it only when every rank holds the same one; otherwise all
-measure and every rank rewrites its entry. A file that does not parse (bad JSON, nesting too deep for the
-parser: ``RecursionError``) or whose entries have wrong types (:func:`_valid_entry`) is ignored, in whole or
-those entries, with a warning naming the file, on the rank holding it: that rank then holds no cached candidate,
-so every rank measures alike (no rank raises while its peers wait). An unwritable file is reported once (a
-warning); neither stops the call.
-
-Before its first collective a measuring rank compares the collective settings over the group
-(:func:`cp_ops.contract.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`):
-a peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting
-instead of hanging. With measuring off no exchange is added.
-
-Not measured (the heuristic decides): a group of one rank, or of the 'fake' backend (tracing tests), a first
-call inside CUDA-graph capture, and code traced by ``torch.compile`` (measuring at trace time was tried through
-:func:`torch.compiler.assume_constant_result`; Dynamo cannot pass it symbolic sizes — automatic dynamic shapes
-after a recompile — and fails the trace, so a traced call takes the heuristic; pass ``mode=``/``chunks=``
-explicitly, e.g. what :func:`describe` reports after an eager call, to compile the measured variant).
+Module state: the timing constants below and the :data:`_timer` hook (tests replace it); no record of past choices.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import os
-import platform
 import statistics
-import warnings
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .. import config
 from ..timing import max_over_ranks_each, steady_ms
 from . import names as mode_names
 from . import spec as mode_spec
@@ -112,27 +87,35 @@ MAX_CALLS = 20
 BUDGET_MS = 500.0
 #: A more complex candidate must be faster than a simpler one by more than this fraction to be chosen over it.
 MARGIN = 0.03
-#: Format of the disk cache; a file of another format is ignored (and replaced on the next write).
-FORMAT = 3
+
+#: Where a choice came from (:attr:`Choice.source`).
+SOURCES = ("explicit", "heuristic", "single", "measured", "cached", "pending")
 
 
 class Choice(NamedTuple):
-    """A decision: the variant, where it came from ('measured', 'disk', 'heuristic', 'explicit', 'single'
-    (one candidate)), the candidates' times in ms, median of the samples on each rank, max over the ranks
-    ({'agkv/2': 0.9, ...}; empty unless measured or read from disk)."""
+    """A decision for one request: the variant (``mode``, ``chunks``), where it came from (``source``, one of
+    :data:`SOURCES`: 'explicit' (the caller's mode and chunks), 'heuristic', 'single' (one candidate left),
+    'measured' (timed now), 'cached' (the stored choice every rank holds alike, :mod:`cp_ops.choices`), 'pending'
+    (only :func:`cp_ops.describe`: measuring is on and the first call has not measured yet; ``mode``/``chunks`` are
+    the heuristic's until then)), the candidates' times in ms — median of the samples on each rank, max over the
+    ranks (``{'agkv/2': 0.9, ...}``; empty unless measured or cached) —, the transport the call runs on ('torch',
+    'fast'; 'auto' where the group has not agreed on it yet; filled by :func:`cp_ops.describe`, '' elsewhere) and
+    ``why``, the reason in words."""
 
     mode: str
     chunks: int
     source: str
     times_ms: dict
+    transport: str = ""
+    why: str = ""
 
 
-#: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'disk' (decisions
-#: taken from the disk cache), 'heuristic'.
-stats = {"measured": 0, "timed": 0, "disk": 0, "heuristic": 0}
-_memo: dict[tuple, tuple] = {}  # (group, request, shape, dtype, device, transport, tune_modes) -> (mode, chunks)
-_choices: dict[tuple, "Choice"] = {}  # the same key -> the Choice (source, times) for reports
-_warned: set[tuple[str, str]] = set()
+class Open(NamedTuple):
+    """A request that measuring decides: its candidates (:func:`candidates`, in measuring order) and the heuristic's
+    candidate (:func:`heuristic_candidate`, which :func:`pick` prefers within the margin)."""
+
+    candidates: list
+    preferred: tuple
 
 
 #: ``runner(mode, chunks) -> run``: ``run()`` makes one call of the candidate (a collective: every rank calls it
@@ -140,56 +123,57 @@ _warned: set[tuple[str, str]] = set()
 Runner = Callable[[str, int], Callable[[], object]]
 
 
-def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup,
-           transport: str, runner: Runner | None = None) -> tuple[str, int]:
-    """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks (see the module docstring).
+def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGroup, device, transport: str,
+           measuring: bool) -> Choice | Open:
+    """The decision for a request on W ranks, short of timing (see the module docstring).
 
     Args:
-        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``modes.choose(mode,
-            H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the CP group. transport: the resolved transport ('torch', 'fast').
-        runner: what :func:`measure` times when measuring is on and the choice is not cached (see :data:`Runner`);
-            required where measuring runs (the dispatcher gives :func:`cp_ops.dispatch.runner`).
+        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``cp_ops.modes.choose(mode, H,
+            W)`` (checked). shape: ``[B, S_local, H, D]`` of this rank's q. pg: the CP group. device: q's device.
+            transport: the resolved transport ('torch', 'fast', or 'auto': resolved for the group by
+            :func:`cp_ops.transport.base.concrete_name`, collective the first time). measuring: the caller's
+            setting (``settings.tune_modes``).
     Returns:
-        the mode name and the chunk count (≥ 1) every rank of the group uses.
+        a :class:`Choice` (source 'explicit', 'heuristic' or 'single'), or an :class:`Open` request: measuring is on
+        and several candidates are left (the caller measures with :func:`measured`, or takes a choice it stored).
     Raises:
-        ValueError: the ranks' collective settings differ (first use only; raised on every rank).
-        RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S`` (first use only).
+        RuntimeError: ``transport`` 'auto' and the group did not agree on one within ``CP_OPS_TIMEOUT_S``.
     """
     if mode != "auto" and chunks is not None:
-        return chosen, chunks
-    if torch.compiler.is_compiling():  # traced by torch.compile: the heuristic (see the module docstring)
-        return heuristic_candidate(chunks, chosen, q.shape, group, q.device, transport)
-    hit = _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
-    if hit is not None:  # the cached choice: one dict lookup
-        return hit
-    return _decide(mode, chunks, chosen, tuple(q.shape), q.dtype, str(q.device), group.group_name, transport, runner)
+        return Choice(chosen, chunks, "explicit", {}, why="mode and chunks given by the caller")
+    w = pg.size()
+    if torch.compiler.is_compiling():
+        return heuristic(chunks, chosen, shape, pg, device, transport, "traced by torch.compile: measuring is eager only")
+    if w == 1:
+        return heuristic(chunks, chosen, shape, pg, device, transport, "a group of one rank")
+    from ..group import backend_name
+
+    if backend_name(pg) == "fake":
+        return heuristic(chunks, chosen, shape, pg, device, transport, "a 'fake' process group (nothing runs)")
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return heuristic(chunks, chosen, shape, pg, device, transport, "inside CUDA-graph capture")
+    if not measuring:
+        return heuristic(chunks, chosen, shape, pg, device, transport, "measuring off (CP_OPS_TUNE_MODES=0, the default)")
+    cands = candidates(mode, chunks, shape[2], w)
+    if len(cands) == 1:
+        return Choice(cands[0][0], cands[0][1], "single", {}, why="the only candidate the request leaves open")
+    return Open(cands, heuristic_candidate(chunks, chosen, shape, pg, device, transport))
 
 
-def _decide(mode, chunks, chosen, shape, dtype, device, group_name, transport, runner=None) -> tuple[str, int]:
-    """:func:`decide` on plain values, after a miss of the eager cache."""
-    pg = _resolve(group_name)
-    key = (pg, mode, chunks, torch.Size(shape), dtype, torch.device(device), transport, config.settings.tune_modes)
-    hit = _memo.get(key)
-    if hit is not None:
-        return hit
-    c = _choose(mode, chunks, chosen, shape, dtype, torch.device(device), pg, transport, runner)
-    if c is not None:
-        _memo[key] = (c.mode, c.chunks)
-        _choices[key] = c
-        return c.mode, c.chunks
-    return _choose_heuristic_only(chunks, chosen, shape, pg, device, transport)
+def measured(request: Open, chosen: str, shape, dtype, device, pg: dist.ProcessGroup, transport: str,
+             runner: Runner | None) -> Choice:
+    """Time ``request``'s candidates with the caller's ``runner`` (:func:`measure`) and :func:`pick` one: a Choice
+    with source 'measured' and every candidate's time. Collective: every rank of ``pg`` calls it alike.
 
-
-def describe(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
-    """The :class:`Choice` :func:`decide` made for this request on ``group`` (None before it made one): what
-    ``cp-ops bench --modes auto`` reports."""
-    return _choices.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
-
-
-def _resolve(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
+    Raises:
+        ValueError: no runner. RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S``."""
+    cands = request.candidates
+    times = measure(cands, shape, dtype, device, pg, transport, runner)
+    best = pick(cands, times, chosen, preferred=request.preferred)
+    named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
+    return Choice(cands[best][0], cands[best][1], "measured", named,
+                  why=f"measured: the fastest of {len(cands)} candidates beyond a {MARGIN:.0%} margin "
+                      "(the heuristic's candidate within it)")
 
 
 def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> list[tuple[str, int]]:
@@ -218,11 +202,6 @@ def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> li
     return out
 
 
-def _choose_heuristic_only(chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
-    c = _heuristic(chunks, chosen, shape, pg, device, transport)
-    return c.mode, c.chunks
-
-
 def heuristic_candidate(chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
     """The ``(mode, chunks)`` the heuristic gives a request: ``chosen`` (:func:`cp_ops.modes.choose`) and the given
     ``chunks``, or for ``chunks=None`` :func:`cp_ops.modes.pipelined.choose_chunks` on the transport the call runs
@@ -232,10 +211,11 @@ def heuristic_candidate(chunks, chosen, shape, pg, device, transport) -> tuple[s
     return chosen, choose_chunks(chosen, pg.size(), _Shape(shape), concrete_name(transport, pg.group_name, device))
 
 
-def _heuristic(chunks, chosen, shape, pg, device, transport) -> Choice:
-    stats["heuristic"] += 1
+def heuristic(chunks, chosen, shape, pg, device, transport, reason: str) -> Choice:
+    """:func:`heuristic_candidate` as a :class:`Choice` (source 'heuristic'), ``why`` naming ``reason`` (why nothing
+    is measured)."""
     m, c = heuristic_candidate(chunks, chosen, shape, pg, device, transport)
-    return Choice(m, c, "heuristic", {})
+    return Choice(m, c, "heuristic", {}, why=f"the heuristic: {reason}")
 
 
 class _Shape:
@@ -243,54 +223,6 @@ class _Shape:
 
     def __init__(self, shape):
         self.shape = torch.Size(shape)
-
-
-def _choose(mode, chunks, chosen, shape, dtype, device, pg, transport, runner=None) -> Choice | None:
-    from ..group import backend_name
-
-    w = pg.size()
-    fake = backend_name(pg) == "fake"
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    cands = candidates(mode, chunks, shape[2], w) if w > 1 else []
-    if not config.settings.tune_modes or fake or capturing or w == 1:
-        if capturing:
-            return None  # the heuristic, not kept: measured by the first call outside capture
-        choice = _heuristic(chunks, chosen, shape, pg, device, transport)
-    elif len(cands) == 1:
-        choice = Choice(cands[0][0], cands[0][1], "single", {})
-    else:
-        preferred = heuristic_candidate(chunks, chosen, shape, pg, device, transport)
-        choice = _agreed_or_measured(cands, chosen, preferred, shape, dtype, device, pg, transport, runner)
-    return choice
-
-
-# ---- agreement, measuring ------------------------------------------------------------------------
-def _agreed_or_measured(cands, default_mode, preferred, shape, dtype, device, pg, transport, runner=None) -> Choice:
-    from ..contract import check_settings_agree
-
-    # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
-    # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
-    check_settings_agree(pg)
-    dkey = disk_key(shape, dtype, device, pg.size(), transport, cands, preferred)
-    entry = _read_cache().get(dkey)
-    code = 0
-    if entry is not None and [entry.get("mode"), entry.get("chunks")] in [list(c) for c in cands]:
-        code = [list(c) for c in cands].index([entry["mode"], entry["chunks"]]) + 1
-    t = torch.tensor([code, -code], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    hi, lo = t[0].item(), -t[1].item()
-    if hi == lo and hi > 0:  # every rank holds the same cached candidate
-        stats["disk"] += 1
-        m, c = cands[int(hi) - 1]
-        return Choice(m, c, "disk", dict(entry.get("times_ms", {})))
-    times = measure(cands, shape, dtype, device, pg, transport, runner)
-    best = pick(cands, times, default_mode, preferred=preferred)
-    stats["measured"] += 1
-    named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
-    choice = Choice(cands[best][0], cands[best][1], "measured", named)
-    _write_cache(dkey, {"mode": choice.mode, "chunks": choice.chunks, "times_ms": named, "margin": MARGIN,
-                        "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-    return choice
 
 
 def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, margin: float | None = None,
@@ -336,7 +268,6 @@ def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = 
     for _ in range(rounds):  # interleaved: A B C A B C ...
         for i, (cand, run) in enumerate(zip(cands, runs)):
             samples[i].append(_timer(cand, run, device, calls[i]))
-    stats["timed"] += len(cands)
     return max_over_ranks_each([statistics.median(s) for s in samples], device, pg)
 
 
@@ -360,152 +291,3 @@ def _sample_ms(cand: tuple[str, int], run: Callable[[], object], device: torch.d
 #: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it; the
 #: sizing call is ``calls=1``).
 _timer = _sample_ms
-
-
-# ---- the disk cache ------------------------------------------------------------------------------
-def cache_path() -> str | None:
-    """The disk cache's file (None: ``tune_cache`` is 'off')."""
-    p = config.settings.tune_cache
-    if p is not None and p.strip().lower() == "off":
-        return None
-    if p:
-        return os.path.expanduser(p)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "cp_ops", "choices.json")
-
-
-def machine(device: torch.device) -> dict:
-    """What a measured time depends on besides the call: device model, driver, torch and cp_ops versions."""
-    from .._version import __version__
-
-    if device.type == "cuda":
-        dev, driver = torch.cuda.get_device_name(device), _driver_version()
-    else:
-        dev, driver = f"{device.type}:{platform.processor() or platform.machine()}:{_cores()} cores", "-"
-    return {"device": dev, "driver": driver, "torch": torch.__version__, "cp_ops": __version__}
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _driver_version() -> str:
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            for word in f.readline().split():
-                if word[:1].isdigit() and "." in word:
-                    return word
-    except OSError:
-        pass
-    try:
-        import ctypes
-
-        v = ctypes.c_int()
-        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
-        return f"cuda-driver-api-{v.value}"
-    except (OSError, AttributeError):
-        return "unknown"
-
-
-def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None) -> str:
-    """The disk cache's key of a decision (one line of JSON: machine, versions, call, candidates, :data:`MARGIN`,
-    the heuristic's candidate :func:`pick` prefers within the margin, so a change of the heuristic's table
-    measures again)."""
-    b, s, h, d = shape
-    return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
-                           dtype=str(dtype).replace("torch.", ""), transport=transport, margin=MARGIN,
-                           candidates=[f"{m}/{c}" for m, c in cands],
-                           preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}"), sort_keys=True)
-
-
-def _valid_entry(e) -> bool:
-    """A cache entry as :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, ``times_ms`` (if
-    present) a dict of str -> finite number. Anything else (hand-edited, another tool's, mangled) is ignored."""
-    if not isinstance(e, dict) or not isinstance(e.get("mode"), str):
-        return False
-    c = e.get("chunks")
-    if not isinstance(c, int) or isinstance(c, bool) or c < 1:
-        return False
-    times = e.get("times_ms", {})
-    return isinstance(times, dict) and all(
-        isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-        for k, t in times.items()
-    )
-
-
-def _read_cache() -> dict:
-    """The cache file's well-formed entries ({} when off, missing or unreadable; a warning names a file that does
-    not parse or holds malformed entries). Never raises on the file's content: a rank holding a mangled file
-    alone must not fail while its peers wait for it in the agreement's all-reduce."""
-    path = cache_path()
-    if path is None or not os.path.exists(path):
-        return {}
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError, RecursionError, MemoryError) as e:  # RecursionError: nesting too deep to parse
-        _warn_once(path, f"cp_ops: ignoring the choice cache {path}, which does not parse ({type(e).__name__}: "
-                         f"{str(e)[:200]}); it is rewritten after the next measurement")
-        return {}
-    entries = data.get("entries") if isinstance(data, dict) and data.get("format") == FORMAT else None
-    if not isinstance(entries, dict):
-        return {}  # another format (or none): measured again and rewritten in this one
-    good = {k: e for k, e in entries.items() if _valid_entry(e)}
-    if len(good) < len(entries):
-        _warn_once(path, f"cp_ops: ignoring {len(entries) - len(good)} malformed entries of the choice cache {path} "
-                         "(wrong types); they are dropped at the next write")
-    return good
-
-
-def _write_cache(key: str, entry: dict) -> None:
-    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock; atomic replace)."""
-    path = cache_path()
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".lock", "a") as lock:
-            try:
-                import fcntl
-
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except ImportError:  # not POSIX: last writer wins
-                pass
-            entries = _read_cache()
-            entries[key] = entry
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"format": FORMAT, "entries": entries}, f, indent=1)
-            os.replace(tmp, path)
-    except OSError as e:
-        _warn_once(path, f"cp_ops: cannot write the choice cache {path} ({e}); set CP_OPS_TUNE_CACHE to a writable "
-                         "file, or to off")
-
-
-def _warn_once(path: str, message: str) -> None:
-    """Warn ``message`` (about the cache file ``path``) once per process."""
-    if (path, message) not in _warned:
-        _warned.add((path, message))
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def clear_memory() -> None:
-    """Forget the in-process choices (the next call of each request agrees or measures again), and the eager
-    plans that hold them (callbacks added with :func:`on_clear`: :mod:`cp_ops.dispatch` adds its ``forget``); tests
-    use it."""
-    _memo.clear()
-    _choices.clear()
-    for fn in _ON_CLEAR:
-        fn()
-
-
-_ON_CLEAR: list = []
-
-
-def on_clear(fn) -> None:
-    """Call ``fn()`` whenever :func:`clear_memory` runs (a cache above this module that holds its choices)."""
-    if fn not in _ON_CLEAR:
-        _ON_CLEAR.append(fn)

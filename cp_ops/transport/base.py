@@ -245,6 +245,21 @@ def concrete_name(name: str, group_name: str, device) -> str:
 concrete_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def agreed_name(name: str, group_name: str, device) -> str | None:
+    """:func:`concrete_name` without a collective (for reports: :func:`cp_ops.describe`): the transport a call with
+    resolved transport ``name`` runs on the group, where it is known without asking the group — an explicit name, a
+    'fake' group's, or 'auto' once the group agreed (its first call did) —, else None."""
+    if name != "auto":
+        return name
+    from ..group import backend_name
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    device = torch.device(device)
+    if backend_name(_resolve_process_group(group_name)) == "fake":
+        return select_transport(name, device.type)
+    return _group_choice.get((name, group_name, device.type))
+
+
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The transport an op uses for ``group`` (called inside the op's real kernel).
 

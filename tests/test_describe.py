@@ -1,0 +1,80 @@
+"""cp_ops.describe (issue 22 item 5): what cp_ops.attention picked, or would pick, for a call — mode, chunks,
+transport, source ('explicit', 'heuristic', 'pending', 'measured', 'cached') and why — on 2 gloo ranks; local (one
+rank may call it alone: no collective), and the call's own local errors."""
+
+import os
+
+import pytest
+import torch
+
+import cp_ops
+from dist_util import run_ranks
+
+B, S_LOCAL, H, D = 1, 5, 6, 8
+
+
+def _shard(rank, seed, h=H):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, S_LOCAL, h, D, generator=g) + rank for _ in range(3))
+
+
+def test_describe_is_public():
+    assert "describe" in cp_ops.__all__ and callable(cp_ops.describe)
+    doc = cp_ops.describe.__doc__
+    for word in ("Args:", "Returns:", "Raises:", "'measured'", "'cached'", "'heuristic'", "'explicit'"):
+        assert word in doc, word
+
+
+def _body(rank, w, tmp):
+    import torch.distributed as dist
+
+    from cp_ops import choices, config
+    from cp_ops.modes import tune
+
+    q, k, v = _shard(rank, 1)
+    # measuring off (the default): the heuristic, before and after the call, the same on every rank
+    c = cp_ops.describe(q, k, v)
+    assert (c.mode, c.chunks, c.source, c.transport, c.times_ms) == ("agkv", 1, "heuristic", "torch", {}), c
+    assert "measuring off" in c.why, c.why
+    # one rank alone asks (no collective: the other rank goes straight to the call, and nothing pairs off wrong)
+    if rank == 0:
+        for _ in range(3):
+            cp_ops.describe(q, mode="ulysses")
+    out = cp_ops.attention(q, k, v)
+    assert cp_ops.describe(q, k, v) == c
+    assert torch.equal(out, cp_ops.attention(q, k, v, mode=c.mode, chunks=c.chunks))
+    assert cp_ops.describe(q.transpose(1, 2), layout="bhsd") == c  # BHSD: the same call
+    # explicit mode and chunks; uneven shards
+    e = cp_ops.describe(q, mode="ulysses", chunks=2, transport="torch")
+    assert e[:5] == ("ulysses", 2, "explicit", {}, "torch"), e
+    u = cp_ops.describe(q, seq_lens=(S_LOCAL, S_LOCAL))
+    assert (u.chunks, u.source) == (1, "heuristic") and "uneven" in u.why, u
+    # the call's own local errors, raised on this rank alone
+    with pytest.raises(ValueError, match="chunks must be None"):
+        cp_ops.describe(q, chunks=0)
+    with pytest.raises(ValueError, match="divisible"):
+        cp_ops.describe(_shard(rank, 2, h=5)[0], mode="ulysses")
+    with pytest.raises(ValueError, match="layout must be"):
+        cp_ops.describe(q, layout="sbhd")
+    with pytest.raises(ValueError, match="4-D|BSHD|dims"):
+        cp_ops.describe(q[0])
+
+    # measuring on: pending before the first call, measured by it, cached (from the file) in a fresh memory
+    tune.WARMUP, tune.ROUNDS, tune.MIN_ROUNDS, tune.SAMPLE_MS = 1, 1, 1, 1.0
+    config.configure(tune_modes=True, tune_cache=os.path.join(tmp, f"rank{rank}.json"))
+    q2, k2, v2 = _shard(rank, 3, h=4)
+    p = cp_ops.describe(q2, mode="agkv")
+    assert (p.mode, p.chunks, p.source) == ("agkv", 1, "pending") and "agkv/2" in p.why, p
+    cp_ops.attention(q2, k2, v2, mode="agkv")
+    m = cp_ops.describe(q2, mode="agkv")
+    assert m.source == "measured" and set(m.times_ms) == {"agkv/1", "agkv/2", "agkv/4"} and m.transport == "torch", m
+    assert m[:2] == choices.lookup("agkv", None, q2, dist.group.WORLD, "torch")[:2]
+    choices.forget()
+    cp_ops.attention(q2, k2, v2, mode="agkv")
+    cached = cp_ops.describe(q2, mode="agkv")
+    assert cached.source == "cached" and cached[:2] == m[:2] and cached.times_ms == m.times_ms, cached
+    assert "cache file" in cached.why, cached.why
+
+
+def test_describe_on_two_ranks(tmp_path):
+    run_ranks(_body, 2, str(tmp_path))
