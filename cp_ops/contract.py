@@ -518,8 +518,38 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
     raise ValueError(
         f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
         f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}{_variant_hint(aspects, desc)}"
-        f"{_caller_hint(aspects, desc)}"
+        f"{_caller_hint(aspects, desc)}{_inputs_hint(rows, desc)}"
     )
+
+
+def _inputs_hint(rows: list, desc: list[dict]) -> str:
+    """Where an exchange compared inputs (:func:`check_inputs_agree`): each input that differs — its name as the
+    caller gave it (e.g. ``'hidden_states (positional argument 0)'``), its shape and dtype, and which ranks hold the
+    same (shape, dtype, checksum) — so the message says which argument to seed or pass alike."""
+    if any(d["inputs"] is None or d["call"] != desc[0]["call"] for d in desc):
+        return ""
+    parts = []
+    for i in range(min(3, len(desc[0]["inputs"]))):
+        seen = [list(d["inputs"].items())[i] if len(d["inputs"]) > i else ("?", None) for d in desc]
+        groups: dict = {}
+        for r, ((_, meta), row) in enumerate(zip(seen, rows)):
+            groups.setdefault((repr(meta), row[12 + i]), []).append(r)
+        if len(groups) == 1:
+            continue
+        what = "values (checksums)" if len({repr(m) for _, m in seen}) == 1 else "shapes or dtypes"
+        names = sorted({n for n, _ in seen})
+        held = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
+                         f"{_shape_dtype(seen[rs[0]][1])}"
+                         for rs in groups.values())
+        parts.append(f"input {' / '.join(names)} differs in {what} ({held})")
+    if not parts:
+        return ""
+    return "; " + "; ".join(parts) + ": pass the same tensors on every rank (seed the latents and noise alike)"
+
+
+def _shape_dtype(meta) -> str:
+    """``(shape, dtype)`` of a compared input in words, or 'no tensor'."""
+    return "no tensor" if meta is None else f"shape {meta[0]} {str(meta[1]).replace('torch.', '')}"
 
 
 def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:

@@ -206,15 +206,22 @@ def _parallelize_contract(rank, w, check_ranks):
         x1 = x + 1e-3 * (rank == 1)
         if check_ranks in ("always", "debug"):  # every forward is checked
             with pytest.raises(ValueError, match=r"cp_ops.parallelize inputs: .*differ in inputs: rank 0: .*rank 1: .*"
-                                                 r"input checksums differ: the ranks were given different inputs"):
+                                                 r"input checksums differ: the ranks were given different inputs") as e:
                 cp(x1, t, text)
+            # the message names the input that differs, how it was passed, its shape and which ranks hold what
+            assert ("input hidden_states (positional argument 0) differs in values (checksums) (rank 0: shape "
+                    "[1, 4, 2, 8, 8] float32; rank 1: shape [1, 4, 2, 8, 8] float32)") in str(e.value), str(e.value)
+            assert "input timestep" not in str(e.value) and "input encoder_hidden_states" not in str(e.value)
         # a new shape is checked under the default too
         x2 = torch.randn(1, 4, 4, 8, 8, generator=torch.Generator().manual_seed(2 + rank))
         with pytest.raises(ValueError, match="differ in inputs"):
             cp(x2, t, text)
         # per-rank text embeddings
-        with pytest.raises(ValueError, match="differ in inputs"):
-            cp(torch.randn(1, 4, 6, 8, 8, generator=torch.Generator().manual_seed(9)), t, text + rank)
+        with pytest.raises(ValueError, match="differ in inputs") as e:
+            cp(torch.randn(1, 4, 6, 8, 8, generator=torch.Generator().manual_seed(9)), t, encoder_hidden_states=text + rank)
+        assert ("input encoder_hidden_states (keyword) differs in values (checksums) (rank 0: shape [1, 16, 32] "
+                "float32; rank 1: shape [1, 16, 32] float32)") in str(e.value), str(e.value)
+        assert "input hidden_states" not in str(e.value)
         # rank 1 skips the second layer's attention: every rank raises before the output gather
         skip = parallelize(copy.deepcopy(model), mode="agkv", transport="torch")
         if rank == 1:

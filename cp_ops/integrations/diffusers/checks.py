@@ -27,19 +27,28 @@ class RankChecks:
         self.params = list(inspect.signature(model.forward).parameters)
         model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
 
-    def _arg(self, name, args, kwargs):
+    def _arg(self, name, args, kwargs) -> tuple[str, torch.Tensor | None]:
+        """The forward's input ``name`` (a tensor, or None) and how the caller passed it, in words for the rank
+        contract's message: ``"hidden_states (keyword)"``, ``"x (positional argument 0)"``, a list's ``"x[0] ..."``."""
         i = self.params.index(name) if name in self.params else len(args)
-        x = kwargs[name] if name in kwargs else args[i] if i < len(args) else None
+        if name in kwargs:
+            x, where = kwargs[name], "keyword"
+        elif i < len(args):
+            x, where = args[i], f"positional argument {i}"
+        else:
+            x, where = None, "not given"
+        label = name
         if isinstance(x, (list, tuple)):
             x = x[0] if x and isinstance(x[0], torch.Tensor) else None
-        return x if isinstance(x, torch.Tensor) else None
+            label += "[0]"
+        return f"{label} ({where})", x if isinstance(x, torch.Tensor) else None
 
     def before_forward(self, mod, args, kwargs):
         if torch.compiler.is_compiling():
             return
         mode = config.settings.check_ranks
         if mode != "off":
-            inputs = {n: self._arg(n, args, kwargs) for n in self.inputs}
+            inputs = dict(self._arg(n, args, kwargs) for n in self.inputs)
             key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())
             if mode == "debug" or key not in self.seen:
                 check_inputs_agree(self.input_pg, "cp_ops.parallelize inputs", inputs)
