@@ -6,18 +6,14 @@
 # at the model's standard resolution (the CUDA defaults of cp-ops run), every step under STEP_TIMEOUT seconds.
 # Env: BOUND_W (default 2,4,8), STEP_TIMEOUT (default 300), BOUND_ARGS (extra arguments for every step),
 #      PROFILE_RE (steps whose name matches get --profile OUT/prof), DEADLINE (seconds after which no new step starts).
-# Wheels in .whl/ (diffusers and its importlib_metadata) are installed into /tmp/site first when present.
+# Wheels in .whl/ (diffusers and its importlib_metadata) are installed into /tmp/site first when present, unless the
+# script that started this one did it (benchmarks/gpu_site.sh).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_bound.sh OUT_DIR [step ...]}; shift
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=$ROOT:/tmp/site
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
+. "$ROOT/benchmarks/gpu_site.sh"  # the wheels into /tmp/site, once (a caller that did it is not repeated)
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"

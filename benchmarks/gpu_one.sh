@@ -8,7 +8,8 @@
 #   host  — host µs per eager cp_ops.attention call, benchmarks/host_cost.py --fake, this tree and, when .base/ holds
 #           an older checkout, that one too, interleaved (before/after a change);
 #   bound — the zero-communication bound of a few full-size models (BOUND_STEPS; benchmarks/gpu_bound.sh).
-# Wheels in .whl/ (diffusers, importlib_metadata, expecttest, nvshmem4py) go to /tmp/site first.
+# Wheels in .whl/ (diffusers, importlib_metadata, expecttest, nvshmem4py) go to /tmp/site first, once: the bound
+# section's gpu_bound.sh finds them there (benchmarks/gpu_site.sh).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_one.sh OUT_DIR [section ...]}; shift
 SECTIONS=${*:-build tests host bound}
@@ -16,12 +17,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export CP_OPS_EXT_DIR=${CP_OPS_EXT_DIR:-/tmp/cp_ops_ext}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=$ROOT:/tmp/site
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
+. "$ROOT/benchmarks/gpu_site.sh"  # the wheels into /tmp/site, once (a caller that did it is not repeated)
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 status=0

@@ -1,0 +1,55 @@
+"""The GPU machine's scripts install the carried wheels once: benchmarks/gpu_one.sh's bound section runs
+benchmarks/gpu_bound.sh, which does not install them again; each script alone still installs them. Run on CPU with
+stand-ins for python3 and nvidia-smi that log their arguments (nothing is installed or run)."""
+
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tree(tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of the GPU scripts with a carried wheel in .whl/, and an environment whose python3 and nvidia-smi log
+    their command lines to calls.log."""
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    for f in (ROOT / "benchmarks").glob("gpu_*.sh"):
+        shutil.copy(f, root / "benchmarks" / f.name)
+    (root / ".whl").mkdir()
+    (root / ".whl" / "fake-0.1-py3-none-any.whl").write_bytes(b"")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    for name in ("python3", "nvidia-smi"):
+        p = bin_dir / name
+        p.write_text(f'#!/bin/sh\necho "{name} $*" >> "{log}"\nexit 0\n')
+        p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_SITE_READY", "PYTHONPATH")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return root, env
+
+
+def _installs(tmp_path: Path) -> list[str]:
+    return [ln for ln in (tmp_path / "calls.log").read_text().splitlines() if "-m pip install" in ln]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_gpu_one_installs_the_wheels_once(tmp_path):
+    root, env = _tree(tmp_path)
+    r = subprocess.run(["bash", "benchmarks/gpu_one.sh", str(tmp_path / "out"), "bound"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text()
+    assert "-m cp_ops run" in calls, calls  # the bound section ran gpu_bound.sh's steps
+    assert len(_installs(tmp_path)) == 1, calls
+    # gpu_bound.sh alone installs them
+    (tmp_path / "calls.log").unlink()
+    r = subprocess.run(["bash", "benchmarks/gpu_bound.sh", str(tmp_path / "out2"), "wan@eager"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(_installs(tmp_path)) == 1, (tmp_path / "calls.log").read_text()
