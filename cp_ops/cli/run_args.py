@@ -91,6 +91,11 @@ def add_parser(sub) -> None:
                    help="with --bound (experimental, CUDA): fill the GPU's free memory with random values first, so "
                         "buffers a fake collective never writes hold random values rather than zeros (zeros make "
                         "rank 0's kernels faster than real data: docs/measuring.md)")
+    r.add_argument("--unwritten", action="store_true",
+                   help="with --bound: leave the fake collectives' outputs as torch's fake backend leaves them "
+                        "(unwritten on torch 2.11: kernels then run on stale memory, faster than on real data); "
+                        "default: every fake collective writes this rank's own data into every slot, its copies "
+                        "timed alone and taken out of rank 0's time (cp_ops.transport.fake_fill, docs/measuring.md)")
     r.add_argument("--no-group1", action="store_true",
                    help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
                         "then diffusers' alone")
@@ -173,8 +178,9 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
     if args.bound is not None:
         check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory:
-        fail(f"{what}: --bound-compile, --cost, --no-group1 and --random-memory apply only with --bound W[,W...]")
+    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory or args.unwritten:
+        fail(f"{what}: --bound-compile, --cost, --no-group1, --random-memory and --unwritten apply only with "
+             "--bound W[,W...]")
 
 
 def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
