@@ -1,8 +1,8 @@
 """cp_ops.transport.fake_fill: a fake group's collectives hold real data for the zero-communication bound.
 
-torch 2.11's fake backend (the GPU machine's) leaves collective outputs unwritten; newer torch (CI's) copies the
-input. Here a fixture makes this torch's fake group behave as 2.11's (its collectives return a real fake work and
-write nothing), so every test below fails if cp_ops' fill does not write: the outputs start as NaN and must end
+torch 2.11's fake backend (the GPU machine's) leaves the all-to-all's output unwritten; newer torch (CI's) copies the
+input. Here a fixture makes this torch's fake group write nothing at all (its collectives return a real fake work),
+so the tests that use it fail if cp_ops' fill does not write: the outputs start as NaN and must end
 equal to this rank's own data in every slot (fresh random inputs, never zeros)."""
 
 import pytest

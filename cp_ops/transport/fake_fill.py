@@ -2,11 +2,11 @@
 
 ``cp-ops run --bound`` (:mod:`cp_ops.cli.bound`) times rank 0 of a W-rank *fake* process group
 (``torch.testing._internal.distributed.fake_pg``). What a fake collective leaves in its output depends on torch:
-newer torch copies the caller's input into every rank's slot (``alltoall_base``: output = input;
-all-gathers: every chunk = the input), while torch 2.11's fake backend returns at once and leaves the output
-*unwritten* — the kernels after it then compute on whatever the allocator's block held (zeros in fresh memory),
-and on an H200 attention and GEMMs run 13-15 % faster on zeros than on real values (clock and power). Ulysses
-rows, where Q, K and V all come out of a collective, then read above linear.
+newer torch copies the caller's input into every rank's slot (``alltoall_base``: output = input; all-gathers:
+every chunk = the input); torch 2.11's fake backend does so for the all-gathers but leaves ``alltoall_base``'s
+output *unwritten* (probed on an H200, 2026-12-01c) — the kernels after it then compute on whatever the allocator's
+block held (zeros in fresh memory), and on an H200 attention and GEMMs ran 13-15 % faster on that than on real
+values. Ulysses rows, where Q, K and V all come out of an all-to-all, read above linear.
 
 :func:`enable` makes every fake collective cp_ops issues write what newer torch's fake backend writes — this
 rank's own data in every source slot (real activations: the same magnitudes and statistics as the peers' would
