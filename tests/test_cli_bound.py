@@ -28,7 +28,7 @@ def _args(model, **kw):
     return argparse.Namespace(**base)
 
 
-@pytest.mark.parametrize("model", ["wan", "flux", "qwenimage", "zimage"])
+@pytest.mark.parametrize("model", ["wan", "flux", "qwenimage", "zimage", "ltx"])
 def test_bound_tiny_fake_groups(model, tmp_path):
     """W = 2, 4, 8 on one CPU: one row per W, finite positive times and bound, cost = rank 0 - plain, the JSON
     written; every side's output had the full shape (run_bound raises otherwise); no process group left behind.

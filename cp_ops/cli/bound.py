@@ -143,7 +143,8 @@ class PlainAttention(CPAttention):
     - Ulysses: Q, K, V of all S tokens and ``H / W`` heads (the local block repeated over the sequence, cut to S,
       the first ``H / W`` heads), and the output's first ``S_local`` tokens repeated over the heads.
 
-    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K). Attention runs on
+    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K). For a model installed
+    from its ``_cp_plan`` (generic: no recorded stream totals) S = W x S_local (exact for even shards). Attention runs on
     cuDNN first on CUDA (as :func:`cp_ops.local_attention`). Output ``[B, S_local, H, D]``, the query's dtype.
     Its values are not the model's (the copies repeat this rank's tokens): a timing stand-in only.
     """
@@ -155,9 +156,10 @@ class PlainAttention(CPAttention):
     def __call__(self, query, key, value, attn_mask, dropout_p, is_causal, scale):
         st = self.state
         w = st.world
-        total = sum(st.total(s, self.where) for s in self.streams)
         mask = self.key_mask(attn_mask, query)
         b, s_local, h, _ = query.shape
+        # a generic _cp_plan model's modules find their streams per call (no recorded totals): W blocks of this one
+        total = sum(st.total(s, self.where) for s in self.streams) if self.streams else w * s_local
 
         def full(x):  # [B, S_local, ...] -> [B, S, ...]: the local block repeated, cut to S
             return x.repeat(1, w, *([1] * (x.dim() - 2)))[:, :total]
