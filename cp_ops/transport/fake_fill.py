@@ -31,7 +31,6 @@ import torch.distributed as dist
 ACTIVE = False
 #: collective kind -> True when torch's fake backend leaves its output unwritten (so :func:`fill` writes it)
 _unwritten: dict[str, bool] = {}
-_fake_names: dict[str, bool] = {}
 _records: list | None = None
 
 KINDS = ("alltoall_base", "_allgather_base", "allgather_into_tensor_coalesced", "recv")
@@ -77,11 +76,8 @@ def disable() -> None:
 
 
 def _is_fake(pg: dist.ProcessGroup) -> bool:
-    name = pg.group_name
-    v = _fake_names.get(name)
-    if v is None:
-        v = _fake_names[name] = str(dist.get_backend(pg)) == "fake"
-    return v
+    """Asked at every call (not cached by name: a later real group may reuse a destroyed fake group's name)."""
+    return str(dist.get_backend(pg)) == "fake"
 
 
 def _note(kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
