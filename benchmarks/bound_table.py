@@ -5,7 +5,8 @@
 ``bound.json``: ``{"meta": {model: that run's meta}, "rows": [...]}``, one row per model x compile mode x W with the
 keys issue 21 names (``model, config, layers, tokens, compile, cuda_graphs, world_size, one_gpu_ms, rank0_ms,
 bound_speedup, cp_ops_cost_ms``) and the run's others (``one_gpu_from``, ``diffusers_ms``, ``group1_ms``,
-``plain_ms``, ``cp_ops_cost_pct``, ``mode``, ``rank0_samples``, ...). ``--profiles``: the runs' profiles
+``plain_ms``, ``cp_ops_cost_pct``, ``mode``, ``rank0_samples``, ...). Rows since 2026-12-01c: ``rank0_ms`` is the
+measured forward (``rank0_raw_ms``, the samples) minus ``fill_ms`` (the fake collectives' writes, timed alone). ``--profiles``: the runs' profiles
 (``--profile``), per model and compile mode, corrected for the CUPTI marker "Command Buffer Full" (a host wait, not
 device work; runs before commit cd0732b counted it in ``busy_ms`` and the ``other`` category).
 """
@@ -49,7 +50,8 @@ def _spread(samples) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model (tokens) | compile | W | mode | 1 GPU ms (from) | rank 0 ms (min–max) | bound | cp_ops cost ms (%) |",
+    out = ["| model (tokens) | compile | W | mode | 1 GPU ms (from) | rank 0 ms (measured min–max − fill) | bound | "
+           "cp_ops cost ms (%) |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "skipped" in r:
@@ -59,7 +61,8 @@ def table(rows: list[dict]) -> str:
         src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
         cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if "cp_ops_cost_ms" in r else ""
         out.append(f"| {r['model']} {r['config']} ({r['tokens']}) | {comp} | {r['world_size']} | {r['mode']} | "
-                   f"{r['one_gpu_ms']:.1f} ({src}) | {r['rank0_ms']:.1f} ({_spread(r.get('rank0_samples'))}) | "
+                   f"{r['one_gpu_ms']:.1f} ({src}) | {r['rank0_ms']:.1f} ({_spread(r.get('rank0_samples'))}"
+                   f"{' − %.1f' % r['fill_ms'] if 'fill_ms' in r else ''}) | "
                    f"{r['bound_speedup']:.2f}x | {cost} |")
     return "\n".join(out)
 

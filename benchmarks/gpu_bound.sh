@@ -24,7 +24,7 @@ for st in "$@"; do
   if [ -n "${DEADLINE:-}" ] && [ $((SECONDS - T0)) -ge "$DEADLINE" ]; then echo "=== $st: skipped (DEADLINE ${DEADLINE} s)" | tee -a "$LOG"; continue; fi
   spec=${st%@*}; modes=${st#*@}; model=${spec%:*}; cfg=""; [ "$spec" != "$model" ] && cfg=${spec#*:}
   name=${model}${cfg:+_$cfg}_${modes//[,+]/_}
-  prof=""; [[ $st =~ ${PROFILE_RE:-^$} ]] && prof="--profile /tmp/bound_prof"
+  prof=""; [[ $st =~ ${PROFILE_RE:-^$} ]] && prof="--profile $OUT/prof"
   echo "=== $name: cp-ops run $model ${cfg:+--config $cfg} --bound ${BOUND_W:-2,4,8} --bound-compile $modes --cost $prof ${BOUND_ARGS:-}" | tee -a "$LOG"
   t=$SECONDS
   timeout -k 10 "${STEP_TIMEOUT:-300}" python3 -m cp_ops run "$model" ${cfg:+--config $cfg} --bound "${BOUND_W:-2,4,8}" \

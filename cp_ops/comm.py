@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from . import layout
+from .transport import fake_fill
 from .transport.base import agkv_start_sources
 
 
@@ -213,7 +214,11 @@ class DirectComm(_Comm):
 
     def _mask(self, m):
         out = m.new_empty(self.world * m.shape[0], m.shape[1])
-        return out, self.pg._allgather_base(out, m.contiguous())
+        m = m.contiguous()
+        work = self.pg._allgather_base(out, m)
+        if fake_fill.ACTIVE:
+            fake_fill.fill("_allgather_base", self.pg, out, m)
+        return out, work
 
     def mask(self, m) -> Pending:
         return self._launched(*self._mask(m))

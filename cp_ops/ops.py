@@ -39,7 +39,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes), imported lazily on the first trace
-from .transport import base as transport_base
+from .transport import base as transport_base, fake_fill
 from . import contract, validate
 from .comm import DirectComm
 
@@ -155,7 +155,10 @@ def mask_gather_start(mask: torch.Tensor, world_size: int, group_name: str) -> t
     pg = _group(world_size, group_name)
     out = mask.new_empty(world_size * mask.shape[0], mask.shape[1])
     if out.numel():
-        _register(pg._allgather_base(out, mask.contiguous()), out)
+        m = mask.contiguous()
+        _register(pg._allgather_base(out, m), out)
+        if fake_fill.ACTIVE:
+            fake_fill.fill("_allgather_base", pg, out, m)
     return out
 
 

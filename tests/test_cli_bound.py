@@ -23,12 +23,12 @@ def _args(model, **kw):
     base = dict(model=model, config="tiny", checkpoint=None, layers=None, frames=f, height=h, width=w,
                 text_tokens=16, batch=1, dtype="fp32", mode="auto", chunks=1, bound=[2, 4, 8],
                 bound_compile=["eager"], cost=True, no_group1=False, profile=None, warmup=1, repeats=2, out=None,
-                random_memory=True)
+                random_memory=True, unwritten=False)
     base.update(kw)
     return argparse.Namespace(**base)
 
 
-@pytest.mark.parametrize("model", ["wan", "flux", "qwenimage", "zimage"])
+@pytest.mark.parametrize("model", ["wan", "flux", "qwenimage", "zimage", "ltx"])
 def test_bound_tiny_fake_groups(model, tmp_path):
     """W = 2, 4, 8 on one CPU: one row per W, finite positive times and bound, cost = rank 0 - plain, the JSON
     written; every side's output had the full shape (run_bound raises otherwise); no process group left behind.
@@ -39,9 +39,13 @@ def test_bound_tiny_fake_groups(model, tmp_path):
     assert [r["world_size"] for r in rows] == [2, 4, 8]
     for r in rows:
         assert math.isfinite(r["bound_speedup"]) and r["bound_speedup"] > 0
-        assert r["rank0_ms"] > 0 and r["one_gpu_ms"] == min(r["diffusers_ms"], r["group1_ms"])
+        assert r["rank0_ms"] > 0 and r["one_gpu_ms"] <= min(r["diffusers_ms"], r["group1_ms"])
         assert r["one_gpu_from"] in ("diffusers", "group of 1")
-        assert r["cp_ops_cost_ms"] == pytest.approx(r["rank0_ms"] - r["plain_ms"])
+        if r["one_gpu_from"] == "diffusers":
+            assert r["one_gpu_ms"] == r["diffusers_ms"]
+        # the fake collectives wrote real data (fake_fill), timed alone and taken out of rank 0's time
+        assert r["fills"] > 0 and r["fill_ms"] >= 0 and r["rank0_ms"] == pytest.approx(r["rank0_raw_ms"] - r["fill_ms"])
+        assert r["cp_ops_cost_ms"] == pytest.approx(r["rank0_raw_ms"] - r["plain_ms"])
         spec = MODELS[model]
         layers = [spec.configs["tiny"][k] for k in spec.layer_keys]
         assert r["layers"] == (layers[0] if len(layers) == 1 else layers) and r["config"] == "tiny"

@@ -13,7 +13,7 @@ from dist_util import run_ranks
 
 from cp_ops.cli.models import MODELS, build
 
-OTHERS = ("zimage", "flux", "qwenimage", "hunyuanvideo")
+OTHERS = ("zimage", "flux", "qwenimage", "hunyuanvideo", "ltx")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -33,7 +33,9 @@ def test_tiny_forward_inputs(name):
         out1 = spec.predict(model, kw1)
     assert out2.shape == spec.get_latents(kw2).shape and torch.isfinite(out2).all() and out2.abs().max() > 0
     torch.testing.assert_close(out1[0], out2[0], rtol=1e-5, atol=1e-5)
-    assert spec.tokens(cfg, f, h, w) == (f // spec.patch(cfg)[0]) * (h // 2) * (w // 2)
+    pt, ph, pw = spec.patch(cfg)
+    assert (ph, pw) == ((1, 1) if name == "ltx" else (2, 2))  # LTX-Video: patch 1 on its 32x-compressed latent
+    assert spec.tokens(cfg, f, h, w) == (f // pt) * (h // ph) * (w // pw)
 
 
 def _ns(**kw):

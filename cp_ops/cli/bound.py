@@ -7,7 +7,11 @@ queries against all S keys, the replicated text/timestep work — plus cp_ops' h
 
     bound(W) = t(one device) / t(rank 0 of W)
 
-No CP implementation of the same model can beat it (its limits: ``docs/measuring.md``). ``t(one device)`` is the
+No CP implementation of the same model can beat it (its limits: ``docs/measuring.md``). The fake collectives write
+their outputs with this rank's own data (:mod:`cp_ops.transport.fake_fill`; torch 2.11's fake backend leaves them
+unwritten, and kernels on stale zeros run faster than on real data): those copies are recorded on each side's first
+call, timed alone (``fill_ms``) and taken out of rank 0's time (``rank0_ms``; measured: ``rank0_raw_ms``).
+``--unwritten`` leaves them as torch does. ``t(one device)`` is the
 faster of two single-device sides, and each row says which: ``diffusers`` (the unmodified model, attention backend
 cuDNN on CUDA) and ``group of 1`` (the model parallelized over a fake group of one rank: cp_ops' path, no split).
 
@@ -15,7 +19,9 @@ Sides, one shared set of weights (each side is a copy of the module tree whose p
 original's, so a side costs no weight memory): ``diffusers``, ``group of 1``, ``cp_ops W`` for each W and, with
 ``--cost``, ``plain W``: the ``cp_ops W`` model with every cp_ops attention call replaced by plain local attention
 of the same shapes (:class:`PlainAttention`), so ``rank0_ms - plain_ms`` is cp_ops' own cost inside the bound
-(host path, padding and mask handling, the collectives' launch and wait; the split/gather hooks stay in both).
+(host path, padding and mask handling, the collectives' launch and wait; the split/gather hooks stay in both). The
+cost compares the two measured times, each with its stand-in for the transfers' writes (cp: the fake collectives'
+copies; plain: its repeats, of the same sizes).
 
 Compile modes (``--bound-compile``): ``eager``, ``regional`` (each repeated block compiled, as ``cp-ops run
 --compile``), ``full`` (the whole forward, fullgraph), each optionally ``+graphs`` (CUDA graphs: under compile
@@ -48,6 +54,7 @@ import torch.nn.functional as F
 
 from ..integrations.diffusers.dispatch import CPAttention
 from ..timing import Graphed, time_ms
+from ..transport import fake_fill
 from .models import MODELS, build, config_label, load_checkpoint
 
 #: compile modes --bound-compile takes: a base and an optional "+graphs"
@@ -136,7 +143,8 @@ class PlainAttention(CPAttention):
     - Ulysses: Q, K, V of all S tokens and ``H / W`` heads (the local block repeated over the sequence, cut to S,
       the first ``H / W`` heads), and the output's first ``S_local`` tokens repeated over the heads.
 
-    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K). Attention runs on
+    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K). For a model installed
+    from its ``_cp_plan`` (generic: no recorded stream totals) S = W x S_local (exact for even shards). Attention runs on
     cuDNN first on CUDA (as :func:`cp_ops.local_attention`). Output ``[B, S_local, H, D]``, the query's dtype.
     Its values are not the model's (the copies repeat this rank's tokens): a timing stand-in only.
     """
@@ -148,9 +156,10 @@ class PlainAttention(CPAttention):
     def __call__(self, query, key, value, attn_mask, dropout_p, is_causal, scale):
         st = self.state
         w = st.world
-        total = sum(st.total(s, self.where) for s in self.streams)
         mask = self.key_mask(attn_mask, query)
         b, s_local, h, _ = query.shape
+        # a generic _cp_plan model's modules find their streams per call (no recorded totals): W blocks of this one
+        total = sum(st.total(s, self.where) for s in self.streams) if self.streams else w * s_local
 
         def full(x):  # [B, S_local, ...] -> [B, S, ...]: the local block repeated, cut to S
             return x.repeat(1, w, *([1] * (x.dim() - 2)))[:, :total]
@@ -208,6 +217,8 @@ class Side:
     first_s: float = 0.0
     samples: list = field(default_factory=list)
     out: torch.Tensor | None = None
+    fills: list = field(default_factory=list)  # one forward's fake collective writes (fake_fill.recording)
+    fill_ms: float = 0.0  # their device time, replayed alone (fake_fill.replay_ms)
 
     @property
     def ms(self) -> float:
@@ -221,10 +232,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _make_call(m, spec, kw, margs, device):
+def _make_call(m, spec, kw, margs, device, count=None):
+    """The side's forward (``count[0]`` += 1 per Python-level forward, when given); eager + graphs: captured."""
     from .run import _forward_fn
 
     fwd = _forward_fn(m, spec, kw, margs)
+    if count is not None:
+        inner = fwd
+
+        def fwd():
+            count[0] += 1
+            return inner()
     if margs.cuda_graphs and not margs.compile:
         return Graphed(fwd, device)
     return fwd
@@ -244,10 +262,13 @@ def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
     m, _ = compile_model(m, spec, margs, overlap=side.kind != "diffusers")
     _sync(device)
     t0 = time.perf_counter()
-    call = _make_call(m, spec, kw, margs, device)
-    out = call()
+    count = [0]
+    with fake_fill.recording() as rec:  # the first call runs Python (later graph replays may not): one forward's writes
+        call = _make_call(m, spec, kw, margs, device, count)
+        out = call()
     _sync(device)
     side.first_s = time.perf_counter() - t0
+    side.fills = rec[: len(rec) // max(1, count[0])]  # eager + graphs: warm-up and capture forwards, identical
     side.call = call
     side.out = out.detach().float().cpu() if isinstance(out, torch.Tensor) else None
 
@@ -266,7 +287,8 @@ def _time_sides(sides: list[Side], device, warmup: int, rounds: int) -> None:
 
 def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
     """One profiled forward of every side: GPU kernel time by category (attention, GEMM, copy, Triton/Inductor,
-    other) and the top kernels; on CPU, op time by the same categories. Writes nothing itself (the caller does)."""
+    other) and the top kernels; on CPU, op time by the same categories. The summary is returned (the caller writes
+    it); each side's Chrome trace goes to ``out_dir/trace_<tag>_<side>.json.gz`` (host gaps, per-op launch times)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -280,6 +302,9 @@ def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
             _sync(device)
         wall = (time.perf_counter() - t0) * 1e3
         result[s.name] = dict(wall_ms=wall, **kernel_summary(prof.key_averages(), device.type == "cuda"))
+        os.makedirs(out_dir, exist_ok=True)
+        name = "".join(c if c.isalnum() else "_" for c in f"{tag}_{s.name}")
+        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}.json.gz"))
     return result
 
 
@@ -366,6 +391,7 @@ def run_bound(args, device: torch.device) -> list[dict]:
         with torch._dynamo.config.patch(**{key: max(getattr(torch._dynamo.config, key), 64)}):
             return _run(args, device, groups)
     finally:
+        fake_fill.disable()
         if created:  # the default group this call made (and every group inside it)
             dist.destroy_process_group()
 
@@ -385,6 +411,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     if device.type == "cuda":
         base.set_attention_backend("_native_cudnn")
     filled = fill_free_memory(device) if getattr(args, "random_memory", False) else 0.0
+    written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
     layers = [cfg[k] for k in spec.layer_keys]
     config_name = config_label(spec, args.config, cfg)
@@ -393,7 +420,11 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
                 warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
-                random_memory_gib=filled)
+                random_memory_gib=filled,
+                fake_outputs=("unwritten (--unwritten)" if not written else
+                              "written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
+                              + (", ".join(k for k, v in written.items() if v) or "nothing")
+                              + "; by torch's fake backend for the rest"))
     try:
         import diffusers
 
@@ -413,8 +444,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 _prepare(s, base, spec, kw, margs, device, groups, args)
                 print(f"  [{mode_text}] {s.name}: first call {s.first_s:.1f} s", flush=True)
             _time_sides(sides, device, args.warmup, args.repeats)
+            for s in sides:
+                s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
             if args.profile:
-                profiles[mode_text] = _profile_sides(sides, device, args.profile, mode_text)
+                profiles[mode_text] = _profile_sides(sides, device, args.profile, f"{args.model}_{mode_text}")
         except Exception as e:  # noqa: BLE001 - a mode that cannot run is a row with its reason
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             print(f"  [{mode_text}] failed: {reason}", flush=True)
@@ -422,7 +455,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                              skipped=reason))
         else:
             rows += _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs)
-            _check_outputs(sides)
+            _check_outputs(sides, filled=bool(written))
         finally:
             print(f"  [{mode_text}] {time.perf_counter() - t_mode:.0f} s", flush=True)
             for s in sides:
@@ -448,36 +481,40 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     return rows
 
 
-def _check_outputs(sides: list[Side]) -> None:
-    """Every side returned the full output shape, finite where it is the model's own (not the plain stand-in's
-    repeated tokens, nor a fake group's untouched gather buffers: those are uninitialised memory)."""
+def _check_outputs(sides: list[Side], filled: bool = False) -> None:
+    """Every side returned the full output shape, finite where it is the model's own and, with ``filled`` (the fake
+    collectives write their outputs: :mod:`cp_ops.transport.fake_fill`), on every cp_ops side too (not the plain
+    stand-in's repeated tokens; nor, unfilled, a fake group's untouched gather buffers: uninitialised memory)."""
     ref = next(s.out for s in sides if s.kind == "diffusers")
     for s in sides:
         if s.out is None or tuple(s.out.shape) != tuple(ref.shape):
             raise RuntimeError(f"--bound: side {s.name!r} returned shape {None if s.out is None else tuple(s.out.shape)}, "
                                f"expected the full output {tuple(ref.shape)}")
     for s in sides:
-        if s.kind in ("diffusers", "group1") and not torch.isfinite(s.out).all():
+        if (s.kind in ("diffusers", "group1") or (filled and s.kind == "cp")) and not torch.isfinite(s.out).all():
             raise RuntimeError(f"--bound: side {s.name!r} returned non-finite values")
 
 
 def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs) -> list[dict]:
     by = {s.name: s for s in sides}
     single = [s for s in sides if s.kind in ("diffusers", "group1")]
-    best = min(single, key=lambda s: s.ms)
+    best = min(single, key=lambda s: s.ms - s.fill_ms)
+    one = best.ms - best.fill_ms
     out = []
     for w in args.bound:
         cp = by[f"cp_ops W{w}"]
+        net = cp.ms - cp.fill_ms  # the fake collectives' writes (stand-ins for the transfers) taken out
         row = dict(model=args.model, cls=spec.cls, config=config_name, layers=layers[0] if len(layers) == 1 else layers,
                    tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs,
-                   world_size=w, mode=cp.mode, one_gpu_ms=best.ms, one_gpu_from=best.name,
-                   diffusers_ms=by["diffusers"].ms, rank0_ms=cp.ms, bound_speedup=best.ms / cp.ms,
+                   world_size=w, mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
+                   diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=one / net,
+                   rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=len(cp.fills),
                    first_call_s=cp.first_s, rank0_samples=cp.samples)
         if "group of 1" in by:
             row["group1_ms"] = by["group of 1"].ms
         plain = by.get(f"plain W{w}")
-        if plain is not None:
-            row.update(plain_ms=plain.ms, cp_ops_cost_ms=cp.ms - plain.ms,
+        if plain is not None:  # both raw: each pays its stand-in writes (cp: the fake collectives'; plain: repeats)
+            row.update(plain_ms=plain.ms, plain_fill_ms=plain.fill_ms, cp_ops_cost_ms=cp.ms - plain.ms,
                        cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms)
         out.append(row)
     return out
@@ -486,8 +523,8 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
 def print_table(rows: list[dict], meta: dict) -> None:
     print(f"\nzero-communication bound, {meta['cls']} {meta['config']}, {meta['tokens']} tokens, on "
           f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})")
-    print(f"{'compile':<17} {'W':>3} {'mode':>8} {'1 device ms':>12} {'from':>11} {'rank 0 ms':>10} {'bound':>7} "
-          f"{'cp_ops cost':>16}")
+    print(f"{'compile':<17} {'W':>3} {'mode':>8} {'1 device ms':>12} {'from':>11} {'rank 0 ms':>10} {'fill ms':>8} "
+          f"{'bound':>7} {'cp_ops cost':>16}")
     for r in rows:
         name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
         if "skipped" in r:
@@ -496,8 +533,10 @@ def print_table(rows: list[dict], meta: dict) -> None:
         cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
         print(f"{name:<17} {r['world_size']:>3} {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
               f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
-              f"{r['bound_speedup']:>6.2f}x {cost:>16}")
+              f"{r.get('fill_ms', 0.0):>8.2f} {r['bound_speedup']:>6.2f}x {cost:>16}")
     print("bound = 1-device time / rank 0's time of a W-rank fake group (no transfer: no CP run can beat it); "
+          "rank 0 = its measured forward minus 'fill': the device copies that write the fake collectives' outputs "
+          "with real data (timed alone); "
           "1 device = the faster of diffusers' own path and cp_ops over a group of 1; cp_ops cost = rank 0 minus "
           "the same forward with plain local attention of the same shapes (--cost), % of rank 0's forward.")
 

@@ -289,7 +289,42 @@ ZIMAGE = ModelSpec(
     heads_key="n_heads", replicated=("t_embedder", "cap_embedder", "context_refiner"), blocks=("layers",),
 )
 
-MODELS: dict[str, ModelSpec] = {s.name: s for s in (WAN, ZIMAGE, FLUX, QWEN, HUNYUAN)}
+# ---- LTX-Video: packed latent tokens, 32x spatial / 8x temporal VAE ----------------------------------------
+
+def _ltx_inputs(cfg, text, batch, f, h, w, device, dtype, gen, t=500.0):
+    """As ``LTXPipeline`` calls the transformer: latents packed ``[B, F*H*W, C]`` (patch 1), the T5 text with its
+    padding mask, ``t`` in [0, 1000], the latent grid for the RoPE and the VAE's compression as its interpolation
+    scale (8 / 25 fps temporal, 32 spatial)."""
+    return dict(hidden_states=_randn(gen, batch, f * h * w, cfg["in_channels"], device=device, dtype=dtype),
+                encoder_hidden_states=_randn(gen, batch, text, cfg["caption_channels"], device=device, dtype=dtype),
+                timestep=_t_full(batch, t, device).to(dtype), encoder_attention_mask=_text_mask(batch, text, device),
+                num_frames=f, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+
+
+LTX = ModelSpec(
+    name="ltx", cls="LTXVideoTransformer3DModel",
+    configs={
+        # Lightricks/LTX-Video (0.9) transformer/config.json = the class defaults
+        "2b": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                   attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
+                   qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
+                   caption_channels=4096, attention_bias=True, attention_out_bias=True),
+        "tiny": dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
+                     attention_head_dim=16, cross_attention_dim=64, num_layers=2, activation_fn="gelu-approximate",
+                     qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
+                     caption_channels=32, attention_bias=True, attention_out_bias=True),
+    },
+    # latent = pixels / 32 (frames: (n - 1) / 8 + 1): 768x512, 121 frames = 16 x 16 x 24 = 6144 tokens
+    gpu_config="2b", layer_keys=("num_layers",), text_tokens={"2b": 128, "tiny": 16},
+    gpu_latent=(16, 16, 24), cpu_latent=(2, 8, 8), video=True,
+    make_inputs=_ltx_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
+    model_timestep=lambda t: t, scheduler=_flow_euler(1.0), patch=lambda c: (c["patch_size_t"], c["patch_size"],
+                                                                            c["patch_size"]),
+    heads_key="num_attention_heads", replicated=("time_embed", "caption_projection"),
+    blocks=("transformer_blocks",),
+)
+
+MODELS: dict[str, ModelSpec] = {s.name: s for s in (WAN, ZIMAGE, FLUX, QWEN, HUNYUAN, LTX)}
 #: Backward-compatible view of Wan's configs (``cp_ops.cli.run_wan.CONFIGS`` before ``run`` took every model).
 CONFIGS = WAN.configs
 

@@ -9,34 +9,35 @@ from .. import modes
 from ._args import chunks_arg, common, csv, fail
 
 #: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
-MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo")
+MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo", "ltx")
 
 
 def add_parser(sub) -> None:
-    r = sub.add_parser("run", help="a diffusers DiT (Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo; random weights or "
+    r = sub.add_parser("run", help="a diffusers DiT (Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo, LTX-Video; random weights or "
                                    "--checkpoint): one forward or --steps N, single rank vs CP",
                        description="The model's released config with random seeded weights (or a local checkpoint's "
                                    "transformer), the same inputs on every rank: the single-rank model on rank 0, "
                                    "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time (one "
                                    "forward per row: re-timed at the end in --repeats interleaved rounds, every side "
                                    "once per round), speedup, max relative error. Sizes are latent (VAE space, "
-                                   "pixels / 8).")
+                                   "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
                "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one "
                "timed loop, its median step)")
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
-                        "hunyuanvideo 13b; tiny for any (default: the first on GPU, tiny on CPU)")
+                        "hunyuanvideo 13b, ltx 2b; tiny for any (default: the first on GPU, tiny on CPU)")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="load the transformer of this local diffusers checkpoint (pipeline folder or its "
                         "transformer/ folder) instead of random weights")
     r.add_argument("--layers", type=int, default=None,
                    help="cut depth to N blocks of each kind (Flux, HunyuanVideo: N double- and N single-stream)")
     r.add_argument("--frames", type=int, default=None, help="latent frames (video models; default on GPU the model's standard length: wan 21 (81 "
-                        "frames), hunyuanvideo 16 (61 frames); 2 CPU; image models 1)")
+                        "frames), hunyuanvideo 16 (61 frames), ltx 16 (121 frames); 2 CPU; image models 1)")
     r.add_argument("--height", type=int, default=None, help="latent height (pixels / 8; default on GPU the model's standard resolution: wan 60x104 "
-                        "(480p), hunyuanvideo 68x120 (544x960), flux/zimage 128 (1024²), qwenimage 166 (1328²); 16 CPU)")
+                        "(480p), hunyuanvideo 68x120 (544x960), ltx 16x24 (768x512, pixels / 32), flux/zimage 128 (1024²), "
+                        "qwenimage 166 (1328²); 16 CPU, ltx 8)")
     r.add_argument("--width", type=int, default=None,
                    help="latent width (pixels / 8; default: as --height when --height is given, else the model's)")
     r.add_argument("--text-tokens", type=int, default=None, help="text sequence length (default: the model's, see models.py)")
@@ -91,6 +92,11 @@ def add_parser(sub) -> None:
                    help="with --bound (experimental, CUDA): fill the GPU's free memory with random values first, so "
                         "buffers a fake collective never writes hold random values rather than zeros (zeros make "
                         "rank 0's kernels faster than real data: docs/measuring.md)")
+    r.add_argument("--unwritten", action="store_true",
+                   help="with --bound: leave the fake collectives' outputs as torch's fake backend leaves them "
+                        "(unwritten on torch 2.11: kernels then run on stale memory, faster than on real data); "
+                        "default: every fake collective writes this rank's own data into every slot, its copies "
+                        "timed alone and taken out of rank 0's time (cp_ops.transport.fake_fill, docs/measuring.md)")
     r.add_argument("--no-group1", action="store_true",
                    help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
                         "then diffusers' alone")
@@ -173,8 +179,9 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
     if args.bound is not None:
         check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory:
-        fail(f"{what}: --bound-compile, --cost, --no-group1 and --random-memory apply only with --bound W[,W...]")
+    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory or args.unwritten:
+        fail(f"{what}: --bound-compile, --cost, --no-group1, --random-memory and --unwritten apply only with "
+             "--bound W[,W...]")
 
 
 def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ulysses_inverse_pack, ulysses_pack
+from . import fake_fill
 from .base import register
 
 
@@ -34,6 +35,9 @@ class TorchTransport:
         outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
         ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
         work = group.allgather_into_tensor_coalesced(outs, ins)
+        if fake_fill.ACTIVE:  # the zero-communication bound: a fake group's outputs hold real data
+            for o, i in zip(outs, ins):
+                fake_fill.fill("allgather_into_tensor_coalesced", group, o, i)
         return k_full, v_full, work
 
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
@@ -68,12 +72,18 @@ class TorchTransport:
                 work = _Works([group._end_coalescing(k.device)] if coalesce else batch)
                 works.append(work)
                 arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
+        if fake_fill.ACTIVE:  # every received block (and this rank's own, as the fake all-gathers write it)
+            for i in range(b):
+                fake_fill.fill("recv", group, k_full[i], k_in[i])
+                fake_fill.fill("recv", group, v_full[i], v_in[i])
         return k_full, v_full, arrivals, _Works(works)
 
     def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
         send = ulysses_pack(xs, group.size())
         recv = torch.empty_like(send)
         work = group.alltoall_base(recv, send, [], [])
+        if fake_fill.ACTIVE:
+            fake_fill.fill("alltoall_base", group, recv, send)
         return recv, work
 
     def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int, hi: int):
@@ -82,12 +92,16 @@ class TorchTransport:
         send = ulysses_pack(xs, group.size(), lo, hi)
         recv = torch.empty_like(send)
         work = group.alltoall_base(recv, send, [], [])
+        if fake_fill.ACTIVE:
+            fake_fill.fill("alltoall_base", group, recv, send)
         return recv, work
 
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         send = ulysses_inverse_pack(x, group.size())
         recv = torch.empty_like(send)
         work = group.alltoall_base(recv, send, [], [])
+        if fake_fill.ACTIVE:
+            fake_fill.fill("alltoall_base", group, recv, send)
         return recv, work
 
 

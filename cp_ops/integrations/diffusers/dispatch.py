@@ -65,8 +65,13 @@ class CPAttention:
         chunks = st.chunks
         if kwargs and chunks is not None and chunks > 1:  # seq_lens / key_mask: transport-then-attend only
             chunks = 1
+        # tag: the module's path (a rank that skips a layer raises), in eager calls. Under torch.compile a per-module
+        # tag is a constant of each block's graph: every block of a repeated class would compile its own (regional
+        # compilation recompiling per block, and past Dynamo's recompile limit running the rest eager), so compiled
+        # calls carry none: one graph per block class, checked by mode, chunks, mask and shapes.
+        tag = None if torch.compiler.is_compiling() else self.where
         return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
-                         chunks=chunks, tag=self.where, **kwargs)  # tag: the module's path (a skipped layer raises)
+                         chunks=chunks, tag=tag, **kwargs)
 
 
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,

@@ -1,0 +1,145 @@
+"""Fake process groups whose collectives write their outputs: realistic data for the zero-communication bound.
+
+``cp-ops run --bound`` (:mod:`cp_ops.cli.bound`) times rank 0 of a W-rank *fake* process group
+(``torch.testing._internal.distributed.fake_pg``). What a fake collective leaves in its output depends on torch:
+newer torch copies the caller's input into every rank's slot (``alltoall_base``: output = input; all-gathers:
+every chunk = the input); torch 2.11's fake backend does so for the all-gathers but leaves ``alltoall_base``'s
+output *unwritten* (probed on an H200, 2026-12-01c) — the kernels after it then compute on whatever the allocator's
+block held (zeros in fresh memory), and on an H200 attention and GEMMs ran 13-15 % faster on that than on real
+values. Ulysses rows, where Q, K and V all come out of an all-to-all, read above linear.
+
+:func:`enable` makes every fake collective cp_ops issues write what newer torch's fake backend writes — this
+rank's own data in every source slot (real activations: the same magnitudes and statistics as the peers' would
+have) — on torch versions whose fake backend does not (probed once per collective kind and device), and nothing
+extra where torch already does. Either way each such write costs one device copy of the collective's output,
+which the caller accounts for: :func:`recording` lists them and :func:`replay_ms` times the same copies alone.
+
+Covered: the torch transport's AGKV all-gather, its pipelined point-to-point gather (``recv`` never writes on any
+fake backend: the received blocks are filled with the sent ones), Ulysses' all-to-alls, the key-mask all-gathers
+and the diffusers integration's output gathers (not while ``torch.compile`` traces one: ``--bound-compile full``
+gathers stay unwritten). Off by default; a real group is never touched (the check is per group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+#: True between :func:`enable` and :func:`disable`; the transports read it before anything else (one global lookup)
+ACTIVE = False
+#: collective kind -> True when torch's fake backend leaves its output unwritten (so :func:`fill` writes it)
+_unwritten: dict[str, bool] = {}
+_records: list | None = None
+
+KINDS = ("alltoall_base", "_allgather_base", "allgather_into_tensor_coalesced", "recv")
+
+
+def _probe(pg: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
+    """For each of :data:`KINDS`: does ``pg`` (a fake group) leave the output unwritten? Tiny tensors on ``device``."""
+    w = pg.size()
+    inp = torch.arange(1, 2 * w + 1, dtype=torch.float32, device=device)
+    res = {}
+    out = torch.zeros(2 * w, device=device)
+    pg.alltoall_base(out, inp, [], []).wait()
+    res["alltoall_base"] = not torch.equal(out, inp)
+    out = torch.zeros(w * inp.numel(), device=device)
+    pg._allgather_base(out, inp).wait()
+    res["_allgather_base"] = not torch.equal(out[: inp.numel()], inp)
+    out = torch.zeros(w * inp.numel(), device=device)
+    pg.allgather_into_tensor_coalesced([out], [inp]).wait()
+    res["allgather_into_tensor_coalesced"] = not torch.equal(out[: inp.numel()], inp)
+    res["recv"] = True  # no fake backend can know a peer's data
+    return res
+
+
+def enable(group: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
+    """Turn filling on for every fake group of this process; ``group`` (a fake group) is probed on ``device`` for
+    what torch's fake backend writes itself. Returns ``{kind: True when cp_ops writes it}``.
+
+    Raises:
+        ValueError: ``group`` is not a fake group (backend name and ranks in the message).
+    """
+    global ACTIVE
+    if str(dist.get_backend(group)) != "fake":
+        raise ValueError(f"fake_fill.enable needs a group of the 'fake' backend (the zero-communication bound); got "
+                         f"backend {dist.get_backend(group)!r} with {group.size()} ranks")
+    _unwritten.update(_probe(group, torch.device(device)))
+    ACTIVE = True
+    return dict(_unwritten)
+
+
+def disable() -> None:
+    global ACTIVE
+    ACTIVE = False
+
+
+def _is_fake(pg: dist.ProcessGroup) -> bool:
+    """Asked at every call (not cached by name: a later real group may reuse a destroyed fake group's name)."""
+    return str(dist.get_backend(pg)) == "fake"
+
+
+def _note(kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    if _records is not None:
+        _records.append((kind, tuple(out.shape), tuple(inp.shape), out.dtype, out.device))
+
+
+def _write(kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """What newer torch's fake backend writes: all-to-all: ``out = inp``; all-gathers and recv: every chunk of
+    ``out`` along dim 0 = ``inp`` (``out`` holds ``W * len(inp)`` rows, or exactly ``inp``'s shape for recv)."""
+    if kind == "alltoall_base" or out.shape == inp.shape:
+        out.copy_(inp)
+    else:
+        w = out.shape[0] // inp.shape[0]
+        out.view(w, *inp.shape).copy_(inp)
+
+
+def fill(kind: str, pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """After a collective of ``kind`` on ``pg`` wrote (or, on a fake group, did not write) ``out`` from ``inp``:
+    on a fake group, record it (:func:`recording`) and write ``out`` where torch's fake backend does not. A no-op
+    on any other group. Call only when :data:`ACTIVE` (the callers check it first)."""
+    if not _is_fake(pg):
+        return
+    _note(kind, out, inp)
+    if _unwritten.get(kind, True):
+        with torch.no_grad():
+            _write(kind, out, inp)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect ``(kind, out_shape, in_shape, dtype, device)`` of every fake collective write inside the block
+    (whoever writes it: torch's fake backend or :func:`fill`); yields the list."""
+    global _records
+    prev, _records = _records, []
+    try:
+        yield _records
+    finally:
+        _records = prev
+
+
+def replay_ms(records: list, device: torch.device, repeats: int = 5) -> float:
+    """Device time in ms of the writes ``records`` lists (:func:`recording`), replayed alone on ``device`` on
+    standard-normal inputs: what they add to a forward. Writes of one shape share one buffer pair and run back to
+    back (the median of ``repeats`` runs), so the replay needs memory for one write of each shape only."""
+    from ..timing import time_ms
+
+    counts: dict = {}
+    for kind, out_shape, in_shape, dtype, _ in records:
+        key = (kind, out_shape, in_shape, dtype)
+        counts[key] = counts.get(key, 0) + 1
+    total = 0.0
+    device = torch.device(device)
+    for (kind, out_shape, in_shape, dtype), n in counts.items():
+        inp = torch.randn(in_shape, device=device).to(dtype) if dtype.is_floating_point else \
+            torch.ones(in_shape, device=device, dtype=dtype)
+        out = torch.empty(out_shape, device=device, dtype=dtype)
+
+        def run(kind=kind, out=out, inp=inp, n=n):
+            for _ in range(n):
+                _write(kind, out, inp)
+
+        total += time_ms(run, device, 1, repeats)
+        del inp, out
+    return total
