@@ -1,0 +1,208 @@
+"""The FP8 communication codec: a tensor ``[..., D]`` (fp32/bf16/fp16) ↔ one byte buffer ``[..., D + 4]`` (uint8).
+
+Each row of ``D`` values (one (token, head) of a ``[B, S, H, D]`` tensor) is quantized on the sender with its own
+scale and carried with it, so one collective moves both and every layout of :mod:`cp_ops.layout` (which moves rows
+of the last dim) works on the encoded tensor unchanged:
+
+    bytes [0, D)      the D values, x / scale rounded to the fp8 format (round to nearest even, saturated)
+    bytes [D, D + 4)  scale, fp32 (native byte order), scale = max(amax, 2**-100) / fp8_max
+
+``amax`` = max |x| over the row in fp32; ``fp8_max`` = 448 (e4m3fn) or 57344 (e5m2). The floor 2**-100 keeps the
+scale a normal fp32 (rows of zeros or tiny values give no inf/NaN: a zero row decodes to zeros). Decoding is
+``fp8_value * scale`` in fp32, rounded once to the output dtype. Error of one round trip, per element: at most
+half an fp8 ulp of ``|x| / scale`` — relative ``2**-4`` (e4m3, 3 mantissa bits) or ``2**-3`` (e5m2) of ``|x|``
+for normal fp8 values, and ``scale · 2**-10`` (e4m3) / ``scale · 2**-17`` (e5m2) absolute below the fp8 normal range
+— plus the output dtype's rounding.
+
+Kernels: :func:`encode` / :func:`decode` run the torch ops of :func:`encode_torch` / :func:`decode_torch` (any
+device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each (one read, one write; the same math:
+IEEE division, RTNE casts — bitwise equal to the torch version, checked on the GPU by tests/test_fp8_gpu.py).
+The ``torch.library`` ops ``cp_ops::fp8_encode`` / ``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced
+code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with torch's Linux CUDA wheels; absent on CPU-only builds
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+#: bytes of the scale carried after the D payload bytes of every row
+SCALE_BYTES = 4
+#: the floor of a row's amax (a normal fp32 after the division by fp8_max: no inf/NaN for zero or tiny rows)
+AMAX_FLOOR = 2.0 ** -100
+#: the formats by name (what the ops, the variant tag and the docs say) → (torch dtype, largest finite value)
+FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+_BY_DTYPE = {dt: name for name, (dt, _) in FORMATS.items()}
+
+
+def format_name(dtype) -> str:
+    """'e4m3' / 'e5m2' for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or those names); ValueError else."""
+    if isinstance(dtype, str) and dtype in FORMATS:
+        return dtype
+    name = _BY_DTYPE.get(dtype)
+    if name is None:
+        raise ValueError(f"an FP8 communication format must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3', "
+                         f"'e5m2'); got {dtype!r}")
+    return name
+
+
+def encoded_shape(shape) -> tuple[int, ...]:
+    """The encoded buffer's shape for a tensor of ``shape``: the last dim grows by :data:`SCALE_BYTES`."""
+    return (*shape[:-1], shape[-1] + SCALE_BYTES)
+
+
+def _check_encode(x: torch.Tensor, fmt: str) -> None:
+    format_name(fmt)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1:
+        raise ValueError(f"fp8 encode takes an fp32/bf16/fp16 tensor of at least 1 dim; got {x.dtype} "
+                         f"{tuple(x.shape)}")
+
+
+def _check_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> None:
+    format_name(fmt)
+    if buf.dtype != torch.uint8 or buf.dim() < 1 or buf.shape[-1] <= SCALE_BYTES:
+        raise ValueError(f"fp8 decode takes a uint8 buffer [..., D + {SCALE_BYTES}] with D >= 1 (cp_ops.kernels.fp8); "
+                         f"got {buf.dtype} {tuple(buf.shape)}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8 decode writes fp32/bf16/fp16; got {dtype}")
+
+
+# ---- the torch version (any device) ---------------------------------------------------------------------------
+def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x [..., D]`` → uint8 ``[..., D + 4]`` (module docstring), in torch ops."""
+    _check_encode(x, fmt)
+    dt, fmax = FORMATS[fmt]
+    d = x.shape[-1]
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp_min(AMAX_FLOOR) / fmax  # [..., 1] fp32
+    q = (xf / scale).clamp(-fmax, fmax).to(dt)
+    out = torch.empty(encoded_shape(x.shape), dtype=torch.uint8, device=x.device)
+    out[..., :d] = q.view(torch.uint8)
+    out[..., d:] = scale.view(torch.uint8)
+    return out
+
+
+def _scales(buf: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales ``[..., 1]`` of an encoded buffer (a view where the bytes are 4-aligned, else a copy)."""
+    d = buf.shape[-1] - SCALE_BYTES
+    raw = buf[..., d:]
+    try:
+        return raw.view(torch.float32)
+    except RuntimeError:  # D % 4 != 0, or a strided buffer: the scale bytes are not 4-aligned in place
+        return raw.contiguous().view(torch.float32)
+
+
+def decode_torch(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """uint8 ``[..., D + 4]`` → ``[..., D]`` of ``dtype`` (module docstring), in torch ops."""
+    _check_decode(buf, dtype, fmt)
+    dt, _ = FORMATS[fmt]
+    d = buf.shape[-1] - SCALE_BYTES
+    return (buf[..., :d].view(dt).float() * _scales(buf)).to(dtype)
+
+
+# ---- the fused Triton version (CUDA) ----------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _encode_kernel(X, OUT, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       FMAX: tl.constexpr, E4M3: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rm = rows < n_rows
+        m = rm[:, None] & (cols[None, :] < D)
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2**-100
+        scale = tl.math.div_rn(amax, tl.full([BLOCK_R], FMAX, tl.float32))
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+        if E4M3:
+            q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        row_out = OUT + rows * (D + 4)
+        tl.store(row_out[:, None] + cols[None, :], q, mask=m)
+        sb = scale.to(tl.uint32, bitcast=True)
+        for i in tl.static_range(4):
+            tl.store(row_out + D + i, ((sb >> (8 * i)) & 0xFF).to(tl.uint8), mask=rm)
+
+    @triton.jit
+    def _decode_kernel(BUF, OUT, n_rows, so_r, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       E4M3: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rm = rows < n_rows
+        m = rm[:, None] & (cols[None, :] < D)
+        row_in = BUF + rows * (D + 4)
+        q = tl.load(row_in[:, None] + cols[None, :], mask=m, other=0)
+        sb = tl.zeros([BLOCK_R], tl.uint32)
+        for i in tl.static_range(4):
+            sb = sb | (tl.load(row_in + D + i, mask=rm, other=0).to(tl.uint32) << (8 * i))
+        scale = sb.to(tl.float32, bitcast=True)
+        if E4M3:
+            f = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            f = q.to(tl.float8e5, bitcast=True).to(tl.float32)
+        y = f * scale[:, None]
+        tl.store(OUT + rows[:, None] * so_r + cols[None, :], y.to(OUT.dtype.element_ty), mask=m)
+
+
+def _blocks(d: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(d)
+    return block_d, max(1, min(64, 4096 // block_d))
+
+
+def encode_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """:func:`encode_torch` as one fused Triton kernel (CUDA)."""
+    _check_encode(x, fmt)
+    x = x.contiguous()
+    d = x.shape[-1]
+    out = torch.empty(encoded_shape(x.shape), dtype=torch.uint8, device=x.device)
+    n = x.numel() // d if d else 0
+    if n:
+        block_d, block_r = _blocks(d)
+        _encode_kernel[(triton.cdiv(n, block_r),)](x, out, n, D=d, BLOCK_D=block_d, BLOCK_R=block_r,
+                                                   FMAX=FORMATS[fmt][1], E4M3=fmt == "e4m3", num_warps=4)
+    return out
+
+
+def decode_triton(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """:func:`decode_torch` as one fused Triton kernel (CUDA)."""
+    _check_decode(buf, dtype, fmt)
+    buf = buf.contiguous()
+    d = buf.shape[-1] - SCALE_BYTES
+    out = torch.empty((*buf.shape[:-1], d), dtype=dtype, device=buf.device)
+    n = out.numel() // d
+    if n:
+        block_d, block_r = _blocks(d)
+        _decode_kernel[(triton.cdiv(n, block_r),)](buf, out, n, d, D=d, BLOCK_D=block_d, BLOCK_R=block_r,
+                                                   E4M3=fmt == "e4m3", num_warps=4)
+    return out
+
+
+def use_triton(device: torch.device) -> bool:
+    """True when :func:`encode` / :func:`decode` run the fused Triton kernels for tensors on ``device``."""
+    return triton is not None and device.type == "cuda"
+
+
+def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x [..., D]`` (fp32/bf16/fp16) → uint8 ``[..., D + 4]``: fp8 values of format ``fmt`` ('e4m3' / 'e5m2') and
+    each row's fp32 scale (module docstring). The Triton kernel on CUDA, else torch ops. Raises ValueError for
+    another dtype or format."""
+    return encode_triton(x, fmt) if use_triton(x.device) else encode_torch(x, fmt)
+
+
+def decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """uint8 ``[..., D + 4]`` (what :func:`encode` gave) → ``[..., D]`` of ``dtype``. Raises ValueError for a buffer
+    that is not uint8 with a last dim > 4, or another output dtype / format."""
+    return decode_triton(buf, dtype, fmt) if use_triton(buf.device) else decode_torch(buf, dtype, fmt)
+
+
+def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``decode(encode(x))``: what a tensor that crossed the link in ``fmt`` looks like on arrival (the one-device
+    emulation, :func:`cp_ops.kernels.fp8_emulate`)."""
+    return decode(encode(x, fmt), x.dtype, fmt)
