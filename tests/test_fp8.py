@@ -296,3 +296,23 @@ def _mismatch(rank, w):
 
 def test_rank_mismatch_raises_on_every_rank():
     run_ranks(_mismatch, 2)
+
+
+def _pooled(rank, w):
+    """A transport whose outputs are views of reused buffers (as the fast transport's; tests/pooled_transport.py)
+    carries the encoded bytes too: equal to the torch transport, outputs owned (a later call does not change them)."""
+    from pooled_transport import install
+
+    install()
+    q, k, v, _ = _data(1, 8 * w, 2 * w, 16, seed=4)
+    q2, k2, v2, _ = _data(1, 8 * w, 2 * w, 16, seed=5)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    for mode, chunks, c in (("agkv", 1, E4), ("agkv", 2, E5), ("ulysses", 1, E4), ("ulysses", 1, {"q": E4, "o": E4})):
+        ref = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, chunks=chunks, comm_dtype=c, transport="torch")
+        out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, chunks=chunks, comm_dtype=c, transport="pooled_test")
+        cp_ops.attention(sh(q2), sh(k2), sh(v2), mode=mode, chunks=chunks, comm_dtype=c, transport="pooled_test")
+        assert torch.equal(out, ref), (mode, chunks, c)
+
+
+def test_pooled_transport_carries_fp8():
+    run_ranks(_pooled, 2)
