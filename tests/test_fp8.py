@@ -316,3 +316,33 @@ def _pooled(rank, w):
 
 def test_pooled_transport_carries_fp8():
     run_ranks(_pooled, 2)
+
+
+def test_triton_kernels_in_the_interpreter_equal_torch():
+    """The fused Triton kernels' math (integer RNE casts) against the torch version, bitwise, in Triton's CPU
+    interpreter (skipped where Triton is not installed, e.g. CI's CPU-only torch; the GPU run: tests/test_fp8_gpu.py)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    code = (
+        "import torch\n"
+        "from cp_ops.kernels import fp8\n"
+        "torch.manual_seed(1)\n"
+        "x = torch.randn(16, 8, 128) * torch.exp(torch.randn(16, 8, 1) * 8) * torch.exp(torch.randn(16, 8, 128))\n"
+        "x[0, 0, :5] = torch.tensor([448.0, -448.0, 0.0, -0.0, 1e-40])\n"
+        "for dt in (torch.float32, torch.bfloat16, torch.float16):\n"
+        "    for f in ('e4m3', 'e5m2'):\n"
+        "        xd = x.clamp(-6e4, 6e4).to(dt)\n"
+        "        a, b = fp8.encode_triton(xd, f), fp8.encode_torch(xd, f)\n"
+        "        assert torch.equal(a, b), (dt, f, (a != b).sum().item())\n"
+        "        assert torch.equal(fp8.decode_triton(b, dt, f), fp8.decode_torch(b, dt, f)), (dt, f)\n"
+        "        assert torch.equal(fp8.decode_triton(b[:, 2:5], dt, f), fp8.decode_torch(b[:, 2:5], dt, f))\n"
+        "assert fp8.self_test(torch.device('cpu')) is None\n"
+        "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
