@@ -9,7 +9,8 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
 (:func:`cp_ops.modes.choose`), the transport (:func:`cp_ops.transport.base.resolve`), the stage count
 (:func:`cp_ops.modes.tune.decide`: the heuristic by default, measured only when asked), the body, the layout
 (:class:`cp_ops.layout.Shards` for ``seq_lens``/``key_mask``) and the variant tag the rank contract compares
-(:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``).
+(:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``, ``comm_dtype``: the formats
+:func:`cp_ops.comm_dtype.for_mode` gives, which the comm encodes and decodes).
 
 **Two paths, one body:**
 
@@ -18,8 +19,8 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
   (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it once).
 * *eager*: a :class:`Plan` cached by the call's key — (q/k/v shapes, dtypes, devices, group, mode, transport, chunks,
   the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag`` by type and repr: ``True``, ``1``
-  and ``1.0`` hash alike but are different tags) — holds the decisions of the first call
-  with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
+  and ``1.0`` hash alike but are different tags; ``comm_dtype`` in its normal form) — holds the decisions of the
+  first call with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
   called directly, no dispatcher. A new argument of :func:`cp_ops.attention` must be part of the key.
 
 Both make one rank-contract exchange per call, at the call's first launch, with the same signature, so ranks that
@@ -307,7 +308,7 @@ def _layout_key(seq_lens, key_mask):
 
 def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     pg = resolve_group(group)
-    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)  # raises (every rank) as the API
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)  # raises (every rank)
     shards = _shards(d, pg, q) if d.world > 1 else None
     b, s, h, hd = q.shape
     rows = shards.smax if shards is not None else s

@@ -66,7 +66,8 @@ class CPAttention:
         if kwargs and chunks is not None and chunks > 1:  # seq_lens / key_mask: transport-then-attend only
             chunks = 1
         return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
-                         chunks=chunks, tag=self.where, comm_dtype=st.comm_dtype, **kwargs)  # tag: the module's path (a skipped layer raises)
+                         chunks=chunks, tag=self.where, comm_dtype=st.comm_dtype,
+                         **kwargs)  # tag: the module's path (a skipped layer raises)
 
 
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
