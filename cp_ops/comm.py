@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from . import layout
-from .comm_dtype import NAMES, NONE
+from .comm_dtype import NONE
 from .kernels import fp8
 from .transport.base import Arrival, agkv_start_sources
 
@@ -125,10 +125,9 @@ class _Comm:
             groups.setdefault(self.fmts[i] if i < 3 else "", []).append(i)
         return list(groups.items())
 
-    def _ulysses_codec(self, groups, bufs):
+    def _ulysses_codec(self, groups, bufs, dt):
         """The wait's decode of a Ulysses launch made of one launch per group: one buffer
-        ``[W, B, S, n, Hl, D]`` of the input dtype, the inputs in their order."""
-        dt = self._dtype
+        ``[W, B, S, n, Hl, D]`` of the input dtype ``dt``, the inputs in their order."""
         parts = [self._dec(b, dt, f) if f else b for (f, _), b in zip(groups, bufs)]
         if len(parts) == 1:
             return parts[0]
@@ -209,12 +208,11 @@ class OpComm(_Comm):
         if self.fmts is NONE or self.fmts == NONE:
             buf = torch.ops.cp_ops.ulysses_start(xs, self.world, self.group_name, self.transport, *self._args())
             return self._launched(buf, None)
-        self._dtype = xs[0].dtype
-        groups = self._groups(xs)
+        dt, groups = xs[0].dtype, self._groups(xs)
         bufs = tuple(torch.ops.cp_ops.ulysses_start([self._enc(xs[i], f) if f else xs[i] for i in idx], self.world,
                                                     self.group_name, self.transport, *self._args())
                      for f, idx in groups)
-        return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b))
+        return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b, dt))
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
@@ -320,7 +318,7 @@ class DirectComm(_Comm):
     def _ulysses_fp8(self, xs, lo, hi) -> Pending:
         """:meth:`ulysses` with FP8 tensors: the heads ``[lo, hi)`` of every head group encoded (the op's view:
         :class:`OpComm`), one launch per format."""
-        self._dtype = xs[0].dtype
+        dt = xs[0].dtype
         xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
         groups = self._groups(xs)
         bufs, works = [], []
@@ -332,7 +330,7 @@ class DirectComm(_Comm):
             bufs.append(buf)
             works.append(work)
         work = works[0] if len(works) == 1 else _Both(*works)
-        return self._launched(tuple(bufs), work, lambda b: self._ulysses_codec(groups, b))
+        return self._launched(tuple(bufs), work, lambda b: self._ulysses_codec(groups, b, dt))
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
@@ -371,12 +369,9 @@ class _Decoding:
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
         self.work.wait()
-        if not self.done:
-            self.done = True
-            for enc, full in self.pairs:
-                full[:, self.lo:self.hi].copy_(fp8.decode(enc[:, self.lo:self.hi], full.dtype, self.fmt))
-            for d in self.then:
-                d.decode_only()
+        self.decode_only()
+        for d in self.then:
+            d.decode_only()
         return True
 
     def decode_only(self) -> None:
