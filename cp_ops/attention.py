@@ -33,6 +33,7 @@ def attention(
     key_mask: torch.Tensor | None = None,
     tag: Hashable | None = None,
     layout: str = "bshd",
+    comm_dtype: Any = None,
 ) -> torch.Tensor:
     """Context-parallel dense (non-causal) attention over the tokens of a CP group.
 
@@ -72,6 +73,15 @@ def attention(
         tag: this call site's identity for the rank contract (an int, a str, or a tuple of them; the same on every
             rank), e.g. the layer index: ranks whose calls pair different tags (a rank skipped a layer) raise on every
             rank at the first mispaired call. :func:`cp_ops.parallelize` passes each attention module's layer.
+        comm_dtype: what crosses the link (``docs/fp8.md``, :mod:`cp_ops.comm_dtype`): None (default) or q's dtype =
+            q's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` = every tensor the mode moves (AGKV: K, V;
+            Ulysses: Q, K, V, O) in FP8 with one fp32 scale per (token, head), carried with the bytes (D + 4 bytes
+            per row instead of 2·D in bf16) and decoded on arrival; a dict ``{"q"|"k"|"v"|"o": fp8 dtype or None}``
+            = per tensor (e.g. ``{"q": e4m3, "v": e4m3, "o": e4m3}``; AGKV: K and V alike). Part of the rank
+            contract's variant (ranks that differ raise on every rank). Error (docs/fp8.md): e4m3 on all four
+            tensors ~5% (rms) of one attention output on random data, 0.7-2.5% of a full model's forward; not bitwise.
+            Either transport; on a group of one rank it is ignored unless ``CP_OPS_EMULATE_COMM=1``
+            (:mod:`cp_ops.emulate`).
 
     Returns:
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
@@ -83,7 +93,8 @@ def attention(
     RuntimeError "cp_ops.attention has no backward ...".
 
     Raises:
-        ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16;
+        ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16; a
+            ``comm_dtype`` that is not an FP8 dtype / None / q's dtype / such a dict, or AGKV with K and V apart;
             mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
             transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
             S_local, mask dtype/shape; AGKV chunks > 1 with a mask); the ranks of the group disagree on the call (mode, shape,
@@ -94,9 +105,9 @@ def attention(
             output (see Autograd).
 
     Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks;
-    ``seq_lens``, the key mask's shape, ``tag``) runs every check and caches its decisions; a repeat call is a dict
-    lookup, one rank-contract exchange and the mode's launches and kernels, called without the ``torch.library``
-    dispatcher (:mod:`cp_ops.dispatch`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
+    ``seq_lens``, the key mask's shape, ``tag``, ``comm_dtype``) runs every check and caches its decisions; a
+    repeat call is a dict lookup, one rank-contract exchange and the mode's launches and kernels, called without the
+    ``torch.library`` dispatcher (:mod:`cp_ops.dispatch`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
     ``torch.compile(mode="reduce-overhead")``); the rank contract is checked at capture, not at replay.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
@@ -106,15 +117,16 @@ def attention(
         if layout != "bhsd":
             raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group=group, mode=mode,
-                        transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag)
+                        transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
+                        comm_dtype=comm_dtype)
         return out.transpose(1, 2)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
-        return dispatch.attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag)
+        return dispatch.attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
     # the output to q, k and v through a node whose backward raises
     out = dispatch.attention(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens,
-                             key_mask, tag)
+                             key_mask, tag, comm_dtype)
     return _ForwardOnly.apply(out, q, k, v)
 
 

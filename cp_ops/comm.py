@@ -29,6 +29,14 @@ the transport argument, and ``tag``: a hash of the variant — mode, chunks, une
 layer tag — described in words in error messages). Later launches of the same call exchange nothing: the body
 is deterministic, so once the first launch agrees the rest of the schedule does too.
 
+**FP8 communication** (``comm_dtype``, :mod:`cp_ops.comm_dtype`): ``comm.fmts`` (set by the dispatcher) names the
+format each of q, k, v, o travels in. A launch encodes the tensors it moves (:mod:`cp_ops.kernels.fp8`: uint8
+``[..., D + 4]``, fp8 values and each (token, head)'s fp32 scale in one buffer, so one collective moves both and the
+transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
+shapes and dtype — so the bodies have no FP8 branch. Ulysses tensors of different formats travel in one launch per
+format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece when its arrival is
+waited.
+
 **Faults** (issue 20 item 9): a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
 all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
 attention), so the transport's buffers and the group's collectives are left consistent and the next call works;
@@ -40,18 +48,20 @@ from __future__ import annotations
 import torch
 
 from . import layout
+from .comm_dtype import NONE
+from .kernels import fp8
 from .transport import fake_fill
-from .transport.base import agkv_start_sources
+from .transport.base import Arrival, agkv_start_sources
 
 
 class Pending:
     """A launch not yet waited: ``wait()`` returns its outputs (a tensor, or a tuple of them), valid on the current
     stream; waiting again returns them again."""
 
-    __slots__ = ("outs", "work", "comm")
+    __slots__ = ("outs", "work", "comm", "post")
 
-    def __init__(self, outs, work, comm):
-        self.outs, self.work, self.comm = outs, work, comm
+    def __init__(self, outs, work, comm, post=None):
+        self.outs, self.work, self.comm, self.post = outs, work, comm, post
 
     def wait(self):
         comm = self.comm
@@ -59,6 +69,8 @@ class Pending:
             self.comm = None
             comm.pending.discard(self)
             self.outs = comm._wait(self)
+            if self.post is not None:  # FP8: decode what arrived
+                self.outs, self.post = self.post(self.outs), None
         return self.outs
 
 
@@ -75,11 +87,16 @@ class _DirectPending(Pending):
             comm.pending.discard(self)
             if self.work is not None:
                 self.work.wait()
+            if self.post is not None:  # FP8: decode what arrived
+                self.outs, self.post = self.post(self.outs), None
         return self.outs
 
 
 class _Comm:
     """What both implementations share: the call's identity for the rank contract and the pending launches."""
+
+    #: the formats of (q, k, v, o) on the link ('' = the input dtype): :func:`cp_ops.comm_dtype.for_mode`
+    fmts = NONE
 
     def __init__(self, world: int, rank: int):
         self.world, self.rank = world, rank
@@ -87,10 +104,39 @@ class _Comm:
 
     _pending_type = Pending
 
-    def _launched(self, outs, work) -> Pending:
-        p = self._pending_type(outs, work, self)
+    def _launched(self, outs, work, post=None) -> Pending:
+        p = self._pending_type(outs, work, self, post)
         self.pending.add(p)
         return p
+
+    # ---- FP8: encode before the launch, decode in the wait (the implementations give _enc/_dec) ----
+    def _agkv_codec(self, k, v):
+        """``(k, v, post)``: the tensors an AGKV launch moves and what its wait applies to ``(k_full, v_full, m)``."""
+        f = self.fmts[1]
+        if not f:
+            return k, v, None
+        dt, dec = k.dtype, self._dec
+        return self._enc(k, f), self._enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
+
+    def _groups(self, xs) -> list[tuple[str, list[int]]]:
+        """The Ulysses inputs by their format ('' = input dtype), in order of first appearance: one launch each
+        (inputs are named q, k, v by position)."""
+        groups: dict[str, list[int]] = {}
+        for i in range(len(xs)):
+            groups.setdefault(self.fmts[i] if i < 3 else "", []).append(i)
+        return list(groups.items())
+
+    def _ulysses_codec(self, groups, bufs, dt):
+        """The wait's decode of a Ulysses launch made of one launch per group: one buffer
+        ``[W, B, S, n, Hl, D]`` of the input dtype ``dt``, the inputs in their order."""
+        parts = [self._dec(b, dt, f) if f else b for (f, _), b in zip(groups, bufs)]
+        if len(parts) == 1:
+            return parts[0]
+        slots = [None] * sum(len(idx) for _, idx in groups)
+        for (_, idx), p in zip(groups, parts):
+            for j, i in enumerate(idx):
+                slots[i] = p.select(3, j)
+        return torch.stack(slots, dim=3)
 
     def drain(self) -> None:
         """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
@@ -141,22 +187,40 @@ class OpComm(_Comm):
             return tuple(None if t is None else wait(t) for t in outs)
         return wait(outs)
 
+    @staticmethod
+    def _enc(x, fmt):
+        return torch.ops.cp_ops.fp8_encode(x, fmt)
+
+    @staticmethod
+    def _dec(buf, dtype, fmt):
+        return torch.ops.cp_ops.fp8_decode(buf, dtype, fmt)
+
     def agkv(self, k, v, mask=None) -> Pending:
+        k, v, post = self._agkv_codec(k, v)
         kf, vf = torch.ops.cp_ops.agkv_gather_start(k, v, self.world, self.group_name, self.transport, *self._args())
         mf = None if mask is None else torch.ops.cp_ops.mask_gather_start(mask, self.world, self.group_name)
-        return self._launched((kf, vf, mf), None)
+        return self._launched((kf, vf, mf), None, post)
 
     def mask(self, m) -> Pending:
         return self._launched(torch.ops.cp_ops.mask_gather_start(m, self.world, self.group_name), None)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
         xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
-        buf = torch.ops.cp_ops.ulysses_start(xs, self.world, self.group_name, self.transport, *self._args())
-        return self._launched(buf, None)
+        if self.fmts is NONE or self.fmts == NONE:
+            buf = torch.ops.cp_ops.ulysses_start(xs, self.world, self.group_name, self.transport, *self._args())
+            return self._launched(buf, None)
+        dt, groups = xs[0].dtype, self._groups(xs)
+        bufs = tuple(torch.ops.cp_ops.ulysses_start([self._enc(xs[i], f) if f else xs[i] for i in idx], self.world,
+                                                    self.group_name, self.transport, *self._args())
+                     for f, idx in groups)
+        return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b, dt))
 
     def ulysses_inverse(self, x) -> Pending:
+        f, dt, post = self.fmts[3], x.dtype, None
+        if f:
+            x, post = self._enc(x, f), (lambda b: self._dec(b, dt, f))
         buf = torch.ops.cp_ops.ulysses_inverse_start(x, self.world, self.group_name, self.transport, *self._args())
-        return self._launched(buf, None)
+        return self._launched(buf, None, post)
 
     def unpack(self, buf):
         # per slot: the form the overlap pass looks for (select(buf, 3, i))
@@ -200,17 +264,21 @@ class DirectComm(_Comm):
             p.work.wait()
         return p.outs
 
+    _enc = staticmethod(fp8.encode)
+    _dec = staticmethod(fp8.decode)
+
     def agkv(self, k, v, mask=None) -> Pending:
+        k, v, post = self._agkv_codec(k, v)
         if self.armed or self.tr is None:
             self._first(k, 2)
         if mask is not None and getattr(self.tr, "gathers_masks", False):
             kf, vf, mf, work = self.tr.agkv_start(k, v, self.pg, mask=mask)  # one coalesced launch
-            return self._launched((kf, vf, mf), work)
+            return self._launched((kf, vf, mf), work, post)
         kf, vf, work = self.tr.agkv_start(k, v, self.pg)
         if mask is None:
-            return self._launched((kf, vf, None), work)
+            return self._launched((kf, vf, None), work, post)
         mf, mwork = self._mask(mask)
-        return self._launched((kf, vf, mf), _Both(work, mwork))
+        return self._launched((kf, vf, mf), _Both(work, mwork), post)
 
     def _mask(self, m):
         out = m.new_empty(self.world * m.shape[0], m.shape[1])
@@ -226,11 +294,22 @@ class DirectComm(_Comm):
     def agkv_sources(self, k, v, pieces: int):
         if self.armed or self.tr is None:
             self._first(k, 2)
-        kf, vf, arrivals, work = agkv_start_sources(self.tr, k, v, self.pg, pieces)
+        f = self.fmts[1]
+        if f:  # FP8: the pieces travel encoded; each is decoded into k_full/v_full when its arrival is waited
+            b, s, h, d = k.shape
+            kf, vf = k.new_empty(b, self.world * s, h, d), v.new_empty(b, self.world * s, h, d)
+            ke, ve, arrivals, work = agkv_start_sources(self.tr, fp8.encode(k, f), fp8.encode(v, f), self.pg, pieces)
+            decs = [_Decoding(a.work, ((ke, kf), (ve, vf)), a.lo, a.hi, f) for a in arrivals]
+            arrivals = [Arrival(a.src, a.lo, a.hi, dw) for a, dw in zip(arrivals, decs)]
+            work = _Decoding(work, (), 0, 0, f, decs)
+        else:
+            kf, vf, arrivals, work = agkv_start_sources(self.tr, k, v, self.pg, pieces)
         p = self._launched((kf, vf), work)  # drained on error; waited by the body as work.wait()
         return kf, vf, arrivals, _Done(p, work)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
+        if self.fmts is not NONE and self.fmts != NONE:
+            return self._ulysses_fp8(xs, lo, hi)
         if self.armed or self.tr is None:  # the op sees heads [lo, hi) of every head group: [B, S, W*(hi-lo), D]
             b, s, h, d = xs[0].shape
             self._first(xs[0], len(xs), (b, s, self.world * ((h // self.world if hi is None else hi) - lo), d))
@@ -241,11 +320,31 @@ class DirectComm(_Comm):
             buf, work = self.tr.ulysses_start([layout.ulysses_heads(x, self.world, lo, hi) for x in xs], self.pg)
         return self._launched(buf, work)
 
+    def _ulysses_fp8(self, xs, lo, hi) -> Pending:
+        """:meth:`ulysses` with FP8 tensors: the heads ``[lo, hi)`` of every head group encoded (the op's view:
+        :class:`OpComm`), one launch per format."""
+        dt = xs[0].dtype
+        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
+        groups = self._groups(xs)
+        bufs, works = [], []
+        for f, idx in groups:
+            ins = [fp8.encode(xs[i], f) if f else xs[i] for i in idx]
+            if self.armed or self.tr is None:
+                self._first(ins[0], len(ins))
+            buf, work = self.tr.ulysses_start(ins, self.pg)
+            bufs.append(buf)
+            works.append(work)
+        work = works[0] if len(works) == 1 else _Both(*works)
+        return self._launched(tuple(bufs), work, lambda b: self._ulysses_codec(groups, b, dt))
+
     def ulysses_inverse(self, x) -> Pending:
+        f, dt, post = self.fmts[3], x.dtype, None
+        if f:
+            x, post = fp8.encode(x, f), (lambda b: fp8.decode(b, dt, f))
         if self.armed or self.tr is None:
             self._first(x, 1)
         buf, work = self.tr.ulysses_inverse_start(x, self.pg)
-        return self._launched(buf, work)
+        return self._launched(buf, work, post)
 
 
 class _Both:
@@ -260,6 +359,35 @@ class _Both:
         self.a.wait()
         self.b.wait()
         return True
+
+
+class _Decoding:
+    """Pipelined AGKV with FP8: a work whose wait also decodes its token range ``[lo, hi)`` of each encoded gathered
+    buffer into the caller's full buffer (``pairs``: (encoded, full)), once; ``then``: other decodings the wait
+    completes too (the whole gather's work decodes every piece not yet decoded). Other attributes: the work's."""
+
+    __slots__ = ("work", "pairs", "lo", "hi", "fmt", "then", "done")
+
+    def __init__(self, work, pairs, lo, hi, fmt, then=()):
+        self.work, self.pairs, self.lo, self.hi, self.fmt, self.then = work, pairs, lo, hi, fmt, then
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        self.work.wait()
+        self.decode_only()
+        for d in self.then:
+            d.decode_only()
+        return True
+
+    def decode_only(self) -> None:
+        """Decode without waiting (the caller waited for a work that covers this one)."""
+        if not self.done:
+            self.done = True
+            for enc, full in self.pairs:
+                full[:, self.lo:self.hi].copy_(fp8.decode(enc[:, self.lo:self.hi], full.dtype, self.fmt))
+
+    def __getattr__(self, name):  # cancel, wait_source: the transport's own work
+        return getattr(self.work, name)
 
 
 class _Done:

@@ -16,6 +16,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_EXT_DIR``         | ``ext_dir``       | where the fast transport's CUDA extension is built (a per-source cache) |
 | ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None``: the heuristic (0, reproducible); 1: measured |
 | ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
+| ``CP_OPS_EMULATE_COMM``    | ``emulate_comm``  | a group of ONE rank round-trips what W > 1 ranks would send through the ``comm_dtype`` codec (accuracy on one device, docs/fp8.md) (0) |
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
 group; :func:`cp_ops.contract.check_settings_agree` compares them once per group and raises on a mismatch.
@@ -112,6 +113,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "ext_dir": ("CP_OPS_EXT_DIR", _path, None),
     "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default (issue 20, item 3)
     "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
+    "emulate_comm": ("CP_OPS_EMULATE_COMM", _flag, False),
 }
 
 #: Settings that change what a collective does: every rank of a group must hold the same values.
@@ -135,6 +137,7 @@ class Settings:
     ext_dir: str | None = None
     tune_modes: bool = False
     tune_cache: str | None = None
+    emulate_comm: bool = False
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 
     def collective_values(self) -> tuple:

@@ -10,7 +10,8 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
 (:func:`cp_ops.choices.decide`, which stores what :mod:`cp_ops.modes.tune` decides: the heuristic by default,
 measured only when asked), the body, the layout
 (:class:`cp_ops.layout.Shards` for ``seq_lens``/``key_mask``) and the variant tag the rank contract compares
-(:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``).
+(:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``, ``comm_dtype``: the formats
+:func:`cp_ops.comm_dtype.for_mode` gives, which the comm encodes and decodes).
 
 **Two paths, one body:**
 
@@ -19,8 +20,8 @@ measured only when asked), the body, the layout
   (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it once).
 * *eager*: a :class:`Plan` cached by the call's key — (q/k/v shapes, dtypes, devices, group, mode, transport, chunks,
   the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag`` by type and repr: ``True``, ``1``
-  and ``1.0`` hash alike but are different tags) — holds the decisions of the first call
-  with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
+  and ``1.0`` hash alike but are different tags; ``comm_dtype`` in its normal form) — holds the decisions of the
+  first call with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
   called directly, no dispatcher. A new argument of :func:`cp_ops.attention` must be part of the key.
 
 Both make one rank-contract exchange per call, at the call's first launch, with the same signature, so ranks that
@@ -37,7 +38,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import choices, config, contract, layout, modes, validate
+from . import choices, config, contract, emulate, layout, modes, validate
+from . import comm_dtype as cd
 from .comm import DirectComm, OpComm
 from .group import resolve_group
 from .kernels import local_attention
@@ -64,16 +66,18 @@ class Decision(NamedTuple):
     tag: int
     seq_lens: tuple | None
     has_mask: bool
+    fmts: tuple = cd.NONE  # the formats of (q, k, v, o) on the link (cp_ops.comm_dtype)
 
 
-def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, seq_lens, key_mask, tag) -> Decision:
+def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, seq_lens, key_mask, tag,
+           comm_dtype=None) -> Decision:
     """Check a call's inputs (every rank raises if one rank's fail) and make its decisions (module docstring).
 
     Raises:
         ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
     """
     world = pg.size()
-    chosen, resolved = mode, transport
+    chosen, resolved, fmts = mode, transport, cd.NONE
     if tag is not None and torch.compiler.is_compiling():
         tag = constant(tag)
         if _symbolic(tag):
@@ -82,12 +86,13 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
                              "f'layer{i}'), or compile with dynamic=False")
 
     def local_checks():
-        nonlocal chosen, resolved
+        nonlocal chosen, resolved, fmts
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
         chosen = modes.choose(mode, q.shape[2], world)
         resolved = transport_base.resolve(transport, q.device.type)
+        fmts = cd.for_mode(cd.normalize(comm_dtype, q.dtype), chosen)
         if world > 1:
             validate.check_device_for_group(q, pg)
         if seq_lens is not None:
@@ -103,7 +108,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
 
     contract.api_checked(pg, CALL, local_checks)
     if world == 1:
-        return Decision(1, chosen, resolved, 1, None, False, 0, None, key_mask is not None)
+        return Decision(1, chosen, resolved, 1, None, False, 0, None, key_mask is not None, fmts)
     layout_call = seq_lens is not None or key_mask is not None
     if layout_call and chunks is None:
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
@@ -114,9 +119,9 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
-                             tag=tag)
+                             tag=tag, comm_dtype=cd.tag(fmts))
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
-                    key_mask is not None)
+                    key_mask is not None, fmts)
 
 
 def _constant(n):
@@ -203,29 +208,51 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask) ->
     return c._replace(transport=shown, why=c.why + note)
 
 
-def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag) -> torch.Tensor:
+def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
+              comm_dtype=None) -> torch.Tensor:
     """Run one CP attention call (inputs detached by the caller): the eager plan where it applies, else the traced
     path. Shapes and errors as :func:`cp_ops.attention`."""
+    if comm_dtype is not None:
+        comm_dtype = _normal(comm_dtype, q)
     if not torch.compiler.is_compiling():
-        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
         if plan is not None:
             return plan.run(q, k, v, scale, key_mask)
     pg = resolve_group(group)
-    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag)
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
     if d.world == 1:
-        return local_attention(q, k, v, scale, key_mask)
+        return _one_rank(q, k, v, scale, key_mask, d)
     if d.as_op:
         return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, d.world, pg.group_name, d.transport, scale,
                                                          d.chunks, None if d.seq_lens is None else list(d.seq_lens),
-                                                         CALL, d.tag)
+                                                         CALL, d.tag, d.fmts[1])
     shards = _shards(d, pg, q)
     comm = OpComm(d.world, pg.group_name, d.transport, CALL, d.tag, pg.rank(), d.seq_lens)
+    comm.fmts = d.fmts
     try:
         return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=shards, key_mask=key_mask)
     except BaseException:
         if not torch.compiler.is_compiling():
             comm.drain()
         raise
+
+
+def _normal(comm_dtype, q):
+    """``comm_dtype`` in its normal form (:func:`cp_ops.comm_dtype.normalize`: hashable, a constant under compile), or
+    as given when it is not valid (the checks of :func:`decide` raise it on every rank)."""
+    try:
+        return cd.normalize(comm_dtype, getattr(q, "dtype", None))
+    except ValueError:
+        return comm_dtype
+
+
+def _one_rank(q, k, v, scale, key_mask, d: Decision):
+    """A group of one rank: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, the attention W > 1
+    ranks compute at chunks = 1, every tensor that would cross the link round-tripped through the codec
+    (:mod:`cp_ops.emulate`)."""
+    if d.fmts != cd.NONE and config.settings.emulate_comm:
+        return emulate.attention(q, k, v, scale, key_mask, d.fmts)
+    return local_attention(q, k, v, scale, key_mask)
 
 
 def _shards(d: Decision, pg, q) -> layout.Shards | None:
@@ -247,7 +274,7 @@ class Plan:
     def run(self, q, k, v, scale, key_mask=None):
         d = self.d
         if d.world == 1:
-            return local_attention(q, k, v, scale, key_mask)
+            return _one_rank(q, k, v, scale, key_mask, d)
         if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
             pg, resolved, device = self.pg, d.transport, self.device
             tag = contract.with_seq_lens(d.tag, d.seq_lens)
@@ -255,6 +282,7 @@ class Plan:
             check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, resolved, shape, dtype, extra, 0, tag,
                                                                     contract.tag_note(tag)))
             self.comm = DirectComm(pg, None, check, lambda: transport_base.for_group(resolved, pg, device))
+            self.comm.fmts = d.fmts
             self.epoch = transport_base.epoch
         comm = self.comm
         comm.armed = True
@@ -265,7 +293,7 @@ class Plan:
             raise
 
 
-def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     """The plan for this call (built and cached on the first call with its key), or None: take the traced path (an
     argument that is not a plain tensor, a torch dispatch mode active — they must see the ops —, nothing to move,
     ``seq_lens`` not a tuple or list of ints, an unhashable key)."""
@@ -275,7 +303,7 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
                transport, chunks, type(chunks), config.settings.tune_modes,
-               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)))
+               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), comm_dtype)
         if seq_lens is not None or key_mask is not None:
             extra = _layout_key(seq_lens, key_mask)
             if extra is None:
@@ -289,7 +317,7 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
             _plans.pop(key, None)
             return None
         return e[0]
-    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = (plan, plan.pg if plan is not None else (dist.group.WORLD if group is None else None))
@@ -315,9 +343,9 @@ def _layout_key(seq_lens, key_mask):
     return (seq_lens, key_mask.shape, key_mask.dtype, key_mask.device)
 
 
-def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     pg = resolve_group(group)
-    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag)  # raises (every rank) as the API
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)  # raises (every rank)
     shards = _shards(d, pg, q) if d.world > 1 else None
     b, s, h, hd = q.shape
     rows = shards.smax if shards is not None else s

@@ -26,8 +26,12 @@ Ops:
     cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
     cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
-                                     call='', tag=0) -> out
-        ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below).
+                                     call='', tag=0, comm_fmt='') -> out
+        ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below). ``comm_fmt``: the FP8
+        format K and V travel in ('e4m3' / 'e5m2'; '' = the input dtype).
+    cp_ops::fp8_encode(x, fmt) -> buf      ``[..., D]`` fp32/bf16/fp16 → uint8 ``[..., D + 4]`` (:mod:`cp_ops.kernels.fp8`)
+    cp_ops::fp8_decode(buf, dtype, fmt) -> x    uint8 ``[..., D + 4]`` → ``[..., D]`` of ``dtype``; not launches: the
+        FP8 codec of ``comm_dtype`` (:mod:`cp_ops.comm_dtype`), encoded before a launch, decoded after its wait.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes),
 from .transport import base as transport_base, fake_fill
 from . import contract, validate
 from .comm import DirectComm
+from .kernels import fp8
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
     """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
@@ -82,7 +87,7 @@ def agkv_gather_start(
 
 # The fake kernels and the real kernels check the same rules (cp_ops.validate), which the public API uses too.
 def _check_agkv(k, v, world_size) -> None:
-    validate.check_same(("k", "v"), (k, v))
+    validate.check_same(("k", "v"), (k, v), wire=True)
 
 
 @agkv_gather_start.register_fake
@@ -109,7 +114,7 @@ def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, tran
 
 
 def _check_ulysses(xs, world_size) -> None:
-    validate.check_same(tuple(f"xs[{i}]" for i in range(len(xs))), tuple(xs))
+    validate.check_same(tuple(f"xs[{i}]" for i in range(len(xs))), tuple(xs), wire=True)
     validate.check_heads_divisible(xs[0].shape[2], world_size)
 
 
@@ -137,7 +142,7 @@ def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, tra
 
 
 def _check_ulysses_inverse(x, world_size) -> None:
-    validate.check_same(("x",), (x,))
+    validate.check_same(("x",), (x,), wire=True)
     validate.check_seq_divisible(x.shape[1], world_size)
 
 
@@ -177,7 +182,8 @@ def _(mask, world_size, group_name):
 @torch.library.custom_op("cp_ops::agkv_pipelined_attention", mutates_args=())
 def agkv_pipelined_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str,
-    scale: float | None, chunks: int, seq_lens: list[int] | None = None, call: str = "", tag: int = 0
+    scale: float | None, chunks: int, seq_lens: list[int] | None = None, call: str = "", tag: int = 0,
+    comm_fmt: str = ""
 ) -> torch.Tensor:
     from . import layout
     from .modes.agkv_pipelined import agkv_pipelined
@@ -197,6 +203,8 @@ def agkv_pipelined_attention(
     if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     comm = DirectComm(pg, _transport(transport, pg, k))
+    if comm_fmt:
+        comm.fmts = ("", comm_fmt, comm_fmt, "")
     try:
         return agkv_pipelined(q, k, v, comm, scale=scale, chunks=chunks, shards=shards)
     except BaseException:
@@ -210,9 +218,32 @@ def _check_agkv_pipelined(q, k, v, chunks) -> None:
 
 
 @agkv_pipelined_attention.register_fake
-def _(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None, call="", tag=0):
+def _(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None, call="", tag=0, comm_fmt=""):
     _check_agkv_pipelined(q, k, v, chunks)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ---- the FP8 codec of comm_dtype (cp_ops.kernels.fp8): encode before a launch, decode after its wait ----------------
+@torch.library.custom_op("cp_ops::fp8_encode", mutates_args=())
+def fp8_encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    return fp8.encode(x, fmt)
+
+
+@fp8_encode.register_fake
+def _(x, fmt):
+    fp8._check_encode(x, fmt)
+    return x.new_empty(fp8.encoded_shape(x.shape), dtype=torch.uint8)
+
+
+@torch.library.custom_op("cp_ops::fp8_decode", mutates_args=())
+def fp8_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    return fp8.decode(buf, dtype, fmt)
+
+
+@fp8_decode.register_fake
+def _(buf, dtype, fmt):
+    fp8._check_decode(buf, dtype, fmt)
+    return buf.new_empty((*buf.shape[:-1], buf.shape[-1] - fp8.SCALE_BYTES), dtype=dtype)
 
 
 

@@ -48,13 +48,15 @@ def check_dtype(name: str, t: torch.Tensor) -> None:
                                                   f"supports); got {t.dtype}: convert it with .to(torch.bfloat16)")
 
 
-def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> None:
-    """Tensors that go through one collective: BSHD, a supported dtype, and the same shape, dtype and device."""
+def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], wire: bool = False) -> None:
+    """Tensors that go through one collective: BSHD, a supported dtype, and the same shape, dtype and device.
+    ``wire``: the launch ops, which also move uint8 ``[B, S, H, D + 4]`` (FP8 encoded: :mod:`cp_ops.kernels.fp8`)."""
     _require(len(tensors) > 0, lambda: "at least one tensor is needed; got none")
     for n, t in zip(names, tensors):
         check_bshd(n, t)
     first, t0 = names[0], tensors[0]
-    check_dtype(first, t0)
+    if not (wire and t0.dtype == torch.uint8):
+        check_dtype(first, t0)
     for n, t in zip(names[1:], tensors[1:]):
         _require(t.shape == t0.shape, lambda: f"{first} and {n} must have the same BSHD shape (local tokens of one "
                                               f"CP shard, equal heads); got {first} {tuple(t0.shape)} and {n} "

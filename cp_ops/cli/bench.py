@@ -196,10 +196,19 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     ql, kl, vl = shard(q), shard(k), shard(v)
     ref_l = shard(local_attention(q, k, v))  # every rank, untimed
     fns, errs = [], []
+    from cp_ops.comm_dtype import for_mode, parse as parse_comm_dtype, tag as comm_tag
+
+    fmts = parse_comm_dtype(getattr(args, "comm_dtype", "none"))
+    if fmts[1] != fmts[2]:  # AGKV moves K and V in one gather: one format for both (cp_ops.comm_dtype.for_mode)
+        if rank == 0 and any(m == "agkv" for _, m, _, _ in s_cases):
+            print(f"cp-ops bench: S={s}: agkv rows skipped: --comm-dtype {args.comm_dtype} puts K and V in different "
+                  "formats, and AGKV gathers them together", flush=True)
+        s_cases = [case for case in s_cases if case[1] != "agkv"]
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
-        fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, mode=mode, transport=tr, chunks=c)  # noqa: E731
+        fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, mode=mode, transport=tr, chunks=c,  # noqa: E731
+                                                     comm_dtype=fmts)
         out = fn()
         err = ((out.float() - ref_l.float()).abs().max() / ref_l.float().abs().max()).item()
         errs.append(max_over_ranks(err, device))
@@ -261,6 +270,10 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
                 if rank == 0:
                     print(f"cp-ops bench: S={s} {mode}/{tr}/c={c}: no graph row: {e}", flush=True)
         recv = received_bytes(used_mode, world_size, ql.numel() * ql.element_size())
+        if recv is not None and any(fmts):  # FP8 rows: D + 4 bytes per (token, head) instead of D elements
+            moved = "kv" if used_mode == "agkv" else "qkvo"
+            ratio = sum((d + 4) / (d * ql.element_size()) if fmts["qkvo".index(n)] else 1.0 for n in moved) / len(moved)
+            recv = int(recv * ratio)
         comm_ms = None if recv is None else recv / probe["GBps"] / 1e6
         # on CPU gloo's copies through host memory are not a link's limit: the bound is the attention share alone
         bound = max(share["median"], comm_ms or 0.0) if device.type == "cuda" else share["median"]
@@ -268,7 +281,7 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
                          requested_chunks="auto" if c is None else c, choice=picked.source if picked else "explicit",
                          choice_times_ms=dict(picked.times_ms) if picked else {}, transport=resolved, requested_transport=tr,
                          cp_ms=cp["median"], single_ms=single["median"], speedup=single["median"] / cp["median"],
-                         rel_err=err,
+                         rel_err=err, comm_dtype=comm_tag(for_mode(fmts, used_mode)) or "none",
                          cp_ms_q1=cp["q1"], cp_ms_q3=cp["q3"], cp_ms_min=cp["min"], cp_ms_max=cp["max"],
                          cp_latency_ms=lat["median"], cp_latency_ms_q1=lat["q1"], cp_latency_ms_q3=lat["q3"],
                          single_ms_q1=single["q1"], single_ms_q3=single["q3"],

@@ -39,6 +39,10 @@ def add_parser(sub) -> None:
     b.add_argument("--calls", type=int, default=None,
                    help="calls back to back per steady-state sample (default 10 GPU; 1 CPU, where gloo calls run "
                         "one after another anyway)")
+    b.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
+                   help="what the CP attention sends (cp_ops.attention(comm_dtype=)): none = the input dtype; e4m3/e5m2 "
+                        "= FP8 for every tensor the mode moves; FMT:LETTERS = those of q,k,v,o (docs/fp8.md). recv_bytes "
+                        "and the bound count the FP8 bytes; rel_err shows the FP8 error")
     b.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
     b.add_argument("--heads", type=int, default=None, help="heads H (default 40 GPU, 8 CPU)")
     b.add_argument("--head-dim", type=int, default=None, help="head dim D (default 128 GPU, 64 CPU)")

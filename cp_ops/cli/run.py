@@ -322,7 +322,10 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()),
                                 keep=cp_calls if interleave else None)
     try:
+        from ..comm_dtype import parse as parse_comm_dtype
+
         parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
+                    comm_dtype=parse_comm_dtype(getattr(args, "comm_dtype", "none")),
                     **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
@@ -383,7 +386,8 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
                 tokens=tokens, text_tokens=args.text_tokens, latent=latent, dtype=args.dtype, mode=mode,
                 transport=transport, chunks=getattr(args, "chunks", None) or "auto", compile=args.compile or False,
                 cuda_graphs=args.cuda_graphs, cfg=args.cfg,
-                steps=args.steps, weights="checkpoint" if args.checkpoint else "random", compiled_with=compiled_with)
+                steps=args.steps, weights="checkpoint" if args.checkpoint else "random", compiled_with=compiled_with,
+                comm_dtype=getattr(args, "comm_dtype", "none"))
     if args.compile:
         meta["compiled_blocks"] = nblocks
     try:
@@ -397,7 +401,9 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
           f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
-          + f" mode={mode} transport={transport} chunks={meta['chunks']} compile={compiled_with or 'no'}, on {meta.get('gpu', 'CPU')}")
+          + f" mode={mode} transport={transport} chunks={meta['chunks']} compile={compiled_with or 'no'}"
+          + (f" comm={meta['comm_dtype']}" if meta["comm_dtype"] not in ("none", "bf16") else "")
+          + f", on {meta.get('gpu', 'CPU')}")
     if args.model == "wan" and not (args.steps or args.compare or args.compile):
         # the original `cp-ops run wan` table (kept)
         print(f"{'CP ms':>10} {'1-rank ms':>10} {'speedup':>8} {'max rel err':>12}")

@@ -49,6 +49,10 @@ def add_parser(sub) -> None:
     r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
                    help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
                         "auto (fast where it can run, else torch; `cp-ops env` says which)")
+    r.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
+                   help="what CP attention sends over the link (parallelize(..., comm_dtype=)): none = the model's "
+                        "dtype; e4m3/e5m2 = FP8 with per-(token, head) scales for every tensor the mode moves; "
+                        "FMT:LETTERS = only those of q,k,v,o (e.g. e4m3:qvo). Error and when to use: docs/fp8.md")
     r.add_argument("--chunks", type=chunks_arg, default=None, metavar="{auto,1,2,3,4,...}",
                    help="pipeline stages of every CP attention call (parallelize(..., chunks=)): 1 = "
                         "transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages "
@@ -145,6 +149,11 @@ def check(args, device: str, world: int) -> None:
     pt, ph, pw = spec.patch(cfg)
     if args.layers is not None and args.layers < 1:
         fail(f"{what}: --layers must be >= 1; got {args.layers}")
+    import re as _re
+
+    if not _re.fullmatch(r"none|bf16|(e4m3|e5m2)(:[qkvo]+)?", str(getattr(args, "comm_dtype", "none")).lower()):
+        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
+             f"got {args.comm_dtype!r}")
     if not spec.video and args.frames != 1:
         fail(f"{what}: {spec.cls} is an image model; --frames must be 1, got {args.frames}")
     if min(args.frames, args.height, args.width, args.batch) < 1 or args.height % ph or args.width % pw or args.frames % pt:

@@ -71,7 +71,7 @@ class CPAttention:
         # calls carry none: one graph per block class, checked by mode, chunks, mask and shapes.
         tag = None if torch.compiler.is_compiling() else self.where
         return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
-                         chunks=chunks, tag=tag, **kwargs)
+                         chunks=chunks, tag=tag, comm_dtype=st.comm_dtype, **kwargs)
 
 
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,

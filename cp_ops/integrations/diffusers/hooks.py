@@ -41,8 +41,10 @@ class CPState:
     :func:`~cp_ops.integrations.diffusers.parallelize` got them) and the full token count of each stream seen in the
     current forward."""
 
-    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams, chunks: int | None = None):
+    def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams, chunks: int | None = None,
+                 comm_dtype=None):
         self.pg, self.mode, self.transport, self.chunks = pg, mode, transport, chunks
+        self.comm_dtype = comm_dtype  # cp_ops.comm_dtype's normal form (every attention call's comm_dtype=)
         self.rank, self.world = pg.rank(), pg.size()
         announce(pg)  # this rank's pid, so a peer waiting for it later can tell that it exited (cp_ops._peers)
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys

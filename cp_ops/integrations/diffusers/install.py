@@ -9,6 +9,7 @@ import torch
 
 from ... import modes
 from ...group import resolve_group
+from ...comm_dtype import normalize as normalize_comm_dtype
 from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
 from . import caches, dispatch, hooks
@@ -20,7 +21,7 @@ from .registry import SUPPORTED, spec_for
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
-                cuda_graphs: bool = False) -> torch.nn.Module:
+                cuda_graphs: bool = False, comm_dtype: Any = None) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
     Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
@@ -42,6 +43,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             masks), which only run transport-then-attend (:class:`cp_ops.layout.Shards`): they get ``chunks=1`` when
             ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
             runs, pipelined only where its shards are even.
+        comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
+            ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn``; a dict per tensor q/k/v/o):
+            ``docs/fp8.md`` (its error on full models, which default is safe). Checked here (ValueError).
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
@@ -74,6 +78,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     check_chunks(chunks)
+    comm_dtype = normalize_comm_dtype(comm_dtype, next((p.dtype for p in transformer.parameters()), None))
     if cuda_graphs and not compile:
         raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
                          "mode='reduce-overhead'); got compile=False")
@@ -107,7 +112,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
                for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
     streams |= {s for ss in spec.attention.values() for s in ss}
-    state = hooks.CPState(cp, mode, transport, sorted(streams), chunks)
+    state = hooks.CPState(cp, mode, transport, sorted(streams), chunks, comm_dtype)
     hooks.install(transformer, plan, state, checks.before_gather,
                   outer_pre=(lanes.select,) if lanes else (), outer_post=(lanes.gather,) if lanes else ())
     for pattern, streams, modules in attn_modules:

@@ -1,0 +1,98 @@
+"""``comm_dtype``: which tensors of a CP attention call cross the link in FP8, and in which format.
+
+The public argument (:func:`cp_ops.attention`, :func:`cp_ops.parallelize`, ``cp-ops run --comm-dtype``) is one of
+
+* ``None`` (default), or the input dtype itself: every tensor travels in the input dtype (bitwise the call without
+  the argument);
+* ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: every tensor the mode moves travels in that format
+  (AGKV: K and V; Ulysses: Q, K, V and the output O on its way back);
+* a dict naming tensors, e.g. ``{"q": torch.float8_e4m3fn, "v": torch.float8_e4m3fn, "o": torch.float8_e4m3fn}``
+  (cache-dit's choice: K stays in the input dtype): keys from ``"q", "k", "v", "o"``, values an FP8 dtype or None;
+  a tensor not named travels in the input dtype. AGKV moves K and V in one gather: they must have the same entry
+  (Q and O do not travel in AGKV; their entries are ignored there).
+
+The normal form (:func:`normalize`) is a 4-tuple of format names for (q, k, v, o), '' = the input dtype: hashable,
+a constant under ``torch.compile``, and what the rank contract's variant tag carries (:func:`tag`). The codec
+itself (per-(token, head) scales carried with the bytes) is :mod:`cp_ops.kernels.fp8`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.fp8 import FORMATS, format_name
+
+#: the tensors a call may move, in the order of the normal form
+NAMES = ("q", "k", "v", "o")
+#: the normal form of "every tensor in the input dtype"
+NONE = ("", "", "", "")
+
+
+def normalize(comm_dtype, input_dtype: torch.dtype | None = None) -> tuple[str, str, str, str]:
+    """The normal form of a ``comm_dtype`` argument (module docstring).
+
+    Raises:
+        ValueError: a dtype other than float8_e4m3fn / float8_e5m2 / ``input_dtype``; a dict key not in
+            ``("q", "k", "v", "o")``; a value that is not an FP8 dtype or None.
+    """
+    if comm_dtype is None:
+        return NONE
+    if isinstance(comm_dtype, tuple) and len(comm_dtype) == 4 and all(f in ("", *FORMATS) for f in comm_dtype):
+        return comm_dtype  # already normal
+    if isinstance(comm_dtype, dict):
+        bad = [k for k in comm_dtype if k not in NAMES]
+        if bad:
+            raise ValueError(f"comm_dtype: a dict's keys name the tensors that travel, from {NAMES}; got {bad!r}")
+        return tuple("" if comm_dtype.get(n) is None or comm_dtype.get(n) == input_dtype
+                     else _fmt(comm_dtype[n], f"comm_dtype[{n!r}]") for n in NAMES)
+    if input_dtype is not None and comm_dtype == input_dtype:
+        return NONE
+    f = _fmt(comm_dtype, "comm_dtype")
+    return (f, f, f, f)
+
+
+def _fmt(dtype, what: str) -> str:
+    try:
+        return format_name(dtype)
+    except ValueError:
+        raise ValueError(f"{what} must be torch.float8_e4m3fn, torch.float8_e5m2, None (the input dtype) or, for "
+                         f"comm_dtype, a dict of them keyed by {NAMES}; got {dtype!r}") from None
+
+
+def for_mode(fmts: tuple, mode: str) -> tuple[str, str, str, str]:
+    """The formats a call of ``mode`` uses: AGKV keeps K and V only (they must agree: one gather moves both).
+
+    Raises:
+        ValueError: AGKV with K and V in different formats.
+    """
+    if mode != "agkv" or fmts == NONE:
+        return fmts
+    if fmts[1] != fmts[2]:
+        raise ValueError(f"comm_dtype: mode='agkv' gathers K and V together, so they travel in one format; got "
+                         f"k={fmts[1] or 'input dtype'!r}, v={fmts[2] or 'input dtype'!r} (name both or neither)")
+    return ("", fmts[1], fmts[2], "")
+
+
+def tag(fmts: tuple) -> str | None:
+    """The variant tag's field for the rank contract (None when nothing travels in FP8: the tag is unchanged)."""
+    if fmts == NONE:
+        return None
+    return ",".join(f"{n}={f}" for n, f in zip(NAMES, fmts) if f)
+
+
+def parse(text: str) -> tuple[str, str, str, str]:
+    """The CLI's form: 'bf16'/'none' (input dtype), 'e4m3' / 'e5m2' (every tensor), or 'e4m3:qvo' (the tensors
+    named by their letters). Raises ValueError naming the forms."""
+    t = text.strip().lower()
+    if t in ("", "none", "bf16", "input"):
+        return NONE
+    fmt, _, which = t.partition(":")
+    if fmt in ("fp8", "float8_e4m3fn"):
+        fmt = "e4m3"
+    if fmt == "float8_e5m2":
+        fmt = "e5m2"
+    if fmt not in FORMATS or any(c not in "qkvo" for c in which):
+        raise ValueError(f"comm dtype must be none, e4m3, e5m2 or e4m3:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
+                         f"got {text!r}")
+    which = which or "qkvo"
+    return tuple(fmt if n in which else "" for n in NAMES)

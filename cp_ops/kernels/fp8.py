@@ -1,0 +1,285 @@
+"""The FP8 communication codec: a tensor ``[..., D]`` (fp32/bf16/fp16) ↔ one byte buffer ``[..., D + 4]`` (uint8).
+
+Each row of ``D`` values (one (token, head) of a ``[B, S, H, D]`` tensor) is quantized on the sender with its own
+scale and carried with it, so one collective moves both and every layout of :mod:`cp_ops.layout` (which moves rows
+of the last dim) works on the encoded tensor unchanged:
+
+    bytes [0, D)      the D values, x / scale rounded to the fp8 format (round to nearest even, saturated)
+    bytes [D, D + 4)  scale, fp32 (native byte order), scale = max(amax, 2**-100) / fp8_max
+
+``amax`` = max |x| over the row in fp32; ``fp8_max`` = 448 (e4m3fn) or 57344 (e5m2). The floor 2**-100 keeps the
+scale a normal fp32 (rows of zeros or tiny values give no inf/NaN: a zero row decodes to zeros). Decoding is
+``fp8_value * scale`` in fp32, rounded once to the output dtype. Error of one round trip, per element: at most
+half an fp8 ulp of ``|x| / scale`` — relative ``2**-4`` (e4m3, 3 mantissa bits) or ``2**-3`` (e5m2) of ``|x|``
+for normal fp8 values, and ``scale · 2**-10`` (e4m3) / ``scale · 2**-17`` (e5m2) absolute below the fp8 normal range
+— plus the output dtype's rounding.
+
+Kernels: :func:`encode` / :func:`decode` run the torch ops of :func:`encode_torch` / :func:`decode_torch` (any
+device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each (one read, one write; the same math:
+IEEE division, RTNE casts — bitwise equal to the torch version, checked on the GPU by tests/test_fp8_gpu.py).
+The ``torch.library`` ops ``cp_ops::fp8_encode`` / ``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced
+code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with torch's Linux CUDA wheels; absent on CPU-only builds
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+#: bytes of the scale carried after the D payload bytes of every row
+SCALE_BYTES = 4
+#: the floor of a row's amax (a normal fp32 after the division by fp8_max: no inf/NaN for zero or tiny rows)
+AMAX_FLOOR = 2.0 ** -100
+#: the formats by name (what the ops, the variant tag and the docs say) → (torch dtype, largest finite value)
+FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+_BY_DTYPE = {dt: name for name, (dt, _) in FORMATS.items()}
+
+
+def format_name(dtype) -> str:
+    """'e4m3' / 'e5m2' for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or those names); ValueError else."""
+    if isinstance(dtype, str) and dtype in FORMATS:
+        return dtype
+    name = _BY_DTYPE.get(dtype)
+    if name is None:
+        raise ValueError(f"an FP8 communication format must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3', "
+                         f"'e5m2'); got {dtype!r}")
+    return name
+
+
+def encoded_shape(shape) -> tuple[int, ...]:
+    """The encoded buffer's shape for a tensor of ``shape``: the last dim grows by :data:`SCALE_BYTES`."""
+    return (*shape[:-1], shape[-1] + SCALE_BYTES)
+
+
+def _check_encode(x: torch.Tensor, fmt: str) -> None:
+    format_name(fmt)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1:
+        raise ValueError(f"fp8 encode takes an fp32/bf16/fp16 tensor of at least 1 dim; got {x.dtype} "
+                         f"{tuple(x.shape)}")
+
+
+def _check_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> None:
+    format_name(fmt)
+    if buf.dtype != torch.uint8 or buf.dim() < 1 or buf.shape[-1] <= SCALE_BYTES:
+        raise ValueError(f"fp8 decode takes a uint8 buffer [..., D + {SCALE_BYTES}] with D >= 1 (cp_ops.kernels.fp8); "
+                         f"got {buf.dtype} {tuple(buf.shape)}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8 decode writes fp32/bf16/fp16; got {dtype}")
+
+
+# ---- the torch version (any device) ---------------------------------------------------------------------------
+def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x [..., D]`` → uint8 ``[..., D + 4]`` (module docstring), in torch ops."""
+    _check_encode(x, fmt)
+    dt, fmax = FORMATS[fmt]
+    # max |x| over the row in fp32 (exact: a max), then the scale; x / scale in fp32 (x promoted exactly)
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    scale = amax.clamp_min_(AMAX_FLOOR).div_(fmax)  # [..., 1] fp32
+    q = torch.div(x, scale).clamp_(-fmax, fmax).to(dt)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def _scales(buf: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales ``[..., 1]`` of an encoded buffer (a view where the bytes are 4-aligned, else a copy)."""
+    d = buf.shape[-1] - SCALE_BYTES
+    raw = buf[..., d:]
+    try:
+        return raw.view(torch.float32)
+    except RuntimeError:  # D % 4 != 0, or a strided buffer: the scale bytes are not 4-aligned in place
+        return raw.contiguous().view(torch.float32)
+
+
+def decode_torch(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """uint8 ``[..., D + 4]`` → ``[..., D]`` of ``dtype`` (module docstring), in torch ops."""
+    _check_decode(buf, dtype, fmt)
+    dt, _ = FORMATS[fmt]
+    d = buf.shape[-1] - SCALE_BYTES
+    return (buf[..., :d].view(dt).float() * _scales(buf)).to(dtype)
+
+
+# ---- the fused Triton version (CUDA) ----------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _pow2(k):
+        """2**k as fp32 for integer k in [-126, 127] (built from its bits: exact)."""
+        return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_fp8_bits(y, E4M3: tl.constexpr):
+        """fp32 ``y`` (|y| <= the format's max) → the fp8 byte, round to nearest even, in integer ops (the same rounding
+        as torch's cast; no dependence on how the compiler lowers an fp8 cast)."""
+        if E4M3:
+            MB: tl.constexpr = 3
+            BIAS: tl.constexpr = 7
+        else:
+            MB: tl.constexpr = 2
+            BIAS: tl.constexpr = 15
+        u = y.to(tl.uint32, bitcast=True)
+        sign = (u >> 31) << 7
+        ex = ((u >> 23) & 0xFF).to(tl.int32)
+        mant = tl.where(ex == 0, 0, (u & 0x7FFFFF) | 0x800000)  # fp32 subnormals (|y| < 2**-126) round to 0
+        e = ex - 127
+        e_eff = tl.maximum(e, 1 - BIAS)  # the fp8 subnormal range shares the smallest normal exponent's step
+        shift = tl.minimum(23 - MB + e_eff - e, 31).to(tl.uint32)
+        q = mant >> shift
+        rem = mant & ((tl.full(u.shape, 1, tl.uint32) << shift) - 1)
+        half = tl.full(u.shape, 1, tl.uint32) << (shift - 1)
+        q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.uint32)
+        bits = (((e_eff + BIAS) << MB).to(tl.uint32) + q - (1 << MB)) | sign  # a carry moves into the exponent
+        return bits.to(tl.uint8)
+
+    @triton.jit
+    def _from_fp8_bits(b, E4M3: tl.constexpr):
+        """The fp8 byte ``b`` → its fp32 value (exact)."""
+        if E4M3:
+            MB: tl.constexpr = 3
+            BIAS: tl.constexpr = 7
+        else:
+            MB: tl.constexpr = 2
+            BIAS: tl.constexpr = 15
+        b = b.to(tl.int32)
+        ex = (b >> MB) & ((1 << (7 - MB)) - 1)
+        m = (b & ((1 << MB) - 1)) + tl.where(ex > 0, 1 << MB, 0)
+        v = m.to(tl.float32) * _pow2(tl.maximum(ex, 1) - BIAS - MB)
+        return tl.where((b & 0x80) != 0, -v, v)
+
+    @triton.jit
+    def _encode_kernel(X, OUT, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       FMAX: tl.constexpr, E4M3: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rm = rows < n_rows
+        m = rm[:, None] & (cols[None, :] < D)
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2**-100
+        scale = tl.math.div_rn(amax, tl.full([BLOCK_R], FMAX, tl.float32))
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+        q = _to_fp8_bits(y, E4M3)
+        row_out = OUT + rows * (D + 4)
+        tl.store(row_out[:, None] + cols[None, :], q, mask=m)
+        sb = scale.to(tl.uint32, bitcast=True)
+        for i in tl.static_range(4):
+            tl.store(row_out + D + i, ((sb >> (8 * i)) & 0xFF).to(tl.uint8), mask=rm)
+
+    @triton.jit
+    def _decode_kernel(BUF, OUT, n_rows, so_r, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                       E4M3: tl.constexpr, OUT_BF16: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        rm = rows < n_rows
+        m = rm[:, None] & (cols[None, :] < D)
+        row_in = BUF + rows * (D + 4)
+        q = tl.load(row_in[:, None] + cols[None, :], mask=m, other=0)
+        sb = tl.zeros([BLOCK_R], tl.uint32)
+        for i in tl.static_range(4):
+            sb = sb | (tl.load(row_in + D + i, mask=rm, other=0).to(tl.uint32) << (8 * i))
+        scale = sb.to(tl.float32, bitcast=True)
+        y = _from_fp8_bits(q, E4M3) * scale[:, None]
+        if OUT_BF16:  # round to nearest even from the bits (finite values), as torch's cast
+            u = y.to(tl.uint32, bitcast=True)
+            y = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(OUT + rows[:, None] * so_r + cols[None, :], y.to(OUT.dtype.element_ty), mask=m)
+
+
+def _blocks(d: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(d)
+    return block_d, max(1, min(64, 4096 // block_d))
+
+
+def encode_triton(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """:func:`encode_torch` as one fused Triton kernel (CUDA)."""
+    _check_encode(x, fmt)
+    x = x.contiguous()
+    d = x.shape[-1]
+    out = torch.empty(encoded_shape(x.shape), dtype=torch.uint8, device=x.device)
+    n = x.numel() // d if d else 0
+    if n:
+        block_d, block_r = _blocks(d)
+        _encode_kernel[(triton.cdiv(n, block_r),)](x, out, n, D=d, BLOCK_D=block_d, BLOCK_R=block_r,
+                                                   FMAX=FORMATS[fmt][1], E4M3=fmt == "e4m3", num_warps=4)
+    return out
+
+
+def decode_triton(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """:func:`decode_torch` as one fused Triton kernel (CUDA)."""
+    _check_decode(buf, dtype, fmt)
+    buf = buf.contiguous()
+    d = buf.shape[-1] - SCALE_BYTES
+    out = torch.empty((*buf.shape[:-1], d), dtype=dtype, device=buf.device)
+    n = out.numel() // d
+    if n:
+        block_d, block_r = _blocks(d)
+        _decode_kernel[(triton.cdiv(n, block_r),)](buf, out, n, d, D=d, BLOCK_D=block_d, BLOCK_R=block_r,
+                                                   E4M3=fmt == "e4m3", OUT_BF16=dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+_checked: dict = {}
+
+
+def use_triton(device: torch.device) -> bool:
+    """True when :func:`encode` / :func:`decode` run the fused Triton kernels for tensors on ``device``: CUDA with
+    Triton, once :func:`self_test` found them bitwise equal to the torch version on this device (checked at the
+    first call per device; else the torch version, logged once)."""
+    if triton is None or device.type != "cuda":
+        return False
+    ok = _checked.get(device.index)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():  # the self-test syncs: not inside a CUDA graph capture
+            return False  # (the torch version, capturable; the test runs at the first call outside a capture)
+        ok = _checked[device.index] = self_test(device) is None
+    return ok
+
+
+def self_test(device: torch.device) -> str | None:
+    """Compare the Triton kernels with the torch version on ``device`` (values across every binade of both formats,
+    zero and tiny rows, bf16/fp16/fp32): None when bitwise equal, else what differed (then :func:`use_triton`
+    keeps the torch version and logs why). Synchronizes the device (call it outside CUDA graph capture)."""
+    import logging
+
+    g = torch.Generator(device=device).manual_seed(0)
+    sweep = torch.linspace(-1, 1, 255, device=device).repeat(8, 1) * torch.logspace(-6, 4, 8, device=device)[:, None]
+    x = torch.cat([sweep[:, :128], sweep[:, 127:], torch.randn(64, 128, generator=g, device=device) * 4,
+                   torch.zeros(1, 128, device=device), torch.full((1, 128), 1e-30, device=device)])
+    bad = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dt)
+        for fmt in FORMATS:
+            enc = encode_triton(xd, fmt)
+            ref = encode_torch(xd, fmt)
+            if not torch.equal(enc, ref):
+                bad.append(f"encode {fmt} {dt}: {(enc != ref).sum().item()} bytes differ")
+            elif not torch.equal(decode_triton(ref, dt, fmt), decode_torch(ref, dt, fmt)):
+                bad.append(f"decode {fmt} {dt}")
+    if not bad:
+        return None
+    why = "; ".join(bad)
+    logging.getLogger("cp_ops").warning("cp_ops FP8 codec: the Triton kernels differ from the torch version on %s "
+                                        "(%s): using the torch version", device, why)
+    return why
+
+
+def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x [..., D]`` (fp32/bf16/fp16) → uint8 ``[..., D + 4]``: fp8 values of format ``fmt`` ('e4m3' / 'e5m2') and
+    each row's fp32 scale (module docstring). The Triton kernel on CUDA, else torch ops. Raises ValueError for
+    another dtype or format."""
+    return encode_triton(x, fmt) if use_triton(x.device) else encode_torch(x, fmt)
+
+
+def decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    """uint8 ``[..., D + 4]`` (what :func:`encode` gave) → ``[..., D]`` of ``dtype``. Raises ValueError for a buffer
+    that is not uint8 with a last dim > 4, or another output dtype / format."""
+    return decode_triton(buf, dtype, fmt) if use_triton(buf.device) else decode_torch(buf, dtype, fmt)
+
+
+def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``decode(encode(x))``: what a tensor that crossed the link in ``fmt`` looks like on arrival (the one-device
+    emulation, :func:`cp_ops.kernels.fp8_emulate`)."""
+    return decode(encode(x, fmt), x.dtype, fmt)
