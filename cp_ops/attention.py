@@ -12,7 +12,9 @@ from typing import Any, Hashable
 import torch
 
 from . import dispatch
+from . import dispatch_mesh
 from . import ops
+from .mesh import is_mesh
 from .kernels import local_attention
 
 __all__ = ["attention", "local_attention"]
@@ -40,10 +42,13 @@ def attention(
 
     Args:
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
-        group: the CP group: ``None`` (default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        group: the CP group: ``None`` (default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``, or a 2-D
+            ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` (2-D CP: Ulysses inside each row, AGKV across
+            rows; rank r in row-major order holds the r-th token block; the inner size must divide H;
+            :mod:`cp_ops.mesh`, :mod:`cp_ops.dispatch_mesh`, docs/2d.md).
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
             or 'auto' (the fastest, measured on first use: :mod:`cp_ops.modes.tune`); any name of
-            ``cp_ops.modes.names()``.
+            ``cp_ops.modes.names()``. On a 2-D mesh: 'auto' or 'agkv_ulysses' (``cp_ops.modes.names(dims=2)``).
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
@@ -106,13 +111,13 @@ def attention(
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group=group, mode=mode,
                         transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag)
         return out.transpose(1, 2)
+    run = dispatch_mesh.attention if is_mesh(group) else dispatch.attention  # a 2-D mesh: cp_ops.dispatch_mesh
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
-        return dispatch.attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag)
+        return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
     # the output to q, k and v through a node whose backward raises
-    out = dispatch.attention(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens,
-                             key_mask, tag)
+    out = run(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens, key_mask, tag)
     return _ForwardOnly.apply(out, q, k, v)
 
 
