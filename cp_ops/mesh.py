@@ -107,3 +107,36 @@ class MeshShards:
         self.inner = layout.Shards(seq[o * n:(o + 1) * n], n, i, s_local, device)
         rows = row_lens(seq, info.outer, n)
         self.outer = layout.Shards(rows, info.outer, o, rows[o], device)
+
+
+def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16", batch: int = 1,
+                 device_type: str = "cuda", links=None, overlapped: bool = False):
+    """Build the 2-D CP mesh over every rank (the default process group) that the cost model predicts fastest for
+    attention over ``tokens`` tokens with ``heads`` heads of ``head_dim`` (:func:`cp_ops.cost.choose`), from the ranks'
+    node layout (:mod:`cp_ops.node`: host names or ``CP_OPS_NODE_ID``). Collective: every rank calls it alike.
+
+    Returns:
+        ``(mesh, prediction)``: a ``DeviceMesh`` of shape ``(O, I)`` with ``mesh_dim_names=("agkv", "ulysses")`` (pass
+        it as ``group=`` to :func:`cp_ops.attention` / :func:`cp_ops.parallelize`), and the chosen
+        :class:`cp_ops.cost.Prediction` (pure Ulysses is ``1×W``, pure AGKV ``W×1``).
+    Raises:
+        ValueError: the nodes hold different rank counts; the ranks are not numbered node by node (torchrun's order,
+            which keeps each inner group on one node); bad counts (:func:`cp_ops.cost.predict`).
+        RuntimeError: torch.distributed is not initialized; a rank did not take part within ``CP_OPS_TIMEOUT_S``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from . import cost, node
+    from .group import resolve_group
+
+    world = resolve_group(None)
+    ids = node.group_nodes(world)
+    nodes, per = node.layout(ids)
+    if not node.node_major(ids):
+        raise ValueError(f"init_cp_mesh needs the ranks numbered node by node (torchrun's order: ranks 0..{per - 1} on "
+                         f"one node, ...); got node identities {list(ids)} by rank")
+    p = cost.choose(tokens, heads, head_dim, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=batch,
+                    links=links or cost.Links(), overlapped=overlapped)
+    assert p.outer * p.inner == dist.get_world_size()
+    return init_device_mesh(device_type, (p.outer, p.inner), mesh_dim_names=DIM_NAMES), p
