@@ -65,7 +65,7 @@ class CPAttention:
         chunks = st.chunks
         if kwargs and chunks is not None and chunks > 1:  # seq_lens / key_mask: transport-then-attend only
             chunks = 1
-        return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
+        return attention(query, key, value, group=st.attn_group, mode=st.mode, transport=st.transport, scale=scale,
                          chunks=chunks, tag=self.where, **kwargs)  # tag: the module's path (a skipped layer raises)
 
 

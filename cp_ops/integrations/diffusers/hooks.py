@@ -39,6 +39,7 @@ class CPState:
 
     def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams, chunks: int | None = None):
         self.pg, self.mode, self.transport, self.chunks = pg, mode, transport, chunks
+        self.attn_group = pg  # what cp_ops.attention gets: a 2-D CP mesh over pg's ranks where parallelize got one
         self.rank, self.world = pg.rank(), pg.size()
         announce(pg)  # this rank's pid, so a peer waiting for it later can tell that it exited (cp_ops._peers)
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
