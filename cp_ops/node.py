@@ -3,8 +3,9 @@
 **The rule.** A rank's node identity is ``CP_OPS_NODE_ID`` when set (``cp_ops.config.settings.node_id``, read per
 rank), else its host name (``socket.gethostname()``). Ranks with equal identities share a node. Under
 ``torchrun --nnodes N`` each node's ranks have their node's host name, so nothing needs setting; set
-``CP_OPS_NODE_ID`` per rank to simulate several nodes on one machine (tests: ``CP_OPS_NODE_ID=node$((RANK / 4))``),
-or where host names do not tell nodes apart (containers with one fixed host name on every node).
+``CP_OPS_NODE_ID`` to simulate several nodes on one machine (one ``torchrun --nnodes 2 --node-rank k`` per simulated
+node, each with its own ``CP_OPS_NODE_ID=nodek``; tests: ``cp_ops.config.configure(node_id=...)`` in each rank before
+its first cp_ops call), or where host names do not tell nodes apart (containers with one fixed host name on every node).
 
 What reads it:
 

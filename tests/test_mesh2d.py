@@ -111,6 +111,12 @@ def _compiled(rank, w):
             assert torch.equal(f(sh(q), sh(k), sh(v), km), eager)
         eager = cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, chunks=2)
         torch.testing.assert_close(g(sh(q), sh(k), sh(v)), eager, rtol=1e-6, atol=1e-6)
+    # with the overlap pass (cp_ops.compile): a block whose K/V launches can move above the Q projection
+    wq = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    block = lambda q, k, v: cp_ops.attention(q @ wq, k, v, group=mesh)  # noqa: E731
+    p = cp_ops.compile(block, fullgraph=True)
+    q, k, v, _ = _data(1, 16, 4, 8, seed=14)
+    assert torch.equal(p(sh(q), sh(k), sh(v)), block(sh(q), sh(k), sh(v)))
     # a degenerate mesh compiled: the 1-D call on its one dim
     flat = _mesh((1, 4))
     h = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=flat), fullgraph=True)

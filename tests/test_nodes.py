@@ -92,3 +92,32 @@ def test_node_id_setting(monkeypatch):
         assert node.node_id() == socket.gethostname()
     finally:
         config.restore(saved)
+
+
+def test_torchrun_two_simulated_nodes(tmp_path):
+    """The multi-node launch: two ``torchrun --nnodes 2`` agents (one per simulated node, c10d rendezvous, each with its
+    own CP_OPS_NODE_ID) run the 2-D example on 2 × 2 CPU ranks; the ranks see 2 nodes and match one device."""
+    import os
+    import subprocess
+    import sys
+
+    from cp_ops.cli.launch import free_port
+
+    port = free_port()
+    env = dict(os.environ, CP_OPS_TIMEOUT_S="60", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "cp_ops.examples.attention_2d",
+           "--device", "cpu", "--tokens", "64", "--heads", "6", "--head-dim", "8", "--mesh", "2x2"]
+    procs = [subprocess.Popen(cmd[:3] + ["--node-rank", str(n)] + cmd[3:], env=dict(env, CP_OPS_NODE_ID=f"node{n}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=180)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "2 node(s) x 2 rank(s) (node ids: ['node0', 'node1'])" in outs[0], outs[0]
+    assert "mesh (2, 2) ('agkv', 'ulysses')" in outs[0] and "over ranks: 0\n" in outs[0], outs[0]
