@@ -111,6 +111,16 @@ def _compiled(rank, w):
             assert torch.equal(f(sh(q), sh(k), sh(v), km), eager)
         eager = cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, chunks=2)
         torch.testing.assert_close(g(sh(q), sh(k), sh(v)), eager, rtol=1e-6, atol=1e-6)
+    # uneven shards, with a mask (chunks 1) and pipelined (chunks 2: the outer AGKV inside one op)
+    seq = (5, 2, 0, 6)
+    u = torch.compile(lambda q, k, v, m, c: cp_ops.attention(q, k, v, group=mesh, seq_lens=seq, key_mask=m, chunks=c),
+                      fullgraph=True)
+    q, k, v, mask = _data(1, sum(seq), 4, 8, seed=15)
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    assert torch.equal(u(sh(q), sh(k), sh(v), sh(mask), 1), _ref(q, k, v, mask, (2, 2), rank, seq))
+    torch.testing.assert_close(u(sh(q), sh(k), sh(v), None, 2), sh(cp_ops.local_attention(q, k, v)),
+                               rtol=1e-5, atol=1e-5)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
     # with the overlap pass (cp_ops.compile): a block whose K/V launches can move above the Q projection
     wq = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
     block = lambda q, k, v: cp_ops.attention(q @ wq, k, v, group=mesh)  # noqa: E731
@@ -146,6 +156,9 @@ def _rules(rank, w):
     m = torch.ones(1, 4 if rank != 5 else 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="key_mask must be"):
         cp_ops.attention(q, q, q, group=mesh, key_mask=m)
+    # the ranks disagree on the call (rank 0 names another layer): every rank raises, in both dims
+    with pytest.raises(ValueError):
+        cp_ops.attention(q, q, q, group=mesh, tag="layer0" if rank else "layer1")
     # the group still works after
     q, k, v, _ = _data(1, 4 * w, 8, 8, seed=3)
     sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
