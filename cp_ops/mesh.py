@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from torch.distributed import ProcessGroup
+
 from . import layout
 
 #: The dim names of a 2-D CP mesh: (outer, inner).
@@ -27,7 +29,10 @@ DIM_NAMES = ("agkv", "ulysses")
 
 def is_mesh(group: Any) -> bool:
     """Whether ``group`` is a ``DeviceMesh`` of more than one dim (1-D meshes are 1-D CP groups). Cheap: read on every
-    :func:`cp_ops.attention` call."""
+    :func:`cp_ops.attention` call; a ProcessGroup is asked nothing (under Dynamo it is an opaque object whose unknown
+    attributes raise)."""
+    if group is None or isinstance(group, ProcessGroup):
+        return False
     return getattr(group, "ndim", 1) != 1 and hasattr(group, "mesh_dim_names")
 
 

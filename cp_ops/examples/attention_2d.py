@@ -38,12 +38,19 @@ def main() -> None:
 
     import cp_ops
     from cp_ops import cost, layout, node
-    from cp_ops.cli.launch import init_rank, shutdown
+    from cp_ops.config import SAFE_ENV
     from cp_ops.mesh import DIM_NAMES, init_cp_mesh
 
+    for key, val in SAFE_ENV.items():  # NVLink multicast / NVLS off
+        os.environ.setdefault(key, val)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dev = init_rank(rank, world, a.device)
-    ok = False
+    if a.device == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
     try:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         ids = node.group_nodes(dist.group.WORLD)
@@ -67,9 +74,8 @@ def main() -> None:
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         if rank == 0:
             print(f"max |2-D CP - one device| over ranks: {err.item():.3g}")
-        ok = True
     finally:
-        shutdown(ok)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
