@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
+from . import config
+
 #: Seconds between liveness checks of the peers a wait is waiting for.
 CHECK_EVERY_S = 0.25
 _PREFIX = "cp_ops/contract/"
@@ -53,21 +55,28 @@ def _proc_stat(pid: int) -> tuple[str, str] | None:
     return rest[0].decode(), rest[19].decode()  # field 3: state; field 22: start time
 
 
+def node_id() -> str:
+    """This rank's node identity (:mod:`cp_ops.node`): ``CP_OPS_NODE_ID`` if set, else the host name."""
+    return config.settings.node_id or socket.gethostname()
+
+
 class Identity(NamedTuple):
-    """Where a rank's process runs: enough to tell, on the same host, whether it still runs."""
+    """Where a rank's process runs: enough to tell, on the same host, whether it still runs; ``node``: its node
+    identity (:func:`node_id`: what decides whether ranks share a node's memory)."""
 
     host: str
     pidns: str  # '' when unknown (no /proc): not watched
     pid: int
     start: str  # process start time (clock ticks since boot), '' when unknown
+    node: str = ""
 
     def encode(self) -> str:
-        return f"{self.host}\t{self.pidns}\t{self.pid}\t{self.start}"
+        return f"{self.host}\t{self.pidns}\t{self.pid}\t{self.start}\t{self.node}"
 
     @classmethod
     def decode(cls, s: str) -> "Identity":
-        host, ns, pid, start = s.split("\t")
-        return cls(host, ns, int(pid), start)
+        host, ns, pid, start, node = s.split("\t")
+        return cls(host, ns, int(pid), start, node)
 
 
 def identity() -> Identity:
@@ -77,7 +86,7 @@ def identity() -> Identity:
     except OSError:
         ns = ""
     st = _proc_stat(os.getpid()) if ns else None
-    return Identity(socket.gethostname(), ns, os.getpid(), st[1] if st else "")
+    return Identity(socket.gethostname(), ns, os.getpid(), st[1] if st else "", node_id())
 
 
 def exited(peer: Identity, me: Identity) -> str | None:

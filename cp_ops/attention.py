@@ -12,8 +12,10 @@ from typing import Any, Hashable
 import torch
 
 from . import dispatch
+from . import dispatch_mesh
 from . import ops
 from .modes.tune import Choice
+from .mesh import is_mesh
 from .kernels import local_attention
 
 __all__ = ["attention", "describe", "local_attention"]
@@ -42,11 +44,14 @@ def attention(
 
     Args:
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
-        group: the CP group: ``None`` (default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``.
+        group: the CP group: ``None`` (default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``, or a 2-D
+            ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` (2-D CP: Ulysses inside each row, AGKV across
+            rows; rank r in row-major order holds the r-th token block; the inner size must divide H;
+            :mod:`cp_ops.mesh`, :mod:`cp_ops.dispatch_mesh`, docs/2d.md).
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
             or 'auto' (the heuristic :func:`cp_ops.modes.choose`; the fastest, measured on first use, where
-            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.modes.tune`); any name of ``cp_ops.modes.names()``. What a call
-            ran: :func:`describe`.
+            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.modes.tune`); any name of ``cp_ops.modes.names()``. On a 2-D mesh:
+            'auto' or 'agkv_ulysses' (``cp_ops.modes.names(dims=2)``). What a call ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale; default ``1/sqrt(D)``.
@@ -120,13 +125,18 @@ def attention(
                         transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
                         comm_dtype=comm_dtype)
         return out.transpose(1, 2)
+    run, extra = dispatch.attention, (comm_dtype,)
+    if is_mesh(group):  # a 2-D mesh: cp_ops.dispatch_mesh
+        if comm_dtype is not None and comm_dtype != q.dtype:
+            raise ValueError(f"comm_dtype={comm_dtype} on a 2-D mesh: FP8 communication runs on 1-D groups only for "
+                             "now (docs/fp8.md); pass comm_dtype=None with a mesh")
+        run, extra = dispatch_mesh.attention, ()
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
-        return dispatch.attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype)
+        return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, *extra)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
     # the output to q, k and v through a node whose backward raises
-    out = dispatch.attention(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens,
-                             key_mask, tag, comm_dtype)
+    out = run(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens, key_mask, tag, *extra)
     return _ForwardOnly.apply(out, q, k, v)
 
 

@@ -1,6 +1,7 @@
 """The communication interface every mode body is written against, and its two implementations.
 
-A mode body (:mod:`cp_ops.modes`) is one function ``body(q, k, v, comm, *, scale, chunks, shards)``. It never
+A mode body (:mod:`cp_ops.modes`) is one function ``body(q, k, v, comm, *, scale, chunks, shards)`` (a 2-D mode's
+``comm`` is a :class:`MeshComm`: one comm per mesh dim). It never
 touches a process group, an op or a transport: it launches through ``comm`` and waits on what the launch
 returned, so the same body runs
 
@@ -226,6 +227,14 @@ class OpComm(_Comm):
         # per slot: the form the overlap pass looks for (select(buf, 3, i))
         return tuple(layout.ulysses_unpack(buf, i) for i in range(buf.shape[3]))
 
+    def agkv_attention(self, q, k, v, scale, chunks: int):
+        """Pipelined AGKV attention as one op (``cp_ops::agkv_pipelined_attention``, synchronous): what a 2-D body
+        runs on its outer comm where the direct comm would run :mod:`cp_ops.modes.agkv_pipelined` (``seq_lens``: the
+        outer dim's token counts). ``[B, S, H, D]`` → ``[B, S, H, D]``."""
+        call, tag, seq = self._args()
+        return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, self.world, self.group_name, self.transport, scale,
+                                                         chunks, seq, call, tag)
+
 
 class DirectComm(_Comm):
     """Launches as the transport object's methods, waits as ``work.wait()``: the eager path, no dispatcher.
@@ -345,6 +354,27 @@ class DirectComm(_Comm):
             self._first(x, 1)
         buf, work = self.tr.ulysses_inverse_start(x, self.pg)
         return self._launched(buf, work, post)
+
+
+class MeshComm:
+    """The comm of a 2-D mode body (:mod:`cp_ops.modes.agkv_ulysses`): two comms of the same kind, ``inner`` (the
+    mesh's inner dim, Ulysses) and ``outer`` (its outer dim, AGKV); each makes its own group's rank-contract exchange
+    at its first launch of a call (every rank is in one inner and one outer group, so when both agree every rank of
+    the mesh agrees). Why a pair and not a sub-group argument on every launch: the bodies keep calling the 1-D
+    launches unchanged, and a comm stays bound to one group (its transport, its contract state).
+
+    Attributes: ``inner``, ``outer`` (:class:`OpComm` or :class:`DirectComm`), ``world`` (O·I)."""
+
+    __slots__ = ("inner", "outer", "world")
+
+    def __init__(self, outer, inner):
+        self.outer, self.inner = outer, inner
+        self.world = outer.world * inner.world
+
+    def drain(self) -> None:
+        """:meth:`_Comm.drain` of both comms (after a body raised)."""
+        self.inner.drain()
+        self.outer.drain()
 
 
 class _Both:

@@ -17,6 +17,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None``: the heuristic (0, reproducible); 1: measured |
 | ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
 | ``CP_OPS_EMULATE_COMM``    | ``emulate_comm``  | a group of ONE rank round-trips what W > 1 ranks would send through the ``comm_dtype`` codec (accuracy on one device, docs/fp8.md) (0) |
+| ``CP_OPS_NODE_ID``         | ``node_id``       | this rank's node identity (default: the host name); ranks with equal ids share a node (:mod:`cp_ops.node`); set per rank, e.g. to simulate 2 nodes on one machine |
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
 group; :func:`cp_ops.contract.check_settings_agree` compares them once per group and raises on a mismatch.
@@ -114,6 +115,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default (issue 20, item 3)
     "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
     "emulate_comm": ("CP_OPS_EMULATE_COMM", _flag, False),
+    "node_id": ("CP_OPS_NODE_ID", _path, None),  # per rank by design: not a collective field
 }
 
 #: Settings that change what a collective does: every rank of a group must hold the same values.
@@ -138,6 +140,7 @@ class Settings:
     tune_modes: bool = False
     tune_cache: str | None = None
     emulate_comm: bool = False
+    node_id: str | None = None
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 
     def collective_values(self) -> tuple:
@@ -202,7 +205,7 @@ def configure(**changes: Any) -> Settings:
             value = parse(var, "1" if value is True else "0" if value is False else str(value))
         elif isinstance(value, str):
             value = parse(var, value)
-        elif f not in ("fast_lane_width", "ext_dir", "tune_cache"):
+        elif f not in ("fast_lane_width", "ext_dir", "tune_cache", "node_id"):
             raise ConfigError(f"setting {f} cannot be None")
         setattr(settings, f, value)
         settings.sources[f] = "configure()"

@@ -329,7 +329,7 @@ def _make_shm(st: _Group):
     from ._shm_exchange import ShmExchange
 
     peers, timeout = st.peers, config.settings.timeout_s
-    if len({i.host for i in peers.ids}) != 1:
+    if len({i.node for i in peers.ids}) != 1:  # not one node (cp_ops.node: CP_OPS_NODE_ID or the host name)
         return None
     rank, x = st.pg.rank(), None
     try:

@@ -38,7 +38,8 @@ def resolve_group(group: Any = None) -> dist.ProcessGroup:
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
-                f"a DeviceMesh CP group must be 1-D (pass mesh['cp']); got a {group.ndim}-D mesh "
+                f"a DeviceMesh CP group must be 1-D here (pass mesh['cp']; cp_ops.attention and parallelize also take a "
+                f"2-D ('agkv', 'ulysses') mesh: docs/2d.md); got a {group.ndim}-D mesh "
                 f"with dimension names {group.mesh_dim_names}"
             )
         return group.get_group()

@@ -82,7 +82,11 @@ def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length"
 
 def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     """The group's backend must be able to move tensors of ``t``'s device (NCCL: CUDA, gloo: CPU)."""
-    backend = backend_name(group)
+    check_device_for_backend(t, backend_name(group))
+
+
+def check_device_for_backend(t: torch.Tensor, backend: str) -> None:
+    """:func:`check_device_for_group` given the group's backend string (``'gloo'``, ``'cpu:gloo,cuda:nccl'``, ...)."""
     if ":" in backend:  # 'cpu:gloo,cuda:nccl' — a device type per backend
         devices = tuple(part.split(":")[0] for part in backend.split(","))
     else:

@@ -19,6 +19,8 @@ properties), so the names are known without importing torch (the CLI lists them 
 Modes:
     agkv     — :mod:`.agkv` (chunks 1) and :mod:`.agkv_pipelined` (chunks ≥ 2): gather K/V, keep the local Q.
     ulysses  — :mod:`.ulysses` (any chunks: head sub-groups): all-to-all sequence ↔ heads; W must divide H.
+    agkv_ulysses — :mod:`.agkv_ulysses` (2-D mesh): Ulysses over the inner dim, AGKV of the Ulysses-local K/V over the
+               outer dim (pipelined for chunks ≥ 2); the inner size must divide H.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Mode:
     pipelined_as_op: bool = False
     #: the mode's bodies take ``shards``/``key_mask`` (uneven shards, key masks); pipelined with a key mask too.
     masks_pipelined: bool = True
+    #: the CP group it runs on: 1 = a process group (or 1-D mesh); 2 = a 2-D ``DeviceMesh`` (outer, inner), whose
+    #: body gets a :class:`cp_ops.comm.MeshComm` and a :class:`cp_ops.mesh.MeshShards` (:mod:`cp_ops.dispatch_mesh`).
+    dims: int = 1
 
 
 #: The modes cp_ops ships. One line per mode.
@@ -52,6 +57,8 @@ _BUILTIN = {
                  "cp_ops.modes.agkv_pipelined:agkv_pipelined", pipelined_as_op=True, masks_pipelined=False),
     "ulysses": Mode("ulysses", True, "all-to-all sequence<->heads; W must divide the heads",
                     "cp_ops.modes.ulysses:ulysses"),
+    "agkv_ulysses": Mode("agkv_ulysses", True, "2-D mesh: Ulysses over the inner dim, AGKV over the outer dim",
+                         "cp_ops.modes.agkv_ulysses:agkv_ulysses", masks_pipelined=False, dims=2),
 }
 _REGISTRY: dict[str, Mode] = dict(_BUILTIN)
 
@@ -67,9 +74,10 @@ def register(name: str, body: Callable, *, pipelined: Callable | None = None, ne
     return m
 
 
-def names(include_auto: bool = True) -> tuple[str, ...]:
-    """Every name a caller may pass as ``mode=``: 'auto' (unless ``include_auto=False``) and each registered mode."""
-    return (("auto",) if include_auto else ()) + tuple(_REGISTRY)
+def names(include_auto: bool = True, dims: int = 1) -> tuple[str, ...]:
+    """Every name a caller may pass as ``mode=`` with a CP group of ``dims`` dimensions (1: a process group or 1-D
+    mesh; 2: a 2-D ``DeviceMesh``): 'auto' (unless ``include_auto=False``) and each registered mode of that kind."""
+    return (("auto",) if include_auto else ()) + tuple(n for n, m in _REGISTRY.items() if m.dims == dims)
 
 
 def spec(name: str) -> Mode:
@@ -138,5 +146,8 @@ def choose(mode: str, heads: int, world_size: int) -> str:
     if mode == "auto":
         return "ulysses" if world_size > 2 and heads_divisible(heads, world_size) and "ulysses" in _REGISTRY \
             else "agkv"
+    if spec(mode).dims != 1:
+        raise ValueError(f"mode={mode!r} runs on a 2-D DeviceMesh (mesh_dim_names ('agkv', 'ulysses')); got a 1-D CP "
+                         f"group of {world_size} ranks: pass group=mesh, or one of {names()}")
     check_heads(mode, heads, world_size)
     return mode

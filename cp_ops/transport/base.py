@@ -16,8 +16,8 @@ Selection happens in two steps, both here:
   group (RuntimeError naming why, on every rank: the verdict is agreed collectively by the transport's
   :meth:`Transport.group_reason`); ``'auto'`` takes the first transport of :data:`AUTO_ORDER` that every rank of
   the group can run — each rank's own :meth:`Transport.unavailable_reason` and then the group's
-  :meth:`Transport.group_reason`, each agreed across the ranks (:func:`cp_ops.contract.agree`, once per group) —,
-  else torch on every rank (logged once per group, with the reason and the ranks that refused).
+  :meth:`Transport.group_reason`, each agreed across the ranks (:func:`cp_ops.contract.agree`, once per group; a
+  ``single_node`` transport is not tried for a group on several nodes, :mod:`cp_ops.node`) —, else torch on every rank (logged once per group, with the reason and the ranks that refused).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ class Transport(Protocol):
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         """``[B, S, H/W, D]`` → ``(buf [W, B, S/W, H/W, D], work)``; index 0 = source rank (head group)."""
 
+    # Optional: ``single_node = True``: the transport runs only among the ranks of one node; ``'auto'`` does not try it
+    # for a group whose ranks are on more than one node (:mod:`cp_ops.node`; no collective of the transport is made).
     # Optional: ``device_types``, a tuple of the device types the transport ever moves (e.g. ``("cuda",)``); absent:
     # any. ``'auto'`` asks a transport at the group only for tensors of those types (see :func:`resolve`).
     # Optional: ``agkv_start_sources(k, v, group, pieces) -> (k_full, v_full, arrivals, work)``, an AGKV gather
@@ -298,14 +300,20 @@ def _agree_auto(group: dist.ProcessGroup, device: torch.device) -> str:
 
     from ..contract import agree
 
+    from .._peers import node_id
+
     cands = [c for c in AUTO_ORDER if c != "torch" and _moves(_REGISTRY[c], device.type)]
     if not cands:
         return "torch"
     base = f"transport auto/{device.type}"
-    local = [_REGISTRY[c].unavailable_reason(device) or "" for c in cands]
+    local = [_REGISTRY[c].unavailable_reason(device) or "" for c in cands] + [node_id()]
     rows = [json.loads(r) for r in agree(group, base, json.dumps(local), "transport='auto' (each rank's transports)")]
+    nodes = sorted({row[-1] for row in rows})
     for i, cand in enumerate(cands):
         refused = [(r, row[i]) for r, row in enumerate(rows) if row[i]]
+        if not refused and len(nodes) > 1 and getattr(_REGISTRY[cand], "single_node", False):
+            refused = [(r, f"the group spans {len(nodes)} nodes ({nodes}; cp_ops.node) and {cand} is single-node")
+                       for r in range(len(rows))]
         if not refused:
             reason = _REGISTRY[cand].group_reason(group, device) or ""  # collective: every rank calls it
             verdicts = agree(group, f"{base}/{cand}", reason, f"transport='auto' (the group's verdict on {cand!r})")

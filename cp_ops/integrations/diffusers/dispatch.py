@@ -70,7 +70,7 @@ class CPAttention:
         # compilation recompiling per block, and past Dynamo's recompile limit running the rest eager), so compiled
         # calls carry none: one graph per block class, checked by mode, chunks, mask and shapes.
         tag = None if torch.compiler.is_compiling() else self.where
-        return attention(query, key, value, group=st.pg, mode=st.mode, transport=st.transport, scale=scale,
+        return attention(query, key, value, group=st.attn_group, mode=st.mode, transport=st.transport, scale=scale,
                          chunks=chunks, tag=tag, comm_dtype=st.comm_dtype, **kwargs)
 
 

@@ -45,6 +45,7 @@ class CPState:
                  comm_dtype=None):
         self.pg, self.mode, self.transport, self.chunks = pg, mode, transport, chunks
         self.comm_dtype = comm_dtype  # cp_ops.comm_dtype's normal form (every attention call's comm_dtype=)
+        self.attn_group = pg  # what cp_ops.attention gets: a 2-D CP mesh over pg's ranks where parallelize got one
         self.rank, self.world = pg.rank(), pg.size()
         announce(pg)  # this rank's pid, so a peer waiting for it later can tell that it exited (cp_ops._peers)
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys

@@ -19,6 +19,45 @@ from .lanes import Lanes
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
+def mesh_groups(group: Any, cfg_parallel: bool):
+    """``(pg, attn_group, cfg_parallel)`` for :func:`parallelize`'s ``group``: ``pg`` holds the ranks that split the
+    tokens (rank order = token order) and gather the output, ``attn_group`` is what :func:`cp_ops.attention` gets
+    (None: ``pg`` itself, or each CFG lane's CP group).
+
+    * not a mesh of more than one dim: ``(resolve_group(group), None, cfg_parallel)``;
+    * a 2-D ``("agkv", "ulysses")`` mesh: ``pg`` = its ranks in row-major order (the default group when the mesh is
+      every rank in order, else ``mesh._flatten()``, a private torch API present in torch 2.5+);
+    * a 3-D ``("cfg", "agkv", "ulysses")`` mesh over every rank in order with cfg size 2: ``pg`` = the default group
+      (split into two CFG lanes by :class:`.lanes.Lanes`, whose halves are the mesh's cfg slices), ``attn_group`` =
+      this rank's 2-D slice ``mesh["agkv", "ulysses"]``, ``cfg_parallel`` True.
+
+    Raises:
+        ValueError: a mesh of other dims or names; a 3-D mesh whose cfg size is not 2 or that is not every rank in
+            order; ``cfg_parallel=True`` with a 2-D mesh (pass the 3-D mesh).
+    """
+    import torch.distributed as dist
+
+    from ...mesh import DIM_NAMES, check_names, is_mesh
+
+    if not is_mesh(group):
+        return resolve_group(group), None, cfg_parallel
+    world = resolve_group(None)
+    in_order = group.mesh.flatten().tolist() == list(range(world.size()))
+    if group.ndim == 3 and tuple(group.mesh_dim_names or ()) == ("cfg",) + DIM_NAMES:
+        if group.shape[0] != 2 or not in_order:
+            raise ValueError(f"parallelize: a ('cfg', 'agkv', 'ulysses') mesh must have cfg size 2 and hold every rank "
+                             f"in order (init_device_mesh(device, (2, O, I), ...)); got shape {tuple(group.shape)} "
+                             f"over ranks {group.mesh.flatten().tolist()}")
+        return world, group["agkv", "ulysses"], True
+    check_names(group)
+    if cfg_parallel:
+        raise ValueError("parallelize: cfg_parallel=True with a 2-D CP mesh: pass a 3-D mesh with mesh_dim_names "
+                         "('cfg', 'agkv', 'ulysses') instead (the CFG lanes are its cfg dim)")
+    pg = world if in_order else group._flatten().get_group()
+    assert dist.get_process_group_ranks(pg) == group.mesh.flatten().tolist()
+    return pg, group, False
+
+
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
                 cuda_graphs: bool = False, comm_dtype: Any = None) -> torch.nn.Module:
@@ -33,7 +72,10 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     Args:
         transformer: a diffusers transformer of a class in :data:`SUPPORTED` (Wan 2.1/2.2, Wan VACE, Flux, Flux2,
             Qwen-Image, LTX-Video, Z-Image, HunyuanVideo).
-        group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh).
+        group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh), or a mesh (:func:`mesh_groups`): a
+            2-D ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` (2-D CP, :mod:`cp_ops.mesh`), or a 3-D one
+            ``("cfg", "agkv", "ulysses")`` with a cfg size of 2 (CFG lanes, each a 2-D CP mesh; implies
+            ``cfg_parallel=True``).
         mode, transport: as :func:`cp_ops.attention`.
         chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
             ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
@@ -73,8 +115,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     """
     spec = spec_for(transformer)
     name = type(transformer).__name__
-    if mode not in modes.names():
-        raise ValueError(f"mode must be one of {modes.names()}; got {mode!r}")
+    if mode not in modes.names() + modes.names(False, dims=2):
+        raise ValueError(f"mode must be one of {modes.names() + modes.names(False, dims=2)}; got {mode!r}")
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     check_chunks(chunks)
@@ -96,7 +138,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         )
     if spec.check is not None:
         spec.check(transformer)
-    pg = resolve_group(group)
+    pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
+    if attn_group is not None and mode not in modes.names(dims=2):
+        raise ValueError(f"parallelize on a 2-D CP mesh: mode must be one of {modes.names(dims=2)}; got {mode!r}")
     plan = spec.plan(transformer)
     # resolve every path first, so a failure installs nothing
     for path, _ in plan:
@@ -113,6 +157,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
                for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
     streams |= {s for ss in spec.attention.values() for s in ss}
     state = hooks.CPState(cp, mode, transport, sorted(streams), chunks, comm_dtype)
+    if attn_group is not None:
+        state.attn_group = attn_group  # a 2-D mesh: cp (its ranks, row-major) splits and gathers, the mesh attends
     hooks.install(transformer, plan, state, checks.before_gather,
                   outer_pre=(lanes.select,) if lanes else (), outer_post=(lanes.gather,) if lanes else ())
     for pattern, streams, modules in attn_modules:

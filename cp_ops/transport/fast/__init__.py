@@ -97,6 +97,7 @@ class FastTransport:
 
     name = "fast"
     device_types = ("cuda",)
+    single_node = True  # 'auto' does not try it for a group on several nodes (cp_ops.node)
     slots_per_key = 2
     pooled_outputs = True
 

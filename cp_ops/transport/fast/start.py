@@ -7,13 +7,13 @@ uses torch on every rank, and an explicit ``'fast'`` raises the same error on ev
 from __future__ import annotations
 
 import os
-import socket
 import threading
 
 import torch
 import torch.distributed as dist
 
 from ... import config
+from ..._peers import node_id
 from .collective import Exchange, StartFailed, agree_outcome, group_barrier
 from .heap import HEAPS, _CudaMemory
 from .lane import N_SLOTS, Lane
@@ -29,12 +29,13 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
     :class:`~.collective.PeerTimeout` (the same on every rank) when a rank does not take part in time."""
     exchange = exchange or Exchange(group, "probe")
     props = torch.cuda.get_device_properties(device)
-    me = (socket.gethostname(), str(getattr(props, "uuid", device.index)), device.index)
+    me = (node_id(), str(getattr(props, "uuid", device.index)), device.index)
     infos = exchange("the fast transport's group probe (host, GPU)", me)
     reason, fabric = None, "nvlink"
     hosts = sorted({i[0] for i in infos})
     if len(hosts) > 1:
-        reason = f"the CP group spans more than one node (hosts {hosts}); the fast transport is single-node"
+        reason = (f"the CP group spans more than one node (node identities {hosts}: CP_OPS_NODE_ID or the host name, "
+                  "cp_ops.node); the fast transport is single-node")
     else:
         local_by_uuid = {}
         for i in range(torch.cuda.device_count()):

@@ -1,0 +1,258 @@
+"""Dispatch of a :func:`cp_ops.attention` call on a 2-D CP mesh (:mod:`cp_ops.mesh`): checks, decisions, one 2-D
+mode body run with a :class:`~cp_ops.comm.MeshComm`. The 1-D dispatcher (:mod:`cp_ops.dispatch`) is its model; this
+module adds what a second group changes and reuses the rest.
+
+**Decisions.** ``mode``: 'auto' or a 2-D mode (``cp_ops.modes.names(dims=2)``: 'agkv_ulysses'); a 1-D mode name on a
+2-D mesh raises ValueError. Degenerate meshes run the 1-D modes on the one non-trivial dim: ``1×I`` → Ulysses over the
+inner group, ``O×1`` → AGKV over the outer group (the same call, so equal to it bitwise); ``1×1`` → local attention.
+``transport`` applies to the inner (Ulysses) dim; the outer (AGKV) dim uses 'torch' when ``transport='torch'``, else
+'auto' (fast only where the outer group can host it: one node, :mod:`cp_ops.node`). ``chunks``: None → 1; k ≥ 2
+pipelines the outer AGKV (:mod:`cp_ops.modes.agkv_ulysses`); a key mask needs chunks 1 (as 1-D AGKV).
+
+**Rank contract.** Each dim's comm exchanges at its first launch of the call over its own group (inner, then outer),
+with the call's variant tag (mode, chunks, mesh shape, mask, the caller's ``tag``; the inner dim's tag carries the W
+``seq_lens``, the outer's the O row totals). A rank whose inputs fail tells both its groups; a rank whose inner
+exchange raises (a row peer failed) tells its outer group before raising (eager), so every rank of the mesh raises
+instead of waiting. Compiled code checks inputs while tracing; a rank-specific failure at run time inside a compiled
+graph reaches the rank's inner group at once and its outer group by the timeout (``CP_OPS_TIMEOUT_S``).
+
+**Paths.** Eager calls take a cached :class:`MeshPlan` keyed as :mod:`cp_ops.dispatch`'s plans (the mesh in the
+group's place); traced calls (``torch.compile``, dispatch modes) run the body with two :class:`~cp_ops.comm.OpComm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from . import contract, dispatch, layout, mesh as meshes, modes, validate
+from .comm import DirectComm, MeshComm, OpComm
+from .kernels import local_attention
+from .modes import pipelined
+from .transport import base as transport_base
+
+CALL = dispatch.CALL
+MODE = "agkv_ulysses"
+_plans: dict = {}
+
+
+class MeshDecision(NamedTuple):
+    """What a 2-D call runs (see the module docstring). ``flat``: for a degenerate mesh, ``(dim name, 1-D mode)`` to
+    run through :mod:`cp_ops.dispatch` instead (``body`` is then None)."""
+
+    info: meshes.MeshInfo
+    mode: str
+    inner_transport: str
+    outer_transport: str
+    chunks: int
+    body: Any
+    tag: int
+    seq_lens: tuple | None
+    rows: tuple | None
+    has_mask: bool
+    flat: tuple | None
+
+
+def _outer_transport(transport: str) -> str:
+    return "torch" if transport == "torch" else "auto"
+
+
+def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, seq_lens, key_mask, tag,
+           pgs=None) -> MeshDecision:
+    """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups (eager: a rank
+    whose checks fail tells both); None while tracing.
+
+    Raises:
+        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`; besides, a mode that is not 2-D, and a
+        head count the inner size does not divide (naming both and the mesh shape).
+    """
+    compiling = torch.compiler.is_compiling()
+    if tag is not None and compiling:
+        tag = dispatch.constant(tag)
+    O, I = info.outer, info.inner  # noqa: E741 - the mesh's dims
+    chosen = MODE
+    flat = ("ulysses", "ulysses") if O == 1 and I > 1 else ("agkv", "agkv") if I == 1 and O > 1 else None
+    resolved = transport
+
+    def local_checks():
+        nonlocal chosen, resolved
+        if mode not in modes.names(dims=2):
+            raise ValueError(f"mode on a 2-D CP mesh ({info.shape}, mesh_dim_names {meshes.DIM_NAMES}) must be one of "
+                             f"{modes.names(dims=2)}; got {mode!r} (a 1-D mode runs on a 1-D group: pass "
+                             "mesh['agkv'] or mesh['ulysses'], or a process group)")
+        pipelined.check_chunks(chunks)
+        validate.check_same(("q", "k", "v"), (q, k, v))
+        layout.check_not_bhsd("q", q)
+        h = q.shape[2]
+        if flat is None and h % I:
+            raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
+                             f"its size must divide the head count; got heads={h}, inner size={I} (mesh {info.shape}): "
+                             f"use a mesh whose inner size divides {h}")
+        resolved = transport_base.resolve(transport, q.device.type)
+        validate.check_device_for_backend(q, info.inner_backend)
+        validate.check_device_for_backend(q, info.outer_backend)
+        if seq_lens is not None:
+            layout.check_seq_lens(seq_lens, info.world, info.rank, q.shape[1])
+        if key_mask is not None:
+            layout.check_key_mask(key_mask, q)
+            if chunks is not None and chunks > 1:
+                raise ValueError(f"mode={MODE!r} with chunks > 1 takes no key_mask (its pipelined AGKV merges partial "
+                                 f"outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass chunks=1 or "
+                                 "None")
+        if tag is not None:
+            contract.variant_tag(tag=tag)
+
+    try:
+        local_checks()
+    except (ValueError, RuntimeError, TypeError) as e:
+        if not compiling and pgs is not None and flat is None and info.world > 1:
+            for pg in pgs[::-1]:  # inner first: the order of the body's first launches
+                contract.exchange(pg, CALL, "", failed=e)
+        raise
+    c = 1 if chunks is None else chunks
+    if compiling:
+        c = dispatch._constant(dispatch.constant(c))
+    seq = tuple(seq_lens) if seq_lens is not None else None
+    rows = meshes.row_lens(seq, O, I) if seq is not None else None
+    t = contract.variant_tag(mode=chosen, chunks=c, mesh=(O, I), key_mask="given" if key_mask is not None else "None",
+                             tag=tag)
+    body = None if flat is not None or info.world == 1 else modes.body(chosen, c)
+    return MeshDecision(info, chosen, resolved, _outer_transport(resolved), c, body, t, seq, rows,
+                        key_mask is not None, flat)
+
+
+def _shards(d: MeshDecision, q) -> meshes.MeshShards | None:
+    if d.seq_lens is None and not d.has_mask:
+        return None
+    return meshes.MeshShards(d.seq_lens, d.info, q.shape[1], q.device)
+
+
+def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag) -> torch.Tensor:
+    """Run one CP attention call on a 2-D mesh ``group`` (inputs detached by the caller). Shapes and errors as
+    :func:`cp_ops.attention`."""
+    if not torch.compiler.is_compiling():
+        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+        if plan is not None:
+            return plan.run(q, k, v, scale, key_mask)
+    info = meshes.MeshInfo(*meshes.describe(group))
+    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag)
+    if d.flat is not None:
+        return dispatch.attention(q, k, v, group[d.flat[0]], d.flat[1], transport, scale, chunks, seq_lens, key_mask,
+                                  tag)
+    if info.world == 1:
+        return local_attention(q, k, v, scale, key_mask)
+    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, d.tag, info.i, d.seq_lens)
+    outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows)
+    comm = MeshComm(outer, inner)
+    return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=_shards(d, q), key_mask=key_mask)
+
+
+# ---- the eager path -------------------------------------------------------------------------------------------------
+class MeshPlan:
+    """What every eager 2-D call with one key runs: ``run(q, k, v, scale, key_mask)`` → output."""
+
+    __slots__ = ("pgs", "d", "shards", "comm", "epoch", "device")
+
+    def __init__(self, pgs, d: MeshDecision, shards, device):
+        self.pgs, self.d, self.shards, self.device = pgs, d, shards, device
+        self.comm, self.epoch = None, -1
+
+    def _comm(self, pg, transport: str, seq) -> DirectComm:
+        tag, device = contract.with_seq_lens(self.d.tag, seq), self.device
+        check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, transport, shape, dtype, extra, 0, tag,
+                                                                contract.tag_note(tag)))
+        return DirectComm(pg, None, check, lambda: transport_base.for_group(transport, pg, device))
+
+    def run(self, q, k, v, scale, key_mask=None):
+        d = self.d
+        if self.epoch != transport_base.epoch:
+            outer_pg, inner_pg = self.pgs
+            self.comm = MeshComm(self._comm(outer_pg, d.outer_transport, d.rows),
+                                 self._comm(inner_pg, d.inner_transport, d.seq_lens))
+            self.epoch = transport_base.epoch
+        comm = self.comm
+        comm.inner.armed = comm.outer.armed = True
+        try:
+            return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=self.shards, key_mask=key_mask)
+        except BaseException as e:
+            comm.drain()
+            if comm.outer.armed and not comm.inner.armed:  # the inner exchange raised: tell the outer group too
+                comm.outer.armed = False
+                try:
+                    contract.exchange(comm.outer.pg, CALL, "", failed=e if isinstance(e, Exception) else None)
+                except Exception:  # noqa: BLE001 - the body's error is the one raised
+                    pass
+            raise
+
+
+class _Flat:
+    """The plan of a degenerate mesh: the 1-D call on one dim's group."""
+
+    __slots__ = ("pg", "mode", "args")
+
+    def __init__(self, pg, mode, args):
+        self.pg, self.mode, self.args = pg, mode, args
+
+    def run(self, q, k, v, scale, key_mask=None):
+        transport, chunks, seq_lens, tag = self.args
+        return dispatch.attention(q, k, v, self.pg, self.mode, transport, scale, chunks, seq_lens, key_mask, tag)
+
+
+class _Local:
+    __slots__ = ()
+
+    def run(self, q, k, v, scale, key_mask=None):
+        return local_attention(q, k, v, scale, key_mask)
+
+
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+    """The plan for this call (built on the first call with its key), or None: take the traced path (as
+    :func:`cp_ops.dispatch._lookup`)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+            or dispatch._dispatch_modes():
+        return None
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
+               transport, chunks, type(chunks),
+               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)))
+        if seq_lens is not None or key_mask is not None:
+            extra = dispatch._layout_key(seq_lens, key_mask)
+            if extra is None:
+                return None
+            key += extra
+        plan = _plans.get(key)
+    except (AttributeError, TypeError):
+        return None
+    if plan is None:
+        plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+        if len(_plans) >= dispatch._MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+    from .group import resolve_group
+
+    resolve_group(None)  # RuntimeError when torch.distributed is not initialized
+    info = meshes.MeshInfo(*meshes.describe(group))
+    pgs = meshes.groups(group)
+    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs)
+    if d.flat is not None:
+        return _Flat(pgs[0] if d.flat[0] == "agkv" else pgs[1], d.flat[1], (transport, chunks, seq_lens, tag))
+    if info.world == 1:
+        return _Local()
+    shards = _shards(d, q)
+    rows = shards.inner.smax if shards is not None else q.shape[1]
+    if q.shape[0] * rows * q.shape[2] * q.shape[3] == 0:
+        return None  # nothing to move: the ops' empty path
+    return MeshPlan(pgs, d, shards, q.device)
+
+
+def forget() -> None:
+    """Drop every cached 2-D plan."""
+    _plans.clear()
+
+
+contract.on_group_destroyed(lambda pg: forget())

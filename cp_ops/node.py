@@ -1,0 +1,73 @@
+"""Which ranks share a node: cp_ops never assumes that every rank of a group runs on one host.
+
+**The rule.** A rank's node identity is ``CP_OPS_NODE_ID`` when set (``cp_ops.config.settings.node_id``, read per
+rank), else its host name (``socket.gethostname()``). Ranks with equal identities share a node. Under
+``torchrun --nnodes N`` each node's ranks have their node's host name, so nothing needs setting; set
+``CP_OPS_NODE_ID`` to simulate several nodes on one machine (one ``torchrun --nnodes 2 --node-rank k`` per simulated
+node, each with its own ``CP_OPS_NODE_ID=nodek``; tests: ``cp_ops.config.configure(node_id=...)`` in each rank before
+its first cp_ops call), or where host names do not tell nodes apart (containers with one fixed host name on every node).
+
+What reads it:
+
+* the rank contract's shared-memory exchange (:mod:`cp_ops._shm_exchange`): only for a group on one node, else the
+  exchange goes over the group's gloo side group (:mod:`cp_ops.contract`, through :mod:`cp_ops._peers`' identities);
+* the fast transport's group probe (:mod:`cp_ops.transport.fast.start`): a group on more than one node cannot host
+  the fast lane;
+* ``transport='auto'`` (:func:`cp_ops.transport.base.for_group`): a transport marked ``single_node`` is not tried
+  for a group whose ranks are on more than one node (torch is used);
+* the 2-D mesh helper and the cost model (:mod:`cp_ops.cost`): ranks per node and node count.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ._peers import node_id  # noqa: F401 - the rule lives with the peers' identities (no import cycle)
+
+_groups: dict[str, tuple[str, ...]] = {}
+
+
+def group_nodes(group: dist.ProcessGroup) -> tuple[str, ...]:
+    """Each rank's node identity, in group-rank order (collective over ``group`` the first time: every rank calls it;
+    bounded by ``settings.timeout_s`` through the default store, :func:`cp_ops.contract.agree`; cached per group).
+
+    Raises:
+        RuntimeError: not every rank of the group called it within ``CP_OPS_TIMEOUT_S`` (the message names them).
+    """
+    got = _groups.get(group.group_name)
+    if got is None:
+        from .contract import agree
+
+        got = _groups[group.group_name] = tuple(agree(group, "node", node_id(), "the node identities (cp_ops.node)"))
+    return got
+
+
+def layout(ids) -> tuple[int, int]:
+    """``(nodes, ranks per node)`` of the node identities ``ids`` (group-rank order). Raises ValueError when the nodes
+    hold different rank counts (the 2-D mesh and the cost model assume equal nodes)."""
+    counts: dict[str, int] = {}
+    for n in ids:
+        counts[n] = counts.get(n, 0) + 1
+    per = set(counts.values())
+    if len(per) != 1:
+        raise ValueError(f"the ranks are spread unevenly over the nodes: {counts} (ranks per node identity, "
+                         "CP_OPS_NODE_ID or the host name); a 2-D CP mesh needs the same rank count on every node")
+    return len(counts), per.pop()
+
+
+def node_major(ids) -> bool:
+    """Whether the ranks are numbered node by node (ranks 0..G-1 on one node, G..2G-1 on the next, ...): torchrun's
+    order, which a ``(nodes, ranks per node)`` mesh needs to keep each row on one node."""
+    seen, last = set(), None
+    for n in ids:
+        if n != last:
+            if n in seen:
+                return False
+            seen.add(n)
+            last = n
+    return True
+
+
+def forget() -> None:
+    """Drop the cached node identities (tests)."""
+    _groups.clear()

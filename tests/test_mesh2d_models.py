@@ -1,0 +1,66 @@
+"""parallelize() on a 2-D CP mesh ('agkv', 'ulysses') and on a CFG × 2-D mesh ('cfg', 'agkv', 'ulysses'): tiny Wan and
+Flux equal to the unparallelized model (gloo, 4 and 8 ranks)."""
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+pytest.importorskip("diffusers")
+
+from diffusers_tiny import build, inputs, sample  # noqa: E402
+from dist_util import run_ranks  # noqa: E402
+
+
+def _rel(out, ref):
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def _mesh_models(rank, w):
+    from cp_ops.integrations.diffusers import parallelize
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("agkv", "ulysses"))
+    for name in ("wan", "flux"):
+        model = build(name)
+        cp_model = parallelize(copy.deepcopy(model), group=mesh, transport="torch")
+        assert cp_model._cp_ops_state.attn_group is mesh
+        for size, text, b in (((1, 2, 4), 8, 1), ((1, 3, 3), 7, 2)):  # 8 image tokens (even), 9 (uneven)
+            g = torch.Generator().manual_seed(size[2] + b)
+            kw = inputs(name, b, size, text, g)
+            with torch.no_grad():
+                ref = sample(model(**kw))
+                out = sample(cp_model(**kw))
+            # equal to rounding: each SDPA call attends a row's queries for H/I heads where one device attends all
+            # queries and heads at once (CPU SDPA's reduction depends on that shape, ~1e-7; test_mesh2d.py checks the
+            # 2-D attention bitwise against the same calls)
+            assert out.shape == ref.shape and _rel(out, ref) <= 1e-5, (name, size, _rel(out, ref))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        parallelize(build("wan"), group=mesh, mode="ulysses")
+    with pytest.raises(ValueError, match="cfg_parallel=True with a 2-D CP mesh"):
+        parallelize(build("wan"), group=mesh, cfg_parallel=True)
+
+
+def test_models_on_2x2_mesh():
+    run_ranks(_mesh_models, 4)
+
+
+def _cfg_mesh_models(rank, w):
+    from cp_ops.integrations.diffusers import parallelize
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("cfg", "agkv", "ulysses"))
+    for name in ("wan", "flux"):
+        model = build(name)
+        cp_model = parallelize(copy.deepcopy(model), group=mesh, transport="torch")
+        assert cp_model._cp_ops_group.size() == 4 and cp_model._cp_ops_state.attn_group.ndim == 2
+        g = torch.Generator().manual_seed(3)
+        kw = inputs(name, 2, (1, 2, 4), 8, g)  # [cond, uncond]
+        with torch.no_grad():
+            ref = sample(model(**kw))
+            out = sample(cp_model(**kw))
+        # each lane runs batch 1 where the reference ran batch 2: equal to rounding
+        assert out.shape == ref.shape and _rel(out, ref) <= 1e-5, (name, _rel(out, ref))
+
+
+def test_models_on_cfg_x_2x2_mesh():
+    run_ranks(_cfg_mesh_models, 8)

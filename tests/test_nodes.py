@@ -1,0 +1,123 @@
+"""Multi-node awareness on CPU: 4 and 8 gloo ranks simulating 2 nodes (``CP_OPS_NODE_ID`` per rank, set through
+``cp_ops.config.configure(node_id=...)`` as a rank's environment would): the node identities, the rank contract's
+shared-memory exchange only inside a node, ``transport='auto'`` taking a single-node transport only for a group on one
+node, and 2-D attention whose rows are nodes (inner: the single-node transport, outer: torch) equal to one device."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import cp_ops
+from cp_ops import config, contract, layout, node
+from cp_ops.transport import base
+from dist_util import run_ranks
+from pooled_transport import PooledTestTransport
+
+
+class SingleNodeTestTransport(PooledTestTransport):
+    """A CPU transport marked single-node (as the fast one is), in 'auto''s order before torch."""
+
+    name = "single_node_test"
+    single_node = True
+
+
+def _install():
+    t = base.register(SingleNodeTestTransport(), auto_rank=0)
+    return t
+
+
+def _two_nodes(rank, w):
+    per = w // 2
+    config.configure(node_id=f"node{rank // per}")
+    _install()
+    world = dist.group.WORLD
+    ids = node.group_nodes(world)
+    assert ids == tuple(f"node{r // per}" for r in range(w))
+    assert node.layout(ids) == (2, per) and node.node_major(ids)
+    assert not node.node_major(("a", "b", "a", "b"))
+    with pytest.raises(ValueError, match="unevenly"):
+        node.layout(("a", "a", "b"))
+
+    mesh = init_device_mesh("cpu", (2, per), mesh_dim_names=("agkv", "ulysses"))
+    outer, inner = mesh.get_group("agkv"), mesh.get_group("ulysses")
+    h = 2 * per
+    g = torch.Generator().manual_seed(w)
+    q, k, v = (torch.randn(1, 4 * w, h, 8, generator=g) for _ in range(3))
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    full = sh(cp_ops.local_attention(q, k, v))
+
+    # 'auto' over the whole world (2 nodes): torch on every rank; over a row (one node): the single-node transport
+    assert base.for_group("auto", world, torch.device("cpu")).name == "torch"
+    assert base.for_group("auto", inner, torch.device("cpu")).name == "single_node_test"
+    assert base.for_group("auto", outer, torch.device("cpu")).name == "torch"
+    out = cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", chunks=1)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+    out = cp_ops.attention(sh(q), sh(k), sh(v), group=mesh)
+    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+
+    # the rank contract: shared memory only where the group is one node
+    assert contract._groups[inner.group_name].shm is not None
+    assert contract._groups[outer.group_name].shm is None
+    assert contract._groups[world.group_name].shm is None
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_two_simulated_nodes(world_size):
+    run_ranks(_two_nodes, world_size)
+
+
+def _one_node(rank, w):
+    _install()  # no CP_OPS_NODE_ID: the host name, the same on every rank here
+    assert node.group_nodes(dist.group.WORLD) == (node.node_id(),) * w
+    assert base.for_group("auto", dist.group.WORLD, torch.device("cpu")).name == "single_node_test"
+    q = torch.randn(1, 4, 2, 8)
+    cp_ops.attention(q, q, q, mode="agkv", chunks=1)
+    assert contract._groups[dist.group.WORLD.group_name].shm is not None
+
+
+def test_one_node_uses_single_node_transport_and_shm():
+    run_ranks(_one_node, 2)
+
+
+def test_node_id_setting(monkeypatch):
+    saved = config.snapshot()
+    try:
+        assert config.from_env({"CP_OPS_NODE_ID": "rack3-n7"}).node_id == "rack3-n7"
+        config.configure(node_id="sim0")
+        assert node.node_id() == "sim0"
+        config.configure(node_id=None)
+        import socket
+
+        assert node.node_id() == socket.gethostname()
+    finally:
+        config.restore(saved)
+
+
+def test_torchrun_two_simulated_nodes(tmp_path):
+    """The multi-node launch: two ``torchrun --nnodes 2`` agents (one per simulated node, c10d rendezvous, each with its
+    own CP_OPS_NODE_ID) run the 2-D example on 2 × 2 CPU ranks; the ranks see 2 nodes and match one device."""
+    import os
+    import subprocess
+    import sys
+
+    from cp_ops.cli.launch import free_port
+
+    port = free_port()
+    env = dict(os.environ, CP_OPS_TIMEOUT_S="60", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "cp_ops.examples.attention_2d",
+           "--device", "cpu", "--tokens", "64", "--heads", "6", "--head-dim", "8", "--mesh", "2x2"]
+    procs = [subprocess.Popen(cmd[:3] + ["--node-rank", str(n)] + cmd[3:], env=dict(env, CP_OPS_NODE_ID=f"node{n}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=180)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "2 node(s) x 2 rank(s) (node ids: ['node0', 'node1'])" in outs[0], outs[0]
+    assert "mesh (2, 2) ('agkv', 'ulysses')" in outs[0] and "over ranks: 0\n" in outs[0], outs[0]
