@@ -41,7 +41,7 @@ def build(links: cost.Links) -> str:
             out.append(f"| {n}×8 | {pick.name} | {cells} | {bounds.get(8 * n, '—')} |")
         out.append("")
         out += [f"Bytes per rank per call at 2×8 ({model.split(' (')[0]}):", "",
-                cost.table(cost.predict(tokens, heads, d, ranks_per_node=8, nodes=2, links=links)), ""]
+                cost.table(cost.predict(tokens, heads, d, ranks_per_node=8, nodes=2, links=links), links), ""]
     return "\n".join(out)
 
 

@@ -161,9 +161,13 @@ def choose(tokens: int, heads: int, head_dim: int, *, ranks_per_node: int, nodes
     return min(preds, key=key)
 
 
-def table(preds: list[Prediction]) -> str:
-    """A markdown table of predictions."""
-    rows = ["| layout | NVLink MB | network MB | comm ms | attention ms | time ms | speedup | overlapped speedup |",
+def table(preds: list[Prediction], links: "Links | None" = None) -> str:
+    """A markdown table of predictions, titled with the link figures they assume (:class:`Links` defaults: H200
+    NVLink measured, the network assumed); ring is listed for comparison only (cp_ops does not run it)."""
+    links = links or Links()
+    rows = [f"predicted for H200 links (NVLink {links.nvlink_gbps:g} GB/s per rank measured; network "
+            f"{links.network_gbps:g} GB/s per GPU assumed); ring: for comparison, not run by cp_ops",
+            "| layout | NVLink MB | network MB | comm ms | attention ms | time ms | speedup | overlapped speedup |",
             "|---|---|---|---|---|---|---|---|"]
     for p in preds:
         rows.append(f"| {p.name} | {p.nvlink_mb:.1f} | {p.network_mb:.1f} | {p.comm_ms:.3f} | {p.attn_ms:.3f} | "

@@ -24,11 +24,12 @@ import os
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="full sequence length S over all ranks (default 4096)")
+    ap.add_argument("--heads", type=int, default=8, help="attention heads H (the inner size must divide it)")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dim D")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cuda: one GPU per rank, NCCL; cpu: gloo ranks (try it on one machine)")
     ap.add_argument("--mesh", default=None, help="OxI: the split (default: the cost model's choice)")
     a = ap.parse_args()
 
