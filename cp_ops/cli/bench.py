@@ -349,7 +349,10 @@ def legend(meta: dict) -> list[str]:
 def report(rows: list[dict], meta: dict, args) -> None:
     where = "GPU" if meta["device"] == "cuda" else "CPU"
     print(f"\ncp-ops bench — CP{meta['world_size']} on {meta.get('gpu', meta.get('cpu', where))}, torch "
-          f"{meta['torch']}, {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}, times = median [p25–p75]")
+          f"{meta['torch']}, {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}"
+          + (f", comm_dtype={args.comm_dtype} (FP8 on the wire: not bitwise)"
+             if getattr(args, "comm_dtype", "none") not in (None, "none") else "")
+          + ", times = median [p25–p75]")
     graphed = any("graph_cp_ms" in r or "graph_skipped" in r for r in rows)
     header = HEADER + (f" {'graph CP ms (speedup)':>22}" if graphed else "")
     print(header)
