@@ -1,6 +1,6 @@
 """The CUDA extension's sources compile and link for sm_90 with the nvcc on this machine (CPU-only machines with
 a CUDA toolkit: catches a csrc change that would break the fast transport's build on the GPU host). Skipped
-without nvcc. Nothing runs on a GPU here: behaviour is the GPU tests' (tests/test_fast_gpu.py)."""
+without nvcc. Nothing runs on a GPU here: behaviour is the GPU tests' (the gpu-marked tests of tests/test_fast.py)."""
 
 from __future__ import annotations
 
