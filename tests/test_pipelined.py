@@ -148,13 +148,16 @@ def test_merge_equals_attention_over_all_blocks():
         lse_merge.merge([parts[0][0]], [])
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_chunks_rejects_what_is_not_none_or_a_positive_int(bad):
+    with pytest.raises(ValueError, match="chunks must be None"):
+        pipelined.check_chunks(bad)
+
+
 def test_chunks_rules():
     assert agkv_pipelined.stage_plan(2, 4) == (3, 3)
     assert agkv_pipelined.stage_plan(4, 2) == (1, 1)
     assert agkv_pipelined.stage_plan(3, 4) == (2, 3)
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="chunks must be None"):
-            pipelined.check_chunks(bad)
     with pytest.raises(ValueError, match=r"None \(the default: the heuristic, choose_chunks; measured on first use "
                                          r"where CP_OPS_TUNE_MODES=1\).*got 'auto' \(None is what `cp-ops run --chunks "
                                          r"auto`"):
