@@ -3,7 +3,7 @@
 #   benchmarks/gpu_all.sh OUT_DIR [section ...]
 #   tests: every test marked gpu under tests/ (or the files in $GPU_TESTS);
 #   sections: env tests bench wan wan_compile wan_fast overlap fast (default: all); one log, OUT_DIR/log.txt
-#   also (not in the default): pipelined — tests/test_pipelined_gpu.py (-s: errors printed) + benchmarks/pipelined.py;
+#   also (not in the default): pipelined — the gpu-marked tests of tests/test_pipelined.py (-s: errors printed) + benchmarks/pipelined.py;
 #   deps — install the wheels carried in .whl/ (diffusers, expecttest, nvshmem4py) into /tmp/site for the later steps;
 #   cpu_suite — the CPU suite (or the files in $CPU_SUITE_TESTS) on this machine's torch (GPUs hidden), in the
 #     background (joined at the end);
@@ -17,7 +17,7 @@
 #     rows), --profile (traces + per-layer breakdown in $OUT/wan11_profile), and Wan 14B --layers 4 at 75600 tokens
 #     (latent 21x90x160 = 21x45x80 patches); JSON per run in $OUT/wan11_*.json
 #   models — issue 10's rows: cp-ops run for zimage (1024²), flux (1008²), qwenimage, hunyuanvideo, eager and compiled;
-#   uneven — tests/test_uneven_gpu.py (-s) + benchmarks/uneven.py (seq_lens / key_mask cost vs the even call)
+#   uneven — the gpu-marked tests of tests/test_uneven.py (-s) + benchmarks/uneven.py (seq_lens / key_mask cost vs the even call)
 # Expects torch with CUDA; diffusers/expecttest/nvshmem4py either installed or on PYTHONPATH
 # (on the project's GPU machine: carried as wheels in .whl/, see README of the device tool).
 set -uo pipefail
@@ -95,7 +95,7 @@ for s in $SECTIONS; do case $s in
            --mode ulysses --transport fast --out "$OUT/wan_ulysses_fast.json" ;;
   overlap) [ -f benchmarks/overlap_block.py ] && step overlap python3 benchmarks/overlap_block.py --out "$OUT" --max-minutes ${OVERLAP_MINUTES:-6} ;;
   fast)  [ -f benchmarks/gpu_fast.sh ] && step fast bash benchmarks/gpu_fast.sh "$OUT" ;;
-  pipelined) step pipelined_tests python3 -m pytest -q -s -m gpu tests/test_pipelined_gpu.py -p no:cacheprovider
+  pipelined) step pipelined_tests python3 -m pytest -q -s -m gpu tests/test_pipelined.py -p no:cacheprovider
          step pipelined_bench python3 benchmarks/pipelined.py --out "$OUT" --nproc ${PIPELINED_NPROC:-2} \
            --max-minutes ${PIPELINED_MINUTES:-3.4} ;;
   models) # issue 10's GPU rows: each model at its released config (--layers ${MODEL_LAYERS:-2} blocks of each kind),
@@ -109,7 +109,7 @@ for s in $SECTIONS; do case $s in
                $c --out "$OUT/model_${n}${c:+_compiled}.json"
            done
          done ;;
-  uneven) step uneven_tests python3 -m pytest -q -s -m gpu tests/test_uneven_gpu.py -p no:cacheprovider
+  uneven) step uneven_tests python3 -m pytest -q -s -m gpu tests/test_uneven.py -p no:cacheprovider
          step uneven_bench python3 benchmarks/uneven.py --out "$OUT" --nproc ${UNEVEN_NPROC:-2} ;;
   *) echo "unknown section $s"; status=1 ;;
 esac; done

@@ -3,7 +3,7 @@
 #   benchmarks/gpu_fp8.sh OUT_DIR
 #   1. benchmarks/fp8.py kernels,micro — the codec's µs vs the link time its bytes save; per-tensor-choice error;
 #   2. benchmarks/fp8.py models — full-size Flux, Z-Image, Wan 1.3B emulated (CP_OPS_EMULATE_COMM), one process each;
-#   3. tests/test_fp8_gpu.py — the Triton kernels bitwise against the torch version; two ranks sharing the GPU.
+#   3. the gpu-marked tests of tests/test_fp8.py — the Triton kernels bitwise against the torch version; two ranks sharing the GPU.
 # Wheels in .whl/ (diffusers, ...) go to /tmp/site first (as benchmarks/gpu_one.sh).
 set -uo pipefail
 OUT=${1:?usage: benchmarks/gpu_fp8.sh OUT_DIR}
@@ -31,5 +31,5 @@ step micro 40 python3 benchmarks/fp8.py --out "$OUT" --sections kernels,micro
 step flux 55 python3 benchmarks/fp8.py --out "$OUT/flux" --sections models --models flux --steps 8
 step zimage 50 python3 benchmarks/fp8.py --out "$OUT/zimage" --sections models --models zimage --steps 8
 step wan 70 python3 benchmarks/fp8.py --out "$OUT/wan" --sections models --models wan --steps 4
-step tests 60 python3 -m pytest -q -rs -p no:cacheprovider -x tests/test_fp8_gpu.py
+step tests 60 python3 -m pytest -q -rs -p no:cacheprovider -x -m gpu tests/test_fp8.py
 exit $status

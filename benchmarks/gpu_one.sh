@@ -4,7 +4,7 @@
 #   build — the CUDA extension (nvcc; csrc/) built and loaded;
 #   tests — the GPU-marked tests that need one GPU (tests/test_one_gpu.py: two ranks sharing the GPU over gloo vs one
 #           device, a fake group's variants eager/compiled/captured; the CUDA and Triton LSE merge; the fast
-#           transport's capture/free/capture on a group of 1; the pass rollback tests on this torch);
+#           transport's capture/free/capture on a group of 1, tests/test_fast.py; the pass rollback tests on this torch);
 #   host  — host µs per eager cp_ops.attention call, benchmarks/host_cost.py --fake, this tree and, when .base/ holds
 #           an older checkout, that one too, interleaved (before/after a change);
 #   bound — the zero-communication bound of a few full-size models (BOUND_STEPS; benchmarks/gpu_bound.sh).
@@ -28,7 +28,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
   2>&1 | tee -a "$LOG"
 for s in $SECTIONS; do case $s in
   build) step build 240 python3 -c "from cp_ops.transport import _fast_build as b; ext, why = b.load(); print('extension:', ext, why); assert ext is not None" ;;
-  tests) step tests "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_one_gpu.py tests/test_fast_gpu.py -k "one_gpu or merge or two_ranks or fake_group" ;
+  tests) step tests "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_one_gpu.py tests/test_fast.py -k "one_gpu or merge or two_ranks or fake_group" ;
          step pass_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_pass_rollback.py tests/test_csrc_compiles.py ;;
   host)  step host_new 90 python3 benchmarks/host_cost.py --fake --nproc 2 --calls 2000 --out "$OUT/host_new"
          if [ -d .base/cp_ops ]; then

@@ -127,7 +127,9 @@ def attention(
         return out.transpose(1, 2)
     run, extra = dispatch.attention, (comm_dtype,)
     if is_mesh(group):  # a 2-D mesh: cp_ops.dispatch_mesh
-        if comm_dtype is not None and comm_dtype != q.dtype:
+        from .comm_dtype import NONE, normalize
+
+        if comm_dtype is not None and normalize(comm_dtype, q.dtype) != NONE:
             raise ValueError(f"comm_dtype={comm_dtype} on a 2-D mesh: FP8 communication runs on 1-D groups only for "
                              "now (docs/fp8.md); pass comm_dtype=None with a mesh")
         run, extra = dispatch_mesh.attention, ()

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from cp_ops.cli.launch import _worker, free_port
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 #: what the fork server imports once (tests/rank_preload.py lists the modules)
 PRELOAD = ["rank_preload"]
 #: variables (by prefix) that torch, its compiler, OpenMP/MKL, diffusers or Python may read at import: a call whose
@@ -69,6 +70,7 @@ def _forked(rank, world_size, device, port, env, removed, body_args):
         for k in removed:
             os.environ.pop(k, None)
         os.environ.update(env)
+        _restore("PYTHONPATH", env)  # the server's has this folder prepended (_forkserver_context)
         from cp_ops import config
 
         config.restore(config.from_env())
@@ -106,8 +108,24 @@ def _forkserver_context():
     if _server_env is None:
         ctx.set_forkserver_preload(PRELOAD)
         _server_env = dict(os.environ)
-        multiprocessing.forkserver.ensure_running()
+        # The server must find tests/rank_preload.py: Python <= 3.11's forkserver ignores the sys.path it is handed
+        # (its preload then fails with an ImportError it swallows, and every rank imports torch, cp_ops, ...
+        # itself), so the server starts with this folder on PYTHONPATH. The ranks get the caller's PYTHONPATH back
+        # (_forked).
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_HERE, _server_env.get("PYTHONPATH")) if p)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            _restore("PYTHONPATH", _server_env)
     return ctx
+
+
+def _restore(key: str, env: dict) -> None:
+    """os.environ[key] as in ``env`` (removed if ``env`` lacks it)."""
+    if key in env:
+        os.environ[key] = env[key]
+    else:
+        os.environ.pop(key, None)
 
 
 def stop_server() -> None:

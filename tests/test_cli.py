@@ -1,5 +1,6 @@
 """CLI smoke: the CPU defaults of `cp-ops bench` and `cp-ops run wan` exit 0 and print their tables, legends and
-spreads; argument errors are one line and exit 2."""
+spreads (real subprocesses); argument errors are one line and exit 2 (one in a subprocess, the rest in this process
+through tests/cli_util.py)."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_util import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,16 +68,16 @@ def test_run_wan_cpu_default(tmp_path):
     assert res["meta"]["weights"] == "random" and res["meta"]["mode"] == "agkv" and res["meta"]["transport"] == "torch"
 
 
-def test_env_and_help():
-    p = _cli("env")
+def test_env_and_help(monkeypatch, capsys):
+    p = run_cli(["env"], monkeypatch, capsys)
     assert p.returncode == 0, p.stderr
     assert "transports:" in p.stdout and "torch  would run" in p.stdout and "fast   would not run:" in p.stdout
     assert "CP_OPS_TIMEOUT_S" in p.stdout and "(default)" in p.stdout
-    p = _cli("bench", "--help")
+    p = run_cli(["bench", "--help"], monkeypatch, capsys)
     assert p.returncode == 0 and "--seqs" in p.stdout and "max over ranks" in p.stdout
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_INPUT = [
     (["bench", "--device", "cpu", "--seqs", "512,513"], "every S in --seqs must be a positive multiple of the CP world size 2; got [513]"),
     (["bench", "--device", "cpu", "--nproc", "0"], "--nproc must be >= 1; got 0"),
     (["bench", "--device", "cpu", "--modes", "ulysses", "--heads", "3"], "mode ulysses needs the CP world size 2 to divide --heads 3"),
@@ -83,8 +85,21 @@ def test_env_and_help():
     (["run", "wan", "--device", "cpu", "--layers", "0"], "--layers must be >= 1; got 0"),
     (["bench", "--device", "cpu", "--transports", "fast"], "transport 'fast' cannot run: the tensors are on 'cpu'"),
     (["run", "wan", "--device", "cpu", "--no-overlap"], "--no-overlap only applies with --compile"),
-])
-def test_cli_bad_input(args, message):
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT)
+def test_cli_bad_input(args, message, monkeypatch, capsys):
+    p = run_cli([*args, "--out", ""], monkeypatch, capsys)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cp-ops: ") and message in lines[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_bad_input_subprocess():
+    """One bad input through a real ``python -m cp_ops`` (the others run in this process: tests/cli_util.py)."""
+    args, message = BAD_INPUT[0]
     p = _cli(*args, "--out", "", timeout=60)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()

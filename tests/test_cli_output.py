@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from cli_util import run_cli
 from dist_util import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,11 +25,6 @@ def _env():
     env = {k: v for k, v in os.environ.items() if not k.startswith("CP_OPS_")}
     env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     return env
-
-
-def _cli(*args, cwd=ROOT, timeout=180, text=True):
-    return subprocess.run([sys.executable, "-m", "cp_ops", *args], capture_output=True, text=text,
-                          timeout=timeout, env=_env(), cwd=cwd)
 
 
 def _bench_rank(rank, world_size, out_dir):
@@ -72,27 +68,34 @@ def test_single_device_baseline_runs_alone(tmp_path):
     assert "rounds interleaved with the CP samples" in r0["stdout"]
 
 
-def test_no_out_writes_nothing_and_progress_only_when_asked(tmp_path):
-    p = _cli("bench", *SMALL, "--progress", cwd=tmp_path, text=False)  # bytes: text mode turns \r into \n
+def test_no_out_writes_nothing_and_progress_only_when_asked(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    p = run_cli(["bench", *SMALL, "--progress"], monkeypatch, capsys)  # the ranks' output kept as bytes wrote it
     assert p.returncode == 0, p.stderr[-2000:]
-    assert b"(no JSON written: --out PATH saves the results)" in p.stdout
+    assert "(no JSON written: --out PATH saves the results)" in p.stdout
     assert os.listdir(tmp_path) == []  # no cp_ops_results/ in the working directory
-    assert b"\r" in p.stderr and b"cp-ops bench" in p.stderr  # --progress shows the bar off a terminal too
-    assert b"S=64 round 2/2 of 1 case(s)" in p.stderr  # the interleaved rounds show, not only finished cases
+    assert "\r" in p.stderr and "cp-ops bench" in p.stderr  # --progress shows the bar off a terminal too
+    assert "S=64 round 2/2 of 1 case(s)" in p.stderr  # the interleaved rounds show, not only finished cases
     # (without --progress, no bar off a terminal: tests/test_cli.py::test_bench_cpu_default)
 
 
-def test_out_checked_before_the_run(tmp_path):
+@pytest.mark.parametrize("case", ["under_a_file", "a_directory"])
+def test_out_checked_before_the_run(tmp_path, monkeypatch, capsys, case):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    for out, message in [(blocker / "bench.json", f"--out {blocker / 'bench.json'}: cannot write under {blocker}"),
-                         (tmp_path, f"--out {tmp_path} is a directory; give a file path")]:
-        t = time.perf_counter()
-        p = _cli("bench", *SMALL, "--out", str(out))
-        assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"cp-ops: {message}"], p.stderr
-        assert "cp-ops bench —" not in p.stdout  # no rank ran
-        assert time.perf_counter() - t < 30
-    p = _cli("bench", *SMALL, "--plot", str(blocker / "x.png"), "--out", "")
+    out, message = {"under_a_file": (blocker / "bench.json", f"--out {blocker / 'bench.json'}: cannot write under {blocker}"),
+                    "a_directory": (tmp_path, f"--out {tmp_path} is a directory; give a file path")}[case]
+    t = time.perf_counter()
+    p = run_cli(["bench", *SMALL, "--out", str(out)], monkeypatch, capsys)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"cp-ops: {message}"], p.stderr
+    assert "cp-ops bench —" not in p.stdout  # no rank ran
+    assert time.perf_counter() - t < 30
+
+
+def test_plot_checked_before_the_run(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    p = run_cli(["bench", *SMALL, "--plot", str(blocker / "x.png"), "--out", ""], monkeypatch, capsys)
     assert p.returncode == 2 and "--plot" in p.stderr
 
 
@@ -105,20 +108,20 @@ def test_out_check_tries_the_write():
         _check_out("/proc/cp_ops_x.json", "--out")
 
 
-def test_out_overwrite_is_announced(tmp_path):
+def test_out_overwrite_is_announced(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.json"
     out.write_text("{}")
-    p = _cli("bench", *SMALL, "--out", str(out))
+    p = run_cli(["bench", *SMALL, "--out", str(out)], monkeypatch, capsys)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"cp-ops: --out {out} exists; it will be overwritten" in p.stdout
     assert f"wrote {out} (replaced the file that was there)" in p.stdout
     assert json.loads(out.read_text())["rows"][0]["S"] == 64
 
 
-def test_out_creates_missing_folders(tmp_path):
+def test_out_creates_missing_folders(tmp_path, monkeypatch, capsys):
     """--out into folders that do not exist yet: they are created (README: 'missing folders created')."""
     out = tmp_path / "new" / "sub" / "bench.json"
-    p = _cli("bench", *SMALL, "--out", str(out))
+    p = run_cli(["bench", *SMALL, "--out", str(out)], monkeypatch, capsys)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"wrote {out}" in p.stdout and json.loads(out.read_text())["rows"][0]["S"] == 64
 

@@ -1,5 +1,6 @@
 """parallelize() on tiny diffusers transformers of every supported class equals the unparallelized model
-(gloo, W = 2, 3, 4): divisible and indivisible token counts, batch 2, text masks, CFG lanes, one dynamic compile."""
+(gloo, W = 2, 3, 4): divisible and indivisible token counts, batch 2, text masks, CFG lanes, one dynamic compile.
+Marked gpu (skipped without 2 GPUs): the same on NCCL, one GPU a rank, and no host sync."""
 
 import copy
 
@@ -166,3 +167,63 @@ def _no_host_sync(rank, w, names, mode):
             finally:
                 for r, f in saved.items():
                     setattr(torch.Tensor, r, f)
+
+
+# ---- GPU (diffusers models on NCCL; marked gpu, skipped without the GPUs; formerly tests/test_diffusers_gpu.py) ----
+# GPU (NCCL, 2 GPUs): every supported tiny diffusers model parallelized equals one GPU, and its forward makes no
+# device synchronisation that the unparallelized model does not make (torch.cuda.set_sync_debug_mode('error')).
+pytest.importorskip("diffusers")
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+NAMES = ["wan", "wan_vace", "ltx", "flux", "flux2", "qwenimage", "zimage", "hunyuanvideo"]
+
+
+def _to(x, dev):
+    if isinstance(x, torch.Tensor):
+        return x.to(dev)
+    if isinstance(x, list):
+        return [_to(v, dev) for v in x]
+    return x
+
+
+def _syncs(fn) -> str | None:
+    """None if ``fn()`` makes no synchronising CUDA call, else the error's first line."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return None
+    except RuntimeError as e:
+        return str(e).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _cuda_models(rank, w):
+    from cp_ops.integrations.diffusers import parallelize
+
+    dev = torch.device("cuda", rank)
+    for name in NAMES:
+        model = build(name).to(dev)
+        cp_model = parallelize(copy.deepcopy(model), mode="auto", transport="auto")
+        g = torch.Generator().manual_seed(7)
+        kw = {k: _to(v, dev) for k, v in inputs(name, 2, (2, 3, 3), 7, g, mask=True).items()}
+        with torch.no_grad():
+            ref = sample(model(**kw))
+            out = sample(cp_model(**kw))  # first call of this shape: the input checksum syncs, once
+            rel = ((out - ref).abs().max() / ref.abs().max()).item()
+            assert rel <= 1e-4, (name, rel)  # TF32/cuDNN kernels on other query blocks: equal to rounding
+            model_syncs = _syncs(lambda: model(**kw))
+            if model_syncs is None:  # the model's own code makes no sync: the parallelized one must not either
+                cp_syncs = _syncs(lambda: cp_model(**kw))
+                assert cp_syncs is None, (name, cp_syncs)
+            elif rank == 0:
+                print(f"{name}: the unparallelized model itself synchronises ({model_syncs}); not compared")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+def test_cuda_models_equal_and_no_sync():
+    run_ranks(_cuda_models, 2, device="cuda")

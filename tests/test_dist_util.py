@@ -90,6 +90,19 @@ def _parent_is(rank, w, pid, spawned):
     assert (os.getppid() == pid) is spawned, ("parent", os.getppid(), "test process", pid, "spawned", spawned)
 
 
+def _preloaded(rank, w, pythonpath):
+    """A forked rank starts with the fork server's imports done, and the caller's PYTHONPATH (not the server's)."""
+    import sys
+
+    missing = [m for m in ("rank_preload", "torch._inductor.compile_fx", "cp_ops") if m not in sys.modules]
+    assert not missing, ("not preloaded by the fork server", missing)
+    assert os.environ.get("PYTHONPATH") == pythonpath, (os.environ.get("PYTHONPATH"), pythonpath)
+
+
+def test_forked_ranks_start_with_the_servers_imports():
+    run_ranks(_preloaded, 2, os.environ.get("PYTHONPATH"))
+
+
 def test_fresh_interpreters_when_asked():
     run_ranks(_parent_is, 2, os.getpid(), False)  # forked from the fork server
     run_ranks(_parent_is, 2, os.getpid(), True, fresh=True)

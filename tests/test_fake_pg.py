@@ -20,27 +20,27 @@ def _op_nodes(gm):
     return {n.target.name(): n for n in gm.graph.nodes if n.op == "call_function" and "cp_ops" in str(n.target)}
 
 
-def test_trace_w8_shapes(fake_world_8):
+@pytest.mark.parametrize("mode", ["agkv", "ulysses"])
+def test_trace_w8_shapes(fake_world_8, mode):
     b, s_local, h, d = 2, 64, 16, 32
     q, k, v = (torch.randn(b, s_local, h, d) for _ in range(3))
-    for mode in ("agkv", "ulysses"):
-        fn = lambda q, k, v: cp_ops.attention(q, k, v, mode=mode)  # noqa: E731
-        gm = make_fx(fn, tracing_mode="fake")(q, k, v)
-        ops = _op_nodes(gm)
-        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        assert tuple(out.meta["val"].shape) == (b, s_local, h, d)
-        waits = [n for n in gm.graph.nodes if "wait_tensor" in str(n.target)]
-        if mode == "agkv":
-            assert list(ops) == ["cp_ops::agkv_gather_start"]
-            k_full = ops["cp_ops::agkv_gather_start"].meta["val"][0]
-            assert tuple(k_full.shape) == (b, 8 * s_local, h, d)
-            assert len(waits) == 2
-        else:
-            assert set(ops) == {"cp_ops::ulysses_start", "cp_ops::ulysses_inverse_start"}
-            assert tuple(ops["cp_ops::ulysses_start"].meta["val"].shape) == (8, b, s_local, 3, h // 8, d)
-            assert tuple(ops["cp_ops::ulysses_inverse_start"].meta["val"].shape) == (8, b, s_local, h // 8, d)
-            assert len(waits) == 2
+    fn = lambda q, k, v: cp_ops.attention(q, k, v, mode=mode)  # noqa: E731
+    gm = make_fx(fn, tracing_mode="fake")(q, k, v)
+    ops = _op_nodes(gm)
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    assert tuple(out.meta["val"].shape) == (b, s_local, h, d)
+    waits = [n for n in gm.graph.nodes if "wait_tensor" in str(n.target)]
+    if mode == "agkv":
+        assert list(ops) == ["cp_ops::agkv_gather_start"]
+        k_full = ops["cp_ops::agkv_gather_start"].meta["val"][0]
+        assert tuple(k_full.shape) == (b, 8 * s_local, h, d)
+        assert len(waits) == 2
+    else:
+        assert set(ops) == {"cp_ops::ulysses_start", "cp_ops::ulysses_inverse_start"}
+        assert tuple(ops["cp_ops::ulysses_start"].meta["val"].shape) == (8, b, s_local, 3, h // 8, d)
+        assert tuple(ops["cp_ops::ulysses_inverse_start"].meta["val"].shape) == (8, b, s_local, h // 8, d)
+        assert len(waits) == 2
 
 
 def test_fake_kernel_rejects_bad_heads(fake_world_8):

@@ -1,6 +1,6 @@
 """Faults of the fast transport on CPU (issue 20 items 2, 6, 9, 10, 11): the host side of each fix, driven through the
 real FastTransport / Lane / CallSlots / Pool code with a stand-in for the CUDA extension (no GPU). The device side
-(poisoned outputs, launch ordering after an abandoned call, graph-freed slots) is in tests/test_fast_gpu.py."""
+(poisoned outputs, launch ordering after an abandoned call, graph-freed slots) is in the gpu-marked tests of tests/test_fast.py."""
 
 from __future__ import annotations
 

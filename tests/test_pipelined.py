@@ -1,5 +1,8 @@
 """Pipelined AGKV and Ulysses (issue 9) on real gloo groups (W = 2, 3, 4) against one device; the LSE
-kernels and merge; opcheck on the new op; torch.compile(fullgraph=True) = eager."""
+kernels and merge; opcheck on the new op; torch.compile(fullgraph=True) = eager. Marked gpu (skipped without the
+GPUs): the same on NCCL ranks, one GPU each, against one GPU."""
+
+import os
 
 import pytest
 import torch
@@ -105,7 +108,7 @@ def _opcheck_and_compile(rank, w):
         return cp_ops.attention(q * 1.5, k, v + 1, mode=mode, transport="torch", chunks=chunks) * 2
 
     # Inductor on the AGKV op (one node); Ulysses (launches + waits) through AOT with the eager backend on CPU
-    # to keep CI short (Inductor compiles it in ~40 s on 2 cores; tests/test_pipelined_gpu.py compiles it fully)
+    # to keep CI short (Inductor compiles it in ~40 s on 2 cores; the gpu-marked test_pipelined_compiled_equals_eager compiles it fully)
     for mode, chunks, backend in (("agkv", 2, "inductor"), ("ulysses", 3, "aot_eager")):
         eager = fn(q, k, v, mode, chunks)
         compiled = torch.compile(fn, fullgraph=True, backend=backend)(q, k, v, mode, chunks)
@@ -145,13 +148,16 @@ def test_merge_equals_attention_over_all_blocks():
         lse_merge.merge([parts[0][0]], [])
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_chunks_rejects_what_is_not_none_or_a_positive_int(bad):
+    with pytest.raises(ValueError, match="chunks must be None"):
+        pipelined.check_chunks(bad)
+
+
 def test_chunks_rules():
     assert agkv_pipelined.stage_plan(2, 4) == (3, 3)
     assert agkv_pipelined.stage_plan(4, 2) == (1, 1)
     assert agkv_pipelined.stage_plan(3, 4) == (2, 3)
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="chunks must be None"):
-            pipelined.check_chunks(bad)
     with pytest.raises(ValueError, match=r"None \(the default: the heuristic, choose_chunks; measured on first use "
                                          r"where CP_OPS_TUNE_MODES=1\).*got 'auto' \(None is what `cp-ops run --chunks "
                                          r"auto`"):
@@ -185,3 +191,113 @@ def test_merge_of_a_row_with_no_key_anywhere_is_zero():
     keep[1, 4, 2] = False
     assert torch.equal(out[keep], full[keep])
 
+
+# ---- GPU (pipelined modes on NCCL; marked gpu, skipped without the GPUs; formerly tests/test_pipelined_gpu.py) -----
+# Pipelined AGKV and Ulysses on GPUs (marked gpu; skipped without them): bf16 vs one GPU, both transports;
+# torch.compile(fullgraph=True) = eager. Run with ``-s`` to see the max relative error of every case.
+#
+# W = 2 NCCL ranks (``GPU_TEST_WORLD`` to change). Tolerance: max |out - ref| / max |ref| ≤ 1e-2 (bf16 partial
+# outputs merged in fp32); ``chunks=1`` bitwise equal to one GPU (the same cuDNN kernel sees the same rows).
+WORLD = int(os.environ.get("GPU_TEST_WORLD", "2"))
+GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+                          reason=f"needs {WORLD} CUDA GPUs")
+# (B, S_local, H, D): S_local not a multiple of 3 or 4; H = 40 (the benchmark's) and a small one
+CASES = [(1, 2050, 40, 128), (2, 1001, 8, 64)]
+
+
+def _run(fn, *args):
+    os.environ.setdefault("CP_OPS_TIMEOUT_S", "120")
+    run_ranks(fn, WORLD, *args, timeout=400.0, device="cuda")
+
+
+def _rand(shape, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+
+
+
+
+def _vs_single_gpu(rank, w, transport):
+    from cp_ops.kernels import lse as attention_lse, lse_merge
+    from cp_ops.transport import fast
+
+    if transport == "fast":
+        assert fast.unavailable_reason("cuda") is None, fast.unavailable_reason("cuda")
+    worst = 0.0
+    for i, (b, s_local, h, d) in enumerate(CASES):
+        q, k, v = (_rand((b, w * s_local, h, d), 100 * i + j) for j in range(3))  # same on every rank
+        ref = cp_ops.local_attention(q, k, v)
+        sh = lambda t: t[:, rank * s_local:(rank + 1) * s_local].contiguous()  # noqa: E731
+        for mode in ("agkv", "ulysses"):
+            if mode == "ulysses" and h % w:
+                continue
+            for chunks in (1, 2, 3, 4, None):
+                out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, transport=transport, chunks=chunks)
+                torch.cuda.synchronize()
+                err = _rel(out, sh(ref))
+                worst = max(worst, err)
+                if rank == 0:
+                    print(f"pipelined W={w} {transport} {mode} chunks={chunks} B={b} S_local={s_local} H={h} D={d}: "
+                          f"max rel err {err:.2e}", flush=True)
+                assert out.dtype == torch.bfloat16 and out.shape == sh(ref).shape
+                if chunks == 1:
+                    assert torch.equal(out, sh(ref)), (mode, "chunks=1 must stay bitwise", err)
+                assert err <= 1e-2, (transport, mode, chunks, (b, s_local, h, d), err)
+    if rank == 0:
+        print(f"pipelined W={w} {transport}: worst max rel err {worst:.2e}; LSE kernel "
+              f"{attention_lse.kernel_for('cuda', torch.bfloat16, 128)}; Triton merge {lse_merge.use_triton(q.device)}",
+              flush=True)
+
+
+@pytest.mark.gpu
+@GPUS
+@pytest.mark.parametrize("transport", ["torch", "fast"])
+def test_pipelined_bf16_vs_single_gpu(transport):
+    _run(_vs_single_gpu, transport)
+
+
+def _fp32_and_fp16(rank, w):
+    """fp32 (the tiny diffusers models' dtype) and fp16 on both transports, tiny and odd shapes: the LSE kernels are
+    picked by dtype (cuDNN/flash for the half dtypes only; torch's memory-efficient kernel for fp32: the cuDNN op,
+    called directly, took fp32 and returned NaN)."""
+    from cp_ops.kernels import lse as attention_lse
+
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
+        for b, s_local, h, d in ((2, 9, 4, 8), (1, 333, 6, 64)):
+            g = torch.Generator(device="cuda").manual_seed(s_local + d)
+            q, k, v = (torch.randn(b, w * s_local, h, d, generator=g, device="cuda").to(dtype) for _ in range(3))
+            ref = cp_ops.local_attention(q.float(), k.float(), v.float())
+            sh = lambda t: t[:, rank * s_local:(rank + 1) * s_local].contiguous()  # noqa: E731
+            for transport in ("torch", "fast"):
+                for chunks in (2, 3):
+                    out = cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", transport=transport, chunks=chunks)
+                    torch.cuda.synchronize()
+                    err = _rel(out, sh(ref))
+                    assert out.dtype == dtype and err <= tol, (dtype, (b, s_local, h, d), transport, chunks, err)
+        if rank == 0:
+            print(f"{dtype}: LSE kernel {attention_lse.kernel_for('cuda', dtype, 64)}", flush=True)
+    assert attention_lse.kernel_for("cuda", torch.float32, 64) == "efficient"
+
+
+@pytest.mark.gpu
+@GPUS
+def test_pipelined_fp32_fp16_vs_reference():
+    _run(_fp32_and_fp16)
+
+
+def _compiled(rank, w):
+    q, k, v = (_rand((1, 1000, 8, 128), 10 * rank + j) for j in range(3))
+    for mode, chunks in (("agkv", 2), ("agkv", 3), ("ulysses", 2), ("ulysses", 4)):
+        def fn(q, k, v):
+            return cp_ops.attention(q * 1.5, k, v, mode=mode, transport="torch", chunks=chunks)
+
+        eager = fn(q, k, v)
+        compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+        torch.cuda.synchronize()
+        assert torch.equal(compiled, eager), (mode, chunks, _rel(compiled, eager))
+
+
+@pytest.mark.gpu
+@GPUS
+def test_pipelined_compiled_equals_eager():
+    _run(_compiled)
