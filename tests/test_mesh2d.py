@@ -167,3 +167,40 @@ def _rules(rank, w):
 
 def test_2d_rules_raise_on_every_rank():
     run_ranks(_rules, 8)
+
+
+def _one_rank_rejects(rank, w):
+    """A check that fails on one rank only, raised on every rank and the mesh in step after: comm_dtype on a mesh (was
+    raised before any exchange: the other ranks ran the call without rank 0 and every later call paired wrong) and a
+    bad key mask on a degenerate mesh (its 1-D call's group was not told); cp_ops.describe takes a mesh and
+    comm_dtype (was: ValueError / TypeError)."""
+    mesh = _mesh((2, 2))
+    q, k, v, _ = _data(1, 4 * w, 4, 8, seed=21)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]|comm_dtype=torch.float8_e4m3fn on a 2-D mesh \(2x2\)"):
+        cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, comm_dtype=torch.float8_e4m3fn if rank == 0 else None)
+    assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=mesh), _ref(q, k, v, None, (2, 2), rank, (4,) * w))
+    flat = _mesh((1, 4))
+    m = torch.ones(1, 4 if rank != 1 else 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"key_mask must be|rank\(s\) \[1\]"):
+        cp_ops.attention(sh(q), sh(k), sh(v), group=flat, key_mask=m)
+    assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=flat), _ref(q, k, v, None, (1, 4), rank, (4,) * w))
+    c = cp_ops.describe(sh(q), sh(k), sh(v), group=mesh)
+    assert (c.mode, c.chunks, c.source, c.transport) == ("agkv_ulysses", 1, "heuristic", "torch"), c
+    c = cp_ops.describe(sh(q), group=mesh, mode="agkv_ulysses", chunks=2)
+    assert (c.mode, c.chunks, c.source) == ("agkv_ulysses", 2, "explicit"), c
+    assert cp_ops.describe(sh(q), group=flat).mode == "ulysses"
+    with pytest.raises(ValueError, match=r"heads=4, inner size=4|inner size"):
+        cp_ops.describe(sh(q)[:, :, :3], group=mesh)
+    with pytest.raises(ValueError, match="comm_dtype"):
+        cp_ops.describe(sh(q), group=mesh, comm_dtype=torch.float8_e4m3fn)
+    # a 1-D call with comm_dtype can be copied into describe as is; a bad comm_dtype raises as the call would
+    assert cp_ops.describe(sh(q), sh(k), sh(v), comm_dtype=torch.float8_e4m3fn).mode == "ulysses"
+    with pytest.raises(ValueError, match="comm_dtype"):
+        cp_ops.describe(sh(q), comm_dtype={"x": torch.float8_e4m3fn})
+    with pytest.raises(ValueError, match="gathers K and V together"):
+        cp_ops.describe(sh(q), mode="agkv", comm_dtype={"k": torch.float8_e4m3fn})
+
+
+def test_one_rank_rejects_and_describe_on_a_mesh():
+    run_ranks(_one_rank_rejects, 4)
