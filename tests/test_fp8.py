@@ -107,7 +107,8 @@ def test_normalize():
 # ---- CP attention on gloo ranks -------------------------------------------------------------------------------------
 CHOICES = {
     "agkv": [E4, E5, {"k": E4, "v": E4}],
-    "ulysses": [E4, E5, {"q": E4, "v": E4, "o": E4}, {"k": E4, "v": E4}, {"o": E5}],
+    # {"k": E5, "v": E4}: q, k, v in three formats, three launches (raised TypeError in the eager comm before)
+    "ulysses": [E4, E5, {"q": E4, "v": E4, "o": E4}, {"k": E4, "v": E4}, {"o": E5}, {"k": E5, "v": E4}],
 }
 
 
@@ -258,7 +259,7 @@ def _compiled(rank, w):
     qu, ku, vu, mask = _data(b, sum(seq), h, d, seed=12)
     shu = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
     for mode, chunks, c in (("agkv", 1, E4), ("agkv", 2, E4), ("ulysses", 1, {"q": E4, "v": E4, "o": E4}),
-                            ("ulysses", 2, E5)):
+                            ("ulysses", 2, E5), ("ulysses", 1, {"k": E5, "v": E4})):
         def f(q, k, v):
             return cp_ops.attention(q * 1, k, v, mode=mode, chunks=chunks, comm_dtype=c) * 2
 
