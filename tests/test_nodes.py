@@ -94,6 +94,26 @@ def test_node_id_setting(monkeypatch):
         config.restore(saved)
 
 
+def test_node_id_refuses_control_characters():
+    """A tab in CP_OPS_NODE_ID broke the ranks' tab-separated identity records at the first call ('too many values to
+    unpack (expected 5)', no rule named); now refused where it is read. Blank = unset (the host name)."""
+    saved = config.snapshot()
+    try:
+        for bad in ("n\t0", "a\nb", "x\ry"):
+            with pytest.raises(config.ConfigError, match=r"CP_OPS_NODE_ID=.* must be printable text"):
+                config.from_env({"CP_OPS_NODE_ID": bad})
+            with pytest.raises(config.ConfigError, match="must be printable text"):
+                config.configure(node_id=bad)
+        assert config.from_env({"CP_OPS_NODE_ID": "  rack 3/n7\t"}).node_id == "rack 3/n7"
+        assert config.from_env({"CP_OPS_NODE_ID": ""}).node_id is None
+        config.configure(node_id=" ")
+        import socket
+
+        assert node.node_id() == socket.gethostname()
+    finally:
+        config.restore(saved)
+
+
 def test_torchrun_two_simulated_nodes(tmp_path):
     """The multi-node launch: two ``torchrun --nnodes 2`` agents (one per simulated node, c10d rendezvous, each with its
     own CP_OPS_NODE_ID) run the 2-D example on 2 × 2 CPU ranks; the ranks see 2 nodes and match one device."""
