@@ -385,3 +385,20 @@ def _parallelize_fp8(rank, w):
 
 def test_parallelize_comm_dtype():
     run_ranks(_parallelize_fp8, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_rows_arrive_nan(dtype):
+    """docs/fp8.md 'Non-finite input': a row with a NaN or ±inf arrives all NaN, its neighbours finite; values up to
+    the dtype's largest finite one round-trip finite (within the codec's relative step)."""
+    for f in fp8.FORMATS:
+        assert fp8.nonfinite_rule(fp8.encode_torch, fp8.decode_torch, dtype, f, torch.device("cpu")) is None
+        big = torch.finfo(dtype).max
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+        x[0, 5], x[1, 2] = big, -big
+        out = fp8.round_trip(x, f)
+        assert torch.isfinite(out).all(), (f, dtype)
+        assert out[0, 5] == big and out[1, 2] == -big, (f, dtype, out[0, 5], out[1, 2])
+    # a rule that fails: a "codec" that drops NaN (as a max/clamp may) is caught
+    drop = lambda x, f: fp8.encode_torch(x.nan_to_num(0.0, 0.0, 0.0), f)  # noqa: E731
+    assert "arrived not NaN" in fp8.nonfinite_rule(drop, fp8.decode_torch, dtype, "e4m3", torch.device("cpu"))
