@@ -192,12 +192,7 @@ def describe(
         q = q.transpose(1, 2)
     if is_mesh(group):
         return dispatch_mesh.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
-    choice = dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask)
-    if comm_dtype is not None:  # ValueError for a bad one or AGKV with K and V apart, as the call
-        from . import comm_dtype as cd
-
-        cd.for_mode(cd.normalize(comm_dtype, q.dtype), choice.mode)
-    return choice
+    return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -402,3 +402,26 @@ def test_nonfinite_rows_arrive_nan(dtype):
     # a rule that fails: a "codec" that drops NaN (as a max/clamp may) is caught
     drop = lambda x, f: fp8.encode_torch(x.nan_to_num(0.0, 0.0, 0.0), f)  # noqa: E731
     assert "arrived not NaN" in fp8.nonfinite_rule(drop, fp8.decode_torch, dtype, "e4m3", torch.device("cpu"))
+
+
+def _auto_with_k_v_apart(rank, w):
+    """mode='auto' with the documented cache-dit choice (K in the input dtype, Q/V/O in FP8): 'auto' picked AGKV at
+    W = 2 and raised 'mode=agkv gathers K and V together' for a mode the caller never named; it now runs Ulysses
+    (bitwise the explicit Ulysses call); describe says so; H % W != 0 (AGKV the only mode) still raises."""
+    c = {"q": E4, "v": E4, "o": E4}
+    q, k, v, _ = _data(1, 4 * w, 2 * w, 16, seed=31)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    out = cp_ops.attention(sh(q), sh(k), sh(v), comm_dtype=c)
+    assert torch.equal(out, cp_ops.attention(sh(q), sh(k), sh(v), mode="ulysses", comm_dtype=c))
+    assert torch.equal(out, _same_calls(q, k, v, None, rank, w, None, "ulysses", cd.normalize(c)))
+    assert cp_ops.describe(sh(q), comm_dtype=c).mode == "ulysses"
+    assert cp_ops.describe(sh(q)).mode == "agkv"  # without it, W = 2 stays AGKV
+    f = torch.compile(lambda a, b, d: cp_ops.attention(a, b, d, comm_dtype=c), fullgraph=True)
+    assert torch.equal(f(sh(q), sh(k), sh(v)), out)
+    q3 = q[:, :, :3]
+    with pytest.raises(ValueError, match="gathers K and V together"):
+        cp_ops.attention(sh(q3), sh(q3), sh(q3), comm_dtype=c)
+
+
+def test_auto_mode_with_k_and_v_apart():
+    run_ranks(_auto_with_k_v_apart, 2)
