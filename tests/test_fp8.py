@@ -425,3 +425,22 @@ def _auto_with_k_v_apart(rank, w):
 
 def test_auto_mode_with_k_and_v_apart():
     run_ranks(_auto_with_k_v_apart, 2)
+
+
+def _unhashable(rank, w):
+    """An unhashable comm_dtype ([e4m3], {'q': [..]}) raised a bare TypeError ('unhashable type') before the rank
+    contract's exchange: on one rank only, the other rank ran the call alone and waited. Now ValueError naming the
+    accepted forms, on every rank; the group stays in step."""
+    for bad in ([E4], {"q": [E4]}, {"k": {}}):
+        with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+            cd.normalize(bad)
+    q, k, v, _ = _data(1, 4 * w, 2 * w, 16, seed=41)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    with pytest.raises(ValueError, match=r"must be torch.float8_e4m3fn|rank\(s\) \[1\]"):
+        cp_ops.attention(sh(q), sh(k), sh(v), comm_dtype=[E4] if rank == 1 else E4)
+    out = cp_ops.attention(sh(q), sh(k), sh(v), comm_dtype=E4)
+    assert torch.equal(out, _same_calls(q, k, v, None, rank, w, None, "agkv", cd.for_mode(cd.normalize(E4), "agkv")))
+
+
+def test_unhashable_comm_dtype_raises_on_every_rank():
+    run_ranks(_unhashable, 2)

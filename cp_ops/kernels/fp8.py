@@ -44,7 +44,10 @@ def format_name(dtype) -> str:
     """'e4m3' / 'e5m2' for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or those names); ValueError else."""
     if isinstance(dtype, str) and dtype in FORMATS:
         return dtype
-    name = _BY_DTYPE.get(dtype)
+    try:
+        name = _BY_DTYPE.get(dtype)
+    except TypeError:  # unhashable (a list, a dict): not a dtype either
+        name = None
     if name is None:
         raise ValueError(f"an FP8 communication format must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3', "
                          f"'e5m2'); got {dtype!r}")
