@@ -151,7 +151,8 @@ def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask
                                   tag)
     if info.world == 1:
         return local_attention(q, k, v, scale, key_mask)
-    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, d.tag, info.i, d.seq_lens)
+    tag = contract.set_partner(info.inner_name, d.tag, info.outer_name)  # a failed row exchange tells the column
+    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, tag, info.i, d.seq_lens)
     outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows)
     comm = MeshComm(outer, inner)
     return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=_shards(d, q), key_mask=key_mask)

@@ -204,3 +204,24 @@ def _one_rank_rejects(rank, w):
 
 def test_one_rank_rejects_and_describe_on_a_mesh():
     run_ranks(_one_rank_rejects, 4)
+
+
+def _compiled_row_fails(rank, w):
+    """Compiled 2-D calls whose row (ranks 2, 3) disagrees (rank 2 names another tag): every rank raises, and the
+    mesh stays in step — the failed row tells its columns (its row exchange failed before its column exchange; the
+    other rows' column exchange paired with that row's next call: the next call raised on rows that did nothing
+    wrong and passed on others, and the mesh fell apart)."""
+    mesh = _mesh((2, 2))
+    q, k, v, _ = _data(1, 4 * w, 4, 8, seed=51)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    ref = _ref(q, k, v, None, (2, 2), rank, (4,) * w)
+    t = "b" if rank == 2 else "a"
+    f = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, group=mesh, tag=t), fullgraph=True)
+    with pytest.raises(ValueError, match="differ in variant|rejected their inputs"):
+        f(sh(q), sh(k), sh(v))
+    for _ in range(2):
+        assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=mesh), ref)
+
+
+def test_compiled_row_failure_keeps_the_mesh_in_step():
+    run_ranks(_compiled_row_fails, 4)
