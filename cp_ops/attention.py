@@ -126,13 +126,8 @@ def attention(
                         comm_dtype=comm_dtype)
         return out.transpose(1, 2)
     run, extra = dispatch.attention, (comm_dtype,)
-    if is_mesh(group):  # a 2-D mesh: cp_ops.dispatch_mesh
-        from .comm_dtype import NONE, normalize
-
-        if comm_dtype is not None and normalize(comm_dtype, q.dtype) != NONE:
-            raise ValueError(f"comm_dtype={comm_dtype} on a 2-D mesh: FP8 communication runs on 1-D groups only for "
-                             "now (docs/fp8.md); pass comm_dtype=None with a mesh")
-        run, extra = dispatch_mesh.attention, ()
+    if is_mesh(group):  # a 2-D mesh: cp_ops.dispatch_mesh (its checks reject comm_dtype on every rank of the mesh)
+        run = dispatch_mesh.attention
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
         return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, *extra)
@@ -156,6 +151,7 @@ def describe(
     key_mask: torch.Tensor | None = None,
     tag: Hashable | None = None,
     layout: str = "bshd",
+    comm_dtype: Any = None,
 ) -> Choice:
     """What :func:`attention` picked — or, before the first such call, would pick — for a call with these arguments:
     the mode, the chunk count, the transport and why. Pass the call's own arguments (``k``, ``v``, ``scale`` and
@@ -166,7 +162,9 @@ def describe(
 
     Args:
         q: ``[B, S_local, H, D]`` (or ``[B, H, S_local, D]`` with ``layout='bhsd'``), the call's q (shape, dtype and
-            device are read, never the values). The keywords: as :func:`attention`.
+            device are read, never the values). The keywords: as :func:`attention`; ``group`` may be a 2-D
+            ``('agkv', 'ulysses')`` mesh (mode 'agkv_ulysses', chunks as given or 1, the inner dim's transport; a
+            degenerate mesh describes the 1-D call on its one dim); ``comm_dtype`` is checked, not read.
     Returns:
         :class:`cp_ops.modes.tune.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
         ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
@@ -182,7 +180,8 @@ def describe(
     Raises:
         ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a
             BHSD tensor passed as BSHD, unknown mode or transport, mode='ulysses' with H % W != 0, chunks not None or
-            an int ≥ 1, ``layout`` not 'bshd'/'bhsd'.
+            an int ≥ 1, ``layout`` not 'bshd'/'bhsd'; a bad ``comm_dtype`` (any but None / q's dtype on a mesh);
+            on a mesh, wrong dim names or an inner size that does not divide H.
         TypeError: q is not a tensor.
         RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.
     """
@@ -191,7 +190,9 @@ def describe(
         if layout != "bhsd":
             raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
         q = q.transpose(1, 2)
-    return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask)
+    if is_mesh(group):
+        return dispatch_mesh.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
+    return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
 
 
 class _ForwardOnly(torch.autograd.Function):

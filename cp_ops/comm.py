@@ -378,16 +378,17 @@ class MeshComm:
 
 
 class _Both:
-    """Two works as one."""
+    """Several works as one (a mask's and K/V's gathers; a Ulysses launch per format: up to three, q, k and v in
+    three formats)."""
 
-    __slots__ = ("a", "b")
+    __slots__ = ("works",)
 
-    def __init__(self, a, b):
-        self.a, self.b = a, b
+    def __init__(self, *works):
+        self.works = works
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
-        self.a.wait()
-        self.b.wait()
+        for w in self.works:
+            w.wait()
         return True
 
 

@@ -100,6 +100,16 @@ def _path(name: str, raw: str) -> str | None:
     return raw.strip() or None
 
 
+def _node_id(name: str, raw: str) -> str | None:
+    """A node identity: any printable text (surrounding blanks dropped; empty = unset: the host name). A control
+    character (a tab, a newline) would break the ranks' identity records (tab-separated), so it is refused."""
+    v = raw.strip()
+    if any(not c.isprintable() for c in v):
+        raise ConfigError(f"{name}={raw!r} must be printable text (no tab, newline or other control character): "
+                          "it names this rank's node (cp_ops.node)")
+    return v or None
+
+
 # field -> (environment variable, parser, default)
 _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "blocking": ("CP_OPS_BLOCKING", _flag, False),
@@ -115,7 +125,7 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default (issue 20, item 3)
     "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
     "emulate_comm": ("CP_OPS_EMULATE_COMM", _flag, False),
-    "node_id": ("CP_OPS_NODE_ID", _path, None),  # per rank by design: not a collective field
+    "node_id": ("CP_OPS_NODE_ID", _node_id, None),  # per rank by design: not a collective field
 }
 
 #: Settings that change what a collective does: every rank of a group must hold the same values.

@@ -690,14 +690,50 @@ def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Call
     if call == "-":
         rules()
         return
+    partner = _partners.get((group.group_name, tag))
     tag = with_seq_lens(tag, seq_lens)
     name, note = call or op, tag_note(tag)
     try:
         rules()
     except (ValueError, RuntimeError, TypeError) as e:
         exchange(group, name, transport, None, extra, failed=e, tag=tag, note=note)
+        _tell_partner(partner, name, e)
         raise
-    exchange(group, name, transport, t, extra, tag=tag, note=note)
+    try:
+        exchange(group, name, transport, t, extra, tag=tag, note=note)
+    except (ValueError, RuntimeError) as e:
+        _tell_partner(partner, name, e)
+        raise
+
+
+#: (group name, variant tag) of a 2-D call's first exchange (its inner dim's) -> the group name of its second (the
+#: outer dim's): :func:`op_checked` tells that group when the first fails, as the eager 2-D plan does
+_partners: dict[tuple[str, int], str] = {}
+
+
+def set_partner(first: str, tag: int, second: str) -> int:
+    """Declare that a compiled call with variant ``tag`` whose first exchange runs on group ``first`` makes its next
+    exchange on group ``second`` (a 2-D mesh call: inner, then outer; :mod:`cp_ops.dispatch_mesh` declares it while
+    tracing). When the first exchange fails on a rank (its row disagrees, or its own inputs fail), the rank tells
+    ``second`` instead of leaving that group's pending exchange to pair with its next call. Returns ``tag``.
+    Dynamo runs it while tracing (a constant result: a side effect inside a graph would only be applied after the
+    graph ran)."""
+    _partners[(first, tag)] = second
+    return tag
+
+
+set_partner._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch._dynamo's assume_constant_result
+
+
+def _tell_partner(partner: str | None, name: str, e: BaseException) -> None:
+    if partner is None:
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        exchange(_resolve_process_group(partner), name, "", failed=e)
+    except Exception:  # noqa: BLE001 - the first exchange's error is the one raised
+        pass
 
 
 # ---- the variant tag: what a call's signature carries beyond shapes (mode, chunks, shards, the caller's tag) ----

@@ -78,6 +78,11 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     """
     world = pg.size()
     chosen, resolved, fmts = mode, transport, cd.NONE
+    if comm_dtype is not None and mode == "auto":  # AGKV cannot carry K and V apart: 'auto' picks Ulysses then
+        try:
+            mode = cd.auto_mode(mode, cd.normalize(comm_dtype, q.dtype), q.shape[2], world)
+        except (ValueError, AttributeError, IndexError, TypeError):
+            pass  # a bad comm_dtype or q: the checks below raise it on every rank
     if tag is not None and torch.compiler.is_compiling():
         tag = constant(tag)
         if _symbolic(tag):
@@ -172,7 +177,7 @@ def runner(q, pg, transport: str):
     return make
 
 
-def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask) -> tune.Choice:
+def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None) -> tune.Choice:
     """What a call of :func:`attention` with these arguments runs, without a collective: :func:`cp_ops.describe`
     (arguments, return and errors there; ``q`` in BSHD)."""
     pg = resolve_group(group)
@@ -180,7 +185,10 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask) ->
     pipelined.check_chunks(chunks)
     validate.check_same(("q",), (q,))
     layout.check_not_bhsd("q", q)
+    fmts = cd.normalize(comm_dtype, q.dtype)  # ValueError for a bad one, as the call
+    mode = cd.auto_mode(mode, fmts, q.shape[2], world)
     chosen = modes.choose(mode, q.shape[2], world)
+    cd.for_mode(fmts, chosen)  # AGKV with K and V apart: ValueError, as the call
     resolved = transport_base.resolve(transport, q.device.type)
     runs_on = transport_base.agreed_name(resolved, pg.group_name, q.device)
     shown = runs_on or "auto"

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import contract, dispatch, layout, mesh as meshes, modes, validate
+from . import comm_dtype as cd, contract, dispatch, layout, mesh as meshes, modes, validate
 from .comm import DirectComm, MeshComm, OpComm
 from .kernels import local_attention
 from .modes import pipelined
@@ -59,13 +59,14 @@ def _outer_transport(transport: str) -> str:
 
 
 def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, seq_lens, key_mask, tag,
-           pgs=None) -> MeshDecision:
+           pgs=None, comm_dtype=None) -> MeshDecision:
     """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups (eager: a rank
-    whose checks fail tells both); None while tracing.
+    whose checks fail tells both — on a degenerate mesh, the one group its 1-D call uses); None while tracing.
 
     Raises:
-        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`; besides, a mode that is not 2-D, and a
-        head count the inner size does not divide (naming both and the mesh shape).
+        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`; besides, a mode that is not 2-D, a
+        head count the inner size does not divide (naming both and the mesh shape), and a ``comm_dtype`` other than
+        None / q's dtype (FP8 communication runs on 1-D groups only for now).
     """
     compiling = torch.compiler.is_compiling()
     if tag is not None and compiling:
@@ -84,6 +85,9 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)
+        if comm_dtype is not None and cd.normalize(comm_dtype, q.dtype) != cd.NONE:
+            raise ValueError(f"comm_dtype={comm_dtype!r} on a 2-D mesh ({info.shape}): FP8 communication runs on 1-D "
+                             "groups only for now (docs/fp8.md); pass comm_dtype=None with a mesh, or a 1-D group")
         h = q.shape[2]
         if flat is None and h % I:
             raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
@@ -106,8 +110,10 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
     try:
         local_checks()
     except (ValueError, RuntimeError, TypeError) as e:
-        if not compiling and pgs is not None and flat is None and info.world > 1:
-            for pg in pgs[::-1]:  # inner first: the order of the body's first launches
+        if not compiling and pgs is not None and info.world > 1:
+            # inner first: the order of the body's first launches; a degenerate mesh: the group of its 1-D call
+            told = pgs[::-1] if flat is None else [pgs[0] if flat[0] == "agkv" else pgs[1]]
+            for pg in told:
                 contract.exchange(pg, CALL, "", failed=e)
         raise
     c = 1 if chunks is None else chunks
@@ -128,24 +134,49 @@ def _shards(d: MeshDecision, q) -> meshes.MeshShards | None:
     return meshes.MeshShards(d.seq_lens, d.info, q.shape[1], q.device)
 
 
-def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag) -> torch.Tensor:
+def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
+              comm_dtype=None) -> torch.Tensor:
     """Run one CP attention call on a 2-D mesh ``group`` (inputs detached by the caller). Shapes and errors as
-    :func:`cp_ops.attention`."""
-    if not torch.compiler.is_compiling():
-        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+    :func:`cp_ops.attention` (``comm_dtype``: None or q's dtype, else ValueError on every rank)."""
+    eager = not torch.compiler.is_compiling()
+    if eager:
+        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
         if plan is not None:
             return plan.run(q, k, v, scale, key_mask)
     info = meshes.MeshInfo(*meshes.describe(group))
-    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag)
+    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag,
+               meshes.groups(group) if eager else None, comm_dtype)
     if d.flat is not None:
         return dispatch.attention(q, k, v, group[d.flat[0]], d.flat[1], transport, scale, chunks, seq_lens, key_mask,
                                   tag)
     if info.world == 1:
         return local_attention(q, k, v, scale, key_mask)
-    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, d.tag, info.i, d.seq_lens)
+    tag = contract.set_partner(info.inner_name, d.tag, info.outer_name)  # a failed row exchange tells the column
+    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, tag, info.i, d.seq_lens)
     outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows)
     comm = MeshComm(outer, inner)
     return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=_shards(d, q), key_mask=key_mask)
+
+
+def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None):
+    """What a call of :func:`attention` on the 2-D mesh ``group`` runs, without a collective (:func:`cp_ops.describe`:
+    arguments, return and errors there; ``q`` in BSHD): a degenerate mesh describes its 1-D call on the one dim
+    (:func:`cp_ops.dispatch.describe`); else mode 'agkv_ulysses' with the caller's chunks or 1, the inner (Ulysses)
+    dim's transport. Raises as :func:`decide` on this rank alone."""
+    from .modes import tune
+
+    info = meshes.MeshInfo(*meshes.describe(group))
+    d = decide(q, q, q, info, mode, transport, chunks, seq_lens, key_mask, None, None, comm_dtype)
+    if d.flat is not None:
+        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask)
+    if info.world == 1:
+        return tune.Choice(MODE, 1, "heuristic", {}, d.inner_transport,
+                           "a 1x1 mesh: local attention, nothing moved")
+    shown = transport_base.agreed_name(d.inner_transport, info.inner_name, q.device) or "auto"
+    src = "explicit" if mode != "auto" and chunks is not None else "heuristic"
+    why = (f"a {info.shape} mesh: Ulysses over the inner dim ({info.inner} ranks), AGKV over the outer dim "
+           f"({info.outer} rows)" + ("" if chunks is not None else ", chunks=None means 1 (cp_ops.dispatch_mesh)"))
+    return tune.Choice(d.mode, d.chunks, src, {}, shown, why)
 
 
 # ---- the eager path -------------------------------------------------------------------------------------------------
@@ -206,7 +237,7 @@ class _Local:
         return local_attention(q, k, v, scale, key_mask)
 
 
-def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     """The plan for this call (built on the first call with its key), or None: take the traced path (as
     :func:`cp_ops.dispatch._lookup`)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
@@ -215,7 +246,8 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
                transport, chunks, type(chunks),
-               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)))
+               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)),
+               None if comm_dtype is None else repr(comm_dtype))
         if seq_lens is not None or key_mask is not None:
             extra = dispatch._layout_key(seq_lens, key_mask)
             if extra is None:
@@ -225,20 +257,20 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
     except (AttributeError, TypeError):
         return None
     if plan is None:
-        plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag)
+        plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
         if len(_plans) >= dispatch._MAX_PLANS:
             _plans.clear()
         _plans[key] = plan
     return plan
 
 
-def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag):
+def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     from .group import resolve_group
 
     resolve_group(None)  # RuntimeError when torch.distributed is not initialized
     info = meshes.MeshInfo(*meshes.describe(group))
     pgs = meshes.groups(group)
-    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs)
+    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs, comm_dtype)
     if d.flat is not None:
         return _Flat(pgs[0] if d.flat[0] == "agkv" else pgs[1], d.flat[1], (transport, chunks, seq_lens, tag))
     if info.world == 1:

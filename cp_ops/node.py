@@ -20,26 +20,32 @@ What reads it:
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 
 from ._peers import node_id  # noqa: F401 - the rule lives with the peers' identities (no import cycle)
 
-_groups: dict[str, tuple[str, ...]] = {}
+#: group name -> (a weak reference to the group, its ranks' identities): a group destroyed and another made under the
+#: same name (torch reuses names after destroy_process_group) is asked again, not answered from the old one's ranks
+_groups: dict[str, tuple[weakref.ref, tuple[str, ...]]] = {}
 
 
 def group_nodes(group: dist.ProcessGroup) -> tuple[str, ...]:
     """Each rank's node identity, in group-rank order (collective over ``group`` the first time: every rank calls it;
-    bounded by ``settings.timeout_s`` through the default store, :func:`cp_ops.contract.agree`; cached per group).
+    bounded by ``settings.timeout_s`` through the default store, :func:`cp_ops.contract.agree`; cached per group
+    object).
 
     Raises:
         RuntimeError: not every rank of the group called it within ``CP_OPS_TIMEOUT_S`` (the message names them).
     """
     got = _groups.get(group.group_name)
-    if got is None:
+    if got is None or got[0]() is not group:
         from .contract import agree
 
-        got = _groups[group.group_name] = tuple(agree(group, "node", node_id(), "the node identities (cp_ops.node)"))
-    return got
+        ids = tuple(agree(group, "node", node_id(), "the node identities (cp_ops.node)"))
+        got = _groups[group.group_name] = (weakref.ref(group), ids)
+    return got[1]
 
 
 def layout(ids) -> tuple[int, int]:

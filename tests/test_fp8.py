@@ -109,7 +109,8 @@ def test_normalize():
 # ---- CP attention on gloo ranks -------------------------------------------------------------------------------------
 CHOICES = {
     "agkv": [E4, E5, {"k": E4, "v": E4}],
-    "ulysses": [E4, E5, {"q": E4, "v": E4, "o": E4}, {"k": E4, "v": E4}, {"o": E5}],
+    # {"k": E5, "v": E4}: q, k, v in three formats, three launches (raised TypeError in the eager comm before)
+    "ulysses": [E4, E5, {"q": E4, "v": E4, "o": E4}, {"k": E4, "v": E4}, {"o": E5}, {"k": E5, "v": E4}],
 }
 
 
@@ -260,7 +261,7 @@ def _compiled(rank, w):
     qu, ku, vu, mask = _data(b, sum(seq), h, d, seed=12)
     shu = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
     for mode, chunks, c in (("agkv", 1, E4), ("agkv", 2, E4), ("ulysses", 1, {"q": E4, "v": E4, "o": E4}),
-                            ("ulysses", 2, E5)):
+                            ("ulysses", 2, E5), ("ulysses", 1, {"k": E5, "v": E4})):
         def f(q, k, v):
             return cp_ops.attention(q * 1, k, v, mode=mode, chunks=chunks, comm_dtype=c) * 2
 
@@ -504,3 +505,62 @@ def test_two_ranks_on_one_gpu_fp8_equal_round_tripped_reference():
             errors.append(f"rank {r}:\n{e}")
     assert not errors, "\n".join(errors)
     assert not alive, "a rank did not finish within 240 s"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_rows_arrive_nan(dtype):
+    """docs/fp8.md 'Non-finite input': a row with a NaN or ±inf arrives all NaN, its neighbours finite; values up to
+    the dtype's largest finite one round-trip finite (within the codec's relative step)."""
+    for f in fp8.FORMATS:
+        assert fp8.nonfinite_rule(fp8.encode_torch, fp8.decode_torch, dtype, f, torch.device("cpu")) is None
+        big = torch.finfo(dtype).max
+        x = torch.randn(3, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+        x[0, 5], x[1, 2] = big, -big
+        out = fp8.round_trip(x, f)
+        assert torch.isfinite(out).all(), (f, dtype)
+        assert out[0, 5] == big and out[1, 2] == -big, (f, dtype, out[0, 5], out[1, 2])
+    # a rule that fails: a "codec" that drops NaN (as a max/clamp may) is caught
+    drop = lambda x, f: fp8.encode_torch(x.nan_to_num(0.0, 0.0, 0.0), f)  # noqa: E731
+    assert "arrived not NaN" in fp8.nonfinite_rule(drop, fp8.decode_torch, dtype, "e4m3", torch.device("cpu"))
+
+
+def _auto_with_k_v_apart(rank, w):
+    """mode='auto' with the documented cache-dit choice (K in the input dtype, Q/V/O in FP8): 'auto' picked AGKV at
+    W = 2 and raised 'mode=agkv gathers K and V together' for a mode the caller never named; it now runs Ulysses
+    (bitwise the explicit Ulysses call); describe says so; H % W != 0 (AGKV the only mode) still raises."""
+    c = {"q": E4, "v": E4, "o": E4}
+    q, k, v, _ = _data(1, 4 * w, 2 * w, 16, seed=31)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    out = cp_ops.attention(sh(q), sh(k), sh(v), comm_dtype=c)
+    assert torch.equal(out, cp_ops.attention(sh(q), sh(k), sh(v), mode="ulysses", comm_dtype=c))
+    assert torch.equal(out, _same_calls(q, k, v, None, rank, w, None, "ulysses", cd.normalize(c)))
+    assert cp_ops.describe(sh(q), comm_dtype=c).mode == "ulysses"
+    assert cp_ops.describe(sh(q)).mode == "agkv"  # without it, W = 2 stays AGKV
+    f = torch.compile(lambda a, b, d: cp_ops.attention(a, b, d, comm_dtype=c), fullgraph=True)
+    assert torch.equal(f(sh(q), sh(k), sh(v)), out)
+    q3 = q[:, :, :3]
+    with pytest.raises(ValueError, match="gathers K and V together"):
+        cp_ops.attention(sh(q3), sh(q3), sh(q3), comm_dtype=c)
+
+
+def test_auto_mode_with_k_and_v_apart():
+    run_ranks(_auto_with_k_v_apart, 2)
+
+
+def _unhashable(rank, w):
+    """An unhashable comm_dtype ([e4m3], {'q': [..]}) raised a bare TypeError ('unhashable type') before the rank
+    contract's exchange: on one rank only, the other rank ran the call alone and waited. Now ValueError naming the
+    accepted forms, on every rank; the group stays in step."""
+    for bad in ([E4], {"q": [E4]}, {"k": {}}):
+        with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+            cd.normalize(bad)
+    q, k, v, _ = _data(1, 4 * w, 2 * w, 16, seed=41)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    with pytest.raises(ValueError, match=r"must be torch.float8_e4m3fn|rank\(s\) \[1\]"):
+        cp_ops.attention(sh(q), sh(k), sh(v), comm_dtype=[E4] if rank == 1 else E4)
+    out = cp_ops.attention(sh(q), sh(k), sh(v), comm_dtype=E4)
+    assert torch.equal(out, _same_calls(q, k, v, None, rank, w, None, "agkv", cd.for_mode(cd.normalize(E4), "agkv")))
+
+
+def test_unhashable_comm_dtype_raises_on_every_rank():
+    run_ranks(_unhashable, 2)

@@ -167,3 +167,61 @@ def _rules(rank, w):
 
 def test_2d_rules_raise_on_every_rank():
     run_ranks(_rules, 8)
+
+
+def _one_rank_rejects(rank, w):
+    """A check that fails on one rank only, raised on every rank and the mesh in step after: comm_dtype on a mesh (was
+    raised before any exchange: the other ranks ran the call without rank 0 and every later call paired wrong) and a
+    bad key mask on a degenerate mesh (its 1-D call's group was not told); cp_ops.describe takes a mesh and
+    comm_dtype (was: ValueError / TypeError)."""
+    mesh = _mesh((2, 2))
+    q, k, v, _ = _data(1, 4 * w, 4, 8, seed=21)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]|comm_dtype=torch.float8_e4m3fn on a 2-D mesh \(2x2\)"):
+        cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, comm_dtype=torch.float8_e4m3fn if rank == 0 else None)
+    assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=mesh), _ref(q, k, v, None, (2, 2), rank, (4,) * w))
+    flat = _mesh((1, 4))
+    m = torch.ones(1, 4 if rank != 1 else 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"key_mask must be|rank\(s\) \[1\]"):
+        cp_ops.attention(sh(q), sh(k), sh(v), group=flat, key_mask=m)
+    assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=flat), _ref(q, k, v, None, (1, 4), rank, (4,) * w))
+    c = cp_ops.describe(sh(q), sh(k), sh(v), group=mesh)
+    assert (c.mode, c.chunks, c.source, c.transport) == ("agkv_ulysses", 1, "heuristic", "torch"), c
+    c = cp_ops.describe(sh(q), group=mesh, mode="agkv_ulysses", chunks=2)
+    assert (c.mode, c.chunks, c.source) == ("agkv_ulysses", 2, "explicit"), c
+    assert cp_ops.describe(sh(q), group=flat).mode == "ulysses"
+    with pytest.raises(ValueError, match=r"heads=4, inner size=4|inner size"):
+        cp_ops.describe(sh(q)[:, :, :3], group=mesh)
+    with pytest.raises(ValueError, match="comm_dtype"):
+        cp_ops.describe(sh(q), group=mesh, comm_dtype=torch.float8_e4m3fn)
+    # a 1-D call with comm_dtype can be copied into describe as is; a bad comm_dtype raises as the call would
+    assert cp_ops.describe(sh(q), sh(k), sh(v), comm_dtype=torch.float8_e4m3fn).mode == "ulysses"
+    with pytest.raises(ValueError, match="comm_dtype"):
+        cp_ops.describe(sh(q), comm_dtype={"x": torch.float8_e4m3fn})
+    with pytest.raises(ValueError, match="gathers K and V together"):
+        cp_ops.describe(sh(q), mode="agkv", comm_dtype={"k": torch.float8_e4m3fn})
+
+
+def test_one_rank_rejects_and_describe_on_a_mesh():
+    run_ranks(_one_rank_rejects, 4)
+
+
+def _compiled_row_fails(rank, w):
+    """Compiled 2-D calls whose row (ranks 2, 3) disagrees (rank 2 names another tag): every rank raises, and the
+    mesh stays in step — the failed row tells its columns (its row exchange failed before its column exchange; the
+    other rows' column exchange paired with that row's next call: the next call raised on rows that did nothing
+    wrong and passed on others, and the mesh fell apart)."""
+    mesh = _mesh((2, 2))
+    q, k, v, _ = _data(1, 4 * w, 4, 8, seed=51)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    ref = _ref(q, k, v, None, (2, 2), rank, (4,) * w)
+    t = "b" if rank == 2 else "a"
+    f = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, group=mesh, tag=t), fullgraph=True)
+    with pytest.raises(ValueError, match="differ in variant|rejected their inputs"):
+        f(sh(q), sh(k), sh(v))
+    for _ in range(2):
+        assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=mesh), ref)
+
+
+def test_compiled_row_failure_keeps_the_mesh_in_step():
+    run_ranks(_compiled_row_fails, 4)

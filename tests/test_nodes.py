@@ -94,6 +94,42 @@ def test_node_id_setting(monkeypatch):
         config.restore(saved)
 
 
+def _regroup(rank, w, store_path):
+    config.configure(node_id=f"n{rank}")
+    assert node.group_nodes(dist.group.WORLD) == ("n0", "n1")
+    dist.destroy_process_group()
+    # a new default group (torch gives it the old one's name) whose ranks now share a node
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, w), rank=rank, world_size=w)
+    config.configure(node_id="same")
+    assert node.group_nodes(dist.group.WORLD) == ("same", "same")  # was ('n0', 'n1'): the old group's answer
+
+
+def test_group_nodes_asks_a_new_group_under_an_old_name(tmp_path):
+    """node.group_nodes cached by group name answered a new group (after destroy_process_group and a new init, torch
+    reuses the name) with the destroyed group's node identities (init_cp_mesh, the cost model then saw wrong nodes)."""
+    run_ranks(_regroup, 2, str(tmp_path / "store"))
+
+
+def test_node_id_refuses_control_characters():
+    """A tab in CP_OPS_NODE_ID broke the ranks' tab-separated identity records at the first call ('too many values to
+    unpack (expected 5)', no rule named); now refused where it is read. Blank = unset (the host name)."""
+    saved = config.snapshot()
+    try:
+        for bad in ("n\t0", "a\nb", "x\ry"):
+            with pytest.raises(config.ConfigError, match=r"CP_OPS_NODE_ID=.* must be printable text"):
+                config.from_env({"CP_OPS_NODE_ID": bad})
+            with pytest.raises(config.ConfigError, match="must be printable text"):
+                config.configure(node_id=bad)
+        assert config.from_env({"CP_OPS_NODE_ID": "  rack 3/n7\t"}).node_id == "rack 3/n7"
+        assert config.from_env({"CP_OPS_NODE_ID": ""}).node_id is None
+        config.configure(node_id=" ")
+        import socket
+
+        assert node.node_id() == socket.gethostname()
+    finally:
+        config.restore(saved)
+
+
 def test_torchrun_two_simulated_nodes(tmp_path):
     """The multi-node launch: two ``torchrun --nnodes 2`` agents (one per simulated node, c10d rendezvous, each with its
     own CP_OPS_NODE_ID) run the 2-D example on 2 × 2 CPU ranks; the ranks see 2 nodes and match one device."""

@@ -45,7 +45,10 @@ def format_name(dtype) -> str:
     """'e4m3' / 'e5m2' for ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or those names); ValueError else."""
     if isinstance(dtype, str) and dtype in FORMATS:
         return dtype
-    name = _BY_DTYPE.get(dtype)
+    try:
+        name = _BY_DTYPE.get(dtype)
+    except TypeError:  # unhashable (a list, a dict): not a dtype either
+        name = None
     if name is None:
         raise ValueError(f"an FP8 communication format must be torch.float8_e4m3fn or torch.float8_e5m2 (or 'e4m3', "
                          f"'e5m2'); got {dtype!r}")
@@ -259,12 +262,31 @@ def self_test(device: torch.device) -> str | None:
                 bad.append(f"encode {fmt} {dt}: {(enc != ref).sum().item()} bytes differ")
             elif not torch.equal(decode_triton(ref, dt, fmt), decode_torch(ref, dt, fmt)):
                 bad.append(f"decode {fmt} {dt}")
+            why = nonfinite_rule(encode_triton, decode_triton, dt, fmt, device)
+            if why:
+                bad.append(why)
     if not bad:
         return None
     why = "; ".join(bad)
     logging.getLogger("cp_ops").warning("cp_ops FP8 codec: the Triton kernels differ from the torch version on %s "
                                         "(%s): using the torch version", device, why)
     return why
+
+
+def nonfinite_rule(enc, dec, dtype: torch.dtype, fmt: str, device) -> str | None:
+    """Check the codec rule for non-finite input on an encode/decode pair (``enc(x, fmt)``, ``dec(buf, dtype, fmt)``):
+    a row holding a NaN or ±inf arrives as a row of NaN (every element: its scale is inf or NaN), finite rows beside
+    it unchanged by it — never finite values where the input was not finite. None when it holds, else what broke
+    (the torch version holds it; :func:`self_test` asks it of the Triton kernels, whose max/clamp may drop NaN)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(4, 32, generator=g, device=device).to(dtype)
+    x[0, 3], x[1, 7], x[2, 0] = float("nan"), float("inf"), float("-inf")
+    out = dec(enc(x, fmt), dtype, fmt)
+    if not bool(out[:3].isnan().all()):
+        return f"non-finite rows {fmt} {dtype}: {int((~out[:3].isnan()).sum())} of 96 values arrived not NaN"
+    if not bool(torch.isfinite(out[3]).all()):
+        return f"non-finite rows {fmt} {dtype}: the finite row beside them arrived non-finite"
+    return None
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
