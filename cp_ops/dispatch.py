@@ -201,7 +201,7 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
                            "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
     stored = choices.lookup(mode, chunks, q, pg, resolved)
     if stored is not None:
-        return stored._replace(transport=shown)
+        return stored._replace(transport=shown, why=stored.why + _rule(mode, chunks, stored, q.shape[2], world, runs_on))
     # not decided yet: what the first call would decide, short of measuring and of asking the group
     name = runs_on or transport_base.select_transport(resolved, q.device.type)
     note = "" if runs_on else (f"; transport 'auto' is agreed with the group at the first call: '{name}' assumed (this "
@@ -213,7 +213,30 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
                            f"measuring on (CP_OPS_TUNE_MODES=1) and no call made yet: the first eager call measures "
                            f"{cands} (or takes the choice every rank's cache file holds); until then the heuristic's "
                            f"candidate{note}")
-    return c._replace(transport=shown, why=c.why + note)
+    return c._replace(transport=shown, why=c.why + _rule(mode, chunks, c, q.shape[2], world, name) + note)
+
+
+def _rule(mode: str, chunks, c, heads: int, world: int, transport) -> str:
+    """The rule of the heuristic that gave ``c`` (a :class:`cp_ops.modes.tune.Choice`), in words ('' for another
+    source): which branch of :func:`cp_ops.modes.choose` and of :func:`cp_ops.modes.pipelined.choose_chunks` fired."""
+    if c.source != "heuristic":
+        return ""
+    if mode != "auto":
+        m = f"mode {c.mode!r} given"
+    elif c.mode == "ulysses":
+        m = f"auto: W={world} > 2 and W divides H={heads} -> ulysses (moves less than AGKV from W = 3)"
+    elif world == 2:
+        m = "auto: W=2 -> agkv (both modes receive the same bytes; Ulysses adds an exposed inverse all-to-all)"
+    elif heads % world:
+        m = f"auto: W={world} does not divide H={heads} -> agkv"
+    else:
+        m = f"auto -> {c.mode}"
+    if chunks is not None:
+        n = f"chunks={chunks} given"
+    else:
+        n = (f"chunks=None -> {c.chunks} (2 stages for AGKV on the fast transport, 1 elsewhere; transport "
+             f"{transport or 'auto'})")
+    return f"; {m}; {n}"
 
 
 def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,

@@ -78,3 +78,22 @@ def _body(rank, w, tmp):
 
 def test_describe_on_two_ranks(tmp_path):
     run_ranks(_body, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("world,heads,rule", [(2, 8, "auto: W=2 -> agkv"),
+                                              (4, 8, "auto: W=4 > 2 and W divides H=8 -> ulysses"),
+                                              (4, 6, "auto: W=4 does not divide H=6 -> agkv")])
+def test_describe_names_the_heuristics_rule(world, heads, rule):
+    """The heuristic's choice says which branch of its rule fired (mode and chunks), not only 'the heuristic'."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        c = cp_ops.describe(torch.randn(1, 16, heads, 8))
+        assert c.source == "heuristic" and rule in c.why, c.why
+        assert "chunks=None -> 1" in c.why, c.why
+        given = cp_ops.describe(torch.randn(1, 16, heads, 8), mode="agkv")
+        assert "mode 'agkv' given" in given.why, given.why
+    finally:
+        dist.destroy_process_group()
