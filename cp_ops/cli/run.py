@@ -401,7 +401,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
           f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
-          + f" mode={mode} transport={transport} chunks={meta['chunks']} compile={compiled_with or 'no'}"
+          + f" mode={mode} transport={transport} chunks={'None (the heuristic)' if meta['chunks'] == 'auto' else meta['chunks']} compile={compiled_with or 'no'}"
           + (f" comm={meta['comm_dtype']}" if meta["comm_dtype"] not in ("none", "bf16") else "")
           + f", on {meta.get('gpu', 'CPU')}")
     if args.model == "wan" and not (args.steps or args.compare or args.compile):

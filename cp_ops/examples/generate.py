@@ -5,6 +5,7 @@
         --prompt "a red fox in the snow" --out fox.gif
 """
 import argparse
+import os
 
 import torch
 try:
@@ -18,15 +19,19 @@ except ImportError as e:  # the example's own dependencies: say which extra brin
 from cp_ops.examples.tiny import tiny_wan22
 from cp_ops.integrations.diffusers import parallelize_pipeline
 
-p = argparse.ArgumentParser()
-p.add_argument("--checkpoint"), p.add_argument("--prompt", default="a red fox in the snow")
-p.add_argument("--steps", type=int, default=30), p.add_argument("--out", default="generated.gif")
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--checkpoint", help="a diffusers pipeline (hub id or folder); without it a tiny random one, no download")
+p.add_argument("--prompt", default="a red fox in the snow", help="with --checkpoint")
+p.add_argument("--steps", type=int, default=30, help="denoising steps, with --checkpoint (the tiny pipeline runs 2)")
+p.add_argument("--out", default="generated.gif", help="the GIF rank 0 writes (default: ./generated.gif)")
 args = p.parse_args()
 if args.checkpoint:  # every rank loads the same pipeline
     pipe = DiffusionPipeline.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
     call = dict(prompt=args.prompt, num_inference_steps=args.steps)
 else:  # no checkpoint: a tiny two-transformer pipeline with random weights, built here (no download)
     pipe, call = tiny_wan22()
+    if os.environ.get("RANK", "0") == "0":
+        print("no --checkpoint: a tiny random Wan 2.2-style pipeline, its own prompt and 2 steps (--prompt/--steps unused)")
 pipe = parallelize_pipeline(pipe)  # every transformer, on cuda:LOCAL_RANK (CPU without CUDA)
 out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pil")  # the same seed on every rank
 if pipe.cp_ops_writes_output:  # rank 0 writes
