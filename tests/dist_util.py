@@ -60,6 +60,24 @@ def _body(rank, world_size, device, fn, args, errq):
         raise
 
 
+def _one_gpu_worker(rank, world_size, device, port, fn, args):
+    """A spawned rank of ``device='one_gpu'``: every rank on cuda:0, one ``cpu:gloo,cuda:gloo`` group (gloo moves the
+    CUDA tensors), so a single GPU runs W ranks' real kernels on data really moved; then as :func:`_worker`."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:gloo", rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 - a failure before the body is reported too
+        args[-1].put((rank, traceback.format_exc()))
+        raise
+    try:
+        fn(rank, world_size, torch.device("cuda", 0), *args)
+    finally:
+        dist.destroy_process_group()
+
+
 def _forked(rank, world_size, device, port, env, removed, body_args):
     """A forked rank: take the caller's environment (``env``; ``removed``: variables the server started with that the
     caller no longer has; what the server's imports set stays, as a fresh rank's imports would set it), re-read
@@ -143,7 +161,7 @@ atexit.register(stop_server)
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu", fresh: bool = False) -> None:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on CPU, NCCL with one GPU
-    each on ``device='cuda'``); raise if any rank fails, hangs past ``timeout`` seconds or exits non-zero.
+    each on ``device='cuda'``, every rank on cuda:0 over gloo on ``device='one_gpu'``); raise if any rank fails, hangs past ``timeout`` seconds or exits non-zero.
 
     ``fn`` must be importable (a module-level function of a test module). ``fresh=True``: spawn new interpreters
     (for a test about what a rank imports); otherwise CPU ranks are forked from the session's fork server (see the
@@ -162,7 +180,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
         procs = [ctx.Process(target=_forked, args=(r, world_size, device, port, env, removed, (fn, args, errq)))
                  for r in range(world_size)]
     else:
-        procs = [ctx.Process(target=_worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
+        worker = _one_gpu_worker if device == "one_gpu" else _worker
+        procs = [ctx.Process(target=worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
                  for r in range(world_size)]
     for p in procs:
         p.start()

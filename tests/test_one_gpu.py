@@ -10,92 +10,56 @@
 * The CUDA extension's LSE merge (csrc/lse_merge.cu) against the fp32 reference and the Triton kernel.
 """
 
-import os
-
 import pytest
 import torch
+from dist_util import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 VARIANTS = [("agkv", 1), ("agkv", 2), ("agkv", 3), ("ulysses", 1), ("ulysses", 2)]
 
 
-def _two_ranks_one_gpu(rank, w, port, errq):
-    import traceback
+def _two_ranks_one_gpu(rank, w):
+    import cp_ops
 
-    import torch.distributed as dist
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(3)
+    b, s, h, d = 1, 2048, 8, 64
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    sl = slice(rank * s // w, (rank + 1) * s // w)
+    ref = cp_ops.local_attention(q, k, v)[:, sl]
+    for mode, chunks in VARIANTS:
+        out = cp_ops.attention(q[:, sl], k[:, sl], v[:, sl], mode=mode, chunks=chunks, transport="torch")
+        if chunks == 1 and mode == "agkv":
+            assert torch.equal(out, ref), (mode, chunks, (out.float() - ref.float()).abs().max().item())
+        else:
+            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            assert err < 2e-2, (mode, chunks, err)
+    # uneven shards and a key mask
+    seq = (1100, 948)
+    off = (0, 1100)
+    mask = torch.rand(b, s, generator=g, device=dev) > 0.3
+    mask[:, 0] = True
+    rs = slice(off[rank], off[rank] + seq[rank])
+    ref_m = cp_ops.local_attention(q, k, v, key_mask=mask)[:, rs]
+    for mode in ("agkv", "ulysses"):
+        out = cp_ops.attention(q[:, rs], k[:, rs], v[:, rs], mode=mode, chunks=1, transport="torch", seq_lens=seq,
+                               key_mask=mask[:, rs])
+        err = ((out.float() - ref_m.float()).abs().max() / ref_m.float().abs().max()).item()
+        assert err < 2e-2, (mode, "uneven+mask", err)
+    # compiled with the overlap pass = eager
+    def block(x):
+        return cp_ops.attention(x * 0.5, x, x, mode="agkv", chunks=1, transport="torch")
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        torch.cuda.set_device(0)
-        dist.init_process_group("cpu:gloo,cuda:gloo", rank=rank, world_size=w)
-        import cp_ops
-
-        dev = torch.device("cuda", 0)
-        g = torch.Generator(device=dev).manual_seed(3)
-        b, s, h, d = 1, 2048, 8, 64
-        q, k, v = (torch.randn(b, s, h, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
-        sl = slice(rank * s // w, (rank + 1) * s // w)
-        ref = cp_ops.local_attention(q, k, v)[:, sl]
-        for mode, chunks in VARIANTS:
-            out = cp_ops.attention(q[:, sl], k[:, sl], v[:, sl], mode=mode, chunks=chunks, transport="torch")
-            if chunks == 1 and mode == "agkv":
-                assert torch.equal(out, ref), (mode, chunks, (out.float() - ref.float()).abs().max().item())
-            else:
-                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                assert err < 2e-2, (mode, chunks, err)
-        # uneven shards and a key mask
-        seq = (1100, 948)
-        off = (0, 1100)
-        mask = torch.rand(b, s, generator=g, device=dev) > 0.3
-        mask[:, 0] = True
-        rs = slice(off[rank], off[rank] + seq[rank])
-        ref_m = cp_ops.local_attention(q, k, v, key_mask=mask)[:, rs]
-        for mode in ("agkv", "ulysses"):
-            out = cp_ops.attention(q[:, rs], k[:, rs], v[:, rs], mode=mode, chunks=1, transport="torch", seq_lens=seq,
-                                   key_mask=mask[:, rs])
-            err = ((out.float() - ref_m.float()).abs().max() / ref_m.float().abs().max()).item()
-            assert err < 2e-2, (mode, "uneven+mask", err)
-        # compiled with the overlap pass = eager
-        def block(x):
-            return cp_ops.attention(x * 0.5, x, x, mode="agkv", chunks=1, transport="torch")
-
-        x = q[:, sl].contiguous()
-        eager = block(x)
-        compiled = cp_ops.compile(block, fullgraph=True)(x)
-        assert torch.equal(compiled, eager)
-        torch.cuda.synchronize()
-        errq.put((rank, None))
-    except BaseException:  # noqa: BLE001
-        errq.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    x = q[:, sl].contiguous()
+    eager = block(x)
+    compiled = cp_ops.compile(block, fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
+    torch.cuda.synchronize()
 
 
 def test_two_ranks_on_one_gpu_over_gloo_equal_one_device():
-    import torch.multiprocessing as mp
-
-    from cp_ops.cli.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    errq = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_two_ranks_one_gpu, args=(r, 2, port, errq)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    errors = []
-    while not errq.empty():
-        r, e = errq.get()
-        if e:
-            errors.append(f"rank {r}:\n{e}")
-    assert not errors, "\n".join(errors)
-    assert not alive, "a rank did not finish within 300 s"
+    run_ranks(_two_ranks_one_gpu, 2, timeout=300, device="one_gpu")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -104,6 +68,7 @@ def test_fake_group_eager_compiled_and_captured(world):
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (the 'fake' backend)
 
     import cp_ops
+    from cp_ops.timing import Graphed
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -121,17 +86,11 @@ def test_fake_group_eager_compiled_and_captured(world):
             comp = torch.compile(lambda a, b_, c: cp_ops.attention(a, b_, c, mode=mode, chunks=chunks,
                                                                     transport="torch"), fullgraph=True, dynamic=False)
             assert comp(q, k, v).shape == q.shape
-            # capture after the eager warm-up, replay
+            # capture after an eager warm-up on a side stream (cp_ops.timing.Graphed, as bench and run do), replay
             static = [t.clone() for t in (q, k, v)]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                cp_ops.attention(*static, mode=mode, chunks=chunks, transport="torch")
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                got = cp_ops.attention(*static, mode=mode, chunks=chunks, transport="torch")
-            graph.replay()
+            graphed = Graphed(lambda: cp_ops.attention(*static, mode=mode, chunks=chunks, transport="torch"), dev,
+                              warmup=1)
+            got = graphed()
             torch.cuda.synchronize()
             assert got.shape == q.shape, (mode, chunks)
     finally:
