@@ -40,20 +40,11 @@ def _rel(x, ref) -> dict:
 
 
 def _time_us(fn, device, n=50) -> float:
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3 / n
-    t = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - t) * 1e6 / 3
+    """µs per call: one sample of ``n`` back-to-back calls between CUDA events after one warm-up call
+    (:func:`cp_ops.timing.steady_ms`); 3 calls on CPU."""
+    from cp_ops import timing
+
+    return timing.steady_ms(fn, device, warmup=1, samples=1, calls=n if device.type == "cuda" else 3)[0] * 1e3
 
 
 def kernels(device, args) -> list[dict]:
