@@ -202,3 +202,25 @@ def test_bench_default_seqs_on_a_width_they_do_not_fit():
     args = build_parser().parse_args(["bench", "--nproc", "3", "--seqs", "512"])
     with pytest.raises(UsageError, match=r"every S in --seqs must be a positive multiple .* 3; got \[512\]"):
         _check_bench(args, "cpu", 3, config.settings)
+
+
+@pytest.mark.parametrize("value,ok", [("e4m3", True), ("e5m2:qvo", True), ("fp8", True), ("none", True),
+                                      ("e7m1", False), ("e4m3:qz", False)])
+def test_comm_dtype_checked_alike_by_bench_and_run(value, ok):
+    """--comm-dtype: bench and run take the forms cp_ops.comm_dtype.parse takes (one check, cli._args), and name
+    them on a bad value; bench checked nothing before (a bad value failed inside the ranks), run had its own regex."""
+    import importlib.util
+
+    from cp_ops import config
+    from cp_ops.cli.main import UsageError, _check_bench, _check_run, build_parser
+
+    cases = [(build_parser().parse_args(["bench", "--comm-dtype", value]), lambda a: _check_bench(a, "cpu", 2,
+                                                                                                   config.settings))]
+    if importlib.util.find_spec("diffusers") is not None:
+        cases.append((build_parser().parse_args(["run", "wan", "--comm-dtype", value]), lambda a: _check_run(a, "cpu", 2)))
+    for args, check in cases:
+        if ok:
+            check(args)
+        else:
+            with pytest.raises(UsageError, match=rf"--comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS .*got '{value}'"):
+                check(args)

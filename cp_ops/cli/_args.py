@@ -79,6 +79,18 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
 
 
 
+def check_comm_dtype(args, what: str) -> None:
+    """``--comm-dtype``: the forms :func:`cp_ops.comm_dtype.parse` takes (none, e4m3, e5m2, FMT:LETTERS, ...), else a
+    UsageError (via :func:`fail`) naming them and the value given."""
+    from cp_ops.comm_dtype import parse
+
+    try:
+        parse(str(getattr(args, "comm_dtype", "none")))
+    except ValueError:
+        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
+             f"got {args.comm_dtype!r}")
+
+
 def fail(msg: str) -> None:
     raise UsageError(msg)
 

@@ -6,7 +6,7 @@ import importlib.util
 import math
 
 from .. import modes
-from ._args import chunks, common, csv, fail, rank0
+from ._args import check_comm_dtype, chunks, common, csv, fail, rank0
 
 GPU_SEQS = [4096, 8192, 16384, 32768, 75600]
 CPU_SEQS = [512, 1024, 2048]
@@ -78,6 +78,7 @@ def check(args, device: str, world: int, settings) -> None:
     bad = [m for m in args.modes if m not in modes.names()]
     if bad:
         fail(f"bench: --modes takes {','.join(modes.names())}; got {bad}")
+    check_comm_dtype(args, "bench")
     if args.transports is None:
         args.transports = ["torch"] + (["fast"] if unavailable_reason(device) is None else [])
     bad = [t for t in args.transports if t not in ("torch", "fast", "auto")]

@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 from .. import modes
-from ._args import chunks_arg, common, csv, fail
+from ._args import check_comm_dtype, chunks_arg, common, csv, fail
 
 #: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
 MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo", "ltx")
@@ -149,11 +149,7 @@ def check(args, device: str, world: int) -> None:
     pt, ph, pw = spec.patch(cfg)
     if args.layers is not None and args.layers < 1:
         fail(f"{what}: --layers must be >= 1; got {args.layers}")
-    import re as _re
-
-    if not _re.fullmatch(r"none|bf16|(e4m3|e5m2)(:[qkvo]+)?", str(getattr(args, "comm_dtype", "none")).lower()):
-        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
-             f"got {args.comm_dtype!r}")
+    check_comm_dtype(args, what)
     if not spec.video and args.frames != 1:
         fail(f"{what}: {spec.cls} is an image model; --frames must be 1, got {args.frames}")
     if min(args.frames, args.height, args.width, args.batch) < 1 or args.height % ph or args.width % pw or args.frames % pt:
