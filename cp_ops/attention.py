@@ -125,15 +125,15 @@ def attention(
                         transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
                         comm_dtype=comm_dtype)
         return out.transpose(1, 2)
-    run, extra = dispatch.attention, (comm_dtype,)
-    if is_mesh(group):  # a 2-D mesh: cp_ops.dispatch_mesh (its checks reject comm_dtype on every rank of the mesh)
-        run = dispatch_mesh.attention
+    # a 2-D mesh: cp_ops.dispatch_mesh (its checks reject comm_dtype on every rank of the mesh)
+    run = dispatch_mesh.attention if is_mesh(group) else dispatch.attention
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
-        return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, *extra)
+        return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype)
     # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
     # the output to q, k and v through a node whose backward raises
-    out = run(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens, key_mask, tag, *extra)
+    out = run(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
+              comm_dtype)
     return _ForwardOnly.apply(out, q, k, v)
 
 
