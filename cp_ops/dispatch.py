@@ -324,22 +324,33 @@ class Plan:
             raise
 
 
-def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
-    """The plan for this call (built and cached on the first call with its key), or None: take the traced path (an
-    argument that is not a plain tensor, a torch dispatch mode active — they must see the ops —, nothing to move,
-    ``seq_lens`` not a tuple or list of ints, an unhashable key)."""
+def plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_key):
+    """The eager plan cache's key of a call (this module's and :mod:`cp_ops.dispatch_mesh`'s), or None: take the
+    traced path (an argument that is not a plain tensor, a torch dispatch mode active — they must see the ops —,
+    ``seq_lens`` not a tuple or list of ints, a key mask not a tensor). ``comm_key``: the caller's hashable form of
+    ``comm_dtype``. May raise TypeError/AttributeError (and an unhashable group at the dict lookup): the caller
+    takes the traced path, which raises the error."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
             or _dispatch_modes():
         return None
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
+           transport, chunks, type(chunks), config.settings.tune_modes,
+           tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), comm_key)
+    if seq_lens is not None or key_mask is not None:
+        extra = _layout_key(seq_lens, key_mask)
+        if extra is None:
+            return None
+        key += extra
+    return key
+
+
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
+    """The plan for this call (built and cached on the first call with its key, :func:`plan_key`), or None: take the
+    traced path (as :func:`plan_key` says, nothing to move, an unhashable key)."""
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
-               transport, chunks, type(chunks), config.settings.tune_modes,
-               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), comm_dtype)
-        if seq_lens is not None or key_mask is not None:
-            extra = _layout_key(seq_lens, key_mask)
-            if extra is None:
-                return None
-            key += extra
+        key = plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+        if key is None:
+            return None
         e = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
         return None

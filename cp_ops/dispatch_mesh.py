@@ -240,19 +240,11 @@ class _Local:
 def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     """The plan for this call (built on the first call with its key), or None: take the traced path (as
     :func:`cp_ops.dispatch._lookup`)."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
-            or dispatch._dispatch_modes():
-        return None
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
-               transport, chunks, type(chunks),
-               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)),
-               None if comm_dtype is None else repr(comm_dtype))
-        if seq_lens is not None or key_mask is not None:
-            extra = dispatch._layout_key(seq_lens, key_mask)
-            if extra is None:
-                return None
-            key += extra
+        key = dispatch.plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag,
+                                None if comm_dtype is None else repr(comm_dtype))
+        if key is None:
+            return None
         plan = _plans.get(key)
     except (AttributeError, TypeError):
         return None
