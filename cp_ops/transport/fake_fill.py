@@ -71,6 +71,8 @@ def enable(group: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
 
 
 def disable() -> None:
+    """Turn filling off (what :func:`enable` turned on): fake collectives' outputs are left as the backend leaves
+    them. Never raises."""
     global ACTIVE
     ACTIVE = False
 
