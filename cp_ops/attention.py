@@ -177,7 +177,8 @@ def describe(
         'explicit' (mode and chunks given), 'heuristic' (``cp_ops.modes.choose`` and
         ``cp_ops.modes.pipelined.choose_chunks``: measuring off — the default —, a traced call, a group of one rank,
         uneven shards or a key mask), 'cost' (``mode='auto'`` on a flat group across several nodes: the cost model's
-        split, :mod:`cp_ops.split`; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured' (timed by this process's first call:
+        split, :mod:`cp_ops.split`, known from the group's first ``mode='auto'`` call on: before it, the answer is
+        the one-node answer; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured' (timed by this process's first call:
         ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every rank holds), 'pending' (measuring is on
         and no call was made yet: mode and chunks are the heuristic's until the first call measures); ``times_ms``
         the candidates' times in ms, max over ranks (``{'agkv/1': 0.47, ...}``; empty unless measured or cached);
@@ -214,10 +215,8 @@ def _describe_auto(q, group, transport, chunks, seq_lens, key_mask) -> Choice:
     s = split.known(pg, q, seq_lens, chunks)
     if s is None:
         return flat
-    if s == "unknown":
-        return flat._replace(why=flat.why + "; the group's node layout is not known yet: the first mode='auto' call "
-                                            "agrees it, and where the ranks span several nodes the cost model picks "
-                                            "the split (cp_ops.split)")
+    if s == "unknown":  # before the group's first mode='auto' call: answered as for one node (local, no collective)
+        return flat
     if s.source != "cost":
         return flat._replace(why=s.why + "; " + flat.why)
     if s.mode == "agkv_ulysses":

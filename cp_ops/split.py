@@ -17,8 +17,10 @@ host names or ``CP_OPS_NODE_ID``) does not run the 1-D heuristic (:func:`cp_ops.
 :func:`cp_ops.node.group_nodes`), the global token count (``S_local·W``, or ``sum(seq_lens)``), B, H, D, q's dtype
 and whether the call pipelines (``chunks ≥ 2``: the overlapped time). The figures are :class:`cp_ops.cost.Links`'
 defaults (H200 NVLink measured, the network assumed). No timing: deterministic. The first call of each shape agrees
-the choice over the group (one store exchange, :func:`cp_ops.contract.agree`); ranks whose inputs differ (a rank with
-a wrong shape) all fall back to the 1-D heuristic, whose checks then raise on every rank, naming the rule.
+the choice over the group (one store exchange, :func:`cp_ops.contract.agree`); ranks whose calls differ there (a rank
+with a wrong shape) all take the 1-D path, whose checks then raise on every rank, naming the rule. A rank whose call
+differs from a shape its peers have already agreed and kept (a later call) meets no agreement: that mismatch is
+raised at ``CP_OPS_TIMEOUT_S`` (naming the ranks that did not arrive), not at once.
 
 **Not used** (the 1-D heuristic decides, as on one node): a group on one node; nodes holding different rank counts or
 ranks not numbered node by node (the split's rows would not be nodes; :attr:`Split.why` says so); ``comm_dtype``
@@ -26,7 +28,7 @@ given (FP8 runs on 1-D groups only); an explicit ``mode``. Under ``torch.compile
 (:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path.
 
 :func:`cp_ops.describe` reports the split and the cost model's numbers (:attr:`Split.why`) once the group's node layout
-is known (after its first ``mode='auto'`` call); before, it says that the first call decides.
+is known (after its first ``mode='auto'`` call); before, it answers as for one node (it makes no collective).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 class Split(NamedTuple):
     """What ``mode='auto'`` runs for one call shape on a flat group. ``mode``: 'agkv', 'ulysses' (1-D over the flat
-    group) or 'agkv_ulysses' (2-D on ``outer × inner``); ``source``: 'cost' (the cost model chose) or 'heuristic'
-    (the 1-D heuristic: the node layout does not allow a split, or the ranks' inputs differ); ``why``: the reason with
+    group) or 'agkv_ulysses' (2-D on ``outer × inner``); ``source``: 'cost' (the cost model chose), 'heuristic'
+    (the 1-D heuristic: the node layout does not allow a split) or 'mismatch' (the ranks' calls differ: the 1-D path,
+    whose checks raise; not kept); ``why``: the reason with
     the cost model's predicted ms per layout."""
 
     mode: str
@@ -109,26 +112,33 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
     return Split(mode, best.outer, best.inner, "cost", why)
 
 
-def decide(group_name: str, shape: tuple, dtype: str, chunks_gt1: bool, seq, device_type: str) -> tuple | None:
-    """The split of a call (:class:`Split`'s fields), agreed by the group's ranks; None: the 1-D heuristic applies
-    silently (one node). Collective on the first call of a group (node identities) and of each request (the
-    agreement). Marked constant for ``torch.compile`` (run while tracing; the graph holds its result)."""
+def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, seq, device_type: str) -> tuple | None:
+    """The split of a call (:class:`Split`'s fields), agreed by the group's ranks; None: the 1-D path as on one node
+    (the group is on one node, or this rank's inputs are not a valid request: ``shape`` None). Collective on the
+    first call of a group (node identities) and of each request (the agreement: every rank meets at one key, its
+    request and split in the value, so ranks whose calls differ all fall back to the 1-D path instead of waiting).
+    Marked constant for ``torch.compile`` (run while tracing; the graph holds its result)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     pg = _resolve_process_group(group_name)
-    b, s, h, d = shape
-    got = choose(node.group_nodes(pg), b, s, h, d, dtype, chunks_gt1, seq)
+    ids = node.group_nodes(pg)
+    if len(set(ids)) == 1:
+        return None
+    got, mine = None, "invalid inputs"
+    if shape is not None:
+        b, s, h, d = shape
+        got = choose(ids, b, s, h, d, dtype, chunks_gt1, seq)
+        mine = f"{b}x{s}x{h}x{d} {dtype} pipelined={int(chunks_gt1)} seq_lens={seq} -> {got.mode} {got.shape}"
+    seen = contract.agree(pg, "split", mine, "mode='auto''s split (cp_ops.split)")
     if got is None:
         return None
-    mine = f"{got.mode} {got.outer}x{got.inner}"
-    seen = contract.agree(pg, f"split/{b}x{s}x{h}x{d}/{dtype}/{int(chunks_gt1)}", mine,
-                          "mode='auto''s split (cp_ops.split)")
     if len(set(seen)) != 1:  # the ranks' calls differ: the 1-D path, whose checks name the difference
         w = pg.size()
-        heur = modes.choose("auto", h, w) if h >= 1 else "agkv"
-        return tuple(Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "heuristic",
-                           f"mode='auto' on a flat group across nodes: the ranks' calls differ (their splits by group "
-                           f"rank: {seen}), the 1-D path checks them"))
+        heur = modes.choose("auto", h, w)
+        diff = [f"rank {r}: {v}" for r, v in enumerate(seen) if v != mine]
+        return tuple(Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "mismatch",
+                           f"mode='auto' on a flat group across nodes: the ranks' calls differ (this rank: {mine}; "
+                           f"{'; '.join(diff[:4])}): the 1-D path, whose checks name the difference"))
     if got.mode == "agkv_ulysses":
         _mesh(pg, got.outer, got.inner, device_type)
     return tuple(got)
@@ -173,18 +183,21 @@ def for_call(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None:
            else tuple(seq_lens), chunks)
     try:
         got = _calls.get(key, _calls)
-    except TypeError:  # unhashable seq_lens / chunks: the dispatcher raises
-        return None
+    except TypeError:  # unhashable seq_lens / chunks: decided each call (the dispatcher raises on a bad one)
+        got, key = _calls, None
     if got is not _calls:
         return got
-    req = _request(q, seq_lens, chunks)
-    if req is None or pg.size() == 1:
+    if pg.size() == 1:
         return None
-    b, s, h, d, dtype, piped = req
-    seq = _seq(seq_lens, pg.size())
-    got = decide(pg.group_name, (b, s, h, d), dtype, piped, seq, q.device.type)
+    req = _request(q, seq_lens, chunks)
+    if req is None:  # this rank's inputs are wrong: still meet the others (on several nodes), then the 1-D checks
+        got = decide(pg.group_name, None, "", False, None, "cpu")
+    else:
+        b, s, h, d, dtype, piped = req
+        got = decide(pg.group_name, (b, s, h, d), dtype, piped, _seq(seq_lens, pg.size()), q.device.type)
     out = None if got is None else Split(*got)
-    _calls[key] = out
+    if key is not None and req is not None and (out is None or out.source != "mismatch"):
+        _calls[key] = out  # not a mismatch: the next call agrees again (a rank that kept it would not meet the others)
     return out
 
 

@@ -61,6 +61,10 @@ def _rows_ref(q, k, v, outer, inner, rank, w):
 def _auto_across_nodes(rank, w, cases, compiled):
     per = w // 2
     config.configure(node_id=f"node{rank // per}")
+    if compiled:  # one rank's first call of a shape differs: every rank takes the 1-D path and raises, none waits
+        q = torch.randn(1, 3 if rank == 1 else 4, 6, 8)
+        with pytest.raises(ValueError):
+            cp_ops.attention(q, q, q)
     for b, s, h, d, want in cases:
         q, k, v = _data(b, s * w, h, d, seed=100 * w + h)
         sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
@@ -68,7 +72,8 @@ def _auto_across_nodes(rank, w, cases, compiled):
         out = cp_ops.attention(sh(q), sh(k), sh(v))  # mode='auto', chunks=None
         c = cp_ops.describe(sh(q))
         assert c.source == "cost" and "cost model" in c.why, (before, c)
-        assert ("not known yet" in before.why) == (want == "agkv" and b == 1), before  # the first call learns nodes
+        if want == "agkv" and b == 1 and w == 8:  # the group's first auto call learns its nodes: describe before it
+            assert before.source == "heuristic", before  # answers as for one node
         if want == "agkv":
             assert c.mode == "agkv" and c.chunks == 1, c
             same = local_attention(sh(q), k, v)
