@@ -2,8 +2,8 @@
 
 Data path (``docs/architecture.md``): :func:`attention` → (``mode='auto'`` on a flat group across nodes:
 :mod:`cp_ops.split`, the cost model's split) → :mod:`cp_ops.dispatch` or, on a 2-D mesh, :mod:`cp_ops.dispatch_mesh`
-(checks, decisions, the eager plan) → one mode body (:mod:`cp_ops.modes`) → :mod:`cp_ops.comm` → op (:mod:`cp_ops.ops`) or transport
-(:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
+(checks, decisions, the eager plan) → one mode body (:mod:`cp_ops.modes`) → :mod:`cp_ops.comm` → op
+(:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
 """
 
 from __future__ import annotations
@@ -178,12 +178,13 @@ def describe(
         ``cp_ops.modes.pipelined.choose_chunks``: measuring off — the default —, a traced call, a group of one rank,
         uneven shards or a key mask), 'cost' (``mode='auto'`` on a flat group across several nodes: the cost model's
         split, :mod:`cp_ops.split`, known from the group's first ``mode='auto'`` call on: before it, the answer is
-        the one-node answer; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured' (timed by this process's first call:
-        ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every rank holds), 'pending' (measuring is on
-        and no call was made yet: mode and chunks are the heuristic's until the first call measures); ``times_ms``
-        the candidates' times in ms, max over ranks (``{'agkv/1': 0.47, ...}``; empty unless measured or cached);
-        ``transport`` 'torch' or 'fast' ('auto' before the group's first call agreed on one); ``why`` the reason in
-        words. Code traced by ``torch.compile`` always runs the heuristic's variant; to compile a measured one pass
+        the one-node answer; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured'
+        (timed by this process's first call: ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every
+        rank holds), 'pending' (measuring is on and no call was made yet: mode and chunks are the heuristic's until
+        the first call measures); ``times_ms`` the candidates' times in ms, max over ranks (``{'agkv/1': 0.47,
+        ...}``; empty unless measured or cached); ``transport`` 'torch' or 'fast' ('auto' before the group's first
+        call agreed on one); ``why`` the reason in words. Code traced by ``torch.compile`` always runs the
+        heuristic's variant (across nodes: the split); to compile a measured one pass
         the ``mode`` and ``chunks`` this returns after an eager call.
     Raises:
         ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a

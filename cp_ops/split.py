@@ -7,9 +7,9 @@ host names or ``CP_OPS_NODE_ID``) does not run the 1-D heuristic (:func:`cp_ops.
 * ``W×1`` → pure AGKV over the flat group (mode 'agkv');
 * ``1×W`` → pure Ulysses over the flat group (mode 'ulysses'; W divides the heads);
 * ``O×I`` otherwise → 2-D CP (mode 'agkv_ulysses', :mod:`cp_ops.dispatch_mesh`) on a mesh built from the flat group:
-  row o = group ranks ``o·I .. o·I+I−1`` (the inner, Ulysses dim: one node's ranks, or a part of one, or whole nodes),
-  column i = the ranks of equal index in each row (the outer, AGKV dim). Group rank r is mesh rank r, so each rank
-  keeps its token block (``seq_lens`` and key masks as given). Built once per (group, O, I, device type): two
+  row o = group ranks ``o·I .. o·I+I−1`` (the inner, Ulysses dim: one node's ranks, a part of one, or whole
+  nodes), column i = the ranks of equal index in each row (the outer, AGKV dim). Group rank r is mesh rank r, so each
+  rank keeps its token block (``seq_lens`` and key masks as given). Built once per (group, O, I, device type): two
   ``dist.new_group(..., use_local_synchronization=True)`` per rank (its row, then its column: only the member ranks
   meet), bounded by ``CP_OPS_TIMEOUT_S``.
 
@@ -90,7 +90,8 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
         nodes, per = node.layout(ids)
     except ValueError as e:
         return Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "heuristic",
-                     f"mode='auto' on a flat group across {n_nodes} nodes: no 2-D split ({e}); the 1-D heuristic: {heur}")
+                     f"mode='auto' on a flat group across {n_nodes} nodes: no 2-D split ({e}); the 1-D heuristic: "
+                     f"{heur}")
     if not node.node_major(ids):
         return Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "heuristic",
                      f"mode='auto' on a flat group across {nodes} nodes whose ranks are not numbered node by node "

@@ -224,8 +224,9 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
+        wire = None if group is not None else fmts  # a mesh: FP8 refused by the checks (1-D groups only)
         fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, group=group, mode=mode,  # noqa: E731
-                                                     transport=tr, chunks=c, comm_dtype=None if group else fmts)
+                                                     transport=tr, chunks=c, comm_dtype=wire)
         out = fn()
         err = ((out.float() - ref_l.float()).abs().max() / ref_l.float().abs().max()).item()
         errs.append(max_over_ranks(err, device))
@@ -279,7 +280,8 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
         cp = summary(max_over_ranks_each(samples, device))
         lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
         asked = mode == "auto" or c is None or group is not None  # a mesh: what it ran (a degenerate one: 1-D)
-        picked = describe(ql, group=group or pg, mode=mode, transport=tr, chunks=c) if asked else None
+        on = pg if group is None else group
+        picked = describe(ql, group=on, mode=mode, transport=tr, chunks=c) if asked else None
         used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
         used_chunks = picked.chunks if picked else c
         graph = {}

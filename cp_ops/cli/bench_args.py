@@ -87,7 +87,8 @@ def check(args, device: str, world: int, settings) -> None:
     if bad:
         hint = (" (the 2-D mode runs with --mesh OxI)" if not mesh and any(m in modes.names(dims=2) for m in bad) else
                 " (--mesh runs the 2-D mode: a 1-D mode runs without --mesh)" if mesh else "")
-        fail(f"bench: --modes takes {','.join(modes.names(dims=dims))}{' with --mesh' if mesh else ''}; got {bad}{hint}")
+        takes = ",".join(modes.names(dims=dims)) + (" with --mesh" if mesh else "")
+        fail(f"bench: --modes takes {takes}; got {bad}{hint}")
     if args.transports is None:
         args.transports = ["torch"] + (["fast"] if unavailable_reason(device) is None else [])
     bad = [t for t in args.transports if t not in ("torch", "fast", "auto")]
