@@ -64,6 +64,7 @@ class Split(NamedTuple):
 
 _calls: dict = {}  # (group, q shape, dtype, device type, seq_lens, pipelined) -> Split | None
 _meshes: dict = {}  # (group name, O, I, device type) -> DeviceMesh
+_one_node: set = set()  # groups of one rank or on one node: mode='auto' as the 1-D heuristic says
 
 
 def _request(q, seq_lens, chunks):
@@ -180,6 +181,8 @@ def mesh_of(group_name: str, outer: int, inner: int, device_type: str):
 def for_call(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None:
     """The split of an eager ``mode='auto'`` call on the flat group ``pg`` (cached per shape: a dict lookup after the
     first call), or None: the 1-D heuristic as on one node (also for inputs the dispatcher will reject)."""
+    if pg in _one_node:  # the common case: one dict lookup
+        return None
     key = (pg, getattr(q, "shape", None), getattr(q, "dtype", None), seq_lens if type(seq_lens) is not list
            else tuple(seq_lens), chunks)
     try:
@@ -189,6 +192,7 @@ def for_call(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None:
     if got is not _calls:
         return got
     if pg.size() == 1:
+        _one_node.add(pg)
         return None
     req = _request(q, seq_lens, chunks)
     if req is None:  # this rank's inputs are wrong: still meet the others (on several nodes), then the 1-D checks
@@ -196,6 +200,8 @@ def for_call(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None:
     else:
         b, s, h, d, dtype, piped = req
         got = decide(pg.group_name, (b, s, h, d), dtype, piped, _seq(seq_lens, pg.size()), q.device.type)
+    if got is None and req is not None:  # a valid request answered None: the group is on one node
+        _one_node.add(pg)
     out = None if got is None else Split(*got)
     if key is not None and req is not None and (out is None or out.source != "mismatch"):
         _calls[key] = out  # not a mismatch: the next call agrees again (a rank that kept it would not meet the others)
@@ -235,10 +241,11 @@ def known(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None | str:
 def forget() -> None:
     """Drop the cached splits (not the meshes: their groups live on)."""
     _calls.clear()
+    _one_node.clear()
 
 
 def _destroyed(pg: Any) -> None:
-    _calls.clear()
+    forget()
     for key in [k for k in _meshes if k[0] == getattr(pg, "group_name", None)]:
         del _meshes[key]
 
