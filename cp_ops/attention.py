@@ -1,8 +1,9 @@
 """The public CP attention entry point, :func:`attention`, and the single-device :func:`local_attention`.
 
-Data path (``docs/architecture.md``): :func:`attention` → :mod:`cp_ops.dispatch` (checks, decisions, the eager plan)
-→ one mode body (:mod:`cp_ops.modes`) → :mod:`cp_ops.comm` → op (:mod:`cp_ops.ops`) or transport
-(:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
+Data path (``docs/architecture.md``): :func:`attention` → (``mode='auto'`` on a flat group across nodes:
+:mod:`cp_ops.split`, the cost model's split) → :mod:`cp_ops.dispatch` or, on a 2-D mesh, :mod:`cp_ops.dispatch_mesh`
+(checks, decisions, the eager plan) → one mode body (:mod:`cp_ops.modes`) → :mod:`cp_ops.comm` → op
+(:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from . import dispatch
 from . import dispatch_mesh
 from . import ops
+from . import split
 from .modes.tune import Choice
 from .mesh import is_mesh
 from .kernels import local_attention
@@ -50,7 +52,9 @@ def attention(
             :mod:`cp_ops.mesh`, :mod:`cp_ops.dispatch_mesh`, docs/2d.md).
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
             or 'auto' (the heuristic :func:`cp_ops.modes.choose`; the fastest, measured on first use, where
-            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.modes.tune`); any name of ``cp_ops.modes.names()``. On a 2-D mesh:
+            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.modes.tune`); on a flat group whose ranks span several nodes, 'auto'
+            runs the cost model's split instead (:mod:`cp_ops.split`: pure AGKV, pure Ulysses, or 2-D CP on a mesh
+            built from the group, rows = nodes); any name of ``cp_ops.modes.names()``. On a 2-D mesh:
             'auto' or 'agkv_ulysses' (``cp_ops.modes.names(dims=2)``). What a call ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
@@ -127,6 +131,8 @@ def attention(
         return out.transpose(1, 2)
     # a 2-D mesh: cp_ops.dispatch_mesh (its checks reject comm_dtype on every rank of the mesh)
     run = dispatch_mesh.attention if is_mesh(group) else dispatch.attention
+    if mode == "auto" and comm_dtype is None and run is dispatch.attention:
+        group, mode, run = _split(q, group, seq_lens, chunks)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
         return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype)
@@ -170,12 +176,15 @@ def describe(
         ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
         'explicit' (mode and chunks given), 'heuristic' (``cp_ops.modes.choose`` and
         ``cp_ops.modes.pipelined.choose_chunks``: measuring off — the default —, a traced call, a group of one rank,
-        uneven shards or a key mask), 'single' (one candidate left), 'measured' (timed by this process's first call:
-        ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every rank holds), 'pending' (measuring is on
-        and no call was made yet: mode and chunks are the heuristic's until the first call measures); ``times_ms``
-        the candidates' times in ms, max over ranks (``{'agkv/1': 0.47, ...}``; empty unless measured or cached);
-        ``transport`` 'torch' or 'fast' ('auto' before the group's first call agreed on one); ``why`` the reason in
-        words. Code traced by ``torch.compile`` always runs the heuristic's variant; to compile a measured one pass
+        uneven shards or a key mask), 'cost' (``mode='auto'`` on a flat group across several nodes: the cost model's
+        split, :mod:`cp_ops.split`, known from the group's first ``mode='auto'`` call on: before it, the answer is
+        the one-node answer; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured'
+        (timed by this process's first call: ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every
+        rank holds), 'pending' (measuring is on and no call was made yet: mode and chunks are the heuristic's until
+        the first call measures); ``times_ms`` the candidates' times in ms, max over ranks (``{'agkv/1': 0.47,
+        ...}``; empty unless measured or cached); ``transport`` 'torch' or 'fast' ('auto' before the group's first
+        call agreed on one); ``why`` the reason in words. Code traced by ``torch.compile`` always runs the
+        heuristic's variant (across nodes: the split); to compile a measured one pass
         the ``mode`` and ``chunks`` this returns after an eager call.
     Raises:
         ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a
@@ -192,7 +201,59 @@ def describe(
         q = q.transpose(1, 2)
     if is_mesh(group):
         return dispatch_mesh.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
+    if mode == "auto" and comm_dtype is None:
+        return _describe_auto(q, group, transport, chunks, seq_lens, key_mask)
     return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
+
+
+def _describe_auto(q, group, transport, chunks, seq_lens, key_mask) -> Choice:
+    """:func:`describe` of a ``mode='auto'`` call on a flat group: the cost model's split where the group spans several
+    nodes (:mod:`cp_ops.split`; source 'cost', the predicted ms per layout in ``why``), else the 1-D answer."""
+    from .group import resolve_group
+
+    flat = dispatch.describe(q, group, "auto", transport, chunks, seq_lens, key_mask)  # the checks, as the call
+    pg = resolve_group(group)
+    s = split.known(pg, q, seq_lens, chunks)
+    if s is None:
+        return flat
+    if s == "unknown":  # before the group's first mode='auto' call: answered as for one node (local, no collective)
+        return flat
+    if s.source != "cost":
+        return flat._replace(why=s.why + "; " + flat.why)
+    if s.mode == "agkv_ulysses":
+        mesh = split._meshes.get((pg.group_name, s.outer, s.inner, q.device.type))
+        if mesh is None:
+            return Choice(s.mode, 1 if chunks is None else chunks, "cost", {}, "auto",
+                          s.why + "; the mesh is built by the first call")
+        c = dispatch_mesh.describe(q, mesh, "auto", transport, chunks, seq_lens, key_mask)
+    else:
+        c = dispatch.describe(q, group, s.mode, transport, chunks, seq_lens, key_mask)
+    return c._replace(source="cost", why=s.why + "; " + c.why)
+
+
+def _split(q, group, seq_lens, chunks):
+    """``(group, mode, dispatcher)`` of a ``mode='auto'`` call on a flat group: across several nodes, the cost
+    model's split (:mod:`cp_ops.split`: a 1-D mode, or the 2-D mesh built from the group); else as given."""
+    from .group import resolve_group
+
+    try:
+        pg = resolve_group(group)
+    except (RuntimeError, ValueError):
+        return group, "auto", dispatch.attention  # the dispatcher raises it
+    if torch.compiler.is_compiling():
+        req = split._request(q, seq_lens, chunks)
+        if req is None or pg.size() == 1:
+            return group, "auto", dispatch.attention
+        b, s, h, d, dtype, piped = req
+        got = split.decide(pg.group_name, (b, s, h, d), dtype, piped, split._seq(seq_lens, pg.size()), q.device.type)
+        s = None if got is None else split.Split(*got)
+    else:
+        s = split.for_call(pg, q, seq_lens, chunks)
+    if s is None or s.source != "cost":
+        return group, "auto", dispatch.attention
+    if s.mode == "agkv_ulysses":
+        return split.mesh_of(pg.group_name, s.outer, s.inner, q.device.type), "auto", dispatch_mesh.attention
+    return group, s.mode, dispatch.attention
 
 
 class _ForwardOnly(torch.autograd.Function):

@@ -15,7 +15,8 @@ What reads it:
   the fast lane;
 * ``transport='auto'`` (:func:`cp_ops.transport.base.for_group`): a transport marked ``single_node`` is not tried
   for a group whose ranks are on more than one node (torch is used);
-* the 2-D mesh helper and the cost model (:mod:`cp_ops.cost`): ranks per node and node count.
+* the 2-D mesh helper and the cost model (:mod:`cp_ops.cost`): ranks per node and node count;
+* ``mode='auto'`` on a flat group (:mod:`cp_ops.split`): on several nodes the cost model picks the split.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def group_nodes(group: dist.ProcessGroup) -> tuple[str, ...]:
         ids = tuple(agree(group, "node", node_id(), "the node identities (cp_ops.node)"))
         got = _groups[group.group_name] = (weakref.ref(group), ids)
     return got[1]
+
+
+def known_nodes(group: dist.ProcessGroup) -> tuple[str, ...] | None:
+    """What :func:`group_nodes` answered for ``group`` so far, without a collective; None: not asked yet."""
+    got = _groups.get(group.group_name)
+    return got[1] if got is not None and got[0]() is group else None
 
 
 def layout(ids) -> tuple[int, int]:

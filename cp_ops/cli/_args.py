@@ -91,6 +91,40 @@ def check_comm_dtype(args, what: str) -> None:
              f"got {args.comm_dtype!r}")
 
 
+def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
+    """``--mesh OxI`` (bench and run; checked by :func:`check_mesh`)."""
+    p.add_argument("--mesh", default=None, metavar="OxI",
+                   help="2-D CP on an O x I DeviceMesh ('agkv', 'ulysses'): O = outer AGKV degree (rows, e.g. nodes), "
+                        "I = inner Ulysses degree (ranks of a row, e.g. a node's GPUs); O x I must equal the CP world "
+                        "size and I must divide the heads. The header prints the mesh; each dim's communication time "
+                        "(its collectives timed alone, docs/2d.md) is reported and saved in the JSON" + extra)
+
+
+def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") -> None:
+    """``--mesh OxI``: two ints >= 1 whose product is the CP world size ``world`` and whose inner one divides ``heads``
+    (None: not known here); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values."""
+    text = getattr(args, "mesh", None)
+    if text is None:
+        return
+    import re
+
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if m is None:
+        fail(f"{what}: --mesh takes OxI, two ints >= 1 (outer AGKV degree x inner Ulysses degree, e.g. 2x2); got "
+             f"{text!r}")
+    o, i = int(m.group(1)), int(m.group(2))
+    if min(o, i) < 1:
+        fail(f"{what}: --mesh {text}: both degrees must be >= 1; got outer={o}, inner={i}")
+    if o * i != world:
+        fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i}")
+    if heads is not None and heads % i:
+        fail(f"{what}: --mesh {text}: the inner (Ulysses) degree must divide the heads; got heads={heads}, inner={i}")
+    if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", ""):
+        fail(f"{what}: --mesh runs FP8-free (FP8 communication runs on 1-D groups only, docs/fp8.md); got --mesh "
+             f"{text} with --comm-dtype {args.comm_dtype}: drop one")
+    args.mesh = (o, i)
+
+
 def fail(msg: str) -> None:
     raise UsageError(msg)
 

@@ -91,10 +91,14 @@ def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: t
     return out
 
 
-def received_bytes(mode: str, world_size: int, local_bytes: int) -> int | None:
+def received_bytes(mode: str, world_size: int, local_bytes: int, mesh: tuple | None = None) -> int | None:
     """Bytes each rank must receive for one call of ``mode``, given one local tensor's bytes T: AGKV gathers
-    K and V from W−1 peers, 2(W−1)·T; Ulysses receives (W−1)/W of Q, K, V and of the output, 4(W−1)/W·T. None
+    K and V from W−1 peers, 2(W−1)·T; Ulysses receives (W−1)/W of Q, K, V and of the output, 4(W−1)/W·T; 2-D
+    ('agkv_ulysses' on ``mesh`` = (O, I)) 4(I−1)/I·T over the inner dim + 2(O−1)·T over the outer. None
     for a mode whose traffic is not known here."""
+    if mode == "agkv_ulysses" and mesh is not None:
+        o, i = mesh
+        return 4 * (i - 1) * local_bytes // i + 2 * (o - 1) * local_bytes
     if mode == "agkv":
         return 2 * (world_size - 1) * local_bytes
     if mode == "ulysses":
@@ -132,14 +136,23 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     calls = getattr(args, "calls", 1)
     chunk_list = list(getattr(args, "chunks", None) or [1])
     pg = resolve_group(None)
+    shape = getattr(args, "mesh", None)  # (O, I) with --mesh: 2-D CP on that mesh
+    if shape is not None:
+        from .mesh_comm import build
+
+        group = build(shape, device.type)
+    else:
+        group = None
     cases = []
     for s in args.seqs:
         if s % world_size:
             raise ValueError(f"--seqs: S={s} is not divisible by the CP world size {world_size}")
         for mode in args.modes:
-            if mode != "auto" and modes.spec(mode).needs_heads_divisible and h % world_size:
+            split = shape[1] if shape is not None else world_size  # the heads are split over the (inner) group
+            if mode != "auto" and modes.spec(mode).needs_heads_divisible and h % split:
                 if rank == 0:
-                    print(f"skip {mode} at H={h}: CP world size {world_size} does not divide the head count")
+                    what = f"the mesh's inner size {split}" if shape is not None else f"CP world size {world_size}"
+                    print(f"skip {mode} at H={h}: {what} does not divide the head count")
                 continue
             for tr in args.transports:
                 for c in ([None] if mode == "auto" else chunk_list):
@@ -164,7 +177,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     for case in cases:
         by_s.setdefault(case[0], []).append(case)
     for s, s_cases in by_s.items():
-        rows += _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar)
+        rows += _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar, group)
     if bar:
         bar.close()
     error = None
@@ -173,6 +186,10 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
             meta = dict(environment(device, world_size), dtype=args.dtype, B=b, H=h, D=d, repeats=args.repeats,
                         calls=calls, warmup=args.warmup, threads_per_rank=threads, p2p=probe,
                         tune_modes=config.settings.tune_modes)
+            if group is not None:
+                from .mesh_comm import label
+
+                meta["mesh"] = dict(shape=list(shape), dims=list(group.mesh_dim_names), label=label(group))
             report(rows, meta, args)
         except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
             error = e
@@ -181,7 +198,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
         raise error
 
 
-def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar) -> list[dict]:
+def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar, group=None) -> list[dict]:
     """The rows of one S: warm-up and the output check of every case (the first call of an auto case measures its
     choice), then ``args.repeats`` interleaved rounds — the 1-device baselines on rank 0 alone (the other ranks
     wait at a barrier), then one steady-state sample of every case — so drift over the run (clocks, temperature)
@@ -207,8 +224,9 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
-        fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, mode=mode, transport=tr, chunks=c,  # noqa: E731
-                                                     comm_dtype=fmts)
+        wire = None if group is not None else fmts  # a mesh: FP8 refused by the checks (1-D groups only)
+        fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, group=group, mode=mode,  # noqa: E731
+                                                     transport=tr, chunks=c, comm_dtype=wire)
         out = fn()
         err = ((out.float() - ref_l.float()).abs().max() / ref_l.float().abs().max()).item()
         errs.append(max_over_ranks(err, device))
@@ -250,12 +268,20 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     n = len(STATS)
     single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
     single["graph"] = vals[-1]
+    by_dim = {}
+    if group is not None:  # each dim's collectives timed alone, per transport (cp_ops.cli.mesh_comm)
+        from .mesh_comm import dim_times
+
+        for tr in sorted({case[2] for case in s_cases}):
+            by_dim[tr] = dim_times(group, b, sl, h, d, dtype, tr, device, 1, args.repeats, calls)
     rows = []
     for (_, mode, tr, c), fn, err, samples in zip(s_cases, fns, errs, cp_s):
         resolved = select_transport(tr, device.type)
         cp = summary(max_over_ranks_each(samples, device))
         lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
-        picked = describe(ql, group=pg, mode=mode, transport=tr, chunks=c) if (mode == "auto" or c is None) else None
+        asked = mode == "auto" or c is None or group is not None  # a mesh: what it ran (a degenerate one: 1-D)
+        on = pg if group is None else group
+        picked = describe(ql, group=on, mode=mode, transport=tr, chunks=c) if asked else None
         used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
         used_chunks = picked.chunks if picked else c
         graph = {}
@@ -269,7 +295,7 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
                 graph["graph_skipped"] = str(e)
                 if rank == 0:
                     print(f"cp-ops bench: S={s} {mode}/{tr}/c={c}: no graph row: {e}", flush=True)
-        recv = received_bytes(used_mode, world_size, ql.numel() * ql.element_size())
+        recv = received_bytes(used_mode, world_size, ql.numel() * ql.element_size(), getattr(args, "mesh", None))
         if recv is not None and any(fmts):  # FP8 rows: D + 4 bytes per (token, head) instead of D elements
             moved = "kv" if used_mode == "agkv" else "qkvo"
             ratio = sum((d + 4) / (d * ql.element_size()) if fmts["qkvo".index(n)] else 1.0 for n in moved) / len(moved)
@@ -289,7 +315,10 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
                          single_latency_ms=single_lat["median"],
                          speedup_q1=single["q1"] / cp["q3"], speedup_q3=single["q3"] / cp["q1"],
                          attn_share_ms=share["median"], recv_bytes=recv, comm_ms=comm_ms, bound_ms=bound,
-                         bound_pct=100.0 * bound / cp["median"], bound_speedup=single["median"] / bound, **graph))
+                         bound_pct=100.0 * bound / cp["median"], bound_speedup=single["median"] / bound, **graph,
+                         **({} if group is None else dict(ulysses_comm_ms=by_dim[tr]["ulysses"],
+                                                          agkv_comm_ms=by_dim[tr]["agkv"],
+                                                          comm_ms_by_dim=dict(by_dim[tr])))))
         if bar:
             bar.update(1)
     return rows
@@ -308,6 +337,7 @@ def _graph_ms(fn, device: torch.device, args, calls: int, group=None) -> float:
 
 
 STATS = ("median", "min", "max", "q1", "q3")
+MESH_COLUMNS = f" {'ulysses ms':>10} {'agkv ms':>9}"
 HEADER = (f"{'S':>7} {'mode':>13} {'chunks':>6} {'transport':>10} {'CP ms':>9} {'[p25–p75]':>17} {'lat ms':>8} "
           f"{'1-dev ms':>9} {'speedup':>8} {'[p25–p75]':>13} {'bound ms':>9} {'%bound':>6} {'rel err':>9}")
 
@@ -348,13 +378,15 @@ def legend(meta: dict) -> list[str]:
 
 def report(rows: list[dict], meta: dict, args) -> None:
     where = "GPU" if meta["device"] == "cuda" else "CPU"
-    print(f"\ncp-ops bench — CP{meta['world_size']} on {meta.get('gpu', meta.get('cpu', where))}, torch "
+    print(f"\ncp-ops bench — CP{meta['world_size']}" + (f" on a {meta['mesh']['label']}" if "mesh" in meta else "")
+          + f" on {meta.get('gpu', meta.get('cpu', where))}, torch "
           f"{meta['torch']}, {meta['dtype']}, B={meta['B']} H={meta['H']} D={meta['D']}"
           + (f", comm_dtype={args.comm_dtype} (FP8 on the wire: not bitwise)"
              if getattr(args, "comm_dtype", "none") not in (None, "none") else "")
           + ", times = median [p25–p75]")
     graphed = any("graph_cp_ms" in r or "graph_skipped" in r for r in rows)
-    header = HEADER + (f" {'graph CP ms (speedup)':>22}" if graphed else "")
+    meshed = "mesh" in meta
+    header = HEADER + (f" {'graph CP ms (speedup)':>22}" if graphed else "") + (MESH_COLUMNS if meshed else "")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -366,12 +398,18 @@ def report(rows: list[dict], meta: dict, args) -> None:
         print(f"{r['S']:>7} {mode:>13} {chunks:>6} {tr:>10} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
               f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
               f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}"
-              + (f" {_graph_cell(r):>22}" if graphed else ""))
+              + (f" {_graph_cell(r):>22}" if graphed else "")
+              + (f" {r['ulysses_comm_ms']:>10.3f} {r['agkv_comm_ms']:>9.3f}" if meshed else ""))
     tuned = any("auto" in (r["requested_mode"], r["requested_chunks"]) for r in rows)
     if graphed:
         print("graph = the same call captured in a CUDA graph, replays back to back (no host launch cost), "
               "speedup over the 1-device SDPA captured the same way; 'failed' = the capture failed (JSON: "
               "graph_skipped).")
+    if meshed:
+        print("ulysses ms / agkv ms = each dim's collectives of one call timed alone (same shapes, group and transport "
+              "as the call; the other dim and the attention idle), steady state, the slowest rank, median: the inner "
+              "all-to-all of Q, K, V plus the inverse one of the output; the outer all-gather of the Ulysses-local "
+              "K and V. 0 = a dim of size 1 (docs/2d.md).")
     for line in legend(meta):
         if tuned or not line.startswith("auto→X"):  # the auto legend only where an auto row is shown
             print(line)

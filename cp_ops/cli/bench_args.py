@@ -6,7 +6,7 @@ import importlib.util
 import math
 
 from .. import modes
-from ._args import check_comm_dtype, chunks, common, csv, fail, rank0
+from ._args import add_mesh, check_comm_dtype, check_mesh, chunks, common, csv, fail, rank0
 
 GPU_SEQS = [4096, 8192, 16384, 32768, 75600]
 CPU_SEQS = [512, 1024, 2048]
@@ -27,9 +27,10 @@ def add_parser(sub) -> None:
                "(latency); medians and p25-p75 are reported (default 5)")
     b.add_argument("--seqs", type=csv(int), default=None,
                    help=f"global sequence lengths S, comma-separated (default GPU {GPU_SEQS}, CPU {CPU_SEQS})")
-    b.add_argument("--modes", type=csv(str), default=list(modes.names(False)),
+    b.add_argument("--modes", type=csv(str), default=None,
                    help=f"{','.join(modes.names())} (default {','.join(modes.names(False))}; a mode that splits "
-                        "heads, e.g. ulysses, is skipped where W does not divide H)")
+                        "heads, e.g. ulysses, is skipped where W does not divide H); with --mesh: "
+                        f"{','.join(modes.names(dims=2))} (default {','.join(modes.names(False, dims=2))})")
     b.add_argument("--transports", type=csv(str), default=None,
                    help="torch,fast,auto (default: torch, plus fast where it can run)")
     b.add_argument("--chunks", type=csv(chunks, "chunk counts (ints >= 1 or auto)"), default=[1],
@@ -54,6 +55,7 @@ def add_parser(sub) -> None:
                         "the host's launch cost (what torch.compile(mode='reduce-overhead') or explicit capture "
                         "gets). Captured fast-transport calls keep their symmetric buffers until exit, so keep "
                         "--seqs small (e.g. 4096,8192)")
+    add_mesh(b, "; rows gain ulysses_comm_ms and agkv_comm_ms")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
                       help="show the progress bar even when stderr is not a terminal")
@@ -75,10 +77,18 @@ def check(args, device: str, world: int, settings) -> None:
         fail("bench: --seqs is empty; give comma-separated sequence lengths, e.g. --seqs 4096,8192")
     if min(args.heads, args.head_dim, args.batch) < 1:
         fail(f"bench: --heads, --head-dim and --batch must be >= 1; got {args.heads}, {args.head_dim}, {args.batch}")
-    bad = [m for m in args.modes if m not in modes.names()]
-    if bad:
-        fail(f"bench: --modes takes {','.join(modes.names())}; got {bad}")
     check_comm_dtype(args, "bench")
+    mesh = getattr(args, "mesh", None) is not None
+    check_mesh(args, "bench", world, args.heads)
+    dims = 2 if mesh else 1
+    if args.modes is None:
+        args.modes = list(modes.names(False, dims=dims))
+    bad = [m for m in args.modes if m not in modes.names(dims=dims)]
+    if bad:
+        hint = (" (the 2-D mode runs with --mesh OxI)" if not mesh and any(m in modes.names(dims=2) for m in bad) else
+                " (--mesh runs the 2-D mode: a 1-D mode runs without --mesh)" if mesh else "")
+        takes = ",".join(modes.names(dims=dims)) + (" with --mesh" if mesh else "")
+        fail(f"bench: --modes takes {takes}; got {bad}{hint}")
     if args.transports is None:
         args.transports = ["torch"] + (["fast"] if unavailable_reason(device) is None else [])
     bad = [t for t in args.transports if t not in ("torch", "fast", "auto")]
@@ -93,7 +103,8 @@ def check(args, device: str, world: int, settings) -> None:
               f"e.g. --seqs {near}")
     if bad:
         fail(f"bench: every S in --seqs must be a positive multiple of the CP world size {world}; got {bad}")
-    if args.heads % world and all(m != "auto" and modes.spec(m).needs_heads_divisible for m in args.modes):
+    if not mesh and args.heads % world and all(m != "auto" and modes.spec(m).needs_heads_divisible
+                                               for m in args.modes):
         fail(f"bench: mode {','.join(args.modes)} needs the CP world size {world} to divide --heads {args.heads}; "
               "pick other heads or add --modes agkv")
     args.calls = (10 if gpu else 1) if getattr(args, "calls", None) is None else args.calls

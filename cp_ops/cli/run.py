@@ -321,12 +321,21 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         dist.broadcast(t, 0)
         rows += _diffusers_rows(model, spec, kw, args, device, world_size, ref, float(t.item()),
                                 keep=cp_calls if interleave else None)
+    shape, mesh = getattr(args, "mesh", None), None
+    if shape is not None:  # 2-D CP (with --cfg: the CFG lanes x 2-D mesh)
+        from .mesh_comm import build as build_mesh
+
+        mesh = build_mesh(shape, device.type, cfg=args.cfg)
+        mode = "agkv_ulysses"
     try:
         from ..comm_dtype import parse as parse_comm_dtype
 
-        parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
-                    comm_dtype=parse_comm_dtype(getattr(args, "comm_dtype", "none")),
-                    **({"cfg_parallel": True} if args.cfg else {}))
+        if mesh is not None:
+            parallelize(model, group=mesh, transport=args.transport, chunks=getattr(args, "chunks", None))
+        else:
+            parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
+                        comm_dtype=parse_comm_dtype(getattr(args, "comm_dtype", "none")),
+                        **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
             if rank == 0:
@@ -337,11 +346,20 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
             dist.destroy_process_group()
             sys.exit(UNSUPPORTED)
         raise
+    by_dim = None
+    if mesh is not None:  # the attention calls of one eager forward, then each dim's collectives for them, alone
+        from .mesh_comm import forward_dim_times
+
+        by_dim = forward_dim_times(model, spec, kw, mesh, args.transport, device)
     if rank == 0 and args.compile:
         print(f"compiling the CP{world_size} model ({args.compile}) ...", flush=True)
     m, nblocks = compile_model(model, spec, args, overlap=True)
     first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
-    rows.append(_row(f"cp_ops {mode}", first_s, ms, out, ref, single_ms, device, args.steps))
+    rows.append(_row(f"cp_ops {mode}" + (f" {shape[0]}x{shape[1]}" if mesh is not None else ""), first_s, ms, out,
+                     ref, single_ms, device, args.steps))
+    if by_dim is not None:
+        rows[-1].update(comm_ms_by_dim=by_dim["ms"], ulysses_comm_ms=by_dim["ms"]["ulysses"],
+                        agkv_comm_ms=by_dim["ms"]["agkv"], attention_calls=by_dim["calls"])
     if interleave:
         _interleaved(rows[0] if rank == 0 else None, single_call, cp_calls + [(rows[-1], call)], args, device, rank)
     single_call = cp_calls = single_model = None  # the kept copies: freed before --profile and the report
@@ -353,7 +371,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     error = None
     if rank == 0:
         try:
-            report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks)
+            report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks, mesh)
         except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
             error = e
     dist.barrier()
@@ -368,7 +386,7 @@ def _restore_blocks(model, spec):
     uncompile_blocks(model, spec.blocks)
 
 
-def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks) -> None:
+def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks, mesh=None) -> None:
     ours = rows[-1]
     single = rows[0]
     layers = [cfg[k] for k in spec.layer_keys]
@@ -390,6 +408,10 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
                 comm_dtype=getattr(args, "comm_dtype", "none"))
     if args.compile:
         meta["compiled_blocks"] = nblocks
+    if mesh is not None:
+        from .mesh_comm import label
+
+        meta["mesh"] = dict(shape=list(args.mesh), dims=list(mesh.mesh_dim_names), label=label(mesh))
     try:
         import diffusers
 
@@ -401,6 +423,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "
           f"{heads} heads, dim {dim}), latent {latent} = {tokens} tokens, "
           f"{args.dtype}, " + (f"CFG-parallel: 2 lanes x CP{world_size // 2}" if args.cfg else f"CP{world_size}")
+          + (f" on a {meta['mesh']['label']}" if mesh is not None else "")
           + f" mode={mode} transport={transport} chunks={'None (the heuristic)' if meta['chunks'] == 'auto' else meta['chunks']} compile={compiled_with or 'no'}"
           + (f" comm={meta['comm_dtype']}" if meta["comm_dtype"] not in ("none", "bf16") else "")
           + f", on {meta.get('gpu', 'CPU')}")
@@ -431,6 +454,11 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     if args.compile:
         print("compile s = wall time of the first call (compilation included) minus one steady-state call"
               + (" (one step)" if args.steps else "") + "; the slowest rank for CP rows.")
+    if "comm_ms_by_dim" in ours:
+        t = ours["comm_ms_by_dim"]
+        print(f"per-dim communication per forward ({ours['attention_calls']} attention calls; each dim's collectives "
+              f"timed alone for those calls' shapes, docs/2d.md): ulysses (inner) {t['ulysses']:.3f} ms, agkv (outer) "
+              f"{t['agkv']:.3f} ms")
     if device.type == "cpu":
         print(f"CPU: a functional check, not a performance claim — the model is small ({name} {args.config} config) and "
               "gloo's copies cost more than the attention they split, so a speedup below 1 is expected.")

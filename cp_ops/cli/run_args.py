@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 from .. import modes
-from ._args import check_comm_dtype, chunks_arg, common, csv, fail
+from ._args import add_mesh, check_comm_dtype, check_mesh, chunks_arg, common, csv, fail
 
 #: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
 MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo", "ltx")
@@ -74,6 +74,8 @@ def add_parser(sub) -> None:
     r.add_argument("--cfg", action="store_true",
                    help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
                         "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
+    add_mesh(r, "; the model is parallelized on it (parallelize(group=mesh); with --cfg a ('cfg', 'agkv', 'ulysses') "
+                "mesh: O x I = W / 2); --mode auto")
     r.add_argument("--compare", choices=["diffusers"], default=None,
                    help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
                         "on the same model and inputs; rows beside cp_ops'")
@@ -163,7 +165,13 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --cfg splits the ranks into 2 CFG lanes; the CP world size must be even, got {world}")
         cp = world // 2
     heads = cfg.get(spec.heads_key)
-    if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
+    if getattr(args, "mesh", None) is not None:
+        if args.bound is not None:
+            fail(f"{what}: --mesh does not apply with --bound (one process on fake 1-D groups); drop one")
+        if args.mode != "auto":
+            fail(f"{what}: --mesh runs the 2-D mode (mode 'auto' on the mesh); got --mode {args.mode}: drop --mode")
+        check_mesh(args, what, cp, heads, " (of each CFG lane: W / 2 with --cfg)" if args.cfg else "")
+    elif heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
         fail(f"{what}: mode {args.mode} needs the CP world size {cp} to divide the {heads} heads of "
               f"{args.model} {args.config}; use --mode agkv")
     if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
