@@ -22,3 +22,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "rank processes (tests/dist_util.py)")
         for what, n in sorted(dist_util.STATS.items()):
             terminalreporter.write_line(f"{n:4d} calls: {what}")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): two workers on a CPU-only machine (CI has 2 cores: Inductor compiles and
+    the rank processes of two tests overlap); none where CUDA is present, so GPU tests never share the GPUs with
+    another test's ranks."""
+    import torch
+
+    if torch.cuda.is_available():
+        return 0
+    return max(1, min(2, os.cpu_count() or 1))

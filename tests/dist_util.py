@@ -25,6 +25,7 @@ import collections
 import multiprocessing.forkserver
 import os
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
@@ -68,14 +69,19 @@ def _one_gpu_worker(rank, world_size, device, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         torch.cuda.set_device(0)
-        dist.init_process_group("cpu:gloo,cuda:gloo", rank=rank, world_size=world_size)
+        # gloo's own timeout bounds every collective, the final barrier too, when a peer fails
+        dist.init_process_group("cpu:gloo,cuda:gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     except BaseException:  # noqa: BLE001 - a failure before the body is reported too
         args[-1].put((rank, traceback.format_exc()))
         raise
-    try:
-        fn(rank, world_size, torch.device("cuda", 0), *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, torch.device("cuda", 0), *args)  # reports success or failure through the queue
+    # End here, past the interpreter's teardown: on the H200 (torch 2.11, 2026-12-01) both ranks passed their body,
+    # then segfaulted in the teardown of a group whose gloo moves CUDA tensors. Flush the report first.
+    torch.cuda.synchronize()
+    dist.barrier()
+    args[-1].close()
+    args[-1].join_thread()
+    os._exit(0)
 
 
 def _forked(rank, world_size, device, port, env, removed, body_args):

@@ -29,7 +29,7 @@ def test_two_commands_and_ci_runs_the_test_command_in_a_fresh_virtualenv():
     blocks = re.findall(r"```bash\n(.*?)```", _section("The two commands"), re.S)
     assert len(blocks) == 2 and all(len(b.strip().splitlines()) == 1 for b in blocks), blocks
     bench, test = (b.strip() for b in blocks)
-    assert bench.endswith("cp-ops bench") and test.endswith("python -m pytest -q")
+    assert bench.endswith("cp-ops bench") and test.endswith("python -m pytest -q -n auto")
     ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run")) if line.strip() and not line.startswith("#")]
     venv = next(i for i, line in enumerate(ci) if "-m venv" in line)
     activate = next(i for i, line in enumerate(ci) if "/bin/activate" in line)

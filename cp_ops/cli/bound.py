@@ -103,28 +103,6 @@ def fake_groups(worlds) -> dict[int, dist.ProcessGroup]:
             for w in sorted(set(worlds))}
 
 
-def fill_free_memory(device: torch.device, headroom_gib: float = 4.0, chunk_gib: float = 1.0) -> float:
-    """Fill the device's free memory with standard-normal bf16 values and give it back to the driver; returns GiB
-    filled (0 on a CPU). Experimental (``--random-memory``): a fake collective never writes its output, so what the
-    kernels after it read is whatever that memory held — zeros in memory the process never used, on which this GPU
-    runs attention and GEMMs ~13-15 % faster than on real values (docs/measuring.md). Memory the driver hands back
-    later in the same process is expected (not guaranteed: CUDA does not promise either way) to keep these values.
-    ``headroom_gib`` stays unfilled."""
-    if device.type != "cuda":
-        return 0.0
-    free, _ = torch.cuda.mem_get_info(device)
-    chunk = int(chunk_gib * 2**30) // 2
-    n = max(0, int((free - headroom_gib * 2**30) // (chunk * 2)))
-    g = torch.Generator(device=device).manual_seed(0)
-    blocks = []
-    for _ in range(n):
-        blocks.append(torch.empty(chunk, dtype=torch.bfloat16, device=device).normal_(generator=g))
-    torch.cuda.synchronize(device)
-    del blocks
-    torch.cuda.empty_cache()
-    return n * chunk * 2 / 2**30
-
-
 def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model``'s module tree (own hooks, processors, forwards) whose parameters and buffers ARE
     ``model``'s (no weight memory): what :func:`cp_ops.integrations.diffusers.parallelize` and regional compilation
@@ -410,7 +388,6 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype, g)
     if device.type == "cuda":
         base.set_attention_backend("_native_cudnn")
-    filled = fill_free_memory(device) if getattr(args, "random_memory", False) else 0.0
     written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
     layers = [cfg[k] for k in spec.layer_keys]
@@ -420,7 +397,6 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
                 warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
-                random_memory_gib=filled,
                 fake_outputs=("unwritten (--unwritten)" if not written else
                               "written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
                               + (", ".join(k for k, v in written.items() if v) or "nothing")

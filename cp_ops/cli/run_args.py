@@ -94,10 +94,6 @@ def add_parser(sub) -> None:
     r.add_argument("--cost", action="store_true",
                    help="with --bound: also time each W with cp_ops' attention replaced by plain local attention of "
                         "the same shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
-    r.add_argument("--random-memory", action="store_true",
-                   help="with --bound (experimental, CUDA): fill the GPU's free memory with random values first, so "
-                        "buffers a fake collective never writes hold random values rather than zeros (zeros make "
-                        "rank 0's kernels faster than real data: docs/measuring.md)")
     r.add_argument("--unwritten", action="store_true",
                    help="with --bound: leave the fake collectives' outputs as torch's fake backend leaves them "
                         "(unwritten on torch 2.11: kernels then run on stale memory, faster than on real data); "
@@ -192,8 +188,8 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
     if args.bound is not None:
         check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1 or args.random_memory or args.unwritten:
-        fail(f"{what}: --bound-compile, --cost, --no-group1, --random-memory and --unwritten apply only with "
+    elif args.bound_compile or args.cost or args.no_group1 or args.unwritten:
+        fail(f"{what}: --bound-compile, --cost, --no-group1 and --unwritten apply only with "
              "--bound W[,W...]")
 
 
