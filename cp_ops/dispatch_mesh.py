@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import comm_dtype as cd, contract, dispatch, layout, mesh as meshes, modes, validate
+from . import contract, dispatch, layout, mesh as meshes, modes, validate
 from .comm import DirectComm, MeshComm, OpComm
 from .kernels import local_attention
 from .modes import pipelined
@@ -85,9 +85,7 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)
-        if comm_dtype is not None and cd.normalize(comm_dtype, q.dtype) != cd.NONE:
-            raise ValueError(f"comm_dtype={comm_dtype!r} on a 2-D mesh ({info.shape}): FP8 communication runs on 1-D "
-                             "groups only for now (docs/fp8.md); pass comm_dtype=None with a mesh, or a 1-D group")
+        meshes.check_comm_dtype(comm_dtype, q.dtype, info.shape)
         h = q.shape[2]
         if flat is None and h % I:
             raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
