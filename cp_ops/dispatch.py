@@ -186,12 +186,15 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     validate.check_same(("q",), (q,))
     layout.check_not_bhsd("q", q)
     fmts = cd.normalize(comm_dtype, q.dtype)  # ValueError for a bad one, as the call
-    mode = cd.auto_mode(mode, fmts, q.shape[2], world)
+    asked, mode = mode, cd.auto_mode(mode, fmts, q.shape[2], world)
+    by_fmts = _by_formats(world, q.shape[2]) if mode != asked else ""  # 'auto' -> 'ulysses': K and V apart
     chosen = modes.choose(mode, q.shape[2], world)
     cd.for_mode(fmts, chosen)  # AGKV with K and V apart: ValueError, as the call
     resolved = transport_base.resolve(transport, q.device.type)
     runs_on = transport_base.agreed_name(resolved, pg.group_name, q.device)
     shown = runs_on or "auto"
+    if by_fmts and chunks is not None:
+        return tune.Choice(chosen, chunks, "heuristic", {}, shown, f"{by_fmts}; chunks={chunks} given")
     if mode != "auto" and chunks is not None:
         return tune.Choice(chosen, chunks, "explicit", {}, shown, "mode and chunks given by the caller")
     if world == 1:
@@ -201,7 +204,8 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
                            "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
     stored = choices.lookup(mode, chunks, q, pg, resolved)
     if stored is not None:
-        return stored._replace(transport=shown, why=stored.why + _rule(mode, chunks, stored, q.shape[2], world, runs_on))
+        return stored._replace(transport=shown,
+                               why=stored.why + _rule(mode, chunks, stored, q.shape[2], world, runs_on, by_fmts))
     # not decided yet: what the first call would decide, short of measuring and of asking the group
     name = runs_on or transport_base.select_transport(resolved, q.device.type)
     note = "" if runs_on else (f"; transport 'auto' is agreed with the group at the first call: '{name}' assumed (this "
@@ -213,15 +217,25 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
                            f"measuring on (CP_OPS_TUNE_MODES=1) and no call made yet: the first eager call measures "
                            f"{cands} (or takes the choice every rank's cache file holds); until then the heuristic's "
                            f"candidate{note}")
-    return c._replace(transport=shown, why=c.why + _rule(mode, chunks, c, q.shape[2], world, name) + note)
+    return c._replace(transport=shown, why=c.why + _rule(mode, chunks, c, q.shape[2], world, name, by_fmts) + note)
 
 
-def _rule(mode: str, chunks, c, heads: int, world: int, transport) -> str:
+def _by_formats(world: int, heads: int) -> str:
+    """Why ``mode='auto'`` runs Ulysses when ``comm_dtype`` sends K and V in different formats
+    (:func:`cp_ops.comm_dtype.auto_mode`), in words."""
+    return (f"auto: comm_dtype sends K and V in different formats, which AGKV cannot carry (one gather moves both), "
+            f"and W={world} divides H={heads} -> ulysses")
+
+
+def _rule(mode: str, chunks, c, heads: int, world: int, transport, by_fmts: str = "") -> str:
     """The rule of the heuristic that gave ``c`` (a :class:`cp_ops.modes.tune.Choice`), in words ('' for another
-    source): which branch of :func:`cp_ops.modes.choose` and of :func:`cp_ops.modes.pipelined.choose_chunks` fired."""
+    source): which branch of :func:`cp_ops.modes.choose` and of :func:`cp_ops.modes.pipelined.choose_chunks` fired;
+    ``by_fmts``: the reason ``mode`` is not the caller's 'auto' (:func:`_by_formats`), or ''."""
     if c.source != "heuristic":
         return ""
-    if mode != "auto":
+    if by_fmts:
+        m = by_fmts
+    elif mode != "auto":
         m = f"mode {c.mode!r} given"
     elif c.mode == "ulysses":
         m = f"auto: W={world} > 2 and W divides H={heads} -> ulysses (moves less than AGKV from W = 3)"
