@@ -369,14 +369,19 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, co
     except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
         return None
     if e is not None:
-        if group is None and e[1] is not dist.group.WORLD:  # the default group was destroyed or replaced
+        if e[1] is (dist.group.WORLD if group is None else group):
+            return e[0]
+        # the default group was destroyed or replaced, or ``group`` is a DeviceMesh equal to the plan's (a mesh compares
+        # by its layout: one made after destroy_process_group() equals the destroyed one) but maybe not over its group
+        if group is None or e[0] is None or e[0].pg is not resolve_group(group):
             _plans.pop(key, None)
             return None
+        _plans[key] = (e[0], group)  # another mesh object over the plan's group (e.g. a fresh slice of a larger mesh)
         return e[0]
     plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
-    _plans[key] = (plan, plan.pg if plan is not None else (dist.group.WORLD if group is None else None))
+    _plans[key] = (plan, dist.group.WORLD if group is None else group)
     return plan
 
 

@@ -243,15 +243,34 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, co
                                 None if comm_dtype is None else repr(comm_dtype))
         if key is None:
             return None
-        plan = _plans.get(key)
+        e = _plans.get(key)
     except (AttributeError, TypeError):
         return None
-    if plan is None:
-        plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
-        if len(_plans) >= dispatch._MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+    if e is not None:
+        if e[1] is group:
+            return e[0]
+        # an equal mesh object (a mesh compares by its layout: one made after destroy_process_group() equals the
+        # destroyed one): the plan serves it only over the same process groups
+        if not _same_groups(e[0], group):
+            _plans.pop(key, None)
+            return None
+        _plans[key] = (e[0], group)
+        return e[0]
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+    if len(_plans) >= dispatch._MAX_PLANS:
+        _plans.clear()
+    _plans[key] = (plan, group)
     return plan
+
+
+def _same_groups(plan, mesh) -> bool:
+    """Whether ``plan`` (built for a mesh equal to ``mesh``) runs on ``mesh``'s process groups."""
+    pgs = meshes.groups(mesh)
+    if isinstance(plan, MeshPlan):
+        return plan.pgs[0] is pgs[0] and plan.pgs[1] is pgs[1]
+    if isinstance(plan, _Flat):
+        return plan.pg is pgs[0] or plan.pg is pgs[1]
+    return True  # local attention or nothing to move: no group
 
 
 def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
