@@ -95,13 +95,13 @@ def parse(text: str) -> tuple[str, str, str, str]:
     t = text.strip().lower()
     if t in ("", "none", "bf16", "input"):
         return NONE
-    fmt, _, which = t.partition(":")
+    fmt, colon, which = t.partition(":")
     if fmt in ("fp8", "float8_e4m3fn"):
         fmt = "e4m3"
     if fmt == "float8_e5m2":
         fmt = "e5m2"
-    if fmt not in FORMATS or any(c not in "qkvo" for c in which):
-        raise ValueError(f"comm dtype must be none, e4m3, e5m2 or e4m3:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
-                         f"got {text!r}")
+    if fmt not in FORMATS or any(c not in "qkvo" for c in which) or (colon and not which):
+        raise ValueError(f"comm dtype must be none, e4m3, e5m2 or e4m3:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo; "
+                         f"at least one); got {text!r}")
     which = which or "qkvo"
     return tuple(fmt if n in which else "" for n in NAMES)

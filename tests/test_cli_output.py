@@ -205,7 +205,7 @@ def test_bench_default_seqs_on_a_width_they_do_not_fit():
 
 
 @pytest.mark.parametrize("value,ok", [("e4m3", True), ("e5m2:qvo", True), ("fp8", True), ("none", True),
-                                      ("e7m1", False), ("e4m3:qz", False)])
+                                      ("e7m1", False), ("e4m3:qz", False), ("e4m3:", False)])
 def test_comm_dtype_checked_alike_by_bench_and_run(value, ok):
     """--comm-dtype: bench and run take the forms cp_ops.comm_dtype.parse takes (one check, cli._args), and name
     them on a bad value; bench checked nothing before (a bad value failed inside the ranks), run had its own regex."""

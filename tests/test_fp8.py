@@ -104,6 +104,8 @@ def test_normalize():
         cd.for_mode(cd.normalize({"k": E4}), "agkv")
     with pytest.raises(ValueError, match="e4m3:LETTERS"):
         cd.parse("e4m3:qx")
+    with pytest.raises(ValueError, match="at least one.*got 'e4m3:'"):  # was: every tensor, as 'e4m3'
+        cd.parse("e4m3:")
 
 
 # ---- CP attention on gloo ranks -------------------------------------------------------------------------------------
