@@ -50,6 +50,10 @@ def mesh_groups(group: Any, cfg_parallel: bool):
                              f"in order (init_device_mesh(device, (2, O, I), ...)); got shape {tuple(group.shape)} "
                              f"over ranks {group.mesh.flatten().tolist()}")
         return world, group["agkv", "ulysses"], True
+    if group.ndim == 3:
+        raise ValueError(f"parallelize: a 3-D mesh must have mesh_dim_names=('cfg', 'agkv', 'ulysses') (CFG lanes x 2-D "
+                         f"CP), a 2-D one ('agkv', 'ulysses'); got a 3-D mesh of shape {tuple(group.shape)} with "
+                         f"mesh_dim_names={group.mesh_dim_names}")
     check_names(group)
     if cfg_parallel:
         raise ValueError("parallelize: cfg_parallel=True with a 2-D CP mesh: pass a 3-D mesh with mesh_dim_names "
