@@ -76,8 +76,9 @@ def for_mode(fmts: tuple, mode: str) -> tuple[str, str, str, str]:
 def auto_mode(mode: str, fmts: tuple, heads: int, world: int) -> str:
     """``mode`` as the dispatcher should choose from: for ``mode='auto'`` with K and V in different formats (e.g. the
     documented ``{"q", "v", "o"}`` choice, K in the input dtype), which AGKV cannot carry, 'ulysses' where W divides
-    H (else 'auto': AGKV, and :func:`for_mode` raises naming the rule); any other ``mode`` unchanged."""
-    if mode == "auto" and fmts[1] != fmts[2] and world > 1 and heads % world == 0:
+    H (else 'auto': AGKV, and :func:`for_mode` raises naming the rule) — on a group of one rank too (it moves nothing;
+    with ``CP_OPS_EMULATE_COMM=1`` it emulates Ulysses); any other ``mode`` unchanged."""
+    if mode == "auto" and fmts[1] != fmts[2] and heads % world == 0:
         return "ulysses"
     return mode
 

@@ -238,6 +238,10 @@ def _one_rank_emulation(rank, w):
     q, k, v, _ = _data(1, 12, 4, 16, seed=5)
     plain = cp_ops.attention(q, k, v, mode="ulysses", comm_dtype=E4)
     assert torch.equal(plain, local_attention(q, k, v))  # nothing crosses a link on one rank
+    # mode='auto' with K and V apart (the documented {q, v, o}): Ulysses, as on W ranks (was: ValueError, AGKV)
+    kv_apart = {"q": E4, "v": E4, "o": E4}
+    assert torch.equal(cp_ops.attention(q, k, v, comm_dtype=kv_apart), plain)
+    assert cp_ops.describe(q, comm_dtype=kv_apart).mode == "ulysses"
     config.configure(emulate_comm=True)
     try:
         for mode in ("agkv", "ulysses"):
@@ -246,6 +250,8 @@ def _one_rank_emulation(rank, w):
                 out = cp_ops.attention(q, k, v, mode=mode, comm_dtype=c)
                 assert torch.equal(out, _same_calls(q, k, v, None, 0, 1, None, mode, fmts))
                 assert not torch.equal(out, plain)
+        assert torch.equal(cp_ops.attention(q, k, v, comm_dtype=kv_apart),
+                           _same_calls(q, k, v, None, 0, 1, None, "ulysses", cd.normalize(kv_apart)))
         assert torch.equal(cp_ops.attention(q, k, v, mode="agkv"), plain)  # no comm_dtype: untouched
     finally:
         config.configure(emulate_comm=False)
