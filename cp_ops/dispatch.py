@@ -177,9 +177,11 @@ def runner(q, pg, transport: str):
     return make
 
 
-def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None) -> tune.Choice:
+def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None,
+             mode_why: str = "") -> tune.Choice:
     """What a call of :func:`attention` with these arguments runs, without a collective: :func:`cp_ops.describe`
-    (arguments, return and errors there; ``q`` in BSHD)."""
+    (arguments, return and errors there; ``q`` in BSHD). ``mode_why``: for a ``mode`` a rule chose, not the caller
+    (:mod:`cp_ops.dispatch_mesh`'s degenerate meshes), that rule in words."""
     pg = resolve_group(group)
     world = pg.size()
     pipelined.check_chunks(chunks)
@@ -187,7 +189,7 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     layout.check_not_bhsd("q", q)
     fmts = cd.normalize(comm_dtype, q.dtype)  # ValueError for a bad one, as the call
     asked, mode = mode, cd.auto_mode(mode, fmts, q.shape[2], world)
-    by_fmts = _by_formats(world, q.shape[2]) if mode != asked else ""  # 'auto' -> 'ulysses': K and V apart
+    by_fmts = _by_formats(world, q.shape[2]) if mode != asked else mode_why  # 'auto' -> 'ulysses': K and V apart
     chosen = modes.choose(mode, q.shape[2], world)
     cd.for_mode(fmts, chosen)  # AGKV with K and V apart: ValueError, as the call
     resolved = transport_base.resolve(transport, q.device.type)

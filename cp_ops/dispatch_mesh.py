@@ -87,7 +87,7 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         layout.check_not_bhsd("q", q)
         meshes.check_comm_dtype(comm_dtype, q.dtype, info.shape)
         h = q.shape[2]
-        if flat is None and h % I:
+        if (flat is None or flat[1] == "ulysses") and h % I:  # 1xI: 1-D Ulysses over the inner dim, the same rule
             raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
                              f"its size must divide the head count; got heads={h}, inner size={I} (mesh {info.shape}): "
                              f"use a mesh whose inner size divides {h}")
@@ -166,7 +166,9 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     info = meshes.MeshInfo(*meshes.describe(group))
     d = decide(q, q, q, info, mode, transport, chunks, seq_lens, key_mask, None, None, comm_dtype)
     if d.flat is not None:
-        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask)
+        why = (f"a {info.shape} mesh: 1-D {d.flat[1]} over its '{d.flat[0]}' dim"
+               + ("" if mode == "auto" else f" (mode {mode!r} given)"))
+        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask, mode_why=why)
     if info.world == 1:
         return tune.Choice(MODE, 1, "heuristic", {}, d.inner_transport,
                            "a 1x1 mesh: local attention, nothing moved")

@@ -144,6 +144,10 @@ def _rules(rank, w):
     q = torch.randn(1, 4, 6, 8)
     with pytest.raises(ValueError, match=r"heads=6, inner size=4 \(mesh 2x4\)"):
         cp_ops.attention(q, q, q, group=mesh)
+    # a 1xW mesh (1-D Ulysses over its inner dim): the mesh's rule and values (was: the 1-D message, advising
+    # mode='agkv', which a mesh refuses)
+    with pytest.raises(ValueError, match=r"heads=6, inner size=8 \(mesh 1x8\)"):
+        cp_ops.attention(q, q, q, group=_mesh((1, w)))
     with pytest.raises(ValueError, match=r"2-D CP mesh .* must be one of \('auto', 'agkv_ulysses'\); got 'ulysses'"):
         cp_ops.attention(q, q, q, group=mesh, mode="ulysses")
     q = torch.randn(1, 4, 8, 8)
@@ -189,7 +193,9 @@ def _one_rank_rejects(rank, w):
     assert (c.mode, c.chunks, c.source, c.transport) == ("agkv_ulysses", 1, "heuristic", "torch"), c
     c = cp_ops.describe(sh(q), group=mesh, mode="agkv_ulysses", chunks=2)
     assert (c.mode, c.chunks, c.source) == ("agkv_ulysses", 2, "explicit"), c
-    assert cp_ops.describe(sh(q), group=flat).mode == "ulysses"
+    c = cp_ops.describe(sh(q), group=flat)  # the rule that chose the mode (was: "mode 'ulysses' given")
+    assert c.mode == "ulysses" and "a 1x4 mesh: 1-D ulysses over its 'ulysses' dim" in c.why, c.why
+    assert "given" not in c.why, c.why
     with pytest.raises(ValueError, match=r"heads=4, inner size=4|inner size"):
         cp_ops.describe(sh(q)[:, :, :3], group=mesh)
     with pytest.raises(ValueError, match="comm_dtype"):
