@@ -77,7 +77,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
     """
     world = pg.size()
-    chosen, resolved, fmts = mode, transport, cd.NONE
+    chosen, resolved, fmts, asked_fmts = mode, transport, cd.NONE, cd.NONE
     if comm_dtype is not None and mode == "auto":  # AGKV cannot carry K and V apart: 'auto' picks Ulysses then
         try:
             mode = cd.auto_mode(mode, cd.normalize(comm_dtype, q.dtype), q.shape[2], world)
@@ -91,13 +91,14 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
                              "f'layer{i}'), or compile with dynamic=False")
 
     def local_checks():
-        nonlocal chosen, resolved, fmts
+        nonlocal chosen, resolved, fmts, asked_fmts
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
         chosen = modes.choose(mode, q.shape[2], world)
         resolved = transport_base.resolve(transport, q.device.type)
-        fmts = cd.for_mode(cd.normalize(comm_dtype, q.dtype), chosen)
+        asked_fmts = cd.normalize(comm_dtype, q.dtype)
+        fmts = cd.for_mode(asked_fmts, chosen)
         if world > 1:
             validate.check_device_for_group(q, pg)
         if seq_lens is not None:
@@ -118,7 +119,9 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     if layout_call and chunks is None:
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
-        chosen, c = choices.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
+        chosen, c = choices.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved, asked_fmts),
+                                   cd.tag(asked_fmts) or "")
+        fmts = cd.for_mode(asked_fmts, chosen)  # a measured choice may be another mode than the heuristic's
     if torch.compiler.is_compiling():
         c = _constant(constant(c))  # the variant tag is a constant of the graph
     seq = tuple(seq_lens) if seq_lens is not None else None
@@ -161,10 +164,11 @@ def _symbolic(value) -> bool:
     return isinstance(value, torch.SymInt)
 
 
-def runner(q, pg, transport: str):
+def runner(q, pg, transport: str, fmts=cd.NONE):
     """What the opt-in measured choice times (:func:`cp_ops.modes.tune.measure`): ``runner(mode, chunks)`` → a call of
     this dispatcher with that explicit mode and chunks on random ``q, k, v`` of ``q``'s shape, dtype and device
-    (seeded alike on every rank: a collective every rank makes alike; the call's own data is not needed)."""
+    (seeded alike on every rank: a collective every rank makes alike; the call's own data is not needed), moving
+    them in the call's formats ``fmts`` (:mod:`cp_ops.comm_dtype`'s normal form)."""
     made: list = []
 
     def make(mode: str, chunks: int):
@@ -172,7 +176,8 @@ def runner(q, pg, transport: str):
             g = torch.Generator(device=q.device).manual_seed(0x5EED)
             made.extend(torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype) for _ in range(3))
         a, b, c = made
-        return lambda: attention(a, b, c, pg, mode, transport, None, chunks, None, None, None)
+        return lambda: attention(a, b, c, pg, mode, transport, None, chunks, None, None, None,
+                                 None if fmts == cd.NONE else fmts)
 
     return make
 
@@ -204,7 +209,7 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     if (seq_lens is not None or key_mask is not None) and chunks is None:
         return tune.Choice(chosen, 1, "heuristic", {}, shown,
                            "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
-    stored = choices.lookup(mode, chunks, q, pg, resolved)
+    stored = choices.lookup(mode, chunks, q, pg, resolved, cd.tag(fmts) or "")
     if stored is not None:
         return stored._replace(transport=shown,
                                why=stored.why + _rule(mode, chunks, stored, q.shape[2], world, runs_on, by_fmts))
