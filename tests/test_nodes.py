@@ -74,6 +74,14 @@ def _one_node(rank, w):
     q = torch.randn(1, 4, 2, 8)
     cp_ops.attention(q, q, q, mode="agkv", chunks=1)
     assert contract._groups[dist.group.WORLD.group_name].shm is not None
+    # init_cp_mesh with arguments that differ by rank: ValueError on every rank (was: each rank built the mesh its own
+    # arguments chose, e.g. 2x1 on one rank and 1x2 on the other, and the first attention call failed on the modes)
+    from cp_ops.mesh import init_cp_mesh
+
+    with pytest.raises(ValueError, match=r"same arguments.*rank 0: tokens=4096, heads=7,.*rank 1: tokens=4096, heads=24"):
+        init_cp_mesh(4096, 7 if rank == 0 else 24, 128, device_type="cpu")
+    m, p = init_cp_mesh(4096, 24, 128, device_type="cpu")
+    assert tuple(m.shape) == (p.outer, p.inner) and p.outer * p.inner == w
 
 
 def test_one_node_uses_single_node_transport_and_shm():
