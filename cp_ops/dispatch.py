@@ -98,6 +98,8 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         chosen = modes.choose(mode, q.shape[2], world)
         resolved = transport_base.resolve(transport, q.device.type)
         asked_fmts = cd.normalize(comm_dtype, q.dtype)
+        if q.shape[3] == 0:  # head_dim 0: nothing to encode (the codec's rows hold D >= 1 values), as nothing moves
+            asked_fmts = cd.NONE
         fmts = cd.for_mode(asked_fmts, chosen)
         if world > 1:
             validate.check_device_for_group(q, pg)

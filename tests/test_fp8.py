@@ -225,6 +225,8 @@ def _emulation_equals_ranks(rank, w):
         fmts = cd.for_mode(cd.normalize(E4), mode)
         emu = emulate.attention(q, k, v, None, None, fmts)  # one call over every query and head
         torch.testing.assert_close(out, sh(emu), rtol=0, atol=2.0 ** -7 * emu.float().abs().max().item())
+        empty = torch.randn(b, s, h, 0)  # head_dim 0: nothing to encode, as without FP8 (was: a raw torch error)
+        assert cp_ops.attention(empty, empty, empty, mode=mode, comm_dtype=E4).shape == empty.shape
     assert config.settings.emulate_comm is False  # (W > 1: the setting does nothing; the 1-rank test sets it)
 
 
@@ -253,6 +255,8 @@ def _one_rank_emulation(rank, w):
         assert torch.equal(cp_ops.attention(q, k, v, comm_dtype=kv_apart),
                            _same_calls(q, k, v, None, 0, 1, None, "ulysses", cd.normalize(kv_apart)))
         assert torch.equal(cp_ops.attention(q, k, v, mode="agkv"), plain)  # no comm_dtype: untouched
+        empty = q[..., :0]
+        assert cp_ops.attention(empty, empty, empty, comm_dtype=E4).shape == empty.shape
     finally:
         config.configure(emulate_comm=False)
 
