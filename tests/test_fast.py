@@ -742,8 +742,8 @@ def test_a_new_group_under_a_destroyed_groups_name_is_asked_again(fake_world, mo
     from cp_ops import contract
 
     ranks = lambda g: tuple(dist.get_process_group_ranks(g))  # noqa: E731
-    monkeypatch.setattr(fast.transport, "group_reason",
-                        lambda g, d: None if ranks(g) == (0, 1) else f"planted: ranks {list(ranks(g))} are not the lane")
+    monkeypatch.setattr(fast.transport, "group_reason", lambda g, d: None if ranks(g) == (0, 1)
+                        else f"planted: ranks {list(ranks(g))} are not the lane")
     dev = torch.device("cuda", 0)
     old = dist.new_group([0, 1])
     assert base.for_group("fast", old, dev).name == "fast"

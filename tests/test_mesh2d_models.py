@@ -78,7 +78,8 @@ def test_mesh_rules_raise_at_parallelize():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
         model = build("wan")
-        for shape, names, seen in (((2, 4), ("agkv", "ulysses"), "2x4"), ((2, 2, 2), ("cfg", "agkv", "ulysses"), "2x2")):
+        for shape, names, seen in (((2, 4), ("agkv", "ulysses"), "2x4"),
+                                   ((2, 2, 2), ("cfg", "agkv", "ulysses"), "2x2")):
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             for fp8 in (torch.float8_e4m3fn, {"k": torch.float8_e5m2}):
                 with pytest.raises(ValueError, match=rf"comm_dtype=.* on a 2-D mesh \({seen}\): FP8 communication runs "

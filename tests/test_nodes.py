@@ -78,7 +78,8 @@ def _one_node(rank, w):
     # arguments chose, e.g. 2x1 on one rank and 1x2 on the other, and the first attention call failed on the modes)
     from cp_ops.mesh import init_cp_mesh
 
-    with pytest.raises(ValueError, match=r"same arguments.*rank 0: tokens=4096, heads=7,.*rank 1: tokens=4096, heads=24"):
+    with pytest.raises(ValueError, match=r"same arguments.*rank 0: tokens=4096, heads=7,.*rank 1: tokens=4096, "
+                                         r"heads=24"):
         init_cp_mesh(4096, 7 if rank == 0 else 24, 128, device_type="cpu")
     m, p = init_cp_mesh(4096, 24, 128, device_type="cpu")
     assert tuple(m.shape) == (p.outer, p.inner) and p.outer * p.inner == w

@@ -51,8 +51,8 @@ def mesh_groups(group: Any, cfg_parallel: bool):
                              f"over ranks {group.mesh.flatten().tolist()}")
         return world, group["agkv", "ulysses"], True
     if group.ndim == 3:
-        raise ValueError(f"parallelize: a 3-D mesh must have mesh_dim_names=('cfg', 'agkv', 'ulysses') (CFG lanes x 2-D "
-                         f"CP), a 2-D one ('agkv', 'ulysses'); got a 3-D mesh of shape {tuple(group.shape)} with "
+        raise ValueError(f"parallelize: a 3-D mesh must have mesh_dim_names=('cfg', 'agkv', 'ulysses') (CFG lanes x "
+                         f"2-D CP), a 2-D one ('agkv', 'ulysses'); got a 3-D mesh of shape {tuple(group.shape)} with "
                          f"mesh_dim_names={group.mesh_dim_names}")
     check_names(group)
     if cfg_parallel:
@@ -115,7 +115,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
             mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
             an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled, an
-            FP8 ``comm_dtype`` with a mesh. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
+            FP8 ``comm_dtype`` with a mesh. At run time: a stream with fewer tokens than ranks; a mask CP attention
+            cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
             (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
         RuntimeError: torch.distributed not initialized.
