@@ -166,3 +166,16 @@ def test_torchrun_two_simulated_nodes(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     assert "2 node(s) x 2 rank(s) (node ids: ['node0', 'node1'])" in outs[0], outs[0]
     assert "mesh (2, 2) ('agkv', 'ulysses')" in outs[0] and "over ranks: 0\n" in outs[0], outs[0]
+
+
+def test_attention_2d_mesh_argument():
+    """The example's --mesh: 'OxI' with two ints >= 1, else argparse's error naming the form (was: int()'s ValueError
+    on every rank, e.g. for '2x')."""
+    import argparse
+
+    from cp_ops.examples.attention_2d import mesh_arg
+
+    assert mesh_arg("2x4") == (2, 4) and mesh_arg("1X8") == (1, 8)
+    for bad in ("2x", "x4", "2x4x1", "0x4", "two", "-1x4"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"takes OxI.*got '{bad}'"):
+            mesh_arg(bad)
