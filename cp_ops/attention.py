@@ -90,7 +90,8 @@ def attention(
             contract's variant (ranks that differ raise on every rank). Error (docs/fp8.md): e4m3 on all four
             tensors ~5% (rms) of one attention output on random data, 0.7-2.5% of a full model's forward; not bitwise.
             Either transport; on a group of one rank it is ignored unless ``CP_OPS_EMULATE_COMM=1``
-            (:mod:`cp_ops.emulate`).
+            (:mod:`cp_ops.emulate`). Non-finite input: a (token, head) row holding a NaN or ±inf arrives as a row of
+            NaN (never finite values; inf becomes NaN; docs/fp8.md): check ``torch.isfinite`` upstream if it matters.
 
     Returns:
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of

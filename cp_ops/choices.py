@@ -57,13 +57,13 @@ FORMAT = 3
 #: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'cached' (decisions
 #: taken from the file every rank holds alike), 'heuristic' (decisions the heuristic made and kept).
 stats = {"measured": 0, "timed": 0, "cached": 0, "heuristic": 0}
-_memo: dict[tuple, Choice] = {}  # (group, mode, chunks, shape, dtype, device, transport, tune_modes) -> Choice
+_memo: dict[tuple, Choice] = {}  # (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice
 _warned: set[tuple[str, str]] = set()
 _ON_FORGET: list = []
 
 
 def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
-           runner: tune.Runner | None = None) -> tuple[str, int]:
+           runner: tune.Runner | None = None, comm: str = "") -> tuple[str, int]:
     """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks, the same on every rank (see the
     module docstring).
 
@@ -73,6 +73,8 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
             CP group. transport: the resolved transport ('torch', 'fast', 'auto').
         runner: what :func:`cp_ops.modes.tune.measure` times when measuring runs (:data:`cp_ops.modes.tune.Runner`:
             the dispatcher gives :func:`cp_ops.dispatch.runner`); required where measuring runs.
+        comm: what crosses the link in another format than q's (:func:`cp_ops.comm_dtype.tag`; '' = nothing): part
+            of the request, in memory and in the file (an FP8 call is timed, and its choice kept, apart).
     Returns:
         the mode name and the chunk count (≥ 1).
     Raises:
@@ -85,13 +87,13 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     shape = tuple(q.shape)
     if torch.compiler.is_compiling():  # traced: the heuristic, nothing stored
         return tune.heuristic_candidate(chunks, chosen, shape, group, q.device, transport)
-    key = (group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes)
+    key = (group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm)
     hit = _memo.get(key)
     if hit is not None:  # the stored choice: one dict lookup
         return hit.mode, hit.chunks
     c = tune.choose(mode, chunks, chosen, shape, group, q.device, transport, config.settings.tune_modes)
     if isinstance(c, tune.Open):
-        c = _agreed_or_measured(c, chosen, shape, q.dtype, q.device, group, transport, runner)
+        c = _agreed_or_measured(c, chosen, shape, q.dtype, q.device, group, transport, runner, comm)
     elif q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return c.mode, c.chunks  # not kept: measured (where asked for) by the first call outside capture
     elif c.source == "heuristic":
@@ -100,11 +102,12 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
     return c.mode, c.chunks
 
 
-def lookup(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str) -> Choice | None:
+def lookup(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
+           comm: str = "") -> Choice | None:
     """The :class:`~cp_ops.modes.tune.Choice` :func:`decide` stored for this request on ``group`` (None before it
-    made one, or for a request it does not store: explicit mode and chunks, traced, captured). ``transport``: the
-    resolved transport, as :func:`decide` got it. Local: no collective."""
-    return _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes))
+    made one, or for a request it does not store: explicit mode and chunks, traced, captured). ``transport``,
+    ``comm``: as :func:`decide` got them. Local: no collective."""
+    return _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm))
 
 
 def forget() -> None:
@@ -123,14 +126,14 @@ def on_forget(fn) -> None:
 
 
 # ---- agreement on the file, else measuring ------------------------------------------------------------------------
-def _agreed_or_measured(request: tune.Open, chosen, shape, dtype, device, pg, transport, runner) -> Choice:
+def _agreed_or_measured(request: tune.Open, chosen, shape, dtype, device, pg, transport, runner, comm="") -> Choice:
     from .contract import check_settings_agree
 
     # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
     # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
     check_settings_agree(pg)
     cands = [list(c) for c in request.candidates]
-    dkey = disk_key(shape, dtype, device, pg.size(), transport, request.candidates, request.preferred)
+    dkey = disk_key(shape, dtype, device, pg.size(), transport, request.candidates, request.preferred, comm)
     entry = _read_cache().get(dkey)
     code = 0
     if entry is not None and [entry.get("mode"), entry.get("chunks")] in cands:
@@ -200,15 +203,18 @@ def _driver_version() -> str:
         return "unknown"
 
 
-def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None) -> str:
+def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None, comm: str = "") -> str:
     """The file's key of a decision (one line of JSON: machine, versions, call, candidates, the margin, the
     heuristic's candidate :func:`cp_ops.modes.tune.pick` prefers within the margin, so a change of the heuristic's
-    table measures again)."""
+    table measures again; ``comm``, the FP8 formats on the link (:func:`decide`), only where there are some: the keys of
+    calls without them are unchanged)."""
     b, s, h, d = shape
+    extra = {"comm": comm} if comm else {}
     return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
                            dtype=str(dtype).replace("torch.", ""), transport=transport, margin=tune.MARGIN,
                            candidates=[f"{m}/{c}" for m, c in cands],
-                           preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}"), sort_keys=True)
+                           preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}", **extra),
+                      sort_keys=True)
 
 
 def _valid_entry(e) -> bool:

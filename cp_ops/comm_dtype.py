@@ -76,8 +76,9 @@ def for_mode(fmts: tuple, mode: str) -> tuple[str, str, str, str]:
 def auto_mode(mode: str, fmts: tuple, heads: int, world: int) -> str:
     """``mode`` as the dispatcher should choose from: for ``mode='auto'`` with K and V in different formats (e.g. the
     documented ``{"q", "v", "o"}`` choice, K in the input dtype), which AGKV cannot carry, 'ulysses' where W divides
-    H (else 'auto': AGKV, and :func:`for_mode` raises naming the rule); any other ``mode`` unchanged."""
-    if mode == "auto" and fmts[1] != fmts[2] and world > 1 and heads % world == 0:
+    H (else 'auto': AGKV, and :func:`for_mode` raises naming the rule) — on a group of one rank too (it moves nothing;
+    with ``CP_OPS_EMULATE_COMM=1`` it emulates Ulysses); any other ``mode`` unchanged."""
+    if mode == "auto" and fmts[1] != fmts[2] and heads % world == 0:
         return "ulysses"
     return mode
 
@@ -95,13 +96,13 @@ def parse(text: str) -> tuple[str, str, str, str]:
     t = text.strip().lower()
     if t in ("", "none", "bf16", "input"):
         return NONE
-    fmt, _, which = t.partition(":")
+    fmt, colon, which = t.partition(":")
     if fmt in ("fp8", "float8_e4m3fn"):
         fmt = "e4m3"
     if fmt == "float8_e5m2":
         fmt = "e5m2"
-    if fmt not in FORMATS or any(c not in "qkvo" for c in which):
-        raise ValueError(f"comm dtype must be none, e4m3, e5m2 or e4m3:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
-                         f"got {text!r}")
+    if fmt not in FORMATS or any(c not in "qkvo" for c in which) or (colon and not which):
+        raise ValueError(f"comm dtype must be none, e4m3, e5m2 or e4m3:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo; "
+                         f"at least one); got {text!r}")
     which = which or "qkvo"
     return tuple(fmt if n in which else "" for n in NAMES)

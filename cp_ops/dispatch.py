@@ -77,7 +77,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
     """
     world = pg.size()
-    chosen, resolved, fmts = mode, transport, cd.NONE
+    chosen, resolved, fmts, asked_fmts = mode, transport, cd.NONE, cd.NONE
     if comm_dtype is not None and mode == "auto":  # AGKV cannot carry K and V apart: 'auto' picks Ulysses then
         try:
             mode = cd.auto_mode(mode, cd.normalize(comm_dtype, q.dtype), q.shape[2], world)
@@ -91,13 +91,16 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
                              "f'layer{i}'), or compile with dynamic=False")
 
     def local_checks():
-        nonlocal chosen, resolved, fmts
+        nonlocal chosen, resolved, fmts, asked_fmts
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
         chosen = modes.choose(mode, q.shape[2], world)
         resolved = transport_base.resolve(transport, q.device.type)
-        fmts = cd.for_mode(cd.normalize(comm_dtype, q.dtype), chosen)
+        asked_fmts = cd.normalize(comm_dtype, q.dtype)
+        if q.shape[3] == 0:  # head_dim 0: nothing to encode (the codec's rows hold D >= 1 values), as nothing moves
+            asked_fmts = cd.NONE
+        fmts = cd.for_mode(asked_fmts, chosen)
         if world > 1:
             validate.check_device_for_group(q, pg)
         if seq_lens is not None:
@@ -118,7 +121,9 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     if layout_call and chunks is None:
         c = 1  # uneven shards / masks: transport-then-attend unless stages are asked for
     else:
-        chosen, c = choices.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved))
+        chosen, c = choices.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved, asked_fmts),
+                                   cd.tag(asked_fmts) or "")
+        fmts = cd.for_mode(asked_fmts, chosen)  # a measured choice may be another mode than the heuristic's
     if torch.compiler.is_compiling():
         c = _constant(constant(c))  # the variant tag is a constant of the graph
     seq = tuple(seq_lens) if seq_lens is not None else None
@@ -161,10 +166,11 @@ def _symbolic(value) -> bool:
     return isinstance(value, torch.SymInt)
 
 
-def runner(q, pg, transport: str):
+def runner(q, pg, transport: str, fmts=cd.NONE):
     """What the opt-in measured choice times (:func:`cp_ops.modes.tune.measure`): ``runner(mode, chunks)`` → a call of
     this dispatcher with that explicit mode and chunks on random ``q, k, v`` of ``q``'s shape, dtype and device
-    (seeded alike on every rank: a collective every rank makes alike; the call's own data is not needed)."""
+    (seeded alike on every rank: a collective every rank makes alike; the call's own data is not needed), moving
+    them in the call's formats ``fmts`` (:mod:`cp_ops.comm_dtype`'s normal form)."""
     made: list = []
 
     def make(mode: str, chunks: int):
@@ -172,26 +178,32 @@ def runner(q, pg, transport: str):
             g = torch.Generator(device=q.device).manual_seed(0x5EED)
             made.extend(torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype) for _ in range(3))
         a, b, c = made
-        return lambda: attention(a, b, c, pg, mode, transport, None, chunks, None, None, None)
+        return lambda: attention(a, b, c, pg, mode, transport, None, chunks, None, None, None,
+                                 None if fmts == cd.NONE else fmts)
 
     return make
 
 
-def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None) -> tune.Choice:
+def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None,
+             mode_why: str = "") -> tune.Choice:
     """What a call of :func:`attention` with these arguments runs, without a collective: :func:`cp_ops.describe`
-    (arguments, return and errors there; ``q`` in BSHD)."""
+    (arguments, return and errors there; ``q`` in BSHD). ``mode_why``: for a ``mode`` a rule chose, not the caller
+    (:mod:`cp_ops.dispatch_mesh`'s degenerate meshes), that rule in words."""
     pg = resolve_group(group)
     world = pg.size()
     pipelined.check_chunks(chunks)
     validate.check_same(("q",), (q,))
     layout.check_not_bhsd("q", q)
     fmts = cd.normalize(comm_dtype, q.dtype)  # ValueError for a bad one, as the call
-    mode = cd.auto_mode(mode, fmts, q.shape[2], world)
+    asked, mode = mode, cd.auto_mode(mode, fmts, q.shape[2], world)
+    by_fmts = _by_formats(world, q.shape[2]) if mode != asked else mode_why  # 'auto' -> 'ulysses': K and V apart
     chosen = modes.choose(mode, q.shape[2], world)
     cd.for_mode(fmts, chosen)  # AGKV with K and V apart: ValueError, as the call
     resolved = transport_base.resolve(transport, q.device.type)
     runs_on = transport_base.agreed_name(resolved, pg.group_name, q.device)
     shown = runs_on or "auto"
+    if by_fmts and chunks is not None:
+        return tune.Choice(chosen, chunks, "heuristic", {}, shown, f"{by_fmts}; chunks={chunks} given")
     if mode != "auto" and chunks is not None:
         return tune.Choice(chosen, chunks, "explicit", {}, shown, "mode and chunks given by the caller")
     if world == 1:
@@ -199,9 +211,10 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     if (seq_lens is not None or key_mask is not None) and chunks is None:
         return tune.Choice(chosen, 1, "heuristic", {}, shown,
                            "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
-    stored = choices.lookup(mode, chunks, q, pg, resolved)
+    stored = choices.lookup(mode, chunks, q, pg, resolved, cd.tag(fmts) or "")
     if stored is not None:
-        return stored._replace(transport=shown, why=stored.why + _rule(mode, chunks, stored, q.shape[2], world, runs_on))
+        return stored._replace(transport=shown,
+                               why=stored.why + _rule(mode, chunks, stored, q.shape[2], world, runs_on, by_fmts))
     # not decided yet: what the first call would decide, short of measuring and of asking the group
     name = runs_on or transport_base.select_transport(resolved, q.device.type)
     note = "" if runs_on else (f"; transport 'auto' is agreed with the group at the first call: '{name}' assumed (this "
@@ -213,15 +226,25 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
                            f"measuring on (CP_OPS_TUNE_MODES=1) and no call made yet: the first eager call measures "
                            f"{cands} (or takes the choice every rank's cache file holds); until then the heuristic's "
                            f"candidate{note}")
-    return c._replace(transport=shown, why=c.why + _rule(mode, chunks, c, q.shape[2], world, name) + note)
+    return c._replace(transport=shown, why=c.why + _rule(mode, chunks, c, q.shape[2], world, name, by_fmts) + note)
 
 
-def _rule(mode: str, chunks, c, heads: int, world: int, transport) -> str:
+def _by_formats(world: int, heads: int) -> str:
+    """Why ``mode='auto'`` runs Ulysses when ``comm_dtype`` sends K and V in different formats
+    (:func:`cp_ops.comm_dtype.auto_mode`), in words."""
+    return (f"auto: comm_dtype sends K and V in different formats, which AGKV cannot carry (one gather moves both), "
+            f"and W={world} divides H={heads} -> ulysses")
+
+
+def _rule(mode: str, chunks, c, heads: int, world: int, transport, by_fmts: str = "") -> str:
     """The rule of the heuristic that gave ``c`` (a :class:`cp_ops.modes.tune.Choice`), in words ('' for another
-    source): which branch of :func:`cp_ops.modes.choose` and of :func:`cp_ops.modes.pipelined.choose_chunks` fired."""
+    source): which branch of :func:`cp_ops.modes.choose` and of :func:`cp_ops.modes.pipelined.choose_chunks` fired;
+    ``by_fmts``: the reason ``mode`` is not the caller's 'auto' (:func:`_by_formats`), or ''."""
     if c.source != "heuristic":
         return ""
-    if mode != "auto":
+    if by_fmts:
+        m = by_fmts
+    elif mode != "auto":
         m = f"mode {c.mode!r} given"
     elif c.mode == "ulysses":
         m = f"auto: W={world} > 2 and W divides H={heads} -> ulysses (moves less than AGKV from W = 3)"
@@ -355,14 +378,19 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, co
     except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
         return None
     if e is not None:
-        if group is None and e[1] is not dist.group.WORLD:  # the default group was destroyed or replaced
+        if e[1] is (dist.group.WORLD if group is None else group):
+            return e[0]
+        # the default group was destroyed or replaced, or ``group`` is a DeviceMesh equal to the plan's (a mesh compares
+        # by its layout: one made after destroy_process_group() equals the destroyed one) but maybe not over its group
+        if group is None or e[0] is None or e[0].pg is not resolve_group(group):
             _plans.pop(key, None)
             return None
+        _plans[key] = (e[0], group)  # another mesh object over the plan's group (e.g. a fresh slice of a larger mesh)
         return e[0]
     plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
-    _plans[key] = (plan, plan.pg if plan is not None else (dist.group.WORLD if group is None else None))
+    _plans[key] = (plan, dist.group.WORLD if group is None else group)
     return plan
 
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import comm_dtype as cd, contract, dispatch, layout, mesh as meshes, modes, validate
+from . import contract, dispatch, layout, mesh as meshes, modes, validate
 from .comm import DirectComm, MeshComm, OpComm
 from .kernels import local_attention
 from .modes import pipelined
@@ -85,11 +85,9 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)
-        if comm_dtype is not None and cd.normalize(comm_dtype, q.dtype) != cd.NONE:
-            raise ValueError(f"comm_dtype={comm_dtype!r} on a 2-D mesh ({info.shape}): FP8 communication runs on 1-D "
-                             "groups only for now (docs/fp8.md); pass comm_dtype=None with a mesh, or a 1-D group")
+        meshes.check_comm_dtype(comm_dtype, q.dtype, info.shape)
         h = q.shape[2]
-        if flat is None and h % I:
+        if (flat is None or flat[1] == "ulysses") and h % I:  # 1xI: 1-D Ulysses over the inner dim, the same rule
             raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
                              f"its size must divide the head count; got heads={h}, inner size={I} (mesh {info.shape}): "
                              f"use a mesh whose inner size divides {h}")
@@ -168,7 +166,9 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     info = meshes.MeshInfo(*meshes.describe(group))
     d = decide(q, q, q, info, mode, transport, chunks, seq_lens, key_mask, None, None, comm_dtype)
     if d.flat is not None:
-        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask)
+        why = (f"a {info.shape} mesh: 1-D {d.flat[1]} over its '{d.flat[0]}' dim"
+               + ("" if mode == "auto" else f" (mode {mode!r} given)"))
+        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask, mode_why=why)
     if info.world == 1:
         return tune.Choice(MODE, 1, "heuristic", {}, d.inner_transport,
                            "a 1x1 mesh: local attention, nothing moved")
@@ -245,15 +245,34 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, co
                                 None if comm_dtype is None else repr(comm_dtype))
         if key is None:
             return None
-        plan = _plans.get(key)
+        e = _plans.get(key)
     except (AttributeError, TypeError):
         return None
-    if plan is None:
-        plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
-        if len(_plans) >= dispatch._MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+    if e is not None:
+        if e[1] is group:
+            return e[0]
+        # an equal mesh object (a mesh compares by its layout: one made after destroy_process_group() equals the
+        # destroyed one): the plan serves it only over the same process groups
+        if not _same_groups(e[0], group):
+            _plans.pop(key, None)
+            return None
+        _plans[key] = (e[0], group)
+        return e[0]
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+    if len(_plans) >= dispatch._MAX_PLANS:
+        _plans.clear()
+    _plans[key] = (plan, group)
     return plan
+
+
+def _same_groups(plan, mesh) -> bool:
+    """Whether ``plan`` (built for a mesh equal to ``mesh``) runs on ``mesh``'s process groups."""
+    pgs = meshes.groups(mesh)
+    if isinstance(plan, MeshPlan):
+        return plan.pgs[0] is pgs[0] and plan.pgs[1] is pgs[1]
+    if isinstance(plan, _Flat):
+        return plan.pg is pgs[0] or plan.pg is pgs[1]
+    return True  # local attention or nothing to move: no group
 
 
 def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):

@@ -72,6 +72,18 @@ def check_names(mesh: Any) -> None:
                          f"{mesh.mesh_dim_names} (slice a larger mesh: mesh['agkv', 'ulysses'])")
 
 
+def check_comm_dtype(comm_dtype: Any, input_dtype, shape: str) -> None:
+    """The rule for ``comm_dtype`` on a 2-D CP mesh of shape ``shape`` ('OxI'), in one place
+    (:mod:`cp_ops.dispatch_mesh` per call, :func:`cp_ops.parallelize` at once): FP8 communication runs on 1-D groups
+    only for now, so it must be None or ``input_dtype``. Raises ValueError naming the value and the shape (or as
+    :func:`cp_ops.comm_dtype.normalize`)."""
+    from .comm_dtype import NONE, normalize
+
+    if comm_dtype is not None and normalize(comm_dtype, input_dtype) != NONE:
+        raise ValueError(f"comm_dtype={comm_dtype!r} on a 2-D mesh ({shape}): FP8 communication runs on 1-D groups "
+                         "only for now (docs/fp8.md); pass comm_dtype=None with a mesh, or a 1-D group")
+
+
 def describe(mesh: Any) -> tuple:
     """``mesh`` as a :class:`MeshInfo`'s fields (a plain tuple: a constant for the compiler). Raises ValueError
     (:func:`check_names`)."""
@@ -126,17 +138,25 @@ def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16",
         :class:`cp_ops.cost.Prediction` (pure Ulysses is ``1×W``, pure AGKV ``W×1``).
     Raises:
         ValueError: the nodes hold different rank counts; the ranks are not numbered node by node (torchrun's order,
-            which keeps each inner group on one node); bad counts (:func:`cp_ops.cost.predict`).
+            which keeps each inner group on one node); the ranks passed different arguments (every rank raises, naming
+            each rank's); bad counts (:func:`cp_ops.cost.predict`).
         RuntimeError: torch.distributed is not initialized; a rank did not take part within ``CP_OPS_TIMEOUT_S``.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from . import cost, node
+    from .contract import agree
     from .group import resolve_group
 
     world = resolve_group(None)
     ids = node.group_nodes(world)
+    asked = (f"tokens={tokens}, heads={heads}, head_dim={head_dim}, dtype={dtype!r}, batch={batch}, "
+             f"device_type={device_type!r}, links={links!r}, overlapped={overlapped}")
+    seen = agree(world, "init_cp_mesh", asked, "init_cp_mesh's arguments")
+    if len(set(seen)) > 1:  # else each rank could build another mesh (init_device_mesh checks nothing of it)
+        raise ValueError("init_cp_mesh: every rank must pass the same arguments (the ranks build one mesh from them); "
+                         "got " + "; ".join(f"rank {r}: {a}" for r, a in enumerate(seen)))
     nodes, per = node.layout(ids)
     if not node.node_major(ids):
         raise ValueError(f"init_cp_mesh needs the ranks numbered node by node (torchrun's order: ranks 0..{per - 1} on "

@@ -205,7 +205,7 @@ def test_bench_default_seqs_on_a_width_they_do_not_fit():
 
 
 @pytest.mark.parametrize("value,ok", [("e4m3", True), ("e5m2:qvo", True), ("fp8", True), ("none", True),
-                                      ("e7m1", False), ("e4m3:qz", False)])
+                                      ("e7m1", False), ("e4m3:qz", False), ("e4m3:", False)])
 def test_comm_dtype_checked_alike_by_bench_and_run(value, ok):
     """--comm-dtype: bench and run take the forms cp_ops.comm_dtype.parse takes (one check, cli._args), and name
     them on a bad value; bench checked nothing before (a bad value failed inside the ranks), run had its own regex."""
@@ -224,3 +224,31 @@ def test_comm_dtype_checked_alike_by_bench_and_run(value, ok):
         else:
             with pytest.raises(UsageError, match=rf"--comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS .*got '{value}'"):
                 check(args)
+
+
+def _bench_kv_apart(rank, w, out):
+    import torch
+
+    from cp_ops import config
+    from cp_ops.cli.bench import run_bench
+    from cp_ops.cli.main import _check_bench, build_parser
+
+    args = build_parser().parse_args(["bench", "--device", "cpu", "--seqs", "16", "--modes", "auto,agkv,ulysses",
+                                      "--heads", "4", "--head-dim", "8", "--comm-dtype", "e4m3:qvo", "--repeats", "1",
+                                      "--warmup", "0", "--no-progress", "--dtype", "fp32", "--out", out])
+    _check_bench(args, "cpu", w, config.settings)
+    with contextlib.redirect_stdout(io.StringIO()):
+        run_bench(rank, w, torch.device("cpu"), args)
+
+
+def test_bench_auto_row_with_k_and_v_apart(tmp_path):
+    """cp-ops bench --modes auto --comm-dtype e4m3:qvo (K and V apart) at W = 2: the auto row reports what the call ran,
+    Ulysses with q, v, o in FP8 (was: describe() without comm_dtype said AGKV, and the row's comm_dtype raised 'AGKV
+    gathers K and V together' on every rank); the agkv rows are skipped."""
+    from dist_util import run_ranks
+
+    out = str(tmp_path / "bench.json")
+    run_ranks(_bench_kv_apart, 2, out)
+    rows = json.load(open(out))["rows"]
+    assert sorted((r["requested_mode"], r["mode"], r["comm_dtype"]) for r in rows) == [
+        ("auto", "ulysses", "q=e4m3,v=e4m3,o=e4m3"), ("ulysses", "ulysses", "q=e4m3,v=e4m3,o=e4m3")], rows

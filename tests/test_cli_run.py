@@ -69,6 +69,9 @@ def _ranks_body(rank, world_size, outdir):
         # --mode agkv --chunks 2: parallelize pipelines the model's attention; recorded in the JSON meta
         run_model(rank, world_size, torch.device("cpu"), _ns(mode="agkv", chunks=2,
                                                              out=os.path.join(outdir, "wan_chunks.json")))
+        # --comm-dtype e4m3:qvo (K and V apart) with mode auto at W = 2
+        run_model(rank, world_size, torch.device("cpu"), _ns(comm_dtype="e4m3:qvo",
+                                                             out=os.path.join(outdir, "wan_fp8.json")))
     with open(os.path.join(outdir, f"run_stdout{rank}.txt"), "w") as fh:
         fh.write(stdout.getvalue())
     results = {}
@@ -110,7 +113,20 @@ def ranks_results(tmp_path_factory):
     wan["stdout"] = [(d / f"run_stdout{r}.txt").read_text() for r in (0, 1)]
     with open(d / "wan_chunks.json") as f:
         wan["chunks_run"] = json.load(f)
+    with open(d / "wan_fp8.json") as f:
+        wan["fp8_run"] = json.load(f)
     return models, wan
+
+
+def test_run_comm_dtype_with_k_and_v_apart(ranks_results):
+    """`run wan --comm-dtype e4m3:qvo` at W = 2 (mode auto): the model runs Ulysses, as cp_ops.attention's 'auto' does
+    with K and V apart (was: the CLI resolved 'auto' to AGKV without the formats, and every attention call raised 'AGKV
+    gathers K and V together'); FP8 within the documented tolerance."""
+    _, wan = ranks_results
+    run = wan["fp8_run"]
+    assert run["meta"]["mode"] == "ulysses" and run["meta"]["comm_dtype"] == "e4m3:qvo", run["meta"]
+    row = next(r for r in run["rows"] if r["name"].startswith("cp_ops"))
+    assert row["name"] == "cp_ops ulysses" and 0 < row["max_rel_err"] <= 0.125, row
 
 
 def test_run_body_steps_and_compare(ranks_results):

@@ -97,3 +97,24 @@ def test_describe_names_the_heuristics_rule(world, heads, rule):
         assert "mode 'agkv' given" in given.why, given.why
     finally:
         dist.destroy_process_group()
+
+
+def test_describe_says_why_kv_apart_runs_ulysses():
+    """mode='auto' with comm_dtype sending K and V in different formats runs Ulysses (AGKV gathers both in one
+    format): describe names that rule, not "mode 'ulysses' given" / "mode and chunks given by the caller" (was)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    e4 = torch.float8_e4m3fn
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        q = torch.randn(1, 16, 8, 8)
+        for chunks in (None, 1):
+            c = cp_ops.describe(q, comm_dtype={"q": e4, "v": e4, "o": e4}, chunks=chunks)
+            assert (c.mode, c.chunks, c.source) == ("ulysses", 1, "heuristic"), c
+            assert "comm_dtype sends K and V in different formats" in c.why and "W=4 divides H=8" in c.why, c.why
+            assert "given by the caller" not in c.why and "mode 'ulysses' given" not in c.why, c.why
+        assert "mode 'ulysses' given" in cp_ops.describe(q, mode="ulysses", comm_dtype={"v": e4}).why
+        assert "-> ulysses (moves less" in cp_ops.describe(q, comm_dtype=e4).why  # K and V alike: the plain rule
+    finally:
+        dist.destroy_process_group()

@@ -732,6 +732,33 @@ def test_explicit_fast_with_another_lane_width_raises(fake_world, monkeypatch):
         base.for_group("fast", fake_world, torch.device("cuda", 0))
 
 
+def test_a_new_group_under_a_destroyed_groups_name_is_asked_again(fake_world, monkeypatch):
+    """torch names groups by a counter that destroy_process_group() resets, so a group made after a re-init can carry a
+    destroyed group's name: its transport is chosen again (was: the destroyed group's cached 'fast', for a group
+    that cannot host the lane), and the destroyed group's choice is dropped when cp_ops notices it."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_ops import contract
+
+    ranks = lambda g: tuple(dist.get_process_group_ranks(g))  # noqa: E731
+    monkeypatch.setattr(fast.transport, "group_reason", lambda g, d: None if ranks(g) == (0, 1)
+                        else f"planted: ranks {list(ranks(g))} are not the lane")
+    dev = torch.device("cuda", 0)
+    old = dist.new_group([0, 1])
+    assert base.for_group("fast", old, dev).name == "fast"
+    assert base.agreed_name("fast", old.group_name, dev) == "fast"
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    new = dist.new_group([0, 1, 2])
+    assert new.group_name == old.group_name  # torch reused the name
+    with pytest.raises(RuntimeError, match=r"planted: ranks \[0, 1, 2\] are not the lane"):
+        base.for_group("fast", new, dev)
+    assert base._drop_destroyed in contract._on_destroyed  # what cp_ops calls when it notices a destroyed group
+    base._drop_destroyed()
+    assert not any(key[1] is old for key in base._group_choice)
+
+
 # ---- start-up failures reach every rank at once (gloo, W = 2 and 3) ---------------------------------
 class _FakeExtLane:
     def __init__(self, *a):

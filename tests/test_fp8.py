@@ -104,6 +104,8 @@ def test_normalize():
         cd.for_mode(cd.normalize({"k": E4}), "agkv")
     with pytest.raises(ValueError, match="e4m3:LETTERS"):
         cd.parse("e4m3:qx")
+    with pytest.raises(ValueError, match="at least one.*got 'e4m3:'"):  # was: every tensor, as 'e4m3'
+        cd.parse("e4m3:")
 
 
 # ---- CP attention on gloo ranks -------------------------------------------------------------------------------------
@@ -223,6 +225,8 @@ def _emulation_equals_ranks(rank, w):
         fmts = cd.for_mode(cd.normalize(E4), mode)
         emu = emulate.attention(q, k, v, None, None, fmts)  # one call over every query and head
         torch.testing.assert_close(out, sh(emu), rtol=0, atol=2.0 ** -7 * emu.float().abs().max().item())
+        empty = torch.randn(b, s, h, 0)  # head_dim 0: nothing to encode, as without FP8 (was: a raw torch error)
+        assert cp_ops.attention(empty, empty, empty, mode=mode, comm_dtype=E4).shape == empty.shape
     assert config.settings.emulate_comm is False  # (W > 1: the setting does nothing; the 1-rank test sets it)
 
 
@@ -236,6 +240,10 @@ def _one_rank_emulation(rank, w):
     q, k, v, _ = _data(1, 12, 4, 16, seed=5)
     plain = cp_ops.attention(q, k, v, mode="ulysses", comm_dtype=E4)
     assert torch.equal(plain, local_attention(q, k, v))  # nothing crosses a link on one rank
+    # mode='auto' with K and V apart (the documented {q, v, o}): Ulysses, as on W ranks (was: ValueError, AGKV)
+    kv_apart = {"q": E4, "v": E4, "o": E4}
+    assert torch.equal(cp_ops.attention(q, k, v, comm_dtype=kv_apart), plain)
+    assert cp_ops.describe(q, comm_dtype=kv_apart).mode == "ulysses"
     config.configure(emulate_comm=True)
     try:
         for mode in ("agkv", "ulysses"):
@@ -244,7 +252,11 @@ def _one_rank_emulation(rank, w):
                 out = cp_ops.attention(q, k, v, mode=mode, comm_dtype=c)
                 assert torch.equal(out, _same_calls(q, k, v, None, 0, 1, None, mode, fmts))
                 assert not torch.equal(out, plain)
+        assert torch.equal(cp_ops.attention(q, k, v, comm_dtype=kv_apart),
+                           _same_calls(q, k, v, None, 0, 1, None, "ulysses", cd.normalize(kv_apart)))
         assert torch.equal(cp_ops.attention(q, k, v, mode="agkv"), plain)  # no comm_dtype: untouched
+        empty = q[..., :0]
+        assert cp_ops.attention(empty, empty, empty, comm_dtype=E4).shape == empty.shape
     finally:
         config.configure(emulate_comm=False)
 

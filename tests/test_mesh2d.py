@@ -144,6 +144,10 @@ def _rules(rank, w):
     q = torch.randn(1, 4, 6, 8)
     with pytest.raises(ValueError, match=r"heads=6, inner size=4 \(mesh 2x4\)"):
         cp_ops.attention(q, q, q, group=mesh)
+    # a 1xW mesh (1-D Ulysses over its inner dim): the mesh's rule and values (was: the 1-D message, advising
+    # mode='agkv', which a mesh refuses)
+    with pytest.raises(ValueError, match=r"heads=6, inner size=8 \(mesh 1x8\)"):
+        cp_ops.attention(q, q, q, group=_mesh((1, w)))
     with pytest.raises(ValueError, match=r"2-D CP mesh .* must be one of \('auto', 'agkv_ulysses'\); got 'ulysses'"):
         cp_ops.attention(q, q, q, group=mesh, mode="ulysses")
     q = torch.randn(1, 4, 8, 8)
@@ -189,7 +193,9 @@ def _one_rank_rejects(rank, w):
     assert (c.mode, c.chunks, c.source, c.transport) == ("agkv_ulysses", 1, "heuristic", "torch"), c
     c = cp_ops.describe(sh(q), group=mesh, mode="agkv_ulysses", chunks=2)
     assert (c.mode, c.chunks, c.source) == ("agkv_ulysses", 2, "explicit"), c
-    assert cp_ops.describe(sh(q), group=flat).mode == "ulysses"
+    c = cp_ops.describe(sh(q), group=flat)  # the rule that chose the mode (was: "mode 'ulysses' given")
+    assert c.mode == "ulysses" and "a 1x4 mesh: 1-D ulysses over its 'ulysses' dim" in c.why, c.why
+    assert "given" not in c.why, c.why
     with pytest.raises(ValueError, match=r"heads=4, inner size=4|inner size"):
         cp_ops.describe(sh(q)[:, :, :3], group=mesh)
     with pytest.raises(ValueError, match="comm_dtype"):
@@ -225,3 +231,29 @@ def _compiled_row_fails(rank, w):
 
 def test_compiled_row_failure_keeps_the_mesh_in_step():
     run_ranks(_compiled_row_fails, 4)
+
+
+def _remade_after_destroy(rank, w, store):
+    """A mesh made after destroy_process_group() and a re-init, with the destroyed mesh's layout (a DeviceMesh compares
+    equal by layout, and torch reuses the group names): its calls run on its own process groups (was: on the destroyed
+    mesh's, through the eager plan cached for the equal mesh — on NCCL, communicators already shut down)."""
+    from cp_ops import contract
+
+    q, k, v, _ = _data(1, 4 * w, 4, 8, seed=61)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    ref = _ref(q, k, v, None, (2, 2), rank, (4,) * w)
+    for n in range(2):
+        mesh, flat = _mesh((2, 2)), init_device_mesh("cpu", (w,), mesh_dim_names=("cp",))
+        for _ in range(2):  # the second call: the cached plan
+            assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=mesh), ref)
+            assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=flat, mode="agkv"),
+                               sh(masked_attention(q, k, v, None, None)))
+        for pg in (mesh.get_group("agkv"), mesh.get_group("ulysses"), flat.get_group()):
+            assert contract._groups[pg.group_name].pg is pg, (n, pg.group_name)  # its exchanges ran on this group
+        if n == 0:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=w)
+
+
+def test_a_mesh_remade_after_destroy_runs_on_its_own_groups(tmp_path):
+    run_ranks(_remade_after_destroy, 4, str(tmp_path / "store"))

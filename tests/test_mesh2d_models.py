@@ -64,3 +64,34 @@ def _cfg_mesh_models(rank, w):
 
 def test_models_on_cfg_x_2x2_mesh():
     run_ranks(_cfg_mesh_models, 8)
+
+
+def test_mesh_rules_raise_at_parallelize():
+    """parallelize(group=mesh, comm_dtype=FP8) raises at once, naming the rule, and installs nothing (was: raised at the
+    first forward, inside the attention call); a 3-D CFG mesh too; comm_dtype equal to the model's dtype is accepted;
+    a 3-D mesh of other dim names is told the 3-D form."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_ops.integrations.diffusers import parallelize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        model = build("wan")
+        for shape, names, seen in (((2, 4), ("agkv", "ulysses"), "2x4"),
+                                   ((2, 2, 2), ("cfg", "agkv", "ulysses"), "2x2")):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            for fp8 in (torch.float8_e4m3fn, {"k": torch.float8_e5m2}):
+                with pytest.raises(ValueError, match=rf"comm_dtype=.* on a 2-D mesh \({seen}\): FP8 communication runs "
+                                                     "on 1-D groups only"):
+                    parallelize(model, group=mesh, comm_dtype=fp8)
+                assert getattr(model, "_cp_ops_group", None) is None  # nothing installed
+        # a 3-D mesh of other names: the message names the 3-D form parallelize takes (was: "must be 1-D, or 2-D")
+        with pytest.raises(ValueError, match=r"3-D mesh must have mesh_dim_names=\('cfg', 'agkv', 'ulysses'\).*got a "
+                                             r"3-D mesh of shape \(2, 2, 2\) with mesh_dim_names=\('agkv', 'ulysses', "
+                                             r"'cfg'\)"):
+            parallelize(model, group=init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("agkv", "ulysses", "cfg")))
+        assert parallelize(model, group=init_device_mesh("cpu", (2, 4), mesh_dim_names=("agkv", "ulysses")),
+                           comm_dtype=next(model.parameters()).dtype) is model
+    finally:
+        dist.destroy_process_group()

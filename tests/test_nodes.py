@@ -74,6 +74,15 @@ def _one_node(rank, w):
     q = torch.randn(1, 4, 2, 8)
     cp_ops.attention(q, q, q, mode="agkv", chunks=1)
     assert contract._groups[dist.group.WORLD.group_name].shm is not None
+    # init_cp_mesh with arguments that differ by rank: ValueError on every rank (was: each rank built the mesh its own
+    # arguments chose, e.g. 2x1 on one rank and 1x2 on the other, and the first attention call failed on the modes)
+    from cp_ops.mesh import init_cp_mesh
+
+    with pytest.raises(ValueError, match=r"same arguments.*rank 0: tokens=4096, heads=7,.*rank 1: tokens=4096, "
+                                         r"heads=24"):
+        init_cp_mesh(4096, 7 if rank == 0 else 24, 128, device_type="cpu")
+    m, p = init_cp_mesh(4096, 24, 128, device_type="cpu")
+    assert tuple(m.shape) == (p.outer, p.inner) and p.outer * p.inner == w
 
 
 def test_one_node_uses_single_node_transport_and_shm():
@@ -157,3 +166,16 @@ def test_torchrun_two_simulated_nodes(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     assert "2 node(s) x 2 rank(s) (node ids: ['node0', 'node1'])" in outs[0], outs[0]
     assert "mesh (2, 2) ('agkv', 'ulysses')" in outs[0] and "over ranks: 0\n" in outs[0], outs[0]
+
+
+def test_attention_2d_mesh_argument():
+    """The example's --mesh: 'OxI' with two ints >= 1, else argparse's error naming the form (was: int()'s ValueError
+    on every rank, e.g. for '2x')."""
+    import argparse
+
+    from cp_ops.examples.attention_2d import mesh_arg
+
+    assert mesh_arg("2x4") == (2, 4) and mesh_arg("1X8") == (1, 8)
+    for bad in ("2x", "x4", "2x4x1", "0x4", "two", "-1x4"):
+        with pytest.raises(argparse.ArgumentTypeError, match=rf"takes OxI.*got '{bad}'"):
+            mesh_arg(bad)

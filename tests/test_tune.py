@@ -329,3 +329,46 @@ def _gpu_body(rank, w):
 def test_tuned_choice_identical_on_gpus():
     os.environ.setdefault("CP_OPS_TIMEOUT_S", "120")
     run_ranks(_gpu_body, 2, timeout=400.0, device="cuda")
+
+
+def _fp8_request(rank, w, tmp):
+    """Measuring on, an FP8 call is its own request: timed moving FP8 (was: the candidates ran without comm_dtype) and
+    kept apart from the plain call of the same shape (was: one stored choice for both, in memory and in the file)."""
+    from cp_ops import config
+    from cp_ops.kernels import fp8
+    from cp_ops.modes import tune
+
+    _fast_timing(tune)
+    path = os.path.join(tmp, f"rank{rank}.json")
+    config.configure(tune_modes=True, tune_cache=path)
+    encoded = []
+    enc = fp8.encode_torch  # what every FP8 launch on CPU runs (fp8.encode)
+    fp8.encode_torch = lambda x, fmt: encoded.append(fmt) or enc(x, fmt)
+    e4 = torch.float8_e4m3fn
+    q, k, v, _ = _inputs(rank, w, 41)
+    cp_ops.attention(q, k, v, mode="agkv", comm_dtype=e4)  # measures, then runs
+    first = len(encoded)
+    cp_ops.attention(q, k, v, mode="agkv", comm_dtype=e4)  # the stored choice: runs only
+    assert first > 2 * (len(encoded) - first), (first, len(encoded))  # the candidates' calls encoded too
+    assert cp_ops.describe(q, mode="agkv", comm_dtype=e4).source == "measured"
+    assert cp_ops.describe(q, mode="agkv").source == "pending"  # the plain call: not measured yet
+    cp_ops.attention(q, k, v, mode="agkv")
+    assert cp_ops.describe(q, mode="agkv").source == "measured"
+    entries = json.load(open(path))["entries"]
+    assert sorted(json.loads(key).get("comm", "") for key in entries) == ["", "q=e4m3,k=e4m3,v=e4m3,o=e4m3"]
+    # mode='auto' measured to Ulysses where the heuristic says AGKV (W = 2): Q, K, V and O travel in FP8, as asked
+    # (was: the formats of the heuristic's AGKV, K and V only)
+    def timer(cand, run, device, calls):
+        run()
+        return 1.0 if cand == ("ulysses", 1) else 2.0
+
+    tune._timer = timer
+    cp_ops.attention(q, k, v, comm_dtype=e4)
+    assert cp_ops.describe(q, comm_dtype=e4)[:3] == ("ulysses", 1, "measured")
+    before = len(encoded)
+    cp_ops.attention(q, k, v, comm_dtype=e4)
+    assert len(encoded) - before == 4, encoded[before:]
+
+
+def test_fp8_call_is_measured_apart(tmp_path):
+    run_ranks(_fp8_request, 2, str(tmp_path))

@@ -217,10 +217,12 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
 
     fmts = parse_comm_dtype(getattr(args, "comm_dtype", "none"))
     if fmts[1] != fmts[2]:  # AGKV moves K and V in one gather: one format for both (cp_ops.comm_dtype.for_mode)
-        if rank == 0 and any(m == "agkv" for _, m, _, _ in s_cases):
-            print(f"cp-ops bench: S={s}: agkv rows skipped: --comm-dtype {args.comm_dtype} puts K and V in different "
-                  "formats, and AGKV gathers them together", flush=True)
-        s_cases = [case for case in s_cases if case[1] != "agkv"]
+        # mode='auto' runs Ulysses then where W divides H, else AGKV (cp_ops.comm_dtype.auto_mode): skipped too
+        agkv = [case for case in s_cases if case[1] == "agkv" or (case[1] == "auto" and h % world_size)]
+        if rank == 0 and agkv:
+            print(f"cp-ops bench: S={s}: {'/'.join(sorted({m for _, m, _, _ in agkv}))} rows skipped: --comm-dtype "
+                  f"{args.comm_dtype} puts K and V in different formats, and AGKV gathers them together", flush=True)
+        s_cases = [case for case in s_cases if case not in agkv]
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
@@ -281,7 +283,7 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
         lat = summary(max_over_ranks_each(samples_ms(fn, device, 0, args.repeats), device))
         asked = mode == "auto" or c is None or group is not None  # a mesh: what it ran (a degenerate one: 1-D)
         on = pg if group is None else group
-        picked = describe(ql, group=on, mode=mode, transport=tr, chunks=c) if asked else None
+        picked = describe(ql, group=on, mode=mode, transport=tr, chunks=c, comm_dtype=wire) if asked else None
         used_mode = picked.mode if picked else choose_mode(mode, h, world_size)
         used_chunks = picked.chunks if picked else c
         graph = {}

@@ -294,7 +294,11 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     if device.type == "cuda":
         model.set_attention_backend("_native_cudnn")
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
-    mode = choose_mode(args.mode, spec.heads(cfg), world_size // (2 if args.cfg else 1))
+    from ..comm_dtype import auto_mode, parse as parse_comm_dtype
+
+    cp_world, fmts = world_size // (2 if args.cfg else 1), parse_comm_dtype(getattr(args, "comm_dtype", "none"))
+    # the mode the calls run: 'auto' with K and V apart in --comm-dtype runs Ulysses where W divides H (auto_mode)
+    mode = choose_mode(auto_mode(args.mode, fmts, spec.heads(cfg), cp_world), spec.heads(cfg), cp_world)
     transport = select_transport(args.transport, device.type)
 
     # one forward per row: every side is timed again in interleaved rounds at the end (see _interleaved); the
@@ -328,14 +332,11 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         mesh = build_mesh(shape, device.type, cfg=args.cfg)
         mode = "agkv_ulysses"
     try:
-        from ..comm_dtype import parse as parse_comm_dtype
-
         if mesh is not None:
             parallelize(model, group=mesh, transport=args.transport, chunks=getattr(args, "chunks", None))
         else:
             parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
-                        comm_dtype=parse_comm_dtype(getattr(args, "comm_dtype", "none")),
-                        **({"cfg_parallel": True} if args.cfg else {}))
+                        comm_dtype=fmts, **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
             if rank == 0:

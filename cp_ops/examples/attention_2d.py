@@ -23,6 +23,15 @@ import argparse
 import os
 
 
+def mesh_arg(text: str) -> tuple[int, int]:
+    """``--mesh``'s value 'OxI' (two ints >= 1) as ``(O, I)``; argparse.ArgumentTypeError naming the form else."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"takes OxI, two ints >= 1 (outer AGKV size x inner Ulysses size, e.g. 2x4); "
+                                         f"got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="full sequence length S over all ranks (default 4096)")
@@ -30,7 +39,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64, help="head dim D")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cuda: one GPU per rank, NCCL; cpu: gloo ranks (try it on one machine)")
-    ap.add_argument("--mesh", default=None, help="OxI: the split (default: the cost model's choice)")
+    ap.add_argument("--mesh", type=mesh_arg, default=None,
+                    help="OxI: the split, O*I = the ranks launched (default: the cost model's choice)")
     a = ap.parse_args()
 
     import torch
@@ -57,7 +67,9 @@ def main() -> None:
         ids = node.group_nodes(dist.group.WORLD)
         nodes, per = node.layout(ids)
         if a.mesh:
-            o, i = (int(x) for x in a.mesh.lower().split("x"))
+            o, i = a.mesh
+            if o * i != world:  # every rank sees the same values: every rank stops here
+                ap.error(f"--mesh {o}x{i} holds {o * i} ranks; this launch has {world}")
             mesh = init_device_mesh(dev.type, (o, i), mesh_dim_names=DIM_NAMES)
         else:
             mesh, pick = init_cp_mesh(a.tokens, a.heads, a.head_dim, device_type=dev.type,

@@ -29,6 +29,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from .. import contract
+
 log = logging.getLogger("cp_ops")
 
 
@@ -137,6 +139,10 @@ _REGISTRY: dict[str, Transport] = {}
 #: Preference of ``transport='auto'``: the first that can run wins; 'torch' always can.
 AUTO_ORDER: list[str] = []
 _logged: set = set()
+#: (requested name, the group object, device type) -> the transport :func:`for_group` chose. Keyed by the group object,
+#: not its name: torch names groups by a counter that ``destroy_process_group()`` resets, so a group made after a
+#: destroy can carry a destroyed group's name and must be asked again. The entries of destroyed groups are dropped when
+#: cp_ops notices one (:func:`cp_ops.contract.on_group_destroyed`; until then they only keep the old objects alive).
 _group_choice: dict[tuple, str] = {}
 #: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops.dispatch's plans) is stale when it moved.
 epoch = 0
@@ -257,9 +263,10 @@ def agreed_name(name: str, group_name: str, device) -> str | None:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     device = torch.device(device)
-    if backend_name(_resolve_process_group(group_name)) == "fake":
+    pg = _resolve_process_group(group_name)
+    if backend_name(pg) == "fake":
         return select_transport(name, device.type)
-    return _group_choice.get((name, group_name, device.type))
+    return _group_choice.get((name, pg, device.type))
 
 
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
@@ -271,7 +278,7 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
     """
     if name == "torch":
         return _REGISTRY["torch"]
-    key = (name, group.group_name, device.type)
+    key = (name, group, device.type)
     chosen = _group_choice.get(key)
     if chosen is not None:
         return _REGISTRY[chosen]
@@ -333,8 +340,19 @@ def inflight_limit() -> int | None:
     return min(limits) if limits else None
 
 
+def _drop_destroyed(_pg=None) -> None:
+    """Drop the choices of every group torch no longer knows (called when cp_ops notices a destroyed group)."""
+    live = contract._live_groups()
+    if live is not None:
+        for key in [k for k in _group_choice if k[1] not in live]:
+            del _group_choice[key]
+
+
 def forget_groups() -> None:
     """Drop the per-group choices (after a transport is shut down and may be started again)."""
     global epoch
     _group_choice.clear()
     epoch += 1
+
+
+contract.on_group_destroyed(_drop_destroyed)

@@ -10,6 +10,7 @@ import torch
 from ... import modes
 from ...group import resolve_group
 from ...comm_dtype import normalize as normalize_comm_dtype
+from ...mesh import check_comm_dtype as check_mesh_comm_dtype
 from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
 from . import caches, dispatch, hooks
@@ -49,6 +50,10 @@ def mesh_groups(group: Any, cfg_parallel: bool):
                              f"in order (init_device_mesh(device, (2, O, I), ...)); got shape {tuple(group.shape)} "
                              f"over ranks {group.mesh.flatten().tolist()}")
         return world, group["agkv", "ulysses"], True
+    if group.ndim == 3:
+        raise ValueError(f"parallelize: a 3-D mesh must have mesh_dim_names=('cfg', 'agkv', 'ulysses') (CFG lanes x "
+                         f"2-D CP), a 2-D one ('agkv', 'ulysses'); got a 3-D mesh of shape {tuple(group.shape)} with "
+                         f"mesh_dim_names={group.mesh_dim_names}")
     check_names(group)
     if cfg_parallel:
         raise ValueError("parallelize: cfg_parallel=True with a 2-D CP mesh: pass a 3-D mesh with mesh_dim_names "
@@ -87,7 +92,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             runs, pipelined only where its shards are even.
         comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
             ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn``; a dict per tensor q/k/v/o):
-            ``docs/fp8.md`` (its error on full models, which default is safe). Checked here (ValueError).
+            ``docs/fp8.md`` (its error on full models, which default is safe). Checked here (ValueError; on a mesh
+            only None or the model's dtype for now: :func:`cp_ops.mesh.check_comm_dtype`).
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
@@ -108,7 +114,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     Raises:
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
             mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
-            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled. At run time: a stream with fewer tokens than ranks; a mask CP attention cannot take (only bool key-padding masks);
+            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled, an
+            FP8 ``comm_dtype`` with a mesh. At run time: a stream with fewer tokens than ranks; a mask CP attention
+            cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
             (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
         RuntimeError: torch.distributed not initialized.
@@ -120,7 +128,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     check_chunks(chunks)
-    comm_dtype = normalize_comm_dtype(comm_dtype, next((p.dtype for p in transformer.parameters()), None))
+    given_comm_dtype, model_dtype = comm_dtype, next((p.dtype for p in transformer.parameters()), None)
+    comm_dtype = normalize_comm_dtype(comm_dtype, model_dtype)
     if cuda_graphs and not compile:
         raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
                          "mode='reduce-overhead'); got compile=False")
@@ -141,6 +150,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
     if attn_group is not None and mode not in modes.names(dims=2):
         raise ValueError(f"parallelize on a 2-D CP mesh: mode must be one of {modes.names(dims=2)}; got {mode!r}")
+    if attn_group is not None:
+        check_mesh_comm_dtype(given_comm_dtype, model_dtype, "x".join(map(str, attn_group.shape)))
     plan = spec.plan(transformer)
     # resolve every path first, so a failure installs nothing
     for path, _ in plan:
