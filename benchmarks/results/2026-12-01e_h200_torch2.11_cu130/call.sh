@@ -43,13 +43,18 @@ for s in $STEPS; do case $s in
   flux_rg)     st flux_rg 150 70 TORCH_LOGS=recompiles -- flux --bound 4,8 --bound-compile regional+graphs --cost --no-group1 $P ;;
   qwen_rg)     st qwen_rg 140 70 -- qwenimage --bound 4,8 --bound-compile regional+graphs --cost --no-group1 $P ;;
   zimage_rg)   st zimage_rg 110 60 -- zimage --bound 4,8 --bound-compile regional+graphs --cost --no-group1 $P ;;
-  flux_rg8)    st flux_rg8 130 60 -- flux --bound 8 --bound-compile regional+graphs --cost --no-group1 $P ;;
   # priority 2: long video cases, eager, 1 round (no warm-up: each side's first call is its warm-up)
   wan14b_720p) st wan14b_720p 130 80 -- wan --config 14b --frames 21 --height 90 --width 160 --bound 2,4,8 \
                  --bound-compile eager --cost --no-group1 --warmup 0 --repeats 1 ;;
   hv_720p)     st hv_720p 200 125 -- hunyuanvideo --frames 33 --height 90 --width 160 --bound 2,4,8 \
                  --bound-compile eager --no-group1 --warmup 0 --repeats 1 ;;
   ltx)         st ltx 110 50 -- ltx --bound 2,4,8 --bound-compile eager,regional+graphs --cost --no-group1 ;;
+  # call 2: the layout copies A/B (layout.wide), then the re-measured rows after the fixes (profiled)
+  pack_ab)     echo "=== pack_ab (t=$((SECONDS - T0)) s)" | tee -a "$LOG"
+               timeout -k 5 60 python3 benchmarks/results/2026-12-01e_h200_torch2.11_cu130/pack_ab.py "$W/pack_ab.json" 2>&1 \
+                 | tee -a "$LOG"; pack ;;
+  qwen_rg2)    st qwen_rg2 95 60 -- qwenimage --bound 4,8 --bound-compile regional+graphs --cost --no-group1 $P ;;
+  flux_rg8)    st flux_rg8 80 55 -- flux --bound 8 --bound-compile regional+graphs --cost --no-group1 $P ;;
   *) echo "=== unknown step $s" | tee -a "$LOG" ;;
 esac; done
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
