@@ -39,15 +39,16 @@ _WIDE = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 def wide(x: torch.Tensor) -> torch.Tensor:
     """``x`` seen as the widest integer dtype its rows allow (the same bytes, a shorter last dim; ``x`` itself when
-    none is wider than its own, or under torch.compile, where Inductor writes its own copy kernels).
+    none is wider than its own; under torch.compile, where Inductor writes its own copy kernels; when ``x`` requires
+    grad, so the autograd graph and cp_ops' "no backward" error go through the copy).
 
     Why: the layout copies of eager code (Ulysses' pack and unpack) are strided, and a strided copy runs ATen's
     non-vectorized elementwise kernel one element per lane; moved as int64 a bf16 row takes 4x fewer elements
     (measured on an H200: 1.9-2.3x faster, ``benchmarks/results/2026-12-01e_h200_torch2.11_cu130/pack_ab.json``).
     The rule is ``Tensor.view(dtype)``'s: last dim contiguous and divisible, storage offset and the other strides
     divisible by the width ratio. About 1-2 µs of host time per call."""
-    if torch.compiler.is_compiling():
-        return x
+    if torch.compiler.is_compiling() or x.requires_grad:  # an integer view would cut the autograd graph (and the
+        return x                                             # "no backward" error raised through it)
     shape, stride, size = x.shape, x.stride(), x.element_size()
     if not shape or size >= 8 or (stride[-1] != 1 and shape[-1] != 1):
         return x

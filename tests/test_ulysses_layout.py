@@ -131,3 +131,11 @@ def test_layout_copies_move_rows_as_wide_integers_bitwise(dtype, d, wide):
     buf = bits[:w].view(dtype).reshape(w, b, s, h, d)
     un = layout.ulysses_inverse_unpack(buf)
     assert un.dtype == dtype and torch.equal(raw(un), raw(buf.permute(1, 2, 0, 3, 4).reshape(b, s, w * h, d)))
+
+
+def test_wide_keeps_a_tensor_that_requires_grad():
+    """An integer view has no grad_fn: a tensor that requires grad keeps its dtype (cp_ops' backward error, which
+    tests/test_grad.py checks through the public collectives, must still be reached through the copies)."""
+    x = torch.randn(1, 4, 2, 8, requires_grad=True)
+    assert layout.wide(x) is x and layout.wide(x.detach()).dtype == torch.int64
+    assert layout.ulysses_inverse_unpack(x.view(2, 1, 2, 2, 8)).grad_fn is not None
