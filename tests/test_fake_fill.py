@@ -152,3 +152,28 @@ def test_nothing_on_a_group_that_is_not_fake(fake4, monkeypatch):
     with fake_fill.recording() as rec:
         fake_fill.fill("alltoall_base", fake4, out, inp)
     assert rec == [] and torch.isnan(out).all()
+
+
+def test_records_say_who_wrote(fake4, monkeypatch):
+    """Each record names its writer — cp_ops' fill (a kind the backend leaves unwritten) or torch's fake backend —
+    so the replay copies as that writer did; on CPU the replay is timed launched (no CUDA graph), and asking for a
+    graph off CUDA is refused with the rule."""
+    fake_fill.enable(fake4, torch.device("cpu"))
+    monkeypatch.setitem(fake_fill._unwritten, "alltoall_base", True)
+    monkeypatch.setitem(fake_fill._unwritten, "_allgather_base", False)
+    inp = torch.randn(3, 5)
+    with fake_fill.recording() as rec:
+        fake_fill.fill("alltoall_base", fake4, torch.empty(3, 5), inp)
+        fake_fill.fill("_allgather_base", fake4, torch.empty(12, 5), inp)
+    assert [(r[0], r[-1]) for r in rec] == [("alltoall_base", "cp_ops"), ("_allgather_base", "torch")]
+    assert fake_fill.replay_ms(rec, torch.device("cpu")) > 0
+    with pytest.raises(RuntimeError, match="graphed=True needs a CUDA device; got cpu"):
+        fake_fill.replay_ms(rec, torch.device("cpu"), graphed=True)
+
+
+def test_torch_writes_replayed_per_chunk():
+    """torch's own writes are replayed as its fake backend makes them: every chunk of the output = the input."""
+    inp = torch.randn(2, 3)
+    out = torch.full((8, 3), float("nan"))
+    fake_fill._write_as_torch(out, inp)
+    assert torch.equal(out, inp.repeat(4, 1))

@@ -104,3 +104,38 @@ def test_eager_ulysses_bitwise_equals_the_ops():
     from dist_util import run_ranks
 
     run_ranks(_eager_equals_ops, 2)
+
+
+@pytest.mark.parametrize("dtype,d,wide", [(torch.bfloat16, 128, torch.int64), (torch.float32, 6, torch.int64),
+                                          (torch.bfloat16, 6, torch.int32), (torch.uint8, 132, torch.int32),
+                                          (torch.float16, 7, torch.float16)])
+def test_layout_copies_move_rows_as_wide_integers_bitwise(dtype, d, wide):
+    """The eager layout copies (pack, inverse pack, inverse unpack) move each row as the widest integer dtype it allows
+    (layout.wide: 4x fewer elements for bf16 rows of 128) and keep every bit: random bit patterns, NaN payloads
+    among them, come through equal as raw bytes; a row that allows no wider dtype keeps its own."""
+    w, b, s, h = 2, 2, 3, 4
+    g = torch.Generator().manual_seed(d)
+    bits = torch.randint(0, 256, (3, b, s, h, d * torch.empty(0, dtype=dtype).element_size()), generator=g,
+                         dtype=torch.uint8)
+    xs = list(bits.view(dtype).unbind(0))
+    assert layout.wide(xs[0]).dtype == wide
+    raw = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 - compare bytes, not values (NaN != NaN)
+    want = torch.empty(w, b, s, 3, h // w, d, dtype=dtype)  # the definition, as _pack_reference (any dtype)
+    for i, t in enumerate(xs):
+        for r in range(w):
+            want[r, :, :, i] = t[:, :, r * (h // w):(r + 1) * (h // w)]
+    assert torch.equal(raw(layout.ulysses_pack(xs, w)), raw(want))
+    x6 = torch.cat([xs[0], xs[1]], dim=1)  # [B, 6, H, D]: 6 tokens over W = 2 (H as the heads Hl it holds)
+    inv = layout.ulysses_inverse_pack(x6, w)
+    assert inv.dtype == dtype and torch.equal(raw(inv), raw(x6.reshape(b, w, 3, h, d).transpose(0, 1)))
+    buf = bits[:w].view(dtype).reshape(w, b, s, h, d)
+    un = layout.ulysses_inverse_unpack(buf)
+    assert un.dtype == dtype and torch.equal(raw(un), raw(buf.permute(1, 2, 0, 3, 4).reshape(b, s, w * h, d)))
+
+
+def test_wide_keeps_a_tensor_that_requires_grad():
+    """An integer view has no grad_fn: a tensor that requires grad keeps its dtype (cp_ops' backward error, which
+    tests/test_grad.py checks through the public collectives, must still be reached through the copies)."""
+    x = torch.randn(1, 4, 2, 8, requires_grad=True)
+    assert layout.wide(x) is x and layout.wide(x.detach()).dtype == torch.int64
+    assert layout.ulysses_inverse_unpack(x.view(2, 1, 2, 2, 8)).grad_fn is not None

@@ -364,3 +364,30 @@ def _cuda_compiled(rank, w):
 @TWO_GPUS
 def test_cuda_uneven_compiled_equals_eager():
     run_ranks(_cuda_compiled, 2, device="cuda")
+
+
+@pytest.mark.parametrize("seq", [(862,) + (861,) * 7, (6, 5), (4, 4, 3, 3), (3, 3, 3, 2), (6, 6, 6, 5),
+                                 (1, 10, 0, 3), (5, 0, 12), (2, 1, 1, 1), (1, 1, 0, 0)])
+def test_repad_traced_equals_eager_and_is_two_parts_on_standard_splits(seq):
+    """Shards.repad under torch.compile (the traced form) = the eager index_select on every real row, zeros in the
+    padding; on the standard split (layout.shard_sizes) the traced graph cats at most 2 parts (it catted 2W - 1:
+    15 one-copy kernels per call on Qwen-Image at W = 8 under CUDA graphs)."""
+    w, total = len(seq), sum(seq)
+    sh = layout.Shards(seq, w, 0, seq[0], torch.device("cpu"))
+    out = torch.randn(2, total, 3, 4, generator=torch.Generator().manual_seed(total))
+    cats = []
+
+    def backend(gm, example_inputs):
+        cats.extend(len(n.args[0]) for n in gm.graph.nodes if n.target is torch.cat)
+        return gm
+
+    torch._dynamo.reset()
+    traced = torch.compile(sh.repad, backend=backend, fullgraph=True)(out)
+    eager = sh.repad(out)
+    assert traced.shape == eager.shape == (2, w * sh.smax, 3, 4)
+    real = torch.cat([torch.arange(r * sh.smax, r * sh.smax + n) for r, n in enumerate(seq)])
+    pad = torch.tensor([i for i in range(w * sh.smax) if i not in set(real.tolist())], dtype=torch.long)
+    assert torch.equal(traced[:, real], eager[:, real]) and torch.equal(traced[:, real], out)
+    assert torch.count_nonzero(traced[:, pad]) == 0
+    if seq == layout.shard_sizes(total, w) and sh.smax > 1 and not sh.full:
+        assert cats and max(cats) <= 2, f"standard split {seq}: cat of {cats} parts"

@@ -10,7 +10,8 @@ queries against all S keys, the replicated text/timestep work — plus cp_ops' h
 No CP implementation of the same model can beat it (its limits: ``docs/measuring.md``). The fake collectives write
 their outputs with this rank's own data (:mod:`cp_ops.transport.fake_fill`; torch 2.11's fake backend leaves them
 unwritten, and kernels on stale zeros run faster than on real data): those copies are recorded on each side's first
-call, timed alone (``fill_ms``) and taken out of rank 0's time (``rank0_ms``; measured: ``rank0_raw_ms``).
+call, timed alone (``fill_ms``: their device time, replayed in one CUDA graph on CUDA) and taken out of rank 0's
+time (``rank0_ms``; measured: ``rank0_raw_ms``).
 ``--unwritten`` leaves them as torch does. ``t(one device)`` is the
 faster of two single-device sides, and each row says which: ``diffusers`` (the unmodified model, attention backend
 cuDNN on CUDA) and ``group of 1`` (the model parallelized over a fake group of one rank: cp_ops' path, no split).
@@ -397,6 +398,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
                 warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
+                fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
+                             else "replayed alone, launched back to back"),
                 fake_outputs=("unwritten (--unwritten)" if not written else
                               "written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
                               + (", ".join(k for k, v in written.items() if v) or "nothing")

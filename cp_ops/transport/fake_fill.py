@@ -82,9 +82,9 @@ def _is_fake(pg: dist.ProcessGroup) -> bool:
     return str(dist.get_backend(pg)) == "fake"
 
 
-def _note(kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+def _note(kind: str, out: torch.Tensor, inp: torch.Tensor, by: str) -> None:
     if _records is not None:
-        _records.append((kind, tuple(out.shape), tuple(inp.shape), out.dtype, out.device))
+        _records.append((kind, tuple(out.shape), tuple(inp.shape), out.dtype, out.device, by))
 
 
 def _write(kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -103,16 +103,17 @@ def fill(kind: str, pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor)
     on any other group. Call only when :data:`ACTIVE` (the callers check it first)."""
     if not _is_fake(pg):
         return
-    _note(kind, out, inp)
-    if _unwritten.get(kind, True):
+    mine = _unwritten.get(kind, True)
+    _note(kind, out, inp, "cp_ops" if mine else "torch")
+    if mine:
         with torch.no_grad():
             _write(kind, out, inp)
 
 
 @contextlib.contextmanager
 def recording():
-    """Collect ``(kind, out_shape, in_shape, dtype, device)`` of every fake collective write inside the block
-    (whoever writes it: torch's fake backend or :func:`fill`); yields the list."""
+    """Collect ``(kind, out_shape, in_shape, dtype, device, by)`` of every fake collective write inside the block
+    (``by``: ``'cp_ops'`` when :func:`fill` writes it, ``'torch'`` when torch's fake backend does); yields the list."""
     global _records
     prev, _records = _records, []
     try:
@@ -121,27 +122,58 @@ def recording():
         _records = prev
 
 
-def replay_ms(records: list, device: torch.device, repeats: int = 5) -> float:
-    """Device time in ms of the writes ``records`` lists (:func:`recording`), replayed alone on ``device`` on
-    standard-normal inputs: what they add to a forward. Writes of one shape share one buffer pair and run back to
-    back (the median of ``repeats`` runs), so the replay needs memory for one write of each shape only."""
-    from ..timing import time_ms
+def _write_as_torch(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """What torch's fake backend does for the writes it makes (torch 2.11, seen in an H200 trace): one copy per
+    chunk of ``out`` (W ``memcpy`` kernels for a W-rank all-gather), not one broadcast copy."""
+    if out.shape == inp.shape:
+        out.copy_(inp)
+    else:
+        for chunk in out.view(out.shape[0] // inp.shape[0], *inp.shape).unbind(0):
+            chunk.copy_(inp)
 
-    counts: dict = {}
-    for kind, out_shape, in_shape, dtype, _ in records:
-        key = (kind, out_shape, in_shape, dtype)
-        counts[key] = counts.get(key, 0) + 1
-    total = 0.0
+
+def replay_ms(records: list, device: torch.device, repeats: int = 5, graphed: bool | None = None) -> float:
+    """Device time in ms of the writes ``records`` lists (:func:`recording`), replayed alone on ``device`` on
+    standard-normal inputs: what they add to a forward. Each write is replayed as its writer made it (cp_ops: one
+    copy; torch's fake backend: one copy per chunk). Writes of one shape share one buffer pair, so the replay needs
+    memory for one write of each shape only.
+
+    ``graphed`` (default: on CUDA): all the writes are captured in one CUDA graph and its replay timed (median of
+    ``repeats``), so the result is their device time without the host's launches — replayed one launch at a time
+    the hundreds of ~3 µs copies of an image model are launch-bound (FLUX.1-dev at W = 8: 172 writes took 1.21 ms
+    so, 0.45 ms of device time inside the forward's CUDA graphs), and taking that out of a forward would make its
+    bound optimistic. Inside a host-bound eager forward the writes' launches cost host time too; they stay in
+    rank 0's time (as a real collective's launch would). ``graphed=False`` (always on CPU): the writes launched
+    back to back, timed as they run.
+
+    Raises:
+        RuntimeError: ``graphed=True`` off CUDA, or the capture failed.
+    """
+    from ..timing import Graphed, time_ms
+
     device = torch.device(device)
-    for (kind, out_shape, in_shape, dtype), n in counts.items():
+    graphed = device.type == "cuda" if graphed is None else graphed
+    if graphed and device.type != "cuda":
+        raise RuntimeError(f"fake_fill.replay_ms: graphed=True needs a CUDA device; got {device}")
+    counts: dict = {}
+    for kind, out_shape, in_shape, dtype, _, *by in records:
+        key = (kind, out_shape, in_shape, dtype, by[0] if by else "cp_ops")
+        counts[key] = counts.get(key, 0) + 1
+    work = []
+    for (kind, out_shape, in_shape, dtype, by), n in counts.items():
         inp = torch.randn(in_shape, device=device).to(dtype) if dtype.is_floating_point else \
             torch.ones(in_shape, device=device, dtype=dtype)
-        out = torch.empty(out_shape, device=device, dtype=dtype)
+        work.append((kind, torch.empty(out_shape, device=device, dtype=dtype), inp, n, by))
 
-        def run(kind=kind, out=out, inp=inp, n=n):
+    def run():
+        for kind, out, inp, n, by in work:
             for _ in range(n):
-                _write(kind, out, inp)
+                if by == "torch":
+                    _write_as_torch(out, inp)
+                else:
+                    _write(kind, out, inp)
 
-        total += time_ms(run, device, 1, repeats)
-        del inp, out
-    return total
+    if not work:
+        return 0.0
+    with torch.no_grad():
+        return time_ms(Graphed(run, device, warmup=1) if graphed else run, device, 1, repeats)
