@@ -242,8 +242,10 @@ def _split(q, group, seq_lens, chunks):
     except (RuntimeError, ValueError):
         return group, "auto", dispatch.attention  # the dispatcher raises it
     if torch.compiler.is_compiling():
+        if pg.size() == 1 or not split.spans_nodes(pg.group_name):
+            return group, "auto", dispatch.attention
         req = split._request(q, seq_lens, chunks)
-        if req is None or pg.size() == 1:
+        if req is None:
             return group, "auto", dispatch.attention
         b, s, h, d, dtype, piped = req
         got = split.decide(pg.group_name, (b, s, h, d), dtype, piped, split._seq(seq_lens, pg.size()), q.device.type)

@@ -25,7 +25,8 @@ raised at ``CP_OPS_TIMEOUT_S`` (naming the ranks that did not arrive), not at on
 **Not used** (the 1-D heuristic decides, as on one node): a group on one node; nodes holding different rank counts or
 ranks not numbered node by node (the split's rows would not be nodes; :attr:`Split.why` says so); ``comm_dtype``
 given (FP8 runs on 1-D groups only); an explicit ``mode``. Under ``torch.compile`` the choice is made while tracing
-(:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path.
+(:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path; the choice depends on the sizes,
+so on several nodes a dynamic-shape compile specializes them (one graph per shape; on one node they stay dynamic).
 
 :func:`cp_ops.describe` reports the split and the cost model's numbers (:attr:`Split.why`) once the group's node layout
 is known (after its first ``mode='auto'`` call); before, it answers as for one node (it makes no collective).
@@ -33,6 +34,7 @@ is known (after its first ``mode='auto'`` call); before, it answers as for one n
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -72,7 +74,7 @@ def _request(q, seq_lens, chunks):
     not a 4-D tensor of a supported dtype (the dispatcher's checks raise)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _DTYPES:
         return None
-    b, s, h, d = (int(x) for x in q.shape)
+    b, s, h, d = (operator.index(x) for x in q.shape)  # under torch.compile: specializes symbolic sizes (guards)
     return b, s, h, d, _DTYPES[q.dtype], chunks is not None and type(chunks) is int and chunks > 1
 
 
@@ -147,6 +149,17 @@ def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, s
 
 
 decide._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch.compiler.assume_constant_result
+
+
+def spans_nodes(group_name: str) -> bool:
+    """Whether the group's ranks are on more than one node (collective on the group's first call:
+    :func:`cp_ops.node.group_nodes`). Marked constant for ``torch.compile``, as :func:`decide`."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return len(set(node.group_nodes(_resolve_process_group(group_name)))) > 1
+
+
+spans_nodes._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch.compiler.assume_constant_result
 
 
 def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
