@@ -396,14 +396,36 @@ def test_parallelize_comm_dtype():
 ONE_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-# Known failure, measured on 1x H200 (Triton 3.6, torch 2.11, 2026-12-01): the Triton encode differs from the torch
-# quantizer in 46-53 bytes of the self-test's sweep for every format and dtype, so use_triton() is False there and the
-# codec runs the torch version (correct, slower: 80-1500 us per tensor). Strict: the day the kernels match, this fails
-# and the mark comes off.
+def _scales_are_ieee_quotients(device):
+    """The torch encoder's scales are amax / fp8_max correctly rounded (IEEE division, as the Triton kernel's div_rn),
+    on ``device``. Found on an H200: torch's CUDA division by a Python scalar multiplies by the fp32 reciprocal of
+    448 instead (one ulp off for some rows), so the Triton kernels differed from the torch version in 46-53 bytes of
+    the self-test (the scale bytes) and the codec fell back to torch. The data has rows where the two differ."""
+    g = torch.Generator(device=device).manual_seed(7)
+    x = torch.randn(512, 64, generator=g, device=device) * torch.rand(512, 1, generator=g, device=device) * 100
+    for fmt, (_, fmax) in fp8.FORMATS.items():
+        scale = fp8.encode_torch(x, fmt)[:, -4:].contiguous().view(torch.float32)[:, 0]
+        amax = x.abs().amax(-1).double()
+        exact = (amax / fmax).float()  # double then float: correctly rounded (53 >= 2*24 + 2 bits)
+        assert torch.equal(scale, exact), (fmt, int((scale != exact).sum()))
+        recip = amax.float() * torch.tensor(1 / fmax, dtype=torch.float32, device=device)
+        assert (recip != exact).any()  # the data tells the two apart
+
+
+def test_scales_are_ieee_quotients_cpu():
+    _scales_are_ieee_quotients(torch.device("cpu"))
+
+
 @pytest.mark.gpu
 @ONE_CUDA
-@pytest.mark.xfail(strict=True, reason="Triton FP8 encode not bitwise equal to torch's on H200 (self-test: 46-53 "
-                   "bytes differ); the codec falls back to the torch version")
+def test_scales_are_ieee_quotients_cuda():
+    _scales_are_ieee_quotients(torch.device("cuda"))
+
+
+# Was a strict xfail until 2026-12-01e: the torch version's scale was amax * fl(1/448) on CUDA (see
+# _scales_are_ieee_quotients), the Triton kernel's amax / 448; both divide now.
+@pytest.mark.gpu
+@ONE_CUDA
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 4096, 24, 128), (2, 333, 5, 64), (3, 7, 2, 6)])

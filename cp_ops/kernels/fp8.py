@@ -83,7 +83,10 @@ def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
     dt, fmax = FORMATS[fmt]
     # max |x| over the row in fp32 (exact: a max), then the scale; x / scale in fp32 (x promoted exactly)
     amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    scale = amax.clamp_min_(AMAX_FLOOR).div_(fmax)  # [..., 1] fp32
+    # amax / fp8_max as an IEEE division on every device, as the Triton kernel's div_rn: the divisor is a tensor on
+    # x's device, because torch's CUDA division by a Python (CPU) scalar multiplies by its fp32 reciprocal instead,
+    # one ulp off amax / 448 for some amax (the 46-53 bytes the H200 self-test found; CPU divides either way)
+    scale = amax.clamp_min_(AMAX_FLOOR).div_(amax.new_full((), fmax))  # [..., 1] fp32
     q = torch.div(x, scale).clamp_(-fmax, fmax).to(dt)
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
