@@ -9,7 +9,7 @@ import torch
 
 from ... import modes
 from ...group import resolve_group
-from ...comm_dtype import normalize as normalize_comm_dtype
+from ...comm_dtype import NONE as COMM_NONE, for_mode as comm_for_mode, normalize as normalize_comm_dtype
 from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
 from . import caches, dispatch, hooks
@@ -58,6 +58,21 @@ def mesh_groups(group: Any, cfg_parallel: bool):
     return pg, group, False
 
 
+def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
+    """K and V in different formats where every call would gather them together — mode 'agkv', or a 2-D mesh of more
+    than one row (its outer dim gathers K and V) — raise here (ValueError), not at the first forward."""
+    if fmts == COMM_NONE:
+        return
+    rows, cols = (1, 1) if mesh is None else tuple(mesh.mesh.shape)
+    kv_mode = "agkv_ulysses" if rows > 1 and cols > 1 else "agkv" if rows > 1 or mode == "agkv" else None
+    if kv_mode is not None:
+        try:
+            comm_for_mode(fmts, kv_mode)
+        except ValueError as e:
+            where = f"a {rows}x{cols} mesh" if mesh is not None else f"mode={mode!r}"
+            raise ValueError(f"parallelize on {where}: {e}") from None
+
+
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
                 cuda_graphs: bool = False, comm_dtype: Any = None) -> torch.nn.Module:
@@ -87,7 +102,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             runs, pipelined only where its shards are even.
         comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
             ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn``; a dict per tensor q/k/v/o):
-            ``docs/fp8.md`` (its error on full models, which default is safe). Checked here (ValueError).
+            ``docs/fp8.md`` (its error on full models, which default is safe). Works on every group kind (a 2-D mesh
+            too). Checked here (ValueError), K and V in different formats included where the calls gather them
+            together (mode 'agkv', a mesh of more than one row).
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
@@ -141,6 +158,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
     if attn_group is not None and mode not in modes.names(dims=2):
         raise ValueError(f"parallelize on a 2-D CP mesh: mode must be one of {modes.names(dims=2)}; got {mode!r}")
+    _check_comm_dtype(comm_dtype, mode, attn_group)
     plan = spec.plan(transformer)
     # resolve every path first, so a failure installs nothing
     for path, _ in plan:
