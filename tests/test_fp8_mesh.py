@@ -259,3 +259,24 @@ def _parallelize_on_mesh(rank, w):
 def test_parallelize_on_a_mesh_with_comm_dtype():
     run_ranks(_parallelize_on_mesh, 4)
 
+
+
+def _one_by_one(rank, w):
+    """A 1x1 mesh with CP_OPS_EMULATE_COMM=1: what a larger mesh computes at chunks 1 (Q and O round-tripped once, K
+    and V twice); without the setting, local attention."""
+    from cp_ops import config
+
+    mesh = _mesh((1, 1))
+    q, k, v, _ = _data(1, 12, 4, 16, seed=95)
+    assert torch.equal(cp_ops.attention(q, k, v, group=mesh, comm_dtype=E4), local_attention(q, k, v))
+    config.configure(emulate_comm=True)
+    try:
+        out = cp_ops.attention(q, k, v, group=mesh, comm_dtype=E4)
+        f = "e4m3"
+        assert torch.equal(out, _same_calls(_rt(q, f), _rt(k, f, 2), _rt(v, f, 2), f, None, 0, (12,), (1, 1)))
+    finally:
+        config.configure(emulate_comm=False)
+
+
+def test_one_by_one_mesh_emulates():
+    run_ranks(_one_by_one, 1)
