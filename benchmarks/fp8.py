@@ -22,7 +22,8 @@
   the same for every W of one mode: per-(token, head) scales), e5m2, and a 2-D mesh (a 1x1 mesh with the emulation:
   K and V cross two links, each through the codec) — the pixel-space PSNR of the image in [0, 1] (peak 1) and the
   relative error of the raw decoder output, against bf16 communication (the same group of one, comm_dtype None,
-  which equals one GPU bitwise; checked in the row ``bf16 comm``).
+  which equals one GPU bitwise; checked in the row ``bf16 comm``). For scale (CUDA): one GPU with another bf16 SDPA
+  kernel (flash instead of cuDNN), no FP8.
 
 Writes ``DIR/fp8_<section>.json`` (one list of rows each) and prints one line per row.
 """
@@ -237,6 +238,12 @@ def vae(device, args) -> list[dict]:
         return x, (x / 2 + 0.5).clamp(0, 1)
 
     one_raw, one_img = decode(denoise(model, spec, kw, args.steps, device)[0])
+    floor = None
+    if gpu:  # a scale for the rows: another bf16 SDPA kernel (flash instead of cuDNN), no FP8, one GPU
+        model.set_attention_backend("_native_flash")
+        fl_raw, fl_img = decode(denoise(model, spec, kw, args.steps, device)[0])
+        floor = dict(psnr_db=_psnr(fl_img, one_img), **_rel(fl_raw, one_raw))
+        model.set_attention_backend("_native_cudnn")
     parallelize(model, group=dist.group.WORLD, mode="agkv")
     state = model._cp_ops_state
     bf_raw, bf_img = decode(denoise(model, spec, kw, args.steps, device)[0])
@@ -245,7 +252,10 @@ def vae(device, args) -> list[dict]:
                 image=list(one_img.shape[-2:]), build_s=round(time.perf_counter() - t0, 1),
                 image_std=one_img.std().item())
     rows = [dict(base, variant="bf16 comm (group of 1) vs 1 GPU", psnr_db=_psnr(bf_img, one_img), **_rel(bf_raw, one_raw))]
-    print(json.dumps(rows[-1]), flush=True)
+    if floor is not None:
+        rows.append(dict(base, variant="scale: 1 GPU, SDPA flash vs cuDNN (no FP8)", **floor))
+    for r in rows:
+        print(json.dumps(r), flush=True)
     picks = {}  # mode 'auto' at each W for this head count -> the Ws
     for w in (2, 4, 8):
         picks.setdefault(modes.choose("auto", heads, w), []).append(w)
