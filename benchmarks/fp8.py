@@ -183,8 +183,8 @@ def _vae(device, dtype, latent_channels: int = 16):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(128, 256, 512, 512),
-                            layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4,
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels,
+                            block_out_channels=(128, 256, 512, 512), layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4,
                             up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32, scaling_factor=0.3611,
                             shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
     return vae.to(device=device, dtype=dtype).eval()
@@ -251,7 +251,8 @@ def vae(device, args) -> list[dict]:
     base = dict(model=name, config=conf, tokens=spec.tokens(cfg, f, hh, ww), heads=heads, steps=args.steps,
                 image=list(one_img.shape[-2:]), build_s=round(time.perf_counter() - t0, 1),
                 image_std=one_img.std().item())
-    rows = [dict(base, variant="bf16 comm (group of 1) vs 1 GPU", psnr_db=_psnr(bf_img, one_img), **_rel(bf_raw, one_raw))]
+    rows = [dict(base, variant="bf16 comm (group of 1) vs 1 GPU", psnr_db=_psnr(bf_img, one_img),
+                 **_rel(bf_raw, one_raw))]
     if floor is not None:
         rows.append(dict(base, variant="scale: 1 GPU, SDPA flash vs cuDNN (no FP8)", **floor))
     for r in rows:

@@ -46,7 +46,8 @@ def main(d: str) -> None:
         print()
     vae = _load(d, "vae")
     if vae:
-        print("| model | steps | image | variant | pixel PSNR vs bf16 comm (dB) | decoder output vs bf16 comm (max / rms) |")
+        print("| model | steps | image | variant | pixel PSNR vs bf16 comm (dB) "
+              "| decoder output vs bf16 comm (max / rms) |")
         print("|---|---|---|---|---|---|")
         for r in vae:
             print(f"| {r['model']} {r['config']} ({r['tokens']} tokens, {r['heads']} heads) | {r['steps']} | "
