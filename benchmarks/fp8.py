@@ -184,8 +184,8 @@ def _vae(device, dtype, latent_channels: int = 16):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels,
-                            block_out_channels=(128, 256, 512, 512), layers_per_block=2, down_block_types=("DownEncoderBlock2D",) * 4,
-                            up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32, scaling_factor=0.3611,
+                            block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32, scaling_factor=0.3611,
                             shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
     return vae.to(device=device, dtype=dtype).eval()
 
