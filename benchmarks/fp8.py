@@ -7,6 +7,8 @@
   Ulysses all-to-all of one tensor over W ranks moves ``(W-1)/W`` of it over W-1 links at once (time ≈ bytes/W per
   link); an AGKV gather receives one block per peer (time ≈ the block per link). It pays where
   encode + decode < saved link time (and only for exposed transfers: a pipelined one hides under attention anyway).
+* ``codec`` — the Triton kernels against the torch version on the self-test's inputs (CUDA): bytes that differ,
+  payload and scale apart, and whether each one's scales are the IEEE quotients amax / fp8_max (docs/fp8.md).
 * ``micro`` — relative error of one attention call on random bf16 ``[1, S, H, 128]`` per tensor choice (every
   non-empty subset of q/k/v/o for Ulysses, k+v for AGKV), e4m3 and e5m2, against bf16 (max-abs relative and RMS).
 * ``models`` — the full-size models of ``cp-ops run`` (random weights, the default GPU resolution; ``tiny`` on
@@ -83,6 +85,33 @@ def kernels(device, args) -> list[dict]:
         row["agkv_codec_us"] = row["encode_us"] + row["decode_us"] * (w - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def codec(device, args) -> list[dict]:
+    from cp_ops.kernels import fp8
+
+    if device.type != "cuda" or fp8.triton is None:
+        return [{"skipped": "needs CUDA and Triton"}]
+    g = torch.Generator(device=device).manual_seed(0)
+    sweep = torch.linspace(-1, 1, 255, device=device).repeat(8, 1) * torch.logspace(-6, 4, 8, device=device)[:, None]
+    x = torch.cat([sweep[:, :128], sweep[:, 127:], torch.randn(64, 128, generator=g, device=device) * 4])
+    rows = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dt)
+        amax = xd.float().abs().amax(-1).double()
+        for fmt, (_, fmax) in fp8.FORMATS.items():
+            tri, tor = fp8.encode_triton(xd, fmt), fp8.encode_torch(xd, fmt)
+            ieee = (amax / fmax).float()
+            sc = lambda e: e[:, -4:].contiguous().view(torch.float32)[:, 0]  # noqa: E731
+            row = dict(dtype=str(dt).replace("torch.", ""), fmt=fmt, rows=x.shape[0],
+                       payload_bytes_differ=int((tri[:, :-4] != tor[:, :-4]).sum()),
+                       scale_bytes_differ=int((tri[:, -4:] != tor[:, -4:]).sum()),
+                       triton_scales_ieee=bool(torch.equal(sc(tri), ieee)),
+                       torch_scales_ieee=bool(torch.equal(sc(tor), ieee)),
+                       decode_equal=bool(torch.equal(fp8.decode_triton(tor, dt, fmt), fp8.decode_torch(tor, dt, fmt))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 

@@ -2,6 +2,7 @@
 # FP8 communication on ONE GPU (issue 24), in one call on the GPU machine (1x H200), within DEADLINE (285) s:
 #   benchmarks/gpu_fp8.sh OUT_DIR [STEPS]     STEPS: comma-separated, default selftest,micro,flux,zimage,wan,tests
 #   selftest — the Triton codec against the torch version (cp_ops.kernels.fp8.self_test);
+#   codec    — benchmarks/fp8.py codec: where the Triton and torch encoders differ (payload / scale bytes);
 #   micro    — benchmarks/fp8.py kernels,micro: the codec's µs vs the link time its bytes save; per-tensor-choice error;
 #   kernels  — benchmarks/fp8.py kernels alone;
 #   flux, zimage, wan — benchmarks/fp8.py models: full-size models emulated (CP_OPS_EMULATE_COMM), one process each;
@@ -28,6 +29,7 @@ step() { local name=$1 limit=$2; shift 2; case $STEPS in *",$name,"*) ;; *) retu
   echo "=== $name: rc=$rc in $((SECONDS - t)) s" | tee -a "$LOG"; [ "$rc" = 0 ] || status=1; }
 python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'diffusers', diffusers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
 step selftest 30 python3 -c "import torch; from cp_ops.kernels import fp8; print('triton codec self-test:', fp8.self_test(torch.device('cuda')) or 'bitwise equal to torch')"
+step codec 30 python3 benchmarks/fp8.py --out "$OUT" --sections codec
 step micro 40 python3 benchmarks/fp8.py --out "$OUT" --sections kernels,micro
 step kernels 30 python3 benchmarks/fp8.py --out "$OUT" --sections kernels
 step flux 55 python3 benchmarks/fp8.py --out "$OUT/flux" --sections models --models flux --steps 8
