@@ -16,8 +16,9 @@ for normal fp8 values, and ``scale · 2**-10`` (e4m3) / ``scale · 2**-17`` (e5m
 
 Kernels: :func:`encode` / :func:`decode` run the torch ops of :func:`encode_torch` / :func:`decode_torch` (any
 device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each (one read, one write; the same math:
-IEEE division, RTNE casts — meant to be bitwise equal to the torch version: the self-test checks it on each device; on H200 it is not yet, so the
-torch version runs there; the gpu-marked tests of tests/test_fp8.py).
+IEEE division, RTNE casts — bitwise equal to the torch version on every finite input on an H200; the self-test
+checks that and the non-finite rule on each device, else the torch version runs: docs/fp8.md, the gpu-marked tests of
+tests/test_fp8.py).
 The ``torch.library`` ops ``cp_ops::fp8_encode`` / ``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced
 code.
 """
