@@ -7,6 +7,8 @@
   Ulysses all-to-all of one tensor over W ranks moves ``(W-1)/W`` of it over W-1 links at once (time ≈ bytes/W per
   link); an AGKV gather receives one block per peer (time ≈ the block per link). It pays where
   encode + decode < saved link time (and only for exposed transfers: a pipelined one hides under attention anyway).
+* ``codec`` — the Triton kernels against the torch version on the self-test's inputs (CUDA): bytes that differ,
+  payload and scale apart, and whether each one's scales are the IEEE quotients amax / fp8_max (docs/fp8.md).
 * ``micro`` — relative error of one attention call on random bf16 ``[1, S, H, 128]`` per tensor choice (every
   non-empty subset of q/k/v/o for Ulysses, k+v for AGKV), e4m3 and e5m2, against bf16 (max-abs relative and RMS).
 * ``models`` — the full-size models of ``cp-ops run`` (random weights, the default GPU resolution; ``tiny`` on
@@ -15,6 +17,15 @@
   W): relative error of one forward and of the final latents after ``--steps`` scheduler steps, against bf16
   communication (the same group of one, comm_dtype None) and against one GPU (the unparallelized model).
   ``rel_max`` = max|x - ref| / max|ref|, ``rel_rms`` = ||x - ref|| / ||ref||.
+* ``vae`` — one image model (``--models flux``, or ``zimage``) at full size, random weights, ``--steps`` steps from
+  the same noise, its final latents decoded through a full-size FLUX.1 VAE (``AutoencoderKL``, 16 latent channels,
+  random weights, seeded; the VAE Flux and Z-Image ship) in the model's dtype, as the pipelines decode: per
+  communication variant — the mode ``mode='auto'`` picks at W = 2, 4, 8 for the model's head count (the emulation is
+  the same for every W of one mode: per-(token, head) scales), e5m2, and a 2-D mesh (a 1x1 mesh with the emulation:
+  K and V cross two links, each through the codec) — the pixel-space PSNR of the image in [0, 1] (peak 1) and the
+  relative error of the raw decoder output, against bf16 communication (the same group of one, comm_dtype None,
+  which equals one GPU bitwise; checked in the row ``bf16 comm``). For scale (CUDA): one GPU with another bf16 SDPA
+  kernel (flash instead of cuDNN), no FP8.
 
 Writes ``DIR/fp8_<section>.json`` (one list of rows each) and prints one line per row.
 """
@@ -74,6 +85,33 @@ def kernels(device, args) -> list[dict]:
         row["agkv_codec_us"] = row["encode_us"] + row["decode_us"] * (w - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def codec(device, args) -> list[dict]:
+    from cp_ops.kernels import fp8
+
+    if device.type != "cuda" or fp8.triton is None:
+        return [{"skipped": "needs CUDA and Triton"}]
+    g = torch.Generator(device=device).manual_seed(0)
+    sweep = torch.linspace(-1, 1, 255, device=device).repeat(8, 1) * torch.logspace(-6, 4, 8, device=device)[:, None]
+    x = torch.cat([sweep[:, :128], sweep[:, 127:], torch.randn(64, 128, generator=g, device=device) * 4])
+    rows = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dt)
+        amax = xd.float().abs().amax(-1).double()
+        for fmt, (_, fmax) in fp8.FORMATS.items():
+            tri, tor = fp8.encode_triton(xd, fmt), fp8.encode_torch(xd, fmt)
+            ieee = (amax / fmax).float()
+            sc = lambda e: e[:, -4:].contiguous().view(torch.float32)[:, 0]  # noqa: E731
+            row = dict(dtype=str(dt).replace("torch.", ""), fmt=fmt, rows=x.shape[0],
+                       payload_bytes_differ=int((tri[:, :-4] != tor[:, :-4]).sum()),
+                       scale_bytes_differ=int((tri[:, -4:] != tor[:, -4:]).sum()),
+                       triton_scales_ieee=bool(torch.equal(sc(tri), ieee)),
+                       torch_scales_ieee=bool(torch.equal(sc(tor), ieee)),
+                       decode_equal=bool(torch.equal(fp8.decode_triton(tor, dt, fmt), fp8.decode_torch(tor, dt, fmt))))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -164,6 +202,115 @@ def models(device, args) -> list[dict]:
         del model, kw, one, bf, one_lat, bf_lat
         if gpu:
             torch.cuda.empty_cache()
+    return rows
+
+
+def _vae(device, dtype, latent_channels: int = 16):
+    """A full-size FLUX.1 VAE (the one Flux.1 and Z-Image ship: diffusers ``AutoencoderKL``, 16 latent channels, 8x
+    spatial), random weights from a fixed seed (``latent_channels``: fewer for the CPU's tiny models)."""
+    from diffusers import AutoencoderKL
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels,
+                            block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32, scaling_factor=0.3611,
+                            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    return vae.to(device=device, dtype=dtype).eval()
+
+
+def _to_image_latents(name: str, lat: torch.Tensor, hh: int, ww: int) -> torch.Tensor:
+    """The model's final latents as the VAE's ``[B, 16, H/8, W/8]`` (Flux: unpack the 2x2 patches, as
+    ``FluxPipeline._unpack_latents``; Z-Image: drop the frame dim)."""
+    if name == "flux":
+        b, n, c = lat.shape
+        return lat.view(b, hh // 2, ww // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, hh, ww)
+    return lat[:, :, 0]
+
+
+def _psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR in dB of two images in [0, 1] (peak 1); inf when equal."""
+    mse = (img.float() - ref.float()).pow(2).mean().item()
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(1.0 / mse)).item()
+
+
+def vae(device, args) -> list[dict]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_ops import comm_dtype as cd
+    from cp_ops import config, modes
+    from cp_ops.cli.models import MODELS, build
+    from cp_ops.cli.run import denoise
+    from cp_ops.integrations.diffusers import parallelize
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    gpu = device.type == "cuda"
+    name = args.models.split(",")[0]
+    spec = MODELS[name]
+    conf = spec.gpu_config if gpu else "tiny"
+    t0 = time.perf_counter()
+    model, cfg = build(spec, conf, args.layers, device, torch.bfloat16)
+    f, hh, ww = spec.gpu_latent if gpu else spec.cpu_latent
+    g = torch.Generator(device=device).manual_seed(42)
+    kw = spec.make_inputs(cfg, spec.text_tokens[conf], 1, f, hh, ww, device, torch.bfloat16, g)
+    if gpu:
+        model.set_attention_backend("_native_cudnn")
+    dec = _vae(device, torch.bfloat16, cfg["in_channels"] // (4 if name == "flux" else 1))
+
+    def decode(lat):
+        z = _to_image_latents(name, lat, hh, ww).to(torch.bfloat16)
+        with torch.no_grad():
+            x = dec.decode(z / dec.config.scaling_factor + dec.config.shift_factor).sample.float()
+        return x, (x / 2 + 0.5).clamp(0, 1)
+
+    one_raw, one_img = decode(denoise(model, spec, kw, args.steps, device)[0])
+    floor = None
+    if gpu:  # a scale for the rows: another bf16 SDPA kernel (flash instead of cuDNN), no FP8, one GPU
+        model.set_attention_backend("_native_flash")
+        fl_raw, fl_img = decode(denoise(model, spec, kw, args.steps, device)[0])
+        floor = dict(psnr_db=_psnr(fl_img, one_img), **_rel(fl_raw, one_raw))
+        model.set_attention_backend("_native_cudnn")
+    parallelize(model, group=dist.group.WORLD, mode="agkv")
+    state = model._cp_ops_state
+    bf_raw, bf_img = decode(denoise(model, spec, kw, args.steps, device)[0])
+    heads = cfg[spec.heads_key]
+    base = dict(model=name, config=conf, tokens=spec.tokens(cfg, f, hh, ww), heads=heads, steps=args.steps,
+                image=list(one_img.shape[-2:]), build_s=round(time.perf_counter() - t0, 1),
+                image_std=one_img.std().item())
+    rows = [dict(base, variant="bf16 comm (group of 1) vs 1 GPU", psnr_db=_psnr(bf_img, one_img),
+                 **_rel(bf_raw, one_raw))]
+    if floor is not None:
+        rows.append(dict(base, variant="scale: 1 GPU, SDPA flash vs cuDNN (no FP8)", **floor))
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    picks = {}  # mode 'auto' at each W for this head count -> the Ws
+    for w in (2, 4, 8):
+        picks.setdefault(modes.choose("auto", heads, w), []).append(w)
+    variants = [(f"W={'/'.join(map(str, ws))}: mode auto = {m}, e4m3", m, E4, None) for m, ws in picks.items()]
+    variants += [("ulysses q,k,v,o e5m2", "ulysses", E5, None),
+                 ("2-D mesh (e.g. 2x4): q,o e4m3 once, k,v e4m3 twice", "auto", E4, "mesh")]
+    config.configure(emulate_comm=True)
+    try:
+        for vname, mode, c, group in variants:
+            t = time.perf_counter()
+            state.mode, state.comm_dtype = mode, cd.normalize(c)
+            pg = state.attn_group
+            if group == "mesh":
+                state.attn_group = init_device_mesh(device.type, (1, 1), mesh_dim_names=("agkv", "ulysses"))
+            try:
+                raw, img = decode(denoise(model, spec, kw, args.steps, device)[0])
+            finally:
+                state.attn_group = pg
+            row = dict(base, variant=vname, mode=mode, psnr_db=_psnr(img, bf_img), **_rel(raw, bf_raw),
+                       psnr_vs_1gpu_db=_psnr(img, one_img), seconds=round(time.perf_counter() - t, 1))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        config.configure(emulate_comm=False)
+        state.comm_dtype = None
     return rows
 
 

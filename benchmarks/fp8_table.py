@@ -44,6 +44,16 @@ def main(d: str) -> None:
             cells = [f"{_p(fm[f]['rel_max'])} / {_p(fm[f]['rel_rms'])}" if f in fm else "—" for f in ("e4m3", "e5m2")]
             print(f"| {s} x {h} | {t} | {cells[0]} | {cells[1]} |")
         print()
+    vae = _load(d, "vae")
+    if vae:
+        print("| model | steps | image | variant | pixel PSNR vs bf16 comm (dB) "
+              "| decoder output vs bf16 comm (max / rms) |")
+        print("|---|---|---|---|---|---|")
+        for r in vae:
+            print(f"| {r['model']} {r['config']} ({r['tokens']} tokens, {r['heads']} heads) | {r['steps']} | "
+                  f"{'x'.join(map(str, r['image']))} | {r['variant']} | {r['psnr_db']:.1f} | "
+                  f"{_p(r['rel_max'])} / {_p(r['rel_rms'])} |")
+        print()
     ker = _load(d, "kernels")
     if ker:
         print("| tokens | W | S_local | bf16 MB / fp8 MB | encode µs | decode µs | (torch enc / dec µs) "

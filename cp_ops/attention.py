@@ -86,7 +86,8 @@ def attention(
             q's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` = every tensor the mode moves (AGKV: K, V;
             Ulysses: Q, K, V, O) in FP8 with one fp32 scale per (token, head), carried with the bytes (D + 4 bytes
             per row instead of 2·D in bf16) and decoded on arrival; a dict ``{"q"|"k"|"v"|"o": fp8 dtype or None}``
-            = per tensor (e.g. ``{"q": e4m3, "v": e4m3, "o": e4m3}``; AGKV: K and V alike). Part of the rank
+            = per tensor (e.g. ``{"q": e4m3, "v": e4m3, "o": e4m3}``; AGKV and a 2-D mesh: K and V alike; on a 2-D
+            mesh K and V cross both dims, each through the codec). Part of the rank
             contract's variant (ranks that differ raise on every rank). Error (docs/fp8.md): e4m3 on all four
             tensors ~5% (rms) of one attention output on random data, 0.7-2.5% of a full model's forward; not bitwise.
             Either transport; on a group of one rank it is ignored unless ``CP_OPS_EMULATE_COMM=1``
@@ -130,7 +131,7 @@ def attention(
                         transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
                         comm_dtype=comm_dtype)
         return out.transpose(1, 2)
-    # a 2-D mesh: cp_ops.dispatch_mesh (its checks reject comm_dtype on every rank of the mesh)
+    # a 2-D mesh: cp_ops.dispatch_mesh
     run = dispatch_mesh.attention if is_mesh(group) else dispatch.attention
     if mode == "auto" and comm_dtype is None and run is dispatch.attention:
         group, mode, run = _split(q, group, seq_lens, chunks)
@@ -190,7 +191,8 @@ def describe(
     Raises:
         ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a
             BHSD tensor passed as BSHD, unknown mode or transport, mode='ulysses' with H % W != 0, chunks not None or
-            an int ≥ 1, ``layout`` not 'bshd'/'bhsd'; a bad ``comm_dtype`` (any but None / q's dtype on a mesh);
+            an int ≥ 1, ``layout`` not 'bshd'/'bhsd'; a bad ``comm_dtype`` (as the call: on a mesh K and V
+            must share a format);
             on a mesh, wrong dim names or an inner size that does not divide H.
         TypeError: q is not a tensor.
         RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.

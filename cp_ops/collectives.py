@@ -2,6 +2,15 @@
 
 For compiled code and overlap, call the launches (``torch.ops.cp_ops.*_start``) and
 ``torch.ops._c10d_functional.wait_tensor`` yourself; :func:`cp_ops.attention` does.
+
+``comm_dtype`` (docs/fp8.md, :mod:`cp_ops.comm_dtype`): what crosses the link, as :func:`cp_ops.attention`'s, with the
+same codec and the same per-tensor selection, through the comm the mode bodies use (:class:`cp_ops.comm.OpComm`):
+:func:`agkv_gather` moves K and V (the dict's ``"k"``/``"v"`` entries, which must agree), :func:`ulysses_all_to_all`
+up to three tensors named ``q, k, v`` by position (a plain FP8 dtype: all of them), :func:`ulysses_all_to_all_inverse`
+the output (``"o"``). Each row of ``D`` values (one token of one head) travels as ``D`` fp8 bytes and its fp32 scale
+and arrives as ``decode(encode(x))`` (:func:`cp_ops.kernels.fp8.round_trip`; error per element: docs/fp8.md).
+None or the input dtype: the plain collective, bitwise. Part of the rank contract: ranks that differ raise on every
+rank.
 """
 
 from __future__ import annotations
@@ -10,8 +19,11 @@ from typing import Any
 
 import torch
 
+from . import comm_dtype as cd
 from . import layout as _lay
 from . import ops
+from .comm import OpComm
+from .contract import variant_tag
 from .group import resolve_group
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
@@ -19,20 +31,36 @@ from .contract import api_checked
 from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
 
 
-def _prepare(api, names, tensors, group, transport, more_checks=None):
+def _prepare(api, names, tensors, group, transport, more_checks=None, comm_dtype=None, mode="ulysses"):
+    """Checks (every rank raises when one rank's fail): ``(pg, transport, fmts)``, ``fmts`` the formats of
+    (q, k, v, o) on the link (:func:`cp_ops.comm_dtype.for_mode` of ``mode``)."""
     pg = resolve_group(group)
-    resolved = transport
+    resolved, fmts = transport, cd.NONE
 
     def local_checks():
-        nonlocal resolved
+        nonlocal resolved, fmts
         check_same(names, tensors)
         check_device_for_group(tensors[0], pg)
         resolved = resolve_transport(transport, tensors[0].device.type)
+        if comm_dtype is not None:
+            fmts = cd.for_mode(cd.normalize(comm_dtype, tensors[0].dtype), mode)
+            if fmts != cd.NONE and len(tensors) > 3:
+                raise ValueError(f"{api} with an FP8 comm_dtype moves at most 3 tensors (named q, k, v by position, as "
+                                 f"cp_ops.attention's); got {len(tensors)}: call it once per group of 3")
         if more_checks is not None:
             more_checks(pg.size())
 
     api_checked(pg, api, local_checks)
-    return pg, resolved
+    return pg, resolved, fmts
+
+
+def _fp8_comm(api, pg, transport, fmts, seq_lens=None) -> OpComm:
+    """The comm the mode bodies use, for one FP8 collective: its launches encode, its waits decode; its first launch
+    makes the rank contract's exchange as ``api`` with the formats in the variant tag."""
+    comm = OpComm(pg.size(), pg.group_name, transport, api, variant_tag(comm_dtype=cd.tag(fmts)), pg.rank(),
+                  seq_lens)
+    comm.fmts = fmts
+    return comm
 
 
 def _pooled(tr: str, pg, t: torch.Tensor) -> bool:
@@ -65,7 +93,7 @@ def _t(x):
 
 def agkv_gather(
     k: torch.Tensor, v: torch.Tensor, *, group: Any = None, transport: str = "auto", seq_lens=None,
-    layout: str = "bshd"
+    layout: str = "bshd", comm_dtype: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather K and V over the CP group, tokens in rank order.
 
@@ -73,6 +101,10 @@ def agkv_gather(
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
         seq_lens: uneven shards (:class:`cp_ops._lay.Shards`): W token counts in rank order, the same on every
             rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
+        layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
+        comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``,
+            or a dict whose ``"k"`` and ``"v"`` entries agree (module docstring): K and V travel as FP8 bytes with a
+            fp32 scale per (token, head) and arrive decoded, k's dtype (``D + 4`` bytes per row on the link).
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
         every rank's real tokens, no padding), contiguous, ready for attention; tensors of
@@ -80,14 +112,19 @@ def agkv_gather(
         :func:`cp_ops.attention` uses the ops directly and pays none).
     Raises:
         ValueError / RuntimeError: as :func:`cp_ops.attention` (bad ``seq_lens``: length, values,
-            ``seq_lens[rank] != S_local``, ranks that disagree on it).
+            ``seq_lens[rank] != S_local``, ranks that disagree on it; a bad ``comm_dtype``, K and V in different
+            formats, ranks that disagree on it).
     """
     if _layout(layout, (k, v)):
-        kf, vf = agkv_gather(_t(k), _t(v), group=group, transport=transport, seq_lens=seq_lens)
+        kf, vf = agkv_gather(_t(k), _t(v), group=group, transport=transport, seq_lens=seq_lens, comm_dtype=comm_dtype)
         return _t(kf), _t(vf)
     if seq_lens is not None:
-        return _agkv_gather_uneven(k, v, group, transport, seq_lens)
-    pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport)
+        return _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype)
+    pg, tr, fmts = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport, comm_dtype=comm_dtype,
+                            mode="agkv")
+    if fmts != cd.NONE:  # decoded into tensors of their own
+        k_full, v_full, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts).agkv(k, v).wait()
+        return k_full, v_full
     k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
     k_full, v_full = ops.wait(k_full), ops.wait(v_full)
     if _pooled(tr, pg, k):
@@ -96,7 +133,8 @@ def agkv_gather(
 
 
 def ulysses_all_to_all(
-    *xs: torch.Tensor, group: Any = None, transport: str = "auto", seq_lens=None, layout: str = "bshd"
+    *xs: torch.Tensor, group: Any = None, transport: str = "auto", seq_lens=None, layout: str = "bshd",
+    comm_dtype: Any = None
 ) -> list[torch.Tensor]:
     """Ulysses sequence → heads all-to-all of n tensors in one collective.
 
@@ -104,29 +142,36 @@ def ulysses_all_to_all(
         xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
         seq_lens: uneven shards, as :func:`agkv_gather`'s (``seq_lens[rank] == S_local``).
         layout: 'bshd' (default) or 'bhsd': every tensor in and out in that layout (as :func:`cp_ops.attention`).
+        comm_dtype: None (default) or the tensors' dtype (the plain all-to-all); an FP8 dtype (every tensor; n ≤ 3);
+            or a dict naming ``xs[0], xs[1], xs[2]`` as ``"q", "k", "v"`` (module docstring): those travel as FP8
+            bytes with a fp32 scale per (token, head), one launch per format, and arrive decoded in their dtype.
     Returns:
         n tensors ``[B, W * S_local, H / W, D]`` (``[B, sum(seq_lens), H / W, D]`` with ``seq_lens``: the real
         tokens of every rank in rank order): the full sequence, this rank's head group (rank r gets
         heads ``[r*H/W, (r+1)*H/W)``). Strided views of one fresh buffer when B = 1 and the shards are even
         (copies of their own when the transport pools its receive buffers, as the fast one does).
     Raises:
-        ValueError: H % W != 0, bad ``seq_lens``, and the rules of :func:`cp_ops.attention`.
+        ValueError: H % W != 0, bad ``seq_lens``, a bad ``comm_dtype`` (or FP8 with more than 3 tensors), and the
+            rules of :func:`cp_ops.attention`.
     """
     if _layout(layout, xs):
         return [_t(o) for o in ulysses_all_to_all(*(_t(x) for x in xs), group=group, transport=transport,
-                                                   seq_lens=seq_lens)]
+                                                   seq_lens=seq_lens, comm_dtype=comm_dtype)]
     if seq_lens is not None:
-        return _ulysses_uneven(xs, group, transport, seq_lens)
+        return _ulysses_uneven(xs, group, transport, seq_lens, comm_dtype)
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
-    pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
-                      lambda w: check_heads_divisible(xs[0].shape[2], w))
+    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
+                            lambda w: check_heads_divisible(xs[0].shape[2], w), comm_dtype)
+    if any(fmts[:len(xs)]):  # views of one decoded buffer of their own
+        buf = _fp8_comm("cp_ops.ulysses_all_to_all", pg, tr, fmts).ulysses(list(xs)).wait()
+        return [_lay.ulysses_unpack(buf, i) for i in range(len(xs))]
     buf = ops.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
     outs = [_lay.ulysses_unpack(buf, i) for i in range(len(xs))]
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
 
 
 def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto",
-                               seq_lens=None, layout: str = "bshd") -> torch.Tensor:
+                               seq_lens=None, layout: str = "bshd", comm_dtype: Any = None) -> torch.Tensor:
     """Ulysses heads → sequence all-to-all, the inverse of :func:`ulysses_all_to_all`.
 
     Args:
@@ -134,28 +179,40 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
             ``seq_lens``).
         seq_lens: uneven shards: W token counts in rank order, the same on every rank, summing to S; rank r
             gets back tokens ``[sum(seq_lens[:r]), sum(seq_lens[:r+1]))``.
+        layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
+        comm_dtype: None (default) or x's dtype (the plain all-to-all); an FP8 dtype, or a dict whose ``"o"`` entry
+            is one (module docstring): x travels as FP8 bytes with a fp32 scale per (token, head) and arrives
+            decoded, x's dtype.
     Returns:
         ``[B, S / W, W * H_local, D]`` (``[B, seq_lens[rank], W * H_local, D]``): this rank's token block, all
         heads; a new tensor.
     Raises:
         ValueError: W does not divide S (without ``seq_lens``); bad ``seq_lens`` (length, values, sum != S,
-            ranks that disagree on it); the rules of :func:`cp_ops.attention`.
+            ranks that disagree on it); a bad ``comm_dtype``; the rules of :func:`cp_ops.attention`.
     """
     if _layout(layout, (x,)):
-        return _t(ulysses_all_to_all_inverse(_t(x), group=group, transport=transport, seq_lens=seq_lens))
+        return _t(ulysses_all_to_all_inverse(_t(x), group=group, transport=transport, seq_lens=seq_lens,
+                                             comm_dtype=comm_dtype))
     if seq_lens is not None:
-        return _ulysses_inverse_uneven(x, group, transport, seq_lens)
-    pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
-                      lambda w: check_seq_divisible(x.shape[1], w))
+        return _ulysses_inverse_uneven(x, group, transport, seq_lens, comm_dtype)
+    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
+                            lambda w: check_seq_divisible(x.shape[1], w), comm_dtype)
+    if fmts[3]:
+        return _lay.ulysses_inverse_unpack(_fp8_comm("cp_ops.ulysses_all_to_all_inverse", pg, tr, fmts)
+                                           .ulysses_inverse(x).wait())
     buf = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
     return _lay.ulysses_inverse_unpack(buf)
 
 
 # ---- uneven shards (cp_ops._lay.Shards: pad to max(seq_lens), move with the even ops, select the real rows) ----
-def _agkv_gather_uneven(k, v, group, transport, seq_lens):
-    pg, tr = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
-                      lambda w: _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
+def _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype=None):
+    pg, tr, fmts = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
+                            lambda w: _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]),
+                            comm_dtype, "agkv")
     sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
+    if fmts != cd.NONE:
+        kf, vf, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts, seq_lens).agkv(sh.pad(k), sh.pad(v)).wait()
+        return sh.rows(kf), sh.rows(vf)  # decoded: tensors of their own
     kf, vf = torch.ops.cp_ops.agkv_gather_start(sh.pad(k), sh.pad(v), pg.size(), pg.group_name, tr, "", 0,
                                                 list(seq_lens))
     kf, vf = ops.wait(kf), ops.wait(vf)
@@ -165,26 +222,32 @@ def _agkv_gather_uneven(k, v, group, transport, seq_lens):
     return k_out, v_out
 
 
-def _ulysses_uneven(xs, group, transport, seq_lens):
+def _ulysses_uneven(xs, group, transport, seq_lens, comm_dtype=None):
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
 
     def more(w):
         check_heads_divisible(xs[0].shape[2], w)
         _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
 
-    pg, tr = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more)
+    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more, comm_dtype)
     sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), xs[0].shape[1], xs[0].device)
+    if any(fmts[:len(xs)]):
+        buf = _fp8_comm("cp_ops.ulysses_all_to_all", pg, tr, fmts, seq_lens).ulysses([sh.pad(x) for x in xs]).wait()
+        return list(sh.ulysses_rows(buf, lambda b: [_lay.ulysses_unpack(b, i) for i in range(len(xs))]))
     buf = ops.wait(torch.ops.cp_ops.ulysses_start([sh.pad(x) for x in xs], pg.size(), pg.group_name, tr, "", 0,
                                                   list(seq_lens)))
     outs = list(sh.ulysses_rows(buf, lambda b: [_lay.ulysses_unpack(b, i) for i in range(len(xs))]))
     return [_owned(o, buf) for o in outs] if _pooled(tr, pg, buf) else outs
 
 
-def _ulysses_inverse_uneven(x, group, transport, seq_lens):
-    pg, tr = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
-                      lambda w: _lay.check_seq_lens(seq_lens, w, total=x.shape[1]))
+def _ulysses_inverse_uneven(x, group, transport, seq_lens, comm_dtype=None):
+    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
+                            lambda w: _lay.check_seq_lens(seq_lens, w, total=x.shape[1]), comm_dtype)
     sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), seq_lens[pg.rank()], x.device)
     xp = sh.repad(x)
+    if fmts[3]:
+        back = _fp8_comm("cp_ops.ulysses_all_to_all_inverse", pg, tr, fmts, seq_lens).ulysses_inverse(xp).wait()
+        return sh.inverse_rows(back)
     back = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(xp, pg.size(), pg.group_name, tr, "", 0,
                                                            list(seq_lens)))
     return sh.inverse_rows(back)

@@ -230,10 +230,10 @@ class OpComm(_Comm):
     def agkv_attention(self, q, k, v, scale, chunks: int):
         """Pipelined AGKV attention as one op (``cp_ops::agkv_pipelined_attention``, synchronous): what a 2-D body
         runs on its outer comm where the direct comm would run :mod:`cp_ops.modes.agkv_pipelined` (``seq_lens``: the
-        outer dim's token counts). ``[B, S, H, D]`` → ``[B, S, H, D]``."""
+        outer dim's token counts; K and V travel in ``fmts[1]``). ``[B, S, H, D]`` → ``[B, S, H, D]``."""
         call, tag, seq = self._args()
         return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, self.world, self.group_name, self.transport, scale,
-                                                         chunks, seq, call, tag)
+                                                         chunks, seq, call, tag, self.fmts[1])
 
 
 class DirectComm(_Comm):

@@ -59,18 +59,30 @@ def _fmt(dtype, what: str) -> str:
                          f"comm_dtype, a dict of them keyed by {NAMES}; got {dtype!r}") from None
 
 
+#: the modes whose K and V travel together in one gather (so in one format): AGKV, and the 2-D mode's outer dim
+GATHERS_KV = ("agkv", "agkv_ulysses")
+
+
 def for_mode(fmts: tuple, mode: str) -> tuple[str, str, str, str]:
-    """The formats a call of ``mode`` uses: AGKV keeps K and V only (they must agree: one gather moves both).
+    """The formats a call of ``mode`` uses: AGKV keeps K and V only (they must agree: one gather moves both); the
+    2-D mode 'agkv_ulysses' keeps all four (Q, K, V, O over its inner dim, K and V again over its outer dim: they
+    must agree).
 
     Raises:
-        ValueError: AGKV with K and V in different formats.
+        ValueError: AGKV or 'agkv_ulysses' with K and V in different formats.
     """
-    if mode != "agkv" or fmts == NONE:
+    if mode not in GATHERS_KV or fmts == NONE:
         return fmts
     if fmts[1] != fmts[2]:
-        raise ValueError(f"comm_dtype: mode='agkv' gathers K and V together, so they travel in one format; got "
-                         f"k={fmts[1] or 'input dtype'!r}, v={fmts[2] or 'input dtype'!r} (name both or neither)")
-    return ("", fmts[1], fmts[2], "")
+        where = " over the outer ('agkv') mesh dim" if mode != "agkv" else ""
+        raise ValueError(f"comm_dtype: mode={mode!r} gathers K and V together{where}, so they travel in one format; "
+                         f"got k={fmts[1] or 'input dtype'!r}, v={fmts[2] or 'input dtype'!r} (name both or neither)")
+    return fmts if mode != "agkv" else ("", fmts[1], fmts[2], "")
+
+
+def outer(fmts: tuple) -> tuple[str, str, str, str]:
+    """The formats of a 2-D call's outer (AGKV) dim, from the call's :func:`for_mode` ``'agkv_ulysses'`` formats."""
+    return ("", fmts[1], fmts[2], "") if fmts != NONE else NONE
 
 
 def auto_mode(mode: str, fmts: tuple, heads: int, world: int) -> str:

@@ -9,6 +9,14 @@ inner group, ``O×1`` → AGKV over the outer group (the same call, so equal to 
 'auto' (fast only where the outer group can host it: one node, :mod:`cp_ops.node`). ``chunks``: None → 1; k ≥ 2
 pipelines the outer AGKV (:mod:`cp_ops.modes.agkv_ulysses`); a key mask needs chunks 1 (as 1-D AGKV).
 
+**FP8 communication** (``comm_dtype``, :mod:`cp_ops.comm_dtype`, docs/fp8.md): the inner comm encodes what its
+Ulysses launches move (Q, K, V out, O back: the formats :func:`cp_ops.comm_dtype.for_mode` gives for
+'agkv_ulysses'), the outer comm the K and V it gathers (:func:`cp_ops.comm_dtype.outer`: they must share a format,
+ValueError otherwise); each wait decodes, so the body is the one without FP8. K and V thus cross two links, each
+through the codec (decoded after the inner all-to-all, encoded again for the outer gather): at chunks = 1 every K/V
+row the attention sees is ``round_trip(round_trip(x))``, Q ``round_trip(q)``, the output ``round_trip(o)``. A
+degenerate mesh passes ``comm_dtype`` to its 1-D call.
+
 **Rank contract.** Each dim's comm exchanges at its first launch of the call over its own group (inner, then outer),
 with the call's variant tag (mode, chunks, mesh shape, mask, the caller's ``tag``; the inner dim's tag carries the W
 ``seq_lens``, the outer's the O row totals). A rank whose inputs fail tells both its groups; a rank whose inner
@@ -26,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import contract, dispatch, layout, mesh as meshes, modes, validate
+from . import comm_dtype as cd, config, contract, dispatch, emulate, layout, mesh as meshes, modes, validate
 from .comm import DirectComm, MeshComm, OpComm
 from .kernels import local_attention
 from .modes import pipelined
@@ -52,6 +60,7 @@ class MeshDecision(NamedTuple):
     rows: tuple | None
     has_mask: bool
     flat: tuple | None
+    fmts: tuple = cd.NONE  # the formats of (q, k, v, o) on the links (cp_ops.comm_dtype.for_mode, 'agkv_ulysses')
 
 
 def _outer_transport(transport: str) -> str:
@@ -65,8 +74,8 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
 
     Raises:
         ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`; besides, a mode that is not 2-D, a
-        head count the inner size does not divide (naming both and the mesh shape), and a ``comm_dtype`` other than
-        None / q's dtype (FP8 communication runs on 1-D groups only for now).
+        head count the inner size does not divide (naming both and the mesh shape), and a ``comm_dtype`` whose K and
+        V differ where the outer dim gathers them (:func:`cp_ops.comm_dtype.for_mode`).
     """
     compiling = torch.compiler.is_compiling()
     if tag is not None and compiling:
@@ -75,9 +84,10 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
     chosen = MODE
     flat = ("ulysses", "ulysses") if O == 1 and I > 1 else ("agkv", "agkv") if I == 1 and O > 1 else None
     resolved = transport
+    fmts = cd.NONE
 
     def local_checks():
-        nonlocal chosen, resolved
+        nonlocal chosen, resolved, fmts
         if mode not in modes.names(dims=2):
             raise ValueError(f"mode on a 2-D CP mesh ({info.shape}, mesh_dim_names {meshes.DIM_NAMES}) must be one of "
                              f"{modes.names(dims=2)}; got {mode!r} (a 1-D mode runs on a 1-D group: pass "
@@ -85,7 +95,7 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         pipelined.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)
-        meshes.check_comm_dtype(comm_dtype, q.dtype, info.shape)
+        fmts = cd.for_mode(cd.normalize(comm_dtype, q.dtype), MODE if flat is None else flat[1])
         h = q.shape[2]
         if (flat is None or flat[1] == "ulysses") and h % I:  # 1xI: 1-D Ulysses over the inner dim, the same rule
             raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
@@ -120,10 +130,18 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
     seq = tuple(seq_lens) if seq_lens is not None else None
     rows = meshes.row_lens(seq, O, I) if seq is not None else None
     t = contract.variant_tag(mode=chosen, chunks=c, mesh=(O, I), key_mask="given" if key_mask is not None else "None",
-                             tag=tag)
+                             tag=tag, comm_dtype=cd.tag(fmts))
     body = None if flat is not None or info.world == 1 else modes.body(chosen, c)
     return MeshDecision(info, chosen, resolved, _outer_transport(resolved), c, body, t, seq, rows,
-                        key_mask is not None, flat)
+                        key_mask is not None, flat, fmts)
+
+
+def _one_rank(q, k, v, scale, key_mask, fmts):
+    """A 1x1 mesh: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, what a mesh of more ranks computes
+    at chunks = 1 (:mod:`cp_ops.emulate`: K and V round-tripped twice, as they cross both dims)."""
+    if fmts != cd.NONE and config.settings.emulate_comm:
+        return emulate.attention(q, k, v, scale, key_mask, fmts, kv_trips=2)
+    return local_attention(q, k, v, scale, key_mask)
 
 
 def _shards(d: MeshDecision, q) -> meshes.MeshShards | None:
@@ -135,7 +153,9 @@ def _shards(d: MeshDecision, q) -> meshes.MeshShards | None:
 def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
               comm_dtype=None) -> torch.Tensor:
     """Run one CP attention call on a 2-D mesh ``group`` (inputs detached by the caller). Shapes and errors as
-    :func:`cp_ops.attention` (``comm_dtype``: None or q's dtype, else ValueError on every rank)."""
+    :func:`cp_ops.attention`."""
+    if comm_dtype is not None:
+        comm_dtype = dispatch._normal(comm_dtype, q)
     eager = not torch.compiler.is_compiling()
     if eager:
         plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
@@ -146,12 +166,13 @@ def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask
                meshes.groups(group) if eager else None, comm_dtype)
     if d.flat is not None:
         return dispatch.attention(q, k, v, group[d.flat[0]], d.flat[1], transport, scale, chunks, seq_lens, key_mask,
-                                  tag)
+                                  tag, comm_dtype)
     if info.world == 1:
-        return local_attention(q, k, v, scale, key_mask)
+        return _one_rank(q, k, v, scale, key_mask, d.fmts)
     tag = contract.set_partner(info.inner_name, d.tag, info.outer_name)  # a failed row exchange tells the column
     inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, tag, info.i, d.seq_lens)
     outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows)
+    inner.fmts, outer.fmts = d.fmts, cd.outer(d.fmts)
     comm = MeshComm(outer, inner)
     return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=_shards(d, q), key_mask=key_mask)
 
@@ -168,7 +189,8 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     if d.flat is not None:
         why = (f"a {info.shape} mesh: 1-D {d.flat[1]} over its '{d.flat[0]}' dim"
                + ("" if mode == "auto" else f" (mode {mode!r} given)"))
-        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask, mode_why=why)
+        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask, comm_dtype,
+                                 mode_why=why)
     if info.world == 1:
         return tune.Choice(MODE, 1, "heuristic", {}, d.inner_transport,
                            "a 1x1 mesh: local attention, nothing moved")
@@ -201,6 +223,7 @@ class MeshPlan:
             outer_pg, inner_pg = self.pgs
             self.comm = MeshComm(self._comm(outer_pg, d.outer_transport, d.rows),
                                  self._comm(inner_pg, d.inner_transport, d.seq_lens))
+            self.comm.inner.fmts, self.comm.outer.fmts = d.fmts, cd.outer(d.fmts)
             self.epoch = transport_base.epoch
         comm = self.comm
         comm.inner.armed = comm.outer.armed = True
@@ -226,23 +249,26 @@ class _Flat:
         self.pg, self.mode, self.args = pg, mode, args
 
     def run(self, q, k, v, scale, key_mask=None):
-        transport, chunks, seq_lens, tag = self.args
-        return dispatch.attention(q, k, v, self.pg, self.mode, transport, scale, chunks, seq_lens, key_mask, tag)
+        transport, chunks, seq_lens, tag, comm_dtype = self.args
+        return dispatch.attention(q, k, v, self.pg, self.mode, transport, scale, chunks, seq_lens, key_mask, tag,
+                                  comm_dtype)
 
 
 class _Local:
-    __slots__ = ()
+    __slots__ = ("fmts",)
+
+    def __init__(self, fmts):
+        self.fmts = fmts
 
     def run(self, q, k, v, scale, key_mask=None):
-        return local_attention(q, k, v, scale, key_mask)
+        return _one_rank(q, k, v, scale, key_mask, self.fmts)
 
 
 def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
     """The plan for this call (built on the first call with its key), or None: take the traced path (as
     :func:`cp_ops.dispatch._lookup`)."""
     try:
-        key = dispatch.plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag,
-                                None if comm_dtype is None else repr(comm_dtype))
+        key = dispatch.plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
         if key is None:
             return None
         e = _plans.get(key)
@@ -283,9 +309,10 @@ def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, com
     pgs = meshes.groups(group)
     d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs, comm_dtype)
     if d.flat is not None:
-        return _Flat(pgs[0] if d.flat[0] == "agkv" else pgs[1], d.flat[1], (transport, chunks, seq_lens, tag))
+        return _Flat(pgs[0] if d.flat[0] == "agkv" else pgs[1], d.flat[1],
+                     (transport, chunks, seq_lens, tag, comm_dtype))
     if info.world == 1:
-        return _Local()
+        return _Local(d.fmts)
     shards = _shards(d, q)
     rows = shards.inner.smax if shards is not None else q.shape[1]
     if q.shape[0] * rows * q.shape[2] * q.shape[3] == 0:

@@ -72,18 +72,6 @@ def check_names(mesh: Any) -> None:
                          f"{mesh.mesh_dim_names} (slice a larger mesh: mesh['agkv', 'ulysses'])")
 
 
-def check_comm_dtype(comm_dtype: Any, input_dtype, shape: str) -> None:
-    """The rule for ``comm_dtype`` on a 2-D CP mesh of shape ``shape`` ('OxI'), in one place
-    (:mod:`cp_ops.dispatch_mesh` per call, :func:`cp_ops.parallelize` at once): FP8 communication runs on 1-D groups
-    only for now, so it must be None or ``input_dtype``. Raises ValueError naming the value and the shape (or as
-    :func:`cp_ops.comm_dtype.normalize`)."""
-    from .comm_dtype import NONE, normalize
-
-    if comm_dtype is not None and normalize(comm_dtype, input_dtype) != NONE:
-        raise ValueError(f"comm_dtype={comm_dtype!r} on a 2-D mesh ({shape}): FP8 communication runs on 1-D groups "
-                         "only for now (docs/fp8.md); pass comm_dtype=None with a mesh, or a 1-D group")
-
-
 def describe(mesh: Any) -> tuple:
     """``mesh`` as a :class:`MeshInfo`'s fields (a plain tuple: a constant for the compiler). Raises ValueError
     (:func:`check_names`)."""

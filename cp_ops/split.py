@@ -24,7 +24,7 @@ raised at ``CP_OPS_TIMEOUT_S`` (naming the ranks that did not arrive), not at on
 
 **Not used** (the 1-D heuristic decides, as on one node): a group on one node; nodes holding different rank counts or
 ranks not numbered node by node (the split's rows would not be nodes; :attr:`Split.why` says so); ``comm_dtype``
-given (FP8 runs on 1-D groups only); an explicit ``mode``. Under ``torch.compile`` the choice is made while tracing
+given (the cost model prices the input dtype's bytes); an explicit ``mode``. Under ``torch.compile`` the choice is made while tracing
 (:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path; the choice depends on the sizes,
 so on several nodes a dynamic-shape compile specializes them (one graph per shape; on one node they stay dynamic).
 

@@ -361,7 +361,15 @@ def test_triton_kernels_in_the_interpreter_equal_torch():
         "        assert torch.equal(a, b), (dt, f, (a != b).sum().item())\n"
         "        assert torch.equal(fp8.decode_triton(b, dt, f), fp8.decode_torch(b, dt, f)), (dt, f)\n"
         "        assert torch.equal(fp8.decode_triton(b[:, 2:5], dt, f), fp8.decode_torch(b[:, 2:5], dt, f))\n"
-        "assert fp8.self_test(torch.device('cpu')) is None\n"
+        "        nb = b.clone()\n"  # NaN bytes (e4m3fn 0x7F/0xFF; e5m2 0x7C inf, 0x7D NaN) decode as torch's
+        "        nb[0, 0, :4] = torch.tensor([0x7F, 0xFF, 0x7C, 0x7D], dtype=torch.uint8)\n"
+        "        t1, t2 = fp8.decode_triton(nb, torch.float32, f), fp8.decode_torch(nb, torch.float32, f)\n"
+        "        assert torch.equal(t1.isnan(), t2.isnan())\n"
+        "        assert torch.equal(t1.nan_to_num(0, 0, 0), t2.nan_to_num(0, 0, 0))\n"
+        "buf = fp8.encode_torch(torch.ones(1, 8), 'e4m3')\n"  # the GPU's NaN (0x7FFFFFFF) as a scale: bf16 NaN, not -0
+        "buf[0, -4:] = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.uint8)\n"
+        "assert fp8.decode_triton(buf, torch.bfloat16, 'e4m3').isnan().all()\n"
+        "assert fp8.self_test(torch.device('cpu')) is None\n"  # with the non-finite rule
         "print('ok')\n")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -408,21 +416,44 @@ def test_parallelize_comm_dtype():
 ONE_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-# Known failure, measured on 1x H200 (Triton 3.6, torch 2.11, 2026-12-01): the Triton encode differs from the torch
-# quantizer in 46-53 bytes of the self-test's sweep for every format and dtype, so use_triton() is False there and the
-# codec runs the torch version (correct, slower: 80-1500 us per tensor). Strict: the day the kernels match, this fails
-# and the mark comes off.
+def _scales_are_ieee_quotients(device):
+    """The torch encoder's scales are amax / fp8_max correctly rounded (IEEE division, as the Triton kernel's div_rn),
+    on ``device``. Found on an H200: torch's CUDA division by a Python scalar multiplies by the fp32 reciprocal of
+    448 instead (one ulp off for some rows), so the Triton kernels differed from the torch version in 46-53 bytes of
+    the self-test (the scale bytes) and the codec fell back to torch. The data has rows where the two differ."""
+    g = torch.Generator(device=device).manual_seed(7)
+    x = torch.randn(512, 64, generator=g, device=device) * torch.rand(512, 1, generator=g, device=device) * 100
+    for fmt, (_, fmax) in fp8.FORMATS.items():
+        scale = fp8.encode_torch(x, fmt)[:, -4:].contiguous().view(torch.float32)[:, 0]
+        amax = x.abs().amax(-1).double()
+        exact = (amax / fmax).float()  # double then float: correctly rounded (53 >= 2*24 + 2 bits)
+        assert torch.equal(scale, exact), (fmt, int((scale != exact).sum()))
+        recip = amax.float() * torch.tensor(1 / fmax, dtype=torch.float32, device=device)
+        assert (recip != exact).any()  # the data tells the two apart
+
+
+def test_scales_are_ieee_quotients_cpu():
+    _scales_are_ieee_quotients(torch.device("cpu"))
+
+
 @pytest.mark.gpu
 @ONE_CUDA
-@pytest.mark.xfail(strict=True, reason="Triton FP8 encode not bitwise equal to torch's on H200 (self-test: 46-53 "
-                   "bytes differ); the codec falls back to the torch version")
+def test_scales_are_ieee_quotients_cuda():
+    _scales_are_ieee_quotients(torch.device("cuda"))
+
+
+# Was a strict xfail until 2026-12-01e: the torch version's scale was amax * fl(1/448) on CUDA (see
+# _scales_are_ieee_quotients), the Triton kernel's amax / 448; both divide now (H200, 2026-12-01e: 0 bytes differ on
+# the self-test's inputs, benchmarks/results/2026-12-01e_fp8_h200_torch2.11_cu130/fp8_codec.json). Whether the codec
+# USES the kernels also takes the non-finite rule: test_triton_kernels_keep_the_nonfinite_rule.
+@pytest.mark.gpu
+@ONE_CUDA
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 4096, 24, 128), (2, 333, 5, 64), (3, 7, 2, 6)])
 def test_triton_codec_equals_torch(fmt, dtype, shape):
     from cp_ops.kernels import fp8
 
-    assert fp8.use_triton(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(1)
     x = (torch.randn(shape, generator=g, device="cuda") * 3).to(dtype)
     x[0, 0, 0] = 0
@@ -435,6 +466,21 @@ def test_triton_codec_equals_torch(fmt, dtype, shape):
     # a strided slice (what pipelined AGKV decodes per piece)
     part = enc[:, 1:3]
     assert torch.equal(fp8.decode_triton(part, dtype, fmt), fp8.decode_torch(part, dtype, fmt))
+
+
+@pytest.mark.gpu
+@ONE_CUDA
+def test_triton_kernels_keep_the_nonfinite_rule():
+    """The Triton kernels keep the non-finite rule (docs/fp8.md), so the codec uses them (use_triton). Failed on an
+    H200 on 2026-12-01e before the kernels propagated NaN explicitly: tl.max/tl.maximum dropped the NaN of a row (it
+    arrived finite) and the bf16 rounding turned the GPU's NaN 0x7FFFFFFF into -0; the fix is not run on a GPU yet."""
+    from cp_ops.kernels import fp8
+
+    dev = torch.device("cuda")
+    bad = [why for dt in (torch.bfloat16, torch.float16, torch.float32) for f in fp8.FORMATS
+           if (why := fp8.nonfinite_rule(fp8.encode_triton, fp8.decode_triton, dt, f, dev))]
+    assert not bad, bad
+    assert fp8.use_triton(dev), fp8.self_test(dev)
 
 
 def _two_ranks(rank, w):

@@ -174,14 +174,15 @@ def test_2d_rules_raise_on_every_rank():
 
 
 def _one_rank_rejects(rank, w):
-    """A check that fails on one rank only, raised on every rank and the mesh in step after: comm_dtype on a mesh (was
-    raised before any exchange: the other ranks ran the call without rank 0 and every later call paired wrong) and a
-    bad key mask on a degenerate mesh (its 1-D call's group was not told); cp_ops.describe takes a mesh and
-    comm_dtype (was: ValueError / TypeError)."""
+    """A check that fails on one rank only, raised on every rank and the mesh in step after: comm_dtype on one rank
+    of a mesh (when a mesh refused comm_dtype, that was raised before any exchange: the other ranks ran the call
+    without rank 0 and every later call paired wrong; now a variant the other ranks do not share) and a bad key mask
+    on a degenerate mesh (its 1-D call's group was not told); cp_ops.describe takes a mesh and comm_dtype (was:
+    ValueError / TypeError)."""
     mesh = _mesh((2, 2))
     q, k, v, _ = _data(1, 4 * w, 4, 8, seed=21)
     sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
-    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]|comm_dtype=torch.float8_e4m3fn on a 2-D mesh \(2x2\)"):
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]|differ in"):
         cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, comm_dtype=torch.float8_e4m3fn if rank == 0 else None)
     assert torch.equal(cp_ops.attention(sh(q), sh(k), sh(v), group=mesh), _ref(q, k, v, None, (2, 2), rank, (4,) * w))
     flat = _mesh((1, 4))
@@ -198,8 +199,9 @@ def _one_rank_rejects(rank, w):
     assert "given" not in c.why, c.why
     with pytest.raises(ValueError, match=r"heads=4, inner size=4|inner size"):
         cp_ops.describe(sh(q)[:, :, :3], group=mesh)
-    with pytest.raises(ValueError, match="comm_dtype"):
-        cp_ops.describe(sh(q), group=mesh, comm_dtype=torch.float8_e4m3fn)
+    assert cp_ops.describe(sh(q), group=mesh, comm_dtype=torch.float8_e4m3fn).mode == "agkv_ulysses"
+    with pytest.raises(ValueError, match="gathers K and V together over the outer"):
+        cp_ops.describe(sh(q), group=mesh, comm_dtype={"k": torch.float8_e4m3fn})
     # a 1-D call with comm_dtype can be copied into describe as is; a bad comm_dtype raises as the call would
     assert cp_ops.describe(sh(q), sh(k), sh(v), comm_dtype=torch.float8_e4m3fn).mode == "ulysses"
     with pytest.raises(ValueError, match="comm_dtype"):

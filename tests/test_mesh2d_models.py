@@ -67,9 +67,10 @@ def test_models_on_cfg_x_2x2_mesh():
 
 
 def test_mesh_rules_raise_at_parallelize():
-    """parallelize(group=mesh, comm_dtype=FP8) raises at once, naming the rule, and installs nothing (was: raised at the
-    first forward, inside the attention call); a 3-D CFG mesh too; comm_dtype equal to the model's dtype is accepted;
-    a 3-D mesh of other dim names is told the 3-D form."""
+    """parallelize(group=mesh, comm_dtype=...) with K and V in different formats on a mesh of more than one row (its
+    outer dim gathers K and V together) raises at once, naming the mesh, and installs nothing (was: raised at the
+    first forward); a 3-D CFG mesh too; FP8 with K and V alike is accepted; a 3-D mesh of other dim names is told the
+    3-D form."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -77,15 +78,15 @@ def test_mesh_rules_raise_at_parallelize():
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        model = build("wan")
         for shape, names, seen in (((2, 4), ("agkv", "ulysses"), "2x4"),
                                    ((2, 2, 2), ("cfg", "agkv", "ulysses"), "2x2")):
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-            for fp8 in (torch.float8_e4m3fn, {"k": torch.float8_e5m2}):
-                with pytest.raises(ValueError, match=rf"comm_dtype=.* on a 2-D mesh \({seen}\): FP8 communication runs "
-                                                     "on 1-D groups only"):
-                    parallelize(model, group=mesh, comm_dtype=fp8)
-                assert getattr(model, "_cp_ops_group", None) is None  # nothing installed
+            model = build("wan")
+            with pytest.raises(ValueError, match=rf"parallelize on a {seen} mesh: .*K and V"):
+                parallelize(model, group=mesh, comm_dtype={"k": torch.float8_e5m2})
+            assert getattr(model, "_cp_ops_group", None) is None  # nothing installed
+            assert parallelize(model, group=mesh, comm_dtype=torch.float8_e4m3fn) is model
+        model = build("wan")
         # a 3-D mesh of other names: the message names the 3-D form parallelize takes (was: "must be 1-D, or 2-D")
         with pytest.raises(ValueError, match=r"3-D mesh must have mesh_dim_names=\('cfg', 'agkv', 'ulysses'\).*got a "
                                              r"3-D mesh of shape \(2, 2, 2\) with mesh_dim_names=\('agkv', 'ulysses', "

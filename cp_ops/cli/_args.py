@@ -120,7 +120,8 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") ->
     if heads is not None and heads % i:
         fail(f"{what}: --mesh {text}: the inner (Ulysses) degree must divide the heads; got heads={heads}, inner={i}")
     if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", ""):
-        fail(f"{what}: --mesh runs FP8-free (FP8 communication runs on 1-D groups only, docs/fp8.md); got --mesh "
+        fail(f"{what}: --mesh rows run without FP8 for now (cp_ops.attention takes comm_dtype on a mesh; the CLI's mesh "
+             f"rows do not yet, docs/fp8.md); got --mesh "
              f"{text} with --comm-dtype {args.comm_dtype}: drop one")
     args.mesh = (o, i)
 

@@ -226,7 +226,7 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
-        wire = None if group is not None else fmts  # a mesh: FP8 refused by the checks (1-D groups only)
+        wire = None if group is not None else fmts  # a mesh: --comm-dtype refused by the CLI checks (mesh rows run without FP8)
         fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, group=group, mode=mode,  # noqa: E731
                                                      transport=tr, chunks=c, comm_dtype=wire)
         out = fn()

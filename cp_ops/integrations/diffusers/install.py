@@ -9,8 +9,7 @@ import torch
 
 from ... import modes
 from ...group import resolve_group
-from ...comm_dtype import normalize as normalize_comm_dtype
-from ...mesh import check_comm_dtype as check_mesh_comm_dtype
+from ...comm_dtype import NONE as COMM_NONE, for_mode as comm_for_mode, normalize as normalize_comm_dtype
 from ...modes.pipelined import check_chunks
 from ...transport.base import names as transport_names
 from . import caches, dispatch, hooks
@@ -63,6 +62,21 @@ def mesh_groups(group: Any, cfg_parallel: bool):
     return pg, group, False
 
 
+def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
+    """K and V in different formats where every call would gather them together — mode 'agkv', or a 2-D mesh of more
+    than one row (its outer dim gathers K and V) — raise here (ValueError), not at the first forward."""
+    if fmts == COMM_NONE:
+        return
+    rows, cols = (1, 1) if mesh is None else tuple(mesh.mesh.shape)
+    kv_mode = "agkv_ulysses" if rows > 1 and cols > 1 else "agkv" if rows > 1 or mode == "agkv" else None
+    if kv_mode is not None:
+        try:
+            comm_for_mode(fmts, kv_mode)
+        except ValueError as e:
+            where = f"a {rows}x{cols} mesh" if mesh is not None else f"mode={mode!r}"
+            raise ValueError(f"parallelize on {where}: {e}") from None
+
+
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
                 cuda_graphs: bool = False, comm_dtype: Any = None) -> torch.nn.Module:
@@ -92,8 +106,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             runs, pipelined only where its shards are even.
         comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
             ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn``; a dict per tensor q/k/v/o):
-            ``docs/fp8.md`` (its error on full models, which default is safe). Checked here (ValueError; on a mesh
-            only None or the model's dtype for now: :func:`cp_ops.mesh.check_comm_dtype`).
+            ``docs/fp8.md`` (its error on full models, which default is safe). Works on every group kind (a 2-D mesh
+            too). Checked here (ValueError), K and V in different formats included where the calls gather them
+            together (mode 'agkv', a mesh of more than one row).
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
@@ -114,8 +129,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     Raises:
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
             mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
-            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled, an
-            FP8 ``comm_dtype`` with a mesh. At run time: a stream with fewer tokens than ranks; a mask CP attention
+            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled, K and V
+            in different FP8 formats where the calls gather them together. At run time: a stream with fewer tokens than ranks; a mask CP attention
             cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
             (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
@@ -128,8 +143,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if transport not in transport_names():
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     check_chunks(chunks)
-    given_comm_dtype, model_dtype = comm_dtype, next((p.dtype for p in transformer.parameters()), None)
-    comm_dtype = normalize_comm_dtype(comm_dtype, model_dtype)
+    comm_dtype = normalize_comm_dtype(comm_dtype, next((p.dtype for p in transformer.parameters()), None))
     if cuda_graphs and not compile:
         raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
                          "mode='reduce-overhead'); got compile=False")
@@ -150,8 +164,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
     if attn_group is not None and mode not in modes.names(dims=2):
         raise ValueError(f"parallelize on a 2-D CP mesh: mode must be one of {modes.names(dims=2)}; got {mode!r}")
-    if attn_group is not None:
-        check_mesh_comm_dtype(given_comm_dtype, model_dtype, "x".join(map(str, attn_group.shape)))
+    _check_comm_dtype(comm_dtype, mode, attn_group)
     plan = spec.plan(transformer)
     # resolve every path first, so a failure installs nothing
     for path, _ in plan:
