@@ -25,11 +25,11 @@ import collections
 import multiprocessing.forkserver
 import os
 import traceback
-from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
 
+import one_gpu_rank
 from cp_ops.cli.launch import _worker, free_port
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,29 +59,6 @@ def _body(rank, world_size, device, fn, args, errq):
         errq.put((rank, traceback.format_exc()))
         e._cp_ops_reported = True
         raise
-
-
-def _one_gpu_worker(rank, world_size, device, port, fn, args):
-    """A spawned rank of ``device='one_gpu'``: every rank on cuda:0, one ``cpu:gloo,cuda:gloo`` group (gloo moves the
-    CUDA tensors), so a single GPU runs W ranks' real kernels on data really moved; then as :func:`_worker`."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    try:
-        torch.cuda.set_device(0)
-        # gloo's own timeout bounds every collective, the final barrier too, when a peer fails
-        dist.init_process_group("cpu:gloo,cuda:gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    except BaseException:  # noqa: BLE001 - a failure before the body is reported too
-        args[-1].put((rank, traceback.format_exc()))
-        raise
-    fn(rank, world_size, torch.device("cuda", 0), *args)  # reports success or failure through the queue
-    # End here, past the interpreter's teardown: on the H200 (torch 2.11, 2026-12-01) both ranks passed their body,
-    # then segfaulted in the teardown of a group whose gloo moves CUDA tensors. Flush the report first.
-    torch.cuda.synchronize()
-    dist.barrier()
-    args[-1].close()
-    args[-1].join_thread()
-    os._exit(0)
 
 
 def _forked(rank, world_size, device, port, env, removed, body_args):
@@ -186,9 +163,13 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
         procs = [ctx.Process(target=_forked, args=(r, world_size, device, port, env, removed, (fn, args, errq)))
                  for r in range(world_size)]
     else:
-        worker = _one_gpu_worker if device == "one_gpu" else _worker
-        procs = [ctx.Process(target=worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
-                 for r in range(world_size)]
+        if device == "one_gpu":  # the body named, not pickled: the rank imports it after joining the group
+            ref = f"{fn.__module__}:{fn.__qualname__}"
+            procs = [ctx.Process(target=one_gpu_rank.worker, args=(r, world_size, port, ref, args, errq))
+                     for r in range(world_size)]
+        else:
+            procs = [ctx.Process(target=_worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
+                     for r in range(world_size)]
     for p in procs:
         p.start()
     for p in procs:
