@@ -5,8 +5,8 @@ A ``python -m cp_ops ...`` subprocess costs an interpreter start and ``import to
 each of its ranks (seconds each on CI's 2 cores). A test about what the command does with its arguments, its
 ``--out`` file or its printed lines needs none of that; it calls :func:`run_cli`. What only a real process shows
 (the entry point, ``sys.exit`` codes, torchrun, what a fresh interpreter imports) keeps one subprocess test per
-command: ``test_cli.py::test_bench_cpu_default``, ``::test_run_wan_cpu_default``, ``::test_cli_bad_input_subprocess``,
-``test_cli_generate.py``, ``test_cli_output.py::test_torchrun_*``, ``test_cli_startup.py``.
+entry point: ``test_cli.py::test_bench_cpu_default``, ``::test_cli_bad_input_subprocess``,
+``test_cli_output.py::test_torchrun_*``, ``test_cli_startup.py``.
 
 What differs from the subprocess, and why it does not matter to the tests using it: ``cp_ops.cli.launch.launch``
 is replaced by :func:`dist_util.run_ranks` (a rank that exits non-zero is an ``AssertionError``, not an exit code:

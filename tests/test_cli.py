@@ -1,5 +1,5 @@
-"""CLI smoke: the CPU defaults of `cp-ops bench` and `cp-ops run wan` exit 0 and print their tables, legends and
-spreads (real subprocesses); argument errors are one line and exit 2 (one in a subprocess, the rest in this process
+"""CLI smoke: the CPU defaults of `cp-ops bench` (a real subprocess: the entry point) and `cp-ops run wan` (in this
+process) exit 0 and print their tables, legends and spreads; argument errors are one line and exit 2 (one in a subprocess, the rest in this process
 through tests/cli_util.py)."""
 
 import json
@@ -55,9 +55,10 @@ def test_bench_cpu_default(tmp_path):
         assert plot.stat().st_size > 1000
 
 
-def test_run_wan_cpu_default(tmp_path):
+def test_run_wan_cpu_default(tmp_path, monkeypatch, capsys):
+    """In this process (the ``cp-ops`` entry point's real process is test_bench_cpu_default's)."""
     out = tmp_path / "wan.json"
-    p = _cli("run", "wan", "--device", "cpu", "--out", str(out))
+    p = run_cli(["run", "wan", "--device", "cpu", "--out", str(out)], monkeypatch, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "CP ms  1-rank ms  speedup  max rel err" in p.stdout
     # item 3: say what ran (architecture, random weights) and why CPU speedups are low

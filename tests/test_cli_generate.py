@@ -4,14 +4,11 @@ where no video encoder is installed."""
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEEDS = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(NEEDS), reason=f"diffusers pipelines need {NEEDS} (pip install transformers "
                                                      "accelerate): WanPipeline is a dummy without transformers, and "
@@ -40,18 +37,18 @@ def tiny_wan(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("error:.*torch_dtype.*is deprecated:FutureWarning")  # dtype= where diffusers takes it
-def test_generate_tiny_wan(tmp_path, tiny_wan):
+def test_generate_tiny_wan(tmp_path, tiny_wan, monkeypatch, capsys):
+    from cli_util import run_cli
     from PIL import Image
 
     from cp_ops.cli.generate import _call_kwargs, _frames, load_pipeline, write
 
     ckpt = tiny_wan[0]
     out = tmp_path / "video.mp4"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "cp_ops", "generate", "--device", "cpu", "--checkpoint", str(ckpt),
-                        "--prompt-embeds", str(ckpt / "embeds.pt"), "--steps", "2", "--height", "32", "--width", "32",
-                        "--frames", "5", "--seed", "3", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    # in this process, ranks forked from the fork server (the entry point's real process: test_cli.py)
+    p = run_cli(["generate", "--device", "cpu", "--checkpoint", str(ckpt), "--prompt-embeds", str(ckpt / "embeds.pt"),
+                 "--steps", "2", "--height", "32", "--width", "32", "--frames", "5", "--seed", "3", "--out", str(out)],
+                monkeypatch, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "WanPipeline (WanTransformer3DModel under CP2), 2 steps" in p.stdout
     # the pipeline's own progress bar over the steps, from rank 0 only
