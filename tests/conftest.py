@@ -33,3 +33,10 @@ def pytest_xdist_auto_num_workers(config):
     if torch.cuda.is_available():
         return 0
     return max(1, min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    """Two workers take tests by work stealing (``--dist worksteal``) rather than fixed batches: a few tests take
+    10-25 s on CI's 2 cores, and stealing keeps one worker from ending with a queue of them while the other idles."""
+    if getattr(config.option, "dist", "no") == "load" and config.pluginmanager.hasplugin("xdist"):
+        config.option.dist = "worksteal"
