@@ -147,31 +147,46 @@ VARIANTS = [  # (name, mode, comm_dtype)
 ]
 
 
+def _group_of_one(device) -> None:
+    """A process group of one rank (the models run parallelized over it; the emulation round-trips what would cross)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+
+
+def _model(name: str, conf: str, args, device):
+    """``(spec, conf, cfg, model, inputs, (frames, height, width), build seconds)``: the model ``name`` at ``conf``
+    (default: full size on CUDA, tiny on CPU), bf16, seeded inputs, cuDNN attention on CUDA."""
+    from cp_ops.cli.models import MODELS, build
+
+    gpu = device.type == "cuda"
+    spec = MODELS[name]
+    conf = conf or (spec.gpu_config if gpu else "tiny")
+    t0 = time.perf_counter()
+    model, cfg = build(spec, conf, args.layers, device, torch.bfloat16)
+    f, hh, ww = spec.gpu_latent if gpu else spec.cpu_latent
+    g = torch.Generator(device=device).manual_seed(42)
+    kw = spec.make_inputs(cfg, spec.text_tokens[conf], 1, f, hh, ww, device, torch.bfloat16, g)
+    if gpu:
+        model.set_attention_backend("_native_cudnn")
+    return spec, conf, cfg, model, kw, (f, hh, ww), time.perf_counter() - t0
+
+
 def models(device, args) -> list[dict]:
     import torch.distributed as dist
 
     from cp_ops import comm_dtype as cd
     from cp_ops import config
-    from cp_ops.cli.models import MODELS, build
     from cp_ops.cli.run import denoise
     from cp_ops.integrations.diffusers import parallelize
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
-    rows = []
-    gpu = device.type == "cuda"
+    _group_of_one(device)
+    rows, gpu = [], device.type == "cuda"
     for name in args.models.split(","):
         name, _, conf = name.partition(":")
-        spec = MODELS[name]
-        conf = conf or (spec.gpu_config if gpu else "tiny")
-        t0 = time.perf_counter()
-        model, cfg = build(spec, conf, args.layers, device, torch.bfloat16)
-        f, hh, ww = spec.gpu_latent if gpu else spec.cpu_latent
-        g = torch.Generator(device=device).manual_seed(42)
-        kw = spec.make_inputs(cfg, spec.text_tokens[conf], 1, f, hh, ww, device, torch.bfloat16, g)
-        if gpu:
-            model.set_attention_backend("_native_cudnn")
+        spec, conf, cfg, model, kw, (f, hh, ww), build_s = _model(name, conf, args, device)
         with torch.no_grad():
             one = spec.predict(model, kw).float()
         one_lat, _ = denoise(model, spec, kw, args.steps, device)
@@ -181,7 +196,7 @@ def models(device, args) -> list[dict]:
             bf = spec.predict(model, kw).float()
         bf_lat, _ = denoise(model, spec, kw, args.steps, device)
         base = dict(model=name, config=conf, tokens=spec.tokens(cfg, f, hh, ww), steps=args.steps,
-                    build_s=round(time.perf_counter() - t0, 1))
+                    build_s=round(build_s, 1))
         row = dict(base, variant="bf16 comm (group of 1)", fwd_vs_1gpu=_rel(bf, one), lat_vs_1gpu=_rel(bf_lat, one_lat))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -240,24 +255,13 @@ def vae(device, args) -> list[dict]:
 
     from cp_ops import comm_dtype as cd
     from cp_ops import config, modes
-    from cp_ops.cli.models import MODELS, build
     from cp_ops.cli.run import denoise
     from cp_ops.integrations.diffusers import parallelize
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+    _group_of_one(device)
     gpu = device.type == "cuda"
     name = args.models.split(",")[0]
-    spec = MODELS[name]
-    conf = spec.gpu_config if gpu else "tiny"
-    t0 = time.perf_counter()
-    model, cfg = build(spec, conf, args.layers, device, torch.bfloat16)
-    f, hh, ww = spec.gpu_latent if gpu else spec.cpu_latent
-    g = torch.Generator(device=device).manual_seed(42)
-    kw = spec.make_inputs(cfg, spec.text_tokens[conf], 1, f, hh, ww, device, torch.bfloat16, g)
-    if gpu:
-        model.set_attention_backend("_native_cudnn")
+    spec, conf, cfg, model, kw, (f, hh, ww), build_s = _model(name, "", args, device)
     dec = _vae(device, torch.bfloat16, cfg["in_channels"] // (4 if name == "flux" else 1))
 
     def decode(lat):
@@ -278,7 +282,7 @@ def vae(device, args) -> list[dict]:
     bf_raw, bf_img = decode(denoise(model, spec, kw, args.steps, device)[0])
     heads = cfg[spec.heads_key]
     base = dict(model=name, config=conf, tokens=spec.tokens(cfg, f, hh, ww), heads=heads, steps=args.steps,
-                image=list(one_img.shape[-2:]), build_s=round(time.perf_counter() - t0, 1),
+                image=list(one_img.shape[-2:]), build_s=round(build_s, 1),
                 image_std=one_img.std().item())
     rows = [dict(base, variant="bf16 comm (group of 1) vs 1 GPU", psnr_db=_psnr(bf_img, one_img),
                  **_rel(bf_raw, one_raw))]

@@ -376,22 +376,28 @@ def test_triton_kernels_in_the_interpreter_equal_torch():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+def tiny_wan_and_inputs():
+    """A seeded tiny Wan (4 heads, 2 blocks, eval) and its inputs ``(x, t, text)``: the parallelize tests here and in
+    test_fp8_mesh.py."""
+    pytest.importorskip("diffusers")
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2).eval()
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(1, 4, 2, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 16, 32, generator=g))
+
+
 def _parallelize_fp8(rank, w):
     """parallelize(comm_dtype=...) on a tiny Wan (2 ranks): the output moves from the one-device model's by less than
     the codec allows through two blocks (and does move); the model's dtype as comm_dtype is bitwise the plain CP
     model; a bad comm_dtype is refused at parallelize."""
     import copy
 
-    pytest.importorskip("diffusers")
-    from diffusers import WanTransformer3DModel
-
     from cp_ops.integrations.diffusers import parallelize
 
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2).eval()
-    g = torch.Generator().manual_seed(1)
-    x, t, text = torch.randn(1, 4, 2, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 16, 32, generator=g)
+    model, (x, t, text) = tiny_wan_and_inputs()
     with pytest.raises(ValueError, match="comm_dtype must be torch.float8_e4m3fn"):
         parallelize(copy.deepcopy(model), comm_dtype=torch.int8)
     with torch.no_grad():

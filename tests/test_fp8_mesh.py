@@ -20,6 +20,7 @@ from cp_ops import comm_dtype as cd
 from cp_ops import layout
 from cp_ops.kernels import fp8, local_attention
 from dist_util import run_ranks
+from test_fp8 import tiny_wan_and_inputs
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 #: half an ulp of the fp8 mantissa (relative, normal fp8 values) and half the smallest subnormal (absolute, in units of
@@ -233,16 +234,9 @@ def _parallelize_on_mesh(rank, w):
     one-device model by less than the codec allows through two blocks; K and V apart is refused at parallelize."""
     import copy
 
-    pytest.importorskip("diffusers")
-    from diffusers import WanTransformer3DModel
-
     from cp_ops.integrations.diffusers import parallelize
 
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2).eval()
-    g = torch.Generator().manual_seed(1)
-    x, t, text = torch.randn(1, 4, 2, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 16, 32, generator=g)
+    model, (x, t, text) = tiny_wan_and_inputs()
     mesh = _mesh((2, 2))
     with pytest.raises(ValueError, match=r"parallelize on a 2x2 mesh: comm_dtype: mode='agkv_ulysses' gathers K and V"):
         parallelize(copy.deepcopy(model), mesh, mode="auto", comm_dtype={"q": E4, "v": E4, "o": E4})
