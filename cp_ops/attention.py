@@ -16,6 +16,7 @@ from . import dispatch
 from . import dispatch_mesh
 from . import ops
 from . import split
+from .comm_dtype import NONE as NO_FP8  # a normalized comm_dtype without FP8 (parallelize passes it)
 from .modes.tune import Choice
 from .mesh import is_mesh
 from .kernels import local_attention
@@ -133,7 +134,7 @@ def attention(
         return out.transpose(1, 2)
     # a 2-D mesh: cp_ops.dispatch_mesh
     run = dispatch_mesh.attention if is_mesh(group) else dispatch.attention
-    if mode == "auto" and comm_dtype is None and run is dispatch.attention:
+    if mode == "auto" and (comm_dtype is None or comm_dtype == NO_FP8) and run is dispatch.attention:
         group, mode, run = _split(q, group, seq_lens, chunks)
     wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if not wants_grad:
@@ -204,7 +205,7 @@ def describe(
         q = q.transpose(1, 2)
     if is_mesh(group):
         return dispatch_mesh.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
-    if mode == "auto" and comm_dtype is None:
+    if mode == "auto" and (comm_dtype is None or comm_dtype == NO_FP8):
         return _describe_auto(q, group, transport, chunks, seq_lens, key_mask)
     return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
 

@@ -17,6 +17,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None``: the heuristic (0, reproducible); 1: measured |
 | ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
 | ``CP_OPS_EMULATE_COMM``    | ``emulate_comm``  | a group of ONE rank round-trips what W > 1 ranks would send through the ``comm_dtype`` codec (accuracy on one device, docs/fp8.md) (0) |
+| ``CP_OPS_NETWORK_GBPS``    | ``network_gbps``  | inter-node GB/s per GPU that ``mode='auto'``'s split across nodes assumes (50: 400 Gb/s) |
 | ``CP_OPS_NODE_ID``         | ``node_id``       | this rank's node identity (default: the host name); ranks with equal ids share a node (:mod:`cp_ops.node`); set per rank, e.g. to simulate 2 nodes on one machine |
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
@@ -125,12 +126,13 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default (issue 20, item 3)
     "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
     "emulate_comm": ("CP_OPS_EMULATE_COMM", _flag, False),
+    "network_gbps": ("CP_OPS_NETWORK_GBPS", _positive_float, 50.0),
     "node_id": ("CP_OPS_NODE_ID", _node_id, None),  # per rank by design: not a collective field
 }
 
 #: Settings that change what a collective does: every rank of a group must hold the same values.
 COLLECTIVE_FIELDS = ("check_ranks", "fast_heap", "fast_path", "fast_lane_width", "fast_tune", "fast_pool_gb",
-                     "tune_modes")
+                     "tune_modes", "network_gbps")
 
 
 @dataclass
@@ -150,6 +152,7 @@ class Settings:
     tune_modes: bool = False
     tune_cache: str | None = None
     emulate_comm: bool = False
+    network_gbps: float = 50.0
     node_id: str | None = None
     sources: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import contract, cost, modes, node
+from . import config, contract, cost, modes, node
 from . import mesh as meshes
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -100,16 +100,18 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
                      f"mode='auto' on a flat group across {nodes} nodes whose ranks are not numbered node by node "
                      f"(node ids by group rank: {list(ids)}): no 2-D split; the 1-D heuristic: {heur}")
     tokens = sum(seq) if seq is not None else s * w
-    preds = [p for p in cost.predict(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b)
-             if p.layout != "ring"]
-    best = cost.choose(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b,
+    links = cost.Links(network_gbps=config.settings.network_gbps)  # CP_OPS_NETWORK_GBPS: equal on every rank
+    preds = [p for p in cost.predict(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b,
+                                     links=links) if p.layout != "ring"]
+    best = cost.choose(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b, links=links,
                        overlapped=overlapped)
     mode = "agkv" if best.inner == 1 else "ulysses" if best.outer == 1 else "agkv_ulysses"
     key = (lambda p: p.overlapped_ms) if overlapped else (lambda p: p.time_ms)
     listed = ", ".join(f"{p.name} {key(p):.3f}" for p in sorted(preds, key=key))
     what = "overlapped (chunks >= 2)" if overlapped else "transport-then-attend"
     why = (f"mode='auto' on a flat group across {nodes} nodes x {per} ranks: the cost model (cp_ops.cost; NVLink "
-           f"{cost.Links().nvlink_gbps:g} GB/s measured, network {cost.Links().network_gbps:g} GB/s per GPU assumed) "
+           f"{links.nvlink_gbps:g} GB/s measured, network {links.network_gbps:g} GB/s per GPU assumed: "
+           f"CP_OPS_NETWORK_GBPS) "
            f"predicts per call, {what} ms, for {tokens} tokens x {h} heads x {d} ({dtype}, B={b}): {listed} -> "
            f"{best.name}" + (f" (mesh {best.outer}x{best.inner}: Ulysses over {best.inner} ranks inside a row, AGKV "
                               f"over {best.outer} rows)" if mode == "agkv_ulysses" else ""))

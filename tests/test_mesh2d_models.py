@@ -96,3 +96,30 @@ def test_mesh_rules_raise_at_parallelize():
                            comm_dtype=next(model.parameters()).dtype) is model
     finally:
         dist.destroy_process_group()
+
+
+def _flat_group_across_nodes(rank, w, network_gbps):
+    """parallelize(model) on the flat WORLD group whose ranks sit on 2 simulated nodes, mode='auto': the model's
+    attention calls take the cost model's split (cp_ops.split); the output equals the unparallelized model."""
+    from cp_ops import config, split
+    from cp_ops.integrations.diffusers import parallelize
+
+    config.configure(node_id=f"node{rank // 2}", network_gbps=network_gbps)
+    model = build("wan")
+    cp_model = parallelize(copy.deepcopy(model), transport="torch")
+    for size in ((1, 2, 4), (1, 3, 3)):  # 8 image tokens (even), 9 (uneven)
+        kw = inputs("wan", 1, size, 8, torch.Generator().manual_seed(size[2]))
+        with torch.no_grad():
+            ref = sample(model(**kw))
+            out = sample(cp_model(**kw))
+        assert out.shape == ref.shape and _rel(out, ref) <= 1e-5, (size, _rel(out, ref))
+    picked = {(s.mode, s.shape) for s in split._calls.values() if s is not None and s.source == "cost"}
+    # a fast network: latency decides (one collective, pure AGKV); a slow one: the fewest network bytes, which pure
+    # Ulysses (4 heads) sends in fewer collectives than the 2x2 split (tests/test_split.py's hand-checked cases)
+    want = ("agkv", "4x1") if network_gbps > 1 else ("ulysses", "1x4")
+    assert want in picked, picked
+
+
+@pytest.mark.parametrize("network_gbps", [50.0, 1e-3])
+def test_models_on_a_flat_group_across_two_nodes(network_gbps):
+    run_ranks(_flat_group_across_nodes, 4, network_gbps)

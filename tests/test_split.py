@@ -37,6 +37,14 @@ def test_choice_on_hand_checked_cases():
     assert s.source == "heuristic" and "not numbered node by node" in s.why, s
     s = split.choose(("a", "a", "a", "b"), 2, 64, 6, 1024, "fp32")
     assert s.source == "heuristic" and "unevenly" in s.why, s
+    # CP_OPS_NETWORK_GBPS: a network as fast as NVLink leaves latency to decide: one collective (pure AGKV) wins
+    saved = config.snapshot()
+    try:
+        config.configure(network_gbps=345.0)
+        s = split.choose(TWO_BY_TWO, 2, 64, 6, 1024, "fp32")
+        assert (s.mode, s.shape) == ("agkv", "4x1") and "network 345 GB/s" in s.why, s
+    finally:
+        config.restore(saved)
     # the same inputs give the same answer (no timing)
     assert split.choose(TWO_BY_FOUR, 1, 32, 12, 1024, "fp32") == split.choose(TWO_BY_FOUR, 1, 32, 12, 1024, "fp32")
 
