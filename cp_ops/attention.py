@@ -59,7 +59,9 @@ def attention(
             'auto' or 'agkv_ulysses' (``cp_ops.modes.names(dims=2)``). What a call ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
-        scale: softmax scale; default ``1/sqrt(D)``.
+        scale: softmax scale (a Python float or int); default ``1/sqrt(D)``. Part of the rank contract's variant:
+            every rank must pass the same value (ranks that differ raise ValueError on every rank, naming each rank's
+            scale), eager and compiled.
         chunks: pipeline stages (communication under attention; :mod:`cp_ops.modes.pipelined`): 1 =
             transport-then-attend (bitwise equal to one device); k ≥ 2 = the mode's pipelined variant in k
             stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
@@ -84,9 +86,10 @@ def attention(
             rank), e.g. the layer index: ranks whose calls pair different tags (a rank skipped a layer) raise on every
             rank at the first mispaired call. :func:`cp_ops.parallelize` passes each attention module's layer.
         comm_dtype: what crosses the link (``docs/fp8.md``, :mod:`cp_ops.comm_dtype`): None (default) or q's dtype =
-            q's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` = every tensor the mode moves (AGKV: K, V;
+            q's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or their names ``'e4m3'`` / ``'e5m2'``, as
+            the CLI's ``--comm-dtype``) = every tensor the mode moves (AGKV: K, V;
             Ulysses: Q, K, V, O) in FP8 with one fp32 scale per (token, head), carried with the bytes (D + 4 bytes
-            per row instead of 2·D in bf16) and decoded on arrival; a dict ``{"q"|"k"|"v"|"o": fp8 dtype or None}``
+            per row instead of 2·D in bf16) and decoded on arrival; a dict ``{"q"|"k"|"v"|"o": fp8 dtype, its name or None}``
             = per tensor (e.g. ``{"q": e4m3, "v": e4m3, "o": e4m3}``; AGKV and a 2-D mesh: K and V alike; on a 2-D
             mesh K and V cross both dims, each through the codec). Part of the rank
             contract's variant (ranks that differ raise on every rank). Error (docs/fp8.md): e4m3 on all four
@@ -106,17 +109,20 @@ def attention(
 
     Raises:
         ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16; a
-            ``comm_dtype`` that is not an FP8 dtype / None / q's dtype / such a dict, or AGKV with K and V apart;
+            ``comm_dtype`` that is not an FP8 dtype / 'e4m3' / 'e5m2' / None / q's dtype / such a dict (other strings,
+            e.g. the CLI's 'none' or 'e4m3:qvo', included), or AGKV with K and V apart;
             mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
             transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
             S_local, mask dtype/shape; AGKV chunks > 1 with a mask); the ranks of the group disagree on the call (mode, shape,
-            dtype, transport, chunks, collective settings, call order) or one rank rejected its inputs — raised
+            dtype, transport, chunks, scale, comm_dtype, collective settings, call order) or one rank rejected its
+            inputs — raised
             on every rank, naming each rank's call (:mod:`cp_ops.validate`).
+        TypeError: ``scale`` not None or a real number; ``tag`` not an int, a str or a tuple of them.
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
             initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
             output (see Autograd).
 
-    Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks;
+    Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks, scale;
     ``seq_lens``, the key mask's shape, ``tag``, ``comm_dtype``) runs every check and caches its decisions; a
     repeat call is a dict lookup, one rank-contract exchange and the mode's launches and kernels, called without the
     ``torch.library`` dispatcher (:mod:`cp_ops.dispatch`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,

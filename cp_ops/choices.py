@@ -47,7 +47,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import config
+from . import config, contract
 from .modes import tune
 from .modes.tune import Choice
 
@@ -57,7 +57,13 @@ FORMAT = 3
 #: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'cached' (decisions
 #: taken from the file every rank holds alike), 'heuristic' (decisions the heuristic made and kept).
 stats = {"measured": 0, "timed": 0, "cached": 0, "heuristic": 0}
-_memo: dict[tuple, Choice] = {}  # (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice
+#: (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice. Keyed by the group object (as
+#: :mod:`cp_ops.transport.base`'s per-group choices: torch reuses a destroyed group's name), a destroyed group's
+#: entries dropped when cp_ops notices it (:func:`cp_ops.contract.on_group_destroyed`); at most :data:`MAX_MEMO`
+#: entries, the oldest dropped first (decided again at its next call: the heuristic, or the file every rank holds).
+_memo: dict[tuple, Choice] = {}
+#: The most requests :data:`_memo` keeps (a model makes a handful; a sweep over shapes or groups would grow it).
+MAX_MEMO = 1024
 _warned: set[tuple[str, str]] = set()
 _ON_FORGET: list = []
 
@@ -98,6 +104,8 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
         return c.mode, c.chunks  # not kept: measured (where asked for) by the first call outside capture
     elif c.source == "heuristic":
         stats["heuristic"] += 1
+    if len(_memo) >= MAX_MEMO:
+        del _memo[next(iter(_memo))]  # the oldest request
     _memo[key] = c
     return c.mode, c.chunks
 
@@ -125,13 +133,19 @@ def on_forget(fn) -> None:
         _ON_FORGET.append(fn)
 
 
+def _drop_destroyed(_pg=None) -> None:
+    """Drop the stored choices of every destroyed group (called when cp_ops notices one)."""
+    contract.drop_destroyed(_memo, 0)
+
+
+contract.on_group_destroyed(_drop_destroyed)
+
+
 # ---- agreement on the file, else measuring ------------------------------------------------------------------------
 def _agreed_or_measured(request: tune.Open, chosen, shape, dtype, device, pg, transport, runner, comm="") -> Choice:
-    from .contract import check_settings_agree
-
     # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
     # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
-    check_settings_agree(pg)
+    contract.check_settings_agree(pg)
     cands = [list(c) for c in request.candidates]
     dkey = disk_key(shape, dtype, device, pg.size(), transport, request.candidates, request.preferred, comm)
     entry = _read_cache().get(dkey)

@@ -102,8 +102,8 @@ def agkv_gather(
         seq_lens: uneven shards (:class:`cp_ops._lay.Shards`): W token counts in rank order, the same on every
             rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
-        comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``,
-            or a dict whose ``"k"`` and ``"v"`` entries agree (module docstring): K and V travel as FP8 bytes with a
+        comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
+            (or their names ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree (module docstring): K and V travel as FP8 bytes with a
             fp32 scale per (token, head) and arrive decoded, k's dtype (``D + 4`` bytes per row on the link).
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:

@@ -4,10 +4,12 @@ The public argument (:func:`cp_ops.attention`, :func:`cp_ops.parallelize`, ``cp-
 
 * ``None`` (default), or the input dtype itself: every tensor travels in the input dtype (bitwise the call without
   the argument);
-* ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``: every tensor the mode moves travels in that format
-  (AGKV: K and V; Ulysses: Q, K, V and the output O on its way back);
+* ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` — or their names ``'e4m3'`` / ``'e5m2'``, as the CLI's
+  ``--comm-dtype`` spells them: every tensor the mode moves travels in that format (AGKV: K and V; Ulysses: Q, K, V
+  and the output O on its way back);
 * a dict naming tensors, e.g. ``{"q": torch.float8_e4m3fn, "v": torch.float8_e4m3fn, "o": torch.float8_e4m3fn}``
-  (cache-dit's choice: K stays in the input dtype): keys from ``"q", "k", "v", "o"``, values an FP8 dtype or None;
+  (cache-dit's choice: K stays in the input dtype): keys from ``"q", "k", "v", "o"``, values an FP8 dtype (or its
+  name ``'e4m3'`` / ``'e5m2'``) or None;
   a tensor not named travels in the input dtype. AGKV moves K and V in one gather: they must have the same entry
   (Q and O do not travel in AGKV; their entries are ignored there).
 
@@ -32,8 +34,9 @@ def normalize(comm_dtype, input_dtype: torch.dtype | None = None) -> tuple[str, 
     """The normal form of a ``comm_dtype`` argument (module docstring).
 
     Raises:
-        ValueError: a dtype other than float8_e4m3fn / float8_e5m2 / ``input_dtype``; a dict key not in
-            ``("q", "k", "v", "o")``; a value that is not an FP8 dtype or None.
+        ValueError: a dtype other than float8_e4m3fn / float8_e5m2 / ``input_dtype``, a str other than 'e4m3' /
+            'e5m2' (the CLI's other forms, 'none' or 'e4m3:qvo', are the CLI's: :func:`parse`); a dict key not in
+            ``("q", "k", "v", "o")``; a value that is not an FP8 dtype, its name or None.
     """
     if comm_dtype is None:
         return NONE
@@ -55,8 +58,10 @@ def _fmt(dtype, what: str) -> str:
     try:
         return format_name(dtype)
     except ValueError:
-        raise ValueError(f"{what} must be torch.float8_e4m3fn, torch.float8_e5m2, None (the input dtype) or, for "
-                         f"comm_dtype, a dict of them keyed by {NAMES}; got {dtype!r}") from None
+        raise ValueError(f"{what} must be torch.float8_e4m3fn, torch.float8_e5m2 (or their names 'e4m3', 'e5m2'), "
+                         f"None (the input dtype) or, for comm_dtype, a dict of them keyed by {NAMES}; got {dtype!r}"
+                         + (" (the CLI's --comm-dtype forms none / FMT:LETTERS are cp_ops.comm_dtype.parse's: pass "
+                            "None, or a dict)" if isinstance(dtype, str) else "")) from None
 
 
 #: the modes whose K and V travel together in one gather (so in one format): AGKV, and the 2-D mode's outer dim

@@ -1,6 +1,7 @@
 """The cross-rank call contract: every rank of a CP group makes the same cp_ops calls, in the same order, with the
-same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) and
-caller tag — else an error on every rank, naming what each rank called, before any data moves.
+same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`), variant
+(mode, chunks, key mask, ``seq_lens``, ``comm_dtype``, the softmax ``scale``: :func:`variant_tag`) and caller tag — else
+an error on every rank, naming what each rank called, before any data moves.
 
 A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so every op
 call makes one exchange that all ranks always make (:func:`exchange`): a fixed-size int64 signature all-gathered
@@ -11,7 +12,8 @@ checks failed (:mod:`cp_ops.validate`: :func:`api_checked`, :func:`op_checked`),
 exchange (only then) carries each rank's description so the message names what each rank called.
 ``settings.check_ranks``:
 
-* default (``'on'``): every call exchanges (call, call number, shape, dtype, transport, settings, caller tag);
+* default (``'on'``): every call exchanges (call, call number, shape, dtype, transport, settings, variant, caller
+  tag);
   :func:`cp_ops.parallelize` checksums its full inputs once per input shape;
 * ``'debug'``: as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
   (a GPU sync each);
@@ -213,6 +215,18 @@ def on_group_destroyed(fn: Callable[[dist.ProcessGroup], None]) -> None:
     a per-group cache (plans, transports' state) drops what it holds for the group, so the group's own resources
     (gloo threads and sockets) are freed as they are for code that never used cp_ops."""
     _on_destroyed.append(fn)
+
+
+def drop_destroyed(cache: dict, at: int) -> None:
+    """Delete the entries of ``cache`` (a dict keyed by tuples that hold a process group object at index ``at``)
+    whose group torch no longer knows (destroyed): what a per-group cache keyed by the group object (not its name,
+    which torch reuses after ``destroy_process_group()``) registers with :func:`on_group_destroyed`, so a destroyed
+    group's entries (and the group object they hold) go. Nothing where this torch does not say which groups live."""
+    live = _live_groups()
+    if live is None:
+        return
+    for key in [k for k in cache if k[at] not in live]:
+        del cache[key]
 
 
 def _forget_destroyed() -> None:
@@ -518,7 +532,7 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
     raise ValueError(
         f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
         f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}{_variant_hint(aspects, desc)}"
-        f"{_caller_hint(aspects, desc)}{_inputs_hint(rows, desc)}"
+        f"{_caller_hint(aspects, desc)}{_scale_hint(aspects, desc)}{_inputs_hint(rows, desc)}"
     )
 
 
@@ -575,6 +589,18 @@ def _variant_hint(aspects: list[str], desc: list[dict]) -> str:
         return ""
     return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) must get "
             "the same mode and chunks on every rank")
+
+
+def _scale_hint(aspects: list[str], desc: list[dict]) -> str:
+    """Where the ranks' variants differ in the softmax ``scale`` (:func:`scale_field`): the rule, and each rank's."""
+    if "variant" not in aspects:
+        return ""
+    seen = [(re.findall(r"\bscale=(\S+)", d.get("note") or "") or ["None"])[-1] for d in desc]  # the last field
+    if len(set(seen)) == 1:
+        return ""
+    return ("; the ranks passed different softmax scales (" + ", ".join(f"rank {i}: scale={s}" for i, s in
+                                                                      enumerate(seen))
+            + "): cp_ops.attention's scale must be the same on every rank (None = 1/sqrt(D) on every rank)")
 
 
 def _caller_hint(aspects: list[str], desc: list[dict]) -> str:
@@ -757,6 +783,22 @@ def variant_tag(**fields) -> int:
     t = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
     _TAG_NOTES[t] = note
     return t
+
+
+def scale_field(scale) -> str | None:
+    """The variant tag's field for a call's softmax ``scale`` (:func:`variant_tag`): None for ``None`` (the default
+    ``1/sqrt(D)``; the tag is then unchanged), else the exact value as ``repr(float(scale))`` (e.g. ``'0.125'``), so
+    ranks that pass different scales differ in variant. Raises TypeError for a scale that is not a real number (a
+    bool, a str, a tensor)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be None (1/sqrt(D)) or a real number (a Python float or int, the same on every "
+                        f"rank); got {type(scale).__name__} {scale!r}")
+    # through float.hex: torch.compile traces it for a float it holds as symbolic (a float argument that changed between
+    # calls of one compiled function, or dynamic=True) by specializing the value (one graph per scale); repr() of a
+    # symbolic float is a graph break
+    return repr(float.fromhex((scale if isinstance(scale, float) else float(scale)).hex()))
 
 
 def _stable(v) -> bool:

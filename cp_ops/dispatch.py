@@ -11,7 +11,8 @@ a rank whose rules fail tells its peers before raising, so every rank raises), t
 measured only when asked), the body, the layout
 (:class:`cp_ops.layout.Shards` for ``seq_lens``/``key_mask``) and the variant tag the rank contract compares
 (:func:`cp_ops.contract.variant_tag`: mode, chunks, shards, mask, the caller's ``tag``, ``comm_dtype``: the formats
-:func:`cp_ops.comm_dtype.for_mode` gives, which the comm encodes and decodes).
+:func:`cp_ops.comm_dtype.for_mode` gives, which the comm encodes and decodes; the softmax ``scale``:
+:func:`cp_ops.contract.scale_field`).
 
 **Two paths, one body:**
 
@@ -20,7 +21,7 @@ measured only when asked), the body, the layout
   (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it once).
 * *eager*: a :class:`Plan` cached by the call's key — (q/k/v shapes, dtypes, devices, group, mode, transport, chunks,
   the measuring setting, ``seq_lens``, the mask's shape/dtype/device, ``tag`` by type and repr: ``True``, ``1``
-  and ``1.0`` hash alike but are different tags; ``comm_dtype`` in its normal form) — holds the decisions of the
+  and ``1.0`` hash alike but are different tags; ``comm_dtype`` in its normal form; ``scale``) — holds the decisions of the
   first call with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict lookup and the body: the transport
   called directly, no dispatcher. A new argument of :func:`cp_ops.attention` must be part of the key.
 
@@ -70,14 +71,14 @@ class Decision(NamedTuple):
 
 
 def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, seq_lens, key_mask, tag,
-           comm_dtype=None) -> Decision:
+           comm_dtype=None, scale=None) -> Decision:
     """Check a call's inputs (every rank raises if one rank's fail) and make its decisions (module docstring).
 
     Raises:
         ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
     """
     world = pg.size()
-    chosen, resolved, fmts, asked_fmts = mode, transport, cd.NONE, cd.NONE
+    chosen, resolved, fmts, asked_fmts, scale_word = mode, transport, cd.NONE, cd.NONE, None
     if comm_dtype is not None and mode == "auto":  # AGKV cannot carry K and V apart: 'auto' picks Ulysses then
         try:
             mode = cd.auto_mode(mode, cd.normalize(comm_dtype, q.dtype), q.shape[2], world)
@@ -91,8 +92,9 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
                              "f'layer{i}'), or compile with dynamic=False")
 
     def local_checks():
-        nonlocal chosen, resolved, fmts, asked_fmts
+        nonlocal chosen, resolved, fmts, asked_fmts, scale_word
         pipelined.check_chunks(chunks)
+        scale_word = contract.scale_field(scale)  # TypeError for a scale that is not a number
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
         chosen = modes.choose(mode, q.shape[2], world)
@@ -129,7 +131,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
-                             tag=tag, comm_dtype=cd.tag(fmts))
+                             tag=tag, comm_dtype=cd.tag(fmts), scale=scale_word)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None, fmts)
 
@@ -269,11 +271,11 @@ def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask
     if comm_dtype is not None:
         comm_dtype = _normal(comm_dtype, q)
     if not torch.compiler.is_compiling():
-        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
         if plan is not None:
             return plan.run(q, k, v, scale, key_mask)
     pg = resolve_group(group)
-    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
     if d.world == 1:
         return _one_rank(q, k, v, scale, key_mask, d)
     if d.as_op:
@@ -347,18 +349,18 @@ class Plan:
             raise
 
 
-def plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_key):
+def plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_key, scale=None):
     """The eager plan cache's key of a call (this module's and :mod:`cp_ops.dispatch_mesh`'s), or None: take the
     traced path (an argument that is not a plain tensor, a torch dispatch mode active — they must see the ops —,
     ``seq_lens`` not a tuple or list of ints, a key mask not a tensor). ``comm_key``: the caller's hashable form of
-    ``comm_dtype``. May raise TypeError/AttributeError (and an unhashable group at the dict lookup): the caller
+    ``comm_dtype``; ``scale``: the softmax scale (part of the variant tag). May raise TypeError/AttributeError (and an unhashable group at the dict lookup): the caller
     takes the traced path, which raises the error."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
             or _dispatch_modes():
         return None
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, group, mode,
            transport, chunks, type(chunks), config.settings.tune_modes,
-           tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), comm_key)
+           tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), comm_key, scale)
     if seq_lens is not None or key_mask is not None:
         extra = _layout_key(seq_lens, key_mask)
         if extra is None:
@@ -367,11 +369,11 @@ def plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, c
     return key
 
 
-def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None, scale=None):
     """The plan for this call (built and cached on the first call with its key, :func:`plan_key`), or None: take the
     traced path (as :func:`plan_key` says, nothing to move, an unhashable key)."""
     try:
-        key = plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+        key = plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
         if key is None:
             return None
         e = _plans.get(key)
@@ -387,7 +389,7 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, co
             return None
         _plans[key] = (e[0], group)  # another mesh object over the plan's group (e.g. a fresh slice of a larger mesh)
         return e[0]
-    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = (plan, dist.group.WORLD if group is None else group)
@@ -413,9 +415,9 @@ def _layout_key(seq_lens, key_mask):
     return (seq_lens, key_mask.shape, key_mask.dtype, key_mask.device)
 
 
-def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
+def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None, scale=None):
     pg = resolve_group(group)
-    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)  # raises (every rank)
+    d = decide(q, k, v, pg, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)  # raises (every rank)
     shards = _shards(d, pg, q) if d.world > 1 else None
     b, s, h, hd = q.shape
     rows = shards.smax if shards is not None else s

@@ -68,7 +68,7 @@ def _outer_transport(transport: str) -> str:
 
 
 def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, seq_lens, key_mask, tag,
-           pgs=None, comm_dtype=None) -> MeshDecision:
+           pgs=None, comm_dtype=None, scale=None) -> MeshDecision:
     """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups (eager: a rank
     whose checks fail tells both — on a degenerate mesh, the one group its 1-D call uses); None while tracing.
 
@@ -84,10 +84,11 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
     chosen = MODE
     flat = ("ulysses", "ulysses") if O == 1 and I > 1 else ("agkv", "agkv") if I == 1 and O > 1 else None
     resolved = transport
-    fmts = cd.NONE
+    fmts, scale_word = cd.NONE, None
 
     def local_checks():
-        nonlocal chosen, resolved, fmts
+        nonlocal chosen, resolved, fmts, scale_word
+        scale_word = contract.scale_field(scale)  # TypeError for a scale that is not a number
         if mode not in modes.names(dims=2):
             raise ValueError(f"mode on a 2-D CP mesh ({info.shape}, mesh_dim_names {meshes.DIM_NAMES}) must be one of "
                              f"{modes.names(dims=2)}; got {mode!r} (a 1-D mode runs on a 1-D group: pass "
@@ -130,7 +131,7 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
     seq = tuple(seq_lens) if seq_lens is not None else None
     rows = meshes.row_lens(seq, O, I) if seq is not None else None
     t = contract.variant_tag(mode=chosen, chunks=c, mesh=(O, I), key_mask="given" if key_mask is not None else "None",
-                             tag=tag, comm_dtype=cd.tag(fmts))
+                             tag=tag, comm_dtype=cd.tag(fmts), scale=scale_word)
     body = None if flat is not None or info.world == 1 else modes.body(chosen, c)
     return MeshDecision(info, chosen, resolved, _outer_transport(resolved), c, body, t, seq, rows,
                         key_mask is not None, flat, fmts)
@@ -158,12 +159,12 @@ def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask
         comm_dtype = dispatch._normal(comm_dtype, q)
     eager = not torch.compiler.is_compiling()
     if eager:
-        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
         if plan is not None:
             return plan.run(q, k, v, scale, key_mask)
     info = meshes.MeshInfo(*meshes.describe(group))
     d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag,
-               meshes.groups(group) if eager else None, comm_dtype)
+               meshes.groups(group) if eager else None, comm_dtype, scale)
     if d.flat is not None:
         return dispatch.attention(q, k, v, group[d.flat[0]], d.flat[1], transport, scale, chunks, seq_lens, key_mask,
                                   tag, comm_dtype)
@@ -264,11 +265,11 @@ class _Local:
         return _one_rank(q, k, v, scale, key_mask, self.fmts)
 
 
-def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
+def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None, scale=None):
     """The plan for this call (built on the first call with its key), or None: take the traced path (as
     :func:`cp_ops.dispatch._lookup`)."""
     try:
-        key = dispatch.plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+        key = dispatch.plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
         if key is None:
             return None
         e = _plans.get(key)
@@ -284,7 +285,7 @@ def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, co
             return None
         _plans[key] = (e[0], group)
         return e[0]
-    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype)
+    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
     if len(_plans) >= dispatch._MAX_PLANS:
         _plans.clear()
     _plans[key] = (plan, group)
@@ -301,13 +302,13 @@ def _same_groups(plan, mesh) -> bool:
     return True  # local attention or nothing to move: no group
 
 
-def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None):
+def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None, scale=None):
     from .group import resolve_group
 
     resolve_group(None)  # RuntimeError when torch.distributed is not initialized
     info = meshes.MeshInfo(*meshes.describe(group))
     pgs = meshes.groups(group)
-    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs, comm_dtype)
+    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs, comm_dtype, scale)
     if d.flat is not None:
         return _Flat(pgs[0] if d.flat[0] == "agkv" else pgs[1], d.flat[1],
                      (transport, chunks, seq_lens, tag, comm_dtype))

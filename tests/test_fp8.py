@@ -261,6 +261,29 @@ def _one_rank_emulation(rank, w):
         config.configure(emulate_comm=False)
 
 
+def test_format_names_are_documented_and_other_strings_refused():
+    """'e4m3' / 'e5m2' (the CLI's --comm-dtype names) were accepted by cp_ops.attention but documented nowhere; they are
+    now documented as names of the two FP8 dtypes (the same normal form, so the same call on every rank), and every
+    other string — the CLI's 'none' or 'e4m3:qvo' included — is a ValueError naming the API's forms."""
+    import cp_ops.integrations.diffusers as dif
+
+    assert cd.normalize("e4m3", torch.bfloat16) == cd.normalize(E4, torch.bfloat16) == ("e4m3",) * 4
+    assert cd.normalize("e5m2") == cd.normalize(E5) == ("e5m2",) * 4
+    assert cd.normalize({"q": "e4m3", "v": E4, "o": "e4m3"}) == cd.normalize({"q": E4, "v": E4, "o": E4})
+    for bad in ("none", "e4m3:qvo", "fp8", "float8_e4m3fn", "E4M3"):
+        with pytest.raises(ValueError, match=r"comm_dtype must be torch.float8_e4m3fn, torch.float8_e5m2 \(or their "
+                                             rf"names 'e4m3', 'e5m2'\).*got '{bad}' \(the CLI's --comm-dtype forms"):
+            cd.normalize(bad, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"comm_dtype\['k'\] must be .*'e4m3', 'e5m2'.*got 'bf16'"):
+        cd.normalize({"k": "bf16"})
+    for doc in (cp_ops.attention.__doc__, dif.parallelize.__doc__, dif.parallelize_pipeline.__doc__,
+                cp_ops.agkv_gather.__doc__, cd.__doc__):
+        assert "'e4m3'" in doc and "'e5m2'" in doc, doc[:80]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "fp8.md")) as f:
+        assert "`'e4m3'` / `'e5m2'`" in f.read()
+
+
 def test_one_rank_emulation():
     run_ranks(_one_rank_emulation, 1)
 

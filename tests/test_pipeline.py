@@ -62,6 +62,49 @@ def test_parallelize_pipeline_equals_unparallelized():
     run_ranks(_pipelines_equal, 2)
 
 
+def _pipeline_comm_dtype(rank, w):
+    """parallelize_pipeline(comm_dtype=) and `cp-ops generate --comm-dtype` (its parallelize step) reach the
+    transformer (they did not take it): FP8 on the link, near the unparallelized pipeline's output but not equal."""
+    import argparse
+
+    from cp_ops.cli.generate import parallelize_transformers
+    from cp_ops.examples.tiny import tiny_flux
+    from cp_ops.integrations.diffusers import parallelize_pipeline
+
+    ref_pipe, call = tiny_flux(steps=1)
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref = _output(ref_pipe, call)
+    pipe, call = tiny_flux(steps=1)
+    parallelize_pipeline(pipe, mode="ulysses", transport="torch", chunks=1, comm_dtype="e4m3")
+    assert pipe.transformer._cp_ops_state.comm_dtype == ("e4m3",) * 4
+    out = _output(pipe, call)
+    err = np.abs(out - ref).max()
+    assert 0 < err <= 1e-2, err  # FP8 e4m3 on Q, K, V, O: not bitwise (2.6e-4 measured), within its error
+    # the CLI's parallelize step: the same state as parallelize_pipeline's (so the same calls)
+    cli, _ = tiny_flux(steps=1)
+    parallelize_transformers(cli, argparse.Namespace(mode="ulysses", transport="torch", comm_dtype="e4m3"))
+    st, want = cli.transformer._cp_ops_state, pipe.transformer._cp_ops_state
+    assert (st.comm_dtype, st.mode, st.transport) == (want.comm_dtype, want.mode, want.transport), vars(st)
+
+
+def test_parallelize_pipeline_and_generate_take_comm_dtype():
+    run_ranks(_pipeline_comm_dtype, 2)
+
+
+def test_generate_parses_and_checks_comm_dtype():
+    from cp_ops.cli._args import UsageError
+    from cp_ops.cli.generate_args import check
+    from cp_ops.cli.main import build_parser
+
+    base = ["generate", "--checkpoint", ROOT, "--prompt", "p"]
+    assert build_parser().parse_args(base).comm_dtype == "none"
+    args = build_parser().parse_args(base + ["--comm-dtype", "e4m3:qvo"])
+    assert args.comm_dtype == "e4m3:qvo"
+    args.comm_dtype = "e4m3:x"
+    with pytest.raises(UsageError, match=r"generate: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS.*'e4m3:x'"):
+        check(args, "cpu", 2)
+
+
 def test_parallelize_pipeline_errors():
     from cp_ops.integrations.diffusers import parallelize_pipeline
 

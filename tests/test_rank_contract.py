@@ -244,3 +244,40 @@ def _parallelize_contract(rank, w, check_ranks):
 def test_parallelize_ranks_must_get_the_same_inputs_and_make_the_same_calls(check_ranks):
     pytest.importorskip("diffusers")
     run_ranks(_parallelize_contract, 2, check_ranks)
+
+
+# ---- the softmax scale is part of the contract (it was not: ranks with different scales computed different math) ----
+def _scale_mismatch(rank, w):
+    (q, k, v), (_, kf, vf) = _shards(rank, w, 8, 7)
+    # the same scale on every rank: the single-device attention with that scale (bitwise at chunks=1)
+    for mode in ("agkv", "ulysses"):
+        out = cp_ops.attention(q, k, v, mode=mode, scale=0.3, chunks=1)
+        torch.testing.assert_close(out, cp_ops.local_attention(q, kf, vf, scale=0.3), rtol=0, atol=0)
+    # eager: different scales (and one rank's default against another's value) raise on every rank, naming each
+    for mine, peer in ((0.125, 0.25), (None, 0.25)):
+        scale = mine if rank == 0 else peer
+        with pytest.raises(ValueError, match=rf"differ in variant: rank 0: .*scale={mine}.*; rank 1: .*scale={peer}"
+                                             rf".*different softmax scales \(rank 0: scale={mine}, rank 1: "
+                                             rf"scale={peer}\): cp_ops.attention's scale must be the same on every rank"
+                                             if mine is not None else
+                                             rf"differ in variant: rank 0: .*; rank 1: .*scale={peer}.*different softmax "
+                                             rf"scales \(rank 0: scale=None, rank 1: scale={peer}\)"):
+            cp_ops.attention(q, k, v, mode="agkv", scale=scale)
+    # not a number: TypeError on every rank (the rank's own), before anything moves
+    with pytest.raises(TypeError, match=r"scale must be None \(1/sqrt\(D\)\) or a real number .*got str '0.5'"):
+        cp_ops.attention(q, k, v, mode="agkv", scale="0.5")
+    # compiled (traced by Dynamo; the eager backend: Inductor adds nothing here): the scale is a constant of each rank's
+    # graph (a float that changes between calls is specialized: one graph per value), carried by the launch's exchange
+    comp = torch.compile(lambda q, k, v, s: cp_ops.attention(q, k, v, mode="ulysses", scale=s) * 2, fullgraph=True,
+                         backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(comp(q, k, v, 0.3), cp_ops.local_attention(q, kf, vf, scale=0.3) * 2,
+                                   rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"differ in variant: rank 0: .*scale=0.3.*; rank 1: .*scale=0.5.*"
+                                             r"different softmax scales"):
+            comp(q, k, v, 0.3 if rank == 0 else 0.5)
+    _check_correct(rank, w, 8, 8, "agkv")  # nothing left in flight: the group still works
+
+
+def test_ranks_with_different_scales_raise_on_every_rank():
+    run_ranks(_scale_mismatch, 2)

@@ -111,10 +111,21 @@ def write(frames, video: bool, out: str) -> str:
     return out
 
 
-def generate(rank: int, world_size: int, device: torch.device, args) -> None:
-    """Rank body of ``cp-ops generate`` (arguments checked by :mod:`cp_ops.cli.main`)."""
+def parallelize_transformers(pipe, args) -> None:
+    """:func:`cp_ops.integrations.diffusers.parallelize` on ``pipe.transformer`` (and ``pipe.transformer_2`` where there
+    is one: Wan 2.2 A14B's two experts, both under CP) with ``--mode``, ``--transport`` and ``--comm-dtype``
+    (:func:`cp_ops.comm_dtype.parse`'s forms). Raises as ``parallelize``."""
+    from cp_ops.comm_dtype import parse
     from cp_ops.integrations.diffusers import parallelize
 
+    fmts = parse(str(getattr(args, "comm_dtype", "none")))
+    for name in ("transformer", "transformer_2"):
+        if getattr(pipe, name, None) is not None:
+            parallelize(getattr(pipe, name), mode=args.mode, transport=args.transport, comm_dtype=fmts)
+
+
+def generate(rank: int, world_size: int, device: torch.device, args) -> None:
+    """Rank body of ``cp-ops generate`` (arguments checked by :mod:`cp_ops.cli.main`)."""
     if device.type == "cpu":
         torch.set_num_threads(max(1, available_cores() // world_size))
     if rank != 0:  # one progress bar (rank 0's): no loading bars from the other ranks either
@@ -125,9 +136,7 @@ def generate(rank: int, world_size: int, device: torch.device, args) -> None:
     if getattr(pipe, "transformer", None) is None:
         raise ValueError(f"generate: the pipeline {type(pipe).__name__} at {args.checkpoint} has no transformer")
     try:
-        for name in ("transformer", "transformer_2"):  # Wan 2.2 A14B: two experts, both under CP
-            if getattr(pipe, name, None) is not None:
-                parallelize(getattr(pipe, name), mode=args.mode, transport=args.transport)
+        parallelize_transformers(pipe, args)
     except ValueError as e:
         if "support" not in str(e):
             raise

@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 from .. import modes
-from ._args import fail
+from ._args import check_comm_dtype, fail
 
 
 def add_parser(sub) -> None:
@@ -35,10 +35,15 @@ def add_parser(sub) -> None:
     gen.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     gen.add_argument("--mode", choices=modes.names(), default="auto", help="CP attention mode (as in run)")
     gen.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto", help="as in run")
+    gen.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
+                     help="what CP attention sends over the link (parallelize(..., comm_dtype=)), as in run: none = the "
+                          "pipeline's dtype; e4m3/e5m2 = FP8 with per-(token, head) scales for every tensor the mode "
+                          "moves; FMT:LETTERS = only those of q,k,v,o (e.g. e4m3:qvo). docs/fp8.md")
 
 
 def check(args, device: str, world: int) -> None:
-    """Check ``cp-ops generate``'s arguments (the checkpoint, steps, sizes, transport, output suffix)."""
+    """Check ``cp-ops generate``'s arguments (the checkpoint, steps, sizes, transport, comm dtype, output suffix)."""
+    check_comm_dtype(args, "generate")  # the argument alone first
     if importlib.util.find_spec("diffusers") is None:
         fail("generate needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
     if not os.path.isfile(os.path.join(args.checkpoint, "model_index.json")):

@@ -342,10 +342,7 @@ def inflight_limit() -> int | None:
 
 def _drop_destroyed(_pg=None) -> None:
     """Drop the choices of every group torch no longer knows (called when cp_ops notices a destroyed group)."""
-    live = contract._live_groups()
-    if live is not None:
-        for key in [k for k in _group_choice if k[1] not in live]:
-            del _group_choice[key]
+    contract.drop_destroyed(_group_choice, 1)
 
 
 def forget_groups() -> None:

@@ -105,7 +105,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
             runs, pipelined only where its shards are even.
         comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
-            ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn``; a dict per tensor q/k/v/o):
+            ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or their names
+            ``'e4m3'`` / ``'e5m2'``; a dict per tensor q/k/v/o):
             ``docs/fp8.md`` (its error on full models, which default is safe). Works on every group kind (a 2-D mesh
             too). Checked here (ValueError), K and V in different formats included where the calls gather them
             together (mode 'agkv', a mesh of more than one row).

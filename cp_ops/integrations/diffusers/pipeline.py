@@ -70,7 +70,8 @@ def _init_group(device: torch.device) -> None:
 
 
 def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device | str | None = None, mode: str = "auto",
-                         transport: str = "auto", chunks: int | None = None, **kwargs: Any) -> Any:
+                         transport: str = "auto", chunks: int | None = None, comm_dtype: Any = None,
+                         **kwargs: Any) -> Any:
     """Make every transformer of a diffusers pipeline run context-parallel, in place; returns ``pipe``.
 
     Steps: the device (``device``, else :func:`local_device`: ``cuda:LOCAL_RANK`` or the CPU; on CUDA also
@@ -91,6 +92,9 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
         group: the CP group (None = every rank; a ProcessGroup or 1-D DeviceMesh).
         device: where the pipeline runs; None = :func:`local_device`.
         mode, transport, chunks: as :func:`~cp_ops.integrations.diffusers.parallelize`.
+        comm_dtype: what every CP attention call of every transformer sends over the link, as
+            :func:`~cp_ops.integrations.diffusers.parallelize`'s (None = the model's dtype; ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2`` or ``'e4m3'`` / ``'e5m2'``; a dict per tensor q/k/v/o; docs/fp8.md).
         **kwargs: passed on to :func:`~cp_ops.integrations.diffusers.parallelize` for every transformer
             (``cfg_parallel``, ``compile``, ``cuda_graphs``, ...).
 
@@ -118,7 +122,8 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
     _init_group(dev)
     pipe.to(dev)
     for name in names:
-        parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks, **kwargs)
+        parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks, comm_dtype=comm_dtype,
+                    **kwargs)
     pipe.cp_ops_transformers = tuple(names)
     pipe.cp_ops_writes_output = dist.get_rank() == 0
     if hasattr(pipe, "set_progress_bar_config"):
