@@ -80,15 +80,25 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
 
 
 def check_comm_dtype(args, what: str) -> None:
-    """``--comm-dtype``: the forms :func:`cp_ops.comm_dtype.parse` takes (none, e4m3, e5m2, FMT:LETTERS, ...), else a
-    UsageError (via :func:`fail`) naming them and the value given."""
-    from cp_ops.comm_dtype import parse
+    """``--comm-dtype``: the forms :func:`cp_ops.comm_dtype.parse` takes (none, e4m3, e5m2, FMT:LETTERS, the aliases
+    fp8, e4m3fn, float8_e4m3fn, ...), else a UsageError (via :func:`fail`) naming them and the value given. Sets
+    ``args.comm_dtype`` to its canonical spelling (:func:`cp_ops.comm_dtype.text`: 'none', 'e4m3', 'e4m3:qvo'), which
+    the headers, the JSON and the --mesh check read. 'bf16' means the input dtype: with ``args.dtype`` another
+    dtype (``--dtype fp32``, the CPU default) it would silently send fp32, so it is a UsageError there."""
+    from cp_ops.comm_dtype import parse, text
 
+    given = str(getattr(args, "comm_dtype", "none"))
     try:
-        parse(str(getattr(args, "comm_dtype", "none")))
+        fmts = parse(given)
     except ValueError:
-        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
-             f"got {args.comm_dtype!r}")
+        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo; fp8 = e4m3, "
+             f"torch's names such as float8_e4m3fn work too); got {given!r}")
+    dtype = getattr(args, "dtype", None)
+    if given.strip().lower() == "bf16" and dtype not in (None, "bf16"):
+        fail(f"{what}: --comm-dtype bf16 means 'the input dtype' (the link carries the input dtype or FP8, no other "
+             f"conversion), and the inputs here are {dtype} (--dtype): use --comm-dtype none ({dtype} on the wire), "
+             f"e4m3 or e5m2, or --dtype bf16")
+    args.comm_dtype = text(fmts)
 
 
 def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
@@ -119,7 +129,7 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") ->
         fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i}")
     if heads is not None and heads % i:
         fail(f"{what}: --mesh {text}: the inner (Ulysses) degree must divide the heads; got heads={heads}, inner={i}")
-    if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", ""):
+    if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", "", "bf16", "input"):
         fail(f"{what}: --mesh rows run without FP8 for now (cp_ops.attention takes comm_dtype on a mesh; the CLI's mesh "
              f"rows do not yet, docs/fp8.md); got --mesh "
              f"{text} with --comm-dtype {args.comm_dtype}: drop one")

@@ -205,7 +205,8 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
     if not args.bound or min(args.bound) < 1:
         fail(f"{what}: --bound takes CP world sizes >= 1, e.g. --bound 2,4,8; got {args.bound}")
     for flag, bad in (("--compare", args.compare), ("--steps", args.steps), ("--cfg", args.cfg),
-                      ("--transport fast", args.transport == "fast")):
+                      ("--transport fast", args.transport == "fast"),
+                      (f"--comm-dtype {args.comm_dtype}", str(args.comm_dtype) != "none")):
         if bad:
             fail(f"{what}: {flag} does not apply with --bound (one process, fake groups: nothing is transferred, "
                   "the transport is 'torch')")
