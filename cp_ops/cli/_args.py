@@ -110,9 +110,10 @@ def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
                         "(its collectives timed alone, docs/2d.md) is reported and saved in the JSON" + extra)
 
 
-def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") -> None:
+def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", lanes: int = 1) -> None:
     """``--mesh OxI``: two ints >= 1 whose product is the CP world size ``world`` and whose inner one divides ``heads``
-    (None: not known here); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values."""
+    (None: not known here); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values; a wrong
+    product says how many ranks the mesh needs (``lanes`` CFG lanes of O x I each) and how to launch them."""
     text = getattr(args, "mesh", None)
     if text is None:
         return
@@ -126,7 +127,11 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") ->
     if min(o, i) < 1:
         fail(f"{what}: --mesh {text}: both degrees must be >= 1; got outer={o}, inner={i}")
     if o * i != world:
-        fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i}")
+        need = o * i * lanes
+        how = (f"launch {need} ranks (torchrun --nproc-per-node {need})" if _under_torchrun()
+               else f"pass --nproc {need}")
+        fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i} "
+             f"(for this mesh, {how})")
     if heads is not None and heads % i:
         fail(f"{what}: --mesh {text}: the inner (Ulysses) degree must divide the heads; got heads={heads}, inner={i}")
     if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", "", "bf16", "input"):
@@ -134,6 +139,11 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") ->
              f"rows do not yet, docs/fp8.md); got --mesh "
              f"{text} with --comm-dtype {args.comm_dtype}: drop one")
     args.mesh = (o, i)
+
+
+def _under_torchrun() -> bool:
+    """As :func:`cp_ops.cli.launch.under_torchrun` (which imports torch): torchrun's variables are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def fail(msg: str) -> None:

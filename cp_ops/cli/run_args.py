@@ -166,7 +166,8 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --mesh does not apply with --bound (one process on fake 1-D groups); drop one")
         if args.mode != "auto":
             fail(f"{what}: --mesh runs the 2-D mode (mode 'auto' on the mesh); got --mode {args.mode}: drop --mode")
-        check_mesh(args, what, cp, heads, " (of each CFG lane: W / 2 with --cfg)" if args.cfg else "")
+        check_mesh(args, what, cp, heads, " (of each CFG lane: W / 2 with --cfg)" if args.cfg else "",
+                   lanes=2 if args.cfg else 1)
     elif heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
         fail(f"{what}: mode {args.mode} needs the CP world size {cp} to divide the {heads} heads of "
               f"{args.model} {args.config}; use --mode agkv")
