@@ -57,9 +57,14 @@ def say_once(line: str) -> None:
 
 
 class Parser(argparse.ArgumentParser):
+    #: a sentence added to argparse's "the following arguments are required" error (e.g. what to run without them)
+    missing_hint: str | None = None
+
     def error(self, message):  # argparse's own errors (unknown flag, bad choice): once, exit 2
         if rank0():
             self.print_usage(sys.stderr)
+        if self.missing_hint and "arguments are required" in message:
+            message = f"{message} ({self.missing_hint})"
         say_once(f"{self.prog}: error: {message}")
         sys.exit(2)
 
