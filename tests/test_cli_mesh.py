@@ -82,7 +82,7 @@ def test_bad_mesh_under_torchrun_says_how_many_ranks_to_launch(monkeypatch):
 
     for key, val in (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(key, val)
-    with pytest.raises(UsageError, match=r"got 3 x 2 = 6 \(for this mesh, launch 6 ranks \(torchrun --nproc-per-node 6\)\)$"):
+    with pytest.raises(UsageError, match=r"got 3 x 2 = 6 \(for this mesh, launch 6 ranks in all \(torchrun: --nnodes x --nproc-per-node = 6\)\)$"):
         check_mesh(argparse.Namespace(mesh="3x2"), "bench", 4, 8)
     with pytest.raises(UsageError, match=r"launch 12 ranks"):  # --cfg: two lanes of 3 x 2
         check_mesh(argparse.Namespace(mesh="3x2"), "run wan", 4, 8, lanes=2)

@@ -133,7 +133,7 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", la
         fail(f"{what}: --mesh {text}: both degrees must be >= 1; got outer={o}, inner={i}")
     if o * i != world:
         need = o * i * lanes
-        how = (f"launch {need} ranks (torchrun --nproc-per-node {need})" if _under_torchrun()
+        how = (f"launch {need} ranks in all (torchrun: --nnodes x --nproc-per-node = {need})" if _under_torchrun()
                else f"pass --nproc {need}")
         fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i} "
              f"(for this mesh, {how})")
