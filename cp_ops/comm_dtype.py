@@ -107,19 +107,36 @@ def tag(fmts: tuple) -> str | None:
     return ",".join(f"{n}={f}" for n, f in zip(NAMES, fmts) if f)
 
 
+#: the CLI's spellings of the two formats (lower case; a leading 'torch.' is dropped first)
+ALIASES = {"e4m3": "e4m3", "fp8": "e4m3", "e4m3fn": "e4m3", "float8_e4m3fn": "e4m3", "fp8_e4m3": "e4m3",
+           "fp8_e4m3fn": "e4m3", "e5m2": "e5m2", "float8_e5m2": "e5m2", "fp8_e5m2": "e5m2"}
+
+
 def parse(text: str) -> tuple[str, str, str, str]:
-    """The CLI's form: 'bf16'/'none' (input dtype), 'e4m3' / 'e5m2' (every tensor), or 'e4m3:qvo' (the tensors
-    named by their letters). Raises ValueError naming the forms."""
+    """The CLI's form: 'none' (input dtype; also 'bf16' and 'input'), 'e4m3' / 'e5m2' (every tensor), or 'e4m3:qvo'
+    (the tensors named by their letters). The format may also be spelled as :data:`ALIASES` lists ('fp8' = e4m3,
+    'e4m3fn', torch's 'float8_e4m3fn' with or without 'torch.', ...). Raises ValueError naming the forms."""
     t = text.strip().lower()
     if t in ("", "none", "bf16", "input"):
         return NONE
     fmt, colon, which = t.partition(":")
-    if fmt in ("fp8", "float8_e4m3fn"):
-        fmt = "e4m3"
-    if fmt == "float8_e5m2":
-        fmt = "e5m2"
+    fmt = ALIASES.get(fmt.removeprefix("torch."), fmt)
     if fmt not in FORMATS or any(c not in "qkvo" for c in which) or (colon and not which):
         raise ValueError(f"comm dtype must be none, e4m3, e5m2 or e4m3:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo; "
                          f"at least one); got {text!r}")
     which = which or "qkvo"
     return tuple(fmt if n in which else "" for n in NAMES)
+
+
+def text(fmts: tuple) -> str:
+    """The CLI's canonical spelling of a normal form (the inverse of :func:`parse`): 'none', 'e4m3', 'e5m2', or
+    'FMT:LETTERS' (letters in q, k, v, o order) when only some tensors travel in FP8; mixed formats, which the CLI
+    cannot spell, as :func:`tag` writes them."""
+    used = {f for f in fmts if f}
+    if not used:
+        return "none"
+    if len(used) > 1:
+        return tag(fmts)
+    (fmt,) = used
+    letters = "".join(n for n, f in zip(NAMES, fmts) if f)
+    return fmt if letters == "qkvo" else f"{fmt}:{letters}"

@@ -162,6 +162,9 @@ def test_bound_cli_end_to_end(tmp_path, capsys):
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "zero-communication bound" in text and "eager" in text
+    # without --cost no empty 'cp_ops cost' column, a pointer to the flag instead; on CPU, what the numbers are
+    assert "cp_ops cost" not in text and "--cost adds cp_ops' own cost" in text, text
+    assert "CPU: a functional check, not a performance claim" in text, text
     assert json.loads(out.read_text())["rows"][0]["world_size"] == 2
     assert not dist.is_initialized()
 
@@ -173,3 +176,22 @@ def test_config_label_names_reduced_depth():
     assert config_label(spec, "dev", spec.config("dev")) == "dev"
     assert config_label(spec, "dev", spec.config("dev", 2)) == "dev (2+2 of 19+38 layers)"
     assert config_label(spec, "checkpoint", {"num_layers": 3}) == "checkpoint"
+
+
+def test_bound_table_cost_column_only_with_cost(capsys):
+    """print_table: the 'cp_ops cost' column and its legend where a row has the --cost measurement (was: always the
+    header, an empty column without --cost); a GPU run prints no CPU note."""
+    from cp_ops.cli.bound import print_table
+
+    row = dict(compile=None, cuda_graphs=False, world_size=2, mode="agkv", one_gpu_ms=10.0, one_gpu_from="diffusers",
+               rank0_ms=5.5, fill_ms=0.1, bound_speedup=1.82)
+    meta = dict(cls="FluxTransformer2DModel", config="dev", tokens=4096, chunks=1, gpu="NVIDIA H200")
+    print_table([dict(row, cp_ops_cost_ms=0.25, cp_ops_cost_pct=4.5)], meta)
+    text = capsys.readouterr().out
+    header, line = text.splitlines()[2:4]
+    assert header.rstrip().endswith("cp_ops cost") and line.rstrip().endswith("0.25 ms   4.5%"), text
+    assert "cp_ops cost = rank 0 minus" in text and "CPU:" not in text
+    print_table([row], meta)
+    text = capsys.readouterr().out
+    header, line = text.splitlines()[2:4]
+    assert header.rstrip().endswith("bound") and line.rstrip().endswith("1.82x"), text

@@ -46,7 +46,8 @@ def test_run_mesh(tmp_path, monkeypatch, capsys):
 
 BAD_MESH = [
     (["bench", "--nproc", "4", "--mesh", "3x2"], "bench: --mesh 3x2: outer x inner must equal the CP world size 4; "
-                                                 "got 3 x 2 = 6"),
+                                                 "got 3 x 2 = 6 (for this mesh, pass --nproc 6)"),
+    (["bench", "--mesh", "2x2"], "the CP world size 2; got 2 x 2 = 4 (for this mesh, pass --nproc 4)"),  # --nproc forgotten
     (["bench", "--nproc", "4", "--mesh", "2x2", "--heads", "3"],
      "the inner (Ulysses) degree must divide the heads; got heads=3, inner=2"),
     (["bench", "--mesh", "2by2"], "--mesh takes OxI, two ints >= 1 (outer AGKV degree x inner Ulysses degree, e.g. "
@@ -60,7 +61,7 @@ BAD_MESH = [
                                                                            "the mesh); got --mode ulysses"),
     (["run", "wan", "--nproc", "4", "--mesh", "4x1", "--cfg"],
      "run wan: --mesh 4x1: outer x inner must equal the CP world size 2 (of each CFG lane: W / 2 with --cfg); got 4 x "
-     "1 = 4"),
+     "1 = 4 (for this mesh, pass --nproc 8)"),
     (["run", "wan", "--nproc", "4", "--mesh", "1x4", "--bound", "2"], "--mesh does not apply with --bound"),
 ]
 
@@ -71,3 +72,17 @@ def test_bad_mesh(args, message, monkeypatch, capsys):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cp-ops: ") and message in lines[0], p.stderr
+
+
+def test_bad_mesh_under_torchrun_says_how_many_ranks_to_launch(monkeypatch):
+    """Under torchrun --nproc does not apply: the hint names the ranks to launch instead (3 x 2 on 4 ranks: 6)."""
+    import argparse
+
+    from cp_ops.cli._args import UsageError, check_mesh
+
+    for key, val in (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(key, val)
+    with pytest.raises(UsageError, match=r"got 3 x 2 = 6 \(for this mesh, launch 6 ranks in all \(torchrun: --nnodes x --nproc-per-node = 6\)\)$"):
+        check_mesh(argparse.Namespace(mesh="3x2"), "bench", 4, 8)
+    with pytest.raises(UsageError, match=r"launch 12 ranks"):  # --cfg: two lanes of 3 x 2
+        check_mesh(argparse.Namespace(mesh="3x2"), "run wan", 4, 8, lanes=2)

@@ -226,6 +226,53 @@ def test_comm_dtype_checked_alike_by_bench_and_run(value, ok):
                 check(args)
 
 
+@pytest.mark.parametrize("value,canonical", [("fp8", "e4m3"), ("E4M3", "e4m3"), ("e4m3fn", "e4m3"),
+                                              ("torch.float8_e4m3fn", "e4m3"), ("float8_e5m2:qvo", "e5m2:qvo"),
+                                              ("fp8_e4m3:vok", "e4m3:kvo"), ("none", "none"), ("bf16", "none")])
+def test_comm_dtype_aliases_become_one_spelling(value, canonical):
+    """--comm-dtype fp8 / E4M3 / e4m3fn / torch's names: accepted (a user writes them) and rewritten to the canonical
+    spelling the header, the JSON and the --mesh check read (was: the header said 'comm_dtype=bf16 (FP8 on the wire:
+    not bitwise)' for bf16, which sends the input dtype, and --mesh refused bf16 as FP8; e4m3fn was refused)."""
+    from cp_ops import config
+    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+
+    args = build_parser().parse_args(["bench", "--comm-dtype", value, "--dtype", "bf16"])
+    _check_bench(args, "cpu", 2, config.settings)
+    assert args.comm_dtype == canonical
+    args = build_parser().parse_args(["bench", "--nproc", "4", "--mesh", "2x2", "--comm-dtype", value, "--dtype", "bf16"])
+    if canonical == "none":
+        _check_bench(args, "cpu", 4, config.settings)
+        assert args.mesh == (2, 2)
+    else:
+        with pytest.raises(UsageError, match=rf"--mesh rows run without FP8 .*--comm-dtype {canonical}: drop one"):
+            _check_bench(args, "cpu", 4, config.settings)
+
+
+def test_comm_dtype_bf16_on_other_inputs_is_refused():
+    """--comm-dtype bf16 means the input dtype: on fp32 inputs (the CPU default) it would send fp32 while the user asked
+    for bf16; refused naming both and the alternatives (was: accepted, fp32 on the wire, header 'FP8 on the wire')."""
+    from cp_ops import config
+    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+
+    for dtype in ("fp32", "fp16"):
+        args = build_parser().parse_args(["bench", "--comm-dtype", "bf16", "--dtype", dtype])
+        with pytest.raises(UsageError, match=rf"--comm-dtype bf16 means 'the input dtype'.*inputs here are {dtype} "
+                                             rf"\(--dtype\): use --comm-dtype none"):
+            _check_bench(args, "cpu", 2, config.settings)
+
+
+def test_run_bound_refuses_comm_dtype():
+    """run --bound --comm-dtype e4m3: the fake groups move nothing and the bound parallelizes without comm_dtype, so
+    the flag was silently dropped; refused now, as --transport fast is."""
+    pytest.importorskip("diffusers")
+    from cp_ops.cli.main import UsageError, _check_run, build_parser
+
+    args = build_parser().parse_args(["run", "wan", "--bound", "2", "--comm-dtype", "fp8"])
+    args.dtype = "fp32"
+    with pytest.raises(UsageError, match=r"--comm-dtype e4m3 does not apply with --bound"):
+        _check_run(args, "cpu", 1)
+
+
 def _bench_kv_apart(rank, w, out):
     import torch
 

@@ -45,3 +45,14 @@ def test_help_describes_the_interleaved_rounds():
         assert "interleaved rounds" in text, name
     assert "each times the single-device baseline, then one sample of every case" in " ".join(
         sub["bench"].format_help().split())
+
+
+def test_generate_without_checkpoint_says_what_runs_without_one(capsys):
+    """`cp-ops generate` alone: argparse's 'required: --checkpoint' plus where a user without a pipeline folder goes
+    (the tiny CPU example); other missing arguments keep argparse's plain message."""
+    lines = _error(capsys, ["generate"])
+    assert lines[-1] == ("cp-ops generate: error: the following arguments are required: --checkpoint (no pipeline "
+                         "folder at hand: torchrun --nproc-per-node 2 -m cp_ops.examples.generate runs a tiny random "
+                         "one on the CPU)"), lines
+    lines = _error(capsys, ["generate", "--checkpoint", "x"])
+    assert lines[-1] == "cp-ops generate: error: one of the arguments --prompt --prompt-embeds is required", lines

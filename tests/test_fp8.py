@@ -96,6 +96,11 @@ def test_normalize():
     assert cd.normalize({"k": E5, "v": None}) == ("", "e5m2", "", "")
     assert cd.for_mode(("e4m3",) * 4, "agkv") == ("", "e4m3", "e4m3", "")
     assert cd.parse("e4m3:qvo") == ("e4m3", "", "e4m3", "e4m3") and cd.parse("bf16") == cd.NONE
+    assert cd.parse("torch.float8_e4m3fn") == cd.parse("fp8") == cd.parse("E4M3fn") == ("e4m3",) * 4
+    assert [cd.text(cd.parse(t)) for t in ("none", "e5m2", "e4m3:vok", "fp8_e5m2:q")] == ["none", "e5m2", "e4m3:kvo",
+                                                                                          "e5m2:q"]
+    assert cd.text(("e4m3", "e5m2", "", "")) == "q=e4m3,k=e5m2"  # mixed formats: the CLI cannot spell them
+    assert cd.normalize("e5m2") == ("e5m2",) * 4 and cd.normalize({"k": "e4m3", "v": "e4m3"}) == ("", "e4m3", "e4m3", "")
     with pytest.raises(ValueError, match="comm_dtype must be torch.float8_e4m3fn.*got torch.float16"):
         cd.normalize(torch.float16, torch.bfloat16)
     with pytest.raises(ValueError, match=r"keys name the tensors.*\['x'\]"):

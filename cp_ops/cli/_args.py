@@ -57,9 +57,14 @@ def say_once(line: str) -> None:
 
 
 class Parser(argparse.ArgumentParser):
+    #: a sentence added to argparse's "the following arguments are required" error (e.g. what to run without them)
+    missing_hint: str | None = None
+
     def error(self, message):  # argparse's own errors (unknown flag, bad choice): once, exit 2
         if rank0():
             self.print_usage(sys.stderr)
+        if self.missing_hint and "arguments are required" in message:
+            message = f"{message} ({self.missing_hint})"
         say_once(f"{self.prog}: error: {message}")
         sys.exit(2)
 
@@ -80,15 +85,25 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
 
 
 def check_comm_dtype(args, what: str) -> None:
-    """``--comm-dtype``: the forms :func:`cp_ops.comm_dtype.parse` takes (none, e4m3, e5m2, FMT:LETTERS, ...), else a
-    UsageError (via :func:`fail`) naming them and the value given."""
-    from cp_ops.comm_dtype import parse
+    """``--comm-dtype``: the forms :func:`cp_ops.comm_dtype.parse` takes (none, e4m3, e5m2, FMT:LETTERS, the aliases
+    fp8, e4m3fn, float8_e4m3fn, ...), else a UsageError (via :func:`fail`) naming them and the value given. Sets
+    ``args.comm_dtype`` to its canonical spelling (:func:`cp_ops.comm_dtype.text`: 'none', 'e4m3', 'e4m3:qvo'), which
+    the headers, the JSON and the --mesh check read. 'bf16' means the input dtype: with ``args.dtype`` another
+    dtype (``--dtype fp32``, the CPU default) it would silently send fp32, so it is a UsageError there."""
+    from cp_ops.comm_dtype import parse, text
 
+    given = str(getattr(args, "comm_dtype", "none"))
     try:
-        parse(str(getattr(args, "comm_dtype", "none")))
+        fmts = parse(given)
     except ValueError:
-        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo); "
-             f"got {args.comm_dtype!r}")
+        fail(f"{what}: --comm-dtype takes none, e4m3, e5m2 or FMT:LETTERS (LETTERS from qkvo, e.g. e4m3:qvo; fp8 = e4m3, "
+             f"torch's names such as float8_e4m3fn work too); got {given!r}")
+    dtype = getattr(args, "dtype", None)
+    if given.strip().lower() == "bf16" and dtype not in (None, "bf16"):
+        fail(f"{what}: --comm-dtype bf16 means 'the input dtype' (the link carries the input dtype or FP8, no other "
+             f"conversion), and the inputs here are {dtype} (--dtype): use --comm-dtype none ({dtype} on the wire), "
+             f"e4m3 or e5m2, or --dtype bf16")
+    args.comm_dtype = text(fmts)
 
 
 def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
@@ -100,9 +115,10 @@ def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
                         "(its collectives timed alone, docs/2d.md) is reported and saved in the JSON" + extra)
 
 
-def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") -> None:
+def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", lanes: int = 1) -> None:
     """``--mesh OxI``: two ints >= 1 whose product is the CP world size ``world`` and whose inner one divides ``heads``
-    (None: not known here); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values."""
+    (None: not known here); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values; a wrong
+    product says how many ranks the mesh needs (``lanes`` CFG lanes of O x I each) and how to launch them."""
     text = getattr(args, "mesh", None)
     if text is None:
         return
@@ -116,14 +132,23 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "") ->
     if min(o, i) < 1:
         fail(f"{what}: --mesh {text}: both degrees must be >= 1; got outer={o}, inner={i}")
     if o * i != world:
-        fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i}")
+        need = o * i * lanes
+        how = (f"launch {need} ranks in all (torchrun: --nnodes x --nproc-per-node = {need})" if _under_torchrun()
+               else f"pass --nproc {need}")
+        fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i} "
+             f"(for this mesh, {how})")
     if heads is not None and heads % i:
         fail(f"{what}: --mesh {text}: the inner (Ulysses) degree must divide the heads; got heads={heads}, inner={i}")
-    if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", ""):
+    if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", "", "bf16", "input"):
         fail(f"{what}: --mesh rows run without FP8 for now (cp_ops.attention takes comm_dtype on a mesh; the CLI's mesh "
              f"rows do not yet, docs/fp8.md); got --mesh "
              f"{text} with --comm-dtype {args.comm_dtype}: drop one")
     args.mesh = (o, i)
+
+
+def _under_torchrun() -> bool:
+    """As :func:`cp_ops.cli.launch.under_torchrun` (which imports torch): torchrun's variables are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def fail(msg: str) -> None:

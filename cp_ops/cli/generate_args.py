@@ -15,7 +15,11 @@ def add_parser(sub) -> None:
                          description="DiffusionPipeline.from_pretrained(--checkpoint), its transformer parallelized "
                                      "with cp_ops; every rank runs the same sampling loop (same seed), rank 0 "
                                      "writes the result and shows the pipeline's progress bar.")
-    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="a local diffusers pipeline folder")
+    gen.missing_hint = ("no pipeline folder at hand: torchrun --nproc-per-node 2 -m cp_ops.examples.generate runs a "
+                        "tiny random one on the CPU")
+    gen.add_argument("--checkpoint", required=True, metavar="DIR",
+                     help="a local diffusers pipeline folder (none at hand: `torchrun --nproc-per-node 2 -m "
+                          "cp_ops.examples.generate` runs a tiny random Wan 2.2-style pipeline on the CPU)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="the text prompt")
     src.add_argument("--prompt-embeds", default=None, metavar="FILE",
@@ -45,7 +49,7 @@ def check(args, device: str, world: int) -> None:
     """Check ``cp-ops generate``'s arguments (the checkpoint, steps, sizes, transport, comm dtype, output suffix)."""
     check_comm_dtype(args, "generate")  # the argument alone first
     if importlib.util.find_spec("diffusers") is None:
-        fail("generate needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
+        fail("generate needs diffusers (and a pipeline's text encoder: transformers): pip install -e '.[generate]'")
     if not os.path.isfile(os.path.join(args.checkpoint, "model_index.json")):
         fail(f"generate: --checkpoint {args.checkpoint} has no model_index.json (not a diffusers pipeline folder)")
     if args.prompt_embeds and not os.path.isfile(args.prompt_embeds):

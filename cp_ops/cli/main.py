@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = Parser(
         prog="cp-ops",
         description="Context-parallel attention for diffusion transformers: benchmark, run a diffusers DiT "
-                    "(Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo) under CP, generate with a local pipeline, "
+                    "(Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo, LTX-Video) under CP, generate with a local pipeline, "
                     "inspect the environment.",
         epilog="examples:  cp-ops bench   |   cp-ops bench --seqs 4096,8192 --modes agkv   |   "
                "cp-ops run wan --config 1.3b --frames 16 --height 64 --width 64   |   cp-ops run flux --steps 4   |   "

@@ -166,7 +166,8 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --mesh does not apply with --bound (one process on fake 1-D groups); drop one")
         if args.mode != "auto":
             fail(f"{what}: --mesh runs the 2-D mode (mode 'auto' on the mesh); got --mode {args.mode}: drop --mode")
-        check_mesh(args, what, cp, heads, " (of each CFG lane: W / 2 with --cfg)" if args.cfg else "")
+        check_mesh(args, what, cp, heads, " (of each CFG lane: W / 2 with --cfg)" if args.cfg else "",
+                   lanes=2 if args.cfg else 1)
     elif heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % cp:
         fail(f"{what}: mode {args.mode} needs the CP world size {cp} to divide the {heads} heads of "
               f"{args.model} {args.config}; use --mode agkv")
@@ -205,7 +206,8 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
     if not args.bound or min(args.bound) < 1:
         fail(f"{what}: --bound takes CP world sizes >= 1, e.g. --bound 2,4,8; got {args.bound}")
     for flag, bad in (("--compare", args.compare), ("--steps", args.steps), ("--cfg", args.cfg),
-                      ("--transport fast", args.transport == "fast")):
+                      ("--transport fast", args.transport == "fast"),
+                      (f"--comm-dtype {args.comm_dtype}", str(args.comm_dtype) != "none")):
         if bad:
             fail(f"{what}: {flag} does not apply with --bound (one process, fake groups: nothing is transferred, "
                   "the transport is 'torch')")
