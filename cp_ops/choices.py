@@ -260,9 +260,13 @@ def _read_cache() -> dict:
         _warn_once(path, f"cp_ops: ignoring the choice cache {path}, which does not parse ({type(e).__name__}: "
                          f"{str(e)[:200]}); it is rewritten after the next measurement")
         return {}
-    entries = data.get("entries") if isinstance(data, dict) and data.get("format") == FORMAT else None
-    if not isinstance(entries, dict):
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         return {}  # another format (or none): measured again and rewritten in this one
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        _warn_once(path, f"cp_ops: ignoring the choice cache {path}: its 'entries' is a {type(entries).__name__}, "
+                         "not a mapping; it is rewritten after the next measurement")
+        return {}
     good = {k: e for k, e in entries.items() if _valid_entry(e)}
     if len(good) < len(entries):
         _warn_once(path, f"cp_ops: ignoring {len(entries) - len(good)} malformed entries of the choice cache {path} "

@@ -92,6 +92,11 @@ def test_unparsable_or_wrongly_typed_cache_is_ignored_with_a_warning(tmp_path):
                                                                                        enumerate(bad)}}}))
         with pytest.warns(RuntimeWarning, match=f"ignoring {len(bad)} malformed entries of the choice cache {path}"):
             assert choices._read_cache() == {"ok": good}
+        choices._warned.clear()
+        path.write_text(json.dumps({"format": choices.FORMAT, "entries": [good]}))  # the right format, no mapping
+        with pytest.warns(RuntimeWarning, match=f"ignoring the choice cache {path}: its 'entries' is a list"):
+            assert choices._read_cache() == {}
+        choices._warned.clear()
         path.write_text(_DEEP)
         with pytest.warns(RuntimeWarning, match=f"ignoring the choice cache {path}, which does not parse "
                                                 r"\(RecursionError"):
