@@ -8,6 +8,20 @@ if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
 
+def _threads_per_worker() -> None:
+    """Under pytest-xdist, each worker's torch takes its share of the cores (CI: 2 cores, 2 workers -> 1 thread):
+    two workers each running intra-op threads on every core oversubscribe them, and OpenMP's spinning threads then
+    burn the other worker's time. Rank processes set their own share (dist_util._body)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_threads_per_worker()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """End the rank fork server (tests/dist_util.py) if this session started one."""
     dist_util = sys.modules.get("dist_util")

@@ -51,8 +51,9 @@ def test_generate_tiny_wan(tmp_path, tiny_wan, monkeypatch, capsys):
                 monkeypatch, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "WanPipeline (WanTransformer3DModel under CP2), 2 steps" in p.stdout
-    # the pipeline's own progress bar over the steps, from rank 0 only
-    assert p.stderr.count("CP2 steps: 100%") == 1
+    # the pipeline's own progress bar over the steps, from rank 0 only: one bar started (its 0% line; tqdm may print
+    # its 100% line twice on a slow machine, at the last update and at close) and finished
+    assert p.stderr.count("CP2 steps:   0%") == 1 and "CP2 steps: 100%" in p.stderr, p.stderr[-2000:]
     written = out if out.exists() else tmp_path / "video.png"
     assert written.exists(), p.stdout
 
