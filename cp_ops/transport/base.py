@@ -238,16 +238,12 @@ def concrete_name(name: str, group_name: str, device) -> str:
     tests: it never runs a transport) the name :func:`select_transport` gives for the device. A constant for the
     compiler (as :func:`resolve`): called while ``torch.compile`` traces, with the group's name and the device.
     """
-    if name != "auto":
-        return name
-    from ..group import backend_name
+    known = agreed_name(name, group_name, device)
+    if known is not None:
+        return known
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    device = torch.device(device)
-    pg = _resolve_process_group(group_name)
-    if backend_name(pg) == "fake":
-        return select_transport(name, device.type)
-    return for_group(name, pg, device).name
+    return for_group(name, _resolve_process_group(group_name), torch.device(device)).name
 
 
 concrete_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
