@@ -42,8 +42,8 @@ step zimage 50 python3 benchmarks/fp8.py --out "$OUT/zimage" --sections models -
 step wan 70 python3 benchmarks/fp8.py --out "$OUT/wan" --sections models --models wan --steps 4
 step tests 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py
 step vae 120 python3 benchmarks/fp8.py --out "$OUT/vae" --sections vae --models flux --steps 8
-step gtests 50 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py tests/test_fp8_fused.py -k "not two_ranks"
-step fused 30 python3 benchmarks/fp8.py --out "$OUT" --sections fused,kernels
+step gtests 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py tests/test_fp8_fused.py -k "not two_ranks"
+step fused 45 python3 benchmarks/fp8.py --out "$OUT" --sections fused,kernels
 step ltx 30 python3 benchmarks/fp8.py --out "$OUT/ltx" --sections models --models ltx ${MODEL_ARGS_ltx:---steps 8}
 step qwen 50 python3 benchmarks/fp8.py --out "$OUT/qwen" --sections models --models qwenimage ${MODEL_ARGS_qwen:---steps 4 --variants agkv,e4m3,cachedit,e5m2}
 step hunyuan 80 python3 benchmarks/fp8.py --out "$OUT/hunyuan" --sections models --models hunyuanvideo ${MODEL_ARGS_hunyuan:---steps 2 --no-bf16-check --variants agkv,e4m3,e5m2,cachedit}
