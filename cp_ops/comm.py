@@ -36,7 +36,10 @@ format each of q, k, v, o travels in. A launch encodes the tensors it moves (:mo
 transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
 shapes and dtype — so the bodies have no FP8 branch. Ulysses tensors of different formats travel in one launch per
 format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece when its arrival is
-waited.
+waited. The eager comm fuses the codec into the layouts (:func:`cp_ops.kernels.fp8.encode_into` /
+:func:`~cp_ops.kernels.fp8.decode_into`: one pass each way): Ulysses encodes straight into the send buffer and decodes
+straight into the unpacked layout (torch transport), AGKV encodes K and V together and decodes only the real rows of
+uneven shards (``agkv(..., rows=shards)``).
 
 **Faults** (issue 20 item 9): a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
 all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
