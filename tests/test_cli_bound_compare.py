@@ -130,3 +130,31 @@ def test_config_layouts():
     assert bound_diffusers.config("ring", 4, 30, None).ring_degree == 4
     with pytest.raises(ValueError, match="one of"):
         bound_diffusers.config("tree", 2, 4, None)
+
+
+def test_compiled_diffusers_side_retried_with_graph_breaks(monkeypatch):
+    """A compile mode where Dynamo refuses diffusers' CP whole (fullgraph=True): the side is built again and compiled
+    with graph breaks, its row says so (fullgraph False, the first error kept); its fake writes come from an eager
+    call before compiling (compiled, the traced collectives record nothing). compile_model is stubbed (no Inductor on
+    CPU): it raises for a diffusers-CP model under fullgraph=True and returns the others as they are."""
+    from cp_ops.cli import run
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    calls = []
+
+    def fake_compile_model(model, spec, args, overlap):
+        full = getattr(args, "fullgraph", True)
+        calls.append((getattr(model, "_parallel_config", None) is not None, full))
+        if getattr(model, "_parallel_config", None) is not None and full:
+            raise RuntimeError("Unsupported HOP: Unsafe side effect (stub)")
+        return model, 0
+
+    monkeypatch.setattr(run, "compile_model", fake_compile_model)
+    rows = bound.run_bound(_args("flux", compare="diffusers", bound=[2], bound_compile=["regional"]),
+                           torch.device("cpu"))
+    uly = next(r for r in rows if r["impl"] == "diffusers ulysses")
+    assert uly["compile"] == "regional" and uly["fullgraph"] is False
+    assert "Unsafe side effect (stub)" in uly["fullgraph_error"] and uly["fills"] > 0 and uly["outputs_finite"]
+    assert (True, True) in calls and (True, False) in calls
+    cp = next(r for r in rows if r["impl"] == "cp_ops")
+    assert "fullgraph" not in cp and math.isfinite(cp["bound_speedup"])

@@ -531,9 +531,8 @@ def _reason(e: BaseException) -> str:
 def _reset_after_failure(base_mode: str, device) -> None:
     """After a side failed half-way (a compile error, an unwaited collective): free what it held."""
     if base_mode != "eager":
-        import torch._dynamo
-
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # imported by run_bound (a local import here would make `torch` local: the eager
+        # branch then raised UnboundLocalError on the GPU, 2026-12-01g)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -600,6 +599,9 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                              rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=len(s.fills), first_call_s=s.first_s,
                              rank0_samples=s.samples, output_shape_ok=shape_ok,
                              outputs_finite=bool(shape_ok and torch.isfinite(s.out).all()),
+                             **({} if shape_ok and torch.isfinite(s.out).all() else
+                                {"invalid": "the output is not finite or not the full shape: a collective's output was "
+                                            "left unwritten (stale memory), so its kernels did not run on real data"}),
                              **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
                              **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
         if steps:

@@ -12,8 +12,8 @@ device mesh of the first W ranks of the fake default group (``("ring", "ulysses"
 fake backend writes the all-gathers (every chunk = the input) but leaves the all-to-all's output unwritten, and kernels
 on stale memory run faster than on real data. :func:`filling` does for diffusers what
 :mod:`cp_ops.transport.fake_fill` does for cp_ops: while a diffusers side runs, the two functions are wrapped so an
-all-to-all's output is overwritten with its input (this rank's own data in every slot, what newer torch's fake
-backend writes) and every write — cp_ops' copy or torch's chunk copies — is recorded (:func:`fake_fill.recording`),
+all-to-all's output is replaced by its input (this rank's own data in every slot; a functional ``aten.copy``, as
+Dynamo refuses in-place writes inside diffusers' ``autograd.Function`` attention) and every write — cp_ops' copy or torch's chunk copies — is recorded (:func:`fake_fill.recording`),
 timed alone (``fill_ms``) and taken out of rank 0's time, as for cp_ops' sides. Under ``torch.compile`` the copy is
 traced into the graph (Inductor may fuse it); the records then come from one eager forward of the same side before
 compiling (same shapes and count). A diffusers collective outside these two (``_all_gather_anything``'s
@@ -99,7 +99,11 @@ def probe(group, device) -> dict[str, bool]:
     import torch.distributed._functional_collectives as funcol
 
     w = group.size()
-    inp = torch.arange(1, 2 * w + 1, dtype=torch.float32, device=device)
+    # random values: the output is a fresh torch.empty, and the caching allocator may hand it a block that held an
+    # earlier probe's arange (fake_fill's) — on the H200 (2026-12-01g) an arange probe read "written" that way while
+    # diffusers' all-to-alls were left unwritten (its Ulysses outputs non-finite)
+    g = torch.Generator(device=device).manual_seed(20261201)
+    inp = torch.randn(2 * w, generator=g, device=device)
     out = funcol.wait_tensor(funcol.all_to_all_single(inp, None, None, group))
     a2a_written = torch.equal(out, inp) or torch.equal(out, inp[:2].repeat(w))
     out = funcol.wait_tensor(funcol.all_gather_tensor(inp, 0, group))
@@ -124,14 +128,14 @@ def filling():
         out = a2a(x, output_split_sizes, input_split_sizes, group, tag)
         if not fake_fill.ACTIVE:
             return out
-        if write_a2a:
-            out = funcol.wait_tensor(out)
+        if write_a2a:  # functional (aten.copy, no in-place write): Dynamo refuses mutations inside diffusers'
+            out = funcol.wait_tensor(out)  # autograd.Function attention
             if out.shape == x.shape:
-                out.copy_(x)
+                out = torch.ops.aten.copy.default(out, x)
             else:  # uneven splits (ulysses_anything): this rank's data repeated to the output's size
                 flat = x.reshape(-1)
                 reps = -(-out.numel() // max(1, flat.numel()))
-                out.view(-1).copy_(flat.repeat(reps)[: out.numel()])
+                out = torch.ops.aten.copy.default(out.reshape(-1), flat.repeat(reps)[: out.numel()]).view(out.shape)
         if not torch.compiler.is_compiling():
             flat = _Shape((out.numel(),), out)  # one copy of the output's size, whoever wrote it
             fake_fill._note("alltoall_base", flat, flat, "cp_ops" if write_a2a else "torch")
@@ -143,9 +147,7 @@ def filling():
             return out
         w = out.shape[gather_dim] // x.shape[gather_dim]
         if write_gather:
-            out = funcol.wait_tensor(out)
-            for chunk in out.chunk(w, dim=gather_dim):
-                chunk.copy_(x)
+            out = torch.ops.aten.copy.default(funcol.wait_tensor(out), torch.cat([x] * w, dim=gather_dim))
         if not torch.compiler.is_compiling():  # as a dim-0 gather of the same sizes (what the replay writes)
             fake_fill._note("_allgather_base", _Shape((w * x.shape[0], *x.shape[1:]), x), x,
                             "cp_ops" if write_gather else "torch")

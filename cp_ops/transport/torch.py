@@ -34,8 +34,6 @@ class TorchTransport:
         k_in, v_in = k.contiguous(), v.contiguous()
         outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
         ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
-        if _gloo_cuda(group, k.device):  # gloo's coalesced gather has no CUDA path: one list-form gather per tensor
-            return k_full, v_full, _Works([group.allgather([list(o.chunk(w))], [i]) for o, i in zip(outs, ins)])
         work = group.allgather_into_tensor_coalesced(outs, ins)
         if fake_fill.ACTIVE:  # the zero-communication bound: a fake group's outputs hold real data
             for o, i in zip(outs, ins):
@@ -47,13 +45,10 @@ class TorchTransport:
         it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
         into ``pieces`` token ranges. Returns as :func:`cp_ops.transport.base.agkv_start_sources` (own block of
         ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order."""
-        from .base import Arrival, source_arrivals
+        from .base import Arrival
 
         w, r = group.size(), group.rank()
         b, s, h, d = k.shape
-        if _gloo_cuda(group, k.device):  # gloo's send/recv take host memory: the whole gather, waited at once
-            k_full, v_full, work = self.agkv_start(k, v, group)
-            return k_full, v_full, source_arrivals(work, w, r, s), work
         k_full = k.new_empty(b, w * s, h, d)
         v_full = v.new_empty(b, w * s, h, d)
         k_in, v_in = k.contiguous(), v.contiguous()
@@ -108,20 +103,6 @@ class TorchTransport:
         if fake_fill.ACTIVE:
             fake_fill.fill("alltoall_base", group, recv, send)
         return recv, work
-
-
-def _gloo_cuda(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether ``group`` runs CUDA tensors over gloo (``cpu:gloo,cuda:gloo``, e.g. two ranks sharing one GPU in the
-    tests). Gloo's ``allgather_into_tensor_coalesced`` (its ``allgather_coalesced``) and ``send``/``recv`` have no
-    CUDA path — they hand the device pointers to the host transport (a segfault in ``work.wait()``, seen on an H200
-    with torch 2.11) — while its list-form ``allgather`` and ``alltoall_base`` copy through host memory. NCCL, CPU
-    and fake groups: False (their paths are unchanged)."""
-    if device.type != "cuda":
-        return False
-    try:
-        return type(group._get_backend(device)).__name__ == "ProcessGroupGloo"
-    except (RuntimeError, AttributeError):
-        return False
 
 
 class _Works:

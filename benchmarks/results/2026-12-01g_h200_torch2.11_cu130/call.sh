@@ -6,9 +6,12 @@
 # compile mode, and after each step everything so far is packed into $OUT (results.tgz, log.txt), so a step killed at
 # its limit keeps the earlier ones. Order: cheap and most wanted first, the riskiest (whole-forward compile) last.
 # Run from the repository root: OUT=... bash benchmarks/results/2026-12-01g_h200_torch2.11_cu130/call.sh
+# Ran at cd49827 (with the gloo-CUDA gather fix, gloo_cuda_gather.patch); tests_before needs
+# $HERE/torch_transport_before.py = cp_ops/transport/torch.py before the fix (`git show cd49827:$HERE/...`; removed
+# afterwards with the fix itself, so the step now finds no file).
 # Estimates (from 2026-12-01/c/e log_call*.txt: model build + import ~20 s per process; regional compile of one side
 # 5-10 s (diffusers' 13-20 s); eager image forwards 0.1-0.2 s): tests 40 s, zimage_steps 75 s, wan_steps 60 s,
-# flux_rc 200 s, zimage_r 70 s, zimage_full unknown (whole-forward compile, >= 40 s a side), ltx_r 55 s.
+# flux_rc 200 s, zimage_r 70 s, ltx_r 55 s, ltx_full unknown (whole-forward compile, ~30 s a side?).
 set -u
 : "${OUT:?OUT must name the output folder}"
 T0=$SECONDS; END=${END:-575}; W=/tmp/w; mkdir -p "$W"; LOG=$OUT/log.txt
@@ -40,7 +43,7 @@ tests() {  # tests NAME CAP MIN: the two-rank gloo-CUDA tests (one GPU shared by
   pack
 }
 NG="--no-group1"
-STEPS=${STEPS:-tests zimage_steps wan_steps flux_rc zimage_r zimage_full ltx_r tests_before}
+STEPS=${STEPS:-tests zimage_steps wan_steps flux_rc zimage_r ltx_r ltx_full tests_before}
 for s in $STEPS; do case $s in
   # 1. the fix in cp_ops/transport/torch.py (gloo + CUDA: list-form all-gathers, no send/recv)
   tests)        tests tests 90 30 ;;
@@ -53,8 +56,10 @@ for s in $STEPS; do case $s in
   # 4. the `regional` (no graphs) mode with --cost
   zimage_r)     st zimage_r 90 50 -- zimage --bound 2,4,8 --bound-compile regional --cost $NG --warmup 1 --repeats 3 ;;
   ltx_r)        st ltx_r 80 45 -- ltx --bound 2,4,8 --bound-compile regional --cost $NG --warmup 1 --repeats 3 ;;
-  # 5. whole forward, fullgraph, CUDA graphs (riskiest: one compile of the whole model per side)
-  zimage_full)  st zimage_full 170 90 -- zimage --bound 8 --bound-compile full+graphs $NG --warmup 1 --repeats 3 ;;
+  # 5. whole forward, fullgraph, CUDA graphs (riskiest: one compile of the whole model per side). LTX-Video: the
+  #    smallest; Z-Image-Turbo's forward enters `with torch.device(...)`, which Dynamo refuses (fullgraph fails in
+  #    diffusers itself: seen on CPU, torch 2.13)
+  ltx_full)     st ltx_full 170 100 -- ltx --bound 2,4,8 --bound-compile full+graphs $NG --warmup 1 --repeats 3 ;;
   # 6. the same two-rank tests on the code before the fix (was the launcher change of 2026-12-01f enough alone?)
   tests_before) cp cp_ops/transport/torch.py /tmp/torch_transport_fixed.py; cp $HERE/torch_transport_before.py cp_ops/transport/torch.py
                 tests tests_before 60 25
