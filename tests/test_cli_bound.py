@@ -23,7 +23,7 @@ def _args(model, **kw):
     base = dict(model=model, config="tiny", checkpoint=None, layers=None, frames=f, height=h, width=w,
                 text_tokens=16, batch=1, dtype="fp32", mode="auto", chunks=1, bound=[2, 4, 8],
                 bound_compile=["eager"], cost=True, no_group1=False, profile=None, warmup=1, repeats=2, out=None,
-                unwritten=False)
+                unwritten=False, steps=0, compare=None)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -140,8 +140,7 @@ def test_parse_mode_rejects(bad):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--bound", "2", "--compare", "diffusers"], "--compare does not apply with --bound"),
-    (["--bound", "2", "--steps", "2"], "--steps does not apply with --bound"),
+    (["--bound", "2", "--cfg"], "--cfg does not apply with --bound"),
     (["--bound", "0"], "--bound takes CP world sizes >= 1"),
     (["--bound", "2", "--bound-compile", "regional+graphs"], "needs CUDA"),
     (["--bound", "2", "--bound-compile", "fast"], "a compile mode is one of"),

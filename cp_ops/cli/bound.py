@@ -189,15 +189,20 @@ class Side:
     """One timed variant of the model in one compile mode."""
 
     name: str
-    kind: str  # 'diffusers' | 'group1' | 'cp' | 'plain'
+    kind: str  # 'diffusers' | 'group1' | 'cp' | 'plain' | 'dcp' (diffusers' own CP, --compare diffusers)
     world: int
-    mode: str | None = None  # the CP attention mode (cp / plain sides)
+    mode: str | None = None  # the CP attention mode (cp / plain sides); dcp: the layout ('ulysses' | 'ring')
     call: Callable[[], object] | None = None
     first_s: float = 0.0
     samples: list = field(default_factory=list)
     out: torch.Tensor | None = None
     fills: list = field(default_factory=list)  # one forward's fake collective writes (fake_fill.recording)
     fill_ms: float = 0.0  # their device time, replayed alone (fake_fill.replay_ms)
+    label: str | None = None  # dcp: what diffusers ran ('ulysses', 'ulysses_anything', 'ring')
+    error: str | None = None  # dcp: why the side could not run (a row with the reason; the others still run)
+    step_ms: list = field(default_factory=list)  # --steps: the last timed loop's per-step times
+    fullgraph: bool = True  # compiled whole (every side) or, a dcp side Dynamo cannot, with graph breaks
+    fullgraph_error: str | None = None  # dcp: why fullgraph=True failed
 
     @property
     def ms(self) -> float:
@@ -211,43 +216,83 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _make_call(m, spec, kw, margs, device, count=None):
-    """The side's forward (``count[0]`` += 1 per Python-level forward, when given); eager + graphs: captured."""
-    from .run import _forward_fn
+def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=None):
+    """The side's call: one forward, or with ``margs.steps`` a denoising loop of that many steps
+    (:func:`cp_ops.cli.run.denoise`: the model's scheduler; returns the final latents, ``step_log`` gets the loop's
+    per-step ms). ``count[0]`` += 1 per Python-level call, when given; ``around(fn)`` wraps the call (diffusers'
+    sides: :func:`cp_ops.cli.bound_diffusers.wrap`) inside any capture; eager + graphs: captured."""
+    from .run import _forward_fn, denoise
 
-    fwd = _forward_fn(m, spec, kw, margs)
+    if margs.steps:
+        def fwd():
+            lat, ms = denoise(m, spec, kw, margs.steps, device, margs)
+            if step_log is not None:
+                step_log[:] = ms
+            return lat
+    else:
+        fwd = _forward_fn(m, spec, kw, margs)
     if count is not None:
         inner = fwd
 
         def fwd():
             count[0] += 1
             return inner()
+    if around is not None:
+        fwd = around(fwd)
     if margs.cuda_graphs and not margs.compile:
         return Graphed(fwd, device)
     return fwd
 
 
 def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
-    """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain), compile it as ``margs``
-    says, run and time its first call; sets ``side.call``, ``side.first_s`` and ``side.out``."""
+    """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain, diffusers' CP for dcp),
+    compile it as ``margs`` says, run and time its first call; sets ``side.call``, ``side.first_s`` and ``side.out``.
+
+    A dcp side (diffusers' own CP) that Dynamo cannot compile whole (``fullgraph=True``, as every other side) is
+    built again and compiled with graph breaks (``fullgraph=False``): ``side.fullgraph_error`` says why."""
+    if side.kind != "dcp" or not margs.compile:
+        return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
+    try:
+        return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
+    except Exception as e:  # noqa: BLE001 - diffusers' CP under Dynamo: retried with graph breaks, the reason kept
+        side.fullgraph_error = _reason(e)
+        print(f"  {side.name}: fullgraph=True failed ({side.fullgraph_error[:160]}); compiling with graph breaks",
+              flush=True)
+    gc.collect()
+    return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=False)
+
+
+def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, fullgraph: bool) -> None:
     from ..integrations.diffusers import parallelize
+    from . import bound_diffusers
     from .run import compile_model
 
     m = shared_copy(base)
-    if side.kind != "diffusers":
+    around, eager_fills = None, None
+    if side.kind == "dcp":
+        side.label = bound_diffusers.parallelize(m, side.mode, side.world, spec.heads(base.config), device)
+        around = bound_diffusers.wrap
+        if margs.compile:  # compiled, diffusers' collectives are traced: the writes are recorded from one eager call
+            eager = SimpleNamespace(compile=None, cuda_graphs=False, no_overlap=False, steps=margs.steps, cfg=False)
+            with fake_fill.recording() as eager_fills:
+                _make_call(m, spec, kw, eager, device, around=around)()
+    elif side.kind != "diffusers":
         parallelize(m, groups[side.world], mode=side.mode, transport="torch", chunks=args.chunks)
         if side.kind == "plain":
             to_plain(m, side.mode)
-    m, _ = compile_model(m, spec, margs, overlap=side.kind != "diffusers")
+    cargs = margs if fullgraph else SimpleNamespace(**vars(margs), fullgraph=False)
+    m, _ = compile_model(m, spec, cargs, overlap=side.kind not in ("diffusers", "dcp"))
+    side.fullgraph = fullgraph
     _sync(device)
     t0 = time.perf_counter()
     count = [0]
     with fake_fill.recording() as rec:  # the first call runs Python (later graph replays may not): one forward's writes
-        call = _make_call(m, spec, kw, margs, device, count)
+        call = _make_call(m, spec, kw, margs, device, count, side.step_ms, around)
         out = call()
     _sync(device)
     side.first_s = time.perf_counter() - t0
-    side.fills = rec[: len(rec) // max(1, count[0])]  # eager + graphs: warm-up and capture forwards, identical
+    # eager + graphs: warm-up and capture forwards, identical
+    side.fills = list(eager_fills) if eager_fills is not None else rec[: len(rec) // max(1, count[0])]
     side.call = call
     side.out = out.detach().float().cpu() if isinstance(out, torch.Tensor) else None
 
@@ -346,11 +391,16 @@ def _sides_for(spec, cfg, args, choose_mode) -> list[Side]:
         sides.append(Side(f"cp_ops W{w}", "cp", w, mode=mode))
         if args.cost:
             sides.append(Side(f"plain W{w}", "plain", w, mode=mode))
+        if getattr(args, "compare", None) == "diffusers":
+            from .bound_diffusers import LAYOUTS
+
+            sides += [Side(f"diffusers {layout} W{w}", "dcp", w, mode=layout) for layout in LAYOUTS]
     return sides
 
 
 def _mode_args(args, base: str, graphs: bool):
-    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs, no_overlap=False, steps=0)
+    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs, no_overlap=False,
+                           steps=getattr(args, "steps", 0) or 0, cfg=False)
 
 
 def run_bound(args, device: torch.device) -> list[dict]:
@@ -390,6 +440,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     if device.type == "cuda":
         base.set_attention_backend("_native_cudnn")
     written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
+    if written and getattr(args, "compare", None) == "diffusers":  # diffusers' functional collectives, probed apart
+        from . import bound_diffusers
+
+        written.update({f"diffusers {k}": v for k, v in bound_diffusers.probe(groups[max(groups)], device).items()})
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
     layers = [cfg[k] for k in spec.layer_keys]
     config_name = config_label(spec, args.config, cfg)
@@ -398,6 +452,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
                 warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
+                steps=getattr(args, "steps", 0) or 0, compare=getattr(args, "compare", None),
                 fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
                              else "replayed alone, launched back to back"),
                 fake_outputs=("unwritten (--unwritten)" if not written else
@@ -420,15 +475,24 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
         t_mode = time.perf_counter()
         try:
             for s in sides:
-                _prepare(s, base, spec, kw, margs, device, groups, args)
+                try:
+                    _prepare(s, base, spec, kw, margs, device, groups, args)
+                except Exception as e:  # noqa: BLE001 - diffusers' CP refusing is a row with its reason
+                    if s.kind != "dcp":
+                        raise
+                    s.error, s.call = _reason(e), None
+                    print(f"  [{mode_text}] {s.name}: failed: {s.error}", flush=True)
+                    _reset_after_failure(base_mode, device)
+                    continue
                 print(f"  [{mode_text}] {s.name}: first call {s.first_s:.1f} s", flush=True)
-            _time_sides(sides, device, args.warmup, args.repeats)
+            _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
             for s in sides:
                 s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
             if args.profile:
-                profiles[mode_text] = _profile_sides(sides, device, args.profile, f"{args.model}_{mode_text}")
+                profiles[mode_text] = _profile_sides([s for s in sides if s.error is None], device, args.profile,
+                                                     f"{args.model}_{mode_text}")
         except Exception as e:  # noqa: BLE001 - a mode that cannot run is a row with its reason
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            reason = _reason(e)
             print(f"  [{mode_text}] failed: {reason}", flush=True)
             rows.append(dict(model=args.model, config=config_name, compile=base_mode, cuda_graphs=graphs,
                              skipped=reason))
@@ -460,12 +524,29 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     return rows
 
 
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _reset_after_failure(base_mode: str, device) -> None:
+    """After a side failed half-way (a compile error, an unwaited collective): free what it held."""
+    if base_mode != "eager":
+        torch._dynamo.reset()  # imported by run_bound (a local import here would make `torch` local: the eager
+        # branch then raised UnboundLocalError on the GPU, 2026-12-01g)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def _check_outputs(sides: list[Side], filled: bool = False) -> None:
     """Every side returned the full output shape, finite where it is the model's own and, with ``filled`` (the fake
     collectives write their outputs: :mod:`cp_ops.transport.fake_fill`), on every cp_ops side too (not the plain
     stand-in's repeated tokens; nor, unfilled, a fake group's untouched gather buffers: uninitialised memory)."""
     ref = next(s.out for s in sides if s.kind == "diffusers")
     for s in sides:
+        if s.kind == "dcp":  # diffusers' own CP: what it returned goes into its row (output_shape, outputs_finite)
+            continue
         if s.out is None or tuple(s.out.shape) != tuple(ref.shape):
             raise RuntimeError(f"--bound: side {s.name!r} returned shape {None if s.out is None else tuple(s.out.shape)}, "
                                f"expected the full output {tuple(ref.shape)}")
@@ -474,18 +555,28 @@ def _check_outputs(sides: list[Side], filled: bool = False) -> None:
             raise RuntimeError(f"--bound: side {s.name!r} returned non-finite values")
 
 
+#: the models' standard step counts (issue 21; diffusers pipelines' defaults): --steps N below it is extrapolated
+STANDARD_STEPS = {"flux": 28, "qwenimage": 28, "zimage": 8, "wan": 50, "hunyuanvideo": 50, "ltx": 50}
+#: what a --steps row says about the final latents' error (a fake group cannot give it)
+STEPS_ERROR_NOTE = ("not measured: a fake group's collectives move nothing (every rank's data is this rank's), so "
+                    "rank 0's latents are not CP's; the drift over steps needs real ranks (cp-ops run --steps N under "
+                    "torchrun) or, for FP8 communication, CP_OPS_EMULATE_COMM=1 on a group of one rank (docs/fp8.md)")
+
+
 def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs) -> list[dict]:
     by = {s.name: s for s in sides}
     single = [s for s in sides if s.kind in ("diffusers", "group1")]
     best = min(single, key=lambda s: s.ms - s.fill_ms)
     one = best.ms - best.fill_ms
+    steps = getattr(args, "steps", 0) or 0
+    common = dict(model=args.model, cls=spec.cls, config=config_name, layers=layers[0] if len(layers) == 1 else layers,
+                  tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs)
+    ref = by["diffusers"].out
     out = []
     for w in args.bound:
         cp = by[f"cp_ops W{w}"]
         net = cp.ms - cp.fill_ms  # the fake collectives' writes (stand-ins for the transfers) taken out
-        row = dict(model=args.model, cls=spec.cls, config=config_name, layers=layers[0] if len(layers) == 1 else layers,
-                   tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs,
-                   world_size=w, mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
+        row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
                    diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=one / net,
                    rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=len(cp.fills),
                    first_call_s=cp.first_s, rank0_samples=cp.samples)
@@ -495,31 +586,85 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
         if plain is not None:  # both raw: each pays its stand-in writes (cp: the fake collectives'; plain: repeats)
             row.update(plain_ms=plain.ms, plain_fill_ms=plain.fill_ms, cp_ops_cost_ms=cp.ms - plain.ms,
                        cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms)
-        out.append(row)
+        rows = [row]
+        for s in (x for x in sides if x.kind == "dcp" and x.world == w):  # diffusers' own CP beside cp_ops'
+            if s.error is not None:
+                rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label or s.mode,
+                                 skipped=s.error))
+                continue
+            d = s.ms - s.fill_ms
+            shape_ok = s.out is not None and tuple(s.out.shape) == tuple(ref.shape)
+            rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, one_gpu_ms=one,
+                             one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d, bound_speedup=one / d,
+                             rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=len(s.fills), first_call_s=s.first_s,
+                             rank0_samples=s.samples, output_shape_ok=shape_ok,
+                             outputs_finite=bool(shape_ok and torch.isfinite(s.out).all()),
+                             **({} if shape_ok and torch.isfinite(s.out).all() else
+                                {"invalid": "the output is not finite or not the full shape: a collective's output was "
+                                            "left unwritten (stale memory), so its kernels did not run on real data"}),
+                             **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
+                             **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
+        if steps:
+            for r in rows:
+                if "skipped" not in r:
+                    _add_steps(r, steps, by, args.model)
+        out += rows
     return out
+
+
+def _add_steps(row: dict, steps: int, by: dict, model: str) -> None:
+    """A --steps row: its times are whole loops of ``steps`` steps; per step, the steps run, and where ``steps`` is
+    below the model's standard count the totals extrapolated to it (per-step time x the standard count)."""
+    side = by["cp_ops W%d" % row["world_size"]] if row["impl"] == "cp_ops" else \
+        by[f"{row['impl']} W{row['world_size']}"]
+    std = STANDARD_STEPS.get(model)
+    row.update(steps=steps, steps_run=len(side.step_ms), total_ms=row["rank0_ms"], step_ms=row["rank0_ms"] / steps,
+               one_gpu_step_ms=row["one_gpu_ms"] / steps, rank0_step_samples_ms=side.step_ms,
+               max_rel_err=None, max_rel_err_note=STEPS_ERROR_NOTE)
+    if std:
+        row["standard_steps"] = std
+        if steps != std:
+            row.update(one_gpu_total_standard_ms=row["one_gpu_step_ms"] * std, total_standard_ms=row["step_ms"] * std,
+                       extrapolated=f"{steps} of {std} steps timed; totals for {std} = per-step time x {std}")
 
 
 def print_table(rows: list[dict], meta: dict) -> None:
     print(f"\nzero-communication bound, {meta['cls']} {meta['config']}, {meta['tokens']} tokens, on "
           f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})")
     has_cost = any("cp_ops_cost_ms" in r for r in rows)  # the column only where --cost measured it
-    print(f"{'compile':<17} {'W':>3} {'mode':>8} {'1 device ms':>12} {'from':>11} {'rank 0 ms':>10} {'fill ms':>8} "
-          f"{'bound':>7}" + (f" {'cp_ops cost':>16}" if has_cost else ""))
+    steps = next((r["steps"] for r in rows if r.get("steps")), 0)
+    has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare diffusers
+    if steps:
+        print(f"a denoising loop of {steps} steps per sample: the times are whole loops (ms), 'ms/step' rank 0's")
+    print(f"{'compile':<17} {'W':>3}" + (f" {'impl':>17}" if has_impl else "") + f" {'mode':>8} {'1 device ms':>12} "
+          f"{'from':>11} {'rank 0 ms':>10} {'fill ms':>8}" + (f" {'ms/step':>9}" if steps else "") + f" {'bound':>7}"
+          + (f" {'cp_ops cost':>16}" if has_cost else ""))
     for r in rows:
         name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
         if "skipped" in r:
-            print(f"{name:<17} failed: {r['skipped']}")
+            who = f" W{r['world_size']} {r['impl']}" if "impl" in r and "world_size" in r else ""
+            print(f"{name:<17}{who} failed: {r['skipped']}")
             continue
         cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
-        print(f"{name:<17} {r['world_size']:>3} {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
+        print(f"{name:<17} {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
+              + f" {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
               f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
-              f"{r.get('fill_ms', 0.0):>8.2f} {r['bound_speedup']:>6.2f}x" + (f" {cost:>16}" if has_cost else ""))
+              f"{r.get('fill_ms', 0.0):>8.2f}" + (f" {r['step_ms']:>9.2f}" if steps else "")
+              + f" {r['bound_speedup']:>6.2f}x" + (f" {cost:>16}" if has_cost else ""))
     print("bound = 1-device time / rank 0's time of a W-rank fake group (no transfer: no CP run can beat it); "
           "rank 0 = its measured forward minus 'fill': the device copies that write the fake collectives' outputs "
           "with real data (timed alone); "
           "1 device = the faster of diffusers' own path and cp_ops over a group of 1; "
           + ("cp_ops cost = rank 0 minus the same forward with plain local attention of the same shapes (--cost), % of "
              "rank 0's forward." if has_cost else "--cost adds cp_ops' own cost inside the bound."))
+    if has_impl:
+        print("impl 'diffusers ulysses|ring' = diffusers' own CP (enable_parallelism) over the same fake group, its "
+              "all-to-alls written like cp_ops' (cp_ops.cli.bound_diffusers); its bound beside cp_ops'.")
+    if steps:
+        print(f"--steps: final latents' error vs one device: {STEPS_ERROR_NOTE}.")
+        ext = next((r for r in rows if "extrapolated" in r), None)
+        if ext is not None:
+            print(f"{ext['extrapolated']} (JSON: one_gpu_total_standard_ms, total_standard_ms).")
     if "gpu" not in meta:
         print("CPU: a functional check, not a performance claim (a tiny model: bounds near or below 1x are expected; "
               "docs/measuring.md).")

@@ -69,14 +69,16 @@ def compile_model(model, spec, args, overlap: bool):
         return model, 0
     # dynamic=False: every side's graphs static, as the first measurement's; else the 1-rank model compiling again
     # in the interleaved rounds beside the CP model (other token counts, one Dynamo frame) gets symbolic sizes
-    kw = dict(fullgraph=True, overlap=overlap and not args.no_overlap, dynamic=False)
+    # fullgraph: True unless args says otherwise (--bound's diffusers CP side where Dynamo cannot trace it whole)
+    kw = dict(fullgraph=getattr(args, "fullgraph", True), overlap=overlap and not args.no_overlap, dynamic=False)
     if args.cuda_graphs:
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
         return cp_ops.compile(model, **kw), 1
     from ..integrations.diffusers.compiled import compile_blocks
 
-    return model, compile_blocks(model, cuda_graphs=args.cuda_graphs, overlap=kw["overlap"], blocks=spec.blocks)
+    return model, compile_blocks(model, cuda_graphs=args.cuda_graphs, overlap=kw["overlap"], blocks=spec.blocks,
+                                 fullgraph=kw["fullgraph"])
 
 
 def _mark_step(args) -> None:

@@ -70,7 +70,9 @@ def add_parser(sub) -> None:
                         "torch.cuda.graph capture of the forward")
     r.add_argument("--steps", type=int, default=0,
                    help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
-                        "times): time per step and total (default 0: one forward)")
+                        "times): time per step and total (default 0: one forward); with --bound every side times "
+                        "whole loops (ms/step, total, bound on the loop; no final-latents error: a fake group moves "
+                        "nothing)")
     r.add_argument("--cfg", action="store_true",
                    help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
                         "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
@@ -78,7 +80,8 @@ def add_parser(sub) -> None:
                 "mesh: O x I = W / 2); --mode auto")
     r.add_argument("--compare", choices=["diffusers"], default=None,
                    help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
-                        "on the same model and inputs; rows beside cp_ops'")
+                        "on the same model and inputs; rows beside cp_ops'; with --bound its zero-communication "
+                        "bound over the same fake groups (needs an accelerator)")
     r.add_argument("--profile", default=None, metavar="DIR",
                    help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
                         "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
@@ -205,7 +208,7 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
               "run it without torchrun")
     if not args.bound or min(args.bound) < 1:
         fail(f"{what}: --bound takes CP world sizes >= 1, e.g. --bound 2,4,8; got {args.bound}")
-    for flag, bad in (("--compare", args.compare), ("--steps", args.steps), ("--cfg", args.cfg),
+    for flag, bad in (("--cfg", args.cfg),
                       ("--transport fast", args.transport == "fast"),
                       (f"--comm-dtype {args.comm_dtype}", str(args.comm_dtype) != "none")):
         if bad:
@@ -223,6 +226,9 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
             fail(f"{what}: --bound-compile: {e}")
         if graphs and not gpu:
             fail(f"{what}: --bound-compile {m} needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
+        if graphs and args.steps and m.startswith("eager"):
+            fail(f"{what}: --steps with --bound-compile {m}: the explicit capture replays one forward on fixed "
+                 "inputs; time a loop eager or compiled (e.g. regional+graphs: mode='reduce-overhead')")
     heads = cfg.get(spec.heads_key)
     for w in args.bound:
         if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:

@@ -61,7 +61,7 @@ def compile_blocks(model: torch.nn.Module, *, cuda_graphs: bool = False, overlap
     if why:
         raise ValueError(f"compile_blocks: {why}")
     found = repeated_blocks(model, blocks)
-    kw = dict(fullgraph=True, dynamic=False, overlap=overlap, **compile_kwargs)
+    kw = {"fullgraph": True, "dynamic": False, "overlap": overlap, **compile_kwargs}  # compile_kwargs may override
     if cuda_graphs:
         kw["mode"] = "reduce-overhead"
     for block in found:

@@ -1,0 +1,160 @@
+"""`cp-ops run MODEL --bound W --steps N` and `--bound W --compare diffusers` (cp_ops.cli.bound, bound_diffusers) on
+the tiny configs, one CPU, fake groups of 2 and 4 ranks: the loop's rows (steps run, per-step and total times, the
+extrapolation to the model's standard count, no final-latents error from a fake group, said why), and diffusers' own
+CP as a side of the same rounds — refused on a CPU-only torch with its reason, and, with the accelerator count
+patched to 1 (diffusers' only CPU obstacle), its Ulysses rows measured with the all-to-alls written."""
+
+import argparse
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_ops.cli import bound, bound_diffusers
+from cp_ops.cli.main import main
+from cp_ops.cli.models import MODELS
+
+
+def _args(model, **kw):
+    f, h, w = MODELS[model].cpu_latent
+    base = dict(model=model, config="tiny", checkpoint=None, layers=None, frames=f, height=h, width=w,
+                text_tokens=16, batch=1, dtype="fp32", mode="auto", chunks=1, bound=[2, 4],
+                bound_compile=["eager"], cost=False, no_group1=True, profile=None, warmup=0, repeats=1, out=None,
+                unwritten=False, steps=0, compare=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_bound_steps_loop_rows():
+    """--steps 3 on Wan tiny over fake groups of 2 and 4: every side times whole loops; rows say 3 steps run,
+    ms/step = total / 3, the totals extrapolated to Wan's 50 steps, and no final-latents error (the note points to
+    real ranks and CP_OPS_EMULATE_COMM). run_bound itself checks every side's final latents: the full shape,
+    finite on the cp_ops sides (the fake collectives write real data)."""
+    rows = bound.run_bound(_args("wan", steps=3), torch.device("cpu"))
+    assert not dist.is_initialized()
+    assert [r["world_size"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["steps"] == 3 and r["steps_run"] == 3 and len(r["rank0_step_samples_ms"]) == 3
+        assert r["total_ms"] == r["rank0_ms"] and r["step_ms"] == pytest.approx(r["rank0_ms"] / 3)
+        assert r["one_gpu_step_ms"] == pytest.approx(r["one_gpu_ms"] / 3)
+        assert math.isfinite(r["bound_speedup"]) and r["bound_speedup"] > 0
+        assert r["standard_steps"] == 50 and r["total_standard_ms"] == pytest.approx(r["step_ms"] * 50)
+        assert r["max_rel_err"] is None and "CP_OPS_EMULATE_COMM" in r["max_rel_err_note"]
+        # a loop's fake writes: the forward's, once per step
+        assert r["fills"] > 0 and r["fills"] % 3 == 0
+
+
+def test_bound_steps_cli(capsys):
+    assert main(["run", "zimage", "--device", "cpu", "--bound", "2", "--steps", "2", "--repeats", "1",
+                 "--warmup", "0", "--no-group1"]) == 0
+    text = capsys.readouterr().out
+    assert "a denoising loop of 2 steps" in text and "ms/step" in text and "CP_OPS_EMULATE_COMM" in text, text
+    assert "2 of 8 steps timed" in text, text
+
+
+def test_bound_compare_diffusers_refused_on_cpu_only_torch():
+    """A CPU-only torch: diffusers' enable_parallelism cannot place a rank (device count 0): each diffusers side is
+    a row with that reason, cp_ops' rows are measured as without --compare."""
+    rows = bound.run_bound(_args("flux", compare="diffusers"), torch.device("cpu"))
+    impls = [(r["world_size"], r["impl"]) for r in rows]
+    assert impls == [(2, "cp_ops"), (2, "diffusers ulysses"), (2, "diffusers ring"),
+                     (4, "cp_ops"), (4, "diffusers ulysses"), (4, "diffusers ring")]
+    for r in rows:
+        if r["impl"] == "cp_ops":
+            assert math.isfinite(r["bound_speedup"]) and "skipped" not in r
+        else:
+            assert "needs an accelerator" in r["skipped"], r
+
+
+def test_bound_compare_diffusers_ulysses_measured(monkeypatch):
+    """With the accelerator count patched to 1, diffusers' CP runs on the CPU fake groups: its Ulysses rows carry a
+    finite bound, the full output shape, finite outputs (its all-to-alls written with real data) and the writes
+    recorded (4 all-to-alls per attention + the output gather); its ring rows either run or name why not (on CPU
+    the native backend has no LSE)."""
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    rows = bound.run_bound(_args("flux", compare="diffusers", steps=0), torch.device("cpu"))
+    uly = [r for r in rows if r["impl"] == "diffusers ulysses"]
+    assert [r["world_size"] for r in uly] == [2, 4]
+    spec = MODELS["flux"]
+    attn_calls = sum(spec.configs["tiny"][k] for k in spec.layer_keys)
+    for r in uly:
+        assert "skipped" not in r, r
+        assert r["mode"] == "ulysses" and r["output_shape_ok"] and r["outputs_finite"]
+        assert math.isfinite(r["bound_speedup"]) and r["bound_speedup"] > 0 and r["rank0_ms"] > 0
+        assert r["fills"] >= 4 * attn_calls
+    for r in rows:
+        if r["impl"] == "diffusers ring":
+            assert "skipped" not in r or r["skipped"], r
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_filling_writes_the_all_to_all_and_restores(force, monkeypatch):
+    """Inside bound_diffusers.filling() a functional all-to-all on a fake group holds this rank's data (torch's own
+    write where its fake backend makes one — torch 2.13 writes chunk 0 in every slot — else, and with ``force``,
+    cp_ops' copy of the input) and every write is recorded with its writer; the functional collectives are the
+    originals again after it."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_ops.transport import fake_fill
+
+    orig = funcol.all_to_all_single, funcol.all_gather_tensor
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        fake_fill.enable(dist.group.WORLD, torch.device("cpu"))
+        probed = bound_diffusers.probe(dist.group.WORLD, torch.device("cpu"))
+        if force:
+            monkeypatch.setitem(bound_diffusers._unwritten, "all_to_all_single", True)
+        x = torch.randn(8, generator=torch.Generator().manual_seed(1))
+        with fake_fill.recording() as rec, bound_diffusers.filling():
+            out = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, dist.group.WORLD))
+            gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.view(2, 4), 1, dist.group.WORLD))
+        ours = force or probed["all_to_all_single"]
+        assert torch.equal(out, x) if ours else (torch.equal(out, x) or torch.equal(out, x[:4].repeat(2)))
+        assert torch.equal(gathered, torch.cat([x.view(2, 4)] * 2, dim=1))
+        assert [(r[0], r[5]) for r in rec] == [("alltoall_base", "cp_ops" if ours else "torch"),
+                                               ("_allgather_base", "cp_ops" if probed["all_gather_tensor"] else "torch")]
+        assert rec[1][1] == (4, 4) and rec[1][2] == (2, 4)  # recorded as the dim-0 gather of the same sizes
+        assert (funcol.all_to_all_single, funcol.all_gather_tensor) == orig
+    finally:
+        fake_fill.disable()
+        bound_diffusers._unwritten.clear()
+        dist.destroy_process_group()
+
+
+def test_config_layouts():
+    cfg = bound_diffusers.config("ulysses", 4, 30, None)
+    assert cfg.ulysses_degree == 4 and cfg.ulysses_anything  # 30 heads: diffusers needs its 'anything' variant
+    assert not bound_diffusers.config("ulysses", 2, 30, None).ulysses_anything
+    assert bound_diffusers.config("ring", 4, 30, None).ring_degree == 4
+    with pytest.raises(ValueError, match="one of"):
+        bound_diffusers.config("tree", 2, 4, None)
+
+
+def test_compiled_diffusers_side_retried_with_graph_breaks(monkeypatch):
+    """A compile mode where Dynamo refuses diffusers' CP whole (fullgraph=True): the side is built again and compiled
+    with graph breaks, its row says so (fullgraph False, the first error kept); its fake writes come from an eager
+    call before compiling (compiled, the traced collectives record nothing). compile_model is stubbed (no Inductor on
+    CPU): it raises for a diffusers-CP model under fullgraph=True and returns the others as they are."""
+    from cp_ops.cli import run
+
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    calls = []
+
+    def fake_compile_model(model, spec, args, overlap):
+        full = getattr(args, "fullgraph", True)
+        calls.append((getattr(model, "_parallel_config", None) is not None, full))
+        if getattr(model, "_parallel_config", None) is not None and full:
+            raise RuntimeError("Unsupported HOP: Unsafe side effect (stub)")
+        return model, 0
+
+    monkeypatch.setattr(run, "compile_model", fake_compile_model)
+    rows = bound.run_bound(_args("flux", compare="diffusers", bound=[2], bound_compile=["regional"]),
+                           torch.device("cpu"))
+    uly = next(r for r in rows if r["impl"] == "diffusers ulysses")
+    assert uly["compile"] == "regional" and uly["fullgraph"] is False
+    assert "Unsafe side effect (stub)" in uly["fullgraph_error"] and uly["fills"] > 0 and uly["outputs_finite"]
+    assert (True, True) in calls and (True, False) in calls
+    cp = next(r for r in rows if r["impl"] == "cp_ops")
+    assert "fullgraph" not in cp and math.isfinite(cp["bound_speedup"])
