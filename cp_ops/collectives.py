@@ -211,8 +211,8 @@ def _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype=None):
                             comm_dtype, "agkv")
     sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
     if fmts != cd.NONE:
-        return _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts, seq_lens).agkv(sh.pad(k), sh.pad(v),
-                                                                           rows=sh).wait()[:2]  # decoded real rows
+        kf, vf, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts, seq_lens).agkv(sh.pad(k), sh.pad(v)).wait()
+        return sh.rows(kf), sh.rows(vf)  # decoded: tensors of their own
     kf, vf = torch.ops.cp_ops.agkv_gather_start(sh.pad(k), sh.pad(v), pg.size(), pg.group_name, tr, "", 0,
                                                 list(seq_lens))
     kf, vf = ops.wait(kf), ops.wait(vf)

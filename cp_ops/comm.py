@@ -36,10 +36,7 @@ format each of q, k, v, o travels in. A launch encodes the tensors it moves (:mo
 transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
 shapes and dtype — so the bodies have no FP8 branch. Ulysses tensors of different formats travel in one launch per
 format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece when its arrival is
-waited. The eager comm fuses the codec into the layouts (:func:`cp_ops.kernels.fp8.encode_into` /
-:func:`~cp_ops.kernels.fp8.decode_into`: one pass each way): Ulysses encodes straight into the send buffer and decodes
-straight into the unpacked layout (torch transport), AGKV encodes K and V together and decodes only the real rows of
-uneven shards (``agkv(..., rows=shards)``).
+waited.
 
 **Faults** (issue 20 item 9): a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
 all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
@@ -114,17 +111,13 @@ class _Comm:
         return p
 
     # ---- FP8: encode before the launch, decode in the wait (the implementations give _enc/_dec) ----
-    def _agkv_codec(self, k, v, rows=None):
-        """``(k, v, post)``: the tensors an AGKV launch moves and what its wait applies to ``(k_full, v_full, m)``
-        (``rows``: the call's :class:`cp_ops.layout.Shards`, whose real rows the wait selects, or None)."""
+    def _agkv_codec(self, k, v):
+        """``(k, v, post)``: the tensors an AGKV launch moves and what its wait applies to ``(k_full, v_full, m)``."""
         f = self.fmts[1]
-        sel = None if rows is None or rows.full else rows.rows
         if not f:
-            return k, v, None if sel is None else (lambda o: (sel(o[0]), sel(o[1]), o[2]))
+            return k, v, None
         dt, dec = k.dtype, self._dec
-        if sel is None:
-            return self._enc(k, f), self._enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
-        return self._enc(k, f), self._enc(v, f), lambda o: (sel(dec(o[0], dt, f)), sel(dec(o[1], dt, f)), o[2])
+        return self._enc(k, f), self._enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
 
     def _groups(self, xs) -> list[tuple[str, list[int]]]:
         """The Ulysses inputs by their format ('' = input dtype), in order of first appearance: one launch each
@@ -203,8 +196,8 @@ class OpComm(_Comm):
     def _dec(buf, dtype, fmt):
         return torch.ops.cp_ops.fp8_decode(buf, dtype, fmt)
 
-    def agkv(self, k, v, mask=None, rows=None) -> Pending:
-        k, v, post = self._agkv_codec(k, v, rows)
+    def agkv(self, k, v, mask=None) -> Pending:
+        k, v, post = self._agkv_codec(k, v)
         kf, vf = torch.ops.cp_ops.agkv_gather_start(k, v, self.world, self.group_name, self.transport, *self._args())
         mf = None if mask is None else torch.ops.cp_ops.mask_gather_start(mask, self.world, self.group_name)
         return self._launched((kf, vf, mf), None, post)
@@ -283,8 +276,8 @@ class DirectComm(_Comm):
     _enc = staticmethod(fp8.encode)
     _dec = staticmethod(fp8.decode)
 
-    def agkv(self, k, v, mask=None, rows=None) -> Pending:
-        k, v, post = self._agkv_fp8(k, v, rows) if self.fmts[1] else self._agkv_codec(k, v, rows)
+    def agkv(self, k, v, mask=None) -> Pending:
+        k, v, post = self._agkv_codec(k, v)
         if self.armed or self.tr is None:
             self._first(k, 2)
         if mask is not None and getattr(self.tr, "gathers_masks", False):
@@ -295,25 +288,6 @@ class DirectComm(_Comm):
             return self._launched((kf, vf, None), work, post)
         mf, mwork = self._mask(mask)
         return self._launched((kf, vf, mf), _Both(work, mwork), post)
-
-    def _agkv_fp8(self, k, v, rows):
-        """:meth:`_Comm._agkv_codec` fused: K and V encoded in one pass (one launch), and the wait decodes both
-        gathered buffers in one pass straight into ``[B, W*S, H, D]`` — or, with uneven ``rows``, only the real rows
-        into ``[B, total, H, D]`` (the selection folded into the decode: no second pass over the bf16 result)."""
-        f, dt = self.fmts[1], k.dtype
-        ke, ve = (k.new_empty(fp8.encoded_shape(k.shape), dtype=torch.uint8) for _ in range(2))
-        fp8.encode_into([k, v], [ke, ve], f)
-        index = None if rows is None or rows.full else (1, rows.kv_index())
-
-        def post(o):
-            kg, vg, m = o
-            n = kg.shape[1] if index is None else index[1].shape[0]
-            kf, vf = (kg.new_empty((kg.shape[0], n, kg.shape[2], kg.shape[3] - fp8.SCALE_BYTES), dtype=dt)
-                      for _ in range(2))
-            fp8.decode_into([kg, vg], [kf, vf], f, index)
-            return kf, vf, m
-
-        return ke, ve, post
 
     def _mask(self, m):
         out = m.new_empty(self.world * m.shape[0], m.shape[1])
@@ -333,9 +307,7 @@ class DirectComm(_Comm):
         if f:  # FP8: the pieces travel encoded; each is decoded into k_full/v_full when its arrival is waited
             b, s, h, d = k.shape
             kf, vf = k.new_empty(b, self.world * s, h, d), v.new_empty(b, self.world * s, h, d)
-            ke, ve = (k.new_empty(fp8.encoded_shape(k.shape), dtype=torch.uint8) for _ in range(2))
-            fp8.encode_into([k, v], [ke, ve], f)
-            ke, ve, arrivals, work = agkv_start_sources(self.tr, ke, ve, self.pg, pieces)
+            ke, ve, arrivals, work = agkv_start_sources(self.tr, fp8.encode(k, f), fp8.encode(v, f), self.pg, pieces)
             decs = [_Decoding(a.work, ((ke, kf), (ve, vf)), a.lo, a.hi, f) for a in arrivals]
             arrivals = [Arrival(a.src, a.lo, a.hi, dw) for a, dw in zip(arrivals, decs)]
             work = _Decoding(work, (), 0, 0, f, decs)
@@ -358,96 +330,30 @@ class DirectComm(_Comm):
         return self._launched(buf, work)
 
     def _ulysses_fp8(self, xs, lo, hi) -> Pending:
-        """:meth:`ulysses` with FP8 tensors, one launch per format. Where the transport takes a packed send buffer
-        (``all_to_all_packed``: the torch transport) the encode writes straight into it — heads ``[lo, hi)`` of every
-        head group of every input, one pass, one Triton launch per format — and the wait decodes each received
-        buffer straight into the unpacked layout (one pass per format into one ``[n, B, W, S, hs, D]`` tensor, whose
-        view the wait returns: :meth:`unpack` then copies nothing). Other transports (the fast one: its own packing
-        copy) get the encoded inputs and pack them."""
-        dt, w = xs[0].dtype, self.world
-        b, s, h, d = xs[0].shape
-        hl = h // w
-        hi = hl if hi is None else hi
-        hs = hi - lo
+        """:meth:`ulysses` with FP8 tensors: the heads ``[lo, hi)`` of every head group encoded (the op's view:
+        :class:`OpComm`), one launch per format."""
+        dt = xs[0].dtype
+        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
         groups = self._groups(xs)
         bufs, works = [], []
         for f, idx in groups:
-            if self.armed or self.tr is None:  # the op's first tensor: [B, S, W*hs, D (+4)] of uint8 / the input dtype
-                self._first(torch.empty(0, dtype=torch.uint8 if f else dt, device="meta"), len(idx),
-                            (b, s, w * hs, d + fp8.SCALE_BYTES if f else d))
-            packed = getattr(self.tr, "all_to_all_packed", None)
-            if packed is None:
-                ins = [layout.ulysses_heads(xs[i], w, lo, hi) for i in idx]
-                buf, work = self.tr.ulysses_start([fp8.encode(x, f) for x in ins] if f else ins, self.pg)
-            else:
-                if f:
-                    send = xs[0].new_empty((w, b, s, len(idx), hs, d + fp8.SCALE_BYTES), dtype=torch.uint8)
-                    fp8.encode_into([_head_groups(xs[i], w, lo, hi) for i in idx],
-                                    [send[:, :, :, j] for j in range(len(idx))], f)
-                else:
-                    send = layout.ulysses_pack([xs[i] for i in idx], w, lo, hi)
-                buf, work = packed(send, self.pg)
+            ins = [fp8.encode(xs[i], f) if f else xs[i] for i in idx]
+            if self.armed or self.tr is None:
+                self._first(ins[0], len(ins))
+            buf, work = self.tr.ulysses_start(ins, self.pg)
             bufs.append(buf)
             works.append(work)
         work = works[0] if len(works) == 1 else _Both(*works)
-        return self._launched(tuple(bufs), work, lambda r: _ulysses_decode_unpacked(groups, r, dt))
+        return self._launched(tuple(bufs), work, lambda b: self._ulysses_codec(groups, b, dt))
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
-        if not f:
-            if self.armed or self.tr is None:
-                self._first(x, 1)
-            buf, work = self.tr.ulysses_inverse_start(x, self.pg)
-            return self._launched(buf, work)
-        b, s, hl, d = x.shape
-        if self.armed or self.tr is None:  # the op's tensor: the encoded [B, S, Hl, D + 4]
-            self._first(torch.empty(0, dtype=torch.uint8, device="meta"), 1, (b, s, hl, d + fp8.SCALE_BYTES))
-        post = lambda r: fp8.decode(r, dt, f)  # noqa: E731
-        packed = getattr(self.tr, "all_to_all_packed", None)
-        if packed is None:
-            buf, work = self.tr.ulysses_inverse_start(fp8.encode(x, f), self.pg)
-            return self._launched(buf, work, post)
-        w = self.world  # the encode writes the inverse send layout [W, B, S/W, Hl, D + 4] (token block w in slab w)
-        send = x.new_empty((w, b, s // w, hl, d + fp8.SCALE_BYTES), dtype=torch.uint8)
-        if x.stride()[-1] != 1:
-            x = x.contiguous()
-        sb, ss, sh, sd = x.stride()
-        fp8.encode_into([x.as_strided((w, b, s // w, hl, d), ((s // w) * ss, sb, ss, sh, sd), x.storage_offset())],
-                        [send], f)
-        buf, work = packed(send, self.pg)
-        return self._launched(buf, work, post)
-
-
-def _head_groups(x: torch.Tensor, world: int, lo: int, hi: int) -> torch.Tensor:
-    """``[B, S, H, D]`` → the view ``[W, B, S, hi - lo, D]``: heads ``[lo, hi)`` of every head group (slab w: head
-    group w), what :func:`cp_ops.layout.ulysses_pack` copies into slot i of its send buffer."""
-    b, s, h, d = x.shape
-    if d and x.stride()[-1] != 1:
-        x = x.contiguous()
-    hl = h // world
-    sb, ss, sh, sd = x.stride()
-    return x.as_strided((world, b, s, hi - lo, d), (hl * sh, sb, ss, sh, sd), x.storage_offset() + lo * sh)
-
-
-def _ulysses_decode_unpacked(groups, bufs, dt) -> torch.Tensor:
-    """The wait of :meth:`DirectComm._ulysses_fp8`: the received buffers ``[W, B, S, n_g, hs, D (+4)]`` (one per
-    format group) decoded (FP8) or copied (input dtype) in one pass each into one contiguous ``[n, B, W, S, hs, D]``
-    tensor, inputs in their order; returned as its view ``[W, B, S, n, hs, D]`` (the received buffer's shape), so
-    :func:`cp_ops.layout.ulysses_unpack_all` (a permute and reshape) gives contiguous ``[B, W*S, hs, D]`` tensors
-    without a copy."""
-    w, b, s, _, hs, _ = bufs[0].shape
-    d = bufs[0].shape[-1] - (fp8.SCALE_BYTES if groups[0][0] else 0)
-    n = sum(len(idx) for _, idx in groups)
-    out = bufs[0].new_empty((n, b, w, s, hs, d), dtype=dt)
-    for (f, idx), r in zip(groups, bufs):
-        dst = [out[i].transpose(0, 1) for i in idx]  # [W, B, S, hs, D] views of slot i
-        src = [r[:, :, :, j] for j in range(len(idx))]
         if f:
-            fp8.decode_into(src, dst, f)
-        else:
-            for a, o in zip(src, dst):
-                o.copy_(a)
-    return out.permute(2, 1, 3, 0, 4, 5)
+            x, post = fp8.encode(x, f), (lambda b: fp8.decode(b, dt, f))
+        if self.armed or self.tr is None:
+            self._first(x, 1)
+        buf, work = self.tr.ulysses_inverse_start(x, self.pg)
+        return self._launched(buf, work, post)
 
 
 class MeshComm:
@@ -508,9 +414,8 @@ class _Decoding:
         """Decode without waiting (the caller waited for a work that covers this one)."""
         if not self.done:
             self.done = True
-            if self.pairs:  # K and V's pieces in one pass (one launch), straight into the full buffers
-                fp8.decode_into([enc[:, self.lo:self.hi] for enc, _ in self.pairs],
-                                [full[:, self.lo:self.hi] for _, full in self.pairs], self.fmt)
+            for enc, full in self.pairs:
+                full[:, self.lo:self.hi].copy_(fp8.decode(enc[:, self.lo:self.hi], full.dtype, self.fmt))
 
     def __getattr__(self, name):  # cancel, wait_source: the transport's own work
         return getattr(self.work, name)

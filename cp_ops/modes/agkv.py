@@ -11,11 +11,10 @@ from ..kernels import local_attention
 
 def agkv(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask=None) -> torch.Tensor:
     """The AGKV body (:mod:`cp_ops.modes`): ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``. With ``shards``: the
-    padded blocks travel, the real rows (and the gathered mask) are selected before attention (the K/V rows by the
-    comm's wait: with FP8 inside the decode)."""
+    padded blocks travel, the real rows (and the gathered mask) are selected before attention."""
     if shards is None:
         kf, vf, _ = comm.agkv(k, v).wait()
         return local_attention(q, kf, vf, scale)
     mask = None if key_mask is None else shards.pad_mask(key_mask)
-    kf, vf, mf = comm.agkv(shards.pad(k), shards.pad(v), mask, rows=shards).wait()  # the real rows (the comm selects)
-    return local_attention(q, kf, vf, scale, shards.mask(mf, q.shape[0]))
+    kf, vf, mf = comm.agkv(shards.pad(k), shards.pad(v), mask).wait()
+    return local_attention(q, shards.rows(kf), shards.rows(vf), scale, shards.mask(mf, q.shape[0]))

@@ -96,16 +96,6 @@ class TorchTransport:
             fake_fill.fill("alltoall_base", group, recv, send)
         return recv, work
 
-    def all_to_all_packed(self, send: torch.Tensor, group: dist.ProcessGroup):
-        """One all-to-all of a send buffer already packed (slab w of dim 0 goes to rank w): ``(recv, work)``, recv of
-        send's shape (slab w from rank w). What the FP8 comm uses (:meth:`cp_ops.comm.DirectComm._ulysses_fp8`): its
-        encode writes the Ulysses send layout itself, so no packing copy follows."""
-        recv = torch.empty_like(send)
-        work = group.alltoall_base(recv, send, [], [])
-        if fake_fill.ACTIVE:
-            fake_fill.fill("alltoall_base", group, recv, send)
-        return recv, work
-
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         send = ulysses_inverse_pack(x, group.size())
         recv = torch.empty_like(send)
