@@ -7,10 +7,6 @@
   Ulysses all-to-all of one tensor over W ranks moves ``(W-1)/W`` of it over W-1 links at once (time ≈ bytes/W per
   link); an AGKV gather receives one block per peer (time ≈ the block per link). It pays where
   encode + decode < saved link time (and only for exposed transfers: a pipelined one hides under attention anyway).
-* ``fused`` — µs of the codec as the comm runs it: the Ulysses send (q, k, v encoded straight into the send
-  buffer) and receive (decoded straight into the unpacked layout), the AGKV pair (K and V in one pass each way),
-  fused vs the earlier encode/decode beside the pack/unpack; and the break-even link bandwidth of each (below it
-  the bytes saved take longer on the link than the codec costs).
 * ``codec`` — the Triton kernels against the torch version on the self-test's inputs (CUDA): bytes that differ,
   payload and scale apart, and whether each one's scales are the IEEE quotients amax / fp8_max (docs/fp8.md).
 * ``micro`` — relative error of one attention call on random bf16 ``[1, S, H, 128]`` per tensor choice (every
@@ -89,68 +85,6 @@ def kernels(device, args) -> list[dict]:
         row["agkv_codec_us"] = row["encode_us"] + row["decode_us"] * (w - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows
-
-
-def fused(device, args) -> list[dict]:
-    """µs of the codec as the comm runs it, fused into the layouts vs encode/decode beside the pack/unpack (the path
-    before 2026-12-01g), per (tokens, W), B = 1, H = 24, D = 128, bf16; and the link bandwidth below which FP8 pays
-    (break-even: the bytes saved cross the link in exactly the codec's extra time)."""
-    from cp_ops import layout
-    from cp_ops.comm import _head_groups
-    from cp_ops.kernels import fp8
-
-    rows = []
-    h, d, f = 24, 128, "e4m3"
-    totals = [4096, 16384, 32768, 75600] if device.type == "cuda" else [256]
-    for total, w in itertools.product(totals, (2, 4, 8)):
-        s = total // w
-        hl = h // w
-        xs = [torch.randn(1, s, h, d, device=device, dtype=torch.bfloat16) for _ in range(3)]
-        enc = [fp8.encode(x, f) for x in xs]
-        recv = layout.ulysses_pack(enc, w)  # what arrives (the same layout)
-        kg, vg = (fp8.encode(torch.randn(1, total, h, d, device=device, dtype=torch.bfloat16), f) for _ in range(2))
-        e = d + fp8.SCALE_BYTES
-
-        def send_fused():
-            send = xs[0].new_empty((w, 1, s, 3, hl, e), dtype=torch.uint8)
-            fp8.encode_into([_head_groups(x, w, 0, hl) for x in xs], [send[:, :, :, j] for j in range(3)], f)
-
-        def recv_fused():
-            out = recv.new_empty((3, 1, w, s, hl, d), dtype=torch.bfloat16)
-            fp8.decode_into([recv[:, :, :, j] for j in range(3)], [out[j].transpose(0, 1) for j in range(3)], f)
-
-        def agkv_send_fused():
-            ke, ve = (xs[0].new_empty(fp8.encoded_shape(xs[0].shape), dtype=torch.uint8) for _ in range(2))
-            fp8.encode_into([xs[1], xs[2]], [ke, ve], f)
-
-        def agkv_recv_fused():
-            kf, vf = (kg.new_empty((1, total, h, d), dtype=torch.bfloat16) for _ in range(2))
-            fp8.decode_into([kg, vg], [kf, vf], f)
-
-        t = lambda fn: _time_us(fn, device)  # noqa: E731
-        row = dict(tokens=total, world=w, s_local=s, heads=h, head_dim=d,
-                   kernel="triton" if fp8.use_triton(device) else "torch",
-                   uly_send_bf16_us=t(lambda: layout.ulysses_pack(xs, w)),
-                   uly_send_unfused_us=t(lambda: layout.ulysses_pack([fp8.encode(x, f) for x in xs], w)),
-                   uly_send_fused_us=t(send_fused),
-                   uly_recv_unfused_us=t(lambda: layout.ulysses_unpack_all(fp8.decode(recv, torch.bfloat16, f))),
-                   uly_recv_fused_us=t(recv_fused),
-                   agkv_send_unfused_us=t(lambda: (fp8.encode(xs[1], f), fp8.encode(xs[2], f))),
-                   agkv_send_fused_us=t(agkv_send_fused),
-                   agkv_recv_unfused_us=t(lambda: (fp8.decode(kg, torch.bfloat16, f), fp8.decode(vg, torch.bfloat16, f))),
-                   agkv_recv_fused_us=t(agkv_recv_fused))
-        saved = s * h * (2 * d - e)  # bytes one local shard of one tensor saves
-        # Ulysses (q, k, v out): W-1 links at once, each carrying 1/W of the three tensors; the bf16 pack is needed
-        # either way, so the codec's extra time is (send - bf16 pack) + the decode (bf16 B = 1 unpacks to views)
-        for k in ("unfused", "fused"):
-            extra = row[f"uly_send_{k}_us"] - row["uly_send_bf16_us"] + row[f"uly_recv_{k}_us"]
-            row[f"uly_breakeven_{k}_gbs"] = 3 * saved / w / max(extra, 1e-3) / 1e3
-            # AGKV (k, v): the whole shard to every peer at once; decode of all W shards (the own one included)
-            extra = row[f"agkv_send_{k}_us"] + row[f"agkv_recv_{k}_us"]
-            row[f"agkv_breakeven_{k}_gbs"] = 2 * saved / max(extra, 1e-3) / 1e3
-        rows.append(row)
-        print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return rows
 
 

@@ -9,9 +9,7 @@
 #   vae      — benchmarks/fp8.py vae: full-size Flux, 8 steps, decoded through a full-size VAE: pixel PSNR per variant;
 #   tests    — the gpu-marked tests of tests/test_fp8.py: the Triton kernels bitwise against the torch version; two
 #              ranks sharing the GPU.
-#   gtests   — the gpu-marked tests of tests/test_fp8.py and tests/test_fp8_fused.py but the two-ranks one (the Triton
-#              kernels, the fused ones included, bitwise against the torch version); tworanks — that one alone;
-#   fused    — benchmarks/fp8.py fused,kernels: µs of the codec fused into the layouts vs beside them; break-even GB/s;
+#   gtests   — the gpu-marked tests of tests/test_fp8.py but the two-ranks one; tworanks — that one alone;
 #   qwen, ltx, hunyuan, wan14b — the remaining full-size models emulated, one process each (2026-12-01g: steps and
 #              variants chosen to fit the device budget: MODEL_ARGS_<name> overrides them).
 # Wheels in .whl/ (diffusers, ...) go to /tmp/site first (benchmarks/gpu_site.sh).
@@ -42,8 +40,7 @@ step zimage 50 python3 benchmarks/fp8.py --out "$OUT/zimage" --sections models -
 step wan 70 python3 benchmarks/fp8.py --out "$OUT/wan" --sections models --models wan --steps 4
 step tests 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py
 step vae 120 python3 benchmarks/fp8.py --out "$OUT/vae" --sections vae --models flux --steps 8
-step gtests 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py tests/test_fp8_fused.py -k "not two_ranks"
-step fused 45 python3 benchmarks/fp8.py --out "$OUT" --sections fused,kernels
+step gtests 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py -k "not two_ranks"
 step ltx 30 python3 benchmarks/fp8.py --out "$OUT/ltx" --sections models --models ltx ${MODEL_ARGS_ltx:---steps 8}
 step qwen 50 python3 benchmarks/fp8.py --out "$OUT/qwen" --sections models --models qwenimage ${MODEL_ARGS_qwen:---steps 4 --variants agkv,e4m3,cachedit,e5m2}
 step hunyuan 80 python3 benchmarks/fp8.py --out "$OUT/hunyuan" --sections models --models hunyuanvideo ${MODEL_ARGS_hunyuan:---steps 2 --no-bf16-check --variants agkv,e4m3,e5m2,cachedit}
