@@ -18,7 +18,8 @@ stream):
   rank order; ``mask`` (uint8 ``[B, S]``) travels with them → ``[W*B, S]`` (rank-major), else ``mask_full`` None.
 * ``mask(m)`` — uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key mask beside a Ulysses call.
 * ``ulysses(xs, lo=0, hi=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads ``[lo, hi)`` of every
-  head group; all of them by default).
+  head group; all of them by default), or a tuple of such buffers whose slots, in order, are the n inputs
+  (:class:`OpComm` with q, k, v: ``(buf_q, buf_kv)``); read it with ``comm.unpack`` / ``Shards.ulysses_rows``.
 * ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``.
 * ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (pipelined AGKV, which traced code runs inside one op,
   ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
@@ -206,15 +207,29 @@ class OpComm(_Comm):
         return self._launched(torch.ops.cp_ops.mask_gather_start(m, self.world, self.group_name), None)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
-        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
         if self.fmts is NONE or self.fmts == NONE:
-            buf = torch.ops.cp_ops.ulysses_start(xs, self.world, self.group_name, self.transport, *self._args())
-            return self._launched(buf, None)
+            return self._ulysses_packed(xs, lo, hi)
+        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
         dt, groups = xs[0].dtype, self._groups(xs)
         bufs = tuple(torch.ops.cp_ops.ulysses_start([self._enc(xs[i], f) if f else xs[i] for i in idx], self.world,
                                                     self.group_name, self.transport, *self._args())
                      for f, idx in groups)
         return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b, dt))
+
+    def _ulysses_packed(self, xs, lo, hi) -> Pending:
+        """:meth:`ulysses` in the input dtype: the send buffers packed by traced torch code
+        (:func:`cp_ops.layout.ulysses_pack_traced`: Inductor writes them from the kernels producing the inputs),
+        each moved by ``cp_ops::ulysses_packed_start``. q, k, v (3 inputs, q first by the bodies' convention) travel
+        as two launches, K/V first (the call's rank-contract exchange), Q last: what the overlap pass made of one
+        ``ulysses_start([q, k, v])``, so that the K/V launch can run under Q's projection, norm and RoPE
+        (:mod:`cp_ops.passes.overlap`). The wait gives ``(buf_q, buf_kv)``; other counts: one launch, one buffer."""
+        w, start = self.world, torch.ops.cp_ops.ulysses_packed_start
+        if len(xs) != 3:
+            buf = start(layout.ulysses_pack_traced(xs, w, lo, hi), w, self.group_name, self.transport, *self._args())
+            return self._launched(buf, None)
+        kv = start(layout.ulysses_pack_traced(xs[1:], w, lo, hi), w, self.group_name, self.transport, *self._args())
+        q = start(layout.ulysses_pack_traced(xs[:1], w, lo, hi), w, self.group_name, self.transport, *self._args())
+        return self._launched((q, kv), None)
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
@@ -224,7 +239,9 @@ class OpComm(_Comm):
         return self._launched(buf, None, post)
 
     def unpack(self, buf):
-        # per slot: the form the overlap pass looks for (select(buf, 3, i))
+        # per slot: the form the overlap pass looks for (select(buf, 3, i)); a tuple of buffers: their slots in order
+        if isinstance(buf, tuple):
+            return tuple(t for part in buf for t in self.unpack(part))
         return tuple(layout.ulysses_unpack(buf, i) for i in range(buf.shape[3]))
 
     def agkv_attention(self, q, k, v, scale, chunks: int):

@@ -90,6 +90,27 @@ def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int |
     return out if out.dtype == xs[0].dtype else out.view(xs[0].dtype)
 
 
+def ulysses_pack_traced(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """:func:`ulysses_pack` as plain torch code for a compiler to see (the same values, bitwise: pure copies): each
+    ``[B, S_local, H, D]`` input seen as ``[W, B, S_local, hi - lo, D]`` by reshape/slice/permute views, then one
+    ``torch.stack`` along dim 3 → ``[W, B, S_local, n, hi - lo, D]`` (contiguous).
+
+    Why: Inductor lowers the stack into the kernels that produce its inputs (e.g. the norm + RoPE of Q and K write
+    their slot of the send buffer directly), where the op's own pack (:func:`ulysses_pack`, inside
+    ``cp_ops::ulysses_start``) copies them once more; no ``as_strided`` here, which would make Inductor write the
+    inputs out first."""
+    b, s, h, d = xs[0].shape
+    hl = h // world_size
+    hi = hl if hi is None else hi
+    views = []
+    for x in xs:
+        v = x.reshape(b, s, world_size, hl, d)
+        if lo != 0 or hi != hl:
+            v = v[:, :, :, lo:hi]
+        views.append(v.permute(2, 0, 1, 3, 4))
+    return torch.stack(views, dim=3)
+
+
 def ulysses_unpack(buf: torch.Tensor, i: int) -> torch.Tensor:
     """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1).
 
@@ -319,9 +340,12 @@ class Shards:
         m = gathered.view(self.world, batch, self.smax).transpose(0, 1).reshape(batch, self.world * self.smax)
         return (self.rows(m) != 0).view(batch, 1, 1, self.total)
 
-    def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
+    def ulysses_rows(self, buf, unpack) -> tuple[torch.Tensor, ...]:
         """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
-        (``unpack(buf)`` when every block is full; else one copy of all n slots)."""
+        (``unpack(buf)`` when every block is full; else one copy of all n slots). ``buf`` may be a tuple of such
+        buffers (a launch made of several, :meth:`cp_ops.comm.OpComm.ulysses`): their slots in order, one copy each."""
+        if isinstance(buf, tuple):
+            return tuple(t for part in buf for t in self.ulysses_rows(part, unpack))
         if self.full:
             return tuple(unpack(buf))
         w, b, smax, n, hl, d = buf.shape

@@ -14,7 +14,10 @@ find, check, rewrite):
 1. ``_split_packed_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
    ``select(buf, 3, slot)`` becomes ``ulysses_start([k, v])`` + ``ulysses_start([q])``; the slots read are
    remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
-   Q's slot is the one that reaches the attention op's ``query`` argument.
+   Q's slot is the one that reaches the attention op's ``query`` argument. Traced code of this version comes
+   split already (:meth:`cp_ops.comm.OpComm.ulysses`: ``ulysses_packed_start`` of the K/V send buffer, then of
+   Q's, each buffer packed by traced torch code that Inductor fuses into the norm/RoPE kernels); the Q launch
+   then lies in the K/V launch's window like a split one, and is skipped as one.
 2. ``_open_window``: the Q side of a window is every node the attention depends on and the launch does
    not. Q-side nodes before the launch (and anything that uses them) move to after it, keeping their order;
    then the launch rises to right after its last input (K after its norm and RoPE, V after its projection).
@@ -491,15 +494,14 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int, dead: list[fx.No
     """Open window ``wid`` for one launch (after splitting a Ulysses [q, k, v] launch); returns 1 or 0.
     Raises when the launch has no place that keeps the in-flight bound (the caller undoes the rewrite)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if isinstance(launch.args[0], (list, tuple)):  # a packing launch (Ulysses): split Q off
-        if len(launch.args[0]) >= 2:
-            split = _split_packed_launch(graph, launch, order, dead)
-            if split is None:
-                return 0
-            launch = split
-            order = {n: i for i, n in enumerate(graph.nodes)}
-        elif launch.meta.get(TAG):
-            return 0  # the Q launch of an already split Ulysses launch
+    if launch.meta.get(TAG):
+        return 0  # inside an earlier launch's window: the Q launch of a Ulysses call (split here, or traced so)
+    if isinstance(launch.args[0], (list, tuple)) and len(launch.args[0]) >= 2:  # a packing launch: split Q off
+        split = _split_packed_launch(graph, launch, order, dead)
+        if split is None:
+            return 0
+        launch = split
+        order = {n: i for i, n in enumerate(graph.nodes)}
     waits = _waits_of(launch)
     attn = _find_attention(waits, order) if waits else None
     if attn is None:

@@ -98,9 +98,10 @@ addmm_3 = addmm(in11, _scaled_dot_product_flash_attention_for_cpu_0, in12)""")
         # Inductor knows the launch is a collective: its input buffers are not freed or reused before the wait.
         _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="agkv"), _wan_args())
         self._check_inputs_alive(code, "agkv_gather_start", 2)
-        # Ulysses [k, v] launch: one output, two inputs: both stay alive until its wait.
+        # Ulysses K/V launch: its send buffer (written by the K norm/RoPE kernel and V's copy) stays alive until
+        # its wait.
         _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="ulysses"), _wan_args())
-        self._check_inputs_alive(code, "ulysses_start", 2)
+        self._check_inputs_alive(code, "ulysses_packed_start", 1)
 
     def test_launch_outputs_never_recycled(self):
         # The fast transport's outputs are views of pooled symmetric buffers that peers write again at a later
@@ -134,29 +135,32 @@ cat_0 = cat(neg_0, select_1)
 mul_3 = mul(cat_0, in5)
 add_1 = add(mul_2, mul_3)
 addmm_1 = addmm(in6, in1, in7)
-pow_1 = pow(addmm_1)
+cat_1 = cat(add_1, addmm_1)
+ulysses_packed_start_0 = cp_ops.ulysses_packed_start(cat_1)
+addmm_2 = addmm(in8, in1, in9)
+pow_1 = pow(addmm_2)
 mean_1 = mean(pow_1)
 add_2 = add(mean_1)
 rsqrt_1 = rsqrt(add_2)
-mul_4 = mul(addmm_1, rsqrt_1)
-mul_5 = mul(mul_4, in8)
+mul_4 = mul(addmm_2, rsqrt_1)
+mul_5 = mul(mul_4, in10)
 mul_6 = mul(mul_5, in4)
 select_2 = select(mul_5)
 neg_1 = neg(select_2)
 select_3 = select(mul_5)
-cat_1 = cat(neg_1, select_3)
-mul_7 = mul(cat_1, in5)
+cat_2 = cat(neg_1, select_3)
+mul_7 = mul(cat_2, in5)
 add_3 = add(mul_6, mul_7)
-addmm_2 = addmm(in9, in1, in10)
-ulysses_start_0 = cp_ops.ulysses_start(add_1, add_3, addmm_2)
-wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_start_0)
+ulysses_packed_start_1 = cp_ops.ulysses_packed_start(add_3)
+wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_packed_start_1)
 select_4 = select(wait_tensor_0)
-select_5 = select(wait_tensor_0)
-select_6 = select(wait_tensor_0)
+wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_packed_start_0)
+select_5 = select(wait_tensor_1)
+select_6 = select(wait_tensor_1)
 _scaled_dot_product_flash_attention_for_cpu_0 = _scaled_dot_product_flash_attention_for_cpu(select_4, select_5, select_6)
 ulysses_inverse_start_0 = cp_ops.ulysses_inverse_start(_scaled_dot_product_flash_attention_for_cpu_0)
-wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_inverse_start_0)
-clone_0 = clone(wait_tensor_1)
+wait_tensor_2 = _c10d_functional.wait_tensor(ulysses_inverse_start_0)
+clone_0 = clone(wait_tensor_2)
 addmm_3 = addmm(in11, clone_0, in12)""")
         self.assertExpectedInline(cap.after[0], """\
 addmm_0 = addmm(in0, in1, in2)
@@ -174,7 +178,8 @@ cat_0 = cat(neg_0, select_1)
 mul_3 = mul(cat_0, in5)
 add_1 = add(mul_2, mul_3)
 addmm_1 = addmm(in6, in1, in7)
-ulysses_start_0 = cp_ops.ulysses_start(add_1, addmm_1)  # window 0: launch
+cat_1 = cat(add_1, addmm_1)
+ulysses_packed_start_0 = cp_ops.ulysses_packed_start(cat_1)  # window 0: launch
 addmm_2 = addmm(in8, in1, in9)  # window 0: q
 pow_1 = pow(addmm_2)  # window 0: q
 mean_1 = mean(pow_1)  # window 0: q
@@ -186,13 +191,13 @@ mul_6 = mul(mul_5, in4)  # window 0: q
 select_2 = select(mul_5)  # window 0: q
 neg_1 = neg(select_2)  # window 0: q
 select_3 = select(mul_5)  # window 0: q
-cat_1 = cat(neg_1, select_3)  # window 0: q
-mul_7 = mul(cat_1, in5)  # window 0: q
+cat_2 = cat(neg_1, select_3)  # window 0: q
+mul_7 = mul(cat_2, in5)  # window 0: q
 add_3 = add(mul_6, mul_7)  # window 0: q
-ulysses_start_1 = cp_ops.ulysses_start(add_3)  # window 0: q
-wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_start_1)
+ulysses_packed_start_1 = cp_ops.ulysses_packed_start(add_3)  # window 0: q
+wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_packed_start_1)
 select_4 = select(wait_tensor_0)
-wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_start_0)  # window 0: wait
+wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_packed_start_0)  # window 0: wait
 select_5 = select(wait_tensor_1)
 select_6 = select(wait_tensor_1)
 _scaled_dot_product_flash_attention_for_cpu_0 = _scaled_dot_product_flash_attention_for_cpu(select_4, select_5, select_6)
@@ -200,12 +205,16 @@ ulysses_inverse_start_0 = cp_ops.ulysses_inverse_start(_scaled_dot_product_flash
 wait_tensor_2 = _c10d_functional.wait_tensor(ulysses_inverse_start_0)
 clone_0 = clone(wait_tensor_2)
 addmm_3 = addmm(in11, clone_0, in12)""")
-        # One [k, v] launch early, the [q] launch last, inside the window.
-        fc = FileCheck().check("def call(").check_regex(r"cp_ops\.ulysses_start\.default\(\[buf\d+, [^\]]*\]")
-        _check_q_window(fc, ("linear",)).check_regex(r"cp_ops\.ulysses_start\.default\(\[buf\d+\]").check(
+        # Traced as two launches (cp_ops.comm.OpComm.ulysses): the K/V launch early, its send buffer written by the
+        # K norm/RoPE kernel (no copy between), the Q launch last, inside the window, its send buffer written by the
+        # Q norm/RoPE kernel.
+        fc = FileCheck().check("def call(").check_regex(r"cpp_fused\w*rsqrt\w*stack\w*\(").check(
+            "cp_ops.ulysses_packed_start.default(")
+        _check_q_window(fc, ("linear",)).check_regex(r"cp_ops\.ulysses_packed_start\.default\(buf\d+, 2, '0', 'torch', '-'").check(
             "wait_tensor.default("
         ).check("wait_tensor.default(").check("_scaled_dot_product_flash_attention_for_cpu.default(").run(code)
-        self.assertTrue(any("split ulysses_start" in m for m in logs), logs)
+        launches = re.findall(r"= torch\.ops\.cp_ops\.(\w+)\.default\(", code)
+        self.assertEqual(launches, ["ulysses_packed_start", "ulysses_packed_start", "ulysses_inverse_start"])
 
     def test_flux_joint_tokens_per_head_norm(self):
         model = pb.FluxBlock(DIM, HEADS, mode="agkv")
@@ -437,7 +446,7 @@ def test_diffusers_wan_transformer_one_window_per_layer(mode):
     _, code, cap, logs = compile_and_get(Sample(model), args)
     assert cap.windows == [2], logs
     kernels = kernel_lines(code)
-    launch = "cp_ops.agkv_gather_start" if mode == "agkv" else "cp_ops.ulysses_start"
+    launch = "cp_ops.agkv_gather_start" if mode == "agkv" else "cp_ops.ulysses_packed_start"
     windows, cur = [], None
     for k in kernels:
         if launch in k and cur is None:
@@ -452,7 +461,7 @@ def test_diffusers_wan_transformer_one_window_per_layer(mode):
         assert w[0].startswith("extern_kernels."), w  # the Q projection first
         assert any("rsqrt" in k for k in w[1:]), w  # then the Q norm (and RoPE, fused on CPU)
         if mode == "ulysses":
-            assert w[-1] == "torch.ops.cp_ops.ulysses_start.default", w  # Q's all-to-all last
+            assert w[-1] == "torch.ops.cp_ops.ulysses_packed_start.default", w  # Q's all-to-all last
 
 
 def test_pass_failure_leaves_graph_alone_with_warning(monkeypatch, caplog):
