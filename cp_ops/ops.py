@@ -135,9 +135,10 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 #     makes) → buf of the same shape (slab w = source rank w's tokens), what ``ulysses_start`` returns for the n
 #     tensors the caller packed. Why: under torch.compile the pack is traced torch code (:func:`cp_ops.layout.
 #     ulysses_pack_traced`) that Inductor fuses into the kernels producing Q, K and V (their norm/RoPE), so they
-#     write the send buffer directly; ``ulysses_start`` would copy them again. The all-to-all of the whole slabs is
-#     the transport's ``ulysses_inverse_start`` of the buffer seen as ``[1, W * B*S_local*n, Hl, D]`` (slab w is
-#     token block w of that view; every transport moves it as it moves the inverse: no transport change).
+#     write the send buffer directly; ``ulysses_start`` would copy them again. The transport's
+#     ``ulysses_packed_start`` moves the slabs (torch: one ``alltoall_base``; fast: one copy per peer, its own pool
+#     role); a transport without it moves them with ``ulysses_inverse_start`` of the buffer seen as
+#     ``[1, W * B*S_local*n, Hl, D]`` (slab w is token block w of that view).
 @torch.library.custom_op("cp_ops::ulysses_packed_start", mutates_args=())
 def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
                          tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
@@ -147,11 +148,16 @@ def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, t
                         call=call, tag=tag, seq_lens=seq_lens)
     if send.numel() == 0:
         return torch.empty_like(send, memory_format=torch.contiguous_format)
-    w, b, s, n, hl, d = send.shape
-    buf, work = _transport(transport, pg, send).ulysses_inverse_start(
-        send.contiguous().view(1, w * b * s * n, hl, d), pg)
+    tr = _transport(transport, pg, send)
+    packed = getattr(tr, "ulysses_packed_start", None)
+    if packed is not None:
+        buf, work = packed(send, pg)
+    else:  # the same all-to-all of whole slabs, as the transport moves the inverse
+        w, b, s, n, hl, d = send.shape
+        buf, work = tr.ulysses_inverse_start(send.contiguous().view(1, w * b * s * n, hl, d), pg)
+        buf = buf.view(w, b, s, n, hl, d)
     _register(work, buf)
-    return buf.view(w, b, s, n, hl, d)
+    return buf
 
 
 def _check_ulysses_packed(send, world_size) -> None:

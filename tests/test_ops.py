@@ -53,6 +53,14 @@ def _async_and_layouts(rank, w):
         whole = torch.ops._c10d_functional.wait_tensor(torch.ops.cp_ops.ulysses_start(xs, w, name, "torch"))
         assert packed.shape == (w, b, s, 3, hl, d) and torch.equal(packed, whole)
         assert torch.equal(layout.ulysses_unpack(packed, 1), outs[0])
+        from cp_ops.transport.torch import transport as torch_transport
+
+        torch_transport.ulysses_packed_start = None  # a transport without it: the slabs move as the inverse moves
+        try:
+            moved = torch.ops._c10d_functional.wait_tensor(torch.ops.cp_ops.ulysses_packed_start(send, w, name, "torch"))
+        finally:
+            del torch_transport.ulysses_packed_start
+        assert torch.equal(moved, whole)
     # blocking mode (CUDA_LAUNCH_BLOCKING-style) gives the same results
     config.settings.blocking = True
     try:
