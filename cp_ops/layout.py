@@ -232,8 +232,17 @@ def check_seq_lens(seq_lens, world_size: int, rank: int | None = None, s_local: 
             f"(sum {sum(seq_lens)}), x.shape[1]={total}"))
 
 
-def check_key_mask(key_mask, x: torch.Tensor) -> None:
-    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device (``x``: ``[B, S_local, H, D]``)."""
+def every_key(key_mask, s_local, total) -> bool:
+    """Whether ``key_mask`` (``[B, n]``) holds every key of the call (``n = total``, all ranks' keys in rank order)
+    rather than this rank's (``n = S_local``). When this rank holds every token (``S_local = total``) the two are one
+    mask, read as this rank's (gathered: a rank holding no token passes ``[B, 0]``, and the ranks must agree)."""
+    return key_mask.shape[1] == total and total != s_local
+
+
+def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
+    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device (``x``: ``[B, S_local, H, D]``), or, when
+    ``total`` (the call's token count over all ranks) is given, ``[B, total]``: every key of the call, in rank order
+    (:func:`every_key`)."""
     from .validate import _require
 
     if not isinstance(key_mask, torch.Tensor):
@@ -243,9 +252,11 @@ def check_key_mask(key_mask, x: torch.Tensor) -> None:
         raise ValueError(f"key_mask must be a bool key-padding mask (True = attend, False = padding); additive float "
                          f"masks are not supported; got dtype {key_mask.dtype} (for a 0/1 mask pass mask > 0)")
     b, s = x.shape[0], x.shape[1]
-    _require(key_mask.dim() == 2 and key_mask.shape[0] == b and key_mask.shape[1] == s, lambda: (
+    every = "" if total is None else f", or [B, S_total] = [{b}, {total}] (every key of the call, in rank order)"
+    _require(key_mask.dim() == 2 and key_mask.shape[0] == b and (
+        key_mask.shape[1] == s or (total is not None and key_mask.shape[1] == total)), lambda: (
         f"key_mask must be [B, S_local] = [{b}, {s}] (one flag per key of this rank, the same for every query and "
-        f"head; per-query and per-head masks are not supported); got shape {tuple(key_mask.shape)}"))
+        f"head; per-query and per-head masks are not supported){every}; got shape {tuple(key_mask.shape)}"))
     if key_mask.device != x.device:
         raise ValueError(f"key_mask must be on the device of q/k/v ({x.device}); got {key_mask.device}")
 
@@ -332,6 +343,18 @@ class Shards:
         if torch.compiler.is_compiling():
             return torch.cat([full.narrow(dim, r * self.smax, n) for r, n in enumerate(self.seq)], dim=dim)
         return full.index_select(dim, self.kv_index())
+
+    def every_key(self, key_mask: torch.Tensor) -> bool:
+        """Whether ``key_mask`` is the call's every-key mask ``[B, total]`` (:func:`every_key`), not this rank's."""
+        return every_key(key_mask, self.s_local, self.total)
+
+    def attend_mask(self, key_mask: torch.Tensor, comm, batch: int) -> torch.Tensor:
+        """SDPA's bool ``[B, 1, 1, total]`` for a call's key mask: an every-key mask ``[B, total]`` as given (no
+        communication); this rank's ``[B, S_local]`` padded, gathered (``comm.mask``, waited at once) and its real
+        rows selected (:meth:`mask`)."""
+        if self.every_key(key_mask):
+            return key_mask.reshape(batch, 1, 1, self.total)
+        return self.mask(comm.mask(self.pad_mask(key_mask)).wait(), batch)
 
     def mask(self, gathered: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """A gathered mask ``[W*B, smax]`` uint8 (rank-major) → SDPA's bool ``[B, 1, 1, total]`` (real keys)."""

@@ -54,3 +54,52 @@ def _cases(rank, w):
 
 def test_traced_pack_compiled_equals_eager_and_single_device():
     run_ranks(_cases, 2)
+
+
+def _every_key_mask(rank, w):
+    """A key mask of every key (``[B, S_total]``, rank order, the same on every rank) is applied as given: bitwise
+    the output of this rank's mask gathered (the same kernel on the same keys and mask), eager and traced, with no
+    mask gather; a wrong width names both shapes; ranks passing different kinds raise on every rank."""
+    import pytest
+
+    pg = dist.group.WORLD
+    gathers = []
+    orig = layout.Shards.pad_mask
+    layout.Shards.pad_mask = lambda self, m: (gathers.append(1), orig(self, m))[1]
+    try:
+        for seed, (total, mode) in enumerate([(12, "ulysses"), (11, "ulysses"), (11, "agkv"), (12, "agkv")]):
+            b, h, d = 2, 2 * w, 8
+            seq = layout.shard_sizes(total, w)
+            g = torch.Generator().manual_seed(2000 + seed)
+            q, k, v = (torch.randn(b, total, h, d, generator=g) for _ in range(3))
+            mask = torch.rand(b, total, generator=g) > 0.4
+            sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+            kw = {"seq_lens": seq} if total % w else {}
+
+            def fn(q, k, v, m):
+                return cp_ops.attention(q, k, v, group=pg, mode=mode, chunks=1, key_mask=m, **kw)
+
+            with torch.no_grad():
+                gathers.clear()
+                local = fn(sh(q), sh(k), sh(v), sh(mask))
+                assert gathers, "the local mask was not gathered"
+                gathers.clear()
+                every = fn(sh(q), sh(k), sh(v), mask)
+                torch._dynamo.reset()
+                traced = torch.compile(fn, fullgraph=True, backend="aot_eager")(sh(q), sh(k), sh(v), mask)
+            assert gathers == [], (total, mode)
+            assert torch.equal(every, local) and torch.equal(traced, local), (total, mode)
+            torch.testing.assert_close(local, sh(masked_attention(q, k, v, None, mask)), rtol=1e-5, atol=1e-5)
+        x = torch.randn(1, 6, 2 * w, 8)
+        with pytest.raises(ValueError, match=r"\[B, S_local\] = \[1, 6\].*or \[B, S_total\] = \[1, 12\].*got shape \(1, 7\)"):
+            cp_ops.attention(x, x, x, group=pg, mode="ulysses", key_mask=torch.ones(1, 7, dtype=torch.bool))
+        # rank 0 passes every key's mask, rank 1 its own: every rank raises (the variant differs), none hangs
+        m = torch.ones(1, 12, dtype=torch.bool) if rank == 0 else torch.ones(1, 6, dtype=torch.bool)
+        with pytest.raises(ValueError, match="every key"):
+            cp_ops.attention(x, x, x, group=pg, mode="ulysses", key_mask=m)
+    finally:
+        layout.Shards.pad_mask = orig
+
+
+def test_every_key_mask_equals_gathered_mask():
+    run_ranks(_every_key_mask, 2)
