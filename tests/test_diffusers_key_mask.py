@@ -82,6 +82,7 @@ def _shared(rank, w):
             for block in repeated_blocks(cp):
                 block.forward = torch.compile(block.forward, backend=counter, fullgraph=True, dynamic=False)
                 block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
+            ptrs = set()
             for step in range(2):
                 m = m.clone()
                 m[step, 5:] = False
@@ -89,12 +90,14 @@ def _shared(rank, w):
                 with torch.no_grad():
                     ref3, out3 = sample(model(**kw)), sample(cp(**kw))
                 assert _rel(out3, ref3) <= 1e-5, (step, _rel(out3, ref3))
+                ptrs |= {t.data_ptr() for t in cp._cp_ops_state.key_masks.values()}
             assert counter.frame_count == 1, counter.frame_count
+            assert len(ptrs) == 1, ptrs  # new values in the same buffer: a CUDA graph reads them in place
             assert gathers == []
             # a processor whose mask is not the input's block: the device check stops it (CPU: raises at once)
             orig = hooks._every_key
 
-            def wrong(full, spec, state, streams):
+            def wrong(full, spec, state, streams, into=None):
                 out = orig(full, spec, state, streams)
                 return None if out is None else ~out
 

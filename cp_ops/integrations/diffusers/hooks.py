@@ -78,7 +78,10 @@ class CPState:
         order; a stream the mask does not cover is attended: Qwen-Image's image tokens); the attention passes it to
         :func:`cp_ops.attention` instead of gathering its own mask at every call, after checking on the device that
         its own block equals the mask it got (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention`).
-        Not while torch.compile traces the hook (a whole-model compile): the memo is cleared, every call gathers."""
+        The mask is written into the previous forward's buffer where the shape allows (one fixed address: CUDA
+        graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
+        them record again). Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
+        every call gathers."""
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
             return
@@ -88,7 +91,7 @@ class CPState:
             return
         masks = {}
         for streams in self.attn_streams:
-            m = _every_key(full, spec, self, streams)
+            m = _every_key(full, spec, self, streams, self.key_masks.get(streams))
             if m is not None:
                 masks[streams] = m
         self.key_masks, self._mask_src = masks, (full, full._version, key)
@@ -104,11 +107,12 @@ class CPState:
 KEY_MASK_INPUTS = frozenset({"attention_mask", "attn_mask", "encoder_hidden_states_mask", "encoder_attention_mask"})
 
 
-def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[str, ...]) -> torch.Tensor | None:
+def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[str, ...],
+               into: torch.Tensor | None = None) -> torch.Tensor | None:
     """The every-key mask bool ``[B, S_total]`` of an attention over ``streams`` from the mask input ``full`` (split
     by ``spec``): rank by rank, its block of each stream (from ``full`` where ``spec`` covers the stream, else all
-    True). None where it does not apply (a stream of the mask not in the attention's, a count not recorded, a mask
-    that is not one flag per key)."""
+    True), written into ``into`` where it has that shape, dtype and device. None where it does not apply (a stream
+    of the mask not in the attention's, a count not recorded, a mask that is not one flag per key)."""
     if not set(spec.streams) <= set(streams) or any(state.totals.get(s, 0) == 0 for s in streams):
         return None
     x = full.movedim(spec.dim % full.dim(), -1)
@@ -127,6 +131,9 @@ def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[s
             lo = sum(sizes[:r])
             parts.append(x[:, at[s] + lo: at[s] + lo + sizes[r]] if s in at else
                          torch.ones(b, sizes[r], dtype=torch.bool, device=x.device))
+    total = sum(p.shape[1] for p in parts)
+    if into is not None and into.shape == (b, total) and into.dtype == torch.bool and into.device == x.device:
+        return torch.cat(parts, dim=1, out=into)
     return torch.cat(parts, dim=1)
 
 
