@@ -58,6 +58,10 @@ def _shared(rank, w):
             assert _rel(out, ref) <= 1e-5, (name, _rel(out, ref))
             assert cp._cp_ops_state.key_masks, name  # the forward's every-key mask was built ...
             assert gathers == [], (name, gathers)  # ... and no call gathered its own
+            bufs = {k: t.data_ptr() for k, t in cp._cp_ops_state._mask_bufs.items()}
+            with torch.no_grad():  # a second forward: its masks (new tensors) in the same buffers (CUDA graphs)
+                out2 = sample(cp(**kw))
+            assert torch.equal(out2, out) and bufs == {k: t.data_ptr() for k, t in cp._cp_ops_state._mask_bufs.items()}
             if name != "qwenimage":
                 continue
             # the mask changes between forwards: a new tensor, then the same tensor changed in place

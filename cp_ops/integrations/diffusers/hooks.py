@@ -56,6 +56,7 @@ class CPState:
         #: attention streams -> the every-key mask bool [B, S_total] of the current forward (:meth:`note_key_mask`)
         self.key_masks: dict[tuple[str, ...], torch.Tensor] = {}
         self._mask_src: tuple | None = None  # (mask input, its version, its spec and the totals) key_masks came from
+        self._mask_bufs: dict[tuple[str, ...], torch.Tensor] = {}  # attention streams -> the buffer its mask lives in
 
     def record(self, stream: str, total) -> None:
         if stream not in self.totals:
@@ -78,9 +79,10 @@ class CPState:
         order; a stream the mask does not cover is attended: Qwen-Image's image tokens); the attention passes it to
         :func:`cp_ops.attention` instead of gathering its own mask at every call, after checking on the device that
         its own block equals the mask it got (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention`).
-        The mask is written into the previous forward's buffer where the shape allows (one fixed address: CUDA
+        Each attention's mask is written into the same buffer every time its shape allows (one fixed address per
+        attention's streams, also when a forward alternates between mask inputs): CUDA
         graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
-        them record again). Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
+        them record again. Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
         every call gathers."""
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
@@ -91,9 +93,9 @@ class CPState:
             return
         masks = {}
         for streams in self.attn_streams:
-            m = _every_key(full, spec, self, streams, self.key_masks.get(streams))
+            m = _every_key(full, spec, self, streams, self._mask_bufs.get(streams))
             if m is not None:
-                masks[streams] = m
+                masks[streams] = self._mask_bufs[streams] = m
         self.key_masks, self._mask_src = masks, (full, full._version, key)
 
     def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
