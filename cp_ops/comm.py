@@ -18,8 +18,7 @@ stream):
   rank order; ``mask`` (uint8 ``[B, S]``) travels with them → ``[W*B, S]`` (rank-major), else ``mask_full`` None.
 * ``mask(m)`` — uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key mask beside a Ulysses call.
 * ``ulysses(xs, lo=0, hi=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads ``[lo, hi)`` of every
-  head group; all of them by default), or a tuple of such buffers whose slots, in order, are the n inputs
-  (:class:`OpComm` with q, k, v: ``(buf_q, buf_kv)``); read it with ``comm.unpack`` / ``Shards.ulysses_rows``.
+  head group; all of them by default).
 * ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``.
 * ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (pipelined AGKV, which traced code runs inside one op,
   ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
@@ -217,19 +216,15 @@ class OpComm(_Comm):
         return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b, dt))
 
     def _ulysses_packed(self, xs, lo, hi) -> Pending:
-        """:meth:`ulysses` in the input dtype: the send buffers packed by traced torch code
-        (:func:`cp_ops.layout.ulysses_pack_traced`: Inductor writes them from the kernels producing the inputs),
-        each moved by ``cp_ops::ulysses_packed_start``. q, k, v (3 inputs, q first by the bodies' convention) travel
-        as two launches, K/V first (the call's rank-contract exchange), Q last: what the overlap pass made of one
-        ``ulysses_start([q, k, v])``, so that the K/V launch can run under Q's projection, norm and RoPE
-        (:mod:`cp_ops.passes.overlap`). The wait gives ``(buf_q, buf_kv)``; other counts: one launch, one buffer."""
-        w, start = self.world, torch.ops.cp_ops.ulysses_packed_start
-        if len(xs) != 3:
-            buf = start(layout.ulysses_pack_traced(xs, w, lo, hi), w, self.group_name, self.transport, *self._args())
-            return self._launched(buf, None)
-        kv = start(layout.ulysses_pack_traced(xs[1:], w, lo, hi), w, self.group_name, self.transport, *self._args())
-        q = start(layout.ulysses_pack_traced(xs[:1], w, lo, hi), w, self.group_name, self.transport, *self._args())
-        return self._launched((q, kv), None)
+        """:meth:`ulysses` in the input dtype: the send buffer packed by traced torch code
+        (:func:`cp_ops.layout.ulysses_pack_traced`: Inductor writes it from the kernels producing the inputs) and
+        moved by ``cp_ops::ulysses_packed_start``: one launch, as the eager path makes (a rank may run a call eager
+        while its peers run it compiled); the overlap pass splits it into K/V and Q launches
+        (:mod:`cp_ops.passes.overlap`). Its exchange carries the eager path's signature (``count`` = the n inputs)."""
+        w = self.world
+        buf = torch.ops.cp_ops.ulysses_packed_start(layout.ulysses_pack_traced(xs, w, lo, hi), w, self.group_name,
+                                                    self.transport, *self._args(), len(xs))
+        return self._launched(buf, None)
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
@@ -239,9 +234,7 @@ class OpComm(_Comm):
         return self._launched(buf, None, post)
 
     def unpack(self, buf):
-        # per slot: the form the overlap pass looks for (select(buf, 3, i)); a tuple of buffers: their slots in order
-        if isinstance(buf, tuple):
-            return tuple(t for part in buf for t in self.unpack(part))
+        # per slot: the form the overlap pass looks for (select(buf, 3, i))
         return tuple(layout.ulysses_unpack(buf, i) for i in range(buf.shape[3]))
 
     def agkv_attention(self, q, k, v, scale, chunks: int):

@@ -363,12 +363,9 @@ class Shards:
         m = gathered.view(self.world, batch, self.smax).transpose(0, 1).reshape(batch, self.world * self.smax)
         return (self.rows(m) != 0).view(batch, 1, 1, self.total)
 
-    def ulysses_rows(self, buf, unpack) -> tuple[torch.Tensor, ...]:
+    def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
         """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
-        (``unpack(buf)`` when every block is full; else one copy of all n slots). ``buf`` may be a tuple of such
-        buffers (a launch made of several, :meth:`cp_ops.comm.OpComm.ulysses`): their slots in order, one copy each."""
-        if isinstance(buf, tuple):
-            return tuple(t for part in buf for t in self.ulysses_rows(part, unpack))
+        (``unpack(buf)`` when every block is full; else one copy of all n slots)."""
         if self.full:
             return tuple(unpack(buf))
         w, b, smax, n, hl, d = buf.shape

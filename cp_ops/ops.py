@@ -23,9 +23,10 @@ Ops:
         uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys; never exchanges.
     cp_ops::ulysses_start(xs, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
-    cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
-        a send buffer ``[W, B, S_local, n, H/W, D]`` packed by the caller (traced code) → the same shape, what
-        ``ulysses_start`` returns for the n tensors packed in it.
+    cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call='', tag=0, seq_lens=None, count=0)
+        -> buf: a send buffer ``[W, B, S_local, n, H/W, D]`` packed by the caller (traced code) → the same shape, what
+        ``ulysses_start`` returns for the n tensors packed in it. Its rank-contract exchange carries the signature
+        ``ulysses_start`` (and the eager path) would for the call: ``[B, S_local, H, D]`` and ``count`` tensors (0: n).
     cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
     cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
@@ -141,11 +142,18 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 #     ``[1, W * B*S_local*n, Hl, D]`` (slab w is token block w of that view).
 @torch.library.custom_op("cp_ops::ulysses_packed_start", mutates_args=())
 def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
-                         tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
+                         tag: int = 0, seq_lens: list[int] | None = None, count: int = 0) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    contract.op_checked(pg, "cp_ops::ulysses_packed_start", transport, send,
-                        lambda: _check_ulysses_packed(send, world_size), send.shape[3] if send.dim() == 6 else 1,
-                        call=call, tag=tag, seq_lens=seq_lens)
+    # the rank contract's signature as the eager path (and ulysses_start) makes it for the call: the inputs'
+    # [B, S_local, W*(heads sent per group), D] and the call's tensor count (``count``; 0: the n slots sent here)
+    like = send
+    if send.dim() == 6:
+        w, b, s, n, hs, d = send.shape
+        like = torch.empty((b, s, w * hs, d), dtype=send.dtype, device="meta")
+        count = count or n
+    contract.op_checked(pg, "cp_ops::ulysses_packed_start", transport, like,
+                        lambda: _check_ulysses_packed(send, world_size), count or 1, call=call, tag=tag,
+                        seq_lens=seq_lens)
     if send.numel() == 0:
         return torch.empty_like(send, memory_format=torch.contiguous_format)
     tr = _transport(transport, pg, send)
@@ -168,7 +176,7 @@ def _check_ulysses_packed(send, world_size) -> None:
 
 
 @ulysses_packed_start.register_fake
-def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None):
+def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None, count=0):
     run_compile_hooks()
     _check_ulysses_packed(send, world_size)
     return torch.empty_like(send, memory_format=torch.contiguous_format)
