@@ -246,7 +246,8 @@ def window_kernels(code: str) -> list[list[str]]:
     calls = [m.group(1) for line in code.splitlines() if "assert" not in line for m in [pat.search(line)] if m]
     windows, cur = [], None
     for c in calls:
-        if c.startswith("torch.ops.cp_ops.") and ("agkv_gather_start" in c or "ulysses_start" in c) and cur is None:
+        if c.startswith("torch.ops.cp_ops.") and c.endswith(("agkv_gather_start.default", "ulysses_start.default",
+                                                            "ulysses_packed_start.default")) and cur is None:
             cur = []
         elif "wait_tensor" in c and cur is not None:
             windows.append(cur)

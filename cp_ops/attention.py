@@ -74,8 +74,12 @@ def attention(
             :func:`cp_ops.layout.shard_sizes`). Exact: the keys are the concatenation of all ranks' real tokens
             (padded blocks are moved, the real rows selected before attention). None = every rank holds S_local.
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
-            applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`). AGKV with a
-            mask runs 1 stage (its pipelined variant's LSE kernels take no mask).
+            applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`); or bool
+            ``[B, S_total]`` (``S_total = sum(seq_lens)``, else ``W * S_local``): every key of the call in rank order,
+            the same on every rank, applied as given with no communication (for a caller that knows the whole mask,
+            e.g. once per forward for all layers: :mod:`cp_ops.integrations.diffusers`; not on a 2-D mesh). When
+            this rank holds every token the two shapes are one, read as this rank's. AGKV with a mask runs 1 stage
+            (its pipelined variant's LSE kernels take no mask).
         layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in
             and out; transposed views, no copy of its own). The misuse rule: a 'bshd' call whose dim 2 (read as
             heads) holds more than 64 entries and more than dim 1 (read as tokens) — e.g. ``[1, 8, 512, 64]`` — is a

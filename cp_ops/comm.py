@@ -206,15 +206,25 @@ class OpComm(_Comm):
         return self._launched(torch.ops.cp_ops.mask_gather_start(m, self.world, self.group_name), None)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
-        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
         if self.fmts is NONE or self.fmts == NONE:
-            buf = torch.ops.cp_ops.ulysses_start(xs, self.world, self.group_name, self.transport, *self._args())
-            return self._launched(buf, None)
+            return self._ulysses_packed(xs, lo, hi)
+        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
         dt, groups = xs[0].dtype, self._groups(xs)
         bufs = tuple(torch.ops.cp_ops.ulysses_start([self._enc(xs[i], f) if f else xs[i] for i in idx], self.world,
                                                     self.group_name, self.transport, *self._args())
                      for f, idx in groups)
         return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b, dt))
+
+    def _ulysses_packed(self, xs, lo, hi) -> Pending:
+        """:meth:`ulysses` in the input dtype: the send buffer packed by traced torch code
+        (:func:`cp_ops.layout.ulysses_pack_traced`: Inductor writes it from the kernels producing the inputs) and
+        moved by ``cp_ops::ulysses_packed_start``: one launch, as the eager path makes (a rank may run a call eager
+        while its peers run it compiled); the overlap pass splits it into K/V and Q launches
+        (:mod:`cp_ops.passes.overlap`). Its exchange carries the eager path's signature (``count`` = the n inputs)."""
+        w = self.world
+        buf = torch.ops.cp_ops.ulysses_packed_start(layout.ulysses_pack_traced(xs, w, lo, hi), w, self.group_name,
+                                                    self.transport, *self._args(), len(xs))
+        return self._launched(buf, None)
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None

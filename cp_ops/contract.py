@@ -579,7 +579,8 @@ def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
 
 #: The ops an attention call's exchange is made for (its variant's first op): ranks at the same call number with
 #: different ones were most likely given different ``mode`` or ``chunks``.
-_VARIANT_OPS = frozenset(f"cp_ops::{n}" for n in ("agkv_gather_start", "ulysses_start", "agkv_pipelined_attention",
+_VARIANT_OPS = frozenset(f"cp_ops::{n}" for n in ("agkv_gather_start", "ulysses_start", "ulysses_packed_start",
+                                                   "agkv_pipelined_attention",
                                                    "agkv_gather_uneven_start", "ulysses_uneven_start"))
 
 

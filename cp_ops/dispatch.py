@@ -108,7 +108,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         if seq_lens is not None:
             layout.check_seq_lens(seq_lens, world, pg.rank(), q.shape[1])
         if key_mask is not None:
-            layout.check_key_mask(key_mask, q)
+            layout.check_key_mask(key_mask, q, _total(q, world, seq_lens))
             if chunks is not None and chunks > 1 and not modes.spec(chosen).masks_pipelined:
                 raise ValueError(f"mode={chosen!r} with chunks > 1 takes no key_mask (its pipelined variant merges "
                                  f"partial outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass "
@@ -130,10 +130,17 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
         c = _constant(constant(c))  # the variant tag is a constant of the graph
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
-    t = contract.variant_tag(mode=chosen, chunks=c, key_mask="given" if key_mask is not None else "None",
-                             tag=tag, comm_dtype=cd.tag(fmts), scale=scale_word)
+    mask_word = "None" if key_mask is None else \
+        "every key" if layout.every_key(key_mask, q.shape[1], _total(q, world, seq)) else "given"
+    t = contract.variant_tag(mode=chosen, chunks=c, key_mask=mask_word, tag=tag, comm_dtype=cd.tag(fmts),
+                             scale=scale_word)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None, fmts)
+
+
+def _total(q, world: int, seq_lens):
+    """The call's token count over all ranks: ``sum(seq_lens)``, else ``W * S_local``."""
+    return sum(seq_lens) if seq_lens is not None else world * q.shape[1]
 
 
 def _constant(n):

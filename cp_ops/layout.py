@@ -90,6 +90,27 @@ def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int |
     return out if out.dtype == xs[0].dtype else out.view(xs[0].dtype)
 
 
+def ulysses_pack_traced(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """:func:`ulysses_pack` as plain torch code for a compiler to see (the same values, bitwise: pure copies): each
+    ``[B, S_local, H, D]`` input seen as ``[W, B, S_local, hi - lo, D]`` by reshape/slice/permute views, then one
+    ``torch.stack`` along dim 3 → ``[W, B, S_local, n, hi - lo, D]`` (contiguous).
+
+    Why: Inductor lowers the stack into the kernels that produce its inputs (e.g. the norm + RoPE of Q and K write
+    their slot of the send buffer directly), where the op's own pack (:func:`ulysses_pack`, inside
+    ``cp_ops::ulysses_start``) copies them once more; no ``as_strided`` here, which would make Inductor write the
+    inputs out first."""
+    b, s, h, d = xs[0].shape
+    hl = h // world_size
+    hi = hl if hi is None else hi
+    views = []
+    for x in xs:
+        v = x.reshape(b, s, world_size, hl, d)
+        if lo != 0 or hi != hl:
+            v = v[:, :, :, lo:hi]
+        views.append(v.permute(2, 0, 1, 3, 4))
+    return torch.stack(views, dim=3)
+
+
 def ulysses_unpack(buf: torch.Tensor, i: int) -> torch.Tensor:
     """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1).
 
@@ -211,8 +232,17 @@ def check_seq_lens(seq_lens, world_size: int, rank: int | None = None, s_local: 
             f"(sum {sum(seq_lens)}), x.shape[1]={total}"))
 
 
-def check_key_mask(key_mask, x: torch.Tensor) -> None:
-    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device (``x``: ``[B, S_local, H, D]``)."""
+def every_key(key_mask, s_local, total) -> bool:
+    """Whether ``key_mask`` (``[B, n]``) holds every key of the call (``n = total``, all ranks' keys in rank order)
+    rather than this rank's (``n = S_local``). When this rank holds every token (``S_local = total``) the two are one
+    mask, read as this rank's (gathered: a rank holding no token passes ``[B, 0]``, and the ranks must agree)."""
+    return key_mask.shape[1] == total and total != s_local
+
+
+def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
+    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device (``x``: ``[B, S_local, H, D]``), or, when
+    ``total`` (the call's token count over all ranks) is given, ``[B, total]``: every key of the call, in rank order
+    (:func:`every_key`)."""
     from .validate import _require
 
     if not isinstance(key_mask, torch.Tensor):
@@ -222,9 +252,11 @@ def check_key_mask(key_mask, x: torch.Tensor) -> None:
         raise ValueError(f"key_mask must be a bool key-padding mask (True = attend, False = padding); additive float "
                          f"masks are not supported; got dtype {key_mask.dtype} (for a 0/1 mask pass mask > 0)")
     b, s = x.shape[0], x.shape[1]
-    _require(key_mask.dim() == 2 and key_mask.shape[0] == b and key_mask.shape[1] == s, lambda: (
+    every = "" if total is None else f", or [B, S_total] = [{b}, {total}] (every key of the call, in rank order)"
+    _require(key_mask.dim() == 2 and key_mask.shape[0] == b and (
+        key_mask.shape[1] == s or (total is not None and key_mask.shape[1] == total)), lambda: (
         f"key_mask must be [B, S_local] = [{b}, {s}] (one flag per key of this rank, the same for every query and "
-        f"head; per-query and per-head masks are not supported); got shape {tuple(key_mask.shape)}"))
+        f"head; per-query and per-head masks are not supported){every}; got shape {tuple(key_mask.shape)}"))
     if key_mask.device != x.device:
         raise ValueError(f"key_mask must be on the device of q/k/v ({x.device}); got {key_mask.device}")
 
@@ -311,6 +343,18 @@ class Shards:
         if torch.compiler.is_compiling():
             return torch.cat([full.narrow(dim, r * self.smax, n) for r, n in enumerate(self.seq)], dim=dim)
         return full.index_select(dim, self.kv_index())
+
+    def every_key(self, key_mask: torch.Tensor) -> bool:
+        """Whether ``key_mask`` is the call's every-key mask ``[B, total]`` (:func:`every_key`), not this rank's."""
+        return every_key(key_mask, self.s_local, self.total)
+
+    def attend_mask(self, key_mask: torch.Tensor, comm, batch: int) -> torch.Tensor:
+        """SDPA's bool ``[B, 1, 1, total]`` for a call's key mask: an every-key mask ``[B, total]`` as given (no
+        communication); this rank's ``[B, S_local]`` padded, gathered (``comm.mask``, waited at once) and its real
+        rows selected (:meth:`mask`)."""
+        if self.every_key(key_mask):
+            return key_mask.reshape(batch, 1, 1, self.total)
+        return self.mask(comm.mask(self.pad_mask(key_mask)).wait(), batch)
 
     def mask(self, gathered: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """A gathered mask ``[W*B, smax]`` uint8 (rank-major) → SDPA's bool ``[B, 1, 1, total]`` (real keys)."""

@@ -23,6 +23,10 @@ Ops:
         uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys; never exchanges.
     cp_ops::ulysses_start(xs, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
+    cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call='', tag=0, seq_lens=None, count=0)
+        -> buf: a send buffer ``[W, B, S_local, n, H/W, D]`` packed by the caller (traced code) → the same shape, what
+        ``ulysses_start`` returns for the n tensors packed in it. Its rank-contract exchange carries the signature
+        ``ulysses_start`` (and the eager path) would for the call: ``[B, S_local, H, D]`` and ``count`` tensors (0: n).
     cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
     cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
@@ -124,6 +128,58 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
     _check_ulysses(xs, world_size)
     b, s, h, d = xs[0].shape
     return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
+
+
+# ---- Ulysses all-to-all of a send buffer packed by the caller (traced code: Inductor writes it) ----------------
+# cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call, tag, seq_lens) -> buf
+#     send ``[W, B, S_local, n, Hl, D]`` (contiguous; slab w = head group w, what :func:`cp_ops.layout.ulysses_pack`
+#     makes) → buf of the same shape (slab w = source rank w's tokens), what ``ulysses_start`` returns for the n
+#     tensors the caller packed. Why: under torch.compile the pack is traced torch code (:func:`cp_ops.layout.
+#     ulysses_pack_traced`) that Inductor fuses into the kernels producing Q, K and V (their norm/RoPE), so they
+#     write the send buffer directly; ``ulysses_start`` would copy them again. The transport's
+#     ``ulysses_packed_start`` moves the slabs (torch: one ``alltoall_base``; fast: one copy per peer, its own pool
+#     role); a transport without it moves them with ``ulysses_inverse_start`` of the buffer seen as
+#     ``[1, W * B*S_local*n, Hl, D]`` (slab w is token block w of that view).
+@torch.library.custom_op("cp_ops::ulysses_packed_start", mutates_args=())
+def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
+                         tag: int = 0, seq_lens: list[int] | None = None, count: int = 0) -> torch.Tensor:
+    pg = _group(world_size, group_name)
+    # the rank contract's signature as the eager path (and ulysses_start) makes it for the call: the inputs'
+    # [B, S_local, W*(heads sent per group), D] and the call's tensor count (``count``; 0: the n slots sent here)
+    like = send
+    if send.dim() == 6:
+        w, b, s, n, hs, d = send.shape
+        like = torch.empty((b, s, w * hs, d), dtype=send.dtype, device="meta")
+        count = count or n
+    contract.op_checked(pg, "cp_ops::ulysses_packed_start", transport, like,
+                        lambda: _check_ulysses_packed(send, world_size), count or 1, call=call, tag=tag,
+                        seq_lens=seq_lens)
+    if send.numel() == 0:
+        return torch.empty_like(send, memory_format=torch.contiguous_format)
+    tr = _transport(transport, pg, send)
+    packed = getattr(tr, "ulysses_packed_start", None)
+    if packed is not None:
+        buf, work = packed(send, pg)
+    else:  # the same all-to-all of whole slabs, as the transport moves the inverse
+        w, b, s, n, hl, d = send.shape
+        buf, work = tr.ulysses_inverse_start(send.contiguous().view(1, w * b * s * n, hl, d), pg)
+        buf = buf.view(w, b, s, n, hl, d)
+    _register(work, buf)
+    return buf
+
+
+def _check_ulysses_packed(send, world_size) -> None:
+    validate._require(send.dim() == 6 and send.shape[0] == world_size, lambda: (
+        f"ulysses_packed_start takes a send buffer [W={world_size}, B, S_local, n, H/W, D]; got shape "
+        f"{tuple(send.shape)}"))
+    validate.check_dtype("send", send)
+
+
+@ulysses_packed_start.register_fake
+def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None, count=0):
+    run_compile_hooks()
+    _check_ulysses_packed(send, world_size)
+    return torch.empty_like(send, memory_format=torch.contiguous_format)
 
 
 # ---- Ulysses all-to-all, heads → sequence ------------------------------------------------------
@@ -300,7 +356,7 @@ def _no_backward(name: str):
 
 
 for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
-                   (ulysses_inverse_start, "ulysses_inverse_start"),
+                   (ulysses_packed_start, "ulysses_packed_start"), (ulysses_inverse_start, "ulysses_inverse_start"),
                    (agkv_pipelined_attention, "agkv_pipelined_attention")):  # mask_gather_start: bool-like, no grad
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
     # the calls whose signatures the rank contract exchanges
@@ -308,12 +364,15 @@ for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ul
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
-LAUNCH_OPS = (
+#: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each.
+#: A launch whose first argument is a list of tensors packs them; the pass may split such a launch by tensor.
+#: ``ulysses_packed_start`` comes in pairs from traced code (:class:`cp_ops.comm.OpComm`): K/V first, then Q.
+KV_LAUNCH_OPS = (
     torch.ops.cp_ops.agkv_gather_start.default,
     torch.ops.cp_ops.ulysses_start.default,
+    torch.ops.cp_ops.ulysses_packed_start.default,
+)
+LAUNCH_OPS = KV_LAUNCH_OPS + (
     torch.ops.cp_ops.ulysses_inverse_start.default,
     torch.ops.cp_ops.mask_gather_start.default,
 )
-#: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each.
-#: A launch whose first argument is a list of tensors packs them; the pass may split such a launch by tensor.
-KV_LAUNCH_OPS = LAUNCH_OPS[:2]

@@ -14,7 +14,10 @@ find, check, rewrite):
 1. ``_split_packed_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
    ``select(buf, 3, slot)`` becomes ``ulysses_start([k, v])`` + ``ulysses_start([q])``; the slots read are
    remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
-   Q's slot is the one that reaches the attention op's ``query`` argument.
+   Q's slot is the one that reaches the attention op's ``query`` argument. Traced code packs the send buffer itself
+   (:meth:`cp_ops.comm.OpComm.ulysses`: ``ulysses_packed_start(stack([q, k, v], 3))``, a stack Inductor lowers into
+   the norm/RoPE kernels): ``_split_packed_send`` splits the stack the same way, into a K/V stack and launch and a
+   Q stack and launch.
 2. ``_open_window``: the Q side of a window is every node the attention depends on and the launch does
    not. Q-side nodes before the launch (and anything that uses them) move to after it, keeping their order;
    then the launch rises to right after its last input (K after its norm and RoPE, V after its projection).
@@ -228,6 +231,94 @@ def _split_packed_launch(
     return launch_kv
 
 
+_PACKED = torch.ops.cp_ops.ulysses_packed_start.default
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _send_parts(send: fx.Node) -> list[fx.Node] | None:
+    """The per-tensor parts a traced Ulysses send buffer ``[W, B, S, n, hs, D]`` was stacked from
+    (:func:`cp_ops.layout.ulysses_pack_traced`'s ``stack(parts, 3)``), in slot order, in any of the forms it reaches
+    the post-grad graph: ``stack(parts, 3)`` or ``view(cat(parts, 3))`` (parts ``[W, B, S, hs, D]``), or
+    ``cat(parts, 3)`` (parts ``[W, B, S, 1, hs, D]``: stack decomposed through unsqueeze); None otherwise."""
+    shape = tuple(send.meta["val"].shape)
+    if len(shape) != 6:
+        return None
+    five, six = (*shape[:3], *shape[4:]), (*shape[:3], 1, *shape[4:])
+    if _is_call(send, {aten.stack.default}):
+        parts, dim, want = send.args[0], send.args[1] if len(send.args) > 1 else 0, five
+        ok_dim = dim in (3, -3)
+    elif _is_call(send, {aten.cat.default}):
+        parts, dim, want = send.args[0], send.args[1] if len(send.args) > 1 else 0, six
+        ok_dim = dim in (3, -3)
+    elif _is_call(send, _VIEWS) and isinstance(send.args[0], fx.Node) and _is_call(send.args[0], {aten.cat.default}):
+        cat = send.args[0]
+        parts, dim, want = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0, five
+        ok_dim = dim in (3, -2) and len(cat.users) == 1
+    else:
+        return None
+    if not ok_dim or len(parts) != shape[3] or any(tuple(p.meta["val"].shape) != want for p in parts):
+        return None
+    return list(parts)
+
+
+def _split_packed_send(
+    graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int], dead: list[fx.Node]
+) -> fx.Node | None:
+    """:func:`_split_packed_launch` for a launch of a send buffer packed by traced code (``ulysses_packed_start(
+    stack([q, k, v], 3))``, :meth:`cp_ops.comm.OpComm.ulysses`): two stacks of the same parts, K/V and Q, each with
+    its launch (the K/V one keeps the call's rank-contract arguments, Q's is a later launch, ``'-'``); returns the K/V
+    launch, or None (graph unchanged) as :func:`_split_packed_launch`. Inductor then writes each new send buffer
+    from the kernels producing its parts, as it wrote the one it replaces."""
+    send, *rest = launch.args
+    parts = _send_parts(send)
+    if parts is None or len(parts) < 2:
+        return None
+    waits = _waits_of(launch)
+    if len(launch.users) != 1 or len(waits) != 1 or len(send.users) != 1:
+        log.debug("cp_ops.passes: %s kept whole: its buffers have other users", launch.name)
+        return None
+    wait = waits[0]
+    selects = list(wait.users)
+    if not all(_is_call(s, {aten.select.int}) and s.args[1] in (3, -3) and isinstance(s.args[2], int) for s in selects):
+        log.debug("cp_ops.passes: %s kept whole: its buffer is read other than by select(buf, 3, slot)", launch.name)
+        return None
+    q_slots = _query_slots(wait, selects)
+    if not q_slots or len(q_slots) == len(parts) or len(rest) < 4:
+        log.debug("cp_ops.passes: %s kept whole: cannot tell the query slot (found %s)", launch.name, q_slots)
+        return None
+    kv = [i for i in range(len(parts)) if i not in q_slots]
+    q = sorted(q_slots)
+    with graph.inserting_before(launch):
+        sends = []
+        for idx in (kv, q):
+            sub = [parts[i] for i in idx]
+            if _is_call(send, {aten.stack.default, aten.cat.default}):
+                sends.append(_new_call(graph, send.target, (sub, 3), send))
+            else:  # view(cat(parts, 3), [W, B, S, n, hs, D]) with n = len(sub) (the other sizes as traced)
+                cat = _new_call(graph, aten.cat.default, (sub, 3), send.args[0])
+                shape = list(send.args[1])
+                shape[3] = len(sub)
+                sends.append(_new_call(graph, send.target, (cat, shape), send))
+        launch_kv = _new_call(graph, launch.target, (sends[0], *rest), launch)
+        launch_q = _new_call(graph, launch.target, (sends[1], *rest[:3], "-", *rest[4:]), launch)
+    with graph.inserting_before(wait):
+        wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
+        wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
+    for sel in selects:
+        slot = sel.args[2]
+        src, new_slot = (wait_kv, kv.index(slot)) if slot in kv else (wait_q, q.index(slot))
+        sel.args = (src, 3, new_slot)
+        sel.meta["val"] = _fake_val(sel.target, sel.args)
+    dead.extend((wait, launch, send))
+    if isinstance(send.args[0], fx.Node) and _is_call(send.args[0], {aten.cat.default}):
+        dead.append(send.args[0])  # the stack's cat (view(cat(parts)) as decomposed)
+    log.debug(
+        "cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)",
+        launch.name, launch_kv.name, kv, launch_q.name, q,
+    )
+    return launch_kv
+
+
 # ---- steps 2 and 3: open the window, sink the waits --------------------------------------------
 def _fused_projection(q_side: set[fx.Node], launch_anc: set[fx.Node]) -> fx.Node | None:
     """A GEMM that feeds both the launch and the Q side directly (through layout ops): a fused QKV GEMM."""
@@ -320,7 +411,10 @@ def _group_key(launch: fx.Node) -> tuple:
     vals = [a.meta["val"] for a in launch.all_input_nodes]
     if all(isinstance(d, int) for v in vals for d in v.shape):
         return launch.target, tuple((v.dtype, tuple(v.shape)) for v in vals)
-    return launch.target, tuple((v.dtype, v.dim()) for v in vals)
+    # a packed Ulysses send buffer [W, B, S, n, hs, D]: its slot count n is a constant, and buffers of different n
+    # never share a pool key (K/V and Q after a split, and the launch they replace)
+    slots = tuple(v.shape[3] for v in vals if v.dim() == 6) if launch.target is _PACKED else ()
+    return launch.target, tuple((v.dtype, v.dim()) for v in vals), slots
 
 
 def _readers(launch: fx.Node) -> list[fx.Node]:
@@ -491,15 +585,16 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int, dead: list[fx.No
     """Open window ``wid`` for one launch (after splitting a Ulysses [q, k, v] launch); returns 1 or 0.
     Raises when the launch has no place that keeps the in-flight bound (the caller undoes the rewrite)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if isinstance(launch.args[0], (list, tuple)):  # a packing launch (Ulysses): split Q off
-        if len(launch.args[0]) >= 2:
-            split = _split_packed_launch(graph, launch, order, dead)
-            if split is None:
-                return 0
-            launch = split
-            order = {n: i for i, n in enumerate(graph.nodes)}
-        elif launch.meta.get(TAG):
-            return 0  # the Q launch of an already split Ulysses launch
+    if launch.meta.get(TAG):
+        return 0  # inside an earlier launch's window: the Q launch of a Ulysses call (split here, or traced so)
+    packing = isinstance(launch.args[0], (list, tuple)) and len(launch.args[0]) >= 2
+    packed = launch.target is _PACKED and launch.args[0].meta["val"].shape[3] >= 2
+    if packing or packed:  # a Ulysses launch of several tensors: split Q off
+        split = (_split_packed_launch if packing else _split_packed_send)(graph, launch, order, dead)
+        if split is None:
+            return 0
+        launch = split
+        order = {n: i for i, n in enumerate(graph.nodes)}
     waits = _waits_of(launch)
     attn = _find_attention(waits, order) if waits else None
     if attn is None:

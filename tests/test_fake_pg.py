@@ -37,8 +37,9 @@ def test_trace_w8_shapes(fake_world_8, mode):
         assert tuple(k_full.shape) == (b, 8 * s_local, h, d)
         assert len(waits) == 2
     else:
-        assert set(ops) == {"cp_ops::ulysses_start", "cp_ops::ulysses_inverse_start"}
-        assert tuple(ops["cp_ops::ulysses_start"].meta["val"].shape) == (8, b, s_local, 3, h // 8, d)
+        # traced: the send buffer packed by torch code (cp_ops.comm.OpComm.ulysses), then one launch
+        assert set(ops) == {"cp_ops::ulysses_packed_start", "cp_ops::ulysses_inverse_start"}
+        assert tuple(ops["cp_ops::ulysses_packed_start"].meta["val"].shape) == (8, b, s_local, 3, h // 8, d)
         assert tuple(ops["cp_ops::ulysses_inverse_start"].meta["val"].shape) == (8, b, s_local, h // 8, d)
         assert len(waits) == 2
 

@@ -43,6 +43,24 @@ def _async_and_layouts(rank, w):
         buf = torch.ops._c10d_functional.wait_tensor(buf)
         assert buf.shape == (w, b, s, 1, hl, d)
         assert torch.equal(layout.ulysses_unpack(buf, 0), outs[0])
+        # a send buffer packed by traced code (what compiled code launches): the same bytes arrive, bitwise
+        xs = [v, k, v * 2]
+        send = layout.ulysses_pack_traced(xs, w)
+        assert send.is_contiguous() and torch.equal(send, layout.ulysses_pack(xs, w))
+        if hl > 1:  # pipelined Ulysses' sub-groups: heads [lo, hi) of every head group
+            assert torch.equal(layout.ulysses_pack_traced(xs, w, 1, hl), layout.ulysses_pack(xs, w, 1, hl))
+        packed = torch.ops._c10d_functional.wait_tensor(torch.ops.cp_ops.ulysses_packed_start(send, w, name, "torch"))
+        whole = torch.ops._c10d_functional.wait_tensor(torch.ops.cp_ops.ulysses_start(xs, w, name, "torch"))
+        assert packed.shape == (w, b, s, 3, hl, d) and torch.equal(packed, whole)
+        assert torch.equal(layout.ulysses_unpack(packed, 1), outs[0])
+        from cp_ops.transport.torch import transport as torch_transport
+
+        torch_transport.ulysses_packed_start = None  # a transport without it: the slabs move as the inverse moves
+        try:
+            moved = torch.ops._c10d_functional.wait_tensor(torch.ops.cp_ops.ulysses_packed_start(send, w, name, "torch"))
+        finally:
+            del torch_transport.ulysses_packed_start
+        assert torch.equal(moved, whole)
     # blocking mode (CUDA_LAUNCH_BLOCKING-style) gives the same results
     config.settings.blocking = True
     try:
@@ -68,6 +86,7 @@ def _opcheck(rank, w):
     torch.library.opcheck(torch.ops.cp_ops.agkv_gather_start, (k, v, w, name, "torch"))
     torch.library.opcheck(torch.ops.cp_ops.ulysses_start, ([k, v, k * 2], w, name, "torch"))
     torch.library.opcheck(torch.ops.cp_ops.ulysses_inverse_start, (k, w, name, "torch"))
+    torch.library.opcheck(torch.ops.cp_ops.ulysses_packed_start, (layout.ulysses_pack([k, v], w), w, name, "torch"))
 
 
 def test_opcheck_every_op():

@@ -98,9 +98,10 @@ addmm_3 = addmm(in11, _scaled_dot_product_flash_attention_for_cpu_0, in12)""")
         # Inductor knows the launch is a collective: its input buffers are not freed or reused before the wait.
         _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="agkv"), _wan_args())
         self._check_inputs_alive(code, "agkv_gather_start", 2)
-        # Ulysses [k, v] launch: one output, two inputs: both stay alive until its wait.
+        # Ulysses K/V launch: its send buffer (written by the K norm/RoPE kernel and V's copy) stays alive until
+        # its wait.
         _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="ulysses"), _wan_args())
-        self._check_inputs_alive(code, "ulysses_start", 2)
+        self._check_inputs_alive(code, "ulysses_packed_start", 1)
 
     def test_launch_outputs_never_recycled(self):
         # The fast transport's outputs are views of pooled symmetric buffers that peers write again at a later
@@ -148,8 +149,9 @@ cat_1 = cat(neg_1, select_3)
 mul_7 = mul(cat_1, in5)
 add_3 = add(mul_6, mul_7)
 addmm_2 = addmm(in9, in1, in10)
-ulysses_start_0 = cp_ops.ulysses_start(add_1, add_3, addmm_2)
-wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_start_0)
+cat_2 = cat(add_1, add_3, addmm_2)
+ulysses_packed_start_0 = cp_ops.ulysses_packed_start(cat_2)
+wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_packed_start_0)
 select_4 = select(wait_tensor_0)
 select_5 = select(wait_tensor_0)
 select_6 = select(wait_tensor_0)
@@ -174,7 +176,8 @@ cat_0 = cat(neg_0, select_1)
 mul_3 = mul(cat_0, in5)
 add_1 = add(mul_2, mul_3)
 addmm_1 = addmm(in6, in1, in7)
-ulysses_start_0 = cp_ops.ulysses_start(add_1, addmm_1)  # window 0: launch
+cat_1 = cat(add_1, addmm_1)
+ulysses_packed_start_0 = cp_ops.ulysses_packed_start(cat_1)  # window 0: launch
 addmm_2 = addmm(in8, in1, in9)  # window 0: q
 pow_1 = pow(addmm_2)  # window 0: q
 mean_1 = mean(pow_1)  # window 0: q
@@ -186,13 +189,14 @@ mul_6 = mul(mul_5, in4)  # window 0: q
 select_2 = select(mul_5)  # window 0: q
 neg_1 = neg(select_2)  # window 0: q
 select_3 = select(mul_5)  # window 0: q
-cat_1 = cat(neg_1, select_3)  # window 0: q
-mul_7 = mul(cat_1, in5)  # window 0: q
+cat_2 = cat(neg_1, select_3)  # window 0: q
+mul_7 = mul(cat_2, in5)  # window 0: q
 add_3 = add(mul_6, mul_7)  # window 0: q
-ulysses_start_1 = cp_ops.ulysses_start(add_3)  # window 0: q
-wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_start_1)
+cat_3 = cat(add_3)  # window 0: q
+ulysses_packed_start_1 = cp_ops.ulysses_packed_start(cat_3)  # window 0: q
+wait_tensor_0 = _c10d_functional.wait_tensor(ulysses_packed_start_1)
 select_4 = select(wait_tensor_0)
-wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_start_0)  # window 0: wait
+wait_tensor_1 = _c10d_functional.wait_tensor(ulysses_packed_start_0)  # window 0: wait
 select_5 = select(wait_tensor_1)
 select_6 = select(wait_tensor_1)
 _scaled_dot_product_flash_attention_for_cpu_0 = _scaled_dot_product_flash_attention_for_cpu(select_4, select_5, select_6)
@@ -200,12 +204,17 @@ ulysses_inverse_start_0 = cp_ops.ulysses_inverse_start(_scaled_dot_product_flash
 wait_tensor_2 = _c10d_functional.wait_tensor(ulysses_inverse_start_0)
 clone_0 = clone(wait_tensor_2)
 addmm_3 = addmm(in11, clone_0, in12)""")
-        # One [k, v] launch early, the [q] launch last, inside the window.
-        fc = FileCheck().check("def call(").check_regex(r"cp_ops\.ulysses_start\.default\(\[buf\d+, [^\]]*\]")
-        _check_q_window(fc, ("linear",)).check_regex(r"cp_ops\.ulysses_start\.default\(\[buf\d+\]").check(
+        # The traced send buffer split by the pass into K/V and Q stacks: the K/V launch early, its send buffer written
+        # by the K norm/RoPE kernel (no copy between), the Q launch last, inside the window, its send buffer written by
+        # the Q norm/RoPE kernel.
+        fc = FileCheck().check("def call(").check_regex(r"cpp_fused\w*rsqrt\w*stack\w*\(").check(
+            "cp_ops.ulysses_packed_start.default(")
+        _check_q_window(fc, ("linear",)).check_regex(r"cp_ops\.ulysses_packed_start\.default\(buf\d+, 2, '0', 'torch', '-'").check(
             "wait_tensor.default("
         ).check("wait_tensor.default(").check("_scaled_dot_product_flash_attention_for_cpu.default(").run(code)
-        self.assertTrue(any("split ulysses_start" in m for m in logs), logs)
+        launches = re.findall(r"= torch\.ops\.cp_ops\.(\w+)\.default\(", code)
+        self.assertEqual(launches, ["ulysses_packed_start", "ulysses_packed_start", "ulysses_inverse_start"])
+        self.assertTrue(any("split ulysses_packed_start" in m for m in logs), logs)
 
     def test_flux_joint_tokens_per_head_norm(self):
         model = pb.FluxBlock(DIM, HEADS, mode="agkv")
@@ -437,7 +446,7 @@ def test_diffusers_wan_transformer_one_window_per_layer(mode):
     _, code, cap, logs = compile_and_get(Sample(model), args)
     assert cap.windows == [2], logs
     kernels = kernel_lines(code)
-    launch = "cp_ops.agkv_gather_start" if mode == "agkv" else "cp_ops.ulysses_start"
+    launch = "cp_ops.agkv_gather_start" if mode == "agkv" else "cp_ops.ulysses_packed_start"
     windows, cur = [], None
     for k in kernels:
         if launch in k and cur is None:
@@ -452,7 +461,7 @@ def test_diffusers_wan_transformer_one_window_per_layer(mode):
         assert w[0].startswith("extern_kernels."), w  # the Q projection first
         assert any("rsqrt" in k for k in w[1:]), w  # then the Q norm (and RoPE, fused on CPU)
         if mode == "ulysses":
-            assert w[-1] == "torch.ops.cp_ops.ulysses_start.default", w  # Q's all-to-all last
+            assert w[-1] == "torch.ops.cp_ops.ulysses_packed_start.default", w  # Q's all-to-all last
 
 
 def test_pass_failure_leaves_graph_alone_with_warning(monkeypatch, caplog):
@@ -505,3 +514,47 @@ def test_equal_options_share_compiled_frame():
             torch.testing.assert_close(b(x), torch.relu(b.lin(x)))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("form", ["stack", "cat6", "view_cat"])
+def test_packed_send_split_in_every_form(form):
+    """The traced Ulysses send buffer reaches the post-grad graph as stack(parts, 3), as view(cat(parts, 3)) (torch
+    2.13's decomposition) or as cat of [W, B, S, 1, hs, D] parts (stack through unsqueeze): each is split into K/V
+    and Q stacks of the same parts, the selects remapped (values bitwise: the same bytes, other strides)."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cp_ops.passes import overlap as ov
+
+    aten = torch.ops.aten
+    w, b, s, hs, d = 2, 1, 4, 2, 8
+    g = fx.Graph()
+    with FakeTensorMode() as mode:
+        xs = [g.placeholder(f"x{i}") for i in range(3)]
+        for i, x in enumerate(xs):
+            x.meta["val"] = mode.from_tensor(torch.randn(w, b, s, hs, d))
+        if form == "stack":
+            send = g.call_function(aten.stack.default, (xs, 3))
+        elif form == "cat6":
+            ups = [g.call_function(aten.unsqueeze.default, (x, 3)) for x in xs]
+            send = g.call_function(aten.cat.default, (ups, 3))
+        else:
+            cat = g.call_function(aten.cat.default, (xs, 3))
+            send = g.call_function(aten.view.default, (cat, [w, b, s, 3, hs, d]))
+        launch = g.call_function(torch.ops.cp_ops.ulysses_packed_start.default, (send, w, "0", "torch", "c", 1, None, 3))
+        wait = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (launch,))
+        sels = [g.call_function(aten.select.int, (wait, 3, i)) for i in range(3)]
+        attn = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, tuple(sels))
+        g.output(attn)
+        for n in g.nodes:
+            if n.op == "call_function" and "val" not in n.meta:
+                n.meta["val"] = ov._fake_val(n.target, n.args)
+        dead = []
+        kv = ov._split_packed_send(g, launch, ov._order(g), dead)
+    assert kv is not None
+    launches = [n for n in g.nodes if n.target is torch.ops.cp_ops.ulysses_packed_start.default and n not in dead]
+    assert [tuple(n.args[0].meta["val"].shape)[3] for n in launches] == [2, 1]  # K/V (slots 1, 2), then Q (slot 0)
+    assert launches[0].args[4:6] == ("c", 1) and launches[1].args[4] == "-"  # K/V exchanges, Q does not
+    q_sel, k_sel, v_sel = sels
+    assert q_sel.args[0].args[0] is launches[1] and q_sel.args[2] == 0
+    assert k_sel.args[0].args[0] is launches[0] and (k_sel.args[2], v_sel.args[2]) == (0, 1)

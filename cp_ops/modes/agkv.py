@@ -15,6 +15,8 @@ def agkv(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask=No
     if shards is None:
         kf, vf, _ = comm.agkv(k, v).wait()
         return local_attention(q, kf, vf, scale)
-    mask = None if key_mask is None else shards.pad_mask(key_mask)
+    every = key_mask is not None and shards.every_key(key_mask)  # every key's mask [B, total]: nothing to gather
+    mask = None if key_mask is None or every else shards.pad_mask(key_mask)
     kf, vf, mf = comm.agkv(shards.pad(k), shards.pad(v), mask).wait()
-    return local_attention(q, shards.rows(kf), shards.rows(vf), scale, shards.mask(mf, q.shape[0]))
+    m4 = key_mask.reshape(q.shape[0], 1, 1, shards.total) if every else shards.mask(mf, q.shape[0])
+    return local_attention(q, shards.rows(kf), shards.rows(vf), scale, m4)

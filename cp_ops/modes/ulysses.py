@@ -11,7 +11,8 @@ before sub-group i+2's inverse starts.
 
 Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows, the real rows of the full sequence are
 selected after the all-to-all (one copy for q, k, v together), the output is re-padded for the way back and this
-rank keeps its first ``S_local`` rows; the mask is gathered beside the first sub-group and applied to every one.
+rank keeps its first ``S_local`` rows; the mask is gathered beside the first sub-group and applied to every one (a
+mask of every key, ``[B, total]``, is applied as given: nothing to gather).
 ``chunks = 1`` takes the same steps with one group of all heads, unpacking the way back in one copy.
 """
 
@@ -35,7 +36,7 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
         m4 = None
         pending = comm.ulysses([q, k, v])  # the call's first launch: the rank contract's exchange
         if key_mask is not None:
-            m4 = shards.mask(comm.mask(shards.pad_mask(key_mask)).wait(), b)
+            m4 = shards.attend_mask(key_mask, comm, b)
         buf = pending.wait()
         qh, kh, vh = comm.unpack(buf) if shards is None else shards.ulysses_rows(buf, comm.unpack)
         out = local_attention(qh, kh, vh, scale, m4)
@@ -60,7 +61,7 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     launch(0)  # the call's first launch: the rank contract's exchange
     m4 = None
     if key_mask is not None:
-        m4 = shards.mask(comm.mask(shards.pad_mask(key_mask)).wait(), b)
+        m4 = shards.attend_mask(key_mask, comm, b)
     if g > 1:
         launch(1)
     for i in range(g):

@@ -72,6 +72,9 @@ class Transport(Protocol):
     # for a group whose ranks are on more than one node (:mod:`cp_ops.node`; no collective of the transport is made).
     # Optional: ``device_types``, a tuple of the device types the transport ever moves (e.g. ``("cuda",)``); absent:
     # any. ``'auto'`` asks a transport at the group only for tensors of those types (see :func:`resolve`).
+    # Optional: ``ulysses_packed_start(send, group) -> (buf, work)``, the all-to-all of a send buffer
+    # ``[W, B, S_local, n, Hl, D]`` packed by the caller (``cp_ops::ulysses_packed_start``); without it the op moves
+    # the buffer with :meth:`Transport.ulysses_inverse_start` (the same all-to-all of whole slabs).
     # Optional: ``agkv_start_sources(k, v, group, pieces) -> (k_full, v_full, arrivals, work)``, an AGKV gather
     # whose peers' pieces can be waited one by one (see :func:`agkv_start_sources`, which falls back to
     # ``agkv_start`` for transports without it). Not a protocol member, so older transports still match.

@@ -96,6 +96,16 @@ class TorchTransport:
             fake_fill.fill("alltoall_base", group, recv, send)
         return recv, work
 
+    def ulysses_packed_start(self, send: torch.Tensor, group: dist.ProcessGroup):
+        """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
+        (``cp_ops::ulysses_packed_start``): ``(buf, work)``, ``buf`` of the same shape."""
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        work = group.alltoall_base(recv, send, [], [])
+        if fake_fill.ACTIVE:
+            fake_fill.fill("alltoall_base", group, recv, send)
+        return recv, work
+
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         send = ulysses_inverse_pack(x, group.size())
         recv = torch.empty_like(send)

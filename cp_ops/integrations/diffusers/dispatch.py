@@ -20,6 +20,11 @@ from . import _private, generic
 from .hooks import CPState
 
 
+_MASK_RULE = ("cp_ops.parallelize: the key mask an attention call got differs from this rank's block of the forward's "
+              "mask input (CPState.note_key_mask, shared by every call of the forward): a processor that builds its "
+              "mask otherwise than from that input (all True on the streams it does not cover) is not supported")
+
+
 class CPAttention:
     """A processor's ``_parallel_config``: the CP group (via the model's :class:`CPState`) and the streams its
     token sequence is made of (``("text", "image")`` for joint attention: each rank holds its block of each)."""
@@ -57,11 +62,11 @@ class CPAttention:
         st = self.state
         kwargs = {}
         mask = self.key_mask(attn_mask, query)
-        if mask is not None:
-            kwargs["key_mask"] = mask
         totals = [st.total(s, self.where) for s in self.streams]
         if any(t % st.world != 0 for t in totals):
             kwargs["seq_lens"] = st.seq_lens(self.streams, self.where)
+        if mask is not None:
+            kwargs["key_mask"] = self._every_key(mask) if st.key_masks else mask
         chunks = st.chunks
         if kwargs and chunks is not None and chunks > 1:  # seq_lens / key_mask: transport-then-attend only
             chunks = 1
@@ -72,6 +77,28 @@ class CPAttention:
         tag = None if torch.compiler.is_compiling() else self.where
         return attention(query, key, value, group=st.attn_group, mode=st.mode, transport=st.transport, scale=scale,
                          chunks=chunks, tag=tag, comm_dtype=st.comm_dtype, **kwargs)
+
+
+    def _every_key(self, mask: torch.Tensor) -> torch.Tensor:
+        """The every-key mask ``[B, S_total]`` of this forward for this call (built once per forward from the block's
+        mask input: :meth:`CPState.note_key_mask`), so :func:`cp_ops.attention` gathers nothing; ``mask`` (this
+        rank's ``[B, S_local]``) where there is none. Its block for this rank must equal ``mask``: checked on the
+        device (no host sync; a failure is a device-side assertion naming the rule), so a processor that builds its
+        mask otherwise than from that input (e.g. masks a stream the input does not cover) stops, never attends
+        wrong keys."""
+        st = self.state
+        every = st.key_masks.get(self.streams)
+        b, s = mask.shape
+        if every is None or every.shape[0] not in (1, b) or every.device != mask.device:
+            return mask
+        seq = st.seq_lens(self.streams, self.where)
+        if every.shape[1] != sum(seq) or seq[st.rank] != s:
+            return mask
+        every = every.expand(b, every.shape[1])
+        off = sum(seq[:st.rank])
+        # a constant message (the module's path would be a per-block constant: one compile per block)
+        torch._assert_async((every[:, off:off + s] == mask).all(), _MASK_RULE)
+        return every
 
 
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
@@ -99,6 +126,8 @@ def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], whe
     """Send ``module``'s attention through cp_ops over ``state``'s group; returns its :class:`CPAttention`."""
     member = _private.register_backend(cp_ops_backend)
     config = CPAttention(state, streams, where)
+    if streams:
+        state.attn_streams.add(tuple(streams))
     config.local_backend = getattr(module.processor, "_attention_backend", None)  # for calls that need no CP
     if not streams:
         generic.watch(module, config)

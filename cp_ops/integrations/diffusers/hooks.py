@@ -51,6 +51,12 @@ class CPState:
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
         # never change, so a forward that writes the totals before reading them traces once for all resolutions
         self.totals: dict[str, int] = dict.fromkeys(streams, 0)
+        #: the streams of every routed attention (:func:`cp_ops.integrations.diffusers.dispatch.route` adds them)
+        self.attn_streams: set[tuple[str, ...]] = set()
+        #: attention streams -> the every-key mask bool [B, S_total] of the current forward (:meth:`note_key_mask`)
+        self.key_masks: dict[tuple[str, ...], torch.Tensor] = {}
+        self._mask_src: tuple | None = None  # (mask input, its version, its spec and the totals) key_masks came from
+        self._mask_bufs: dict[tuple[str, ...], torch.Tensor] = {}  # attention streams -> the buffer its mask lives in
 
     def record(self, stream: str, total) -> None:
         if stream not in self.totals:
@@ -65,10 +71,72 @@ class CPState:
                                "stream later than it is used")
         return v
 
+    def note_key_mask(self, full: torch.Tensor, spec: Split) -> None:
+        """A block's key-mask input ``full`` (bool, every rank's tokens: before its split) for the attention calls
+        this forward makes: build, once per mask (the same tensor object and version, split alike, at the same
+        token counts: the blocks of one forward share it), the every-key mask ``[B, S_total]`` of each routed
+        attention whose streams include the mask's (rank r's keys are its block of each stream in the attention's
+        order; a stream the mask does not cover is attended: Qwen-Image's image tokens); the attention passes it to
+        :func:`cp_ops.attention` instead of gathering its own mask at every call, after checking on the device that
+        its own block equals the mask it got (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention`).
+        Each attention's mask is written into the same buffer every time its shape allows (one fixed address per
+        attention's streams, also when a forward alternates between mask inputs): CUDA
+        graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
+        them record again. Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
+        every call gathers."""
+        if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
+            self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
+            return
+        key = (spec, tuple(sorted(self.totals.items())))
+        src = self._mask_src
+        if src is not None and src[0] is full and src[1] == full._version and src[2] == key:
+            return
+        masks = {}
+        for streams in self.attn_streams:
+            m = _every_key(full, spec, self, streams, self._mask_bufs.get(streams))
+            if m is not None:
+                masks[streams] = self._mask_bufs[streams] = m
+        self.key_masks, self._mask_src = masks, (full, full._version, key)
+
     def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
         """Every rank's local token count of a sequence made of ``streams`` (each rank: its block of each)."""
         per = [shard_sizes(self.total(s, where), self.world) for s in streams]
         return tuple(sum(p[r] for p in per) for r in range(self.world))
+
+
+#: forward inputs that hold key-padding masks in diffusers' models (True = attend): what :meth:`CPState.note_key_mask`
+#: looks at (Z-Image's ``noise_mask``, also bool and split, is not one)
+KEY_MASK_INPUTS = frozenset({"attention_mask", "attn_mask", "encoder_hidden_states_mask", "encoder_attention_mask"})
+
+
+def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[str, ...],
+               into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The every-key mask bool ``[B, S_total]`` of an attention over ``streams`` from the mask input ``full`` (split
+    by ``spec``): rank by rank, its block of each stream (from ``full`` where ``spec`` covers the stream, else all
+    True), written into ``into`` where it has that shape, dtype and device. None where it does not apply (a stream
+    of the mask not in the attention's, a count not recorded, a mask that is not one flag per key)."""
+    if not set(spec.streams) <= set(streams) or any(state.totals.get(s, 0) == 0 for s in streams):
+        return None
+    x = full.movedim(spec.dim % full.dim(), -1)
+    b, n = x.shape[0], x.shape[-1]
+    if x.numel() != b * n or n != sum(state.totals[s] for s in spec.streams):
+        return None
+    x = x.reshape(b, n)
+    start, at = 0, {}
+    for s in spec.streams:
+        at[s] = start
+        start += state.totals[s]
+    w, parts = state.world, []
+    for r in range(w):
+        for s in streams:
+            sizes = shard_sizes(state.totals[s], w)
+            lo = sum(sizes[:r])
+            parts.append(x[:, at[s] + lo: at[s] + lo + sizes[r]] if s in at else
+                         torch.ones(b, sizes[r], dtype=torch.bool, device=x.device))
+    total = sum(p.shape[1] for p in parts)
+    if into is not None and into.shape == (b, total) and into.dtype == torch.bool and into.device == x.device:
+        return torch.cat(parts, dim=1, out=into)
+    return torch.cat(parts, dim=1)
 
 
 def split_tensor(x: torch.Tensor, spec: Split, state: CPState, where: str) -> torch.Tensor:
@@ -159,12 +227,18 @@ def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: st
             for name, spec in by_name.items():
                 if name in kwargs:
                     if _applies(spec, kwargs[name]):
+                        _note(name, kwargs[name], spec)
                         kwargs[name] = split_tensor(kwargs[name], spec, state, f"{where}.{name}")
                 elif name in params and params.index(name) < len(args):
                     i = params.index(name)
                     if _applies(spec, args[i]):
+                        _note(name, args[i], spec)
                         args[i] = split_tensor(args[i], spec, state, f"{where}.{name}")
             return tuple(args), kwargs
+
+        def _note(name, x, spec):
+            if name in KEY_MASK_INPUTS and x.dtype == torch.bool:
+                state.note_key_mask(x, spec)
 
     if by_output:
 

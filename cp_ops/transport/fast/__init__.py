@@ -404,6 +404,28 @@ class FastTransport:
         (buf,), work = self._launch(lane, key, [("ulysses", (w, b, s, n, hs, d), xs[0].dtype)], descs, xs)
         return buf, work
 
+    def ulysses_packed_start(self, send: torch.Tensor, group):
+        """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
+        (``cp_ops::ulysses_packed_start``): slab t (head group t) to rank t, one contiguous copy per peer, into
+        ``buf`` of the same shape (slab t = source rank t's tokens). Its own pool role (never the slots of
+        :meth:`ulysses_inverse_start`, whose buffers can have the same shape).
+
+        Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
+        """
+        lane = self._lane_for(group)
+        w, r = lane.world, lane.rank
+        send, sp = _prep(send)
+        slab = send[0].numel() * send.element_size()
+
+        def descs(bases):
+            (ub,) = bases
+            return [[(ub[t] + r * slab, sp + t * slab, slab, 1, slab, slab)] for t in range(w)]
+
+        shape = tuple(send.shape)
+        (buf,), work = self._launch(lane, ("ulysses_packed",) + shape + (str(send.dtype),),
+                                    [("ulysses_packed", shape, send.dtype)], descs, [send])
+        return buf, work
+
     def ulysses_inverse_start(self, x: torch.Tensor, group):
         """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source
         rank = head group), the layout of :func:`cp_ops.layout.ulysses_inverse_pack` after the all-to-all.
