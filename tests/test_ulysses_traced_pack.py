@@ -93,6 +93,26 @@ def _every_key_mask(rank, w):
             assert gathers == [], (total, mode)
             assert torch.equal(every, local) and torch.equal(traced, local), (total, mode)
             torch.testing.assert_close(local, sh(masked_attention(q, k, v, None, mask)), rtol=1e-5, atol=1e-5)
+        # one rank holds every token (seq_lens (5, 0)): its own mask is every key's; the empty rank may pass either
+        # [B, 0] or [B, 5] (was: the ranks' variants differed, 'given' vs 'every key', and every rank raised)
+        seq = (5,) + (0,) * (w - 1)
+        g = torch.Generator().manual_seed(2100)
+        q, k, v = (torch.randn(2, 5, 2 * w, 8, generator=g) for _ in range(3))
+        mask = torch.rand(2, 5, generator=g) > 0.4
+        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+        for mode in ("ulysses", "agkv"):
+            def fn(q, k, v, m):
+                return cp_ops.attention(q, k, v, group=pg, mode=mode, chunks=1, seq_lens=seq, key_mask=m)
+
+            with torch.no_grad():
+                local = fn(sh(q), sh(k), sh(v), sh(mask))
+                every = fn(sh(q), sh(k), sh(v), mask)
+                torch._dynamo.reset()
+                traced = torch.compile(fn, fullgraph=True, backend="aot_eager")(sh(q), sh(k), sh(v), mask)
+            assert torch.equal(every, local) and torch.equal(traced, local), mode
+            ref = sh(masked_attention(q, k, v, None, mask))
+            torch.testing.assert_close(local, ref, rtol=1e-5, atol=1e-5)
+            assert rank != 0 or ref.abs().max() > 0.1
         x = torch.randn(1, 6, 2 * w, 8)
         with pytest.raises(ValueError, match=r"\[B, S_local\] = \[1, 6\].*or \[B, S_total\] = \[1, 12\].*got shape \(1, 7\)"):
             cp_ops.attention(x, x, x, group=pg, mode="ulysses", key_mask=torch.ones(1, 7, dtype=torch.bool))
