@@ -82,21 +82,23 @@ class CPState:
         Each attention's mask is written into the same buffer every time its shape allows (one fixed address per
         attention's streams, also when a forward alternates between mask inputs): CUDA
         graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
-        them record again. Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
+        them record again (not a buffer made under ``torch.inference_mode`` once outside it; a mask made under it,
+        which has no version counter, is rebuilt every time). Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
         every call gathers."""
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
             return
         key = (spec, tuple(sorted(self.totals.items())))
+        version = None if full.is_inference() else full._version  # an inference tensor has no version: rebuilt
         src = self._mask_src
-        if src is not None and src[0] is full and src[1] == full._version and src[2] == key:
+        if src is not None and version is not None and src[0] is full and src[1] == version and src[2] == key:
             return
         masks = {}
         for streams in self.attn_streams:
             m = _every_key(full, spec, self, streams, self._mask_bufs.get(streams))
             if m is not None:
                 masks[streams] = self._mask_bufs[streams] = m
-        self.key_masks, self._mask_src = masks, (full, full._version, key)
+        self.key_masks, self._mask_src = masks, (full, version, key)
 
     def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
         """Every rank's local token count of a sequence made of ``streams`` (each rank: its block of each)."""
@@ -134,7 +136,8 @@ def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[s
             parts.append(x[:, at[s] + lo: at[s] + lo + sizes[r]] if s in at else
                          torch.ones(b, sizes[r], dtype=torch.bool, device=x.device))
     total = sum(p.shape[1] for p in parts)
-    if into is not None and into.shape == (b, total) and into.dtype == torch.bool and into.device == x.device:
+    if into is not None and into.shape == (b, total) and into.dtype == torch.bool and into.device == x.device \
+            and (not into.is_inference() or torch.is_inference_mode_enabled()):  # (no in-place write to one outside)
         return torch.cat(parts, dim=1, out=into)
     return torch.cat(parts, dim=1)
 
