@@ -56,7 +56,9 @@ class CPState:
         #: attention streams -> the every-key mask bool [B, S_total] of the current forward (:meth:`note_key_mask`)
         self.key_masks: dict[tuple[str, ...], torch.Tensor] = {}
         self._mask_src: tuple | None = None  # (mask input, its version, its spec and the totals) key_masks came from
-        self._mask_bufs: dict[tuple[str, ...], torch.Tensor] = {}  # attention streams -> the buffer its mask lives in
+        #: (attention streams, mask shape) -> the buffer that mask lives in: one per shape, so forwards alternating
+        #: between shapes (CFG's prompt and negative prompt of different lengths) keep each one's address
+        self._mask_bufs: dict[tuple, torch.Tensor] = {}
 
     def record(self, stream: str, total) -> None:
         if stream not in self.totals:
@@ -79,8 +81,8 @@ class CPState:
         order; a stream the mask does not cover is attended: Qwen-Image's image tokens); the attention passes it to
         :func:`cp_ops.attention` instead of gathering its own mask at every call, after checking on the device that
         its own block equals the mask it got (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention`).
-        Each attention's mask is written into the same buffer every time its shape allows (one fixed address per
-        attention's streams, also when a forward alternates between mask inputs): CUDA
+        Each attention's mask is written into the same buffer every time (one fixed address per attention's streams
+        and mask shape, also when forwards alternate between mask inputs or shapes): CUDA
         graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
         them record again (not a buffer made under ``torch.inference_mode`` once outside it; a mask made under it,
         which has no version counter, is rebuilt every time). Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
@@ -94,10 +96,14 @@ class CPState:
         if src is not None and version is not None and src[0] is full and src[1] == version and src[2] == key:
             return
         masks = {}
+        b = full.movedim(spec.dim % full.dim(), -1).shape[0]
         for streams in self.attn_streams:
-            m = _every_key(full, spec, self, streams, self._mask_bufs.get(streams))
+            shape = (b, sum(self.totals.get(s, 0) for s in streams))
+            m = _every_key(full, spec, self, streams, self._mask_bufs.get((streams, shape)))
             if m is not None:
-                masks[streams] = self._mask_bufs[streams] = m
+                if len(self._mask_bufs) >= _MAX_MASK_BUFS and (streams, tuple(m.shape)) not in self._mask_bufs:
+                    self._mask_bufs.clear()  # shapes without end (e.g. every resolution): no buffer kept forever
+                masks[streams] = self._mask_bufs[(streams, tuple(m.shape))] = m
         self.key_masks, self._mask_src = masks, (full, version, key)
 
     def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
@@ -105,6 +111,9 @@ class CPState:
         per = [shard_sizes(self.total(s, where), self.world) for s in streams]
         return tuple(sum(p[r] for p in per) for r in range(self.world))
 
+
+#: the most every-key mask buffers one model keeps (CPState._mask_bufs; cleared past it)
+_MAX_MASK_BUFS = 64
 
 #: forward inputs that hold key-padding masks in diffusers' models (True = attend): what :meth:`CPState.note_key_mask`
 #: looks at (Z-Image's ``noise_mask``, also bool and split, is not one)
