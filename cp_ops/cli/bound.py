@@ -399,7 +399,8 @@ def _sides_for(spec, cfg, args, choose_mode) -> list[Side]:
 
 
 def _mode_args(args, base: str, graphs: bool):
-    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs, no_overlap=False,
+    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs,
+                           no_overlap=bool(getattr(args, "no_overlap", False)),
                            steps=getattr(args, "steps", 0) or 0, cfg=False)
 
 
@@ -453,6 +454,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
                 warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
                 steps=getattr(args, "steps", 0) or 0, compare=getattr(args, "compare", None),
+                overlap_pass=not getattr(args, "no_overlap", False),
                 fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
                              else "replayed alone, launched back to back"),
                 fake_outputs=("unwritten (--unwritten)" if not written else
@@ -647,7 +649,8 @@ def _add_steps(row: dict, steps: int, by: dict, model: str) -> None:
 
 def print_table(rows: list[dict], meta: dict) -> None:
     print(f"\nzero-communication bound, {meta['cls']} {meta['config']}, {meta['tokens']} tokens, on "
-          f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})")
+          f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})"
+          + ("; compiled without the overlap pass (--no-overlap)" if meta.get("overlap_pass") is False else ""))
     has_cost = any("cp_ops_cost_ms" in r for r in rows)  # the column only where --cost measured it
     steps = next((r["steps"] for r in rows if r.get("steps")), 0)
     has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare diffusers
