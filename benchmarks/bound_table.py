@@ -60,10 +60,14 @@ def table(rows: list[dict]) -> str:
         comp = (r["compile"] or "eager") + (" + graphs" if r["cuda_graphs"] else "")
         src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
         cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if "cp_ops_cost_ms" in r else ""
-        out.append(f"| {r['model']} {r['config']} ({r['tokens']}) | {comp} | {r['world_size']} | {r['mode']} | "
+        mode = r["mode"] if r.get("impl", "cp_ops") == "cp_ops" else f"{r['impl']} ({r['mode']})"  # --compare
+        bound = "-" if r.get("bound_speedup") is None else f"{r['bound_speedup']:.2f}x"
+        if r.get("invalid"):
+            bound += f" invalid: {r['invalid']}"
+        out.append(f"| {r['model']} {r['config']} ({r['tokens']}) | {comp} | {r['world_size']} | {mode} | "
                    f"{r['one_gpu_ms']:.1f} ({src}) | {r['rank0_ms']:.1f} ({_spread(r.get('rank0_samples'))}"
                    f"{' − %.1f' % r['fill_ms'] if 'fill_ms' in r else ''}) | "
-                   f"{r['bound_speedup']:.2f}x | {cost} |")
+                   f"{bound} | {cost} |")
     return "\n".join(out)
 
 

@@ -131,7 +131,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     seq = tuple(seq_lens) if seq_lens is not None else None
     spec = modes.spec(chosen)
     mask_word = "None" if key_mask is None else \
-        "every key" if layout.every_key(key_mask, q.shape[1], _total(q, world, seq)) else "given"
+        "every key" if layout.every_key(key_mask, q.shape[1], _total(q, world, seq), seq) else "given"
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask=mask_word, tag=tag, comm_dtype=cd.tag(fmts),
                              scale=scale_word)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,

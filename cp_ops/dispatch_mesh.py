@@ -108,6 +108,11 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         if seq_lens is not None:
             layout.check_seq_lens(seq_lens, info.world, info.rank, q.shape[1])
         if key_mask is not None:
+            total = sum(seq_lens) if seq_lens is not None else info.world * q.shape[1]
+            if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 2 and key_mask.shape[1] == total \
+                    and total != q.shape[1]:
+                raise ValueError(f"a key mask of every key ([B, S_total] = {list(key_mask.shape)}) is not supported on "
+                                 f"a 2-D CP mesh; pass this rank's [B, S_local] = [{q.shape[0]}, {q.shape[1]}]")
             layout.check_key_mask(key_mask, q)
             if chunks is not None and chunks > 1:
                 raise ValueError(f"mode={MODE!r} with chunks > 1 takes no key_mask (its pipelined AGKV merges partial "

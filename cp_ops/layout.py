@@ -232,11 +232,14 @@ def check_seq_lens(seq_lens, world_size: int, rank: int | None = None, s_local: 
             f"(sum {sum(seq_lens)}), x.shape[1]={total}"))
 
 
-def every_key(key_mask, s_local, total) -> bool:
+def every_key(key_mask, s_local, total, seq_lens=None) -> bool:
     """Whether ``key_mask`` (``[B, n]``) holds every key of the call (``n = total``, all ranks' keys in rank order)
-    rather than this rank's (``n = S_local``). When this rank holds every token (``S_local = total``) the two are one
-    mask, read as this rank's (gathered: a rank holding no token passes ``[B, 0]``, and the ranks must agree)."""
-    return key_mask.shape[1] == total and total != s_local
+    rather than this rank's (``n = S_local``). When one rank holds every token (``total`` in ``seq_lens``) its two
+    masks are one, read as its own (gathered): then every rank's mask is read as its own, a rank holding no token
+    passing ``[B, 0]`` or ``[B, total]`` (its block of it, :meth:`Shards.pad_mask`), so all ranks agree."""
+    if key_mask.shape[1] != total or total == s_local:
+        return False
+    return seq_lens is None or total not in tuple(seq_lens)
 
 
 def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
@@ -331,7 +334,10 @@ class Shards:
         return out
 
     def pad_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (what travels; padding rows unwritten)."""
+        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (what travels; padding rows unwritten). A ``[B, total]`` mask
+        that is not read as every key's (:meth:`every_key`: another rank holds every token) gives this rank's block."""
+        if key_mask.shape[1] != self.s_local:
+            key_mask = key_mask.narrow(1, sum(self.seq[:self.rank]), self.s_local)
         return self.pad(key_mask.to(torch.uint8))
 
     def rows(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -346,7 +352,7 @@ class Shards:
 
     def every_key(self, key_mask: torch.Tensor) -> bool:
         """Whether ``key_mask`` is the call's every-key mask ``[B, total]`` (:func:`every_key`), not this rank's."""
-        return every_key(key_mask, self.s_local, self.total)
+        return every_key(key_mask, self.s_local, self.total, self.seq)
 
     def attend_mask(self, key_mask: torch.Tensor, comm, batch: int) -> torch.Tensor:
         """SDPA's bool ``[B, 1, 1, total]`` for a call's key mask: an every-key mask ``[B, total]`` as given (no

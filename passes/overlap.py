@@ -213,7 +213,7 @@ def _split_packed_launch(
     with graph.inserting_before(launch):
         # the K/V launch keeps the call's rank-contract arguments (it runs first: the exchange is made there); the
         # Q launch is a later launch of the same call ('-': no exchange)
-        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], *rest), launch)
+        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], *_split_call(rest, launch)), launch)
         launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], *rest[:3], "-", *rest[4:]), launch)
     with graph.inserting_before(wait):
         wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
@@ -261,6 +261,25 @@ def _send_parts(send: fx.Node) -> list[fx.Node] | None:
     return list(parts)
 
 
+#: what the K/V launch of a split call adds to the call's name in its rank-contract exchange
+SPLIT_NOTE = ("[K/V and Q sent apart by cp_ops.compile's overlap pass: every rank must run this call compiled with "
+              "the pass, or none]")
+
+
+def _split_call(rest: list, launch: fx.Node) -> list:
+    """The launch arguments after the buffer (``world_size, group_name, transport[, call, ...]``) for the K/V launch
+    of a split call: its call name marked (:data:`SPLIT_NOTE`), so its rank-contract exchange differs from a peer
+    that sends the call's buffer whole (eager, or compiled without the pass): every rank raises, naming both,
+    instead of all-to-alls of different sizes (gloo aborts the process, NCCL hangs or reads wrong bytes). A later
+    launch ('-': no exchange) stays one."""
+    rest = list(rest)
+    call = rest[3] if len(rest) > 3 else ""
+    if call == "-":
+        return rest
+    name = f"{call or str(launch.target).split('.')[0].replace('cp_ops.', 'cp_ops::')} {SPLIT_NOTE}"
+    return rest[:3] + [name] + rest[4:]
+
+
 def _split_packed_send(
     graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int], dead: list[fx.Node]
 ) -> fx.Node | None:
@@ -299,7 +318,7 @@ def _split_packed_send(
                 shape = list(send.args[1])
                 shape[3] = len(sub)
                 sends.append(_new_call(graph, send.target, (cat, shape), send))
-        launch_kv = _new_call(graph, launch.target, (sends[0], *rest), launch)
+        launch_kv = _new_call(graph, launch.target, (sends[0], *_split_call(rest, launch)), launch)
         launch_q = _new_call(graph, launch.target, (sends[1], *rest[:3], "-", *rest[4:]), launch)
     with graph.inserting_before(wait):
         wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)

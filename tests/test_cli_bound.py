@@ -148,6 +148,7 @@ def test_parse_mode_rejects(bad):
     (["--bound", "8", "--text-tokens", "4"], "at least one token of each split stream"),
     (["--bound", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),
     (["--cost"], "apply only with --bound"),
+    (["--bound", "2", "--no-overlap"], "--no-overlap applies to compiled modes; --bound-compile is ['eager']"),
 ])
 def test_bound_argument_errors(extra, message, capsys):
     assert main(["run", "flux", "--device", "cpu"] + extra) == 2
@@ -194,3 +195,25 @@ def test_bound_table_cost_column_only_with_cost(capsys):
     text = capsys.readouterr().out
     header, line = text.splitlines()[2:4]
     assert header.rstrip().endswith("bound") and line.rstrip().endswith("1.82x"), text
+
+
+def test_bound_no_overlap_reaches_the_compiled_sides(capsys):
+    """`--bound W --compile --no-overlap` (or --bound-compile eager,regional --no-overlap): the compiled sides compile
+    without the overlap pass and the table's title says so (was: --no-overlap silently dropped, the pass ran; and
+    refused beside --bound-compile as 'only applies with --compile')."""
+    for extra in (["--compile"], ["--bound-compile", "eager,regional"]):
+        seen = {}
+        orig = bound.run_bound
+
+        def fake(args, device):
+            seen["margs"] = bound._mode_args(args, "regional", False)
+            return []
+
+        bound.run_bound = fake
+        try:
+            assert main(["run", "flux", "--device", "cpu", "--bound", "2", "--no-overlap"] + extra) == 0
+        finally:
+            bound.run_bound = orig
+        assert seen["margs"].no_overlap is True, (extra, seen)
+    bound.print_table([], dict(cls="FluxTransformer2DModel", config="tiny", tokens=64, chunks=1, overlap_pass=False))
+    assert "compiled without the overlap pass (--no-overlap)" in capsys.readouterr().out

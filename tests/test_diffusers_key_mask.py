@@ -121,3 +121,56 @@ def _shared(rank, w):
 
 def test_key_mask_once_per_forward():
     run_ranks(_shared, 2)
+
+
+def _inference_mode(rank, w):
+    from cp_ops.integrations.diffusers import parallelize
+
+    model = build("qwenimage")
+    cp = parallelize(copy.deepcopy(model), mode="ulysses", transport="torch")
+    g = torch.Generator().manual_seed(8)
+    kw = inputs("qwenimage", 2, (1, 3, 3), 7, g, mask=True)
+    with torch.inference_mode():  # masks made here are inference tensors: no version counter
+        m = kw["encoder_hidden_states_mask"] = kw["encoder_hidden_states_mask"].clone()
+        ref, out = sample(model(**kw)), sample(cp(**kw))
+        assert _rel(out, ref) <= 1e-5, _rel(out, ref)
+        m[0, 2:5] = False  # the same tensor changed in place: rebuilt (no version to compare)
+        ref2, out2 = sample(model(**kw)), sample(cp(**kw))
+        assert not torch.equal(ref2, ref) and _rel(out2, ref2) <= 1e-5, _rel(out2, ref2)
+    kw["encoder_hidden_states_mask"] = torch.rand(2, 7, generator=g) > 0.3  # then outside inference mode
+    with torch.no_grad():
+        ref3, out3 = sample(model(**kw)), sample(cp(**kw))
+    assert _rel(out3, ref3) <= 1e-5, _rel(out3, ref3)
+
+
+def test_key_mask_under_inference_mode():
+    """Under torch.inference_mode (masks without a version counter; was: RuntimeError 'Inference tensors do not
+    track version counter' at the first forward): equal to the model, also after the mask changes in place, and in
+    a later forward outside inference mode (whose mask buffer was made inside it)."""
+    run_ranks(_inference_mode, 2)
+
+
+def _alternating_lengths(rank, w):
+    from cp_ops.integrations.diffusers import parallelize
+
+    model = build("qwenimage")
+    cp = parallelize(copy.deepcopy(model), mode="ulysses", transport="torch")
+    g = torch.Generator().manual_seed(9)
+    ptrs = {}
+    for step, text in enumerate((7, 5, 7, 5)):  # CFG: the prompt's and the negative prompt's lengths, alternating
+        kw = inputs("qwenimage", 1, (1, 3, 3), text, g)
+        kw["encoder_hidden_states_mask"] = torch.rand(1, text, generator=g) > 0.3
+        with torch.no_grad():
+            ref, out = sample(model(**kw)), sample(cp(**kw))
+        assert _rel(out, ref) <= 1e-5, (step, _rel(out, ref))
+        (every,) = cp._cp_ops_state.key_masks.values()
+        ptrs.setdefault(text, set()).add(every.data_ptr())
+    assert all(len(p) == 1 for p in ptrs.values()), ptrs  # each shape's mask keeps its address (CUDA graphs)
+
+
+def test_key_mask_alternating_shapes_keep_their_buffers():
+    """Forwards alternating between masks of two shapes (CFG's prompt and negative prompt of different lengths): each
+    equal to the model, and each shape's every-key mask written into the same buffer every time (was: one buffer per
+    attention's streams, replaced at every change of shape: a new address each forward, so the compiled blocks'
+    CUDA graphs recorded again every forward)."""
+    run_ranks(_alternating_lengths, 2)

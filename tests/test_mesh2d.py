@@ -160,6 +160,9 @@ def _rules(rank, w):
     m = torch.ones(1, 4 if rank != 5 else 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="key_mask must be"):
         cp_ops.attention(q, q, q, group=mesh, key_mask=m)
+    # every key's mask ([B, S_total]) on a 2-D mesh: the rule named (was: only "must be [B, S_local]")
+    with pytest.raises(ValueError, match=r"every key \(\[B, S_total\] = \[1, 32\]\) is not supported on a 2-D CP mesh"):
+        cp_ops.attention(q, q, q, group=mesh, key_mask=torch.ones(1, 4 * w, dtype=torch.bool))
     # the ranks disagree on the call (rank 0 names another layer): every rank raises, in both dims
     with pytest.raises(ValueError):
         cp_ops.attention(q, q, q, group=mesh, tag="layer0" if rank else "layer1")

@@ -554,7 +554,9 @@ def test_packed_send_split_in_every_form(form):
     assert kv is not None
     launches = [n for n in g.nodes if n.target is torch.ops.cp_ops.ulysses_packed_start.default and n not in dead]
     assert [tuple(n.args[0].meta["val"].shape)[3] for n in launches] == [2, 1]  # K/V (slots 1, 2), then Q (slot 0)
-    assert launches[0].args[4:6] == ("c", 1) and launches[1].args[4] == "-"  # K/V exchanges, Q does not
+    # K/V exchanges, under the call's name marked split (an eager peer sends the buffer whole: every rank raises);
+    # Q does not
+    assert launches[0].args[4:6] == (f"c {ov.SPLIT_NOTE}", 1) and launches[1].args[4] == "-"
     q_sel, k_sel, v_sel = sels
     assert q_sel.args[0].args[0] is launches[1] and q_sel.args[2] == 0
     assert k_sel.args[0].args[0] is launches[0] and (k_sel.args[2], v_sel.args[2]) == (0, 1)

@@ -93,6 +93,26 @@ def _every_key_mask(rank, w):
             assert gathers == [], (total, mode)
             assert torch.equal(every, local) and torch.equal(traced, local), (total, mode)
             torch.testing.assert_close(local, sh(masked_attention(q, k, v, None, mask)), rtol=1e-5, atol=1e-5)
+        # one rank holds every token (seq_lens (5, 0)): its own mask is every key's; the empty rank may pass either
+        # [B, 0] or [B, 5] (was: the ranks' variants differed, 'given' vs 'every key', and every rank raised)
+        seq = (5,) + (0,) * (w - 1)
+        g = torch.Generator().manual_seed(2100)
+        q, k, v = (torch.randn(2, 5, 2 * w, 8, generator=g) for _ in range(3))
+        mask = torch.rand(2, 5, generator=g) > 0.4
+        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+        for mode in ("ulysses", "agkv"):
+            def fn(q, k, v, m):
+                return cp_ops.attention(q, k, v, group=pg, mode=mode, chunks=1, seq_lens=seq, key_mask=m)
+
+            with torch.no_grad():
+                local = fn(sh(q), sh(k), sh(v), sh(mask))
+                every = fn(sh(q), sh(k), sh(v), mask)
+                torch._dynamo.reset()
+                traced = torch.compile(fn, fullgraph=True, backend="aot_eager")(sh(q), sh(k), sh(v), mask)
+            assert torch.equal(every, local) and torch.equal(traced, local), mode
+            ref = sh(masked_attention(q, k, v, None, mask))
+            torch.testing.assert_close(local, ref, rtol=1e-5, atol=1e-5)
+            assert rank != 0 or ref.abs().max() > 0.1
         x = torch.randn(1, 6, 2 * w, 8)
         with pytest.raises(ValueError, match=r"\[B, S_local\] = \[1, 6\].*or \[B, S_total\] = \[1, 12\].*got shape \(1, 7\)"):
             cp_ops.attention(x, x, x, group=pg, mode="ulysses", key_mask=torch.ones(1, 7, dtype=torch.bool))
@@ -106,3 +126,48 @@ def _every_key_mask(rank, w):
 
 def test_every_key_mask_equals_gathered_mask():
     run_ranks(_every_key_mask, 2)
+
+
+def _with_the_pass(gm, example_inputs):
+    """Dynamo + AOTAutograd's forward graph with cp_ops' overlap pass applied (as Inductor applies it post-grad),
+    run as traced: the pass's split (K/V and Q launched apart) without Inductor's codegen (CI time)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from passes import OverlapPass
+
+    def fw(g, _):
+        OverlapPass()(g.graph)
+        g.recompile()
+        return g
+
+    return aot_autograd(fw_compiler=fw)(gm, example_inputs)
+
+
+def _pass_split_with_eager_peer(rank, w):
+    """Under the overlap pass a Ulysses call sends K/V and Q apart (two all-to-alls), the eager path and a compile
+    without the pass send the call's buffer whole (one): every rank compiled with the pass = eager bitwise; one rank
+    eager, its peer with the pass: every rank raises naming the split (was: all-to-alls of different sizes, gloo
+    aborted the process: 'Received data size doesn't match expected size'); the group works after."""
+    import pytest
+
+    pg = dist.group.WORLD
+    g = torch.Generator().manual_seed(3000)
+    q, k, v = (torch.randn(1, 8 * w, 2 * w, 8, generator=g) for _ in range(3))
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+
+    def fn(q, k, v):
+        return cp_ops.attention(q * 2, k + 1, v, group=pg, mode="ulysses", chunks=1)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = fn(sh(q), sh(k), sh(v))
+        compiled = torch.compile(fn, fullgraph=True, backend=_with_the_pass)
+        assert torch.equal(compiled(sh(q), sh(k), sh(v)), eager)
+        with pytest.raises(ValueError, match="sent apart by cp_ops.compile's overlap pass"):
+            fn(sh(q), sh(k), sh(v)) if rank == 0 else compiled(sh(q), sh(k), sh(v))
+        assert torch.equal(fn(sh(q), sh(k), sh(v)), eager)
+    torch.testing.assert_close(eager, sh(masked_attention(q * 2, k + 1, v, None, None)), rtol=1e-5, atol=1e-5)
+
+
+def test_pass_split_with_an_eager_peer_raises_on_every_rank():
+    run_ranks(_pass_split_with_eager_peer, 2)

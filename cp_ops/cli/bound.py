@@ -399,7 +399,8 @@ def _sides_for(spec, cfg, args, choose_mode) -> list[Side]:
 
 
 def _mode_args(args, base: str, graphs: bool):
-    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs, no_overlap=False,
+    return SimpleNamespace(compile=None if base == "eager" else base, cuda_graphs=graphs,
+                           no_overlap=bool(getattr(args, "no_overlap", False)),
                            steps=getattr(args, "steps", 0) or 0, cfg=False)
 
 
@@ -453,6 +454,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
                 warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
                 steps=getattr(args, "steps", 0) or 0, compare=getattr(args, "compare", None),
+                overlap_pass=not getattr(args, "no_overlap", False),
                 fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
                              else "replayed alone, launched back to back"),
                 fake_outputs=("unwritten (--unwritten)" if not written else
@@ -577,9 +579,9 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
         cp = by[f"cp_ops W{w}"]
         net = cp.ms - cp.fill_ms  # the fake collectives' writes (stand-ins for the transfers) taken out
         row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
-                   diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=one / net,
+                   diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=_speedup(one, cp),
                    rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=len(cp.fills),
-                   first_call_s=cp.first_s, rank0_samples=cp.samples)
+                   first_call_s=cp.first_s, rank0_samples=cp.samples, **_no_time_left(cp))
         if "group of 1" in by:
             row["group1_ms"] = by["group of 1"].ms
         plain = by.get(f"plain W{w}")
@@ -594,14 +596,16 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                 continue
             d = s.ms - s.fill_ms
             shape_ok = s.out is not None and tuple(s.out.shape) == tuple(ref.shape)
+            finite = bool(shape_ok and torch.isfinite(s.out).all())
+            why = ([] if finite else ["the output is not finite or not the full shape: a collective's output was "
+                                      "left unwritten (stale memory), so its kernels did not run on real data"]) \
+                + list(_no_time_left(s).values())
             rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, one_gpu_ms=one,
-                             one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d, bound_speedup=one / d,
+                             one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d,
+                             bound_speedup=_speedup(one, s),
                              rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=len(s.fills), first_call_s=s.first_s,
-                             rank0_samples=s.samples, output_shape_ok=shape_ok,
-                             outputs_finite=bool(shape_ok and torch.isfinite(s.out).all()),
-                             **({} if shape_ok and torch.isfinite(s.out).all() else
-                                {"invalid": "the output is not finite or not the full shape: a collective's output was "
-                                            "left unwritten (stale memory), so its kernels did not run on real data"}),
+                             rank0_samples=s.samples, output_shape_ok=shape_ok, outputs_finite=finite,
+                             **({"invalid": "; ".join(why)} if why else {}),
                              **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
                              **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
         if steps:
@@ -610,6 +614,21 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                     _add_steps(r, steps, by, args.model)
         out += rows
     return out
+
+
+def _speedup(one: float, side: Side) -> float | None:
+    """The bound of ``side``: the 1-device time / its time less its fill copies; None where nothing is left."""
+    net = side.ms - side.fill_ms
+    return one / net if net > 0 else None
+
+
+def _no_time_left(side: Side) -> dict:
+    """``{'invalid': why}`` where ``side``'s fill copies, timed alone, take at least its whole forward (rank 0 -
+    fill <= 0: timing noise on a tiny model, or copies the forward hid): no bound can be read from it; else ``{}``."""
+    if side.ms - side.fill_ms > 0:
+        return {}
+    return {"invalid": f"no time left for rank 0: its fill copies timed alone ({side.fill_ms} ms) take at least its "
+                       f"whole forward ({side.ms} ms); no bound (--unwritten times it without the fills)"}
 
 
 def _add_steps(row: dict, steps: int, by: dict, model: str) -> None:
@@ -630,7 +649,8 @@ def _add_steps(row: dict, steps: int, by: dict, model: str) -> None:
 
 def print_table(rows: list[dict], meta: dict) -> None:
     print(f"\nzero-communication bound, {meta['cls']} {meta['config']}, {meta['tokens']} tokens, on "
-          f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})")
+          f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})"
+          + ("; compiled without the overlap pass (--no-overlap)" if meta.get("overlap_pass") is False else ""))
     has_cost = any("cp_ops_cost_ms" in r for r in rows)  # the column only where --cost measured it
     steps = next((r["steps"] for r in rows if r.get("steps")), 0)
     has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare diffusers
@@ -646,11 +666,13 @@ def print_table(rows: list[dict], meta: dict) -> None:
             print(f"{name:<17}{who} failed: {r['skipped']}")
             continue
         cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
+        bound_text = f"{r['bound_speedup']:>6.2f}x" if r.get("bound_speedup") is not None else f"{'-':>7}"
         print(f"{name:<17} {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
               + f" {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
               f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
               f"{r.get('fill_ms', 0.0):>8.2f}" + (f" {r['step_ms']:>9.2f}" if steps else "")
-              + f" {r['bound_speedup']:>6.2f}x" + (f" {cost:>16}" if has_cost else ""))
+              + f" {bound_text}" + (f" {cost:>16}" if has_cost else "")
+              + (f"  invalid: {r['invalid']}" if r.get("invalid") else ""))
     print("bound = 1-device time / rank 0's time of a W-rank fake group (no transfer: no CP run can beat it); "
           "rank 0 = its measured forward minus 'fill': the device copies that write the fake collectives' outputs "
           "with real data (timed alone); "

@@ -64,7 +64,8 @@ def add_parser(sub) -> None:
                         "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "
                         "(seconds); full = the whole model. The first call's time (compile included) is reported")
     r.add_argument("--no-overlap", action="store_true",
-                   help="with --compile: plain torch.compile(fullgraph=True), without the overlap pass")
+                   help="with --compile (or --bound with a compiled --bound-compile mode): plain "
+                        "torch.compile(fullgraph=True), without the overlap pass")
     r.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA-graph replay (CUDA only): with --compile, mode='reduce-overhead'; without, explicit "
                         "torch.cuda.graph capture of the forward")
@@ -176,7 +177,7 @@ def check(args, device: str, world: int) -> None:
               f"{args.model} {args.config}; use --mode agkv")
     if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
         fail(f"{what}: transport 'fast' cannot run: {why}")
-    if args.no_overlap and not args.compile:
+    if args.no_overlap and not args.compile and args.bound is None:
         fail(f"{what}: --no-overlap only applies with --compile")
     if args.cuda_graphs and not gpu:
         fail(f"{what}: --cuda-graphs needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
@@ -229,6 +230,9 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
         if graphs and args.steps and m.startswith("eager"):
             fail(f"{what}: --steps with --bound-compile {m}: the explicit capture replays one forward on fixed "
                  "inputs; time a loop eager or compiled (e.g. regional+graphs: mode='reduce-overhead')")
+    if args.no_overlap and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
+        fail(f"{what}: --no-overlap applies to compiled modes; --bound-compile is {args.bound_compile} (add e.g. "
+             "regional)")
     heads = cfg.get(spec.heads_key)
     for w in args.bound:
         if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:

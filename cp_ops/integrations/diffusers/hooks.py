@@ -56,7 +56,9 @@ class CPState:
         #: attention streams -> the every-key mask bool [B, S_total] of the current forward (:meth:`note_key_mask`)
         self.key_masks: dict[tuple[str, ...], torch.Tensor] = {}
         self._mask_src: tuple | None = None  # (mask input, its version, its spec and the totals) key_masks came from
-        self._mask_bufs: dict[tuple[str, ...], torch.Tensor] = {}  # attention streams -> the buffer its mask lives in
+        #: (attention streams, mask shape) -> the buffer that mask lives in: one per shape, so forwards alternating
+        #: between shapes (CFG's prompt and negative prompt of different lengths) keep each one's address
+        self._mask_bufs: dict[tuple, torch.Tensor] = {}
 
     def record(self, stream: str, total) -> None:
         if stream not in self.totals:
@@ -79,30 +81,39 @@ class CPState:
         order; a stream the mask does not cover is attended: Qwen-Image's image tokens); the attention passes it to
         :func:`cp_ops.attention` instead of gathering its own mask at every call, after checking on the device that
         its own block equals the mask it got (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention`).
-        Each attention's mask is written into the same buffer every time its shape allows (one fixed address per
-        attention's streams, also when a forward alternates between mask inputs): CUDA
+        Each attention's mask is written into the same buffer every time (one fixed address per attention's streams
+        and mask shape, also when forwards alternate between mask inputs or shapes): CUDA
         graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
-        them record again. Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
+        them record again (not a buffer made under ``torch.inference_mode`` once outside it; a mask made under it,
+        which has no version counter, is rebuilt every time). Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
         every call gathers."""
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
             return
         key = (spec, tuple(sorted(self.totals.items())))
+        version = None if full.is_inference() else full._version  # an inference tensor has no version: rebuilt
         src = self._mask_src
-        if src is not None and src[0] is full and src[1] == full._version and src[2] == key:
+        if src is not None and version is not None and src[0] is full and src[1] == version and src[2] == key:
             return
         masks = {}
+        b = full.movedim(spec.dim % full.dim(), -1).shape[0]
         for streams in self.attn_streams:
-            m = _every_key(full, spec, self, streams, self._mask_bufs.get(streams))
+            shape = (b, sum(self.totals.get(s, 0) for s in streams))
+            m = _every_key(full, spec, self, streams, self._mask_bufs.get((streams, shape)))
             if m is not None:
-                masks[streams] = self._mask_bufs[streams] = m
-        self.key_masks, self._mask_src = masks, (full, full._version, key)
+                if len(self._mask_bufs) >= _MAX_MASK_BUFS and (streams, tuple(m.shape)) not in self._mask_bufs:
+                    self._mask_bufs.clear()  # shapes without end (e.g. every resolution): no buffer kept forever
+                masks[streams] = self._mask_bufs[(streams, tuple(m.shape))] = m
+        self.key_masks, self._mask_src = masks, (full, version, key)
 
     def seq_lens(self, streams: tuple[str, ...], where: str) -> tuple:
         """Every rank's local token count of a sequence made of ``streams`` (each rank: its block of each)."""
         per = [shard_sizes(self.total(s, where), self.world) for s in streams]
         return tuple(sum(p[r] for p in per) for r in range(self.world))
 
+
+#: the most every-key mask buffers one model keeps (CPState._mask_bufs; cleared past it)
+_MAX_MASK_BUFS = 64
 
 #: forward inputs that hold key-padding masks in diffusers' models (True = attend): what :meth:`CPState.note_key_mask`
 #: looks at (Z-Image's ``noise_mask``, also bool and split, is not one)
@@ -134,7 +145,8 @@ def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[s
             parts.append(x[:, at[s] + lo: at[s] + lo + sizes[r]] if s in at else
                          torch.ones(b, sizes[r], dtype=torch.bool, device=x.device))
     total = sum(p.shape[1] for p in parts)
-    if into is not None and into.shape == (b, total) and into.dtype == torch.bool and into.device == x.device:
+    if into is not None and into.shape == (b, total) and into.dtype == torch.bool and into.device == x.device \
+            and (not into.is_inference() or torch.is_inference_mode_enabled()):  # (no in-place write to one outside)
         return torch.cat(parts, dim=1, out=into)
     return torch.cat(parts, dim=1)
 
