@@ -182,6 +182,38 @@ def _query_slots(wait: fx.Node, selects: list[fx.Node]) -> set[int] | None:
     return q_slots if known else None
 
 
+def _kv_q_slots(launch: fx.Node, n: int):
+    """How a Ulysses launch of ``n`` slots splits: ``(wait, selects, kv, q)`` — its one wait, the
+    ``select(buf, 3, slot)`` views that read it, the K/V slots and the query slots — or None (reason logged) when the
+    buffer is used other than through one wait and such views, or the query slots cannot be told apart."""
+    waits = _waits_of(launch)
+    if len(launch.users) != 1 or len(waits) != 1:
+        log.debug("cp_ops.passes: %s kept whole: its buffer has users other than one wait", launch.name)
+        return None
+    wait = waits[0]
+    selects = list(wait.users)
+    if not all(_is_call(s, {aten.select.int}) and s.args[1] in (3, -3) and isinstance(s.args[2], int) for s in selects):
+        log.debug("cp_ops.passes: %s kept whole: its buffer is read other than by select(buf, 3, slot)", launch.name)
+        return None
+    q_slots = _query_slots(wait, selects)
+    if not q_slots or len(q_slots) == n:
+        log.debug("cp_ops.passes: %s kept whole: cannot tell the query slot (found %s)", launch.name, q_slots)
+        return None
+    return wait, selects, [i for i in range(n) if i not in q_slots], sorted(q_slots)
+
+
+def _rewire(graph: fx.Graph, wait: fx.Node, selects: list[fx.Node], *launches) -> None:
+    """Give each ``(slots, launch)`` of ``launches`` its own wait where ``wait`` was, and point every
+    ``select(buf, 3, slot)`` of ``selects`` at the wait of the launch now carrying its slot."""
+    with graph.inserting_before(wait):
+        waits = [(slots, _new_call(graph, _WAIT, (launch,), wait)) for slots, launch in launches]
+    for sel in selects:
+        slot = sel.args[2]
+        slots, src = next((sl, w) for sl, w in waits if slot in sl)
+        sel.args = (src, 3, slots.index(slot))
+        sel.meta["val"] = _fake_val(sel.target, sel.args)
+
+
 def _split_packed_launch(
     graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int], dead: list[fx.Node]
 ) -> fx.Node | None:
@@ -195,39 +227,19 @@ def _split_packed_launch(
     xs, *rest = launch.args  # (world_size, group_name, transport[, call, tag, seq_lens])
     if len(xs) < 2:
         return None
-    waits = _waits_of(launch)
-    if len(launch.users) != 1 or len(waits) != 1:
-        log.debug("cp_ops.passes: %s kept whole: its buffer has users other than one wait", launch.name)
+    slots = _kv_q_slots(launch, len(xs))
+    if slots is None:
         return None
-    wait = waits[0]
-    selects = list(wait.users)
-    if not all(_is_call(s, {aten.select.int}) and s.args[1] in (3, -3) and isinstance(s.args[2], int) for s in selects):
-        log.debug("cp_ops.passes: %s kept whole: its buffer is read other than by select(buf, 3, slot)", launch.name)
-        return None
-    q_slots = _query_slots(wait, selects)
-    if not q_slots or len(q_slots) == len(xs):
-        log.debug("cp_ops.passes: %s kept whole: cannot tell the query slot (found %s)", launch.name, q_slots)
-        return None
-    kv = [i for i in range(len(xs)) if i not in q_slots]
-    q = sorted(q_slots)
+    wait, selects, kv, q = slots
     with graph.inserting_before(launch):
         # the K/V launch keeps the call's rank-contract arguments (it runs first: the exchange is made there); the
         # Q launch is a later launch of the same call ('-': no exchange)
         launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], *_split_call(rest, launch)), launch)
         launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], *rest[:3], "-", *rest[4:]), launch)
-    with graph.inserting_before(wait):
-        wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
-        wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
-    for sel in selects:
-        slot = sel.args[2]
-        src, new_slot = (wait_kv, kv.index(slot)) if slot in kv else (wait_q, q.index(slot))
-        sel.args = (src, 3, new_slot)
-        sel.meta["val"] = _fake_val(sel.target, sel.args)
+    _rewire(graph, wait, selects, (kv, launch_kv), (q, launch_q))
     dead.extend((wait, launch))
-    log.debug(
-        "cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)",
-        launch.name, launch_kv.name, kv, launch_q.name, q,
-    )
+    log.debug("cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)", launch.name, launch_kv.name, kv,
+              launch_q.name, q)
     return launch_kv
 
 
@@ -292,21 +304,13 @@ def _split_packed_send(
     parts = _send_parts(send)
     if parts is None or len(parts) < 2:
         return None
-    waits = _waits_of(launch)
-    if len(launch.users) != 1 or len(waits) != 1 or len(send.users) != 1:
-        log.debug("cp_ops.passes: %s kept whole: its buffers have other users", launch.name)
+    if len(send.users) != 1 or len(rest) < 4:
+        log.debug("cp_ops.passes: %s kept whole: its send buffer has other users, or no call arguments", launch.name)
         return None
-    wait = waits[0]
-    selects = list(wait.users)
-    if not all(_is_call(s, {aten.select.int}) and s.args[1] in (3, -3) and isinstance(s.args[2], int) for s in selects):
-        log.debug("cp_ops.passes: %s kept whole: its buffer is read other than by select(buf, 3, slot)", launch.name)
+    slots = _kv_q_slots(launch, len(parts))
+    if slots is None:
         return None
-    q_slots = _query_slots(wait, selects)
-    if not q_slots or len(q_slots) == len(parts) or len(rest) < 4:
-        log.debug("cp_ops.passes: %s kept whole: cannot tell the query slot (found %s)", launch.name, q_slots)
-        return None
-    kv = [i for i in range(len(parts)) if i not in q_slots]
-    q = sorted(q_slots)
+    wait, selects, kv, q = slots
     with graph.inserting_before(launch):
         sends = []
         for idx in (kv, q):
@@ -320,21 +324,12 @@ def _split_packed_send(
                 sends.append(_new_call(graph, send.target, (cat, shape), send))
         launch_kv = _new_call(graph, launch.target, (sends[0], *_split_call(rest, launch)), launch)
         launch_q = _new_call(graph, launch.target, (sends[1], *rest[:3], "-", *rest[4:]), launch)
-    with graph.inserting_before(wait):
-        wait_kv = _new_call(graph, _WAIT, (launch_kv,), wait)
-        wait_q = _new_call(graph, _WAIT, (launch_q,), wait)
-    for sel in selects:
-        slot = sel.args[2]
-        src, new_slot = (wait_kv, kv.index(slot)) if slot in kv else (wait_q, q.index(slot))
-        sel.args = (src, 3, new_slot)
-        sel.meta["val"] = _fake_val(sel.target, sel.args)
+    _rewire(graph, wait, selects, (kv, launch_kv), (q, launch_q))
     dead.extend((wait, launch, send))
     if isinstance(send.args[0], fx.Node) and _is_call(send.args[0], {aten.cat.default}):
         dead.append(send.args[0])  # the stack's cat (view(cat(parts)) as decomposed)
-    log.debug(
-        "cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)",
-        launch.name, launch_kv.name, kv, launch_q.name, q,
-    )
+    log.debug("cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)", launch.name, launch_kv.name, kv,
+              launch_q.name, q)
     return launch_kv
 
 
