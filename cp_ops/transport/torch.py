@@ -79,40 +79,30 @@ class TorchTransport:
         return k_full, v_full, arrivals, _Works(works)
 
     def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
-        send = ulysses_pack(xs, group.size())
-        recv = torch.empty_like(send)
-        work = group.alltoall_base(recv, send, [], [])
-        if fake_fill.ACTIVE:
-            fake_fill.fill("alltoall_base", group, recv, send)
-        return recv, work
+        return _all_to_all(ulysses_pack(xs, group.size()), group)
 
     def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int, hi: int):
         """:meth:`ulysses_start` of heads ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group):
         ``(buf [W, B, S_local, n, hi - lo, D], work)``, packed straight from the whole tensors."""
-        send = ulysses_pack(xs, group.size(), lo, hi)
-        recv = torch.empty_like(send)
-        work = group.alltoall_base(recv, send, [], [])
-        if fake_fill.ACTIVE:
-            fake_fill.fill("alltoall_base", group, recv, send)
-        return recv, work
+        return _all_to_all(ulysses_pack(xs, group.size(), lo, hi), group)
 
     def ulysses_packed_start(self, send: torch.Tensor, group: dist.ProcessGroup):
         """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
         (``cp_ops::ulysses_packed_start``): ``(buf, work)``, ``buf`` of the same shape."""
-        send = send.contiguous()
-        recv = torch.empty_like(send)
-        work = group.alltoall_base(recv, send, [], [])
-        if fake_fill.ACTIVE:
-            fake_fill.fill("alltoall_base", group, recv, send)
-        return recv, work
+        return _all_to_all(send.contiguous(), group)
 
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
-        send = ulysses_inverse_pack(x, group.size())
-        recv = torch.empty_like(send)
-        work = group.alltoall_base(recv, send, [], [])
-        if fake_fill.ACTIVE:
-            fake_fill.fill("alltoall_base", group, recv, send)
-        return recv, work
+        return _all_to_all(ulysses_inverse_pack(x, group.size()), group)
+
+
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
+    """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``, what
+    every Ulysses launch of this transport ends in (the fake group's output written where it writes nothing)."""
+    recv = torch.empty_like(send)
+    work = group.alltoall_base(recv, send, [], [])
+    if fake_fill.ACTIVE:
+        fake_fill.fill("alltoall_base", group, recv, send)
+    return recv, work
 
 
 class _Works:
