@@ -366,7 +366,8 @@ for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ul
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
 #: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each.
 #: A launch whose first argument is a list of tensors packs them; the pass may split such a launch by tensor.
-#: ``ulysses_packed_start`` comes in pairs from traced code (:class:`cp_ops.comm.OpComm`): K/V first, then Q.
+#: ``ulysses_packed_start`` (traced code, :class:`cp_ops.comm.OpComm`) is one launch of a stacked send buffer; the
+#: pass splits its stack into K/V and Q launches.
 KV_LAUNCH_OPS = (
     torch.ops.cp_ops.agkv_gather_start.default,
     torch.ops.cp_ops.ulysses_start.default,
