@@ -20,6 +20,11 @@ def _p(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
+def _err(m: dict | None) -> str:
+    """``max / rms`` of an error row (``rel_max``, ``rel_rms``), or '—'."""
+    return "—" if m is None else f"{_p(m['rel_max'])} / {_p(m['rel_rms'])}"
+
+
 def main(d: str) -> None:
     models = _load(d, "models")
     if models:
@@ -29,9 +34,8 @@ def main(d: str) -> None:
         for r in models:
             a, b = r.get("fwd_vs_bf16"), r["fwd_vs_1gpu"]
             c, e = r.get("lat_vs_bf16"), r["lat_vs_1gpu"]
-            f = lambda m: "—" if m is None else f"{_p(m['rel_max'])} / {_p(m['rel_rms'])}"  # noqa: E731
-            print(f"| {r['model']} {r['config']} | {r['tokens']} | {r['variant']} | {f(a)} | {f(b)} | "
-                  f"{r['steps']}: {f(c)} | {f(e)} |")
+            print(f"| {r['model']} {r['config']} | {r['tokens']} | {r['variant']} | {_err(a)} | {_err(b)} | "
+                  f"{r['steps']}: {_err(c)} | {_err(e)} |")
         print()
     micro = _load(d, "micro")
     if micro:
@@ -41,7 +45,7 @@ def main(d: str) -> None:
         for r in micro:
             by.setdefault((r["tokens"], r["heads"], r["tensors"]), {})[r["fmt"]] = r
         for (s, h, t), fm in by.items():
-            cells = [f"{_p(fm[f]['rel_max'])} / {_p(fm[f]['rel_rms'])}" if f in fm else "—" for f in ("e4m3", "e5m2")]
+            cells = [_err(fm.get(f)) for f in ("e4m3", "e5m2")]
             print(f"| {s} x {h} | {t} | {cells[0]} | {cells[1]} |")
         print()
     vae = _load(d, "vae")
@@ -52,7 +56,7 @@ def main(d: str) -> None:
         for r in vae:
             print(f"| {r['model']} {r['config']} ({r['tokens']} tokens, {r['heads']} heads) | {r['steps']} | "
                   f"{'x'.join(map(str, r['image']))} | {r['variant']} | {r['psnr_db']:.1f} | "
-                  f"{_p(r['rel_max'])} / {_p(r['rel_rms'])} |")
+                  f"{_err(r)} |")
         print()
     ker = _load(d, "kernels")
     if ker:
