@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# 2026-12-02, call 1 on one H200 (issues 24 and 21): FP8 accuracy over the models' full denoising loops (emulated
+# on a group of one, benchmarks/fp8.py models), then cp_ops' cost under regional + graphs for FLUX.1-dev and
+# Z-Image-Turbo at W = 4, 8 with today's code forms (one traced Ulysses launch, per-shape mask buffers).
+# Run from the repository root: OUT=... bash benchmarks/results/2026-12-02_h200_torch2.11_cu130/call1.sh
+# Each step one process under `timeout` and a whole-call deadline END (s); results print to stdout (the log).
+set -u
+: "${OUT:?OUT must name the output folder}"
+T0=$SECONDS; END=${END:-560}; LOG=$OUT/log.txt; W=/tmp/w; mkdir -p "$W"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+ROOT=$PWD; . benchmarks/gpu_site.sh
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'diffusers', diffusers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
+echo "code: $(cat .gpu_rev 2>/dev/null || echo unknown)" | tee -a "$LOG"
+# st NAME CAP_S MIN_S CMD...
+st() {
+  local name=$1 cap=$2 min=$3; shift 3
+  local left=$((END - (SECONDS - T0))); local lim=$((cap < left ? cap : left))
+  if [ "$lim" -lt "$min" ]; then echo "=== $name: skipped (t=$((SECONDS - T0)) s: $left s left, needs $min)" | tee -a "$LOG"; return; fi
+  echo "=== $name (t=$((SECONDS - T0)) s, limit $lim s): $*" | tee -a "$LOG"
+  timeout -s ABRT -k 5 "$lim" "$@" 2>&1 | grep -v "^USDT\|__recompiles\]     -" | tee -a "$LOG"
+  echo "=== $name: rc=${PIPESTATUS[0]} at t=$((SECONDS - T0)) s" | tee -a "$LOG"
+}
+F="python3 benchmarks/fp8.py --sections models --no-bf16-check"
+for s in ${STEPS:-fp8_flux fp8_qwen fp8_ltx fp8_wan flux_rg zimage_rg}; do case $s in
+  # the standard step counts (issue 21 item 6): Flux / Qwen-Image 28, LTX-Video / Wan 50
+  fp8_flux) st $s 80 40 $F --out $W/$s --models flux --steps 28 --variants agkv,e4m3,cachedit ;;
+  fp8_qwen) st $s 110 60 $F --out $W/$s --models qwenimage --steps 28 --variants agkv,e4m3,cachedit ;;
+  fp8_ltx)  st $s 70 35 $F --out $W/$s --models ltx --steps 50 --variants agkv,e4m3,cachedit ;;
+  fp8_wan)  st $s 150 100 $F --out $W/$s --models wan --steps 50 --variants agkv,e4m3 ;;
+  flux_rg)  st $s 110 70 python3 -m cp_ops run flux --bound 4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
+  zimage_rg) st $s 110 60 python3 -m cp_ops run zimage --bound 4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
+  *) echo "=== unknown step $s" | tee -a "$LOG" ;;
+esac; done
+tar czf "$OUT/results.tgz" -C "$W" . ; ls -la "$OUT"
