@@ -71,8 +71,10 @@ def attention(
             Every rank must pass the same value.
         seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
             ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
-            :func:`cp_ops.layout.shard_sizes`). Exact: the keys are the concatenation of all ranks' real tokens
-            (padded blocks are moved, the real rows selected before attention). None = every rank holds S_local.
+            :func:`cp_ops.layout.shard_sizes`). Padded blocks are moved; without a key mask the real rows are
+            selected before attention (exact: the keys are the concatenation of all ranks' real tokens), with one
+            the padded blocks are attended with the padding rows masked (equal up to the attention kernel's order
+            of sums; no copy of the real rows: :class:`cp_ops.layout.Shards`). None = every rank holds S_local.
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
             applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`); or bool
             ``[B, S_total]`` (``S_total = sum(seq_lens)``, else ``W * S_local``): every key of the call in rank order,

@@ -282,12 +282,15 @@ class Shards:
     ``key_mask`` (given to the body per call): bool ``[B, S_local]``, True = attend this key; it travels with its
     rank's keys and is applied as SDPA's boolean mask over the full key sequence.
 
-    **Method** (exact; padded keys are never attended): every rank pads its block to ``smax = max(seq_lens)`` rows
-    (:meth:`pad`: one copy into a fresh buffer; the padding rows are never read, so never written), the transports
-    move the padded blocks with their even layouts, and the receiver selects the real rows (one ``index_select``
-    with indices computed once here) before attention, so SDPA sees exactly the K/V (and mask) of one device:
-    bitwise equal to single-device attention where the same kernel sees the same data. Blocks that are all full
-    skip the selection.
+    **Method.** Every rank pads its block to ``smax = max(seq_lens)`` rows (:meth:`pad`: one copy into a fresh
+    buffer) and the transports move the padded blocks with their even layouts. Then, without a key mask (exact:
+    padded keys are never attended), the receiver selects the real rows (one ``index_select`` with indices computed
+    once here; a ``cat`` of W slices in traced code) before attention, so SDPA sees exactly the K/V of one device:
+    bitwise equal to single-device attention where the same kernel sees the same data; the padding rows are never
+    read, so never written. With a key mask (SDPA's masked kernel runs anyway) nothing is selected: the padding
+    rows are zeros and attended with the mask False there (:meth:`padded_mask`), so no copy of the real rows, no
+    re-padding of the output: equal to one device up to the order of the kernel's sums (the same keys carry
+    weight; padding keys add exact zeros), not bitwise. Blocks that are all full skip both.
 
     Args:
         seq_lens: the W counts, or None (even: every rank ``s_local``). world, rank: W and this rank.
@@ -324,21 +327,25 @@ class Shards:
         return self._inv
 
     # -- what the bodies call --
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
+    def pad(self, x: torch.Tensor, zero: bool = False) -> torch.Tensor:
         """``[B, S_local, ...]`` → ``[B, smax, ...]``: a fresh contiguous buffer with x's rows first (x itself, made
-        contiguous, when ``S_local == smax``); the padding rows are left unwritten (never read)."""
+        contiguous, when ``S_local == smax``); the padding rows are left unwritten (never read), or zeros with
+        ``zero`` (padding rows that are attended, masked: :meth:`padded_mask`)."""
         if self.s_local == self.smax:
             return x.contiguous()
         out = x.new_empty((x.shape[0], self.smax, *x.shape[2:]))
         out.narrow(1, 0, self.s_local).copy_(x)
+        if zero:
+            out.narrow(1, self.s_local, self.smax - self.s_local).zero_()
         return out
 
     def pad_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (what travels; padding rows unwritten). A ``[B, total]`` mask
-        that is not read as every key's (:meth:`every_key`: another rank holds every token) gives this rank's block."""
+        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (what travels; padding rows 0 = not attended). A ``[B, total]``
+        mask that is not read as every key's (:meth:`every_key`: another rank holds every token) gives this rank's
+        block."""
         if key_mask.shape[1] != self.s_local:
             key_mask = key_mask.narrow(1, sum(self.seq[:self.rank]), self.s_local)
-        return self.pad(key_mask.to(torch.uint8))
+        return self.pad(key_mask.to(torch.uint8), zero=True)
 
     def rows(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """``[.., W*smax, ..]`` (padded blocks in rank order along ``dim``) → ``[.., total, ..]``: the real rows
@@ -354,13 +361,22 @@ class Shards:
         """Whether ``key_mask`` is the call's every-key mask ``[B, total]`` (:func:`every_key`), not this rank's."""
         return every_key(key_mask, self.s_local, self.total, self.seq)
 
-    def attend_mask(self, key_mask: torch.Tensor, comm, batch: int) -> torch.Tensor:
-        """SDPA's bool ``[B, 1, 1, total]`` for a call's key mask: an every-key mask ``[B, total]`` as given (no
-        communication); this rank's ``[B, S_local]`` padded, gathered (``comm.mask``, waited at once) and its real
-        rows selected (:meth:`mask`)."""
-        if self.every_key(key_mask):
-            return key_mask.reshape(batch, 1, 1, self.total)
-        return self.mask(comm.mask(self.pad_mask(key_mask)).wait(), batch)
+    def padded_mask(self, key_mask: torch.Tensor, gathered: torch.Tensor | None, batch: int) -> torch.Tensor:
+        """SDPA's bool ``[B, 1, 1, W*smax]`` over the padded blocks in rank order (what a call with a key mask
+        attends: :mod:`cp_ops.modes.agkv`, :mod:`cp_ops.modes.ulysses`): the call's key mask with every padding row
+        False. ``gathered``: the padded masks gathered (``[W*B, smax]`` uint8, rank-major: :meth:`pad_mask` on every
+        rank), or None for an every-key mask ``[B, total]`` (:meth:`every_key`), re-padded here."""
+        if gathered is None:
+            m = key_mask if self.full else self._repad_traced(key_mask)
+        else:
+            m = gathered.view(self.world, batch, self.smax).transpose(0, 1).reshape(batch, self.world * self.smax) != 0
+        return m.reshape(batch, 1, 1, self.world * self.smax)
+
+    def attend_padded(self, key_mask: torch.Tensor, comm, batch: int) -> torch.Tensor:
+        """:meth:`padded_mask` of a call's key mask: an every-key mask as given (no communication); this rank's
+        ``[B, S_local]`` padded and gathered (``comm.mask``, waited at once)."""
+        gathered = None if self.every_key(key_mask) else comm.mask(self.pad_mask(key_mask)).wait()
+        return self.padded_mask(key_mask, gathered, batch)
 
     def mask(self, gathered: torch.Tensor | None, batch: int) -> torch.Tensor | None:
         """A gathered mask ``[W*B, smax]`` uint8 (rank-major) → SDPA's bool ``[B, 1, 1, total]`` (real keys)."""
@@ -387,7 +403,8 @@ class Shards:
         return out.index_select(1, self.inverse_index())
 
     def _repad_traced(self, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`repad` as traced code (no index constant in the graph), the padding rows zeros. The standard split
+        """:meth:`repad` as traced code (no index constant in the graph), the padding rows zeros (False for a bool
+        ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask with it, eager or traced). The standard split
         (:func:`shard_sizes`: ``k`` blocks of ``smax`` rows, then blocks of ``smax - 1``) is two parts — the full
         blocks as they are, the short ones padded by one row each (one ``pad`` of a ``[B, W - k, smax - 1, ...]``
         view) — which Inductor lowers to one or two kernels; any other split is a ``cat`` of its blocks and padding

@@ -135,9 +135,16 @@ def _rt(x, f):
 
 def _same_calls(q, k, v, mask, rank, w, seq, mode, fmts):
     """The W-rank result with the kernel calls of ``mode`` on round-tripped tensors (bitwise what the ranks do at
-    chunks = 1): AGKV attends this rank's queries against all (decoded) keys; Ulysses each head group."""
+    chunks = 1): AGKV attends this rank's queries against all (decoded) keys; Ulysses each head group. With a mask
+    on uneven shards, the padded sequence (zeros, masked: cp_ops.layout.Shards)."""
+    from test_uneven import _padded
+
     fq, fk, fv, fo = fmts
     sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    if mask is not None and len(set(seq)) > 1:
+        smax = max(seq)
+        q, k, v, mask = (_padded(t, seq) for t in (q, k, v, mask))
+        sh = lambda t: t[:, rank * smax:rank * smax + seq[rank]]  # noqa: E731
     if mode == "agkv":
         return local_attention(sh(q), _rt(k, fk), _rt(v, fv), None, mask)
     hl = q.shape[2] // w

@@ -51,12 +51,18 @@ def _rt(x, f, trips=1):
 def _same_calls(qr, kr, vr, fo, mask, rank, seq, shape):
     """The mesh's result at chunks = 1 from the tensors as they arrive (``qr``, ``kr``, ``vr``: round-tripped), with
     its SDPA calls: per head group g of the inner dim, this rank's row of queries against every key; then this
-    rank's tokens, the output round-tripped (``fo``)."""
+    rank's tokens, the output round-tripped (``fo``). With a mask on rows of unequal sizes the keys are the rows
+    padded to the largest (zeros, masked), as the outer AGKV attends them (cp_ops.layout.Shards)."""
+    from test_uneven import _padded
+
     i_n = shape[1]
     o = rank // i_n
     offs = layout.shard_offsets(seq)
     lo, hi = offs[o * i_n], offs[o * i_n] + sum(seq[o * i_n:(o + 1) * i_n])
     hl = qr.shape[2] // i_n
+    rows = [sum(seq[r * i_n:(r + 1) * i_n]) for r in range(shape[0])]
+    if mask is not None and len(set(rows)) > 1:
+        kr, vr, mask = (_padded(t, rows) for t in (kr, vr, mask))
     row = torch.cat([local_attention(*(t[:, a:b, g * hl:(g + 1) * hl] for t, a, b in
                                        ((qr, lo, hi), (kr, None, None), (vr, None, None))), None, mask)
                      for g in range(i_n)], dim=2)

@@ -27,13 +27,19 @@ def _data(b, total, h, d, seed, dtype=torch.float32):
 
 def _ref(q, k, v, mask, shape, rank, seq, scale=None):
     """One device, with the SDPA calls the 2-D layout makes: per head group g of the inner size, the queries of this
-    rank's row against every key; this rank's rows of the result."""
+    rank's row against every key; this rank's rows of the result. With a mask on rows of unequal sizes the keys are
+    the rows padded to the largest (zeros, masked), as the outer AGKV attends them (cp_ops.layout.Shards)."""
     o_n, i_n = shape
     o = rank // i_n
     offs = layout.shard_offsets(seq)
     lo = offs[o * i_n]
     hi = lo + sum(seq[o * i_n:(o + 1) * i_n])
     hl = q.shape[2] // i_n
+    rows = [sum(seq[r * i_n:(r + 1) * i_n]) for r in range(o_n)]
+    if mask is not None and len(set(rows)) > 1:
+        from test_uneven import _padded
+
+        k, v, mask = (_padded(t, rows) for t in (k, v, mask))
     row = torch.cat([masked_attention(q[:, lo:hi, g * hl:(g + 1) * hl], k[:, :, g * hl:(g + 1) * hl],
                                       v[:, :, g * hl:(g + 1) * hl], scale, mask) for g in range(i_n)], dim=2)
     return row[:, offs[rank] - lo: offs[rank] - lo + seq[rank]]

@@ -28,12 +28,28 @@ def _data(b, total, h, d, seed):
     return q, k, v, mask
 
 
+def _padded(t, seq):
+    """``[B, total, ...]`` → ``[B, W*max(seq), ...]``: every rank's block padded to ``max(seq)`` rows with zeros
+    (False for a mask): the sequence a masked call on uneven shards attends (cp_ops.layout.Shards)."""
+    smax, parts, off = max(seq), [], 0
+    for n in seq:
+        parts += [t[:, off:off + n], t.new_zeros(t.shape[0], smax - n, *t.shape[2:])]
+        off += n
+    return torch.cat(parts, dim=1)
+
+
 def _same_kernel_refs(q, k, v, mask, rank, w, seq, mode, scale=None):
     """What one device computes for this rank's rows with the kernel calls of ``mode``: AGKV attends this rank's
-    queries against all keys; Ulysses attends each head group over the full sequence. (CPU SDPA's result for a
-    row may depend on the query count and the head count of the call — by ~1e-7 at some shapes — so "the same
-    kernel sees the same data" means the same calls.)"""
+    queries against all keys; Ulysses attends each head group over the full sequence. With a mask on uneven
+    shards, the sequence attended is the padded one (zeros, masked). (CPU SDPA's result for a row may depend on the
+    query count and the head count of the call — by ~1e-7 at some shapes — so "the same kernel sees the same data"
+    means the same calls.)"""
     sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    padded = mask is not None and len(set(seq)) > 1
+    if padded:
+        smax = max(seq)
+        q, k, v, mask = (_padded(t, seq) for t in (q, k, v, mask))
+        sh = lambda t: t[:, rank * smax:rank * smax + seq[rank]]  # noqa: E731
     if mode == "agkv":
         return masked_attention(sh(q), k, v, scale, mask)
     hl = q.shape[2] // w
@@ -58,7 +74,8 @@ def _equal_to_single_device(rank, w):
                 out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=1, seq_lens=seq,
                                        key_mask=None if m is None else sh(m))
                 assert out.shape == full.shape and out.is_contiguous()
-                # the same kernel calls see the same keys (padded rows removed before SDPA): bitwise
+                # the same kernel calls see the same keys (padded rows removed before SDPA; with a mask, the
+                # padded sequence, masked): bitwise
                 same = _same_kernel_refs(q, k, v, m, rank, w, seq, mode)
                 assert torch.equal(out, same), (mode, seq, m is not None, (out - same).abs().max().item())
                 torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
@@ -249,6 +266,33 @@ def _opcheck(rank, w):
 
 
 
+def _masked_selects_nothing(rank, w):
+    """With a key mask on uneven shards nothing is selected or re-padded (the padding is attended, masked): the
+    selection methods are never called; without a mask they are (the exact path)."""
+    seq = (5, 3)
+    q, k, v, mask = _data(1, 8, 4, 8, seed=3)
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    called = []
+    saved = {n: getattr(layout.Shards, n) for n in ("rows", "ulysses_rows", "repad")}
+    for n, f in saved.items():
+        setattr(layout.Shards, n, lambda self, *a, _n=n, _f=f: called.append(_n) or _f(self, *a))
+    try:
+        for mode in ("agkv", "ulysses"):
+            for m in (sh(mask), mask):  # this rank's mask (gathered), every key's (no gather)
+                called.clear()
+                out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq, key_mask=m)
+                assert called == [] and torch.equal(out, _same_kernel_refs(q, k, v, mask, rank, w, seq, mode))
+            cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq)
+            assert called, mode
+    finally:
+        for n, f in saved.items():
+            setattr(layout.Shards, n, f)
+
+
+def test_masked_uneven_selects_no_rows():
+    run_ranks(_masked_selects_nothing, 2)
+
+
 def test_shard_sizes():
     assert layout.shard_sizes(7, 2) == (4, 3)
     assert layout.shard_sizes(8423, 3) == (2808, 2808, 2807)
@@ -309,6 +353,10 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 def _refs(q, k, v, mask, rank, w, seq, mode):
     sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq).contiguous()  # noqa: E731
+    if mask is not None and len(set(seq)) > 1:  # the padded sequence, masked (_same_kernel_refs)
+        smax = max(seq)
+        q, k, v, mask = (_padded(t, seq) for t in (q, k, v, mask))
+        sh = lambda t: t[:, rank * smax:rank * smax + seq[rank]].contiguous()  # noqa: E731
     if mode == "agkv":
         return masked_attention(sh(q), k, v, None, mask)
     hl = q.shape[2] // w

@@ -11,7 +11,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cp_ops
 from cp_ops import layout
-from cp_ops.kernels import local_attention as masked_attention
 from dist_util import run_ranks
 
 
@@ -31,13 +30,10 @@ def _data(b, total, h, d, seed):
 
 
 def _ref(q, k, v, mask, rank, w, seq, mode):
-    """One device, the same SDPA calls as ``mode`` (tests/test_uneven.py's _same_kernel_refs)."""
-    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
-    if mode == "agkv":
-        return masked_attention(sh(q), k, v, None, mask)
-    hl = q.shape[2] // w
-    return sh(torch.cat([masked_attention(*(t[:, :, g * hl:(g + 1) * hl] for t in (q, k, v)), None, mask)
-                         for g in range(w)], dim=2))
+    """One device, the same SDPA calls as ``mode`` (with a mask on uneven shards: the padded sequence, masked)."""
+    from test_uneven import _same_kernel_refs
+
+    return _same_kernel_refs(q, k, v, mask, rank, w, seq, mode)
 
 
 def _cache_and_masks(rank, w):

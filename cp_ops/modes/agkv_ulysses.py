@@ -19,9 +19,10 @@ dispatcher runs the 1-D modes for those meshes).
 
 Uneven shards / key mask (``shards``: a :class:`cp_ops.mesh.MeshShards`): the inner step pads to the row's largest
 block and selects the row's real tokens (as 1-D Ulysses does), the outer step pads rows to the largest row and selects
-the real tokens of all rows (as 1-D AGKV does); the mask is gathered over the inner group beside the Ulysses launch
-(the row's mask) and travels with the K/V over the outer group. Exact: with chunks = 1 every SDPA call sees the same
-Q rows, K/V and mask as one device's call for that row and head group (bitwise equal).
+the real tokens of all rows (as 1-D AGKV does; with a key mask it attends the padded rows, the padding masked); the
+mask is gathered over the inner group beside the Ulysses launch (the row's mask) and travels with the K/V over the
+outer group. Exact: with chunks = 1 every SDPA call sees the same Q rows, K/V and mask as one device's call for that
+row and head group (bitwise equal; with a mask on rows of unequal sizes, its call over the padded keys).
 
 Method: the 2-D Ulysses × all-gather-K/V layout (as TensorRT-LLM's Attention2D and USP's Ulysses × ring, Fang & Zhao,
 2024, arXiv:2405.07719, with AGKV in place of the ring); DeepSpeed-Ulysses (arXiv:2309.14509).

@@ -9,10 +9,12 @@ block. At most two launches of one kind are in flight (the fast transport's pool
 sub-group i+2 is launched after sub-group i's buffer has been read, and the inverse of sub-group i is copied out
 before sub-group i+2's inverse starts.
 
-Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows, the real rows of the full sequence are
-selected after the all-to-all (one copy for q, k, v together), the output is re-padded for the way back and this
-rank keeps its first ``S_local`` rows; the mask is gathered beside the first sub-group and applied to every one (a
-mask of every key, ``[B, total]``, is applied as given: nothing to gather).
+Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows and this rank keeps the first ``S_local``
+rows of what comes back. Without a key mask the real rows of the full sequence are selected after the all-to-all
+(one copy for q, k, v together) and the output is re-padded for the way back (exact); with one, the padded sequence
+is attended with the padding rows (zeros) masked: no selection, no re-padding (:class:`cp_ops.layout.Shards`). The
+mask is gathered beside the first sub-group and applied to every one (a mask of every key, ``[B, total]``, is
+re-padded: nothing to gather).
 ``chunks = 1`` takes the same steps with one group of all heads, unpacking the way back in one copy.
 """
 
@@ -30,17 +32,19 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     b, s, h, d = q.shape
     hl = h // w
     g = max(1, min(chunks, hl))
-    if shards is not None:
-        q, k, v = shards.pad(q), shards.pad(k), shards.pad(v)
+    select = shards is not None and key_mask is None  # uneven without a mask: the real rows are selected
+    if shards is not None:  # (with a mask the padding rows are attended, masked: zeros)
+        masked = key_mask is not None
+        q, k, v = shards.pad(q, masked), shards.pad(k, masked), shards.pad(v, masked)
     if g == 1:  # transport-then-attend: all heads at once, one copying unpack of the way back
         m4 = None
         pending = comm.ulysses([q, k, v])  # the call's first launch: the rank contract's exchange
         if key_mask is not None:
-            m4 = shards.attend_mask(key_mask, comm, b)
+            m4 = shards.attend_padded(key_mask, comm, b)
         buf = pending.wait()
-        qh, kh, vh = comm.unpack(buf) if shards is None else shards.ulysses_rows(buf, comm.unpack)
+        qh, kh, vh = shards.ulysses_rows(buf, comm.unpack) if select else comm.unpack(buf)
         out = local_attention(qh, kh, vh, scale, m4)
-        back = comm.ulysses_inverse(out if shards is None else shards.repad(out)).wait()
+        back = comm.ulysses_inverse(shards.repad(out) if select else out).wait()
         return layout.ulysses_inverse_unpack(back) if shards is None else shards.inverse_rows(back)
     cuts = [i * hl // g for i in range(g + 1)]
     spans = list(zip(cuts, cuts[1:]))
@@ -61,14 +65,14 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     launch(0)  # the call's first launch: the rank contract's exchange
     m4 = None
     if key_mask is not None:
-        m4 = shards.attend_mask(key_mask, comm, b)
+        m4 = shards.attend_padded(key_mask, comm, b)
     if g > 1:
         launch(1)
     for i in range(g):
         buf = starts.pop(i).wait()
-        qh, kh, vh = comm.unpack(buf) if shards is None else shards.ulysses_rows(buf, comm.unpack)
+        qh, kh, vh = shards.ulysses_rows(buf, comm.unpack) if select else comm.unpack(buf)
         out = local_attention(qh, kh, vh, scale, m4)
-        inverses[i] = comm.ulysses_inverse(out if shards is None else shards.repad(out))
+        inverses[i] = comm.ulysses_inverse(shards.repad(out) if select else out)
         if i >= 1:
             finish(i - 1)
         if i + 2 < g:
