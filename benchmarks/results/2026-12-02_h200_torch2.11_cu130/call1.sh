@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# 2026-12-02, call 1 on one H200 (issues 24 and 21): FP8 accuracy over the models' full denoising loops (emulated
-# on a group of one, benchmarks/fp8.py models), then cp_ops' cost under regional + graphs for FLUX.1-dev and
-# Z-Image-Turbo at W = 4, 8 with today's code forms (one traced Ulysses launch, per-shape mask buffers).
+# 2026-12-02, calls on one H200 (issues 24 and 21). Call 1 (default STEPS): FP8 accuracy over the models' full
+# denoising loops (emulated on a group of one, benchmarks/fp8.py models), then cp_ops' cost under regional + graphs
+# for FLUX.1-dev and Z-Image-Turbo at W = 4, 8 with today's code forms (one traced Ulysses launch, per-shape mask
+# buffers). Call 2 (STEPS="qwen_rg gtests"): Qwen-Image's cost after the masked-padding change (e883c47), the
+# one-GPU tests.
 # Run from the repository root: OUT=... bash benchmarks/results/2026-12-02_h200_torch2.11_cu130/call1.sh
 # Each step one process under `timeout` and a whole-call deadline END (s); results print to stdout (the log).
 set -u
@@ -29,6 +31,8 @@ for s in ${STEPS:-fp8_flux fp8_qwen fp8_ltx fp8_wan flux_rg zimage_rg}; do case 
   fp8_wan)  st $s 150 100 $F --out $W/$s --models wan --steps 50 --variants agkv,e4m3 ;;
   flux_rg)  st $s 110 70 python3 -m cp_ops run flux --bound 4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
   zimage_rg) st $s 110 60 python3 -m cp_ops run zimage --bound 4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
+  qwen_rg)  st $s 170 90 python3 -m cp_ops run qwenimage --bound 2,4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
+  gtests)   st $s 100 40 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_one_gpu.py -k "not two_ranks" ;;
   *) echo "=== unknown step $s" | tee -a "$LOG" ;;
 esac; done
 tar czf "$OUT/results.tgz" -C "$W" . ; ls -la "$OUT"
