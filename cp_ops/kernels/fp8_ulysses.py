@@ -237,6 +237,7 @@ def unpack_decode_torch(buf, dtype, fmt, out=None) -> torch.Tensor:
     check_unpack(buf, dtype, fmt, 6, out)
     w, b, s, n, hl, d4 = buf.shape
     ref = fp8.decode_torch(buf, dtype, fmt).permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * s, hl, d4 - SCALE_BYTES)
+    ref = ref.contiguous()  # (the reshape is a strided view at B = 1)
     return ref if out is None else out.copy_(ref)
 
 
