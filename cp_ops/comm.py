@@ -19,7 +19,8 @@ stream):
 * ``mask(m)`` — uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key mask beside a Ulysses call.
 * ``ulysses(xs, lo=0, hi=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads ``[lo, hi)`` of every
   head group; all of them by default).
-* ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``.
+* ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``; ``pending.wait_into(out)`` writes it into
+  ``out [B, S/W, W, Hl, D]`` instead (pipelined Ulysses' result heads: FP8 decodes straight into it).
 * ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (pipelined AGKV, which traced code runs inside one op,
   ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
   :func:`cp_ops.transport.base.agkv_start_sources`.
@@ -59,10 +60,24 @@ class Pending:
     """A launch not yet waited: ``wait()`` returns its outputs (a tensor, or a tuple of them), valid on the current
     stream; waiting again returns them again."""
 
-    __slots__ = ("outs", "work", "comm", "post")
+    __slots__ = ("outs", "work", "comm", "post", "into")
 
-    def __init__(self, outs, work, comm, post=None):
-        self.outs, self.work, self.comm, self.post = outs, work, comm, post
+    def __init__(self, outs, work, comm, post=None, into=None):
+        self.outs, self.work, self.comm, self.post, self.into = outs, work, comm, post, into
+
+    def wait_into(self, out: torch.Tensor) -> torch.Tensor:
+        """An inverse launch's result written into ``out`` ``[B, S, W, Hl, D]`` (any strides; S ≤ the received
+        tokens per block: the first S of each, uneven shards) and returned: the FP8 decode straight into it where the
+        launch has one (``into``: eager FP8), else a copy of the waited ``[W, B, S', Hl, D]``. Once per launch."""
+        into = self.into
+        if into is not None and self.comm is not None:
+            self.into = self.post = None
+            into(self.wait(), out)
+            return out
+        back = self.wait()
+        if back.shape[2] != out.shape[1]:
+            back = back.narrow(2, 0, out.shape[1])
+        return out.copy_(back.permute(1, 2, 0, 3, 4))
 
     def wait(self):
         comm = self.comm
@@ -105,8 +120,8 @@ class _Comm:
 
     _pending_type = Pending
 
-    def _launched(self, outs, work, post=None) -> Pending:
-        p = self._pending_type(outs, work, self, post)
+    def _launched(self, outs, work, post=None, into=None) -> Pending:
+        p = self._pending_type(outs, work, self, post, into)
         self.pending.add(p)
         return p
 
@@ -433,12 +448,14 @@ class DirectComm(_Comm):
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
+        into = None
         if f:
             x, post = fp8.encode(x, f), (lambda b: self._inverse_decoded(b, dt, f))
+            into = lambda b, out: fp8_ulysses.inverse_decode(b.narrow(2, 0, out.shape[1]), dt, f, out=out)  # noqa: E731
         if self.armed or self.tr is None:
             self._first(x, 1)
         buf, work = self.tr.ulysses_inverse_start(x, self.pg)
-        return self._launched(buf, work, post)
+        return self._launched(buf, work, post, into)
 
 
 class MeshComm:

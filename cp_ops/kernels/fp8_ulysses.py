@@ -166,6 +166,16 @@ def _rows(t: torch.Tensor, d: int):
     return tuple(s // d for s in st)
 
 
+def _encoded_rows(buf: torch.Tensor):
+    """``(buf, its strides in encoded rows)`` — ``buf`` itself when its rows are D + 4 contiguous bytes at a multiple
+    of D + 4 with heads adjacent (a receive buffer, or a token range of one: uneven shards), else a contiguous copy."""
+    rows = _rows(buf, buf.shape[-1])
+    if rows is None or rows[-1] not in (0, 1):
+        buf = buf.contiguous()
+        rows = _rows(buf, buf.shape[-1])
+    return buf, rows
+
+
 def _launch_pack(xs, world, lo, hi, fmt, out) -> None:
     b, s, h, d = xs[0].shape
     hl = h // world
@@ -272,9 +282,9 @@ def unpack_decode_triton(buf, dtype, fmt, out=None) -> torch.Tensor:
     if rows is None:  # an out whose rows the kernel cannot address: decoded, then copied
         return out.copy_(unpack_decode_triton(buf, dtype, fmt))
     o_i, o_b, o_t, o_h = rows
-    # source rows: per j B*S*n*Hl, per slot Hl, per b S*n*Hl, per token n*Hl; out: source j's tokens start at j*S
-    _launch_decode(buf.contiguous(), out, n, (b * s * n * hl, hl, s * n * hl, n * hl), (s * o_t, o_i, o_b, o_t, o_h),
-                   s, hl, fmt, w, b)
+    buf, (s_j, s_b, s_t, s_i, _) = _encoded_rows(buf)
+    # out: source j's tokens start at j*S
+    _launch_decode(buf, out, n, (s_j, s_i, s_b, s_t), (s * o_t, o_i, o_b, o_t, o_h), s, hl, fmt, w, b)
     return out
 
 
@@ -291,6 +301,6 @@ def inverse_decode_triton(buf, dtype, fmt, out=None) -> torch.Tensor:
     if rows is None:
         return out.copy_(inverse_decode_triton(buf, dtype, fmt))
     o_b, o_t, o_j, o_h = rows
-    # source rows: per j B*S*Hl, per b S*Hl, per token Hl (one slot)
-    _launch_decode(buf.contiguous(), out, 1, (b * s * hl, 0, s * hl, hl), (o_j, 0, o_b, o_t, o_h), s, hl, fmt, w, b)
+    buf, (s_j, s_b, s_t, _) = _encoded_rows(buf)
+    _launch_decode(buf, out, 1, (s_j, 0, s_b, s_t), (o_j, 0, o_b, o_t, o_h), s, hl, fmt, w, b)
     return out
