@@ -465,11 +465,11 @@ def _fused_inputs(case, device, seed):
     return [x.to(device) for x in xs]
 
 
-def check_fused(device, triton_version: bool) -> None:
+def check_fused(device, triton_version: bool, out_dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> None:
     """The fused functions (the Triton version when ``triton_version``, else the dispatching ones) against the
     written-out references and the unfused path (encode + :func:`layout.ulysses_pack`; decode +
     :func:`layout.ulysses_unpack_all` / :func:`layout.ulysses_inverse_unpack`), bitwise, on every case of
-    :data:`FUSED_CASES`, both formats, three output dtypes, into strided ``out`` views; the mixed-format assembly of
+    :data:`FUSED_CASES`, both formats, the ``out_dtypes``, into strided ``out`` views; the mixed-format assembly of
     :class:`cp_ops.comm.DirectComm`."""
     from cp_ops.comm import DirectComm
     from cp_ops.kernels import fp8_ulysses as fu
@@ -487,7 +487,7 @@ def check_fused(device, triton_version: bool) -> None:
             assert send.device == xs[0].device and _same(send, ref), (case, f)
             unfused = layout.ulysses_pack([fp8.encode(layout.ulysses_heads(x, w, lo, hi), f) for x in xs], w)
             assert _same(send, unfused), (case, f)
-            for odt in (torch.bfloat16, torch.float16, torch.float32):
+            for odt in out_dtypes:
                 u = unpack(send, odt, f)
                 assert u.shape == (n, b, w * s, hi_ - lo, d) and u.is_contiguous() and u.dtype == odt
                 assert _same(u, _ref_unpack(send, odt, f)), (case, f, odt)
@@ -689,7 +689,7 @@ def test_fused_ulysses_triton_equals_torch_cuda():
     from cp_ops.kernels import fp8_ulysses as fu
 
     dev = torch.device("cuda")
-    check_fused(dev, triton_version=True)
+    check_fused(dev, triton_version=True, out_dtypes=(torch.bfloat16, torch.float32))  # (fewer JIT compiles)
     assert fp8.use_triton(dev), fp8.self_test(dev)
     xs = _fused_inputs(FUSED_CASES[0], dev, seed=9)
     assert torch.equal(fu.pack_encode(xs, 2, 0, None, "e4m3"), fu.pack_encode_triton(xs, 2, 0, None, "e4m3"))

@@ -18,14 +18,14 @@ buffer is written by the encode and the unpacked tensors by the decode:
 
 **The kernels.** Every layout here is, per (destination-or-source rank j, tensor slot i, batch b), a run of T tokens
 × HL heads of D-value rows, contiguous per head in both source and destination, with a per-token row stride on each
-side. So the grid is ``(cdiv(T*HL, BLOCK_R), W·n, B)``: a program computes its (j, i, b) base offsets once, as int64
-scalars from a few runtime strides, and its tile's rows ``r`` → ``t = r // HL, h = r % HL`` with HL a constexpr
+side. So the grid is ``(cdiv(T*HL, BLOCK_R), W·n, B)``, one tile per program as the contiguous kernels: a program computes its
+(j, i, b) base offsets once, as int64 scalars from a few runtime strides (and, encoding, picks its input's pointer), and its tile's rows ``r`` → ``t = r // HL, h = r % HL`` with HL a constexpr
 (a multiply and shift, int32) → ``row = base + t * st + h * sh``. Strides are passed in rows (D values, D + 4 bytes):
 the compiler then knows each row's alignment as in the contiguous kernels. The quantize/dequantize math is the
 contiguous kernels' own (``_quantize``, ``_dequantize``: the same IEEE divisions and integer RNE casts), so every
 byte equals the torch version's. Integer arguments are not specialized (``do_not_specialize``): one compiled variant
-serves every T, stride and batch of a (input dtype, format, D, HL, n); the constexprs are D, HL, n (encode: 1–3),
-the format and the output dtype.
+serves every T, n, stride and batch of a (input dtype, format, D, HL); the constexprs are D, HL, the format and the
+output dtype (and Triton's 16-byte alignment of each pointer).
 
 Each function runs torch ops (:mod:`cp_ops.kernels.fp8`'s torch version and the layout copies; any device, CI) when
 :func:`cp_ops.kernels.fp8.use_triton` is false for the device — the same bytes.
@@ -44,39 +44,35 @@ if triton is not None:
 
     from .fp8 import _dequantize, _load_scales, _quantize, _store_scales
 
-    _INTS = ["T", "x_j", "x_b", "x_t", "x_h", "o_j", "o_i", "o_b", "o_t"]
-
-    @triton.jit(do_not_specialize=_INTS)
-    def _pack_encode_kernel(X0, X1, X2, OUT, T, x_j, x_b, x_t, x_h, o_j, o_i, o_b, o_t, N: tl.constexpr,
-                            HL: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                            FMAX: tl.constexpr, E4M3: tl.constexpr):
-        """Program (tile, j, b): rows ``[tile*BLOCK_R, +BLOCK_R)`` of the T*HL (token, head) rows of head group j,
-        batch b, of each of the N inputs (X0..X2: same strides, in D-value rows: x_j per head group, x_b, x_t, x_h)
-        → their encoded rows in OUT (strides in (D+4)-byte rows: o_j, o_i per slot, o_b, o_t; heads adjacent)."""
-        j = tl.program_id(1).to(tl.int64)
+    @triton.jit(do_not_specialize=["T", "N", "x_j", "x_b", "x_t", "x_h", "o_j", "o_i", "o_b", "o_t"])
+    def _pack_encode_kernel(X0, X1, X2, OUT, T, N, x_j, x_b, x_t, x_h, o_j, o_i, o_b, o_t, HL: tl.constexpr,
+                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, FMAX: tl.constexpr,
+                            E4M3: tl.constexpr):
+        """Program (tile, j*N + i, b): rows ``[tile*BLOCK_R, +BLOCK_R)`` of the T*HL (token, head) rows of head group
+        j, batch b, of input i (X0..X2: same strides, in D-value rows: x_j per head group, x_b, x_t, x_h) → their
+        encoded rows in OUT (strides in (D+4)-byte rows: o_j, o_i per slot, o_b, o_t; heads adjacent). One tile per
+        program, as the contiguous kernel."""
+        jn = tl.program_id(1)
+        j = (jn // N).to(tl.int64)
+        i = jn % N
         b = tl.program_id(2).to(tl.int64)
-        x_base = j * x_j + b * x_b
-        o_base = j * o_j + b * o_b
+        src = X0
+        if i == 1:
+            src = X1
+        if i == 2:
+            src = X2
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = r < T * HL
         t = (r // HL).to(tl.int64)
         h = r % HL
         cols = tl.arange(0, BLOCK_D)
         m = rm[:, None] & (cols[None, :] < D)
-        x_row = x_base + t * x_t + h * x_h
-        o_row = o_base + t * o_t + h
-        for i in tl.static_range(N):
-            if i == 0:
-                src = X0
-            elif i == 1:
-                src = X1
-            else:
-                src = X2
-            x = tl.load(src + x_row[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            q, scale = _quantize(x, FMAX, E4M3)
-            row_out = OUT + (o_row + i * o_i) * (D + 4)
-            tl.store(row_out[:, None] + cols[None, :], q, mask=m)
-            _store_scales(row_out, scale, rm, D)
+        x_row = j * x_j + b * x_b + t * x_t + h * x_h
+        x = tl.load(src + x_row[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        q, scale = _quantize(x, FMAX, E4M3)
+        row_out = OUT + (j * o_j + i.to(tl.int64) * o_i + b * o_b + t * o_t + h) * (D + 4)
+        tl.store(row_out[:, None] + cols[None, :], q, mask=m)
+        _store_scales(row_out, scale, rm, D)
 
     @triton.jit(do_not_specialize=["T", "M", "s_j", "s_i", "s_b", "s_t", "o_j", "o_i", "o_b", "o_t", "o_h"])
     def _unpack_decode_kernel(BUF, OUT, T, M, s_j, s_i, s_b, s_t, o_j, o_i, o_b, o_t, o_h, HL: tl.constexpr,
@@ -190,10 +186,10 @@ def _launch_pack(xs, world, lo, hi, fmt, out) -> None:
     ptrs = [xs[i] if i < n else xs[0] for i in range(3)]
     # the pointer X_i is x_i at heads [lo, ...) of group 0
     ptrs = [p[:, :, lo:] if lo else p for p in ptrs]
-    grid = (triton.cdiv(s * hs, block_r), world, b)
+    grid = (triton.cdiv(s * hs, block_r), world * n, b)
     # OUT [W, B, S, n, hs, D+4]: rows per j = B*S*n*hs, per slot hs, per b S*n*hs, per token n*hs
-    _pack_encode_kernel[grid](*ptrs, out, s, hl * x_h, x_b, x_t, x_h, b * s * n * hs, hs, s * n * hs, n * hs,
-                              N=n, HL=hs, D=d, BLOCK_D=block_d, BLOCK_R=block_r, FMAX=fp8.FORMATS[fmt][1],
+    _pack_encode_kernel[grid](*ptrs, out, s, n, hl * x_h, x_b, x_t, x_h, b * s * n * hs, hs, s * n * hs, n * hs,
+                              HL=hs, D=d, BLOCK_D=block_d, BLOCK_R=block_r, FMAX=fp8.FORMATS[fmt][1],
                               E4M3=fmt == "e4m3", num_warps=4)
 
 
