@@ -35,9 +35,12 @@ is deterministic, so once the first launch agrees the rest of the schedule does 
 format each of q, k, v, o travels in. A launch encodes the tensors it moves (:mod:`cp_ops.kernels.fp8`: uint8
 ``[..., D + 4]``, fp8 values and each (token, head)'s fp32 scale in one buffer, so one collective moves both and the
 transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
-shapes and dtype — so the bodies have no FP8 branch. Ulysses tensors of different formats travel in one launch per
-format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece when its arrival is
-waited.
+shapes and dtype — so the bodies have no FP8 branch. Ulysses fuses the codec with its layouts
+(:mod:`cp_ops.kernels.fp8_ulysses`): q, k, v are encoded straight into the send buffer (moved by the transport's
+``ulysses_packed_start``) and decoded straight into the unpacked ``[n, B, W*S, Hl, D]``, O's arrival straight into
+``[B, S, W*Hl, D]`` (or, ``wait_into``, into pipelined Ulysses' result). Ulysses tensors of different formats travel
+in one launch per format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece
+when its arrival is waited.
 
 **Faults** (issue 20 item 9): a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
 all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
