@@ -309,7 +309,7 @@ def _(buf, dtype, fmt):
     return buf.new_empty((*buf.shape[:-1], buf.shape[-1] - fp8.SCALE_BYTES), dtype=dtype)
 
 
-# ---- the FP8 codec fused with the Ulysses layouts (cp_ops.kernels.fp8_ulysses): one pass each way ----------------------
+# ---- the FP8 codec fused with the Ulysses layouts (cp_ops.kernels.fp8_ulysses): one pass each way ------------------
 @torch.library.custom_op("cp_ops::fp8_ulysses_pack", mutates_args=())
 def fp8_ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int, hi: int | None, fmt: str) -> torch.Tensor:
     return fp8_ulysses.pack_encode(xs, world_size, lo, hi, fmt)

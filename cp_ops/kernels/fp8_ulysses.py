@@ -18,8 +18,9 @@ buffer is written by the encode and the unpacked tensors by the decode:
 
 **The kernels.** Every layout here is, per (destination-or-source rank j, tensor slot i, batch b), a run of T tokens
 × HL heads of D-value rows, contiguous per head in both source and destination, with a per-token row stride on each
-side. So the grid is ``(cdiv(T*HL, BLOCK_R), W·n, B)``, one tile per program as the contiguous kernels: a program computes its
-(j, i, b) base offsets once, as int64 scalars from a few runtime strides (and, encoding, picks its input's pointer), and its tile's rows ``r`` → ``t = r // HL, h = r % HL`` with HL a constexpr
+side. So the grid is ``(cdiv(T*HL, BLOCK_R), W·n, B)``, one tile per program as the contiguous kernels: a program
+computes its (j, i, b) base offsets once, as int64 scalars from a few runtime strides (and, encoding, picks its input's
+pointer), and its tile's rows ``r`` → ``t = r // HL, h = r % HL`` with HL a constexpr
 (a multiply and shift, int32) → ``row = base + t * st + h * sh``. Strides are passed in rows (D values, D + 4 bytes):
 the compiler then knows each row's alignment as in the contiguous kernels. The quantize/dequantize math is the
 contiguous kernels' own (``_quantize``, ``_dequantize``: the same IEEE divisions and integer RNE casts), so every
@@ -202,7 +203,7 @@ def _launch_decode(buf, out, m, s_strides, o_strides, t, hl, fmt, world, b) -> N
                                 num_warps=4)
 
 
-# ---- the entry points: the Triton version where fp8.use_triton, else the torch version (the same bytes) ---------------
+# ---- the entry points: the Triton version where fp8.use_triton, else the torch version (the same bytes) -----------
 def pack_encode(xs, world: int, lo: int = 0, hi: int | None = None, fmt: str = "e4m3") -> torch.Tensor:
     """n tensors ``[B, S, H, D]`` (fp32/bf16/fp16, one shape and dtype, any strides) → the uint8 send buffer
     ``[W, B, S, n, hi - lo, D + 4]`` (contiguous) of heads ``[lo, hi)`` of every head group, each (token, head) row
