@@ -470,7 +470,8 @@ def check_fused(device, triton_version: bool, out_dtypes=(torch.bfloat16, torch.
     written-out references and the unfused path (encode + :func:`layout.ulysses_pack`; decode +
     :func:`layout.ulysses_unpack_all` / :func:`layout.ulysses_inverse_unpack`), bitwise, on every case of
     :data:`FUSED_CASES`, both formats, the ``out_dtypes``, into strided ``out`` views; the mixed-format assembly of
-    :class:`cp_ops.comm.DirectComm`."""
+    :class:`cp_ops.comm.DirectComm`. The unfused path in the torch codec (bitwise the contiguous Triton kernels: their
+    self-test; no JIT compiles on CUDA beyond the fused kernels')."""
     from cp_ops.comm import DirectComm
     from cp_ops.kernels import fp8_ulysses as fu
 
@@ -485,24 +486,24 @@ def check_fused(device, triton_version: bool, out_dtypes=(torch.bfloat16, torch.
             send = pack(xs, w, lo, hi, f)
             ref = _ref_pack(xs, w, lo, hi_, f)
             assert send.device == xs[0].device and _same(send, ref), (case, f)
-            unfused = layout.ulysses_pack([fp8.encode(layout.ulysses_heads(x, w, lo, hi), f) for x in xs], w)
+            unfused = layout.ulysses_pack([fp8.encode_torch(layout.ulysses_heads(x, w, lo, hi), f) for x in xs], w)
             assert _same(send, unfused), (case, f)
             for odt in out_dtypes:
                 u = unpack(send, odt, f)
                 assert u.shape == (n, b, w * s, hi_ - lo, d) and u.is_contiguous() and u.dtype == odt
                 assert _same(u, _ref_unpack(send, odt, f)), (case, f, odt)
-                old = torch.stack(layout.ulysses_unpack_all(fp8.decode(send, odt, f)))
+                old = torch.stack(layout.ulysses_unpack_all(fp8.decode_torch(send, odt, f)))
                 assert _same(u, old), (case, f, odt)
                 big = torch.zeros(2 * n, b, w * s, hi_ - lo, d, dtype=odt, device=device)  # out: every other slot
                 assert unpack(send, odt, f, out=big[::2]).data_ptr() == big.data_ptr()
                 assert _same(big[::2], u) and not big[1::2].any()
                 # the inverse: O [B, W*S, Hl', D] encoded (contiguous kernel), moved as its send layout
                 o = _fused_inputs((b, w * s, hi_ - lo, d, 1, 0, None, odt, 1), device, seed=100 + c)[0]
-                back = layout.ulysses_inverse_pack(fp8.encode(o, f), w)  # [W, B, S, Hl', D + 4]
+                back = layout.ulysses_inverse_pack(fp8.encode_torch(o, f), w)  # [W, B, S, Hl', D + 4]
                 v = inverse(back, odt, f)
                 assert v.shape == (b, s, w, hi_ - lo, d) and v.is_contiguous()
                 assert _same(v, _ref_inverse(back, odt, f)), (case, f, odt)
-                assert _same(v.view(b, s, -1, d), layout.ulysses_inverse_unpack(fp8.decode(back, odt, f)))
+                assert _same(v.view(b, s, -1, d), layout.ulysses_inverse_unpack(fp8.decode_torch(back, odt, f)))
                 if s > 1:  # the first tokens of each block (uneven shards: this rank's of smax), read in place
                     assert _same(inverse(back.narrow(2, 0, s - 1), odt, f), v[:, :s - 1])
                 res = torch.zeros(b, s, w, hi_ - lo + 2, d, dtype=odt, device=device)  # pipelined Ulysses' result
