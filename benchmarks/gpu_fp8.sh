@@ -45,7 +45,7 @@ step wan 70 python3 benchmarks/fp8.py --out "$OUT/wan" --sections models --model
 step tests 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py
 step vae 120 python3 benchmarks/fp8.py --out "$OUT/vae" --sections vae --models flux --steps 8
 step gtests 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py -k "not two_ranks"
-step fused 100 bash -c 'TRITON_CACHE_DIR=$(mktemp -d) python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+step fused 90 bash -c 'TRITON_CACHE_DIR=$(mktemp -d) python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
   tests/test_fp8.py -k "fused or nonfinite" && TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/fp8.py --out "$0" \
   --sections fused' "$OUT"
 step ltx 30 python3 benchmarks/fp8.py --out "$OUT/ltx" --sections models --models ltx ${MODEL_ARGS_ltx:---steps 8}
