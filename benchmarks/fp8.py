@@ -7,6 +7,9 @@
   Ulysses all-to-all of one tensor over W ranks moves ``(W-1)/W`` of it over W-1 links at once (time ≈ bytes/W per
   link); an AGKV gather receives one block per peer (time ≈ the block per link). It pays where
   encode + decode < saved link time (and only for exposed transfers: a pipelined one hides under attention anyway).
+* ``fused`` — the FP8 codec fused with the Ulysses pack/unpack (cp_ops.kernels.fp8_ulysses) against the unfused
+  path (contiguous encode + torch pack; decode + unpack) and the contiguous encode alone: µs and GB/s per (tokens,
+  W), the first call's seconds and the compiled variants (CUDA; prints a table).
 * ``codec`` — the Triton kernels against the torch version on the self-test's inputs (CUDA): bytes that differ,
   payload and scale apart, and whether each one's scales are the IEEE quotients amax / fp8_max (docs/fp8.md).
 * ``micro`` — relative error of one attention call on random bf16 ``[1, S, H, 128]`` per tensor choice (every
@@ -36,6 +39,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -85,6 +89,100 @@ def kernels(device, args) -> list[dict]:
         row["agkv_codec_us"] = row["encode_us"] + row["decode_us"] * (w - 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows
+
+
+def _variants(fn) -> int:
+    """Compiled variants a Triton kernel holds (every device), or -1 where this Triton keeps them elsewhere."""
+    try:
+        return sum(len(c[0]) for c in fn.device_caches.values())
+    except Exception:  # noqa: BLE001 - another Triton version's internals
+        return -1
+
+
+def fused(device, args) -> list[dict]:
+    """The FP8 codec fused with the Ulysses pack/unpack (cp_ops.kernels.fp8_ulysses) against today's unfused path,
+    per (tokens, W): B = 1, q/k/v bf16 ``[1, S_local, H, 128]``, e4m3, µs (median of 21 samples of 5 calls, CUDA
+    events, after 3 warm-up calls) and GB/s (bytes read + written). Send: (a) unfused = the contiguous encode of each
+    tensor + the torch pack (``layout.ulysses_pack``), (b) fused = ``pack_encode``. Receive (the send buffer stands in
+    for the received one: same shape): (a) decode + ``layout.ulysses_unpack_all`` (views at B = 1), (b)
+    ``unpack_decode`` (contiguous [3, B, W*S, Hl, D]). Inverse receive ``[W, 1, S, Hl, D + 4]``: (a) decode +
+    ``layout.ulysses_inverse_unpack``, (b) ``inverse_decode``. Reference: the contiguous encode of one tensor
+    (``fp8.encode``). Also: the first call's seconds (compile included: run it with a fresh TRITON_CACHE_DIR) and the
+    compiled variants of each kernel after the sweep. Prints a table."""
+    from cp_ops import layout, timing
+    from cp_ops.kernels import fp8, fp8_ulysses as fu
+
+    if not fp8.use_triton(device):
+        return [{"skipped": "needs CUDA and the Triton codec (fp8.use_triton)"}]
+    f, d, n = "e4m3", 128, 3
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
+
+    def us(fn):
+        return statistics.median(timing.steady_ms(fn, device, warmup=3, samples=21, calls=5)) * 1e3
+
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.fused_configs.split(",")]
+    rows = []
+    first = {}
+    for (total, h), w in itertools.product(configs, (2, 4, 8)):
+        if h % w or total % w:
+            continue
+        s, hl = total // w, h // w
+        g = torch.Generator(device=device).manual_seed(total + w)
+        xs = [torch.randn(1, s, h, d, generator=g, device=device, dtype=torch.bfloat16) for _ in range(n)]
+        o = torch.randn(1, w * s, hl, d, generator=g, device=device, dtype=torch.bfloat16)
+        if not first:  # the first calls: the JIT compiles (fresh cache) included
+            for name, fn in (("pack_encode", lambda: fu.pack_encode(xs, w, 0, None, f)),
+                             ("unpack_decode", lambda: fu.unpack_decode(fu.pack_encode(xs, w, 0, None, f),
+                                                                        torch.bfloat16, f)),
+                             ("inverse_decode", lambda: fu.inverse_decode(
+                                 layout.ulysses_inverse_pack(fp8.encode(o, f), w), torch.bfloat16, f))):
+                sync(device)
+                t = time.perf_counter()
+                fn()
+                sync(device)
+                first[name] = round(time.perf_counter() - t, 2)
+        send = fu.pack_encode(xs, w, 0, None, f)
+        unfused_send = layout.ulysses_pack([fp8.encode(x, f) for x in xs], w)
+        assert torch.equal(send, unfused_send), (total, w)  # bitwise, as the tests check
+        back = layout.ulysses_inverse_pack(fp8.encode(o, f), w)
+        u = fu.unpack_decode(send, torch.bfloat16, f)
+        assert torch.equal(u, torch.stack(layout.ulysses_unpack_all(fp8.decode(send, torch.bfloat16, f))))
+        v = fu.inverse_decode(back, torch.bfloat16, f)
+        assert torch.equal(v.view(1, s, h, d), layout.ulysses_inverse_unpack(fp8.decode(back, torch.bfloat16, f)))
+        rows_n = n * s * h  # encoded rows of the send (and receive) buffer
+        io_enc = rows_n * (2 * d + d + 4)  # bf16 read + encoded written
+        io_inv = s * h * (d + 4 + 2 * d)
+        row = dict(tokens=total, world=w, s_local=s, heads=h, head_dim=d, fmt=f, send_bytes=send.numel())
+        row["send_unfused_us"] = us(lambda: layout.ulysses_pack([fp8.encode(x, f) for x in xs], w))
+        row["send_fused_us"] = us(lambda: fu.pack_encode(xs, w, 0, None, f))
+        row["recv_unfused_us"] = us(lambda: layout.ulysses_unpack_all(fp8.decode(send, torch.bfloat16, f)))
+        row["recv_fused_us"] = us(lambda: fu.unpack_decode(send, torch.bfloat16, f))
+        row["inv_unfused_us"] = us(lambda: layout.ulysses_inverse_unpack(fp8.decode(back, torch.bfloat16, f)))
+        row["inv_fused_us"] = us(lambda: fu.inverse_decode(back, torch.bfloat16, f))
+        row["encode_one_us"] = us(lambda: fp8.encode(xs[0], f))
+        for k in ("send_unfused", "send_fused", "recv_unfused", "recv_fused"):
+            row[k + "_gbs"] = round(io_enc / row[k + "_us"] / 1e3, 1)
+        for k in ("inv_unfused", "inv_fused"):
+            row[k + "_gbs"] = round(io_inv / row[k + "_us"] / 1e3, 1)
+        row["encode_one_gbs"] = round(io_enc / n / row["encode_one_us"] / 1e3, 1)
+        rows.append(row)
+        del xs, o, send, unfused_send, back, u, v
+    var = {name: _variants(k) for name, k in (("pack_encode", getattr(fu, "_pack_encode_kernel", None)),
+                                              ("unpack_decode", getattr(fu, "_unpack_decode_kernel", None)),
+                                              ("encode", getattr(fp8, "_encode_kernel", None)),
+                                              ("decode", getattr(fp8, "_decode_kernel", None)))}
+    print("fused FP8 Ulysses codec, e4m3, bf16, D = 128, B = 1; µs (GB/s, bytes read + written); send/recv: q, k, v")
+    print("| tokens x heads | W | send unfused | send fused | recv unfused | recv fused | inverse recv unfused | "
+          "inverse recv fused | encode one tensor (contiguous) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = lambda k: f"{r[k + '_us']:.1f} ({r[k + '_gbs']:.0f})"  # noqa: E731
+        print(f"| {r['tokens']} x {r['heads']} | {r['world']} | {c('send_unfused')} | {c('send_fused')} | "
+              f"{c('recv_unfused')} | {c('recv_fused')} | {c('inv_unfused')} | {c('inv_fused')} | {c('encode_one')} |")
+    print(f"first call, s (compile included with a fresh cache): {first}; compiled variants after the sweep: {var}",
+          flush=True)
+    rows.append(dict(first_call_s=first, variants=var))
     return rows
 
 
@@ -347,6 +445,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--link-gbs", type=float, default=345.0)
+    p.add_argument("--fused-configs", default="4096x24,8192x24,32760x12,75600x40",
+                   help="fused: TOKENSxHEADS,... (W = 2, 4, 8 where they divide both)")
     p.add_argument("--variants", default="", help="models: comma-separated subset of " + ",".join(SHORT) +
                    " (default: all)")
     p.add_argument("--codec", choices=("torch", "auto"), default="torch",

@@ -10,6 +10,10 @@
 #   tests    — the gpu-marked tests of tests/test_fp8.py: the Triton kernels bitwise against the torch version; two
 #              ranks sharing the GPU.
 #   gtests   — the gpu-marked tests of tests/test_fp8.py but the two-ranks one; tworanks — that one alone;
+#   fused    — the FP8 codec fused with the Ulysses pack/unpack (cp_ops/kernels/fp8_ulysses.py): its gpu-marked tests
+#              (bitwise against the references and the unfused path; the self-test of the contiguous kernels), then
+#              benchmarks/fp8.py --sections fused (µs and GB/s fused vs unfused vs the contiguous encode, the first
+#              call's seconds, the compiled variants; a table on stdout), each with a fresh Triton cache (~60-90 s);
 #   qwen, ltx, hunyuan, wan14b — the remaining full-size models emulated, one process each (2026-12-01g: steps and
 #              variants chosen to fit the device budget: MODEL_ARGS_<name> overrides them).
 # Wheels in .whl/ (diffusers, ...) go to /tmp/site first (benchmarks/gpu_site.sh).
@@ -41,6 +45,9 @@ step wan 70 python3 benchmarks/fp8.py --out "$OUT/wan" --sections models --model
 step tests 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py
 step vae 120 python3 benchmarks/fp8.py --out "$OUT/vae" --sections vae --models flux --steps 8
 step gtests 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fp8.py -k "not two_ranks"
+step fused 90 bash -c 'TRITON_CACHE_DIR=$(mktemp -d) python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+  tests/test_fp8.py -k "fused or nonfinite" && TRITON_CACHE_DIR=$(mktemp -d) python3 benchmarks/fp8.py --out "$0" \
+  --sections fused' "$OUT"
 step ltx 30 python3 benchmarks/fp8.py --out "$OUT/ltx" --sections models --models ltx ${MODEL_ARGS_ltx:---steps 8}
 step qwen 50 python3 benchmarks/fp8.py --out "$OUT/qwen" --sections models --models qwenimage ${MODEL_ARGS_qwen:---steps 4 --variants agkv,e4m3,cachedit,e5m2}
 step hunyuan 80 python3 benchmarks/fp8.py --out "$OUT/hunyuan" --sections models --models hunyuanvideo ${MODEL_ARGS_hunyuan:---steps 2 --no-bf16-check --variants agkv,e4m3,e5m2,cachedit}

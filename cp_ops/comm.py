@@ -19,7 +19,8 @@ stream):
 * ``mask(m)`` — uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key mask beside a Ulysses call.
 * ``ulysses(xs, lo=0, hi=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads ``[lo, hi)`` of every
   head group; all of them by default).
-* ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``.
+* ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``; ``pending.wait_into(out)`` writes it into
+  ``out [B, S/W, W, Hl, D]`` instead (pipelined Ulysses' result heads: FP8 decodes straight into it).
 * ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (pipelined AGKV, which traced code runs inside one op,
   ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
   :func:`cp_ops.transport.base.agkv_start_sources`.
@@ -34,9 +35,12 @@ is deterministic, so once the first launch agrees the rest of the schedule does 
 format each of q, k, v, o travels in. A launch encodes the tensors it moves (:mod:`cp_ops.kernels.fp8`: uint8
 ``[..., D + 4]``, fp8 values and each (token, head)'s fp32 scale in one buffer, so one collective moves both and the
 transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
-shapes and dtype — so the bodies have no FP8 branch. Ulysses tensors of different formats travel in one launch per
-format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece when its arrival is
-waited.
+shapes and dtype — so the bodies have no FP8 branch. Ulysses fuses the codec with its layouts
+(:mod:`cp_ops.kernels.fp8_ulysses`): q, k, v are encoded straight into the send buffer (moved by the transport's
+``ulysses_packed_start``) and decoded straight into the unpacked ``[n, B, W*S, Hl, D]``, O's arrival straight into
+``[B, S, W*Hl, D]`` (or, ``wait_into``, into pipelined Ulysses' result). Ulysses tensors of different formats travel
+in one launch per format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece
+when its arrival is waited.
 
 **Faults** (issue 20 item 9): a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
 all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
@@ -50,7 +54,7 @@ import torch
 
 from . import layout
 from .comm_dtype import NONE
-from .kernels import fp8
+from .kernels import fp8, fp8_ulysses
 from .transport import fake_fill
 from .transport.base import Arrival, agkv_start_sources
 
@@ -59,10 +63,24 @@ class Pending:
     """A launch not yet waited: ``wait()`` returns its outputs (a tensor, or a tuple of them), valid on the current
     stream; waiting again returns them again."""
 
-    __slots__ = ("outs", "work", "comm", "post")
+    __slots__ = ("outs", "work", "comm", "post", "into")
 
-    def __init__(self, outs, work, comm, post=None):
-        self.outs, self.work, self.comm, self.post = outs, work, comm, post
+    def __init__(self, outs, work, comm, post=None, into=None):
+        self.outs, self.work, self.comm, self.post, self.into = outs, work, comm, post, into
+
+    def wait_into(self, out: torch.Tensor) -> torch.Tensor:
+        """An inverse launch's result written into ``out`` ``[B, S, W, Hl, D]`` (any strides; S ≤ the received
+        tokens per block: the first S of each, uneven shards) and returned: the FP8 decode straight into it where the
+        launch has one (``into``: eager FP8), else a copy of the waited ``[W, B, S', Hl, D]``. Once per launch."""
+        into = self.into
+        if into is not None and self.comm is not None:
+            self.into = self.post = None
+            into(self.wait(), out)
+            return out
+        back = self.wait()
+        if back.shape[2] != out.shape[1]:
+            back = back.narrow(2, 0, out.shape[1])
+        return out.copy_(back.permute(1, 2, 0, 3, 4))
 
     def wait(self):
         comm = self.comm
@@ -105,8 +123,8 @@ class _Comm:
 
     _pending_type = Pending
 
-    def _launched(self, outs, work, post=None) -> Pending:
-        p = self._pending_type(outs, work, self, post)
+    def _launched(self, outs, work, post=None, into=None) -> Pending:
+        p = self._pending_type(outs, work, self, post, into)
         self.pending.add(p)
         return p
 
@@ -127,17 +145,47 @@ class _Comm:
             groups.setdefault(self.fmts[i] if i < 3 else "", []).append(i)
         return list(groups.items())
 
-    def _ulysses_codec(self, groups, bufs, dt):
-        """The wait's decode of a Ulysses launch made of one launch per group: one buffer
-        ``[W, B, S, n, Hl, D]`` of the input dtype ``dt``, the inputs in their order."""
-        parts = [self._dec(b, dt, f) if f else b for (f, _), b in zip(groups, bufs)]
-        if len(parts) == 1:
-            return parts[0]
-        slots = [None] * sum(len(idx) for _, idx in groups)
-        for (_, idx), p in zip(groups, parts):
+    def _ulysses_sends(self, xs, lo, hi, pack):
+        """The send buffers of a Ulysses launch, one per format group: ``[(fmt, idx, send [W, B, S, m, hs, D'])]``, an
+        FP8 group encoded straight into its send buffer (``self._pack``: :func:`cp_ops.kernels.fp8_ulysses.pack_encode`
+        or its op; D' = D + 4 bytes), a group in the input dtype packed by ``pack`` (:mod:`cp_ops.layout`)."""
+        w = self.world
+        return [(f, idx, self._pack([xs[i] for i in idx], w, lo, hi, f) if f else pack([xs[i] for i in idx], w, lo, hi))
+                for f, idx in self._groups(xs)]
+
+    def _ulysses_decoded(self, groups, bufs, dt):
+        """The wait's decode of a Ulysses launch made of one launch per format group (``groups``: (fmt, idx);
+        ``bufs``: their receive buffers ``[W, B, S, m, Hl, D']``): ``[W, B, S, n, Hl, D]`` of the input dtype ``dt``,
+        the inputs in their order — a permuted view of one new ``[n, B, W*S, Hl, D]`` tensor, which the FP8 groups are
+        decoded straight into (:func:`cp_ops.kernels.fp8_ulysses.unpack_decode`), so the body's unpack
+        (:meth:`unpack`) is views, no copy."""
+        f0, _ = groups[0]
+        if len(groups) == 1 and not f0:  # q, k, v in the input dtype (only O in FP8): the buffer as received
+            return bufs[0]
+        w, b, s, _, hl, d = bufs[0].shape
+        d = d - fp8.SCALE_BYTES if f0 else d
+        n = sum(len(idx) for _, idx in groups)
+        if len(groups) == 1:
+            out = self._unpack(bufs[0], dt, f0)
+        else:
+            out = self._assemble(groups, bufs, dt, (n, b, w * s, hl, d))
+        return out.view(n, b, w, s, hl, d).permute(2, 1, 3, 0, 4, 5)
+
+    def _assemble(self, groups, bufs, dt, shape):
+        """``[n, B, W*S, Hl, D]`` from groups of different formats (traced: a stack of the decoded slots)."""
+        n, b, ws, hl, d = shape
+        slots = [None] * n
+        for (f, idx), buf in zip(groups, bufs):
+            u = self._unpack(buf, dt, f) if f else buf.permute(3, 1, 0, 2, 4, 5).reshape(len(idx), b, ws, hl, d)
             for j, i in enumerate(idx):
-                slots[i] = p.select(3, j)
-        return torch.stack(slots, dim=3)
+                slots[i] = u[j]
+        return torch.stack(slots)
+
+    def _inverse_decoded(self, buf, dt, f):
+        """The wait's decode of an FP8 inverse launch: ``[W, B, S, Hl, D + 4]`` → ``[W, B, S, Hl, D]`` of ``dt``, a
+        permuted view of one new ``[B, S, W, Hl, D]`` tensor (:func:`cp_ops.kernels.fp8_ulysses.inverse_decode`), so
+        :func:`cp_ops.layout.ulysses_inverse_unpack` is a view, no copy."""
+        return self._inv_unpack(buf, dt, f).permute(2, 0, 1, 3, 4)
 
     def drain(self) -> None:
         """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
@@ -196,6 +244,18 @@ class OpComm(_Comm):
     def _dec(buf, dtype, fmt):
         return torch.ops.cp_ops.fp8_decode(buf, dtype, fmt)
 
+    @staticmethod
+    def _pack(xs, world, lo, hi, fmt):
+        return torch.ops.cp_ops.fp8_ulysses_pack(xs, world, lo, hi, fmt)
+
+    @staticmethod
+    def _unpack(buf, dtype, fmt):
+        return torch.ops.cp_ops.fp8_ulysses_unpack(buf, dtype, fmt)
+
+    @staticmethod
+    def _inv_unpack(buf, dtype, fmt):
+        return torch.ops.cp_ops.fp8_ulysses_inverse_unpack(buf, dtype, fmt)
+
     def agkv(self, k, v, mask=None) -> Pending:
         k, v, post = self._agkv_codec(k, v)
         kf, vf = torch.ops.cp_ops.agkv_gather_start(k, v, self.world, self.group_name, self.transport, *self._args())
@@ -206,14 +266,14 @@ class OpComm(_Comm):
         return self._launched(torch.ops.cp_ops.mask_gather_start(m, self.world, self.group_name), None)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
-        if self.fmts is NONE or self.fmts == NONE:
+        if not any(self.fmts[:3]):  # q, k, v in the input dtype (O may travel in FP8: its own launch)
             return self._ulysses_packed(xs, lo, hi)
-        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
-        dt, groups = xs[0].dtype, self._groups(xs)
-        bufs = tuple(torch.ops.cp_ops.ulysses_start([self._enc(xs[i], f) if f else xs[i] for i in idx], self.world,
-                                                    self.group_name, self.transport, *self._args())
-                     for f, idx in groups)
-        return self._launched(bufs, None, lambda b: self._ulysses_codec(groups, b, dt))
+        dt, w = xs[0].dtype, self.world
+        sends = self._ulysses_sends(xs, lo, hi, layout.ulysses_pack_traced)
+        bufs = tuple(torch.ops.cp_ops.ulysses_packed_start(send, w, self.group_name, self.transport, *self._args(),
+                                                           len(idx)) for _, idx, send in sends)
+        groups = [(f, idx) for f, idx, _ in sends]
+        return self._launched(bufs, None, lambda b: self._ulysses_decoded(groups, b, dt))
 
     def _ulysses_packed(self, xs, lo, hi) -> Pending:
         """:meth:`ulysses` in the input dtype: the send buffer packed by traced torch code
@@ -229,7 +289,7 @@ class OpComm(_Comm):
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
         if f:
-            x, post = self._enc(x, f), (lambda b: self._dec(b, dt, f))
+            x, post = self._enc(x, f), (lambda b: self._inverse_decoded(b, dt, f))
         buf = torch.ops.cp_ops.ulysses_inverse_start(x, self.world, self.group_name, self.transport, *self._args())
         return self._launched(buf, None, post)
 
@@ -285,6 +345,26 @@ class DirectComm(_Comm):
 
     _enc = staticmethod(fp8.encode)
     _dec = staticmethod(fp8.decode)
+    _pack = staticmethod(fp8_ulysses.pack_encode)
+    _unpack = staticmethod(fp8_ulysses.unpack_decode)
+    _inv_unpack = staticmethod(fp8_ulysses.inverse_decode)
+
+    def _assemble(self, groups, bufs, dt, shape):
+        """``[n, B, W*S, Hl, D]`` from groups of different formats: each FP8 group decoded straight into its slots
+        (which make a strided view: q, k, v's slots of one format are evenly spaced), the others copied in."""
+        n, b, ws, hl, d = shape
+        out = torch.empty(shape, dtype=dt, device=bufs[0].device)
+        for (f, idx), buf in zip(groups, bufs):
+            step = idx[1] - idx[0] if len(idx) > 1 else 1
+            if idx != list(range(idx[0], idx[-1] + 1, step)):  # (never: the FP8 groups hold slots of q, k, v)
+                return super()._assemble(groups, bufs, dt, shape)
+            dst = out[idx[0]:idx[-1] + 1:step]
+            if f:
+                fp8_ulysses.unpack_decode(buf, dt, f, out=dst)
+            else:
+                w = buf.shape[0]
+                dst.view(len(idx), b, w, ws // w, hl, d).copy_(buf.permute(3, 1, 0, 2, 4, 5))
+        return out
 
     def agkv(self, k, v, mask=None) -> Pending:
         k, v, post = self._agkv_codec(k, v)
@@ -327,7 +407,7 @@ class DirectComm(_Comm):
         return kf, vf, arrivals, _Done(p, work)
 
     def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
-        if self.fmts is not NONE and self.fmts != NONE:
+        if any(self.fmts[:3]):
             return self._ulysses_fp8(xs, lo, hi)
         if self.armed or self.tr is None:  # the op sees heads [lo, hi) of every head group: [B, S, W*(hi-lo), D]
             b, s, h, d = xs[0].shape
@@ -340,30 +420,45 @@ class DirectComm(_Comm):
         return self._launched(buf, work)
 
     def _ulysses_fp8(self, xs, lo, hi) -> Pending:
-        """:meth:`ulysses` with FP8 tensors: the heads ``[lo, hi)`` of every head group encoded (the op's view:
-        :class:`OpComm`), one launch per format."""
+        """:meth:`ulysses` with FP8 tensors: one launch per format, of a send buffer packed here — an FP8 group's
+        encoded straight from the inputs' heads ``[lo, hi)`` (:func:`cp_ops.kernels.fp8_ulysses.pack_encode`) — moved
+        by the transport's ``ulysses_packed_start``; its wait decodes straight into the unpacked layout. The rank
+        contract's signature as the op's (:class:`OpComm`): ``[B, S, W*(hi-lo), D']`` of the buffer's dtype, the
+        group's tensor count."""
         dt = xs[0].dtype
-        xs = [layout.ulysses_heads(x, self.world, lo, hi) for x in xs]
-        groups = self._groups(xs)
+        sends = self._ulysses_sends(xs, lo, hi, layout.ulysses_pack)
         bufs, works = [], []
-        for f, idx in groups:
-            ins = [fp8.encode(xs[i], f) if f else xs[i] for i in idx]
+        for _, idx, send in sends:
             if self.armed or self.tr is None:
-                self._first(ins[0], len(ins))
-            buf, work = self.tr.ulysses_start(ins, self.pg)
+                w, b, s, _, hs, d = send.shape
+                self._first(send, len(idx), (b, s, w * hs, d))
+            buf, work = self._packed_start(send)
             bufs.append(buf)
             works.append(work)
         work = works[0] if len(works) == 1 else _Both(*works)
-        return self._launched(tuple(bufs), work, lambda b: self._ulysses_codec(groups, b, dt))
+        groups = [(f, idx) for f, idx, _ in sends]
+        return self._launched(tuple(bufs), work, lambda b: self._ulysses_decoded(groups, b, dt))
+
+    def _packed_start(self, send):
+        """The all-to-all of a packed send buffer ``[W, B, S, n, hs, D']``: the transport's ``ulysses_packed_start``,
+        else its inverse all-to-all of the buffer's slabs (as ``cp_ops::ulysses_packed_start``)."""
+        packed = getattr(self.tr, "ulysses_packed_start", None)
+        if packed is not None:
+            return packed(send, self.pg)
+        w, b, s, n, hs, d = send.shape
+        buf, work = self.tr.ulysses_inverse_start(send.view(1, w * b * s * n, hs, d), self.pg)
+        return buf.view(w, b, s, n, hs, d), work
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
+        into = None
         if f:
-            x, post = fp8.encode(x, f), (lambda b: fp8.decode(b, dt, f))
+            x, post = fp8.encode(x, f), (lambda b: self._inverse_decoded(b, dt, f))
+            into = lambda b, out: fp8_ulysses.inverse_decode(b.narrow(2, 0, out.shape[1]), dt, f, out=out)  # noqa: E731
         if self.armed or self.tr is None:
             self._first(x, 1)
         buf, work = self.tr.ulysses_inverse_start(x, self.pg)
-        return self._launched(buf, work, post)
+        return self._launched(buf, work, post, into)
 
 
 class MeshComm:

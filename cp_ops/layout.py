@@ -157,8 +157,14 @@ def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
 
     One copy in every case, as before: ``reshape`` copied the permuted buffer anyway, except when
     B·S_local = 1, where it returned a view of ``buf`` (a pooled receive slot under the fast transport).
+    Except: a buffer that is not contiguous while its permute is — the FP8 decode's output, written in this order
+    (:func:`cp_ops.kernels.fp8_ulysses.inverse_decode`; a transport's receive buffer is contiguous) and the
+    caller's own — comes back as that view (no copy).
     """
     w, b, s, hl, _ = buf.shape
+    p = buf.permute(1, 2, 0, 3, 4)
+    if p.is_contiguous() and not buf.is_contiguous():
+        return p.view(b, s, w * hl, buf.shape[4])
     y = wide(buf)  # the rows moved as wide integers where they allow it (eager; the same bytes)
     out = y.permute(1, 2, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(b, s, w * hl, y.shape[4])
     return out if out.dtype == buf.dtype else out.view(buf.dtype)

@@ -36,6 +36,12 @@ Ops:
     cp_ops::fp8_encode(x, fmt) -> buf      ``[..., D]`` fp32/bf16/fp16 → uint8 ``[..., D + 4]`` (:mod:`cp_ops.kernels.fp8`)
     cp_ops::fp8_decode(buf, dtype, fmt) -> x    uint8 ``[..., D + 4]`` → ``[..., D]`` of ``dtype``; not launches: the
         FP8 codec of ``comm_dtype`` (:mod:`cp_ops.comm_dtype`), encoded before a launch, decoded after its wait.
+    cp_ops::fp8_ulysses_pack(xs, world_size, lo, hi, fmt) -> send   n (1-3) tensors ``[B, S, H, D]`` → the uint8 send
+        buffer ``[W, B, S, n, hi - lo, D + 4]`` of heads ``[lo, hi)`` of every head group, encoded (one pass; moved by
+        ``ulysses_packed_start``). cp_ops::fp8_ulysses_unpack(buf, dtype, fmt) -> x   the receive buffer
+        ``[W, B, S, n, Hl, D + 4]`` → ``[n, B, W*S, Hl, D]`` of ``dtype``, decoded and unpacked (one pass).
+        cp_ops::fp8_ulysses_inverse_unpack(buf, dtype, fmt) -> x   the inverse's ``[W, B, S, Hl, D + 4]`` →
+        ``[B, S, W, Hl, D]``. Not launches (:mod:`cp_ops.kernels.fp8_ulysses`; bitwise the unfused codec + layouts).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes),
 from .transport import base as transport_base, fake_fill
 from . import contract, validate
 from .comm import DirectComm
-from .kernels import fp8
+from .kernels import fp8, fp8_ulysses
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
     """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
@@ -172,7 +178,8 @@ def _check_ulysses_packed(send, world_size) -> None:
     validate._require(send.dim() == 6 and send.shape[0] == world_size, lambda: (
         f"ulysses_packed_start takes a send buffer [W={world_size}, B, S_local, n, H/W, D]; got shape "
         f"{tuple(send.shape)}"))
-    validate.check_dtype("send", send)
+    if send.dtype != torch.uint8:  # uint8: FP8 encoded rows (cp_ops::fp8_ulysses_pack)
+        validate.check_dtype("send", send)
 
 
 @ulysses_packed_start.register_fake
@@ -300,6 +307,40 @@ def fp8_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
 def _(buf, dtype, fmt):
     fp8._check_decode(buf, dtype, fmt)
     return buf.new_empty((*buf.shape[:-1], buf.shape[-1] - fp8.SCALE_BYTES), dtype=dtype)
+
+
+# ---- the FP8 codec fused with the Ulysses layouts (cp_ops.kernels.fp8_ulysses): one pass each way ------------------
+@torch.library.custom_op("cp_ops::fp8_ulysses_pack", mutates_args=())
+def fp8_ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int, hi: int | None, fmt: str) -> torch.Tensor:
+    return fp8_ulysses.pack_encode(xs, world_size, lo, hi, fmt)
+
+
+@fp8_ulysses_pack.register_fake
+def _(xs, world_size, lo, hi, fmt):
+    fp8_ulysses.check_pack(xs, world_size, lo, hi, fmt)
+    return xs[0].new_empty(fp8_ulysses.packed_shape(xs[0].shape, world_size, lo, hi, len(xs)), dtype=torch.uint8)
+
+
+@torch.library.custom_op("cp_ops::fp8_ulysses_unpack", mutates_args=())
+def fp8_ulysses_unpack(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    return fp8_ulysses.unpack_decode(buf, dtype, fmt)
+
+
+@fp8_ulysses_unpack.register_fake
+def _(buf, dtype, fmt):
+    fp8_ulysses.check_unpack(buf, dtype, fmt, 6)
+    return buf.new_empty(fp8_ulysses.unpacked_shape(buf.shape), dtype=dtype)
+
+
+@torch.library.custom_op("cp_ops::fp8_ulysses_inverse_unpack", mutates_args=())
+def fp8_ulysses_inverse_unpack(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
+    return fp8_ulysses.inverse_decode(buf, dtype, fmt)
+
+
+@fp8_ulysses_inverse_unpack.register_fake
+def _(buf, dtype, fmt):
+    fp8_ulysses.check_unpack(buf, dtype, fmt, 5)
+    return buf.new_empty(fp8_ulysses.unpacked_shape(buf.shape), dtype=dtype)
 
 
 

@@ -411,6 +411,171 @@ def test_triton_kernels_in_the_interpreter_equal_torch():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+# ---- the codec fused with the Ulysses layouts (cp_ops.kernels.fp8_ulysses) -------------------------------------------
+def _ref_pack(xs, w, lo, hi, fmt):
+    """The send buffer written out slab by slab (the layout's reference): slot i of slab j holds heads
+    ``[j*Hl + lo, j*Hl + hi)`` of input i, encoded by the torch codec (checked against :func:`_reference_encode`
+    above; it also holds the NaN rule, where the loop's NaN bytes differ in sign)."""
+    b, s, h, d = xs[0].shape
+    hl = h // w
+    out = torch.empty(w, b, s, len(xs), hi - lo, d + 4, dtype=torch.uint8)
+    for j in range(w):
+        for i, x in enumerate(xs):
+            out[j, :, :, i] = fp8.encode_torch(x[:, :, j * hl + lo:j * hl + hi].cpu(), fmt)
+    return out
+
+
+def _ref_unpack(buf, dtype, fmt):
+    w, b, s, n, hl, d4 = buf.shape
+    out = torch.empty(n, b, w * s, hl, d4 - 4, dtype=dtype)
+    for j in range(w):
+        for i in range(n):
+            out[i, :, j * s:(j + 1) * s] = fp8.decode_torch(buf[j, :, :, i].cpu(), dtype, fmt)
+    return out
+
+
+def _ref_inverse(buf, dtype, fmt):
+    w, b, s, hl, d4 = buf.shape
+    out = torch.empty(b, s, w, hl, d4 - 4, dtype=dtype)
+    for j in range(w):
+        out[:, :, j] = fp8.decode_torch(buf[j].cpu(), dtype, fmt)
+    return out
+
+
+def _same(a, b):
+    """Bitwise equal, NaN included (encoded bytes: plain equality)."""
+    a, b = a.cpu(), b.cpu()
+    if a.dtype == torch.uint8:
+        return torch.equal(a, b)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) or (
+        torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0)))
+
+
+#: (B, S, H, D, W, lo, hi, input dtype, n): odd shapes — B = 2, W = 3, head groups of 3 and 5 (not powers of 2),
+#: S = 1, D = 64 / 80 / 128 / 6, sub-groups [lo, hi), one to three tensors
+FUSED_CASES = [(1, 5, 6, 128, 2, 0, None, torch.bfloat16, 3), (2, 3, 9, 80, 3, 0, None, torch.float16, 3),
+               (2, 1, 15, 64, 3, 1, 4, torch.float32, 2), (1, 4, 6, 6, 3, 0, 1, torch.bfloat16, 1),
+               (2, 2, 10, 64, 2, 2, 5, torch.bfloat16, 3)]
+
+
+def _fused_inputs(case, device, seed):
+    b, s, h, d, w, lo, hi, dt, n = case
+    g = torch.Generator().manual_seed(seed)
+    xs = [(torch.randn(b, s, h, d, generator=g) * torch.exp(torch.randn(b, s, h, 1, generator=g) * 4)).to(dt)
+          for _ in range(n)]
+    xs[0][0, 0, :] = 0  # a zero row
+    xs[-1][-1, -1, -1, d // 2] = float("nan")  # a NaN row
+    if seed % 2:  # every input a strided view (one set of strides: the kernel reads them in place)
+        xs = [torch.cat([x, x], dim=2)[:, :, ::2] for x in xs]
+    elif n > 1:  # one input strided (a view of a wider tensor, as a fused QKV projection gives): strides differ
+        xs[1] = torch.cat([xs[1], xs[1]], dim=2)[:, :, ::2]
+    return [x.to(device) for x in xs]
+
+
+def check_fused(device, triton_version: bool, out_dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> None:
+    """The fused functions (the Triton version when ``triton_version``, else the dispatching ones) against the
+    written-out references and the unfused path (encode + :func:`layout.ulysses_pack`; decode +
+    :func:`layout.ulysses_unpack_all` / :func:`layout.ulysses_inverse_unpack`), bitwise, on every case of
+    :data:`FUSED_CASES`, both formats, the ``out_dtypes``, into strided ``out`` views; the mixed-format assembly of
+    :class:`cp_ops.comm.DirectComm`. The unfused path in the torch codec (bitwise the contiguous Triton kernels: their
+    self-test; no JIT compiles on CUDA beyond the fused kernels')."""
+    from cp_ops.comm import DirectComm
+    from cp_ops.kernels import fp8_ulysses as fu
+
+    pack = fu.pack_encode_triton if triton_version else fu.pack_encode
+    unpack = fu.unpack_decode_triton if triton_version else fu.unpack_decode
+    inverse = fu.inverse_decode_triton if triton_version else fu.inverse_decode
+    for c, case in enumerate(FUSED_CASES):
+        b, s, h, d, w, lo, hi, dt, n = case
+        xs = _fused_inputs(case, device, seed=c)
+        hi_ = h // w if hi is None else hi
+        for f in ("e4m3", "e5m2"):
+            send = pack(xs, w, lo, hi, f)
+            ref = _ref_pack(xs, w, lo, hi_, f)
+            assert send.device == xs[0].device and _same(send, ref), (case, f)
+            unfused = layout.ulysses_pack([fp8.encode_torch(layout.ulysses_heads(x, w, lo, hi), f) for x in xs], w)
+            assert _same(send, unfused), (case, f)
+            for odt in out_dtypes:
+                u = unpack(send, odt, f)
+                assert u.shape == (n, b, w * s, hi_ - lo, d) and u.is_contiguous() and u.dtype == odt
+                assert _same(u, _ref_unpack(send, odt, f)), (case, f, odt)
+                old = torch.stack(layout.ulysses_unpack_all(fp8.decode_torch(send, odt, f)))
+                assert _same(u, old), (case, f, odt)
+                big = torch.zeros(2 * n, b, w * s, hi_ - lo, d, dtype=odt, device=device)  # out: every other slot
+                assert unpack(send, odt, f, out=big[::2]).data_ptr() == big.data_ptr()
+                assert _same(big[::2], u) and not big[1::2].any()
+                # the inverse: O [B, W*S, Hl', D] encoded (contiguous kernel), moved as its send layout
+                o = _fused_inputs((b, w * s, hi_ - lo, d, 1, 0, None, odt, 1), device, seed=100 + c)[0]
+                back = layout.ulysses_inverse_pack(fp8.encode_torch(o, f), w)  # [W, B, S, Hl', D + 4]
+                v = inverse(back, odt, f)
+                assert v.shape == (b, s, w, hi_ - lo, d) and v.is_contiguous()
+                assert _same(v, _ref_inverse(back, odt, f)), (case, f, odt)
+                assert _same(v.view(b, s, -1, d), layout.ulysses_inverse_unpack(fp8.decode_torch(back, odt, f)))
+                if s > 1:  # the first tokens of each block (uneven shards: this rank's of smax), read in place
+                    assert _same(inverse(back.narrow(2, 0, s - 1), odt, f), v[:, :s - 1])
+                res = torch.zeros(b, s, w, hi_ - lo + 2, d, dtype=odt, device=device)  # pipelined Ulysses' result
+                inverse(back, odt, f, out=res[:, :, :, 1:-1])
+                assert _same(res[:, :, :, 1:-1], v) and not res[:, :, :, 0].any() and not res[:, :, :, -1].any()
+        if n == 3:  # q, v in e4m3 and k in the input dtype (cache-dit's choice): decoded into their slots
+            qv = pack([xs[0], xs[2]], w, lo, hi, "e4m3")
+            k = layout.ulysses_pack([xs[1]], w, lo, hi)
+            got = DirectComm._assemble(object.__new__(DirectComm), [("e4m3", [0, 2]), ("", [1])], [qv, k], dt,
+                                       (3, b, w * s, hi_ - lo, d))
+            want = torch.stack([_ref_unpack(qv, dt, "e4m3")[0], layout.ulysses_unpack_all(k)[0].cpu(),
+                                _ref_unpack(qv, dt, "e4m3")[1]])
+            assert _same(got, want), case
+    with pytest.raises(ValueError, match="heads .lo, hi. must lie in a head group of 3; got .2, 5."):
+        pack([torch.zeros(1, 2, 6, 8, device=device)], 2, 2, 5, "e4m3")
+    with pytest.raises(ValueError, match="1 to 3 tensors"):
+        pack([torch.zeros(1, 2, 6, 8, device=device)] * 4, 2, 0, None, "e4m3")
+    with pytest.raises(ValueError, match="world size must divide the heads; got H=6, W=4"):
+        pack([torch.zeros(1, 2, 6, 8, device=device)], 4, 0, None, "e4m3")
+    with pytest.raises(ValueError, match=r"out must be \(1, 1, 4, 3, 8\)"):
+        unpack(torch.zeros(2, 1, 2, 1, 3, 12, dtype=torch.uint8, device=device), torch.float32, "e4m3",
+               out=torch.empty(1, 1, 4, 3, 9, device=device))
+    with pytest.raises(ValueError, match=r"receive buffer \[W, B, S, Hl, D \+ 4\] \(the inverse\); got \(2, 12\)"):
+        inverse(torch.zeros(2, 12, dtype=torch.uint8, device=device), torch.float32, "e4m3")
+
+
+def test_fused_ulysses_codec_torch_version():
+    """The torch version (CPU: what CI runs and the eager comm uses where Triton is not) against the references."""
+    check_fused(torch.device("cpu"), triton_version=False)
+
+
+def test_fused_ulysses_ops_opcheck():
+    """opcheck on the fused ops (the fake kernels exact about shapes, strides, dtypes), B = 1 and 2, one to three
+    tensors, a sub-group."""
+    from cp_ops.kernels import fp8_ulysses as fu
+
+    for case in (FUSED_CASES[0], FUSED_CASES[2], FUSED_CASES[3]):
+        b, s, h, d, w, lo, hi, dt, n = case
+        xs = [x.nan_to_num(0.5) for x in _fused_inputs(case, "cpu", seed=5)]  # (opcheck compares without NaN)
+        torch.library.opcheck(torch.ops.cp_ops.fp8_ulysses_pack, (xs, w, lo, hi, "e4m3"))
+        send = fu.pack_encode(xs, w, lo, hi, "e5m2")
+        torch.library.opcheck(torch.ops.cp_ops.fp8_ulysses_unpack, (send, torch.bfloat16, "e5m2"))
+        torch.library.opcheck(torch.ops.cp_ops.fp8_ulysses_inverse_unpack, (send[:, :, :, 0].contiguous(),
+                                                                            torch.float32, "e5m2"))
+
+
+def test_fused_ulysses_triton_in_the_interpreter():
+    """The fused Triton kernels (kernels/fp8_ulysses.py) bitwise against the references and the unfused path, in
+    Triton's CPU interpreter (skipped where Triton is not installed, e.g. CI; the GPU run: the gpu-marked test)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r})\n"
+            "import torch, test_fp8\n"
+            "test_fp8.check_fused(torch.device('cpu'), triton_version=True)\n"
+            "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
 def tiny_wan_and_inputs():
     """A seeded tiny Wan (4 heads, 2 blocks, eval) and its inputs ``(x, t, text)``: the parallelize tests here and in
     test_fp8_mesh.py."""
@@ -522,6 +687,20 @@ def test_triton_kernels_keep_the_nonfinite_rule():
            if (why := fp8.nonfinite_rule(fp8.encode_triton, fp8.decode_triton, dt, f, dev))]
     assert not bad, bad
     assert fp8.use_triton(dev), fp8.self_test(dev)
+
+
+@pytest.mark.gpu
+@ONE_CUDA
+def test_fused_ulysses_triton_equals_torch_cuda():
+    """The fused Ulysses codec kernels on CUDA (the Triton version) bitwise against the references and the unfused
+    path, every case of :data:`FUSED_CASES`; and what the comm calls (``pack_encode`` & co.) takes the kernels."""
+    from cp_ops.kernels import fp8_ulysses as fu
+
+    dev = torch.device("cuda")
+    check_fused(dev, triton_version=True, out_dtypes=(torch.bfloat16, torch.float32))  # (fewer JIT compiles)
+    assert fp8.use_triton(dev), fp8.self_test(dev)
+    xs = _fused_inputs(FUSED_CASES[0], dev, seed=9)
+    assert torch.equal(fu.pack_encode(xs, 2, 0, None, "e4m3"), fu.pack_encode_triton(xs, 2, 0, None, "e4m3"))
 
 
 def _two_ranks(rank, w):

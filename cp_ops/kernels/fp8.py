@@ -169,6 +169,46 @@ if triton is not None:
         return tl.where((b & 0x80) != 0, -v, v)
 
     @triton.jit
+    def _quantize(x, FMAX: tl.constexpr, E4M3: tl.constexpr):
+        """An fp32 tile ``[R, BLOCK_D]`` (columns past D loaded as 0) → (its fp8 bytes ``[R, BLOCK_D]`` uint8, each
+        row's fp32 scale ``[R]``): the codec's encode (module docstring), shared by every encoding kernel."""
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2**-100
+        # a NaN in the row makes its scale NaN, as torch's max does (tl.max and tl.maximum may drop NaN on the GPU:
+        # measured on an H200, the rows holding a NaN arrived finite); NaN values pass the clamp, as in torch.clamp
+        amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, _bits_f32(amax, 0x7FC00000), amax)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
+        return _to_fp8_bits(y, E4M3), scale
+
+    @triton.jit
+    def _store_scales(row_out, scale, rm, D: tl.constexpr):
+        """Each row's fp32 scale as bytes ``[D, D + 4)`` of its encoded row (``row_out``: the rows' first bytes)."""
+        sb = scale.to(tl.uint32, bitcast=True)
+        for i in tl.static_range(4):
+            tl.store(row_out + D + i, ((sb >> (8 * i)) & 0xFF).to(tl.uint8), mask=rm)
+
+    @triton.jit
+    def _load_scales(row_in, rm, D: tl.constexpr):
+        """The fp32 scales ``[R]`` of encoded rows (``row_in``: the rows' first bytes; any byte alignment)."""
+        sb = tl.zeros(row_in.shape, tl.uint32)
+        for i in tl.static_range(4):
+            sb = sb | (tl.load(row_in + D + i, mask=rm, other=0).to(tl.uint32) << (8 * i))
+        return sb.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dequantize(q, scale, E4M3: tl.constexpr, OUT_BF16: tl.constexpr):
+        """fp8 bytes ``[R, BLOCK_D]`` and their rows' scales ``[R]`` → the decoded tile: fp32, or bf16 rounded from the
+        fp32 bits (``OUT_BF16``); the codec's decode (module docstring), shared by every decoding kernel."""
+        y = _from_fp8_bits(q, E4M3) * scale[:, None]
+        if OUT_BF16:  # round to nearest even from the bits, as torch's cast (NaN → 0x7FC0, as torch: the rounding
+            u = y.to(tl.uint32, bitcast=True)  # add would carry the GPU's NaN 0x7FFFFFFF into the sign: -0)
+            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+            r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+            y = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return y
+
+    @triton.jit
     def _encode_kernel(X, OUT, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                        FMAX: tl.constexpr, E4M3: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -176,19 +216,10 @@ if triton is not None:
         rm = rows < n_rows
         m = rm[:, None] & (cols[None, :] < D)
         x = tl.load(X + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2**-100
-        # a NaN in the row makes its scale NaN, as torch's max does (tl.max and tl.maximum may drop NaN on the GPU:
-        # measured on an H200, the rows holding a NaN arrived finite); NaN values pass the clamp, as in torch.clamp
-        amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, _bits_f32(amax, 0x7FC00000), amax)
-        scale = tl.math.div_rn(amax, tl.full([BLOCK_R], FMAX, tl.float32))
-        y = tl.math.div_rn(x, scale[:, None])
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMAX), FMAX))
-        q = _to_fp8_bits(y, E4M3)
+        q, scale = _quantize(x, FMAX, E4M3)
         row_out = OUT + rows * (D + 4)
         tl.store(row_out[:, None] + cols[None, :], q, mask=m)
-        sb = scale.to(tl.uint32, bitcast=True)
-        for i in tl.static_range(4):
-            tl.store(row_out + D + i, ((sb >> (8 * i)) & 0xFF).to(tl.uint8), mask=rm)
+        _store_scales(row_out, scale, rm, D)
 
     @triton.jit
     def _decode_kernel(BUF, OUT, n_rows, so_r, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -199,16 +230,7 @@ if triton is not None:
         m = rm[:, None] & (cols[None, :] < D)
         row_in = BUF + rows * (D + 4)
         q = tl.load(row_in[:, None] + cols[None, :], mask=m, other=0)
-        sb = tl.zeros([BLOCK_R], tl.uint32)
-        for i in tl.static_range(4):
-            sb = sb | (tl.load(row_in + D + i, mask=rm, other=0).to(tl.uint32) << (8 * i))
-        scale = sb.to(tl.float32, bitcast=True)
-        y = _from_fp8_bits(q, E4M3) * scale[:, None]
-        if OUT_BF16:  # round to nearest even from the bits, as torch's cast (NaN → 0x7FC0, as torch: the rounding
-            u = y.to(tl.uint32, bitcast=True)  # add would carry the GPU's NaN 0x7FFFFFFF into the sign: -0)
-            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-            r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
-            y = r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        y = _dequantize(q, _load_scales(row_in, rm, D), E4M3, OUT_BF16)
         tl.store(OUT + rows[:, None] * so_r + cols[None, :], y.to(OUT.dtype.element_ty), mask=m)
 
 

@@ -56,11 +56,8 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
         starts[i] = comm.ulysses([q, k, v], *spans[i])
 
     def finish(i):  # heads -> sequence result of sub-group i, copied out of the (maybe pooled) buffer
-        back = inverses.pop(i).wait()  # [W, B, S_local or smax, hl_i, D]
-        lo, hi = spans[i]
-        if back.shape[2] != s:
-            back = back.narrow(2, 0, s)
-        result[:, :, :, lo:hi].copy_(back.permute(1, 2, 0, 3, 4))
+        lo, hi = spans[i]  # (received [W, B, S_local or smax, hl_i, D]; FP8: decoded straight into result)
+        inverses.pop(i).wait_into(result[:, :, :, lo:hi])
 
     launch(0)  # the call's first launch: the rank contract's exchange
     m4 = None
