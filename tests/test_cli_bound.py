@@ -264,3 +264,21 @@ def test_samples_ms_host_times_on_cpu():
     host = []
     t = samples_ms(lambda: time.sleep(0.002), torch.device("cpu"), 1, 3, host)
     assert len(host) == 3 and host == t and min(host) >= 2.0
+
+
+def test_bound_registers_the_cp_ops_backend_before_any_side(monkeypatch):
+    """run_bound registers diffusers' attention backend 'cp_ops' before the first side is built: registered by the
+    first parallelize (after the diffusers side compiled), it changed the registry that side's compiled blocks guard
+    on, and the side compiled again at its first timed call (seen with TORCH_LOGS=recompiles, 2026-12-02)."""
+    from cp_ops.integrations.diffusers import _private
+
+    monkeypatch.delitem(_private._REGISTERED, "member", raising=False)
+    seen = []
+
+    def prepare(side, *a, **k):
+        seen.append((side.name, "member" in _private._REGISTERED))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bound, "_prepare", prepare)
+    rows = bound.run_bound(_args("flux", bound=[2], cost=False, no_group1=True), torch.device("cpu"))
+    assert seen == [("diffusers", True)] and "stop here" in rows[0]["skipped"]
