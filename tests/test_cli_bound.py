@@ -282,3 +282,17 @@ def test_bound_registers_the_cp_ops_backend_before_any_side(monkeypatch):
     monkeypatch.setattr(bound, "_prepare", prepare)
     rows = bound.run_bound(_args("flux", bound=[2], cost=False, no_group1=True), torch.device("cpu"))
     assert seen == [("diffusers", True)] and "stop here" in rows[0]["skipped"]
+
+
+def test_results_table_host_column():
+    """benchmarks/bound_table.py: a 'host ms' column (rank 0 / plain, '*' host-bound) where any row has host times;
+    none for older rows."""
+    from benchmarks.bound_table import table
+
+    row = dict(model="flux", config="dev", tokens=4096, compile="regional", cuda_graphs=False, world_size=4,
+               mode="ulysses", one_gpu_ms=128.1, one_gpu_from="diffusers", rank0_ms=80.9, fill_ms=0.6,
+               bound_speedup=1.58, rank0_samples=[80.0, 82.0])
+    old = table([row])
+    assert "host ms" not in old and old.splitlines()[2].count("|") == 9
+    new = table([dict(row, host_ms=80.4, host_bound=True, plain_host_ms=30.2, plain_host_bound=False)])
+    assert "host ms rank 0 / plain" in new and new.splitlines()[2].rstrip().endswith("| 80.4* / 30.2 |"), new
