@@ -17,6 +17,9 @@ on CUDA the loop is waited for after the clock stops: the host's enqueue time), 
 (on a busy machine the wall time includes waiting for a core). ``mask``: a bool every-key mask ``[B, W*S_local]``
 (what the diffusers integration passes: no mask gather).
 
+Per row, the guards' cost: the same loop with ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (Dynamo's guards
+not evaluated), subtracted from the normal one (where this torch has the stance).
+
 ``--breakdown``: where one call's µs go, each piece timed alone (min over 7 loops): the launch ops through the
 dispatcher with their ``wait_tensor``, their Python bodies without the dispatcher, the rank-contract check, the
 transport call, the fake group's collective alone, ``fake_fill.fill``, ``_register_work`` + ``wait_tensor``, an
@@ -95,6 +98,23 @@ def _block(lin, shape, w, pg, mode: str, plain: bool, overlap: bool):
     return cp_ops.compile(fn, fullgraph=True, dynamic=False)
 
 
+def _no_guards():
+    """A context-manager factory for ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (Dynamo's guards not
+    evaluated: timed beside the normal call, what they cost), or None where this torch has no such stance. (Called
+    outside ``with``, ``set_stance`` would set the stance for good.)"""
+    import inspect
+
+    fn = getattr(torch.compiler, "set_stance", None)
+    if fn is None or "skip_guard_eval_unsafe" not in inspect.signature(fn).parameters:
+        return None
+    return lambda: fn(skip_guard_eval_unsafe=True)
+
+
+def _guards_text(res) -> str:
+    g = [res[p].get("guards_us") for p in (False, True)]
+    return "" if None in g else f"  guards: cp {g[0]:5.1f} plain {g[1]:5.1f} µs"
+
+
 def compiled_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
     b, s, h, d = shape
     torch.manual_seed(0)
@@ -117,7 +137,12 @@ def compiled_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
                         with torch.no_grad():
                             f(x, mask)
                             r = _loop_us(lambda: f(x, mask), args.calls, sync)
-                        res[plain] = dict(wall_us=r[0], min_us=r[1], cpu_us=r[2])
+                            g, skip = None, _no_guards()
+                            if skip is not None:
+                                with skip():
+                                    g = _loop_us(lambda: f(x, mask), args.calls, sync)
+                        res[plain] = dict(wall_us=r[0], min_us=r[1], cpu_us=r[2],
+                                          guards_us=None if g is None else r[1] - g[1])
                     row = dict(mode=mode, world_size=w, mask=masked, overlap=overlap, cp=res[False], plain=res[True],
                                cost_us=res[False]["min_us"] - res[True]["min_us"],
                                cost_cpu_us=res[False]["cpu_us"] - res[True]["cpu_us"])
@@ -126,7 +151,7 @@ def compiled_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
                           f"{'cp_ops.compile' if overlap else 'torch.compile':14}  cp {res[False]['min_us']:7.1f} "
                           f"(cpu {res[False]['cpu_us']:7.1f})  plain {res[True]['min_us']:7.1f} "
                           f"(cpu {res[True]['cpu_us']:7.1f})  cp_ops {row['cost_us']:+7.1f} µs "
-                          f"(cpu {row['cost_cpu_us']:+7.1f})", flush=True)
+                          f"(cpu {row['cost_cpu_us']:+7.1f})" + _guards_text(res), flush=True)
     return rows
 
 
