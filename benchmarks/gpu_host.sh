@@ -3,8 +3,8 @@
 # W >= 4"), one call:   OUT=DIR bash benchmarks/gpu_host.sh
 # Steps (each one process under `timeout`, never past END seconds from the start; a step with less than its minimum
 # left is skipped; everything so far is copied to $OUT after each step):
-#   host   benchmarks/host_compiled.py --device cuda --breakdown --entries: host µs per attention call inside a compiled
-#          block (cp_ops vs plain SDPA; W = 2, 4, 8; AGKV / Ulysses; no mask / every-key mask; cp_ops.compile vs
+#   host   benchmarks/host_compiled.py --device cuda --breakdown --entries: host µs per attention call inside a
+#          compiled block (cp_ops vs plain SDPA; W = 2, 4, 8; AGKV / Ulysses; no mask / every-key mask; cp_ops.compile vs
 #          torch.compile) and each piece of the launch ops' host path alone, on the GPU machine's host (~2-3 min:
 #          ~36 small compiles)
 #   zimage cp-ops run zimage --bound 4 --bound-compile regional --cost --no-group1 --warmup 1 --repeats 3 --profile:

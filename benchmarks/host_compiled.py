@@ -17,8 +17,8 @@ on CUDA the loop is waited for after the clock stops: the host's enqueue time), 
 (on a busy machine the wall time includes waiting for a core). ``mask``: a bool every-key mask ``[B, W*S_local]``
 (what the diffusers integration passes: no mask gather).
 
-Per row, the guards' cost: the same loop with ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (Dynamo's guards
-not evaluated), subtracted from the normal one (where this torch has the stance).
+Per row, the guards' cost: the same loop with ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
+(Dynamo's guards not evaluated), subtracted from the normal one (where this torch has the stance).
 
 ``--breakdown``: where one call's µs go, each piece timed alone (min over 7 loops): the launch ops through the
 dispatcher with their ``wait_tensor``, their Python bodies without the dispatcher, the rank-contract check, the

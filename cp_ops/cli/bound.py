@@ -631,7 +631,8 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                              one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d,
                              bound_speedup=_speedup(one, s),
                              rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=len(s.fills), first_call_s=s.first_s,
-                             rank0_samples=s.samples, **_host(s, steps=steps), output_shape_ok=shape_ok, outputs_finite=finite,
+                             rank0_samples=s.samples, **_host(s, steps=steps), output_shape_ok=shape_ok,
+                             outputs_finite=finite,
                              **({"invalid": "; ".join(why)} if why else {}),
                              **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
                              **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
@@ -722,7 +723,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
           + ("cp_ops cost = rank 0 minus the same forward with plain local attention of the same shapes (--cost), % of "
              "rank 0's forward." if has_cost else "--cost adds cp_ops' own cost inside the bound."))
     if has_host:
-        print(f"host ms = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
+        print("host ms = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
               f"the measured (device-timed) forward; * = host-bound: host >= {HOST_BOUND:g} x the measured time "
               "(rank 0 raw = rank 0 + fill), so the device waited for the host and that row's time is host time"
               + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))
