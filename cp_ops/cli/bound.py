@@ -485,7 +485,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 fake_outputs=("unwritten (--unwritten)" if not written else
                               "written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
                               + (", ".join(k for k, v in written.items() if v) or "nothing")
-                              + "; by torch's fake backend for the rest"))
+                              + " and cp_ops' own all-gathers (AGKV, key masks: one copy per tensor, the fake "
+                              "backend's not run); by torch's fake backend for the rest"))
     try:
         import diffusers
 

@@ -67,7 +67,8 @@ def _probe(pg: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
 
 def enable(group: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
     """Turn filling on for every fake group of this process; ``group`` (a fake group) is probed on ``device`` for
-    what torch's fake backend writes itself. Returns ``{kind: True when cp_ops writes it}``.
+    what torch's fake backend writes itself. Returns ``{kind: True when cp_ops writes it}`` after a collective of
+    that kind (:func:`fill`); cp_ops' own all-gathers are written by cp_ops whatever it says (:func:`gather`).
 
     Raises:
         ValueError: ``group`` is not a fake group (backend name and ranks in the message).
