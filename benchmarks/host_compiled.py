@@ -34,7 +34,8 @@ others' guards.
     python benchmarks/host_compiled.py [--device cpu|cuda] [--worlds 2,4,8] [--calls 200] [--breakdown] [--entries]
         [--out DIR]
 
-CPU: a few minutes (each row compiles two functions). Writes ``host_compiled.json`` under ``--out``.
+CPU: about a minute (each row compiles one or two functions). Writes ``host_compiled.json`` under ``--out`` after each
+section and compiled row (the sections without compiles run first).
 """
 
 from __future__ import annotations
@@ -115,12 +116,12 @@ def _guards_text(res) -> str:
     return "" if None in g else f"  guards: cp {g[0]:5.1f} plain {g[1]:5.1f} µs"
 
 
-def compiled_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
+def compiled_rows(groups, shape, dtype, device, args, sync, rows: list, on_row=lambda: None) -> list[dict]:
+    """The compiled rows (module docstring), appended to ``rows`` one at a time (``on_row()`` after each)."""
     b, s, h, d = shape
     torch.manual_seed(0)
     lin = torch.nn.Linear(h * d, 3 * h * d, device=device, dtype=dtype)
     x = torch.randn(b, s, h * d, device=device, dtype=dtype)
-    rows = []
     for mode in args.modes:
         for w in args.worlds:
             if mode == "ulysses" and h % w:
@@ -147,6 +148,7 @@ def compiled_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
                                cost_us=res[False]["min_us"] - res[True]["min_us"],
                                cost_cpu_us=res[False]["cpu_us"] - res[True]["cpu_us"])
                     rows.append(row)
+                    on_row()
                     print(f"{mode:8} W={w} mask={'every-key' if masked else 'none':9} "
                           f"{'cp_ops.compile' if overlap else 'torch.compile':14}  cp {res[False]['min_us']:7.1f} "
                           f"(cpu {res[False]['cpu_us']:7.1f})  plain {res[True]['min_us']:7.1f} "
@@ -301,21 +303,25 @@ def main() -> None:
           flush=True)
     out = dict(device=device.type, gpu=torch.cuda.get_device_name(device) if cuda else None, torch=torch.__version__,
                shape=list(shape), dtype=str(dtype), calls=args.calls, written=written)
-    try:
-        if not args.no_compiled:
-            out["compiled"] = compiled_rows(groups, shape, dtype, device, args, sync)
+    def save():  # after every section: a run killed at its time limit keeps the sections done
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "host_compiled.json"), "w") as f:
+                json.dump(out, f, indent=1)
+
+    try:  # the sections without compiles first (seconds), the compiled rows (two compiles a row) last
         if args.breakdown:
             out["breakdown"] = breakdown_rows(groups, shape, dtype, device, args, sync)
+            save()
         if args.entries:
             out["entries"] = entries_rows(args, device, sync)
+            save()
+        if not args.no_compiled:
+            compiled_rows(groups, shape, dtype, device, args, sync, out.setdefault("compiled", []), save)
     finally:
         fake_fill.disable()
         if created:
             dist.destroy_process_group()
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "host_compiled.json"), "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
