@@ -50,12 +50,14 @@ def _spread(samples) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    host = any("host_ms" in r for r in rows)  # since 2026-12-02: the host's time to enqueue a forward
     out = ["| model (tokens) | compile | W | mode | 1 GPU ms (from) | rank 0 ms (measured min–max − fill) | bound | "
-           "cp_ops cost ms (%) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "cp_ops cost ms (%) |" + (" host ms rank 0 / plain (* host-bound) |" if host else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|" if host else "")]
     for r in rows:
         if "skipped" in r:
-            out.append(f"| {r['model']} {r['config']} | {r['compile']} | | | failed: {r['skipped']} | | | |")
+            out.append(f"| {r['model']} {r['config']} | {r['compile']} | | | failed: {r['skipped']} | | | |"
+                       + (" |" if host else ""))
             continue
         comp = (r["compile"] or "eager") + (" + graphs" if r["cuda_graphs"] else "")
         src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
@@ -67,8 +69,15 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['model']} {r['config']} ({r['tokens']}) | {comp} | {r['world_size']} | {mode} | "
                    f"{r['one_gpu_ms']:.1f} ({src}) | {r['rank0_ms']:.1f} ({_spread(r.get('rank0_samples'))}"
                    f"{' − %.1f' % r['fill_ms'] if 'fill_ms' in r else ''}) | "
-                   f"{bound} | {cost} |")
+                   f"{bound} | {cost} |" + (f" {_host(r)} |" if host else ""))
     return "\n".join(out)
+
+
+def _host(r: dict) -> str:
+    """``rank 0's host ms[*] / the plain side's[*]`` (``*``: host-bound); '' where the row has none."""
+    parts = [f"{r[p + 'host_ms']:.1f}{'*' if r.get(p + 'host_bound') else ''}"
+             for p in ("", "plain_") if r.get(p + "host_ms") is not None]
+    return " / ".join(parts)
 
 
 def main(argv=None) -> int:

@@ -382,9 +382,9 @@ class DirectComm(_Comm):
     def _mask(self, m):
         out = m.new_empty(self.world * m.shape[0], m.shape[1])
         m = m.contiguous()
-        work = self.pg._allgather_base(out, m)
-        if fake_fill.ACTIVE:
-            fake_fill.fill("_allgather_base", self.pg, out, m)
+        work = fake_fill.gather("_allgather_base", self.pg, [out], [m]) if fake_fill.ACTIVE else None
+        if work is None:
+            work = self.pg._allgather_base(out, m)
         return out, work
 
     def mask(self, m) -> Pending:

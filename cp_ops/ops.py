@@ -224,9 +224,8 @@ def mask_gather_start(mask: torch.Tensor, world_size: int, group_name: str) -> t
     out = mask.new_empty(world_size * mask.shape[0], mask.shape[1])
     if out.numel():
         m = mask.contiguous()
-        _register(pg._allgather_base(out, m), out)
-        if fake_fill.ACTIVE:
-            fake_fill.fill("_allgather_base", pg, out, m)
+        work = fake_fill.gather("_allgather_base", pg, [out], [m]) if fake_fill.ACTIVE else None
+        _register(pg._allgather_base(out, m) if work is None else work, out)
     return out
 
 

@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median wall time of ``fn()`` in ms over ``repeats`` runs after ``warmup`` runs (see :func:`samples_ms`)."""
-    return statistics.median(samples_ms(fn, device, warmup, repeats))
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+            host: list | None = None) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` runs after ``warmup`` runs (see :func:`samples_ms`;
+    ``host``: a list that gets each run's host time, ms)."""
+    return statistics.median(samples_ms(fn, device, warmup, repeats, host))
 
 
 def summary(samples: list[float]) -> dict:
@@ -29,11 +31,17 @@ def summary(samples: list[float]) -> dict:
     return dict(median=statistics.median(xs), min=xs[0], max=xs[-1], q1=q1, q3=q3)
 
 
-def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
+def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+               host: list | None = None) -> list[float]:
     """Wall time of each of ``repeats`` runs of ``fn()`` in ms, after ``warmup`` untimed runs.
 
     On CUDA each run is bracketed by CUDA events on the current stream, so the time is GPU time of the
     work ``fn`` enqueues (including waits on communication it enqueues).
+
+    ``host`` (a list, optional) gets each run's host time in ms: the wall time of the ``fn()`` call itself, not
+    waited for (on CUDA the run is waited for after it, outside the timed region; the device's queue is empty at
+    its start). Where it reaches the device-timed time, the run is host-bound: the device waited for the host's
+    launches (or ``fn`` itself waited for the device). On CPU it is the wall time.
     """
     for _ in range(warmup):
         fn()
@@ -43,15 +51,21 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repe
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            t1 = time.perf_counter()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+            if host is not None:
+                host.append((t1 - t0) * 1e3)
     else:
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+            if host is not None:
+                host.append(times[-1])
     return times
 
 

@@ -46,6 +46,10 @@ def test_bound_tiny_fake_groups(model, tmp_path):
         # the fake collectives wrote real data (fake_fill), timed alone and taken out of rank 0's time
         assert r["fills"] > 0 and r["fill_ms"] >= 0 and r["rank0_ms"] == pytest.approx(r["rank0_raw_ms"] - r["fill_ms"])
         assert r["cp_ops_cost_ms"] == pytest.approx(r["rank0_raw_ms"] - r["plain_ms"])
+        # the host's time to enqueue a forward: on CPU the call's wall time, so every side is host-bound
+        for p in ("", "plain_", "diffusers_", "group1_"):
+            assert r[p + "host_ms"] > 0 and r[p + "host_bound"] is True, (p, r)
+        assert r["host_ms"] == pytest.approx(r["rank0_raw_ms"]) and r["plain_host_ms"] == pytest.approx(r["plain_ms"])
         spec = MODELS[model]
         layers = [spec.configs["tiny"][k] for k in spec.layer_keys]
         assert r["layers"] == (layers[0] if len(layers) == 1 else layers) and r["config"] == "tiny"
@@ -217,3 +221,78 @@ def test_bound_no_overlap_reaches_the_compiled_sides(capsys):
         assert seen["margs"].no_overlap is True, (extra, seen)
     bound.print_table([], dict(cls="FluxTransformer2DModel", config="tiny", tokens=64, chunks=1, overlap_pass=False))
     assert "compiled without the overlap pass (--no-overlap)" in capsys.readouterr().out
+
+
+def test_bound_table_host_column_marks_host_bound_rows(capsys):
+    """print_table: with host times, a 'host ms' column for rank 0 (and, with --cost, the plain side's) where a
+    host-bound side (host >= HOST_BOUND x its measured time) carries '*', with the legend; none without host times."""
+    from cp_ops.cli.bound import HOST_BOUND, print_table
+
+    row = dict(compile="regional", cuda_graphs=False, world_size=4, mode="ulysses", one_gpu_ms=128.0,
+               one_gpu_from="diffusers", rank0_ms=80.9, fill_ms=0.6, bound_speedup=1.58, cp_ops_cost_ms=40.1,
+               cp_ops_cost_pct=49.2, plain_ms=41.4, host_ms=80.0, host_bound=True, plain_host_ms=30.0,
+               plain_host_bound=False)
+    meta = dict(cls="FluxTransformer2DModel", config="dev", tokens=4096, chunks=1, gpu="NVIDIA H200")
+    print_table([row], meta)
+    text = capsys.readouterr().out
+    header, line = text.splitlines()[2:4]
+    assert header.rstrip().endswith("cp_ops cost  plain ms   host ms"), header
+    assert "80.00*" in line and line.rstrip().endswith("41.40    30.00"), line
+    assert f"host-bound: host >= {HOST_BOUND:g} x" in text and "CPU: host = wall" not in text
+    no_host = {k: v for k, v in row.items() if "host" not in k}
+    print_table([no_host], meta)
+    text = capsys.readouterr().out
+    assert "host ms" not in text.splitlines()[2] and "host-bound" not in text
+
+
+def test_side_host_bound_threshold():
+    """Side.host_bound: host >= HOST_BOUND x the measured median; None before any host sample."""
+    s = bound.Side("cp_ops W4", "cp", 4, samples=[10.0, 10.0, 10.0])
+    assert s.host_ms is None and s.host_bound is None
+    s.host_samples = [bound.HOST_BOUND * 10.0 - 0.01] * 3
+    assert s.host_bound is False
+    s.host_samples = [bound.HOST_BOUND * 10.0] * 3
+    assert s.host_bound is True and s.host_ms == pytest.approx(9.0)
+
+
+def test_samples_ms_host_times_on_cpu():
+    """cp_ops.timing.samples_ms(host=list): one host time per run; on CPU the run's wall time itself."""
+    import time
+
+    from cp_ops.timing import samples_ms
+
+    host = []
+    t = samples_ms(lambda: time.sleep(0.002), torch.device("cpu"), 1, 3, host)
+    assert len(host) == 3 and host == t and min(host) >= 2.0
+
+
+def test_bound_registers_the_cp_ops_backend_before_any_side(monkeypatch):
+    """run_bound registers diffusers' attention backend 'cp_ops' before the first side is built: registered by the
+    first parallelize (after the diffusers side compiled), it changed the registry that side's compiled blocks guard
+    on, and the side compiled again at its first timed call (seen with TORCH_LOGS=recompiles, 2026-12-02)."""
+    from cp_ops.integrations.diffusers import _private
+
+    monkeypatch.delitem(_private._REGISTERED, "member", raising=False)
+    seen = []
+
+    def prepare(side, *a, **k):
+        seen.append((side.name, "member" in _private._REGISTERED))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bound, "_prepare", prepare)
+    rows = bound.run_bound(_args("flux", bound=[2], cost=False, no_group1=True), torch.device("cpu"))
+    assert seen == [("diffusers", True)] and "stop here" in rows[0]["skipped"]
+
+
+def test_results_table_host_column():
+    """benchmarks/bound_table.py: a 'host ms' column (rank 0 / plain, '*' host-bound) where any row has host times;
+    none for older rows."""
+    from benchmarks.bound_table import table
+
+    row = dict(model="flux", config="dev", tokens=4096, compile="regional", cuda_graphs=False, world_size=4,
+               mode="ulysses", one_gpu_ms=128.1, one_gpu_from="diffusers", rank0_ms=80.9, fill_ms=0.6,
+               bound_speedup=1.58, rank0_samples=[80.0, 82.0])
+    old = table([row])
+    assert "host ms" not in old and old.splitlines()[2].count("|") == 9
+    new = table([dict(row, host_ms=80.4, host_bound=True, plain_host_ms=30.2, plain_host_bound=False)])
+    assert "host ms rank 0 / plain" in new and new.splitlines()[2].rstrip().endswith("| 80.4* / 30.2 |"), new

@@ -177,3 +177,51 @@ def test_torch_writes_replayed_per_chunk():
     out = torch.full((8, 3), float("nan"))
     fake_fill._write_as_torch(out, inp)
     assert torch.equal(out, inp.repeat(4, 1))
+
+
+def test_gathers_written_by_cp_ops_not_run_on_a_fake_group(fake4, monkeypatch):
+    """With filling on, the all-gathers cp_ops issues on a fake group (the AGKV gather, the key-mask gathers of the
+    comm and of the op) are written by cp_ops, one copy per tensor, and the fake backend's collective (one copy per
+    chunk: a host loop over W) is not called; outputs = this rank's data in every chunk, recorded as cp_ops'."""
+    from cp_ops.comm import DirectComm
+
+    fake_fill.enable(fake4, torch.device("cpu"))
+
+    def refuse(self, *a, **k):
+        raise AssertionError("the fake backend's all-gather ran")
+
+    for n in ("_allgather_base", "allgather_into_tensor_coalesced"):
+        monkeypatch.setattr(dist.ProcessGroup, n, refuse)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 4, 4, 8, generator=g), torch.randn(2, 4, 4, 8, generator=g)
+    mask = (torch.rand(2, 4, generator=g) > 0.3).to(torch.uint8)
+    with fake_fill.recording() as rec:
+        kf, vf, work = TorchTransport().agkv_start(k, v, fake4)
+        work.wait()
+        mf = DirectComm(fake4, TorchTransport()).mask(mask).wait()
+        mo = torch.ops.cp_ops.mask_gather_start(mask, 4, fake4.group_name)
+        torch.ops._c10d_functional.wait_tensor(mo)
+    assert torch.equal(kf, k.repeat(1, 4, 1, 1)) and torch.equal(vf, v.repeat(1, 4, 1, 1))
+    assert torch.equal(mf, mask.repeat(4, 1)) and torch.equal(mo, mask.repeat(4, 1))
+    assert [(r[0], r[-1]) for r in rec] == [("allgather_into_tensor_coalesced", "cp_ops")] * 4 \
+        + [("_allgather_base", "cp_ops")] * 2
+
+
+def test_gather_leaves_a_group_that_is_not_fake_alone(fake4, monkeypatch):
+    """fake_fill.gather on a group whose backend is not 'fake': None (the caller runs its collective), nothing written
+    or recorded; a group's verdict is asked once per group object and forgotten by disable()."""
+    fake_fill.enable(fake4, torch.device("cpu"))
+    asked = []
+
+    def backend(g):
+        asked.append(g)
+        return "gloo"
+
+    monkeypatch.setattr(fake_fill.dist, "get_backend", backend)
+    out, inp = torch.full((16,), float("nan")), torch.randn(4)
+    with fake_fill.recording() as rec:
+        assert fake_fill.gather("_allgather_base", fake4, [out], [inp]) is None
+        assert fake_fill.gather("_allgather_base", fake4, [out], [inp]) is None
+    assert rec == [] and torch.isnan(out).all() and asked == [fake4]
+    fake_fill.disable()
+    assert fake_fill._fake == {}

@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..integrations.diffusers.dispatch import CPAttention
+from ..integrations.diffusers import _private
+from ..integrations.diffusers.dispatch import CPAttention, cp_ops_backend
 from ..timing import Graphed, time_ms
 from ..transport import fake_fill
 from .models import MODELS, build, config_label, load_checkpoint
@@ -66,6 +67,8 @@ DEFAULT_CPU = ("eager",)
 #: a sample (median of n forwards) lasts about this long, ms; n in [1, MAX_CALLS]
 SAMPLE_MS = 200.0
 MAX_CALLS = 10
+#: a side is host-bound when the host's time to enqueue a forward is at least this share of its measured time
+HOST_BOUND = 0.9
 
 
 def parse_mode(text: str) -> tuple[str, bool]:
@@ -195,6 +198,7 @@ class Side:
     call: Callable[[], object] | None = None
     first_s: float = 0.0
     samples: list = field(default_factory=list)
+    host_samples: list = field(default_factory=list)  # per sample: the median host time of its forwards (ms)
     out: torch.Tensor | None = None
     fills: list = field(default_factory=list)  # one forward's fake collective writes (fake_fill.recording)
     fill_ms: float = 0.0  # their device time, replayed alone (fake_fill.replay_ms)
@@ -207,6 +211,18 @@ class Side:
     @property
     def ms(self) -> float:
         return statistics.median(self.samples)
+
+    @property
+    def host_ms(self) -> float | None:
+        """The host's time to enqueue one forward (median over the samples of each sample's median), ms."""
+        return statistics.median(self.host_samples) if self.host_samples else None
+
+    @property
+    def host_bound(self) -> bool | None:
+        """Host-bound: enqueuing a forward takes at least :data:`HOST_BOUND` of its measured time (the device
+        waited for the host)."""
+        h = self.host_ms
+        return None if h is None else h >= HOST_BOUND * self.ms
 
 
 # ---- measuring -----------------------------------------------------------------------------------------------
@@ -299,14 +315,19 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
 
 def _time_sides(sides: list[Side], device, warmup: int, rounds: int) -> None:
     """``warmup`` untimed forwards of each side, then ``rounds`` interleaved rounds: each takes one sample of every
-    side (the median of ``n`` waited-for forwards; ``n`` from the warm-up's time, so a sample lasts ~SAMPLE_MS)."""
+    side (the median of ``n`` waited-for forwards; ``n`` from the warm-up's time, so a sample lasts ~SAMPLE_MS),
+    and the median of the same forwards' host times (:func:`cp_ops.timing.samples_ms`: the call's wall time, not
+    waited for)."""
     calls = {}
     for s in sides:
-        t = time_ms(s.call, device, max(0, warmup - 1), 1) if warmup else SAMPLE_MS
+        # n from one forward timed after the untimed warm-up ones (a compile in the first would make n = 1)
+        t = time_ms(s.call, device, warmup, 1) if warmup else SAMPLE_MS
         calls[s.name] = max(1, min(MAX_CALLS, int(SAMPLE_MS / max(t, 1e-3))))
     for _ in range(rounds):
         for s in sides:
-            s.samples.append(time_ms(s.call, device, 0, calls[s.name]))
+            host: list = []
+            s.samples.append(time_ms(s.call, device, 0, calls[s.name], host=host))
+            s.host_samples.append(statistics.median(host))
 
 
 def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
@@ -440,6 +461,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype, g)
     if device.type == "cuda":
         base.set_attention_backend("_native_cudnn")
+    # diffusers' backend 'cp_ops' registered before any side compiles: registered by the first parallelize (after the
+    # diffusers side compiled), it changed the backend registry that side's compiled blocks guard on, and the side
+    # compiled its blocks again at its first timed call
+    _private.register_backend(cp_ops_backend)
     written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
     if written and getattr(args, "compare", None) == "diffusers":  # diffusers' functional collectives, probed apart
         from . import bound_diffusers
@@ -460,7 +485,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 fake_outputs=("unwritten (--unwritten)" if not written else
                               "written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
                               + (", ".join(k for k, v in written.items() if v) or "nothing")
-                              + "; by torch's fake backend for the rest"))
+                              + " and cp_ops' own all-gathers (AGKV, key masks: one copy per tensor, the fake "
+                              "backend's not run); by torch's fake backend for the rest"))
     try:
         import diffusers
 
@@ -581,13 +607,15 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
         row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
                    diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=_speedup(one, cp),
                    rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=len(cp.fills),
-                   first_call_s=cp.first_s, rank0_samples=cp.samples, **_no_time_left(cp))
+                   first_call_s=cp.first_s, rank0_samples=cp.samples, **_host(cp, steps=steps),
+                   **_host(by["diffusers"], "diffusers_", steps), **_no_time_left(cp))
         if "group of 1" in by:
             row["group1_ms"] = by["group of 1"].ms
+            row.update(_host(by["group of 1"], "group1_", steps))
         plain = by.get(f"plain W{w}")
         if plain is not None:  # both raw: each pays its stand-in writes (cp: the fake collectives'; plain: repeats)
             row.update(plain_ms=plain.ms, plain_fill_ms=plain.fill_ms, cp_ops_cost_ms=cp.ms - plain.ms,
-                       cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms)
+                       cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms, **_host(plain, "plain_", steps))
         rows = [row]
         for s in (x for x in sides if x.kind == "dcp" and x.world == w):  # diffusers' own CP beside cp_ops'
             if s.error is not None:
@@ -604,7 +632,8 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                              one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d,
                              bound_speedup=_speedup(one, s),
                              rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=len(s.fills), first_call_s=s.first_s,
-                             rank0_samples=s.samples, output_shape_ok=shape_ok, outputs_finite=finite,
+                             rank0_samples=s.samples, **_host(s, steps=steps), output_shape_ok=shape_ok,
+                             outputs_finite=finite,
                              **({"invalid": "; ".join(why)} if why else {}),
                              **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
                              **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
@@ -614,6 +643,15 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                     _add_steps(r, steps, by, args.model)
         out += rows
     return out
+
+
+def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:
+    """``{prefix + 'host_ms', prefix + 'host_bound'}`` of ``side`` (the host's time to enqueue one forward, and whether
+    it reaches :data:`HOST_BOUND` of the side's measured time ``ms``); ``{}`` where not timed, and for a ``steps``
+    loop (it reads its per-step CUDA events at its end, so its call waits for the device: host = wall)."""
+    if side.host_ms is None or steps:
+        return {}
+    return {prefix + "host_ms": side.host_ms, prefix + "host_bound": side.host_bound}
 
 
 def _speedup(one: float, side: Side) -> float | None:
@@ -656,9 +694,12 @@ def print_table(rows: list[dict], meta: dict) -> None:
     has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare diffusers
     if steps:
         print(f"a denoising loop of {steps} steps per sample: the times are whole loops (ms), 'ms/step' rank 0's")
+    has_host = any("host_ms" in r for r in rows)
     print(f"{'compile':<17} {'W':>3}" + (f" {'impl':>17}" if has_impl else "") + f" {'mode':>8} {'1 device ms':>12} "
-          f"{'from':>11} {'rank 0 ms':>10} {'fill ms':>8}" + (f" {'ms/step':>9}" if steps else "") + f" {'bound':>7}"
-          + (f" {'cp_ops cost':>16}" if has_cost else ""))
+          f"{'from':>11} {'rank 0 ms':>10} {'fill ms':>8}" + (f" {'host ms':>9}" if has_host else "")
+          + (f" {'ms/step':>9}" if steps else "") + f" {'bound':>7}"
+          + (f" {'cp_ops cost':>16}" if has_cost else "")
+          + (f" {'plain ms':>9} {'host ms':>9}" if has_cost and has_host else ""))
     for r in rows:
         name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
         if "skipped" in r:
@@ -667,11 +708,14 @@ def print_table(rows: list[dict], meta: dict) -> None:
             continue
         cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
         bound_text = f"{r['bound_speedup']:>6.2f}x" if r.get("bound_speedup") is not None else f"{'-':>7}"
+        plain = (f" {r['plain_ms']:>9.2f} {_host_text(r, 'plain_')}" if "plain_ms" in r
+                 else f" {'':>9} {'':>9}") if has_cost and has_host else ""
         print(f"{name:<17} {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
               + f" {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
               f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
-              f"{r.get('fill_ms', 0.0):>8.2f}" + (f" {r['step_ms']:>9.2f}" if steps else "")
-              + f" {bound_text}" + (f" {cost:>16}" if has_cost else "")
+              f"{r.get('fill_ms', 0.0):>8.2f}" + (f" {_host_text(r)}" if has_host else "")
+              + (f" {r['step_ms']:>9.2f}" if steps else "")
+              + f" {bound_text}" + (f" {cost:>16}" if has_cost else "") + plain
               + (f"  invalid: {r['invalid']}" if r.get("invalid") else ""))
     print("bound = 1-device time / rank 0's time of a W-rank fake group (no transfer: no CP run can beat it); "
           "rank 0 = its measured forward minus 'fill': the device copies that write the fake collectives' outputs "
@@ -679,6 +723,11 @@ def print_table(rows: list[dict], meta: dict) -> None:
           "1 device = the faster of diffusers' own path and cp_ops over a group of 1; "
           + ("cp_ops cost = rank 0 minus the same forward with plain local attention of the same shapes (--cost), % of "
              "rank 0's forward." if has_cost else "--cost adds cp_ops' own cost inside the bound."))
+    if has_host:
+        print("host ms = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
+              f"the measured (device-timed) forward; * = host-bound: host >= {HOST_BOUND:g} x the measured time "
+              "(rank 0 raw = rank 0 + fill), so the device waited for the host and that row's time is host time"
+              + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))
     if has_impl:
         print("impl 'diffusers ulysses|ring' = diffusers' own CP (enable_parallelism) over the same fake group, its "
               "all-to-alls written like cp_ops' (cp_ops.cli.bound_diffusers); its bound beside cp_ops'.")
@@ -690,6 +739,14 @@ def print_table(rows: list[dict], meta: dict) -> None:
     if "gpu" not in meta:
         print("CPU: a functional check, not a performance claim (a tiny model: bounds near or below 1x are expected; "
               "docs/measuring.md).")
+
+
+def _host_text(r: dict, prefix: str = "") -> str:
+    """A row's host time (ms) with ``*`` when host-bound, 9 wide; blank where not timed."""
+    h = r.get(prefix + "host_ms")
+    if h is None:
+        return f"{'':>9}"
+    return f"{h:>8.2f}" + ("*" if r.get(prefix + "host_bound") else " ")
 
 
 def print_profiles(profiles: dict) -> None:

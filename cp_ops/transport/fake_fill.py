@@ -14,6 +14,12 @@ have) — on torch versions whose fake backend does not (probed once per collect
 extra where torch already does. Either way each such write costs one device copy of the collective's output,
 which the caller accounts for: :func:`recording` lists them and :func:`replay_ms` times the same copies alone.
 
+The all-gathers cp_ops issues (the torch transport's AGKV gather, the key-mask gathers) are not run on a fake group
+while filling is on: :func:`gather` writes their outputs itself, one copy per tensor, and returns a completed work.
+The fake backend writes an all-gather one copy per chunk — a host loop over W (W kernel launches per tensor on CUDA,
+where one rank's NCCL all-gather is one launch) that made rank 0's host time grow with W; the data written is the
+same.
+
 Covered: the torch transport's AGKV all-gather, its pipelined point-to-point gather (``recv`` never writes on any
 fake backend: the received blocks are filled with the sent ones), Ulysses' all-to-alls, the key-mask all-gathers
 and the diffusers integration's output gathers (not while ``torch.compile`` traces one: ``--bound-compile full``
@@ -32,6 +38,11 @@ ACTIVE = False
 #: collective kind -> True when torch's fake backend leaves its output unwritten (so :func:`fill` writes it)
 _unwritten: dict[str, bool] = {}
 _records: list | None = None
+#: process group object -> whether it is a fake group (a group's backend never changes; keyed by the object, not its
+#: name: a later real group may reuse a destroyed fake group's name). Emptied by :func:`enable` and :func:`disable`.
+_fake: dict = {}
+#: a completed work (:func:`gather`'s), made once
+_done = None
 
 KINDS = ("alltoall_base", "_allgather_base", "allgather_into_tensor_coalesced", "recv")
 
@@ -56,7 +67,8 @@ def _probe(pg: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
 
 def enable(group: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
     """Turn filling on for every fake group of this process; ``group`` (a fake group) is probed on ``device`` for
-    what torch's fake backend writes itself. Returns ``{kind: True when cp_ops writes it}``.
+    what torch's fake backend writes itself. Returns ``{kind: True when cp_ops writes it}`` after a collective of
+    that kind (:func:`fill`); cp_ops' own all-gathers are written by cp_ops whatever it says (:func:`gather`).
 
     Raises:
         ValueError: ``group`` is not a fake group (backend name and ranks in the message).
@@ -66,6 +78,7 @@ def enable(group: dist.ProcessGroup, device: torch.device) -> dict[str, bool]:
         raise ValueError(f"fake_fill.enable needs a group of the 'fake' backend (the zero-communication bound); got "
                          f"backend {dist.get_backend(group)!r} with {group.size()} ranks")
     _unwritten.update(_probe(group, torch.device(device)))
+    _fake.clear()
     ACTIVE = True
     return dict(_unwritten)
 
@@ -75,11 +88,15 @@ def disable() -> None:
     them. Never raises."""
     global ACTIVE
     ACTIVE = False
+    _fake.clear()
 
 
 def _is_fake(pg: dist.ProcessGroup) -> bool:
-    """Asked at every call (not cached by name: a later real group may reuse a destroyed fake group's name)."""
-    return str(dist.get_backend(pg)) == "fake"
+    """Whether ``pg`` is a fake group: asked once per group object (:data:`_fake`)."""
+    v = _fake.get(pg)
+    if v is None:
+        v = _fake[pg] = str(dist.get_backend(pg)) == "fake"
+    return v
 
 
 def _note(kind: str, out: torch.Tensor, inp: torch.Tensor, by: str) -> None:
@@ -108,6 +125,27 @@ def fill(kind: str, pg: dist.ProcessGroup, out: torch.Tensor, inp: torch.Tensor)
     if mine:
         with torch.no_grad():
             _write(kind, out, inp)
+
+
+def gather(kind: str, pg: dist.ProcessGroup, outs, ins):
+    """An all-gather of ``kind`` (``'allgather_into_tensor_coalesced'`` or ``'_allgather_base'``) on ``pg``, written
+    by cp_ops instead of run, when ``pg`` is a fake group: every ``outs[i]`` (``W`` chunks of ``ins[i]``'s shape along
+    dim 0) gets ``ins[i]`` in each chunk with one copy (what the fake backend writes, one copy per chunk), recorded as
+    cp_ops' write (:func:`recording`); returns a completed work (its ``wait()`` returns at once). On any other group
+    returns None and does nothing: the caller runs the collective. Call only when :data:`ACTIVE` (the callers check
+    it first)."""
+    global _done
+    if not _is_fake(pg):
+        return None
+    with torch.no_grad():
+        for out, inp in zip(outs, ins):
+            _note(kind, out, inp, "cp_ops")
+            _write(kind, out, inp)
+    if _done is None:
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        _done = torch._C._distributed_c10d._create_work_from_future(fut)
+    return _done
 
 
 @contextlib.contextmanager

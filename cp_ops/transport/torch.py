@@ -34,10 +34,10 @@ class TorchTransport:
         k_in, v_in = k.contiguous(), v.contiguous()
         outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
         ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
-        work = group.allgather_into_tensor_coalesced(outs, ins)
-        if fake_fill.ACTIVE:  # the zero-communication bound: a fake group's outputs hold real data
-            for o, i in zip(outs, ins):
-                fake_fill.fill("allgather_into_tensor_coalesced", group, o, i)
+        # the zero-communication bound: on a fake group cp_ops writes the outputs (one copy per tensor) instead
+        work = fake_fill.gather("allgather_into_tensor_coalesced", group, outs, ins) if fake_fill.ACTIVE else None
+        if work is None:
+            work = group.allgather_into_tensor_coalesced(outs, ins)
         return k_full, v_full, work
 
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
