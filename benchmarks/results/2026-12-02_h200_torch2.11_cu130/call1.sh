@@ -3,7 +3,8 @@
 # denoising loops (emulated on a group of one, benchmarks/fp8.py models), then cp_ops' cost under regional + graphs
 # for FLUX.1-dev and Z-Image-Turbo at W = 4, 8 with today's code forms (one traced Ulysses launch, per-shape mask
 # buffers). Call 2 (STEPS="qwen_rg gtests"): Qwen-Image's cost after the masked-padding change (e883c47), the
-# one-GPU tests.
+# one-GPU tests. Call 4 (STEPS="fused zimage_r4 flux_r4 qwen_prof host"): the fused FP8 codec's tests and timings,
+# the regional rows with the host column, Qwen-Image W = 8 profiled, host µs per compiled call on the GPU host.
 # Run from the repository root: OUT=... bash benchmarks/results/2026-12-02_h200_torch2.11_cu130/call1.sh
 # Each step one process under `timeout` and a whole-call deadline END (s); results print to stdout (the log).
 set -u
@@ -33,6 +34,22 @@ for s in ${STEPS:-fp8_flux fp8_qwen fp8_ltx fp8_wan flux_rg zimage_rg}; do case 
   zimage_rg) st $s 110 60 python3 -m cp_ops run zimage --bound 4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
   qwen_rg)  st $s 170 90 python3 -m cp_ops run qwenimage --bound 2,4,8 --bound-compile regional+graphs --cost --no-group1 --out $W/$s.json ;;
   gtests)   st $s 100 40 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_one_gpu.py -k "not two_ranks" ;;
+  fused)    st $s 100 40 env DEADLINE=95 bash benchmarks/gpu_fp8.sh $W/fp8 fused ;;
+  zimage_r4) st $s 120 50 env TORCH_LOGS=recompiles python3 -m cp_ops run zimage --bound 4 --bound-compile regional --cost --no-group1 --warmup 1 --repeats 3 --profile $W/prof --out $W/$s.json ;;
+  flux_r4)  st $s 130 60 python3 -m cp_ops run flux --bound 4 --bound-compile regional --cost --no-group1 --warmup 1 --repeats 3 --out $W/$s.json ;;
+  qwen_prof) st $s 120 60 python3 -m cp_ops run qwenimage --bound 8 --bound-compile regional+graphs --cost --no-group1 --profile $W/prof --out $W/$s.json ;;
+  host)     st $s 150 60 python3 benchmarks/host_compiled.py --device cuda --breakdown --entries --out $W/host ;;
   *) echo "=== unknown step $s" | tee -a "$LOG" ;;
 esac; done
-tar czf "$OUT/results.tgz" -C "$W" . ; ls -la "$OUT"
+python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG"
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):  # the profile summaries (busy ms by category, top kernels)
+    d = json.load(open(f))
+    for mode, sides in (d.get("profiles") or {}).items():
+        for side, p in sides.items():
+            print(f"PROFILE {f.rsplit('/', 1)[-1]} {mode} {side}: wall {p['wall_ms']:.2f} busy {p['busy_ms']:.2f} "
+                  + " ".join(f"{k}={v:.2f}" for k, v in sorted(p['by_category'].items())))
+            for name, ms, n in p["top"][:8]:
+                print(f"    {ms:8.3f} ms {n:5d}x {name[:100]}")
+PY
+tar czf "$OUT/results.tgz" -C "$W" --exclude='trace_*' . ; ls -la "$OUT"
