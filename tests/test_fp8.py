@@ -457,10 +457,11 @@ def _where(a, b) -> str:
 
 
 def _same(a, b):
-    """Bitwise equal, NaN included. Encoded bytes: every row equal, but a row whose scale is NaN on both sides (a row
-    that held a NaN): it decodes to NaN whatever its other bytes, and the codec's rule is bitwise equality on finite
-    input only — a GPU division gives its own NaN (0x7FFFFFFF, and NaN values of either sign become it) where the CPU
-    reference keeps the operand's (0x7FC00000, the sign of a NaN input)."""
+    """Bitwise equal, NaN included. Encoded bytes: every row equal, but a row whose scale is not finite on both sides
+    (a row that held a NaN or ±inf): it decodes to NaN whatever its other bytes, and the codec's rule is bitwise
+    equality on finite input only — a GPU division gives its own NaN (0x7FFFFFFF) where the CPU reference keeps the
+    operand's (0x7FC00000, a NaN input's sign) or x86's default NaN (negative: inf/inf gives byte 0xFF where the GPU
+    gives 0x7F; seen on an H200, 2026-12-02)."""
     a, b = a.cpu(), b.cpu()
     if a.dtype == torch.uint8:
         if torch.equal(a, b):
@@ -468,9 +469,9 @@ def _same(a, b):
         if a.shape != b.shape:
             return False
         sa, sb = (t[..., -4:].contiguous().view(torch.float32)[..., 0] for t in (a, b))
-        if not torch.equal(sa.isnan(), sb.isnan()):
+        if not torch.equal(sa.isfinite(), sb.isfinite()):
             return False
-        keep = ~sa.isnan()
+        keep = sa.isfinite()
         return torch.equal(a[keep], b[keep])
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) or (
         torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0)))
