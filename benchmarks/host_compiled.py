@@ -282,7 +282,7 @@ def main() -> None:
     shape = tuple(args.shape or ((1, 128, 24, 128) if cuda else (1, 16, 8, 16)))
     dtype = torch.bfloat16 if cuda else torch.float32
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # ("cuda" has no index: set_device refuses it)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
