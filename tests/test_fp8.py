@@ -833,3 +833,46 @@ def _unhashable(rank, w):
 
 def test_unhashable_comm_dtype_raises_on_every_rank():
     run_ranks(_unhashable, 2)
+
+
+def test_fused_kernel_checked_at_first_use(monkeypatch, caplog):
+    """A fused kernel variant runs only once its first call gave the torch version's bytes on the device: a variant
+    that differs (a broken kernel stands in) runs the torch version from then on, logged once; one that agrees runs
+    the kernel (here a copy of the torch version stands in). Rows holding NaN/±inf may differ in their NaN bytes."""
+    from cp_ops.kernels import fp8_ulysses as fu
+
+    monkeypatch.setattr(fu.fp8, "use_triton", lambda device: True)
+    monkeypatch.setattr(fu, "_variants", {})
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1, 4, 6, 16, generator=g).bfloat16() for _ in range(3)]
+    xs[1][0, 2, 1] = float("inf")  # a non-finite row: its bytes are free
+    ref = fu.pack_encode_torch(xs, 2, 0, None, "e4m3")
+    calls = []
+
+    def broken(xs, world, lo, hi, fmt):
+        calls.append("broken")
+        out = fu.pack_encode_torch(xs, world, lo, hi, fmt)
+        out[0, 0, 0, 0, 0, 0] ^= 1  # one finite byte off
+        return out
+
+    monkeypatch.setattr(fu, "pack_encode_triton", broken)
+    with caplog.at_level("WARNING", logger="cp_ops"):
+        assert torch.equal(fu.pack_encode(xs, 2, 0, None, "e4m3"), ref)  # checked: differs → the torch version
+        assert torch.equal(fu.pack_encode(xs, 2, 0, None, "e4m3"), ref)  # not run again
+    assert calls == ["broken"] and "differs from the torch version" in caplog.text
+
+    def agrees(xs, world, lo, hi, fmt):  # the torch bytes with another NaN in the inf row: still agrees
+        calls.append("agrees")
+        out = fu.pack_encode_torch(xs, world, lo, hi, fmt)
+        sc = out[..., -4:].contiguous().view(torch.float32)[..., 0]
+        out[~sc.isfinite()] = 0x7F
+        out[..., -4:][~sc.isfinite()] = torch.tensor([255, 255, 255, 127], dtype=torch.uint8)
+        return out
+
+    monkeypatch.setattr(fu, "pack_encode_triton", agrees)
+    monkeypatch.setattr(fu, "_variants", {})
+    calls.clear()
+    first = fu.pack_encode(xs, 2, 0, None, "e4m3")
+    assert calls == ["agrees"] and fu._same_bytes(first, ref)
+    fu.pack_encode(xs, 2, 0, None, "e4m3")
+    assert calls == ["agrees", "agrees"]  # checked once, then the kernel

@@ -29,7 +29,11 @@ serves every T, n, stride and batch of a (input dtype, format, D, HL); the const
 output dtype (and Triton's 16-byte alignment of each pointer).
 
 Each function runs torch ops (:mod:`cp_ops.kernels.fp8`'s torch version and the layout copies; any device, CI) when
-:func:`cp_ops.kernels.fp8.use_triton` is false for the device — the same bytes.
+:func:`cp_ops.kernels.fp8.use_triton` is false for the device — the same bytes. **Checked where it runs**: the first
+call of each kernel variant (kernel, device, input/output dtype, format, D, HL, pointer alignment) outside a CUDA graph capture runs the
+Triton kernel and the torch version on its own inputs and compares them (:func:`_first_use`: every row whose scale
+is finite bitwise; rows holding NaN/±inf decode to NaN either way); a variant that differs runs the torch version
+from then on, logged once. Inside a capture an unchecked variant runs the torch version.
 """
 
 from __future__ import annotations
@@ -204,13 +208,54 @@ def _launch_decode(buf, out, m, s_strides, o_strides, t, hl, fmt, world, b) -> N
 
 
 # ---- the entry points: the Triton version where fp8.use_triton, else the torch version (the same bytes) -----------
+#: (kernel, device index, variant key) → whether the Triton kernel gave the torch version's bytes at its first call
+_variants: dict = {}
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a kernel's result equals the torch version's: encoded buffers row by row where both scales are finite
+    (a row holding NaN/±inf decodes to NaN whatever its bytes: the GPU's NaN is not the CPU's), decoded tensors
+    bitwise where finite and NaN where the other is."""
+    if a.dtype == torch.uint8:
+        sa, sb = (t[..., -SCALE_BYTES:].contiguous().view(torch.float32)[..., 0] for t in (a, b))
+        keep = sa.isfinite()
+        return bool(torch.equal(keep, sb.isfinite())) and bool(torch.equal(a[keep], b[keep]))
+    fa = a.isfinite()
+    return (bool(torch.equal(fa, b.isfinite())) and bool(torch.equal(a.isnan(), b.isnan()))
+            and bool(torch.equal(a[fa].view(torch.uint8), b[fa].view(torch.uint8))))
+
+
+def _first_use(kind: str, key: tuple, device: torch.device, fast, slow, args: tuple, out):
+    """``fast(*args, out)`` (the Triton kernel) where its variant was checked equal to ``slow`` (the torch version),
+    else ``slow(*args, out)``; an unchecked variant is checked here (both run on these inputs, compared: a host sync;
+    not inside a CUDA graph capture, where ``slow`` runs)."""
+    if not fp8.use_triton(device):
+        return slow(*args, out)
+    k = (kind, device.index, key)
+    ok = _variants.get(k)
+    if ok is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return slow(*args, out)
+        got, ref = fast(*args, None), slow(*args, None)
+        ok = _variants[k] = _same_bytes(got, ref)
+        if not ok:
+            import logging
+
+            logging.getLogger("cp_ops").warning("cp_ops FP8 codec: the fused Triton kernel %s differs from the torch "
+                                                "version for %s on %s: using the torch version", kind, key, device)
+        res = got if ok else ref
+        return res if out is None else out.copy_(res)
+    return (fast if ok else slow)(*args, out)
 def pack_encode(xs, world: int, lo: int = 0, hi: int | None = None, fmt: str = "e4m3") -> torch.Tensor:
     """n tensors ``[B, S, H, D]`` (fp32/bf16/fp16, one shape and dtype, any strides) → the uint8 send buffer
     ``[W, B, S, n, hi - lo, D + 4]`` (contiguous) of heads ``[lo, hi)`` of every head group, each (token, head) row
     encoded in ``fmt`` ('e4m3' / 'e5m2'): slab w = head group w, bitwise the unfused encode + pack (module docstring).
     n is 1 to 3. Raises ValueError for other shapes, dtypes, head ranges or formats."""
     check_pack(xs, world, lo, hi, fmt)
-    return (pack_encode_triton if fp8.use_triton(xs[0].device) else pack_encode_torch)(xs, world, lo, hi, fmt)
+    key = (xs[0].dtype, fmt, xs[0].shape[3], (xs[0].shape[2] // world if hi is None else hi) - lo,
+           tuple(x.data_ptr() % 16 == 0 for x in xs))  # (Triton compiles a variant per pointer alignment)
+    return _first_use("pack_encode", key, xs[0].device, lambda *a: pack_encode_triton(*a[:-1]),
+                      lambda *a: pack_encode_torch(*a[:-1]), (xs, world, lo, hi, fmt), None)
 
 
 def unpack_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,7 +264,10 @@ def unpack_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.Te
     bitwise the unfused decode + unpack. A new contiguous tensor, or ``out`` (that shape and dtype, any strides) filled
     and returned. Raises ValueError for another buffer, dtype, format or ``out``."""
     check_unpack(buf, dtype, fmt, 6, out)
-    return (unpack_decode_triton if fp8.use_triton(buf.device) else unpack_decode_torch)(buf, dtype, fmt, out)
+    key = (dtype, fmt, buf.shape[-1] - SCALE_BYTES, buf.shape[4], buf.data_ptr() % 16 == 0,
+           out is None or out.data_ptr() % 16 == 0)
+    return _first_use("unpack_decode", key, buf.device, unpack_decode_triton, unpack_decode_torch, (buf, dtype, fmt),
+                      out)
 
 
 def inverse_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,7 +277,10 @@ def inverse_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.T
     shape). ``out``: a ``[B, S, W, Hl, D]`` tensor of ``dtype`` (any strides, e.g. pipelined Ulysses' result heads
     ``[lo, hi)``) filled and returned. Raises ValueError for another buffer, dtype, format or ``out``."""
     check_unpack(buf, dtype, fmt, 5, out)
-    return (inverse_decode_triton if fp8.use_triton(buf.device) else inverse_decode_torch)(buf, dtype, fmt, out)
+    key = (dtype, fmt, buf.shape[-1] - SCALE_BYTES, buf.shape[3], buf.data_ptr() % 16 == 0,
+           out is None or out.data_ptr() % 16 == 0)
+    return _first_use("inverse_decode", key, buf.device, inverse_decode_triton, inverse_decode_torch,
+                      (buf, dtype, fmt), out)
 
 
 # -- the torch version (any device; what CI runs): the unfused codec and layout copies --
