@@ -421,8 +421,10 @@ def _can_follow(launch: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bo
 # output must run before launch i; the pass keeps that true for every launch it moves.
 def _group_key(launch: fx.Node) -> tuple:
     """Launches with equal group keys may share a pool key: (op, dtype and shape of each tensor input); with a
-    symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together."""
-    vals = [a.meta["val"] for a in launch.all_input_nodes]
+    symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together. Only
+    tensor inputs count: a launch's int arguments may be graph nodes too (``seq_lens`` under ``dynamic=True``: SymInts),
+    and the pool key is the output's shape and dtype."""
+    vals = [v for v in (a.meta["val"] for a in launch.all_input_nodes) if isinstance(v, torch.Tensor)]
     if all(isinstance(d, int) for v in vals for d in v.shape):
         return launch.target, tuple((v.dtype, tuple(v.shape)) for v in vals)
     # a packed Ulysses send buffer [W, B, S, n, hs, D]: its slot count n is a constant, and buffers of different n
