@@ -373,6 +373,36 @@ def test_pooled_transport_carries_fp8():
     run_ranks(_pooled, 2)
 
 
+def _slotted(rank, w):
+    """Pipelined Ulysses with two FP8 formats holding one tensor each (q e4m3, v e5m2: two uint8 send buffers of one
+    shape per sub-group) on a transport with the fast one's pool (2 slots per (op, shape, dtype), a launch onto a
+    slot not yet waited raises: tests/pooled_transport.py SlottedTestTransport): equal to the torch transport, eager
+    and compiled, outputs owned. Failed before (2026-12-02): sub-groups 0 and 1 in flight made 4 launches of one key."""
+    from pooled_transport import install_slotted
+
+    install_slotted()
+    for hl, chunks in ((2, 2), (3, 3), (4, 2)):
+        q, k, v, mask = _data(2, 6 * w + 1, hl * w, 8, seed=hl)
+        seq = layout.shard_sizes(6 * w + 1, w)
+        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+        for c in ({"q": E4, "v": E5, "o": E4}, {"q": E4, "k": E5}, {"k": E4, "v": E5, "o": E5}):
+            kw = dict(mode="ulysses", chunks=chunks, comm_dtype=c, seq_lens=seq, key_mask=sh(mask))
+            ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
+            out = cp_ops.attention(sh(q), sh(k), sh(v), transport="slotted_test", **kw)
+            cp_ops.attention(sh(q) * 2, sh(k), sh(v) + 1, transport="slotted_test", **kw)
+            assert torch.equal(out, ref), (hl, chunks, c)
+    c = {"q": E4, "v": E5}
+    kw = dict(mode="ulysses", chunks=2, comm_dtype=c, seq_lens=seq, transport="slotted_test")
+    with torch.no_grad():
+        eager = cp_ops.attention(sh(q), sh(k), sh(v), **kw)
+        compiled = torch.compile(lambda a, b_, c_: cp_ops.attention(a, b_, c_, **kw), fullgraph=True)(sh(q), sh(k), sh(v))
+    assert torch.equal(compiled, eager)
+
+
+def test_slotted_transport_pipelined_mixed_formats():
+    run_ranks(_slotted, 2)
+
+
 def test_triton_kernels_in_the_interpreter_equal_torch():
     """The fused Triton kernels' math (integer RNE casts) against the torch version, bitwise, in Triton's CPU
     interpreter (skipped where Triton is not installed, e.g. CI's CPU-only torch; the GPU run: the gpu-marked tests below)."""
