@@ -145,6 +145,14 @@ class _Comm:
             groups.setdefault(self.fmts[i] if i < 3 else "", []).append(i)
         return list(groups.items())
 
+    def ulysses_launches_per_key(self) -> int:
+        """The most launches one :meth:`ulysses` call of q, k, v makes with one pool key (op, shape, dtype): 2 where
+        two FP8 formats hold one tensor each (e.g. q e4m3 and v e5m2: two uint8 ``[W, B, S, 1, hs, D + 4]`` send
+        buffers), else 1. A pooling transport holds ``slots_per_key`` = 2 such outputs, so pipelined Ulysses keeps one
+        sub-group in flight instead of two when this is 2 (:mod:`cp_ops.modes.ulysses`)."""
+        sizes = [len(idx) for f, idx in self._groups((None, None, None)) if f]
+        return 2 if len(sizes) == 2 and sizes[0] == sizes[1] else 1  # (at most two FP8 groups: two formats)
+
     def _ulysses_sends(self, xs, lo, hi, pack):
         """The send buffers of a Ulysses launch, one per format group: ``[(fmt, idx, send [W, B, S, m, hs, D'])]``, an
         FP8 group encoded straight into its send buffer (``self._pack``: :func:`cp_ops.kernels.fp8_ulysses.pack_encode`

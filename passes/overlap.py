@@ -421,14 +421,29 @@ def _can_follow(launch: fx.Node, node: fx.Node, order: dict[fx.Node, int]) -> bo
 # output must run before launch i; the pass keeps that true for every launch it moves.
 def _group_key(launch: fx.Node) -> tuple:
     """Launches with equal group keys may share a pool key: (op, dtype and shape of each tensor input); with a
-    symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together."""
-    vals = [a.meta["val"] for a in launch.all_input_nodes]
+    symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together. Only
+    tensor inputs count: a launch's int arguments may be graph nodes too (``seq_lens`` under ``dynamic=True``: SymInts),
+    and the pool key is the output's shape and dtype."""
+    vals = [v for v in (a.meta["val"] for a in launch.all_input_nodes) if isinstance(v, torch.Tensor)]
     if all(isinstance(d, int) for v in vals for d in v.shape):
         return launch.target, tuple((v.dtype, tuple(v.shape)) for v in vals)
     # a packed Ulysses send buffer [W, B, S, n, hs, D]: its slot count n is a constant, and buffers of different n
     # never share a pool key (K/V and Q after a split, and the launch they replace)
-    slots = tuple(v.shape[3] for v in vals if v.dim() == 6) if launch.target is _PACKED else ()
+    slots = (_slot_count(launch),) if launch.target is _PACKED else ()
     return launch.target, tuple((v.dtype, v.dim()) for v in vals), slots
+
+
+def _slot_count(launch: fx.Node):
+    """The tensor count n of a packed Ulysses launch: its send buffer's ``shape[3]`` where that is an int, else its
+    ``count`` argument. Under ``dynamic=True`` a traced send buffer's sizes may be symbolic expressions (e.g. ``[W, B,
+    S, 3*hs, hs, D//hs]``), which a key cannot hash (TypeError: unhashable type: non-nested SymInt, 2026-12-02); the
+    launch as traced carries its count (the call's tensor count; the K/V and Q launches of a split keep the call's
+    count but get buffers built here, whose ``shape[3]`` is an int)."""
+    n = launch.args[0].meta["val"].shape[3]
+    if isinstance(n, int):
+        return n
+    count = launch.kwargs.get("count", launch.args[7] if len(launch.args) > 7 else 0)
+    return count if isinstance(count, int) and count > 0 else str(n)
 
 
 def _readers(launch: fx.Node) -> list[fx.Node]:
@@ -602,7 +617,7 @@ def _process_launch(graph: fx.Graph, launch: fx.Node, wid: int, dead: list[fx.No
     if launch.meta.get(TAG):
         return 0  # inside an earlier launch's window: the Q launch of a Ulysses call (split here, or traced so)
     packing = isinstance(launch.args[0], (list, tuple)) and len(launch.args[0]) >= 2
-    packed = launch.target is _PACKED and launch.args[0].meta["val"].shape[3] >= 2
+    packed = launch.target is _PACKED and _slot_count(launch) != 1
     if packing or packed:  # a Ulysses launch of several tensors: split Q off
         split = (_split_packed_launch if packing else _split_packed_send)(graph, launch, order, dead)
         if split is None:

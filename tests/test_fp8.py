@@ -79,6 +79,33 @@ def test_codec_decodes_strided_slices_and_opcheck():
     opcheck(torch.ops.cp_ops.fp8_decode, (fp8.encode(x, "e5m2"), torch.float32, "e5m2"))
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1, 6), (1, 0, 2, 6), (2, 0, 1, 10), (1, 1, 1, 10)])
+def test_codec_single_row_and_empty_with_unaligned_scales(shape):
+    """One row, or none, with D % 4 != 0: the scale bytes of the only row sit at offset D, and a ``[..., 1, 4]`` (or
+    empty) slice is contiguous, so ``contiguous()`` kept that offset and the fp32 view raised (2026-12-02)."""
+    x = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1)) * 3
+    enc = fp8.encode(x, "e4m3")
+    assert torch.equal(enc, _reference_encode(x, "e4m3"))
+    y = fp8.decode(enc, torch.bfloat16, "e4m3")
+    assert y.shape == x.shape and torch.equal(fp8.round_trip(x, "e4m3"), y)
+    if y.numel():
+        assert torch.equal(y, (enc[..., :-4].view(torch.float8_e4m3fn).float() *
+                               enc[..., -4:].clone(memory_format=torch.contiguous_format).view(torch.float32)).bfloat16())
+
+
+def _empty_call(rank, w):
+    """A call without tokens (S_local = 0 on every rank) and D % 4 != 0 in FP8: an empty output, as without FP8."""
+    for mode, chunks in (("agkv", 1), ("ulysses", 1), ("ulysses", 2)):
+        for seq in (None, (0,) * w):
+            x = torch.randn(1, 0, 2 * w, 6, dtype=torch.bfloat16)
+            out = cp_ops.attention(x, x, x, mode=mode, chunks=chunks, seq_lens=seq, comm_dtype=E4)
+            assert out.shape == x.shape and out.dtype == x.dtype, (mode, chunks, seq)
+
+
+def test_fp8_call_without_tokens():
+    run_ranks(_empty_call, 2)
+
+
 def test_codec_rejects_bad_input():
     with pytest.raises(ValueError, match="float8_e4m3fn or torch.float8_e5m2.*got 'e3m4'"):
         fp8.encode(torch.randn(2, 4), "e3m4")
@@ -371,6 +398,36 @@ def _pooled(rank, w):
 
 def test_pooled_transport_carries_fp8():
     run_ranks(_pooled, 2)
+
+
+def _slotted(rank, w):
+    """Pipelined Ulysses with two FP8 formats holding one tensor each (q e4m3, v e5m2: two uint8 send buffers of one
+    shape per sub-group) on a transport with the fast one's pool (2 slots per (op, shape, dtype), a launch onto a
+    slot not yet waited raises: tests/pooled_transport.py SlottedTestTransport): equal to the torch transport, eager
+    and compiled, outputs owned. Failed before (2026-12-02): sub-groups 0 and 1 in flight made 4 launches of one key."""
+    from pooled_transport import install_slotted
+
+    install_slotted()
+    for hl, chunks in ((2, 2), (3, 3), (4, 2)):
+        q, k, v, mask = _data(2, 6 * w + 1, hl * w, 8, seed=hl)
+        seq = layout.shard_sizes(6 * w + 1, w)
+        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+        for c in ({"q": E4, "v": E5, "o": E4}, {"q": E4, "k": E5}, {"k": E4, "v": E5, "o": E5}):
+            kw = dict(mode="ulysses", chunks=chunks, comm_dtype=c, seq_lens=seq, key_mask=sh(mask))
+            ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
+            out = cp_ops.attention(sh(q), sh(k), sh(v), transport="slotted_test", **kw)
+            cp_ops.attention(sh(q) * 2, sh(k), sh(v) + 1, transport="slotted_test", **kw)
+            assert torch.equal(out, ref), (hl, chunks, c)
+    c = {"q": E4, "v": E5}
+    kw = dict(mode="ulysses", chunks=2, comm_dtype=c, seq_lens=seq, transport="slotted_test")
+    with torch.no_grad():
+        eager = cp_ops.attention(sh(q), sh(k), sh(v), **kw)
+        compiled = torch.compile(lambda a, b_, c_: cp_ops.attention(a, b_, c_, **kw), fullgraph=True)(sh(q), sh(k), sh(v))
+    assert torch.equal(compiled, eager)
+
+
+def test_slotted_transport_pipelined_mixed_formats():
+    run_ranks(_slotted, 2)
 
 
 def test_triton_kernels_in_the_interpreter_equal_torch():

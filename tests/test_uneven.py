@@ -211,6 +211,28 @@ def _compiled(rank, w):
             compiled = torch.compile(block, fullgraph=True)(x, mask, mode)
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
         assert eager.numel() == 0 or eager.abs().max() > 0
+    # the overlap pass (cp_ops.compile) under dynamic shapes, a rank holding no token: seq_lens reach the launches as
+    # SymInt graph inputs, which the pass's pool-key grouping read as tensors (AttributeError: 'SymInt' object has no
+    # attribute 'dtype', 2026-12-02); this rank's mask and every key's
+    from torch import _dynamo
+
+    seq = (0, 9) if w == 2 else (0,) + layout.shard_sizes(9, w - 1)
+    x = torch.randn(b, seq[rank], h * d, generator=g)
+    full = torch.rand(b, sum(seq), generator=g) > 0.3
+    own = layout.shard(full, 1, rank, w, seq_lens=seq)
+
+    def block2(x, mask, mode):
+        q, k, v = (t.unflatten(-1, (h, d)) for t in proj(x).chunk(3, dim=-1))
+        return cp_ops.attention(q, k, v, mode=mode, seq_lens=seq, key_mask=mask).flatten(-2) * 2
+
+    for mode in ("agkv", "ulysses"):
+        for m in (own, full):
+            with torch.no_grad():
+                eager = block2(x, m, mode)
+                for dynamic in (False, True):
+                    _dynamo.reset()
+                    compiled = cp_ops.compile(block2, fullgraph=True, dynamic=dynamic)(x, m, mode)
+                    assert torch.equal(compiled, eager), (mode, m.shape, dynamic)
 
 
 def _dynamic(rank, w):

@@ -99,7 +99,8 @@ def _scales(buf: torch.Tensor) -> torch.Tensor:
     try:
         return raw.view(torch.float32)
     except RuntimeError:  # D % 4 != 0, or a strided buffer: the scale bytes are not 4-aligned in place
-        return raw.contiguous().view(torch.float32)
+        # (a copy: contiguous() would keep the offset of a slice that already counts as contiguous — one row, or none)
+        return raw.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
 def decode_torch(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:

@@ -7,7 +7,9 @@ and the inverse all-to-all of sub-group i runs under sub-group i+1's attention (
 whole; no merge). Sub-group i takes heads ``[lo_i, hi_i)`` (``lo_i = i*Hl//g``) of every destination rank's head
 block. At most two launches of one kind are in flight (the fast transport's pooled buffers: ``slots_per_key`` = 2):
 sub-group i+2 is launched after sub-group i's buffer has been read, and the inverse of sub-group i is copied out
-before sub-group i+2's inverse starts.
+before sub-group i+2's inverse starts. Where one sub-group already makes two launches of one kind (``comm_dtype`` with
+two FP8 formats of one tensor each, e.g. q e4m3 and v e5m2), sub-group i+1 is launched once sub-group i's buffers
+were waited (decoded): one sub-group in flight.
 
 Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows and this rank keeps the first ``S_local``
 rows of what comes back. Without a key mask the real rows of the full sequence are selected after the all-to-all
@@ -59,20 +61,25 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
         lo, hi = spans[i]  # (received [W, B, S_local or smax, hl_i, D]; FP8: decoded straight into result)
         inverses.pop(i).wait_into(result[:, :, :, lo:hi])
 
+    # sub-groups in flight: two, or one where a sub-group's launches share a pool key (two FP8 formats of one tensor
+    # each); then sub-group i+1 is launched once sub-group i's buffers were waited (decoded, so read: the slots are free)
+    ahead = 2 if comm.ulysses_launches_per_key() < 2 else 1
     launch(0)  # the call's first launch: the rank contract's exchange
     m4 = None
     if key_mask is not None:
         m4 = shards.attend_padded(key_mask, comm, b)
-    if g > 1:
+    if g > 1 and ahead == 2:
         launch(1)
     for i in range(g):
         buf = starts.pop(i).wait()
+        if ahead == 1 and i + 1 < g:
+            launch(i + 1)
         qh, kh, vh = shards.ulysses_rows(buf, comm.unpack) if select else comm.unpack(buf)
         out = local_attention(qh, kh, vh, scale, m4)
         inverses[i] = comm.ulysses_inverse(shards.repad(out) if select else out)
         if i >= 1:
             finish(i - 1)
-        if i + 2 < g:
+        if ahead == 2 and i + 2 < g:
             launch(i + 2)
     finish(g - 1)
     return result.view(b, s, h, d)
