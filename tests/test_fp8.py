@@ -926,6 +926,18 @@ def test_fused_kernel_checked_at_first_use(monkeypatch, caplog):
         out[..., -4:][~sc.isfinite()] = torch.tensor([255, 255, 255, 127], dtype=torch.uint8)
         return out
 
+    def raises(*a):
+        calls.append("raises")
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(fu, "pack_encode_triton", raises)
+    monkeypatch.setattr(fu, "_variants", {})
+    calls.clear()
+    with caplog.at_level("WARNING", logger="cp_ops"):
+        assert torch.equal(fu.pack_encode(xs, 2, 0, None, "e4m3"), ref)  # a kernel that raises: the torch version
+        assert torch.equal(fu.pack_encode(xs, 2, 0, None, "e4m3"), ref)
+    assert calls == ["raises"] and "raised RuntimeError: no kernel here" in caplog.text
+
     monkeypatch.setattr(fu, "pack_encode_triton", agrees)
     monkeypatch.setattr(fu, "_variants", {})
     calls.clear()

@@ -32,8 +32,8 @@ Each function runs torch ops (:mod:`cp_ops.kernels.fp8`'s torch version and the 
 :func:`cp_ops.kernels.fp8.use_triton` is false for the device — the same bytes. **Checked where it runs**: the first
 call of each kernel variant (kernel, device, input/output dtype, format, D, HL, pointer alignment) outside a CUDA graph capture runs the
 Triton kernel and the torch version on its own inputs and compares them (:func:`_first_use`: every row whose scale
-is finite bitwise; rows holding NaN/±inf decode to NaN either way); a variant that differs runs the torch version
-from then on, logged once. Inside a capture an unchecked variant runs the torch version.
+is finite bitwise; rows holding NaN/±inf decode to NaN either way); a variant that differs (or raises) runs the torch
+version from then on, logged once. Inside a capture an unchecked variant runs the torch version.
 """
 
 from __future__ import annotations
@@ -236,13 +236,18 @@ def _first_use(kind: str, key: tuple, device: torch.device, fast, slow, args: tu
     if ok is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return slow(*args, out)
-        got, ref = fast(*args, None), slow(*args, None)
-        ok = _variants[k] = _same_bytes(got, ref)
+        ref = slow(*args, None)
+        try:
+            got = fast(*args, None)
+            why = None if _same_bytes(got, ref) else "differs from the torch version"
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile or run here: the torch version
+            why = f"raised {type(e).__name__}: {str(e)[:200]}"
+        ok = _variants[k] = why is None
         if not ok:
             import logging
 
-            logging.getLogger("cp_ops").warning("cp_ops FP8 codec: the fused Triton kernel %s differs from the torch "
-                                                "version for %s on %s: using the torch version", kind, key, device)
+            logging.getLogger("cp_ops").warning("cp_ops FP8 codec: the fused Triton kernel %s %s for %s on %s: using "
+                                                "the torch version", kind, why, key, device)
         res = got if ok else ref
         return res if out is None else out.copy_(res)
     return (fast if ok else slow)(*args, out)
