@@ -56,7 +56,7 @@ from . import layout
 from .comm_dtype import NONE
 from .kernels import fp8, fp8_ulysses
 from .transport import fake_fill
-from .transport.base import Arrival, agkv_start_sources
+from .transport.base import Arrival, agkv_start_sources, ulysses_packed_start
 
 
 class Pending:
@@ -440,22 +440,12 @@ class DirectComm(_Comm):
             if self.armed or self.tr is None:
                 w, b, s, _, hs, d = send.shape
                 self._first(send, len(idx), (b, s, w * hs, d))
-            buf, work = self._packed_start(send)
+            buf, work = ulysses_packed_start(self.tr, send, self.pg)
             bufs.append(buf)
             works.append(work)
         work = works[0] if len(works) == 1 else _Both(*works)
         groups = [(f, idx) for f, idx, _ in sends]
         return self._launched(tuple(bufs), work, lambda b: self._ulysses_decoded(groups, b, dt))
-
-    def _packed_start(self, send):
-        """The all-to-all of a packed send buffer ``[W, B, S, n, hs, D']``: the transport's ``ulysses_packed_start``,
-        else its inverse all-to-all of the buffer's slabs (as ``cp_ops::ulysses_packed_start``)."""
-        packed = getattr(self.tr, "ulysses_packed_start", None)
-        if packed is not None:
-            return packed(send, self.pg)
-        w, b, s, n, hs, d = send.shape
-        buf, work = self.tr.ulysses_inverse_start(send.view(1, w * b * s * n, hs, d), self.pg)
-        return buf.view(w, b, s, n, hs, d), work
 
     def ulysses_inverse(self, x) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None

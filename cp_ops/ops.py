@@ -162,14 +162,7 @@ def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, t
                         seq_lens=seq_lens)
     if send.numel() == 0:
         return torch.empty_like(send, memory_format=torch.contiguous_format)
-    tr = _transport(transport, pg, send)
-    packed = getattr(tr, "ulysses_packed_start", None)
-    if packed is not None:
-        buf, work = packed(send, pg)
-    else:  # the same all-to-all of whole slabs, as the transport moves the inverse
-        w, b, s, n, hl, d = send.shape
-        buf, work = tr.ulysses_inverse_start(send.contiguous().view(1, w * b * s * n, hl, d), pg)
-        buf = buf.view(w, b, s, n, hl, d)
+    buf, work = transport_base.ulysses_packed_start(_transport(transport, pg, send), send, pg)
     _register(work, buf)
     return buf
 

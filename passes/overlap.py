@@ -232,10 +232,7 @@ def _split_packed_launch(
         return None
     wait, selects, kv, q = slots
     with graph.inserting_before(launch):
-        # the K/V launch keeps the call's rank-contract arguments (it runs first: the exchange is made there); the
-        # Q launch is a later launch of the same call ('-': no exchange)
-        launch_kv = _new_call(graph, launch.target, ([xs[i] for i in kv], *_split_call(rest, launch)), launch)
-        launch_q = _new_call(graph, launch.target, ([xs[i] for i in q], *rest[:3], "-", *rest[4:]), launch)
+        launch_kv, launch_q = _launch_pair(graph, launch, [xs[i] for i in kv], [xs[i] for i in q], rest)
     _rewire(graph, wait, selects, (kv, launch_kv), (q, launch_q))
     dead.extend((wait, launch))
     log.debug("cp_ops.passes: split %s into %s (slots %s: K/V) and %s (slots %s: Q)", launch.name, launch_kv.name, kv,
@@ -292,6 +289,15 @@ def _split_call(rest: list, launch: fx.Node) -> list:
     return rest[:3] + [name] + rest[4:]
 
 
+def _launch_pair(graph: fx.Graph, launch: fx.Node, kv_arg, q_arg, rest: list) -> tuple[fx.Node, fx.Node]:
+    """The two launches that replace ``launch`` (inserted where the caller's ``inserting_before`` says): of ``kv_arg``
+    and of ``q_arg`` (their tensors or send buffers), ``rest`` = the launch's arguments after its first. The K/V launch
+    keeps the call's rank-contract arguments, its name marked split (:func:`_split_call`; it runs first: the exchange
+    is made there); the Q launch is a later launch of the same call (``'-'``: no exchange)."""
+    return (_new_call(graph, launch.target, (kv_arg, *_split_call(rest, launch)), launch),
+            _new_call(graph, launch.target, (q_arg, *rest[:3], "-", *rest[4:]), launch))
+
+
 def _split_packed_send(
     graph: fx.Graph, launch: fx.Node, order: dict[fx.Node, int], dead: list[fx.Node]
 ) -> fx.Node | None:
@@ -322,8 +328,7 @@ def _split_packed_send(
                 shape = list(send.args[1])
                 shape[3] = len(sub)
                 sends.append(_new_call(graph, send.target, (cat, shape), send))
-        launch_kv = _new_call(graph, launch.target, (sends[0], *_split_call(rest, launch)), launch)
-        launch_q = _new_call(graph, launch.target, (sends[1], *rest[:3], "-", *rest[4:]), launch)
+        launch_kv, launch_q = _launch_pair(graph, launch, sends[0], sends[1], rest)
     _rewire(graph, wait, selects, (kv, launch_kv), (q, launch_q))
     dead.extend((wait, launch, send))
     if isinstance(send.args[0], fx.Node) and _is_call(send.args[0], {aten.cat.default}):

@@ -129,6 +129,19 @@ def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: 
     return k_full, v_full, source_arrivals(work, group.size(), group.rank(), k.shape[1]), work
 
 
+def ulysses_packed_start(t: "Transport", send: torch.Tensor, group: dist.ProcessGroup):
+    """The all-to-all of a Ulysses send buffer packed by the caller, ``send [W, B, S_local, n, hs, D]`` (slab w to
+    rank w; any dtype: FP8 buffers are uint8), into ``buf`` of the same shape (slab w from rank w): the transport's
+    ``ulysses_packed_start(send, group)`` where it has one, else its :meth:`Transport.ulysses_inverse_start` of the
+    buffer seen as ``[1, W * B*S_local*n, hs, D]`` (slab w is token block w of that view). Returns ``(buf, work)``."""
+    own = getattr(t, "ulysses_packed_start", None)
+    if own is not None:
+        return own(send, group)
+    w, b, s, n, hs, d = send.shape
+    buf, work = t.ulysses_inverse_start(send.contiguous().view(1, w * b * s * n, hs, d), group)
+    return buf.view(w, b, s, n, hs, d), work
+
+
 def source_arrivals(work, world: int, rank: int, s_local: int) -> list[Arrival]:
     """One :class:`Arrival` per peer block of an AGKV gather (tokens ``[src·S_local, (src+1)·S_local)``), nearest
     peer first (``rank − 1``, ``rank − 2``, ...): waited per source where ``work`` offers ``wait_source(src)``,
