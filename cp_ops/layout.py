@@ -373,7 +373,7 @@ class Shards:
         False. ``gathered``: the padded masks gathered (``[W*B, smax]`` uint8, rank-major: :meth:`pad_mask` on every
         rank), or None for an every-key mask ``[B, total]`` (:meth:`every_key`), re-padded here."""
         if gathered is None:
-            m = key_mask if self.full else self._repad_traced(key_mask)
+            m = key_mask if self.full else self._repad_blocks(key_mask)
         else:
             m = gathered.view(self.world, batch, self.smax).transpose(0, 1).reshape(batch, self.world * self.smax) != 0
         return m.reshape(batch, 1, 1, self.world * self.smax)
@@ -405,12 +405,13 @@ class Shards:
         if self.full:
             return out
         if torch.compiler.is_compiling():
-            return self._repad_traced(out)
+            return self._repad_blocks(out)
         return out.index_select(1, self.inverse_index())
 
-    def _repad_traced(self, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`repad` as traced code (no index constant in the graph), the padding rows zeros (False for a bool
-        ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask with it, eager or traced). The standard split
+    def _repad_blocks(self, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`repad` in slices and pads, no index tensor (what traced code runs: no index constant in the graph),
+        the padding rows zeros (False for a bool ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask
+        with it, eager or traced). The standard split
         (:func:`shard_sizes`: ``k`` blocks of ``smax`` rows, then blocks of ``smax - 1``) is two parts — the full
         blocks as they are, the short ones padded by one row each (one ``pad`` of a ``[B, W - k, smax - 1, ...]``
         view) — which Inductor lowers to one or two kernels; any other split is a ``cat`` of its blocks and padding
