@@ -37,7 +37,7 @@ for s in ${STEPS:-wan14_rg hv_rg}; do case $s in
   qwen_r)   st $s 120 60 $B qwenimage --bound 2,4,8 --bound-compile regional --cost $R --out $W/$s.json ;;
   wan_r)    st $s 110 60 $B wan --config 1.3b --bound 2,4,8 --bound-compile regional --cost $R --out $W/$s.json ;;
   zimage_full) st $s 90 20 $B zimage --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
-  ltx_full) st $s 240 120 $B ltx --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
+  ltx_full) st $s 280 120 $B ltx --bound ${LTXW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
   flux_full) st $s 300 150 $B flux --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
   qwen_full) st $s 300 150 $B qwenimage --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
   wan_full) st $s 240 120 $B wan --config 1.3b --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;

@@ -55,6 +55,10 @@ for folder, path, d in runs():
         row.update({k: r[k] for k in ("mode", "one_gpu_from", "rank0_raw_ms", "fill_ms", "plain_ms", "cp_ops_cost_pct",
                                       "host_ms", "host_bound", "plain_host_ms", "plain_host_bound") if k in r})
         row["source"] = path
+        if r.get("plain_ms") is not None:  # the cost with the fake collectives' writes taken out of cp_ops' side only
+            raw = r.get("rank0_raw_ms") or r["rank0_ms"]
+            row["cp_ops_cost_writes_out_ms"] = r["rank0_ms"] - r["plain_ms"]
+            row["cp_ops_cost_writes_out_pct"] = 100.0 * row["cp_ops_cost_writes_out_ms"] / raw
         if folder in UNWRITTEN and r.get("mode") == "ulysses":
             row["note"] = STALE
         elif r["compile"] == "regional" and not r["cuda_graphs"] and "host_ms" not in r:
@@ -83,19 +87,25 @@ out = dict(what=__doc__.split("\n\n")[0], keys=list(KEYS), rows=rows, failed=lis
            not_measured=NOT_MEASURED)
 (HERE / "bound.json").write_text(json.dumps(out, indent=1) + "\n")
 
-lines = ["| model | tokens | compile | W | mode | 1 GPU ms (from) | rank 0 ms | bound | cp_ops cost ms (%) | host-bound | "
-         "source | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+lines = ["| model | tokens | compile | W | mode | 1 GPU ms (from) | rank 0 ms | bound | cp_ops cost ms (%) | "
+         "writes out | host-bound | source | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     cost = "" if r["cp_ops_cost_ms"] is None else f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f} %)"
+    wo = "" if r["cp_ops_cost_ms"] is None else f"{r['cp_ops_cost_writes_out_pct']:.1f} %"
     hb = "" if "host_bound" not in r else ("both" if r["host_bound"] and r.get("plain_host_bound") else
                                            "cp_ops" if r["host_bound"] else "plain" if r.get("plain_host_bound") else "no")
     note = "stale all-to-all" if r.get("note") == STALE else "host (no column)" if r.get("note") == HOST_BOUND else ""
     lines.append(f"| {NAMES[(r['model'], r['config'])]}{RES.get((r['model'], r['tokens']), '') if r['config'] != '1.3b' else ''} | {r['tokens']} | {mode_of(r)} | {r['world_size']} | "
                  f"{r.get('mode', '')} | {r['one_gpu_ms']:.1f} ({r.get('one_gpu_from', 'diffusers')}) | "
-                 f"{r['rank0_ms']:.1f} | {r['bound_speedup']:.2f}x | {cost} | {hb} | {r['source'].split('_torch')[0]} | "
+                 f"{r['rank0_ms']:.1f} | {r['bound_speedup']:.2f}x | {cost} | {wo} | {hb} | {r['source'].split('_torch')[0]} | "
                  f"{note} |")
 for f in failed.values():
-    lines.append(f"| {NAMES[(f['model'], f['config'])]} | | {f['compile']} | | | failed: {f['reason'][:120]} | | | | | "
+    lines.append(f"| {NAMES[(f['model'], f['config'])]} | | {f['compile']} | | | failed: {f['reason'][:120]} | | | | | | "
                  f"{f['source'].split('_torch')[0]} | |")
-(HERE / "table.md").write_text("\n".join(lines) + "\n")
+LEGEND = ("\ncp_ops cost = rank 0's measured forward (the fake collectives' writes inside) minus the plain side's (its "
+          "own stand-in copies inside), % of the measured forward; writes out = the same with the writes taken out of "
+          "cp_ops' side only (rank 0 minus plain): the two bracket cp_ops' own cost (under compile the plain side's "
+          "copies fuse into the kernels that make Q, K and V, the writes cannot). host-bound: which side's host time "
+          ">= 0.9 x its measured time. source: the results folder. stale all-to-all: measured before 2026-12-01c.\n")
+(HERE / "table.md").write_text("\n".join(lines) + "\n" + LEGEND)
 print(f"{len(rows)} rows, {len(failed)} failed modes -> bound.json, table.md")
