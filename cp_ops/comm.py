@@ -17,10 +17,12 @@ stream):
 * ``agkv(k, v, mask=None)`` — ``[B, S, H, D]`` × 2 → ``(k_full, v_full [B, W*S, H, D], mask_full)``, tokens in
   rank order; ``mask`` (uint8 ``[B, S]``) travels with them → ``[W*B, S]`` (rank-major), else ``mask_full`` None.
 * ``mask(m)`` — uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key mask beside a Ulysses call.
-* ``ulysses(xs, lo=0, hi=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads ``[lo, hi)`` of every
-  head group; all of them by default).
-* ``ulysses_inverse(x)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``; ``pending.wait_into(out)`` writes it into
-  ``out [B, S/W, W, Hl, D]`` instead (pipelined Ulysses' result heads: FP8 decodes straight into it).
+* ``ulysses(xs, lo=0, hi=None, after=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads
+  ``[lo, hi)`` of every head group; all of them by default).
+* ``ulysses_inverse(x, after=None)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``; ``pending.wait_into(out)``
+  writes it into ``out [B, S/W, W, Hl, D]`` instead (pipelined Ulysses' result heads: FP8 decodes straight into it).
+  ``after`` (both): a tensor the launch must follow — traced, an ordering input of the op (never read: Inductor
+  keeps the launch after the node that made it); eager, ignored (launches run in program order).
 * ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (pipelined AGKV, which traced code runs inside one op,
   ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
   :func:`cp_ops.transport.base.agkv_start_sources`.
@@ -91,6 +93,17 @@ class Pending:
             if self.post is not None:  # FP8: decode what arrived
                 self.outs, self.post = self.post(self.outs), None
         return self.outs
+
+
+class _OpPending(Pending):
+    """An :class:`OpComm` launch: its ``wait_into`` copies with ``cp_ops::ulysses_inverse_copy_out`` (opaque to
+    Inductor, so the buffer is read there and nowhere later: a pooled slot may be taken by a later launch)."""
+
+    __slots__ = ()
+
+    def wait_into(self, out: torch.Tensor) -> torch.Tensor:
+        torch.ops.cp_ops.ulysses_inverse_copy_out(self.wait(), out)
+        return out
 
 
 class _DirectPending(Pending):
@@ -226,6 +239,8 @@ class OpComm(_Comm):
         rank: this rank. seq_lens: the uneven token counts (given to the first launch, which folds them into the tag).
     """
 
+    _pending_type = _OpPending
+
     def __init__(self, world: int, group_name: str, transport: str, call: str, tag: int, rank: int,
                  seq_lens=None):
         super().__init__(world, rank)
@@ -273,17 +288,17 @@ class OpComm(_Comm):
     def mask(self, m) -> Pending:
         return self._launched(torch.ops.cp_ops.mask_gather_start(m, self.world, self.group_name), None)
 
-    def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
+    def ulysses(self, xs, lo: int = 0, hi: int | None = None, after=None) -> Pending:
         if not any(self.fmts[:3]):  # q, k, v in the input dtype (O may travel in FP8: its own launch)
-            return self._ulysses_packed(xs, lo, hi)
+            return self._ulysses_packed(xs, lo, hi, after)
         dt, w = xs[0].dtype, self.world
         sends = self._ulysses_sends(xs, lo, hi, layout.ulysses_pack_traced)
         bufs = tuple(torch.ops.cp_ops.ulysses_packed_start(send, w, self.group_name, self.transport, *self._args(),
-                                                           len(idx)) for _, idx, send in sends)
+                                                           len(idx), after) for _, idx, send in sends)
         groups = [(f, idx) for f, idx, _ in sends]
         return self._launched(bufs, None, lambda b: self._ulysses_decoded(groups, b, dt))
 
-    def _ulysses_packed(self, xs, lo, hi) -> Pending:
+    def _ulysses_packed(self, xs, lo, hi, after=None) -> Pending:
         """:meth:`ulysses` in the input dtype: the send buffer packed by traced torch code
         (:func:`cp_ops.layout.ulysses_pack_traced`: Inductor writes it from the kernels producing the inputs) and
         moved by ``cp_ops::ulysses_packed_start``: one launch, as the eager path makes (a rank may run a call eager
@@ -291,14 +306,15 @@ class OpComm(_Comm):
         (:mod:`cp_ops.passes.overlap`). Its exchange carries the eager path's signature (``count`` = the n inputs)."""
         w = self.world
         buf = torch.ops.cp_ops.ulysses_packed_start(layout.ulysses_pack_traced(xs, w, lo, hi), w, self.group_name,
-                                                    self.transport, *self._args(), len(xs))
+                                                    self.transport, *self._args(), len(xs), after)
         return self._launched(buf, None)
 
-    def ulysses_inverse(self, x) -> Pending:
+    def ulysses_inverse(self, x, after=None) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
         if f:
             x, post = self._enc(x, f), (lambda b: self._inverse_decoded(b, dt, f))
-        buf = torch.ops.cp_ops.ulysses_inverse_start(x, self.world, self.group_name, self.transport, *self._args())
+        buf = torch.ops.cp_ops.ulysses_inverse_start(x, self.world, self.group_name, self.transport, *self._args(),
+                                                     after)
         return self._launched(buf, None, post)
 
     def unpack(self, buf):
@@ -414,7 +430,8 @@ class DirectComm(_Comm):
         p = self._launched((kf, vf), work)  # drained on error; waited by the body as work.wait()
         return kf, vf, arrivals, _Done(p, work)
 
-    def ulysses(self, xs, lo: int = 0, hi: int | None = None) -> Pending:
+    def ulysses(self, xs, lo: int = 0, hi: int | None = None, after=None) -> Pending:
+        # after: the traced path's ordering input (OpComm); eager launches run in program order already
         if any(self.fmts[:3]):
             return self._ulysses_fp8(xs, lo, hi)
         if self.armed or self.tr is None:  # the op sees heads [lo, hi) of every head group: [B, S, W*(hi-lo), D]
@@ -447,7 +464,7 @@ class DirectComm(_Comm):
         groups = [(f, idx) for f, idx, _ in sends]
         return self._launched(tuple(bufs), work, lambda b: self._ulysses_decoded(groups, b, dt))
 
-    def ulysses_inverse(self, x) -> Pending:
+    def ulysses_inverse(self, x, after=None) -> Pending:  # after: as in :meth:`ulysses`
         f, dt, post = self.fmts[3], x.dtype, None
         into = None
         if f:

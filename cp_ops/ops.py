@@ -23,12 +23,18 @@ Ops:
         uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys; never exchanges.
     cp_ops::ulysses_start(xs, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
         n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
-    cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call='', tag=0, seq_lens=None, count=0)
-        -> buf: a send buffer ``[W, B, S_local, n, H/W, D]`` packed by the caller (traced code) → the same shape, what
+    cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call='', tag=0, seq_lens=None, count=0,
+                                 after=None) -> buf
+        a send buffer ``[W, B, S_local, n, H/W, D]`` packed by the caller (traced code) → the same shape, what
         ``ulysses_start`` returns for the n tensors packed in it. Its rank-contract exchange carries the signature
         ``ulysses_start`` (and the eager path) would for the call: ``[B, S_local, H, D]`` and ``count`` tensors (0: n).
-    cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
-        ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
+    cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None, after=None)
+        -> buf: ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
+    ``after`` (the two Ulysses launches above): an ordering input, never read — the launch runs after the node that
+        made it. Traced pipelined Ulysses passes what consumed the output of the launch ``slots_per_key`` before it
+        (its attention, its copy out), so Inductor cannot schedule more launches of one pool key in flight than a
+        pooling transport has slots (it fused the copies out of three inverse launches into one kernel after all
+        three, 2026-12-02).
     cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
                                      call='', tag=0, comm_fmt='') -> out
         ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below). ``comm_fmt``: the FP8
@@ -148,7 +154,8 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 #     ``[1, W * B*S_local*n, Hl, D]`` (slab w is token block w of that view).
 @torch.library.custom_op("cp_ops::ulysses_packed_start", mutates_args=())
 def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
-                         tag: int = 0, seq_lens: list[int] | None = None, count: int = 0) -> torch.Tensor:
+                         tag: int = 0, seq_lens: list[int] | None = None, count: int = 0,
+                         after: torch.Tensor | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
     # the rank contract's signature as the eager path (and ulysses_start) makes it for the call: the inputs'
     # [B, S_local, W*(heads sent per group), D] and the call's tensor count (``count``; 0: the n slots sent here)
@@ -176,7 +183,7 @@ def _check_ulysses_packed(send, world_size) -> None:
 
 
 @ulysses_packed_start.register_fake
-def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None, count=0):
+def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None, count=0, after=None):
     run_compile_hooks()
     _check_ulysses_packed(send, world_size)
     return torch.empty_like(send, memory_format=torch.contiguous_format)
@@ -185,7 +192,8 @@ def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None, co
 # ---- Ulysses all-to-all, heads → sequence ------------------------------------------------------
 @torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
 def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
-                          tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
+                          tag: int = 0, seq_lens: list[int] | None = None,
+                          after: torch.Tensor | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
     contract.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
                         1, call=call, tag=tag, seq_lens=seq_lens)
@@ -203,7 +211,7 @@ def _check_ulysses_inverse(x, world_size) -> None:
 
 
 @ulysses_inverse_start.register_fake
-def _(x, world_size, group_name, transport, call="", tag=0, seq_lens=None):
+def _(x, world_size, group_name, transport, call="", tag=0, seq_lens=None, after=None):
     run_compile_hooks()
     _check_ulysses_inverse(x, world_size)
     b, s, hl, d = x.shape
@@ -335,6 +343,23 @@ def _(buf, dtype, fmt):
     return buf.new_empty(fp8_ulysses.unpacked_shape(buf.shape), dtype=dtype)
 
 
+# ---- pipelined Ulysses: a sub-group's inverse copied out of its (maybe pooled) buffer ----------------
+# cp_ops::ulysses_inverse_copy_out(back, out) -> None, mutates out
+#     back ``[W, B, S', Hl, D]`` (an inverse launch's waited buffer) → ``out [B, S, W, Hl, D]`` (a view of the
+#     result; S ≤ S': the first S of each block). Why an op: traced, the copy would be pointwise torch code that
+#     Inductor may fuse into a later kernel that reads ``back`` again after a later launch of the same pool key
+#     took its slot (it did: the result's three sub-group copies recomputed in one kernel after the third inverse
+#     launch, 2026-12-02). An opaque op reads ``back`` once, where it stands.
+@torch.library.custom_op("cp_ops::ulysses_inverse_copy_out", mutates_args=("out",))
+def ulysses_inverse_copy_out(back: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(back.narrow(2, 0, out.shape[1]).permute(1, 2, 0, 3, 4))
+
+
+@ulysses_inverse_copy_out.register_fake
+def _(back, out):
+    validate._require(back.dim() == 5 and out.dim() == 5 and back.shape[2] >= out.shape[1], lambda: (
+        f"ulysses_inverse_copy_out takes back [W, B, S', Hl, D] and out [B, S <= S', W, Hl, D]; got "
+        f"{tuple(back.shape)} and {tuple(out.shape)}"))
 
 
 # ---- waits and synchronous wrappers ------------------------------------------------------------

@@ -429,13 +429,28 @@ def _group_key(launch: fx.Node) -> tuple:
     symbolic size anywhere, (op, dtypes and ranks) only, so sizes that may be equal at run time group together. Only
     tensor inputs count: a launch's int arguments may be graph nodes too (``seq_lens`` under ``dynamic=True``: SymInts),
     and the pool key is the output's shape and dtype."""
-    vals = [v for v in (a.meta["val"] for a in launch.all_input_nodes) if isinstance(v, torch.Tensor)]
+    skip = _ordering_input(launch)
+    vals = [v for v in (a.meta["val"] for a in launch.all_input_nodes if a is not skip) if isinstance(v, torch.Tensor)]
     if all(isinstance(d, int) for v in vals for d in v.shape):
         return launch.target, tuple((v.dtype, tuple(v.shape)) for v in vals)
     # a packed Ulysses send buffer [W, B, S, n, hs, D]: its slot count n is a constant, and buffers of different n
     # never share a pool key (K/V and Q after a split, and the launch they replace)
     slots = (_slot_count(launch),) if launch.target is _PACKED else ()
     return launch.target, tuple((v.dtype, v.dim()) for v in vals), slots
+
+
+#: position of the Ulysses launches' ``after`` argument (an ordering input, never read: :mod:`cp_ops.ops`)
+_AFTER_AT = {"ulysses_packed_start": 8, "ulysses_inverse_start": 7}
+
+
+def _ordering_input(launch: fx.Node):
+    """The node passed as the launch's ``after`` (pipelined Ulysses orders a launch after what read the output its
+    pool slot held), or None: not data, so not part of the launch's pool key."""
+    at = _AFTER_AT.get(getattr(launch.target, "_opname", ""))
+    if at is None:
+        return None
+    a = launch.kwargs.get("after", launch.args[at] if len(launch.args) > at else None)
+    return a if isinstance(a, fx.Node) else None
 
 
 def _slot_count(launch: fx.Node):

@@ -87,6 +87,15 @@ def _opcheck(rank, w):
     torch.library.opcheck(torch.ops.cp_ops.ulysses_start, ([k, v, k * 2], w, name, "torch"))
     torch.library.opcheck(torch.ops.cp_ops.ulysses_inverse_start, (k, w, name, "torch"))
     torch.library.opcheck(torch.ops.cp_ops.ulysses_packed_start, (layout.ulysses_pack([k, v], w), w, name, "torch"))
+    # the ordering input (pipelined Ulysses under compile): never read
+    torch.library.opcheck(torch.ops.cp_ops.ulysses_inverse_start, (k, w, name, "torch", "", 0, None, v))
+    torch.library.opcheck(torch.ops.cp_ops.ulysses_packed_start,
+                          (layout.ulysses_pack([k, v], w), w, name, "torch", "", 0, None, 0, v))
+    back = torch.randn(w, 2, 5, 3, 16)  # [W, B, S', Hl, D] -> out [B, S <= S', W, Hl, D], here a view
+    out = torch.zeros(2, 4, w, 6, 16)[:, :, :, 1:4]
+    torch.library.opcheck(torch.ops.cp_ops.ulysses_inverse_copy_out, (back, out))
+    torch.ops.cp_ops.ulysses_inverse_copy_out(back, out)
+    assert torch.equal(out, back[:, :, :4].permute(1, 2, 0, 3, 4))
 
 
 def test_opcheck_every_op():

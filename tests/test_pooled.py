@@ -65,3 +65,33 @@ def _public_outputs_are_owned(rank, w):
 
 def test_public_outputs_never_alias_pooled_buffers():
     run_ranks(_public_outputs_are_owned, 2)
+
+
+def _compiled_pipelined(rank, w):
+    """Pipelined Ulysses with three sub-groups (one head each), compiled — with and without the overlap pass — on a
+    transport with the fast one's pool (2 slots per key; a launch onto a slot not yet waited raises): equal to eager
+    on the torch transport. Failed before (2026-12-02): Inductor fused the three sub-groups' copies out of their
+    inverse buffers into one kernel after the third inverse launch — three in flight ("slot ... still holds an
+    output"); with the waits ordered alone, that kernel re-read the first buffer after the third launch had taken its
+    slot (wrong values). Now each launch is ordered after what read the slot's previous output (``after``) and the
+    copies out are an opaque op."""
+    from pooled_transport import install_slotted
+
+    install_slotted()
+    from cp_ops import layout
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 6 * w, 3 * w, 8, generator=g) for _ in range(3))
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    kw = dict(mode="ulysses", chunks=3)
+    with torch.no_grad():
+        ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
+        for compile_ in (torch.compile, cp_ops.compile):
+            f = compile_(lambda a, b, c: cp_ops.attention(a, b, c, transport="slotted_test", **kw), fullgraph=True)
+            assert torch.equal(f(sh(q), sh(k), sh(v)), ref), compile_
+            assert torch.equal(f(sh(q) + 1, sh(k), sh(v)), cp_ops.attention(sh(q) + 1, sh(k), sh(v), transport="torch",
+                                                                            **kw)), compile_
+
+
+def test_compiled_pipelined_ulysses_keeps_pool_slots():
+    run_ranks(_compiled_pipelined, 2)

@@ -52,14 +52,19 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     spans = list(zip(cuts, cuts[1:]))
     starts: dict = {}
     inverses: dict = {}
+    read: dict = {}  # sub-group i -> a tensor made once its received buffers were read (decoded / attended)
+    done: dict = {}  # sub-group i -> its heads of the result, written from its inverse's buffer
     result = q.new_empty(b, s, w, hl, d)
 
+    # Launch i of a kind reuses the pool slot of launch i - 2 (or i - 1: ahead = 1): each launch takes as `after`
+    # what read that launch's output, so traced code keeps the order too (Inductor otherwise fused the copies out
+    # of three inverse launches into one kernel after all three: three in flight on a 2-slot pool).
     def launch(i):
-        starts[i] = comm.ulysses([q, k, v], *spans[i])
+        starts[i] = comm.ulysses([q, k, v], *spans[i], after=read.pop(i - ahead, None))
 
     def finish(i):  # heads -> sequence result of sub-group i, copied out of the (maybe pooled) buffer
         lo, hi = spans[i]  # (received [W, B, S_local or smax, hl_i, D]; FP8: decoded straight into result)
-        inverses.pop(i).wait_into(result[:, :, :, lo:hi])
+        done[i] = inverses.pop(i).wait_into(result[:, :, :, lo:hi])
 
     # sub-groups in flight: two, or one where a sub-group's launches share a pool key (two FP8 formats of one tensor
     # each); then sub-group i+1 is launched once sub-group i's buffers were waited (decoded, so read: the slots are free)
@@ -72,11 +77,14 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
         launch(1)
     for i in range(g):
         buf = starts.pop(i).wait()
-        if ahead == 1 and i + 1 < g:
-            launch(i + 1)
         qh, kh, vh = shards.ulysses_rows(buf, comm.unpack) if select else comm.unpack(buf)
+        if ahead == 1 and i + 1 < g:
+            read[i] = qh  # FP8: q, k, v decoded by the wait into one tensor (qh a view): every buffer was read
+            launch(i + 1)
         out = local_attention(qh, kh, vh, scale, m4)
-        inverses[i] = comm.ulysses_inverse(shards.repad(out) if select else out)
+        if ahead == 2:
+            read[i] = out
+        inverses[i] = comm.ulysses_inverse(shards.repad(out) if select else out, after=done.pop(i - 2, None))
         if i >= 1:
             finish(i - 1)
         if ahead == 2 and i + 2 < g:
