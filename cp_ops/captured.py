@@ -238,7 +238,8 @@ class CapturedForward:
         if len(self._entries) >= self.max_keys:  # every rank calls with the same keys: they evict alike
             self._entries.popitem(last=False)
             self.evictions += 1
-        statics = [torch.empty_like(x).copy_(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        with torch.no_grad():  # plain copies (an input that requires grad gives a static one that does not)
+            statics = [torch.empty_like(x).copy_(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         sargs, skwargs = pytree.tree_unflatten(statics, spec)
 
         def fn():
@@ -271,9 +272,10 @@ class CapturedForward:
 
 
 def _copy_in(statics: list, leaves: list) -> None:
-    for s, x in zip(statics, leaves):
-        if isinstance(s, torch.Tensor) and s is not x:
-            s.copy_(x)
+    with torch.no_grad():
+        for s, x in zip(statics, leaves):
+            if isinstance(s, torch.Tensor) and s is not x:
+                s.copy_(x)
 
 
 def _outputs(out, clone: bool):
