@@ -158,13 +158,22 @@ def _model_frame(tb) -> tuple[str, str]:
     return "", ""
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _reason(stage: str, e: BaseException) -> str:
-    """``'<stage>: <Type>: <first line> (at <model frame>)[; known: ...]'``."""
-    first = str(e).splitlines()[0] if str(e) else ""
-    where, func = _model_frame(e.__traceback__)
+    """``'<stage>: <Type>: <first line> (at <model frame>)[ (then: ...)][; known: ...]'`` of the exception that
+    started the failure: a capture that fails inside ``torch.cuda.graph`` makes its exit raise again ("operation failed
+    due to a previous error during capture"), with the model's own error as the context; that one is named."""
+    chain = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    root = chain[-1]
+    where, func = _model_frame(root.__traceback__)
     known = KNOWN.get(func)
-    return (f"{stage}: {type(e).__name__}: {first}" + (f" (at {where})" if where else "")
-            + (f"; known: {known}" if known else ""))
+    return (f"{stage}: {_first_line(root)}" + (f" (at {where})" if where else "")
+            + (f" (then: {_first_line(e)})" if root is not e else "") + (f"; known: {known}" if known else ""))
 
 
 def failure_message(what: str, bad: list[tuple[int | None, str]]) -> str:
