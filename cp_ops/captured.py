@@ -104,10 +104,13 @@ class CaptureError(RuntimeError):
 
 
 class _Entry:
-    __slots__ = ("statics", "spec", "replay", "out")
+    """One key's graph: its static inputs (the call's leaves, tensors copied), its replay, its outputs' leaves and
+    their structure (flattened once: a call only clones the leaves)."""
+    __slots__ = ("statics", "replay", "out_leaves", "out_spec")
 
-    def __init__(self, statics, spec, replay, out):
-        self.statics, self.spec, self.replay, self.out = statics, spec, replay, out
+    def __init__(self, statics, replay, out):
+        self.statics, self.replay = statics, replay
+        self.out_leaves, self.out_spec = pytree.tree_flatten(out)
 
 
 def _hashable(x):
@@ -241,7 +244,7 @@ class CapturedForward:
             self._entries.move_to_end(key)
             _copy_in(entry.statics, leaves)
         entry.replay()
-        return _outputs(entry.out, self.clone_outputs)
+        return _outputs(entry.out_leaves, entry.out_spec, self.clone_outputs)
 
     def _capture(self, key, leaves: list, spec) -> _Entry:
         if len(self._entries) >= self.max_keys:  # every rank calls with the same keys: they evict alike
@@ -274,7 +277,7 @@ class CapturedForward:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             _agree(self.group, reason, self.what)
-        entry = _Entry(statics, spec, replay, out)
+        entry = _Entry(statics, replay, out)
         self._entries[key] = entry
         self.captures += 1
         return entry
@@ -287,12 +290,9 @@ def _copy_in(statics: list, leaves: list) -> None:
                 s.copy_(x)
 
 
-def _outputs(out, clone: bool):
-    def one(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        return x.detach().clone() if clone else x.detach()
-    return pytree.tree_map(one, out)
+def _outputs(leaves: list, spec, clone: bool):
+    return pytree.tree_unflatten([(x.detach().clone() if clone else x.detach()) if isinstance(x, torch.Tensor) else x
+                                  for x in leaves], spec)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
