@@ -59,7 +59,8 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['model']} {r['config']} | {r['compile']} | | | failed: {r['skipped']} | | | |"
                        + (" |" if host else ""))
             continue
-        comp = (r["compile"] or "eager") + (" + graphs" if r["cuda_graphs"] else "")
+        comp = (r["compile"] or "eager") + (" + capture" if r["cuda_graphs"] == "forward" else
+                                            " + graphs" if r["cuda_graphs"] else "")
         src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
         cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if "cp_ops_cost_ms" in r else ""
         mode = r["mode"] if r.get("impl", "cp_ops") == "cp_ops" else f"{r['impl']} ({r['mode']})"  # --compare

@@ -135,12 +135,57 @@ def test_plain_attention_shapes_and_values(mode):
 def test_parse_mode():
     assert bound.parse_mode("regional+graphs") == ("regional", True)
     assert bound.parse_mode("eager") == ("eager", False)
+    assert bound.parse_mode("eager+graphs") == ("eager", True)
+    assert bound.parse_mode("regional+capture") == ("regional", "forward")
+    assert bound.parse_mode("full+capture") == ("full", "forward")
+    for text in ("eager", "eager+graphs", "regional", "regional+graphs", "regional+capture", "full+capture"):
+        assert bound.mode_name(*bound.parse_mode(text)) == text
 
 
-@pytest.mark.parametrize("bad", ["graphs", "regional+cuda", "fullgraph", ""])
+@pytest.mark.parametrize("bad", ["graphs", "regional+cuda", "fullgraph", "", "capture"])
 def test_parse_mode_rejects(bad):
     with pytest.raises(ValueError, match="one of eager|regional|full"):
         bound.parse_mode(bad)
+
+
+def test_parse_mode_rejects_eager_capture():
+    with pytest.raises(ValueError, match="eager\\+graphs already captures the whole eager forward; got 'eager\\+capture'"):
+        bound.parse_mode("eager+capture")
+
+
+@pytest.mark.parametrize("flags, modes", [
+    (["--compile", "--cuda-graphs", "forward"], ["regional+capture"]),
+    (["--compile", "full", "--cuda-graphs", "forward"], ["full+capture"]),
+    (["--compile", "--cuda-graphs"], ["regional+graphs"]),
+    (["--cuda-graphs", "forward"], ["eager+graphs"]),
+    (["--cuda-graphs"], ["eager+graphs"]),
+    (["--bound-compile", "eager+graphs,regional+capture"], ["eager+graphs", "regional+capture"]),
+])
+def test_bound_modes_from_the_run_flags(flags, modes):
+    """--compile/--cuda-graphs with --bound name one --bound-compile mode (checked as on CUDA: the CPU refuses graphs)."""
+    from cp_ops.cli import run_args
+
+    p = argparse.ArgumentParser()
+    run_args.add_parser(p.add_subparsers())
+    args = p.parse_args(["run", "flux", "--bound", "2"] + flags)
+    spec = MODELS["flux"]
+    args.frames, args.height, args.width = spec.cpu_latent
+    args.text_tokens = 16
+    run_args.check_bound(args, "run flux", spec, spec.config("tiny", None), True)
+    assert args.bound_compile == modes
+
+
+def test_graph_kinds_from_the_flags():
+    from types import SimpleNamespace as N
+
+    from cp_ops.cli._args import per_block_graphs, whole_capture
+
+    cases = {(None, False): (False, False), (None, True): (False, True), (None, "forward"): (False, True),
+             ("regional", False): (False, False), ("regional", True): (True, False),
+             ("regional", "forward"): (False, True), ("full", "forward"): (False, True)}
+    for (comp, graphs), want in cases.items():
+        a = N(compile=comp, cuda_graphs=graphs)
+        assert (per_block_graphs(a), whole_capture(a)) == want, (comp, graphs)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -148,6 +193,7 @@ def test_parse_mode_rejects(bad):
     (["--bound", "0"], "--bound takes CP world sizes >= 1"),
     (["--bound", "2", "--bound-compile", "regional+graphs"], "needs CUDA"),
     (["--bound", "2", "--bound-compile", "fast"], "a compile mode is one of"),
+    (["--bound", "2", "--bound-compile", "eager+capture"], "eager+graphs already captures"),
     (["--bound", "2", "--compile", "--bound-compile", "eager"], "either as --bound-compile or as --compile"),
     (["--bound", "8", "--text-tokens", "4"], "at least one token of each split stream"),
     (["--bound", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),

@@ -285,8 +285,18 @@ def test_profile_breakdown_arithmetic(tmp_path):
     assert f["host_syncs"] == 1
 
 
+def test_cuda_graphs_takes_only_forward(capsys):
+    from cp_ops.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "wan", "--device", "cpu", "--cuda-graphs", "blocks"])
+    assert e.value.code == 2
+    assert "argument --cuda-graphs: invalid choice: 'blocks'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,message", [
     (["run", "wan", "--device", "cpu", "--cuda-graphs"], "run wan: --cuda-graphs needs CUDA"),
+    (["run", "wan", "--device", "cpu", "--compile", "--cuda-graphs", "forward"], "run wan: --cuda-graphs needs CUDA"),
     (["run", "flux", "--device", "cpu", "--frames", "2"], "run flux: FluxTransformer2DModel is an image model; --frames must be 1"),
     (["run", "qwenimage", "--device", "cpu", "--config", "1.3b"], "run qwenimage: --config takes 20b|tiny; got '1.3b'"),
     (["run", "wan", "--device", "cpu", "--cfg", "--nproc", "3"], "--cfg splits the ranks into 2 CFG lanes; the CP world size must be even, got 3"),

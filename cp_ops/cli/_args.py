@@ -181,3 +181,13 @@ def check_out(path: str | None, flag: str) -> None:
         if rank0():
             print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
 
+
+def per_block_graphs(args) -> bool:
+    """CUDA graphs over each compiled block (``mode='reduce-overhead'``): ``--compile`` with a bare ``--cuda-graphs``."""
+    return bool(args.compile) and args.cuda_graphs is True
+
+
+def whole_capture(args) -> bool:
+    """The whole forward captured in one CUDA graph (:class:`cp_ops.timing.Graphed`): ``--cuda-graphs forward``, or a
+    bare ``--cuda-graphs`` without ``--compile``."""
+    return args.cuda_graphs == "forward" or (args.cuda_graphs is True and not args.compile)

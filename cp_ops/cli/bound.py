@@ -26,7 +26,9 @@ copies; plain: its repeats, of the same sizes).
 
 Compile modes (``--bound-compile``): ``eager``, ``regional`` (each repeated block compiled, as ``cp-ops run
 --compile``), ``full`` (the whole forward, fullgraph), each optionally ``+graphs`` (CUDA graphs: under compile
-``mode='reduce-overhead'``, in eager an explicit capture of the forward). In each mode every side is compiled the
+``mode='reduce-overhead'``, in eager an explicit capture of the forward) or, compiled, ``+capture`` (compiled without
+reduce-overhead, then the whole forward captured in one CUDA graph: :class:`cp_ops.timing.Graphed`, the mechanism of
+``eager+graphs``; rows say ``cuda_graphs: "forward"``). In each mode every side is compiled the
 same way, its first call timed (compile included), then all sides are timed in ``--repeats`` interleaved rounds
 (each round one sample of every side; a sample = the median of ``n`` waited-for forwards, ``n`` so that a sample
 lasts ~0.2 s), so drift hits every side alike. A mode that fails (e.g. a compile error) becomes a row with its
@@ -58,6 +60,7 @@ from ..integrations.diffusers.dispatch import CPAttention, cp_ops_backend
 from ..timing import Graphed, time_ms
 from ..transport import fake_fill
 from .models import MODELS, build, config_label, load_checkpoint
+from ._args import whole_capture
 
 #: compile modes --bound-compile takes: a base and an optional "+graphs"
 BASES = ("eager", "regional", "full")
@@ -71,17 +74,24 @@ MAX_CALLS = 10
 HOST_BOUND = 0.9
 
 
-def parse_mode(text: str) -> tuple[str, bool]:
-    """``'regional+graphs'`` → ``('regional', True)``. Raises ValueError naming the accepted forms."""
+def parse_mode(text: str) -> tuple[str, bool | str]:
+    """``'regional+graphs'`` → ``('regional', True)`` (per-block graphs; eager: the whole forward captured),
+    ``'regional+capture'`` → ``('regional', 'forward')`` (compiled without reduce-overhead, the whole forward
+    captured: ``cuda_graphs`` as ``cp-ops run --cuda-graphs forward`` sets it), ``'eager'`` → ``('eager', False)``.
+    Raises ValueError naming the accepted forms (``eager+capture`` too: ``eager+graphs`` is that)."""
     base, _, extra = text.strip().partition("+")
-    if base not in BASES or extra not in ("", "graphs"):
-        raise ValueError(f"a compile mode is one of {'|'.join(BASES)}, optionally +graphs (e.g. regional+graphs); "
-                         f"got {text!r}")
-    return base, extra == "graphs"
+    if base not in BASES or extra not in ("", "graphs", "capture"):
+        raise ValueError(f"a compile mode is one of {'|'.join(BASES)}, optionally +graphs (CUDA graphs: eager's "
+                         "whole forward, a compiled mode's blocks) or, compiled, +capture (the whole compiled "
+                         f"forward in one graph), e.g. regional+graphs, regional+capture; got {text!r}")
+    if extra == "capture" and base == "eager":
+        raise ValueError(f"a compile mode: eager+graphs already captures the whole eager forward; got {text!r} "
+                         "(+capture is for compiled modes: regional+capture, full+capture)")
+    return base, {"": False, "graphs": True, "capture": "forward"}[extra]
 
 
-def mode_name(base: str, graphs: bool) -> str:
-    return base + ("+graphs" if graphs else "")
+def mode_name(base: str, graphs: bool | str) -> str:
+    return base + ("+capture" if graphs == "forward" else "+graphs" if graphs else "")
 
 
 # ---- the fake groups and the sides ----------------------------------------------------------------------------
@@ -236,7 +246,7 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=Non
     """The side's call: one forward, or with ``margs.steps`` a denoising loop of that many steps
     (:func:`cp_ops.cli.run.denoise`: the model's scheduler; returns the final latents, ``step_log`` gets the loop's
     per-step ms). ``count[0]`` += 1 per Python-level call, when given; ``around(fn)`` wraps the call (diffusers'
-    sides: :func:`cp_ops.cli.bound_diffusers.wrap`) inside any capture; eager + graphs: captured."""
+    sides: :func:`cp_ops.cli.bound_diffusers.wrap`) inside any capture; eager+graphs and +capture: captured."""
     from .run import _forward_fn, denoise
 
     if margs.steps:
@@ -255,7 +265,7 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=Non
             return inner()
     if around is not None:
         fwd = around(fwd)
-    if margs.cuda_graphs and not margs.compile:
+    if whole_capture(margs):  # eager+graphs, regional/full+capture: the whole forward in one graph
         return Graphed(fwd, device)
     return fwd
 
@@ -307,7 +317,7 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
         out = call()
     _sync(device)
     side.first_s = time.perf_counter() - t0
-    # eager + graphs: warm-up and capture forwards, identical
+    # eager+graphs, +capture: warm-up and capture forwards, identical (compiled: the first warm-up compiles)
     side.fills = list(eager_fills) if eager_fills is not None else rec[: len(rec) // max(1, count[0])]
     side.call = call
     side.out = out.detach().float().cpu() if isinstance(out, torch.Tensor) else None

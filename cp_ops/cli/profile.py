@@ -289,7 +289,7 @@ def profile_run(model, m, spec, kw, args, device, rank: int, world_size: int) ->
             dist.barrier()
             with profile(activities=acts) as prof:
                 for _ in range(args.profile_runs):
-                    if args.cuda_graphs and args.compile:
+                    if args.compile and args.cuda_graphs is True:  # per-block graphs (reduce-overhead)
                         torch.compiler.cudagraph_mark_step_begin()
                     with record_function(FORWARD):
                         spec.predict(m, kw)

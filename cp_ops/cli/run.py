@@ -19,7 +19,9 @@ interleaved rounds, every side once per round, so drift over the run hits all al
 model's diffusers scheduler; time per step = median, total = sum), time (CP = the slowest rank), speedup
 over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile`` compiles every side the
 same way (``regional``: each repeated block's forward, as diffusers' ``compile_repeated_blocks``; ``full``:
-the whole model) through :func:`cp_ops.compile`; ``--cuda-graphs`` replays CUDA graphs; ``--profile DIR``
+the whole model) through :func:`cp_ops.compile`; ``--cuda-graphs`` replays CUDA graphs (with ``--compile``: per
+block, ``mode='reduce-overhead'``; without it, or ``--cuda-graphs forward``: the whole forward captured in one graph,
+:class:`cp_ops.timing.Graphed`); ``--profile DIR``
 traces the cp_ops run (see :mod:`cp_ops.cli.profile`). A model ``parallelize`` does not support (yet) ends
 the run with exit code 3 and one line saying so.
 """
@@ -36,6 +38,7 @@ import torch.distributed as dist
 
 from .bench import DTYPES, _write_json, available_cores, environment
 from .models import MODELS, build, config_label, load_checkpoint
+from ._args import per_block_graphs, whole_capture
 from ..integrations.diffusers.compiled import canonical as _canonical  # noqa: F401  (tests' names)
 from ..integrations.diffusers.compiled import contiguous_strides as _contiguous_strides  # noqa: F401
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
@@ -61,7 +64,8 @@ def compile_model(model, spec, args, overlap: bool):
     Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
     diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
     ``full``: ``cp_ops.compile(model, fullgraph=True)``. Static shapes (``dynamic=False``) for both.
-    ``--cuda-graphs`` adds ``mode="reduce-overhead"``.
+    A bare ``--cuda-graphs`` adds ``mode="reduce-overhead"`` (``--cuda-graphs forward``: compiled without it, the
+    whole forward captured later by :func:`_measure`).
     """
     import cp_ops
 
@@ -71,19 +75,19 @@ def compile_model(model, spec, args, overlap: bool):
     # in the interleaved rounds beside the CP model (other token counts, one Dynamo frame) gets symbolic sizes
     # fullgraph: True unless args says otherwise (--bound's diffusers CP side where Dynamo cannot trace it whole)
     kw = dict(fullgraph=getattr(args, "fullgraph", True), overlap=overlap and not args.no_overlap, dynamic=False)
-    if args.cuda_graphs:
+    if per_block_graphs(args):
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
         return cp_ops.compile(model, **kw), 1
     from ..integrations.diffusers.compiled import compile_blocks
 
-    return model, compile_blocks(model, cuda_graphs=args.cuda_graphs, overlap=kw["overlap"], blocks=spec.blocks,
+    return model, compile_blocks(model, cuda_graphs=per_block_graphs(args), overlap=kw["overlap"], blocks=spec.blocks,
                                  fullgraph=kw["fullgraph"])
 
 
 def _mark_step(args) -> None:
     """A new CUDA-graph-tree step (``mode='reduce-overhead'``): the previous call's outputs may be overwritten."""
-    if args.cuda_graphs and args.compile:
+    if per_block_graphs(args):
         torch.compiler.cudagraph_mark_step_begin()
 
 
@@ -161,7 +165,7 @@ def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
         out, ms = denoise(m, spec, kw, args.steps, device, args)
         return first_s, ms, out, None
     # group: the ranks of a collective forward agree on the capture's outcome (a failure raises on all of them)
-    call = Graphed(fwd, device, group=group) if (args.cuda_graphs and not args.compile and graphs_ok) else fwd
+    call = Graphed(fwd, device, group=group) if (whole_capture(args) and graphs_ok) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
     return first_s, ms, call().float(), call
 
@@ -400,7 +404,8 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     layers_txt = "+".join(map(str, layers))
     compiled_with = (None if not args.compile else
                      f"{'torch.compile' if args.no_overlap else 'cp_ops.compile (overlap pass)'}, {args.compile}"
-                     + (", reduce-overhead (CUDA graphs)" if args.cuda_graphs else ""))
+                     + (", reduce-overhead (CUDA graphs)" if per_block_graphs(args) else
+                        ", the whole forward captured in one CUDA graph" if args.cuda_graphs else ""))
     meta = dict(environment(device, world_size), model=args.model, cls=spec.cls, config=args.config,
                 config_label=config_label(spec, args.config, cfg),
                 checkpoint=args.checkpoint, layers=layers[0] if len(layers) == 1 else layers, heads=heads, dim=dim,

@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 from .. import modes
-from ._args import add_mesh, check_comm_dtype, check_mesh, chunks_arg, common, csv, fail
+from ._args import add_mesh, check_comm_dtype, check_mesh, chunks_arg, common, csv, fail, whole_capture
 
 #: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
 MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo", "ltx")
@@ -66,9 +66,13 @@ def add_parser(sub) -> None:
     r.add_argument("--no-overlap", action="store_true",
                    help="with --compile (or --bound with a compiled --bound-compile mode): plain "
                         "torch.compile(fullgraph=True), without the overlap pass")
-    r.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA-graph replay (CUDA only): with --compile, mode='reduce-overhead'; without, explicit "
-                        "torch.cuda.graph capture of the forward")
+    r.add_argument("--cuda-graphs", nargs="?", const=True, default=False, choices=["forward"],
+                   help="CUDA-graph replay (CUDA only). Bare: with --compile, per-block graphs "
+                        "(mode='reduce-overhead' on each compiled block; the split, gather and the code between "
+                        "blocks stay eager); without --compile, the whole eager forward captured in one graph. "
+                        "'forward': the whole forward (split, every block, every attention's communication, "
+                        "gather) captured in one graph, also after --compile (compiled without reduce-overhead). "
+                        "Give it after MODEL (a bare --cuda-graphs before MODEL would take MODEL as its value)")
     r.add_argument("--steps", type=int, default=0,
                    help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
                         "times): time per step and total (default 0: one forward); with --bound every side times "
@@ -93,8 +97,11 @@ def add_parser(sub) -> None:
                         "bound(W) = 1-device time / rank 0's time, per compile mode (--bound-compile); see "
                         "docs/measuring.md")
     r.add_argument("--bound-compile", type=csv(str, "compile modes"), default=None, metavar="MODE[,MODE...]",
-                   help="with --bound: compile modes, each eager|regional|full, optionally +graphs (CUDA graphs) "
-                        "(default eager,regional,regional+graphs on CUDA, eager on CPU)")
+                   help="with --bound: compile modes, each eager|regional|full, optionally +graphs (CUDA graphs: "
+                        "eager+graphs = the whole forward captured in one graph; regional/full+graphs = "
+                        "mode='reduce-overhead') or, compiled, +capture (compiled without reduce-overhead, then the "
+                        "whole forward captured in one graph) (default eager,regional,regional+graphs on CUDA, eager "
+                        "on CPU)")
     r.add_argument("--cost", action="store_true",
                    help="with --bound: also time each W with cp_ops' attention replaced by plain local attention of "
                         "the same shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
@@ -181,9 +188,10 @@ def check(args, device: str, world: int) -> None:
         fail(f"{what}: --no-overlap only applies with --compile")
     if args.cuda_graphs and not gpu:
         fail(f"{what}: --cuda-graphs needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
-    if args.cuda_graphs and args.steps and not args.compile:
-        fail(f"{what}: --cuda-graphs with --steps needs --compile (mode='reduce-overhead'); the explicit "
-              "capture replays one forward on fixed inputs")
+    if whole_capture(args) and args.steps:
+        fail(f"{what}: --steps with a whole-forward capture (--cuda-graphs without --compile, or --cuda-graphs "
+             "forward): the explicit capture replays one forward on fixed inputs; time a loop with --compile "
+             "--cuda-graphs (mode='reduce-overhead' per block)")
     if args.steps < 0:
         fail(f"{what}: --steps must be >= 0; got {args.steps}")
     if args.profile:
@@ -218,7 +226,8 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
     if args.compile or args.cuda_graphs:
         if args.bound_compile:
             fail(f"{what}: give the compile modes either as --bound-compile or as --compile/--cuda-graphs, not both")
-        args.bound_compile = [(args.compile or "eager") + ("+graphs" if args.cuda_graphs else "")]
+        extra = "" if not args.cuda_graphs else "+capture" if whole_capture(args) and args.compile else "+graphs"
+        args.bound_compile = [(args.compile or "eager") + extra]
     args.bound_compile = args.bound_compile or list(DEFAULT_CUDA if gpu else DEFAULT_CPU)
     for m in args.bound_compile:
         try:
@@ -227,7 +236,7 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
             fail(f"{what}: --bound-compile: {e}")
         if graphs and not gpu:
             fail(f"{what}: --bound-compile {m} needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
-        if graphs and args.steps and m.startswith("eager"):
+        if graphs and args.steps and (graphs == "forward" or m.startswith("eager")):
             fail(f"{what}: --steps with --bound-compile {m}: the explicit capture replays one forward on fixed "
                  "inputs; time a loop eager or compiled (e.g. regional+graphs: mode='reduce-overhead')")
     if args.no_overlap and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):

@@ -19,6 +19,10 @@ from .lanes import Lanes
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
+#: the values parallelize's ``cuda_graphs`` takes
+CUDA_GRAPHS = (False, True, "forward")
+
+
 def mesh_groups(group: Any, cfg_parallel: bool):
     """``(pg, attn_group, cfg_parallel)`` for :func:`parallelize`'s ``group``: ``pg`` holds the ranks that split the
     tokens (rank order = token order) and gather the output, ``attn_group`` is what :func:`cp_ops.attention` gets
@@ -79,7 +83,7 @@ def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
-                cuda_graphs: bool = False, comm_dtype: Any = None) -> torch.nn.Module:
+                cuda_graphs: bool | str = False, comm_dtype: Any = None) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
     Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
@@ -117,8 +121,15 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
             :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
             path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).
-        cuda_graphs: with ``compile``, CUDA graphs over each block (``mode="reduce-overhead"``; CUDA only): call
-            ``torch.compiler.cudagraph_mark_step_begin()`` before each forward (each denoising step).
+        cuda_graphs: one of :data:`CUDA_GRAPHS` (CUDA only). ``True``: with ``compile``, CUDA graphs over each block
+            (``mode="reduce-overhead"``): call ``torch.compiler.cudagraph_mark_step_begin()`` before each forward
+            (each denoising step). ``"forward"``: the whole call ``model(...)`` — the CP split, every block (eager,
+            or with ``compile`` regionally compiled without ``reduce-overhead``), every attention's communication,
+            the final gather — captured in one CUDA graph per call signature and replayed
+            (:func:`cp_ops.captured.capture_forward`, over the group's ranks: shapes, values of non-tensor
+            arguments and grad mode fix a signature; outputs returned cloned; at most 8 signatures kept, least
+            recently used evicted; a forward that cannot be captured raises at its first call on every rank).
+            The model stays the same object (its class becomes a same-named subclass). ``False``: none.
 
     Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
     made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
@@ -135,7 +146,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
             (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
-        RuntimeError: torch.distributed not initialized.
+        RuntimeError: torch.distributed not initialized. ``cuda_graphs="forward"``: at a new signature's first call,
+            :class:`cp_ops.captured.CaptureError` when its capture failed on any rank (on every rank, naming the
+            first failing rank, its reason and the model's line).
     """
     spec = spec_for(transformer)
     name = type(transformer).__name__
@@ -145,9 +158,21 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         raise ValueError(f"transport must be one of {transport_names()}; got {transport!r}")
     check_chunks(chunks)
     comm_dtype = normalize_comm_dtype(comm_dtype, next((p.dtype for p in transformer.parameters()), None))
-    if cuda_graphs and not compile:
+    if not any(cuda_graphs is v or (isinstance(v, str) and cuda_graphs == v) for v in CUDA_GRAPHS):
+        raise ValueError(f"parallelize: cuda_graphs must be one of {CUDA_GRAPHS} (True: per-block graphs under "
+                         "compile=True; 'forward': the whole forward captured in one graph); got "
+                         f"{cuda_graphs!r}")
+    if cuda_graphs is True and not compile:
         raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
-                         "mode='reduce-overhead'); got compile=False")
+                         "mode='reduce-overhead'); got compile=False (cuda_graphs='forward' captures the whole "
+                         "eager forward)")
+    if cuda_graphs == "forward":
+        from ...captured import check_capturable
+
+        try:
+            check_capturable(transformer)
+        except ValueError as e:
+            raise ValueError(f"parallelize(cuda_graphs='forward'): {e}") from None
     if (why := caches.refused_cache(transformer)) is not None:
         raise ValueError(why)
     if compile:
@@ -195,5 +220,10 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if compile:
         from .compiled import compile_blocks
 
-        compile_blocks(transformer, cuda_graphs=cuda_graphs)
+        compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
+    if cuda_graphs == "forward":
+        from ...captured import capture_forward
+
+        # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
+        capture_forward(transformer, group=pg)
     return transformer

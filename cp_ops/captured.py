@@ -1,0 +1,368 @@
+"""Whole-forward CUDA-graph capture of a module's call: ``module(*args, **kwargs)``, its hooks included, one CUDA
+graph per call signature, replayed with no host work.
+
+What ``parallelize(..., cuda_graphs="forward")`` uses (:mod:`cp_ops.integrations.diffusers.install`); works on any
+``torch.nn.Module`` whose forward a CUDA graph can record. Under CP the graph holds the CP split hook, every
+attention's communication and the final gather: a replay launches them all at once (measured on one H200, rank 0 of
+a fake group, eager Flux/Z-Image/LTX-Video/Wan2.1-1.3B: cp_ops' own cost vs plain attention -1.5 .. +1.3 %, against
+0.7-4.7 % with per-block graphs). With regional compilation (:func:`cp_ops.integrations.diffusers.compiled.
+compile_blocks` without ``mode="reduce-overhead"``) the compiled blocks' kernels are captured too.
+
+Rules (what a caller must know):
+
+* **Key.** A call's key is (the pytree structure of ``(args, kwargs)``, each tensor leaf's shape, dtype, device and
+  stride, every non-tensor leaf by value, grad mode, inference mode). A new key runs ``warmup`` eager calls on a
+  side stream (torch's rule for ``torch.cuda.graph``; compiles, plans, communicators happen there), then captures
+  one call into a CUDA graph whose inputs are static copies of the tensor leaves, then replays it. A known key
+  copies the new tensor leaves into those static inputs and replays: nothing of the forward's Python runs (no
+  hook, no check, no Dynamo guard). Non-tensor leaves must be hashable (ValueError otherwise). Anything the forward
+  reads that is not an argument — parameters, buffers, module attributes — is read as it was at capture: change a
+  weight in place (``copy_``) and the replay sees it; replace a tensor attribute and it does not.
+* **Outputs.** Returned cloned (``clone_outputs=True``, the default), detached (no autograd history: forward only).
+  A replay rewrites the graph's own output tensors, so without the clone a CFG loop's second call of the same shape
+  overwrites the first's output. ``clone_outputs=False`` returns the graph's output tensors themselves (one copy
+  less): valid only until the next call with the same key; copy what you keep.
+* **Memory.** One CUDA-graph memory pool per captured module, shared by all its keys (``torch.cuda.graph_pool_handle``;
+  the graphs replay one at a time on the caller's stream, so their intermediates may share memory), plus each
+  key's static inputs and outputs. At most ``max_keys`` keys (default 8): a new key past it evicts the least
+  recently used one (its graph, static inputs and outputs freed; its next call captures again). ``captures``
+  counts captures, ``keys()`` lists the live keys.
+* **What cannot be captured.** A forward that synchronizes with the host (``.item()``, ``.tolist()``, a
+  data-dependent branch: diffusers' step caches), copies from pageable host memory (``torch.as_tensor(x,
+  device="cuda")`` of a Python number: diffusers 0.42.1's Qwen-Image ``compute_text_seq_len_from_mask``), or makes
+  CPU-side decisions on GPU values. Its capture raises RuntimeError naming the failing rank, its reason and the
+  innermost frame of the model's code; no silent fallback to eager.
+* **CP groups.** With ``group``, the ranks agree on each capture's outcome (a replay runs collectives: every rank
+  must hold a graph or none, as :class:`cp_ops.timing.Graphed`): a failure on any rank raises on every rank,
+  naming the first failing rank and its reason. Every rank must call with the same keys in the same order (as it
+  must make the same calls); one process standing for a group (the fake backend of the zero-communication bound)
+  or a group of one agrees alone.
+* **The object stays the model.** The module's class is swapped for a subclass of it with the same name whose
+  ``__call__`` goes through the capture, so ``pipe.transformer(...)``, ``.config``, ``.dtype``, ``isinstance`` and
+  the module tree are unchanged (``type(m) is Cls`` is not). :func:`uncapture` restores the class.
+  ``copy.deepcopy`` of a captured module gives a captured copy with no graphs yet (it captures afresh).
+
+Testing without a GPU: the graph mechanism is :data:`BACKEND` (an object with ``check``, ``pool``, ``warmup``,
+``capture``, see :class:`CudaGraphs`); a test may replace it with a recorder that re-runs the call on the static
+inputs.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+#: instance attribute holding a captured module's :class:`CapturedForward`
+ATTR = "_cp_ops_captured"
+#: default cap on live keys per captured module (least recently used evicted past it)
+MAX_KEYS = 8
+
+
+class CudaGraphs:
+    """The real mechanism (torch.cuda.graph). Replaceable as :data:`BACKEND` (the same four methods) for tests."""
+
+    def check(self, device: torch.device) -> None:
+        """Raise ValueError when ``device`` cannot record CUDA graphs."""
+        if device.type != "cuda":
+            raise ValueError(f"whole-forward CUDA-graph capture needs CUDA (a CUDA graph records GPU work); the "
+                             f"model's parameters are on {device}")
+        if not torch.cuda.is_available():
+            raise ValueError("whole-forward CUDA-graph capture needs CUDA; torch.cuda.is_available() is False")
+
+    def pool(self, device: torch.device):
+        return torch.cuda.graph_pool_handle()
+
+    def warmup(self, fn: Callable[[], Any], n: int, device: torch.device) -> None:
+        """``n`` calls on a side stream, as torch's rule for capture asks."""
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(n):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def capture(self, fn: Callable[[], Any], pool, device: torch.device) -> tuple[Callable[[], None], Any]:
+        """Record one call of ``fn``; returns ``(replay, outputs)`` (the outputs are rewritten by each replay)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph.replay, out
+
+
+#: the graph mechanism every capture uses (tests replace it)
+BACKEND: Any = CudaGraphs()
+
+
+class CaptureError(RuntimeError):
+    """A capture (or its warm-up) failed on some rank; raised on every rank of the group."""
+
+
+class _Entry:
+    """One key's graph: its static inputs (the call's leaves, tensors copied), its replay, its outputs' leaves and
+    their structure (flattened once: a call only clones the leaves)."""
+    __slots__ = ("statics", "replay", "out_leaves", "out_spec")
+
+    def __init__(self, statics, replay, out):
+        self.statics, self.replay = statics, replay
+        self.out_leaves, self.out_spec = pytree.tree_flatten(out)
+
+
+def _hashable(x):
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return str(x)  # a TreeSpec that is not hashable on this torch: its text (types, keys, structure)
+
+
+def _key(leaves: list, spec) -> tuple:
+    parts = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            parts.append(("T", tuple(x.shape), x.dtype, x.device, tuple(x.stride())))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                raise ValueError(f"captured forward: argument leaf {i} (in call order) is a {type(x).__name__}, "
+                                 "which is not hashable; a captured call's non-tensor arguments are part of its "
+                                 "key (pass tensors, numbers, strings, None, or containers of them)") from None
+            parts.append(("V", type(x), x))
+    return (_hashable(spec), tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple:
+    """The key of a call ``(args, kwargs)`` (see the module docstring). Raises ValueError for a non-tensor leaf that
+    is not hashable."""
+    return _key(*pytree.tree_flatten((args, kwargs)))
+
+
+#: model functions known not to be capturable: innermost frame's function -> why (added to the error)
+KNOWN = {
+    "compute_text_seq_len_from_mask": "diffusers' Qwen-Image (0.42.1) computes the text length with "
+                                      "torch.as_tensor(int, device=cuda): a copy from pageable host memory",
+}
+
+
+def _model_frame(tb) -> tuple[str, str]:
+    """The innermost traceback frame outside torch and this file: ``('path:line in func', func)`` (empty if none)."""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    here = os.path.abspath(__file__)
+    for fr in reversed(traceback.extract_tb(tb)):
+        f = os.path.abspath(fr.filename)
+        if not f.startswith(torch_dir + os.sep) and f != here:
+            return f"{fr.filename}:{fr.lineno} in {fr.name}", fr.name
+    return "", ""
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _reason(stage: str, e: BaseException) -> str:
+    """``'<stage>: <Type>: <first line> (at <model frame>)[ (then: ...)][; known: ...]'`` of the exception that
+    started the failure: a capture that fails inside ``torch.cuda.graph`` makes its exit raise again ("operation failed
+    due to a previous error during capture"), with the model's own error as the context; that one is named."""
+    chain = [e]
+    while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
+        chain.append(nxt)
+    root = chain[-1]
+    where, func = _model_frame(root.__traceback__)
+    known = KNOWN.get(func)
+    return (f"{stage}: {_first_line(root)}" + (f" (at {where})" if where else "")
+            + (f" (then: {_first_line(e)})" if root is not e else "") + (f"; known: {known}" if known else ""))
+
+
+def failure_message(what: str, bad: list[tuple[int | None, str]]) -> str:
+    """The error of a failed capture: ``bad`` = ``[(rank or None, reason)]`` of the failing ranks, first first."""
+    rank, why = bad[0]
+    who = "" if rank is None else f" on rank(s) {[r for r, _ in bad]}; rank {rank}'s reason"
+    if why.startswith("warm-up"):
+        return (f"{what}: the eager warm-up calls before the whole-forward CUDA-graph capture failed{who}: {why}. "
+                "The forward itself fails on these inputs (uncaptured, it would too)")
+    return (f"{what}: the whole-forward CUDA-graph capture failed{who}: {why}. The forward does something a CUDA "
+            "graph cannot record (a host sync such as .item() or a data-dependent branch, a copy from pageable "
+            "host memory such as torch.as_tensor(number, device='cuda'), a step cache's decision). Use per-block "
+            "graphs instead (parallelize(..., compile=True, cuda_graphs=True): mode='reduce-overhead' per block), "
+            "or no graphs")
+
+
+def _agree(group, reason: str, what: str) -> None:
+    """Every rank of ``group`` learns every rank's ``reason`` ('' = success); raise CaptureError on every rank when
+    any failed. One process standing for a group (the fake backend) or a group of one agrees alone."""
+    if group is not None and group.size() > 1 and str(dist.get_backend(group)) != "fake":
+        reasons: list = [None] * group.size()
+        dist.all_gather_object(reasons, reason, group=group)
+        bad = [(r, x) for r, x in enumerate(reasons) if x]
+    else:
+        bad = [(None if group is None else group.rank(), reason)] if reason else []
+    if bad:
+        raise CaptureError(failure_message(what, bad))
+
+
+class CapturedForward:
+    """The per-key graphs of one module's call (see the module docstring). ``__call__(*args, **kwargs)`` returns
+    what ``module(*args, **kwargs)`` returns (tensors cloned and detached unless ``clone_outputs=False``).
+
+    Attributes: ``captures`` (int, captures made), ``evictions`` (int), :meth:`keys` (live keys, least recent first).
+    """
+
+    def __init__(self, module: torch.nn.Module, call: Callable[..., Any], device: torch.device, *, group=None,
+                 warmup: int = 2, clone_outputs: bool = True, max_keys: int = MAX_KEYS, what: str = ""):
+        self.module, self._call, self.device, self.group = module, call, device, group
+        self.warmup, self.clone_outputs, self.max_keys = warmup, clone_outputs, max_keys
+        self.what = what or f"captured {type(module).__name__}"
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._pool = None
+        self.captures = self.evictions = 0
+
+    def keys(self) -> list:
+        return list(self._entries)
+
+    def __deepcopy__(self, memo):
+        """A copy of a captured module captures afresh (its own graphs, pool and static inputs; none copied)."""
+        import copy
+
+        module = copy.deepcopy(self.module, memo)  # the module being copied (memo): this is its __dict__ entry
+        return CapturedForward(module, self._call.__func__.__get__(module), self.device, group=self.group,
+                               warmup=self.warmup, clone_outputs=self.clone_outputs, max_keys=self.max_keys,
+                               what=self.what)
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = _key(leaves, spec)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._capture(key, leaves, spec)
+        else:
+            self._entries.move_to_end(key)
+            _copy_in(entry.statics, leaves)
+        entry.replay()
+        return _outputs(entry.out_leaves, entry.out_spec, self.clone_outputs)
+
+    def _capture(self, key, leaves: list, spec) -> _Entry:
+        if len(self._entries) >= self.max_keys:  # every rank calls with the same keys: they evict alike
+            self._entries.popitem(last=False)
+            self.evictions += 1
+        with torch.no_grad():  # plain copies (an input that requires grad gives a static one that does not)
+            statics = [torch.empty_like(x).copy_(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        sargs, skwargs = pytree.tree_unflatten(statics, spec)
+
+        def fn():
+            return self._call(*sargs, **skwargs)
+
+        if self._pool is None:
+            self._pool = BACKEND.pool(self.device)
+        replay = out = None
+        reason = ""
+        try:
+            stage = "warm-up"
+            BACKEND.warmup(fn, self.warmup, self.device)
+            # copied again (version counters move on): a memo keyed on an input's version (the every-key mask of
+            # cp_ops.integrations.diffusers.hooks.CPState) rebuilds inside the capture, so the graph rebuilds it
+            _copy_in(statics, leaves)
+            stage = "capture"
+            replay, out = BACKEND.capture(fn, self._pool, self.device)
+        except Exception as e:  # noqa: BLE001 - agreed over the group below, then raised on every rank
+            if self.group is None:
+                raise CaptureError(failure_message(self.what, [(None, _reason(stage, e))])) from e
+            reason = _reason(stage, e)
+        if self.group is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            _agree(self.group, reason, self.what)
+        entry = _Entry(statics, replay, out)
+        self._entries[key] = entry
+        self.captures += 1
+        return entry
+
+
+def _copy_in(statics: list, leaves: list) -> None:
+    with torch.no_grad():
+        for s, x in zip(statics, leaves):
+            if isinstance(s, torch.Tensor) and s is not x:
+                s.copy_(x)
+
+
+def _outputs(leaves: list, spec, clone: bool):
+    return pytree.tree_unflatten([(x.detach().clone() if clone else x.detach()) if isinstance(x, torch.Tensor) else x
+                                  for x in leaves], spec)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    if p is None:
+        p = next(module.buffers(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def check_capturable(module: torch.nn.Module) -> None:
+    """Raise ValueError when :func:`capture_forward` would refuse ``module`` (not on CUDA; already captured)."""
+    if ATTR in module.__dict__:
+        raise ValueError(f"this {type(module).__name__} is already captured (cp_ops.captured.uncapture first)")
+    BACKEND.check(_device_of(module))
+
+
+_SUBCLASSES: dict = {}
+
+
+def _captured_call(self, *args, **kwargs):
+    return self.__dict__[ATTR](*args, **kwargs)
+
+
+def _subclass(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__call__": _captured_call, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__, "_cp_ops_uncaptured_class": cls})
+        _SUBCLASSES[cls] = sub
+    return sub
+
+
+def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None = None, warmup: int = 2,
+                    clone_outputs: bool = True, max_keys: int = MAX_KEYS) -> torch.nn.Module:
+    """Make every later ``module(*args, **kwargs)`` run as a CUDA-graph replay of the whole call, hooks included, in
+    place; returns ``module`` (the same object, its class swapped for a same-named subclass).
+
+    Args:
+        module: on CUDA (its parameters' device). group: the ranks whose collectives the forward makes (they agree
+            on each capture's outcome); None: this process alone. warmup: eager calls before each capture (>= 1).
+        clone_outputs: return clones of the graph's outputs (default); False: the graph's own output tensors, valid
+            until the next call with the same key. max_keys: live keys at most (>= 1; LRU eviction past it).
+    Returns: ``module``. Its calls return what the module returns (tensors detached; cloned by default).
+    Raises:
+        ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
+            argument leaf that is not hashable.
+        CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed (with ``group``:
+            on any rank, raised on every rank naming the first failing rank and its reason).
+    """
+    if not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"capture_forward: warmup must be an int >= 1 (torch's rule: warm up before capture); "
+                         f"got {warmup!r}")
+    if not isinstance(max_keys, int) or max_keys < 1:
+        raise ValueError(f"capture_forward: max_keys must be an int >= 1; got {max_keys!r}")
+    check_capturable(module)
+    cls = type(module)
+    call = cls.__call__.__get__(module, cls)  # nn.Module.__call__: hooks, then forward (also an instance forward)
+    module.__dict__[ATTR] = CapturedForward(module, call, _device_of(module), group=group, warmup=warmup,
+                                            clone_outputs=clone_outputs, max_keys=max_keys,
+                                            what=f"captured {cls.__name__}")
+    module.__class__ = _subclass(cls)
+    return module
+
+
+def captured(module: torch.nn.Module) -> CapturedForward | None:
+    """The module's :class:`CapturedForward`, or None when it is not captured."""
+    return module.__dict__.get(ATTR)
+
+
+def uncapture(module: torch.nn.Module) -> None:
+    """Undo :func:`capture_forward` (the class restored, the graphs freed). No-op on a module not captured."""
+    if module.__dict__.pop(ATTR, None) is not None:
+        module.__class__ = type(module)._cp_ops_uncaptured_class
