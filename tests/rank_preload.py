@@ -2,8 +2,16 @@
 its compiler stack, pytest, cp_ops, and diffusers' transformer models (with transformers) where diffusers is
 installed. Seconds on 2 cores, per process: torch ~2-5, Dynamo + Inductor ~2-4, diffusers' models ~4.
 
-A module that fails to import is left out here: a rank that needs it imports it itself, and fails as a spawned
-rank would.
+It also fills two of Inductor's per-process caches that every rank's first CPU compile would otherwise fill itself,
+both pure functions of the machine and the torch install (no compiled code, threads or Dynamo state is created):
+the usable vector ISAs (``cpu_vec_isa.valid_vec_isa_list``: builds a probe .so per ISA, once per cache dir, then
+dlopens each in a child Python, ~1.5 s a process on an idle core, several under load) and ``codecache.torch_key``
+(a hash of torch's sources, ~0.2 s). A rank that sets ``TORCHINDUCTOR_VEC_ISA_OK`` or other import-time variables is
+spawned fresh (dist_util.IMPORT_TIME) and decides for itself; ``config.cpp.vec_isa_ok`` patched in a rank is still
+honoured (the ISA's answer is cached per value).
+
+A module that fails to import, or a cache that fails to fill, is left out here: a rank that needs it does it itself,
+and fails as a spawned rank would.
 """
 
 import importlib
@@ -16,3 +24,17 @@ for _name in MODULES:
         importlib.import_module(_name)
     except Exception:  # noqa: BLE001, S110 - see the module docstring
         pass
+
+
+def _inductor_caches() -> None:
+    from torch._inductor import codecache, cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list()
+    if hasattr(codecache, "torch_key"):
+        codecache.torch_key()
+
+
+try:
+    _inductor_caches()
+except Exception:  # noqa: BLE001, S110 - see the module docstring
+    pass
