@@ -357,6 +357,22 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def _is_collective(n: fx.Node) -> bool:
+    """A launch of cp_ops (:data:`_LAUNCHES`) or a c10d functional collective (not its wait)."""
+    return n.op == "call_function" and (
+        n.target in _LAUNCHES or (getattr(n.target, "namespace", "") == "_c10d_functional" and n.target is not _WAIT))
+
+
+def _collectives_before(graph: fx.Graph, launch: fx.Node) -> list[fx.Node]:
+    out = []
+    for n in graph.nodes:
+        if n is launch:
+            return out
+        if _is_collective(n):
+            out.append(n)
+    return out
+
+
 def _open_window(
     graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node], after: Iterable[fx.Node] = ()
 ) -> list[fx.Node]:
@@ -369,7 +385,12 @@ def _open_window(
     inputs, and down (past ``after``) only past nodes that do not use it, except its own getitems and waits,
     which move down with it (the caller checked that, :func:`_can_follow`).
     """
-    after = list(after)
+    # every collective before the launch stays before it (the launch moves up past none, and none moves down past
+    # it): the ranks must issue their collectives in one order, and their graphs may differ where the order is
+    # free (uneven shards: only the ranks that pad have the padding's nodes), so an order chosen from the graph's
+    # dependencies differed between ranks (pipelined Ulysses, uneven, key mask: rank 0 sent sub-group 1's K/V while
+    # rank 1 sent sub-group 0's Q: gloo "Received data size doesn't match expected size", 2026-12-02)
+    after = list(after) + _collectives_before(graph, launch)
     launch_anc = _ancestors([launch, *after]) | set(after)
     q_side = {
         n for n in _ancestors([attn]) if n.op == "call_function" and n not in launch_anc and not _is_call(n, {_WAIT})
