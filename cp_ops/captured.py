@@ -161,7 +161,8 @@ def _key(leaves: list, spec) -> tuple:
                 raise ValueError(f"captured forward: argument leaf {i} (in call order) is a {type(x).__name__}, "
                                  "which is not hashable; a captured call's non-tensor arguments are part of its "
                                  "key (pass tensors, numbers, strings, None, or containers of them)") from None
-            parts.append(("V", type(x), x))
+            # a NaN equals nothing, not even itself: its key part a name, else every call would capture anew
+            parts.append(("V", type(x), "nan" if isinstance(x, float) and x != x else x))
     return (_hashable(spec), tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
 

@@ -424,3 +424,13 @@ def test_an_argument_written_in_place_is_written_back(recorder):
     out = m(x, y)
     ref = _eager(m, xe, ye)
     assert torch.equal(x, xe) and torch.equal(y, ye) and torch.equal(out, ref)
+
+
+def test_a_nan_argument_replays(recorder):
+    """A float NaN argument (unequal to itself): before (2026-12-02) its key never matched, so every call captured
+    anew (and evicted a key past max_keys). Now one capture, then replays."""
+    m = capture_forward(Net(), max_keys=2)
+    x = _r(3, 4)
+    for _ in range(3):
+        m(x, scale=float("nan"))
+    assert captured.captured(m).captures == 1 and recorder.events.count("replay") == 3
