@@ -21,7 +21,13 @@ Rules (what a caller must know):
 * **Outputs.** Returned cloned (``clone_outputs=True``, the default), detached (no autograd history: forward only).
   A replay rewrites the graph's own output tensors, so without the clone a CFG loop's second call of the same shape
   overwrites the first's output. ``clone_outputs=False`` returns the graph's output tensors themselves (one copy
-  less): valid only until the next call with the same key; copy what you keep.
+  less): valid only until the next call with the same key; copy what you keep. The outputs must be tensors,
+  immutable values (None, numbers, str, dtype) and pytree containers of them (tuple, list, dict, namedtuple,
+  diffusers' ``BaseOutput``): any other object (a plain dataclass) is refused at capture (CaptureError naming its
+  class; register it with ``torch.utils._pytree.register_dataclass``), since a replay would return that same object.
+* **Arguments written in place.** A replay writes the static copies; the argument leaves a warm-up call wrote in
+  place (their version counter moved) are copied back into the caller's tensors after each replay, as eager writes
+  them (no copy for a forward that writes none).
 * **Memory.** One CUDA-graph memory pool per captured module, shared by all its keys (``torch.cuda.graph_pool_handle``;
   the graphs replay one at a time on the caller's stream, so their intermediates may share memory), plus each
   key's static inputs and outputs. At most ``max_keys`` keys (default 8): a new key past it evicts the least
@@ -50,6 +56,7 @@ inputs.
 from __future__ import annotations
 
 import collections
+import enum
 import os
 import traceback
 from typing import Any, Callable
@@ -106,11 +113,32 @@ class CaptureError(RuntimeError):
 class _Entry:
     """One key's graph: its static inputs (the call's leaves, tensors copied), its replay, its outputs' leaves and
     their structure (flattened once: a call only clones the leaves)."""
-    __slots__ = ("statics", "replay", "out_leaves", "out_spec")
+    __slots__ = ("statics", "replay", "out_leaves", "out_spec", "mutated")
 
-    def __init__(self, statics, replay, out):
+    def __init__(self, statics, replay, out, mutated=()):
         self.statics, self.replay = statics, replay
         self.out_leaves, self.out_spec = pytree.tree_flatten(out)
+        self.mutated = tuple(mutated)  # argument leaves the forward writes in place: copied back after each replay
+
+
+#: non-tensor output leaves a replay may return as they are (immutable values: the same object each call is fine)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, torch.Size)
+
+
+def check_outputs(out) -> None:
+    """Raise ValueError when a forward's output holds a leaf a replay cannot return afresh: anything but tensors,
+    immutable values (None, numbers, str, dtype, ...) and pytree containers (tuple, list, dict, namedtuple, diffusers'
+    BaseOutput). A plain dataclass or other object is one pytree leaf: every replay would return that same object,
+    its tensors the graph's own (not cloned: the next call of the key overwrites them)."""
+    for i, x in enumerate(pytree.tree_leaves(out)):
+        if not isinstance(x, (torch.Tensor, *_PLAIN)) and not isinstance(x, enum.Enum):
+            raise ValueError(
+                f"output leaf {i} is a {type(x).__module__}.{type(x).__qualname__}, not a tensor, an immutable value "
+                "or a pytree container: a replay would return that same object each call, its tensors overwritten "
+                "by the next call (rule: a captured forward returns tensors, None/numbers/str, or tuples, lists, "
+                "dicts, namedtuples, diffusers outputs of them). Register its class as a pytree node "
+                "(torch.utils._pytree.register_dataclass for a dataclass) or return a tuple/dict")
 
 
 def _hashable(x):
@@ -133,7 +161,8 @@ def _key(leaves: list, spec) -> tuple:
                 raise ValueError(f"captured forward: argument leaf {i} (in call order) is a {type(x).__name__}, "
                                  "which is not hashable; a captured call's non-tensor arguments are part of its "
                                  "key (pass tensors, numbers, strings, None, or containers of them)") from None
-            parts.append(("V", type(x), x))
+            # a NaN equals nothing, not even itself: its key part a name, else every call would capture anew
+            parts.append(("V", type(x), "nan" if isinstance(x, float) and x != x else x))
     return (_hashable(spec), tuple(parts), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
 
@@ -183,6 +212,8 @@ def failure_message(what: str, bad: list[tuple[int | None, str]]) -> str:
     """The error of a failed capture: ``bad`` = ``[(rank or None, reason)]`` of the failing ranks, first first."""
     rank, why = bad[0]
     who = "" if rank is None else f" on rank(s) {[r for r, _ in bad]}; rank {rank}'s reason"
+    if why.startswith("outputs"):
+        return f"{what}: the forward's outputs cannot be returned by a replay{who}: {why}"
     if why.startswith("warm-up"):
         return (f"{what}: the eager warm-up calls before the whole-forward CUDA-graph capture failed{who}: {why}. "
                 "The forward itself fails on these inputs (uncaptured, it would too)")
@@ -244,6 +275,10 @@ class CapturedForward:
             self._entries.move_to_end(key)
             _copy_in(entry.statics, leaves)
         entry.replay()
+        if entry.mutated:  # the forward writes these arguments in place: the caller's tensors get what eager gives
+            with torch.no_grad():
+                for i in entry.mutated:
+                    leaves[i].copy_(entry.statics[i])
         return _outputs(entry.out_leaves, entry.out_spec, self.clone_outputs)
 
     def _capture(self, key, leaves: list, spec) -> _Entry:
@@ -257,18 +292,28 @@ class CapturedForward:
         def fn():
             return self._call(*sargs, **skwargs)
 
+        mutated: set = set()  # static inputs a warm-up call wrote in place (their version counter moved)
+
+        def probed():
+            before = [x._version if isinstance(x, torch.Tensor) else None for x in statics]
+            out = fn()
+            mutated.update(i for i, (x, v) in enumerate(zip(statics, before)) if v is not None and x._version != v)
+            return out
+
         if self._pool is None:
             self._pool = BACKEND.pool(self.device)
         replay = out = None
         reason = ""
         try:
             stage = "warm-up"
-            BACKEND.warmup(fn, self.warmup, self.device)
+            BACKEND.warmup(probed, self.warmup, self.device)
             # copied again (version counters move on): a memo keyed on an input's version (the every-key mask of
             # cp_ops.integrations.diffusers.hooks.CPState) rebuilds inside the capture, so the graph rebuilds it
             _copy_in(statics, leaves)
             stage = "capture"
             replay, out = BACKEND.capture(fn, self._pool, self.device)
+            stage = "outputs"
+            check_outputs(out)
         except Exception as e:  # noqa: BLE001 - agreed over the group below, then raised on every rank
             if self.group is None:
                 raise CaptureError(failure_message(self.what, [(None, _reason(stage, e))])) from e
@@ -277,7 +322,7 @@ class CapturedForward:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             _agree(self.group, reason, self.what)
-        entry = _Entry(statics, replay, out)
+        entry = _Entry(statics, replay, out, sorted(mutated))
         self._entries[key] = entry
         self.captures += 1
         return entry
@@ -339,8 +384,9 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
     Raises:
         ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
             argument leaf that is not hashable.
-        CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed (with ``group``:
-            on any rank, raised on every rank naming the first failing rank and its reason).
+        CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed, or the outputs hold
+            an object a replay cannot return afresh (see the module docstring) (with ``group``: on any rank, raised
+            on every rank naming the first failing rank and its reason).
     """
     if not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"capture_forward: warmup must be an int >= 1 (torch's rule: warm up before capture); "

@@ -20,7 +20,10 @@ find, check, rewrite):
    Q stack and launch.
 2. ``_open_window``: the Q side of a window is every node the attention depends on and the launch does
    not. Q-side nodes before the launch (and anything that uses them) move to after it, keeping their order;
-   then the launch rises to right after its last input (K after its norm and RoPE, V after its projection).
+   then the launch rises to right after its last input (K after its norm and RoPE, V after its projection),
+   never past another collective (nor does a Q-side collective move down past it): the ranks must issue their
+   collectives in one order, and their graphs may differ where the order is free (uneven shards: only the padding
+   ranks pad).
 3. ``_sink_wait``: each wait moves to right before its first user.
 4. The window's nodes are tagged (``node.meta``); :func:`cp_ops.passes.pin.pin_windows`, a scheduler pass, then
    adds ordering dependencies launch → Q-side kernels → wait, so that Inductor's own reordering (fusion, e.g. Q
@@ -357,6 +360,22 @@ def _order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def _is_collective(n: fx.Node) -> bool:
+    """A launch of cp_ops (:data:`_LAUNCHES`) or a c10d functional collective (not its wait)."""
+    return n.op == "call_function" and (
+        n.target in _LAUNCHES or (getattr(n.target, "namespace", "") == "_c10d_functional" and n.target is not _WAIT))
+
+
+def _collectives_before(graph: fx.Graph, launch: fx.Node) -> list[fx.Node]:
+    out = []
+    for n in graph.nodes:
+        if n is launch:
+            return out
+        if _is_collective(n):
+            out.append(n)
+    return out
+
+
 def _open_window(
     graph: fx.Graph, launch: fx.Node, attn: fx.Node, waits: list[fx.Node], after: Iterable[fx.Node] = ()
 ) -> list[fx.Node]:
@@ -369,7 +388,13 @@ def _open_window(
     inputs, and down (past ``after``) only past nodes that do not use it, except its own getitems and waits,
     which move down with it (the caller checked that, :func:`_can_follow`).
     """
-    after = list(after)
+    # every collective before the launch stays before it (the launch rises past none, and none moves down past it;
+    # a launch moved down past `after`, the in-flight bound, still may pass one): the ranks must issue their
+    # collectives in one order, and their graphs may differ where the order is free (uneven shards: only the ranks
+    # that pad have the padding's nodes), so an order chosen from the graph's
+    # dependencies differed between ranks (pipelined Ulysses, uneven, key mask: rank 0 sent sub-group 1's K/V while
+    # rank 1 sent sub-group 0's Q: gloo "Received data size doesn't match expected size", 2026-12-02)
+    after = list(after) + _collectives_before(graph, launch)
     launch_anc = _ancestors([launch, *after]) | set(after)
     q_side = {
         n for n in _ancestors([attn]) if n.op == "call_function" and n not in launch_anc and not _is_call(n, {_WAIT})

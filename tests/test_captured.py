@@ -371,3 +371,66 @@ def _one_gpu_captured(rank, world_size):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_one_gpu_captured_forward_equals_eager():
     run_ranks(_one_gpu_captured, 1, timeout=600, device="cuda")
+
+
+def test_an_output_a_replay_cannot_return_afresh_is_refused(recorder):
+    """A plain dataclass (not a pytree node) is one output leaf: before (2026-12-02) every replay returned that same
+    object, its tensor the graph's own (not cloned or detached: a CFG loop's second call overwrote the first's
+    output). Now the capture refuses it, naming the class and what to do; registered as a pytree node, it works."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        sample: torch.Tensor
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(_r(4, 4, seed=1))
+
+        def forward(self, x):
+            return Out(x @ self.w), None, 2, "s"
+
+    m = capture_forward(M())
+    with pytest.raises(CaptureError, match=r"outputs cannot be returned by a replay: outputs: ValueError: output "
+                                           r"leaf 0 is a .*Out, not a tensor.*register_dataclass"):
+        m(_r(3, 4))
+    pytree.register_dataclass(Out)  # (a class of this test's own: registered for good, harmless)
+    x1, x2 = _r(3, 4, seed=2), _r(3, 4, seed=3)
+    a, b = m(x1), m(x2)
+    assert a[0] is not b[0] and a[1:] == (None, 2, "s")
+    assert torch.equal(a[0].sample, _eager(m, x1)[0].sample) and torch.equal(b[0].sample, _eager(m, x2)[0].sample)
+
+
+def test_an_argument_written_in_place_is_written_back(recorder):
+    """A forward that writes an argument in place: a replay writes the static copy only; before (2026-12-02) the
+    caller's tensor kept its old values (eager changes it). Now the leaves a warm-up call wrote are copied back after
+    each replay (the others are not: no copy for a forward that writes none)."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(_r(4, 4, seed=1))
+
+        def forward(self, x, y):
+            x[:, :2].mul_(2)  # through a view: the base's version counter moves too
+            return x @ self.w + y
+
+    m = capture_forward(M())
+    m(_r(3, 4), _r(3, 4, seed=4))  # capture (the recorder runs the capture call: the first call is not checked)
+    assert captured.captured(m).keys() and captured.captured(m)._entries[captured.captured(m).keys()[0]].mutated == (0,)
+    x, y = _r(3, 4, seed=2), _r(3, 4, seed=5)
+    xe, ye = x.clone(), y.clone()
+    out = m(x, y)
+    ref = _eager(m, xe, ye)
+    assert torch.equal(x, xe) and torch.equal(y, ye) and torch.equal(out, ref)
+
+
+def test_a_nan_argument_replays(recorder):
+    """A float NaN argument (unequal to itself): before (2026-12-02) its key never matched, so every call captured
+    anew (and evicted a key past max_keys). Now one capture, then replays."""
+    m = capture_forward(Net(), max_keys=2)
+    x = _r(3, 4)
+    for _ in range(3):
+        m(x, scale=float("nan"))
+    assert captured.captured(m).captures == 1 and recorder.events.count("replay") == 3

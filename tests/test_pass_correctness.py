@@ -125,24 +125,27 @@ def test_compiled_with_pass_equals_without_and_eager_2_ranks():
 
 
 def _dynamic_pipelined(rank: int, w: int) -> None:
-    """cp_ops.compile(fullgraph=True, dynamic=True) of pipelined Ulysses (chunks 2 over head groups of 3: sub-groups
-    of 1 and 2 heads; B = 2, D = 10, bf16) = eager, bitwise. The traced send
+    """cp_ops.compile(fullgraph=True, dynamic=True) of pipelined Ulysses (chunks 3 over head groups of 4: sub-groups
+    of 1, 1 and 2 heads; B = 2, D = 10, bf16) = eager, bitwise. The traced send
     buffer's sizes are symbolic there (its dim 3 an expression such as 3*hs, not the count 3), which the pass's
-    pool-key grouping put in a dict key (TypeError: unhashable type: non-nested SymInt, 2026-12-02)."""
+    pool-key grouping put in a dict key (TypeError: unhashable type: non-nested SymInt, 2026-12-02). With the head
+    count symbolic too, the sub-groups' cuts ``i*hl//min(chunks, hl)`` made sizes Inductor could not lower (chunks 3
+    or 4 over 4 heads: LoweringException "Exponent must be non-negative" at cp_ops.ulysses_packed_start, 2026-12-02;
+    chunks 2 over 3 passed): the body now specializes the heads per rank (a model constant)."""
     import cp_ops
     from cp_ops import layout
 
     # (not STRICT: under dynamic shapes the pass groups the sub-groups' launches by rank and slot count, finds no
     # window for one of them within 2 in flight and leaves it in place, logged; the crash was outside that rollback)
     g = torch.Generator().manual_seed(3)
-    b, h, d = 2, 3 * w, 10
+    b, h, d = 2, 4 * w, 10
     # (one case: a dynamic compile takes ~50 s on CI's CPUs; uneven + mask + FP8 of two formats checked by hand)
     for seq, masked, c in ((None, False, None),):
         total = sum(seq) if seq else 4 * w
         q, k, v = (torch.randn(b, total, h, d, generator=g).bfloat16() for _ in range(3))
         mask = torch.rand(b, total, generator=g) > 0.3
         sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
-        kw = dict(mode="ulysses", chunks=2, comm_dtype=c, seq_lens=seq, key_mask=sh(mask) if masked else None)
+        kw = dict(mode="ulysses", chunks=3, comm_dtype=c, seq_lens=seq, key_mask=sh(mask) if masked else None)
 
         def f(a, b_, c_):
             return cp_ops.attention(a, b_, c_, **kw) * 1

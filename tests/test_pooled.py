@@ -95,3 +95,31 @@ def _compiled_pipelined(rank, w):
 
 def test_compiled_pipelined_ulysses_keeps_pool_slots():
     run_ranks(_compiled_pipelined, 2)
+
+
+def _compiled_pipelined_uneven_masked(rank, w):
+    """cp_ops.compile of pipelined Ulysses on uneven shards with a key mask of this rank's keys (3 sub-groups of 2
+    heads; rank 0 holds 5 tokens, rank 1 3: only rank 1 pads, so the two ranks' graphs differ) = eager, bitwise.
+    Failed before (2026-12-02): the overlap pass moved launches by each graph's dependencies, so rank 1 sent sub-group
+    1's K/V before sub-group 0's Q while rank 0 kept the traced order (gloo aborted rank 0: "Received data size
+    doesn't match expected size"). Now a launch is never moved past another collective."""
+    from pooled_transport import install_slotted
+
+    install_slotted()
+    from cp_ops import layout
+
+    seq = (5, 3)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, sum(seq), 6 * w, 8, generator=g) for _ in range(3))
+    mask = torch.rand(1, sum(seq), generator=g) > 0.3
+    mask[:, 0] = True
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    kw = dict(mode="ulysses", chunks=3, seq_lens=seq, key_mask=sh(mask))
+    with torch.no_grad():
+        ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
+        f = cp_ops.compile(lambda a, b, c: cp_ops.attention(a, b, c, transport="slotted_test", **kw), fullgraph=True)
+        assert torch.equal(f(sh(q), sh(k), sh(v)), ref)
+
+
+def test_compiled_pipelined_ulysses_uneven_masked_keeps_collective_order():
+    run_ranks(_compiled_pipelined_uneven_masked, 2)

@@ -22,6 +22,8 @@ re-padded: nothing to gather).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .. import layout
@@ -32,7 +34,10 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     """The Ulysses body (:mod:`cp_ops.modes`): ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype)."""
     w = comm.world
     b, s, h, d = q.shape
-    hl = h // w
+    # heads per rank as an int: under dynamic=True a symbolic head count made the sub-groups' cuts ``i*hl//min(g, hl)``
+    # expressions Inductor could not lower (chunks 4 of 4 heads: "Exponent must be non-negative", 2026-12-02); a
+    # model's head count is a constant, so specializing it (a guard) recompiles nothing in practice
+    hl = operator.index(h // w)
     g = max(1, min(chunks, hl))
     select = shards is not None and key_mask is None  # uneven without a mask: the real rows are selected
     if shards is not None:  # (with a mask the padding rows are attended, masked: zeros)
