@@ -65,6 +65,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from .timing import warm_on_side_stream
+
 #: instance attribute holding a captured module's :class:`CapturedForward`
 ATTR = "_cp_ops_captured"
 #: default cap on live keys per captured module (least recently used evicted past it)
@@ -87,12 +89,7 @@ class CudaGraphs:
 
     def warmup(self, fn: Callable[[], Any], n: int, device: torch.device) -> None:
         """``n`` calls on a side stream, as torch's rule for capture asks."""
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(n):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm_on_side_stream(fn, n, device)
 
     def capture(self, fn: Callable[[], Any], pool, device: torch.device) -> tuple[Callable[[], None], Any]:
         """Record one call of ``fn``; returns ``(replay, outputs)`` (the outputs are rewritten by each replay)."""

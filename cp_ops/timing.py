@@ -145,6 +145,17 @@ def max_over_ranks_each(values: list[float], device: torch.device, group: dist.P
     return t.tolist()
 
 
+def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) -> None:
+    """``n`` calls of ``fn()`` on a side stream that waits for the current one, which then waits for it: the warm-up
+    torch's rule for ``torch.cuda.graph`` asks before a capture (lazy initializations happen outside it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(n):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
 class Graphed:
     """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph; ``graphed()`` replays them and returns
     the last call's output (static: the captured tensors, rewritten by each replay).
@@ -164,12 +175,7 @@ class Graphed:
 
     def __init__(self, fn: Callable[[], object], device: torch.device, calls: int = 1, warmup: int = 2,
                  group: dist.ProcessGroup | None = None):
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
+        warm_on_side_stream(fn, warmup, device)
         self.graph, self.out, reason = torch.cuda.CUDAGraph(), None, ""
         try:
             with torch.cuda.graph(self.graph):
