@@ -1,5 +1,6 @@
 """Every zero-communication bound row measured so far, the newest per cell, in one ``bound.json`` and ``table.md``
-(issue 21's keys; one entry per model x resolution x compile mode x W, cp_ops' rows). Reads the per-run files of every
+(issue 21's keys; one entry per model x resolution x compile mode x W x implementation: cp_ops', and diffusers' own
+CP where ``--compare diffusers`` ran). Reads the per-run files of every
 ``benchmarks/results/*_h200_*`` folder (``runs/*.json``, ``call*/*.json``, ``bound_*.json``; a folder's own combined
 ``bound.json`` carries older folders' rows and is skipped). Run from this folder: ``python3 make_bound_json.py``."""
 
@@ -14,6 +15,8 @@ KEYS = ("model", "config", "layers", "tokens", "compile", "cuda_graphs", "world_
 UNWRITTEN = ("2026-12-01_h200_torch2.11_cu130", "2026-12-01b_h200_torch2.11_cu130")
 STALE = ("fake all-to-all unwritten in this run (before 2026-12-01c): Ulysses' kernels read stale memory and ran "
          "faster than on real data; re-measure")
+INVALID = ("invalid: this side's outputs were not finite (diffusers' functional all-to-all left unwritten by the fake "
+           "backend on that call: its kernels ran on stale memory); not comparable")
 HOST_BOUND = ("no host column in this run; later runs of the same mode (2026-12-02) show both sides host-bound "
               "without CUDA graphs: the time is the host's")
 NAMES = {("flux", "dev"): "FLUX.1-dev 1024²", ("qwenimage", "20b"): "Qwen-Image 1328²",
@@ -49,9 +52,10 @@ for folder, path, d in runs():
             failed[(r.get("model"), r.get("config"), mode_of(r))] = dict(
                 model=r.get("model"), config=r.get("config"), compile=mode_of(r), source=path, reason=r["skipped"])
             continue
-        if "rank0_ms" not in r or r.get("impl", "cp_ops") != "cp_ops" or r.get("steps"):
+        if "rank0_ms" not in r or r.get("steps"):
             continue
         row = {k: r.get(k) for k in KEYS}
+        row["impl"] = r.get("impl", "cp_ops")
         row.update({k: r[k] for k in ("mode", "one_gpu_from", "rank0_raw_ms", "fill_ms", "plain_ms", "cp_ops_cost_pct",
                                       "host_ms", "host_bound", "plain_host_ms", "plain_host_bound") if k in r})
         row["source"] = path
@@ -59,19 +63,22 @@ for folder, path, d in runs():
             raw = r.get("rank0_raw_ms") or r["rank0_ms"]
             row["cp_ops_cost_writes_out_ms"] = r["rank0_ms"] - r["plain_ms"]
             row["cp_ops_cost_writes_out_pct"] = 100.0 * row["cp_ops_cost_writes_out_ms"] / raw
-        if folder in UNWRITTEN and r.get("mode") == "ulysses":
+        if row["impl"] != "cp_ops" and r.get("outputs_finite") is False:
+            row["note"] = INVALID
+        elif folder in UNWRITTEN and r.get("mode") == "ulysses":
             row["note"] = STALE
         elif r["compile"] == "regional" and not r["cuda_graphs"] and "host_ms" not in r:
             row["note"] = HOST_BOUND
-        cells[(r["model"], r["config"], r["tokens"], mode_of(r), r["world_size"])] = row  # newest folder wins
+        cells[(r["model"], r["config"], r["tokens"], mode_of(r), r["world_size"], row["impl"])] = row  # newest wins
 for (m, c, mode) in list(failed):
-    if any(k[0] == m and k[1] == c and k[3] == mode for k in cells):
+    if any(k[0] == m and k[1] == c and k[3] == mode and k[5] == "cp_ops" for k in cells):
         del failed[(m, c, mode)]  # measured since
 
 order = list(NAMES)
 modes = ["eager", "eager+graphs", "regional", "regional+graphs", "full", "full+graphs"]
 rows = sorted(cells.values(), key=lambda r: (order.index((r["model"], r["config"])), r["tokens"],
-                                             modes.index(mode_of(r)), r["world_size"]))
+                                             modes.index(mode_of(r)), r["world_size"], r["impl"] != "cp_ops",
+                                             r["impl"]))
 NOT_MEASURED = [
     dict(models="flux, qwenimage, wan 1.3b, wan 14b, hunyuanvideo", compile="full, full+graphs",
          reason="a whole-model compile takes 53-99 s per side on the H200 (2026-12-02b: LTX-Video 70 s diffusers, "
@@ -87,20 +94,21 @@ out = dict(what=__doc__.split("\n\n")[0], keys=list(KEYS), rows=rows, failed=lis
            not_measured=NOT_MEASURED)
 (HERE / "bound.json").write_text(json.dumps(out, indent=1) + "\n")
 
-lines = ["| model | tokens | compile | W | mode | 1 GPU ms (from) | rank 0 ms | bound | cp_ops cost ms (%) | "
-         "writes out | host-bound | source | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+lines = ["| model | tokens | compile | W | impl | mode | 1 GPU ms (from) | rank 0 ms | bound | cp_ops cost ms (%) | "
+         "writes out | host-bound | source | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     cost = "" if r["cp_ops_cost_ms"] is None else f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f} %)"
     wo = "" if r["cp_ops_cost_ms"] is None else f"{r['cp_ops_cost_writes_out_pct']:.1f} %"
     hb = "" if "host_bound" not in r else ("both" if r["host_bound"] and r.get("plain_host_bound") else
                                            "cp_ops" if r["host_bound"] else "plain" if r.get("plain_host_bound") else "no")
-    note = "stale all-to-all" if r.get("note") == STALE else "host (no column)" if r.get("note") == HOST_BOUND else ""
+    note = {STALE: "stale all-to-all", HOST_BOUND: "host (no column)", INVALID: "invalid (outputs not finite)"}.get(
+        r.get("note"), "")
     lines.append(f"| {NAMES[(r['model'], r['config'])]}{RES.get((r['model'], r['tokens']), '') if r['config'] != '1.3b' else ''} | {r['tokens']} | {mode_of(r)} | {r['world_size']} | "
-                 f"{r.get('mode', '')} | {r['one_gpu_ms']:.1f} ({r.get('one_gpu_from', 'diffusers')}) | "
+                 f"{r['impl']} | {r.get('mode', '')} | {r['one_gpu_ms']:.1f} ({r.get('one_gpu_from', 'diffusers')}) | "
                  f"{r['rank0_ms']:.1f} | {r['bound_speedup']:.2f}x | {cost} | {wo} | {hb} | {r['source'].split('_torch')[0]} | "
                  f"{note} |")
 for f in failed.values():
-    lines.append(f"| {NAMES[(f['model'], f['config'])]} | | {f['compile']} | | | failed: {f['reason'][:120]} | | | | | | "
+    lines.append(f"| {NAMES[(f['model'], f['config'])]} | | {f['compile']} | | | | failed: {f['reason'][:120]} | | | | | | "
                  f"{f['source'].split('_torch')[0]} | |")
 LEGEND = ("\ncp_ops cost = rank 0's measured forward (the fake collectives' writes inside) minus the plain side's (its "
           "own stand-in copies inside), % of the measured forward; writes out = the same with the writes taken out of "
