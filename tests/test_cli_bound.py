@@ -5,6 +5,7 @@ and positive, the plain-attention stand-in computes what it claims, the weights 
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -342,3 +343,14 @@ def test_results_table_host_column():
     assert "host ms" not in old and old.splitlines()[2].count("|") == 9
     new = table([dict(row, host_ms=80.4, host_bound=True, plain_host_ms=30.2, plain_host_bound=False)])
     assert "host ms rank 0 / plain" in new and new.splitlines()[2].rstrip().endswith("| 80.4* / 30.2 |"), new
+
+
+@pytest.mark.parametrize("flag, text", [("--bound-compile", ","), ("--bound-compile", ""), ("--bound", " , ")])
+def test_an_empty_list_is_refused(flag, text):
+    """A comma-separated option given no item is an argument error, not the default (it ran the defaults before)."""
+    from cp_ops.cli._args import csv
+
+    parse = csv(str, "compile modes") if flag == "--bound-compile" else csv(int, "CP world sizes")
+    with pytest.raises(argparse.ArgumentTypeError, match="at least one; got " + re.escape(repr(text))):
+        parse(text)
+    assert parse("eager,regional") == ["eager", "regional"] if flag == "--bound-compile" else parse("2,4,") == [2, 4]

@@ -14,9 +14,13 @@ import time
 def csv(kind, what: str | None = None):
     def parse(text):
         try:
-            return [kind(x) for x in text.split(",") if x]
+            items = [kind(x) for x in text.split(",") if x.strip()]
         except ValueError as e:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}: {e}") from e
+        if not items:  # '' or ',': an empty list would silently mean the default
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}, at least "
+                                             f"one; got {text!r}")
+        return items
 
     return parse
 
