@@ -57,8 +57,7 @@ import torch
 from . import layout
 from .comm_dtype import NONE
 from .kernels import fp8, fp8_ulysses
-from .transport import fake_fill
-from .transport.base import Arrival, agkv_start_sources, ulysses_packed_start
+from .transport.base import Arrival, agkv_start_sources, mask_all_gather, ulysses_packed_start
 
 
 class Pending:
@@ -404,12 +403,7 @@ class DirectComm(_Comm):
         return self._launched((kf, vf, mf), _Both(work, mwork), post)
 
     def _mask(self, m):
-        out = m.new_empty(self.world * m.shape[0], m.shape[1])
-        m = m.contiguous()
-        work = fake_fill.gather("_allgather_base", self.pg, [out], [m]) if fake_fill.ACTIVE else None
-        if work is None:
-            work = self.pg._allgather_base(out, m)
-        return out, work
+        return mask_all_gather(m, self.pg)
 
     def mask(self, m) -> Pending:
         return self._launched(*self._mask(m))

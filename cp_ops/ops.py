@@ -59,7 +59,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes), imported lazily on the first trace
-from .transport import base as transport_base, fake_fill
+from .transport import base as transport_base
 from . import contract, validate
 from .comm import DirectComm
 from .kernels import fp8, fp8_ulysses
@@ -222,11 +222,10 @@ def _(x, world_size, group_name, transport, call="", tag=0, seq_lens=None, after
 @torch.library.custom_op("cp_ops::mask_gather_start", mutates_args=())
 def mask_gather_start(mask: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    out = mask.new_empty(world_size * mask.shape[0], mask.shape[1])
-    if out.numel():
-        m = mask.contiguous()
-        work = fake_fill.gather("_allgather_base", pg, [out], [m]) if fake_fill.ACTIVE else None
-        _register(pg._allgather_base(out, m) if work is None else work, out)
+    if mask.numel() == 0:
+        return mask.new_empty(world_size * mask.shape[0], mask.shape[1])
+    out, work = transport_base.mask_all_gather(mask, pg)
+    _register(work, out)
     return out
 
 

@@ -29,6 +29,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from . import fake_fill
+
 from .. import contract
 
 log = logging.getLogger("cp_ops")
@@ -140,6 +142,15 @@ def ulysses_packed_start(t: "Transport", send: torch.Tensor, group: dist.Process
     w, b, s, n, hs, d = send.shape
     buf, work = t.ulysses_inverse_start(send.contiguous().view(1, w * b * s * n, hs, d), group)
     return buf.view(w, b, s, n, hs, d), work
+
+
+def mask_all_gather(mask: torch.Tensor, group: dist.ProcessGroup):
+    """A key mask beside its keys: uint8 ``[B, S]`` → ``([W*B, S] rank-major, work)``, one ``_allgather_base`` on
+    ``group`` (on a fake group while :mod:`fake_fill` is on, written by it instead: :func:`fake_fill.gather`)."""
+    out = mask.new_empty(group.size() * mask.shape[0], mask.shape[1])
+    m = mask.contiguous()
+    work = fake_fill.gather("_allgather_base", group, [out], [m]) if fake_fill.ACTIVE else None
+    return out, (group._allgather_base(out, m) if work is None else work)
 
 
 def source_arrivals(work, world: int, rank: int, s_local: int) -> list[Arrival]:
