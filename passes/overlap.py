@@ -464,17 +464,21 @@ def _group_key(launch: fx.Node) -> tuple:
     return launch.target, tuple((v.dtype, v.dim()) for v in vals), slots
 
 
-#: position of the Ulysses launches' ``after`` argument (an ordering input, never read: :mod:`cp_ops.ops`)
-_AFTER_AT = {"ulysses_packed_start": 8, "ulysses_inverse_start": 7}
+def _arg(node: fx.Node, name: str, default=None):
+    """The argument ``name`` of an op call node (by keyword, or at its position in the op's schema), else
+    ``default`` (not given, or the op has no such argument)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return node.args[i] if i < len(node.args) else default
+    return default
 
 
 def _ordering_input(launch: fx.Node):
-    """The node passed as the launch's ``after`` (pipelined Ulysses orders a launch after what read the output its
-    pool slot held), or None: not data, so not part of the launch's pool key."""
-    at = _AFTER_AT.get(getattr(launch.target, "_opname", ""))
-    if at is None:
-        return None
-    a = launch.kwargs.get("after", launch.args[at] if len(launch.args) > at else None)
+    """The node passed as the launch's ``after`` (the Ulysses launches' ordering input, never read: pipelined Ulysses
+    orders a launch after what read the output its pool slot held), or None: not data, so not in its pool key."""
+    a = _arg(launch, "after")
     return a if isinstance(a, fx.Node) else None
 
 
@@ -487,7 +491,7 @@ def _slot_count(launch: fx.Node):
     n = launch.args[0].meta["val"].shape[3]
     if isinstance(n, int):
         return n
-    count = launch.kwargs.get("count", launch.args[7] if len(launch.args) > 7 else 0)
+    count = _arg(launch, "count", 0)
     return count if isinstance(count, int) and count > 0 else str(n)
 
 
