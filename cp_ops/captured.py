@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from .timing import warm_on_side_stream
+from .timing import failed_ranks, warm_on_side_stream
 
 #: instance attribute holding a captured module's :class:`CapturedForward`
 ATTR = "_cp_ops_captured"
@@ -224,12 +224,7 @@ def failure_message(what: str, bad: list[tuple[int | None, str]]) -> str:
 def _agree(group, reason: str, what: str) -> None:
     """Every rank of ``group`` learns every rank's ``reason`` ('' = success); raise CaptureError on every rank when
     any failed. One process standing for a group (the fake backend) or a group of one agrees alone."""
-    if group is not None and group.size() > 1 and str(dist.get_backend(group)) != "fake":
-        reasons: list = [None] * group.size()
-        dist.all_gather_object(reasons, reason, group=group)
-        bad = [(r, x) for r, x in enumerate(reasons) if x]
-    else:
-        bad = [(None if group is None else group.rank(), reason)] if reason else []
+    bad = failed_ranks(group, reason)
     if bad:
         raise CaptureError(failure_message(what, bad))
 

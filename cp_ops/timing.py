@@ -156,6 +156,18 @@ def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) 
     torch.cuda.current_stream(device).wait_stream(side)
 
 
+def failed_ranks(group: dist.ProcessGroup | None, reason: str) -> list[tuple[int | None, str]]:
+    """Every rank's outcome of a step that must succeed on all ranks or on none (a CUDA-graph capture: a replay runs
+    collectives), ``reason`` = this rank's (``''``: succeeded): ``[(rank, reason)]`` of the ranks that failed, in rank
+    order, gathered over ``group`` (``all_gather_object``: every rank calls). A group of one rank, a fake group (one
+    process stands for all) or None: this process's own outcome alone (rank None for None)."""
+    if group is not None and group.size() > 1 and str(dist.get_backend(group)) != "fake":
+        reasons: list = [None] * group.size()
+        dist.all_gather_object(reasons, reason, group=group)
+        return [(r, x) for r, x in enumerate(reasons) if x]
+    return [(None if group is None else group.rank(), reason)] if reason else []
+
+
 class Graphed:
     """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph; ``graphed()`` replays them and returns
     the last call's output (static: the captured tensors, rewritten by each replay).
@@ -187,9 +199,7 @@ class Graphed:
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if group is not None:
             torch.cuda.synchronize(device)
-            gathered: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, reason, group=group)
-            bad = [(i, r) for i, r in enumerate(gathered) if r]
+            bad = failed_ranks(group, reason)
             if bad:
                 self.graph = None
                 raise RuntimeError(f"CUDA-graph capture failed on rank(s) {[i for i, _ in bad]}: {bad[0][1]}")
