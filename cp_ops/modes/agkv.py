@@ -23,4 +23,3 @@ def agkv(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask=No
     kf, vf, mf = comm.agkv(shards.pad(k, zero=True), shards.pad(v, zero=True),
                            None if every else shards.pad_mask(key_mask)).wait()
     return local_attention(q, kf, vf, scale, shards.padded_mask(key_mask, mf, q.shape[0]))
-
