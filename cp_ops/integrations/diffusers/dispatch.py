@@ -20,9 +20,10 @@ from . import _private, generic
 from .hooks import CPState
 
 
-_MASK_RULE = ("cp_ops.parallelize: the key mask an attention call got differs from this rank's block of the forward's "
-              "mask input (CPState.note_key_mask, shared by every call of the forward): a processor that builds its "
-              "mask otherwise than from that input (all True on the streams it does not cover) is not supported")
+#: under 255 characters: CUDA's torch._assert_async refuses a longer message (RuntimeError "Message length must be
+#: smaller than 255", raised on the first eager call of a masked model on a GPU)
+_MASK_RULE = ("cp_ops.parallelize: an attention call's key mask differs from this rank's block of the forward's mask "
+              "input (CPState.note_key_mask); a processor building its mask otherwise is not supported")
 
 
 class CPAttention:
