@@ -3,6 +3,12 @@
 AGKV is one coalesced all-gather per call, written straight into the final ``[B, S, H, D]`` buffers
 (per batch row when B > 1, so no rearranging copy follows). Ulysses is one ``all_to_all_single`` over a
 packed buffer carrying every tensor of the call. Outputs are fresh tensors (never pooled).
+
+A group that runs CUDA tensors over gloo (``cpu:gloo,cuda:gloo``: e.g. two ranks sharing one GPU in the tests) is
+staged through host memory: gloo's coalesced all-gather and its send/recv have no CUDA path (they hand device
+pointers to the host transport: a segfault in ``work.wait()``, seen on an H200 with torch 2.11), so each launch
+copies its inputs to the host, runs the CPU collective there, waits, and copies the outputs back (synchronous: for
+correctness where no GPU-capable backend can run, never for speed).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import torch.distributed as dist
 
 from ..layout import ulysses_inverse_pack, ulysses_pack
 from . import fake_fill
-from .base import register
+from .base import Arrival, register, source_arrivals
 
 
 class TorchTransport:
@@ -27,56 +33,20 @@ class TorchTransport:
         return None
 
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
-        w = group.size()
-        b, s, h, d = k.shape
-        k_full = k.new_empty(b, w * s, h, d)
-        v_full = v.new_empty(b, w * s, h, d)
-        k_in, v_in = k.contiguous(), v.contiguous()
-        outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
-        ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
-        # the zero-communication bound: on a fake group cp_ops writes the outputs (one copy per tensor) instead
-        work = fake_fill.gather("allgather_into_tensor_coalesced", group, outs, ins) if fake_fill.ACTIVE else None
-        if work is None:
-            work = group.allgather_into_tensor_coalesced(outs, ins)
-        return k_full, v_full, work
+        if stage_through_host(group, k.device):
+            return _staged(_agkv_gather, group, k, v)
+        return _agkv_gather(group, k, v)
 
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
         """AGKV by point-to-point sends, one batch (one work) per (peer, piece), so each piece can be waited as
         it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
         into ``pieces`` token ranges. Returns as :func:`cp_ops.transport.base.agkv_start_sources` (own block of
-        ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order."""
-        from .base import Arrival
-
-        w, r = group.size(), group.rank()
-        b, s, h, d = k.shape
-        k_full = k.new_empty(b, w * s, h, d)
-        v_full = v.new_empty(b, w * s, h, d)
-        k_in, v_in = k.contiguous(), v.contiguous()
-        pieces = max(1, min(pieces, s))
-        cuts = [c * s // pieces for c in range(pieces + 1)]
-        arrivals, works = [], []
-        coalesce = group._get_backend(k.device).supports_coalescing
-        for j in range(1, w):
-            dst, src = (r + j) % w, (r - j) % w  # group ranks
-            for lo, hi in zip(cuts, cuts[1:]):
-                if coalesce:  # what dist.batch_isend_irecv does for NCCL, without its per-op Python checks
-                    group._start_coalescing(k.device)
-                else:
-                    batch = []
-                for tag, (x_in, x_full) in enumerate(((k_in, k_full), (v_in, v_full))):
-                    for i in range(b):
-                        a = group.send([x_in[i, lo:hi]], dst, 2 * i + tag)
-                        c = group.recv([x_full[i, src * s + lo:src * s + hi]], src, 2 * i + tag)
-                        if not coalesce:
-                            batch += [a, c]
-                work = _Works([group._end_coalescing(k.device)] if coalesce else batch)
-                works.append(work)
-                arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
-        if fake_fill.ACTIVE:  # every received block (and this rank's own, as the fake all-gathers write it)
-            for i in range(b):
-                fake_fill.fill("recv", group, k_full[i], k_in[i])
-                fake_fill.fill("recv", group, v_full[i], v_in[i])
-        return k_full, v_full, arrivals, _Works(works)
+        ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order.
+        A group staged through host memory gathers at once (every piece lands when the launch returns)."""
+        if stage_through_host(group, k.device):
+            k_full, v_full, work = self.agkv_start(k, v, group)
+            return k_full, v_full, source_arrivals(work, group.size(), group.rank(), k.shape[1]), work
+        return _agkv_sources(group, k, v, pieces)
 
     def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
         return _all_to_all(ulysses_pack(xs, group.size()), group)
@@ -95,9 +65,65 @@ class TorchTransport:
         return _all_to_all(ulysses_inverse_pack(x, group.size()), group)
 
 
+def _agkv_gather(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor):
+    """:meth:`TorchTransport.agkv_start` on a group that moves ``k``'s device: ``(k_full, v_full, work)``."""
+    w = group.size()
+    b, s, h, d = k.shape
+    k_full = k.new_empty(b, w * s, h, d)
+    v_full = v.new_empty(b, w * s, h, d)
+    k_in, v_in = k.contiguous(), v.contiguous()
+    outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
+    ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
+    # the zero-communication bound: on a fake group cp_ops writes the outputs (one copy per tensor) instead
+    work = fake_fill.gather("allgather_into_tensor_coalesced", group, outs, ins) if fake_fill.ACTIVE else None
+    if work is None:
+        work = group.allgather_into_tensor_coalesced(outs, ins)
+    return k_full, v_full, work
+
+
+def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pieces: int):
+    """:meth:`TorchTransport.agkv_start_sources` by point-to-point sends on a group that moves ``k``'s device."""
+    w, r = group.size(), group.rank()
+    b, s, h, d = k.shape
+    k_full = k.new_empty(b, w * s, h, d)
+    v_full = v.new_empty(b, w * s, h, d)
+    k_in, v_in = k.contiguous(), v.contiguous()
+    pieces = max(1, min(pieces, s))
+    cuts = [c * s // pieces for c in range(pieces + 1)]
+    arrivals, works = [], []
+    coalesce = group._get_backend(k.device).supports_coalescing
+    for j in range(1, w):
+        dst, src = (r + j) % w, (r - j) % w  # group ranks
+        for lo, hi in zip(cuts, cuts[1:]):
+            if coalesce:  # what dist.batch_isend_irecv does for NCCL, without its per-op Python checks
+                group._start_coalescing(k.device)
+            else:
+                batch = []
+            for tag, (x_in, x_full) in enumerate(((k_in, k_full), (v_in, v_full))):
+                for i in range(b):
+                    a = group.send([x_in[i, lo:hi]], dst, 2 * i + tag)
+                    c = group.recv([x_full[i, src * s + lo:src * s + hi]], src, 2 * i + tag)
+                    if not coalesce:
+                        batch += [a, c]
+            work = _Works([group._end_coalescing(k.device)] if coalesce else batch)
+            works.append(work)
+            arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
+    if fake_fill.ACTIVE:  # every received block (and this rank's own, as the fake all-gathers write it)
+        for i in range(b):
+            fake_fill.fill("recv", group, k_full[i], k_in[i])
+            fake_fill.fill("recv", group, v_full[i], v_in[i])
+    return k_full, v_full, arrivals, _Works(works)
+
+
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
     """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``, what
     every Ulysses launch of this transport ends in (the fake group's output written where it writes nothing)."""
+    if stage_through_host(group, send.device):
+        return _staged(_alltoall_base, send, group)
+    return _alltoall_base(send, group)
+
+
+def _alltoall_base(send: torch.Tensor, group: dist.ProcessGroup):
     recv = torch.empty_like(send)
     work = group.alltoall_base(recv, send, [], [])
     if fake_fill.ACTIVE:
@@ -115,6 +141,45 @@ class _Works:
         for w in self.works:
             w.wait()
         self.works = []
+        return True
+
+
+def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group`` runs ``device``'s tensors over gloo with ``device`` a GPU (``cpu:gloo,cuda:gloo``): then
+    every launch of this transport is staged through host memory (see the module docstring). NCCL, CPU and fake
+    groups: False."""
+    if device.type == "cpu":
+        return False
+    try:
+        return type(group._get_backend(device)).__name__ == "ProcessGroupGloo"
+    except (RuntimeError, AttributeError):  # no backend registered for the device type
+        return False
+
+
+def _staged(launch, *args):
+    """``launch(*args)`` with every tensor argument copied to the host; its work waited there and each tensor output
+    copied back to the first tensor argument's device. Returns the launch's outputs with a work that orders the
+    waiting stream after the copies back (:class:`_Copied`)."""
+    dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    *outs, work = launch(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
+    work.wait()
+    outs = [o.to(dev) for o in outs]
+    return (*outs, _Copied(dev))
+
+
+class _Copied:
+    """The work of a launch staged through host memory: its outputs were copied back on the launching stream;
+    ``wait()`` makes the current stream wait for those copies (an event), so a wait on another stream is ordered."""
+
+    def __init__(self, device: torch.device):
+        self.event = None
+        if device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(device))
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
         return True
 
 

@@ -1,0 +1,79 @@
+"""The torch transport staged through host memory (a group running CUDA tensors over gloo, whose coalesced all-gather
+and send/recv have no CUDA path): forced on for CPU gloo ranks here, every mode body's result equals the unstaged
+transport's bitwise (the same kernels on the same gathered data; pipelined variants within fp32 rounding, as their
+pieces land at once when staged), and every launch went through the staging."""
+
+import torch
+
+import cp_ops
+from dist_util import run_ranks
+
+VARIANTS = [("agkv", 1), ("agkv", 2), ("agkv", 3), ("ulysses", 1), ("ulysses", 2)]
+
+
+def _calls(seq, mask, rank, w, q, k, v):
+    sl = slice(sum(seq[:rank]), sum(seq[:rank + 1]))
+    outs = [cp_ops.attention(q[:, sl], k[:, sl], v[:, sl], mode=m, chunks=c, transport="torch", seq_lens=seq)
+            for m, c in VARIANTS]
+    outs += [cp_ops.attention(q[:, sl], k[:, sl], v[:, sl], mode=m, transport="torch", seq_lens=seq,
+                              key_mask=mask[:, sl]) for m in ("agkv", "ulysses")]
+    return outs
+
+
+def _staged_equals_unstaged(rank, w):
+    from cp_ops.transport import torch as tt
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 96, 4, 16, generator=g) for _ in range(3))
+    mask = torch.rand(2, 96, generator=g) > 0.3
+    mask[:, 0] = True
+    even, uneven = (48, 48), (53, 43)
+    plain = [_calls(seq, mask, rank, w, q, k, v) for seq in (even, uneven)]
+    staged_calls = []
+    real_staged = tt._staged
+
+    def counted(launch, *args):
+        staged_calls.append(launch.__name__)
+        return real_staged(launch, *args)
+
+    tt.stage_through_host, tt._staged = (lambda group, device: True), counted
+    staged = [_calls(seq, mask, rank, w, q, k, v) for seq in (even, uneven)]
+    assert {"_agkv_gather", "_alltoall_base"} <= set(staged_calls), staged_calls
+    pipelined = [c > 1 for _, c in VARIANTS] + [False, False]
+    for a, b in zip(plain, staged):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if pipelined[i]:  # staged, every peer's block lands at once: the LSE merges may group differently
+                assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (i, (x - y).abs().max().item())
+            else:
+                assert torch.equal(x, y), (i, (x - y).abs().max().item())
+    sl = slice(0, 53) if rank == 0 else slice(53, 96)  # and the staged results are right, not only the same
+    ref = cp_ops.local_attention(q, k, v, key_mask=mask)[:, sl]
+    assert torch.allclose(staged[1][-2], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_staged_through_host_equals_unstaged():
+    run_ranks(_staged_equals_unstaged, 2)
+
+
+def test_stage_through_host_only_for_a_gpu_over_gloo():
+    from cp_ops.transport.torch import stage_through_host
+
+    class _Gloo:  # named as torch names gloo's backend class
+        pass
+
+    _Gloo.__name__ = "ProcessGroupGloo"
+
+    class _Group:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def _get_backend(self, device):
+            if self.backend is None:
+                raise RuntimeError("no backend for " + device.type)
+            return self.backend
+
+    cuda = torch.device("cuda", 0)
+    assert stage_through_host(_Group(_Gloo()), cuda)
+    assert not stage_through_host(_Group(_Gloo()), torch.device("cpu"))
+    assert not stage_through_host(_Group(object()), cuda)  # NCCL, fake: moved where they are
+    assert not stage_through_host(_Group(None), cuda)
