@@ -25,15 +25,16 @@ st() {
 B="python3 -m cp_ops run"; R="--no-group1 --warmup 1 --repeats 3"; RC="--bound-compile regional+capture,regional+graphs --cost"
 for s in ${STEPS:?STEPS names the steps}; do case $s in
   tests)     st $s 150 60 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_captured.py tests/test_one_gpu.py ;;
+  t2r)       st $s 120 60 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_one_gpu.py tests/test_fp8.py -k two_ranks ;;
   rc_flux)   st $s 170 80 $B flux --bound 2,4,8 $RC $R --out $W/$s.json ;;
   rc_zimage) st $s 140 70 $B zimage --bound 2,4,8 $RC $R --out $W/$s.json ;;
   rc_wan)    st $s 150 70 $B wan --config 1.3b --bound 2,4,8 $RC $R --out $W/$s.json ;;
   rc_ltx)    st $s 130 60 $B ltx --bound 2,4,8 $RC $R --out $W/$s.json ;;
   rc_qwen)   st $s 150 70 $B qwenimage --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  qwen_e)    st $s 110 50 $B qwenimage --bound 4,8 --bound-compile eager --cost $R --out $W/$s.json ;;
+  qwen_e)    st $s 110 50 $B qwenimage --bound 2,4,8 --bound-compile eager --cost $R --out $W/$s.json ;;
   wan_stale) st $s 150 70 $B wan --config 1.3b --bound 4,8 --bound-compile eager,regional+graphs --cost $R --out $W/$s.json ;;
   r_img)     for m in flux zimage ltx; do st r_$m 110 50 $B $m --bound 2,8 --bound-compile regional --cost $R --out $W/r_$m.json; done ;;
-  flux_full) st $s 300 150 $B flux --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
+  flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
   qwen_full) st $s 300 150 $B qwenimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
   wan_full)  st $s 300 150 $B wan --config 1.3b --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
   ltx_full)  st $s 280 120 $B ltx --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
