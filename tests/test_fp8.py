@@ -805,7 +805,10 @@ def _two_ranks(rank, w):
         out = cp_ops.attention(q[:, sl], k[:, sl], v[:, sl], mode=mode, chunks=chunks, transport="torch",
                                comm_dtype=c)
         if mode == "agkv":
-            same = cp_ops.local_attention(q[:, sl], rt(k, fk), rt(v, fv))
+            kr, vr = rt(k, fk).clone(), rt(v, fv).clone()
+            if chunks > 1:  # pipelined AGKV attends its own block exact (no FP8 round trip), the peers' decoded
+                kr[:, sl], vr[:, sl] = k[:, sl], v[:, sl]
+            same = cp_ops.local_attention(q[:, sl], kr, vr)
         else:
             hl = h // w
             qr, kr, vr = rt(q, fq), rt(k, fk), rt(v, fv)
@@ -815,7 +818,8 @@ def _two_ranks(rank, w):
         if chunks == 1:
             assert torch.equal(out, same), (mode, c, (out.float() - same.float()).abs().max().item())
         else:
-            assert ((out.float() - same.float()).abs().max() / same.float().abs().max()).item() < 2e-2
+            rel = ((out.float() - same.float()).abs().max() / same.float().abs().max()).item()
+            assert rel < 2e-2, (mode, chunks, c, rel)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         assert 0 < err < 0.15, (mode, chunks, c, err)
 

@@ -46,6 +46,13 @@ def _staged_equals_unstaged(rank, w):
                 assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (i, (x - y).abs().max().item())
             else:
                 assert torch.equal(x, y), (i, (x - y).abs().max().item())
+    # traced: the ops register the staged launch's work with its outputs (a dist.Work), waited by wait_tensor
+    x = q[:, rank * 48:(rank + 1) * 48].contiguous()
+    for m in ("agkv", "ulysses"):
+        block = lambda t: cp_ops.attention(t * 0.5, t, t, mode=m, transport="torch")  # noqa: E731
+        del staged_calls[:]
+        traced = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+        assert staged_calls and torch.equal(traced, block(x)), (m, staged_calls)
     sl = slice(0, 53) if rank == 0 else slice(53, 96)  # and the staged results are right, not only the same
     ref = cp_ops.local_attention(q, k, v, key_mask=mask)[:, sl]
     assert torch.allclose(staged[1][-2], ref, atol=1e-5, rtol=1e-4)

@@ -167,11 +167,13 @@ def _staged(launch, *args):
     return (*outs, _Copied(dev))
 
 
-class _Copied:
+class _Copied(dist.Work):
     """The work of a launch staged through host memory: its outputs were copied back on the launching stream;
-    ``wait()`` makes the current stream wait for those copies (an event), so a wait on another stream is ordered."""
+    ``wait()`` makes the current stream wait for those copies (an event), so a wait on another stream is ordered.
+    A ``dist.Work`` so the ops can register it with their outputs (``wait_tensor`` under compile)."""
 
     def __init__(self, device: torch.device):
+        super().__init__()
         self.event = None
         if device.type == "cuda":
             self.event = torch.cuda.Event()
@@ -181,6 +183,9 @@ class _Copied:
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
         return True
+
+    def is_completed(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 transport = register(TorchTransport(), auto_rank=99)
