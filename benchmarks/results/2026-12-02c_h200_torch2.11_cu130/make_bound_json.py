@@ -1,0 +1,122 @@
+"""Every zero-communication bound row measured so far, the newest per cell, in one ``bound.json`` and ``table.md``
+(issue 21's keys; one entry per model x resolution x compile mode x W x implementation: cp_ops', and diffusers' own
+CP where ``--compare diffusers`` ran). Reads the per-run files of every
+``benchmarks/results/*_h200_*`` folder (``runs/*.json``, ``call*/*.json``, ``bound_*.json``; a folder's own combined
+``bound.json`` carries older folders' rows and is skipped). Run from this folder: ``python3 make_bound_json.py``."""
+
+import json
+import pathlib
+
+HERE = pathlib.Path(__file__).parent
+RESULTS = HERE.parent
+KEYS = ("model", "config", "layers", "tokens", "compile", "cuda_graphs", "world_size", "one_gpu_ms", "rank0_ms",
+        "bound_speedup", "cp_ops_cost_ms")
+#: before 2026-12-01c torch 2.11's fake backend left alltoall_base's output unwritten: Ulysses read stale memory
+UNWRITTEN = ("2026-12-01_h200_torch2.11_cu130", "2026-12-01b_h200_torch2.11_cu130")
+STALE = ("fake all-to-all unwritten in this run (before 2026-12-01c): Ulysses' kernels read stale memory and ran "
+         "faster than on real data; re-measure")
+INVALID = ("invalid: this side's outputs were not finite (diffusers' functional all-to-all left unwritten by the fake "
+           "backend on that call: its kernels ran on stale memory); not comparable")
+HOST_BOUND = ("no host column in this run; later runs of the same mode (2026-12-02) show both sides host-bound "
+              "without CUDA graphs: the time is the host's")
+NAMES = {("flux", "dev"): "FLUX.1-dev 1024²", ("qwenimage", "20b"): "Qwen-Image 1328²",
+         ("zimage", "turbo"): "Z-Image-Turbo 1024²", ("ltx", "2b"): "LTX-Video 768x512x121",
+         ("wan", "1.3b"): "Wan2.1-1.3B 480p", ("wan", "14b"): "Wan2.1-14B", ("hunyuanvideo", "13b"): "HunyuanVideo"}
+#: the video models' resolution by token count (81 / 61 / 129 frames)
+RES = {("wan", 32760): " 480p", ("wan", 75600): " 720p", ("hunyuanvideo", 32640): " 544x960x61",
+       ("hunyuanvideo", 118800): " 720p x129"}
+
+
+def mode_of(r):
+    base = r["compile"] or "eager"
+    return base + ("+capture" if r["cuda_graphs"] == "forward" else "+graphs" if r["cuda_graphs"] else "")
+
+
+def runs():
+    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir() and "_h200_" in p.name):
+        files = sorted(folder.glob("runs/*.json")) + sorted(folder.glob("call*/*.json")) + sorted(
+            folder.glob("bound_*.json"))
+        for f in files:
+            try:
+                d = json.loads(f.read_text())
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(d, dict) and isinstance(d.get("rows"), list):
+                yield folder.name, f.relative_to(RESULTS).as_posix(), d
+
+
+cells, failed = {}, {}
+for folder, path, d in runs():
+    for r in d["rows"]:
+        if "skipped" in r:
+            failed[(r.get("model"), r.get("config"), mode_of(r))] = dict(
+                model=r.get("model"), config=r.get("config"), compile=mode_of(r), source=path, reason=r["skipped"])
+            continue
+        if "rank0_ms" not in r or r.get("steps"):
+            continue
+        row = {k: r.get(k) for k in KEYS}
+        row["impl"] = r.get("impl", "cp_ops")
+        row.update({k: r[k] for k in ("mode", "one_gpu_from", "rank0_raw_ms", "fill_ms", "plain_ms", "cp_ops_cost_pct",
+                                      "host_ms", "host_bound", "plain_host_ms", "plain_host_bound") if k in r})
+        row["source"] = path
+        if r.get("plain_ms") is not None:  # the cost with the fake collectives' writes taken out of cp_ops' side only
+            raw = r.get("rank0_raw_ms") or r["rank0_ms"]
+            row["cp_ops_cost_writes_out_ms"] = r["rank0_ms"] - r["plain_ms"]
+            row["cp_ops_cost_writes_out_pct"] = 100.0 * row["cp_ops_cost_writes_out_ms"] / raw
+        if row["impl"] != "cp_ops" and r.get("outputs_finite") is False:
+            row["note"] = INVALID
+        elif folder in UNWRITTEN and r.get("mode") == "ulysses":
+            row["note"] = STALE
+        elif r["compile"] == "regional" and not r["cuda_graphs"] and "host_ms" not in r:
+            row["note"] = HOST_BOUND
+        cells[(r["model"], r["config"], r["tokens"], mode_of(r), r["world_size"], row["impl"])] = row  # newest wins
+for (m, c, mode) in list(failed):
+    if any(k[0] == m and k[1] == c and k[3] == mode and k[5] == "cp_ops" for k in cells):
+        del failed[(m, c, mode)]  # measured since
+
+order = list(NAMES)
+modes = ["eager", "eager+graphs", "regional", "regional+graphs", "regional+capture", "full", "full+graphs",
+         "full+capture"]
+rows = sorted(cells.values(), key=lambda r: (order.index((r["model"], r["config"])), r["tokens"],
+                                             modes.index(mode_of(r)), r["world_size"], r["impl"] != "cp_ops",
+                                             r["impl"]))
+NOT_MEASURED = [
+    dict(models="flux, qwenimage, wan 1.3b, wan 14b, hunyuanvideo", compile="full, full+graphs, full+capture",
+         reason="a whole-model compile takes 53-103 s per side on the H200 (2026-12-02b: LTX-Video 70 s diffusers, "
+                "53 / 67 s cp_ops W2 / W4; Wan2.1-1.3B 99 s; 2026-12-02c: FLUX.1-dev 88 / 84 / 89 / 103 s for "
+                "diffusers / W = 2 / 4 / 8, killed at its 400 s cap before timing): 4-8 min of device time per model, "
+                "of 30 min per session"),
+    dict(models="ltx", compile="full", world_size=4, reason="killed at its limit (its compile 67 s, then the rest)"),
+    dict(models="ltx", compile="regional+graphs", reason="2026-12-02c: cut at the call's deadline beside its "
+         "regional+capture row (the row shown is 2026-12-01g's or 02b's)"),
+    dict(models="wan 14b, hunyuanvideo", compile="regional+capture, eager+graphs", reason="device time (not run)"),
+    dict(models="wan 14b 720p, hunyuanvideo 720p/129 f", compile="regional, regional+graphs, regional+capture",
+         reason="device time (eager rows only: 2026-12-01e); the 480p/544p rows of the same models are near-linear"),
+]
+out = dict(what=__doc__.split("\n\n")[0], keys=list(KEYS), rows=rows, failed=list(failed.values()),
+           not_measured=NOT_MEASURED)
+(HERE / "bound.json").write_text(json.dumps(out, indent=1) + "\n")
+
+lines = ["| model | tokens | compile | W | impl | mode | 1 GPU ms (from) | rank 0 ms | bound | cp_ops cost ms (%) | "
+         "writes out | host-bound | source | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+for r in rows:
+    cost = "" if r["cp_ops_cost_ms"] is None else f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f} %)"
+    wo = "" if r["cp_ops_cost_ms"] is None else f"{r['cp_ops_cost_writes_out_pct']:.1f} %"
+    hb = "" if "host_bound" not in r else ("both" if r["host_bound"] and r.get("plain_host_bound") else
+                                           "cp_ops" if r["host_bound"] else "plain" if r.get("plain_host_bound") else "no")
+    note = {STALE: "stale all-to-all", HOST_BOUND: "host (no column)", INVALID: "invalid (outputs not finite)"}.get(
+        r.get("note"), "")
+    lines.append(f"| {NAMES[(r['model'], r['config'])]}{RES.get((r['model'], r['tokens']), '') if r['config'] != '1.3b' else ''} | {r['tokens']} | {mode_of(r)} | {r['world_size']} | "
+                 f"{r['impl']} | {r.get('mode', '')} | {r['one_gpu_ms']:.1f} ({r.get('one_gpu_from', 'diffusers')}) | "
+                 f"{r['rank0_ms']:.1f} | {r['bound_speedup']:.2f}x | {cost} | {wo} | {hb} | {r['source'].split('_torch')[0]} | "
+                 f"{note} |")
+for f in failed.values():
+    lines.append(f"| {NAMES[(f['model'], f['config'])]} | | {f['compile']} | | | | failed: {f['reason'][:120]} | | | | | | "
+                 f"{f['source'].split('_torch')[0]} | |")
+LEGEND = ("\ncp_ops cost = rank 0's measured forward (the fake collectives' writes inside) minus the plain side's (its "
+          "own stand-in copies inside), % of the measured forward; writes out = the same with the writes taken out of "
+          "cp_ops' side only (rank 0 minus plain): the two bracket cp_ops' own cost (under compile the plain side's "
+          "copies fuse into the kernels that make Q, K and V, the writes cannot). host-bound: which side's host time "
+          ">= 0.9 x its measured time. source: the results folder. stale all-to-all: measured before 2026-12-01c.\n")
+(HERE / "table.md").write_text("\n".join(lines) + "\n" + LEGEND)
+print(f"{len(rows)} rows, {len(failed)} failed modes -> bound.json, table.md")
