@@ -35,7 +35,8 @@ Rules (what a caller must know):
   counts captures, ``keys()`` lists the live keys.
 * **What cannot be captured.** A forward that synchronizes with the host (``.item()``, ``.tolist()``, a
   data-dependent branch: diffusers' step caches), copies from pageable host memory (``torch.as_tensor(x,
-  device="cuda")`` of a Python number: diffusers 0.42.1's Qwen-Image ``compute_text_seq_len_from_mask``), or makes
+  device="cuda")`` of a Python number: diffusers 0.42.1's Qwen-Image ``compute_text_seq_len_from_mask``, replaced by
+  :mod:`cp_ops.integrations.diffusers.capture_safe` where cp_ops captures a diffusers model), or makes
   CPU-side decisions on GPU values. Its capture raises RuntimeError naming the failing rank, its reason and the
   innermost frame of the model's code; no silent fallback to eager.
 * **CP groups.** With ``group``, the ranks agree on each capture's outcome (a replay runs collectives: every rank
@@ -172,7 +173,9 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
 #: model functions known not to be capturable: innermost frame's function -> why (added to the error)
 KNOWN = {
     "compute_text_seq_len_from_mask": "diffusers' Qwen-Image (0.42.1) computes the text length with "
-                                      "torch.as_tensor(int, device=cuda): a copy from pageable host memory",
+                                      "torch.as_tensor(int, device=cuda): a copy from pageable host memory; "
+                                      "cp_ops.integrations.diffusers.capture_safe.apply(model) replaces it "
+                                      "(parallelize(cuda_graphs='forward') does)",
 }
 
 

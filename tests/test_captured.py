@@ -327,7 +327,8 @@ ACTIVATIONS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 def _one_gpu_captured(rank, world_size):
     """Real CUDA graphs, a real NCCL group of one rank on one GPU: the captured forward equals the same model's eager
     forward bitwise, eager blocks and regionally compiled blocks, two inputs (the second a replay); Qwen-Image with a
-    text mask raises the capture error naming diffusers' function."""
+    text mask captured too (diffusers' pageable copy replaced: capture_safe), and without the replacement its capture
+    error names diffusers' function."""
     import torch._dynamo
 
     from cp_ops.integrations.diffusers import parallelize
@@ -355,16 +356,28 @@ def _one_gpu_captured(rank, world_size):
             for o, r in zip(outs, refs):
                 assert torch.equal(o, r), (name, compile_, (o.float() - r.float()).abs().max().item())
             assert not torch.equal(outs[0], outs[1])
-    # last (a failed capture): Qwen-Image with a text mask cannot be captured in diffusers 0.42.1; the error says why
+    # Qwen-Image with a text mask: diffusers 0.42.1's pageable copy is replaced (capture_safe), so the capture runs
+    # and equals eager; without the replacement a direct capture fails, the error naming diffusers' function
+    from cp_ops.integrations.diffusers import capture_safe
+
     torch._dynamo.reset()
-    qwen = parallelize(build("qwenimage").to(dev, torch.bfloat16), mode="agkv", transport="torch", chunks=1,
-                       cuda_graphs="forward")
+    base = build("qwenimage").to(dev, torch.bfloat16)
     kw = inputs("qwenimage", 2, (1, 8, 8), 8, torch.Generator().manual_seed(2), mask=True)
     kw = {k: (v.to(dev, torch.bfloat16) if k in ACTIVATIONS else v.to(dev)) if isinstance(v, torch.Tensor) else v
           for k, v in kw.items()}
-    with pytest.raises(CaptureError, match="compute_text_seq_len_from_mask.*known: diffusers' Qwen-Image"):
-        with torch.no_grad():
-            qwen(**kw)
+    eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1)
+    graphed = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
+    with torch.no_grad():
+        o, r = sample(graphed(**kw)), sample(eager(**kw))
+    assert captured.captured(graphed).captures == 1 and torch.equal(o, r), (o.float() - r.float()).abs().max()
+    capture_safe.undo()
+    try:
+        captured.capture_forward(eager)
+        with pytest.raises(CaptureError, match="compute_text_seq_len_from_mask.*known: diffusers' Qwen-Image"):
+            with torch.no_grad():
+                eager(**kw)
+    finally:
+        capture_safe.undo()
 
 
 @pytest.mark.gpu

@@ -294,6 +294,10 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
     from .run import compile_model
 
     m = shared_copy(base)
+    if whole_capture(margs):  # diffusers code a capture refuses, replaced by equivalents (every side alike)
+        from ..integrations.diffusers import capture_safe
+
+        capture_safe.apply(m)
     around, eager_fills = None, None
     if side.kind == "dcp":
         side.label = bound_diffusers.parallelize(m, side.mode, side.world, spec.heads(base.config), device)

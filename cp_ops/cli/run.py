@@ -150,6 +150,10 @@ def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
 def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
     """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32, call)``:
     ``call()`` runs one more forward the same way (None with ``--steps``)."""
+    if whole_capture(args) and graphs_ok:  # diffusers code a capture refuses, replaced by equivalents (before the
+        from ..integrations.diffusers import capture_safe  # first call: a compiled forward sees the replacement)
+
+        capture_safe.apply(m)
     fwd = _forward_fn(m, spec, kw, args)
     _sync(device)
     t0 = time.perf_counter()

@@ -223,7 +223,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
     if cuda_graphs == "forward":
         from ...captured import capture_forward
+        from . import capture_safe
 
+        capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
         capture_forward(transformer, group=pg)
     return transformer

@@ -1,0 +1,88 @@
+"""diffusers code that a CUDA graph capture of the whole forward refuses, replaced by equivalents before a capture.
+
+One fix per function, each applied only where diffusers' source still has the construct it replaces (a diffusers
+release that changes the function is left alone), and to the function's module global (every model of the class:
+the replacement returns what the original does, bitwise). Applied by ``parallelize(..., cuda_graphs="forward")`` and
+by ``cp-ops run`` / ``--bound`` when they capture a whole forward (the one-GPU baseline included).
+
+* Qwen-Image (``transformer_qwenimage.compute_text_seq_len_from_mask``, diffusers 0.42.1): with a text mask, every
+  forward makes ``torch.as_tensor(text_seq_len, device=cuda)`` — a copy from pageable host memory, which a capture
+  refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned";
+  measured on an H200, benchmarks/results/2026-12-02c_h200_torch2.11_cu130). The replacement gives ``torch.where``
+  the Python int itself (a scalar operand: no copy).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+_APPLIED: dict[str, object] = {}  # "module:function" -> the original
+
+
+def _text_seq_len_from_mask(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
+    """diffusers 0.42.1's ``compute_text_seq_len_from_mask`` (the RoPE text length and the normalized bool mask),
+    without its host-to-device copy: ``(text_seq_len, per_sample_len [B] int64 | None, bool mask | None)``.
+
+    Raises:
+        ValueError: the mask's shape is not ``encoder_hidden_states``' ``(B, S_text)`` (diffusers' rule and words).
+    """
+    batch_size, text_seq_len = encoder_hidden_states.shape[:2]
+    if encoder_hidden_states_mask is None:
+        return text_seq_len, None, None
+    if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
+        raise ValueError(
+            f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+            f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len})."
+        )
+    mask = encoder_hidden_states_mask
+    if mask.dtype != torch.bool:
+        mask = mask.to(torch.bool)
+    position_ids = torch.arange(text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    last = torch.where(mask, position_ids, position_ids.new_zeros(())).max(dim=1).values + 1
+    return text_seq_len, torch.where(mask.any(dim=1), last, text_seq_len), mask
+
+
+#: (module, function name, a construct of the original's source the fix removes, the replacement)
+FIXES = (
+    ("diffusers.models.transformers.transformer_qwenimage", "compute_text_seq_len_from_mask",
+     "torch.as_tensor(text_seq_len", _text_seq_len_from_mask),
+)
+
+
+def apply(model: torch.nn.Module | None = None) -> list[str]:
+    """Apply every fix whose module ``model``'s class comes from (``None``: every fix whose module is imported).
+    Idempotent. Returns the fixes in force for it, as ``"module:function"``."""
+    import sys
+
+    done = []
+    for mod_name, fn_name, construct, fix in FIXES:
+        if model is not None and type(model).__module__ != mod_name:
+            continue
+        mod = sys.modules.get(mod_name)
+        key = f"{mod_name}:{fn_name}"
+        if mod is None or not hasattr(mod, fn_name):
+            continue
+        if key not in _APPLIED:
+            orig = getattr(mod, fn_name)
+            try:
+                source = inspect.getsource(orig)
+            except (OSError, TypeError):
+                continue
+            if construct not in source:
+                continue  # this diffusers release changed the function: left as it is
+            _APPLIED[key] = orig
+            setattr(mod, fn_name, fix)
+        done.append(key)
+    return done
+
+
+def undo() -> None:
+    """Put every replaced function back (tests)."""
+    import sys
+
+    for key, orig in _APPLIED.items():
+        mod_name, fn_name = key.split(":")
+        setattr(sys.modules[mod_name], fn_name, orig)
+    _APPLIED.clear()
