@@ -1,14 +1,22 @@
 """Every zero-communication bound row measured so far, the newest per cell, in one ``bound.json`` and ``table.md``
 (issue 21's keys; one entry per model x resolution x compile mode x W x implementation: cp_ops', and diffusers' own
-CP where ``--compare diffusers`` ran). Reads the per-run files of every
-``benchmarks/results/*_h200_*`` folder (``runs/*.json``, ``call*/*.json``, ``bound_*.json``; a folder's own combined
-``bound.json`` carries older folders' rows and is skipped). Run from this folder: ``python3 make_bound_json.py``."""
+CP where ``--compare diffusers`` ran).
+
+    python benchmarks/bound_all.py benchmarks/results/<newest folder>
+
+Reads the per-run files of every ``benchmarks/results/*_h200_*`` folder (``runs/*.json``, ``call*/*.json``,
+``bound_*.json``; a folder's own combined ``bound.json`` carries older folders' rows and is skipped; folders sort by
+name, so a later folder's row of the same cell wins) and the cells not measured, with their reasons, from
+``OUT/not_measured.json`` (a list of ``{models, compile, [world_size], reason}``). Writes ``OUT/bound.json`` and
+``OUT/table.md``. (One folder's runs alone: ``benchmarks/bound_table.py``.)"""
 
 import json
 import pathlib
 
-HERE = pathlib.Path(__file__).parent
-RESULTS = HERE.parent
+import sys
+
+OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEYS = ("model", "config", "layers", "tokens", "compile", "cuda_graphs", "world_size", "one_gpu_ms", "rank0_ms",
         "bound_speedup", "cp_ops_cost_ms")
 #: before 2026-12-01c torch 2.11's fake backend left alltoall_base's output unwritten: Ulysses read stale memory
@@ -80,22 +88,10 @@ modes = ["eager", "eager+graphs", "regional", "regional+graphs", "regional+captu
 rows = sorted(cells.values(), key=lambda r: (order.index((r["model"], r["config"])), r["tokens"],
                                              modes.index(mode_of(r)), r["world_size"], r["impl"] != "cp_ops",
                                              r["impl"]))
-NOT_MEASURED = [
-    dict(models="flux, qwenimage, wan 1.3b, wan 14b, hunyuanvideo", compile="full, full+graphs, full+capture",
-         reason="a whole-model compile takes 53-103 s per side on the H200 (2026-12-02b: LTX-Video 70 s diffusers, "
-                "53 / 67 s cp_ops W2 / W4; Wan2.1-1.3B 99 s; 2026-12-02c: FLUX.1-dev 88 / 84 / 89 / 103 s for "
-                "diffusers / W = 2 / 4 / 8, killed at its 400 s cap before timing): 4-8 min of device time per model, "
-                "of 30 min per session"),
-    dict(models="ltx", compile="full", world_size=4, reason="killed at its limit (its compile 67 s, then the rest)"),
-    dict(models="ltx", compile="regional+graphs", reason="2026-12-02c: cut at the call's deadline beside its "
-         "regional+capture row (the row shown is 2026-12-01g's or 02b's)"),
-    dict(models="wan 14b, hunyuanvideo", compile="regional+capture, eager+graphs", reason="device time (not run)"),
-    dict(models="wan 14b 720p, hunyuanvideo 720p/129 f", compile="regional, regional+graphs, regional+capture",
-         reason="device time (eager rows only: 2026-12-01e); the 480p/544p rows of the same models are near-linear"),
-]
+NOT_MEASURED = json.loads((OUT / "not_measured.json").read_text()) if (OUT / "not_measured.json").exists() else []
 out = dict(what=__doc__.split("\n\n")[0], keys=list(KEYS), rows=rows, failed=list(failed.values()),
            not_measured=NOT_MEASURED)
-(HERE / "bound.json").write_text(json.dumps(out, indent=1) + "\n")
+(OUT / "bound.json").write_text(json.dumps(out, indent=1) + "\n")
 
 lines = ["| model | tokens | compile | W | impl | mode | 1 GPU ms (from) | rank 0 ms | bound | cp_ops cost ms (%) | "
          "writes out | host-bound | source | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -118,5 +114,5 @@ LEGEND = ("\ncp_ops cost = rank 0's measured forward (the fake collectives' writ
           "cp_ops' side only (rank 0 minus plain): the two bracket cp_ops' own cost (under compile the plain side's "
           "copies fuse into the kernels that make Q, K and V, the writes cannot). host-bound: which side's host time "
           ">= 0.9 x its measured time. source: the results folder. stale all-to-all: measured before 2026-12-01c.\n")
-(HERE / "table.md").write_text("\n".join(lines) + "\n" + LEGEND)
+(OUT / "table.md").write_text("\n".join(lines) + "\n" + LEGEND)
 print(f"{len(rows)} rows, {len(failed)} failed modes -> bound.json, table.md")
