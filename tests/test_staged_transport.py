@@ -104,3 +104,27 @@ def test_stage_through_host_only_for_a_gpu_over_gloo():
     assert not stage_through_host(_Group(_Gloo()), torch.device("cpu"))
     assert not stage_through_host(_Group(object()), cuda)  # NCCL, fake: moved where they are
     assert not stage_through_host(_Group(None), cuda)
+
+
+def test_stage_through_host_sees_through_the_debug_wrapper():
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps every backend in a ``_ProcessGroupWrapper`` (its collectives checked,
+    then run on the wrapped backend): a gloo group running CUDA tensors under it is still staged (else gloo's
+    missing CUDA path again); a real gloo group of one rank, the wrapper as torch builds it."""
+    import torch.distributed as dist
+
+    from cp_ops.transport.torch import stage_through_host
+
+    level = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            backend = group._get_backend(torch.device("cuda", 0))
+            assert type(backend).__name__ == "_ProcessGroupWrapper", type(backend)
+            assert stage_through_host(group, torch.device("cuda", 0))
+            assert not stage_through_host(group, torch.device("cpu"))
+        finally:
+            dist.destroy_process_group()
+    finally:
+        dist.set_debug_level(level)

@@ -149,13 +149,17 @@ class _Works:
 def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether ``group`` runs ``device``'s tensors over gloo with ``device`` a GPU (``cpu:gloo,cuda:gloo``): then
     every launch of this transport is staged through host memory (see the module docstring). NCCL, CPU and fake
-    groups: False."""
+    groups: False. Seen through ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper (``_ProcessGroupWrapper.wrapped_pg``)."""
     if device.type == "cpu":
         return False
     try:
-        return type(group._get_backend(device)).__name__ == "ProcessGroupGloo"
+        backend = group._get_backend(device)
     except (RuntimeError, AttributeError):  # no backend registered for the device type
         return False
+    name = type(backend).__name__
+    if name == "_ProcessGroupWrapper":  # TORCH_DISTRIBUTED_DEBUG=DETAIL: the collectives run on the wrapped backend
+        name = type(getattr(backend, "wrapped_pg", backend)).__name__
+    return name == "ProcessGroupGloo"
 
 
 def _staged(launch, *args):
