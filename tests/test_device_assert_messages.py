@@ -51,7 +51,8 @@ def _device_asserts():
 def test_device_assert_messages_fit_cuda_limit():
     found = list(_device_asserts())
     assert found, "no torch._assert_async call found: the scan no longer sees cp_ops' key-mask check"
-    bad = [(where, None if m is None else len(m.encode())) for where, m in found if m is None or len(m.encode()) >= LIMIT]
+    bad = [(where, None if m is None else len(m.encode())) for where, m in found
+           if m is None or len(m.encode()) >= LIMIT]
     assert not bad, f"device-assert messages must be literals (or module constants) under {LIMIT} bytes; got {bad}"
 
 
