@@ -79,6 +79,36 @@ def test_apply_is_scoped_idempotent_and_undone(clean):
     assert qwen.compute_text_seq_len_from_mask is orig
 
 
+def test_apply_sees_through_compile_and_subclasses(clean):
+    """``cp-ops run --compile full --cuda-graphs forward`` applies the fixes to ``torch.compile(model)`` (an
+    ``OptimizedModule``, whose class comes from torch): the model underneath is diffusers' Qwen-Image; a subclass of
+    it runs the same module function."""
+    from diffusers_tiny import build
+
+    key = "diffusers.models.transformers.transformer_qwenimage:compute_text_seq_len_from_mask"
+    model = build("qwenimage")
+    assert capture_safe.apply(torch.compile(model)) == [key]
+    assert qwen.compute_text_seq_len_from_mask is capture_safe._text_seq_len_from_mask
+    capture_safe.undo()
+    sub = type("MyQwen", (type(model),), {"__module__": "my_pipeline"})
+    model.__class__ = sub
+    assert capture_safe.apply(model) == [key]
+    assert capture_safe.apply(torch.compile(build("wan"))) == []
+
+
+def test_apply_again_after_the_original_was_put_back(clean):
+    """A fix reported in force is in force: after its module's function was put back by someone else (a
+    monkeypatch undone, the module reloaded), apply replaces it again rather than reporting a stale replacement."""
+    key = "diffusers.models.transformers.transformer_qwenimage:compute_text_seq_len_from_mask"
+    orig = qwen.compute_text_seq_len_from_mask
+    assert capture_safe.apply() == [key]
+    setattr(qwen, "compute_text_seq_len_from_mask", orig)
+    assert capture_safe.apply() == [key]
+    assert qwen.compute_text_seq_len_from_mask is capture_safe._text_seq_len_from_mask
+    capture_safe.undo()
+    assert qwen.compute_text_seq_len_from_mask is orig
+
+
 def test_a_changed_original_is_left_alone(clean, monkeypatch):
     mod = types.ModuleType("fake_diffusers_mod")
     exec("def f(x):\n    return x + 1\n", mod.__dict__)  # no source on disk: inspect fails, left alone

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..layout import ulysses_inverse_pack, ulysses_pack
 from . import fake_fill
-from .base import Arrival, register, source_arrivals
+from .base import Arrival, register
 
 
 class TorchTransport:
@@ -42,10 +42,12 @@ class TorchTransport:
         it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
         into ``pieces`` token ranges. Returns as :func:`cp_ops.transport.base.agkv_start_sources` (own block of
         ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order.
-        A group staged through host memory gathers at once (every piece lands when the launch returns)."""
+        A group staged through host memory makes the same sends and receives on host copies (so it pairs with a
+        peer that does not stage, and its arrivals, hence the pipelined stages, are the unstaged ones), every piece
+        landing when the launch returns."""
         if stage_through_host(group, k.device):
-            k_full, v_full, work = self.agkv_start(k, v, group)
-            return k_full, v_full, source_arrivals(work, group.size(), group.rank(), k.shape[1]), work
+            k_full, v_full, arrivals, work = _staged(_agkv_sources, group, k, v, pieces)
+            return k_full, v_full, [Arrival(a.src, a.lo, a.hi, work) for a in arrivals], work
         return _agkv_sources(group, k, v, pieces)
 
     def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
@@ -147,23 +149,28 @@ class _Works:
 def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether ``group`` runs ``device``'s tensors over gloo with ``device`` a GPU (``cpu:gloo,cuda:gloo``): then
     every launch of this transport is staged through host memory (see the module docstring). NCCL, CPU and fake
-    groups: False."""
+    groups: False. Seen through ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper (``_ProcessGroupWrapper.wrapped_pg``)."""
     if device.type == "cpu":
         return False
     try:
-        return type(group._get_backend(device)).__name__ == "ProcessGroupGloo"
+        backend = group._get_backend(device)
     except (RuntimeError, AttributeError):  # no backend registered for the device type
         return False
+    name = type(backend).__name__
+    if name == "_ProcessGroupWrapper":  # TORCH_DISTRIBUTED_DEBUG=DETAIL: the collectives run on the wrapped backend
+        name = type(getattr(backend, "wrapped_pg", backend)).__name__
+    return name == "ProcessGroupGloo"
 
 
 def _staged(launch, *args):
-    """``launch(*args)`` with every tensor argument copied to the host; its work waited there and each tensor output
-    copied back to the first tensor argument's device. Returns the launch's outputs with a work that orders the
-    waiting stream after the copies back (:class:`_Copied`)."""
+    """``launch(*args)`` with every tensor argument copied to the host; its work (the last output) waited there and
+    each tensor output copied back to the first tensor argument's device (other outputs as they are). Returns the
+    launch's outputs with, in place of its work, one that orders the waiting stream after the copies back
+    (:class:`_Copied`)."""
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     *outs, work = launch(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     work.wait()
-    outs = [o.to(dev) for o in outs]
+    outs = [o.to(dev) if isinstance(o, torch.Tensor) else o for o in outs]
     return (*outs, _Copied(dev))
 
 

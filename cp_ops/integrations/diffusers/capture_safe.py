@@ -51,28 +51,37 @@ FIXES = (
 )
 
 
+def _class_modules(model: torch.nn.Module) -> set[str]:
+    """The modules ``model``'s class and its bases come from, seen through ``torch.compile``'s wrapper
+    (``OptimizedModule._orig_mod``): a compiled or subclassed diffusers model runs its module's functions too."""
+    model = getattr(model, "_orig_mod", model)
+    return {c.__module__ for c in type(model).__mro__}
+
+
 def apply(model: torch.nn.Module | None = None) -> list[str]:
-    """Apply every fix whose module ``model``'s class comes from (``None``: every fix whose module is imported).
-    Idempotent. Returns the fixes in force for it, as ``"module:function"``."""
+    """Apply every fix whose module ``model``'s class (or a base class; a ``torch.compile``'d model: its original)
+    comes from (``None``: every fix whose module is imported). Idempotent. Returns the fixes in force for it, as
+    ``"module:function"``."""
     import sys
 
     done = []
+    mods = None if model is None else _class_modules(model)
     for mod_name, fn_name, construct, fix in FIXES:
-        if model is not None and type(model).__module__ != mod_name:
+        if mods is not None and mod_name not in mods:
             continue
         mod = sys.modules.get(mod_name)
         key = f"{mod_name}:{fn_name}"
         if mod is None or not hasattr(mod, fn_name):
             continue
-        if key not in _APPLIED:
-            orig = getattr(mod, fn_name)
+        current = getattr(mod, fn_name)
+        if current is not fix:  # not applied, or put back since (the module reloaded, a test's monkeypatch undone)
             try:
-                source = inspect.getsource(orig)
+                source = inspect.getsource(current)
             except (OSError, TypeError):
                 continue
             if construct not in source:
                 continue  # this diffusers release changed the function: left as it is
-            _APPLIED[key] = orig
+            _APPLIED[key] = current
             setattr(mod, fn_name, fix)
         done.append(key)
     return done
