@@ -181,14 +181,14 @@ class _Copied(dist.Work):
 
     def __init__(self, device: torch.device):
         super().__init__()
-        self.event = None
+        self.event, self.device = None, device
         if device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(device))
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            torch.cuda.current_stream(self.device).wait_event(self.event)  # that device's stream, as NCCL's wait
         return True
 
     def is_completed(self) -> bool:
