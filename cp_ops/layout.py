@@ -393,9 +393,13 @@ class Shards:
 
     def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
         """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
-        (``unpack(buf)`` when every block is full; else one copy of all n slots)."""
+        (``unpack(buf)`` when every block is full; else, eager, one copy of all n slots; traced, the real rows of each
+        of ``unpack(buf)``'s slots: the per-slot ``select(buf, 3, i)`` the overlap pass splits a launch's query
+        off by — a copy of the whole buffer would keep the launch whole, no window — the same values, bitwise)."""
         if self.full:
             return tuple(unpack(buf))
+        if torch.compiler.is_compiling():
+            return tuple(self.rows(t, 1) for t in unpack(buf))
         w, b, smax, n, hl, d = buf.shape
         return self.rows(buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * smax, hl, d), 2).unbind(0)
 

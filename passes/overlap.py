@@ -64,7 +64,8 @@ AFTER = "cp_ops_after"  # node.meta key of a launch placed after another's consu
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
 STRICT = False  # True: a failure inside the pass (or of its final check) raises instead of undoing it with a warning
 
-# Ops that only re-view or copy a tensor: followed through when looking for the op that consumes it.
+# Ops that only re-view or copy a tensor (or join copies of its rows): followed through when looking for the op that
+# consumes it.
 _LAYOUT_OPS = {
     aten.view.default,
     aten._unsafe_view.default,
@@ -85,6 +86,7 @@ _LAYOUT_OPS = {
     aten.alias.default,
     aten.as_strided.default,
     aten.contiguous.default,
+    aten.cat.default,  # the real rows of an uneven Ulysses slot, traced (cp_ops.layout.Shards.rows: a cat of slices)
     operator.getitem,
 }
 _GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default}

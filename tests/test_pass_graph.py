@@ -560,3 +560,27 @@ def test_packed_send_split_in_every_form(form):
     q_sel, k_sel, v_sel = sels
     assert q_sel.args[0].args[0] is launches[1] and q_sel.args[2] == 0
     assert k_sel.args[0].args[0] is launches[0] and (k_sel.args[2], v_sel.args[2]) == (0, 1)
+
+
+class _UnevenUlysses(torch.nn.Module):
+    """Q, K, V projections → Ulysses over uneven shards (rank 0 holds 9 of 16 tokens) → output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_q, self.to_k, self.to_v, self.to_out = (torch.nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x):
+        q, k, v = (f(x).unflatten(-1, (HEADS, -1)) for f in (self.to_q, self.to_k, self.to_v))
+        return self.to_out(cp_ops.attention(q, k, v, mode="ulysses", seq_lens=(9, 7)).flatten(-2))
+
+
+def test_uneven_ulysses_opens_a_window(fake_group):
+    """Uneven shards: the traced body reads each received slot by select(buf, 3, i), then its real rows (a cat of
+    slices), so the pass splits Q off and opens the window (a copy of the whole buffer first kept the launch whole:
+    no window, 2026-12-02, seen on the graph of Flux with uneven shards; a key mask reads the padded rows: unaffected)."""
+    model = _UnevenUlysses()
+    _, code, cap, logs = compile_and_get(model, (torch.randn(1, 9, DIM, generator=torch.Generator().manual_seed(4)),))
+    assert cap.windows == [1], logs
+    assert any("split ulysses_packed_start" in m for m in logs), logs
+    launches = re.findall(r"= torch\.ops\.cp_ops\.(\w+)\.default\(", code)
+    assert launches == ["ulysses_packed_start", "ulysses_packed_start", "ulysses_inverse_start"], launches
