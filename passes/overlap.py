@@ -63,6 +63,9 @@ _LAUNCHES = frozenset(LAUNCH_OPS)  # every launch: all count towards the in-flig
 AFTER = "cp_ops_after"  # node.meta key of a launch placed after another's consumption: (token, consumer nodes)
 TAG = "cp_ops_window"  # node.meta key: (window id, role) with role in {"launch", "q", "wait"}
 STRICT = False  # True: a failure inside the pass (or of its final check) raises instead of undoing it with a warning
+#: the meta keys the pass writes on nodes it did not create (``val``: a rewired select's; the tags): what its
+#: snapshots keep (:class:`~cp_ops.passes.rollback.GraphSnapshot`; the nodes it creates are erased on a restore)
+_META_KEYS = ("val", TAG, AFTER)
 
 # Ops that only re-view or copy a tensor (or join copies of its rows): followed through when looking for the op that
 # consumes it.
@@ -622,12 +625,12 @@ def overlap_kv_communication(graph: fx.Graph) -> int:
     launches = [n for n in graph.nodes if _is_call(n, _KV_LAUNCHES)]
     if not launches:
         return 0
-    traced = GraphSnapshot(graph)
+    traced = GraphSnapshot(graph, _META_KEYS)
     broken_as_traced = dict(_broken_inflight(graph))
     dead: list[fx.Node] = []  # launches and waits replaced by a split: erased once the pass has succeeded
     opened = 0
     for launch in launches:
-        before, n_dead = GraphSnapshot(graph), len(dead)
+        before, n_dead = GraphSnapshot(graph, _META_KEYS), len(dead)
         try:
             opened += _process_launch(graph, launch, opened, dead)
         except Exception as e:  # noqa: BLE001 - an optimization must not break the user's compile

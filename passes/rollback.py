@@ -11,18 +11,27 @@ import torch.fx as fx
 
 
 class GraphSnapshot:
-    """The nodes of ``graph`` in order, each one's ``args``/``kwargs`` and a shallow copy of its ``meta``.
+    """The nodes of ``graph`` in order, each one's ``args``/``kwargs`` and its ``meta``: a shallow copy, or with
+    ``meta_keys`` only those keys' values (cheaper: a pass that writes no other key of the nodes it did not create
+    names them; the overlap pass takes one snapshot per launch, O(nodes) each).
 
-    :meth:`restore` erases every node added since, puts back the inputs, the order and the ``meta`` of the
-    nodes it saw. Nodes must not be *erased* between the snapshot and a restore (the pass defers erasing the
+    :meth:`restore` erases every node added since, puts back the inputs, the order and the ``meta`` (those keys) of
+    the nodes it saw. Nodes must not be *erased* between the snapshot and a restore (the pass defers erasing the
     nodes it replaces until it has succeeded).
     """
 
-    def __init__(self, graph: fx.Graph) -> None:
+    _ABSENT = object()
+
+    def __init__(self, graph: fx.Graph, meta_keys: tuple[str, ...] | None = None) -> None:
         self.graph = graph
         self.nodes = list(graph.nodes)
-        self.inputs = {n: (n.args, n.kwargs) for n in self.nodes}
-        self.meta = {n: dict(n.meta) for n in self.nodes}
+        self.inputs = [(n._args, n._kwargs) for n in self.nodes]  # the attributes behind Node.args / Node.kwargs
+        self.meta_keys = meta_keys
+        if meta_keys is None:
+            self.meta = [dict(n.meta) for n in self.nodes]
+        else:
+            absents = (self._ABSENT,) * len(meta_keys)
+            self.meta = [tuple(map(n.meta.get, meta_keys, absents)) for n in self.nodes]
 
     def restore(self) -> None:
         """Put the graph back as it was at the snapshot. Raises RuntimeError when a node seen then was erased
@@ -31,9 +40,8 @@ class GraphSnapshot:
         if gone:
             raise RuntimeError(f"cp_ops.passes: cannot restore the graph: nodes {gone} were erased since the snapshot")
         keep = set(self.nodes)
-        for n in self.nodes:  # first the inputs: no node seen then uses an added node any more
-            args, kwargs = self.inputs[n]
-            if n.args is not args:
+        for n, (args, kwargs) in zip(self.nodes, self.inputs):  # first the inputs: no node seen then uses an added
+            if n.args is not args:                                 # node any more
                 n.args = args
             if n.kwargs is not kwargs:
                 n.kwargs = kwargs
@@ -52,11 +60,19 @@ class GraphSnapshot:
         for prev, n in zip(self.nodes, self.nodes[1:]):
             if prev.next is not n:
                 prev.append(n)
-        for n in self.nodes:
-            saved = self.meta[n]
-            if n.meta.keys() != saved.keys() or any(n.meta[k] is not v for k, v in saved.items()):
-                n.meta.clear()
-                n.meta.update(saved)
+        if self.meta_keys is None:
+            for n, saved in zip(self.nodes, self.meta):
+                if n.meta.keys() != saved.keys() or any(n.meta[k] is not v for k, v in saved.items()):
+                    n.meta.clear()
+                    n.meta.update(saved)
+            return
+        absent = self._ABSENT
+        for n, saved in zip(self.nodes, self.meta):
+            for k, v in zip(self.meta_keys, saved):
+                if v is absent:
+                    n.meta.pop(k, None)
+                elif n.meta.get(k, absent) is not v:
+                    n.meta[k] = v
 
 
 class SchedulerSnapshot:
