@@ -13,10 +13,16 @@ import time
 
 def csv(kind, what: str | None = None):
     def parse(text):
-        try:
-            items = [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}: {e}") from e
+        items = []
+        for x in text.split(","):
+            if not x.strip():
+                continue
+            try:
+                items.append(kind(x))
+            except ValueError as e:
+                why = "" if str(e).startswith("invalid literal") else f" ({e})"  # int()'s own words name no rule
+                raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}; "
+                                                 f"{x.strip()!r} in {text!r} is not one{why}") from e
         if not items:  # '' or ',': an empty list would silently mean the default
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what or kind.__name__}, at least "
                                              f"one; got {text!r}")

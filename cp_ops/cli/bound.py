@@ -542,7 +542,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             rows += _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs)
             _check_outputs(sides, filled=bool(written))
         finally:
-            print(f"  [{mode_text}] {time.perf_counter() - t_mode:.0f} s", flush=True)
+            print(f"  [{mode_text}] every side built and timed in {time.perf_counter() - t_mode:.0f} s", flush=True)
             for s in sides:
                 s.call = None
             sides = None

@@ -141,7 +141,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     Raises:
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
             mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
-            an odd number of ranks, ``cuda_graphs`` without ``compile``, ``compile`` on blocks already compiled, K and V
+            an odd number of ranks, ``cuda_graphs=True`` without ``compile``, ``compile`` on blocks already compiled, K and V
             in different FP8 formats where the calls gather them together. At run time: a stream with fewer tokens than ranks; a mask CP attention
             cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
