@@ -14,7 +14,9 @@ find, check, rewrite):
 1. ``_split_packed_launch``: a ``cp_ops::ulysses_start([q, k, v])`` whose buffer is only read through
    ``select(buf, 3, slot)`` becomes ``ulysses_start([k, v])`` + ``ulysses_start([q])``; the slots read are
    remapped, so values are bitwise equal (an all-to-all moves bytes; the slot axis only changes strides).
-   Q's slot is the one that reaches the attention op's ``query`` argument. Traced code packs the send buffer itself
+   Q's slot is the one that reaches the attention op's ``query`` argument (through views and copies, and the ``cat``
+   that keeps an uneven shard's real rows: :meth:`cp_ops.layout.Shards.ulysses_rows` reads each slot by ``select``
+   when traced, so uneven Ulysses gets its window too). Traced code packs the send buffer itself
    (:meth:`cp_ops.comm.OpComm.ulysses`: ``ulysses_packed_start(stack([q, k, v], 3))``, a stack Inductor lowers into
    the norm/RoPE kernels): ``_split_packed_send`` splits the stack the same way, into a K/V stack and launch and a
    Q stack and launch.
