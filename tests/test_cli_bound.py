@@ -354,3 +354,14 @@ def test_an_empty_list_is_refused(flag, text):
     with pytest.raises(argparse.ArgumentTypeError, match="at least one; got " + re.escape(repr(text))):
         parse(text)
     assert parse("eager,regional") == ["eager", "regional"] if flag == "--bound-compile" else parse("2,4,") == [2, 4]
+
+
+def test_a_bad_list_item_is_named():
+    """A comma-separated option's bad item is named with the whole text (not int()'s own words); a rule the item's
+    parser states is kept in the message."""
+    from cp_ops.cli._args import chunks, csv
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"list of CP world sizes; 'x' in '2,x' is not one$"):
+        csv(int, "CP world sizes")("2,x")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'0' in '2,0' is not one \(chunks must be >= 1 or auto; got 0\)"):
+        csv(chunks, "chunks")("2,0")
