@@ -15,6 +15,7 @@ by ``cp-ops run`` / ``--bound`` when they capture a whole forward (the one-GPU b
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 
@@ -62,8 +63,6 @@ def apply(model: torch.nn.Module | None = None) -> list[str]:
     """Apply every fix whose module ``model``'s class (or a base class; a ``torch.compile``'d model: its original)
     comes from (``None``: every fix whose module is imported). Idempotent. Returns the fixes in force for it, as
     ``"module:function"``."""
-    import sys
-
     done = []
     mods = None if model is None else _class_modules(model)
     for mod_name, fn_name, construct, fix in FIXES:
@@ -89,8 +88,6 @@ def apply(model: torch.nn.Module | None = None) -> list[str]:
 
 def undo() -> None:
     """Put every replaced function back (tests)."""
-    import sys
-
     for key, orig in _APPLIED.items():
         mod_name, fn_name = key.split(":")
         setattr(sys.modules[mod_name], fn_name, orig)
