@@ -821,7 +821,9 @@ def _two_ranks(rank, w):
             rel = ((out.float() - same.float()).abs().max() / same.float().abs().max()).item()
             assert rel < 2e-2, (mode, chunks, c, rel)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        assert 0 < err < 0.15, (mode, chunks, c, err)
+        # lossy but not garbage (the exact check is against ``same`` above): e5m2 keeps 2 mantissa bits, and its
+        # Ulysses sends Q, K, V and O rounded: 0.19 / 0.20 measured on an H200 (2026-12-02d); e4m3 below 0.15
+        assert 0 < err < (0.3 if c is torch.float8_e5m2 else 0.15), (mode, chunks, c, err)
 
     def block(x):
         return cp_ops.attention(x * 0.5, x, x, mode="ulysses", chunks=1, transport="torch", comm_dtype=E4)
