@@ -27,11 +27,12 @@ INVALID = ("invalid: this side's outputs were not finite (diffusers' functional 
            "backend on that call: its kernels ran on stale memory); not comparable")
 HOST_BOUND = ("no host column in this run; later runs of the same mode (2026-12-02) show both sides host-bound "
               "without CUDA graphs: the time is the host's")
-NAMES = {("flux", "dev"): "FLUX.1-dev 1024²", ("qwenimage", "20b"): "Qwen-Image 1328²",
-         ("zimage", "turbo"): "Z-Image-Turbo 1024²", ("ltx", "2b"): "LTX-Video 768x512x121",
+NAMES = {("flux", "dev"): "FLUX.1-dev", ("qwenimage", "20b"): "Qwen-Image",
+         ("zimage", "turbo"): "Z-Image-Turbo", ("ltx", "2b"): "LTX-Video 768x512x121",
          ("wan", "1.3b"): "Wan2.1-1.3B 480p", ("wan", "14b"): "Wan2.1-14B", ("hunyuanvideo", "13b"): "HunyuanVideo"}
-#: the video models' resolution by token count (81 / 61 / 129 frames)
-RES = {("wan", 32760): " 480p", ("wan", 75600): " 720p", ("hunyuanvideo", 32640): " 544x960x61",
+#: the resolution by (model, image/video token count) (video: 81 / 61 / 129 frames)
+RES = {("flux", 4096): " 1024²", ("flux", 3969): " 1008² (uneven shards)", ("zimage", 4096): " 1024²",
+       ("qwenimage", 6889): " 1328²", ("wan", 32760): " 480p", ("wan", 75600): " 720p", ("hunyuanvideo", 32640): " 544x960x61",
        ("hunyuanvideo", 118800): " 720p x129"}
 
 
