@@ -204,7 +204,7 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     return _lay.ulysses_inverse_unpack(buf)
 
 
-# ---- uneven shards (cp_ops._lay.Shards: pad to max(seq_lens), move with the even ops, select the real rows) ----
+# ---- uneven shards (cp_ops._lay.Shards: pad to max(seq_lens), move with the even ops, take the real rows) ----
 def _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype=None):
     pg, tr, fmts = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
                             lambda w: _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]),
@@ -212,14 +212,14 @@ def _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype=None):
     sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
     if fmts != cd.NONE:
         kf, vf, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts, seq_lens).agkv(sh.pad(k), sh.pad(v)).wait()
-        return sh.rows(kf), sh.rows(vf)  # decoded: tensors of their own
+        return sh.rows(kf).contiguous(), sh.rows(vf).contiguous()  # decoded: tensors of their own
     kf, vf = torch.ops.cp_ops.agkv_gather_start(sh.pad(k), sh.pad(v), pg.size(), pg.group_name, tr, "", 0,
                                                 list(seq_lens))
     kf, vf = ops.wait(kf), ops.wait(vf)
-    k_out, v_out = sh.rows(kf), sh.rows(vf)
-    if k_out is kf and _pooled(tr, pg, kf):
-        return kf.clone(), vf.clone()
-    return k_out, v_out
+    k_out, v_out = sh.rows(kf), sh.rows(vf)  # (views of kf, vf where every block is full or the split a prefix)
+    if _pooled(tr, pg, kf):
+        return _owned(k_out, kf), _owned(v_out, vf)
+    return k_out.contiguous(), v_out.contiguous()  # (B > 1 under a prefix split: the promised contiguous copy)
 
 
 def _ulysses_uneven(xs, group, transport, seq_lens, comm_dtype=None):

@@ -172,9 +172,19 @@ def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
 
 # ---- uneven shards: helpers of Shards (below) ---------------------------------------------------------
 def shard_sizes(total: int, world_size: int) -> tuple[int, ...]:
-    """The standard split of ``total`` tokens over W ranks: ``torch.tensor_split``'s rule — the first
-    ``total % W`` ranks hold one token more (e.g. 7 tokens on W = 2 → ``(4, 3)``; 8423 on W = 3 →
-    ``(2808, 2808, 2807)``). Branch-free, so a symbolic ``total`` (``torch.compile(dynamic=True)``) stays symbolic.
+    """The standard split of ``total`` tokens over W ranks, the **prefix split**: every rank holds
+    ``smax = ceil(total / W)`` tokens except the last, which holds the rest (7 tokens on W = 2 → ``(4, 3)``; 10 on
+    W = 4 → ``(3, 3, 3, 1)``; 4481 on W = 4 → ``(1121, 1121, 1121, 1118)``). Where that would leave a rank empty
+    while another holds two tokens or more (``total <= (W - 1) * smax``: small counts, e.g. 9 on W = 4), it is
+    ``torch.tensor_split``'s rule instead (the first ``total % W`` ranks one token more: ``(3, 2, 2, 2)``); fewer
+    tokens than ranks: one each, then empty ranks.
+
+    Why not tensor_split's rule everywhere: the transports move every rank's block padded to ``smax`` rows
+    (:class:`Shards`); under the prefix split the real tokens of the W padded blocks are their first ``total`` rows,
+    so a receiver attends a narrowed view of what arrived (:attr:`Shards.prefix`), where short blocks in the middle
+    cost a copy selecting the real rows of K and V (and of Q, plus one re-padding the output, under Ulysses) per
+    attention call: +1.5 ms of FLUX.1-dev's 39.5 ms forward at 1008² on W = 4 (an H200, 2026-12-02d). The largest block
+    — what the slowest rank computes — is ``smax`` under both rules.
 
     Raises:
         ValueError: ``world_size`` < 1 or ``total`` < 0.
@@ -183,6 +193,12 @@ def shard_sizes(total: int, world_size: int) -> tuple[int, ...]:
         raise ValueError(f"shard_sizes: world_size must be >= 1; got {world_size}")
     if isinstance(total, int) and total < 0:
         raise ValueError(f"shard_sizes: total must be >= 0 tokens; got {total}")
+    smax = (total + world_size - 1) // world_size
+    last = total - (world_size - 1) * smax
+    if last >= 1:  # (a symbolic total: a guard on this condition, its value stays symbolic)
+        return (smax,) * (world_size - 1) + (last,)
+    if total < world_size:  # one token each, then empty ranks (both rules)
+        return tuple(1 if r < total else 0 for r in range(world_size))
     return tuple((total + world_size - 1 - r) // world_size for r in range(world_size))
 
 
@@ -279,6 +295,11 @@ def s_max(seq_lens):
     return m
 
 
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[B, S, ...]`` → ``[B, S + n, ...]``: x's rows, then n rows of zeros (False for bool), one ``pad``."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, n))
+
+
 class Shards:
     """Uneven shards and/or a key-padding mask of one CP attention call: the layout a mode body moves and selects.
 
@@ -289,11 +310,14 @@ class Shards:
     rank's keys and is applied as SDPA's boolean mask over the full key sequence.
 
     **Method.** Every rank pads its block to ``smax = max(seq_lens)`` rows (:meth:`pad`: one copy into a fresh
-    buffer) and the transports move the padded blocks with their even layouts. Then, without a key mask (exact:
-    padded keys are never attended), the receiver selects the real rows (one ``index_select`` with indices computed
-    once here; a ``cat`` of W slices in traced code) before attention, so SDPA sees exactly the K/V of one device:
-    bitwise equal to single-device attention where the same kernel sees the same data; the padding rows are never
-    read, so never written. With a key mask (SDPA's masked kernel runs anyway) nothing is selected: the padding
+    buffer; in traced code a zero ``pad`` the compiler writes with the send buffer) and the transports move the
+    padded blocks with their even layouts. Then, without a key mask (exact: padded keys are never attended), the
+    receiver takes the real rows before attention, so SDPA sees exactly the K/V of one device: bitwise equal to
+    single-device attention where the same kernel sees the same data. Under a **prefix** split (:attr:`prefix`: every
+    block full up to the last non-empty one, as :func:`shard_sizes` splits) the real rows are the first ``total`` of
+    the ``W*smax``: a narrowed view, no copy (and Ulysses re-pads its output for the way back by one zero ``pad`` at
+    the end); any other split selects them (one ``index_select`` with indices computed once here; a ``cat`` of W
+    slices in traced code) and re-pads the output by the inverse selection. With a key mask (SDPA's masked kernel runs anyway) nothing is selected: the padding
     rows are zeros and attended with the mask False there (:meth:`padded_mask`), so no copy of the real rows, no
     re-padding of the output: equal to one device up to the order of the kernel's sums (the same keys carry
     weight; padding keys add exact zeros), not bitwise. Blocks that are all full skip both.
@@ -309,6 +333,12 @@ class Shards:
         self.smax = s_max(seq)
         self.total = sum(seq)
         self.full = all(n == self.smax for n in seq)
+        #: the real rows of the W padded blocks are their first ``total`` rows: every block before the last non-empty
+        #: one is full (:func:`shard_sizes`' split; True when ``full``)
+        self.prefix, short = True, False
+        for n in seq:  # (a loop: Dynamo traces it)
+            self.prefix = self.prefix and not (short and n != 0)
+            short = short or n != self.smax
         self.device = device
         self._kv = self._inv = None
 
@@ -336,9 +366,13 @@ class Shards:
     def pad(self, x: torch.Tensor, zero: bool = False) -> torch.Tensor:
         """``[B, S_local, ...]`` → ``[B, smax, ...]``: a fresh contiguous buffer with x's rows first (x itself, made
         contiguous, when ``S_local == smax``); the padding rows are left unwritten (never read), or zeros with
-        ``zero`` (padding rows that are attended, masked: :meth:`padded_mask`)."""
+        ``zero`` (padding rows that are attended, masked: :meth:`padded_mask`). Traced: a zero ``pad`` (the
+        compiler writes it with its consumer, e.g. the Ulysses send buffer, where a copy into a fresh buffer is one
+        kernel more)."""
         if self.s_local == self.smax:
             return x.contiguous()
+        if torch.compiler.is_compiling():
+            return _pad_rows(x, self.smax - self.s_local)
         out = x.new_empty((x.shape[0], self.smax, *x.shape[2:]))
         out.narrow(1, 0, self.s_local).copy_(x)
         if zero:
@@ -355,10 +389,13 @@ class Shards:
 
     def rows(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """``[.., W*smax, ..]`` (padded blocks in rank order along ``dim``) → ``[.., total, ..]``: the real rows
-        (``full`` itself when every block is full). Eager: one ``index_select``; traced: ``torch.cat`` of W slices
-        (no index constant in the graph); the same copies, bitwise equal."""
+        (``full`` itself when every block is full; its first ``total`` rows, a view, under a :attr:`prefix` split).
+        Else, eager: one ``index_select``; traced: ``torch.cat`` of W slices (no index constant in the graph); the
+        same copies, bitwise equal."""
         if self.full:
             return full
+        if self.prefix:
+            return full.narrow(dim, 0, self.total)
         if torch.compiler.is_compiling():
             return torch.cat([full.narrow(dim, r * self.smax, n) for r, n in enumerate(self.seq)], dim=dim)
         return full.index_select(dim, self.kv_index())
@@ -393,35 +430,39 @@ class Shards:
 
     def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
         """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
-        (``unpack(buf)`` when every block is full; else, eager, one copy of all n slots; traced, the real rows of each
+        (``unpack(buf)`` when every block is full; each slot's first ``total`` rows, views, under a :attr:`prefix`
+        split; else, eager, one copy of all n slots; traced, the real rows of each
         of ``unpack(buf)``'s slots: the per-slot ``select(buf, 3, i)`` the overlap pass splits a launch's query
         off by — a copy of the whole buffer would keep the launch whole, no window — the same values, bitwise)."""
         if self.full:
             return tuple(unpack(buf))
-        if torch.compiler.is_compiling():
+        if self.prefix or torch.compiler.is_compiling():
             return tuple(self.rows(t, 1) for t in unpack(buf))
         w, b, smax, n, hl, d = buf.shape
         return self.rows(buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * smax, hl, d), 2).unbind(0)
 
     def repad(self, out: torch.Tensor) -> torch.Tensor:
         """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]`` (block r at ``r*smax``; padding rows hold any value, never
-        read): what the inverse all-to-all sends (``out`` itself when every block is full)."""
+        read; zeros where traced or under a :attr:`prefix` split): what the inverse all-to-all sends (``out`` itself
+        when every block is full; one zero ``pad`` at the end under a prefix split)."""
         if self.full:
             return out
-        if torch.compiler.is_compiling():
+        if self.prefix or torch.compiler.is_compiling():
             return self._repad_blocks(out)
         return out.index_select(1, self.inverse_index())
 
     def _repad_blocks(self, out: torch.Tensor) -> torch.Tensor:
         """:meth:`repad` in slices and pads, no index tensor (what traced code runs: no index constant in the graph),
         the padding rows zeros (False for a bool ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask
-        with it, eager or traced). The standard split
-        (:func:`shard_sizes`: ``k`` blocks of ``smax`` rows, then blocks of ``smax - 1``) is two parts — the full
+        with it, eager or traced). A :attr:`prefix` split is one ``pad`` at the end; tensor_split's split
+        (``k`` blocks of ``smax`` rows, then blocks of ``smax - 1``: :func:`shard_sizes` for small counts) is two parts — the full
         blocks as they are, the short ones padded by one row each (one ``pad`` of a ``[B, W - k, smax - 1, ...]``
         view) — which Inductor lowers to one or two kernels; any other split is a ``cat`` of its blocks and padding
         (up to 2W - 1 parts: past Inductor's ``max_pointwise_cat_inputs``, 8, one copy kernel per part, 15 per call
         on Qwen-Image at W = 8 under CUDA graphs)."""
         w, smax, seq = self.world, self.smax, self.seq
+        if self.prefix:  # the real rows first, the padding after them
+            return _pad_rows(out, w * smax - self.total)
         k = sum(1 for n in seq if n == smax)
         if smax > 1 and k < w and seq == (smax,) * k + (smax - 1,) * (w - k):
             rest = out.shape[2:]

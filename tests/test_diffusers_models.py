@@ -52,7 +52,9 @@ CASES = {
     # 8 / 16 image tokens, 8 text tokens (Z-Image: 64 / 96 unified); 9 / 18 image and 7 text tokens
     2: [("ulysses", 1, (2, 2, 2), 8, False), ("ulysses", 2, (1, 2, 4), 8, True), ("agkv", 2, (1, 3, 3), 7, True)],
     3: [("auto", 2, (1, 3, 3), 7, True)],  # AGKV (W does not divide the 4 heads); Z-Image refiner: 32 tokens
-    4: [("ulysses", 2, (1, 3, 3), 7, True)],  # 9 image tokens on 4 ranks, through Ulysses
+    # 9 image tokens on 4 ranks, through Ulysses (tensor_split's split: the prefix one would leave rank 3 empty);
+    # 10 through AGKV: the prefix split (3, 3, 3, 1), the final gather taking the first 10 of the 12 padded rows
+    4: [("ulysses", 2, (1, 3, 3), 7, True), ("agkv", 1, (1, 2, 5), 7, False)],
 }
 
 

@@ -53,6 +53,26 @@ def _cases(rank, w):
             mixed = fn(sh(q), sh(k), sh(v)) if rank == 0 else torch.compile(fn, fullgraph=True, backend=backend)(
                 sh(q), sh(k), sh(v))
         assert torch.equal(mixed, eager)
+    # uneven without a mask: the prefix split (layout.shard_sizes' (7, 6)) attends views of the received rows and
+    # re-pads the output with one pad (no cat in the traced graph); the short block first, (6, 7), selects the real
+    # rows (a cat per slot) and re-pads by cat: the same values either way
+    total = 13
+    g = torch.Generator().manual_seed(77)
+    q, k, v = (torch.randn(b, total, h, d, generator=g) for _ in range(3))
+    for seq in ((7, 6), (6, 7)):
+        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+
+        def fn(q, k, v):
+            return cp_ops.attention(q, k, v, group=pg, mode="ulysses", seq_lens=seq)
+
+        with torch.no_grad():
+            eager = fn(sh(q), sh(k), sh(v))
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True, backend=backend)(sh(q), sh(k), sh(v))
+        assert torch.equal(compiled, eager), (seq, (compiled - eager).abs().max().item())
+        torch.testing.assert_close(eager, sh(masked_attention(q, k, v)), rtol=1e-5, atol=1e-5)
+        cats = [n for n in graphs[-1].graph.nodes if n.target in (torch.cat, torch.index_select)]
+        assert (len(cats) == 0) == (seq == layout.shard_sizes(total, w)), (seq, [n.target for n in cats])
 
 
 def test_traced_pack_compiled_equals_eager_and_single_device():

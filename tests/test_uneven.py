@@ -12,11 +12,12 @@ from cp_ops import config, layout
 from cp_ops.kernels import local_attention as masked_attention
 from dist_util import run_ranks
 
-# (B, H, D, split): split = a total token count (cp_ops.layout.shard_sizes) or explicit seq_lens
+# (B, H, D, split): split = a total token count (cp_ops.layout.shard_sizes: a prefix split, the real rows taken as a
+# view) or explicit seq_lens (some not a prefix: (0, 9), (5, 0, 12), (1, 1, 30), (1, 10, 0, 3), (4, 4, 3, 3): the rows selected)
 CASES = {
     2: [(1, 4, 8, 7), (2, 2, 16, 31), (1, 4, 8, (0, 9)), (2, 6, 8, (13, 2))],
     3: [(1, 3, 8, 95), (2, 6, 8, 20), (1, 3, 16, (5, 0, 12)), (1, 6, 8, (1, 1, 30))],
-    4: [(1, 4, 8, 30), (2, 8, 8, 13), (1, 4, 8, (1, 10, 0, 3)), (1, 2, 8, (6, 6, 6, 5))],
+    4: [(1, 4, 8, 30), (2, 8, 8, 13), (1, 4, 8, (1, 10, 0, 3)), (1, 2, 8, (6, 6, 6, 5)), (2, 8, 8, (4, 4, 3, 3))],
 }
 
 
@@ -320,10 +321,25 @@ def test_shard_sizes():
     assert layout.shard_sizes(8423, 3) == (2808, 2808, 2807)
     assert layout.shard_sizes(32760, 6) == (5460,) * 6
     assert layout.shard_sizes(2, 4) == (1, 1, 0, 0)
-    for total in range(0, 40):
-        for w in range(1, 7):
+    assert layout.shard_sizes(10, 4) == (3, 3, 3, 1)  # the prefix split (tensor_split: (3, 3, 2, 2))
+    assert layout.shard_sizes(4481, 8) == (561,) * 7 + (554,)  # FLUX.1-dev 1008²'s 3969 + 512 tokens
+    assert layout.shard_sizes(9, 4) == (3, 2, 2, 2)  # the prefix split would leave rank 3 empty: tensor_split's
+    prefix_splits = 0
+    for total in range(0, 80):
+        for w in range(1, 9):
             sizes = layout.shard_sizes(total, w)
-            assert sizes == tuple(t.shape[0] for t in torch.arange(total).tensor_split(w))
+            smax = -(-total // w)
+            split = tuple(t.shape[0] for t in torch.arange(total).tensor_split(w))
+            if total - (w - 1) * smax >= 1:  # the prefix split: smax on every rank but the last
+                assert sizes == (smax,) * (w - 1) + (total - (w - 1) * smax,), (total, w, sizes)
+                prefix_splits += sizes != split
+            elif total >= w:  # no rank left empty while another holds 2+ tokens: tensor_split's rule
+                assert sizes == split, (total, w, sizes)
+            else:
+                assert sizes == split == (1,) * total + (0,) * (w - total)
+            assert max(sizes) == max(split)  # the slowest rank's count: the same under both rules
+            sh = layout.Shards(sizes, w, 0, sizes[0], torch.device("cpu"))
+            assert sh.prefix == (total - (w - 1) * smax >= 1 or total < w), (total, w, sizes)
             x = torch.arange(total)
             assert torch.equal(torch.cat([layout.shard(x, 0, r, w) for r in range(w)]), x)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
@@ -440,8 +456,9 @@ def test_cuda_uneven_compiled_equals_eager():
                                  (1, 10, 0, 3), (5, 0, 12), (2, 1, 1, 1), (1, 1, 0, 0)])
 def test_repad_traced_equals_eager_and_is_two_parts_on_standard_splits(seq):
     """Shards.repad under torch.compile (the traced form) = the eager index_select on every real row, zeros in the
-    padding; on the standard split (layout.shard_sizes) the traced graph cats at most 2 parts (it catted 2W - 1:
-    15 one-copy kernels per call on Qwen-Image at W = 8 under CUDA graphs)."""
+    padding; on a prefix split (layout.shard_sizes') one pad at the end, no cat; on tensor_split's split the traced
+    graph cats at most 2 parts (it catted 2W - 1: 15 one-copy kernels per call on Qwen-Image at W = 8 under CUDA
+    graphs)."""
     w, total = len(seq), sum(seq)
     sh = layout.Shards(seq, w, 0, seq[0], torch.device("cpu"))
     out = torch.randn(2, total, 3, 4, generator=torch.Generator().manual_seed(total))
@@ -459,5 +476,7 @@ def test_repad_traced_equals_eager_and_is_two_parts_on_standard_splits(seq):
     pad = torch.tensor([i for i in range(w * sh.smax) if i not in set(real.tolist())], dtype=torch.long)
     assert torch.equal(traced[:, real], eager[:, real]) and torch.equal(traced[:, real], out)
     assert torch.count_nonzero(traced[:, pad]) == 0
-    if seq == layout.shard_sizes(total, w) and sh.smax > 1 and not sh.full:
-        assert cats and max(cats) <= 2, f"standard split {seq}: cat of {cats} parts"
+    if sh.prefix:  # the prefix split (layout.shard_sizes): one pad at the end, eager and traced, no cat
+        assert not cats and torch.equal(eager, traced), (seq, cats)
+    elif seq == tuple(t.shape[0] for t in torch.arange(total).tensor_split(w)) and sh.smax > 1:
+        assert cats and max(cats) <= 2, f"tensor_split's split {seq}: cat of {cats} parts"

@@ -2,7 +2,7 @@
 
 The model is parallelized by :func:`cp_ops.integrations.diffusers.parallelize` over a *fake* process group of W
 ranks (``torch.testing._internal.distributed.fake_pg``: this process is rank 0 of W, collectives move nothing), so
-one forward does exactly rank 0's work — its ``S / W`` tokens (uneven: the first ``S % W`` ranks hold one more), its
+one forward does exactly rank 0's work — its ``S / W`` tokens (uneven: ``ceil(S / W)``, the most any rank holds), its
 queries against all S keys, the replicated text/timestep work — plus cp_ops' host path, without any transfer.
 
     bound(W) = t(one device) / t(rank 0 of W)

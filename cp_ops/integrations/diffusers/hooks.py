@@ -1,9 +1,9 @@
 """The generic split/gather hooks that carry out a :mod:`plan <cp_ops.integrations.diffusers.plan>` on a model.
 
 Forward pre-hooks split named inputs, forward hooks split outputs or all-gather them. Uneven token counts follow
-:func:`~cp_ops.integrations.diffusers.plan.shard_sizes` (rank r holds the r-th contiguous block; the first
-``total % W`` ranks one token more); the gather pads each rank's block to ``ceil(total / W)`` tokens, all-gathers,
-and drops the pads. Each split records its stream's full token count in :class:`CPState`, which the attention
+:func:`~cp_ops.integrations.diffusers.plan.shard_sizes` (rank r holds the r-th contiguous block: ``ceil(total / W)``
+tokens on every rank but the last, the prefix split); the gather pads each rank's block to the largest, all-gathers,
+and takes the real rows (:class:`cp_ops.layout.Shards`: the first ``total``, a view, under the prefix split). Each split records its stream's full token count in :class:`CPState`, which the attention
 (:mod:`.dispatch`) reads to know every rank's sequence length. No host synchronisation: every size is computed
 from shapes, branch-free where the shape may be symbolic.
 """
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ...contract import announce
+from ...layout import Shards
 from ...transport import fake_fill
 from .plan import Gather, Plan, Split, shard_sizes
 
@@ -183,15 +184,12 @@ def gather_tensor(x: torch.Tensor, spec: Gather, state: CPState) -> torch.Tensor
     total = state.total(spec.stream, f"the gather of stream {spec.stream!r}")
     # gather along dim 0 (token dim moved to the front), then move it back: rank-ordered blocks concatenate
     local = x.movedim(d, 0)
-    if total % w == 0:
+    sizes = shard_sizes(total, w)
+    shards = Shards(sizes, w, state.rank, sizes[state.rank], x.device)
+    if shards.full:
         out = _all_gather(local.contiguous(), gather_dim=0, group=state.pg)
-    else:
-        m = (total + w - 1) // w
-        rem = total % w
-        if local.shape[0] < m:  # this rank holds one token fewer: pad to m
-            local = torch.cat([local, local.new_zeros((m - local.shape[0],) + tuple(local.shape[1:]))])
-        g = _all_gather(local.contiguous(), gather_dim=0, group=state.pg).unflatten(0, (w, m))
-        out = torch.cat([g[:rem].flatten(0, 1), g[rem:, : m - 1].flatten(0, 1)])
+    else:  # every block padded to the largest, gathered, the real rows taken (a view under the prefix split)
+        out = shards.rows(_all_gather(shards.pad(local.unsqueeze(0))[0], gather_dim=0, group=state.pg), 0)
     return out.movedim(0, d)
 
 

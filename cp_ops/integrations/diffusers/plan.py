@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...layout import shard_sizes  # noqa: F401 - the split rule (tensor_split's), re-exported for the hooks
+from ...layout import shard_sizes  # noqa: F401 - the split rule (the prefix split), re-exported for the hooks
 from . import _private
 
 
