@@ -47,6 +47,17 @@ def _two_ranks_one_gpu(rank, w):
                                key_mask=mask[:, rs])
         err = ((out.float() - ref_m.float()).abs().max() / ref_m.float().abs().max()).item()
         assert err < 2e-2, (mode, "uneven+mask", err)
+    # uneven without a mask: the prefix split (the real rows taken as views) and the short block first (selected)
+    for seq in ((1100, 948), (948, 1100)):
+        rs = slice(0, seq[0]) if rank == 0 else slice(seq[0], s)
+        ref = cp_ops.local_attention(q[:, rs], k, v)  # this rank's queries against every key: AGKV's one call
+        for mode in ("agkv", "ulysses"):
+            out = cp_ops.attention(q[:, rs], k[:, rs], v[:, rs], mode=mode, chunks=1, transport="torch", seq_lens=seq)
+            if mode == "agkv":
+                assert torch.equal(out, ref), (seq, (out.float() - ref.float()).abs().max().item())
+            else:
+                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                assert err < 2e-2, (mode, seq, err)
     # compiled with the overlap pass = eager
     def block(x):
         return cp_ops.attention(x * 0.5, x, x, mode="agkv", chunks=1, transport="torch")
