@@ -167,7 +167,9 @@ if triton is not None:
             v = tl.where((b & 0x7F) == 0x7F, _bits_f32(v, 0x7FC00000), v)
         else:
             v = tl.where(ex == 31, tl.where((b & 3) == 0, _bits_f32(v, 0x7F800000), _bits_f32(v, 0x7FC00000)), v)
-        return tl.where((b & 0x80) != 0, -v, v)
+        # the sign as a bit: Triton's unary minus is 0 - v, which makes -(+0) +0 where torch's decode of the byte 0x80
+        # (a value that rounded to zero) is -0 (found on an H200, 2026-12-02d: the fused decode's first-use check)
+        return (v.to(tl.uint32, bitcast=True) | ((b & 0x80).to(tl.uint32) << 24)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _quantize(x, FMAX: tl.constexpr, E4M3: tl.constexpr):
