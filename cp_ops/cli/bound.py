@@ -713,7 +713,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
           f"{'from':>11} {'rank 0 ms':>10} {'fill ms':>8}" + (f" {'host ms':>9}" if has_host else "")
           + (f" {'ms/step':>9}" if steps else "") + f" {'bound':>7}"
           + (f" {'cp_ops cost':>16}" if has_cost else "")
-          + (f" {'plain ms':>9} {'host ms':>9}" if has_cost and has_host else ""))
+          + (f" {'plain ms':>9} {'plain host':>10}" if has_cost and has_host else ""))
     for r in rows:
         name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
         if "skipped" in r:
@@ -722,8 +722,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
             continue
         cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
         bound_text = f"{r['bound_speedup']:>6.2f}x" if r.get("bound_speedup") is not None else f"{'-':>7}"
-        plain = (f" {r['plain_ms']:>9.2f} {_host_text(r, 'plain_')}" if "plain_ms" in r
-                 else f" {'':>9} {'':>9}") if has_cost and has_host else ""
+        plain = (f" {r['plain_ms']:>9.2f} {_host_text(r, 'plain_'):>10}" if "plain_ms" in r
+                 else f" {'':>9} {'':>10}") if has_cost and has_host else ""
         print(f"{name:<17} {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
               + f" {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
               f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
@@ -738,7 +738,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
           + ("cp_ops cost = rank 0 minus the same forward with plain local attention of the same shapes (--cost), % of "
              "rank 0's forward." if has_cost else "--cost adds cp_ops' own cost inside the bound."))
     if has_host:
-        print("host ms = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
+        print("host ms (plain host: the plain side's) = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
               f"the measured (device-timed) forward; * = host-bound: host >= {HOST_BOUND:g} x the measured time "
               "(rank 0 raw = rank 0 + fill), so the device waited for the host and that row's time is host time"
               + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))
