@@ -104,6 +104,20 @@ def test_fake_group_eager_compiled_and_captured(world):
             got = graphed()
             torch.cuda.synchronize()
             assert got.shape == q.shape, (mode, chunks)
+        # uneven shards on the prefix split (rank 0 holds the most; the real rows taken as views, Ulysses' output
+        # re-padded by one pad): eager, compiled and captured, the compiled = eager bitwise
+        seq = cp_ops.layout.shard_sizes(s * world - 3, world)
+        qu, ku, vu = (t[:, :seq[0]].contiguous() for t in (q, k, v))
+        for mode in ("agkv", "ulysses"):
+            eager = cp_ops.attention(qu, ku, vu, mode=mode, transport="torch", seq_lens=seq)
+            torch._dynamo.reset()
+            comp = torch.compile(lambda a, b_, c: cp_ops.attention(a, b_, c, mode=mode, transport="torch",
+                                                                    seq_lens=seq), fullgraph=True, dynamic=False)
+            assert torch.equal(comp(qu, ku, vu), eager), mode
+            graphed = Graphed(lambda: cp_ops.attention(qu, ku, vu, mode=mode, transport="torch", seq_lens=seq), dev,
+                              warmup=1)
+            assert graphed().shape == qu.shape, mode
+            torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
 
