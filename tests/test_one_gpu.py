@@ -105,7 +105,11 @@ def test_fake_group_eager_compiled_and_captured(world):
             torch.cuda.synchronize()
             assert got.shape == q.shape, (mode, chunks)
         # uneven shards on the prefix split (rank 0 holds the most; the real rows taken as views, Ulysses' output
-        # re-padded by one pad): eager, compiled and captured, the compiled = eager bitwise
+        # re-padded by one pad): eager, compiled and captured, the compiled = eager bitwise (the fake collectives
+        # write their outputs: torch 2.11's fake all-to-all leaves them unwritten, cp_ops.transport.fake_fill)
+        from cp_ops.transport import fake_fill
+
+        fake_fill.enable(dist.group.WORLD, dev)
         seq = cp_ops.layout.shard_sizes(s * world - 3, world)
         qu, ku, vu = (t[:, :seq[0]].contiguous() for t in (q, k, v))
         for mode in ("agkv", "ulysses"):
@@ -118,6 +122,7 @@ def test_fake_group_eager_compiled_and_captured(world):
                               warmup=1)
             assert graphed().shape == qu.shape, mode
             torch.cuda.synchronize()
+        fake_fill.disable()
     finally:
         dist.destroy_process_group()
 
