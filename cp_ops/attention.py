@@ -72,7 +72,9 @@ def attention(
         seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
             ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
             :func:`cp_ops.layout.shard_sizes`). Padded blocks are moved; without a key mask the real rows are
-            selected before attention (exact: the keys are the concatenation of all ranks' real tokens), with one
+            taken before attention (exact: the keys are the concatenation of all ranks' real tokens) — as views
+            where every block before the last non-empty one is full (the prefix split ``shard_sizes`` makes: split
+            with it for speed), else by a copy selecting them (e.g. ``torch.tensor_split``'s split), with one
             the padded blocks are attended with the padding rows masked (equal up to the attention kernel's order
             of sums; no copy of the real rows: :class:`cp_ops.layout.Shards`). None = every rank holds S_local.
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
