@@ -309,17 +309,17 @@ class Shards:
     ``key_mask`` (given to the body per call): bool ``[B, S_local]``, True = attend this key; it travels with its
     rank's keys and is applied as SDPA's boolean mask over the full key sequence.
 
-    **Method.** Every rank pads its block to ``smax = max(seq_lens)`` rows (:meth:`pad`: one copy into a fresh
-    buffer; in traced code a zero ``pad`` the compiler writes with the send buffer) and the transports move the
-    padded blocks with their even layouts. Then, without a key mask (exact: padded keys are never attended), the
-    receiver takes the real rows before attention, so SDPA sees exactly the K/V of one device: bitwise equal to
-    single-device attention where the same kernel sees the same data. Under a **prefix** split (:attr:`prefix`: every
-    block full up to the last non-empty one, as :func:`shard_sizes` splits) the real rows are the first ``total`` of
-    the ``W*smax``: a narrowed view, no copy (and Ulysses re-pads its output for the way back by one zero ``pad`` at
-    the end); any other split selects them (one ``index_select`` with indices computed once here; a ``cat`` of W
-    slices in traced code) and re-pads the output by the inverse selection. With a key mask (SDPA's masked kernel runs anyway) nothing is selected: the padding
-    rows are zeros and attended with the mask False there (:meth:`padded_mask`), so no copy of the real rows, no
-    re-padding of the output: equal to one device up to the order of the kernel's sums (the same keys carry
+    **Method.** Every rank pads its block to ``smax = max(seq_lens)`` rows (:meth:`pad`: one copy into a fresh buffer;
+    in traced code a zero ``pad`` the compiler writes with the send buffer) and the transports move the padded blocks
+    with their even layouts. Then, without a key mask (exact: padded keys are never attended), the receiver takes the
+    real rows before attention, so SDPA sees exactly the K/V of one device: bitwise equal to single-device attention
+    where the same kernel sees the same data. Under a **prefix** split (:attr:`prefix`: every block full up to the last
+    non-empty one, as :func:`shard_sizes` splits) the real rows are the first ``total`` of the ``W*smax``: a narrowed
+    view, no copy (and Ulysses re-pads its output for the way back by one zero ``pad`` at the end); any other split
+    selects them (one ``index_select`` with indices computed once here; a ``cat`` of W slices in traced code) and
+    re-pads the output by the inverse selection. With a key mask (SDPA's masked kernel runs anyway) nothing is selected:
+    the padding rows are zeros and attended with the mask False there (:meth:`padded_mask`), so no copy of the real
+    rows, no re-padding of the output: equal to one device up to the order of the kernel's sums (the same keys carry
     weight; padding keys add exact zeros), not bitwise. Blocks that are all full skip both.
 
     Args:
@@ -431,9 +431,9 @@ class Shards:
     def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
         """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
         (``unpack(buf)`` when every block is full; each slot's first ``total`` rows, views, under a :attr:`prefix`
-        split; else, eager, one copy of all n slots; traced, the real rows of each
-        of ``unpack(buf)``'s slots: the per-slot ``select(buf, 3, i)`` the overlap pass splits a launch's query
-        off by — a copy of the whole buffer would keep the launch whole, no window — the same values, bitwise)."""
+        split; else, eager, one copy of all n slots; traced, the real rows of each of ``unpack(buf)``'s slots: the
+        per-slot ``select(buf, 3, i)`` the overlap pass splits a launch's query off by — a copy of the whole buffer
+        would keep the launch whole, no window — the same values, bitwise)."""
         if self.full:
             return tuple(unpack(buf))
         if self.prefix or torch.compiler.is_compiling():
@@ -452,10 +452,10 @@ class Shards:
         return out.index_select(1, self.inverse_index())
 
     def _repad_blocks(self, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`repad` in slices and pads, no index tensor (what traced code runs: no index constant in the graph),
-        the padding rows zeros (False for a bool ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask
-        with it, eager or traced). A :attr:`prefix` split is one ``pad`` at the end; tensor_split's split
-        (``k`` blocks of ``smax`` rows, then blocks of ``smax - 1``: :func:`shard_sizes` for small counts) is two parts — the full
+        """:meth:`repad` in slices and pads, no index tensor (what traced code runs: no index constant in the graph), the
+        padding rows zeros (False for a bool ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask with
+        it, eager or traced). A :attr:`prefix` split is one ``pad`` at the end; tensor_split's split (``k`` blocks of
+        ``smax`` rows, then blocks of ``smax - 1``: :func:`shard_sizes` for small counts) is two parts — the full
         blocks as they are, the short ones padded by one row each (one ``pad`` of a ``[B, W - k, smax - 1, ...]``
         view) — which Inductor lowers to one or two kernels; any other split is a ``cat`` of its blocks and padding
         (up to 2W - 1 parts: past Inductor's ``max_pointwise_cat_inputs``, 8, one copy kernel per part, 15 per call
