@@ -285,6 +285,13 @@ def _(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None, 
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+# It communicates (this rank's K/V block goes to every peer) whatever its output: a rank without tokens (uneven shards,
+# ``seq_lens`` with a 0) has an empty output, which a compiler may compute without the op (Inductor did: the graph's
+# ``[B, 0, ...]`` result became one ``empty``, so that rank never sent its block and its peers waited on it). Marked
+# side-effectful, so no dead-code pass (FX's, Inductor's scheduler) removes it.
+torch.fx.node.has_side_effect(torch.ops.cp_ops.agkv_pipelined_attention.default)
+
+
 # ---- the FP8 codec of comm_dtype (cp_ops.kernels.fp8): encode before a launch, decode after its wait ----------------
 @torch.library.custom_op("cp_ops::fp8_encode", mutates_args=())
 def fp8_encode(x: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -260,9 +260,40 @@ def _dynamic(rank, w):
     assert len(graphs) == 1, f"{len(graphs)} graphs for 3 token counts"
 
 
+def _empty_rank_pipelined(rank, w):
+    """Pipelined AGKV compiled by Inductor on a rank without tokens (seq_lens (4, 0)): its output is empty, and
+    Inductor computed the graph's empty result without the op (one ``empty``), so rank 1 never sent its block and
+    rank 0 waited on it (before: the rank contract's mismatch at rank 1's next call, or a timeout). No FX graph or
+    AOT cache: a graph cached before the op was marked side-effectful would keep the op out."""
+    from torch import _dynamo
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    seq = (4, 0)
+    x = torch.randn(2, sum(seq), 2, 8, generator=torch.Generator().manual_seed(11))
+    xs = layout.shard(x, 1, rank, w, seq_lens=seq)
+
+    def block(x):
+        return cp_ops.attention(x * 1.5, x, x, mode="agkv", chunks=2, seq_lens=seq) * 2
+
+    no_cache = inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False)
+    with torch.no_grad(), no_cache[0], no_cache[1]:
+        eager = block(xs)
+        _dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True)(xs)
+        # a call after it: the ranks are still in step (the rank contract raises, naming the calls, if not)
+        after = cp_ops.attention(xs, xs, xs, mode="agkv", chunks=1, seq_lens=seq)
+    assert compiled.shape == eager.shape == xs.shape
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    torch.testing.assert_close(compiled, sh(cp_ops.local_attention(x * 1.5, x, x)) * 2)
+    assert torch.equal(after, sh(cp_ops.local_attention(x, x, x)))
+
+
 def _compiled_and_dynamic(rank, w):
     _compiled(rank, w)
     _dynamic(rank, w)
+    _empty_rank_pipelined(rank, w)
 
 
 def test_compiled_equals_eager():
