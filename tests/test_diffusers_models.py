@@ -69,6 +69,22 @@ def _models_equal(rank, w, names):
             _no_host_sync(rank, w, ["flux", "qwenimage", "zimage", "hunyuanvideo"], mode)
     if w == 4:
         _cfg_lanes(rank, w, ["wan", "flux", "zimage"])
+        _dynamic_last_rank_one_token(rank, w)
+
+
+def _dynamic_last_rank_one_token(rank, w):
+    """Qwen-Image (text mask) compiled with dynamic shapes where the prefix split leaves the last rank one image and
+    one text token ((1, 2, 5) = 10 image tokens, 10 text tokens on 4 ranks: (3, 3, 3, 1) each): the key mask's check
+    compared Dynamo's specialized size with the symbolic count equal to it and raised on rank 3 only (the h8break
+    finding, 2026-12-02); equal to the unparallelized model."""
+    from cp_ops.integrations.diffusers import parallelize
+
+    model = build("qwenimage")
+    compiled = torch.compile(parallelize(copy.deepcopy(model), mode="agkv", transport="torch"), backend="eager",
+                             dynamic=True, fullgraph=True)
+    kw = inputs("qwenimage", 2, (1, 2, 5), 10, torch.Generator().manual_seed(1), mask=True)
+    with torch.no_grad():
+        _compare("qwenimage", sample(compiled(**kw)), sample(model(**kw)), (w, "dynamic, last rank 1 token"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -26,6 +26,13 @@ _MASK_RULE = ("cp_ops.parallelize: an attention call's key mask differs from thi
               "input (CPState.note_key_mask); a processor building its mask otherwise is not supported")
 
 
+def _same_shape(shape: tuple, want: tuple) -> bool:
+    """``shape == want`` size by size: under ``torch.compile(dynamic=True)`` a size compared with a symbolic one
+    becomes a guard (a tuple's ``in`` traced by Dynamo returned False for a size Dynamo had specialized — the last
+    rank's one image token, Qwen-Image at W = 4 — against the symbolic count that equals it)."""
+    return len(shape) == len(want) and all(x == y for x, y in zip(shape, want))
+
+
 class CPAttention:
     """A processor's ``_parallel_config``: the CP group (via the model's :class:`CPState`) and the streams its
     token sequence is made of (``("text", "image")`` for joint attention: each rank holds its block of each)."""
@@ -47,7 +54,8 @@ class CPAttention:
             return None
         b, s = q.shape[0], q.shape[1]
         shape = tuple(attn_mask.shape)
-        if attn_mask.dtype != torch.bool or shape not in ((b, s), (b, 1, 1, s), (1, s), (1, 1, 1, s)):
+        if attn_mask.dtype != torch.bool or not any(_same_shape(shape, want) for want in
+                                                   ((b, s), (b, 1, 1, s), (1, s), (1, 1, 1, s))):
             raise ValueError(
                 f"cp_ops.parallelize ({self.where}): CP attention takes key-padding masks only — bool, shape "
                 f"[B, S_local] or [B, 1, 1, S_local] = {(b, s)} / {(b, 1, 1, s)}; got dtype {attn_mask.dtype}, shape "
