@@ -86,12 +86,11 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
                 cuda_graphs: bool | str = False, comm_dtype: Any = None) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
-    Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of
-    the tokens (uneven blocks when W does not divide the count: ``ceil(count / W)`` on every rank but the last,
-    :func:`cp_ops.layout.shard_sizes`), the
-    attention gets full context through :func:`cp_ops.attention`, and the output is all-gathered, so every rank
-    returns the full output, equal to the unparallelized model's (bitwise where the same kernel sees the same data;
-    joint attention sees its keys in another order: equal to rounding).
+    Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of the
+    tokens (uneven blocks when W does not divide the count: ``ceil(count / W)`` on every rank but the last,
+    :func:`cp_ops.layout.shard_sizes`), the attention gets full context through :func:`cp_ops.attention`, and the output
+    is all-gathered, so every rank returns the full output, equal to the unparallelized model's (bitwise where the same
+    kernel sees the same data; joint attention sees its keys in another order: equal to rounding).
 
     Args:
         transformer: a diffusers transformer of a class in :data:`SUPPORTED` (Wan 2.1/2.2, Wan VACE, Flux, Flux2,
