@@ -1,0 +1,64 @@
+# Sourced (not run) by a results folder's call script, from the repository root: the named GPU steps of issue 21's
+# one-H200 calls, so each folder's call.sh names its steps instead of copying them (the log's `code:` line names the
+# revision whose steps ran). Needs OUT (the output folder) and STEPS (step names, run in order); END (s, default 560)
+# is the whole call's deadline. Each step is one process under `timeout` (its cap, or what is left of END; skipped
+# when less than its minimum is left); output goes to $OUT/log.txt, per-run JSON to $OUT/json/STEP.json.
+# FW (W list, default 2,4,8) and FCAP (cap, s) tune the whole-model-compile steps (*_full).
+set -u
+: "${OUT:?OUT must name the output folder}"
+T0=$SECONDS; END=${END:-560}; LOG=$OUT/log.txt; W=$OUT/json; mkdir -p "$W"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+ROOT=$PWD; . benchmarks/gpu_site.sh
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'diffusers', diffusers.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
+echo "code: $(cat .gpu_rev 2>/dev/null || echo unknown)" | tee -a "$LOG"
+# st NAME CAP_S MIN_S CMD...
+st() {
+  local name=$1 cap=$2 min=$3; shift 3
+  local left=$((END - (SECONDS - T0))); local lim=$((cap < left ? cap : left))
+  if [ "$lim" -lt "$min" ]; then echo "=== $name: skipped (t=$((SECONDS - T0)) s: $left s left, needs $min)" | tee -a "$LOG"; return; fi
+  echo "=== $name (t=$((SECONDS - T0)) s, limit $lim s): $*" | tee -a "$LOG"
+  timeout -s ABRT -k 5 "$lim" "$@" 2>&1 | grep -v "^USDT\|__recompiles\]     -" | tee -a "$LOG"
+  echo "=== $name: rc=${PIPESTATUS[0]} at t=$((SECONDS - T0)) s" | tee -a "$LOG"
+}
+B="python3 -m cp_ops run"; R="--no-group1 --warmup 1 --repeats 3"; RC="--bound-compile regional+capture,regional+graphs --cost"
+PT="python3 -m pytest -q -rs -p no:cacheprovider"
+for s in ${STEPS:?STEPS names the steps}; do case $s in
+  # GPU tests: whole-forward capture and one-GPU tests; two ranks on one GPU; FP8's fused Triton kernels with a fresh
+  # Triton cache (their first-use check); CPU tests of compiled uneven shards under this machine's torch
+  tests)     st $s 150 60 $PT -m gpu tests/test_captured.py tests/test_one_gpu.py ;;
+  t2r)       st $s 120 60 $PT -m gpu tests/test_one_gpu.py tests/test_fp8.py -k two_ranks ;;
+  fp8f)      st $s 120 40 env TRITON_CACHE_DIR="$(mktemp -d)" $PT -m gpu tests/test_fp8.py -k "fused or nonfinite" ;;
+  tcpu)      st $s 150 60 $PT tests/test_uneven.py tests/test_diffusers_models.py -k "test_compiled_equals_eager or (unparallelized and 4)" ;;
+  # bound rows (zero-communication bound, fake group): regional+capture beside regional+graphs, with cp_ops' cost
+  rc_flux)   st $s 170 80 $B flux --bound 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_zimage) st $s 140 70 $B zimage --bound 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_wan)    st $s 150 70 $B wan --config 1.3b --bound 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_ltx)    st $s 130 60 $B ltx --bound 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_qwen)   st $s 150 70 $B qwenimage --bound 2,4,8 $RC $R --out $W/$s.json ;;
+  flux_unev) st $s 200 80 $B flux --height 126 --bound 2,4,8 $RC $R --out $W/$s.json ;;
+  wan14_rc)  st $s 260 120 $B wan --config 14b --bound 2,4,8 --bound-compile regional+capture --cost $R --out $W/$s.json ;;
+  hv_rc)     st $s 290 120 $B hunyuanvideo --bound 2,4,8 --bound-compile regional+capture --cost $R --out $W/$s.json ;;
+  # diffusers' own CP beside cp_ops (eager and per-block graphs)
+  cmp_flux)  st $s 240 90 $B flux --bound 2,4,8 --bound-compile eager,regional+graphs --compare diffusers $R --out $W/$s.json ;;
+  # whole-model compile (no graphs)
+  flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
+  zimage_full) st $s ${FCAP:-300} 150 $B zimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
+  qwen_full) st $s ${FCAP:-300} 150 $B qwenimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
+  wan_full)  st $s ${FCAP:-300} 150 $B wan --config 1.3b --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
+  wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
+  hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
+  ltx_full)  st $s ${FCAP:-280} 120 $B ltx --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
+  *) echo "=== unknown step $s" | tee -a "$LOG" ;;
+esac; done
+python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG"
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):  # the profile summaries (busy ms by category, top kernels)
+    d = json.load(open(f))
+    for mode, sides in (d.get("profiles") or {}).items():
+        for side, p in sides.items():
+            print(f"PROFILE {f.rsplit('/', 1)[-1]} {mode} {side}: wall {p['wall_ms']:.2f} busy {p['busy_ms']:.2f} "
+                  + " ".join(f"{k}={v:.2f}" for k, v in sorted(p['by_category'].items())))
+            for name, ms, n in p["top"][:8]:
+                print(f"    {ms:8.3f} ms {n:5d}x {name[:100]}")
+PY
+ls -la "$W"
