@@ -68,6 +68,12 @@ def _forked(rank, world_size, device, port, env, removed, body_args):
     the body starts is reported too."""
     errq = body_args[-1]
     try:
+        if torch.cuda._is_in_bad_fork():
+            # On a CUDA machine the server's imports asked for the device count, which makes CUDA unusable in its
+            # forks; Dynamo saves the CUDA RNG state whenever torch.cuda.is_available(), so every compile in a
+            # CPU rank raised "Cannot re-initialize CUDA in forked subprocess" (seen on the H200). This process
+            # cannot use CUDA: it says so (CUDA ranks are spawned, never forked).
+            torch.cuda.is_available = lambda: False
         for k in removed:
             os.environ.pop(k, None)
         os.environ.update(env)
