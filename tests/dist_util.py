@@ -11,10 +11,11 @@ W ranks with a thread per core each spun on each other's cores (on CI's 2 cores,
 
 Each rank takes the calling test's environment: ``CP_OPS_*`` set or removed by the test reach it, and
 ``cp_ops.config.settings`` is re-read from them, as ``import cp_ops`` would have. What the server cannot give a rank
-exactly as a fresh interpreter would, it does not: ``device='cuda'``, ``fresh=True`` (a test about import-time
-behaviour), an environment that differs from the server's in a variable that may be read at import
-(:data:`IMPORT_TIME`: say ``TORCH_LOGS``, ``TORCHINDUCTOR_FX_GRAPH_CACHE``, ``OMP_NUM_THREADS``), and
-``CP_OPS_TESTS_SPAWN=1`` (every call) spawn fresh interpreters as before. The session's summary says how many
+exactly as a fresh interpreter would, it does not: ``device='cuda'``, any rank on a CUDA machine (CUDA is unusable
+in the server's forks), ``fresh=True`` (a test about import-time behaviour), an environment that differs from the
+server's in a variable that may be read at import (:data:`IMPORT_TIME`: say ``TORCH_LOGS``,
+``TORCHINDUCTOR_FX_GRAPH_CACHE``, ``OMP_NUM_THREADS``), and ``CP_OPS_TESTS_SPAWN=1`` (every call) spawn fresh
+interpreters as before. The session's summary says how many
 calls did which, and why.
 """
 
@@ -68,12 +69,6 @@ def _forked(rank, world_size, device, port, env, removed, body_args):
     the body starts is reported too."""
     errq = body_args[-1]
     try:
-        if torch.cuda._is_in_bad_fork():
-            # On a CUDA machine the server's imports asked for the device count, which makes CUDA unusable in its
-            # forks; Dynamo saves the CUDA RNG state whenever torch.cuda.is_available(), so every compile in a
-            # CPU rank raised "Cannot re-initialize CUDA in forked subprocess" (seen on the H200). This process
-            # cannot use CUDA: it says so (CUDA ranks are spawned, never forked).
-            torch.cuda.is_available = lambda: False
         for k in removed:
             os.environ.pop(k, None)
         os.environ.update(env)
@@ -101,6 +96,12 @@ def start_method(device: str, fresh: bool, env: dict) -> str:
     if fresh or device != "cpu" or env.get("CP_OPS_TESTS_SPAWN", "0") == "1":
         why = "fresh=True" if fresh else f"device={device}" if device != "cpu" else "CP_OPS_TESTS_SPAWN=1"
         return "spawn: " + why
+    if torch.cuda.is_available():
+        # The server's imports ask for the CUDA device count, after which CUDA is unusable in its forks, and Dynamo
+        # touches CUDA (its RNG state) in every compile while CUDA is available: every CPU-rank compile raised
+        # "Cannot re-initialize CUDA in forked subprocess" on the H200; reporting CUDA unavailable in the forks then
+        # hung the same test there. On a CUDA machine CPU ranks are fresh interpreters.
+        return "spawn: a CUDA machine (CUDA is unusable in a fork of the server)"
     _forkserver_context()
     differs = _import_env_differs(env)
     if differs:
