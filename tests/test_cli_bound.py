@@ -57,6 +57,12 @@ def test_bound_tiny_fake_groups(model, tmp_path):
         assert r["mode"] == cp_ops.choose_mode("auto", spec.heads(spec.configs["tiny"]), r["world_size"])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and saved["meta"]["tokens"] == rows[0]["tokens"]
+    # every side's build, first call and one more forward, written as each side was built (a killed run keeps them)
+    first = saved["first_calls"]["eager"]
+    assert sorted(f["side"] for f in first) == sorted(
+        ["diffusers", "group of 1"] + [f"{k} W{w}" for w in (2, 4, 8) for k in ("cp_ops", "plain")])
+    for f in first:
+        assert f["build_s"] > 0 and f["first_call_s"] > 0 and f["second_call_ms"] > 0, f
 
 
 def test_bound_reduced_depth_says_so():

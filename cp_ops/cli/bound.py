@@ -207,6 +207,8 @@ class Side:
     mode: str | None = None  # the CP attention mode (cp / plain sides); dcp: the layout ('ulysses' | 'ring')
     call: Callable[[], object] | None = None
     first_s: float = 0.0
+    build_s: float = 0.0  # building the side's model before its first call (copy, parallelize, compile wrappers)
+    second_ms: float | None = None  # one forward right after the first call, timed alone (a killed run keeps it)
     samples: list = field(default_factory=list)
     host_samples: list = field(default_factory=list)  # per sample: the median host time of its forwards (ms)
     out: torch.Tensor | None = None
@@ -293,6 +295,7 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
     from . import bound_diffusers
     from .run import compile_model
 
+    t_build = time.perf_counter()
     m = shared_copy(base)
     if whole_capture(margs):  # diffusers code a capture refuses, replaced by equivalents (every side alike)
         from ..integrations.diffusers import capture_safe
@@ -315,6 +318,7 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
     side.fullgraph = fullgraph
     _sync(device)
     t0 = time.perf_counter()
+    side.build_s = t0 - t_build
     count = [0]
     with fake_fill.recording() as rec:  # the first call runs Python (later graph replays may not): one forward's writes
         call = _make_call(m, spec, kw, margs, device, count, side.step_ms, around)
@@ -509,7 +513,9 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
         pass
     print(f"cp-ops run {args.model} --bound {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
           f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
-    rows, profiles = [], {}
+    from .bench import _write_json
+
+    rows, profiles, first_calls = [], {}, {}
     for mode_text in args.bound_compile:
         base_mode, graphs = parse_mode(mode_text)
         margs = _mode_args(args, base_mode, graphs)
@@ -526,8 +532,16 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                     print(f"  [{mode_text}] {s.name}: failed: {s.error}", flush=True)
                     _reset_after_failure(base_mode, device)
                     continue
-                print(f"  [{mode_text}] {s.name}: first call {s.first_s:.1f} s", flush=True)
+                if not margs.steps:  # one more forward, timed alone: a run killed before the rounds keeps it
+                    s.second_ms = time_ms(s.call, device, 0, 1)
+                print(f"  [{mode_text}] {s.name}: built in {s.build_s:.1f} s, first call {s.first_s:.1f} s"
+                      + (f", then {s.second_ms:.2f} ms" if s.second_ms is not None else ""), flush=True)
+                first_calls.setdefault(mode_text, []).append(_first_call(s))
+                if args.out:
+                    _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls))
+            t_rounds = time.perf_counter()
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
+            print(f"  [{mode_text}] interleaved rounds in {time.perf_counter() - t_rounds:.0f} s", flush=True)
             for s in sides:
                 s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
             if args.profile:
@@ -552,9 +566,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if args.out:  # after every mode: a later mode that is killed (a time limit) keeps the earlier rows
-            from .bench import _write_json
-
-            _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles))
+            _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls))
     print_table(rows, meta)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -564,6 +576,14 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
         print_profiles(profiles)
         print(f"profile: {path}")
     return rows
+
+
+def _first_call(s: Side) -> dict:
+    """What the JSON's ``first_calls`` keeps of a side as soon as its first call returns (s, ms): written before the
+    interleaved rounds, so a run killed by a time limit while other sides compile (a whole-model compile: minutes
+    per side) still says how long each built side took to build and compile and what one forward took."""
+    return dict(side=s.name, kind=s.kind, world_size=s.world, mode=s.mode, build_s=s.build_s, first_call_s=s.first_s,
+                second_call_ms=s.second_ms)
 
 
 def _reason(e: BaseException) -> str:
