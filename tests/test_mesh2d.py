@@ -132,7 +132,12 @@ def _compiled(rank, w):
     block = lambda q, k, v: cp_ops.attention(q @ wq, k, v, group=mesh)  # noqa: E731
     p = cp_ops.compile(block, fullgraph=True)
     q, k, v, _ = _data(1, 16, 4, 8, seed=14)
-    assert torch.equal(p(sh(q), sh(k), sh(v)), block(sh(q), sh(k), sh(v)))
+    got = p(sh(q), sh(k), sh(v))
+    # the pass moves the launches and changes nothing else: bitwise = the same block compiled without it; eager's
+    # matmul may round the projection differently from Inductor's (tests/row_exact.py): equal to rounding
+    torch._dynamo.reset()
+    assert torch.equal(got, torch.compile(block, fullgraph=True)(sh(q), sh(k), sh(v)))
+    torch.testing.assert_close(got, block(sh(q), sh(k), sh(v)), rtol=1e-6, atol=1e-6)
     # a degenerate mesh compiled: the 1-D call on its one dim
     flat = _mesh((1, 4))
     h = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=flat), fullgraph=True)
