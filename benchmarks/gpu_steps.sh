@@ -39,8 +39,9 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   flux_unev) st $s 200 80 $B flux --height 126 --bound 2,4,8 $RC $R --out $W/$s.json ;;
   wan14_rc)  st $s 260 120 $B wan --config 14b --bound 2,4,8 --bound-compile regional+capture --cost $R --out $W/$s.json ;;
   hv_rc)     st $s 290 120 $B hunyuanvideo --bound 2,4,8 --bound-compile regional+capture --cost $R --out $W/$s.json ;;
-  # diffusers' own CP beside cp_ops (eager and per-block graphs)
+  # diffusers' own CP beside cp_ops (eager and per-block graphs; one capture of the whole forward)
   cmp_flux)  st $s 240 90 $B flux --bound 2,4,8 --bound-compile eager,regional+graphs --compare diffusers $R --out $W/$s.json ;;
+  cmp_flux_rc) st $s 200 90 $B flux --bound 2,4,8 --bound-compile regional+capture --compare diffusers $R --out $W/$s.json ;;
   # whole-model compile (no graphs)
   flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
   zimage_full) st $s ${FCAP:-300} 150 $B zimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
