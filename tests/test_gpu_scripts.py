@@ -53,3 +53,31 @@ def test_gpu_one_installs_the_wheels_once(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(_installs(tmp_path)) == 1, (tmp_path / "calls.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_gpu_steps_runs_the_named_steps_under_the_deadline(tmp_path):
+    """benchmarks/gpu_steps.sh (sourced by a results folder's call.sh): each named step's command, FW reaching the
+    whole-model compile, an unknown step named in the log, and a step skipped once less than its minimum is left."""
+    root, env = _tree(tmp_path)
+    out = tmp_path / "out"
+    env.update(OUT=str(out), STEPS="t2r flux_full nosuch", FW="4")
+    r = subprocess.run(["bash", "benchmarks/gpu_steps.sh"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text()
+    assert "-m pytest -q -rs -p no:cacheprovider -m gpu tests/test_one_gpu.py tests/test_fp8.py -k two_ranks" in calls
+    assert ("-m cp_ops run flux --bound 4 --bound-compile full --no-group1 --warmup 1 --repeats 3 "
+            f"--out {out}/json/flux_full.json") in calls
+    log = (out / "log.txt").read_text()
+    assert "=== t2r: rc=0" in log and "=== flux_full: rc=0" in log and "=== unknown step nosuch" in log, log
+    assert len(_installs(tmp_path)) == 1, calls
+    # END=100: t2r (minimum 60 s) runs, flux_full (minimum 150 s) is skipped and says why
+    (tmp_path / "calls.log").unlink()
+    env.update(OUT=str(tmp_path / "out2"), END="100")
+    r = subprocess.run(["bash", "benchmarks/gpu_steps.sh"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    log = (tmp_path / "out2" / "log.txt").read_text()
+    assert "=== t2r: rc=0" in log and "=== flux_full: skipped" in log and "needs 150" in log, log
+    assert "-m cp_ops run" not in (tmp_path / "calls.log").read_text()
