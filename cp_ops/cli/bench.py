@@ -60,12 +60,13 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _write_json(path: str, payload: dict) -> None:
+def _write_json(path: str, payload: dict, quiet: bool = False) -> None:
     existed = os.path.exists(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
-    print(f"wrote {path}" + (" (replaced the file that was there)" if existed else ""))
+    if not quiet:
+        print(f"wrote {path}" + (" (replaced the file that was there)" if existed else ""))
 
 
 def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: torch.device, warmup: int = 2,

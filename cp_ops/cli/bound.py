@@ -537,8 +537,9 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 print(f"  [{mode_text}] {s.name}: built in {s.build_s:.1f} s, first call {s.first_s:.1f} s"
                       + (f", then {s.second_ms:.2f} ms" if s.second_ms is not None else ""), flush=True)
                 first_calls.setdefault(mode_text, []).append(_first_call(s))
-                if args.out:
-                    _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls))
+                if args.out:  # quietly: the mode's end says where it wrote
+                    _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls),
+                                quiet=True)
             t_rounds = time.perf_counter()
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
             print(f"  [{mode_text}] interleaved rounds in {time.perf_counter() - t_rounds:.0f} s", flush=True)
