@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                                    "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
-               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with --steps N: unused, one "
+               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; --bound: 5 rounds; with --steps N: unused, one "
                "timed loop, its median step)")
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "

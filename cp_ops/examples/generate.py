@@ -6,6 +6,7 @@
 """
 import argparse
 import os
+import sys
 
 import torch
 try:
@@ -31,7 +32,8 @@ if args.checkpoint:  # every rank loads the same pipeline
 else:  # no checkpoint: a tiny two-transformer pipeline with random weights, built here (no download)
     pipe, call = tiny_wan22()
     if os.environ.get("RANK", "0") == "0":
-        print("no --checkpoint: a tiny random Wan 2.2-style pipeline, its own prompt and 2 steps (--prompt/--steps unused)")
+        print("no --checkpoint: a tiny random Wan 2.2-style pipeline, its own prompt and 2 steps"
+              + (" (--prompt/--steps are used with --checkpoint only)" if {"--prompt", "--steps"} & set(sys.argv) else ""))
 pipe = parallelize_pipeline(pipe)  # every transformer, on cuda:LOCAL_RANK (CPU without CUDA)
 out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="pil")  # the same seed on every rank
 if pipe.cp_ops_writes_output:  # rank 0 writes
