@@ -218,8 +218,9 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     if world == 1:
         return tune.Choice(chosen, 1, "heuristic", {}, shown, "a group of one rank: local attention, nothing moved")
     if (seq_lens is not None or key_mask is not None) and chunks is None:
-        return tune.Choice(chosen, 1, "heuristic", {}, shown,
-                           "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
+        c = tune.Choice(chosen, 1, "heuristic", {}, shown,
+                        "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
+        return c._replace(why=f"{c.why}; {_mode_rule(mode, c, q.shape[2], world, by_fmts)}")
     stored = choices.lookup(mode, chunks, q, pg, resolved, cd.tag(fmts) or "")
     if stored is not None:
         return stored._replace(transport=shown,
@@ -251,6 +252,16 @@ def _rule(mode: str, chunks, c, heads: int, world: int, transport, by_fmts: str 
     ``by_fmts``: the reason ``mode`` is not the caller's 'auto' (:func:`_by_formats`), or ''."""
     if c.source != "heuristic":
         return ""
+    if chunks is not None:
+        n = f"chunks={chunks} given"
+    else:
+        n = (f"chunks=None -> {c.chunks} (2 stages for AGKV on the fast transport, 1 elsewhere; transport "
+             f"{transport or 'auto'})")
+    return f"; {_mode_rule(mode, c, heads, world, by_fmts)}; {n}"
+
+
+def _mode_rule(mode: str, c, heads: int, world: int, by_fmts: str = "") -> str:
+    """The branch of :func:`cp_ops.modes.choose` that gave ``c.mode``, in words (see :func:`_rule`)."""
     if by_fmts:
         m = by_fmts
     elif mode != "auto":
@@ -263,12 +274,7 @@ def _rule(mode: str, chunks, c, heads: int, world: int, transport, by_fmts: str 
         m = f"auto: W={world} does not divide H={heads} -> agkv"
     else:
         m = f"auto -> {c.mode}"
-    if chunks is not None:
-        n = f"chunks={chunks} given"
-    else:
-        n = (f"chunks=None -> {c.chunks} (2 stages for AGKV on the fast transport, 1 elsewhere; transport "
-             f"{transport or 'auto'})")
-    return f"; {m}; {n}"
+    return m
 
 
 def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,

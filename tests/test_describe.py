@@ -95,6 +95,9 @@ def test_describe_names_the_heuristics_rule(world, heads, rule):
         assert "chunks=None -> 1" in c.why, c.why
         given = cp_ops.describe(torch.randn(1, 16, heads, 8), mode="agkv")
         assert "mode 'agkv' given" in given.why, given.why
+        # uneven shards (chunks 1 by rule): the mode's rule too
+        u = cp_ops.describe(torch.randn(1, 16, heads, 8), seq_lens=(16,) * (world - 1) + (15,))
+        assert "uneven shards" in u.why and rule in u.why and "chunks=None -> 1 (2 stages" not in u.why, u.why
     finally:
         dist.destroy_process_group()
 
