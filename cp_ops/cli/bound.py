@@ -737,8 +737,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
           + (f" {'plain ms':>9} {'plain host':>10}" if has_cost and has_host else ""))
     for r in rows:
         name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
-        if "skipped" in r:
-            who = f" W{r['world_size']} {r['impl']}" if "impl" in r and "world_size" in r else ""
+        if "skipped" in r:  # the W and impl columns aligned, then the reason
+            who = (f" {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
+                   if "world_size" in r else "")
             print(f"{name:<17}{who} failed: {r['skipped']}")
             continue
         cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
