@@ -218,9 +218,8 @@ def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, co
     if world == 1:
         return tune.Choice(chosen, 1, "heuristic", {}, shown, "a group of one rank: local attention, nothing moved")
     if (seq_lens is not None or key_mask is not None) and chunks is None:
-        c = tune.Choice(chosen, 1, "heuristic", {}, shown,
-                        "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)")
-        return c._replace(why=f"{c.why}; {_mode_rule(mode, c, q.shape[2], world, by_fmts)}")
+        return tune.Choice(chosen, 1, "heuristic", {}, shown, "uneven shards or a key mask: chunks=None means 1 "
+                           f"(transport-then-attend); {_mode_rule(mode, chosen, q.shape[2], world, by_fmts)}")
     stored = choices.lookup(mode, chunks, q, pg, resolved, cd.tag(fmts) or "")
     if stored is not None:
         return stored._replace(transport=shown,
@@ -257,24 +256,22 @@ def _rule(mode: str, chunks, c, heads: int, world: int, transport, by_fmts: str 
     else:
         n = (f"chunks=None -> {c.chunks} (2 stages for AGKV on the fast transport, 1 elsewhere; transport "
              f"{transport or 'auto'})")
-    return f"; {_mode_rule(mode, c, heads, world, by_fmts)}; {n}"
+    return f"; {_mode_rule(mode, c.mode, heads, world, by_fmts)}; {n}"
 
 
-def _mode_rule(mode: str, c, heads: int, world: int, by_fmts: str = "") -> str:
-    """The branch of :func:`cp_ops.modes.choose` that gave ``c.mode``, in words (see :func:`_rule`)."""
+def _mode_rule(mode: str, chosen: str, heads: int, world: int, by_fmts: str = "") -> str:
+    """The branch of :func:`cp_ops.modes.choose` that turned ``mode`` into ``chosen``, in words (see :func:`_rule`)."""
     if by_fmts:
-        m = by_fmts
-    elif mode != "auto":
-        m = f"mode {c.mode!r} given"
-    elif c.mode == "ulysses":
-        m = f"auto: W={world} > 2 and W divides H={heads} -> ulysses (moves less than AGKV from W = 3)"
-    elif world == 2:
-        m = "auto: W=2 -> agkv (both modes receive the same bytes; Ulysses adds an exposed inverse all-to-all)"
-    elif heads % world:
-        m = f"auto: W={world} does not divide H={heads} -> agkv"
-    else:
-        m = f"auto -> {c.mode}"
-    return m
+        return by_fmts
+    if mode != "auto":
+        return f"mode {chosen!r} given"
+    if chosen == "ulysses":
+        return f"auto: W={world} > 2 and W divides H={heads} -> ulysses (moves less than AGKV from W = 3)"
+    if world == 2:
+        return "auto: W=2 -> agkv (both modes receive the same bytes; Ulysses adds an exposed inverse all-to-all)"
+    if heads % world:
+        return f"auto: W={world} does not divide H={heads} -> agkv"
+    return f"auto -> {chosen}"
 
 
 def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
