@@ -15,8 +15,7 @@ exactly as a fresh interpreter would, it does not: ``device='cuda'``, any rank o
 in the server's forks), ``fresh=True`` (a test about import-time behaviour), an environment that differs from the
 server's in a variable that may be read at import (:data:`IMPORT_TIME`: say ``TORCH_LOGS``,
 ``TORCHINDUCTOR_FX_GRAPH_CACHE``, ``OMP_NUM_THREADS``), and ``CP_OPS_TESTS_SPAWN=1`` (every call) spawn fresh
-interpreters as before. The session's summary says how many
-calls did which, and why.
+interpreters as before. The session's summary says how many calls did which, and why.
 """
 
 from __future__ import annotations

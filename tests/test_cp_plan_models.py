@@ -17,7 +17,8 @@ from row_exact import assert_same  # noqa: E402
 
 CLASSES = sorted(classes())
 # CP attention sees the keys in one device's order (one token stream, or cross-attention to gathered keys): bitwise
-# on even shards (where this CPU's matmul is row-exact: tests/row_exact.py). The others (joint attention: [text_0, image_0, text_1, ...]; uneven shards) equal to rounding.
+# on even shards (where this CPU's matmul is row-exact: tests/row_exact.py). The others (joint attention:
+# [text_0, image_0, text_1, ...]; uneven shards) equal to rounding.
 BITWISE = {"WanTransformer3DModel", "ChronoEditTransformer3DModel", "HeliosTransformer3DModel",
            "LTXVideoTransformer3DModel", "MiniMaxH3Transformer3DModel"}
 # LTX through AGKV: a query block of S/W rows rounds differently in CPU SDPA (so under its registry line too)

@@ -760,8 +760,8 @@ def print_table(rows: list[dict], meta: dict) -> None:
           + ("cp_ops cost = rank 0 minus the same forward with plain local attention of the same shapes (--cost), % of "
              "rank 0's forward." if has_cost else "--cost adds cp_ops' own cost inside the bound."))
     if has_host:
-        print(("host ms (plain host: the --cost plain side's)" if has_cost else "host ms") + " = the host's time to enqueue one forward (the call's wall time, "
-              "not waited for; median), beside "
+        print(("host ms (plain host: the --cost plain side's)" if has_cost else "host ms")
+              + " = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
               f"the measured (device-timed) forward; * = host-bound: host >= {HOST_BOUND:g} x the measured time "
               "(rank 0 raw = rank 0 + fill), so the device waited for the host and that row's time is host time"
               + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))

@@ -23,8 +23,8 @@ def add_parser(sub) -> None:
                                    "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
-               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; --bound: 5 rounds; with --steps N: unused, one "
-               "timed loop, its median step)")
+               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; --bound: 5 rounds; with "
+               "--steps N: unused, one timed loop, its median step)")
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
                         "hunyuanvideo 13b, ltx 2b; tiny for any (default: the first on GPU, tiny on CPU)")

@@ -3,9 +3,10 @@
 Forward pre-hooks split named inputs, forward hooks split outputs or all-gather them. Uneven token counts follow
 :func:`~cp_ops.integrations.diffusers.plan.shard_sizes` (rank r holds the r-th contiguous block: ``ceil(total / W)``
 tokens on every rank but the last, the prefix split); the gather pads each rank's block to the largest, all-gathers,
-and takes the real rows (:class:`cp_ops.layout.Shards`: the first ``total``, a view, under the prefix split). Each split records its stream's full token count in :class:`CPState`, which the attention
-(:mod:`.dispatch`) reads to know every rank's sequence length. No host synchronisation: every size is computed
-from shapes, branch-free where the shape may be symbolic.
+and takes the real rows (:class:`cp_ops.layout.Shards`: the first ``total``, a view, under the prefix split). Each
+split records its stream's full token count in :class:`CPState`, which the attention (:mod:`.dispatch`) reads to
+know every rank's sequence length. No host synchronisation: every size is computed from shapes, branch-free where
+the shape may be symbolic.
 """
 
 from __future__ import annotations
