@@ -42,6 +42,12 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   # diffusers' own CP beside cp_ops (eager and per-block graphs; one capture of the whole forward)
   cmp_flux)  st $s 240 90 $B flux --bound 2,4,8 --bound-compile eager,regional+graphs --compare diffusers $R --out $W/$s.json ;;
   cmp_flux_rc) st $s 200 90 $B flux --bound 2,4,8 --bound-compile regional+capture --compare diffusers $R --out $W/$s.json ;;
+  # the whole forward captured without compile (eager + graphs), with cp_ops' cost
+  eg_qwen)   st $s 150 60 $B qwenimage --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
+  eg_wan14)  st $s 220 90 $B wan --config 14b --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
+  eg_hv)     st $s 220 90 $B hunyuanvideo --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
+  # Dynamo's recompiles of a whole-model compile after its first call, at reduced depth (a diagnostic: no rows)
+  recomp)    st $s 200 60 env TORCH_LOGS=recompiles $B flux --layers 2 --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
   # whole-model compile (no graphs)
   flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
   zimage_full) st $s ${FCAP:-300} 150 $B zimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
