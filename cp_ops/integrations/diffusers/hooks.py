@@ -67,6 +67,14 @@ class CPState:
             raise ValueError(f"cp_ops.parallelize: stream {stream!r} is not one of the plan's {tuple(self.totals)}")
         self.totals[stream] = total
 
+    def forget_totals(self) -> None:
+        """Every stream back to "not recorded" (0), at the start and the end of each forward: a forward sees only the
+        counts it records, and every call enters with the same totals, so a whole-model compile does not specialize
+        on the previous call's counts (torch 2.11's Dynamo guards on the values found at entry: without this, every
+        parallelized model compiled once more at its second call, as long as its first compile: FLUX.1-dev ~100 s)."""
+        for s in self.totals:
+            self.totals[s] = 0
+
     def total(self, stream: str, where: str):
         v = self.totals.get(stream, 0)
         if isinstance(v, int) and v == 0:
@@ -298,10 +306,11 @@ def wrap_forward(model: torch.nn.Module, pre: list, post: list) -> None:
 def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: Callable[[], None],
             outer_pre: tuple = (), outer_post: tuple = ()) -> None:
     """Install ``plan`` on ``model``: hooks on submodules; the model's own entries (path ``""``), preceded by
-    ``outer_pre`` and followed by ``outer_post``, wrap its forward (:func:`wrap_forward`). Every path is resolved
-    first, so a bad plan installs nothing."""
+    ``outer_pre`` and followed by ``outer_post``, wrap its forward (:func:`wrap_forward`), between a first and a last
+    hook that forget the stream totals (:meth:`CPState.forget_totals`). Every path is resolved first, so a bad plan
+    installs nothing."""
     resolved = [(pattern, entry, resolve(model, pattern)) for pattern, entry in plan]
-    root_pre, root_post = list(outer_pre), []
+    root_pre, root_post = [_forget_totals(state)] + list(outer_pre), []
     for pattern, entry, modules in resolved:
         for path, module in modules:
             where = path or type(model).__name__
@@ -317,4 +326,19 @@ def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: C
                 module.register_forward_pre_hook(pre, with_kwargs=True)
             if post:
                 module.register_forward_hook(post)
-    wrap_forward(model, root_pre, root_post + list(outer_post))
+    wrap_forward(model, root_pre, root_post + list(outer_post) + [_forget_totals(state, after=True)])
+
+
+def _forget_totals(state: CPState, after: bool = False):
+    """A root hook (before the forward: ``(mod, args, kwargs) -> (args, kwargs)``; ``after``: ``(mod, args,
+    output) -> output``) running :meth:`CPState.forget_totals`."""
+    if after:
+        def post(mod, args, output):
+            state.forget_totals()
+            return output
+        return post
+
+    def pre(mod, args, kwargs):
+        state.forget_totals()
+        return args, kwargs
+    return pre
