@@ -6,7 +6,7 @@ CP where ``--compare diffusers`` ran).
 
 Reads the per-run files of every ``benchmarks/results/*_h200_*`` folder (``runs/*.json``, ``call*/*.json``,
 ``bound_*.json``; a folder's own combined ``bound.json`` carries older folders' rows and is skipped; folders sort by
-name, so a later folder's row of the same cell wins) and the cells not measured, with their reasons, from
+name, so a later folder's row of the same cell wins; rows at reduced depth are left out) and the cells not measured, with their reasons, from
 ``OUT/not_measured.json`` (a list of ``{models, compile, [world_size], reason}``). Writes ``OUT/bound.json`` and
 ``OUT/table.md``. (One folder's runs alone: ``benchmarks/bound_table.py``.)"""
 
@@ -57,6 +57,8 @@ def runs():
 cells, failed = {}, {}
 for folder, path, d in runs():
     for r in d["rows"]:
+        if (r.get("model"), r.get("config")) not in NAMES:  # reduced depth ('dev (2+2 of 19+38 layers)'): not a cell
+            continue
         if "skipped" in r:
             failed[(r.get("model"), r.get("config"), mode_of(r))] = dict(
                 model=r.get("model"), config=r.get("config"), compile=mode_of(r), source=path, reason=r["skipped"])

@@ -142,7 +142,7 @@ def test_compiled_diffusers_side_retried_with_graph_breaks(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
     calls = []
 
-    def fake_compile_model(model, spec, args, overlap):
+    def fake_compile_model(model, spec, args, overlap, kw_in=None):
         full = getattr(args, "fullgraph", True)
         calls.append((getattr(model, "_parallel_config", None) is not None, full))
         if getattr(model, "_parallel_config", None) is not None and full:

@@ -246,6 +246,39 @@ def test_regional_compile_once_per_class(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_full_compile_after_one_eager_forward(monkeypatch):
+    """--compile full with the inputs: one eager forward first, so a model that builds state at its first call
+    traces whole (Z-Image's RoPE table, made inside ``with torch.device('cpu')``: Dynamo's "Unsupported context
+    manager" without it, seen on the H200 in 2026-12-02f); the compiled forward equals eager."""
+    import cp_ops
+    from torch._dynamo.testing import CompileCounter
+
+    from cp_ops.cli.run import compile_model
+
+    counter = CompileCounter()
+    monkeypatch.setattr(cp_ops, "compile", lambda fn, **kw: torch.compile(fn, backend=counter, fullgraph=True))
+    spec = MODELS["zimage"]
+    f, h, w = spec.cpu_latent
+
+    def fresh():
+        model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+        return model, spec.make_inputs(cfg, 16, 1, f, h, w, "cpu", torch.float32, torch.Generator().manual_seed(0))
+
+    torch._dynamo.reset()
+    model, kw = fresh()
+    with torch.no_grad(), pytest.raises(Exception, match="context manager"):  # the model as diffusers builds it
+        spec.predict(compile_model(model, spec, _ns(compile="full"), overlap=False)[0], kw)
+    torch._dynamo.reset()
+    model, kw = fresh()
+    with torch.no_grad():
+        m, _ = compile_model(model, spec, _ns(compile="full"), overlap=False, kw_in=kw)
+        out = spec.predict(m, kw)
+        ref = spec.predict(model, kw)
+    assert counter.frame_count == 1 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 def _trace(tmp_path):
     """A hand-made Chrome trace: two identical forwards 1 ms apart (the second's kernels start before the first's
     host range would end + slack), each one layer with a compute, an all-to-all (70 µs of it exposed) and an

@@ -314,7 +314,9 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
         if side.kind == "plain":
             to_plain(m, side.mode)
     cargs = margs if fullgraph else SimpleNamespace(**vars(margs), fullgraph=False)
-    m, _ = compile_model(m, spec, cargs, overlap=side.kind not in ("diffusers", "dcp"))
+    # a whole-model compile after one eager forward (diffusers' CP side: made above, with its writes recorded)
+    m, _ = compile_model(m, spec, cargs, overlap=side.kind not in ("diffusers", "dcp"),
+                         kw_in=kw if side.kind != "dcp" else None)
     side.fullgraph = fullgraph
     _sync(device)
     t0 = time.perf_counter()

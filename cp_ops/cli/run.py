@@ -56,14 +56,17 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def compile_model(model, spec, args, overlap: bool):
+def compile_model(model, spec, args, overlap: bool, kw_in: dict | None = None):
     """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``.
 
     ``regional``: :func:`cp_ops.integrations.diffusers.compiled.compile_blocks` (every repeated block gets
     ``block.forward = cp_ops.compile(block.forward, ...)``);
     Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
     diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
-    ``full``: ``cp_ops.compile(model, fullgraph=True)``. Static shapes (``dynamic=False``) for both.
+    ``full``: ``cp_ops.compile(model, fullgraph=True)``, after one eager forward on ``kw_in`` where given: diffusers
+    models that build state at their first call are traced with it built, as after a pipeline's first step (Z-Image
+    makes its RoPE table inside ``with torch.device('cpu')``, which Dynamo cannot trace whole: "Unsupported context
+    manager"). Static shapes (``dynamic=False``) for both.
     A bare ``--cuda-graphs`` adds ``mode="reduce-overhead"`` (``--cuda-graphs forward``: compiled without it, the
     whole forward captured later by :func:`_measure`).
     """
@@ -78,6 +81,9 @@ def compile_model(model, spec, args, overlap: bool):
     if per_block_graphs(args):
         kw["mode"] = "reduce-overhead"
     if args.compile == "full":
+        if kw_in is not None:
+            with torch.no_grad():
+                spec.predict(model, kw_in)
         return cp_ops.compile(model, **kw), 1
     from ..integrations.diffusers.compiled import compile_blocks
 
@@ -211,7 +217,7 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
                 raise _Skip(reason)
             m = copy.deepcopy(base)
             m.enable_parallelism(config=ContextParallelConfig(**cpc))
-            m, _ = compile_model(m, spec, args, overlap=False)
+            m, _ = compile_model(m, spec, args, overlap=False, kw_in=kw)
             first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
         except _Skip:
             pass
@@ -319,7 +325,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         if args.compile:
             print(f"compiling the single-rank model ({args.compile}) ...", flush=True)
         single_model = copy.deepcopy(model) if interleave else model
-        m, _ = compile_model(single_model, spec, args, overlap=False)
+        m, _ = compile_model(single_model, spec, args, overlap=False, kw_in=kw)
         first_s, ms, ref, single_call = _measure(m, spec, kw, args, device, graphs_ok=True)
         single_ms = statistics.median(ms)
         rows.append(dict(name="1 rank", ms=single_ms, first_call_s=first_s, compile_s=max(0.0, first_s - single_ms / 1e3),
@@ -364,7 +370,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         by_dim = forward_dim_times(model, spec, kw, mesh, args.transport, device)
     if rank == 0 and args.compile:
         print(f"compiling the CP{world_size} model ({args.compile}) ...", flush=True)
-    m, nblocks = compile_model(model, spec, args, overlap=True)
+    m, nblocks = compile_model(model, spec, args, overlap=True, kw_in=kw)
     first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
     rows.append(_row(f"cp_ops {mode}" + (f" {shape[0]}x{shape[1]}" if mesh is not None else ""), first_s, ms, out,
                      ref, single_ms, device, args.steps))
