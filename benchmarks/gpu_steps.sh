@@ -4,7 +4,9 @@
 # is the whole call's deadline. Each step is one process under `timeout` (its cap, or what is left of END; skipped
 # when less than its minimum is left); output goes to $OUT/log.txt, per-run JSON to $OUT/json/STEP.json.
 # FW (W list, default 2,4,8) and FCAP (cap, s) tune the whole-model-compile steps (*_full): 1.5-2.5 min of compile
-# per side on the H200 (FLUX.1-dev: 109 s diffusers, 99 / 120 / 136 s at W = 2 / 4 / 8), so FW=2,4 and FW=8 apart.
+# per side on the H200 (FLUX.1-dev: 109 s diffusers, 99 / 120 / 136 s at W = 2 / 4 / 8, one after another); CW
+# (--compile-workers: sides compiled at once in child processes first, each with its own copy of the weights on the
+# GPU; default 4, Qwen-Image 2, Wan2.1-14B / HunyuanVideo 3) overlaps them.
 set -u
 : "${OUT:?OUT must name the output folder}"
 T0=$SECONDS; END=${END:-560}; LOG=$OUT/log.txt; W=$OUT/json; mkdir -p "$W"
@@ -46,16 +48,18 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   eg_qwen)   st $s 150 60 $B qwenimage --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
   eg_wan14)  st $s 220 90 $B wan --config 14b --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
   eg_hv)     st $s 220 90 $B hunyuanvideo --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
+  # where the host time of a compiled forward without graphs goes (cp_ops' Ulysses vs plain attention, one profiled forward)
+  prof_flux) st $s 200 90 $B flux --bound 4 --bound-compile regional --cost --profile $W/prof_$s $R --out $W/$s.json ;;
   # Dynamo's recompiles of a whole-model compile after its first call, at reduced depth (a diagnostic: no rows)
   recomp)    st $s 200 60 env TORCH_LOGS=recompiles $B flux --layers 2 --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
   # whole-model compile (no graphs)
-  flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
-  zimage_full) st $s ${FCAP:-300} 150 $B zimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
-  qwen_full) st $s ${FCAP:-300} 150 $B qwenimage --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
-  wan_full)  st $s ${FCAP:-300} 150 $B wan --config 1.3b --bound ${FW:-2,4,8} --bound-compile full $R --out $W/$s.json ;;
-  wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
-  hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
-  ltx_full)  st $s ${FCAP:-280} 120 $B ltx --bound ${FW:-4} --bound-compile full $R --out $W/$s.json ;;
+  flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  zimage_full) st $s ${FCAP:-300} 150 $B zimage --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  qwen_full) st $s ${FCAP:-300} 150 $B qwenimage --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-2} $R --out $W/$s.json ;;
+  wan_full)  st $s ${FCAP:-300} 150 $B wan --config 1.3b --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
+  hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
+  ltx_full)  st $s ${FCAP:-280} 120 $B ltx --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
   *) echo "=== unknown step $s" | tee -a "$LOG" ;;
 esac; done
 python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG"
@@ -68,5 +72,9 @@ for f in sorted(glob.glob(sys.argv[1] + "/*.json")):  # the profile summaries (b
                   + " ".join(f"{k}={v:.2f}" for k, v in sorted(p['by_category'].items())))
             for name, ms, n in p["top"][:8]:
                 print(f"    {ms:8.3f} ms {n:5d}x {name[:100]}")
+            if "host_ms" in p:  # self CPU time per host event (since 2026-12-02f)
+                print(f"  host: {p['host_ms']:.2f} ms self CPU")
+                for name, ms, n in p["host_top"][:10]:
+                    print(f"    {ms:8.3f} ms {n:5d}x {name[:100]}")
 PY
 ls -la "$W"

@@ -206,6 +206,9 @@ def test_graph_kinds_from_the_flags():
     (["--bound", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),
     (["--cost"], "apply only with --bound"),
     (["--bound", "2", "--no-overlap"], "--no-overlap applies to compiled modes; --bound-compile is ['eager']"),
+    (["--bound", "2", "--compile-workers", "2"], "--compile-workers applies to compiled modes"),
+    (["--bound", "2", "--bound-compile", "full", "--compile-workers", "-1"], "child processes >= 0; got -1"),
+    (["--compile-workers", "2"], "apply only with --bound"),
 ])
 def test_bound_argument_errors(extra, message, capsys):
     assert main(["run", "flux", "--device", "cpu"] + extra) == 2
@@ -224,6 +227,27 @@ def test_bound_cli_end_to_end(tmp_path, capsys):
     assert "CPU: a functional check, not a performance claim" in text, text
     assert json.loads(out.read_text())["rows"][0]["world_size"] == 2
     assert not dist.is_initialized()
+
+
+def test_bound_compile_workers_fill_the_caches(tmp_path, monkeypatch, capsys):
+    """--compile-workers 2: each side of the compiled mode is compiled first in a child process (spawned, its own
+    model) into the shared on-disk caches; this process's compiles of the same sides then hit Inductor's FX graph
+    cache, and the rows are as without it."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # cold, shared with the children
+    torch._dynamo.reset()
+    counters.clear()
+    assert main(["run", "wan", "--device", "cpu", "--layers", "1", "--bound", "2", "--bound-compile", "regional",
+                 "--no-group1", "--repeats", "1", "--warmup", "0", "--compile-workers", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "precompiling 2 sides in 2 child processes" in text, text
+    assert "[precompile] [regional] diffusers:" in text and "[precompile] [regional] cp_ops W2:" in text, text
+    assert "failed" not in text, text
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 2, dict(counters["inductor"])  # a block class per side
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0, dict(counters["inductor"])
+    assert re.search(r"regional\s+2\s+agkv", text), text
+    torch._dynamo.reset()
 
 
 def test_config_label_names_reduced_depth():
@@ -371,3 +395,25 @@ def test_a_bad_list_item_is_named():
         csv(int, "CP world sizes")("2,x")
     with pytest.raises(argparse.ArgumentTypeError, match=r"'0' in '2,0' is not one \(chunks must be >= 1 or auto; got 0\)"):
         csv(chunks, "chunks")("2,0")
+
+
+def test_kernel_summary_device_and_host_time():
+    """--profile's per-side summary: on CUDA the device time of kernels by category (host ops' device time is their
+    kernels', not counted twice) and the host's self CPU time of every event, largest first (µs in, ms out)."""
+    from types import SimpleNamespace as E
+
+    from cp_ops.cli.bound import kernel_summary
+
+    events = [E(key="aten::addmm", self_cpu_time_total=300.0, self_device_time_total=900.0, count=2),
+              E(key="nvjet_sm90_tst_128x256", self_cpu_time_total=0.0, self_device_time_total=900.0, count=2),
+              E(key="cudnn_generated_fort_native_sdpa", self_cpu_time_total=0.0, self_device_time_total=400.0, count=1),
+              E(key="cp_ops::ulysses_packed_start", self_cpu_time_total=700.0, self_device_time_total=0.0, count=4),
+              E(key="cudaLaunchKernel", self_cpu_time_total=50.0, self_device_time_total=0.0, count=9)]
+    s = kernel_summary(events, cuda=True)
+    assert s["by_category"] == {"gemm": 0.9, "attention": 0.4} and abs(s["busy_ms"] - 1.3) < 1e-9
+    assert [r[0] for r in s["top"]] == ["nvjet_sm90_tst_128x256", "cudnn_generated_fort_native_sdpa"]
+    assert abs(s["host_ms"] - 1.05) < 1e-9
+    assert s["host_top"] == [["cp_ops::ulysses_packed_start", 0.7, 4], ["aten::addmm", 0.3, 2],
+                             ["cudaLaunchKernel", 0.05, 9]]
+    cpu = kernel_summary(events, cuda=False)  # CPU: every op's self CPU time is its busy time
+    assert abs(cpu["busy_ms"] - 1.05) < 1e-9 and cpu["by_category"]["gemm"] == 0.3

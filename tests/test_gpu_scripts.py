@@ -57,17 +57,17 @@ def test_gpu_one_installs_the_wheels_once(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
 def test_gpu_steps_runs_the_named_steps_under_the_deadline(tmp_path):
-    """benchmarks/gpu_steps.sh (sourced by a results folder's call.sh): each named step's command, FW reaching the
-    whole-model compile, an unknown step named in the log, and a step skipped once less than its minimum is left."""
+    """benchmarks/gpu_steps.sh (sourced by a results folder's call.sh): each named step's command, FW and CW reaching
+    the whole-model compile, an unknown step named in the log, and a step skipped once less than its minimum is left."""
     root, env = _tree(tmp_path)
     out = tmp_path / "out"
-    env.update(OUT=str(out), STEPS="t2r flux_full nosuch", FW="4")
+    env.update(OUT=str(out), STEPS="t2r flux_full nosuch", FW="4", CW="3")
     r = subprocess.run(["bash", "benchmarks/gpu_steps.sh"], cwd=root, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text()
     assert "-m pytest -q -rs -p no:cacheprovider -m gpu tests/test_one_gpu.py tests/test_fp8.py -k two_ranks" in calls
-    assert ("-m cp_ops run flux --bound 4 --bound-compile full --no-group1 --warmup 1 --repeats 3 "
+    assert ("-m cp_ops run flux --bound 4 --bound-compile full --compile-workers 3 --no-group1 --warmup 1 --repeats 3 "
             f"--out {out}/json/flux_full.json") in calls
     log = (out / "log.txt").read_text()
     assert "=== t2r: rc=0" in log and "=== flux_full: rc=0" in log and "=== unknown step nosuch" in log, log

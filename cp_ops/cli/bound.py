@@ -46,6 +46,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -397,11 +398,15 @@ def category(name: str) -> str:
 
 
 def kernel_summary(events, cuda: bool) -> dict:
-    """``{'busy_ms', 'by_category': {cat: ms}, 'top': [[name, ms, calls], ...]}`` of one profiled forward: on CUDA
-    the device time of kernels and memcpy/memset (events with device time and no children on the device side),
-    on CPU the self CPU time of every op."""
-    rows = []
+    """``{'busy_ms', 'by_category': {cat: ms}, 'top': [[name, ms, calls], ...], 'host_ms', 'host_top'}`` of one
+    profiled forward: on CUDA the device time of kernels and memcpy/memset (events with device time and no children
+    on the device side), on CPU the self CPU time of every op; ``host_*``: the self CPU time of every host event
+    (ops, Python-level ranges, CUDA runtime calls) and the 12 largest, where a host-bound forward's time goes (the
+    profiler's own overhead included)."""
+    rows, host = [], []
     for e in events:
+        if e.self_cpu_time_total > 0:
+            host.append((e.key, e.self_cpu_time_total / 1e3, e.count))
         if cuda:
             t = getattr(e, "self_device_time_total", None)
             if t is None:
@@ -417,18 +422,20 @@ def kernel_summary(events, cuda: bool) -> dict:
         c = category(name)
         by[c] = by.get(c, 0.0) + ms
     rows.sort(key=lambda r: -r[1])
-    return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]])
+    host.sort(key=lambda r: -r[1])
+    return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
+                host_ms=sum(r[1] for r in host), host_top=[[n[:120], ms, c] for n, ms, c in host[:12]])
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
 
-def _sides_for(spec, cfg, args, choose_mode) -> list[Side]:
-    heads = spec.heads(cfg)
+def _sides_for(args, heads: int | None, choose_mode) -> list[Side]:
+    """Every side of one compile mode, in build order (``heads`` None: the names alone, no CP mode chosen)."""
     sides = [Side("diffusers", "diffusers", 1)]
     if not args.no_group1:
         sides.append(Side("group of 1", "group1", 1, mode="agkv"))
     for w in args.bound:
-        mode = choose_mode(args.mode, heads, w)
+        mode = None if heads is None else choose_mode(args.mode, heads, w)
         sides.append(Side(f"cp_ops W{w}", "cp", w, mode=mode))
         if args.cost:
             sides.append(Side(f"plain W{w}", "plain", w, mode=mode))
@@ -454,6 +461,8 @@ def run_bound(args, device: torch.device) -> list[dict]:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if getattr(args, "compile_workers", 0) and not getattr(args, "only_side", None):
+        precompile(args, device)
     # every side of every W compiles each block class again (its shapes differ): past Dynamo's default limit of 8
     key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     created = not dist.is_initialized()
@@ -465,6 +474,55 @@ def run_bound(args, device: torch.device) -> list[dict]:
         fake_fill.disable()
         if created:  # the default group this call made (and every group inside it)
             dist.destroy_process_group()
+
+
+def _compile_one(args_dict: dict, device: str, mode_text: str, side: str) -> tuple[str, str, float, str | None]:
+    """A :func:`precompile` child (a fresh process): build ``side`` of ``mode_text`` and run its first call (the
+    compile) as :func:`run_bound` would, then exit; returns ``(mode, side, seconds, error or None)``."""
+    import contextlib
+    import io
+
+    args = SimpleNamespace(**args_dict)
+    args.compile_workers, args.only_side, args.out, args.profile = 0, (mode_text, side), None, None
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_bound(args, torch.device(device))
+        return mode_text, side, time.perf_counter() - t0, None
+    except Exception as e:  # noqa: BLE001 - reported; the parent's own build meets (and reports) it again
+        return mode_text, side, time.perf_counter() - t0, _reason(e)
+
+
+def precompile(args, device: torch.device) -> None:
+    """``--compile-workers N``: every side of every compiled mode built and called once in child processes, up to N at
+    a time (spawned: each loads the model, so each holds one copy of the weights on ``device``), so that torch's
+    on-disk compile caches (Inductor's FX graph cache, AOTAutograd's, the Triton/C++ kernels; all shared through
+    ``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) hold what this process then compiles: its own compiles are mostly
+    cache hits (Dynamo still traces each side). Prints each child's time; a child that fails is reported and this
+    process builds that side as usual (and reports its error if it fails again). A compile with a cold cache is what
+    the rows' ``first_call_s`` reports without this option, with a warm one with it."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = [(m, s.name) for m in args.bound_compile if parse_mode(m)[0] != "eager"
+            for s in _sides_for(args, None, None)]
+    n = min(args.compile_workers, len(jobs))
+    print(f"precompiling {len(jobs)} sides in {n} child processes (--compile-workers {args.compile_workers})",
+          flush=True)
+    t0 = time.perf_counter()
+    kw = dict(max_workers=n, mp_context=multiprocessing.get_context("spawn"))
+    if sys.version_info >= (3, 11):
+        kw["max_tasks_per_child"] = 1  # a fresh process per side: no model or compiled code kept between sides
+    with concurrent.futures.ProcessPoolExecutor(**kw) as pool:
+        futs = [pool.submit(_compile_one, vars(args), str(device), m, name) for m, name in jobs]
+        for f in concurrent.futures.as_completed(futs):
+            try:
+                mode_text, name, sec, err = f.result()
+            except Exception as e:  # noqa: BLE001 - a child that died (e.g. out of memory): this process builds it
+                print(f"  [precompile] a child process failed: {_reason(e)}", flush=True)
+                continue
+            print(f"  [precompile] [{mode_text}] {name}: {sec:.1f} s" + (f", failed: {err}" if err else ""), flush=True)
+    print(f"  [precompile] done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def _run(args, device: torch.device, groups: dict) -> list[dict]:
@@ -513,15 +571,22 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
         meta["diffusers"] = diffusers.__version__
     except ImportError:
         pass
-    print(f"cp-ops run {args.model} --bound {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
-          f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
+    only = getattr(args, "only_side", None)  # a --compile-workers child: (mode, side name)
+    if only is None:
+        print(f"cp-ops run {args.model} --bound {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
+              f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
     from .bench import _write_json
 
     rows, profiles, first_calls = [], {}, {}
     for mode_text in args.bound_compile:
         base_mode, graphs = parse_mode(mode_text)
         margs = _mode_args(args, base_mode, graphs)
-        sides = _sides_for(spec, cfg, args, choose_mode)
+        sides = _sides_for(args, spec.heads(cfg), choose_mode)
+        if only is not None:
+            for s in sides:
+                if (mode_text, s.name) == tuple(only):
+                    _prepare(s, base, spec, kw, margs, device, groups, args)
+            continue
         t_mode = time.perf_counter()
         try:
             for s in sides:
@@ -570,6 +635,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 torch.cuda.empty_cache()
         if args.out:  # after every mode: a later mode that is killed (a time limit) keeps the earlier rows
             _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls))
+    if only is not None:
+        return []
     print_table(rows, meta)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 
@@ -113,6 +114,13 @@ def add_parser(sub) -> None:
     r.add_argument("--no-group1", action="store_true",
                    help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
                         "then diffusers' alone")
+    r.add_argument("--compile-workers", type=int, default=0, metavar="N",
+                   help="with --bound and a compiled mode: first compile every side in up to N child processes at "
+                        "once (each holds its own copy of the weights on the device: mind its memory), filling "
+                        "torch's on-disk compile caches, so that this process's own compiles of the same sides are "
+                        "mostly cache hits (a whole-model compile: 1.5-2.5 min per side on an H200, one after "
+                        "another without it); default 0: off")
+    r.add_argument("--only-side", default=None, help=argparse.SUPPRESS)  # a --compile-workers child: MODE|SIDE
 
 
 def check(args, device: str, world: int) -> None:
@@ -201,8 +209,8 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
     if args.bound is not None:
         check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1 or args.unwritten:
-        fail(f"{what}: --bound-compile, --cost, --no-group1 and --unwritten apply only with "
+    elif args.bound_compile or args.cost or args.no_group1 or args.unwritten or args.compile_workers:
+        fail(f"{what}: --bound-compile, --cost, --no-group1, --unwritten and --compile-workers apply only with "
              "--bound W[,W...]")
 
 
@@ -239,6 +247,10 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
         if graphs and args.steps and (graphs == "forward" or m.startswith("eager")):
             fail(f"{what}: --steps with --bound-compile {m}: the explicit capture replays one forward on fixed "
                  "inputs; time a loop eager or compiled (e.g. regional+graphs: mode='reduce-overhead')")
+    if args.compile_workers < 0:
+        fail(f"{what}: --compile-workers takes a count of child processes >= 0; got {args.compile_workers}")
+    if args.compile_workers and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
+        fail(f"{what}: --compile-workers applies to compiled modes; --bound-compile is {args.bound_compile}")
     if args.no_overlap and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
         fail(f"{what}: --no-overlap applies to compiled modes; --bound-compile is {args.bound_compile} (add e.g. "
              "regional)")
