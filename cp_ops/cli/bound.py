@@ -493,6 +493,13 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str) -> tup
         return mode_text, side, time.perf_counter() - t0, _reason(e)
 
 
+def _fx_cache_counts() -> tuple[int, int]:
+    """(hits, misses) of Inductor's FX graph cache in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+
 def precompile(args, device: torch.device) -> None:
     """``--compile-workers N``: every side of every compiled mode built and called once in child processes, up to N at
     a time (spawned: each loads the model, so each holds one copy of the weights on ``device``), so that torch's
@@ -587,7 +594,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 if (mode_text, s.name) == tuple(only):
                     _prepare(s, base, spec, kw, margs, device, groups, args)
             continue
-        t_mode = time.perf_counter()
+        t_mode, cache0 = time.perf_counter(), _fx_cache_counts()
         try:
             for s in sides:
                 try:
@@ -607,6 +614,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 if args.out:  # quietly: the mode's end says where it wrote
                     _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls),
                                 quiet=True)
+            if getattr(args, "compile_workers", 0) and base_mode != "eager":
+                hit, miss = (a - b for a, b in zip(_fx_cache_counts(), cache0))
+                print(f"  [{mode_text}] Inductor's FX graph cache: {hit} hits, {miss} misses (after --compile-workers)",
+                      flush=True)
             t_rounds = time.perf_counter()
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
             print(f"  [{mode_text}] interleaved rounds in {time.perf_counter() - t_rounds:.0f} s", flush=True)
