@@ -238,7 +238,9 @@ def test_bound_compile_workers_fill_the_caches(tmp_path):
     cache (it says so), and the rows are as without it. A fresh process, as the CLI runs: the compiled graphs name
     the fake groups, whose names count the groups a process made before."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))  # cold cache
+    # a cold cache; Inductor's compile in-process (no pool of compile workers to start in each of the 3 processes)
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
+               PYTHONPATH=os.pathsep.join(sys.path))
     r = subprocess.run([sys.executable, "-m", "cp_ops", "run", "wan", "--device", "cpu", "--layers", "1", "--bound",
                         "2", "--bound-compile", "regional", "--no-group1", "--repeats", "1", "--warmup", "0",
                         "--compile-workers", "2"], env=env, capture_output=True, text=True, timeout=600)
