@@ -401,11 +401,11 @@ def kernel_summary(events, cuda: bool) -> dict:
     """``{'busy_ms', 'by_category': {cat: ms}, 'top': [[name, ms, calls], ...], 'host_ms', 'host_top'}`` of one
     profiled forward: on CUDA the device time of kernels and memcpy/memset (events with device time and no children
     on the device side), on CPU the self CPU time of every op; ``host_*``: the self CPU time of every host event
-    (ops, Python-level ranges, CUDA runtime calls) and the 12 largest, where a host-bound forward's time goes (the
-    profiler's own overhead included)."""
+    (ops, Python-level ranges, CUDA runtime calls; not the ``cuda*Synchronize`` waits for the device) and the 12
+    largest, where a host-bound forward's time goes (the profiler's own overhead included)."""
     rows, host = [], []
     for e in events:
-        if e.self_cpu_time_total > 0:
+        if e.self_cpu_time_total > 0 and "Synchronize" not in e.key:  # a cuda*Synchronize is the host waiting
             host.append((e.key, e.self_cpu_time_total / 1e3, e.count))
         if cuda:
             t = getattr(e, "self_device_time_total", None)
@@ -476,21 +476,29 @@ def run_bound(args, device: torch.device) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _compile_one(args_dict: dict, device: str, mode_text: str, side: str) -> tuple[str, str, float, str | None]:
+def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results) -> None:
     """A :func:`precompile` child (a fresh process): build ``side`` of ``mode_text`` and run its first call (the
-    compile) as :func:`run_bound` would, then exit; returns ``(mode, side, seconds, error or None)``."""
+    compile) as :func:`run_bound` would; puts ``(mode, side, seconds, error or None)`` on ``results``. Dies with its
+    parent (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves no child holding the device's memory."""
     import contextlib
+    import ctypes
     import io
+    import signal
 
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux / no glibc: the parent's own handling only
+        pass
     args = SimpleNamespace(**args_dict)
     args.compile_workers, args.only_side, args.out, args.profile = 0, (mode_text, side), None, None
     t0 = time.perf_counter()
+    err = None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             run_bound(args, torch.device(device))
-        return mode_text, side, time.perf_counter() - t0, None
     except Exception as e:  # noqa: BLE001 - reported; the parent's own build meets (and reports) it again
-        return mode_text, side, time.perf_counter() - t0, _reason(e)
+        err = _reason(e)
+    results.put((mode_text, side, time.perf_counter() - t0, err))
 
 
 def _fx_cache_counts() -> tuple[int, int]:
@@ -502,33 +510,64 @@ def _fx_cache_counts() -> tuple[int, int]:
 
 def precompile(args, device: torch.device) -> None:
     """``--compile-workers N``: every side of every compiled mode built and called once in child processes, up to N at
-    a time (spawned: each loads the model, so each holds one copy of the weights on ``device``), so that torch's
-    on-disk compile caches (Inductor's FX graph cache, AOTAutograd's, the Triton/C++ kernels; all shared through
-    ``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) hold what this process then compiles: its own compiles are mostly
-    cache hits (Dynamo still traces each side). Prints each child's time; a child that fails is reported and this
-    process builds that side as usual (and reports its error if it fails again). A compile with a cold cache is what
-    the rows' ``first_call_s`` reports without this option, with a warm one with it."""
-    import concurrent.futures
+    a time (spawned, one per side: each loads the model, so each holds one copy of the weights on ``device``), so that
+    torch's on-disk compile caches (Inductor's FX graph cache, AOTAutograd's, the Triton/C++ kernels; all shared
+    through ``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) hold what this process then compiles: its own compiles
+    are mostly cache hits (Dynamo still traces each side; each mode's line says how many hit). Prints each child's
+    time; a child that fails or dies (e.g. out of memory) is reported by its side and this process builds that side
+    as usual. Skipped, saying so, where Inductor's FX graph cache is off."""
     import multiprocessing
+    import queue
+    from multiprocessing.connection import wait
 
+    import torch._inductor.config as inductor_config
+
+    if not getattr(inductor_config, "fx_graph_cache", True):
+        print(f"--compile-workers {args.compile_workers}: Inductor's FX graph cache is off "
+              "(TORCHINDUCTOR_FX_GRAPH_CACHE=0?), so nothing the workers compile would be reused; not precompiling",
+              flush=True)
+        return
     jobs = [(m, s.name) for m in args.bound_compile if parse_mode(m)[0] != "eager"
             for s in _sides_for(args, None, None)]
     n = min(args.compile_workers, len(jobs))
     print(f"precompiling {len(jobs)} sides in {n} child processes (--compile-workers {args.compile_workers})",
           flush=True)
     t0 = time.perf_counter()
-    kw = dict(max_workers=n, mp_context=multiprocessing.get_context("spawn"))
-    if sys.version_info >= (3, 11):
-        kw["max_tasks_per_child"] = 1  # a fresh process per side: no model or compiled code kept between sides
-    with concurrent.futures.ProcessPoolExecutor(**kw) as pool:
-        futs = [pool.submit(_compile_one, vars(args), str(device), m, name) for m, name in jobs]
-        for f in concurrent.futures.as_completed(futs):
-            try:
-                mode_text, name, sec, err = f.result()
-            except Exception as e:  # noqa: BLE001 - a child that died (e.g. out of memory): this process builds it
-                print(f"  [precompile] a child process failed: {_reason(e)}", flush=True)
-                continue
-            print(f"  [precompile] [{mode_text}] {name}: {sec:.1f} s" + (f", failed: {err}" if err else ""), flush=True)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    running: dict = {}  # process -> (mode, side)
+    reported = set()
+
+    def report(item):
+        mode_text, name, sec, err = item
+        reported.add((mode_text, name))
+        print(f"  [precompile] [{mode_text}] {name}: {sec:.1f} s" + (f", failed: {err}" if err else ""), flush=True)
+
+    try:
+        while jobs or running:
+            while jobs and len(running) < n:
+                job = jobs.pop(0)
+                p = ctx.Process(target=_compile_one, args=(vars(args), str(device), *job, results), daemon=True)
+                p.start()
+                running[p] = job
+            wait([p.sentinel for p in running], timeout=1.0)
+            while not results.empty():
+                report(results.get())
+            for p in [p for p in running if not p.is_alive()]:
+                job = running.pop(p)
+                p.join()
+                try:  # its result is in the pipe once it has exited (its queue flushed at exit)
+                    while job not in reported:
+                        report(results.get(timeout=2.0))
+                except queue.Empty:
+                    pass
+                if job not in reported:  # died before reporting: killed (out of memory?) or crashed
+                    print(f"  [precompile] [{job[0]}] {job[1]}: the child process ended with exit code {p.exitcode} "
+                          "before reporting (killed, e.g. out of memory?); built here instead", flush=True)
+    finally:
+        for p in running:  # an interrupted run: no child left holding the device's memory
+            p.kill()
+            p.join(5)
     print(f"  [precompile] done in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -562,7 +601,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 layers=layers[0] if len(layers) == 1 else layers, tokens=tokens, text_tokens=args.text_tokens,
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
-                warmup=args.warmup, rounds=args.repeats, weights="checkpoint" if args.checkpoint else "random",
+                warmup=args.warmup, rounds=args.repeats, compile_workers=getattr(args, "compile_workers", 0), weights="checkpoint" if args.checkpoint else "random",
                 steps=getattr(args, "steps", 0) or 0, compare=getattr(args, "compare", None),
                 overlap_pass=not getattr(args, "no_overlap", False),
                 fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
@@ -616,6 +655,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                                 quiet=True)
             if getattr(args, "compile_workers", 0) and base_mode != "eager":
                 hit, miss = (a - b for a, b in zip(_fx_cache_counts(), cache0))
+                meta.setdefault("fx_graph_cache", {})[mode_text] = dict(hits=hit, misses=miss)
                 print(f"  [{mode_text}] Inductor's FX graph cache: {hit} hits, {miss} misses (after --compile-workers)",
                       flush=True)
             t_rounds = time.perf_counter()

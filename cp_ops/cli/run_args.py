@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 
@@ -120,7 +119,6 @@ def add_parser(sub) -> None:
                         "torch's on-disk compile caches, so that this process's own compiles of the same sides are "
                         "mostly cache hits (a whole-model compile: 1.5-2.5 min per side on an H200, one after "
                         "another without it); default 0: off")
-    r.add_argument("--only-side", default=None, help=argparse.SUPPRESS)  # a --compile-workers child: MODE|SIDE
 
 
 def check(args, device: str, world: int) -> None:

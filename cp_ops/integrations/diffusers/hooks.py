@@ -79,8 +79,9 @@ class CPState:
         v = self.totals.get(stream, 0)
         if isinstance(v, int) and v == 0:
             raise RuntimeError(f"cp_ops.parallelize: {where} needs the token count of stream {stream!r}, which no "
-                               f"split has recorded (streams: {tuple(self.totals)}); the model's plan splits that "
-                               "stream later than it is used")
+                               f"split has recorded in this forward (streams: {tuple(self.totals)}): the model's "
+                               "plan splits that stream later than it is used, or the module was called outside the "
+                               "parallelized model's forward (its counts are forgotten after each forward)")
         return v
 
     def note_key_mask(self, full: torch.Tensor, spec: Split) -> None:
