@@ -46,7 +46,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -551,12 +550,10 @@ def precompile(args, device: torch.device) -> None:
                 p.start()
                 running[p] = job
             wait([p.sentinel for p in running], timeout=1.0)
-            while not results.empty():
-                report(results.get())
             for p in [p for p in running if not p.is_alive()]:
                 job = running.pop(p)
                 p.join()
-                try:  # its result is in the pipe once it has exited (its queue flushed at exit)
+                try:  # its result is in the pipe once it has exited (its queue flushed at exit); others' may be first
                     while job not in reported:
                         report(results.get(timeout=2.0))
                 except queue.Empty:
@@ -601,7 +598,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 layers=layers[0] if len(layers) == 1 else layers, tokens=tokens, text_tokens=args.text_tokens,
                 latent=[args.batch, args.frames, args.height, args.width], dtype=args.dtype, transport="torch",
                 chunks=args.chunks, group="fake (torch.testing._internal.distributed.fake_pg), rank 0 of W",
-                warmup=args.warmup, rounds=args.repeats, compile_workers=getattr(args, "compile_workers", 0), weights="checkpoint" if args.checkpoint else "random",
+                warmup=args.warmup, rounds=args.repeats, compile_workers=getattr(args, "compile_workers", 0),
+                weights="checkpoint" if args.checkpoint else "random",
                 steps=getattr(args, "steps", 0) or 0, compare=getattr(args, "compare", None),
                 overlap_pass=not getattr(args, "no_overlap", False),
                 fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"

@@ -310,8 +310,16 @@ def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: C
     ``outer_pre`` and followed by ``outer_post``, wrap its forward (:func:`wrap_forward`), between a first and a last
     hook that forget the stream totals (:meth:`CPState.forget_totals`). Every path is resolved first, so a bad plan
     installs nothing."""
+    def forget_before(mod, args, kwargs):
+        state.forget_totals()
+        return args, kwargs
+
+    def forget_after(mod, args, output):
+        state.forget_totals()
+        return output
+
     resolved = [(pattern, entry, resolve(model, pattern)) for pattern, entry in plan]
-    root_pre, root_post = [_forget_totals(state)] + list(outer_pre), []
+    root_pre, root_post = [forget_before] + list(outer_pre), []
     for pattern, entry, modules in resolved:
         for path, module in modules:
             where = path or type(model).__name__
@@ -327,19 +335,4 @@ def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: C
                 module.register_forward_pre_hook(pre, with_kwargs=True)
             if post:
                 module.register_forward_hook(post)
-    wrap_forward(model, root_pre, root_post + list(outer_post) + [_forget_totals(state, after=True)])
-
-
-def _forget_totals(state: CPState, after: bool = False):
-    """A root hook (before the forward: ``(mod, args, kwargs) -> (args, kwargs)``; ``after``: ``(mod, args,
-    output) -> output``) running :meth:`CPState.forget_totals`."""
-    if after:
-        def post(mod, args, output):
-            state.forget_totals()
-            return output
-        return post
-
-    def pre(mod, args, kwargs):
-        state.forget_totals()
-        return args, kwargs
-    return pre
+    wrap_forward(model, root_pre, root_post + list(outer_post) + [forget_after])
