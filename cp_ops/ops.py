@@ -60,7 +60,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes), imported lazily on the first trace
 from .transport import base as transport_base
-from . import contract, validate
+from . import contract, op_def, validate
 from .comm import DirectComm
 from .kernels import fp8, fp8_ulysses
 
@@ -85,7 +85,7 @@ def _register(work, *outs: torch.Tensor) -> None:
 
 
 # ---- AGKV all-gather ---------------------------------------------------------------------------
-@torch.library.custom_op("cp_ops::agkv_gather_start", mutates_args=())
+@op_def.define("cp_ops::agkv_gather_start")
 def agkv_gather_start(
     k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "", tag: int = 0,
     seq_lens: list[int] | None = None
@@ -115,7 +115,7 @@ def _(k, v, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 
 
 # ---- Ulysses all-to-all, sequence → heads ------------------------------------------------------
-@torch.library.custom_op("cp_ops::ulysses_start", mutates_args=())
+@op_def.define("cp_ops::ulysses_start")
 def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, transport: str, call: str = "",
                   tag: int = 0, seq_lens: list[int] | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
@@ -152,7 +152,7 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 #     ``ulysses_packed_start`` moves the slabs (torch: one ``alltoall_base``; fast: one copy per peer, its own pool
 #     role); a transport without it moves them with ``ulysses_inverse_start`` of the buffer seen as
 #     ``[1, W * B*S_local*n, Hl, D]`` (slab w is token block w of that view).
-@torch.library.custom_op("cp_ops::ulysses_packed_start", mutates_args=())
+@op_def.define("cp_ops::ulysses_packed_start")
 def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
                          tag: int = 0, seq_lens: list[int] | None = None, count: int = 0,
                          after: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,7 +190,7 @@ def _(send, world_size, group_name, transport, call="", tag=0, seq_lens=None, co
 
 
 # ---- Ulysses all-to-all, heads → sequence ------------------------------------------------------
-@torch.library.custom_op("cp_ops::ulysses_inverse_start", mutates_args=())
+@op_def.define("cp_ops::ulysses_inverse_start")
 def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
                           tag: int = 0, seq_lens: list[int] | None = None,
                           after: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,7 +219,7 @@ def _(x, world_size, group_name, transport, call="", tag=0, seq_lens=None, after
 
 
 # ---- key-padding mask beside its keys -------------------------------------------------------------
-@torch.library.custom_op("cp_ops::mask_gather_start", mutates_args=())
+@op_def.define("cp_ops::mask_gather_start")
 def mask_gather_start(mask: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     pg = _group(world_size, group_name)
     if mask.numel() == 0:
@@ -241,7 +241,7 @@ def _(mask, world_size, group_name):
 #     q, k, v ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype): AGKV attention with the
 #     transfer under the attention of the blocks already here, partials merged by LSE. Synchronous for the
 #     caller's stream (not a launch: no wait_tensor needed). ``seq_lens``: uneven shards (cp_ops.layout.Shards).
-@torch.library.custom_op("cp_ops::agkv_pipelined_attention", mutates_args=())
+@op_def.define("cp_ops::agkv_pipelined_attention")
 def agkv_pipelined_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str,
     scale: float | None, chunks: int, seq_lens: list[int] | None = None, call: str = "", tag: int = 0,
@@ -293,7 +293,7 @@ torch.fx.node.has_side_effect(torch.ops.cp_ops.agkv_pipelined_attention.default)
 
 
 # ---- the FP8 codec of comm_dtype (cp_ops.kernels.fp8): encode before a launch, decode after its wait ----------------
-@torch.library.custom_op("cp_ops::fp8_encode", mutates_args=())
+@op_def.define("cp_ops::fp8_encode")
 def fp8_encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return fp8.encode(x, fmt)
 
@@ -304,7 +304,7 @@ def _(x, fmt):
     return x.new_empty(fp8.encoded_shape(x.shape), dtype=torch.uint8)
 
 
-@torch.library.custom_op("cp_ops::fp8_decode", mutates_args=())
+@op_def.define("cp_ops::fp8_decode")
 def fp8_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
     return fp8.decode(buf, dtype, fmt)
 
@@ -316,7 +316,7 @@ def _(buf, dtype, fmt):
 
 
 # ---- the FP8 codec fused with the Ulysses layouts (cp_ops.kernels.fp8_ulysses): one pass each way ------------------
-@torch.library.custom_op("cp_ops::fp8_ulysses_pack", mutates_args=())
+@op_def.define("cp_ops::fp8_ulysses_pack")
 def fp8_ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int, hi: int | None, fmt: str) -> torch.Tensor:
     return fp8_ulysses.pack_encode(xs, world_size, lo, hi, fmt)
 
@@ -327,7 +327,7 @@ def _(xs, world_size, lo, hi, fmt):
     return xs[0].new_empty(fp8_ulysses.packed_shape(xs[0].shape, world_size, lo, hi, len(xs)), dtype=torch.uint8)
 
 
-@torch.library.custom_op("cp_ops::fp8_ulysses_unpack", mutates_args=())
+@op_def.define("cp_ops::fp8_ulysses_unpack")
 def fp8_ulysses_unpack(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
     return fp8_ulysses.unpack_decode(buf, dtype, fmt)
 
@@ -338,7 +338,7 @@ def _(buf, dtype, fmt):
     return buf.new_empty(fp8_ulysses.unpacked_shape(buf.shape), dtype=dtype)
 
 
-@torch.library.custom_op("cp_ops::fp8_ulysses_inverse_unpack", mutates_args=())
+@op_def.define("cp_ops::fp8_ulysses_inverse_unpack")
 def fp8_ulysses_inverse_unpack(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
     return fp8_ulysses.inverse_decode(buf, dtype, fmt)
 
@@ -356,6 +356,7 @@ def _(buf, dtype, fmt):
 #     Inductor may fuse into a later kernel that reads ``back`` again after a later launch of the same pool key
 #     took its slot (it did: the result's three sub-group copies recomputed in one kernel after the third inverse
 #     launch, 2026-12-02). An opaque op reads ``back`` once, where it stands.
+# (torch.library.custom_op, not op_def.define: a mutating op, whose ADInplaceOrView kernel custom_op registers)
 @torch.library.custom_op("cp_ops::ulysses_inverse_copy_out", mutates_args=("out",))
 def ulysses_inverse_copy_out(back: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(back.narrow(2, 0, out.shape[1]).permute(1, 2, 0, 3, 4))
@@ -385,7 +386,7 @@ def no_backward_message(name: str) -> str:
     )
 
 
-@torch.library.custom_op("cp_ops::backward_unsupported", mutates_args=())
+@op_def.define("cp_ops::backward_unsupported")
 def backward_unsupported(grad: torch.Tensor, shape: list[int], name: str) -> torch.Tensor:
     """Called by every cp_ops backward: raises RuntimeError (:func:`no_backward_message`)."""
     raise RuntimeError(no_backward_message(name))

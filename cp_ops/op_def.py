@@ -1,0 +1,83 @@
+"""How a cp_ops ``torch.library`` op is registered: :func:`define`, a lean form of ``torch.library.custom_op``.
+
+``torch.library.custom_op`` wraps the real kernel in Python layers that run at every call: an autograd kernel that
+packs a metadata object and redispatches, a backend wrapper that checks the outputs for aliasing, a Dynamo-disable
+wrapper. A launch op runs 2-3 times per attention call inside every compiled block, so those layers are host time
+on the critical path of a forward that is not CUDA-graphed: 17 µs per call against 4 µs for a trivial kernel
+registered with ``torch.library.Library``; ``cp_ops::ulysses_packed_start`` and its wait on a fake group of 4,
+88.6 → 81.8 µs (torch 2.11) and 73.1 → 63.3 µs (2.13) per call (the 2-core CPU box, 2026-12-02; its body alone
+61.5 / 44.5 µs).
+
+:func:`define` registers the same things with the low-level API (the schema inferred from the annotations by
+``torch.library.infer_schema``, as ``custom_op`` does):
+
+* the real kernel at ``CompositeExplicitAutograd`` (every device), called by the dispatcher directly;
+* an ``Autograd`` kernel that redispatches below autograd at once unless grad mode is on and an input requires grad;
+  only then does it run the op's autograd formula (:meth:`OpDef.register_autograd`) through torch's own generated
+  ``autograd.Function``, the one ``custom_op`` uses (tensor lists included; an op without a formula raises at
+  backward, as under ``custom_op``);
+* the fake kernel (:meth:`OpDef.register_fake` = ``torch.library.register_fake``).
+
+What ``custom_op`` adds that cp_ops gives up: the per-call aliasing check of outputs against inputs (every cp_ops op
+returns fresh tensors; ``torch.library.opcheck`` checks it in the tests). Mutating ops stay on ``custom_op`` (it
+also registers their ``ADInplaceOrView`` kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import _C
+
+#: the library every :func:`define` op is defined in (namespace ``cp_ops``)
+LIB = torch.library.Library("cp_ops", "FRAGMENT")
+
+
+class OpDef:
+    """One op made by :func:`define`: ``_opoverload`` (``torch.ops.cp_ops.NAME.default``), ``_qualname``
+    (``'cp_ops::NAME'``), ``_init_fn`` (the real kernel, a plain function); calling it calls the op."""
+
+    def __init__(self, qualname: str, fn: Callable):
+        self._qualname, self._init_fn = qualname, fn
+        self._name = qualname.split("::")[1]
+        self._opoverload = getattr(torch.ops.cp_ops, self._name).default
+        self._grad: Callable | None = None  # the autograd kernel for calls that need grad (made on first use)
+        self._formula: tuple = (None, None)  # (backward, setup_context): register_autograd
+        LIB.impl(self._name, fn, "CompositeExplicitAutograd")
+        LIB.impl(self._name, self._autograd, "Autograd", with_keyset=True)
+
+    def __call__(self, *args, **kwargs):
+        return self._opoverload(*args, **kwargs)
+
+    def register_fake(self, fn: Callable) -> Callable:
+        torch.library.register_fake(self._qualname, fn, lib=LIB)
+        return fn
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        """``backward(ctx, *grads)`` and ``setup_context(ctx, inputs, output)`` as ``torch.library.register_autograd``
+        takes them; run only for a call with grad mode on and an input that requires grad."""
+        self._formula, self._grad = (backward, setup_context), None
+
+    def _autograd(self, keyset, *args, **kwargs):
+        if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+            if self._grad is None:
+                from torch._library.autograd import Info, make_autograd_impl  # the kernel custom_op makes (2.4+)
+
+                self._grad = make_autograd_impl(self._opoverload, Info(*self._formula))
+            return self._grad(keyset, *args, **kwargs)
+        return self._opoverload.redispatch(keyset & _C._after_autograd_keyset, *args, **kwargs)
+
+
+def define(qualname: str) -> Callable[[Callable], OpDef]:
+    """Decorator: define the op ``qualname`` (``'cp_ops::NAME'``, not mutating its inputs) with the decorated
+    function as its real kernel, its schema inferred from the annotations (``torch.library.infer_schema``)."""
+    ns, name = qualname.split("::")
+    if ns != "cp_ops":
+        raise ValueError(f"cp_ops defines ops in its own namespace only; got {qualname!r}")
+
+    def wrap(fn: Callable) -> OpDef:
+        LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+        return OpDef(qualname, fn)
+
+    return wrap
