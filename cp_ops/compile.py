@@ -8,7 +8,7 @@ Inductor.
 
 Guards: Dynamo inlines cp_ops' traced frontend (dispatch, mode choice, layouts, checks) into every compiled block and
 guards the identity of each cp_ops function, class and module it passed through. A block calling ``cp_ops.attention``
-(Ulysses, torch 2.13) has 291 guards, 156 of them on cp_ops' code, against 45 with plain SDPA; they are evaluated at
+(Ulysses, torch 2.13) has 291 guards, 155 of them on cp_ops' code, against 45 with plain SDPA; they are evaluated at
 every call of the block (109 µs per call more than plain attention's on the H200's host, 2026-12-02g).
 :func:`compile` leaves those out (:func:`skip_cp_ops_code_guards`): cp_ops' code is taken to stay as imported. Every
 guard on values stays: the collective settings read while tracing (``cp_ops.config.settings``), constants, shapes,
@@ -18,21 +18,25 @@ tensors, the user's own code. Measured on the CPU box, a block on a fake group o
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Sequence
 
 #: the guard kinds on an object's identity (a function's code and closure, a module, a class, two sources being one
 #: object) that :func:`skip_cp_ops_code_guards` leaves out where the object is reached from a cp_ops module's globals
 _CODE_GUARDS = frozenset(("CLOSURE_MATCH", "MODULE_MATCH", "CLASS_MATCH", "DUPLICATE_INPUT", "ID_MATCH"))
+#: what those guards may be about: code (a module — torch.ops namespaces are modules too —, a function, a class)
+_CODE_KINDS = (types.ModuleType, types.FunctionType, types.CodeType, type)
 #: how Dynamo names a global source reached through a module of cp_ops (``G['__import_cp_ops_dot_dispatch'].modes``)
 _CP_OPS_GLOBAL = "G['__import_cp_ops"
 
 
 def skip_cp_ops_code_guards(entries: Sequence) -> list[bool]:
     """A ``guard_filter_fn`` for ``torch.compile(options=...)``: False (leave out) for a guard on the identity of a
-    cp_ops function, class or module (:data:`_CODE_GUARDS` on a source under a cp_ops module's globals), True for
-    every other guard. Patching a cp_ops function after a compile therefore needs ``torch._dynamo.reset()``."""
-    return [not (e.is_global and e.guard_type in _CODE_GUARDS and e.name.startswith(_CP_OPS_GLOBAL))
-            for e in entries]
+    function, class or module reached from a cp_ops module's globals (:data:`_CODE_GUARDS`), True for every other
+    guard — an identity guard on any other object (a process group, a number) included. Patching a cp_ops function
+    after a compile therefore needs ``torch._dynamo.reset()``."""
+    return [not (e.is_global and e.guard_type in _CODE_GUARDS and e.name.startswith(_CP_OPS_GLOBAL)
+                 and e.has_value and isinstance(e.value, _CODE_KINDS)) for e in entries]
 
 
 def _guard_filter(options: dict | None) -> dict:

@@ -3,6 +3,8 @@ modules: about half of a compiled block's guards, host time at every call of the
 values: a collective setting read while tracing still recompiles when it changes; a user's own ``guard_filter_fn``
 runs too, for every function a ``cp_ops.compile(...)`` decorator compiles."""
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -36,6 +38,12 @@ def _guards(rank, w):
         assert all(e.is_global and e.name.startswith("G['__import_cp_ops") for e in dropped)
         assert {e.guard_type for e in dropped} <= {"CLOSURE_MATCH", "MODULE_MATCH", "CLASS_MATCH", "DUPLICATE_INPUT",
                                                     "ID_MATCH"}
+        code = (types.ModuleType, types.FunctionType, types.CodeType, type)
+        assert all(isinstance(e.value, code) for e in dropped)  # code only: never a group's or a number's identity
+        # an identity guard on anything else reached from cp_ops' globals stays (a group, a number), code goes
+        like = dict(is_global=True, guard_type="ID_MATCH", name="G['__import_cp_ops_dot_group'].x", has_value=True)
+        probe = [types.SimpleNamespace(**like, value=v) for v in (dist.group.WORLD, -100, attend, cp_ops)]
+        assert skip_cp_ops_code_guards(probe) == [True, True, False, False]
         kept = [e for e, kept in zip(entries, keep) if kept]
         assert sum(e.guard_type == "TENSOR_MATCH" for e in kept) == 3
         assert any("emulate_comm" in e.name for e in kept), [e.name for e in kept]  # the setting read while tracing
