@@ -18,9 +18,13 @@ registered with ``torch.library.Library``; ``cp_ops::ulysses_packed_start`` and 
   backward, as under ``custom_op``);
 * the fake kernel (:meth:`OpDef.register_fake` = ``torch.library.register_fake``).
 
-What ``custom_op`` adds that cp_ops gives up: the per-call aliasing check of outputs against inputs (every cp_ops op
-returns fresh tensors; ``torch.library.opcheck`` checks it in the tests). Mutating ops stay on ``custom_op`` (it
-also registers their ``ADInplaceOrView`` kernel).
+Kept from ``custom_op``: the kernel and the autograd kernel run outside Dynamo (a frame Dynamo runs eagerly, e.g.
+after a graph break inside a ``with`` block, calls the op eagerly: its Python must not be traced, or Dynamo compiles
+the op's body and fails on the process group's C++ objects); here their code is marked skipped, recursively, once
+(:func:`_outside_dynamo`: no wrapper per call); the ``pt2_compliant_tag``; redefinition (a reload of the defining
+module replaces the op: each op has its own ``Library``, destroyed first). Given up: the per-call aliasing check of
+outputs against inputs (every cp_ops op returns fresh tensors; ``torch.library.opcheck`` checks it in the tests).
+Mutating ops stay on ``custom_op`` (it also registers their ``ADInplaceOrView`` kernel).
 """
 
 from __future__ import annotations
@@ -30,28 +34,41 @@ from typing import Callable
 import torch
 from torch import _C
 
-#: the library every :func:`define` op is defined in (namespace ``cp_ops``)
-LIB = torch.library.Library("cp_ops", "FRAGMENT")
+#: op name -> the ``torch.library.Library`` holding its definition and kernels (kept across a reload of this module,
+#: so that reloading it does not drop every op)
+_LIBS: dict[str, torch.library.Library] = globals().get("_LIBS", {})
+
+
+def _outside_dynamo(fn: Callable) -> Callable:
+    """Mark ``fn``'s code, and every frame it calls, as never traced by Dynamo (what ``torch._disable_dynamo`` does
+    for ``custom_op``'s kernels, without a wrapper run at each call); where this torch lacks the frame-strategy API,
+    ``torch._disable_dynamo`` instead."""
+    ef = getattr(_C._dynamo, "eval_frame", None)
+    try:
+        ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.SKIP))
+    except AttributeError:  # pragma: no cover - depends on the torch version (2.11 and 2.13 have it)
+        return torch._disable_dynamo(fn, recursive=True)
+    return fn
 
 
 class OpDef:
     """One op made by :func:`define`: ``_opoverload`` (``torch.ops.cp_ops.NAME.default``), ``_qualname``
     (``'cp_ops::NAME'``), ``_init_fn`` (the real kernel, a plain function); calling it calls the op."""
 
-    def __init__(self, qualname: str, fn: Callable):
-        self._qualname, self._init_fn = qualname, fn
+    def __init__(self, qualname: str, fn: Callable, lib: torch.library.Library):
+        self._qualname, self._init_fn, self._lib = qualname, fn, lib
         self._name = qualname.split("::")[1]
         self._opoverload = getattr(torch.ops.cp_ops, self._name).default
         self._grad: Callable | None = None  # the autograd kernel for calls that need grad (made on first use)
         self._formula: tuple = (None, None)  # (backward, setup_context): register_autograd
-        LIB.impl(self._name, fn, "CompositeExplicitAutograd")
-        LIB.impl(self._name, self._autograd, "Autograd", with_keyset=True)
+        lib.impl(self._name, _outside_dynamo(fn), "CompositeExplicitAutograd")
+        lib.impl(self._name, self._autograd, "Autograd", with_keyset=True)
 
     def __call__(self, *args, **kwargs):
         return self._opoverload(*args, **kwargs)
 
     def register_fake(self, fn: Callable) -> Callable:
-        torch.library.register_fake(self._qualname, fn, lib=LIB)
+        torch.library.register_fake(self._qualname, fn, lib=self._lib)
         return fn
 
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
@@ -69,15 +86,23 @@ class OpDef:
         return self._opoverload.redispatch(keyset & _C._after_autograd_keyset, *args, **kwargs)
 
 
+_outside_dynamo(OpDef._autograd)
+
+
 def define(qualname: str) -> Callable[[Callable], OpDef]:
-    """Decorator: define the op ``qualname`` (``'cp_ops::NAME'``, not mutating its inputs) with the decorated
-    function as its real kernel, its schema inferred from the annotations (``torch.library.infer_schema``)."""
+    """Decorator: define the op ``qualname`` (``'cp_ops::NAME'``, not mutating its inputs, tagged
+    ``pt2_compliant_tag``) with the decorated function as its real kernel, its schema inferred from the annotations
+    (``torch.library.infer_schema``). Defining a name again replaces the op (a reload of the defining module)."""
     ns, name = qualname.split("::")
     if ns != "cp_ops":
         raise ValueError(f"cp_ops defines ops in its own namespace only; got {qualname!r}")
 
     def wrap(fn: Callable) -> OpDef:
-        LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
-        return OpDef(qualname, fn)
+        old = _LIBS.pop(name, None)
+        if old is not None:
+            old._destroy()
+        lib = _LIBS[name] = torch.library.Library("cp_ops", "FRAGMENT")
+        lib.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+        return OpDef(qualname, fn, lib)
 
     return wrap
