@@ -403,29 +403,32 @@ def refuse_grad(grad: torch.Tensor, shape, name: str) -> torch.Tensor:
 
 
 def _save_shapes(ctx, inputs, output):
-    # shapes only: the inputs themselves need not stay alive for a backward that only raises
-    ctx.shapes = [[x.shape for x in i] if isinstance(i, (list, tuple)) else i.shape for i in inputs
-                  if isinstance(i, torch.Tensor) or (isinstance(i, (list, tuple)) and i
-                                                     and isinstance(i[0], torch.Tensor))]
-    ctx.n_other = len(inputs) - len(ctx.shapes)  # world_size, group_name, transport, ...: no gradient
+    # per input, in order: its shape (a tensor list: their shapes), None where it takes no gradient (world_size,
+    # group_name, ..., an absent ``after``); shapes only: the inputs need not stay alive for a backward that only raises
+    ctx.shapes = [[x.shape for x in i] if isinstance(i, (list, tuple)) and i and isinstance(i[0], torch.Tensor)
+                  else i.shape if isinstance(i, torch.Tensor) else None for i in inputs]
 
 
 def _no_backward(name: str):
     def backward(ctx, *grads):
+        # one entry per input the call passed, in order (an ``after`` that requires grad included): the dispatcher
+        # leaves out trailing inputs equal to their defaults (never tensors), which setup_context saw filled in
         g = next(x for x in grads if x is not None)
-        out = [[refuse_grad(g, s, name) for s in shape] if isinstance(shape, list) else refuse_grad(g, shape, name)
-               for shape in ctx.shapes]
-        return (*out, *([None] * ctx.n_other))
+        return tuple(None if shape is None else [refuse_grad(g, s, name) for s in shape] if isinstance(shape, list)
+                     else refuse_grad(g, shape, name) for shape in ctx.shapes[:len(ctx.needs_input_grad)])
 
     return backward
 
 
 for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
                    (ulysses_packed_start, "ulysses_packed_start"), (ulysses_inverse_start, "ulysses_inverse_start"),
-                   (agkv_pipelined_attention, "agkv_pipelined_attention")):  # mask_gather_start: bool-like, no grad
+                   (agkv_pipelined_attention, "agkv_pipelined_attention")):
     _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
     # the calls whose signatures the rank contract exchanges
     contract.register_op(_op._qualname)
+# a key mask is bool-like, but a float one that requires grad must still trace (AOTAutograd's joint graph) and refuse
+# only at backward
+mask_gather_start.register_autograd(_no_backward("mask_gather_start"), setup_context=_save_shapes)
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.

@@ -101,3 +101,34 @@ def _wan_with_grad(rank, w):
 def test_parallelized_model_with_grad_eager_and_compiled_agree():
     pytest.importorskip("diffusers")
     run_ranks(_wan_with_grad, 2)
+
+
+def _direct_op_calls(rank, w):
+    from cp_ops import layout, ops
+
+    name = dist.group.WORLD.group_name
+    g = torch.Generator().manual_seed(rank)
+    k, v = (torch.randn(2, 8, 4, 16, generator=g) for _ in range(2))
+    mask = (torch.rand(2, 8, generator=g) > 0.5).float()
+    send = layout.ulysses_pack([k, v], w)
+    c = torch.ops.cp_ops
+    rg = lambda t: t.clone().requires_grad_()  # noqa: E731
+    cases = [  # (op name in the error, the call, its inputs): defaults left out by the dispatcher, a tensor list with
+        # one element that requires grad, the ordering input ``after`` the only one that does, a float key mask
+        ("ulysses_start", lambda a, b: c.ulysses_start([a, b], w, name, "torch"), (k, rg(v))),
+        ("ulysses_packed_start", lambda a, b: c.ulysses_packed_start(a, w, name, "torch", "", 0, None, 0, b),
+         (send, rg(v))),
+        ("mask_gather_start", lambda a: c.mask_gather_start(a, w, name), (rg(mask),)),
+    ]
+    for op, fn, args in cases:
+        torch._dynamo.reset()
+        out = ops.wait(torch.compile(fn, backend="aot_eager", fullgraph=True)(*args))
+        assert out.requires_grad and torch.equal(out.detach(), ops.wait(fn(*args)).detach()), op
+        with pytest.raises(RuntimeError, match=ERR.format(op)):
+            out.sum().backward()
+
+
+def test_direct_op_calls_with_grad_compile_and_refuse_backward():
+    """Found by a break-test: AOTAutograd traced the ops' backward with one gradient per input the call did not pass
+    (ulysses_start with its defaults left out), in the wrong position (``after``), or none (a float key mask)."""
+    run_ranks(_direct_op_calls, 2)
