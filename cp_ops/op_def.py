@@ -5,14 +5,15 @@ packs a metadata object and redispatches, a backend wrapper that checks the outp
 wrapper. A launch op runs 2-3 times per attention call inside every compiled block, so those layers are host time
 on the critical path of a forward that is not CUDA-graphed: 17 µs per call against 4 µs for a trivial kernel
 registered with ``torch.library.Library``; ``cp_ops::ulysses_packed_start`` and its wait on a fake group of 4,
-88.6 → 81.8 µs (torch 2.11) and 73.1 → 63.3 µs (2.13) per call (the 2-core CPU box, 2026-12-02; its body alone
-61.5 / 44.5 µs).
+88.8 → 79.1 µs (torch 2.11) and 73.0 → 60.3 µs (2.13) per call (the 2-core CPU box, 2026-12-02; its body alone
+60.6 / 43.8 µs).
 
 :func:`define` registers the same things with the low-level API (the schema inferred from the annotations by
 ``torch.library.infer_schema``, as ``custom_op`` does):
 
 * the real kernel at ``CompositeExplicitAutograd`` (every device), called by the dispatcher directly;
-* an ``Autograd`` kernel that redispatches below autograd at once unless grad mode is on and an input requires grad;
+* an ``Autograd`` kernel that, unless grad mode is on and an input requires grad, calls the real kernel at once
+  (redispatches, where a key below autograd — FakeTensor, functionalization, a dispatch mode — must see the call);
   only then does it run the op's autograd formula (:meth:`OpDef.register_autograd`) through torch's own generated
   ``autograd.Function``, the one ``custom_op`` uses (tensor lists included; an op without a formula raises at
   backward, as under ``custom_op``);
@@ -51,6 +52,11 @@ def _outside_dynamo(fn: Callable) -> Callable:
     return fn
 
 
+#: dispatch keys whose kernel for a cp_ops op is the real kernel itself (``CompositeExplicitAutograd``): an autograd
+#: kernel that finds one of them next calls the kernel directly
+_BACKEND_KEYS = frozenset((_C.DispatchKey.CPU, _C.DispatchKey.CUDA))
+
+
 class OpDef:
     """One op made by :func:`define`: ``_opoverload`` (``torch.ops.cp_ops.NAME.default``), ``_qualname``
     (``'cp_ops::NAME'``), ``_init_fn`` (the real kernel, a plain function); calling it calls the op."""
@@ -83,7 +89,10 @@ class OpDef:
 
                 self._grad = make_autograd_impl(self._opoverload, Info(*self._formula))
             return self._grad(keyset, *args, **kwargs)
-        return self._opoverload.redispatch(keyset & _C._after_autograd_keyset, *args, **kwargs)
+        below = keyset & _C._after_autograd_keyset
+        if below.highestPriorityTypeId() in _BACKEND_KEYS:  # nothing between here and the kernel: call it (the
+            return self._init_fn(*args, **kwargs)           # redispatch's round trip through C++ costs ~4 µs)
+        return self._opoverload.redispatch(below, *args, **kwargs)  # a fake/functional/dispatch-mode key below
 
 
 _outside_dynamo(OpDef._autograd)
