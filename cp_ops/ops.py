@@ -420,15 +420,13 @@ def _no_backward(name: str):
     return backward
 
 
-for _op, _name in ((agkv_gather_start, "agkv_gather_start"), (ulysses_start, "ulysses_start"),
-                   (ulysses_packed_start, "ulysses_packed_start"), (ulysses_inverse_start, "ulysses_inverse_start"),
-                   (agkv_pipelined_attention, "agkv_pipelined_attention")):
-    _op.register_autograd(_no_backward(_name), setup_context=_save_shapes)
+for _op in (agkv_gather_start, ulysses_start, ulysses_packed_start, ulysses_inverse_start, agkv_pipelined_attention):
+    _op.register_autograd(_no_backward(_op._name), setup_context=_save_shapes)
     # the calls whose signatures the rank contract exchanges
     contract.register_op(_op._qualname)
 # a key mask is bool-like, but a float one that requires grad must still trace (AOTAutograd's joint graph) and refuse
 # only at backward
-mask_gather_start.register_autograd(_no_backward("mask_gather_start"), setup_context=_save_shapes)
+mask_gather_start.register_autograd(_no_backward(mask_gather_start._name), setup_context=_save_shapes)
 
 
 #: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
