@@ -64,3 +64,10 @@ def test_reloading_the_defining_modules_replaces_the_ops():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0 and "reloaded" in r.stdout, r.stderr[-3000:]
+
+
+def test_define_refuses_another_namespace():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"cp_ops defines ops in its own namespace only; got 'other::x'"):
+        op_def.define("other::x")
