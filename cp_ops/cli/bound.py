@@ -500,11 +500,14 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, result
     results.put((mode_text, side, time.perf_counter() - t0, err))
 
 
-def _fx_cache_counts() -> tuple[int, int]:
-    """(hits, misses) of Inductor's FX graph cache in this process so far."""
+def _fx_cache_counts() -> tuple[int, int, int, int]:
+    """(hits, misses) of Inductor's FX graph cache, then of AOTAutograd's cache, in this process so far (a miss
+    of AOTAutograd's includes a bypass: a graph it does not cache)."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    aot = counters["aot_autograd"]
+    return (counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"],
+            aot["autograd_cache_hit"], aot["autograd_cache_miss"] + aot["autograd_cache_bypass"])
 
 
 def precompile(args, device: torch.device) -> None:
@@ -652,9 +655,11 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                     _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls),
                                 quiet=True)
             if getattr(args, "compile_workers", 0) and base_mode != "eager":
-                hit, miss = (a - b for a, b in zip(_fx_cache_counts(), cache0))
+                hit, miss, ahit, amiss = (a - b for a, b in zip(_fx_cache_counts(), cache0))
                 meta.setdefault("fx_graph_cache", {})[mode_text] = dict(hits=hit, misses=miss)
-                print(f"  [{mode_text}] Inductor's FX graph cache: {hit} hits, {miss} misses (after --compile-workers)",
+                meta.setdefault("aot_autograd_cache", {})[mode_text] = dict(hits=ahit, misses=amiss)
+                print(f"  [{mode_text}] Inductor's FX graph cache: {hit} hits, {miss} misses; AOTAutograd's: {ahit} hits, "
+                      f"{amiss} misses (after --compile-workers; what a first call still costs is Dynamo's tracing)",
                       flush=True)
             t_rounds = time.perf_counter()
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
