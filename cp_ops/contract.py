@@ -66,7 +66,7 @@ import re
 import struct
 import threading
 import zlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -400,6 +400,14 @@ def _signed(st: _Group, op: str, op_id: int, tid: int, b, s, h, d, dt: int, extr
     return _gather(st, op)
 
 
+class Like(NamedTuple):
+    """The ``[B, S_local, H, D]`` shape and dtype an exchange compares, for a call that holds no tensor of that shape
+    (a packed Ulysses send buffer ``[W, B, S_local, n, H/W, D]``: ``Like((B, S_local, W * H/W, D), dtype)``); cheaper
+    than a meta tensor on the op's per-call path."""
+    shape: tuple
+    dtype: torch.dtype
+
+
 def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int = 0,
              failed: BaseException | None = None, inputs: dict | None = None, tag: int = 0,
              note: str | None = None) -> None:
@@ -428,7 +436,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
         b, s, h, d, dtype = _id(tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())), \
             -1, -1, -1, 0
         sums = (tuple(input_checksum(x) for x in inputs.values()) + sums)[:3]
-    elif isinstance(t, torch.Tensor) and t.dim() == 4:
+    elif isinstance(t, (torch.Tensor, Like)) and len(t.shape) == 4:
         b, s, h, d = t.shape
         dtype = _id(t.dtype)
     else:
@@ -436,7 +444,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
         dtype = 0
     if not _signed(st, op, OPS.get(op) or register_op(op), _id(transport), b, s, h, d, dtype, extra, *sums, 0, tag,
                    failed is not None):
-        t_ok = isinstance(t, torch.Tensor)
+        t_ok = isinstance(t, (torch.Tensor, Like))
         _disagree(st, op, transport, list(t.shape) if t_ok else None,
                   str(t.dtype).replace("torch.", "") if t_ok else None, extra, failed, inputs, 0, note)
 

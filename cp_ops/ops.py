@@ -162,7 +162,7 @@ def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, t
     like = send
     if send.dim() == 6:
         w, b, s, n, hs, d = send.shape
-        like = torch.empty((b, s, w * hs, d), dtype=send.dtype, device="meta")
+        like = contract.Like((b, s, w * hs, d), send.dtype)
         count = count or n
     contract.op_checked(pg, "cp_ops::ulysses_packed_start", transport, like,
                         lambda: _check_ulysses_packed(send, world_size), count or 1, call=call, tag=tag,
@@ -259,7 +259,7 @@ def agkv_pipelined_attention(
             layout.check_seq_lens(seq_lens, world_size, pg.rank(), k.shape[1])
 
     smax = k.shape[1] if seq_lens is None else max(seq_lens)
-    like = k if smax == k.shape[1] else torch.empty((k.shape[0], smax, *k.shape[2:]), dtype=k.dtype, device="meta")
+    like = k if smax == k.shape[1] else contract.Like((k.shape[0], smax, *k.shape[2:]), k.dtype)
     contract.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, like, rules, 2, call=call, tag=tag,
                         seq_lens=seq_lens)
     if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:

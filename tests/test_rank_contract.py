@@ -44,6 +44,11 @@ def _shape_switch(rank, w):
         # the direct op call (what compiled code runs) checks the same
         with pytest.raises(ValueError, match=rf"differ in shape.*\[1, 16, {H}, {D}\].*\[1, 8, {H}, {D}\]"):
             torch.ops.cp_ops.agkv_gather_start(k, v, w, dist.group.WORLD.group_name, "torch")
+        # a send buffer packed by traced code ([W, B, S_local, n, H/W, D]) is compared as the [B, S_local, H, D] of
+        # its inputs (contract.Like), so a compiled rank pairs with an eager one
+        send = cp_ops.layout.ulysses_pack([q, k, v], w)
+        with pytest.raises(ValueError, match=rf"differ in shape.*\[1, 16, {H}, {D}\].*\[1, 8, {H}, {D}\]"):
+            torch.ops.cp_ops.ulysses_packed_start(send, w, dist.group.WORLD.group_name, "torch")
     # one rank calls AGKV, the others Ulysses, on the same shape
     (q, k, v), _ = _shards(rank, w, 8, 0)
     with pytest.raises(ValueError, match=rf"differ in .*variant.*rank 0: cp_ops.attention .*mode=agkv.*rank {last}: "
