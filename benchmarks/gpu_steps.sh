@@ -62,6 +62,11 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
   hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
   ltx_full)  st $s ${FCAP:-280} 120 $B ltx --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  # 720p (issue 21's long cases), regional+capture with --cost: Wan2.1-14B 720p/81 f (75,600 tokens; one GPU ~12 s per
+  # forward); HunyuanVideo 720p/129 f (118,800 tokens; one GPU 31.5 s eager, 01e) with one untimed forward less and
+  # one round (its sides' forwards alone fill a call otherwise)
+  wan14_720p) st $s ${FCAP:-540} 200 $B wan --config 14b --frames 21 --height 90 --width 160 --bound ${FW:-2,4,8} --bound-compile regional+capture --cost $R --out $W/$s.json ;;
+  hv_720p)   st $s ${FCAP:-540} 240 $B hunyuanvideo --frames 33 --height 90 --width 160 --bound ${FW:-2,4,8} --bound-compile regional+capture --cost --no-group1 --warmup 0 --repeats 1 --out $W/$s.json ;;
   *) echo "=== unknown step $s" | tee -a "$LOG" ;;
 esac; done
 python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG"
