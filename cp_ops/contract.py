@@ -417,7 +417,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
     Args:
         pg: the CP group. op: the call's name (an entry of :data:`OPS`, or a new one). transport: the
             transport argument as given to the op. t: the tensor whose shape and dtype are compared (a
-            ``[B, S_local, H, D]`` tensor, or None). extra: the number of tensors in the call.
+            ``[B, S_local, H, D]`` tensor or a :class:`Like` of one, or None). extra: the number of tensors in the call.
         failed: this rank's own input error: peers learn that this rank stops (the caller re-raises it).
         inputs: name -> tensor (at most 3) whose checksums (:func:`input_checksum`) must be equal on every rank.
         tag: one more int64 that must be equal on every rank (e.g. a hash of the call's ``seq_lens``);

@@ -251,17 +251,19 @@ def agkv_pipelined_attention(
     from .modes.agkv_pipelined import agkv_pipelined
 
     pg = _group(world_size, group_name)
-    shards = None if seq_lens is None else layout.Shards(seq_lens, world_size, pg.rank(), k.shape[1], k.device)
 
     def rules():
         _check_agkv_pipelined(q, k, v, chunks)
         if seq_lens is not None:
             layout.check_seq_lens(seq_lens, world_size, pg.rank(), k.shape[1])
 
-    smax = k.shape[1] if seq_lens is None else max(seq_lens)
+    # the exchange's shape: the largest shard's (what the eager path compares); bad seq_lens fail the rules inside
+    # op_checked, which tells the peers, so nothing here may raise on them first
+    smax = max(k.shape[1], *seq_lens) if seq_lens else k.shape[1]
     like = k if smax == k.shape[1] else contract.Like((k.shape[0], smax, *k.shape[2:]), k.dtype)
     contract.op_checked(pg, "cp_ops::agkv_pipelined_attention", transport, like, rules, 2, call=call, tag=tag,
                         seq_lens=seq_lens)
+    shards = None if seq_lens is None else layout.Shards(seq_lens, world_size, pg.rank(), k.shape[1], k.device)
     if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     comm = DirectComm(pg, _transport(transport, pg, k))

@@ -286,3 +286,41 @@ def _scale_mismatch(rank, w):
 
 def test_ranks_with_different_scales_raise_on_every_rank():
     run_ranks(_scale_mismatch, 2)
+
+
+def _fp8_inputs_differ_in_dtype(rank, w, compiled):
+    # FP8 on the wire: the launches move uint8 rows whatever the inputs' dtype, but O comes back in each rank's own
+    # dtype; ranks whose inputs differ in dtype must be told so (the variant tag carries it), not crash in gloo
+    dt = torch.bfloat16 if rank == w - 1 else torch.float32
+    (q, k, v), _ = _shards(rank, w, 8, 0)
+    q, k, v = (x.to(dt) for x in (q, k, v))
+
+    def f(q, k, v):
+        return cp_ops.attention(q, k, v, mode="ulysses", chunks=1, comm_dtype={"q": "e4m3", "k": "e4m3", "v": "e4m3"})
+
+    if compiled:
+        f = torch.compile(f, fullgraph=True)
+    with pytest.raises(ValueError, match=r"differ in .*variant.*input_dtype=float32.*input_dtype=bfloat16"):
+        f(q, k, v)
+    _check_correct(rank, w, 8, 6, "ulysses")  # the group still works
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_ranks_whose_inputs_differ_in_dtype_raise_on_every_rank(compiled):
+    run_ranks(_fp8_inputs_differ_in_dtype, 2, compiled)
+
+
+def _bad_seq_lens_on_one_rank(rank, w, bad):
+    seq = [5, 3]
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, seq[rank], H, D, generator=g) for _ in range(3))
+    t0 = time.monotonic()
+    with pytest.raises(ValueError):  # the bad rank: its own rule; its peer: told by it in the exchange
+        torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, w, dist.group.WORLD.group_name, "torch", None, 2,
+                                                  bad if rank == w - 1 else seq)
+    assert time.monotonic() - t0 < 5, "a peer waited out the rank check's timeout"
+
+
+@pytest.mark.parametrize("bad", [[], [5, 3, 4]], ids=["empty", "too_long"])
+def test_bad_seq_lens_on_one_rank_of_the_pipelined_op_fail_every_rank_at_once(bad):
+    run_ranks(_bad_seq_lens_on_one_rank, 2, bad)
