@@ -90,7 +90,8 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
                    help="untimed runs before timing (default 5 GPU, 2 CPU; run --bound: 2 GPU, 1 CPU)")
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     p.add_argument("--out", default=None,
-                   help="write the results as JSON to this path (checked for writability before the run; an existing "
+                   help="write the results as JSON to this path (its missing folders are created and it is checked for "
+                        "writability before the run; an existing "
                         "file is overwritten and the output says so); default: no file")
 
 
