@@ -658,8 +658,9 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 hit, miss, ahit, amiss = (a - b for a, b in zip(_fx_cache_counts(), cache0))
                 meta.setdefault("fx_graph_cache", {})[mode_text] = dict(hits=hit, misses=miss)
                 meta.setdefault("aot_autograd_cache", {})[mode_text] = dict(hits=ahit, misses=amiss)
-                print(f"  [{mode_text}] Inductor's FX graph cache: {hit} hits, {miss} misses; AOTAutograd's: {ahit} hits, "
-                      f"{amiss} misses (after --compile-workers; what a first call still costs is Dynamo's tracing)",
+                print(f"  [{mode_text}] Inductor's FX graph cache: {hit} hits, {miss} misses; AOTAutograd's: {ahit} "
+                      f"hits, {amiss} misses (after --compile-workers; what a first call still costs is Dynamo's "
+                      "tracing)",
                       flush=True)
             t_rounds = time.perf_counter()
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate_args.add_parser(sub)
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not",
                    description="Print cp_ops' settings (the CP_OPS_* variables), this machine's devices, their "
-                               "peer-to-peer (P2P) access matrix, the torch.distributed backends, and which cp_ops transports (torch, fast) would run here "
-                               "and, for those that would not, why. Takes no options; runs on CPU-only machines too.")
+                               "peer-to-peer (P2P) access matrix, the torch.distributed backends, and which cp_ops "
+                               "transports (torch, fast) would run here and, for those that would not, why. Takes no "
+                               "options; runs on CPU-only machines too.")
     return ap
 
 
