@@ -91,8 +91,8 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     p.add_argument("--out", default=None,
                    help="write the results as JSON to this path (its missing folders are created and it is checked for "
-                        "writability before the run; an existing "
-                        "file is overwritten and the output says so); default: no file")
+                        "writability before the run; an existing file is overwritten and the output says so); default: "
+                        "no file")
 
 
 
