@@ -61,6 +61,10 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   wan_full)  st $s ${FCAP:-300} 150 $B wan --config 1.3b --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
   wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
   hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
+  # whole-model compile, every side in its own process (--side-processes: built at once, one copy of the weights each;
+  # no second trace in this process): Wan2.1-14B's 4 sides (4 x 28 GB), HunyuanVideo's W = 2, 8 (3 x 26 GB)
+  wan14_fullp) st $s ${FCAP:-580} 150 $B wan --config 14b --bound ${FW:-2,4,8} --bound-compile full --side-processes $R --out $W/$s.json ;;
+  hv_fullp)  st $s ${FCAP:-580} 150 $B hunyuanvideo --bound ${FW:-2,8} --bound-compile full --side-processes $R --out $W/$s.json ;;
   ltx_full)  st $s ${FCAP:-280} 120 $B ltx --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
   # 720p (issue 21's long cases), regional+capture with --cost: Wan2.1-14B 720p/81 f (75,600 tokens; one GPU ~12 s per
   # forward); HunyuanVideo 720p/129 f (118,800 tokens; one GPU 31.5 s eager, 01e) with one untimed forward less and

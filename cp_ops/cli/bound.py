@@ -59,7 +59,7 @@ from ..integrations.diffusers import _private
 from ..integrations.diffusers.dispatch import CPAttention, cp_ops_backend
 from ..timing import Graphed, time_ms
 from ..transport import fake_fill
-from .models import MODELS, build, config_label, load_checkpoint
+from .models import MODELS, build, checkpoint_config, config_label, load_checkpoint
 from ._args import whole_capture
 
 #: compile modes --bound-compile takes: a base and an optional "+graphs"
@@ -219,6 +219,9 @@ class Side:
     step_ms: list = field(default_factory=list)  # --steps: the last timed loop's per-step times
     fullgraph: bool = True  # compiled whole (every side) or, a dcp side Dynamo cannot, with graph breaks
     fullgraph_error: str | None = None  # dcp: why fullgraph=True failed
+    proc: object = None  # --side-processes: the process that holds and times this side (its pipe: ``conn``)
+    conn: object = None
+    fill_count: int | None = None  # --side-processes: len(fills) in the side's process (the copies stay there)
 
     @property
     def ms(self) -> float:
@@ -341,13 +344,25 @@ def _time_sides(sides: list[Side], device, warmup: int, rounds: int) -> None:
     calls = {}
     for s in sides:
         # n from one forward timed after the untimed warm-up ones (a compile in the first would make n = 1)
-        t = time_ms(s.call, device, warmup, 1) if warmup else SAMPLE_MS
+        t = _timed(s, device, warmup, 1) if warmup else SAMPLE_MS
         calls[s.name] = max(1, min(MAX_CALLS, int(SAMPLE_MS / max(t, 1e-3))))
     for _ in range(rounds):
         for s in sides:
             host: list = []
-            s.samples.append(time_ms(s.call, device, 0, calls[s.name], host=host))
+            s.samples.append(_timed(s, device, 0, calls[s.name], host=host))
             s.host_samples.append(statistics.median(host))
+
+
+def _timed(s: Side, device, warmup: int, n: int, host: list | None = None) -> float:
+    """:func:`cp_ops.timing.time_ms` of ``s``'s forward: in this process, or (``--side-processes``) in the side's
+    own process, which runs it while this one waits (one process's forwards on the device at a time)."""
+    if s.conn is None:
+        return time_ms(s.call, device, warmup, n, host=host)
+    s.conn.send(("time", warmup, n))
+    ms, hosts = _recv(s, SAMPLE_TIMEOUT_S)
+    if host is not None:
+        host.extend(hosts)
+    return ms
 
 
 def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
@@ -480,14 +495,9 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, result
     compile) as :func:`run_bound` would; puts ``(mode, side, seconds, error or None)`` on ``results``. Dies with its
     parent (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves no child holding the device's memory."""
     import contextlib
-    import ctypes
     import io
-    import signal
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux / no glibc: the parent's own handling only
-        pass
+    _die_with_parent()
     args = SimpleNamespace(**args_dict)
     args.compile_workers, args.only_side, args.out, args.profile = 0, (mode_text, side), None, None
     t0 = time.perf_counter()
@@ -498,6 +508,137 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, result
     except Exception as e:  # noqa: BLE001 - reported; the parent's own build meets (and reports) it again
         err = _reason(e)
     results.put((mode_text, side, time.perf_counter() - t0, err))
+
+
+def _die_with_parent() -> None:
+    """This child process gets SIGKILL when its parent dies (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves
+    no child holding the device's memory; elsewhere the parent's own clean-up only."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux / no glibc
+        pass
+
+
+# ---- --side-processes: each side of a compiled mode built, compiled and timed in its own process ------------------
+
+#: how long a side's process may take to build and compile its side and run its first call (s), and one timing
+#: request (s): bounds on every wait for a side's process (a process that dies is noticed within a second)
+BUILD_TIMEOUT_S = 3600.0
+SAMPLE_TIMEOUT_S = 900.0
+
+
+def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, build_lock) -> None:
+    """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as :func:`run_bound` would (its own copy
+    of the model, built under ``build_lock``: the float32 weights before the cast are one process's at a time), run
+    its first call, then answer the parent's timing requests on ``conn`` (:func:`_serve`) until told to stop. An
+    exception is sent as ``('error', reason)``."""
+    import contextlib
+    import io
+
+    _die_with_parent()
+    args = SimpleNamespace(**args_dict)
+    args.compile_workers, args.side_processes, args.out, args.profile = 0, False, None, None
+    args.only_side, args.serve = (mode_text, side), (conn, build_lock)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_bound(args, torch.device(device))
+    except Exception as e:  # noqa: BLE001 - the parent turns it into the mode's failed row
+        try:
+            conn.send(("error", _reason(e)))
+        except (OSError, ValueError):  # the parent is gone
+            pass
+
+
+def _serve(s: Side, device, conn, fake_outputs: str) -> None:
+    """In a side's process, after its first call: report what the parent's rows need, then run timing requests
+    (``('time', warmup, n)`` -> ``(median ms, [host ms per run])``, :func:`cp_ops.timing.time_ms`) until
+    ``('stop',)`` or the pipe closes."""
+    second = time_ms(s.call, device, 0, 1) if s.call is not None else None
+    fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
+    out = s.out.numpy() if s.out is not None else None  # float32 on the CPU; numpy pickles without shared memory
+    conn.send(("built", dict(build_s=s.build_s, first_s=s.first_s, second_ms=second, out=out,
+                             fill_count=len(s.fills), fill_ms=fill_ms, fake_outputs=fake_outputs)))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the parent closed its end
+            return
+        if msg[0] != "time":
+            return
+        host: list = []
+        conn.send(("ok", (time_ms(s.call, device, msg[1], msg[2], host=host), host)))
+
+
+def _recv(s: Side, timeout: float):
+    """The next answer of ``s``'s process (its payload); raises RuntimeError when the process reports an error or
+    ends without answering (killed, e.g. out of memory), TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not s.conn.poll(1.0):
+        if not s.proc.is_alive():
+            raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
+                               "without answering (killed, e.g. out of the device's memory: every side holds its "
+                               "own copy of the weights)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"--side-processes: side {s.name!r}: its process did not answer in {timeout:.0f} s")
+    tag, payload = s.conn.recv()
+    if tag == "error":
+        raise RuntimeError(f"side {s.name!r} failed in its process: {payload}")
+    return payload
+
+
+def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side]) -> str:
+    """``--side-processes``: start one process per side of ``mode_text`` at once (spawned; each builds its own copy of
+    the model, compiles its side and runs its first call, concurrently), wait for each to report, and fill in the
+    sides (``proc``/``conn``, ``build_s``, ``first_s`` (the first call under the others' compiles), ``second_ms``,
+    ``out``, ``fill_ms``, ``fill_count``); the sides are then timed by :func:`_time_sides` through their pipes.
+    Returns the children's ``fake_outputs`` text (the run's metadata). Raises as :func:`_recv` does (the first side
+    to fail; :func:`stop_sides` ends the others)."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    ctx = multiprocessing.get_context("spawn")
+    lock = ctx.Lock()
+    for s in sides:
+        s.conn, theirs = ctx.Pipe()
+        s.proc = ctx.Process(target=_serve_side, args=(vars(args), str(device), mode_text, s.name, theirs, lock),
+                             daemon=True)
+        s.proc.start()
+        theirs.close()
+    pending, text = list(sides), ""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    while pending:
+        wait([s.conn for s in pending] + [s.proc.sentinel for s in pending], timeout=1.0)
+        for s in list(pending):
+            if s.conn.poll() or not s.proc.is_alive() or time.monotonic() > deadline:
+                r = _recv(s, max(0.0, deadline - time.monotonic()))
+                pending.remove(s)
+                s.build_s, s.first_s, s.second_ms = r["build_s"], r["first_s"], r["second_ms"]
+                s.out = None if r["out"] is None else torch.from_numpy(r["out"])
+                s.fill_ms, s.fill_count, text = r["fill_ms"], r["fill_count"], r["fake_outputs"]
+    return text
+
+
+def stop_sides(sides: list[Side]) -> None:
+    """End the sides' processes (asked, then killed after 10 s); a no-op for sides in this process."""
+    for s in sides:
+        if s.proc is None:
+            continue
+        try:
+            s.conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    for s in sides:
+        if s.proc is None:
+            continue
+        s.proc.join(10)
+        if s.proc.is_alive():
+            s.proc.kill()
+            s.proc.join(5)
+        s.conn.close()
+        s.proc = s.conn = None
 
 
 def _fx_cache_counts() -> tuple[int, int, int, int]:
@@ -577,19 +718,33 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
 
     spec = MODELS[args.model]
     dtype = DTYPES[args.dtype]
-    if args.checkpoint:
-        base, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
+    only = getattr(args, "only_side", None)  # a --compile-workers / --side-processes child: (mode, side name)
+    serve = getattr(args, "serve", None)  # a --side-processes child: (pipe to the parent, the build lock)
+    remote = bool(getattr(args, "side_processes", False)) and only is None  # the sides' processes hold the model
+    base = kw = None
+    if remote:
+        cfg = spec.config(args.config, args.layers) if not args.checkpoint else checkpoint_config(args.checkpoint)
     else:
-        base, cfg = build(spec, args.config, args.layers, device, dtype)
-    g = torch.Generator(device=device).manual_seed(42)
-    kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype, g)
-    if device.type == "cuda":
-        base.set_attention_backend("_native_cudnn")
+        import contextlib
+
+        with serve[1] if serve else contextlib.nullcontext():  # one side's process at a time holds float32 weights
+            if args.checkpoint:
+                base, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
+            else:
+                base, cfg = build(spec, args.config, args.layers, device, dtype)
+            if device.type == "cuda":  # the float32 weights' cached blocks returned, for the other processes
+                torch.cuda.empty_cache()
+        g = torch.Generator(device=device).manual_seed(42)
+        kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype,
+                              g)
+        if device.type == "cuda":
+            base.set_attention_backend("_native_cudnn")
     # diffusers' backend 'cp_ops' registered before any side compiles: registered by the first parallelize (after the
     # diffusers side compiled), it changed the backend registry that side's compiled blocks guard on, and the side
     # compiled its blocks again at its first timed call
     _private.register_backend(cp_ops_backend)
-    written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
+    written = None if remote else {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)],
+                                                                                               device)
     if written and getattr(args, "compare", None) == "diffusers":  # diffusers' functional collectives, probed apart
         from . import bound_diffusers
 
@@ -607,18 +762,16 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 overlap_pass=not getattr(args, "no_overlap", False),
                 fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
                              else "replayed alone, launched back to back"),
-                fake_outputs=("unwritten (--unwritten)" if not written else
-                              "written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
-                              + (", ".join(k for k, v in written.items() if v) or "nothing")
-                              + " and cp_ops' own all-gathers (AGKV, key masks: one copy per tensor, the fake "
-                              "backend's not run); by torch's fake backend for the rest"))
+                fake_outputs=_fake_outputs(written),
+                side_processes=("every side of a compiled mode built, compiled and timed in its own process "
+                                "(--side-processes), its forwards when this process asks: one side's at a time"
+                                if remote else False))
     try:
         import diffusers
 
         meta["diffusers"] = diffusers.__version__
     except ImportError:
         pass
-    only = getattr(args, "only_side", None)  # a --compile-workers child: (mode, side name)
     if only is None:
         print(f"cp-ops run {args.model} --bound {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
               f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
@@ -633,10 +786,27 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             for s in sides:
                 if (mode_text, s.name) == tuple(only):
                     _prepare(s, base, spec, kw, margs, device, groups, args)
+                    if serve:
+                        _serve(s, device, serve[0], meta["fake_outputs"])
             continue
         t_mode, cache0 = time.perf_counter(), _fx_cache_counts()
+
+        def built(s: Side, how: str = "") -> None:
+            print(f"  [{mode_text}] {s.name}: built in {s.build_s:.1f} s, first call {s.first_s:.1f} s{how}"
+                  + (f", then {s.second_ms:.2f} ms" if s.second_ms is not None else ""), flush=True)
+            first_calls.setdefault(mode_text, []).append(_first_call(s))
+            if args.out:  # quietly: the mode's end says where it wrote
+                _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls),
+                            quiet=True)
+
         try:
-            for s in sides:
+            if remote:
+                print(f"  [{mode_text}] {len(sides)} sides in their own processes (--side-processes), built at once: "
+                      f"{len(sides)} copies of the model on the device", flush=True)
+                meta["fake_outputs"] = spawn_sides(args, device, mode_text, sides)
+                for s in sides:
+                    built(s, " (in its process, beside the others' compiles)")
+            for s in sides if not remote else ():
                 try:
                     _prepare(s, base, spec, kw, margs, device, groups, args)
                 except Exception as e:  # noqa: BLE001 - diffusers' CP refusing is a row with its reason
@@ -648,12 +818,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                     continue
                 if not margs.steps:  # one more forward, timed alone: a run killed before the rounds keeps it
                     s.second_ms = time_ms(s.call, device, 0, 1)
-                print(f"  [{mode_text}] {s.name}: built in {s.build_s:.1f} s, first call {s.first_s:.1f} s"
-                      + (f", then {s.second_ms:.2f} ms" if s.second_ms is not None else ""), flush=True)
-                first_calls.setdefault(mode_text, []).append(_first_call(s))
-                if args.out:  # quietly: the mode's end says where it wrote
-                    _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls),
-                                quiet=True)
+                built(s)
             if getattr(args, "compile_workers", 0) and base_mode != "eager":
                 hit, miss, ahit, amiss = (a - b for a, b in zip(_fx_cache_counts(), cache0))
                 meta.setdefault("fx_graph_cache", {})[mode_text] = dict(hits=hit, misses=miss)
@@ -666,7 +831,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
             print(f"  [{mode_text}] interleaved rounds in {time.perf_counter() - t_rounds:.0f} s", flush=True)
             for s in sides:
-                s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
+                if s.proc is None:  # a side's process replayed its own (spawn_sides)
+                    s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
             if args.profile:
                 profiles[mode_text] = _profile_sides([s for s in sides if s.error is None], device, args.profile,
                                                      f"{args.model}_{mode_text}")
@@ -677,13 +843,14 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                              skipped=reason))
         else:
             rows += _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs)
-            _check_outputs(sides, filled=bool(written))
+            _check_outputs(sides, filled=bool(written) if not remote else not getattr(args, "unwritten", False))
         finally:
             print(f"  [{mode_text}] every side built and timed in {time.perf_counter() - t_mode:.0f} s", flush=True)
+            stop_sides(sides)
             for s in sides:
                 s.call = None
             sides = None
-            if base_mode != "eager":
+            if base_mode != "eager" and not remote:
                 torch._dynamo.reset()
             gc.collect()
             if device.type == "cuda":
@@ -701,6 +868,19 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
         print_profiles(profiles)
         print(f"profile: {path}")
     return rows
+
+
+def _fake_outputs(written: dict | None) -> str:
+    """The run metadata's ``fake_outputs``: who writes the fake collectives' outputs (``written``: what
+    :func:`cp_ops.transport.fake_fill.enable` returned; ``{}``: unwritten; None: the sides' processes say)."""
+    if written is None:
+        return "as the sides' processes report"
+    if not written:
+        return "unwritten (--unwritten)"
+    return ("written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
+            + (", ".join(k for k, v in written.items() if v) or "nothing")
+            + " and cp_ops' own all-gathers (AGKV, key masks: one copy per tensor, the fake backend's not run); "
+            "by torch's fake backend for the rest")
 
 
 def _first_call(s: Side) -> dict:
@@ -765,7 +945,7 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
         net = cp.ms - cp.fill_ms  # the fake collectives' writes (stand-ins for the transfers) taken out
         row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
                    diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=_speedup(one, cp),
-                   rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=len(cp.fills),
+                   rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=_fill_count(cp),
                    first_call_s=cp.first_s, rank0_samples=cp.samples, **_host(cp, steps=steps),
                    **_host(by["diffusers"], "diffusers_", steps), **_no_time_left(cp))
         if "group of 1" in by:
@@ -790,7 +970,7 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
             rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, one_gpu_ms=one,
                              one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d,
                              bound_speedup=_speedup(one, s),
-                             rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=len(s.fills), first_call_s=s.first_s,
+                             rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=_fill_count(s), first_call_s=s.first_s,
                              rank0_samples=s.samples, **_host(s, steps=steps), output_shape_ok=shape_ok,
                              outputs_finite=finite,
                              **({"invalid": "; ".join(why)} if why else {}),
@@ -802,6 +982,11 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                     _add_steps(r, steps, by, args.model)
         out += rows
     return out
+
+
+def _fill_count(s: Side) -> int:
+    """How many fake-collective writes one forward of ``s`` makes (counted in its process with --side-processes)."""
+    return len(s.fills) if s.fill_count is None else s.fill_count
 
 
 def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:

@@ -368,20 +368,34 @@ def build(spec: ModelSpec, config: str, layers: int | None, device, dtype, seed:
     return cast_like_from_pretrained(model, dtype).eval(), cfg
 
 
-def load_checkpoint(spec: ModelSpec, path: str, device, dtype):
-    """The transformer of a local diffusers checkpoint: ``path`` is a pipeline folder (with ``transformer/``) or
-    the transformer folder itself. Raises ``ValueError`` when its class is not ``spec.cls``."""
+def checkpoint_folder(path: str) -> str | None:
+    """The subfolder of a local diffusers checkpoint ``path`` that holds the transformer: ``'transformer'`` for a
+    pipeline folder, None when ``path`` is the transformer folder itself."""
+    import os
+
+    return "transformer" if os.path.isfile(os.path.join(path, "transformer", "config.json")) else None
+
+
+def checkpoint_config(path: str) -> dict:
+    """The transformer config (``config.json``, as a dict with its ``_class_name``) of a local diffusers checkpoint
+    ``path`` (a pipeline folder or the transformer folder). Raises ``ValueError`` when there is none."""
     import json
     import os
 
-    import diffusers
-
-    sub = "transformer" if os.path.isfile(os.path.join(path, "transformer", "config.json")) else None
-    cfg_file = os.path.join(path, sub or "", "config.json")
+    cfg_file = os.path.join(path, checkpoint_folder(path) or "", "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"--checkpoint {path}: no config.json there nor in {path}/transformer")
     with open(cfg_file) as f:
-        cls = json.load(f).get("_class_name")
+        return json.load(f)
+
+
+def load_checkpoint(spec: ModelSpec, path: str, device, dtype):
+    """The transformer of a local diffusers checkpoint: ``path`` is a pipeline folder (with ``transformer/``) or
+    the transformer folder itself. Raises ``ValueError`` when its class is not ``spec.cls``."""
+    import diffusers
+
+    sub = checkpoint_folder(path)
+    cls = checkpoint_config(path).get("_class_name")
     if cls != spec.cls:
         raise ValueError(f"--checkpoint {path} holds a {cls}; `cp-ops run {spec.name}` takes a {spec.cls}")
     model = getattr(diffusers, spec.cls).from_pretrained(path, subfolder=sub, **dtype_kwarg(dtype))

@@ -113,6 +113,13 @@ def add_parser(sub) -> None:
     r.add_argument("--no-group1", action="store_true",
                    help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
                         "then diffusers' alone")
+    r.add_argument("--side-processes", action="store_true",
+                   help="with --bound and compiled modes only: every side (diffusers, each W, ...) built, compiled "
+                        "and timed in its own child process, all at once; this process holds no weights and asks "
+                        "each side's process for its forwards in the same interleaved rounds (one side's forwards on "
+                        "the device at a time). Each side holds its own copy of the weights: the device must hold "
+                        "them all (e.g. Wan2.1-14B: 4 sides x 28 GB). A whole-model compile then costs one compile "
+                        "per side at once instead of one after another (or --compile-workers' second trace)")
     r.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="with --bound and a compiled mode: first compile every side in up to N child processes at "
                         "once (each holds its own copy of the weights on the device: mind its memory), filling "
@@ -137,14 +144,12 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --checkpoint takes the checkpoint's config; drop --config/--layers")
         if not os.path.isdir(args.checkpoint):
             fail(f"{what}: --checkpoint {args.checkpoint} is not a folder")
-        import json as _json
+        from .models import checkpoint_config
 
-        sub = os.path.join(args.checkpoint, "transformer", "config.json")
-        cfg_file = sub if os.path.isfile(sub) else os.path.join(args.checkpoint, "config.json")
-        if not os.path.isfile(cfg_file):
+        try:
+            cfg = checkpoint_config(args.checkpoint)
+        except ValueError:
             fail(f"{what}: --checkpoint {args.checkpoint}: no config.json there nor in its transformer/ folder")
-        with open(cfg_file) as f:
-            cfg = _json.load(f)
         if cfg.get("_class_name") != spec.cls:
             fail(f"{what}: --checkpoint {args.checkpoint} holds a {cfg.get('_class_name')}; {what} takes a {spec.cls}")
         args.config = "checkpoint"
@@ -207,9 +212,10 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
     if args.bound is not None:
         check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1 or args.unwritten or args.compile_workers:
-        fail(f"{what}: --bound-compile, --cost, --no-group1, --unwritten and --compile-workers apply only with "
-             "--bound W[,W...]")
+    elif args.bound_compile or args.cost or args.no_group1 or args.unwritten or args.compile_workers \
+            or args.side_processes:
+        fail(f"{what}: --bound-compile, --cost, --no-group1, --unwritten, --compile-workers and --side-processes "
+             "apply only with --bound W[,W...]")
 
 
 def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
@@ -249,6 +255,16 @@ def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
         fail(f"{what}: --compile-workers takes a count of child processes >= 0; got {args.compile_workers}")
     if args.compile_workers and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
         fail(f"{what}: --compile-workers applies to compiled modes; --bound-compile is {args.bound_compile}")
+    if args.side_processes:
+        eager = [m for m in args.bound_compile if parse_mode(m)[0] == "eager"]
+        if eager:
+            fail(f"{what}: --side-processes applies when every mode is compiled (an eager side builds in seconds, "
+                 f"in this process); --bound-compile has {','.join(eager)}")
+        for flag, bad in (("--compile-workers", args.compile_workers), ("--profile", args.profile),
+                          ("--steps", args.steps), ("--compare", getattr(args, "compare", None))):
+            if bad:
+                fail(f"{what}: --side-processes does not take {flag} (--compile-workers: the sides already compile "
+                     "in their own processes; --profile, --steps, --compare: not in a side's process yet); drop one")
     if args.no_overlap and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
         fail(f"{what}: --no-overlap applies to compiled modes; --bound-compile is {args.bound_compile} (add e.g. "
              "regional)")
