@@ -59,7 +59,7 @@ from ..integrations.diffusers import _private
 from ..integrations.diffusers.dispatch import CPAttention, cp_ops_backend
 from ..timing import Graphed, time_ms
 from ..transport import fake_fill
-from .models import MODELS, build, checkpoint_config, config_label, load_checkpoint
+from .models import MODELS, build, config_label, load_checkpoint
 from ._args import whole_capture
 
 #: compile modes --bound-compile takes: a base and an optional "+graphs"
@@ -530,18 +530,18 @@ BUILD_TIMEOUT_S = 3600.0
 SAMPLE_TIMEOUT_S = 900.0
 
 
-def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, build_lock) -> None:
-    """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as :func:`run_bound` would (its own copy
-    of the model, built under ``build_lock``: the float32 weights before the cast are one process's at a time), run
-    its first call, then answer the parent's timing requests on ``conn`` (:func:`_serve`) until told to stop. An
-    exception is sent as ``('error', reason)``."""
+def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base) -> None:
+    """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as :func:`run_bound` would, on the
+    parent's model ``base`` (received with its parameters and buffers shared, not copied: CUDA IPC on CUDA, shared
+    memory on CPU; the parent keeps them alive), run its first call, then answer the parent's timing requests on
+    ``conn`` (:func:`_serve`) until told to stop. An exception is sent as ``('error', reason)``."""
     import contextlib
     import io
 
     _die_with_parent()
     args = SimpleNamespace(**args_dict)
     args.compile_workers, args.side_processes, args.out, args.profile = 0, False, None, None
-    args.only_side, args.serve = (mode_text, side), (conn, build_lock)
+    args.only_side, args.serve = (mode_text, side), (conn, base)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             run_bound(args, torch.device(device))
@@ -552,7 +552,7 @@ def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, b
             pass
 
 
-def _serve(s: Side, device, conn, fake_outputs: str) -> None:
+def _serve(s: Side, device, conn) -> None:
     """In a side's process, after its first call: report what the parent's rows need, then run timing requests
     (``('time', warmup, n)`` -> ``(median ms, [host ms per run])``, :func:`cp_ops.timing.time_ms`) until
     ``('stop',)`` or the pipe closes."""
@@ -560,7 +560,7 @@ def _serve(s: Side, device, conn, fake_outputs: str) -> None:
     fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
     out = s.out.numpy() if s.out is not None else None  # float32 on the CPU; numpy pickles without shared memory
     conn.send(("built", dict(build_s=s.build_s, first_s=s.first_s, second_ms=second, out=out,
-                             fill_count=len(s.fills), fill_ms=fill_ms, fake_outputs=fake_outputs)))
+                             fill_count=len(s.fills), fill_ms=fill_ms)))
     while True:
         try:
             msg = conn.recv()
@@ -579,8 +579,7 @@ def _recv(s: Side, timeout: float):
     while not s.conn.poll(1.0):
         if not s.proc.is_alive():
             raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
-                               "without answering (killed, e.g. out of the device's memory: every side holds its "
-                               "own copy of the weights)")
+                               "without answering (killed, e.g. out of memory?)")
         if time.monotonic() > deadline:
             raise TimeoutError(f"--side-processes: side {s.name!r}: its process did not answer in {timeout:.0f} s")
     tag, payload = s.conn.recv()
@@ -589,25 +588,25 @@ def _recv(s: Side, timeout: float):
     return payload
 
 
-def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side]) -> str:
-    """``--side-processes``: start one process per side of ``mode_text`` at once (spawned; each builds its own copy of
-    the model, compiles its side and runs its first call, concurrently), wait for each to report, and fill in the
-    sides (``proc``/``conn``, ``build_s``, ``first_s`` (the first call under the others' compiles), ``second_ms``,
-    ``out``, ``fill_ms``, ``fill_count``); the sides are then timed by :func:`_time_sides` through their pipes.
-    Returns the children's ``fake_outputs`` text (the run's metadata). Raises as :func:`_recv` does (the first side
-    to fail; :func:`stop_sides` ends the others)."""
+def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], base: torch.nn.Module) -> None:
+    """``--side-processes``: start one process per side of ``mode_text`` at once (spawned; each gets ``base`` with its
+    weights shared, builds its side on them, compiles it and runs its first call, concurrently), wait for each to
+    report, and fill in the sides (``proc``/``conn``, ``build_s``, ``first_s`` (the first call beside the others'
+    compiles), ``second_ms``, ``out``, ``fill_ms``, ``fill_count``); :func:`_time_sides` then times them through their
+    pipes. Raises as :func:`_recv` does (the first side to fail; :func:`stop_sides` ends the others)."""
     import multiprocessing
     from multiprocessing.connection import wait
 
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions that share base's weights
+
     ctx = multiprocessing.get_context("spawn")
-    lock = ctx.Lock()
     for s in sides:
         s.conn, theirs = ctx.Pipe()
-        s.proc = ctx.Process(target=_serve_side, args=(vars(args), str(device), mode_text, s.name, theirs, lock),
+        s.proc = ctx.Process(target=_serve_side, args=(vars(args), str(device), mode_text, s.name, theirs, base),
                              daemon=True)
         s.proc.start()
         theirs.close()
-    pending, text = list(sides), ""
+    pending = list(sides)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     while pending:
         wait([s.conn for s in pending] + [s.proc.sentinel for s in pending], timeout=1.0)
@@ -617,8 +616,7 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side]) -
                 pending.remove(s)
                 s.build_s, s.first_s, s.second_ms = r["build_s"], r["first_s"], r["second_ms"]
                 s.out = None if r["out"] is None else torch.from_numpy(r["out"])
-                s.fill_ms, s.fill_count, text = r["fill_ms"], r["fill_count"], r["fake_outputs"]
-    return text
+                s.fill_ms, s.fill_count = r["fill_ms"], r["fill_count"]
 
 
 def stop_sides(sides: list[Side]) -> None:
@@ -719,32 +717,24 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     spec = MODELS[args.model]
     dtype = DTYPES[args.dtype]
     only = getattr(args, "only_side", None)  # a --compile-workers / --side-processes child: (mode, side name)
-    serve = getattr(args, "serve", None)  # a --side-processes child: (pipe to the parent, the build lock)
-    remote = bool(getattr(args, "side_processes", False)) and only is None  # the sides' processes hold the model
-    base = kw = None
-    if remote:
-        cfg = spec.config(args.config, args.layers) if not args.checkpoint else checkpoint_config(args.checkpoint)
+    serve = getattr(args, "serve", None)  # a --side-processes child: (pipe to the parent, the parent's model)
+    remote = bool(getattr(args, "side_processes", False)) and only is None  # sides in their own processes
+    if serve:  # the parent's model, its weights shared with this process (CUDA IPC / shared memory): no copy
+        base = serve[1]
+        cfg = dict(base.config) if args.checkpoint else spec.config(args.config, args.layers)
+    elif args.checkpoint:
+        base, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
     else:
-        import contextlib
-
-        with serve[1] if serve else contextlib.nullcontext():  # one side's process at a time holds float32 weights
-            if args.checkpoint:
-                base, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
-            else:
-                base, cfg = build(spec, args.config, args.layers, device, dtype)
-            if device.type == "cuda":  # the float32 weights' cached blocks returned, for the other processes
-                torch.cuda.empty_cache()
-        g = torch.Generator(device=device).manual_seed(42)
-        kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype,
-                              g)
-        if device.type == "cuda":
-            base.set_attention_backend("_native_cudnn")
+        base, cfg = build(spec, args.config, args.layers, device, dtype)
+    g = torch.Generator(device=device).manual_seed(42)
+    kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype, g)
+    if device.type == "cuda":
+        base.set_attention_backend("_native_cudnn")
     # diffusers' backend 'cp_ops' registered before any side compiles: registered by the first parallelize (after the
     # diffusers side compiled), it changed the backend registry that side's compiled blocks guard on, and the side
     # compiled its blocks again at its first timed call
     _private.register_backend(cp_ops_backend)
-    written = None if remote else {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)],
-                                                                                               device)
+    written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
     if written and getattr(args, "compare", None) == "diffusers":  # diffusers' functional collectives, probed apart
         from . import bound_diffusers
 
@@ -764,8 +754,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                              else "replayed alone, launched back to back"),
                 fake_outputs=_fake_outputs(written),
                 side_processes=("every side of a compiled mode built, compiled and timed in its own process "
-                                "(--side-processes), its forwards when this process asks: one side's at a time"
-                                if remote else False))
+                                "(--side-processes), on this process's weights (shared, not copied), its forwards "
+                                "when this process asks: one side's at a time" if remote else False))
     try:
         import diffusers
 
@@ -787,7 +777,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 if (mode_text, s.name) == tuple(only):
                     _prepare(s, base, spec, kw, margs, device, groups, args)
                     if serve:
-                        _serve(s, device, serve[0], meta["fake_outputs"])
+                        _serve(s, device, serve[0])
             continue
         t_mode, cache0 = time.perf_counter(), _fx_cache_counts()
 
@@ -801,9 +791,9 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
 
         try:
             if remote:
-                print(f"  [{mode_text}] {len(sides)} sides in their own processes (--side-processes), built at once: "
-                      f"{len(sides)} copies of the model on the device", flush=True)
-                meta["fake_outputs"] = spawn_sides(args, device, mode_text, sides)
+                print(f"  [{mode_text}] {len(sides)} sides in their own processes (--side-processes), built at once "
+                      "on this process's weights", flush=True)
+                spawn_sides(args, device, mode_text, sides, base)
                 for s in sides:
                     built(s, " (in its process, beside the others' compiles)")
             for s in sides if not remote else ():
@@ -843,7 +833,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                              skipped=reason))
         else:
             rows += _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs)
-            _check_outputs(sides, filled=bool(written) if not remote else not getattr(args, "unwritten", False))
+            _check_outputs(sides, filled=bool(written))
         finally:
             print(f"  [{mode_text}] every side built and timed in {time.perf_counter() - t_mode:.0f} s", flush=True)
             stop_sides(sides)
@@ -870,11 +860,9 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     return rows
 
 
-def _fake_outputs(written: dict | None) -> str:
+def _fake_outputs(written: dict) -> str:
     """The run metadata's ``fake_outputs``: who writes the fake collectives' outputs (``written``: what
-    :func:`cp_ops.transport.fake_fill.enable` returned; ``{}``: unwritten; None: the sides' processes say)."""
-    if written is None:
-        return "as the sides' processes report"
+    :func:`cp_ops.transport.fake_fill.enable` returned; ``{}``: unwritten)."""
     if not written:
         return "unwritten (--unwritten)"
     return ("written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "

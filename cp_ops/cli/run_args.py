@@ -115,11 +115,11 @@ def add_parser(sub) -> None:
                         "then diffusers' alone")
     r.add_argument("--side-processes", action="store_true",
                    help="with --bound and compiled modes only: every side (diffusers, each W, ...) built, compiled "
-                        "and timed in its own child process, all at once; this process holds no weights and asks "
-                        "each side's process for its forwards in the same interleaved rounds (one side's forwards on "
-                        "the device at a time). Each side holds its own copy of the weights: the device must hold "
-                        "them all (e.g. Wan2.1-14B: 4 sides x 28 GB). A whole-model compile then costs one compile "
-                        "per side at once instead of one after another (or --compile-workers' second trace)")
+                        "and timed in its own child process, all at once, on this process's weights (shared with "
+                        "the children, not copied); this process asks each side's process for its forwards in the "
+                        "same interleaved rounds (one side's forwards on the device at a time). A whole-model "
+                        "compile then costs one compile time for all sides instead of one per side (1.5-2.5 min "
+                        "each at full depth); each side's process adds its own CUDA context and activations")
     r.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="with --bound and a compiled mode: first compile every side in up to N child processes at "
                         "once (each holds its own copy of the weights on the device: mind its memory), filling "
