@@ -48,6 +48,7 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   cmp_flux_rc) st $s 200 90 $B flux --bound 2,4,8 --bound-compile regional+capture --compare diffusers $R --out $W/$s.json ;;
   # the whole forward captured without compile (eager + graphs), with cp_ops' cost
   eg_qwen)   st $s 150 60 $B qwenimage --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
+  eg_flux_unev) st $s 110 40 $B flux --height 126 --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
   eg_wan14)  st $s 220 90 $B wan --config 14b --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
   eg_hv)     st $s 220 90 $B hunyuanvideo --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
   # where the host time of a compiled forward without graphs goes (cp_ops' Ulysses vs plain attention, one profiled forward)

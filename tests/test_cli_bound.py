@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -212,6 +213,13 @@ def test_graph_kinds_from_the_flags():
     (["--bound", "2", "--compile-workers", "2"], "--compile-workers applies to compiled modes"),
     (["--bound", "2", "--bound-compile", "full", "--compile-workers", "-1"], "child processes >= 0; got -1"),
     (["--compile-workers", "2"], "apply only with --bound"),
+    (["--side-processes"], "apply only with --bound"),
+    (["--bound", "2", "--bound-compile", "eager,regional", "--side-processes"],
+     "--side-processes applies when every mode is compiled"),
+    (["--bound", "2", "--bound-compile", "regional", "--side-processes", "--compile-workers", "2"],
+     "--side-processes does not take --compile-workers"),
+    (["--bound", "2", "--bound-compile", "regional", "--side-processes", "--steps", "2"],
+     "--side-processes does not take --steps"),
 ])
 def test_bound_argument_errors(extra, message, capsys):
     assert main(["run", "flux", "--device", "cpu"] + extra) == 2
@@ -251,6 +259,72 @@ def test_bound_compile_workers_fill_the_caches(tmp_path):
     assert "failed" not in text, text
     assert "[regional] Inductor's FX graph cache: 2 hits, 0 misses; AOTAutograd's: 2 hits, 0 misses" in text, text
     assert re.search(r"regional\s+2\s+agkv", text), text
+
+
+def test_bound_side_processes(tmp_path):
+    """--side-processes: each side of the compiled mode is built, compiled and timed in its own spawned process on the
+    parent's weights; the parent's rounds time them through their pipes, and the rows carry what the processes
+    measured (the fake collectives' writes counted there, the outputs checked here). A fresh process, as the CLI."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    out = tmp_path / "sp.json"
+    r = subprocess.run([sys.executable, "-m", "cp_ops", "run", "wan", "--device", "cpu", "--layers", "1", "--bound",
+                        "2", "--bound-compile", "regional", "--no-group1", "--repeats", "2", "--warmup", "1",
+                        "--side-processes", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    text = r.stdout
+    assert r.returncode == 0, text + r.stderr
+    assert "[regional] 2 sides in their own processes (--side-processes)" in text, text
+    for side in ("diffusers", "cp_ops W2"):
+        assert f"[regional] {side}: built in" in text and "(in its process, beside the others' compiles)" in text
+    d = json.loads(out.read_text())
+    row, = d["rows"]
+    assert row["world_size"] == 2 and row["compile"] == "regional" and row["mode"] == "agkv"
+    assert row["fills"] > 0 and row["fill_ms"] > 0  # AGKV's gathers written in the side's process, replayed there
+    assert len(row["rank0_samples"]) == 2 and all(t > 0 for t in row["rank0_samples"])
+    assert row["bound_speedup"] > 0 and row["diffusers_host_ms"] > 0
+    assert "its own process" in d["meta"]["side_processes"]
+    assert {c["side"] for c in d["first_calls"]["regional"]} == {"diffusers", "cp_ops W2"}
+
+
+def test_side_process_failures_are_reported():
+    """A side's process that reports an error, dies without answering, or does not answer in time: the parent's wait
+    raises naming the side (the mode becomes a failed row), never waits unbounded."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+
+    def side(target, args):
+        s = bound.Side("cp_ops W2", "cp", 2)
+        s.conn, theirs = ctx.Pipe()
+        s.proc = ctx.Process(target=target, args=args(theirs), daemon=True)
+        s.proc.start()
+        return s, theirs  # the caller closes its copy of the child's end (kept open: a child silent, not gone)
+
+    # run_bound in the child fails on its (empty) arguments: the exception comes back as the side's error
+    s, theirs = side(bound._serve_side, lambda c: ({}, "cpu", "regional", "cp_ops W2", c, None))
+    theirs.close()
+    with pytest.raises(RuntimeError, match=r"side 'cp_ops W2' failed in its process: AttributeError"):
+        bound._recv(s, 120)
+    bound.stop_sides([s])
+    s, theirs = side(os._exit, lambda c: (3,))  # dies at once; this process still holds the child's end
+    with pytest.raises(RuntimeError, match=r"its process ended \(exit code 3\) without answering"):
+        bound._recv(s, 120)
+    bound.stop_sides([s])
+    theirs.close()
+    s, theirs = side(os._exit, lambda c: (4,))  # dies with every copy of its end closed: the pipe's end of file
+    theirs.close()
+    with pytest.raises(RuntimeError, match=r"its process ended \(exit code 4\) without answering"):
+        bound._recv(s, 120)
+    bound.stop_sides([s])
+    s, theirs = side(time.sleep, lambda c: (60,))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not answer in 2 s"):
+        bound._recv(s, 2)
+    assert time.monotonic() - t0 < 30
+    bound.stop_sides([s])
+    theirs.close()
+    assert s.proc is None and s.conn is None
 
 
 def test_config_label_names_reduced_depth():

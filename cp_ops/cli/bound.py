@@ -582,7 +582,12 @@ def _recv(s: Side, timeout: float):
                                "without answering (killed, e.g. out of memory?)")
         if time.monotonic() > deadline:
             raise TimeoutError(f"--side-processes: side {s.name!r}: its process did not answer in {timeout:.0f} s")
-    tag, payload = s.conn.recv()
+    try:
+        tag, payload = s.conn.recv()
+    except EOFError:  # the process closed its end (ended) without a word
+        s.proc.join(5)
+        raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
+                           "without answering (killed, e.g. out of memory?)") from None
     if tag == "error":
         raise RuntimeError(f"side {s.name!r} failed in its process: {payload}")
     return payload
@@ -621,6 +626,7 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], b
 
 def stop_sides(sides: list[Side]) -> None:
     """End the sides' processes (asked, then killed after 10 s); a no-op for sides in this process."""
+    any_cuda = torch.cuda.is_available() and any(s.proc is not None for s in sides)
     for s in sides:
         if s.proc is None:
             continue
@@ -637,6 +643,8 @@ def stop_sides(sides: list[Side]) -> None:
             s.proc.join(5)
         s.conn.close()
         s.proc = s.conn = None
+    if any_cuda:  # the weights the stopped processes mapped, released on this (the producing) side too
+        torch.cuda.ipc_collect()
 
 
 def _fx_cache_counts() -> tuple[int, int, int, int]:
