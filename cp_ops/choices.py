@@ -50,6 +50,7 @@ import torch.distributed as dist
 from . import config, contract
 from .modes import tune
 from .modes.tune import Choice
+from .validate import dtype_name
 
 #: Format of the cache file; a file of another format is ignored (and replaced on the next write).
 FORMAT = 3
@@ -225,7 +226,7 @@ def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None,
     b, s, h, d = shape
     extra = {"comm": comm} if comm else {}
     return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
-                           dtype=str(dtype).replace("torch.", ""), transport=transport, margin=tune.MARGIN,
+                           dtype=dtype_name(dtype), transport=transport, margin=tune.MARGIN,
                            candidates=[f"{m}/{c}" for m, c in cands],
                            preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}", **extra),
                       sort_keys=True)

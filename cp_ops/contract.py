@@ -74,6 +74,7 @@ import torch.distributed as dist
 from . import config
 from ._peers import Peers, PeerExited
 from .group import backend_name
+from .validate import dtype_name
 
 log = logging.getLogger("cp_ops")
 
@@ -446,7 +447,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
                    failed is not None):
         t_ok = isinstance(t, (torch.Tensor, Like))
         _disagree(st, op, transport, list(t.shape) if t_ok else None,
-                  str(t.dtype).replace("torch.", "") if t_ok else None, extra, failed, inputs, 0, note)
+                  dtype_name(t.dtype) if t_ok else None, extra, failed, inputs, 0, note)
 
 
 def _gather(st: _Group, op: str) -> bool:
@@ -502,7 +503,7 @@ class CallCheck:
     def check(self) -> None:
         op_id, tid, b, s, h, d, dt = self.words
         if not _signed(self.st, self.op, op_id, tid, b, s, h, d, dt, self.extra, 0, 0, 0, self.chunks, self.tag, False):
-            _disagree(self.st, self.op, self.transport, list(self.shape), str(self.dtype).replace("torch.", ""),
+            _disagree(self.st, self.op, self.transport, list(self.shape), dtype_name(self.dtype),
                       self.extra, None, None, self.chunks, self.note)
 
 

@@ -136,7 +136,7 @@ def decide(q, k, v, pg: dist.ProcessGroup, mode: str, transport: str, chunks, se
     # with an FP8 format the wire carries uint8 rows whatever the inputs' dtype, so the contract's dtype word cannot
     # tell ranks apart whose inputs differ in dtype (their outputs' all-to-all would then mismatch): the tag does
     t = contract.variant_tag(mode=chosen, chunks=c, key_mask=mask_word, tag=tag, comm_dtype=fp8, scale=scale_word,
-                             input_dtype=str(q.dtype).replace("torch.", "") if fp8 else None)
+                             input_dtype=validate.dtype_name(q.dtype) if fp8 else None)
     return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
                     key_mask is not None, fmts)
 

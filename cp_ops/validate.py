@@ -22,6 +22,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BACKEND_DEVICES = {"gloo": ("cpu",), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "fake": None}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as messages, variant tags and JSON name it: ``torch.bfloat16`` -> ``'bfloat16'``."""
+    return str(dtype).replace("torch.", "")
+
+
 def _require(cond, message: Callable[[], str]) -> None:
     """``ValueError(message())`` unless ``cond``. Eager and Dynamo-traced code (the public API) check a plain
     condition (Dynamo guards on it); in a fake kernel a symbolic condition goes through ``torch._check_value``

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...validate import dtype_name
 from .heap import Segment
 
 log = logging.getLogger("cp_ops")
@@ -233,7 +234,7 @@ class Pool:
             "allocations": self.allocs,
             "evictions": self.evictions,
             "buffers": [
-                {"role": k[0], "shape": list(k[1]), "dtype": str(k[2]).replace("torch.", ""), "slots": self.slots}
+                {"role": k[0], "shape": list(k[1]), "dtype": dtype_name(k[2]), "slots": self.slots}
                 for k in self.entries
             ],
         }
