@@ -316,6 +316,9 @@ def test_side_process_failures_are_reported():
     theirs.close()
     with pytest.raises(RuntimeError, match=r"its process ended \(exit code 4\) without answering"):
         bound._recv(s, 120)
+    s.proc.join(5)  # a request to a process already gone: a broken pipe, named by the side
+    with pytest.raises(RuntimeError, match=r"side 'cp_ops W2': its process ended \(exit code 4\) before this"):
+        bound._ask(s, ("time", 0, 1))
     bound.stop_sides([s])
     s, theirs = side(time.sleep, lambda c: (60,))
     t0 = time.monotonic()

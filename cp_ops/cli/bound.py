@@ -358,8 +358,7 @@ def _timed(s: Side, device, warmup: int, n: int, host: list | None = None) -> fl
     own process, which runs it while this one waits (one process's forwards on the device at a time)."""
     if s.conn is None:
         return time_ms(s.call, device, warmup, n, host=host)
-    s.conn.send(("time", warmup, n))
-    ms, hosts = _recv(s, SAMPLE_TIMEOUT_S)
+    ms, hosts = _ask(s, ("time", warmup, n))
     if host is not None:
         host.extend(hosts)
     return ms
@@ -510,9 +509,10 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, result
     results.put((mode_text, side, time.perf_counter() - t0, err))
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int | None = None) -> None:
     """This child process gets SIGKILL when its parent dies (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves
-    no child holding the device's memory; elsewhere the parent's own clean-up only."""
+    no child holding the device's memory; elsewhere the parent's own clean-up only. ``parent_pid``: a parent that
+    died before this call (while the child imported torch) ends the child here."""
     import ctypes
     import signal
 
@@ -520,6 +520,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux / no glibc
         pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
 
 
 # ---- --side-processes: each side of a compiled mode built, compiled and timed in its own process ------------------
@@ -530,7 +532,7 @@ BUILD_TIMEOUT_S = 3600.0
 SAMPLE_TIMEOUT_S = 900.0
 
 
-def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base) -> None:
+def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base, parent_pid=None) -> None:
     """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as :func:`run_bound` would, on the
     parent's model ``base`` (received with its parameters and buffers shared, not copied: CUDA IPC on CUDA, shared
     memory on CPU; the parent keeps them alive), run its first call, then answer the parent's timing requests on
@@ -538,7 +540,7 @@ def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, b
     import contextlib
     import io
 
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     args = SimpleNamespace(**args_dict)
     args.compile_workers, args.side_processes, args.out, args.profile = 0, False, None, None
     args.only_side, args.serve = (mode_text, side), (conn, base)
@@ -553,23 +555,36 @@ def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, b
 
 
 def _serve(s: Side, device, conn) -> None:
-    """In a side's process, after its first call: report what the parent's rows need, then run timing requests
-    (``('time', warmup, n)`` -> ``(median ms, [host ms per run])``, :func:`cp_ops.timing.time_ms`) until
-    ``('stop',)`` or the pipe closes."""
-    second = time_ms(s.call, device, 0, 1) if s.call is not None else None
-    fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
+    """In a side's process, after its first call: report what the parent's rows need, then answer requests until
+    ``('stop',)`` or the pipe closes: ``('time', warmup, n)`` -> ``(median ms, [host ms per run])``
+    (:func:`cp_ops.timing.time_ms` after at least one untimed forward: the first forward after another process ran
+    is slower), ``('fill',)`` -> the fake collectives' writes replayed alone (ms). The parent asks while no other
+    side runs."""
     out = s.out.numpy() if s.out is not None else None  # float32 on the CPU; numpy pickles without shared memory
-    conn.send(("built", dict(build_s=s.build_s, first_s=s.first_s, second_ms=second, out=out,
-                             fill_count=len(s.fills), fill_ms=fill_ms)))
+    conn.send(("built", dict(build_s=s.build_s, first_s=s.first_s, out=out, fill_count=len(s.fills))))
     while True:
         try:
             msg = conn.recv()
         except EOFError:  # the parent closed its end
             return
-        if msg[0] != "time":
+        if msg[0] == "time":
+            host: list = []
+            conn.send(("ok", (time_ms(s.call, device, max(1, msg[1]), msg[2], host=host), host)))
+        elif msg[0] == "fill":
+            conn.send(("ok", fake_fill.replay_ms(s.fills, device) if s.fills else 0.0))
+        else:
             return
-        host: list = []
-        conn.send(("ok", (time_ms(s.call, device, msg[1], msg[2], host=host), host)))
+
+
+def _ask(s: Side, request: tuple, timeout: float = SAMPLE_TIMEOUT_S):
+    """Send ``request`` to ``s``'s process and return its answer (:func:`_recv`); a process already gone is named."""
+    try:
+        s.conn.send(request)
+    except OSError:  # a broken pipe: the process ended
+        s.proc.join(5)
+        raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
+                           "before this request (killed, e.g. out of memory?)") from None
+    return _recv(s, timeout)
 
 
 def _recv(s: Side, timeout: float):
@@ -597,8 +612,9 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], b
     """``--side-processes``: start one process per side of ``mode_text`` at once (spawned; each gets ``base`` with its
     weights shared, builds its side on them, compiles it and runs its first call, concurrently), wait for each to
     report, and fill in the sides (``proc``/``conn``, ``build_s``, ``first_s`` (the first call beside the others'
-    compiles), ``second_ms``, ``out``, ``fill_ms``, ``fill_count``); :func:`_time_sides` then times them through their
-    pipes. Raises as :func:`_recv` does (the first side to fail; :func:`stop_sides` ends the others)."""
+    compiles), ``second_ms`` (asked once every side is built), ``out``, ``fill_count``); :func:`_time_sides` then
+    times them through their pipes. Raises as :func:`_recv` does (the first side to fail; :func:`stop_sides` ends
+    the others)."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -607,10 +623,13 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], b
     ctx = multiprocessing.get_context("spawn")
     for s in sides:
         s.conn, theirs = ctx.Pipe()
-        s.proc = ctx.Process(target=_serve_side, args=(vars(args), str(device), mode_text, s.name, theirs, base),
-                             daemon=True)
-        s.proc.start()
-        theirs.close()
+        p = ctx.Process(target=_serve_side, args=(vars(args), str(device), mode_text, s.name, theirs, base,
+                                                  os.getpid()), daemon=True)
+        try:
+            p.start()
+        finally:
+            theirs.close()
+        s.proc = p  # only a started process (stop_sides joins it)
     pending = list(sides)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     while pending:
@@ -619,25 +638,32 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], b
             if s.conn.poll() or not s.proc.is_alive() or time.monotonic() > deadline:
                 r = _recv(s, max(0.0, deadline - time.monotonic()))
                 pending.remove(s)
-                s.build_s, s.first_s, s.second_ms = r["build_s"], r["first_s"], r["second_ms"]
+                s.build_s, s.first_s = r["build_s"], r["first_s"]
                 s.out = None if r["out"] is None else torch.from_numpy(r["out"])
-                s.fill_ms, s.fill_count = r["fill_ms"], r["fill_count"]
+                s.fill_count = r["fill_count"]
+    for s in sides:  # one more forward each, timed alone once no side compiles
+        s.second_ms = _timed(s, device, 0, 1)
 
 
 def stop_sides(sides: list[Side]) -> None:
-    """End the sides' processes (asked, then killed after 10 s); a no-op for sides in this process."""
+    """End the sides' processes (asked; those still busy after 10 s, e.g. compiling when another side failed, are
+    killed); a no-op for sides in this process."""
     any_cuda = torch.cuda.is_available() and any(s.proc is not None for s in sides)
     for s in sides:
         if s.proc is None:
+            if s.conn is not None:  # its process never started
+                s.conn.close()
+                s.conn = None
             continue
         try:
             s.conn.send(("stop",))
         except (OSError, ValueError):
             pass
+    end = time.monotonic() + 10.0
     for s in sides:
         if s.proc is None:
             continue
-        s.proc.join(10)
+        s.proc.join(max(0.0, end - time.monotonic()))
         if s.proc.is_alive():
             s.proc.kill()
             s.proc.join(5)
@@ -786,6 +812,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                     _prepare(s, base, spec, kw, margs, device, groups, args)
                     if serve:
                         _serve(s, device, serve[0])
+                        return []  # one side of one mode per process (a mode named twice: served once)
             continue
         t_mode, cache0 = time.perf_counter(), _fx_cache_counts()
 
@@ -829,8 +856,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             _time_sides([s for s in sides if s.error is None], device, args.warmup, args.repeats)
             print(f"  [{mode_text}] interleaved rounds in {time.perf_counter() - t_rounds:.0f} s", flush=True)
             for s in sides:
-                if s.proc is None:  # a side's process replayed its own (spawn_sides)
+                if s.proc is None:
                     s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
+                else:  # replayed in the side's process, no other side running
+                    s.fill_ms = _ask(s, ("fill",))
             if args.profile:
                 profiles[mode_text] = _profile_sides([s for s in sides if s.error is None], device, args.profile,
                                                      f"{args.model}_{mode_text}")
