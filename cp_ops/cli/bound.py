@@ -581,10 +581,15 @@ def _ask(s: Side, request: tuple, timeout: float = SAMPLE_TIMEOUT_S):
     try:
         s.conn.send(request)
     except OSError:  # a broken pipe: the process ended
-        s.proc.join(5)
-        raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
-                           "before this request (killed, e.g. out of memory?)") from None
+        raise _ended(s, "before this request") from None
     return _recv(s, timeout)
+
+
+def _ended(s: Side, when: str) -> RuntimeError:
+    """The error for ``s``'s process found gone (waited for up to 5 s, for its exit code)."""
+    s.proc.join(5)
+    return RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) {when} "
+                        "(killed, e.g. out of memory?)")
 
 
 def _recv(s: Side, timeout: float):
@@ -593,16 +598,13 @@ def _recv(s: Side, timeout: float):
     deadline = time.monotonic() + timeout
     while not s.conn.poll(1.0):
         if not s.proc.is_alive():
-            raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
-                               "without answering (killed, e.g. out of memory?)")
+            raise _ended(s, "without answering")
         if time.monotonic() > deadline:
             raise TimeoutError(f"--side-processes: side {s.name!r}: its process did not answer in {timeout:.0f} s")
     try:
         tag, payload = s.conn.recv()
     except EOFError:  # the process closed its end (ended) without a word
-        s.proc.join(5)
-        raise RuntimeError(f"--side-processes: side {s.name!r}: its process ended (exit code {s.proc.exitcode}) "
-                           "without answering (killed, e.g. out of memory?)") from None
+        raise _ended(s, "without answering") from None
     if tag == "error":
         raise RuntimeError(f"side {s.name!r} failed in its process: {payload}")
     return payload
