@@ -88,41 +88,6 @@ def test_bound_compare_diffusers_ulysses_measured(monkeypatch):
             assert "skipped" not in r or r["skipped"], r
 
 
-@pytest.mark.parametrize("force", [False, True])
-def test_filling_writes_the_all_to_all_and_restores(force, monkeypatch):
-    """Inside bound_diffusers.filling() a functional all-to-all on a fake group holds this rank's data (torch's own
-    write where its fake backend makes one — torch 2.13 writes chunk 0 in every slot — else, and with ``force``,
-    cp_ops' copy of the input) and every write is recorded with its writer; the functional collectives are the
-    originals again after it."""
-    import torch.distributed._functional_collectives as funcol
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from cp_ops.transport import fake_fill
-
-    orig = funcol.all_to_all_single, funcol.all_gather_tensor
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        fake_fill.enable(dist.group.WORLD, torch.device("cpu"))
-        probed = bound_diffusers.probe(dist.group.WORLD, torch.device("cpu"))
-        if force:
-            monkeypatch.setitem(bound_diffusers._unwritten, "all_to_all_single", True)
-        x = torch.randn(8, generator=torch.Generator().manual_seed(1))
-        with fake_fill.recording() as rec, bound_diffusers.filling():
-            out = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, dist.group.WORLD))
-            gathered = funcol.wait_tensor(funcol.all_gather_tensor(x.view(2, 4), 1, dist.group.WORLD))
-        ours = force or probed["all_to_all_single"]
-        assert torch.equal(out, x) if ours else (torch.equal(out, x) or torch.equal(out, x[:4].repeat(2)))
-        assert torch.equal(gathered, torch.cat([x.view(2, 4)] * 2, dim=1))
-        assert [(r[0], r[5]) for r in rec] == [("alltoall_base", "cp_ops" if ours else "torch"),
-                                               ("_allgather_base", "cp_ops" if probed["all_gather_tensor"] else "torch")]
-        assert rec[1][1] == (4, 4) and rec[1][2] == (2, 4)  # recorded as the dim-0 gather of the same sizes
-        assert (funcol.all_to_all_single, funcol.all_gather_tensor) == orig
-    finally:
-        fake_fill.disable()
-        bound_diffusers._unwritten.clear()
-        dist.destroy_process_group()
-
-
 def test_config_layouts():
     cfg = bound_diffusers.config("ulysses", 4, 30, None)
     assert cfg.ulysses_degree == 4 and cfg.ulysses_anything  # 30 heads: diffusers needs its 'anything' variant

@@ -16,12 +16,11 @@ from cp_ops.integrations.diffusers.compiled import compile_blocks
 def fake2():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from cp_ops.transport import fake_fill
+    from cp_ops.cli import bound_fill
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    fake_fill.enable(dist.group.WORLD, torch.device("cpu"))  # outputs written (torch 2.11's fake all-to-all leaves them)
+    with bound_fill.filled():  # outputs written (torch 2.11's fake all-to-all leaves them)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield dist.group.WORLD
-    fake_fill.disable()
     dist.destroy_process_group()
 
 

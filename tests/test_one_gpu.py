@@ -106,23 +106,24 @@ def test_fake_group_eager_compiled_and_captured(world):
             assert got.shape == q.shape, (mode, chunks)
         # uneven shards on the prefix split (rank 0 holds the most; the real rows taken as views, Ulysses' output
         # re-padded by one pad): eager, compiled and captured, the compiled = eager bitwise (the fake collectives
-        # write their outputs: torch 2.11's fake all-to-all leaves them unwritten, cp_ops.transport.fake_fill)
-        from cp_ops.transport import fake_fill
+        # write their outputs: torch 2.11's fake all-to-all leaves them unwritten; the bound tool's filled groups)
+        from cp_ops.cli import bound_fill
 
-        fake_fill.enable(dist.group.WORLD, dev)
+        with bound_fill.filled():
+            filled = dist.new_group(list(range(world)))
         seq = cp_ops.layout.shard_sizes(s * world - 3, world)
         qu, ku, vu = (t[:, :seq[0]].contiguous() for t in (q, k, v))
         for mode in ("agkv", "ulysses"):
-            eager = cp_ops.attention(qu, ku, vu, mode=mode, transport="torch", seq_lens=seq)
+            eager = cp_ops.attention(qu, ku, vu, mode=mode, transport="torch", seq_lens=seq, group=filled)
             torch._dynamo.reset()
             comp = torch.compile(lambda a, b_, c: cp_ops.attention(a, b_, c, mode=mode, transport="torch",
-                                                                    seq_lens=seq), fullgraph=True, dynamic=False)
+                                                                    seq_lens=seq, group=filled),
+                                 fullgraph=True, dynamic=False)
             assert torch.equal(comp(qu, ku, vu), eager), mode
-            graphed = Graphed(lambda: cp_ops.attention(qu, ku, vu, mode=mode, transport="torch", seq_lens=seq), dev,
-                              warmup=1)
+            graphed = Graphed(lambda: cp_ops.attention(qu, ku, vu, mode=mode, transport="torch", seq_lens=seq,
+                                                       group=filled), dev, warmup=1)
             assert graphed().shape == qu.shape, mode
             torch.cuda.synchronize()
-        fake_fill.disable()
     finally:
         dist.destroy_process_group()
 

@@ -8,7 +8,7 @@ queries against all S keys, the replicated text/timestep work — plus cp_ops' h
     bound(W) = t(one device) / t(rank 0 of W)
 
 No CP implementation of the same model can beat it (its limits: ``docs/measuring.md``). The fake collectives write
-their outputs with this rank's own data (:mod:`cp_ops.transport.fake_fill`; torch 2.11's fake backend leaves them
+their outputs with this rank's own data (:mod:`cp_ops.cli.bound_fill`; torch 2.11's fake backend leaves them
 unwritten, and kernels on stale zeros run faster than on real data): those copies are recorded on each side's first
 call, timed alone (``fill_ms``: their device time, replayed in one CUDA graph on CUDA) and taken out of rank 0's
 time (``rank0_ms``; measured: ``rank0_raw_ms``).
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from ..integrations.diffusers import _private
 from ..integrations.diffusers.dispatch import CPAttention, cp_ops_backend
 from ..timing import Graphed, time_ms
-from ..transport import fake_fill
+from . import bound_fill
 from .models import MODELS, build, config_label, load_checkpoint
 from ._args import whole_capture
 
@@ -96,25 +96,31 @@ def mode_name(base: str, graphs: bool | str) -> str:
 
 # ---- the fake groups and the sides ----------------------------------------------------------------------------
 
-def fake_groups(worlds) -> dict[int, dist.ProcessGroup]:
+def fake_groups(worlds, filled: bool = True) -> dict[int, dist.ProcessGroup]:
     """A fake process group of each size in ``worlds`` (this process = rank 0 of each): the default group is a
     fake group of ``max(worlds)`` ranks (created here when torch.distributed is not initialized), the others
-    ``dist.new_group(range(W))`` inside it.
+    ``dist.new_group(range(W))`` inside it. ``filled``: groups made here write their collectives' outputs
+    (:mod:`cp_ops.cli.bound_fill`); else torch's fake backend's as they are.
 
     Raises:
         RuntimeError: torch.distributed is already initialized with another backend or a smaller world.
     """
+    import contextlib
+
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the 'fake' backend
 
     top = max(worlds)
+    making = bound_fill.filled if filled else contextlib.nullcontext
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=top)
+        with making():
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=top)
     elif dist.get_backend() != "fake" or dist.get_world_size() < top or dist.get_rank() != 0:
         raise RuntimeError(f"cp-ops run --bound needs a fake default process group of >= {top} ranks with this "
                            f"process as rank 0; torch.distributed is initialized with backend "
                            f"{dist.get_backend()!r}, world size {dist.get_world_size()}, rank {dist.get_rank()}")
-    return {w: (dist.group.WORLD if w == dist.get_world_size() else dist.new_group(list(range(w))))
-            for w in sorted(set(worlds))}
+    with making():
+        return {w: (dist.group.WORLD if w == dist.get_world_size() else dist.new_group(list(range(w))))
+                for w in sorted(set(worlds))}
 
 
 def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -212,8 +218,8 @@ class Side:
     samples: list = field(default_factory=list)
     host_samples: list = field(default_factory=list)  # per sample: the median host time of its forwards (ms)
     out: torch.Tensor | None = None
-    fills: list = field(default_factory=list)  # one forward's fake collective writes (fake_fill.recording)
-    fill_ms: float = 0.0  # their device time, replayed alone (fake_fill.replay_ms)
+    fills: list = field(default_factory=list)  # one forward's fake collective writes (bound_fill.recording)
+    fill_ms: float = 0.0  # their device time, replayed alone (bound_fill.replay_ms)
     label: str | None = None  # dcp: what diffusers ran ('ulysses', 'ulysses_anything', 'ring')
     error: str | None = None  # dcp: why the side could not run (a row with the reason; the others still run)
     step_ms: list = field(default_factory=list)  # --steps: the last timed loop's per-step times
@@ -247,11 +253,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=None):
+def _make_call(m, spec, kw, margs, device, count=None, step_log=None):
     """The side's call: one forward, or with ``margs.steps`` a denoising loop of that many steps
     (:func:`cp_ops.cli.run.denoise`: the model's scheduler; returns the final latents, ``step_log`` gets the loop's
-    per-step ms). ``count[0]`` += 1 per Python-level call, when given; ``around(fn)`` wraps the call (diffusers'
-    sides: :func:`cp_ops.cli.bound_diffusers.wrap`) inside any capture; eager+graphs and +capture: captured."""
+    per-step ms). ``count[0]`` += 1 per Python-level call, when given; eager+graphs and +capture: captured."""
     from .run import _forward_fn, denoise
 
     if margs.steps:
@@ -268,8 +273,6 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=Non
         def fwd():
             count[0] += 1
             return inner()
-    if around is not None:
-        fwd = around(fwd)
     if whole_capture(margs):  # eager+graphs, regional/full+capture: the whole forward in one graph
         return Graphed(fwd, device)
     return fwd
@@ -304,14 +307,13 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
         from ..integrations.diffusers import capture_safe
 
         capture_safe.apply(m)
-    around, eager_fills = None, None
+    eager_fills = None
     if side.kind == "dcp":
         side.label = bound_diffusers.parallelize(m, side.mode, side.world, spec.heads(base.config), device)
-        around = bound_diffusers.wrap
         if margs.compile:  # compiled, diffusers' collectives are traced: the writes are recorded from one eager call
             eager = SimpleNamespace(compile=None, cuda_graphs=False, no_overlap=False, steps=margs.steps, cfg=False)
-            with fake_fill.recording() as eager_fills:
-                _make_call(m, spec, kw, eager, device, around=around)()
+            with bound_fill.recording() as eager_fills:
+                _make_call(m, spec, kw, eager, device)()
     elif side.kind != "diffusers":
         parallelize(m, groups[side.world], mode=side.mode, transport="torch", chunks=args.chunks)
         if side.kind == "plain":
@@ -325,8 +327,8 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
     t0 = time.perf_counter()
     side.build_s = t0 - t_build
     count = [0]
-    with fake_fill.recording() as rec:  # the first call runs Python (later graph replays may not): one forward's writes
-        call = _make_call(m, spec, kw, margs, device, count, side.step_ms, around)
+    with bound_fill.recording() as rec:  # the first call runs Python (later graph replays may not): one forward's writes
+        call = _make_call(m, spec, kw, margs, device, count, side.step_ms)
         out = call()
     _sync(device)
     side.first_s = time.perf_counter() - t0
@@ -479,12 +481,11 @@ def run_bound(args, device: torch.device) -> list[dict]:
     # every side of every W compiles each block class again (its shapes differ): past Dynamo's default limit of 8
     key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     created = not dist.is_initialized()
-    groups = fake_groups([1] + list(args.bound))
+    groups = fake_groups([1] + list(args.bound), filled=not getattr(args, "unwritten", False))
     try:
         with torch._dynamo.config.patch(**{key: max(getattr(torch._dynamo.config, key), 64)}):
             return _run(args, device, groups)
     finally:
-        fake_fill.disable()
         if created:  # the default group this call made (and every group inside it)
             dist.destroy_process_group()
 
@@ -571,7 +572,7 @@ def _serve(s: Side, device, conn) -> None:
             host: list = []
             conn.send(("ok", (time_ms(s.call, device, max(1, msg[1]), msg[2], host=host), host)))
         elif msg[0] == "fill":
-            conn.send(("ok", fake_fill.replay_ms(s.fills, device) if s.fills else 0.0))
+            conn.send(("ok", bound_fill.replay_ms(s.fills, device) if s.fills else 0.0))
         else:
             return
 
@@ -770,11 +771,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     # diffusers side compiled), it changed the backend registry that side's compiled blocks guard on, and the side
     # compiled its blocks again at its first timed call
     _private.register_backend(cp_ops_backend)
-    written = {} if getattr(args, "unwritten", False) else fake_fill.enable(groups[max(groups)], device)
-    if written and getattr(args, "compare", None) == "diffusers":  # diffusers' functional collectives, probed apart
-        from . import bound_diffusers
-
-        written.update({f"diffusers {k}": v for k, v in bound_diffusers.probe(groups[max(groups)], device).items()})
+    written = bound_fill.is_filled(groups[max(groups)])
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
     layers = [cfg[k] for k in spec.layer_keys]
     config_name = config_label(spec, args.config, cfg)
@@ -859,7 +856,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             print(f"  [{mode_text}] interleaved rounds in {time.perf_counter() - t_rounds:.0f} s", flush=True)
             for s in sides:
                 if s.proc is None:
-                    s.fill_ms = fake_fill.replay_ms(s.fills, device) if s.fills else 0.0
+                    s.fill_ms = bound_fill.replay_ms(s.fills, device) if s.fills else 0.0
                 else:  # replayed in the side's process, no other side running
                     s.fill_ms = _ask(s, ("fill",))
             if args.profile:
@@ -872,7 +869,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                              skipped=reason))
         else:
             rows += _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs)
-            _check_outputs(sides, filled=bool(written))
+            _check_outputs(sides, filled=written)
         finally:
             print(f"  [{mode_text}] every side built and timed in {time.perf_counter() - t_mode:.0f} s", flush=True)
             stop_sides(sides)
@@ -899,15 +896,12 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     return rows
 
 
-def _fake_outputs(written: dict) -> str:
-    """The run metadata's ``fake_outputs``: who writes the fake collectives' outputs (``written``: what
-    :func:`cp_ops.transport.fake_fill.enable` returned; ``{}``: unwritten)."""
+def _fake_outputs(written: bool) -> str:
+    """The run metadata's ``fake_outputs``: who writes the fake collectives' outputs."""
     if not written:
         return "unwritten (--unwritten)"
-    return ("written: this rank's data in every slot (cp_ops.transport.fake_fill), by cp_ops for "
-            + (", ".join(k for k, v in written.items() if v) or "nothing")
-            + " and cp_ops' own all-gathers (AGKV, key masks: one copy per tensor, the fake backend's not run); "
-            "by torch's fake backend for the rest")
+    return ("written: this rank's data in every slot of every data collective's output, one copy per output tensor "
+            "(cp_ops.cli.bound_fill.FilledFakeGroup)")
 
 
 def _first_call(s: Side) -> dict:
@@ -935,7 +929,7 @@ def _reset_after_failure(base_mode: str, device) -> None:
 
 def _check_outputs(sides: list[Side], filled: bool = False) -> None:
     """Every side returned the full output shape, finite where it is the model's own and, with ``filled`` (the fake
-    collectives write their outputs: :mod:`cp_ops.transport.fake_fill`), on every cp_ops side too (not the plain
+    collectives write their outputs: :mod:`cp_ops.cli.bound_fill`), on every cp_ops side too (not the plain
     stand-in's repeated tokens; nor, unfilled, a fake group's untouched gather buffers: uninitialised memory)."""
     ref = next(s.out for s in sides if s.kind == "diffusers")
     for s in sides:
@@ -1103,7 +1097,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
               + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))
     if has_impl:
         print("impl 'diffusers ulysses|ring' = diffusers' own CP (enable_parallelism) over the same fake group, its "
-              "all-to-alls written like cp_ops' (cp_ops.cli.bound_diffusers); its bound beside cp_ops'.")
+              "all-to-alls written like cp_ops' (cp_ops.cli.bound_fill); its bound beside cp_ops'.")
     if steps:
         print(f"--steps: final latents' error vs one device: {STEPS_ERROR_NOTE}.")
         ext = next((r for r in rows if "extrapolated" in r), None)

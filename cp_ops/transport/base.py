@@ -29,8 +29,6 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import fake_fill
-
 from .. import contract
 
 log = logging.getLogger("cp_ops")
@@ -146,11 +144,10 @@ def ulysses_packed_start(t: "Transport", send: torch.Tensor, group: dist.Process
 
 def mask_all_gather(mask: torch.Tensor, group: dist.ProcessGroup):
     """A key mask beside its keys: uint8 ``[B, S]`` → ``([W*B, S] rank-major, work)``, one ``_allgather_base`` on
-    ``group`` (on a fake group while :mod:`fake_fill` is on, written by it instead: :func:`fake_fill.gather`)."""
+    ``group``."""
     out = mask.new_empty(group.size() * mask.shape[0], mask.shape[1])
     m = mask.contiguous()
-    work = fake_fill.gather("_allgather_base", group, [out], [m]) if fake_fill.ACTIVE else None
-    return out, (group._allgather_base(out, m) if work is None else work)
+    return out, group._allgather_base(out, m)
 
 
 def source_arrivals(work, world: int, rank: int, s_local: int) -> list[Arrival]:

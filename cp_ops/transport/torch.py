@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ulysses_inverse_pack, ulysses_pack
-from . import fake_fill
 from .base import Arrival, register
 
 
@@ -76,11 +75,7 @@ def _agkv_gather(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor):
     k_in, v_in = k.contiguous(), v.contiguous()
     outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
     ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
-    # the zero-communication bound: on a fake group cp_ops writes the outputs (one copy per tensor) instead
-    work = fake_fill.gather("allgather_into_tensor_coalesced", group, outs, ins) if fake_fill.ACTIVE else None
-    if work is None:
-        work = group.allgather_into_tensor_coalesced(outs, ins)
-    return k_full, v_full, work
+    return k_full, v_full, group.allgather_into_tensor_coalesced(outs, ins)
 
 
 def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pieces: int):
@@ -110,16 +105,12 @@ def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pi
             work = _Works([group._end_coalescing(k.device)] if coalesce else batch)
             works.append(work)
             arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
-    if fake_fill.ACTIVE:  # every received block (and this rank's own, as the fake all-gathers write it)
-        for i in range(b):
-            fake_fill.fill("recv", group, k_full[i], k_in[i])
-            fake_fill.fill("recv", group, v_full[i], v_in[i])
     return k_full, v_full, arrivals, _Works(works)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
     """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``, what
-    every Ulysses launch of this transport ends in (the fake group's output written where it writes nothing)."""
+    every Ulysses launch of this transport ends in."""
     if stage_through_host(group, send.device):
         return _staged(_alltoall_base, send, group)
     return _alltoall_base(send, group)
@@ -127,10 +118,7 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
 
 def _alltoall_base(send: torch.Tensor, group: dist.ProcessGroup):
     recv = torch.empty_like(send)
-    work = group.alltoall_base(recv, send, [], [])
-    if fake_fill.ACTIVE:
-        fake_fill.fill("alltoall_base", group, recv, send)
-    return recv, work
+    return recv, group.alltoall_base(recv, send, [], [])
 
 
 class _Works:

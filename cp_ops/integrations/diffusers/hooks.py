@@ -21,7 +21,6 @@ import torch.distributed._functional_collectives as funcol
 
 from ...contract import announce
 from ...layout import Shards
-from ...transport import fake_fill
 from .plan import Gather, Plan, Split, shard_sizes
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
@@ -32,10 +31,7 @@ def _all_gather(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
     """c10d's functional all-gather, waited at once (the current stream waits for it; the host does not): an
     unwaited result whose consumer never runs a non-view op (an output the model drops) stays registered with
     c10d ("unwaited collective calls" at exit), and on NCCL a consumer outside the dispatcher would race it."""
-    out = funcol.wait_tensor(_all_gather_async(x, gather_dim=gather_dim, group=group))
-    if fake_fill.ACTIVE and gather_dim == 0 and not torch.compiler.is_compiling():
-        fake_fill.fill("_allgather_base", group, out, x)  # the zero-communication bound: real data in a fake gather
-    return out
+    return funcol.wait_tensor(_all_gather_async(x, gather_dim=gather_dim, group=group))
 
 
 class CPState:

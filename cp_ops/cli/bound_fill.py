@@ -1,0 +1,192 @@
+"""The bound tool's process groups: fake groups whose collectives write their outputs.
+
+``cp-ops bound`` (:mod:`cp_ops.cli.bound`) times rank 0 of a W-rank *fake* process group
+(``torch.testing._internal.distributed.fake_pg``: one process stands for every rank, collectives move nothing).
+What torch's fake backend leaves in a collective's output depends on the torch version: torch 2.11's leaves
+``alltoall_base``'s output unwritten, and kernels computing on whatever the allocator's block held (zeros in fresh
+memory) ran 13-15 % faster on an H200 than on real values. So the groups this module makes write every output
+themselves: this rank's own data in every source slot (real activations, the same magnitudes and statistics as the
+peers' would have), whatever the torch version.
+
+How: :func:`filled` swaps the creator of torch's ``'fake'`` backend while the tool makes its groups, so each is a
+:class:`FilledFakeGroup` — a Python :class:`torch.distributed.ProcessGroup` (as torch's own ``multi_threaded_pg``
+groups are) whose data collectives write their outputs, with torch's fake backend registered under it for everything
+else. The groups still report backend ``'fake'``; nothing in cp_ops knows the difference, and every path that moves
+data through the group — the transports' collectives, the key-mask gathers, the diffusers integration's output
+gathers, functional collectives inside ``torch.compile`` graphs and diffusers' own context parallelism — gets its
+outputs written.
+
+Each write costs one device copy of the collective's output, which the tool accounts for: :func:`recording` lists
+them and :func:`replay_ms` times the same copies alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+#: the data collectives a :class:`FilledFakeGroup` writes (the kinds its records name)
+KINDS = ("alltoall_base", "_allgather_base", "allgather_into_tensor_coalesced", "allgather", "recv")
+
+_records: list | None = None
+_done = None
+
+
+def _completed():
+    """A completed work (``wait()`` returns at once), made once."""
+    global _done
+    if _done is None:
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        _done = torch._C._distributed_c10d._create_work_from_future(fut)
+    return _done
+
+
+def _write(out: torch.Tensor, inp: torch.Tensor) -> None:
+    """``inp`` into every slot of ``out``: ``out = inp`` for equal shapes, every chunk of ``out`` along dim 0 = ``inp``
+    when ``out`` holds a whole number of ``inp``'s, else ``inp``'s elements repeated to ``out``'s size (uneven
+    all-to-all splits)."""
+    if out.shape == inp.shape:
+        out.copy_(inp)
+    elif out.dim() and inp.dim() and out.shape[1:] == inp.shape[1:] and inp.shape[0] and \
+            out.shape[0] % inp.shape[0] == 0:
+        out.view(out.shape[0] // inp.shape[0], *inp.shape).copy_(inp)
+    else:
+        flat = inp.reshape(-1)
+        reps = -(-out.numel() // max(1, flat.numel()))
+        out.copy_(flat.repeat(reps)[: out.numel()].view(out.shape))
+
+
+class FilledFakeGroup(dist.ProcessGroup):
+    """A fake process group whose data collectives write this rank's data into every source slot of their outputs
+    (one copy per output tensor) and return a completed work; every other call goes to torch's fake backend,
+    registered under it for CPU and CUDA tensors. ``recv`` writes the last tensor this group sent with the same tag
+    and shape (cp_ops' point-to-point gather sends its own block before each receive)."""
+
+    def __init__(self, inner, rank: int, size: int):
+        super().__init__(rank, size)
+        self._sent: dict = {}
+        for dev in ("cpu", "cuda"):
+            self._register_backend(torch.device(dev), dist.ProcessGroup.BackendType.CUSTOM, inner)
+
+    def getBackendName(self):
+        return "fake"
+
+    def _fill(self, kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if _records is not None:
+            _records.append((kind, tuple(out.shape), tuple(inp.shape), out.dtype, out.device))
+        with torch.no_grad():
+            _write(out, inp)
+
+    def alltoall_base(self, out, inp, out_splits, in_splits, opts=None):
+        self._fill("alltoall_base", out, inp)
+        return _completed()
+
+    def _allgather_base(self, out, inp, opts=None):
+        self._fill("_allgather_base", out, inp)
+        return _completed()
+
+    def allgather_into_tensor_coalesced(self, outs, ins, opts=None):
+        for out, inp in zip(outs, ins):
+            self._fill("allgather_into_tensor_coalesced", out, inp)
+        return _completed()
+
+    def allgather(self, outs, ins, opts=None):
+        for chunks, inp in zip(outs, ins):
+            for out in chunks:
+                self._fill("allgather", out, inp)
+        return _completed()
+
+    def send(self, tensors, dst, tag):
+        for t in tensors:
+            self._sent[(tag, tuple(t.shape))] = t
+        return _completed()
+
+    def recv(self, tensors, src, tag):
+        for t in tensors:
+            sent = self._sent.pop((tag, tuple(t.shape)), None)
+            if sent is not None:
+                self._fill("recv", t, sent)
+        return _completed()
+
+
+@contextlib.contextmanager
+def filled():
+    """While active, every process group made with backend ``'fake'`` in this process is a :class:`FilledFakeGroup`
+    (torch's ``'fake'`` backend creator swapped, and restored on exit; groups made before or after are torch's)."""
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the 'fake' backend)
+
+    plugins = dist.Backend._plugins
+    torch_fake = plugins["FAKE"]
+
+    def create(common_opts, backend_opts):
+        inner = torch_fake.creator_fn(common_opts, backend_opts)
+        return FilledFakeGroup(inner, common_opts.group_rank, common_opts.group_size)
+
+    plugins["FAKE"] = dist.Backend._BackendPlugin(create, True)
+    try:
+        yield
+    finally:
+        plugins["FAKE"] = torch_fake
+
+
+def is_filled(group) -> bool:
+    """Whether ``group`` writes its collectives' outputs (a :class:`FilledFakeGroup`)."""
+    return isinstance(group, FilledFakeGroup)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect ``(kind, out_shape, in_shape, dtype, device)`` of every write a :class:`FilledFakeGroup` makes inside
+    the block; yields the list."""
+    global _records
+    prev, _records = _records, []
+    try:
+        yield _records
+    finally:
+        _records = prev
+
+
+def replay_ms(records: list, device: torch.device, repeats: int = 5, graphed: bool | None = None) -> float:
+    """Device time in ms of the writes ``records`` lists (:func:`recording`), replayed alone on ``device`` on
+    standard-normal inputs: what they add to a forward. Writes of one shape share one buffer pair, so the replay needs
+    memory for one write of each shape only.
+
+    ``graphed`` (default: on CUDA): all the writes are captured in one CUDA graph and its replay timed (median of
+    ``repeats``), so the result is their device time without the host's launches — replayed one launch at a time
+    the hundreds of ~3 µs copies of an image model are launch-bound (FLUX.1-dev at W = 8: 172 writes took 1.21 ms
+    so, 0.45 ms of device time inside the forward's CUDA graphs), and taking that out of a forward would make its
+    bound optimistic. Inside a host-bound eager forward the writes' launches cost host time too; they stay in
+    rank 0's time (as a real collective's launch would). ``graphed=False`` (always on CPU): the writes launched
+    back to back, timed as they run.
+
+    Raises:
+        RuntimeError: ``graphed=True`` off CUDA, or the capture failed.
+    """
+    from ..timing import Graphed, time_ms
+
+    device = torch.device(device)
+    graphed = device.type == "cuda" if graphed is None else graphed
+    if graphed and device.type != "cuda":
+        raise RuntimeError(f"replay_ms: graphed=True needs a CUDA device; got {device}")
+    counts: dict = {}
+    for _, out_shape, in_shape, dtype, *_ in records:
+        key = (out_shape, in_shape, dtype)
+        counts[key] = counts.get(key, 0) + 1
+    work = []
+    for (out_shape, in_shape, dtype), n in counts.items():
+        inp = torch.randn(in_shape, device=device).to(dtype) if dtype.is_floating_point else \
+            torch.ones(in_shape, device=device, dtype=dtype)
+        work.append((torch.empty(out_shape, device=device, dtype=dtype), inp, n))
+
+    def run():
+        for out, inp, n in work:
+            for _ in range(n):
+                _write(out, inp)
+
+    if not work:
+        return 0.0
+    with torch.no_grad():
+        return time_ms(Graphed(run, device, warmup=1) if graphed else run, device, 1, repeats)
