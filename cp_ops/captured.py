@@ -66,7 +66,29 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from .timing import failed_ranks, warm_on_side_stream
+
+def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) -> None:
+    """``n`` calls of ``fn()`` on a side stream that waits for the current one, which then waits for it: the warm-up
+    torch's rule for ``torch.cuda.graph`` asks before a capture (lazy initializations happen outside it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(n):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def failed_ranks(group: dist.ProcessGroup | None, reason: str) -> list[tuple[int | None, str]]:
+    """Every rank's outcome of a step that must succeed on all ranks or on none (a CUDA-graph capture: a replay runs
+    collectives), ``reason`` = this rank's (``''``: succeeded): ``[(rank, reason)]`` of the ranks that failed, in rank
+    order, gathered over ``group`` (``all_gather_object``: every rank calls). A group of one rank, a fake group (one
+    process stands for all) or None: this process's own outcome alone (rank None for None)."""
+    if group is not None and group.size() > 1 and str(dist.get_backend(group)) != "fake":
+        reasons: list = [None] * group.size()
+        dist.all_gather_object(reasons, reason, group=group)
+        return [(r, x) for r, x in enumerate(reasons) if x]
+    return [(None if group is None else group.rank(), reason)] if reason else []
+
 
 #: instance attribute holding a captured module's :class:`CapturedForward`
 ATTR = "_cp_ops_captured"

@@ -447,3 +447,19 @@ def test_a_nan_argument_replays(recorder):
     for _ in range(3):
         m(x, scale=float("nan"))
     assert captured.captured(m).captures == 1 and recorder.events.count("replay") == 3
+
+
+def test_capture_helpers_live_on_the_product_side():
+    """cp_ops.captured (product) imports nothing from cp_ops.timing (the measuring tools' timing): the capture
+    helpers it uses are its own, and timing's Graphed uses them from here."""
+    import ast
+    import inspect
+
+    import cp_ops.captured as captured
+    import cp_ops.timing as timing
+
+    tree = ast.parse(inspect.getsource(captured))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not any(m == "timing" or m.endswith(".timing") for m in imported), imported
+    assert timing.warm_on_side_stream is captured.warm_on_side_stream
+    assert timing.failed_ranks is captured.failed_ranks
