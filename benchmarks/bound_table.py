@@ -1,4 +1,4 @@
-"""Collect ``cp-ops run MODEL --bound ... --out X.json`` results into one ``bound.json`` and a Markdown table.
+"""Collect ``cp-ops bound MODEL --worlds ... --out X.json`` results into one ``bound.json`` and a Markdown table.
 
     python benchmarks/bound_table.py DIR/runs/bound_*.json --out DIR/bound.json --profiles DIR/bound_profiles.json
 

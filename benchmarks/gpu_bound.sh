@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21's zero-communication bound of the full-size DiTs on ONE GPU, one call:
 #   benchmarks/gpu_bound.sh OUT_DIR [step ...]
-# Each step is `MODEL[:CONFIG]@MODES` (MODES: comma-separated --bound-compile modes), run as
-#   cp-ops run MODEL --config CONFIG --bound $BOUND_W --bound-compile MODES --cost [--profile] --out OUT/bound_<name>.json
+# Each step is `MODEL[:CONFIG]@MODES` (MODES: comma-separated --compile-modes modes), run as
+#   cp-ops bound MODEL --config CONFIG --worlds $BOUND_W --compile-modes MODES --cost [--profile] --out OUT/bound_<name>.json
 # at the model's standard resolution (the CUDA defaults of cp-ops run), every step under STEP_TIMEOUT seconds.
 # Env: BOUND_W (default 2,4,8), STEP_TIMEOUT (default 300), BOUND_ARGS (extra arguments for every step),
 #      PROFILE_RE (steps whose name matches get --profile OUT/prof), DEADLINE (seconds after which no new step starts).
@@ -25,10 +25,10 @@ for st in "$@"; do
   spec=${st%@*}; modes=${st#*@}; model=${spec%:*}; cfg=""; [ "$spec" != "$model" ] && cfg=${spec#*:}
   name=${model}${cfg:+_$cfg}_${modes//[,+]/_}
   prof=""; [[ $st =~ ${PROFILE_RE:-^$} ]] && prof="--profile $OUT/prof"
-  echo "=== $name: cp-ops run $model ${cfg:+--config $cfg} --bound ${BOUND_W:-2,4,8} --bound-compile $modes --cost $prof ${BOUND_ARGS:-}" | tee -a "$LOG"
+  echo "=== $name: cp-ops bound $model ${cfg:+--config $cfg} --worlds ${BOUND_W:-2,4,8} --compile-modes $modes --cost $prof ${BOUND_ARGS:-}" | tee -a "$LOG"
   t=$SECONDS
-  timeout -k 10 "${STEP_TIMEOUT:-300}" python3 -m cp_ops run "$model" ${cfg:+--config $cfg} --bound "${BOUND_W:-2,4,8}" \
-    --bound-compile "$modes" --cost $prof ${BOUND_ARGS:-} --out "$OUT/bound_$name.json" 2>&1 | grep -v "^USDT" | tee -a "$LOG"
+  timeout -k 10 "${STEP_TIMEOUT:-300}" python3 -m cp_ops bound "$model" ${cfg:+--config $cfg} --worlds "${BOUND_W:-2,4,8}" \
+    --compile-modes "$modes" --cost $prof ${BOUND_ARGS:-} --out "$OUT/bound_$name.json" 2>&1 | grep -v "^USDT" | tee -a "$LOG"
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
   echo "=== $name: rc=$rc in $((SECONDS - t)) s" | tee -a "$LOG"
 done

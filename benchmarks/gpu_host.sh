@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the host time of `--bound-compile regional` goes on ONE GPU (docs/measuring.md, "regional without graphs at
+# Where the host time of `--compile-modes regional` goes on ONE GPU (docs/measuring.md, "regional without graphs at
 # W >= 4"), one call:   OUT=DIR bash benchmarks/gpu_host.sh
 # Steps (each one process under `timeout`, never past END seconds from the start; a step with less than its minimum
 # left is skipped; everything so far is copied to $OUT after each step):
@@ -7,7 +7,7 @@
 #          compiled block (cp_ops vs plain SDPA; W = 2, 4, 8; AGKV / Ulysses; no mask / every-key mask; cp_ops.compile vs
 #          torch.compile) and each piece of the launch ops' host path alone, on the GPU machine's host (~2-3 min:
 #          ~36 small compiles)
-#   zimage cp-ops run zimage --bound 4 --bound-compile regional --cost --no-group1 --warmup 1 --repeats 3 --profile:
+#   zimage cp-ops bound zimage --worlds 4 --compile-modes regional --cost --no-group1 --warmup 1 --repeats 3 --profile:
 #          the rows with the host column (host ms, '*' = host-bound), TORCH_LOGS=recompiles (no recompile expected after
 #          the first calls), one profiled forward per side (wall vs busy; Chrome traces) (~70 s: build ~20 s, 3 sides'
 #          first calls 5-20 s each)
@@ -35,8 +35,8 @@ step() {
   save
 }
 step host 240 60 -- python3 benchmarks/host_compiled.py --device cuda --breakdown --entries --out "$W/host"
-step zimage 150 60 -- env TORCH_LOGS=recompiles python3 -m cp_ops run zimage --bound 4 --bound-compile regional --cost \
+step zimage 150 60 -- env TORCH_LOGS=recompiles python3 -m cp_ops bound zimage --worlds 4 --compile-modes regional --cost \
   --no-group1 --warmup 1 --repeats 3 --profile "$W/prof" --out "$W/bound_zimage_regional_w4.json"
-step flux 150 70 -- python3 -m cp_ops run flux --bound 4 --bound-compile regional --cost --no-group1 --warmup 1 \
+step flux 150 70 -- python3 -m cp_ops bound flux --worlds 4 --compile-modes regional --cost --no-group1 --warmup 1 \
   --repeats 3 --out "$W/bound_flux_regional_w4.json"
 save

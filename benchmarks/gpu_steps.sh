@@ -25,7 +25,7 @@ st() {
   timeout -s ABRT -k 5 "$lim" "$@" 2>&1 | grep -v "^USDT\|__recompiles\]     -" | tee -a "$LOG"
   echo "=== $name: rc=${PIPESTATUS[0]} at t=$((SECONDS - T0)) s" | tee -a "$LOG"
 }
-B="python3 -m cp_ops run"; R="--no-group1 --warmup 1 --repeats 3"; RC="--bound-compile regional+capture,regional+graphs --cost"
+B="python3 -m cp_ops bound"; R="--no-group1 --warmup 1 --repeats 3"; RC="--compile-modes regional+capture,regional+graphs --cost"
 PT="python3 -m pytest -q -rs -p no:cacheprovider"
 for s in ${STEPS:?STEPS names the steps}; do case $s in
   # GPU tests: whole-forward capture and one-GPU tests (fake group, the extension's merge); two ranks on one GPU; FP8's fused Triton kernels with a fresh
@@ -35,43 +35,43 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   fp8f)      st $s 120 40 env TRITON_CACHE_DIR="$(mktemp -d)" $PT -m gpu tests/test_fp8.py -k "fused or nonfinite" ;;
   tcpu)      st $s 240 60 $PT tests/test_uneven.py tests/test_diffusers_models.py -k "test_compiled_equals_eager or (unparallelized and 4)" ;;
   # bound rows (zero-communication bound, fake group): regional+capture beside regional+graphs, with cp_ops' cost
-  rc_flux)   st $s 170 80 $B flux --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  rc_zimage) st $s 140 70 $B zimage --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  rc_wan)    st $s 150 70 $B wan --config 1.3b --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  rc_ltx)    st $s 130 60 $B ltx --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  rc_qwen)   st $s 150 70 $B qwenimage --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  flux_unev) st $s 200 80 $B flux --height 126 --bound 2,4,8 $RC $R --out $W/$s.json ;;
-  wan14_rc)  st $s 260 120 $B wan --config 14b --bound 2,4,8 --bound-compile regional+capture --cost $R --out $W/$s.json ;;
-  hv_rc)     st $s 290 120 $B hunyuanvideo --bound 2,4,8 --bound-compile regional+capture --cost $R --out $W/$s.json ;;
+  rc_flux)   st $s 170 80 $B flux --worlds 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_zimage) st $s 140 70 $B zimage --worlds 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_wan)    st $s 150 70 $B wan --config 1.3b --worlds 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_ltx)    st $s 130 60 $B ltx --worlds 2,4,8 $RC $R --out $W/$s.json ;;
+  rc_qwen)   st $s 150 70 $B qwenimage --worlds 2,4,8 $RC $R --out $W/$s.json ;;
+  flux_unev) st $s 200 80 $B flux --height 126 --worlds 2,4,8 $RC $R --out $W/$s.json ;;
+  wan14_rc)  st $s 260 120 $B wan --config 14b --worlds 2,4,8 --compile-modes regional+capture --cost $R --out $W/$s.json ;;
+  hv_rc)     st $s 290 120 $B hunyuanvideo --worlds 2,4,8 --compile-modes regional+capture --cost $R --out $W/$s.json ;;
   # diffusers' own CP beside cp_ops (eager and per-block graphs; one capture of the whole forward)
-  cmp_flux)  st $s 240 90 $B flux --bound 2,4,8 --bound-compile eager,regional+graphs --compare diffusers $R --out $W/$s.json ;;
-  cmp_flux_rc) st $s 200 90 $B flux --bound 2,4,8 --bound-compile regional+capture --compare diffusers $R --out $W/$s.json ;;
+  cmp_flux)  st $s 240 90 $B flux --worlds 2,4,8 --compile-modes eager,regional+graphs --compare diffusers $R --out $W/$s.json ;;
+  cmp_flux_rc) st $s 200 90 $B flux --worlds 2,4,8 --compile-modes regional+capture --compare diffusers $R --out $W/$s.json ;;
   # the whole forward captured without compile (eager + graphs), with cp_ops' cost
-  eg_qwen)   st $s 150 60 $B qwenimage --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
-  eg_flux_unev) st $s 110 40 $B flux --height 126 --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
-  eg_wan14)  st $s 220 90 $B wan --config 14b --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
-  eg_hv)     st $s 220 90 $B hunyuanvideo --bound 2,4,8 --bound-compile eager+graphs --cost $R --out $W/$s.json ;;
+  eg_qwen)   st $s 150 60 $B qwenimage --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
+  eg_flux_unev) st $s 110 40 $B flux --height 126 --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
+  eg_wan14)  st $s 220 90 $B wan --config 14b --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
+  eg_hv)     st $s 220 90 $B hunyuanvideo --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
   # where the host time of a compiled forward without graphs goes (cp_ops' Ulysses vs plain attention, one profiled forward)
-  prof_flux) st $s 200 90 $B flux --bound 4 --bound-compile regional --cost --profile $W/prof_$s $R --out $W/$s.json ;;
+  prof_flux) st $s 200 90 $B flux --worlds 4 --compile-modes regional --cost --profile $W/prof_$s $R --out $W/$s.json ;;
   # Dynamo's recompiles of a whole-model compile after its first call, at reduced depth (a diagnostic: no rows)
-  recomp)    st $s 200 60 env TORCH_LOGS=recompiles $B flux --layers 2 --bound 2,4,8 --bound-compile full $R --out $W/$s.json ;;
+  recomp)    st $s 200 60 env TORCH_LOGS=recompiles $B flux --layers 2 --worlds 2,4,8 --compile-modes full $R --out $W/$s.json ;;
   # whole-model compile (no graphs)
-  flux_full) st $s ${FCAP:-300} 150 $B flux --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
-  zimage_full) st $s ${FCAP:-300} 150 $B zimage --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
-  qwen_full) st $s ${FCAP:-300} 150 $B qwenimage --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-0} $R --out $W/$s.json ;;
-  wan_full)  st $s ${FCAP:-300} 150 $B wan --config 1.3b --bound ${FW:-2,4,8} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
-  wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
-  hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
+  flux_full) st $s ${FCAP:-300} 150 $B flux --worlds ${FW:-2,4,8} --compile-modes full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  zimage_full) st $s ${FCAP:-300} 150 $B zimage --worlds ${FW:-2,4,8} --compile-modes full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  qwen_full) st $s ${FCAP:-300} 150 $B qwenimage --worlds ${FW:-2,4,8} --compile-modes full --compile-workers ${CW:-0} $R --out $W/$s.json ;;
+  wan_full)  st $s ${FCAP:-300} 150 $B wan --config 1.3b --worlds ${FW:-2,4,8} --compile-modes full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  wan14_full) st $s ${FCAP:-300} 150 $B wan --config 14b --worlds ${FW:-4} --compile-modes full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
+  hv_full)   st $s ${FCAP:-300} 150 $B hunyuanvideo --worlds ${FW:-4} --compile-modes full --compile-workers ${CW:-3} $R --out $W/$s.json ;;
   # whole-model compile, every side in its own process (--side-processes: built at once, one copy of the weights each;
   # no second trace in this process): Wan2.1-14B's 4 sides (4 x 28 GB), HunyuanVideo's W = 2, 8 (3 x 26 GB)
-  wan14_fullp) st $s ${FCAP:-580} 150 $B wan --config 14b --bound ${FW:-2,4,8} --bound-compile full --side-processes $R --out $W/$s.json ;;
-  hv_fullp)  st $s ${FCAP:-580} 150 $B hunyuanvideo --bound ${FW:-2,8} --bound-compile full --side-processes $R --out $W/$s.json ;;
-  ltx_full)  st $s ${FCAP:-280} 120 $B ltx --bound ${FW:-4} --bound-compile full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
+  wan14_fullp) st $s ${FCAP:-580} 150 $B wan --config 14b --worlds ${FW:-2,4,8} --compile-modes full --side-processes $R --out $W/$s.json ;;
+  hv_fullp)  st $s ${FCAP:-580} 150 $B hunyuanvideo --worlds ${FW:-2,8} --compile-modes full --side-processes $R --out $W/$s.json ;;
+  ltx_full)  st $s ${FCAP:-280} 120 $B ltx --worlds ${FW:-4} --compile-modes full --compile-workers ${CW:-4} $R --out $W/$s.json ;;
   # 720p (issue 21's long cases), regional+capture with --cost: Wan2.1-14B 720p/81 f (75,600 tokens; one GPU ~12 s per
   # forward); HunyuanVideo 720p/129 f (118,800 tokens; one GPU 31.5 s eager, 01e) with one untimed forward less and
   # one round (its sides' forwards alone fill a call otherwise)
-  wan14_720p) st $s ${FCAP:-540} 200 $B wan --config 14b --frames 21 --height 90 --width 160 --bound ${FW:-2,4,8} --bound-compile regional+capture --cost $R --out $W/$s.json ;;
-  hv_720p)   st $s ${FCAP:-540} 240 $B hunyuanvideo --frames 33 --height 90 --width 160 --bound ${FW:-2,4,8} --bound-compile regional+capture --cost --no-group1 --warmup 0 --repeats 1 --out $W/$s.json ;;
+  wan14_720p) st $s ${FCAP:-540} 200 $B wan --config 14b --frames 21 --height 90 --width 160 --worlds ${FW:-2,4,8} --compile-modes regional+capture --cost $R --out $W/$s.json ;;
+  hv_720p)   st $s ${FCAP:-540} 240 $B hunyuanvideo --frames 33 --height 90 --width 160 --worlds ${FW:-2,4,8} --compile-modes regional+capture --cost --no-group1 --warmup 0 --repeats 1 --out $W/$s.json ;;
   *) echo "=== unknown step $s" | tee -a "$LOG" ;;
 esac; done
 python3 - "$W" <<'PY' 2>&1 | tee -a "$LOG"

@@ -1,8 +1,8 @@
 """Host time of one ``cp_ops.attention`` call inside a compiled function, against plain SDPA of the same shapes.
 
-What ``cp-ops run MODEL --bound W --bound-compile regional --cost`` compares per attention call, at a tiny shape
+What ``cp-ops bound MODEL --worlds W --compile-modes regional --cost`` compares per attention call, at a tiny shape
 (the device work a few µs), in ONE process over a fake group of W ranks (``torch.testing._internal.distributed.
-fake_pg``, this process rank 0 of each), its collectives' outputs written by :mod:`cp_ops.transport.fake_fill` as
+fake_pg``, this process rank 0 of each), its collectives' outputs written by :mod:`cp_ops.cli.bound_fill` as
 ``--bound`` does:
 
 * ``cp``: ``x -> linear -> q, k, v -> cp_ops.attention(q, k, v, group, mode, transport='torch', chunks=1[, key_mask])
@@ -22,7 +22,7 @@ Per row, the guards' cost: the same loop with ``torch.compiler.set_stance(skip_g
 
 ``--breakdown``: where one call's µs go, each piece timed alone (min over 7 loops): the launch ops through the
 dispatcher with their ``wait_tensor``, their Python bodies without the dispatcher, the rank-contract check, the
-transport call, the fake group's collective alone, ``fake_fill.fill``, ``_register_work`` + ``wait_tensor``, an
+transport call, the fake group's collective alone, ``_register_work`` + ``wait_tensor``, an
 allocation.
 
 ``--entries``: Dynamo cache entries. ``--bound`` compiles each block class once per side (diffusers, group of 1, cp
@@ -162,7 +162,6 @@ def breakdown_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
     from torch._C._distributed_c10d import _register_work
 
     from cp_ops import contract, ops
-    from cp_ops.transport import fake_fill
     from cp_ops.transport import torch as torch_transport
 
     b, s, h, d = shape
@@ -220,7 +219,6 @@ def breakdown_rows(groups, shape, dtype, device, args, sync) -> list[dict]:
             ("fake pg allgather_into_tensor_coalesced (K, V) + wait",
              lambda: pg.allgather_into_tensor_coalesced(outs, ins).wait()),
             ("fake pg alltoall_base + wait", lambda: pg.alltoall_base(recv, send, [], []).wait()),
-            ("fake_fill.fill (all-to-all)", lambda: fake_fill.fill("alltoall_base", pg, recv, send)),
             ("_register_work + wait_tensor", register_wait),
             ("torch.empty_like (send buffer)", lambda: torch.empty_like(send)),
         ]
@@ -285,21 +283,16 @@ def main() -> None:
         torch.cuda.set_device(device.index or 0)  # ("cuda" has no index: set_device refuses it)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
 
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from cp_ops.cli.bound import fake_groups
-    from cp_ops.transport import fake_fill
 
     created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=max(args.worlds))
-    groups = fake_groups(args.worlds)
-    written = {} if args.unwritten else fake_fill.enable(groups[max(args.worlds)], device)
+    groups = fake_groups(args.worlds, filled=not args.unwritten)
+    written = not args.unwritten
     key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, key, 256)
     print(f"host µs per call, {device.type}{' ' + torch.cuda.get_device_name(device) if cuda else ''}, torch "
-          f"{torch.__version__}, shape B,S_local,H,D = {shape} {dtype}, fake group (rank 0 of W), fake_fill "
-          f"{'off' if args.unwritten else 'on: cp_ops writes ' + str([k for k, v in written.items() if v])}",
+          f"{torch.__version__}, shape B,S_local,H,D = {shape} {dtype}, fake group (rank 0 of W), outputs "
+          f"{'unwritten' if args.unwritten else 'written (cp_ops.cli.bound_fill)'}",
           flush=True)
     out = dict(device=device.type, gpu=torch.cuda.get_device_name(device) if cuda else None, torch=torch.__version__,
                shape=list(shape), dtype=str(dtype), calls=args.calls, written=written)
@@ -319,7 +312,6 @@ def main() -> None:
         if not args.no_compiled:
             compiled_rows(groups, shape, dtype, device, args, sync, out.setdefault("compiled", []), save)
     finally:
-        fake_fill.disable()
         if created:
             dist.destroy_process_group()
 

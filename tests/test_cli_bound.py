@@ -1,4 +1,4 @@
-"""`cp-ops run MODEL --bound W[,W...]` (cp_ops.cli.bound): the zero-communication bound on one device over fake
+"""`cp-ops bound MODEL --worlds W[,W...]` (cp_ops.cli.bound): the zero-communication bound on one device over fake
 groups of 2, 4 and 8 ranks, on the tiny configs (CPU): every side returns the full output shape, the bound is finite
 and positive, the plain-attention stand-in computes what it claims, the weights are shared, and argument errors."""
 
@@ -48,7 +48,7 @@ def test_bound_tiny_fake_groups(model, tmp_path):
         assert r["one_gpu_from"] in ("diffusers", "group of 1")
         if r["one_gpu_from"] == "diffusers":
             assert r["one_gpu_ms"] == r["diffusers_ms"]
-        # the fake collectives wrote real data (fake_fill), timed alone and taken out of rank 0's time
+        # the fake collectives wrote real data (bound_fill), timed alone and taken out of rank 0's time
         assert r["fills"] > 0 and r["fill_ms"] >= 0 and r["rank0_ms"] == pytest.approx(r["rank0_raw_ms"] - r["fill_ms"])
         assert r["cp_ops_cost_ms"] == pytest.approx(r["rank0_raw_ms"] - r["plain_ms"])
         # the host's time to enqueue a forward: on CPU the call's wall time, so every side is host-bound
@@ -164,28 +164,6 @@ def test_parse_mode_rejects_eager_capture():
         bound.parse_mode("eager+capture")
 
 
-@pytest.mark.parametrize("flags, modes", [
-    (["--compile", "--cuda-graphs", "forward"], ["regional+capture"]),
-    (["--compile", "full", "--cuda-graphs", "forward"], ["full+capture"]),
-    (["--compile", "--cuda-graphs"], ["regional+graphs"]),
-    (["--cuda-graphs", "forward"], ["eager+graphs"]),
-    (["--cuda-graphs"], ["eager+graphs"]),
-    (["--bound-compile", "eager+graphs,regional+capture"], ["eager+graphs", "regional+capture"]),
-])
-def test_bound_modes_from_the_run_flags(flags, modes):
-    """--compile/--cuda-graphs with --bound name one --bound-compile mode (checked as on CUDA: the CPU refuses graphs)."""
-    from cp_ops.cli import run_args
-
-    p = argparse.ArgumentParser()
-    run_args.add_parser(p.add_subparsers())
-    args = p.parse_args(["run", "flux", "--bound", "2"] + flags)
-    spec = MODELS["flux"]
-    args.frames, args.height, args.width = spec.cpu_latent
-    args.text_tokens = 16
-    run_args.check_bound(args, "run flux", spec, spec.config("tiny", None), True)
-    assert args.bound_compile == modes
-
-
 def test_graph_kinds_from_the_flags():
     from types import SimpleNamespace as N
 
@@ -200,36 +178,52 @@ def test_graph_kinds_from_the_flags():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--bound", "2", "--cfg"], "--cfg does not apply with --bound"),
-    (["--bound", "0"], "--bound takes CP world sizes >= 1"),
-    (["--bound", "2", "--bound-compile", "regional+graphs"], "needs CUDA"),
-    (["--bound", "2", "--bound-compile", "fast"], "a compile mode is one of"),
-    (["--bound", "2", "--bound-compile", "eager+capture"], "eager+graphs already captures"),
-    (["--bound", "2", "--compile", "--bound-compile", "eager"], "either as --bound-compile or as --compile"),
-    (["--bound", "8", "--text-tokens", "4"], "at least one token of each split stream"),
-    (["--bound", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),
-    (["--cost"], "apply only with --bound"),
-    (["--bound", "2", "--no-overlap"], "--no-overlap applies to compiled modes; --bound-compile is ['eager']"),
-    (["--bound", "2", "--compile-workers", "2"], "--compile-workers applies to compiled modes"),
-    (["--bound", "2", "--bound-compile", "full", "--compile-workers", "-1"], "child processes >= 0; got -1"),
-    (["--compile-workers", "2"], "apply only with --bound"),
-    (["--side-processes"], "apply only with --bound"),
-    (["--bound", "2", "--bound-compile", "eager,regional", "--side-processes"],
+    (["--worlds", "0"], "--worlds takes CP world sizes >= 1"),
+    (["--worlds", "2", "--compile-modes", "regional+graphs"], "needs CUDA"),
+    (["--worlds", "2", "--compile-modes", "fast"], "a compile mode is one of"),
+    (["--worlds", "2", "--compile-modes", "eager+capture"], "eager+graphs already captures"),
+    (["--worlds", "8", "--text-tokens", "4"], "at least one token of each split stream"),
+    (["--worlds", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),
+    (["--worlds", "2", "--no-overlap"], "--no-overlap applies to compiled modes; --compile-modes is ['eager']"),
+    (["--worlds", "2", "--compile-workers", "2"], "--compile-workers applies to compiled modes"),
+    (["--worlds", "2", "--compile-modes", "full", "--compile-workers", "-1"], "child processes >= 0; got -1"),
+    (["--worlds", "2", "--compile-modes", "eager,regional", "--side-processes"],
      "--side-processes applies when every mode is compiled"),
-    (["--bound", "2", "--bound-compile", "regional", "--side-processes", "--compile-workers", "2"],
+    (["--worlds", "2", "--compile-modes", "regional", "--side-processes", "--compile-workers", "2"],
      "--side-processes does not take --compile-workers"),
-    (["--bound", "2", "--bound-compile", "regional", "--side-processes", "--steps", "2"],
+    (["--worlds", "2", "--compile-modes", "regional", "--side-processes", "--steps", "2"],
      "--side-processes does not take --steps"),
 ])
 def test_bound_argument_errors(extra, message, capsys):
-    assert main(["run", "flux", "--device", "cpu"] + extra) == 2
+    assert main(["bound", "flux", "--device", "cpu"] + extra) == 2
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, now", [
+    (["--bound", "2"], "cp-ops bound MODEL --worlds"),
+    (["--cost"], "cp-ops bound MODEL --cost"),
+    (["--side-processes"], "cp-ops bound MODEL --side-processes"),
+])
+def test_run_names_the_bound_command(extra, now, capsys):
+    """cp-ops run no longer takes the bound's flags: argparse's error names the command that does."""
+    with pytest.raises(SystemExit) as e:
+        main(["run", "flux", "--device", "cpu"] + extra)
+    assert e.value.code == 2 and now in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--cfg", "--transport", "--comm-dtype", "--mesh", "--nproc"])
+def test_bound_does_not_take_the_ranks_flags(flag, capsys):
+    """One process, fake groups: the flags of a real CP run are not cp-ops bound's (argparse names who takes them)."""
+    with pytest.raises(SystemExit):
+        main(["bound", "flux", "--worlds", "2", flag, "x"])
+    err = capsys.readouterr().err
+    assert re.search(rf"{flag} is an option of [^;)]*cp-ops run", err), err
+
+
 def test_bound_cli_end_to_end(tmp_path, capsys):
-    """`cp-ops run wan --bound 2 --device cpu` through main(): one process, the table printed, the JSON written."""
+    """`cp-ops bound wan --worlds 2 --device cpu` through main(): one process, the table printed, the JSON written."""
     out = tmp_path / "b.json"
-    assert main(["run", "wan", "--device", "cpu", "--bound", "2", "--repeats", "1", "--warmup", "0",
+    assert main(["bound", "wan", "--device", "cpu", "--worlds", "2", "--repeats", "1", "--warmup", "0",
                  "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "zero-communication bound" in text and "eager" in text
@@ -249,8 +243,8 @@ def test_bound_compile_workers_fill_the_caches(tmp_path):
     # a cold cache; Inductor's compile in-process (no pool of compile workers to start in each of the 3 processes)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
                PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-m", "cp_ops", "run", "wan", "--device", "cpu", "--layers", "1", "--bound",
-                        "2", "--bound-compile", "regional", "--no-group1", "--repeats", "1", "--warmup", "0",
+    r = subprocess.run([sys.executable, "-m", "cp_ops", "bound", "wan", "--device", "cpu", "--layers", "1", "--worlds",
+                        "2", "--compile-modes", "regional", "--no-group1", "--repeats", "1", "--warmup", "0",
                         "--compile-workers", "2"], env=env, capture_output=True, text=True, timeout=600)
     text = r.stdout
     assert r.returncode == 0, text + r.stderr
@@ -269,8 +263,8 @@ def test_bound_side_processes(tmp_path):
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
                PYTHONPATH=os.pathsep.join(sys.path))
     out = tmp_path / "sp.json"
-    r = subprocess.run([sys.executable, "-m", "cp_ops", "run", "wan", "--device", "cpu", "--layers", "1", "--bound",
-                        "2", "--bound-compile", "regional", "--no-group1", "--repeats", "2", "--warmup", "1",
+    r = subprocess.run([sys.executable, "-m", "cp_ops", "bound", "wan", "--device", "cpu", "--layers", "1", "--worlds",
+                        "2", "--compile-modes", "regional", "--no-group1", "--repeats", "2", "--warmup", "1",
                         "--side-processes", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     text = r.stdout
     assert r.returncode == 0, text + r.stderr
@@ -359,10 +353,9 @@ def test_bound_table_cost_column_only_with_cost(capsys):
 
 
 def test_bound_no_overlap_reaches_the_compiled_sides(capsys):
-    """`--bound W --compile --no-overlap` (or --bound-compile eager,regional --no-overlap): the compiled sides compile
-    without the overlap pass and the table's title says so (was: --no-overlap silently dropped, the pass ran; and
-    refused beside --bound-compile as 'only applies with --compile')."""
-    for extra in (["--compile"], ["--bound-compile", "eager,regional"]):
+    """`--compile-modes eager,regional --no-overlap`: the compiled sides compile without the overlap pass and the
+    table's title says so."""
+    for extra in (["--compile-modes", "regional"], ["--compile-modes", "eager,regional"]):
         seen = {}
         orig = bound.run_bound
 
@@ -372,7 +365,7 @@ def test_bound_no_overlap_reaches_the_compiled_sides(capsys):
 
         bound.run_bound = fake
         try:
-            assert main(["run", "flux", "--device", "cpu", "--bound", "2", "--no-overlap"] + extra) == 0
+            assert main(["bound", "flux", "--device", "cpu", "--worlds", "2", "--no-overlap"] + extra) == 0
         finally:
             bound.run_bound = orig
         assert seen["margs"].no_overlap is True, (extra, seen)
@@ -455,15 +448,15 @@ def test_results_table_host_column():
     assert "host ms rank 0 / plain" in new and new.splitlines()[2].rstrip().endswith("| 80.4* / 30.2 |"), new
 
 
-@pytest.mark.parametrize("flag, text", [("--bound-compile", ","), ("--bound-compile", ""), ("--bound", " , ")])
+@pytest.mark.parametrize("flag, text", [("--compile-modes", ","), ("--compile-modes", ""), ("--worlds", " , ")])
 def test_an_empty_list_is_refused(flag, text):
     """A comma-separated option given no item is an argument error, not the default (it ran the defaults before)."""
     from cp_ops.cli._args import csv
 
-    parse = csv(str, "compile modes") if flag == "--bound-compile" else csv(int, "CP world sizes")
+    parse = csv(str, "compile modes") if flag == "--compile-modes" else csv(int, "CP world sizes")
     with pytest.raises(argparse.ArgumentTypeError, match="at least one; got " + re.escape(repr(text))):
         parse(text)
-    assert parse("eager,regional") == ["eager", "regional"] if flag == "--bound-compile" else parse("2,4,") == [2, 4]
+    assert parse("eager,regional") == ["eager", "regional"] if flag == "--compile-modes" else parse("2,4,") == [2, 4]
 
 
 def test_a_bad_list_item_is_named():

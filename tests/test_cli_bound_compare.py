@@ -1,4 +1,4 @@
-"""`cp-ops run MODEL --bound W --steps N` and `--bound W --compare diffusers` (cp_ops.cli.bound, bound_diffusers) on
+"""`cp-ops bound MODEL --worlds W --steps N` and `--compare diffusers` (cp_ops.cli.bound, bound_diffusers) on
 the tiny configs, one CPU, fake groups of 2 and 4 ranks: the loop's rows (steps run, per-step and total times, the
 extrapolation to the model's standard count, no final-latents error from a fake group, said why), and diffusers' own
 CP as a side of the same rounds — refused on a CPU-only torch with its reason, and, with the accelerator count
@@ -46,7 +46,7 @@ def test_bound_steps_loop_rows():
 
 
 def test_bound_steps_cli(capsys):
-    assert main(["run", "zimage", "--device", "cpu", "--bound", "2", "--steps", "2", "--repeats", "1",
+    assert main(["bound", "zimage", "--device", "cpu", "--worlds", "2", "--steps", "2", "--repeats", "1",
                  "--warmup", "0", "--no-group1"]) == 0
     text = capsys.readouterr().out
     assert "a denoising loop of 2 steps" in text and "ms/step" in text and "CP_OPS_EMULATE_COMM" in text, text

@@ -62,7 +62,6 @@ BAD_MESH = [
     (["run", "wan", "--nproc", "4", "--mesh", "4x1", "--cfg"],
      "run wan: --mesh 4x1: outer x inner must equal the CP world size 2 (of each CFG lane: W / 2 with --cfg); got 4 x "
      "1 = 4 (for this mesh, pass --nproc 8)"),
-    (["run", "wan", "--nproc", "4", "--mesh", "1x4", "--bound", "2"], "--mesh does not apply with --bound"),
 ]
 
 

@@ -261,18 +261,6 @@ def test_comm_dtype_bf16_on_other_inputs_is_refused():
             _check_bench(args, "cpu", 2, config.settings)
 
 
-def test_run_bound_refuses_comm_dtype():
-    """run --bound --comm-dtype e4m3: the fake groups move nothing and the bound parallelizes without comm_dtype, so
-    the flag was silently dropped; refused now, as --transport fast is."""
-    pytest.importorskip("diffusers")
-    from cp_ops.cli.main import UsageError, _check_run, build_parser
-
-    args = build_parser().parse_args(["run", "wan", "--bound", "2", "--comm-dtype", "fp8"])
-    args.dtype = "fp32"
-    with pytest.raises(UsageError, match=r"--comm-dtype e4m3 does not apply with --bound"):
-        _check_run(args, "cpu", 1)
-
-
 def _bench_kv_apart(rank, w, out):
     import torch
 

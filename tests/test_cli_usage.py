@@ -22,7 +22,7 @@ def test_flag_of_another_command_names_that_command(capsys):
     lines = _error(capsys, ["bench", "--steps=3", "--compile", "--foo"])
     assert lines[0].startswith("usage: cp-ops bench ")
     assert lines[-1] == ("cp-ops bench: error: unrecognized arguments: --steps=3 --compile --foo (--steps is an option "
-                         "of cp-ops run, cp-ops generate; --compile is an option of cp-ops run)"), lines
+                         "of cp-ops run, cp-ops bound, cp-ops generate; --compile is an option of cp-ops run)"), lines
 
 
 def test_unknown_flag_and_stray_word(capsys):

@@ -45,7 +45,7 @@ def test_gpu_one_installs_the_wheels_once(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text()
-    assert "-m cp_ops run" in calls, calls  # the bound section ran gpu_bound.sh's steps
+    assert "-m cp_ops bound" in calls, calls  # the bound section ran gpu_bound.sh's steps
     assert len(_installs(tmp_path)) == 1, calls
     # gpu_bound.sh alone installs them
     (tmp_path / "calls.log").unlink()
@@ -67,7 +67,7 @@ def test_gpu_steps_runs_the_named_steps_under_the_deadline(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls.log").read_text()
     assert "-m pytest -q -rs -p no:cacheprovider -m gpu tests/test_one_gpu.py tests/test_fp8.py -k two_ranks" in calls
-    assert ("-m cp_ops run flux --bound 4 --bound-compile full --compile-workers 3 --no-group1 --warmup 1 --repeats 3 "
+    assert ("-m cp_ops bound flux --worlds 4 --compile-modes full --compile-workers 3 --no-group1 --warmup 1 --repeats 3 "
             f"--out {out}/json/flux_full.json") in calls
     log = (out / "log.txt").read_text()
     assert "=== t2r: rc=0" in log and "=== flux_full: rc=0" in log and "=== unknown step nosuch" in log, log

@@ -87,7 +87,7 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed runs before timing (default 5 GPU, 2 CPU; run --bound: 2 GPU, 1 CPU)")
+                   help="untimed runs before timing (default 5 GPU, 2 CPU)")
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     p.add_argument("--out", default=None,
                    help="write the results as JSON to this path (its missing folders are created and it is checked for "

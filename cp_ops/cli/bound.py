@@ -1,4 +1,4 @@
-"""``cp-ops run MODEL --bound W[,W...]``: the zero-communication bound of a DiT on ONE device.
+"""``cp-ops bound MODEL --worlds W[,W...]``: the zero-communication bound of a DiT on ONE device.
 
 The model is parallelized by :func:`cp_ops.integrations.diffusers.parallelize` over a *fake* process group of W
 ranks (``torch.testing._internal.distributed.fake_pg``: this process is rank 0 of W, collectives move nothing), so
@@ -24,7 +24,7 @@ of the same shapes (:class:`PlainAttention`), so ``rank0_ms - plain_ms`` is cp_o
 cost compares the two measured times, each with its stand-in for the transfers' writes (cp: the fake collectives'
 copies; plain: its repeats, of the same sizes).
 
-Compile modes (``--bound-compile``): ``eager``, ``regional`` (each repeated block compiled, as ``cp-ops run
+Compile modes (``--compile-modes``): ``eager``, ``regional`` (each repeated block compiled, as ``cp-ops run
 --compile``), ``full`` (the whole forward, fullgraph), each optionally ``+graphs`` (CUDA graphs: under compile
 ``mode='reduce-overhead'``, in eager an explicit capture of the forward) or, compiled, ``+capture`` (compiled without
 reduce-overhead, then the whole forward captured in one CUDA graph: :class:`cp_ops.timing.Graphed`, the mechanism of
@@ -35,7 +35,7 @@ lasts ~0.2 s), so drift hits every side alike. A mode that fails (e.g. a compile
 reason; the other modes still run.
 
 Result rows (``--out``): one per compile mode x W, keys ``model, config, layers, tokens, compile, cuda_graphs,
-world_size, one_gpu_ms, rank0_ms, bound_speedup, cp_ops_cost_ms`` (as issue 21 names them) and more
+world_size, one_gpu_ms, rank0_ms, bound_speedup, cp_ops_cost_ms``  and more
 (``one_gpu_from``, ``diffusers_ms``, ``group1_ms``, ``plain_ms``, ``cp_ops_cost_pct``, ``mode``, ...).
 """
 
@@ -62,7 +62,7 @@ from . import bound_fill
 from .models import MODELS, build, config_label, load_checkpoint
 from ._args import whole_capture
 
-#: compile modes --bound-compile takes: a base and an optional "+graphs"
+#: compile modes --compile-modes takes: a base and an optional "+graphs"
 BASES = ("eager", "regional", "full")
 #: default modes: CUDA / CPU (CUDA graphs need CUDA; compiling on CPU takes minutes for nothing measured)
 DEFAULT_CUDA = ("eager", "regional", "regional+graphs")
@@ -115,7 +115,7 @@ def fake_groups(worlds, filled: bool = True) -> dict[int, dist.ProcessGroup]:
         with making():
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=top)
     elif dist.get_backend() != "fake" or dist.get_world_size() < top or dist.get_rank() != 0:
-        raise RuntimeError(f"cp-ops run --bound needs a fake default process group of >= {top} ranks with this "
+        raise RuntimeError(f"cp-ops bound needs a fake default process group of >= {top} ranks with this "
                            f"process as rank 0; torch.distributed is initialized with backend "
                            f"{dist.get_backend()!r}, world size {dist.get_world_size()}, rank {dist.get_rank()}")
     with making():
@@ -468,7 +468,7 @@ def _mode_args(args, base: str, graphs: bool):
 
 
 def run_bound(args, device: torch.device) -> list[dict]:
-    """The body of ``cp-ops run MODEL --bound ...`` (arguments checked by :mod:`cp_ops.cli.main`); one process.
+    """The body of ``cp-ops bound MODEL ...`` (arguments checked by :mod:`cp_ops.cli.bound_args`); one process.
     Returns the result rows (and prints the table; ``--out`` writes them as JSON with the run's metadata).
     torch.distributed: a fake default group is created and destroyed here when none is initialized (else the
     initialized one must be a fake group of >= max(W) ranks with this process as rank 0: :func:`fake_groups`)."""
@@ -796,7 +796,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     except ImportError:
         pass
     if only is None:
-        print(f"cp-ops run {args.model} --bound {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
+        print(f"cp-ops bound {args.model} --worlds {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
               f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
     from .bench import _write_json
 
@@ -936,11 +936,11 @@ def _check_outputs(sides: list[Side], filled: bool = False) -> None:
         if s.kind == "dcp":  # diffusers' own CP: what it returned goes into its row (output_shape, outputs_finite)
             continue
         if s.out is None or tuple(s.out.shape) != tuple(ref.shape):
-            raise RuntimeError(f"--bound: side {s.name!r} returned shape {None if s.out is None else tuple(s.out.shape)}, "
+            raise RuntimeError(f"bound: side {s.name!r} returned shape {None if s.out is None else tuple(s.out.shape)}, "
                                f"expected the full output {tuple(ref.shape)}")
     for s in sides:
         if (s.kind in ("diffusers", "group1") or (filled and s.kind == "cp")) and not torch.isfinite(s.out).all():
-            raise RuntimeError(f"--bound: side {s.name!r} returned non-finite values")
+            raise RuntimeError(f"bound: side {s.name!r} returned non-finite values")
 
 
 #: the models' standard step counts (issue 21; diffusers pipelines' defaults): --steps N below it is extrapolated

@@ -1,4 +1,4 @@
-"""diffusers' own context parallelism as a side of ``cp-ops run MODEL --bound W --compare diffusers``.
+"""diffusers' own context parallelism as a side of ``cp-ops bound MODEL --worlds W --compare diffusers``.
 
 A copy of the model (sharing its weights) gets ``enable_parallelism(config=ContextParallelConfig(...))`` over a
 device mesh of the first W ranks of the fake default group (``("ring", "ulysses")`` dims: ``(1, W)`` for Ulysses,

@@ -1,7 +1,7 @@
-"""``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, generate, env.
+"""``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, generate, env.
 
 Standalone, ``bench`` and ``run`` spawn ``--nproc`` local ranks themselves; under ``torchrun`` they join
-its ranks. Defaults: on a CUDA machine all visible GPUs with NCCL and the GPU shapes; otherwise (the
+its ranks; ``bound`` runs in this one process on one device. Defaults: on a CUDA machine all visible GPUs with NCCL and the GPU shapes; otherwise (the
 embedded default) 2 gloo ranks on the CPU and shapes that finish in seconds.
 
 Arguments are parsed and checked before torch is imported (``--help`` and a wrong flag answer at once). A
@@ -9,7 +9,7 @@ wrong argument or a bad ``CP_OPS_*`` value prints one line ``cp-ops: ...`` and e
 rank 0 prints it. Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
 
 Each command owns its parser and argument checks, in a torch-free module: :mod:`.bench_args`, :mod:`.run_args`,
-:mod:`.generate_args` (shared pieces: :mod:`._args`); this module builds the parser from them and starts the ranks.
+:mod:`.bound_args`, :mod:`.generate_args` (shared pieces: :mod:`._args`); this module builds the parser from them and starts the ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from . import bench_args, generate_args, run_args
+from . import bench_args, bound_args, generate_args, run_args
 from ._args import Parser, UsageError, check_out, csv, fail, say_once
 
 # the names earlier versions defined here (tests and scripts import them from cp_ops.cli.main)
@@ -45,12 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "inspect the environment.",
         epilog="examples:  cp-ops bench   |   cp-ops bench --seqs 4096,8192 --modes agkv   |   "
                "cp-ops run wan --config 1.3b --frames 16 --height 64 --width 64   |   cp-ops run flux --steps 4   |   "
+               "cp-ops bound flux --worlds 2,4,8   |   "
                "cp-ops generate --checkpoint DIR --prompt '...'   |   cp-ops env   |   "
                "torchrun --nproc-per-node 2 -m cp_ops bench",
     )
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     bench_args.add_parser(sub)
     run_args.add_parser(sub)
+    bound_args.add_parser(sub)
     generate_args.add_parser(sub)
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not",
                    description="Print cp_ops' settings (the CP_OPS_* variables), this machine's devices, their "
@@ -90,6 +92,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
         hints = []
         for flag in dict.fromkeys(f.split("=")[0] for f in extra if f.startswith("--")):
+            if args.cmd == "run" and flag in bound_args.MOVED:
+                sub["run"].error(f"{flag}: the bound is its own command now: {bound_args.MOVED[flag]} "
+                                 "(cp-ops bound --help)")
             owners = [f"cp-ops {n}" for n, p in sub.items() if n != args.cmd and flag in p._option_string_actions]
             if owners:
                 hints.append(f"{flag} is an option of {', '.join(owners)}")
@@ -139,7 +144,7 @@ def _main(args) -> int:
         check_out(args.out, "--out")
         launch(_rank_entry, args.nproc, device, body, args)
         return 0
-    bound = args.cmd == "run" and args.bound is not None
+    bound = args.cmd == "bound"
     args.warmup = args.warmup if args.warmup is not None else (2 if bound else 5) if gpu else (1 if bound else 2)
     args.repeats = args.repeats if args.repeats is not None else (
         5 if args.cmd == "bench" or bound else 20 if gpu else 10)
@@ -150,6 +155,8 @@ def _main(args) -> int:
 
         bench_args.check(args, device, world, settings)
         check_out(args.plot, "--plot")
+    elif bound:
+        bound_args.check(args, device)
     else:
         from .run import run_model as body
 

@@ -76,7 +76,7 @@ def compile_model(model, spec, args, overlap: bool, kw_in: dict | None = None):
         return model, 0
     # dynamic=False: every side's graphs static, as the first measurement's; else the 1-rank model compiling again
     # in the interleaved rounds beside the CP model (other token counts, one Dynamo frame) gets symbolic sizes
-    # fullgraph: True unless args says otherwise (--bound's diffusers CP side where Dynamo cannot trace it whole)
+    # fullgraph: True unless args says otherwise (cp-ops bound's diffusers CP side where Dynamo cannot trace it whole)
     kw = dict(fullgraph=getattr(args, "fullgraph", True), overlap=overlap and not args.no_overlap, dynamic=False)
     if per_block_graphs(args):
         kw["mode"] = "reduce-overhead"

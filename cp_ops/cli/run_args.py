@@ -1,4 +1,5 @@
-"""``cp-ops run``'s arguments: its parser and checks (``--bound`` included; torch-free until a check needs the core)."""
+"""``cp-ops run``'s arguments: its parser and checks (torch-free until a check needs the core); the model and input
+arguments it shares with ``cp-ops bound`` (:mod:`.bound_args`): :func:`add_model`, :func:`check_model`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import importlib.util
 import os
 
 from .. import modes
-from ._args import add_mesh, check_comm_dtype, check_mesh, chunks_arg, common, csv, fail, whole_capture
+from ._args import add_mesh, check_comm_dtype, check_mesh, chunks_arg, common, fail, whole_capture
 
 #: ``cp-ops run`` model names (cp_ops.cli.models.MODELS, listed here so --help needs no torch import)
 MODEL_NAMES = ("wan", "zimage", "flux", "qwenimage", "hunyuanvideo", "ltx")
@@ -23,8 +24,48 @@ def add_parser(sub) -> None:
                                    "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
-               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; --bound: 5 rounds; with "
+               "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with "
                "--steps N: unused, one timed loop, its median step)")
+    add_model(r)
+    r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
+                   help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
+                        "auto (fast where it can run, else torch; `cp-ops env` says which)")
+    r.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
+                   help="what CP attention sends over the link (parallelize(..., comm_dtype=)): none = the model's "
+                        "dtype; e4m3/e5m2 = FP8 with per-(token, head) scales for every tensor the mode moves; "
+                        "FMT:LETTERS = only those of q,k,v,o (e.g. e4m3:qvo). Error and when to use: docs/fp8.md")
+    r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
+                   help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "
+                        "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "
+                        "(seconds); full = the whole model. The first call's time (compile included) is reported")
+    r.add_argument("--no-overlap", action="store_true",
+                   help="with --compile: plain torch.compile(fullgraph=True), without the overlap pass")
+    r.add_argument("--cuda-graphs", nargs="?", const=True, default=False, choices=["forward"],
+                   help="CUDA-graph replay (CUDA only). Bare: with --compile, per-block graphs "
+                        "(mode='reduce-overhead' on each compiled block; the split, gather and the code between "
+                        "blocks stay eager); without --compile, the whole eager forward captured in one graph. "
+                        "'forward': the whole forward (split, every block, every attention's communication, "
+                        "gather) captured in one graph, also after --compile (compiled without reduce-overhead). "
+                        "Give it after MODEL (a bare --cuda-graphs before MODEL would take MODEL as its value)")
+    r.add_argument("--steps", type=int, default=0,
+                   help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
+                        "times): time per step and total (default 0: one forward)")
+    r.add_argument("--cfg", action="store_true",
+                   help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
+                        "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
+    add_mesh(r, "; the model is parallelized on it (parallelize(group=mesh); with --cfg a ('cfg', 'agkv', 'ulysses') "
+                "mesh: O x I = W / 2); --mode auto")
+    r.add_argument("--compare", choices=["diffusers"], default=None,
+                   help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
+                        "on the same model and inputs; rows beside cp_ops'")
+    r.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
+                        "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
+    r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
+
+
+def add_model(r) -> None:
+    """The model and its inputs: what ``cp-ops run`` and ``cp-ops bound`` both take."""
     r.add_argument("--config", default=None,
                    help="released config: wan 1.3b|14b, zimage turbo, flux dev|schnell, qwenimage 20b, "
                         "hunyuanvideo 13b, ltx 2b; tiny for any (default: the first on GPU, tiny on CPU)")
@@ -46,95 +87,19 @@ def add_parser(sub) -> None:
     r.add_argument("--mode", choices=modes.names(), default="auto",
                    help="CP attention mode: agkv (gather K/V, keep local Q), ulysses (all-to-all sequence<->heads; "
                         "W must divide the heads), auto (agkv at W = 2; from W = 3 ulysses when W divides the heads, else agkv)")
-    r.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto",
-                   help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
-                        "auto (fast where it can run, else torch; `cp-ops env` says which)")
-    r.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
-                   help="what CP attention sends over the link (parallelize(..., comm_dtype=)): none = the model's "
-                        "dtype; e4m3/e5m2 = FP8 with per-(token, head) scales for every tensor the mode moves; "
-                        "FMT:LETTERS = only those of q,k,v,o (e.g. e4m3:qvo). Error and when to use: docs/fp8.md")
     r.add_argument("--chunks", type=chunks_arg, default=None, metavar="{auto,1,2,3,4,...}",
                    help="pipeline stages of every CP attention call (parallelize(..., chunks=)): 1 = "
                         "transport-then-attend (bitwise equal to one GPU); k >= 2 = pipelined in k stages "
                         "(communication under attention); auto (default) = the heuristic (2 for agkv on the fast "
                         "transport, else 1; measured on the first eager call only with CP_OPS_TUNE_MODES=1). Calls on uneven "
                         "shards or with a key mask use 1")
-    r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
-                   help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "
-                        "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "
-                        "(seconds); full = the whole model. The first call's time (compile included) is reported")
-    r.add_argument("--no-overlap", action="store_true",
-                   help="with --compile (or --bound with a compiled --bound-compile mode): plain "
-                        "torch.compile(fullgraph=True), without the overlap pass")
-    r.add_argument("--cuda-graphs", nargs="?", const=True, default=False, choices=["forward"],
-                   help="CUDA-graph replay (CUDA only). Bare: with --compile, per-block graphs "
-                        "(mode='reduce-overhead' on each compiled block; the split, gather and the code between "
-                        "blocks stay eager); without --compile, the whole eager forward captured in one graph. "
-                        "'forward': the whole forward (split, every block, every attention's communication, "
-                        "gather) captured in one graph, also after --compile (compiled without reduce-overhead). "
-                        "Give it after MODEL (a bare --cuda-graphs before MODEL would take MODEL as its value)")
-    r.add_argument("--steps", type=int, default=0,
-                   help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
-                        "times): time per step and total (default 0: one forward); with --bound every side times "
-                        "whole loops (ms/step, total, bound on the loop; no final-latents error: a fake group moves "
-                        "nothing)")
-    r.add_argument("--cfg", action="store_true",
-                   help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
-                        "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
-    add_mesh(r, "; the model is parallelized on it (parallelize(group=mesh); with --cfg a ('cfg', 'agkv', 'ulysses') "
-                "mesh: O x I = W / 2); --mode auto")
-    r.add_argument("--compare", choices=["diffusers"], default=None,
-                   help="also run diffusers' native context parallelism (enable_parallelism, Ulysses and ring) "
-                        "on the same model and inputs; rows beside cp_ops'; with --bound its zero-communication "
-                        "bound over the same fake groups (needs an accelerator)")
-    r.add_argument("--profile", default=None, metavar="DIR",
-                   help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
-                        "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
-    r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
-    r.add_argument("--bound", type=csv(int, "CP world sizes"), default=None, metavar="W[,W...]",
-                   help="the zero-communication bound on ONE device instead of a CP run: the model parallelized over a "
-                        "fake process group of W ranks (this process = rank 0 of W, collectives move nothing); "
-                        "bound(W) = 1-device time / rank 0's time, per compile mode (--bound-compile); see "
-                        "docs/measuring.md")
-    r.add_argument("--bound-compile", type=csv(str, "compile modes"), default=None, metavar="MODE[,MODE...]",
-                   help="with --bound: compile modes, each eager|regional|full, optionally +graphs (CUDA graphs: "
-                        "eager+graphs = the whole forward captured in one graph; regional/full+graphs = "
-                        "mode='reduce-overhead') or, compiled, +capture (compiled without reduce-overhead, then the "
-                        "whole forward captured in one graph) (default eager,regional,regional+graphs on CUDA, eager "
-                        "on CPU)")
-    r.add_argument("--cost", action="store_true",
-                   help="with --bound: also time each W with cp_ops' attention replaced by plain local attention of "
-                        "the same shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
-    r.add_argument("--unwritten", action="store_true",
-                   help="with --bound: leave the fake collectives' outputs as torch's fake backend leaves them "
-                        "(unwritten on torch 2.11: kernels then run on stale memory, faster than on real data); "
-                        "default: every fake collective writes this rank's own data into every slot, its copies "
-                        "timed alone and taken out of rank 0's time (cp_ops.transport.fake_fill, docs/measuring.md)")
-    r.add_argument("--no-group1", action="store_true",
-                   help="with --bound: skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is "
-                        "then diffusers' alone")
-    r.add_argument("--side-processes", action="store_true",
-                   help="with --bound and compiled modes only: every side (diffusers, each W, ...) built, compiled "
-                        "and timed in its own child process, all at once, on this process's weights (shared with "
-                        "the children, not copied); this process asks each side's process for its forwards in the "
-                        "same interleaved rounds (one side's forwards on the device at a time). A whole-model "
-                        "compile then costs one compile time for all sides instead of one per side (1.5-2.5 min "
-                        "each at full depth); each side's process adds its own CUDA context and activations")
-    r.add_argument("--compile-workers", type=int, default=0, metavar="N",
-                   help="with --bound and a compiled mode: first compile every side in up to N child processes at "
-                        "once (each holds its own copy of the weights on the device: mind its memory), filling "
-                        "torch's on-disk compile caches, so that this process's own compiles of the same sides are "
-                        "mostly cache hits (a whole-model compile: 1.5-2.5 min per side on an H200, one after "
-                        "another without it); default 0: off")
 
 
-def check(args, device: str, world: int) -> None:
-    """Check ``cp-ops run``'s arguments and fill in the defaults that depend on the device and the model; a wrong
-    one raises :class:`~cp_ops.cli._args.UsageError` (via :func:`~cp_ops.cli._args.fail`)."""
+def check_model(args, device: str, what: str):
+    """Check the model and input arguments (:func:`add_model`) and fill in the defaults that depend on the device and
+    the model; returns ``(spec, cfg)``. A wrong one raises :class:`~cp_ops.cli._args.UsageError`."""
     from .models import MODELS
-    from cp_ops.transport.fast import unavailable_reason
 
-    what = f"run {args.model}"
     if importlib.util.find_spec("diffusers") is None:
         fail(f"{what} needs diffusers: pip install -e '.[diffusers]' (or pip install diffusers)")
     spec = MODELS[args.model]
@@ -169,7 +134,6 @@ def check(args, device: str, world: int) -> None:
     pt, ph, pw = spec.patch(cfg)
     if args.layers is not None and args.layers < 1:
         fail(f"{what}: --layers must be >= 1; got {args.layers}")
-    check_comm_dtype(args, what)
     if not spec.video and args.frames != 1:
         fail(f"{what}: {spec.cls} is an image model; --frames must be 1, got {args.frames}")
     if min(args.frames, args.height, args.width, args.batch) < 1 or args.height % ph or args.width % pw or args.frames % pt:
@@ -177,6 +141,18 @@ def check(args, device: str, world: int) -> None:
               f"{[pt, ph, pw]} and --batch >= 1; got {args.frames}/{args.height}/{args.width}, batch {args.batch}")
     if args.text_tokens < 1:
         fail(f"{what}: --text-tokens must be >= 1; got {args.text_tokens}")
+    return spec, cfg
+
+
+def check(args, device: str, world: int) -> None:
+    """Check ``cp-ops run``'s arguments and fill in the defaults that depend on the device and the model; a wrong
+    one raises :class:`~cp_ops.cli._args.UsageError` (via :func:`~cp_ops.cli._args.fail`)."""
+    from cp_ops.transport.fast import unavailable_reason
+
+    what = f"run {args.model}"
+    spec, cfg = check_model(args, device, what)
+    gpu = device == "cuda"
+    check_comm_dtype(args, what)
     cp = world
     if args.cfg:
         if world < 2 or world % 2:
@@ -184,8 +160,6 @@ def check(args, device: str, world: int) -> None:
         cp = world // 2
     heads = cfg.get(spec.heads_key)
     if getattr(args, "mesh", None) is not None:
-        if args.bound is not None:
-            fail(f"{what}: --mesh does not apply with --bound (one process on fake 1-D groups); drop one")
         if args.mode != "auto":
             fail(f"{what}: --mesh runs the 2-D mode (mode 'auto' on the mesh); got --mode {args.mode}: drop --mode")
         check_mesh(args, what, cp, heads, " (of each CFG lane: W / 2 with --cfg)" if args.cfg else "",
@@ -195,7 +169,7 @@ def check(args, device: str, world: int) -> None:
               f"{args.model} {args.config}; use --mode agkv")
     if args.transport == "fast" and (why := unavailable_reason(device)) is not None:
         fail(f"{what}: transport 'fast' cannot run: {why}")
-    if args.no_overlap and not args.compile and args.bound is None:
+    if args.no_overlap and not args.compile:
         fail(f"{what}: --no-overlap only applies with --compile")
     if args.cuda_graphs and not gpu:
         fail(f"{what}: --cuda-graphs needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
@@ -210,72 +184,3 @@ def check(args, device: str, world: int) -> None:
             fail(f"{what}: --profile {args.profile} is a file; give a folder for the traces")
         if args.profile_runs < 1:
             fail(f"{what}: --profile-runs must be >= 1; got {args.profile_runs}")
-    if args.bound is not None:
-        check_bound(args, what, spec, cfg, gpu)
-    elif args.bound_compile or args.cost or args.no_group1 or args.unwritten or args.compile_workers \
-            or args.side_processes:
-        fail(f"{what}: --bound-compile, --cost, --no-group1, --unwritten, --compile-workers and --side-processes "
-             "apply only with --bound W[,W...]")
-
-
-def check_bound(args, what: str, spec, cfg, gpu: bool) -> None:
-    """``run --bound``: one process, a fake group of each W (see :mod:`cp_ops.cli.bound`)."""
-    from .bound import DEFAULT_CPU, DEFAULT_CUDA, parse_mode
-
-    from .launch import under_torchrun
-
-    if under_torchrun():
-        fail(f"{what} --bound runs in one process on one device (a fake group stands in for the ranks); "
-              "run it without torchrun")
-    if not args.bound or min(args.bound) < 1:
-        fail(f"{what}: --bound takes CP world sizes >= 1, e.g. --bound 2,4,8; got {args.bound}")
-    for flag, bad in (("--cfg", args.cfg),
-                      ("--transport fast", args.transport == "fast"),
-                      (f"--comm-dtype {args.comm_dtype}", str(args.comm_dtype) != "none")):
-        if bad:
-            fail(f"{what}: {flag} does not apply with --bound (one process, fake groups: nothing is transferred, "
-                  "the transport is 'torch')")
-    if args.compile or args.cuda_graphs:
-        if args.bound_compile:
-            fail(f"{what}: give the compile modes either as --bound-compile or as --compile/--cuda-graphs, not both")
-        extra = "" if not args.cuda_graphs else "+capture" if whole_capture(args) and args.compile else "+graphs"
-        args.bound_compile = [(args.compile or "eager") + extra]
-    args.bound_compile = args.bound_compile or list(DEFAULT_CUDA if gpu else DEFAULT_CPU)
-    for m in args.bound_compile:
-        try:
-            _, graphs = parse_mode(m)
-        except ValueError as e:
-            fail(f"{what}: --bound-compile: {e}")
-        if graphs and not gpu:
-            fail(f"{what}: --bound-compile {m} needs CUDA (CUDA graphs record GPU work); this run is on the CPU")
-        if graphs and args.steps and (graphs == "forward" or m.startswith("eager")):
-            fail(f"{what}: --steps with --bound-compile {m}: the explicit capture replays one forward on fixed "
-                 "inputs; time a loop eager or compiled (e.g. regional+graphs: mode='reduce-overhead')")
-    if args.compile_workers < 0:
-        fail(f"{what}: --compile-workers takes a count of child processes >= 0; got {args.compile_workers}")
-    if args.compile_workers and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
-        fail(f"{what}: --compile-workers applies to compiled modes; --bound-compile is {args.bound_compile}")
-    if args.side_processes:
-        eager = [m for m in args.bound_compile if parse_mode(m)[0] == "eager"]
-        if eager:
-            fail(f"{what}: --side-processes applies when every mode is compiled (an eager side builds in seconds, "
-                 f"in this process); --bound-compile has {','.join(eager)}")
-        for flag, bad in (("--compile-workers", args.compile_workers), ("--profile", args.profile),
-                          ("--steps", args.steps), ("--compare", getattr(args, "compare", None))):
-            if bad:
-                fail(f"{what}: --side-processes does not take {flag} (--compile-workers: the sides already compile "
-                     "in their own processes; --profile, --steps, --compare: not in a side's process yet); drop one")
-    if args.no_overlap and all(parse_mode(m)[0] == "eager" for m in args.bound_compile):
-        fail(f"{what}: --no-overlap applies to compiled modes; --bound-compile is {args.bound_compile} (add e.g. "
-             "regional)")
-    heads = cfg.get(spec.heads_key)
-    for w in args.bound:
-        if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:
-            fail(f"{what}: mode {args.mode} needs W={w} to divide the {heads} heads; use --mode agkv or --mode auto")
-    tokens = spec.tokens(cfg, args.frames, args.height, args.width)
-    top = max(args.bound)
-    if tokens < top or args.text_tokens < top:
-        fail(f"{what} --bound {top}: every rank needs at least one token of each split stream; got {tokens} image "
-              f"and {args.text_tokens} text tokens (raise --height/--width or --text-tokens)")
-    args.chunks = 1 if args.chunks is None else args.chunks
-
