@@ -324,6 +324,27 @@ def test_side_process_failures_are_reported():
     assert s.proc is None and s.conn is None
 
 
+def test_side_killed_with_a_request_unread_is_named():
+    """A side's process killed while a request sits unread in its pipe: the parent's wait for the answer raises naming
+    the side and its exit code (the socket's reset is not a bare ConnectionResetError)."""
+    import multiprocessing
+    import signal
+
+    ctx = multiprocessing.get_context("fork")  # the child holds its end of the pipe (inherited) and never reads it
+    s = bound.Side("cp_ops W4", "cp", 4)
+    s.conn, theirs = ctx.Pipe()
+    s.proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    s.proc.start()
+    theirs.close()
+    s.conn.send(("time", 0, 1))  # never read: the process sleeps
+    s.proc.kill()
+    s.proc.join(10)
+    with pytest.raises(RuntimeError, match=rf"side 'cp_ops W4': its process ended \(exit code -{int(signal.SIGKILL)}\) "
+                                           "without answering"):
+        bound._recv(s, 30)
+    bound.stop_sides([s])
+
+
 def test_config_label_names_reduced_depth():
     from cp_ops.cli.models import config_label
 

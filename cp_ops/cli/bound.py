@@ -597,15 +597,16 @@ def _recv(s: Side, timeout: float):
     """The next answer of ``s``'s process (its payload); raises RuntimeError when the process reports an error or
     ends without answering (killed, e.g. out of memory), TimeoutError after ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while not s.conn.poll(1.0):
-        if not s.proc.is_alive():
-            raise _ended(s, "without answering")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"--side-processes: side {s.name!r}: its process did not answer in {timeout:.0f} s")
     try:
+        while not s.conn.poll(1.0):
+            if not s.proc.is_alive():
+                raise _ended(s, "without answering")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"--side-processes: side {s.name!r}: its process did not answer in "
+                                   f"{timeout:.0f} s")
         tag, payload = s.conn.recv()
-    except EOFError:  # the process closed its end (ended) without a word
-        raise _ended(s, "without answering") from None
+    except (EOFError, ConnectionResetError):  # the process closed its end (ended) without a word, or was killed
+        raise _ended(s, "without answering") from None  # with a request unread in its pipe (the socket's reset)
     if tag == "error":
         raise RuntimeError(f"side {s.name!r} failed in its process: {payload}")
     return payload
