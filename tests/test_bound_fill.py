@@ -102,7 +102,7 @@ def test_functional_collectives_write_eager_and_compiled(filled4):
 def test_parallelized_model_outputs_real_data(filled4):
     """A tiny Wan parallelized over the filled group (Ulysses at W = 4): rank 0's forward output is finite, every
     write recorded (the attention's all-to-alls and the output gather) and replayed alone."""
-    from cp_ops.cli.bound import shared_copy
+    from cp_ops.cli.bound_sides import shared_copy
     from cp_ops.cli.models import MODELS, build
     from cp_ops.integrations.diffusers import parallelize
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import cp_ops
 
-from cp_ops.cli import bound
+from cp_ops.cli import bound, bound_procs, bound_report, bound_sides
 from cp_ops.cli.main import main
 from cp_ops.cli.models import MODELS, build
 
@@ -92,16 +92,16 @@ def test_fake_groups_and_shared_copy(fake_world_4):
     with pytest.raises(RuntimeError, match="fake default process group of >= 8 ranks"):
         bound.fake_groups([8])
     model, _ = build(MODELS["wan"], "tiny", None, "cpu", torch.float32)
-    copy = bound.shared_copy(model)
+    copy = bound_sides.shared_copy(model)
     assert copy is not model and copy.blocks[0] is not model.blocks[0]
     assert all(a is b for a, b in zip(copy.parameters(), model.parameters()))
     from cp_ops.integrations.diffusers import parallelize
 
     parallelize(copy, groups[2], mode="agkv", transport="torch")
     assert getattr(model, "_cp_ops_group", None) is None  # the original stays unparallelized
-    assert bound.to_plain(copy, "agkv") == len(copy.blocks)
+    assert bound_sides.to_plain(copy, "agkv") == len(copy.blocks)
     with pytest.raises(RuntimeError, match="no attention processor"):
-        bound.to_plain(model, "agkv")
+        bound_sides.to_plain(model, "agkv")
 
 
 class _State:
@@ -121,7 +121,7 @@ def test_plain_attention_shapes_and_values(mode):
 
     w, b, s_local, h, d, total = 4, 2, 3, 8, 16, 11
     cp = CPAttention(_State(w, {"text": 4, "image": 7}), ("text", "image"), "test")
-    plain = bound.PlainAttention(cp, mode)
+    plain = bound_sides.PlainAttention(cp, mode)
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(b, s_local, h, d, generator=g) for _ in range(3))
     mask = torch.rand(b, s_local, generator=g) > 0.3
@@ -144,24 +144,24 @@ def test_plain_attention_shapes_and_values(mode):
 
 
 def test_parse_mode():
-    assert bound.parse_mode("regional+graphs") == ("regional", True)
-    assert bound.parse_mode("eager") == ("eager", False)
-    assert bound.parse_mode("eager+graphs") == ("eager", True)
-    assert bound.parse_mode("regional+capture") == ("regional", "forward")
-    assert bound.parse_mode("full+capture") == ("full", "forward")
+    assert bound_sides.parse_mode("regional+graphs") == ("regional", True)
+    assert bound_sides.parse_mode("eager") == ("eager", False)
+    assert bound_sides.parse_mode("eager+graphs") == ("eager", True)
+    assert bound_sides.parse_mode("regional+capture") == ("regional", "forward")
+    assert bound_sides.parse_mode("full+capture") == ("full", "forward")
     for text in ("eager", "eager+graphs", "regional", "regional+graphs", "regional+capture", "full+capture"):
-        assert bound.mode_name(*bound.parse_mode(text)) == text
+        assert bound_sides.mode_name(*bound_sides.parse_mode(text)) == text
 
 
 @pytest.mark.parametrize("bad", ["graphs", "regional+cuda", "fullgraph", "", "capture"])
 def test_parse_mode_rejects(bad):
     with pytest.raises(ValueError, match="one of eager|regional|full"):
-        bound.parse_mode(bad)
+        bound_sides.parse_mode(bad)
 
 
 def test_parse_mode_rejects_eager_capture():
     with pytest.raises(ValueError, match="eager\\+graphs already captures the whole eager forward; got 'eager\\+capture'"):
-        bound.parse_mode("eager+capture")
+        bound_sides.parse_mode("eager+capture")
 
 
 def test_graph_kinds_from_the_flags():
@@ -289,37 +289,37 @@ def test_side_process_failures_are_reported():
     ctx = multiprocessing.get_context("spawn")
 
     def side(target, args):
-        s = bound.Side("cp_ops W2", "cp", 2)
+        s = bound_sides.Side("cp_ops W2", "cp", 2)
         s.conn, theirs = ctx.Pipe()
         s.proc = ctx.Process(target=target, args=args(theirs), daemon=True)
         s.proc.start()
         return s, theirs  # the caller closes its copy of the child's end (kept open: a child silent, not gone)
 
     # run_bound in the child fails on its (empty) arguments: the exception comes back as the side's error
-    s, theirs = side(bound._serve_side, lambda c: ({}, "cpu", "regional", "cp_ops W2", c, None))
+    s, theirs = side(bound_procs._serve_side, lambda c: ({}, "cpu", "regional", "cp_ops W2", c, None))
     theirs.close()
     with pytest.raises(RuntimeError, match=r"side 'cp_ops W2' failed in its process: AttributeError"):
-        bound._recv(s, 120)
-    bound.stop_sides([s])
+        bound_procs._recv(s, 120)
+    bound_procs.stop_sides([s])
     s, theirs = side(os._exit, lambda c: (3,))  # dies at once; this process still holds the child's end
     with pytest.raises(RuntimeError, match=r"its process ended \(exit code 3\) without answering"):
-        bound._recv(s, 120)
-    bound.stop_sides([s])
+        bound_procs._recv(s, 120)
+    bound_procs.stop_sides([s])
     theirs.close()
     s, theirs = side(os._exit, lambda c: (4,))  # dies with every copy of its end closed: the pipe's end of file
     theirs.close()
     with pytest.raises(RuntimeError, match=r"its process ended \(exit code 4\) without answering"):
-        bound._recv(s, 120)
+        bound_procs._recv(s, 120)
     s.proc.join(5)  # a request to a process already gone: a broken pipe, named by the side
     with pytest.raises(RuntimeError, match=r"side 'cp_ops W2': its process ended \(exit code 4\) before this"):
-        bound._ask(s, ("time", 0, 1))
-    bound.stop_sides([s])
+        bound_procs._ask(s, ("time", 0, 1))
+    bound_procs.stop_sides([s])
     s, theirs = side(time.sleep, lambda c: (60,))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"did not answer in 2 s"):
-        bound._recv(s, 2)
+        bound_procs._recv(s, 2)
     assert time.monotonic() - t0 < 30
-    bound.stop_sides([s])
+    bound_procs.stop_sides([s])
     theirs.close()
     assert s.proc is None and s.conn is None
 
@@ -331,7 +331,7 @@ def test_side_killed_with_a_request_unread_is_named():
     import signal
 
     ctx = multiprocessing.get_context("fork")  # the child holds its end of the pipe (inherited) and never reads it
-    s = bound.Side("cp_ops W4", "cp", 4)
+    s = bound_sides.Side("cp_ops W4", "cp", 4)
     s.conn, theirs = ctx.Pipe()
     s.proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
     s.proc.start()
@@ -341,8 +341,8 @@ def test_side_killed_with_a_request_unread_is_named():
     s.proc.join(10)
     with pytest.raises(RuntimeError, match=rf"side 'cp_ops W4': its process ended \(exit code -{int(signal.SIGKILL)}\) "
                                            "without answering"):
-        bound._recv(s, 30)
-    bound.stop_sides([s])
+        bound_procs._recv(s, 30)
+    bound_procs.stop_sides([s])
 
 
 def test_config_label_names_reduced_depth():
@@ -357,7 +357,7 @@ def test_config_label_names_reduced_depth():
 def test_bound_table_cost_column_only_with_cost(capsys):
     """print_table: the 'cp_ops cost' column and its legend where a row has the --cost measurement (was: always the
     header, an empty column without --cost); a GPU run prints no CPU note."""
-    from cp_ops.cli.bound import print_table
+    from cp_ops.cli.bound_report import print_table
 
     row = dict(compile=None, cuda_graphs=False, world_size=2, mode="agkv", one_gpu_ms=10.0, one_gpu_from="diffusers",
                rank0_ms=5.5, fill_ms=0.1, bound_speedup=1.82)
@@ -390,14 +390,15 @@ def test_bound_no_overlap_reaches_the_compiled_sides(capsys):
         finally:
             bound.run_bound = orig
         assert seen["margs"].no_overlap is True, (extra, seen)
-    bound.print_table([], dict(cls="FluxTransformer2DModel", config="tiny", tokens=64, chunks=1, overlap_pass=False))
+    bound_report.print_table([], dict(cls="FluxTransformer2DModel", config="tiny", tokens=64, chunks=1, overlap_pass=False))
     assert "compiled without the overlap pass (--no-overlap)" in capsys.readouterr().out
 
 
 def test_bound_table_host_column_marks_host_bound_rows(capsys):
     """print_table: with host times, a 'host ms' column for rank 0 (and, with --cost, the plain side's) where a
     host-bound side (host >= HOST_BOUND x its measured time) carries '*', with the legend; none without host times."""
-    from cp_ops.cli.bound import HOST_BOUND, print_table
+    from cp_ops.cli.bound_sides import HOST_BOUND
+    from cp_ops.cli.bound_report import print_table
 
     row = dict(compile="regional", cuda_graphs=False, world_size=4, mode="ulysses", one_gpu_ms=128.0,
                one_gpu_from="diffusers", rank0_ms=80.9, fill_ms=0.6, bound_speedup=1.58, cp_ops_cost_ms=40.1,
@@ -418,11 +419,11 @@ def test_bound_table_host_column_marks_host_bound_rows(capsys):
 
 def test_side_host_bound_threshold():
     """Side.host_bound: host >= HOST_BOUND x the measured median; None before any host sample."""
-    s = bound.Side("cp_ops W4", "cp", 4, samples=[10.0, 10.0, 10.0])
+    s = bound_sides.Side("cp_ops W4", "cp", 4, samples=[10.0, 10.0, 10.0])
     assert s.host_ms is None and s.host_bound is None
-    s.host_samples = [bound.HOST_BOUND * 10.0 - 0.01] * 3
+    s.host_samples = [bound_sides.HOST_BOUND * 10.0 - 0.01] * 3
     assert s.host_bound is False
-    s.host_samples = [bound.HOST_BOUND * 10.0] * 3
+    s.host_samples = [bound_sides.HOST_BOUND * 10.0] * 3
     assert s.host_bound is True and s.host_ms == pytest.approx(9.0)
 
 
@@ -497,7 +498,7 @@ def test_kernel_summary_device_and_host_time():
     first (µs in, ms out)."""
     from types import SimpleNamespace as E
 
-    from cp_ops.cli.bound import kernel_summary
+    from cp_ops.cli.bound_report import kernel_summary
 
     events = [E(key="aten::addmm", self_cpu_time_total=300.0, self_device_time_total=900.0, count=2),
               E(key="nvjet_sm90_tst_128x256", self_cpu_time_total=0.0, self_device_time_total=900.0, count=2),

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_ops.cli import bound, bound_diffusers
+from cp_ops.cli import bound, bound_diffusers, bound_report, bound_sides
 from cp_ops.cli.main import main
 from cp_ops.cli.models import MODELS
 
@@ -133,20 +133,20 @@ def test_rows_with_no_time_left_after_the_fills_are_invalid_not_a_number(capsys)
     benchmarks/bound_table.py's markdown table, which also names the impl: diffusers' rows read as cp_ops')."""
     spec = MODELS["flux"]
     out = torch.randn(1, 8, 4)
-    sides = [bound.Side("diffusers", "diffusers", 1, samples=[10.0], out=out),
-             bound.Side("cp_ops W2", "cp", 2, mode="ulysses", samples=[4.0], fill_ms=4.0, out=out),
-             bound.Side("diffusers ulysses W2", "dcp", 2, mode="ulysses", label="ulysses", samples=[6.0], fill_ms=0.5,
+    sides = [bound_sides.Side("diffusers", "diffusers", 1, samples=[10.0], out=out),
+             bound_sides.Side("cp_ops W2", "cp", 2, mode="ulysses", samples=[4.0], fill_ms=4.0, out=out),
+             bound_sides.Side("diffusers ulysses W2", "dcp", 2, mode="ulysses", label="ulysses", samples=[6.0], fill_ms=0.5,
                         out=torch.full_like(out, float("nan"))),
-             bound.Side("cp_ops W4", "cp", 4, mode="ulysses", samples=[3.0], fill_ms=3.5, out=out)]
+             bound_sides.Side("cp_ops W4", "cp", 4, mode="ulysses", samples=[3.0], fill_ms=3.5, out=out)]
     args = _args("flux", bound=[2, 4])
-    rows = bound._rows(sides, args, spec, spec.config("tiny", None), "tiny", [1], 64, "eager", False)
+    rows = bound_report._rows(sides, args, spec, spec.config("tiny", None), "tiny", [1], 64, "eager", False)
     by = {(r["world_size"], r["impl"]): r for r in rows}
     for key, raw, fill in (((2, "cp_ops"), 4.0, 4.0), ((4, "cp_ops"), 3.0, 3.5)):
         r = by[key]
         assert r["bound_speedup"] is None and "fill" in r["invalid"] and f"{raw}" in r["invalid"], r
         assert f"{fill}" in r["invalid"], r
     assert math.isfinite(by[(2, "diffusers ulysses")]["bound_speedup"]) and by[(2, "diffusers ulysses")]["invalid"]
-    bound.print_table(rows, dict(cls=spec.cls, config="tiny", tokens=64, chunks=1))
+    bound_report.print_table(rows, dict(cls=spec.cls, config="tiny", tokens=64, chunks=1))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("eager ")]
     assert len(lines) == 3 and all("invalid" in ln for ln in lines), lines
     from benchmarks.bound_table import table  # the results' markdown table: the same rows, the impl named

@@ -78,7 +78,7 @@ def add_parser(sub) -> None:
 def check(args, device: str) -> None:
     """Check ``cp-ops bound``'s arguments and fill in the defaults (see :mod:`cp_ops.cli.bound`); a wrong one raises
     :class:`~cp_ops.cli._args.UsageError` (via :func:`~cp_ops.cli._args.fail`)."""
-    from .bound import DEFAULT_CPU, DEFAULT_CUDA, parse_mode
+    from .bound_sides import DEFAULT_CPU, DEFAULT_CUDA, parse_mode
     from .launch import under_torchrun
 
     what = f"bound {args.model}"

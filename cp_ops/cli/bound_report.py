@@ -1,0 +1,242 @@
+"""``cp-ops bound``'s report: the result rows (bound, cost, host time, steps), the table and the profiles' kernel
+summary."""
+
+from __future__ import annotations
+
+import torch
+from .bound_sides import HOST_BOUND, Side, mode_name
+
+
+#: kernel/op name fragments per category (first match wins), lower case
+CATEGORIES = (
+    ("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("copy", ("memcpy", "memset", "copy", "catarray", "aten::cat", "aten::repeat", "fill", "aten::zero")),
+    ("triton", ("triton",)),
+)
+
+#: profiler rows with device time that are not kernels: host ops (their kernels are counted), CUPTI's "Command Buffer
+#: Full" (the host blocked on a full launch queue: the device is the bottleneck, not device work itself)
+HOST_SIDE = ("aten::", "cp_ops::", "c10d::", "_c10d", "Torch-Compiled", "CompiledFunction", "cudaGraph", "## ",
+             "Command Buffer Full")
+
+
+def category(name: str) -> str:
+    n = name.lower()
+    for cat, words in CATEGORIES:
+        if any(w in n for w in words):
+            return cat
+    return "other"
+
+
+def kernel_summary(events, cuda: bool) -> dict:
+    """``{'busy_ms', 'by_category': {cat: ms}, 'top': [[name, ms, calls], ...], 'host_ms', 'host_top'}`` of one
+    profiled forward: on CUDA the device time of kernels and memcpy/memset (events with device time and no children
+    on the device side), on CPU the self CPU time of every op; ``host_*``: the self CPU time of every host event
+    (ops, Python-level ranges, CUDA runtime calls; not the ``cuda*Synchronize`` waits for the device) and the 12
+    largest, where a host-bound forward's time goes (the profiler's own overhead included)."""
+    rows, host = [], []
+    for e in events:
+        if e.self_cpu_time_total > 0 and "Synchronize" not in e.key:  # a cuda*Synchronize is the host waiting
+            host.append((e.key, e.self_cpu_time_total / 1e3, e.count))
+        if cuda:
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if not t or e.key.startswith(HOST_SIDE):
+                continue  # host-side ops whose self device time is their kernels' (counted as kernels), CUPTI markers
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key, t / 1e3, e.count))
+    by = {}
+    for name, ms, _ in rows:
+        c = category(name)
+        by[c] = by.get(c, 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    host.sort(key=lambda r: -r[1])
+    return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
+                host_ms=sum(r[1] for r in host), host_top=[[n[:120], ms, c] for n, ms, c in host[:12]])
+
+#: the models' standard step counts (issue 21; diffusers pipelines' defaults): --steps N below it is extrapolated
+STANDARD_STEPS = {"flux": 28, "qwenimage": 28, "zimage": 8, "wan": 50, "hunyuanvideo": 50, "ltx": 50}
+
+#: what a --steps row says about the final latents' error (a fake group cannot give it)
+STEPS_ERROR_NOTE = ("not measured: a fake group's collectives move nothing (every rank's data is this rank's), so "
+                    "rank 0's latents are not CP's; the drift over steps needs real ranks (cp-ops run --steps N under "
+                    "torchrun) or, for FP8 communication, CP_OPS_EMULATE_COMM=1 on a group of one rank (docs/fp8.md)")
+
+
+def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs) -> list[dict]:
+    by = {s.name: s for s in sides}
+    single = [s for s in sides if s.kind in ("diffusers", "group1")]
+    best = min(single, key=lambda s: s.ms - s.fill_ms)
+    one = best.ms - best.fill_ms
+    steps = getattr(args, "steps", 0) or 0
+    common = dict(model=args.model, cls=spec.cls, config=config_name, layers=layers[0] if len(layers) == 1 else layers,
+                  tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs)
+    ref = by["diffusers"].out
+    out = []
+    for w in args.bound:
+        cp = by[f"cp_ops W{w}"]
+        net = cp.ms - cp.fill_ms  # the fake collectives' writes (stand-ins for the transfers) taken out
+        row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
+                   diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=_speedup(one, cp),
+                   rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=_fill_count(cp),
+                   first_call_s=cp.first_s, rank0_samples=cp.samples, **_host(cp, steps=steps),
+                   **_host(by["diffusers"], "diffusers_", steps), **_no_time_left(cp))
+        if "group of 1" in by:
+            row["group1_ms"] = by["group of 1"].ms
+            row.update(_host(by["group of 1"], "group1_", steps))
+        plain = by.get(f"plain W{w}")
+        if plain is not None:  # both raw: each pays its stand-in writes (cp: the fake collectives'; plain: repeats)
+            row.update(plain_ms=plain.ms, plain_fill_ms=plain.fill_ms, cp_ops_cost_ms=cp.ms - plain.ms,
+                       cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms, **_host(plain, "plain_", steps))
+        rows = [row]
+        for s in (x for x in sides if x.kind == "dcp" and x.world == w):  # diffusers' own CP beside cp_ops'
+            if s.error is not None:
+                rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label or s.mode,
+                                 skipped=s.error))
+                continue
+            d = s.ms - s.fill_ms
+            shape_ok = s.out is not None and tuple(s.out.shape) == tuple(ref.shape)
+            finite = bool(shape_ok and torch.isfinite(s.out).all())
+            why = ([] if finite else ["the output is not finite or not the full shape: a collective's output was "
+                                      "left unwritten (stale memory), so its kernels did not run on real data"]) \
+                + list(_no_time_left(s).values())
+            rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, one_gpu_ms=one,
+                             one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d,
+                             bound_speedup=_speedup(one, s),
+                             rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=_fill_count(s), first_call_s=s.first_s,
+                             rank0_samples=s.samples, **_host(s, steps=steps), output_shape_ok=shape_ok,
+                             outputs_finite=finite,
+                             **({"invalid": "; ".join(why)} if why else {}),
+                             **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
+                             **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
+        if steps:
+            for r in rows:
+                if "skipped" not in r:
+                    _add_steps(r, steps, by, args.model)
+        out += rows
+    return out
+
+
+def _fill_count(s: Side) -> int:
+    """How many fake-collective writes one forward of ``s`` makes (counted in its process with --side-processes)."""
+    return len(s.fills) if s.fill_count is None else s.fill_count
+
+
+def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:
+    """``{prefix + 'host_ms', prefix + 'host_bound'}`` of ``side`` (the host's time to enqueue one forward, and whether
+    it reaches :data:`HOST_BOUND` of the side's measured time ``ms``); ``{}`` where not timed, and for a ``steps``
+    loop (it reads its per-step CUDA events at its end, so its call waits for the device: host = wall)."""
+    if side.host_ms is None or steps:
+        return {}
+    return {prefix + "host_ms": side.host_ms, prefix + "host_bound": side.host_bound}
+
+
+def _speedup(one: float, side: Side) -> float | None:
+    """The bound of ``side``: the 1-device time / its time less its fill copies; None where nothing is left."""
+    net = side.ms - side.fill_ms
+    return one / net if net > 0 else None
+
+
+def _no_time_left(side: Side) -> dict:
+    """``{'invalid': why}`` where ``side``'s fill copies, timed alone, take at least its whole forward (rank 0 -
+    fill <= 0: timing noise on a tiny model, or copies the forward hid): no bound can be read from it; else ``{}``."""
+    if side.ms - side.fill_ms > 0:
+        return {}
+    return {"invalid": f"no time left for rank 0: its fill copies timed alone ({side.fill_ms} ms) take at least its "
+                       f"whole forward ({side.ms} ms); no bound (--unwritten times it without the fills)"}
+
+
+def _add_steps(row: dict, steps: int, by: dict, model: str) -> None:
+    """A --steps row: its times are whole loops of ``steps`` steps; per step, the steps run, and where ``steps`` is
+    below the model's standard count the totals extrapolated to it (per-step time x the standard count)."""
+    side = by["cp_ops W%d" % row["world_size"]] if row["impl"] == "cp_ops" else \
+        by[f"{row['impl']} W{row['world_size']}"]
+    std = STANDARD_STEPS.get(model)
+    row.update(steps=steps, steps_run=len(side.step_ms), total_ms=row["rank0_ms"], step_ms=row["rank0_ms"] / steps,
+               one_gpu_step_ms=row["one_gpu_ms"] / steps, rank0_step_samples_ms=side.step_ms,
+               max_rel_err=None, max_rel_err_note=STEPS_ERROR_NOTE)
+    if std:
+        row["standard_steps"] = std
+        if steps != std:
+            row.update(one_gpu_total_standard_ms=row["one_gpu_step_ms"] * std, total_standard_ms=row["step_ms"] * std,
+                       extrapolated=f"{steps} of {std} steps timed; totals for {std} = per-step time x {std}")
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    print(f"\nzero-communication bound, {meta['cls']} {meta['config']}, {meta['tokens']} tokens, on "
+          f"{meta.get('gpu', 'CPU')} (fake group: rank 0 of W, transport torch, chunks {meta['chunks']})"
+          + ("; compiled without the overlap pass (--no-overlap)" if meta.get("overlap_pass") is False else ""))
+    has_cost = any("cp_ops_cost_ms" in r for r in rows)  # the column only where --cost measured it
+    steps = next((r["steps"] for r in rows if r.get("steps")), 0)
+    has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare diffusers
+    if steps:
+        print(f"a denoising loop of {steps} steps per sample: the times are whole loops (ms), 'ms/step' rank 0's")
+    has_host = any("host_ms" in r for r in rows)
+    print(f"{'compile':<17} {'W':>3}" + (f" {'impl':>17}" if has_impl else "") + f" {'mode':>8} {'1 device ms':>12} "
+          f"{'from':>11} {'rank 0 ms':>10} {'fill ms':>8}" + (f" {'host ms':>9}" if has_host else "")
+          + (f" {'ms/step':>9}" if steps else "") + f" {'bound':>7}"
+          + (f" {'cp_ops cost':>16}" if has_cost else "")
+          + (f" {'plain ms':>9} {'plain host':>10}" if has_cost and has_host else ""))
+    for r in rows:
+        name = mode_name(r["compile"] or "eager", r["cuda_graphs"])
+        if "skipped" in r:  # the W and impl columns aligned, then the reason
+            who = (f" {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
+                   if "world_size" in r else "")
+            print(f"{name:<17}{who} failed: {r['skipped']}")
+            continue
+        cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
+        bound_text = f"{r['bound_speedup']:>6.2f}x" if r.get("bound_speedup") is not None else f"{'-':>7}"
+        plain = (f" {r['plain_ms']:>9.2f} {_host_text(r, 'plain_'):>10}" if "plain_ms" in r
+                 else f" {'':>9} {'':>10}") if has_cost and has_host else ""
+        print(f"{name:<17} {r['world_size']:>3}" + (f" {r.get('impl', 'cp_ops'):>17}" if has_impl else "")
+              + f" {r['mode']:>8} {r['one_gpu_ms']:>12.2f} "
+              f"{'diffusers' if r['one_gpu_from'] == 'diffusers' else 'group of 1':>11} {r['rank0_ms']:>10.2f} "
+              f"{r.get('fill_ms', 0.0):>8.2f}" + (f" {_host_text(r)}" if has_host else "")
+              + (f" {r['step_ms']:>9.2f}" if steps else "")
+              + f" {bound_text}" + (f" {cost:>16}" if has_cost else "") + plain
+              + (f"  invalid: {r['invalid']}" if r.get("invalid") else ""))
+    print("bound = 1-device time / rank 0's time of a W-rank fake group (no transfer: no CP run can beat it); "
+          "rank 0 = its measured forward minus 'fill': the device copies that write the fake collectives' outputs "
+          "with real data (timed alone); "
+          "1 device = the faster of diffusers' own path and cp_ops over a group of 1; "
+          + ("cp_ops cost = rank 0 minus the same forward with plain local attention of the same shapes (--cost), % of "
+             "rank 0's forward." if has_cost else "--cost adds cp_ops' own cost inside the bound."))
+    if has_host:
+        print(("host ms (plain host: the --cost plain side's)" if has_cost else "host ms")
+              + " = the host's time to enqueue one forward (the call's wall time, not waited for; median), beside "
+              f"the measured (device-timed) forward; * = host-bound: host >= {HOST_BOUND:g} x the measured time "
+              "(rank 0 raw = rank 0 + fill), so the device waited for the host and that row's time is host time"
+              + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))
+    if has_impl:
+        print("impl 'diffusers ulysses|ring' = diffusers' own CP (enable_parallelism) over the same fake group, its "
+              "all-to-alls written like cp_ops' (cp_ops.cli.bound_fill); its bound beside cp_ops'.")
+    if steps:
+        print(f"--steps: final latents' error vs one device: {STEPS_ERROR_NOTE}.")
+        ext = next((r for r in rows if "extrapolated" in r), None)
+        if ext is not None:
+            print(f"{ext['extrapolated']} (JSON: one_gpu_total_standard_ms, total_standard_ms).")
+    if "gpu" not in meta:
+        print("CPU: a functional check, not a performance claim (a tiny model: bounds near or below 1x are expected; "
+              "docs/measuring.md).")
+
+
+def _host_text(r: dict, prefix: str = "") -> str:
+    """A row's host time (ms) with ``*`` when host-bound, 9 wide; blank where not timed."""
+    h = r.get(prefix + "host_ms")
+    if h is None:
+        return f"{'':>9}"
+    return f"{h:>8.2f}" + ("*" if r.get(prefix + "host_bound") else " ")
+
+
+def print_profiles(profiles: dict) -> None:
+    cats = ("attention", "gemm", "copy", "triton", "other")
+    for mode, sides in profiles.items():
+        print(f"\nprofile [{mode}]: one forward, device time by kernel category (ms)")
+        print(f"{'side':<14} {'wall':>9} {'busy':>9} " + " ".join(f"{c:>9}" for c in cats))
+        for name, p in sides.items():
+            print(f"{name:<14} {p['wall_ms']:>9.2f} {p['busy_ms']:>9.2f} "
+                  + " ".join(f"{p['by_category'].get(c, 0.0):>9.2f}" for c in cats))
