@@ -1,26 +1,22 @@
 """Every zero-communication bound row measured so far, the newest per cell, in one ``bound.json`` and ``table.md``
-(issue 21's keys; one entry per model x resolution x compile mode x W x implementation: cp_ops', and diffusers' own
-CP where ``--compare diffusers`` ran).
+(one entry per model x resolution x compile mode x W x implementation: cp_ops', and diffusers' own CP where
+``--compare diffusers`` ran).
 
-    python benchmarks/bound_all.py benchmarks/results/<newest folder>
+    python benchmarks/bound_all.py benchmarks/results/bound [RUN.json | RUN_FOLDER ...]
 
-Reads the per-run files of every ``benchmarks/results/*_h200_*`` folder (``runs/*.json``, ``call*/*.json``,
-``bound_*.json``; a folder's own combined ``bound.json`` carries older folders' rows and is skipped; folders sort by
-name, so a later folder's row of the same cell wins; rows at reduced depth are left out) and the cells not measured, with their reasons, from
-``OUT/not_measured.json`` (a list of ``{models, compile, [world_size], reason}``). Writes ``OUT/bound.json`` and
-``OUT/table.md``. (One folder's runs alone: ``benchmarks/bound_table.py``.)"""
+Starts from the rows ``OUT/bound.json`` holds (the claim folder's: every earlier run's rows, each with its
+``source``), adds the rows of the ``cp-ops bound --out`` files given (a folder: its ``*.json`` files, recursively),
+given order = age, so a later file's row of the same cell wins; rows at reduced depth are left out. The cells not
+measured, with their reasons, come from ``OUT/not_measured.json`` (a list of ``{models, compile, [world_size],
+reason}``). Writes ``OUT/bound.json`` and ``OUT/table.md``. (One run's files alone: ``benchmarks/bound_table.py``.)"""
 
 import json
 import pathlib
-
 import sys
 
 OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KEYS = ("model", "config", "layers", "tokens", "compile", "cuda_graphs", "world_size", "one_gpu_ms", "rank0_ms",
         "bound_speedup", "cp_ops_cost_ms")
-#: before 2026-12-01c torch 2.11's fake backend left alltoall_base's output unwritten: Ulysses read stale memory
-UNWRITTEN = ("2026-12-01_h200_torch2.11_cu130", "2026-12-01b_h200_torch2.11_cu130")
 STALE = ("fake all-to-all unwritten in this run (before 2026-12-01c): Ulysses' kernels read stale memory and ran "
          "faster than on real data; re-measure")
 INVALID = ("invalid: this side's outputs were not finite (diffusers' functional all-to-all left unwritten by the fake "
@@ -41,21 +37,30 @@ def mode_of(r):
     return base + ("+capture" if r["cuda_graphs"] == "forward" else "+graphs" if r["cuda_graphs"] else "")
 
 
-def runs():
-    for folder in sorted(p for p in RESULTS.iterdir() if p.is_dir() and "_h200_" in p.name):
-        files = sorted(folder.glob("runs/*.json")) + sorted(folder.glob("call*/*.json")) + sorted(
-            folder.glob("bound_*.json"))
-        for f in files:
+def runs(paths):
+    """``(source, data)`` of every ``cp-ops bound --out`` file under ``paths``, in the order given."""
+    for p in map(pathlib.Path, paths):
+        for f in sorted(p.rglob("*.json")) if p.is_dir() else [p]:
             try:
                 d = json.loads(f.read_text())
             except (ValueError, UnicodeDecodeError):
                 continue
-            if isinstance(d, dict) and isinstance(d.get("rows"), list):
-                yield folder.name, f.relative_to(RESULTS).as_posix(), d
+            if isinstance(d, dict) and isinstance(d.get("rows"), list) and f.name not in ("bound.json",
+                                                                                         "not_measured.json"):
+                yield f"{f.parent.name}/{f.name}", d
+
+
+def cell(r):
+    return r["model"], r["config"], r["tokens"], mode_of(r), r["world_size"], r.get("impl", "cp_ops")
 
 
 cells, failed, left_out = {}, {}, set()
-for folder, path, d in runs():
+BASE = json.loads((OUT / "bound.json").read_text()) if (OUT / "bound.json").exists() else dict(rows=[], failed=[])
+for row in BASE["rows"]:
+    cells[cell(row)] = row
+for f in BASE["failed"]:
+    failed[(f["model"], f["config"], f["compile"])] = f
+for path, d in runs(sys.argv[2:]):
     for r in d["rows"]:
         if r.get("model") is None:  # not a bound row (another kind of run in the same folder)
             continue
@@ -79,11 +84,7 @@ for folder, path, d in runs():
             row["cp_ops_cost_writes_out_pct"] = 100.0 * row["cp_ops_cost_writes_out_ms"] / raw
         if row["impl"] != "cp_ops" and r.get("outputs_finite") is False:
             row["note"] = INVALID
-        elif folder in UNWRITTEN and r.get("mode") == "ulysses":
-            row["note"] = STALE
-        elif r["compile"] == "regional" and not r["cuda_graphs"] and "host_ms" not in r:
-            row["note"] = HOST_BOUND
-        cells[(r["model"], r["config"], r["tokens"], mode_of(r), r["world_size"], row["impl"])] = row  # newest wins
+        cells[cell(row)] = row  # newest wins
 for (m, c, mode) in list(failed):
     if any(k[0] == m and k[1] == c and k[3] == mode and k[5] == "cp_ops" for k in cells):
         del failed[(m, c, mode)]  # measured since

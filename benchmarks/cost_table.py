@@ -3,7 +3,7 @@ H200 GPUs for Wan2.1-14B 720p, HunyuanVideo 720p/129 frames and FLUX.1 1024², b
 measured on one GPU where it was (shared/anchors.md, 2026-12-01; whole forward, so not the same quantity: it bounds a
 model's forward, this predicts its attention step; both ≤ W).
 
-    python -m benchmarks.cost_table [--network-gbps 50] [--out benchmarks/results/<dir>/cost_table.md]
+    python -m benchmarks.cost_table [--network-gbps 50] [--out benchmarks/results/cost_model/cost_table.md]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ fake_pg``, this process rank 0 of each), its collectives' outputs written by :mo
 * ``cp``: ``x -> linear -> q, k, v -> cp_ops.attention(q, k, v, group, mode, transport='torch', chunks=1[, key_mask])
   -> reshape``, compiled with ``cp_ops.compile(fullgraph=True, dynamic=False)`` (``overlap``) or plain
   ``torch.compile`` (``no overlap``);
-* ``plain``: the same function with SDPA of the shapes rank 0 computes (as ``cp_ops.cli.bound.PlainAttention``:
+* ``plain``: the same function with SDPA of the shapes rank 0 computes (as ``cp_ops.cli.bound_sides.PlainAttention``:
   AGKV = local Q against K/V repeated W times; Ulysses = all S tokens and H/W heads, the output's first S_local tokens
   repeated over the heads), compiled with ``torch.compile``.
 
