@@ -1,1 +1,1 @@
-"""Benchmark scripts and the reference blocks they share with the tests (:mod:`benchmarks.blocks`)."""
+"""Benchmark scripts (run from the repository root); the reference blocks they share with the tests: tests/blocks.py."""

@@ -1,14 +1,14 @@
-# Sourced (not run) by a results folder's call script, from the repository root: the named GPU steps of issue 21's
-# one-H200 calls, so each folder's call.sh names its steps instead of copying them (the log's `code:` line names the
-# revision whose steps ran). Needs OUT (the output folder) and STEPS (step names, run in order); END (s, default 560)
-# is the whole call's deadline. Each step is one process under `timeout` (its cap, or what is left of END; skipped
-# when less than its minimum is left); output goes to $OUT/log.txt, per-run JSON to $OUT/json/STEP.json.
+# The named GPU steps behind the measured claims (benchmarks/results/*/README.md names the steps of each), run from the
+# repository root: OUT=DIR STEPS="step ..." bash benchmarks/gpu_steps.sh (or sourced by a call script). Needs OUT (the
+# output folder) and STEPS (step names, run in order); END (s, default 560) is the whole call's deadline. Each step is
+# one process under `timeout` (its cap, or what is left of END; skipped when less than its minimum is left); output
+# goes to $OUT/log.txt, per-run JSON to $OUT/json/STEP.json.
 # FW (W list, default 2,4,8) and FCAP (cap, s) tune the whole-model-compile steps (*_full): 1.5-2.5 min of compile
-# per side on the H200 (FLUX.1-dev: 109 s diffusers, 99 / 120 / 136 s at W = 2 / 4 / 8, one after another); CW
+# per side on an H200 (FLUX.1-dev: 109 s diffusers, 99 / 120 / 136 s at W = 2 / 4 / 8, one after another); CW
 # (--compile-workers: sides compiled at once in child processes first, each with its own copy of the weights on the
-# GPU; default 4, Wan2.1-14B / HunyuanVideo 3; Qwen-Image 0: two workers ran out of memory, 2026-12-02g) overlaps them.
+# GPU; default 4, Wan2.1-14B / HunyuanVideo 3; Qwen-Image 0: two workers run out of memory) overlaps them.
 # After the workers the run's own first call per side still takes ~37 s at full depth (Dynamo and AOT tracing; the FX
-# graph cache hits): a video DiT's four sides do not fit one 10-minute call (02g).
+# graph cache hits): a video DiT's four sides do not fit one 10-minute call.
 set -u
 : "${OUT:?OUT must name the output folder}"
 T0=$SECONDS; END=${END:-560}; LOG=$OUT/log.txt; W=$OUT/json; mkdir -p "$W"

@@ -42,12 +42,13 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the reference blocks (tests/blocks.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cp_ops  # noqa: E402
-from benchmarks.blocks import WanBlock, rope_tables  # noqa: E402  (the blocks the pass tests use too)
+from blocks import WanBlock, rope_tables  # noqa: E402  (tests/blocks.py: the blocks the pass tests use too)
 from cp_ops import layout  # noqa: E402
 from cp_ops.cli.launch import launch  # noqa: E402
 from cp_ops.timing import max_over_ranks, time_ms  # noqa: E402

@@ -35,79 +35,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from cp_ops import timing  # noqa: E402
+from cp_ops.cli.profile import KERNEL_CLASSES, attention_timeline  # noqa: E402
 
 B, H, D = 1, 40, 128
-CLASSES = ("attn", "merge", "comm", "wait", "other")
-
-
-def classify(event: dict) -> str:
-    """The class (one of :data:`CLASSES`) of one Chrome-trace GPU event."""
-    name = event.get("name", "").lower()
-    if event.get("cat") == "gpu_memcpy":
-        return "comm"
-    if "nccl" in name or "copy2d_kernel" in name:  # NCCL; the fast transport's SM copy kernel
-        return "comm"
-    if "merge" in name:
-        return "merge"
-    if any(w in name for w in ("wait_kernel", "wait_all_kernel", "begin_kernel", "signal_kernel")):
-        return "wait"  # the fast transport's flag protocol (csrc/cp_fast.cu): spins and one-thread flag writes
-    if any(w in name for w in ("cudnn", "flash", "fmha", "sdpa", "attention", "attn")):
-        return "attn"
-    return "other"
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _length(intervals) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
-    i = j = 0
-    total = 0.0
-    while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        if hi > lo:
-            total += hi - lo
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def summarize(events: list[dict], calls: int) -> dict:
-    """µs per call of each class, span, busy, idle and overlap from Chrome-trace GPU events (``ts``/``dur`` in
-    µs); ``top``: the 8 kernels of most total time (name, count, µs per call)."""
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not gpu:
-        return {"span": 0.0}
-    iv = {c: [] for c in CLASSES}
-    per_name: dict[str, list[float]] = {}
-    for e in gpu:
-        c = classify(e)
-        iv[c].append((e["ts"], e["ts"] + e["dur"]))
-        per_name.setdefault(e["name"][:90], []).append(e["dur"])
-    start = min(e["ts"] for e in gpu)
-    end = max(e["ts"] + e["dur"] for e in gpu)
-    work = _union([i for c in CLASSES if c != "wait" for i in iv[c]])
-    compute = _union(iv["attn"] + iv["merge"] + iv["other"])
-    comm = _union(iv["comm"])
-    row = {c: _length(_union(iv[c])) / calls for c in CLASSES}
-    row.update(span=(end - start) / calls, busy=_length(work) / calls,
-               overlap=_intersect(compute, comm) / calls)
-    row["idle"] = row["span"] - row["busy"]
-    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:8]
-    row["top"] = [(n, len(d), sum(d) / calls) for n, d in top]
-    return row
 
 
 def _measure(fn, n: int, group, trace_path: Path | None) -> dict:
@@ -129,9 +59,9 @@ def _measure(fn, n: int, group, trace_path: Path | None) -> dict:
         events = json.loads(path.read_text()).get("traceEvents", [])
         if trace_path is not None:
             trace_path.write_text(path.read_text())
-    row = summarize(events, n)
+    row = attention_timeline(events, n)
     row["host"] = host
-    for k in ("span", "busy", "idle", "overlap", "host", *CLASSES):
+    for k in ("span", "busy", "idle", "overlap", "host", *KERNEL_CLASSES):
         row[k] = timing.max_over_ranks(row.get(k, 0.0), torch.device("cuda"), group)
     return row
 

@@ -30,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 import one_gpu_rank
-from cp_ops.cli.launch import _worker, free_port
+from cp_ops.cli.launch import free_port, run_rank
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: what the fork server imports once (tests/rank_preload.py lists the modules)
@@ -64,7 +64,7 @@ def _body(rank, world_size, device, fn, args, errq):
 def _forked(rank, world_size, device, port, env, removed, body_args):
     """A forked rank: take the caller's environment (``env``; ``removed``: variables the server started with that the
     caller no longer has; what the server's imports set stays, as a fresh rank's imports would set it), re-read
-    cp_ops' settings from it, then run as a spawned rank would (``cp_ops.cli.launch._worker``). A failure before
+    cp_ops' settings from it, then run as a spawned rank would (``cp_ops.cli.launch.run_rank``). A failure before
     the body starts is reported too."""
     errq = body_args[-1]
     try:
@@ -75,7 +75,7 @@ def _forked(rank, world_size, device, port, env, removed, body_args):
         from cp_ops import config
 
         config.restore(config.from_env())
-        _worker(rank, world_size, device, port, _body, body_args)
+        run_rank(rank, world_size, device, port, _body, body_args)
     except BaseException as e:  # noqa: BLE001
         if not getattr(e, "_cp_ops_reported", False):
             errq.put((rank, "(before or after the test body)\n" + traceback.format_exc()))
@@ -174,7 +174,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
             procs = [ctx.Process(target=one_gpu_rank.worker, args=(r, world_size, port, ref, args, errq))
                      for r in range(world_size)]
         else:
-            procs = [ctx.Process(target=_worker, args=(r, world_size, device, port, _body, (fn, args, errq)))
+            procs = [ctx.Process(target=run_rank, args=(r, world_size, device, port, _body, (fn, args, errq)))
                      for r in range(world_size)]
     for p in procs:
         p.start()

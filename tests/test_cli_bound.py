@@ -457,9 +457,10 @@ def test_bound_registers_the_cp_ops_backend_before_any_side(monkeypatch):
 
 
 def test_results_table_host_column():
-    """benchmarks/bound_table.py: a 'host ms' column (rank 0 / plain, '*' host-bound) where any row has host times;
+    """The results' Markdown table (cp_ops.cli.bound_report.results_table): a 'host ms' column (rank 0 / plain, '*'
+    host-bound) where any row has host times;
     none for older rows."""
-    from benchmarks.bound_table import table
+    from cp_ops.cli.bound_report import results_table as table
 
     row = dict(model="flux", config="dev", tokens=4096, compile="regional", cuda_graphs=False, world_size=4,
                mode="ulysses", one_gpu_ms=128.1, one_gpu_from="diffusers", rank0_ms=80.9, fill_ms=0.6,

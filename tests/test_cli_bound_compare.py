@@ -149,6 +149,6 @@ def test_rows_with_no_time_left_after_the_fills_are_invalid_not_a_number(capsys)
     bound_report.print_table(rows, dict(cls=spec.cls, config="tiny", tokens=64, chunks=1))
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("eager ")]
     assert len(lines) == 3 and all("invalid" in ln for ln in lines), lines
-    from benchmarks.bound_table import table  # the results' markdown table: the same rows, the impl named
+    from cp_ops.cli.bound_report import results_table as table  # the results' markdown table: the impl named
     md = [ln for ln in table(rows).splitlines()[2:]]
     assert len(md) == 3 and all("invalid" in ln for ln in md) and "diffusers ulysses (ulysses)" in md[1], md

@@ -26,7 +26,7 @@ def _compile_and_run(model, args, overlap: bool):
 
 
 def _check_block(rank: int, w: int, block_cls, mode: str, dtype: torch.dtype, records: LogRecords) -> None:
-    from benchmarks.blocks import rope_tables
+    from blocks import rope_tables
 
     s_local = GRID[0] * GRID[1] * GRID[2] // w
     torch.manual_seed(1234)  # same weights and inputs on every rank
@@ -76,7 +76,7 @@ def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
     layer: the test can fail)."""
     from unittest import mock
 
-    from benchmarks import blocks as pb
+    import blocks as pb
     from pass_util import register_pooled_test_transport
 
     import cp_ops.passes.overlap
@@ -103,7 +103,7 @@ def _check_kv_first(rank: int, w: int, records: LogRecords) -> None:
 
 
 def _all_cases(rank: int, w: int) -> None:
-    from benchmarks import blocks as pb
+    import blocks as pb
 
     records = LogRecords()
     log = logging.getLogger("cp_ops.passes")

@@ -17,7 +17,7 @@ from torch.testing import FileCheck
 
 import cp_ops  # noqa: F401
 from cp_ops import passes
-from benchmarks import blocks as pb
+import blocks as pb
 from pass_util import check_inputs_alive, compile_and_get, fake_group, kernel_lines  # noqa: F401  (fixture)
 
 DIM, HEADS = 64, 4

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
-from benchmarks import blocks as pb
+import blocks as pb
 from cp_ops.transport.base import inflight_limit
 from pass_util import compile_and_get, fake_group, pool_slot_violations  # noqa: F401  (fixture)
 
@@ -134,7 +134,7 @@ def test_plain_torch_compile_gets_lowerings_without_importing_passes():
         assert not [m for m in sys.modules if m.split(".")[:2] == ["cp_ops", "passes"] or m.split(".")[0] == "passes"], "import cp_ops imported the pass"
         from torch.testing._internal.distributed.fake_pg import FakeStore
         from torch._inductor.utils import run_and_get_code
-        from benchmarks import blocks as pb
+        import blocks as pb
         from pass_util import check_inputs_alive, call_section
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
         x = torch.randn(1, 16, {DIM})

@@ -17,7 +17,7 @@ import torch
 import cp_ops  # noqa: F401
 import cp_ops.passes.overlap as ov
 from cp_ops import passes
-from benchmarks import blocks as pb
+import blocks as pb
 from pass_util import fake_group  # noqa: F401  (fixture)
 from test_pass_inflight import _events, _repro_graph
 

@@ -179,7 +179,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 weights="checkpoint" if args.checkpoint else "random",
                 steps=getattr(args, "steps", 0) or 0, compare=getattr(args, "compare", None),
                 overlap_pass=not getattr(args, "no_overlap", False),
-                fill_timing=("replayed alone in one CUDA graph: device time (since 2026-12-01e)" if device.type == "cuda"
+                fill_timing=("replayed alone in one CUDA graph: device time" if device.type == "cuda"
                              else "replayed alone, launched back to back"),
                 fake_outputs=_fake_outputs(written),
                 side_processes=("every side of a compiled mode built, compiled and timed in its own process "
@@ -311,8 +311,8 @@ def _first_call(s: Side) -> dict:
 def _reset_after_failure(base_mode: str, device) -> None:
     """After a side failed half-way (a compile error, an unwaited collective): free what it held."""
     if base_mode != "eager":
-        torch._dynamo.reset()  # imported by run_bound (a local import here would make `torch` local: the eager
-        # branch then raised UnboundLocalError on the GPU, 2026-12-01g)
+        torch._dynamo.reset()  # torch._dynamo is imported by run_bound (a local import here would make `torch` a
+        # local name, unbound in the eager branch)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -134,7 +134,7 @@ def check(args, device: str) -> None:
     args.chunks = 1 if args.chunks is None else args.chunks
 
 
-#: flags ``cp-ops run`` took for the bound before it was its own command -> what to write now
+#: the bound's flags, given to ``cp-ops run`` -> the ``cp-ops bound`` spelling its error names
 MOVED = {"--bound": "cp-ops bound MODEL --worlds W[,W...]", "--bound-compile": "cp-ops bound MODEL --compile-modes",
          "--cost": "cp-ops bound MODEL --cost", "--unwritten": "cp-ops bound MODEL --unwritten",
          "--no-group1": "cp-ops bound MODEL --no-group1", "--side-processes": "cp-ops bound MODEL --side-processes",

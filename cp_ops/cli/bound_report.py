@@ -58,7 +58,7 @@ def kernel_summary(events, cuda: bool) -> dict:
     return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
                 host_ms=sum(r[1] for r in host), host_top=[[n[:120], ms, c] for n, ms, c in host[:12]])
 
-#: the models' standard step counts (issue 21; diffusers pipelines' defaults): --steps N below it is extrapolated
+#: the models' standard step counts (diffusers pipelines' defaults): --steps N below it is extrapolated
 STANDARD_STEPS = {"flux": 28, "qwenimage": 28, "zimage": 8, "wan": 50, "hunyuanvideo": 50, "ltx": 50}
 
 #: what a --steps row says about the final latents' error (a fake group cannot give it)
@@ -240,3 +240,43 @@ def print_profiles(profiles: dict) -> None:
         for name, p in sides.items():
             print(f"{name:<14} {p['wall_ms']:>9.2f} {p['busy_ms']:>9.2f} "
                   + " ".join(f"{p['by_category'].get(c, 0.0):>9.2f}" for c in cats))
+
+
+def _samples_spread(samples) -> str:
+    if not samples or len(samples) < 2:
+        return ""
+    return f"{min(samples):.0f}–{max(samples):.0f}"
+
+
+def results_table(rows: list[dict]) -> str:
+    """The Markdown table of bound rows (``--out`` JSONs' ``rows``): one line per row, a failed mode with its reason; a
+    host column (rank 0 / plain, ``*`` host-bound) where any row has host times (``benchmarks/bound_table.py``)."""
+    host = any("host_ms" in r for r in rows)  # the host's time to enqueue a forward
+    out = ["| model (tokens) | compile | W | mode | 1 GPU ms (from) | rank 0 ms (measured min–max − fill) | bound | "
+           "cp_ops cost ms (%) |" + (" host ms rank 0 / plain (* host-bound) |" if host else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|" if host else "")]
+    for r in rows:
+        if "skipped" in r:
+            out.append(f"| {r['model']} {r['config']} | {r['compile']} | | | failed: {r['skipped']} | | | |"
+                       + (" |" if host else ""))
+            continue
+        comp = (r["compile"] or "eager") + (" + capture" if r["cuda_graphs"] == "forward" else
+                                            " + graphs" if r["cuda_graphs"] else "")
+        src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
+        cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if "cp_ops_cost_ms" in r else ""
+        mode = r["mode"] if r.get("impl", "cp_ops") == "cp_ops" else f"{r['impl']} ({r['mode']})"  # --compare
+        bound = "-" if r.get("bound_speedup") is None else f"{r['bound_speedup']:.2f}x"
+        if r.get("invalid"):
+            bound += f" invalid: {r['invalid']}"
+        out.append(f"| {r['model']} {r['config']} ({r['tokens']}) | {comp} | {r['world_size']} | {mode} | "
+                   f"{r['one_gpu_ms']:.1f} ({src}) | {r['rank0_ms']:.1f} ({_samples_spread(r.get('rank0_samples'))}"
+                   f"{' − %.1f' % r['fill_ms'] if 'fill_ms' in r else ''}) | "
+                   f"{bound} | {cost} |" + (f" {_host_cell(r)} |" if host else ""))
+    return "\n".join(out)
+
+
+def _host_cell(r: dict) -> str:
+    """``rank 0's host ms[*] / the plain side's[*]`` (``*``: host-bound); '' where the row has none."""
+    parts = [f"{r[p + 'host_ms']:.1f}{'*' if r.get(p + 'host_bound') else ''}"
+             for p in ("", "plain_") if r.get(p + "host_ms") is not None]
+    return " / ".join(parts)

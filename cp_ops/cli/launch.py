@@ -81,7 +81,10 @@ def shutdown(ok: bool, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
         os._exit(0 if ok else 1)
 
 
-def _worker(rank: int, world_size: int, device: str, port: int, fn: Callable, args: tuple) -> None:
+def run_rank(rank: int, world_size: int, device: str, port: int, fn: Callable, args: tuple) -> None:
+    """One local rank of a group rendezvousing at 127.0.0.1:``port``: sets the torch.distributed environment,
+    initializes the process group (:func:`init_rank`), runs ``fn(rank, world_size, device, *args)`` and shuts the rank
+    down (:func:`shutdown`: the process exits 0, or 1 when ``fn`` raised). What :func:`launch` spawns per rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
     dev = init_rank(rank, world_size, device)
@@ -122,4 +125,4 @@ def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
         )
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1; got {nproc}")
-    mp.spawn(_worker, args=(nproc, device, free_port(), fn, args), nprocs=nproc, join=True)
+    mp.spawn(run_rank, args=(nproc, device, free_port(), fn, args), nprocs=nproc, join=True)
