@@ -296,7 +296,8 @@ def test_side_process_failures_are_reported():
         return s, theirs  # the caller closes its copy of the child's end (kept open: a child silent, not gone)
 
     # run_bound in the child fails on its (empty) arguments: the exception comes back as the side's error
-    s, theirs = side(bound_procs._serve_side, lambda c: ({}, "cpu", "regional", "cp_ops W2", c, None))
+    s, theirs = side(bound_procs._serve_side, lambda c: ({}, "cpu", "regional", "cp_ops W2", c, None, None,
+                                                         bound.run_bound))
     theirs.close()
     with pytest.raises(RuntimeError, match=r"side 'cp_ops W2' failed in its process: AttributeError"):
         bound_procs._recv(s, 120)

@@ -55,9 +55,9 @@ from ..integrations.diffusers.dispatch import cp_ops_backend
 from ..timing import time_ms
 from . import bound_fill
 from .models import MODELS, build, config_label, load_checkpoint
-from .bound_procs import _ask, _serve, precompile, spawn_sides, stop_sides
-from .bound_report import _rows, print_profiles, print_table
-from .bound_sides import Side, _prepare, _profile_sides, _reason, _time_sides, parse_mode
+from .bound_procs import _serve, precompile, spawn_sides, stop_sides
+from .bound_report import _profile_sides, _rows, print_profiles, print_table
+from .bound_sides import Side, _prepare, _reason, _time_sides, parse_mode
 
 
 def fake_groups(worlds, filled: bool = True) -> dict[int, dist.ProcessGroup]:
@@ -120,7 +120,7 @@ def run_bound(args, device: torch.device) -> list[dict]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if getattr(args, "compile_workers", 0) and not getattr(args, "only_side", None):
-        precompile(args, device)
+        precompile(args, device, _sides_for, run_bound)
     # every side of every W compiles each block class again (its shapes differ): past Dynamo's default limit of 8
     key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     created = not dist.is_initialized()
@@ -223,7 +223,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             if remote:
                 print(f"  [{mode_text}] {len(sides)} sides in their own processes (--side-processes), built at once "
                       "on this process's weights", flush=True)
-                spawn_sides(args, device, mode_text, sides, base)
+                spawn_sides(args, device, mode_text, sides, base, run_bound)
                 for s in sides:
                     built(s, " (in its process, beside the others' compiles)")
             for s in sides if not remote else ():
@@ -254,7 +254,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 if s.proc is None:
                     s.fill_ms = bound_fill.replay_ms(s.fills, device) if s.fills else 0.0
                 else:  # replayed in the side's process, no other side running
-                    s.fill_ms = _ask(s, ("fill",))
+                    s.fill_ms = s.ask(("fill",))
             if args.profile:
                 profiles[mode_text] = _profile_sides([s for s in sides if s.error is None], device, args.profile,
                                                      f"{args.model}_{mode_text}")

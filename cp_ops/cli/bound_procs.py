@@ -5,6 +5,7 @@ filling torch's on-disk compile caches)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from types import SimpleNamespace
@@ -16,14 +17,12 @@ from . import bound_fill
 from .bound_sides import Side, _reason, _timed, parse_mode
 
 
-def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results) -> None:
+def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results, run) -> None:
     """A :func:`precompile` child (a fresh process): build ``side`` of ``mode_text`` and run its first call (the
-    compile) as :func:`run_bound` would; puts ``(mode, side, seconds, error or None)`` on ``results``. Dies with its
+    compile) as ``run`` (:func:`cp_ops.cli.bound.run_bound`) would; puts ``(mode, side, seconds, error or None)`` on ``results``. Dies with its
     parent (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves no child holding the device's memory."""
     import contextlib
     import io
-
-    from .bound import run_bound
 
     _die_with_parent()
     args = SimpleNamespace(**args_dict)
@@ -32,7 +31,7 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, result
     err = None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            run_bound(args, torch.device(device))
+            run(args, torch.device(device))
     except Exception as e:  # noqa: BLE001 - reported; the parent's own build meets (and reports) it again
         err = _reason(e)
     results.put((mode_text, side, time.perf_counter() - t0, err))
@@ -59,15 +58,14 @@ BUILD_TIMEOUT_S = 3600.0
 SAMPLE_TIMEOUT_S = 900.0
 
 
-def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base, parent_pid=None) -> None:
-    """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as :func:`run_bound` would, on the
+def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base, parent_pid, run) -> None:
+    """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as ``run`` (the run's body,
+    :func:`cp_ops.cli.bound.run_bound`, handed over by reference) would, on the
     parent's model ``base`` (received with its parameters and buffers shared, not copied: CUDA IPC on CUDA, shared
     memory on CPU; the parent keeps them alive), run its first call, then answer the parent's timing requests on
     ``conn`` (:func:`_serve`) until told to stop. An exception is sent as ``('error', reason)``."""
     import contextlib
     import io
-
-    from .bound import run_bound
 
     _die_with_parent(parent_pid)
     args = SimpleNamespace(**args_dict)
@@ -75,7 +73,7 @@ def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, b
     args.only_side, args.serve = (mode_text, side), (conn, base)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            run_bound(args, torch.device(device))
+            run(args, torch.device(device))
     except Exception as e:  # noqa: BLE001 - the parent turns it into the mode's failed row
         try:
             conn.send(("error", _reason(e)))
@@ -140,7 +138,7 @@ def _recv(s: Side, timeout: float):
     return payload
 
 
-def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], base: torch.nn.Module) -> None:
+def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], base: torch.nn.Module, run) -> None:
     """``--side-processes``: start one process per side of ``mode_text`` at once (spawned; each gets ``base`` with its
     weights shared, builds its side on them, compiles it and runs its first call, concurrently), wait for each to
     report, and fill in the sides (``proc``/``conn``, ``build_s``, ``first_s`` (the first call beside the others'
@@ -156,12 +154,12 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], b
     for s in sides:
         s.conn, theirs = ctx.Pipe()
         p = ctx.Process(target=_serve_side, args=(vars(args), str(device), mode_text, s.name, theirs, base,
-                                                  os.getpid()), daemon=True)
+                                                  os.getpid(), run), daemon=True)
         try:
             p.start()
         finally:
             theirs.close()
-        s.proc = p  # only a started process (stop_sides joins it)
+        s.proc, s.ask = p, functools.partial(_ask, s)  # only a started process (stop_sides joins it)
     pending = list(sides)
     deadline = time.monotonic() + BUILD_TIMEOUT_S
     while pending:
@@ -200,12 +198,12 @@ def stop_sides(sides: list[Side]) -> None:
             s.proc.kill()
             s.proc.join(5)
         s.conn.close()
-        s.proc = s.conn = None
+        s.proc = s.conn = s.ask = None
     if any_cuda:  # the weights the stopped processes mapped, released on this (the producing) side too
         torch.cuda.ipc_collect()
 
 
-def precompile(args, device: torch.device) -> None:
+def precompile(args, device: torch.device, sides_for, run) -> None:
     """``--compile-workers N``: every side of every compiled mode built and called once in child processes, up to N at
     a time (spawned, one per side: each loads the model, so each holds one copy of the weights on ``device``), so that
     torch's on-disk compile caches (Inductor's FX graph cache, AOTAutograd's, the Triton/C++ kernels; all shared
@@ -217,8 +215,6 @@ def precompile(args, device: torch.device) -> None:
     import queue
     from multiprocessing.connection import wait
 
-    from .bound import _sides_for
-
     import torch._inductor.config as inductor_config
 
     if not getattr(inductor_config, "fx_graph_cache", True):
@@ -227,7 +223,7 @@ def precompile(args, device: torch.device) -> None:
               flush=True)
         return
     jobs = [(m, s.name) for m in args.bound_compile if parse_mode(m)[0] != "eager"
-            for s in _sides_for(args, None, None)]
+            for s in sides_for(args, None, None)]
     n = min(args.compile_workers, len(jobs))
     print(f"precompiling {len(jobs)} sides in {n} child processes (--compile-workers {args.compile_workers})",
           flush=True)
@@ -246,7 +242,7 @@ def precompile(args, device: torch.device) -> None:
         while jobs or running:
             while jobs and len(running) < n:
                 job = jobs.pop(0)
-                p = ctx.Process(target=_compile_one, args=(vars(args), str(device), *job, results), daemon=True)
+                p = ctx.Process(target=_compile_one, args=(vars(args), str(device), *job, results, run), daemon=True)
                 p.start()
                 running[p] = job
             wait([p.sentinel for p in running], timeout=1.0)

@@ -1,10 +1,14 @@
-"""``cp-ops bound``'s report: the result rows (bound, cost, host time, steps), the table and the profiles' kernel
-summary."""
+"""``cp-ops bound``'s report: the result rows (bound, cost, host time, steps), the tables, and the profiles (one
+profiled forward of every side, summarised by kernel category)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
-from .bound_sides import HOST_BOUND, Side, mode_name
+
+from .bound_sides import HOST_BOUND, Side, _sync, mode_name
 
 
 #: kernel/op name fragments per category (first match wins), lower case
@@ -57,6 +61,29 @@ def kernel_summary(events, cuda: bool) -> dict:
     host.sort(key=lambda r: -r[1])
     return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
                 host_ms=sum(r[1] for r in host), host_top=[[n[:120], ms, c] for n, ms, c in host[:12]])
+
+def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
+    """One profiled forward of every side: GPU kernel time by category (attention, GEMM, copy, Triton/Inductor,
+    other) and the top kernels; on CPU, op time by the same categories. The summary is returned (the caller writes
+    it); each side's Chrome trace goes to ``out_dir/trace_<tag>_<side>.json.gz`` (host gaps, per-op launch times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    result = {}
+    for s in sides:
+        s.call()
+        _sync(device)
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            s.call()
+            _sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+        result[s.name] = dict(wall_ms=wall, **kernel_summary(prof.key_averages(), device.type == "cuda"))
+        os.makedirs(out_dir, exist_ok=True)
+        name = "".join(c if c.isalnum() else "_" for c in f"{tag}_{s.name}")
+        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}.json.gz"))
+    return result
+
 
 #: the models' standard step counts (diffusers pipelines' defaults): --steps N below it is extrapolated
 STANDARD_STEPS = {"flux": 28, "qwenimage": 28, "zimage": 8, "wan": 50, "hunyuanvideo": 50, "ltx": 50}

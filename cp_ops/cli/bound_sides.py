@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -164,6 +163,7 @@ class Side:
     proc: object = None  # --side-processes: the process that holds and times this side (its pipe: ``conn``)
     conn: object = None
     fill_count: int | None = None  # --side-processes: len(fills) in the side's process (the copies stay there)
+    ask: Callable | None = None  # --side-processes: ask(request) -> the side's process's answer (bound_procs._ask)
 
     @property
     def ms(self) -> float:
@@ -294,37 +294,10 @@ def _timed(s: Side, device, warmup: int, n: int, host: list | None = None) -> fl
     own process, which runs it while this one waits (one process's forwards on the device at a time)."""
     if s.conn is None:
         return time_ms(s.call, device, warmup, n, host=host)
-    from .bound_procs import _ask
-
-    ms, hosts = _ask(s, ("time", warmup, n))
+    ms, hosts = s.ask(("time", warmup, n))
     if host is not None:
         host.extend(hosts)
     return ms
-
-
-def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
-    """One profiled forward of every side: GPU kernel time by category (attention, GEMM, copy, Triton/Inductor,
-    other) and the top kernels; on CPU, op time by the same categories. The summary is returned (the caller writes
-    it); each side's Chrome trace goes to ``out_dir/trace_<tag>_<side>.json.gz`` (host gaps, per-op launch times)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from .bound_report import kernel_summary
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    result = {}
-    for s in sides:
-        s.call()
-        _sync(device)
-        t0 = time.perf_counter()
-        with profile(activities=acts) as prof:
-            s.call()
-            _sync(device)
-        wall = (time.perf_counter() - t0) * 1e3
-        result[s.name] = dict(wall_ms=wall, **kernel_summary(prof.key_averages(), device.type == "cuda"))
-        os.makedirs(out_dir, exist_ok=True)
-        name = "".join(c if c.isalnum() else "_" for c in f"{tag}_{s.name}")
-        prof.export_chrome_trace(os.path.join(out_dir, f"trace_{name}.json.gz"))
-    return result
 
 
 def _reason(e: BaseException) -> str:
