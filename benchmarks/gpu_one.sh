@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Everything one GPU can prove, in one call on the GPU machine (1x H200):
-#   benchmarks/gpu_one.sh OUT_DIR [section ...]      sections: build tests host bound (default: all)
+#   benchmarks/gpu_one.sh OUT_DIR [section ...]      sections: build tests host bound shared wan sharebench nvshmem
+#                                                     (default: build tests host bound)
 #   build — the CUDA extension (nvcc; csrc/) built and loaded;
 #   tests — the GPU-marked tests that need one GPU (tests/test_one_gpu.py: two ranks sharing the GPU over gloo vs one
 #           device, a fake group's variants eager/compiled/captured; the CUDA and Triton LSE merge; the fast
 #           transport's capture/free/capture on a group of 1, tests/test_fast.py; the pass rollback tests on this torch);
 #   host  — host µs per eager cp_ops.attention call, benchmarks/host_cost.py --fake, this tree and, when .base/ holds
 #           an older checkout, that one too, interleaved (before/after a change);
-#   bound — the zero-communication bound of a few full-size models (BOUND_STEPS; benchmarks/gpu_bound.sh).
+#   bound — the zero-communication bound of a few full-size models (BOUND_STEPS; benchmarks/gpu_bound.sh);
+#   shared — W = 2, 4, 8 ranks sharing the GPU (tests/test_one_gpu.py: every mode, both transports and heaps, eager,
+#           compiled, captured, 200 calls, faults; SHARED_K selects), records merged into OUT_DIR/shared_device.json;
+#   wan   — parallelize full-depth Wan2.1-1.3B at 480p, W = 2, 4, 8, ranks sharing the GPU (same JSON);
+#   sharebench — cp-ops bench --share-device (its times are no speed numbers: the run checks the outputs);
+#   nvshmem — whether NVSHMEM starts W PEs on one GPU under CUDA MPS (a daemon started and stopped here).
+# Ranks sharing a device print no timings as speed numbers: their records say passed / max_err only.
 # Wheels in .whl/ (diffusers, importlib_metadata, expecttest, nvshmem4py) go to /tmp/site first, once: the bound
 # section's gpu_bound.sh finds them there (benchmarks/gpu_site.sh).
 set -uo pipefail
@@ -36,6 +43,36 @@ for s in $SECTIONS; do case $s in
               --nproc 2 --calls 2000 --out "$OUT/host_old")
            step host_new2 90 python3 benchmarks/host_cost.py --fake --nproc 2 --calls 2000 --out "$OUT/host_new2"
          fi ;;
+  shared|wan)
+         export CP_OPS_SHARED_DEVICE_OUT=${CP_OPS_SHARED_DEVICE_OUT:-/tmp/shared_device}; mkdir -p "$CP_OPS_SHARED_DEVICE_OUT"
+         if [ "$s" = shared ]; then k=${SHARED_K:-shared_device}; lim=${SHARED_TIMEOUT:-420}
+           step faults "${FAULTS_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_one_gpu.py \
+             -k "${FAULTS_K:-never_arrives or killed}"
+         else k=${WAN_K:-wan_full}; lim=${WAN_TIMEOUT:-300}; fi
+         step "$s" "$lim" python3 -m pytest -q -rs -p no:cacheprovider tests/test_one_gpu.py -k "$k"
+         python3 - "$CP_OPS_SHARED_DEVICE_OUT" "$OUT/shared_device.json" <<'PY' 2>&1 | tee -a "$LOG"
+import glob, json, os, sys
+recs = []
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    r = json.load(open(f))
+    recs += r if isinstance(r, list) else [r]
+json.dump(recs, open(sys.argv[2], "w"), indent=1)
+for r in recs:
+    err = "" if r.get("max_err") is None else f"{r['max_err']:.3g}"
+    print(f"{r['world_size']} {r['transport']:<5} {str(r.get('heap')):<7} {'ok  ' if r['passed'] else 'FAIL'} {err:>9}  "
+          f"{r['what']}  {r.get('error', '')}")
+print(f"{sum(r['passed'] for r in recs)}/{len(recs)} checks passed")
+PY
+         ;;
+  sharebench) step sharebench 150 python3 -m cp_ops bench --share-device --nproc "${SHAREBENCH_W:-2}" --seqs 8192 \
+                --modes agkv,ulysses --transports torch,fast --chunks 1,2 --warmup 1 --repeats 1 ;;
+  nvshmem) mkdir -p /tmp/mps_pipe /tmp/mps_log
+         export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+         nvidia-cuda-mps-control -d 2>&1 | tee -a "$LOG"
+         CP_OPS_SHARED_DEVICE_TAG=+mps step nvshmem_mps "${MPS_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider \
+           tests/test_one_gpu.py -k "${MPS_K:-shared_device and nvshmem}"
+         echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+         python3 -c "import glob; print(glob.glob('/tmp/shared_device/*mps*'))" | tee -a "$LOG" ;;
   bound) DEADLINE=${BOUND_DEADLINE:-200} BOUND_W=${BOUND_W:-2,4,8} STEP_TIMEOUT=${BOUND_STEP_TIMEOUT:-150} \
            bash benchmarks/gpu_bound.sh "$OUT/bound" ${BOUND_STEPS:-zimage@eager wan:1.3b@regional+graphs} \
            || status=1 ;;

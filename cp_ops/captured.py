@@ -66,6 +66,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from .transport import base as transport_base
+
 
 def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) -> None:
     """``n`` calls of ``fn()`` on a side stream that waits for the current one, which then waits for it: the warm-up
@@ -292,6 +294,7 @@ class CapturedForward:
             self._entries.move_to_end(key)
             _copy_in(entry.statics, leaves)
         entry.replay()
+        transport_base.check_all()  # a device wait that timed out in an earlier replay raises here, not later
         if entry.mutated:  # the forward writes these arguments in place: the caller's tensors get what eager gives
             with torch.no_grad():
                 for i in entry.mutated:

@@ -2,9 +2,9 @@
 group (gloo moves the CUDA tensors), so one GPU runs W ranks' real kernels on data really moved.
 
 This module imports only the standard library at its top, and the test's body (named ``"module:function"``, so
-unpickling the spawned target imports nothing of cp_ops) is imported after the group exists. On the H200 (torch 2.11,
-2026-12-01) the same body segfaulted in its first gloo CUDA all-gather's wait when the rank had imported cp_ops
-(through dist_util) before ``set_device``/``init_process_group``, and passed when it had not.
+unpickling the spawned target imports nothing of cp_ops) is imported after the group exists: on the H200 (torch
+2.11) the same body segfaulted in its first gloo CUDA all-gather's wait when the rank had imported cp_ops (through
+dist_util) before ``set_device``/``init_process_group``, and passed when it had not.
 """
 
 import importlib

@@ -627,8 +627,10 @@ _SCENARIOS = {
     "ok": (None, "nvlink"),
     "pcie": (None, "shared-egress"),
     "two_nodes": "spans more than one node",
-    "no_p2p": "cannot access peer GPU",
+    "no_p2p": "no P2P: GPU 0 cannot access peer GPU 1",
     "hidden": "not visible to this process",
+    "same_device": (None, "same-device"),  # every rank on one GPU: no P2P asked for (the stand-in refuses it)
+    "same_device_and_no_p2p": "no P2P",  # a peer on another GPU without P2P is still refused
 }
 
 
@@ -639,9 +641,11 @@ def _probe_body(rank, world):
     import torch.distributed as dist
 
     for scenario, want in _SCENARIOS.items():
-        visible = 1 if scenario == "hidden" else world
-        # uuids: every rank sees GPU-0..GPU-{visible-1}; in 'hidden' each rank's own GPU has a private uuid
-        own = f"GPU-private-{rank}" if scenario == "hidden" else f"GPU-{rank}"
+        visible = 1 if scenario in ("hidden", "same_device") else world
+        # uuids: every rank sees GPU-0..GPU-{visible-1}; in 'hidden' each rank's own GPU has a private uuid; in
+        # 'same_device' every rank runs on GPU-0; in 'same_device_and_no_p2p' ranks 0 and 1 share GPU-0, rank 2 GPU-1
+        own = (f"GPU-private-{rank}" if scenario == "hidden" else "GPU-0" if scenario == "same_device" else
+               f"GPU-{rank // 2}" if scenario == "same_device_and_no_p2p" else f"GPU-{rank}")
         torch.cuda.get_device_properties = lambda d, own=own: types.SimpleNamespace(
             uuid=own if not isinstance(d, int) else f"GPU-{d}")
         torch.cuda.device_count = lambda visible=visible: visible
@@ -650,9 +654,11 @@ def _probe_body(rank, world):
         class Ext:
             @staticmethod
             def p2p_attributes(dev, peer, scenario=scenario):
-                return [0 if scenario == "no_p2p" else 1, 0 if scenario == "pcie" else 1, 0]
+                return [0 if scenario in ("no_p2p", "same_device", "same_device_and_no_p2p") else 1,
+                        0 if scenario == "pcie" else 1, 0]
 
-        dev = types.SimpleNamespace(index=rank, type="cuda")
+        dev = types.SimpleNamespace(index=0 if scenario == "same_device" else rank // 2 if "same_device" in scenario
+                                    else rank, type="cuda")
         got = fstart.probe_group(dist.group.WORLD, dev, Ext)
         if isinstance(want, tuple):
             assert got == want, (scenario, got)
@@ -665,7 +671,7 @@ def test_probe_group_reasons_agreed_by_all_ranks():
     fabric to 'shared-egress' (one remote stream)."""
     from dist_util import run_ranks
 
-    run_ranks(_probe_body, 2, timeout=60)
+    run_ranks(_probe_body, 3, timeout=60)
 
 
 # ---- selection: explicit fast raises naming why; auto falls back, logged once ----------------------

@@ -86,6 +86,10 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
                         "under torchrun, W is torchrun's --nproc-per-node")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
+    p.add_argument("--share-device", action="store_true",
+                   help="every rank on cuda:0 (W processes sharing one GPU: real peers, for correctness checks; "
+                        "their timings are no speed numbers), the group over gloo with CUDA tensors (NCCL refuses two "
+                        "ranks on one device)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed runs before timing (default 5 GPU, 2 CPU)")
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)

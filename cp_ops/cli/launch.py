@@ -2,7 +2,8 @@
 
 Run under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set), :func:`launch` joins that group; run standalone,
 it spawns ``nproc`` processes with ``torch.multiprocessing`` on a free localhost port. Backend: NCCL when
-CUDA is used, else gloo. Every group gets ``cp_ops.config.settings.timeout_s`` so a collective that cannot
+CUDA is used, else gloo; with ``device=SHARED`` every rank runs on ``cuda:0`` over gloo with CUDA tensors (NCCL
+refuses two ranks on one device: W processes sharing one GPU, real peers for correctness checks). Every group gets ``cp_ops.config.settings.timeout_s`` so a collective that cannot
 complete raises instead of hanging.
 """
 
@@ -27,6 +28,10 @@ from cp_ops import config
 from cp_ops.config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
 
 
+#: the device name :func:`launch` takes for ranks that share cuda:0 (``--share-device``)
+SHARED = "cuda-shared"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,10 +39,15 @@ def free_port() -> int:
 
 
 def init_rank(rank: int, world_size: int, device: str) -> torch.device:
-    """Initialize torch.distributed for one rank; returns the rank's device (cuda:local_rank or cpu)."""
+    """Initialize torch.distributed for one rank; returns the rank's device (cuda:local_rank, cuda:0 for
+    :data:`SHARED`, or cpu)."""
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
     timeout = datetime.timedelta(seconds=config.settings.timeout_s)
+    if device == SHARED:
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:gloo", rank=rank, world_size=world_size, timeout=timeout)
+        return torch.device("cuda", 0)
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)

@@ -122,7 +122,7 @@ def _main(args) -> int:
     import torch
     import torch.multiprocessing as mp
 
-    from .launch import launch, under_torchrun
+    from .launch import SHARED, launch, under_torchrun
 
     device = _device(args)
     gpu = device == "cuda"
@@ -130,7 +130,12 @@ def _main(args) -> int:
         args.nproc = torch.cuda.device_count() if gpu else 2
     if args.nproc < 1:
         fail(f"--nproc must be >= 1; got {args.nproc}")
-    if gpu and not under_torchrun() and torch.cuda.device_count() < args.nproc:
+    shared = getattr(args, "share_device", False)
+    if shared and not gpu:
+        fail("--share-device puts every rank on cuda:0: it needs a CUDA GPU (drop it, or use --device cuda)")
+    if shared and under_torchrun():
+        fail("--share-device spawns its own ranks; under torchrun give each rank its own GPU (drop --share-device)")
+    if gpu and not shared and not under_torchrun() and torch.cuda.device_count() < args.nproc:
         fail(f"--nproc {args.nproc} needs {args.nproc} visible GPUs; found {torch.cuda.device_count()} "
               "(lower --nproc or use --device cpu)")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.nproc
@@ -142,7 +147,7 @@ def _main(args) -> int:
 
         generate_args.check(args, device, world)
         check_out(args.out, "--out")
-        launch(_rank_entry, args.nproc, device, body, args)
+        launch(_rank_entry, args.nproc, SHARED if shared else device, body, args)
         return 0
     bound = args.cmd == "bound"
     args.warmup = args.warmup if args.warmup is not None else (2 if bound else 5) if gpu else (1 if bound else 2)
@@ -171,8 +176,11 @@ def _main(args) -> int:
             config.configure(**args.settings)
         run_bound(args, torch.device(device, 0) if gpu else torch.device("cpu"))
         return 0
+    if shared:
+        print(f"cp-ops {args.cmd}: --share-device: {args.nproc} ranks share cuda:0 over gloo; the outputs are checked "
+              "as on separate GPUs, the times are not speed numbers", flush=True)
     try:
-        launch(_rank_entry, args.nproc, device, body, args)
+        launch(_rank_entry, args.nproc, SHARED if shared else device, body, args)
     except mp.ProcessExitedException as e:  # a rank's sys.exit(code): e.g. run's UNSUPPORTED (its line is printed)
         return e.exit_code or 1
     if not under_torchrun():

@@ -360,6 +360,17 @@ def inflight_limit() -> int | None:
     return min(limits) if limits else None
 
 
+def check_all() -> None:
+    """Raise a device-side failure a transport recorded and has not raised yet (a device wait of the fast transport
+    that timed out and poisoned its outputs): each registered transport's ``check()``, where it has one. Cheap (no
+    device sync): called at the host points the library owns, the ``parallelize`` output gather and the end of a
+    captured forward's replay."""
+    for t in _REGISTRY.values():
+        check = getattr(t, "check", None)
+        if check is not None:
+            check()
+
+
 def _drop_destroyed(_pg=None) -> None:
     """Drop the choices of every group torch no longer knows (called when cp_ops notices a destroyed group)."""
     contract.drop_destroyed(_group_choice, 1)

@@ -21,17 +21,54 @@ import torch.distributed._functional_collectives as funcol
 
 from ...contract import announce
 from ...layout import Shards
+from ...transport.base import check_all
+from ...transport.torch import stage_through_host
 from .plan import Gather, Plan, Split, shard_sizes
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
 _all_gather_async = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
-def _all_gather(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, gather_dim: int, group, via: str | None = None) -> torch.Tensor:
     """c10d's functional all-gather, waited at once (the current stream waits for it; the host does not): an
     unwaited result whose consumer never runs a non-view op (an output the model drops) stays registered with
-    c10d ("unwaited collective calls" at exit), and on NCCL a consumer outside the dispatcher would race it."""
+    c10d ("unwaited collective calls" at exit), and on NCCL a consumer outside the dispatcher would race it.
+
+    ``via`` (:func:`gather_route`), for a group that moves CUDA tensors with gloo (ranks sharing one GPU), where
+    c10d's functional all-gather of CUDA tensors crashed the process (SIGSEGV, torch 2.11): ``"fast"`` gathers along
+    dim 0 through the fast transport's lane (copies on the device: a CUDA graph can hold it), ``"host"`` gathers a
+    host copy and moves the result back."""
+    if via == "fast" and x.is_cuda and gather_dim == 0:
+        return _fast_gather(x, group)
+    if via is not None and x.is_cuda:
+        return _all_gather(x.cpu(), gather_dim, group).to(x.device)
     return funcol.wait_tensor(_all_gather_async(x, gather_dim=gather_dim, group=group))
+
+
+def _fast_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """All ranks' ``x`` concatenated along dim 0, through the fast transport's AGKV gather (the rows as tokens of
+    one head; K and V the same tensor), waited on the current stream and copied out of the transport's pool."""
+    from ...transport.fast import transport as fast
+
+    rows = x.contiguous().view(1, x.shape[0], 1, -1)
+    full, _, work = fast.agkv_start(rows, rows, group)
+    work.wait()
+    return full.view((group.size() * x.shape[0],) + tuple(x.shape[1:])).clone()
+
+
+def gather_route(pg: dist.ProcessGroup, transport: str) -> str | None:
+    """How the output gather moves CUDA tensors on ``pg``: None (c10d's all-gather: NCCL) unless ``pg`` runs CUDA
+    tensors over gloo (ranks sharing one GPU; :func:`cp_ops.transport.torch.stage_through_host` decides), then
+    ``"fast"`` where the fast transport's lane is this group (and ``transport`` is not ``'torch'``), else ``"host"``."""
+    if not stage_through_host(pg, torch.device("cuda")):
+        return None
+    if transport != "torch":
+        from ...transport.fast import transport as fast
+
+        lane = fast.lane
+        if lane is not None and list(lane.ranks) == dist.get_process_group_ranks(pg):
+            return "fast"
+    return "host"
 
 
 class CPState:
@@ -45,6 +82,7 @@ class CPState:
         self.comm_dtype = comm_dtype  # cp_ops.comm_dtype's normal form (every attention call's comm_dtype=)
         self.attn_group = pg  # what cp_ops.attention gets: a 2-D CP mesh over pg's ranks where parallelize got one
         self.rank, self.world = pg.rank(), pg.size()
+        self.gloo_cuda = stage_through_host(pg, torch.device("cuda"))  # ranks sharing a GPU: see gather_route
         announce(pg)  # this rank's pid, so a peer waiting for it later can tell that it exited (cp_ops._peers)
         # every stream's key exists from the start (0 = not yet recorded): under torch.compile the dict's keys
         # never change, so a forward that writes the totals before reading them traces once for all resolutions
@@ -192,10 +230,11 @@ def gather_tensor(x: torch.Tensor, spec: Gather, state: CPState) -> torch.Tensor
     local = x.movedim(d, 0)
     sizes = shard_sizes(total, w)
     shards = Shards(sizes, w, state.rank, sizes[state.rank], x.device)
+    via = gather_route(state.pg, state.transport) if state.gloo_cuda and x.is_cuda else None
     if shards.full:
-        out = _all_gather(local.contiguous(), gather_dim=0, group=state.pg)
+        out = _all_gather(local.contiguous(), 0, state.pg, via)
     else:  # every block padded to the largest, gathered, the real rows taken (a view under the prefix split)
-        out = shards.rows(_all_gather(shards.pad(local.unsqueeze(0))[0], gather_dim=0, group=state.pg), 0)
+        out = shards.rows(_all_gather(shards.pad(local.unsqueeze(0))[0], 0, state.pg, via), 0)
     return out.movedim(0, d)
 
 
@@ -274,7 +313,10 @@ def _gather_hook(spec: Gather, state: CPState, before: Callable[[], None]):
         if not _applies(spec, output):
             return output
         before()
-        return gather_tensor(output, spec, state)
+        out = gather_tensor(output, spec, state)
+        if not torch.compiler.is_compiling():
+            check_all()  # a device wait of this forward (or an earlier one) that timed out raises here
+        return out
 
     return gather_hook
 

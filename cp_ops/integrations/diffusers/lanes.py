@@ -16,7 +16,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from .hooks import _all_gather
+from .hooks import _all_gather, gather_route
 
 # forward parameters that carry the batch (dim 0 of a tensor, or a list with one item per sample)
 BATCHED = ("hidden_states", "encoder_hidden_states", "timestep", "encoder_hidden_states_mask",
@@ -47,6 +47,7 @@ class Lanes:
         self.cp = groups[self.lane]
         pairs = [_new_group([ranks[i], ranks[i + half]], pg, cp_rank == i) for i in range(half)]
         self.pair = pairs[cp_rank]
+        self.via = gather_route(self.pair, "torch")  # ranks sharing a GPU: the gather goes through host memory
         self.params = list(inspect.signature(model.forward).parameters)
 
     def _pick(self, name, x):
@@ -82,7 +83,7 @@ class Lanes:
 
     def _gather(self, x):
         if isinstance(x, torch.Tensor):
-            return _all_gather(x.contiguous(), gather_dim=0, group=self.pair)
+            return _all_gather(x.contiguous(), 0, self.pair, self.via)
         if isinstance(x, list):  # one item per sample (Z-Image)
             return list(self._gather(torch.stack(x)).unbind(0))
         return x

@@ -295,7 +295,7 @@ class Lane:
         under compute, whose SMs an SM copy kernel would take), unless ``CP_OPS_FAST_PATH=sm`` asks for SM."""
         w = self.world
         remote = max(1, w - 1)
-        infl = [1] if self.fabric != "nvlink" else sorted({1, remote})
+        infl = [1] if self.fabric == "shared-egress" else sorted({1, remote})
         out = []
         sm_ok = aligned and (config.settings.fast_path == "sm" or (config.settings.fast_path == "auto" and not ce_only))
         if config.settings.fast_path in ("auto", "ce") or not aligned:
@@ -310,8 +310,8 @@ class Lane:
     def default(self, aligned: bool) -> Decision:
         remote = max(1, self.world - 1)
         if config.settings.fast_path == "sm" and aligned:
-            return Decision(1, remote if self.fabric == "nvlink" else 1, 1, 64)
-        return Decision(0, remote if self.fabric == "nvlink" else 1, 1, 0)
+            return Decision(1, remote if self.fabric != "shared-egress" else 1, 1, 64)
+        return Decision(0, remote if self.fabric != "shared-egress" else 1, 1, 0)
 
     def decide(self, key: tuple, descs: list, inputs: list) -> Decision:
         """Fan-out for this shape: measured once (max over ranks, so every rank picks the same), cached."""

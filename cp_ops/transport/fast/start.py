@@ -24,7 +24,10 @@ _GB = 1 << 30
 
 
 def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=None) -> tuple[str | None, str]:
-    """(reason the group cannot host a fast lane or None, fabric 'nvlink' | 'shared-egress'); agreed by all ranks.
+    """(reason the group cannot host a fast lane or None, fabric); agreed by all ranks. Fabric: ``'same-device'``
+    when every rank of the group runs on this one GPU (ranks sharing a device: copies within it, no P2P needed),
+    ``'shared-egress'`` when a peer link has no native atomics (PCIe-like), else ``'nvlink'``. A peer on the same GPU
+    needs no P2P access; a peer on another GPU does (a missing one is "no P2P", named as such).
     ``exchange``: the start's :class:`~.collective.Exchange` (a new one when None). Raises
     :class:`~.collective.PeerTimeout` (the same on every rank) when a rank does not take part in time."""
     exchange = exchange or Exchange(group, "probe")
@@ -40,8 +43,10 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
         local_by_uuid = {}
         for i in range(torch.cuda.device_count()):
             local_by_uuid[str(getattr(torch.cuda.get_device_properties(i), "uuid", i))] = i
+        if all(uuid == me[1] for _, uuid, _ in infos):
+            fabric = "same-device"
         for r, (_, uuid, _) in enumerate(infos):
-            if uuid == me[1]:
+            if uuid == me[1]:  # the same GPU: copies within the device, no P2P access needed
                 continue
             idx = local_by_uuid.get(uuid)
             if idx is None:
@@ -52,7 +57,8 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
                 break
             access, atomics, _perf = ext.p2p_attributes(device.index, idx)
             if not access:
-                reason = f"GPU {device.index} cannot access peer GPU {idx} (group rank {r}) over CUDA P2P"
+                reason = (f"no P2P: GPU {device.index} cannot access peer GPU {idx} (group rank {r}) over CUDA P2P (ranks "
+                          "sharing one GPU need none; ranks on different GPUs do)")
                 break
             if not atomics:
                 fabric = "shared-egress"
@@ -60,7 +66,9 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
     for r, f in reasons:
         if r is not None:
             return r, fabric
-    return None, ("shared-egress" if any(f != "nvlink" for _, f in reasons) else "nvlink")
+    fabrics = {f for _, f in reasons}
+    return None, ("shared-egress" if "shared-egress" in fabrics else "same-device" if fabrics == {"same-device"}
+                  else "nvlink")
 
 
 def _hint(heap: str) -> str:
