@@ -12,7 +12,7 @@ Keys live in the default process group's store (``torch.distributed``'s TCPStore
   about :data:`CHECK_EVERY_S` seconds, naming its rank and pid. Peers on other hosts (or without ``/proc``) are not
   watched: their waits end at the timeout, or at once when the connection to them closes.
 * **Gather** (:meth:`Peers.gather`): every rank sets ``<key>/<rank>`` and polls for the others' until
-  ``settings.timeout_s``. Keys are fixed per purpose, so a rank that timed out and calls again meets a late peer at
+  ``settings.timeout_s``, warning while they are late (:mod:`cp_ops._waits`). Keys are fixed per purpose, so a rank that timed out and calls again meets a late peer at
   the same keys (a retry works); a group name is used once per default store (``dist.new_group`` names are not
   reused), so keys never meet those of another group.
 """
@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from . import config
+from ._waits import PeerWait, PeersTimeout  # noqa: F401 - PeersTimeout: what gather raises
 
 #: Seconds between liveness checks of the peers a wait is waiting for.
 CHECK_EVERY_S = 0.25
@@ -35,10 +36,6 @@ _PREFIX = "cp_ops/contract/"
 
 class PeerExited(RuntimeError):
     """A peer this rank waits for has exited (same host; seen in ``/proc``)."""
-
-
-class PeersTimeout(RuntimeError):
-    """Some peers did not arrive within the timeout (the message names them)."""
 
 
 def _proc_stat(pid: int) -> tuple[str, str] | None:
@@ -156,20 +153,25 @@ class Peers:
         if gone:
             raise PeerExited("; ".join(f"{self.name(r)} {why}" for r, why in gone))
 
-    def gather(self, key: str, value: str, timeout_s: float, what: str) -> list[str]:
-        """Every rank's ``value`` for ``key``, in group-rank order. Waits at most ``timeout_s`` seconds, checking
-        every :data:`CHECK_EVERY_S` s that the peers still waited for are alive.
+    def names(self, ranks) -> str:
+        """``ranks`` (group ranks) in words, for messages: 'rank 1 (global rank 1, pid ... on host)', joined."""
+        return ", ".join(self.name(r) for r in ranks)
+
+    def gather(self, key: str, value: str, wait: PeerWait) -> list[str]:
+        """Every rank's ``value`` for ``key``, in group-rank order. Waits at most ``wait.timeout_s`` seconds, checking
+        every :data:`CHECK_EVERY_S` s that the peers still waited for are alive, and warning as :class:`PeerWait`
+        says while they are not there.
 
         Raises:
             PeerExited: a peer waited for has exited. PeersTimeout: some peers did not set ``key`` in time (named,
-                with ``what`` they did not do).
+                with the call ``wait`` names).
         """
         self.announce()
         keys = [f"{self.base}{key}/{r}" for r in range(self.w)]
         self.store.set(keys[self.rank], value)
         pending = [r for r in range(self.w) if r != self.rank]
         t0 = time.monotonic()
-        deadline, next_check, pause = t0 + timeout_s, t0 + CHECK_EVERY_S, 0.0005
+        next_check, pause = t0 + CHECK_EVERY_S, 0.0005
         while True:
             pending = [r for r in pending if not self.store.check([keys[r]])]
             if not pending:
@@ -177,9 +179,10 @@ class Peers:
             now = time.monotonic()
             if now >= next_check:
                 self.check_alive(pending)
+                wait.tick(lambda: self.names(pending))
                 next_check = now + CHECK_EVERY_S
-            if now >= deadline:
-                raise PeersTimeout(f"{', '.join(self.name(r) for r in pending)} did not {what} within {timeout_s:g} s")
+            if wait.expired():
+                raise wait.error(self.names(pending))
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
         out = [self.store.get(k).decode() if r != self.rank else value for r, k in enumerate(keys)]

@@ -110,14 +110,15 @@ class ShmExchange:
     def allgather(self, call: int, words: bytes, out: bytearray, timeout_s: float, on_wait=None) -> bool:
         """Publish this rank's ``words`` (``n`` packed int64) for call number ``call`` (>= 1, +1 per call) and fill
         ``out`` (``world * n`` int64) with every rank's words. Returns False when some rank did not publish within
-        ``timeout_s`` seconds (``out`` is then incomplete). ``on_wait(pending ranks)``, when given, is called about
+        ``timeout_s`` seconds (``out`` is then incomplete; :attr:`pending`: the ranks that did not).
+        ``on_wait(pending ranks)``, when given, is called about
         every :data:`CHECK_EVERY_S` seconds of waiting (after the first spins) and may raise (a peer has exited)."""
         vals = self.words.unpack(words)
         crc = zlib.crc32(words, call & 0xFFFFFFFF)
         self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)
         step = self.words.size
         out[self.rank * step:(self.rank + 1) * step] = words
-        pending = [r for r in range(self.world) if r != self.rank]
+        self.pending = pending = [r for r in range(self.world) if r != self.rank]
         spins, deadline = 0, None
         while pending:
             still = []
@@ -130,7 +131,7 @@ class ShmExchange:
                         out[r * step:(r + 1) * step] = body
                         continue
                 still.append(r)
-            pending = still
+            self.pending = pending = still
             if not pending:
                 break
             spins += 1

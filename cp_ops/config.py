@@ -8,6 +8,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 | ``CP_OPS_BLOCKING``        | ``blocking``      | every launch waits for itself, like ``CUDA_LAUNCH_BLOCKING`` (0)        |
 | ``CP_OPS_CHECK_RANKS``     | ``check_ranks``   | ``on`` (every call) / ``debug`` (+ input checksums every forward) / ``off``; ``once``/``always`` deprecated |
 | ``CP_OPS_TIMEOUT_S``       | ``timeout_s``     | bound on every collective and device-side wait, seconds (300)          |
+| ``CP_OPS_WAIT_WARN_S``     | ``wait_warn_s``   | a wait on peers past this many seconds logs a warning naming them, again at 3x, 6x, 12x, ... (10) |
 | ``CP_OPS_FAST_POOL_GB``    | ``fast_pool_gb``  | fast transport: ceiling of the symmetric pool per GPU, GiB (8)          |
 | ``CP_OPS_FAST_HEAP``       | ``fast_heap``     | fast transport symmetric memory: ``nvshmem`` or ``ipc`` (nvshmem)       |
 | ``CP_OPS_FAST_PATH``       | ``fast_path``     | fast transport copy path: ``auto`` (measured), ``ce``, ``sm`` (auto)    |
@@ -117,13 +118,14 @@ _FIELDS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "check_ranks": ("CP_OPS_CHECK_RANKS", _choice_renamed(("on", "debug", "off"), {"once": "on", "always": "debug"}),
                     "on"),
     "timeout_s": ("CP_OPS_TIMEOUT_S", _positive_float, 300.0),
+    "wait_warn_s": ("CP_OPS_WAIT_WARN_S", _positive_float, 10.0),  # per rank: what this rank logs
     "fast_pool_gb": ("CP_OPS_FAST_POOL_GB", _positive_float, 8.0),
     "fast_heap": ("CP_OPS_FAST_HEAP", _choice("nvshmem", "ipc"), "nvshmem"),
     "fast_path": ("CP_OPS_FAST_PATH", _choice("auto", "ce", "sm"), "auto"),
     "fast_lane_width": ("CP_OPS_FAST_LANE_WIDTH", _optional_width, None),
     "fast_tune": ("CP_OPS_FAST_TUNE", _flag, True),
     "ext_dir": ("CP_OPS_EXT_DIR", _path, None),
-    "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default (issue 20, item 3)
+    "tune_modes": ("CP_OPS_TUNE_MODES", _flag, False),  # off: reproducible by default
     "tune_cache": ("CP_OPS_TUNE_CACHE", _path, None),
     "emulate_comm": ("CP_OPS_EMULATE_COMM", _flag, False),
     "network_gbps": ("CP_OPS_NETWORK_GBPS", _positive_float, 50.0),
@@ -143,6 +145,7 @@ class Settings:
     blocking: bool = False
     check_ranks: str = "on"
     timeout_s: float = 300.0
+    wait_warn_s: float = 10.0
     fast_pool_gb: float = 8.0
     fast_heap: str = "nvshmem"
     fast_path: str = "auto"

@@ -61,10 +61,12 @@ import atexit
 import datetime
 import logging
 import operator
+import os
 import pickle
 import re
 import struct
 import threading
+import time
 import zlib
 from typing import Callable, NamedTuple
 
@@ -73,6 +75,7 @@ import torch.distributed as dist
 
 from . import config
 from ._peers import Peers, PeerExited
+from ._waits import PeerWait, PeersTimeout
 from .group import backend_name
 from .validate import dtype_name
 
@@ -286,13 +289,56 @@ def agree(group: dist.ProcessGroup, key: str, value: str, what: str) -> list[str
         return [value] * st.w
     if st.peers is None:
         st.peers = Peers(group)
+    wait = PeerWait(_call_words(st, None, st.count + 1), f"the ranks' agreement on {what}")
     try:
-        out = st.peers.gather(f"agree/{st.agreed}/{key}", value, config.settings.timeout_s, f"reach {what}")
-    except RuntimeError as e:
-        raise RuntimeError(f"{what}: CP group '{group.group_name}' "
-                           f"(ranks {st.peers.global_ranks}): {str(e).splitlines()[0]}") from e
+        out = st.peers.gather(f"agree/{st.agreed}/{key}", value, wait)
+    except PeerExited as e:
+        raise RuntimeError(f"{wait.call}: {e} while this rank waited for it in {wait.stage}") from e
     st.agreed += 1
     return out
+
+
+# ---- the call a wait is in, in the user's words --------------------------------------------------
+class _Current(threading.local):
+    group = None  # the group name of the public call in progress (api_checked), and its name
+    api = None
+    label = None  # waiting_in(...): the words for the call, replacing '<op> call #n'
+
+
+_current = _Current()
+
+
+class waiting_in:
+    """``with waiting_in("cp_ops.parallelize inputs of forward #3"):`` the rank contract's waits inside name the call
+    so (their warnings and timeout errors), instead of ``<op> call #n``. Nests."""
+
+    __slots__ = ("label", "prev")
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def __enter__(self):
+        self.prev, _current.label = _current.label, self.label
+        return self
+
+    def __exit__(self, *exc):
+        _current.label = self.prev
+
+
+def _call_words(st: "_Group", op: str | None, n: int) -> str:
+    """The call a wait on ``st``'s peers is in, for its warning and error: ``"cp_ops.attention call #3 (tag
+    'blocks.0.attn1') on CP group '0'"``; ``op`` None: the public call in progress on this
+    group (by default ``cp_ops.attention``, whose first call makes the group's agreements)."""
+    g = st.pg.group_name
+    if _current.label is not None:
+        base = _current.label
+    else:
+        if op is None:
+            op = _current.api if _current.group == g and _current.api else "cp_ops.attention"
+        base = f"{op} call #{n}"
+    if _caller.tag is not None:
+        base += f" (tag {_caller.tag!r})"
+    return f"{base} on CP group '{g}'"
 
 
 #: Exchange through host shared memory when every rank of the group is on one host (else over gloo).
@@ -309,16 +355,14 @@ def _setup(st: _Group, op: str) -> None:
         st.peers = Peers(pg)
     peers = st.peers
     where = f"CP group '{pg.group_name}' (ranks {peers.global_ranks})"
+    wait = PeerWait(_call_words(st, op, st.count + 1), "the first-call rendezvous (each rank's first cp_ops call on "
+                    "this group)", "calling again waits for them again")
     try:
-        ids = peers.gather("ready", peers.me.encode(), timeout, "make their first cp_ops call on this group")
-    except RuntimeError as e:  # nothing made yet: calling again waits for the peers again, at the same keys
-        if isinstance(e, PeerExited):
-            st.broken = f"{op}: {where}: {e}; the group cannot be used by cp_ops any more"
-            raise RuntimeError(st.broken) from e
-        raise RuntimeError(
-            f"{op}: the ranks of {where} did not all make their first cp_ops call within CP_OPS_TIMEOUT_S="
-            f"{timeout:g} s (a rank skipped it, crashed or is stuck): {str(e).splitlines()[0]}; calling again waits "
-            "for them again") from e
+        ids = peers.gather("ready", peers.me.encode(), wait)
+    except PeerExited as e:
+        st.broken = f"{op}: {where}: {e}; the group cannot be used by cp_ops any more"
+        raise RuntimeError(st.broken) from e
+    # PeersTimeout: nothing made yet: calling again waits for the peers again, at the same keys
     from torch.distributed.distributed_c10d import _get_default_store
 
     from ._peers import Identity
@@ -328,7 +372,7 @@ def _setup(st: _Group, op: str) -> None:
         store = dist.PrefixStore(f"{peers.base}side/", _get_default_store())
         st.side = dist.ProcessGroupGloo(store, pg.rank(), st.w, datetime.timedelta(seconds=timeout))
         if _USE_SHM:
-            st.shm = _make_shm(st)
+            st.shm = _make_shm(st, op)
     except RuntimeError as e:
         gone = peers.exited(range(st.w))
         why = "; ".join(f"{peers.name(r)} {how}" for r, how in gone) if gone else str(e).splitlines()[0]
@@ -338,12 +382,12 @@ def _setup(st: _Group, op: str) -> None:
         raise RuntimeError(st.broken) from e
 
 
-def _make_shm(st: _Group):
+def _make_shm(st: _Group, op: str):
     """The shared-memory exchange for a group whose ranks share one host (None: exchange over gloo), agreed by every
     rank through the store. Rank 0 makes the file and removes its name once every rank mapped it, or on any error."""
     from ._shm_exchange import ShmExchange
 
-    peers, timeout = st.peers, config.settings.timeout_s
+    peers, call = st.peers, _call_words(st, op, st.count + 1)
     if len({i.node for i in peers.ids}) != 1:  # not one node (cp_ops.node: CP_OPS_NODE_ID or the host name)
         return None
     rank, x = st.pg.rank(), None
@@ -355,7 +399,7 @@ def _make_shm(st: _Group):
                 made = "path:" + x.path
             except OSError as e:  # e.g. /dev/shm full: exchange over gloo
                 made = "error:" + str(e)
-        made = peers.gather("shm/file", made, timeout, "reach the shared-memory setup")[0]
+        made = peers.gather("shm/file", made, PeerWait(call, "the rank check's shared-memory setup"))[0]
         if not made.startswith("path:"):
             log.warning("cp_ops: CP group '%s': the rank contract exchanges over gloo (~0.5 ms per call) instead of "
                         "host shared memory: rank 0 could not make the file: %s", st.pg.group_name, made[6:])
@@ -366,7 +410,7 @@ def _make_shm(st: _Group):
                 x = ShmExchange.attach(made[5:], st.w, rank, _N)
             except OSError as e:  # e.g. another container's /dev/shm under the same host name
                 err = str(e)
-        errs = peers.gather("shm/mapped", err, timeout, "map the shared-memory file")
+        errs = peers.gather("shm/mapped", err, PeerWait(call, "the rank check's shared-memory setup (mapping the file)"))
     except BaseException:
         if x is not None:
             if rank == 0:
@@ -451,14 +495,30 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
 
 
 def _gather(st: _Group, op: str) -> bool:
-    """All-gather the signature packed in ``st.lbuf``; True when every rank's equals this rank's."""
+    """All-gather the signature packed in ``st.lbuf``; True when every rank's equals this rank's. A wait past
+    ``settings.wait_warn_s`` warns (:mod:`cp_ops._waits`), one past ``settings.timeout_s`` raises, naming the ranks
+    not there."""
     mine = bytes(st.lbuf)
+    wait = None
+
+    def waiting() -> PeerWait:
+        nonlocal wait
+        if wait is None:
+            wait = PeerWait(_call_words(st, op, st.count), "this call's rank check (the exchange of each rank's call)")
+        return wait
+
     try:
         if st.shm is not None:
-            if not st.shm.allgather(st.count, mine, st.gbuf, config.settings.timeout_s, st.peers.check_alive):
-                raise RuntimeError("shared-memory rank check timed out")
+            def on_wait(pending):
+                st.peers.check_alive(pending)
+                waiting().tick(lambda: st.peers.names(pending))
+
+            if not st.shm.allgather(st.count, mine, st.gbuf, config.settings.timeout_s, on_wait):
+                raise waiting().error(st.peers.names(st.shm.pending))
         else:
-            st.side._allgather_base(st.gathered, st.local).wait()
+            _wait_work(st, st.side._allgather_base(st.gathered, st.local), waiting)
+    except PeersTimeout:
+        raise
     except RuntimeError as e:
         g = st.pg.group_name
         gone = st.peers.exited(range(st.w)) if st.peers is not None else []
@@ -468,12 +528,43 @@ def _gather(st: _Group, op: str) -> bool:
             raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': "
                                + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
                                + " while this rank waited for it in the rank check") from e
-        raise RuntimeError(
-            f"{op}: call #{st.count} on CP group '{g}': not every rank made this call within "
-            f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped a call, crashed, or is stuck; "
-            f"CP_OPS_CHECK_RANKS=debug names skipped calls earlier): {str(e).splitlines()[0]}"
-        ) from e
+        raise waiting().error("a rank", f"the exchange failed: {str(e).splitlines()[0]}") from e
     return st.gbuf == mine * st.w
+
+
+def _wait_work(st: _Group, work, waiting: Callable[[], PeerWait]) -> None:
+    """Wait for the gloo side group's exchange ``work``: spin briefly, then poll, warning while peers are late.
+    Over gloo this rank cannot see who has arrived, so a rank that has waited a second publishes its call number in
+    the store (``at/<rank>``) and the warning names the ranks not seen at this call."""
+    spins, at = 0, None
+    while not work.is_completed():
+        spins += 1
+        if spins < 200:
+            os.sched_yield()
+            continue
+        w = waiting()
+        if at is None and w.waited() >= min(1.0, w.warn_s / 2):
+            at = st.peers.store
+            at.set(f"{st.peers.base}at/{st.pg.rank()}", str(st.count))
+        if at is not None:
+            w.tick(lambda: _not_seen(st))
+            if w.expired():
+                raise w.error(_not_seen(st))
+        time.sleep(0.00005 if spins < 2000 else 0.001)
+    work.wait()  # raises the exchange's error, if it failed
+
+
+def _not_seen(st: _Group) -> str:
+    """The ranks not seen at this call (the gloo exchange, :func:`_wait_work`), in words."""
+    p, out = st.peers, []
+    for r in range(st.w):
+        if r == st.pg.rank():
+            continue
+        key = f"{p.base}at/{r}"
+        seen = p.store.get(key).decode() if p.store.check([key]) else None
+        if seen != str(st.count):
+            out.append(r)
+    return (p.names(out) + " (not seen at this call)") if out else "a rank (which one is not known over gloo)"
 
 
 class CallCheck:
@@ -708,7 +799,10 @@ def check_settings_agree(group: dist.ProcessGroup) -> None:
 
 def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) -> None:
     """Run a public function's input checks; if they fail, tell the peers (waiting in the op's rank check)
-    before raising, so no rank is left in a collective. While ``torch.compile`` traces, only the checks run."""
+    before raising, so no rank is left in a collective. While ``torch.compile`` traces, only the checks run. The
+    waits on peers until this rank's next exchange on ``group`` name the call ``api`` (e.g. a first call's
+    agreements)."""
+    _current.group, _current.api = group.group_name, api
     try:
         checks()
     except (ValueError, RuntimeError, TypeError) as e:

@@ -134,14 +134,15 @@ def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16",
     from torch.distributed.device_mesh import init_device_mesh
 
     from . import cost, node
-    from .contract import agree
+    from .contract import agree, waiting_in
     from .group import resolve_group
 
     world = resolve_group(None)
-    ids = node.group_nodes(world)
     asked = (f"tokens={tokens}, heads={heads}, head_dim={head_dim}, dtype={dtype!r}, batch={batch}, "
              f"device_type={device_type!r}, links={links!r}, overlapped={overlapped}")
-    seen = agree(world, "init_cp_mesh", asked, "init_cp_mesh's arguments")
+    with waiting_in("cp_ops.init_cp_mesh"):  # the words of its waits on peers
+        ids = node.group_nodes(world)
+        seen = agree(world, "init_cp_mesh", asked, "init_cp_mesh's arguments")
     if len(set(seen)) > 1:  # else each rank could build another mesh (init_device_mesh checks nothing of it)
         raise ValueError("init_cp_mesh: every rank must pass the same arguments (the ranks build one mesh from them); "
                          "got " + "; ".join(f"rank {r}: {a}" for r, a in enumerate(seen)))

@@ -44,7 +44,7 @@ def group_nodes(group: dist.ProcessGroup) -> tuple[str, ...]:
     if got is None or got[0]() is not group:
         from .contract import agree
 
-        ids = tuple(agree(group, "node", node_id(), "the node identities (cp_ops.node)"))
+        ids = tuple(agree(group, "node", node_id(), "which ranks share a node"))
         got = _groups[group.group_name] = (weakref.ref(group), ids)
     return got[1]
 

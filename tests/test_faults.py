@@ -178,8 +178,8 @@ def _retry(rank, w):
     if rank == 1:
         time.sleep(6.0)  # late: rank 0's first call has timed out and its retry waits
     else:
-        with pytest.raises(RuntimeError, match=r"did not all make their first cp_ops call within CP_OPS_TIMEOUT_S=4 "
-                                               r"s.*rank 1 \(global rank 1.*calling again waits"):
+        with pytest.raises(RuntimeError, match=r"cp_ops\.attention call #1 on CP group '0': rank 1 \(global rank 1"
+                                               r".*did not arrive within CP_OPS_TIMEOUT_S=4 s(.|\n)*calling again waits"):
             _attend(rank, w, 0)
     _attend(rank, w, 0)  # rank 0 retries and meets the late rank 1
     for seed in (1, 2):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ... import config
-from ...contract import call_count, check_inputs_agree, exchange
+from ...contract import call_count, check_inputs_agree, exchange, waiting_in
 
 
 class RankChecks:
@@ -24,6 +24,7 @@ class RankChecks:
                  input_pg: dist.ProcessGroup | None = None):
         # pg: the CP group (call counts); input_pg: the ranks that get the same full inputs (all CFG lanes)
         self.pg, self.input_pg, self.seen, self.start, self.inputs = pg, input_pg or pg, set(), 0, inputs
+        self.forwards = 0  # eager forwards started (their number names them in the waits' messages)
         self.params = list(inspect.signature(model.forward).parameters)
         model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
 
@@ -46,12 +47,14 @@ class RankChecks:
     def before_forward(self, mod, args, kwargs):
         if torch.compiler.is_compiling():
             return
+        self.forwards += 1
         mode = config.settings.check_ranks
         if mode != "off":
             inputs = dict(self._arg(n, args, kwargs) for n in self.inputs)
             key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())
             if mode == "debug" or key not in self.seen:
-                check_inputs_agree(self.input_pg, "cp_ops.parallelize inputs", inputs)
+                with waiting_in(f"cp_ops.parallelize inputs of forward #{self.forwards}"):
+                    check_inputs_agree(self.input_pg, "cp_ops.parallelize inputs", inputs)
                 self.seen.add(key)
         self.start = call_count(self.pg)
 

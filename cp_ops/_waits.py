@@ -1,0 +1,75 @@
+"""How a rank waits for its peers: one warning schedule and one timeout message for every wait cp_ops makes on
+other ranks (the first-call rendezvous, the rank contract's exchange, a group's agreements: :mod:`cp_ops.contract`,
+:mod:`cp_ops._peers`).
+
+A wait is a :class:`PeerWait`: the waiting code calls :meth:`PeerWait.tick` with the ranks it still waits for as it
+polls. Once the wait passes ``settings.wait_warn_s`` (``CP_OPS_WAIT_WARN_S``, 10 s by default) it logs one warning
+on logger ``cp_ops`` naming those ranks, the call, how long it has waited and when it gives up
+(``CP_OPS_TIMEOUT_S``), and the likely causes; again at 3x, 6x, 12x, 24x, ... that delay (10 s, 30 s, 60 s,
+120 s, 240 s by default). At ``settings.timeout_s`` :meth:`PeerWait.error` gives the error every wait raises, in
+the same words: which ranks did not arrive at which call, within which bound, what to check; details after the
+first line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import config
+
+log = logging.getLogger("cp_ops")
+
+#: the warning times, in multiples of ``settings.wait_warn_s``: 1, 3, 6, then doubling
+_FIRST = (1, 3, 6)
+CAUSES = ("a rank skipped this call (e.g. an `if rank == 0:` around a model or layer call), is still loading or "
+          "compiling, or crashed on another host")
+
+
+class PeersTimeout(RuntimeError):
+    """Some peers did not arrive within ``CP_OPS_TIMEOUT_S`` (the message names them and the call)."""
+
+
+def _factor(k: int) -> float:
+    return _FIRST[k] if k < len(_FIRST) else _FIRST[-1] * 2 ** (k - len(_FIRST) + 1)
+
+
+class PeerWait:
+    """One wait of this rank on some of its peers. ``call``: the call in the user's words, with its group (e.g.
+    ``"cp_ops.attention call #3 on CP group '0'"``); ``stage``: where in that call it waits, and ``after``: what
+    happens next (e.g. that a retry works), both for the error's details line."""
+
+    __slots__ = ("call", "stage", "after", "t0", "timeout_s", "warn_s", "warned", "next_warn")
+
+    def __init__(self, call: str, stage: str, after: str = "", timeout_s: float | None = None):
+        self.call, self.stage, self.after = call, stage, after
+        self.t0 = time.monotonic()
+        self.timeout_s = config.settings.timeout_s if timeout_s is None else timeout_s
+        self.warn_s = config.settings.wait_warn_s
+        self.warned, self.next_warn = 0, self.t0 + self.warn_s
+
+    def waited(self) -> float:
+        return time.monotonic() - self.t0
+
+    def expired(self) -> bool:
+        return time.monotonic() - self.t0 >= self.timeout_s
+
+    def tick(self, missing) -> None:
+        """Log the warning when it is due; ``missing``: the ranks not yet there, in words (a str, or a callable
+        returning one, called only when a warning is due)."""
+        now = time.monotonic()
+        if now < self.next_warn:
+            return
+        who = missing() if callable(missing) else missing
+        log.warning("cp_ops: %s: %s not there after %.0f s; this rank waits until CP_OPS_TIMEOUT_S=%g s, then "
+                    "raises. Likely: %s", self.call, who, now - self.t0, self.timeout_s, CAUSES)
+        self.warned += 1
+        self.next_warn = self.t0 + self.warn_s * _factor(self.warned)
+
+    def error(self, missing: str, details: str = "") -> PeersTimeout:
+        """The error of a wait that reached ``CP_OPS_TIMEOUT_S``: one line in the user's terms, details after."""
+        more = "".join(f"; {x}" for x in (details, self.after) if x)
+        return PeersTimeout(
+            f"{self.call}: {missing} did not arrive within CP_OPS_TIMEOUT_S={self.timeout_s:g} s. Check that every "
+            f"rank makes this call: {CAUSES}; raise CP_OPS_TIMEOUT_S if a rank is only slow to start.\n"
+            f"  (this rank waited in {self.stage}{more})")
