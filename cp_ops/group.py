@@ -22,7 +22,10 @@ def resolve_group(group: Any = None) -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "cp_ops needs an initialized torch.distributed process group: call "
-            "torch.distributed.init_process_group(...) (or launch with torchrun / `cp-ops ... --nproc N`) first"
+            "torch.distributed.init_process_group(...) (or launch with torchrun / `cp-ops ... --nproc N`) first.\n"
+            "To see what cp_ops.describe(q, ...) picks for W ranks without launching them, describe on a 'fake' group "
+            "of W ranks (nothing runs): from torch.testing._internal.distributed.fake_pg import FakeStore; "
+            "torch.distributed.init_process_group('fake', store=FakeStore(), rank=0, world_size=W)"
         )
     if group is None:
         return dist.group.WORLD

@@ -274,8 +274,9 @@ def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
         raise ValueError(f"key_mask must be a bool tensor [B, S_local] (True = attend this key, False = padding) or "
                          f"None; got {type(key_mask).__name__}")
     if key_mask.dtype != torch.bool:
-        raise ValueError(f"key_mask must be a bool key-padding mask (True = attend, False = padding); additive float "
-                         f"masks are not supported; got dtype {key_mask.dtype} (for a 0/1 mask pass mask > 0)")
+        kind = "additive float masks are not supported; " if key_mask.is_floating_point() else ""
+        raise ValueError(f"key_mask must be a bool key-padding mask (True = attend, False = padding): pass a bool mask "
+                         f"(for a 0/1 mask: mask > 0); {kind}got dtype {key_mask.dtype}")
     b, s = x.shape[0], x.shape[1]
     every = "" if total is None else f", or [B, S_total] = [{b}, {total}] (every key of the call, in rank order)"
     _require(key_mask.dim() == 2 and key_mask.shape[0] == b and (

@@ -50,7 +50,7 @@ def check_bshd(name: str, t: torch.Tensor) -> None:
 def check_dtype(name: str, t: torch.Tensor) -> None:
     """``t`` must have a dtype of :data:`SUPPORTED_DTYPES` (float32, float16, bfloat16)."""
     _require(t.dtype in SUPPORTED_DTYPES, lambda: f"{name} must be float32, float16 or bfloat16 (the dtypes cp_ops "
-                                                  f"supports); got {t.dtype}: convert it with .to(torch.bfloat16)")
+                                                  f"supports); got {t.dtype}: convert it with .to(torch.float32) or .to(torch.bfloat16)")
 
 
 def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], wire: bool = False) -> None:

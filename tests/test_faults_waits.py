@@ -22,15 +22,17 @@ TIMEOUT = (r"{call} on CP group '0': rank 1 \(global rank 1[^)]*\) did not arriv
 
 
 class _Log(logging.Handler):
-    """The cp_ops warnings this rank logged, with the time since ``t0``."""
+    """The cp_ops warnings this rank logged, with the time since ``t0``; ``then()`` runs at each."""
 
-    def __init__(self):
+    def __init__(self, then=None):
         super().__init__(logging.WARNING)
-        self.t0, self.got = time.monotonic(), []
+        self.t0, self.got, self.then = time.monotonic(), [], then
         logging.getLogger("cp_ops").addHandler(self)
 
     def emit(self, record):
         self.got.append((time.monotonic() - self.t0, record.getMessage()))
+        if self.then is not None:
+            self.then()
 
     def waits(self):
         return [(t, m) for t, m in self.got if "not there after" in m]
@@ -45,26 +47,28 @@ def _call(rank, w, seed):
 
 
 def _late(rank, w, use_shm):
+    import datetime
+
     from cp_ops import contract
 
     contract._USE_SHM = use_shm
     config.configure(timeout_s=30.0, wait_warn_s=1.0)
+    store = dist.distributed_c10d._get_default_store()
     for n, seed in ((1, 0), (2, 1)):  # late at the first call (rendezvous), then at a later call (the exchange)
-        if rank == 1:
-            time.sleep(2.5)
+        if rank == 1:  # late: arrives once rank 0 has warned (at most 20 s)
+            store.wait([f"warned{n}"], datetime.timedelta(seconds=20))
             _call(rank, w, seed)
             continue
-        log = _Log()
+        log = _Log(lambda n=n: store.set(f"warned{n}", "1"))
         _call(rank, w, seed)  # waits for rank 1, then succeeds
-        took = time.monotonic() - log.t0
+        logging.getLogger("cp_ops").removeHandler(log)
         warned = log.waits()
-        assert warned, f"no warning while rank 1 was late for {took:.1f} s: {log.got}"
+        assert warned, f"no warning while rank 1 was late: {log.got}"
         t, first = warned[0]
-        assert t < 2.0, f"the first warning came after {t:.1f} s (wait_warn_s=1)"
+        assert t < 3.0, f"the first warning came after {t:.1f} s (wait_warn_s=1)"
         assert f"cp_ops.attention call #{n} on CP group '0': rank 1 (global rank 1" in first, first
         assert "CP_OPS_TIMEOUT_S=30 s" in first and "skipped this call" in first, first
         assert len(warned) <= 2, warned  # 1 s, 3 s: back-off, never one per poll
-        logging.getLogger("cp_ops").removeHandler(log)
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "gloo"])

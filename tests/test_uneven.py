@@ -157,7 +157,7 @@ def _errors(rank, w):
            seq_lens=(3, 4))
     raises(r"mode='agkv' with chunks > 1 takes no key_mask.*chunks=2", seq_lens=good, chunks=2,
            key_mask=torch.ones(1, 4 - rank, dtype=torch.bool))
-    raises(r"key_mask must be a bool key-padding mask .*additive float masks are not supported.*float32",
+    raises(r"key_mask must be a bool key-padding mask .*additive float masks are not supported; got dtype torch.float32",
            seq_lens=good, key_mask=torch.zeros(1, 4 - rank))
     raises(r"key_mask must be \[B, S_local\] = \[1, %d\] .*per-query.*got shape \(1, 1, %d\)" % (4 - rank, 4 - rank),
            seq_lens=good, key_mask=torch.ones(1, 1, 4 - rank, dtype=torch.bool))

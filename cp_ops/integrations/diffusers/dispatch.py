@@ -54,8 +54,12 @@ class CPAttention:
             return None
         b, s = q.shape[0], q.shape[1]
         shape = tuple(attn_mask.shape)
-        if attn_mask.dtype != torch.bool or not any(_same_shape(shape, want) for want in
-                                                   ((b, s), (b, 1, 1, s), (1, s), (1, 1, 1, s))):
+        shaped = any(_same_shape(shape, want) for want in ((b, s), (b, 1, 1, s), (1, s), (1, 1, 1, s)))
+        if shaped and attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise ValueError(f"cp_ops.parallelize ({self.where}): the attention mask must be a bool key-padding mask "
+                             f"(True = attend): pass a bool mask (for a 0/1 mask: mask > 0); got dtype "
+                             f"{attn_mask.dtype}, shape {shape}")
+        if attn_mask.dtype != torch.bool or not shaped:
             raise ValueError(
                 f"cp_ops.parallelize ({self.where}): CP attention takes key-padding masks only — bool, shape "
                 f"[B, S_local] or [B, 1, 1, S_local] = {(b, s)} / {(b, 1, 1, s)}; got dtype {attn_mask.dtype}, shape "

@@ -81,6 +81,19 @@ def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
             raise ValueError(f"parallelize on {where}: {e}") from None
 
 
+def _check_heads(attn_modules, w: int) -> None:
+    """mode='ulysses' splits each attention's heads over the W ranks: refuse here (ValueError) a module whose heads
+    W does not divide, not at the first forward."""
+    for _, _, modules in attn_modules:
+        for path, module in modules:
+            for attr in ("heads", "kv_heads"):
+                h = getattr(module, attr, None)
+                if isinstance(h, int) and h % w:
+                    raise ValueError(f"parallelize(mode='ulysses'): {path} has {attr}={h}, which W={w} ranks do not "
+                                     f"divide (Ulysses gives each rank H/W heads): use mode='agkv' or 'auto', or a "
+                                     "group whose size divides the heads")
+
+
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
                 cuda_graphs: bool | str = False, comm_dtype: Any = None) -> torch.nn.Module:
@@ -197,6 +210,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         hooks.resolve(transformer, path)
     attn_modules = [(pattern, streams, hooks.resolve(transformer, pattern))
                     for pattern, streams in spec.attention.items()]
+    if mode == "ulysses" and attn_group is None:
+        _check_heads(attn_modules, pg.size() // 2 if cfg_parallel else pg.size())
 
     lanes = Lanes(transformer, pg) if cfg_parallel else None
     cp = lanes.cp if lanes is not None else pg

@@ -47,6 +47,96 @@ def local_device() -> torch.device:
     return torch.device("cuda", local)
 
 
+def _device(device) -> torch.device:
+    """``parallelize_pipeline``'s ``device``: None = :func:`local_device`; ``'cuda'`` without an index =
+    ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ValueError: a CUDA device where CUDA is not available, or a bad ``LOCAL_RANK``.
+    """
+    if device is None:
+        return local_device()
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"parallelize_pipeline(device={device!r}): CUDA is not available here: pass device='cpu', "
+                             "or None (cuda:LOCAL_RANK where CUDA is, else the CPU)")
+        if dev.index is None:
+            dev = local_device()
+    return dev
+
+
+def _words(x, depth: int = 0) -> str:
+    """A pipeline call's argument in words that are equal on two ranks exactly when the ranks passed the same value:
+    plain values by ``repr``; tensors, arrays and images by shape, dtype and a digest of their bytes (a tensor's
+    :func:`cp_ops.contract.input_checksum`); a generator by its device and a digest of its state; a function by its
+    qualified name; containers element by element; any other object by its type."""
+    import hashlib
+
+    from ...contract import input_checksum
+
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)
+    if isinstance(x, torch.Tensor):
+        return f"tensor{list(x.shape)} {str(x.dtype).replace('torch.', '')} sum {input_checksum(x):x}"
+    if isinstance(x, torch.Generator):
+        state = x.get_state()
+        return f"generator({x.device}) state {hashlib.blake2b(state.numpy().tobytes(), digest_size=8).hexdigest()}"
+    if depth < 4 and isinstance(x, (list, tuple)):
+        return "[" + ", ".join(_words(v, depth + 1) for v in x) + "]"
+    if depth < 4 and isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_words(v, depth + 1)}" for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])))\
+            + "}"
+    shape = getattr(x, "shape", None) or getattr(x, "size", None)
+    if hasattr(x, "tobytes") and isinstance(shape, tuple):  # a numpy array, a PIL image
+        return (f"{type(x).__name__}{list(shape)} "
+                f"{hashlib.blake2b(x.tobytes(), digest_size=8).hexdigest()}")
+    if callable(x):
+        return f"{getattr(x, '__module__', '')}.{getattr(x, '__qualname__', type(x).__name__)}"
+    return type(x).__name__
+
+
+def _agree_call(pipe, group, n: int, args: tuple, kwargs: dict) -> None:
+    """Every rank of ``group`` made the same ``n``-th ``pipe(...)`` call: raise ValueError on every rank naming the
+    arguments that differ (:func:`_words`), else return."""
+    import json
+
+    from ...contract import agree, waiting_in
+
+    mine = {f"positional argument {i}": _words(a) for i, a in enumerate(args)}
+    mine.update({k: _words(v) for k, v in kwargs.items()})
+    what = f"{type(pipe).__name__}(...) call #{n} (parallelize_pipeline)"
+    with waiting_in(what):
+        seen = [json.loads(v) for v in agree(group, "pipeline call", json.dumps(mine), f"the arguments of {what}")]
+    differ = sorted({k for d in seen for k in d if any(e.get(k, "not given") != d.get(k, "not given") for e in seen)})
+    if not differ:
+        return
+    shown = "; ".join(f"{k} (" + ", ".join(f"rank {r}: {d.get(k, 'not given')[:80]}" for r, d in enumerate(seen))
+                      + ")" for k in differ[:4])
+    raise ValueError(f"{what}: the ranks passed different arguments: {', '.join(differ)}. Every rank must make the "
+                     "same pipe(...) call (the same arguments, generators seeded alike).\n  " + shown)
+
+
+def check_calls(pipe, group) -> None:
+    """Make each ``pipe(...)`` call first check, on every rank of ``group`` (the ranks that share the pipeline's
+    inputs), that every rank passed the same arguments (:func:`_agree_call`: values, tensors' and generators'
+    digests), so ranks that differ in what the pipeline runs (``guidance_scale``, steps, a seed) raise on every rank
+    before any forward instead of pairing different forwards. ``pipe``'s class becomes a same-named subclass whose
+    ``__call__`` checks, then calls the original."""
+    cls = type(pipe)
+    if getattr(cls, "_cp_ops_checks_calls", False):
+        return
+    calls = [0]
+
+    def __call__(self, *args, **kwargs):
+        calls[0] += 1
+        _agree_call(self, group, calls[0], args, kwargs)
+        return cls.__call__(self, *args, **kwargs)
+
+    pipe.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "_cp_ops_checks_calls": True,
+                                                 "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
 def _init_group(device: torch.device) -> None:
     """torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): NCCL on CUDA,
     gloo on the CPU, cp_ops' timeout; without that environment a group of one rank (a plain ``python`` run)."""
@@ -83,9 +173,13 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
     save the result) and ``pipe.cp_ops_transformers`` (the component names parallelized), and shows the pipeline's
     progress bar on rank 0 only.
 
-    Every rank must then make the same ``pipe(...)`` call with the same inputs: pass a generator seeded alike on every
-    rank (``torch.Generator().manual_seed(0)``) so the initial noise agrees (a mismatch raises on every rank at the
-    first forward, naming the input).
+    Every rank must then make the same ``pipe(...)`` calls with the same arguments: pass a generator seeded alike on
+    every rank (``torch.Generator().manual_seed(0)``) so the initial noise agrees. What is checked: at each
+    ``pipe(...)`` call, before anything runs, every argument — plain values (``guidance_scale``, step counts,
+    prompts) by value, tensors and arrays by shape, dtype and a digest of their values, generators by a digest of
+    their state, callbacks by name — on every rank that shares the inputs; a difference raises ValueError on every
+    rank naming the arguments. Inside, each transformer forward checks its inputs (:func:`~cp_ops.integrations.
+    diffusers.parallelize`: once per input shape) and that every rank made the same cp_ops calls.
 
     Args:
         pipe: a ``diffusers.DiffusionPipeline`` (anything with ``components`` and ``to``).
@@ -100,8 +194,9 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
 
     Raises:
         ValueError: ``pipe`` has no component :func:`~cp_ops.integrations.diffusers.parallelize` supports (the message
-            lists the components); a transformer already parallelized; bad ``LOCAL_RANK``; anything
-            :func:`~cp_ops.integrations.diffusers.parallelize` raises.
+            lists the components); a transformer already parallelized; bad ``LOCAL_RANK``; a CUDA ``device`` where
+            CUDA is not available; anything :func:`~cp_ops.integrations.diffusers.parallelize` raises. Later, at a
+            ``pipe(...)`` call: ranks that passed different arguments (on every rank).
         RuntimeError: torch.distributed cannot start.
     """
     from .install import parallelize
@@ -116,7 +211,7 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
             f"{type(pipe).__name__} has no transformer cp_ops supports: components "
             f"{ {n: type(m).__name__ for n, m in components.items()} }; supported: {tuple(SUPPORTED)} and every class "
             "with a diffusers _cp_plan")
-    dev = torch.device(device) if device is not None else local_device()
+    dev = _device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     _init_group(dev)
@@ -124,6 +219,7 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
     for name in names:
         parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks, comm_dtype=comm_dtype,
                     **kwargs)
+    check_calls(pipe, components[names[0]]._cp_ops_input_group)
     pipe.cp_ops_transformers = tuple(names)
     pipe.cp_ops_writes_output = dist.get_rank() == 0
     if hasattr(pipe, "set_progress_bar_config"):
