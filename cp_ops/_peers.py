@@ -5,8 +5,9 @@ Keys live in the default process group's store (``torch.distributed``'s TCPStore
 ``cp_ops/contract/<group name>/``:
 
 * **Identity** (``id/<rank>``): host name, pid namespace, pid and process start time, published once per group by
-  :meth:`Peers.announce` — at a rank's first cp_ops call on the group, or earlier (:func:`cp_ops.parallelize`
-  announces when it installs, so a rank that never reaches a call is still known).
+  :meth:`Peers.announce` — at a rank's first cp_ops call on the group, or earlier
+  (:func:`cp_ops.integrations.diffusers.parallelize` announces when it installs, so a rank that never reaches a call
+  is still known).
 * **Liveness**: a peer on this host (same host name and pid namespace, read from ``/proc``) whose process is gone —
   no such pid, a zombie, or its pid now held by a process started later — has *exited*; a wait for it raises within
   about :data:`CHECK_EVERY_S` seconds, naming its rank and pid. Peers on other hosts (or without ``/proc``) are not

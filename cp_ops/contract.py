@@ -10,28 +10,36 @@ W=2 measured on the 2-core CI machine), else over a host-only gloo side group of
 call) — no GPU work, no GPU sync, the host may run ahead of the GPU. Any difference, or any rank whose own input
 checks failed (:mod:`cp_ops.validate`: :func:`api_checked`, :func:`op_checked`), raises on every rank; a second
 exchange (only then) carries each rank's description so the message names what each rank called.
+
+Words that stand for text (the call's name, the transport, the settings, the variant, the caller tag) are 64-bit
+BLAKE2b digests (:func:`_digest`): two different values pass as equal with probability 2**-64 per compared pair.
+
 ``settings.check_ranks``:
 
 * default (``'on'``): every call exchanges (call, call number, shape, dtype, transport, settings, variant, caller
-  tag);
-  :func:`cp_ops.parallelize` checksums its full inputs once per input shape;
-* ``'debug'``: as the default, and :func:`cp_ops.parallelize` checksums its inputs on every forward
-  (a GPU sync each);
+  tag); ``cp_ops.integrations.diffusers.parallelize`` checksums its full inputs once per input shape;
+* ``'debug'``: as the default, and ``parallelize`` checksums its inputs on every forward (a GPU sync each);
 * ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
 
-Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops._eager`: a :class:`CallCheck` whose
+Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops.dispatch`: a :class:`CallCheck` whose
 signature is packed once per call key); compiled code makes one per call too, at its first launch.
 
 **Caller tag.** Two layers of one shape make identical signatures, so a rank that skips one layer's attention would
-pair its next call with its peers' call of the skipped layer. Inside :class:`caller_tag` (what
-``cp_ops.attention(..., tag=...)`` opens; :func:`cp_ops.parallelize` tags each attention module by its path, e.g.
-``'blocks.3.attn1'``) every exchange carries the tag, so the first mispaired call raises on every rank. A tag is
-any value whose ``repr`` is the same on every rank (an int, a str, a tuple of them); eager calls only (code traced by
-``torch.compile`` is checked without it).
+pair its next call with its peers' call of the skipped layer. Inside :class:`caller_tag` (and with
+``cp_ops.attention(..., tag=...)``, part of the variant; ``parallelize`` tags each attention module by its path,
+e.g. ``'blocks.3.attn1'``) every exchange carries the tag, so the first mispaired call raises on every rank. A tag is
+any value whose ``repr`` is the same on every rank (an int, a str, a tuple of them).
 
-**Setting up a group** (its first exchange; see :mod:`cp_ops._peers`): the ranks meet through the default store
-(each publishes host, pid and process start time), then make the gloo side group and, on one host, the
-shared-memory exchange. Faults, each bounded:
+**Waits** (:mod:`cp_ops._waits`): every wait on peers — the first-call rendezvous and the shared-memory setup
+(store gathers, :mod:`cp_ops._peers`), each call's exchange (shared memory or gloo), the group's agreements
+(:func:`agree`) — logs a warning past ``settings.wait_warn_s`` naming the ranks not there and the call (its public
+name and number: ``cp_ops.attention call #3``, or what :class:`waiting_in` names), and raises at
+``settings.timeout_s`` in the same words everywhere. Same-host peers' liveness is polled every 0.25 s in each of
+them.
+
+**Setting up a group** (its first exchange): the ranks meet through the default store (each publishes host, pid and
+process start time), then make the gloo side group and, on one host, the shared-memory exchange. Faults, each
+bounded:
 
 * a peer that never arrives: RuntimeError after ``settings.timeout_s`` naming the missing ranks; calling again waits
   for them again at the same store keys, so a late peer and a retrying rank meet;
@@ -41,11 +49,8 @@ shared-memory exchange. Faults, each bounded:
 * ``/dev/shm`` full (or not shared): a warning naming it, and the gloo side group carries the exchange;
 * a peer dying while mapping the shared-memory file: the error names it; the file is removed.
 
-Waits and their bounds: the store rendezvous and the setup's store gathers (``settings.timeout_s``, liveness every
-0.25 s); the gloo side group's creation (``settings.timeout_s``; it starts only after every rank arrived); each
-exchange (shared memory: ``settings.timeout_s``, liveness every 0.25 s; gloo: the side group's timeout,
-``settings.timeout_s``; a same-host peer that exits closes its sockets, which fails the wait at once); the
-description gather of a disagreement (gloo, ``settings.timeout_s``).
+The gloo side group's creation starts only after every rank arrived (bounded by ``settings.timeout_s``); the
+description gather of a disagreement runs over it (gloo's timeout, ``settings.timeout_s``).
 
 **Groups end**: what cp_ops made for a group (side group, shared-memory map) is released when a group that was
 destroyed (``dist.destroy_process_group(group)``) is noticed — at the first exchange on any new group — and at exit.
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import logging
 import operator
 import os
@@ -67,7 +73,6 @@ import re
 import struct
 import threading
 import time
-import zlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -98,10 +103,16 @@ _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
 
+def _digest(text: str) -> int:
+    """A stable nonzero signed 64-bit digest of ``text`` (BLAKE2b): two different texts give equal digests with
+    probability 2**-64 (among n distinct values, about n**2 / 2**65), so ranks whose words differ are told apart."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True) or 1
+
+
 def _id(key) -> int:
     v = _ids.get(key)
     if v is None:
-        v = _ids[key] = zlib.crc32(repr(key).encode()) & 0x7FFFFFFF
+        v = _ids[key] = _digest(repr(key))
     return v
 
 
@@ -129,15 +140,16 @@ _tag_ids: dict = {}
 
 
 def tag_id(tag) -> int:
-    """A stable nonzero int for ``tag`` (a CRC of its ``repr``: equal on every rank for ints, strs, tuples)."""
+    """A stable nonzero int for ``tag`` (a 64-bit digest of its ``repr``: equal on every rank for ints, strs,
+    tuples)."""
     try:
         v = _tag_ids.get(tag)
     except TypeError:  # unhashable: not cached
-        return (zlib.crc32(repr(tag).encode()) & 0x7FFFFFFF) or 1
+        return _digest(repr(tag))
     if v is None:
         if len(_tag_ids) >= 4096:
             _tag_ids.clear()
-        v = _tag_ids[tag] = (zlib.crc32(repr(tag).encode()) & 0x7FFFFFFF) or 1
+        v = _tag_ids[tag] = _digest(repr(tag))
     return v
 
 
@@ -264,8 +276,8 @@ def call_count(group: dist.ProcessGroup) -> int:
 
 def announce(group: dist.ProcessGroup) -> None:
     """Publish this rank's process identity for ``group`` now (one store write, no wait), so that a peer waiting for
-    this rank later can tell that it exited (:mod:`cp_ops._peers`). :func:`cp_ops.parallelize` calls it; a rank's
-    first exchange on a group does it anyway."""
+    this rank later can tell that it exited (:mod:`cp_ops._peers`). :func:`cp_ops.integrations.diffusers.parallelize`
+    calls it; a rank's first exchange on a group does it anyway."""
     st = _state(group)
     if st.skip:
         return
@@ -631,7 +643,7 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
     per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
     raise ValueError(
         f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
-        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}{_variant_hint(aspects, desc)}"
+        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}"
         f"{_caller_hint(aspects, desc)}{_scale_hint(aspects, desc)}{_inputs_hint(rows, desc)}"
     )
 
@@ -675,21 +687,6 @@ def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
     return (f"; only S_local differs: for uneven shards pass seq_lens={tuple(s[1] for s in shapes)} (the same tuple "
             "on every rank: the token count each rank holds, as you cut them; cp_ops.layout.shard(x, 1, rank, W) cuts the "
             "standard split, whose counts are cp_ops.layout.shard_sizes(total, W))")
-
-
-#: The ops an attention call's exchange is made for (its variant's first op): ranks at the same call number with
-#: different ones were most likely given different ``mode`` or ``chunks``.
-_VARIANT_OPS = frozenset(f"cp_ops::{n}" for n in ("agkv_gather_start", "ulysses_start", "ulysses_packed_start",
-                                                   "agkv_pipelined_attention",
-                                                   "agkv_gather_uneven_start", "ulysses_uneven_start"))
-
-
-def _variant_hint(aspects: list[str], desc: list[dict]) -> str:
-    """Where the ranks started different CP variants at the same call number: name mode/chunks as the likely cause."""
-    if "call" not in aspects or "call number" in aspects or not all(d["call"] in _VARIANT_OPS for d in desc):
-        return ""
-    return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) must get "
-            "the same mode and chunks on every rank")
 
 
 def _scale_hint(aspects: list[str], desc: list[dict]) -> str:
@@ -871,7 +868,8 @@ _TAG_NOTES: dict[int, str] = {}
 
 
 def variant_tag(**fields) -> int:
-    """A stable int (equal on every rank for equal fields) for the rank contract's ``tag`` word, and the fields in
+    """A stable 64-bit int (equal on every rank for equal fields; :func:`_digest`) for the rank contract's ``tag``
+    word, and the fields in
     words for its error messages (:func:`tag_note`). Fields whose value is None are left out. Values must have a
     repr that is the same on every rank (ints, strings, tuples of them); raises TypeError for other types (an
     object's default repr holds its address)."""
@@ -884,7 +882,7 @@ def variant_tag(**fields) -> int:
                             f"{type(v).__name__} {v!r}")
         parts.append(f"{k}={list(v) if isinstance(v, tuple) else v}")
     note = " ".join(parts)
-    t = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
+    t = _digest(note)
     _TAG_NOTES[t] = note
     return t
 
@@ -922,7 +920,7 @@ def with_seq_lens(tag: int, seq_lens) -> int:
     if got is None:
         base = _TAG_NOTES.get(tag, "")
         note = f"{base} seq_lens={seq}".strip()
-        got = _SEQ_TAGS[key] = zlib.crc32(note.encode()) & 0x7FFFFFFF or 1
+        got = _SEQ_TAGS[key] = _digest(note)
         _TAG_NOTES[got] = note
     return got
 

@@ -55,3 +55,4 @@ def test_describe_without_a_process_group_says_how_to_describe_for_w_ranks():
         assert cp_ops.describe(q).mode == "ulysses"  # W=4 divides H=8
     finally:
         dist.destroy_process_group()
+

@@ -324,3 +324,27 @@ def _bad_seq_lens_on_one_rank(rank, w, bad):
 @pytest.mark.parametrize("bad", [[], [5, 3, 4]], ids=["empty", "too_long"])
 def test_bad_seq_lens_on_one_rank_of_the_pipelined_op_fail_every_rank_at_once(bad):
     run_ranks(_bad_seq_lens_on_one_rank, 2, bad)
+
+
+# ---- the variant words are 64-bit digests: two layers whose 31-bit CRCs collided are told apart ---------------
+#: two module paths whose variant notes had equal 31-bit CRCs ("mode=agkv chunks=1 key_mask=None tag=<path>")
+_COLLIDED = ("single_transformer_blocks.707.attn", "layers.8903.attention")
+
+
+def test_variant_tags_of_collided_paths_differ():
+    from cp_ops import contract
+
+    a, b = (contract.variant_tag(mode="agkv", chunks=1, key_mask="None", tag=t) for t in _COLLIDED)
+    assert a != b
+    assert contract.tag_id(_COLLIDED[0]) != contract.tag_id(_COLLIDED[1])
+
+
+def _collided_tags(rank, w):
+    (q, k, v), _ = _shards(rank, w, 8, 0)
+    with pytest.raises(ValueError, match=r"differ in variant.*rank 0: .*tag=single_transformer_blocks\.707\.attn.*"
+                                         r"rank 1: .*tag=layers\.8903\.attention"):
+        cp_ops.attention(q, k, v, mode="agkv", chunks=1, transport="torch", tag=_COLLIDED[rank])
+
+
+def test_ranks_at_two_layers_whose_crcs_collided_raise():
+    run_ranks(_collided_tags, 2)

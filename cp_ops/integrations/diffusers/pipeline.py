@@ -85,8 +85,8 @@ def _words(x, depth: int = 0) -> str:
     if depth < 4 and isinstance(x, (list, tuple)):
         return "[" + ", ".join(_words(v, depth + 1) for v in x) + "]"
     if depth < 4 and isinstance(x, dict):
-        return "{" + ", ".join(f"{k!r}: {_words(v, depth + 1)}" for k, v in sorted(x.items(), key=lambda kv: repr(kv[0])))\
-            + "}"
+        items = sorted(x.items(), key=lambda kv: repr(kv[0]))
+        return "{" + ", ".join(f"{k!r}: {_words(v, depth + 1)}" for k, v in items) + "}"
     shape = getattr(x, "shape", None) or getattr(x, "size", None)
     if hasattr(x, "tobytes") and isinstance(shape, tuple):  # a numpy array, a PIL image
         return (f"{type(x).__name__}{list(shape)} "
