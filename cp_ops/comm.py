@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-from . import layout
+from . import contract, layout
 from .comm_dtype import NONE
 from .kernels import fp8, fp8_ulysses
 from .transport.base import Arrival, agkv_start_sources, mask_all_gather, ulysses_packed_start
@@ -210,7 +210,10 @@ class _Comm:
     def drain(self) -> None:
         """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
         transport's work has it (the fast transport: the copies already queued still land, the slots are given
-        back), else a wait. Errors here are dropped (the body's own error is the one raised)."""
+        back), else a wait. Errors here are dropped (the body's own error is the one raised). Then the peers learn
+        that this rank's call failed (:func:`cp_ops.contract.call_failed`): a peer waiting in a collective this rank
+        will not make raises, naming it, instead of waiting out the timeout (after the drain: every collective this
+        rank made is complete, so the one a peer still waits in is one this rank never made)."""
         while self.pending:
             p = self.pending.pop()
             p.comm = None
@@ -222,6 +225,7 @@ class _Comm:
                     self._wait(p)
             except Exception:  # noqa: BLE001 - the caller re-raises the body's error
                 pass
+        contract.call_failed(getattr(self, "pg", None) or getattr(self, "group_name", ""))
 
     def unpack(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The n slots of a received Ulysses buffer ``[W, B, S, n, Hl, D]`` as n tensors ``[B, W*S, Hl, D]``."""

@@ -71,6 +71,7 @@ import os
 import pickle
 import re
 import struct
+import sys
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -577,6 +578,100 @@ def _not_seen(st: _Group) -> str:
         if seen != str(st.count):
             out.append(r)
     return (p.names(out) + " (not seen at this call)") if out else "a rank (which one is not known over gloo)"
+
+
+def call_failed(group: dist.ProcessGroup | str) -> None:
+    """This rank's call on ``group`` raised between its launches (its body failed: called from the comm's drain, in
+    the ``except`` that re-raises): publish the failure for the peers, which may be waiting in this call's
+    collectives (:func:`wait_collective` names this rank and its error within about a quarter second). One store
+    write; nothing for a group whose contract was not set up."""
+    name = group if isinstance(group, str) else group.group_name
+    st = _groups.get(name)
+    if st is None or st.peers is None or st.skip:
+        return
+    e = sys.exc_info()[1]
+    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}" if e is not None else "an error"
+    try:
+        st.peers.store.set(f"{st.peers.base}failed/{st.pg.rank()}", f"{st.count}\t{why}")
+    except Exception:  # noqa: BLE001 - the body's error is the one raised
+        pass
+
+
+def _failed_peers(st: _Group) -> list[tuple[int, str]]:
+    """(rank, its error) of each peer that published a failure of this call (:func:`call_failed`)."""
+    p, out = st.peers, []
+    for r in range(st.w):
+        key = f"{p.base}failed/{r}"
+        if r != st.pg.rank() and p.store.check([key]):
+            n, why = p.store.get(key).decode().split("\t", 1)
+            if n == str(st.count):
+                out.append((r, why))
+    return out
+
+
+def wait_collective(pg: dist.ProcessGroup, work) -> None:
+    """Wait for ``work``, a data collective of this rank's current call on ``pg`` (host-side waits: a CPU gloo
+    group), bounded by cp_ops: polls the work, and every 0.25 s whether a peer exited or published a failure of this
+    call (:func:`call_failed`), warning past ``settings.wait_warn_s`` (:mod:`cp_ops._waits`), raising at
+    ``settings.timeout_s``; a collective that fails (a peer's connection reset) is named by the peer that exited.
+    Every such error leaves the group unusable for cp_ops (its collectives are out of step): later calls raise at
+    once. A group without a set-up contract: ``work.wait()``.
+
+    Raises:
+        RuntimeError: naming the failing or exited peer and the call; PeersTimeout at ``settings.timeout_s``.
+    """
+    st = _groups.get(pg.group_name)
+    if st is None or st.pg is not pg or st.peers is None or st.skip:
+        work.wait()
+        return
+    spins, wait, next_check = 0, None, 0.0
+    try:
+        while not work.is_completed():
+            spins += 1
+            if spins < 200:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if wait is None:
+                wait = PeerWait(_call_words(st, None, st.count), "this call's communication (a collective of its "
+                                "data)", "the group cannot be used by cp_ops any more: make a new group")
+                next_check = now + _CHECK_EVERY_S
+            elif now >= next_check:
+                _peer_trouble(st, None)
+                wait.tick("a rank (its part of this collective has not come)")
+                if wait.expired():
+                    raise wait.error("a rank (its part of this collective)")
+                next_check = now + _CHECK_EVERY_S
+            time.sleep(0.00005 if spins < 2000 else 0.001)
+        work.wait()
+    except PeersTimeout as e:
+        st.release(str(e).splitlines()[0] + ": the group cannot be used by cp_ops any more: make a new group")
+        raise
+    except RuntimeError as e:
+        if getattr(e, "_cp_ops_named", False):
+            raise
+        _peer_trouble(st, e)
+        raise
+
+
+_CHECK_EVERY_S = 0.25
+
+
+def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
+    """Raise (RuntimeError, and mark the group unusable) when a peer exited or published a failure of this call;
+    ``cause``: the collective's own error, if it failed."""
+    gone = [(r, how) for r, how in st.peers.exited(range(st.w))]
+    failed = _failed_peers(st)
+    if not gone and not failed:
+        return
+    call = _call_words(st, None, st.count)
+    what = "; ".join([f"{st.peers.name(r)} {how}" for r, how in gone]
+                     + [f"{st.peers.name(r)} raised {why}" for r, why in failed])
+    err = RuntimeError(f"{call}: {what} during this call's communication: this rank stops too. Fix that rank's "
+                       "error (its log has it); the group cannot be used by cp_ops any more: make a new group")
+    err._cp_ops_named = True  # type: ignore[attr-defined]
+    st.release(str(err).splitlines()[0])
+    raise err from cause
 
 
 class CallCheck:

@@ -313,3 +313,46 @@ def _group_churn(rank, w):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self entries")
 def test_destroyed_groups_release_what_cp_ops_made_for_them():
     run_ranks(_group_churn, 2)
+
+
+# ---- a rank fails (or dies) inside a call, after its exchange: its peers raise at once, naming it --------------
+def _fails_inside(rank, w, how):
+    import datetime
+
+    from cp_ops.modes import ulysses
+
+    config.configure(timeout_s=60.0)  # the failure is named at once, never waited out
+    store = dist.distributed_c10d._get_default_store()
+    _attend(rank, w, 0, mode="ulysses", chunks=2)
+    real, n = ulysses.local_attention, [0]
+
+    def second_chunk_fails(*a, **kw):  # rank 1's attention of the call's second chunk: both all-to-alls of the
+        n[0] += 1                      # first chunk made, the second chunk's inverse never
+        if rank == 1 and n[0] == 2:
+            if how == "exits":
+                os._exit(0)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, **kw)
+
+    ulysses.local_attention = second_chunk_fails
+    t0 = time.monotonic()
+    if rank == 1:
+        with pytest.raises(torch.OutOfMemoryError):
+            _attend(rank, w, 1, mode="ulysses", chunks=2)
+        store.wait(["rank0_done"], datetime.timedelta(seconds=60))  # alive while rank 0 waits
+        return
+    said = r"raised OutOfMemoryError: CUDA out of memory \(simulated\)" if how == "raises" else "exited"
+    with pytest.raises(RuntimeError, match=r"cp_ops\.attention call #2 on CP group '0': rank 1 \(global rank 1[^)]*\) "
+                                           + said + r" during this call's communication"):
+        _attend(rank, w, 1, mode="ulysses", chunks=2)
+    took = time.monotonic() - t0
+    assert took < 10.0, f"rank 1's failure took {took:.1f} s to reach rank 0 (CP_OPS_TIMEOUT_S=60)"
+    print(f"a peer that {how} inside a call: named in {took:.2f} s")
+    with pytest.raises(RuntimeError, match="cannot be used by cp_ops any more"):  # out of step: said at once
+        _attend(rank, w, 2, mode="ulysses", chunks=2)
+    store.set("rank0_done", "1")
+
+
+@pytest.mark.parametrize("how", ["raises", "exits"])
+def test_a_peer_that_fails_inside_a_pipelined_call_is_named_at_once(how):
+    run_ranks(_fails_inside, 2, how)

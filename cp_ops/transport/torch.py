@@ -75,7 +75,7 @@ def _agkv_gather(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor):
     k_in, v_in = k.contiguous(), v.contiguous()
     outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
     ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
-    return k_full, v_full, group.allgather_into_tensor_coalesced(outs, ins)
+    return k_full, v_full, _watched(group, k, group.allgather_into_tensor_coalesced(outs, ins))
 
 
 def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pieces: int):
@@ -102,7 +102,7 @@ def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pi
                     c = group.recv([x_full[i, src * s + lo:src * s + hi]], src, 2 * i + tag)
                     if not coalesce:
                         batch += [a, c]
-            work = _Works([group._end_coalescing(k.device)] if coalesce else batch)
+            work = _Works([group._end_coalescing(k.device)] if coalesce else batch)  # gloo p2p: done in wait()
             works.append(work)
             arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
     return k_full, v_full, arrivals, _Works(works)
@@ -118,7 +118,33 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
 
 def _alltoall_base(send: torch.Tensor, group: dist.ProcessGroup):
     recv = torch.empty_like(send)
-    return recv, group.alltoall_base(recv, send, [], [])
+    return recv, _watched(group, send, group.alltoall_base(recv, send, [], []))
+
+
+def _watched(group: dist.ProcessGroup, t: torch.Tensor, work):
+    """``work``, whose wait is bounded by cp_ops and names a failing peer (:func:`cp_ops.contract.wait_collective`)
+    where the wait is the host's: a CPU tensor (gloo). A GPU collective's wait only orders streams: as it is."""
+    return _Watched(group, work) if t.device.type == "cpu" else work
+
+
+class _Watched(dist.Work):
+    """A CPU collective's work whose ``wait()`` is :func:`cp_ops.contract.wait_collective`. A ``dist.Work`` so the
+    ops can register it with their outputs (``wait_tensor`` under compile)."""
+
+    def __init__(self, group: dist.ProcessGroup, work):
+        super().__init__()
+        self.group, self.work = group, work
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        if self.work is not None:
+            from ..contract import wait_collective
+
+            work, self.work = self.work, None
+            wait_collective(self.group, work)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
 
 
 class _Works:
@@ -132,6 +158,9 @@ class _Works:
             w.wait()
         self.works = []
         return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
