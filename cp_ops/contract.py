@@ -948,7 +948,7 @@ set_partner._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch
 
 
 def _tell_partner(partner: str | None, name: str, e: BaseException) -> None:
-    if partner is None:
+    if partner is None or isinstance(e, PeersTimeout):  # a late peer: the partner's ranks time out alone, a retry meets
         return
     from torch.distributed.distributed_c10d import _resolve_process_group
 

@@ -237,7 +237,9 @@ class MeshPlan:
             return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=self.shards, key_mask=key_mask)
         except BaseException as e:
             comm.drain()
-            if comm.outer.armed and not comm.inner.armed:  # the inner exchange raised: tell the outer group too
+            # the inner exchange raised: tell the outer group too — unless a row peer was late (a timeout): then the
+            # column's peers time out on their own and a retry meets, with no extra exchange counted on the column
+            if comm.outer.armed and not comm.inner.armed and not isinstance(e, contract.PeersTimeout):
                 comm.outer.armed = False
                 try:
                     contract.exchange(comm.outer.pg, CALL, "", failed=e if isinstance(e, Exception) else None)

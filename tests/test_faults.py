@@ -356,3 +356,37 @@ def _fails_inside(rank, w, how):
 @pytest.mark.parametrize("how", ["raises", "exits"])
 def test_a_peer_that_fails_inside_a_pipelined_call_is_named_at_once(how):
     run_ranks(_fails_inside, 2, how)
+
+
+# ---- a 2-D mesh recovers when a rank reaches its first call late ---------------------------------------------
+def _mesh_late(rank, w):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config.configure(timeout_s=3.0, wait_warn_s=100.0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("agkv", "ulysses"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, H, D, generator=g) for _ in range(3))
+    mine = slice(4 * rank, 4 * rank + 4)
+    want = cp_ops.local_attention(q, k, v)[:, mine]
+    if rank == 3:
+        time.sleep(4.5)  # past CP_OPS_TIMEOUT_S: its peers' first call raises
+    seen = []
+    for attempt in range(4):  # every rank calls again until the call goes through
+        try:
+            out = cp_ops.attention(q[:, mine], k[:, mine], v[:, mine], group=mesh, transport="torch", chunks=1)
+            break
+        except (RuntimeError, ValueError) as e:
+            seen.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    else:
+        raise AssertionError(f"rank {rank}: no retry went through: {seen}")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for seed in (1, 2):  # in step afterwards
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(1, 16, H, D, generator=g) for _ in range(3))
+        out = cp_ops.attention(q[:, mine], k[:, mine], v[:, mine], group=mesh, transport="torch", chunks=1)
+        torch.testing.assert_close(out, cp_ops.local_attention(q, k, v)[:, mine], rtol=1e-5, atol=1e-5)
+    print(f"rank {rank}: {len(seen)} failed attempts before the retry went through: {seen}")
+
+
+def test_a_2d_mesh_recovers_after_a_late_first_call():
+    run_ranks(_mesh_late, 4)
