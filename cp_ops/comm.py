@@ -44,7 +44,7 @@ shapes and dtype — so the bodies have no FP8 branch. Ulysses fuses the codec w
 in one launch per format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece
 when its arrival is waited.
 
-**Faults** (issue 20 item 9): a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
+**Faults**: a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
 all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
 attention), so the transport's buffers and the group's collectives are left consistent and the next call works;
 the peers' matching collectives complete, so no peer is left waiting in this call.

@@ -1,4 +1,4 @@
-"""Faults a user can hit (issue 20), each on real gloo ranks: an error on every rank that names the cause, within a
+"""Faults a user can hit, each on real gloo ranks: an error on every rank that names the cause, within a
 bound — never wrong numbers, a hang until the timeout, a crash, or a leak."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _wan_inputs():
     return diffusers_tiny.inputs("wan", 1, (2, 4, 4), 6, torch.Generator().manual_seed(0))
 
 
-# ---- item 1: a rank skips one layer's attention ------------------------------------------------------------
+# ---- a rank skips one layer's attention ------------------------------------------------------------
 def _skip_layer(rank, w):
     layers = ("blocks.0.attn1", "blocks.1.attn1")  # two layers of one shape: identical signatures but for the tag
     for mode, chunks, seq_lens in (("agkv", 1, None), ("ulysses", 1, None), ("agkv", 2, None), ("agkv", 1, (8, 8))):
@@ -95,7 +95,7 @@ def test_parallelize_tags_each_attention_module():
     run_ranks(_skip_layer_parallelize, 2)
 
 
-# ---- item 5: a dead or absent peer ------------------------------------------------------------------------
+# ---- a dead or absent peer ------------------------------------------------------------------------
 def _peer_exits(rank, w, use_shm):
     from cp_ops import contract
 
@@ -172,7 +172,7 @@ def test_a_peer_dying_while_mapping_the_shared_memory_gives_a_clean_error():
     run_ranks(_dies_while_mapping, 2)
 
 
-# ---- item 7: a retry after a first-call timeout -------------------------------------------------------------
+# ---- a retry after a first-call timeout -------------------------------------------------------------
 def _retry(rank, w):
     config.configure(timeout_s=4.0)
     if rank == 1:
@@ -190,7 +190,7 @@ def test_a_retry_after_a_first_call_timeout_works():
     run_ranks(_retry, 2)
 
 
-# ---- item 8: /dev/shm full ---------------------------------------------------------------------------------
+# ---- /dev/shm full ---------------------------------------------------------------------------------
 def test_dev_shm_full_is_an_oserror_naming_it(monkeypatch):
     import uuid
 
@@ -236,7 +236,7 @@ def test_dev_shm_full_falls_back_to_gloo_on_every_rank():
     run_ranks(_shm_full, 2)
 
 
-# ---- item 12: transport='auto' with mixed availability ------------------------------------------------------
+# ---- transport='auto' with mixed availability ------------------------------------------------------
 class StandIn:
     """A transport preferred by 'auto' whose availability this rank decides; it moves data as the torch one."""
 
@@ -288,7 +288,7 @@ def test_auto_with_a_transport_only_some_ranks_can_run_falls_back_to_torch_on_ev
     run_ranks(_auto_mixed, 2)
 
 
-# ---- item 14: per-group leak -------------------------------------------------------------------------------
+# ---- per-group leak -------------------------------------------------------------------------------
 def _held():
     fds = len(os.listdir("/proc/self/fd"))
     threads = len(os.listdir("/proc/self/task"))

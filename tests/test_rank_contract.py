@@ -189,7 +189,7 @@ def test_a_missing_call_times_out_with_a_named_error(tmp_path):
     run_ranks(_timeout, 2, str(tmp_path / "rank0_done"))
 
 
-# ---- item 12 through parallelize(): per-rank inputs, a skipped layer ---------------------------------
+# ---- through parallelize(): per-rank inputs, a skipped layer ---------------------------------
 class _SkipAttention:
     """A processor that skips the CP attention call (as a rank-local cache would)."""
 

@@ -115,8 +115,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         mode, transport: as :func:`cp_ops.attention`.
         chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
             ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
-            None (default) = measured on the first eager call of each shape, the heuristic
-            (:func:`cp_ops.modes.pipelined.choose_chunks`) under ``torch.compile``. Rule for calls that carry
+            None (default) = the fixed rule (:func:`cp_ops.modes.pipelined.choose_chunks`: 2 stages for AGKV on
+            the fast transport, else 1), the same run after run; measured per shape on the first eager call only
+            with ``CP_OPS_TUNE_MODES=1`` (code traced by ``torch.compile`` always takes the rule). Rule for calls that carry
             ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding
             masks), which only run transport-then-attend (:class:`cp_ops.layout.Shards`): they get ``chunks=1`` when
             ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
@@ -153,7 +154,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
 
     Raises:
         ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
-            mode/transport, ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
+            mode/transport, ``mode='ulysses'`` on a group whose size does not divide an attention module's heads,
+            ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
             an odd number of ranks, ``cuda_graphs=True`` without ``compile``, ``compile`` on blocks already compiled, K and V
             in different FP8 formats where the calls gather them together. At run time: a stream with fewer tokens than ranks; a mask CP attention
             cannot take (only bool key-padding masks);
