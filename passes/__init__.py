@@ -80,6 +80,8 @@ class OverlapPass(_custom_graph_pass_base()):
     def __call__(self, graph) -> None:
         if self.inner is not None:
             self.inner(graph)
+        log.debug("cp_ops.passes: the overlap pass runs on a graph of %d nodes (compiled now, not from a cache)",
+                  len(graph.nodes))
         overlap_kv_communication(graph)
 
     def uuid(self) -> Any:
@@ -88,7 +90,24 @@ class OverlapPass(_custom_graph_pass_base()):
             inner = self.inner.uuid() if hasattr(self.inner, "uuid") else None
             if inner is None:
                 return None  # the inner pass cannot be cached, so neither can we
+        _say_cached()
         return ("cp_ops.passes.OverlapPass", _source_hash(), inflight_limit(), inner)
+
+
+_said_cached = False
+
+
+def _say_cached() -> None:
+    """Once per process, at debug level: Inductor keys its caches by the pass (its ``uuid``), and a graph its FX graph
+    cache (or AOTAutograd's) holds comes back with the windows the pass made when it was first compiled, without
+    running the pass — so a warm cache logs no windows."""
+    global _said_cached
+    if not _said_cached and log.isEnabledFor(logging.DEBUG):
+        _said_cached = True
+        log.debug("cp_ops.passes: Inductor keys its compile caches by the overlap pass; a graph found in the cache "
+                  "comes back with the windows the pass opened when it was first compiled, and the pass does not run "
+                  "again (no 'runs on a graph' line, no windows logged). TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 "
+                  "compiles (and logs) every graph anew")
 
 
 def _custom_scheduler_pass_bases() -> tuple[type, ...]:

@@ -56,3 +56,18 @@ def test_describe_without_a_process_group_says_how_to_describe_for_w_ranks():
     finally:
         dist.destroy_process_group()
 
+
+
+def test_the_pass_says_a_warm_cache_runs_without_it(caplog):
+    """TORCH_LOGS=+cp_ops with a warm Inductor cache printed nothing: the pass's cache key (asked on every compile, hit
+    or miss) says, once, that a cached graph comes back without the pass running."""
+    import logging
+
+    import cp_ops.passes as cp_passes
+
+    cp_passes._said_cached = False
+    with caplog.at_level(logging.DEBUG, logger="cp_ops.passes"):
+        cp_passes.OverlapPass().uuid()
+        cp_passes.OverlapPass().uuid()
+    said = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
+    assert len(said) == 1 and "the pass does not run again" in said[0], said
