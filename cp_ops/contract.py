@@ -736,17 +736,23 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
         if any(r[j] != rows[0][j] for r in rows) and _ASPECT.get(j) and _ASPECT[j] not in aspects:
             aspects.append(_ASPECT[j])
     per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
+    hints = [h for h in (_uneven_hint(aspects, desc), _caller_hint(aspects, desc), _scale_hint(aspects, desc),
+                         _inputs_hint(rows, desc)) if h]
+    # one line first: what differs and what to do (the first hint, else the rule); each rank's call after it
+    todo = (_inputs_hint(rows, desc, short=True) or (hints[0] if hints else ""))[2:] or \
+        "every rank must make the same cp_ops calls in the same order, with the same arguments"
     raise ValueError(
-        f"{op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
-        f"{', '.join(aspects)}: {per_rank}{_uneven_hint(aspects, desc)}"
-        f"{_caller_hint(aspects, desc)}{_scale_hint(aspects, desc)}{_inputs_hint(rows, desc)}"
+        f"{_call_words(st, op, st.count)}: the ranks differ in {', '.join(aspects)}: {todo}\n"
+        f"  {op}: the ranks of CP group '{g}' must make the same cp_ops calls in the same order; they differ in "
+        f"{', '.join(aspects)}: {per_rank}{''.join(hints)}"
     )
 
 
-def _inputs_hint(rows: list, desc: list[dict]) -> str:
+def _inputs_hint(rows: list, desc: list[dict], short: bool = False) -> str:
     """Where an exchange compared inputs (:func:`check_inputs_agree`): each input that differs — its name as the
     caller gave it (e.g. ``'hidden_states (positional argument 0)'``), its shape and dtype, and which ranks hold the
-    same (shape, dtype, checksum) — so the message says which argument to seed or pass alike."""
+    same (shape, dtype, checksum) — so the message says which argument to seed or pass alike. ``short``: only the
+    inputs' names and what differs (the message's first line)."""
     if any(d["inputs"] is None or d["call"] != desc[0]["call"] for d in desc):
         return ""
     parts = []
@@ -762,7 +768,7 @@ def _inputs_hint(rows: list, desc: list[dict]) -> str:
         held = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: "
                          f"{_shape_dtype(seen[rs[0]][1])}"
                          for rs in groups.values())
-        parts.append(f"input {' / '.join(names)} differs in {what} ({held})")
+        parts.append(f"input {' / '.join(names)} differs in {what}" + ("" if short else f" ({held})"))
     if not parts:
         return ""
     return "; " + "; ".join(parts) + ": pass the same tensors on every rank (seed the latents and noise alike)"

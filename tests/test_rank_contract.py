@@ -234,6 +234,11 @@ def _parallelize_contract(rank, w, check_ranks):
         assert ("input encoder_hidden_states (keyword) differs in values (checksums) (rank 0: shape [1, 16, 32] "
                 "float32; rank 1: shape [1, 16, 32] float32)") in str(e.value), str(e.value)
         assert "input hidden_states" not in str(e.value)
+        # one line first: the forward, what differs and what to do, in at most ~250 characters; details after
+        first = str(e.value).splitlines()[0]
+        assert first.startswith("cp_ops.parallelize inputs of forward #") and len(first) < 250, first
+        assert first.endswith("input encoder_hidden_states (keyword) differs in values (checksums): pass the same "
+                              "tensors on every rank (seed the latents and noise alike)"), first
         # rank 1 skips the second layer's attention: every rank raises before the output gather
         skip = parallelize(copy.deepcopy(model), mode="agkv", transport="torch")
         if rank == 1:
