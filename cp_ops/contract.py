@@ -609,6 +609,10 @@ def _failed_peers(st: _Group) -> list[tuple[int, str]]:
     return out
 
 
+#: Seconds between a data collective's checks of the peers (liveness, published failures).
+_CHECK_EVERY_S = 0.25
+
+
 def wait_collective(pg: dist.ProcessGroup, work) -> None:
     """Wait for ``work``, a data collective of this rank's current call on ``pg`` (host-side waits: a CPU gloo
     group), bounded by cp_ops: polls the work, and every 0.25 s whether a peer exited or published a failure of this
@@ -654,13 +658,10 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
         raise
 
 
-_CHECK_EVERY_S = 0.25
-
-
 def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
     """Raise (RuntimeError, and mark the group unusable) when a peer exited or published a failure of this call;
     ``cause``: the collective's own error, if it failed."""
-    gone = [(r, how) for r, how in st.peers.exited(range(st.w))]
+    gone = st.peers.exited(range(st.w))
     failed = _failed_peers(st)
     if not gone and not failed:
         return
