@@ -534,14 +534,21 @@ def _gather(st: _Group, op: str) -> bool:
         raise
     except RuntimeError as e:
         g = st.pg.group_name
-        gone = st.peers.exited(range(st.w)) if st.peers is not None else []
+        gone, t_end = [], time.monotonic() + _GRACE_S
+        while st.peers is not None:  # a peer that exited closes its sockets a moment before its process ends
+            gone = st.peers.exited(range(st.w))
+            if gone or time.monotonic() >= t_end:
+                break
+            time.sleep(0.05)
         if gone:
             st.release(f"{op}: CP group '{g}': " + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
                        + "; the group cannot be used by cp_ops any more")
             raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': "
                                + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
                                + " while this rank waited for it in the rank check") from e
-        raise waiting().error("a rank", f"the exchange failed: {str(e).splitlines()[0]}") from e
+        raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: "
+                           f"{(str(e).splitlines() or [''])[0]}. A peer on another host may have crashed (its log says "
+                           "why)") from e
     return st.gbuf == mine * st.w
 
 
@@ -611,6 +618,8 @@ def _failed_peers(st: _Group) -> list[tuple[int, str]]:
 
 #: Seconds between a data collective's checks of the peers (liveness, published failures).
 _CHECK_EVERY_S = 0.25
+#: Seconds a failed collective or exchange looks for the peer that exited before giving its own error.
+_GRACE_S = 1.0
 
 
 def wait_collective(pg: dist.ProcessGroup, work) -> None:
@@ -654,8 +663,19 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
     except RuntimeError as e:
         if getattr(e, "_cp_ops_named", False):
             raise
-        _peer_trouble(st, e)
-        raise
+        # the collective failed (a connection reset): a peer that exited closes its sockets a moment before its
+        # process shows as ended, so look for it a little while before giving the collective's own error
+        t_end = time.monotonic() + _GRACE_S
+        while True:
+            _peer_trouble(st, e)
+            if time.monotonic() >= t_end:
+                break
+            time.sleep(0.05)
+        call = _call_words(st, None, st.count)
+        st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
+        raise RuntimeError(f"{call}: this call's communication failed: {(str(e).splitlines() or [''])[0]}. A peer on "
+                           "another host may have crashed (its log says why); the group cannot be used by cp_ops any "
+                           "more: make a new group") from e
 
 
 def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
