@@ -54,7 +54,7 @@ def _load_core() -> None:
     from .attention import attention, describe, local_attention
 
     modes.load_builtin()  # the mode bodies, imported with the core (never inside traced code)
-    from .modes import choose as choose_mode
+    from .plan.rules import choose_mode
     from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
     from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
     from .transport.base import select_transport

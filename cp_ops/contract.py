@@ -749,7 +749,7 @@ _partners: dict[tuple[str, int], str] = {}
 
 def set_partner(first: str, tag: int, second: str) -> int:
     """Declare that a compiled call with variant ``tag`` whose first exchange runs on group ``first`` makes its next
-    exchange on group ``second`` (a 2-D mesh call: inner, then outer; :mod:`cp_ops.dispatch_mesh` declares it while
+    exchange on group ``second`` (a 2-D mesh call: inner, then outer; :mod:`cp_ops.plan.mesh2d` declares it while
     tracing). When the first exchange fails on a rank (its row disagrees, or its own inputs fail), the rank tells
     ``second`` instead of leaving that group's pending exchange to pair with its next call. Returns ``tag``.
     Dynamo runs it while tracing (a constant result: a side effect inside a graph would only be applied after the

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
-from cp_ops import choices, layout
+from cp_ops import layout
+from cp_ops.plan import measured as choices
 from dist_util import run_ranks
 
 

@@ -28,8 +28,9 @@ def test_describe_is_public():
 def _body(rank, w, tmp):
     import torch.distributed as dist
 
-    from cp_ops import choices, config
-    from cp_ops.modes import tune
+    from cp_ops import config
+    from cp_ops.plan import measured as choices
+    from cp_ops.plan import measured as tune
 
     q, k, v = _shard(rank, 1)
     # measuring off (the default): the heuristic, before and after the call, the same on every rank

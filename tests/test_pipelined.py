@@ -11,7 +11,8 @@ import cp_ops
 from cp_ops.comm import DirectComm
 from cp_ops.kernels import attention_with_lse
 from cp_ops.kernels import lse_merge
-from cp_ops.modes import agkv_pipelined, pipelined
+from cp_ops.modes import agkv_pipelined
+from cp_ops.plan import rules as pipelined
 from dist_util import run_ranks
 
 CHUNKS = (1, 2, 3, 4, None)

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
-from cp_ops import config, layout, split
+from cp_ops import config, layout
+from cp_ops.plan import split
 from cp_ops.kernels import local_attention
 from dist_util import run_ranks
 

@@ -10,7 +10,7 @@ import torch
 from ... import modes
 from ...group import resolve_group
 from ...comm_dtype import NONE as COMM_NONE, for_mode as comm_for_mode, normalize as normalize_comm_dtype
-from ...modes.pipelined import check_chunks
+from ...plan.rules import check_chunks
 from ...transport.base import names as transport_names
 from . import caches, dispatch, hooks
 from .caches import agree_step_caches
@@ -103,7 +103,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
             ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
             None (default) = measured on the first eager call of each shape, the heuristic
-            (:func:`cp_ops.modes.pipelined.choose_chunks`) under ``torch.compile``. Rule for calls that carry
+            (:func:`cp_ops.plan.rules.chunks_rule`) under ``torch.compile``. Rule for calls that carry
             ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding
             masks), which only run transport-then-attend (:class:`cp_ops.layout.Shards`): they get ``chunks=1`` when
             ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
