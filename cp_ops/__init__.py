@@ -3,8 +3,8 @@
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
         (also chunks=, tag=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.layout.Shards;
-        mode 'auto' / chunks None: the heuristic, cp_ops.modes.choose / cp_ops.modes.pipelined.choose_chunks;
-        measured only with CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)
+        mode 'auto' / chunks None: the rules, cp_ops.plan.rules; measured only with CP_OPS_TUNE_MODES=1,
+        cp_ops.plan.measured)
     describe(q, *, group=None, mode="auto", transport="auto", chunks=None, ...)   what attention picked / would pick
         for that call: mode, chunks, transport, source (explicit, heuristic, measured, cached, ...) and why; local
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split

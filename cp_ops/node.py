@@ -79,8 +79,3 @@ def node_major(ids) -> bool:
             seen.add(n)
             last = n
     return True
-
-
-def forget() -> None:
-    """Drop the cached node identities (tests)."""
-    _groups.clear()

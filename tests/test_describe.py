@@ -70,7 +70,7 @@ def _body(rank, w, tmp):
     m = cp_ops.describe(q2, mode="agkv")
     assert m.source == "measured" and set(m.times_ms) == {"agkv/1", "agkv/2", "agkv/4"} and m.transport == "torch", m
     assert m[:2] == choices.lookup("agkv", None, q2, dist.group.WORLD, "torch")[:2]
-    choices.forget()
+    cp_ops.plan.forget()
     cp_ops.attention(q2, k2, v2, mode="agkv")
     cached = cp_ops.describe(q2, mode="agkv")
     assert cached.source == "cached" and cached[:2] == m[:2] and cached.times_ms == m.times_ms, cached

@@ -126,14 +126,14 @@ def _body_w2(rank, w, tmp):
     assert (kd["W"], kd["B"], kd["S_local"], kd["D"], kd["dtype"], kd["transport"]) == (w, B, S_LOCAL, D, "float32",
                                                                                           "torch")
     assert kd["candidates"] == [f"{m}/{c}" for m, c in cands2] and entries[key]["mode"] == "agkv"
-    choices.forget()
+    cp_ops.plan.forget()
     tune._timer = lambda *a: pytest.fail("measured although every rank holds the same cached choice")
     measured = choices.stats["measured"]
     assert torch.equal(cp_ops.attention(q2, k2, v2), out2)
     assert choices.stats["measured"] == measured and choices.lookup("auto", None, q2, pg, "torch").source == "cached"
 
     # 5. one rank's file differs (stale: another candidate): every rank measures again, none desyncs
-    choices.forget()
+    cp_ops.plan.forget()
     if rank == 1:
         path = os.path.join(tmp, "rank1.json")
         data = json.load(open(path))
@@ -148,7 +148,7 @@ def _body_w2(rank, w, tmp):
     assert torch.equal(out3, out2)
     assert json.load(open(os.path.join(tmp, f"rank{rank}.json")))["entries"][key]["mode"] == "agkv"  # rewritten
     # ... and one rank without a file at all
-    choices.forget()
+    cp_ops.plan.forget()
     if rank == 0:
         os.remove(os.path.join(tmp, "rank0.json"))
     out4 = cp_ops.attention(q2, k2, v2)
@@ -239,13 +239,13 @@ def _compiled_table(rank, w):
     assert not torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=1) * 2)  # LSE merge: not bitwise
     assert _rel(out, ref * 2) <= 1e-5
     # eager with measuring off: the same table
-    choices.forget()
+    cp_ops.plan.forget()
     cp_ops.attention(q, k, v, mode="agkv")
     c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == ("agkv", 3, "heuristic"), c
     del pipelined.HEURISTIC_CHUNKS[("agkv", "torch")]
     assert not _traces_pipelined(q, k, v, "torch")
-    choices.forget()
+    cp_ops.plan.forget()
     cp_ops.attention(q, k, v, mode="agkv")
     c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == ("agkv", 1, "heuristic"), c

@@ -133,7 +133,7 @@ def _decide(q, k, v, table, seed_note):
     log)."""
     import torch.distributed as dist
 
-    choices.forget()
+    cp_ops.plan.forget()
     timer = table if isinstance(table, _Injected) else _Injected(table)
     tune._timer = timer
     out = cp_ops.attention(q, k, v, mode="agkv")

@@ -370,7 +370,7 @@ def legend(meta: dict) -> list[str]:
          "%bound = bound ÷ CP ms."),
         "auto→X = what mode='auto' and/or chunks=None picked (--modes auto, --chunks auto): "
         + ("measured (CP_OPS_TUNE_MODES=1, cp_ops.plan.measured)." if meta.get("tune_modes", False)
-           else "the heuristic (cp_ops.plan.rules.mode_rule, choose_chunks; measuring: CP_OPS_TUNE_MODES=1)."),
+           else "the heuristic (cp_ops.plan.rules.mode_rule, chunks_rule; measuring: CP_OPS_TUNE_MODES=1)."),
         "rel err = max |CP − 1-device| / max |1-device| over this rank's output, max over ranks (0 = bitwise equal).",
     ]
     if meta["device"] == "cpu":

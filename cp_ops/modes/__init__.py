@@ -14,7 +14,8 @@ inputs never require grad there. Bodies import :mod:`cp_ops.kernels`, :mod:`cp_o
 
 A new mode is one file here defining its body plus one line in :data:`_BUILTIN` (its name, module, body function,
 properties), so the names are known without importing torch (the CLI lists them before torch loads); the public
-``mode=`` argument, the plan's mode rule (:func:`cp_ops.plan.rules.mode_rule`), the CLI choices and the diffusers integration derive from :func:`names`.
+``mode=`` argument, the plan's mode rule (:func:`cp_ops.plan.rules.mode_rule`), the CLI choices and the diffusers
+integration derive from :func:`names`.
 
 Modes:
     agkv     — :mod:`.agkv` (chunks 1) and :mod:`.agkv_pipelined` (chunks ≥ 2): gather K/V, keep the local Q.

@@ -159,9 +159,19 @@ def describe(call: Call) -> measured.Choice:
 
 
 def forget() -> None:
-    """Drop every cached plan and stored choice (tests; after changing what a plan caches, e.g. the chunks choice)."""
-    measured.forget()
+    """Drop every cached plan and every stored choice (the next call of each key decides again: agrees or measures,
+    as on its first call; the cache file is left as it is). Tests use it; after changing what a plan caches, e.g.
+    the chunks table."""
+    _plans.clear()
+    measured._memo.clear()
 
 
-measured.on_forget(_plans.clear)  # the plans hold the stored choices
-contract.on_group_destroyed(lambda pg: _plans.clear())  # the plans hold their group: drop them when it is destroyed
+def _destroyed(pg) -> None:
+    """What cp_ops made for a group it notices destroyed: the plans (they hold their group), its stored choices, the
+    split's meshes built from it (their groups destroyed too)."""
+    _plans.clear()
+    measured.drop_destroyed()
+    split.release(pg)
+
+
+contract.on_group_destroyed(_destroyed)

@@ -23,7 +23,7 @@ Ulysses only where W divides H — for ``mode='auto'``, else the named mode; chu
 * measuring on (``CP_OPS_TUNE_MODES=1``, or ``cp_ops.config.configure(tune_modes=True)`` on every rank), several
   candidates: :func:`choose` returns them (an :class:`Open` request); the caller takes a choice it stored (the cache
   every rank holds alike) or has :func:`measured` time them with its ``runner`` (:func:`measure`): every rank runs
-  every candidate, through ``runner(mode, chunks)`` (:data:`Runner`; the dispatcher's runs :func:`cp_ops.attention`
+  every candidate, through ``runner(mode, chunks)`` (:data:`Runner`; the plan's runs :func:`cp_ops.attention`
   on synthetic random tensors of the call's shape and dtype, :func:`cp_ops.plan.flat.runner`):
 
   1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
@@ -52,11 +52,7 @@ Ulysses only where W divides H — for ``mode='auto'``, else the named mode; chu
   S_local=2048, H=40, D=128 (6 candidates, t ≈ 0.5 ms): 20 calls a sample, 7 rounds of 60 ms, about 0.42 s
   timed; for a call of 30 ms, 3 rounds, about 0.55 s timed plus 0.55 s of warm-up and sizing.
 
-Module state: the timing constants below and the :data:`_timer` hook (tests replace it); no record of past choices.
-
-**Stored choices.**
-The decision itself is :mod:`cp_ops.plan.measured` (candidates, the heuristic, the pick, the timing with the caller's
-runner); this module keeps its results. :func:`decide` is what the dispatcher calls:
+**Stored choices.** :func:`decide` is what the plan calls:
 
 * an explicit mode and chunk count: returned as given (nothing stored);
 * code traced by ``torch.compile``, or a first call inside CUDA-graph capture: the heuristic, not stored (a capture's
@@ -341,13 +337,12 @@ FORMAT = 3
 stats = {"measured": 0, "timed": 0, "cached": 0, "heuristic": 0}
 #: (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice. Keyed by the group object (as
 #: :mod:`cp_ops.transport.base`'s per-group choices: torch reuses a destroyed group's name), a destroyed group's
-#: entries dropped when cp_ops notices it (:func:`cp_ops.contract.on_group_destroyed`); at most :data:`MAX_MEMO`
+#: entries dropped when cp_ops notices it (:func:`drop_destroyed`); at most :data:`MAX_MEMO`
 #: entries, the oldest dropped first (decided again at its next call: the heuristic, or the file every rank holds).
 _memo: dict[tuple, Choice] = {}
 #: The most requests :data:`_memo` keeps (a model makes a handful; a sweep over shapes or groups would grow it).
 MAX_MEMO = 1024
 _warned: set[tuple[str, str]] = set()
-_ON_FORGET: list = []
 
 
 def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
@@ -360,7 +355,7 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
             H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the
             CP group. transport: the resolved transport ('torch', 'fast', 'auto').
         runner: what :func:`cp_ops.modes.measure` times when measuring runs (:data:`cp_ops.modes.Runner`:
-            the dispatcher gives :func:`cp_ops.plan.flat.runner`); required where measuring runs.
+            the plan gives :func:`cp_ops.plan.flat.runner`); required where measuring runs.
         comm: what crosses the link in another format than q's (:func:`cp_ops.comm_dtype.tag`; '' = nothing): part
             of the request, in memory and in the file (an FP8 call is timed, and its choice kept, apart).
         mode_why: the mode rule's reason, recorded in a heuristic choice (:func:`heuristic`).
@@ -402,27 +397,9 @@ def lookup(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGr
     return _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm))
 
 
-def forget() -> None:
-    """Forget the in-process choices (the next call of each request agrees or measures again), and what holds them
-    above this module (callbacks added with :func:`on_forget`: :mod:`cp_ops.plan` adds its plans' ``forget``);
-    tests use it. The file is left as it is."""
-    _memo.clear()
-    for fn in _ON_FORGET:
-        fn()
-
-
-def on_forget(fn) -> None:
-    """Call ``fn()`` whenever :func:`forget` runs (a cache above this module that holds its choices)."""
-    if fn not in _ON_FORGET:
-        _ON_FORGET.append(fn)
-
-
-def _drop_destroyed(_pg=None) -> None:
-    """Drop the stored choices of every destroyed group (called when cp_ops notices one)."""
+def drop_destroyed() -> None:
+    """Drop the stored choices of every destroyed group (:mod:`cp_ops.plan` calls it when cp_ops notices one)."""
     contract.drop_destroyed(_memo, 0)
-
-
-contract.on_group_destroyed(_drop_destroyed)
 
 
 # ---- agreement on the file, else measuring ------------------------------------------------------------------------

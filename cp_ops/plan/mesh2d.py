@@ -61,10 +61,7 @@ class MeshDecision(NamedTuple):
     has_mask: bool
     flat: tuple | None
     fmts: tuple = cd.NONE  # the formats of (q, k, v, o) on the links (cp_ops.comm_dtype.for_mode, 'agkv_ulysses')
-
-
-def _outer_transport(transport: str) -> str:
-    return "torch" if transport == "torch" else "auto"
+    why: str = ""  # the mesh rule's reason (cp_ops.plan.rules.mesh_rule)
 
 
 def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
@@ -83,7 +80,7 @@ def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
         tag = flat.constant(tag)
     O, I = info.outer, info.inner  # noqa: E741 - the mesh's dims
     chosen = MODE
-    degenerate = ("ulysses", "ulysses") if O == 1 and I > 1 else ("agkv", "agkv") if I == 1 and O > 1 else None
+    degenerate, c, why = rules.mesh_rule((O, I), mode, chunks if isinstance(chunks, int) else None)
     resolved = transport
     fmts, scale_word = cd.NONE, None
 
@@ -131,7 +128,6 @@ def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
             for pg in told:
                 contract.exchange(pg, CALL, "", failed=e)
         raise
-    c = 1 if chunks is None else chunks
     if compiling:
         c = flat._constant(flat.constant(c))
     seq = tuple(seq_lens) if seq_lens is not None else None
@@ -139,8 +135,8 @@ def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
     t = contract.variant_tag(mode=chosen, chunks=c, mesh=(O, I), key_mask="given" if key_mask is not None else "None",
                              tag=tag, comm_dtype=cd.tag(fmts), scale=scale_word)
     body = None if degenerate is not None or info.world == 1 else modes.body(chosen, c)
-    return MeshDecision(info, chosen, resolved, _outer_transport(resolved), c, body, t, seq, rows,
-                        key_mask is not None, degenerate, fmts)
+    return MeshDecision(info, chosen, resolved, rules.outer_transport(resolved), c, body, t, seq, rows,
+                        key_mask is not None, degenerate, fmts, why)
 
 
 def _one_rank(call: Call, fmts):
@@ -186,18 +182,13 @@ def describe(call: Call):
     info = meshes.MeshInfo(*meshes.describe(group))
     d = decide(call._replace(k=q, v=q, tag=None, scale=None), info)
     if d.flat is not None:
-        why = (f"a {info.shape} mesh: 1-D {d.flat[1]} over its '{d.flat[0]}' dim"
-               + ("" if mode == "auto" else f" (mode {mode!r} given)"))
         sub = group[d.flat[0]]
-        return flat.describe(call._replace(group=sub, mode=d.flat[1]), sub.get_group(), mode_why=why)
+        return flat.describe(call._replace(group=sub, mode=d.flat[1]), sub.get_group(), mode_why=d.why)
     if info.world == 1:
-        return flat.measured.Choice(MODE, 1, "heuristic", {}, d.inner_transport,
-                                    "a 1x1 mesh: local attention, nothing moved")
+        return flat.measured.Choice(MODE, 1, "heuristic", {}, d.inner_transport, d.why)
     shown = transport_base.agreed_name(d.inner_transport, info.inner_name, q.device) or "auto"
     src = "explicit" if mode != "auto" and chunks is not None else "heuristic"
-    why = (f"a {info.shape} mesh: Ulysses over the inner dim ({info.inner} ranks), AGKV over the outer dim "
-           f"({info.outer} rows)" + ("" if chunks is not None else ", chunks=None means 1"))
-    return flat.measured.Choice(d.mode, d.chunks, src, {}, shown, why)
+    return flat.measured.Choice(d.mode, d.chunks, src, {}, shown, d.why)
 
 
 # ---- the eager path -------------------------------------------------------------------------------------------------
@@ -286,9 +277,7 @@ def build(call: Call):
     if d.flat is not None:
         sub = group[d.flat[0]]
         pg = pgs[0] if d.flat[0] == "agkv" else pgs[1]
-        why = f"a {info.shape} mesh: 1-D {d.flat[1]} over its '{d.flat[0]}' dim" + (
-            "" if call.mode == "auto" else f" (mode {call.mode!r} given)")
-        return _Flat(pg, d.flat[1], sub, flat.build(call._replace(group=sub, mode=d.flat[1]), pg, why))
+        return _Flat(pg, d.flat[1], sub, flat.build(call._replace(group=sub, mode=d.flat[1]), pg, d.why))
     if info.world == 1:
         return _Local(d.fmts)
     shards = _shards(d, q)

@@ -1,5 +1,6 @@
 """The rules of a call's plan, each written once and each returning its reason with its value: the mode
-(:func:`mode_rule`), FP8's mode rule (:func:`fp8_mode`), the stage count (:func:`chunks_rule`). The cross-node split is
+(:func:`mode_rule`), FP8's mode rule (:func:`fp8_mode`), the stage count (:func:`chunks_rule`), a 2-D mesh's
+(:func:`mesh_rule`). The cross-node split is
 :mod:`cp_ops.plan.split`; the opt-in measured choice :mod:`cp_ops.plan.measured`. A plan records the reasons its rules
 gave (:attr:`cp_ops.plan.flat.Decision.why`); :func:`cp_ops.describe` reports them.
 
@@ -19,7 +20,7 @@ def check_chunks(chunks) -> None:
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         auto = isinstance(chunks, str) and chunks.lower() == "auto"
         hint = " (None is what `cp-ops run --chunks auto` passes)" if auto else ""
-        raise ValueError("chunks must be None (the default: the heuristic, choose_chunks; measured on first use where "
+        raise ValueError("chunks must be None (the default: the heuristic, chunks_rule; measured on first use where "
                          "CP_OPS_TUNE_MODES=1) or an int >= 1 (1 = transport-then-attend); got "
                          f"{chunks!r}{hint}")
 
@@ -80,17 +81,10 @@ def mode_rule(mode: str, heads: int, world_size: int) -> tuple[str, str]:
 
 
 #: The heuristic's stage counts, keyed by (mode, transport as run: 'fast' or 'torch', never 'auto'); a key not listed
-#: gets 1. Source and numbers: :func:`choose_chunks`.
+#: gets 1. Source and numbers: :func:`chunks_rule`.
 HEURISTIC_CHUNKS: dict[tuple[str, str], int] = {
     ("agkv", "fast"): 2,
 }
-
-
-def choose_chunks(mode: str, world_size: int, q, transport: str) -> int:
-    """The heuristic stage count (:func:`chunks_rule` without the reason; ``q`` unused: the rule does not depend on
-    the shape)."""
-    del q
-    return chunks_rule(mode, world_size, transport)[0]
 
 
 def chunks_rule(mode: str, world_size: int, transport: str, given: int | None = None,
@@ -121,9 +115,32 @@ def chunks_rule(mode: str, world_size: int, transport: str, given: int | None = 
     if layout_call:
         return 1, "uneven shards or a key mask: chunks=None means 1 (transport-then-attend)"
     if transport == "auto":
-        raise ValueError("choose_chunks needs the transport the call runs on ('fast' or 'torch'), got 'auto': resolve "
+        raise ValueError("chunks_rule needs the transport the call runs on ('fast' or 'torch'), got 'auto': resolve "
                          "it with cp_ops.transport.base.concrete_name")
     if world_size <= 1:
         return 1, "a group of one rank: nothing to pipeline"
     n = HEURISTIC_CHUNKS.get((mode, transport), 1)
     return n, (f"chunks=None -> {n} (2 stages for AGKV on the fast transport, 1 elsewhere; transport {transport})")
+
+
+def mesh_rule(shape: tuple[int, int], mode: str, chunks: int | None) -> tuple[tuple | None, int, str]:
+    """A call on an ``(O, I)`` ('agkv', 'ulysses') mesh: ``(degenerate, chunks, reason)``. ``degenerate``: for a mesh
+    with one non-trivial dim, ``(dim name, 1-D mode)`` to run on that dim's group instead (``1×I`` → Ulysses over the
+    inner group, ``O×1`` → AGKV over the outer group: the same call, so equal to it bitwise), else None (``1×1``:
+    local attention; else the 2-D mode). ``chunks``: None → 1 (k ≥ 2 pipelines the outer AGKV)."""
+    o, i = shape
+    if o == 1 and i > 1 or i == 1 and o > 1:
+        dim = "ulysses" if o == 1 else "agkv"
+        return (dim, dim), 1 if chunks is None else chunks, (
+            f"a {o}x{i} mesh: 1-D {dim} over its '{dim}' dim" + ("" if mode == "auto" else f" (mode {mode!r} given)"))
+    if o * i == 1:
+        return None, 1, "a 1x1 mesh: local attention, nothing moved"
+    return None, 1 if chunks is None else chunks, (
+        f"a {o}x{i} mesh: Ulysses over the inner dim ({i} ranks), AGKV over the outer dim ({o} rows)"
+        + ("" if chunks is not None else ", chunks=None means 1"))
+
+
+def outer_transport(transport: str) -> str:
+    """The transport of a 2-D call's outer (AGKV) dim: 'torch' when the caller asked for it, else 'auto' (fast only
+    where the outer group can host it: one node)."""
+    return "torch" if transport == "torch" else "auto"

@@ -79,7 +79,7 @@ _meshes: dict = {}  # (group name, O, I, device type) -> (DeviceMesh, its row gr
 
 def _request(q, seq_lens, chunks):
     """The cost-model request of a call (``(tokens, heads, head_dim, batch, dtype, overlapped)``), or None when q is
-    not a 4-D tensor of a supported dtype (the dispatcher's checks raise)."""
+    not a 4-D tensor of a supported dtype (the plan's checks raise)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _DTYPES:
         return None
     b, s, h, d = (operator.index(x) for x in q.shape)  # under torch.compile: specializes symbolic sizes (guards)
@@ -281,13 +281,6 @@ def known(call, pg: dist.ProcessGroup) -> Split | None:
     return choose(ids, b, s, h, d, dtype, piped, _seq(call.seq_lens, pg.size()))
 
 
-def forget() -> None:
-    """Drop the split's meshes (their groups destroyed): what :func:`cp_ops.contract.on_group_destroyed` calls for
-    the flat group they were built from."""
-    for key in list(_meshes):
-        _release(key)
-
-
 def _release(key) -> None:
     mesh, row, col = _meshes.pop(key)
     for g in (row, col):
@@ -297,9 +290,8 @@ def _release(key) -> None:
             pass
 
 
-def _destroyed(pg: Any) -> None:
+def release(pg: Any) -> None:
+    """Destroy the meshes built from the flat group ``pg`` (:mod:`cp_ops.plan` calls it when cp_ops notices ``pg``
+    destroyed)."""
     for key in [k for k in _meshes if k[0] == getattr(pg, "group_name", None)]:
         _release(key)
-
-
-contract.on_group_destroyed(_destroyed)
