@@ -44,7 +44,18 @@ def group_nodes(group: dist.ProcessGroup) -> tuple[str, ...]:
     if got is None or got[0]() is not group:
         from .contract import agree
 
-        ids = tuple(agree(group, "node", node_id(), "the node identities (cp_ops.node)"))
+        from . import config
+        from ._peers import PeersTimeout
+
+        try:  # the first collective of a group's first planned call: a rank that skipped it is named as such
+            ids = tuple(agree(group, "node", node_id(), "the first cp_ops call on this group (its node identities)"))
+        except RuntimeError as e:
+            if not isinstance(e.__cause__, PeersTimeout):
+                raise
+            raise RuntimeError(
+                f"the ranks of CP group '{group.group_name}' did not all make their first cp_ops call within "
+                f"CP_OPS_TIMEOUT_S={config.settings.timeout_s:g} s (a rank skipped it, crashed or is stuck): "
+                f"{str(e.__cause__).splitlines()[0]}; calling again waits for them again") from e
         got = _groups[group.group_name] = (weakref.ref(group), ids)
     return got[1]
 
