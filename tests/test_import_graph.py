@@ -90,8 +90,7 @@ def test_the_detector_finds_a_cycle():
 
 def test_leaves_import_nothing_above_them():
     """kernels/ imports no mode, comm, plan or API (the layouts, a leaf of torch code, it may: the fused FP8 codec's
-    torch version packs with them); modes/ (the bodies and their registry) imports only kernels/, the layouts and
-    the input rules they use (cp_ops.validate, which the layouts import)."""
+    torch version packs with them); modes/ (the bodies and their registry) imports only kernels/ and the layouts."""
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     assert graph["cp_ops.layout"] <= {"cp_ops.validate"}, graph["cp_ops.layout"]
@@ -102,8 +101,7 @@ def test_leaves_import_nothing_above_them():
     bodies = [n for n in graph if n == "cp_ops.modes" or n.startswith("cp_ops.modes.")]
     assert len(bodies) >= 5, bodies
     for m in bodies:
-        bad = {d for d in graph[m] if not d.startswith(("cp_ops.kernels", "cp_ops.layout", "cp_ops.validate",
-                                                        "cp_ops.modes"))}
+        bad = {d for d in graph[m] if not d.startswith(("cp_ops.kernels", "cp_ops.layout", "cp_ops.modes"))}
         assert not bad, (m, bad)
 
 

@@ -193,7 +193,7 @@ def runner(q, pg, transport: str, fmts=cd.NONE):
         if not made:
             g = torch.Generator(device=q.device).manual_seed(0x5EED)
             made.extend(torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype) for _ in range(3))
-        call = Call(*made, pg, mode, transport, chunks=chunks, comm_dtype=fmts)
+        call = Call(*made, group=pg, mode=mode, transport=transport, chunks=chunks, comm_dtype=fmts)
         plan = build(call, pg)  # the eager plan the call would run (W > 1, explicit mode and chunks: nothing measured)
         return lambda: plan.run(call)
 
