@@ -75,7 +75,8 @@ def attention(
             applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`); or bool
             ``[B, S_total]`` (``S_total = sum(seq_lens)``, else ``W * S_local``): every key of the call in rank order,
             the same on every rank, applied as given with no communication (for a caller that knows the whole mask,
-            e.g. once per forward for all layers: :mod:`cp_ops.integrations.diffusers`; not on a 2-D mesh). When
+            e.g. once per forward for all layers: :mod:`cp_ops.integrations.diffusers`; not on a 2-D mesh given as
+            ``group``; where the cross-node split runs a flat group's call on a mesh, it takes this rank's slice). When
             this rank holds every token the two shapes are one, read as this rank's. AGKV with a mask runs 1 stage
             (its pipelined variant's LSE kernels take no mask).
         layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in

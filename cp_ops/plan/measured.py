@@ -68,9 +68,8 @@ The file (measuring on only): the measured choices, with their times, in the JSO
 (``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
 file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call, the
 margin and the heuristic's candidate (:func:`disk_key`), so a later process with the same file makes the same choice
-without timing (deterministic once cached). Format :data:`FORMAT` = 3 since the pick prefers the heuristic's
-candidate within the margin (format 2: the simplest; format 1: the bare minimum of 3 samples): a file of another
-format is ignored, its requests measured again and the file rewritten in format 3.
+without timing (deterministic once cached). A file of another format than :data:`FORMAT` (the pick it was
+measured for differs) is ignored, its requests measured again and the file rewritten in this format.
 
 Agreement (collective, first use of a request per process): a rank cannot trust its own file alone (a rank with a
 stale or missing file would skip measuring while its peers measure, and the collectives would mismatch). Before its
