@@ -1,4 +1,4 @@
-"""The measured choice of mode='auto' / chunks=None (issue 9 item 4: cp_ops.modes.tune decides, cp_ops.choices stores) on real gloo groups:
+"""The measured choice of mode='auto' / chunks=None (cp_ops.plan.measured decides and stores) on real gloo groups:
 every rank picks the same variant (times max-reduced), the choice is measured once then cached, the disk cache
 round-trips under a key naming the machine and the call, a rank whose file differs measures with the others
 (no desync), the switch off gives the heuristic, explicit mode/chunks are honoured, and the output equals the

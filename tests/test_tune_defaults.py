@@ -1,4 +1,4 @@
-"""Reproducible by default (issue 20, items 3 and 13; cp_ops.modes.tune, cp_ops.choices):
+"""Reproducible by default (cp_ops.plan.measured):
 
 * ``mode='auto'`` / ``chunks=None`` take the documented heuristic unless measuring is asked for
   (``CP_OPS_TUNE_MODES=1`` or ``config.configure(tune_modes=True)``): nothing timed, nothing read or written under

@@ -1,4 +1,4 @@
-"""The measured choice's robustness rules (cp_ops.modes.tune): the margin (a candidate with more chunks, or the
+"""The measured choice's robustness rules (cp_ops.plan.measured): the margin (a candidate with more chunks, or the
 mode other than the heuristic's, replaces a simpler one only when faster by more than tune.MARGIN), the median of
 interleaved rounds (A B C A B C ..., so one drifted sample does not decide), the bounded schedule, and ranks
 agreeing when their own timings differ. Pure rules on plain lists; the measuring path on 2 gloo ranks with the
