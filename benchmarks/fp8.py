@@ -373,7 +373,7 @@ def vae(device, args) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_ops import comm_dtype as cd
-    from cp_ops import config, modes
+    from cp_ops import choose_mode, config
     from cp_ops.cli.run import denoise
     from cp_ops.integrations.diffusers import parallelize
 
@@ -411,7 +411,7 @@ def vae(device, args) -> list[dict]:
         print(json.dumps(r), flush=True)
     picks = {}  # mode 'auto' at each W for this head count -> the Ws
     for w in (2, 4, 8):
-        picks.setdefault(modes.choose("auto", heads, w), []).append(w)
+        picks.setdefault(choose_mode("auto", heads, w), []).append(w)
     variants = [(f"W={'/'.join(map(str, ws))}: mode auto = {m}, e4m3", m, E4, None) for m, ws in picks.items()]
     variants += [("ulysses q,k,v,o e5m2", "ulysses", E5, None),
                  ("2-D mesh (e.g. 2x4): q,o e4m3 once, k,v e4m3 twice", "auto", E4, "mesh")]

@@ -195,7 +195,7 @@ def main(argv=None) -> None:
     p.add_argument("--modes", nargs="+", default=["agkv", "ulysses"], help="agkv ulysses auto")
     p.add_argument("--transports", nargs="+", default=["torch", "fast"])
     p.add_argument("--chunks", nargs="+", default=["1", "2", "4"],
-                   help="chunk counts ('None' = chunks=None: the measured choice, cp_ops.modes.tune; the row "
+                   help="chunk counts ('None' = chunks=None: the measured choice, cp_ops.plan.measured; the row "
                         "reports what it picked)")
     p.add_argument("--n", type=int, default=20, help="calls back to back per sample")
     p.add_argument("--reps", type=int, default=5, help="samples (median taken)")

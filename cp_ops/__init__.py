@@ -3,8 +3,8 @@
 Public API:
     attention(q, k, v, *, group=None, mode="auto", transport="auto", scale=None)  BSHD shards in and out
         (also chunks=, tag=, and seq_lens= / key_mask= for uneven shards and key-padding masks: cp_ops.layout.Shards;
-        mode 'auto' / chunks None: the heuristic, cp_ops.modes.choose / cp_ops.modes.pipelined.choose_chunks;
-        measured only with CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)
+        mode 'auto' / chunks None: the rules, cp_ops.plan.rules; measured only with CP_OPS_TUNE_MODES=1,
+        cp_ops.plan.measured)
     describe(q, *, group=None, mode="auto", transport="auto", chunks=None, ...)   what attention picked / would pick
         for that call: mode, chunks, transport, source (explicit, heuristic, measured, cached, ...) and why; local
     layout.shard_sizes(total, W) / layout.shard(x, dim, rank, W)                   the standard uneven split
@@ -54,7 +54,7 @@ def _load_core() -> None:
     from .attention import attention, describe, local_attention
 
     modes.load_builtin()  # the mode bodies, imported with the core (never inside traced code)
-    from .modes import choose as choose_mode
+    from .plan.rules import choose_mode
     from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
     from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
     from .transport.base import select_transport

@@ -1,9 +1,8 @@
 """The public CP attention entry point, :func:`attention`, and the single-device :func:`local_attention`.
 
-Data path (``docs/architecture.md``): :func:`attention` → (``mode='auto'`` on a flat group across nodes:
-:mod:`cp_ops.split`, the cost model's split) → :mod:`cp_ops.dispatch` or, on a 2-D mesh, :mod:`cp_ops.dispatch_mesh`
-(checks, decisions, the eager plan) → one mode body (:mod:`cp_ops.modes`) → :mod:`cp_ops.comm` → op
-(:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
+Data path (``docs/architecture.md``): :func:`attention` makes the call's :class:`cp_ops.plan.Call` (its arguments
+normalized once) → :mod:`cp_ops.plan` (checks, decisions, the eager plan) → one mode body (:mod:`cp_ops.modes`) →
+:mod:`cp_ops.comm` → op (:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
 """
 
 from __future__ import annotations
@@ -12,14 +11,9 @@ from typing import Any, Hashable
 
 import torch
 
-from . import dispatch
-from . import dispatch_mesh
-from . import ops
-from . import split
-from .comm_dtype import NONE as NO_FP8  # a normalized comm_dtype without FP8 (parallelize passes it)
-from .modes.tune import Choice
-from .mesh import is_mesh
+from . import ops, plan
 from .kernels import local_attention
+from .plan.measured import Choice
 
 __all__ = ["attention", "describe", "local_attention"]
 
@@ -50,11 +44,11 @@ def attention(
         group: the CP group: ``None`` (default process group), a ``ProcessGroup``, a 1-D ``DeviceMesh``, or a 2-D
             ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` (2-D CP: Ulysses inside each row, AGKV across
             rows; rank r in row-major order holds the r-th token block; the inner size must divide H;
-            :mod:`cp_ops.mesh`, :mod:`cp_ops.dispatch_mesh`, docs/2d.md).
+            :mod:`cp_ops.mesh`, :mod:`cp_ops.plan.mesh2d`, docs/2d.md).
         mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
-            or 'auto' (the heuristic :func:`cp_ops.modes.choose`; the fastest, measured on first use, where
-            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.modes.tune`); on a flat group whose ranks span several nodes, 'auto'
-            runs the cost model's split instead (:mod:`cp_ops.split`: pure AGKV, pure Ulysses, or 2-D CP on a mesh
+            or 'auto' (the heuristic :func:`cp_ops.plan.rules.mode_rule`; the fastest, measured on first use, where
+            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.plan.measured`); on a flat group whose ranks span several nodes, 'auto'
+            runs the cost model's split instead (:mod:`cp_ops.plan.split`: pure AGKV, pure Ulysses, or 2-D CP on a mesh
             built from the group, rows = nodes); any name of ``cp_ops.modes.names()``. On a 2-D mesh:
             'auto' or 'agkv_ulysses' (``cp_ops.modes.names(dims=2)``). What a call ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
@@ -62,12 +56,12 @@ def attention(
         scale: softmax scale (a Python float or int); default ``1/sqrt(D)``. Part of the rank contract's variant:
             every rank must pass the same value (ranks that differ raise ValueError on every rank, naming each rank's
             scale), eager and compiled.
-        chunks: pipeline stages (communication under attention; :mod:`cp_ops.modes.pipelined`): 1 =
+        chunks: pipeline stages (communication under attention; :mod:`cp_ops.plan.rules`): 1 =
             transport-then-attend (bitwise equal to one device); k ≥ 2 = the mode's pipelined variant in k
             stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
-            head sub-groups, exact); None = the heuristic :func:`cp_ops.modes.pipelined.choose_chunks` (2 for AGKV
+            head sub-groups, exact); None = the heuristic :func:`cp_ops.plan.rules.chunks_rule` (2 for AGKV
             on the fast transport, else 1), or the fastest of 1, 2, 4 measured on first use where measuring is
-            asked for (:mod:`cp_ops.modes.tune`). With ``seq_lens``/``key_mask``, None means 1.
+            asked for (:mod:`cp_ops.plan.measured`). With ``seq_lens``/``key_mask``, None means 1.
             Every rank must pass the same value.
         seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
             ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
@@ -81,7 +75,8 @@ def attention(
             applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`); or bool
             ``[B, S_total]`` (``S_total = sum(seq_lens)``, else ``W * S_local``): every key of the call in rank order,
             the same on every rank, applied as given with no communication (for a caller that knows the whole mask,
-            e.g. once per forward for all layers: :mod:`cp_ops.integrations.diffusers`; not on a 2-D mesh). When
+            e.g. once per forward for all layers: :mod:`cp_ops.integrations.diffusers`; not on a 2-D mesh given as
+            ``group``; where the cross-node split runs a flat group's call on a mesh, it takes this rank's slice). When
             this rank holds every token the two shapes are one, read as this rank's. AGKV with a mask runs 1 stage
             (its pipelined variant's LSE kernels take no mask).
         layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in
@@ -133,31 +128,28 @@ def attention(
     Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks, scale;
     ``seq_lens``, the key mask's shape, ``tag``, ``comm_dtype``) runs every check and caches its decisions; a
     repeat call is a dict lookup, one rank-contract exchange and the mode's launches and kernels, called without the
-    ``torch.library`` dispatcher (:mod:`cp_ops.dispatch`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
+    ``torch.library`` dispatcher (:mod:`cp_ops.plan`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
     ``torch.compile(mode="reduce-overhead")``); the rank contract is checked at capture, not at replay.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
-    if layout != "bshd":
+    bhsd = layout != "bshd"
+    if bhsd:
         if layout != "bhsd":
             raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
-        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group=group, mode=mode,
-                        transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
-                        comm_dtype=comm_dtype)
-        return out.transpose(1, 2)
-    # a 2-D mesh: cp_ops.dispatch_mesh
-    run = dispatch_mesh.attention if is_mesh(group) else dispatch.attention
-    if mode == "auto" and (comm_dtype is None or comm_dtype == NO_FP8) and run is dispatch.attention:
-        group, mode, run = _split(q, group, seq_lens, chunks)
-    wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not wants_grad:
-        return run(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype)
-    # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
-    # the output to q, k and v through a node whose backward raises
-    out = run(q.detach(), k.detach(), v.detach(), group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
-              comm_dtype)
-    return _ForwardOnly.apply(out, q, k, v)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
+        # the output to q, k and v through a node whose backward raises
+        out = plan.run(plan.make(q.detach(), k.detach(), v.detach(), group=group, mode=mode, transport=transport,
+                                 scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
+                                 comm_dtype=comm_dtype))
+        out = _ForwardOnly.apply(out, q, k, v)
+    else:
+        out = plan.run(plan.make(q, k, v, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks,
+                                 seq_lens=seq_lens, key_mask=key_mask, tag=tag, comm_dtype=comm_dtype))
+    return out.transpose(1, 2) if bhsd else out
 
 
 def describe(
@@ -189,12 +181,12 @@ def describe(
             ``('agkv', 'ulysses')`` mesh (mode 'agkv_ulysses', chunks as given or 1, the inner dim's transport; a
             degenerate mesh describes the 1-D call on its one dim); ``comm_dtype`` is checked, not read.
     Returns:
-        :class:`cp_ops.modes.tune.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
+        :class:`cp_ops.plan.measured.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
         ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
-        'explicit' (mode and chunks given), 'heuristic' (``cp_ops.modes.choose`` and
-        ``cp_ops.modes.pipelined.choose_chunks``: measuring off — the default —, a traced call, a group of one rank,
+        'explicit' (mode and chunks given), 'heuristic' (``cp_ops.plan.rules.mode_rule`` and
+        ``cp_ops.plan.rules.chunks_rule``: measuring off — the default —, a traced call, a group of one rank,
         uneven shards or a key mask), 'cost' (``mode='auto'`` on a flat group across several nodes: the cost model's
-        split, :mod:`cp_ops.split`, known from the group's first ``mode='auto'`` call on: before it, the answer is
+        split, :mod:`cp_ops.plan.split`, known from the group's first ``mode='auto'`` call on: before it, the answer is
         the one-node answer; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured'
         (timed by this process's first call: ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every
         rank holds), 'pending' (measuring is on and no call was made yet: mode and chunks are the heuristic's until
@@ -217,63 +209,8 @@ def describe(
         if layout != "bhsd":
             raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
         q = q.transpose(1, 2)
-    if is_mesh(group):
-        return dispatch_mesh.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
-    if mode == "auto" and (comm_dtype is None or comm_dtype == NO_FP8):
-        return _describe_auto(q, group, transport, chunks, seq_lens, key_mask)
-    return dispatch.describe(q, group, mode, transport, chunks, seq_lens, key_mask, comm_dtype)
-
-
-def _describe_auto(q, group, transport, chunks, seq_lens, key_mask) -> Choice:
-    """:func:`describe` of a ``mode='auto'`` call on a flat group: the cost model's split where the group spans several
-    nodes (:mod:`cp_ops.split`; source 'cost', the predicted ms per layout in ``why``), else the 1-D answer."""
-    from .group import resolve_group
-
-    flat = dispatch.describe(q, group, "auto", transport, chunks, seq_lens, key_mask)  # the checks, as the call
-    pg = resolve_group(group)
-    s = split.known(pg, q, seq_lens, chunks)
-    if s is None:
-        return flat
-    if s == "unknown":  # before the group's first mode='auto' call: answered as for one node (local, no collective)
-        return flat
-    if s.source != "cost":
-        return flat._replace(why=s.why + "; " + flat.why)
-    if s.mode == "agkv_ulysses":
-        mesh = split._meshes.get((pg.group_name, s.outer, s.inner, q.device.type))
-        if mesh is None:
-            return Choice(s.mode, 1 if chunks is None else chunks, "cost", {}, "auto",
-                          s.why + "; the mesh is built by the first call")
-        c = dispatch_mesh.describe(q, mesh, "auto", transport, chunks, seq_lens, key_mask)
-    else:
-        c = dispatch.describe(q, group, s.mode, transport, chunks, seq_lens, key_mask)
-    return c._replace(source="cost", why=s.why + "; " + c.why)
-
-
-def _split(q, group, seq_lens, chunks):
-    """``(group, mode, dispatcher)`` of a ``mode='auto'`` call on a flat group: across several nodes, the cost
-    model's split (:mod:`cp_ops.split`: a 1-D mode, or the 2-D mesh built from the group); else as given."""
-    from .group import resolve_group
-
-    try:
-        pg = resolve_group(group)
-    except (RuntimeError, ValueError):
-        return group, "auto", dispatch.attention  # the dispatcher raises it
-    if torch.compiler.is_compiling():
-        if pg.size() == 1 or not split.spans_nodes(pg.group_name):
-            return group, "auto", dispatch.attention
-        req = split._request(q, seq_lens, chunks)
-        if req is None:
-            return group, "auto", dispatch.attention
-        b, s, h, d, dtype, piped = req
-        got = split.decide(pg.group_name, (b, s, h, d), dtype, piped, split._seq(seq_lens, pg.size()), q.device.type)
-        s = None if got is None else split.Split(*got)
-    else:
-        s = split.for_call(pg, q, seq_lens, chunks)
-    if s is None or s.source != "cost":
-        return group, "auto", dispatch.attention
-    if s.mode == "agkv_ulysses":
-        return split.mesh_of(pg.group_name, s.outer, s.inner, q.device.type), "auto", dispatch_mesh.attention
-    return group, s.mode, dispatch.attention
+    return plan.describe(plan.make(q, q, q, group=group, mode=mode, transport=transport, scale=None, chunks=chunks,
+                                   seq_lens=seq_lens, key_mask=key_mask, tag=None, comm_dtype=comm_dtype))
 
 
 class _ForwardOnly(torch.autograd.Function):

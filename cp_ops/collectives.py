@@ -22,7 +22,7 @@ import torch
 from . import comm_dtype as cd
 from . import layout as _lay
 from . import ops
-from .comm import OpComm
+from .comm import OpCodec, OpComm
 from .contract import variant_tag
 from .group import resolve_group
 from .transport import base as transport_base
@@ -57,10 +57,8 @@ def _prepare(api, names, tensors, group, transport, more_checks=None, comm_dtype
 def _fp8_comm(api, pg, transport, fmts, seq_lens=None) -> OpComm:
     """The comm the mode bodies use, for one FP8 collective: its launches encode, its waits decode; its first launch
     makes the rank contract's exchange as ``api`` with the formats in the variant tag."""
-    comm = OpComm(pg.size(), pg.group_name, transport, api, variant_tag(comm_dtype=cd.tag(fmts)), pg.rank(),
-                  seq_lens)
-    comm.fmts = fmts
-    return comm
+    return OpComm(pg.size(), pg.group_name, transport, api, variant_tag(comm_dtype=cd.tag(fmts)), pg.rank(),
+                  seq_lens, OpCodec(fmts))
 
 
 def _pooled(tr: str, pg, t: torch.Tensor) -> bool:

@@ -33,8 +33,9 @@ the transport argument, and ``tag``: a hash of the variant — mode, chunks, une
 layer tag — described in words in error messages). Later launches of the same call exchange nothing: the body
 is deterministic, so once the first launch agrees the rest of the schedule does too.
 
-**FP8 communication** (``comm_dtype``, :mod:`cp_ops.comm_dtype`): ``comm.fmts`` (set by the dispatcher) names the
-format each of q, k, v, o travels in. A launch encodes the tensors it moves (:mod:`cp_ops.kernels.fp8`: uint8
+**FP8 communication** (``comm_dtype``, :mod:`cp_ops.comm_dtype`): the codec a comm is made with (:class:`OpCodec`
+for :class:`OpComm`, :class:`DirectCodec` for :class:`DirectComm`; ``codec.fmts`` names the format each of q, k, v, o
+travels in; none: every tensor in the input dtype). A launch encodes the tensors it moves (:mod:`cp_ops.kernels.fp8`: uint8
 ``[..., D + 4]``, fp8 values and each (token, head)'s fp32 scale in one buffer, so one collective moves both and the
 transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
 shapes and dtype — so the bodies have no FP8 branch. Ulysses fuses the codec with its layouts
@@ -45,7 +46,7 @@ in one launch per format (their first launch makes the rank-contract exchange). 
 when its arrival is waited.
 
 **Faults**: a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
-all of it. The dispatcher calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
+all of it. The plan calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
 attention), so the transport's buffers and the group's collectives are left consistent and the next call works;
 the peers' matching collectives complete, so no peer is left waiting in this call.
 """
@@ -123,14 +124,49 @@ class _DirectPending(Pending):
         return self.outs
 
 
+class DirectCodec:
+    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = the input dtype:
+    :func:`cp_ops.comm_dtype.for_mode`) and the kernels that encode and decode them (:mod:`cp_ops.kernels.fp8`,
+    :mod:`cp_ops.kernels.fp8_ulysses`)."""
+
+    __slots__ = ("fmts",)
+
+    def __init__(self, fmts: tuple = NONE):
+        self.fmts = fmts
+
+    enc = staticmethod(fp8.encode)
+    dec = staticmethod(fp8.decode)
+    pack = staticmethod(fp8_ulysses.pack_encode)
+    unpack = staticmethod(fp8_ulysses.unpack_decode)
+    inv_unpack = staticmethod(fp8_ulysses.inverse_decode)
+
+
+def _op(name):
+    return lambda *args: getattr(torch.ops.cp_ops, name)(*args)
+
+
+class OpCodec(DirectCodec):
+    """:class:`DirectCodec` as ``torch.library`` ops: what traced code (and a compiler) sees."""
+
+    __slots__ = ()
+    enc = staticmethod(_op("fp8_encode"))
+    dec = staticmethod(_op("fp8_decode"))
+    pack = staticmethod(_op("fp8_ulysses_pack"))
+    unpack = staticmethod(_op("fp8_ulysses_unpack"))
+    inv_unpack = staticmethod(_op("fp8_ulysses_inverse_unpack"))
+
+
 class _Comm:
-    """What both implementations share: the call's identity for the rank contract and the pending launches."""
+    """What both implementations share: the call's identity for the rank contract, the FP8 codec and the pending
+    launches."""
 
-    #: the formats of (q, k, v, o) on the link ('' = the input dtype): :func:`cp_ops.comm_dtype.for_mode`
-    fmts = NONE
+    _codec_type = DirectCodec
 
-    def __init__(self, world: int, rank: int):
+    def __init__(self, world: int, rank: int, codec=None):
         self.world, self.rank = world, rank
+        self.codec = self._codec_type() if codec is None else codec
+        #: the formats of (q, k, v, o) on the link ('' = the input dtype): the codec's
+        self.fmts = self.codec.fmts
         self.pending: set[Pending] = set()
 
     _pending_type = Pending
@@ -140,14 +176,14 @@ class _Comm:
         self.pending.add(p)
         return p
 
-    # ---- FP8: encode before the launch, decode in the wait (the implementations give _enc/_dec) ----
+    # ---- FP8: encode before the launch, decode in the wait (the codec gives enc/dec) ----
     def _agkv_codec(self, k, v):
         """``(k, v, post)``: the tensors an AGKV launch moves and what its wait applies to ``(k_full, v_full, m)``."""
         f = self.fmts[1]
         if not f:
             return k, v, None
-        dt, dec = k.dtype, self._dec
-        return self._enc(k, f), self._enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
+        dt, enc, dec = k.dtype, self.codec.enc, self.codec.dec
+        return enc(k, f), enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
 
     def _groups(self, xs) -> list[tuple[str, list[int]]]:
         """The Ulysses inputs by their format ('' = input dtype), in order of first appearance: one launch each
@@ -167,10 +203,10 @@ class _Comm:
 
     def _ulysses_sends(self, xs, lo, hi, pack):
         """The send buffers of a Ulysses launch, one per format group: ``[(fmt, idx, send [W, B, S, m, hs, D'])]``, an
-        FP8 group encoded straight into its send buffer (``self._pack``: :func:`cp_ops.kernels.fp8_ulysses.pack_encode`
+        FP8 group encoded straight into its send buffer (``codec.pack``: :func:`cp_ops.kernels.fp8_ulysses.pack_encode`
         or its op; D' = D + 4 bytes), a group in the input dtype packed by ``pack`` (:mod:`cp_ops.layout`)."""
         w = self.world
-        return [(f, idx, self._pack([xs[i] for i in idx], w, lo, hi, f) if f else pack([xs[i] for i in idx], w, lo, hi))
+        return [(f, idx, self.codec.pack([xs[i] for i in idx], w, lo, hi, f) if f else pack([xs[i] for i in idx], w, lo, hi))
                 for f, idx in self._groups(xs)]
 
     def _ulysses_decoded(self, groups, bufs, dt):
@@ -186,7 +222,7 @@ class _Comm:
         d = d - fp8.SCALE_BYTES if f0 else d
         n = sum(len(idx) for _, idx in groups)
         if len(groups) == 1:
-            out = self._unpack(bufs[0], dt, f0)
+            out = self.codec.unpack(bufs[0], dt, f0)
         else:
             out = self._assemble(groups, bufs, dt, (n, b, w * s, hl, d))
         return out.view(n, b, w, s, hl, d).permute(2, 1, 3, 0, 4, 5)
@@ -196,7 +232,7 @@ class _Comm:
         n, b, ws, hl, d = shape
         slots = [None] * n
         for (f, idx), buf in zip(groups, bufs):
-            u = self._unpack(buf, dt, f) if f else buf.permute(3, 1, 0, 2, 4, 5).reshape(len(idx), b, ws, hl, d)
+            u = self.codec.unpack(buf, dt, f) if f else buf.permute(3, 1, 0, 2, 4, 5).reshape(len(idx), b, ws, hl, d)
             for j, i in enumerate(idx):
                 slots[i] = u[j]
         return torch.stack(slots)
@@ -205,7 +241,7 @@ class _Comm:
         """The wait's decode of an FP8 inverse launch: ``[W, B, S, Hl, D + 4]`` → ``[W, B, S, Hl, D]`` of ``dt``, a
         permuted view of one new ``[B, S, W, Hl, D]`` tensor (:func:`cp_ops.kernels.fp8_ulysses.inverse_decode`), so
         :func:`cp_ops.layout.ulysses_inverse_unpack` is a view, no copy."""
-        return self._inv_unpack(buf, dt, f).permute(2, 0, 1, 3, 4)
+        return self.codec.inv_unpack(buf, dt, f).permute(2, 0, 1, 3, 4)
 
     def drain(self) -> None:
         """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
@@ -240,13 +276,15 @@ class OpComm(_Comm):
             ('torch', 'fast' or 'auto': :func:`cp_ops.transport.base.resolve`). call: the rank contract's call name
             for the first launch (e.g. 'cp_ops.attention'). tag: the variant's hash (:func:`cp_ops.contract.variant_tag`).
         rank: this rank. seq_lens: the uneven token counts (given to the first launch, which folds them into the tag).
+        codec: the FP8 codec (:class:`OpCodec`; None: nothing in FP8).
     """
 
     _pending_type = _OpPending
+    _codec_type = OpCodec
 
     def __init__(self, world: int, group_name: str, transport: str, call: str, tag: int, rank: int,
-                 seq_lens=None):
-        super().__init__(world, rank)
+                 seq_lens=None, codec: OpCodec | None = None):
+        super().__init__(world, rank, codec)
         self.group_name, self.transport = group_name, transport
         self.call, self.tag, self.seq_lens = call, tag, None if seq_lens is None else list(seq_lens)
 
@@ -261,26 +299,6 @@ class OpComm(_Comm):
         if isinstance(outs, tuple):
             return tuple(None if t is None else wait(t) for t in outs)
         return wait(outs)
-
-    @staticmethod
-    def _enc(x, fmt):
-        return torch.ops.cp_ops.fp8_encode(x, fmt)
-
-    @staticmethod
-    def _dec(buf, dtype, fmt):
-        return torch.ops.cp_ops.fp8_decode(buf, dtype, fmt)
-
-    @staticmethod
-    def _pack(xs, world, lo, hi, fmt):
-        return torch.ops.cp_ops.fp8_ulysses_pack(xs, world, lo, hi, fmt)
-
-    @staticmethod
-    def _unpack(buf, dtype, fmt):
-        return torch.ops.cp_ops.fp8_ulysses_unpack(buf, dtype, fmt)
-
-    @staticmethod
-    def _inv_unpack(buf, dtype, fmt):
-        return torch.ops.cp_ops.fp8_ulysses_inverse_unpack(buf, dtype, fmt)
 
     def agkv(self, k, v, mask=None) -> Pending:
         k, v, post = self._agkv_codec(k, v)
@@ -315,7 +333,7 @@ class OpComm(_Comm):
     def ulysses_inverse(self, x, after=None) -> Pending:
         f, dt, post = self.fmts[3], x.dtype, None
         if f:
-            x, post = self._enc(x, f), (lambda b: self._inverse_decoded(b, dt, f))
+            x, post = self.codec.enc(x, f), (lambda b: self._inverse_decoded(b, dt, f))
         buf = torch.ops.cp_ops.ulysses_inverse_start(x, self.world, self.group_name, self.transport, *self._args(),
                                                      after)
         return self._launched(buf, None, post)
@@ -344,14 +362,15 @@ class DirectComm(_Comm):
             exchanged already: the real kernel of ``cp_ops::agkv_pipelined_attention``).
         resolve: gives the transport object when ``transport`` is None, called once, after the first exchange
             (choosing it may be collective: :func:`cp_ops.transport.base.for_group`).
-    Set ``armed = True`` before each call's first launch (the dispatcher's plan does).
+        codec: the FP8 codec (:class:`DirectCodec`; None: nothing in FP8).
+    Set ``armed = True`` before each call's first launch (the plan does).
     """
 
     _pending_type = _DirectPending
     unpack = staticmethod(layout.ulysses_unpack_all)
 
-    def __init__(self, pg, transport, check=None, resolve=None):
-        super().__init__(pg.size(), pg.rank())
+    def __init__(self, pg, transport, check=None, resolve=None, codec: DirectCodec | None = None):
+        super().__init__(pg.size(), pg.rank(), codec)
         self.pg, self.tr, self.make_check, self.resolve = pg, transport, check, resolve
         self.armed, self.cc = False, None
 
@@ -369,12 +388,6 @@ class DirectComm(_Comm):
         if p.work is not None:
             p.work.wait()
         return p.outs
-
-    _enc = staticmethod(fp8.encode)
-    _dec = staticmethod(fp8.decode)
-    _pack = staticmethod(fp8_ulysses.pack_encode)
-    _unpack = staticmethod(fp8_ulysses.unpack_decode)
-    _inv_unpack = staticmethod(fp8_ulysses.inverse_decode)
 
     def _assemble(self, groups, bufs, dt, shape):
         """``[n, B, W*S, Hl, D]`` from groups of different formats: each FP8 group decoded straight into its slots

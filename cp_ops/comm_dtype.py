@@ -90,16 +90,6 @@ def outer(fmts: tuple) -> tuple[str, str, str, str]:
     return ("", fmts[1], fmts[2], "") if fmts != NONE else NONE
 
 
-def auto_mode(mode: str, fmts: tuple, heads: int, world: int) -> str:
-    """``mode`` as the dispatcher should choose from: for ``mode='auto'`` with K and V in different formats (e.g. the
-    documented ``{"q", "v", "o"}`` choice, K in the input dtype), which AGKV cannot carry, 'ulysses' where W divides
-    H (else 'auto': AGKV, and :func:`for_mode` raises naming the rule) — on a group of one rank too (it moves nothing;
-    with ``CP_OPS_EMULATE_COMM=1`` it emulates Ulysses); any other ``mode`` unchanged."""
-    if mode == "auto" and fmts[1] != fmts[2] and heads % world == 0:
-        return "ulysses"
-    return mode
-
-
 def tag(fmts: tuple) -> str | None:
     """The variant tag's field for the rank contract (None when nothing travels in FP8: the tag is unchanged)."""
     if fmts == NONE:

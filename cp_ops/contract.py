@@ -21,7 +21,7 @@ BLAKE2b digests (:func:`_digest`): two different values pass as equal with proba
 * ``'debug'``: as the default, and ``parallelize`` checksums its inputs on every forward (a GPU sync each);
 * ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
 
-Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops.dispatch`: a :class:`CallCheck` whose
+Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops.plan`: a :class:`CallCheck` whose
 signature is packed once per call key); compiled code makes one per call too, at its first launch.
 
 **Caller tag.** Two layers of one shape make identical signatures, so a rank that skips one layer's attention would
@@ -962,7 +962,7 @@ _partners: dict[tuple[str, int], str] = {}
 
 def set_partner(first: str, tag: int, second: str) -> int:
     """Declare that a compiled call with variant ``tag`` whose first exchange runs on group ``first`` makes its next
-    exchange on group ``second`` (a 2-D mesh call: inner, then outer; :mod:`cp_ops.dispatch_mesh` declares it while
+    exchange on group ``second`` (a 2-D mesh call: inner, then outer; :mod:`cp_ops.plan.mesh2d` declares it while
     tracing). When the first exchange fails on a rank (its row disagrees, or its own inputs fail), the rank tells
     ``second`` instead of leaving that group's pending exchange to pair with its next call. Returns ``tag``.
     Dynamo runs it while tracing (a constant result: a side effect inside a graph would only be applied after the

@@ -53,6 +53,15 @@ class Links:
     attn_tflops: float = 550.0  #: attention throughput per GPU, TFLOP/s (measured low end, H200 bf16 cuDNN)
 
 
+def links() -> Links:
+    """The figures cp_ops decides with: :class:`Links`' defaults, the network bandwidth from ``CP_OPS_NETWORK_GBPS``
+    (``cp_ops.config.settings.network_gbps``): the one setting :mod:`cp_ops.plan.split` and
+    :func:`cp_ops.mesh.init_cp_mesh` read."""
+    from . import config
+
+    return Links(network_gbps=config.settings.network_gbps)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """One layout's prediction. ``layout``: 'agkv_ulysses' (2-D; pure AGKV is ``outer=W, inner=1``, pure Ulysses

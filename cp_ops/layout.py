@@ -183,7 +183,7 @@ def shard_sizes(total: int, world_size: int) -> tuple[int, ...]:
     (:class:`Shards`); under the prefix split the real tokens of the W padded blocks are their first ``total`` rows,
     so a receiver attends a narrowed view of what arrived (:attr:`Shards.prefix`), where short blocks in the middle
     cost a copy selecting the real rows of K and V (and of Q, plus one re-padding the output, under Ulysses) per
-    attention call: +1.5 ms of FLUX.1-dev's 39.5 ms forward at 1008² on W = 4 (an H200, 2026-12-02d). The largest block
+    attention call: +1.5 ms of FLUX.1-dev's 39.5 ms forward at 1008² on W = 4 (an H200). The largest block
     — what the slowest rank computes — is ``smax`` under both rules.
 
     Raises:

@@ -118,7 +118,9 @@ def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16",
                  device_type: str = "cuda", links=None, overlapped: bool = False):
     """Build the 2-D CP mesh over every rank (the default process group) that the cost model predicts fastest for
     attention over ``tokens`` tokens with ``heads`` heads of ``head_dim`` (:func:`cp_ops.cost.choose`), from the ranks'
-    node layout (:mod:`cp_ops.node`: host names or ``CP_OPS_NODE_ID``). Collective: every rank calls it alike.
+    node layout (:mod:`cp_ops.node`: host names or ``CP_OPS_NODE_ID``). ``links``: the cost model's figures; None =
+    :func:`cp_ops.cost.links` (the network bandwidth from ``CP_OPS_NETWORK_GBPS``, as ``mode='auto'``'s split reads
+    it). A prediction, not a measurement. Collective: every rank calls it alike.
 
     Returns:
         ``(mesh, prediction)``: a ``DeviceMesh`` of shape ``(O, I)`` with ``mesh_dim_names=("agkv", "ulysses")`` (pass
@@ -151,6 +153,6 @@ def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16",
         raise ValueError(f"init_cp_mesh needs the ranks numbered node by node (torchrun's order: ranks 0..{per - 1} on "
                          f"one node, ...); got node identities {list(ids)} by rank")
     p = cost.choose(tokens, heads, head_dim, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=batch,
-                    links=links or cost.Links(), overlapped=overlapped)
+                    links=links or cost.links(), overlapped=overlapped)
     assert p.outer * p.inner == dist.get_world_size()
     return init_device_mesh(device_type, (p.outer, p.inner), mesh_dim_names=DIM_NAMES), p

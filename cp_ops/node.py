@@ -16,7 +16,7 @@ What reads it:
 * ``transport='auto'`` (:func:`cp_ops.transport.base.for_group`): a transport marked ``single_node`` is not tried
   for a group whose ranks are on more than one node (torch is used);
 * the 2-D mesh helper and the cost model (:mod:`cp_ops.cost`): ranks per node and node count;
-* ``mode='auto'`` on a flat group (:mod:`cp_ops.split`): on several nodes the cost model picks the split.
+* ``mode='auto'`` on a flat group (:mod:`cp_ops.plan.split`): on several nodes the cost model picks the split.
 """
 
 from __future__ import annotations
@@ -79,8 +79,3 @@ def node_major(ids) -> bool:
             seen.add(n)
             last = n
     return True
-
-
-def forget() -> None:
-    """Drop the cached node identities (tests)."""
-    _groups.clear()

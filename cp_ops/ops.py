@@ -61,7 +61,7 @@ from . import config
 from ._hooks import run_compile_hooks  # the Inductor lowerings (cp_ops.passes), imported lazily on the first trace
 from .transport import base as transport_base
 from . import contract, op_def, validate
-from .comm import DirectComm
+from .comm import DirectCodec, DirectComm
 from .kernels import fp8, fp8_ulysses
 
 def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
@@ -266,9 +266,8 @@ def agkv_pipelined_attention(
     shards = None if seq_lens is None else layout.Shards(seq_lens, world_size, pg.rank(), k.shape[1], k.device)
     if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
-    comm = DirectComm(pg, _transport(transport, pg, k))
-    if comm_fmt:
-        comm.fmts = ("", comm_fmt, comm_fmt, "")
+    comm = DirectComm(pg, _transport(transport, pg, k), codec=DirectCodec(("", comm_fmt, comm_fmt, "")) if comm_fmt
+                      else None)
     try:
         return agkv_pipelined(q, k, v, comm, scale=scale, chunks=chunks, shards=shards)
     except BaseException:

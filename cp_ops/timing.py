@@ -1,4 +1,4 @@
-"""Timing for the bench, ``cp-ops run`` and the measured mode choice (:mod:`cp_ops.modes.tune`): CUDA events on GPU (perf_counter on CPU), warm-up, median and spread, max over ranks.
+"""Timing for the bench, ``cp-ops run`` and the measured mode choice (:mod:`cp_ops.plan.measured`): CUDA events on GPU (perf_counter on CPU), warm-up, median and spread, max over ranks.
 
 Two ways to time a call: :func:`steady_ms` (N calls back to back between two CUDA events, the host running
 ahead as consecutive layers of a model run: the time per call a model sees) and :func:`samples_ms` (each call

@@ -71,11 +71,13 @@ def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], wire: 
                                                 f"{t.device}")
 
 
-def check_heads_divisible(heads: int, world_size: int) -> None:
-    """Ulysses splits heads over the CP group: W must divide H."""
+def check_heads_divisible(heads: int, world_size: int, mode: str = "ulysses", other: str | None = "agkv") -> None:
+    """A mode that splits heads over the CP group (Ulysses): W must divide H. The one message of the rule;
+    ``other``: a mode to suggest instead (None: none)."""
     _require(heads % world_size == 0, lambda: (
-        f"mode='ulysses' needs the head count divisible by the CP world size; got heads={heads}, "
-        f"world_size={world_size} (use mode='agkv', or a CP group whose size divides {heads})"))
+        f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
+        f"world_size={world_size} (use " + (f"mode={other!r}, or " if other else "")
+        + f"a CP group whose size divides {heads})"))
 
 
 def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length", hint: str = "") -> None:

@@ -7,7 +7,7 @@ import torch
 import cp_ops
 import cp_ops.modes.agkv_pipelined as M_pipelined
 import cp_ops.modes.ulysses as M_ulysses
-from cp_ops import dispatch, layout
+from cp_ops import layout, plan
 from cp_ops.kernels import local_attention
 from dist_util import run_ranks
 
@@ -55,7 +55,7 @@ def _tags_hash_alike(rank, w):
     ref = sh(local_attention(q, k, v))
     torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=True), ref)
     if rank == 1:
-        dispatch.forget()  # e.g. the cache was cleared (a shape sweep, a tuning reset) on one rank only
+        plan.forget()  # e.g. the cache was cleared (a shape sweep, a tuning reset) on one rank only
     torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=1), ref)
     with pytest.raises(TypeError, match=r"tag must be an int, a str, or a tuple of them .*got float 1.0"):
         cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", tag=1.0)

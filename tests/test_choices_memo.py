@@ -1,4 +1,4 @@
-"""cp_ops.choices' in-memory choices (what mode='auto' / chunks=None decided per request) on real gloo ranks: a destroyed
+"""cp_ops.plan.measured's in-memory choices (what mode='auto' / chunks=None decided per request) on real gloo ranks: a destroyed
 group's entries go when cp_ops notices it (they held the group object, and so its gloo threads and sockets, forever),
 and the memo keeps at most MAX_MEMO requests. The calls stay equal to single-device attention throughout."""
 
@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
-from cp_ops import choices, layout
+from cp_ops import layout
+from cp_ops.plan import measured as choices
 from dist_util import run_ranks
 
 

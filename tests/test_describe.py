@@ -28,8 +28,9 @@ def test_describe_is_public():
 def _body(rank, w, tmp):
     import torch.distributed as dist
 
-    from cp_ops import choices, config
-    from cp_ops.modes import tune
+    from cp_ops import config
+    from cp_ops.plan import measured as choices
+    from cp_ops.plan import measured as tune
 
     q, k, v = _shard(rank, 1)
     # measuring off (the default): the heuristic, before and after the call, the same on every rank
@@ -69,7 +70,7 @@ def _body(rank, w, tmp):
     m = cp_ops.describe(q2, mode="agkv")
     assert m.source == "measured" and set(m.times_ms) == {"agkv/1", "agkv/2", "agkv/4"} and m.transport == "torch", m
     assert m[:2] == choices.lookup("agkv", None, q2, dist.group.WORLD, "torch")[:2]
-    choices.forget()
+    cp_ops.plan.forget()
     cp_ops.attention(q2, k2, v2, mode="agkv")
     cached = cp_ops.describe(q2, mode="agkv")
     assert cached.source == "cached" and cached[:2] == m[:2] and cached.times_ms == m.times_ms, cached

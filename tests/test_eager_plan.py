@@ -1,4 +1,4 @@
-"""The lean eager path of cp_ops.attention (cp_ops.dispatch's plans): a repeat call reuses its cached plan (no input checks,
+"""The lean eager path of cp_ops.attention (cp_ops.plan's cache): a repeat call reuses its cached plan (no input checks,
 no dispatcher), still makes exactly one rank-contract exchange per call, and still catches ranks that disagree —
 including on chunks, which pipelined Ulysses adds to its signature. CPU gloo, W = 2."""
 
@@ -13,7 +13,8 @@ H, D = 4, 8
 
 
 def _plans(rank, w):
-    from cp_ops import dispatch as A
+    from cp_ops import plan as A
+    from cp_ops.plan import flat as F
     from cp_ops import contract as validate
 
     pg = dist.group.WORLD
@@ -22,15 +23,15 @@ def _plans(rank, w):
     q, k, v = (x[:, rank * 6:(rank + 1) * 6].contiguous() for x in full)
     ref = cp_ops.local_attention(q, full[1], full[2])
     built = []
-    orig_build, orig_checked = A._build, A.decide
-    A._build = lambda *a: built.append(a[4:7]) or orig_build(*a)
-    A.decide = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
+    orig_build, orig_checked = A._build, F.decide
+    A._build = lambda call: built.append((call.mode, call.transport, call.chunks)) or orig_build(call)
+    F.decide = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
     try:
         for mode in ("agkv", "ulysses"):
             for chunks in (1, 2):
-                A.decide = orig_checked
+                F.decide = orig_checked
                 first = cp_ops.attention(q, k, v, mode=mode, chunks=chunks)  # builds the plan (checks run once)
-                A.decide = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
+                F.decide = lambda *a: (_ for _ in ()).throw(AssertionError("input checks ran on a cached call"))
                 n = validate.call_count(pg)
                 for _ in range(3):
                     out = cp_ops.attention(q, k, v, mode=mode, chunks=chunks)
@@ -43,7 +44,7 @@ def _plans(rank, w):
                     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         assert built == [("agkv", "auto", 1), ("agkv", "auto", 2), ("ulysses", "auto", 1), ("ulysses", "auto", 2)]
     finally:
-        A._build, A.decide = orig_build, orig_checked
+        A._build, F.decide = orig_build, orig_checked
     # a rank that passes another chunks count to pipelined Ulysses (same call name, same shape): named, on every rank
     c = 1 if rank == 0 else 2
     with pytest.raises(ValueError, match=r"differ in (shape, )?variant: rank 0: cp_ops.attention \(call #\d+\) .*mode=ulysses "

@@ -20,13 +20,13 @@ _mine.calls = 0
 def test_registry_names_and_choose():
     assert modes.names() == ("auto", "agkv", "ulysses")
     assert modes.names(include_auto=False) == ("agkv", "ulysses")
-    assert modes.choose("auto", 8, 4) == "ulysses" and modes.choose("auto", 6, 4) == "agkv"
-    assert modes.choose("auto", 8, 2) == "agkv"  # W = 2: the same bytes either way, AGKV measured ahead
-    assert modes.choose("agkv", 6, 4) == "agkv"
+    assert cp_ops.choose_mode("auto", 8, 4) == "ulysses" and cp_ops.choose_mode("auto", 6, 4) == "agkv"
+    assert cp_ops.choose_mode("auto", 8, 2) == "agkv"  # W = 2: the same bytes either way, AGKV measured ahead
+    assert cp_ops.choose_mode("agkv", 6, 4) == "agkv"
     with pytest.raises(ValueError, match=r"mode='ulysses' needs the head count divisible .* got heads=6, world_size=4"):
-        modes.choose("ulysses", 6, 4)
+        cp_ops.choose_mode("ulysses", 6, 4)
     with pytest.raises(ValueError, match=r"mode must be one of \('auto', 'agkv', 'ulysses'\); got 'nope'"):
-        modes.choose("nope", 8, 2)
+        cp_ops.choose_mode("nope", 8, 2)
     with pytest.raises(ValueError, match="other than 'auto'"):
         modes.register("auto", _mine)
 

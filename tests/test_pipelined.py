@@ -11,7 +11,8 @@ import cp_ops
 from cp_ops.comm import DirectComm
 from cp_ops.kernels import attention_with_lse
 from cp_ops.kernels import lse_merge
-from cp_ops.modes import agkv_pipelined, pipelined
+from cp_ops.modes import agkv_pipelined
+from cp_ops.plan import rules as pipelined
 from dist_util import run_ranks
 
 CHUNKS = (1, 2, 3, 4, None)
@@ -160,21 +161,20 @@ def test_chunks_rules():
     assert agkv_pipelined.stage_plan(2, 4) == (3, 3)
     assert agkv_pipelined.stage_plan(4, 2) == (1, 1)
     assert agkv_pipelined.stage_plan(3, 4) == (2, 3)
-    with pytest.raises(ValueError, match=r"None \(the default: the heuristic, choose_chunks; measured on first use "
+    with pytest.raises(ValueError, match=r"None \(the default: the heuristic, chunks_rule; measured on first use "
                                          r"where CP_OPS_TUNE_MODES=1\).*got 'auto' \(None is what `cp-ops run --chunks "
                                          r"auto`"):
         pipelined.check_chunks("auto")  # the CLI's spelling, passed to the API
-    q = torch.empty(1, 4096, 8, 64, device="meta")
-    # the heuristic's table (2026-11-30c, 2x H200): AGKV on the fast transport pipelines in 2 stages, the rest 1
+    # the heuristic's table (measured on 2x H200): AGKV on the fast transport pipelines in 2 stages, the rest 1
     assert pipelined.HEURISTIC_CHUNKS == {("agkv", "fast"): 2}
-    assert pipelined.choose_chunks("agkv", 2, q, "fast") == 2
-    assert pipelined.choose_chunks("agkv", 4, q, "fast") == 2
-    assert pipelined.choose_chunks("agkv", 2, q, "torch") == 1
-    assert pipelined.choose_chunks("ulysses", 2, q, "fast") == 1
-    assert pipelined.choose_chunks("ulysses", 2, q, "torch") == 1
-    assert pipelined.choose_chunks("agkv", 1, q, "fast") == 1  # W = 1: nothing to pipeline
+    assert pipelined.chunks_rule("agkv", 2, "fast")[0] == 2
+    assert pipelined.chunks_rule("agkv", 4, "fast")[0] == 2
+    assert pipelined.chunks_rule("agkv", 2, "torch")[0] == 1
+    assert pipelined.chunks_rule("ulysses", 2, "fast")[0] == 1
+    assert pipelined.chunks_rule("ulysses", 2, "torch")[0] == 1
+    assert pipelined.chunks_rule("agkv", 1, "fast")[0] == 1  # W = 1: nothing to pipeline
     with pytest.raises(ValueError, match="'auto'"):
-        pipelined.choose_chunks("agkv", 2, q, "auto")  # callers resolve the transport first
+        pipelined.chunks_rule("agkv", 2, "auto")  # callers resolve the transport first
 
 
 def test_merge_of_a_row_with_no_key_anywhere_is_zero():

@@ -1,4 +1,4 @@
-"""mode='auto' on a flat group across simulated nodes (cp_ops.split): the cost model's choice on hand-checked cases
+"""mode='auto' on a flat group across simulated nodes (cp_ops.plan.split): the cost model's choice on hand-checked cases
 (pure), and on gloo ranks (2 nodes x 2 and 2 x 4, CP_OPS_NODE_ID per rank) the split each call runs, equal to the
 same SDPA calls bitwise (1 stage) and to one device within rounding; cp_ops.describe names the split and its numbers."""
 
@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
-from cp_ops import config, layout, split
+from cp_ops import config, layout
+from cp_ops.plan import split
 from cp_ops.kernels import local_attention
 from dist_util import run_ranks
 

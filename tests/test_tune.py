@@ -1,4 +1,4 @@
-"""The measured choice of mode='auto' / chunks=None (issue 9 item 4: cp_ops.modes.tune decides, cp_ops.choices stores) on real gloo groups:
+"""The measured choice of mode='auto' / chunks=None (cp_ops.plan.measured decides and stores) on real gloo groups:
 every rank picks the same variant (times max-reduced), the choice is measured once then cached, the disk cache
 round-trips under a key naming the machine and the call, a rank whose file differs measures with the others
 (no desync), the switch off gives the heuristic, explicit mode/chunks are honoured, and the output equals the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cp_ops
-from cp_ops import choices
+from cp_ops.plan import measured as choices
 from dist_util import run_ranks
 
 B, S_LOCAL, H, D = 1, 5, 6, 8  # S_local odd; W = 2 and 3 divide H (Ulysses is a candidate)
@@ -55,7 +55,7 @@ def _favour(target):
     ranks picks ``target``: rank r reports 1 ms for candidate r, 1.5 ms for ``target``, 2 ms for the rest."""
     import torch.distributed as dist
 
-    from cp_ops.modes import tune
+    from cp_ops.plan import measured as tune
 
     def timer(cand, run, device, calls):
         run()  # the candidate must run (same calls on every rank)
@@ -70,7 +70,7 @@ def _body_w2(rank, w, tmp):
     import torch.distributed as dist
 
     from cp_ops import config, modes
-    from cp_ops.modes import tune
+    from cp_ops.plan import measured as tune
 
     _fast_timing(tune)
     config.configure(tune_modes=True, tune_cache=os.path.join(tmp, f"rank{rank}.json"))
@@ -92,7 +92,7 @@ def _body_w2(rank, w, tmp):
     assert choices.stats["measured"] == 1 and choices.stats["timed"] == len(cands)
 
     # 2. explicit mode and chunks honoured: explicit both = no decision; a named mode keeps its name
-    assert choices.decide("ulysses", 2, "ulysses", q, pg, "torch") == ("ulysses", 2)
+    assert choices.decide("ulysses", 2, "ulysses", q, pg, "torch")[:2] == ("ulysses", 2)
     cp_ops.attention(q, k, v, mode="agkv", chunks=4)
     assert choices.stats["timed"] == len(cands)
     out_u = cp_ops.attention(q, k, v, mode="ulysses")  # chunks measured among ulysses 1, 2, 4 only
@@ -126,14 +126,14 @@ def _body_w2(rank, w, tmp):
     assert (kd["W"], kd["B"], kd["S_local"], kd["D"], kd["dtype"], kd["transport"]) == (w, B, S_LOCAL, D, "float32",
                                                                                           "torch")
     assert kd["candidates"] == [f"{m}/{c}" for m, c in cands2] and entries[key]["mode"] == "agkv"
-    choices.forget()
+    cp_ops.plan.forget()
     tune._timer = lambda *a: pytest.fail("measured although every rank holds the same cached choice")
     measured = choices.stats["measured"]
     assert torch.equal(cp_ops.attention(q2, k2, v2), out2)
     assert choices.stats["measured"] == measured and choices.lookup("auto", None, q2, pg, "torch").source == "cached"
 
     # 5. one rank's file differs (stale: another candidate): every rank measures again, none desyncs
-    choices.forget()
+    cp_ops.plan.forget()
     if rank == 1:
         path = os.path.join(tmp, "rank1.json")
         data = json.load(open(path))
@@ -148,7 +148,7 @@ def _body_w2(rank, w, tmp):
     assert torch.equal(out3, out2)
     assert json.load(open(os.path.join(tmp, f"rank{rank}.json")))["entries"][key]["mode"] == "agkv"  # rewritten
     # ... and one rank without a file at all
-    choices.forget()
+    cp_ops.plan.forget()
     if rank == 0:
         os.remove(os.path.join(tmp, "rank0.json"))
     out4 = cp_ops.attention(q2, k2, v2)
@@ -159,7 +159,7 @@ def _body_w2(rank, w, tmp):
     q3, k3, v3, ref3 = _inputs(rank, w, 3)
     out5 = cp_ops.attention(q3, k3, v3)
     c5 = choices.lookup("auto", None, q3, pg, "torch")
-    assert (c5.mode, c5.chunks, c5.source) == (modes.choose("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic")
+    assert (c5.mode, c5.chunks, c5.source) == (cp_ops.choose_mode("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic")
     assert choices.stats["measured"] == measured + 2
     assert torch.equal(out5, cp_ops.attention(q3, k3, v3, mode="agkv", chunks=1))
     assert cp_ops.attention(q3, k3, v3, mode="agkv").shape == q3.shape
@@ -179,7 +179,7 @@ def _body_w3(rank, w, tmp):
     import torch.distributed as dist
 
     from cp_ops import config
-    from cp_ops.modes import tune
+    from cp_ops.plan import measured as tune
 
     _fast_timing(tune)
     config.configure(tune_modes=True, tune_cache=os.path.join(tmp, "shared.json"))  # one file for all ranks
@@ -202,7 +202,7 @@ def test_tune_w3(tmp_path):
 
 def _compiled(rank, w):
     from cp_ops import config, modes
-    from cp_ops.modes import tune
+    from cp_ops.plan import measured as tune
 
     config.configure(tune_modes=True, tune_cache="off")
     fn = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c) * 2, fullgraph=True, dynamic=True)
@@ -211,7 +211,7 @@ def _compiled(rank, w):
         q, k, v = (torch.randn(1, s_local, H, D, generator=g) for _ in range(3))
         out = fn(q, k, v)
         assert choices.stats["measured"] == 0 and choices.stats["timed"] == 0, choices.stats
-        assert torch.equal(out, cp_ops.attention(q, k, v, mode=modes.choose("auto", H, w), chunks=1) * 2)
+        assert torch.equal(out, cp_ops.attention(q, k, v, mode=cp_ops.choose_mode("auto", H, w), chunks=1) * 2)
 
 
 def test_tune_under_compile_takes_the_heuristic():
@@ -224,7 +224,7 @@ def _compiled_table(rank, w):
     import torch.distributed as dist
 
     from cp_ops import config
-    from cp_ops.modes import pipelined, tune
+    from cp_ops.plan import measured as tune, rules as pipelined
     from cp_ops.transport.base import concrete_name
 
     config.configure(tune_modes=False, tune_cache="off")
@@ -239,13 +239,13 @@ def _compiled_table(rank, w):
     assert not torch.equal(out, cp_ops.attention(q, k, v, mode="agkv", chunks=1) * 2)  # LSE merge: not bitwise
     assert _rel(out, ref * 2) <= 1e-5
     # eager with measuring off: the same table
-    choices.forget()
+    cp_ops.plan.forget()
     cp_ops.attention(q, k, v, mode="agkv")
     c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == ("agkv", 3, "heuristic"), c
     del pipelined.HEURISTIC_CHUNKS[("agkv", "torch")]
     assert not _traces_pipelined(q, k, v, "torch")
-    choices.forget()
+    cp_ops.plan.forget()
     cp_ops.attention(q, k, v, mode="agkv")
     c = choices.lookup("agkv", None, q, dist.group.WORLD, "torch")
     assert (c.mode, c.chunks, c.source) == ("agkv", 1, "heuristic"), c
@@ -277,7 +277,7 @@ def _gpu_traced(rank, w):
     """On GPUs a traced chunks=None call resolves transport='auto' for the group at trace time: pipelined AGKV (2
     stages) where the fast transport runs the group, 1 stage on torch (2026-11-30c table)."""
     from cp_ops import config
-    from cp_ops.modes import pipelined
+    from cp_ops.plan import rules as pipelined
     from cp_ops.transport import fast
 
     config.configure(tune_modes=True, tune_cache="off")
@@ -301,7 +301,7 @@ def _gpu_body(rank, w):
     import torch.distributed as dist
 
     from cp_ops import config
-    from cp_ops.modes import tune
+    from cp_ops.plan import measured as tune
     from cp_ops.transport import fast
 
     config.configure(tune_modes=True, tune_cache="off")
@@ -336,7 +336,7 @@ def _fp8_request(rank, w, tmp):
     kept apart from the plain call of the same shape (was: one stored choice for both, in memory and in the file)."""
     from cp_ops import config
     from cp_ops.kernels import fp8
-    from cp_ops.modes import tune
+    from cp_ops.plan import measured as tune
 
     _fast_timing(tune)
     path = os.path.join(tmp, f"rank{rank}.json")

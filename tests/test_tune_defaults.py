@@ -1,4 +1,4 @@
-"""Reproducible by default (issue 20, items 3 and 13; cp_ops.modes.tune, cp_ops.choices):
+"""Reproducible by default (cp_ops.plan.measured):
 
 * ``mode='auto'`` / ``chunks=None`` take the documented heuristic unless measuring is asked for
   (``CP_OPS_TUNE_MODES=1`` or ``config.configure(tune_modes=True)``): nothing timed, nothing read or written under
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import cp_ops
-from cp_ops import choices
+from cp_ops.plan import measured as choices
 from cp_ops import config
-from cp_ops.modes import tune
+from cp_ops.plan import measured as tune
 from dist_util import run_ranks
 
 B, S_LOCAL, H, D = 1, 5, 6, 8
@@ -57,7 +57,7 @@ def _default_body(rank, w, home):
     q, k, v = _inputs(rank, w, 3)
     outs = [cp_ops.attention(q, k, v) for _ in range(2)]
     c = choices.lookup("auto", None, q, dist.group.WORLD, "torch")
-    assert (c.mode, c.chunks, c.source) == (modes.choose("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic"), c
+    assert (c.mode, c.chunks, c.source) == (cp_ops.choose_mode("auto", H, w), 1, "heuristic") == ("agkv", 1, "heuristic"), c
     assert choices.stats["measured"] == choices.stats["timed"] == choices.stats["cached"] == 0, choices.stats
     explicit = cp_ops.attention(q, k, v, mode="agkv", chunks=1)
     assert torch.equal(outs[0], explicit) and torch.equal(outs[1], explicit)
@@ -130,7 +130,7 @@ def _mangled_body(rank, w, tmp):
     assert json.load(open(path))["format"] == choices.FORMAT  # rewritten, well-formed
 
     # the runner comes from the caller: decide() times the calls it is given, not the built-in synthetic ones
-    choices.forget()
+    cp_ops.plan.forget()
     config.configure(tune_cache="off")
     ran = []
 
@@ -141,7 +141,7 @@ def _mangled_body(rank, w, tmp):
 
         return run
 
-    got = choices.decide("agkv", None, "agkv", q, dist.group.WORLD, "torch", runner=runner)
+    got = choices.decide("agkv", None, "agkv", q, dist.group.WORLD, "torch", runner=runner)[:2]
     cands = tune.candidates("agkv", None, H, w)
     assert got in cands and set(ran) == set(cands), (got, ran)
     assert _gather(got) == [got] * w

@@ -1,4 +1,4 @@
-"""The measured choice's robustness rules (cp_ops.modes.tune): the margin (a candidate with more chunks, or the
+"""The measured choice's robustness rules (cp_ops.plan.measured): the margin (a candidate with more chunks, or the
 mode other than the heuristic's, replaces a simpler one only when faster by more than tune.MARGIN), the median of
 interleaved rounds (A B C A B C ..., so one drifted sample does not decide), the bounded schedule, and ranks
 agreeing when their own timings differ. Pure rules on plain lists; the measuring path on 2 gloo ranks with the
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import cp_ops
-from cp_ops import choices
-from cp_ops.modes import tune
+from cp_ops.plan import measured as choices
+from cp_ops.plan import measured as tune
 from dist_util import run_ranks
 
 A1, A2, A4, U1, U2 = ("agkv", 1), ("agkv", 2), ("agkv", 4), ("ulysses", 1), ("ulysses", 2)
@@ -133,7 +133,7 @@ def _decide(q, k, v, table, seed_note):
     log)."""
     import torch.distributed as dist
 
-    choices.forget()
+    cp_ops.plan.forget()
     timer = table if isinstance(table, _Injected) else _Injected(table)
     tune._timer = timer
     out = cp_ops.attention(q, k, v, mode="agkv")
@@ -194,7 +194,7 @@ def _body(rank, w):
 
     # 5. the heuristic's candidate wins within the margin: with the table giving AGKV on this transport 2 stages
     # (as it does for the fast transport), agkv/2 2 % *slower* than agkv/1 is chosen; 5 % slower, agkv/1 is
-    from cp_ops.modes import pipelined
+    from cp_ops.plan import rules as pipelined
 
     saved = dict(pipelined.HEURISTIC_CHUNKS)
     pipelined.HEURISTIC_CHUNKS[("agkv", "torch")] = 2

@@ -1,4 +1,4 @@
-"""The eager plan of ``cp_ops.attention(..., seq_lens=, key_mask=)`` (cp_ops.dispatch.Plan with a
+"""The eager plan of ``cp_ops.attention(..., seq_lens=, key_mask=)`` (cp_ops.plan.flat.Plan with a
 cp_ops.layout.Shards): a repeat call reuses its plan (no input checks, one rank-contract exchange), another ``seq_lens`` or
 mask shape builds another plan, a mask whose values change between calls of one shape is honoured exactly, and the
 plan's output is bitwise the general path's (the ops) for AGKV and Ulysses, B = 1 and 2, uneven and full blocks,
@@ -37,7 +37,8 @@ def _ref(q, k, v, mask, rank, w, seq, mode):
 
 
 def _cache_and_masks(rank, w):
-    from cp_ops import dispatch as A
+    from cp_ops import plan as A
+    from cp_ops.plan import flat as F
     from cp_ops import contract as validate
 
     pg = dist.group.WORLD
@@ -46,8 +47,8 @@ def _cache_and_masks(rank, w):
     q, k, v, _ = _data(b, 11, h, d, seed=5)
     A.forget()
     built = []
-    orig_build, orig_checked = A._build, A.decide
-    A._build = lambda *a: built.append((a[4], a[7])) or orig_build(*a)
+    orig_build, orig_checked = A._build, F.decide
+    A._build = lambda call: built.append((call.mode, call.seq_lens)) or orig_build(call)
 
     def no_checks(*a):
         raise AssertionError("input checks ran on a cached call")
@@ -63,18 +64,18 @@ def _cache_and_masks(rank, w):
                     out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq, key_mask=sh(mask))
                     assert validate.call_count(pg) == n + 1, "one exchange per call"  # first call too
                     assert torch.equal(out, _ref(q, k, v, mask, rank, w, seq, mode)), (mode, seq, i)
-                    A.decide = no_checks  # from the second call on: the plan, no checks
-                A.decide = orig_checked
+                    F.decide = no_checks  # from the second call on: the plan, no checks
+                F.decide = orig_checked
                 # without a mask: another key, another plan; then cached too
                 for _ in range(2):
                     out = cp_ops.attention(sh(q), sh(k), sh(v), mode=mode, seq_lens=seq)
                     assert torch.equal(out, _ref(q, k, v, None, rank, w, seq, mode))
-                    A.decide = no_checks
-                A.decide = orig_checked
+                    F.decide = no_checks
+                F.decide = orig_checked
         # one plan per (mode, seq_lens, mask given): built once each
         assert built == [(m, s) for m in ("agkv", "ulysses") for s in (seq_a, seq_a, seq_b, seq_b)], built
     finally:
-        A._build, A.decide = orig_build, orig_checked
+        A._build, F.decide = orig_build, orig_checked
     # a list of the same counts hits the tuple's plan; 4.0 is not a token count, even where (4, ...) is cached
     sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq_a)  # noqa: E731
     out = cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv", seq_lens=list(seq_a))

@@ -218,7 +218,7 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
 
     fmts = parse_comm_dtype(getattr(args, "comm_dtype", "none"))
     if fmts[1] != fmts[2]:  # AGKV moves K and V in one gather: one format for both (cp_ops.comm_dtype.for_mode)
-        # mode='auto' runs Ulysses then where W divides H, else AGKV (cp_ops.comm_dtype.auto_mode): skipped too
+        # mode='auto' runs Ulysses then where W divides H, else AGKV (cp_ops.plan.rules.fp8_mode): skipped too
         agkv = [case for case in s_cases if case[1] == "agkv" or (case[1] == "auto" and h % world_size)]
         if rank == 0 and agkv:
             print(f"cp-ops bench: S={s}: {'/'.join(sorted({m for _, m, _, _ in agkv}))} rows skipped: --comm-dtype "
@@ -369,8 +369,8 @@ def legend(meta: dict) -> list[str]:
          "left out (gloo's copies through host memory are not a link's limit; comm_ms in the JSON has it); "
          "%bound = bound ÷ CP ms."),
         "auto→X = what mode='auto' and/or chunks=None picked (--modes auto, --chunks auto): "
-        + ("measured (CP_OPS_TUNE_MODES=1, cp_ops.modes.tune)." if meta.get("tune_modes", False)
-           else "the heuristic (cp_ops.modes.choose, choose_chunks; measuring: CP_OPS_TUNE_MODES=1)."),
+        + ("measured (CP_OPS_TUNE_MODES=1, cp_ops.plan.measured)." if meta.get("tune_modes", False)
+           else "the heuristic (cp_ops.plan.rules.mode_rule, chunks_rule; measuring: CP_OPS_TUNE_MODES=1)."),
         "rel err = max |CP − 1-device| / max |1-device| over this rank's output, max over ranks (0 = bitwise equal).",
     ]
     if meta["device"] == "cpu":

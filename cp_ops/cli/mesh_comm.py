@@ -101,23 +101,25 @@ def forward_dim_times(model, spec, kw, mesh, transport: str, device: torch.devic
     records the 2-D attention calls (q's shape, dtype, ``seq_lens``), then each distinct call's dims are timed by
     :func:`dim_times` and summed over the calls. Returns ``{'ms': {'ulysses': ms, 'agkv': ms}, 'calls': n}``.
     Collective (every rank runs the same model on its share)."""
-    from cp_ops import dispatch_mesh
+    from cp_ops import plan
+    from cp_ops.mesh import is_mesh
 
     seen: dict = {}
-    real = dispatch_mesh.attention
+    real = plan.run
 
-    def recording(q, k, v, group, *rest, **kws):
-        seq = rest[4] if len(rest) > 4 else kws.get("seq_lens")
-        key = (tuple(q.shape), q.dtype, None if seq is None else tuple(seq))
-        seen[key] = seen.get(key, 0) + 1
-        return real(q, k, v, group, *rest, **kws)
+    def recording(call):
+        if is_mesh(call.group):
+            seq = call.seq_lens
+            key = (tuple(call.q.shape), call.q.dtype, None if seq is None else tuple(seq))
+            seen[key] = seen.get(key, 0) + 1
+        return real(call)
 
-    dispatch_mesh.attention = recording
+    plan.run = recording
     try:
         with torch.no_grad():
             spec.predict(model, kw)
     finally:
-        dispatch_mesh.attention = real
+        plan.run = real
     total = {"ulysses": 0.0, "agkv": 0.0}
     for (shape, dtype, seq), n in seen.items():
         b, s, h, d = shape

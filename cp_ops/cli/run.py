@@ -310,11 +310,12 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     if device.type == "cuda":
         model.set_attention_backend("_native_cudnn")
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
-    from ..comm_dtype import auto_mode, parse as parse_comm_dtype
+    from ..comm_dtype import parse as parse_comm_dtype
+    from ..plan.rules import fp8_mode
 
     cp_world, fmts = world_size // (2 if args.cfg else 1), parse_comm_dtype(getattr(args, "comm_dtype", "none"))
-    # the mode the calls run: 'auto' with K and V apart in --comm-dtype runs Ulysses where W divides H (auto_mode)
-    mode = choose_mode(auto_mode(args.mode, fmts, spec.heads(cfg), cp_world), spec.heads(cfg), cp_world)
+    # the mode the calls run: 'auto' with K and V apart in --comm-dtype runs Ulysses where W divides H (fp8_mode)
+    mode = choose_mode(fp8_mode(args.mode, fmts, spec.heads(cfg), cp_world)[0], spec.heads(cfg), cp_world)
     transport = select_transport(args.transport, device.type)
 
     # one forward per row: every side is timed again in interleaved rounds at the end (see _interleaved); the

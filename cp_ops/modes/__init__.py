@@ -8,13 +8,14 @@ function written against the communication interface of :mod:`cp_ops.comm`::
 
 ``comm`` launches and waits (traced: the ``torch.library`` ops; eager: the transport directly — the same body
 either way), ``chunks`` is the pipeline stage count, ``shards`` a :class:`cp_ops.layout.Shards` for uneven shards or a
-key mask (None for the even, unmasked call), ``key_mask`` the bool ``[B, S_local]`` mask or None. The dispatcher
-(:mod:`cp_ops.dispatch`) has checked the inputs, resolved the transport and agreed the call's variant; W > 1;
+key mask (None for the even, unmasked call), ``key_mask`` the bool ``[B, S_local]`` mask or None. The plan
+(:mod:`cp_ops.plan`) has checked the inputs, resolved the transport and agreed the call's variant; W > 1;
 inputs never require grad there. Bodies import :mod:`cp_ops.kernels`, :mod:`cp_ops.layout` and nothing above.
 
 A new mode is one file here defining its body plus one line in :data:`_BUILTIN` (its name, module, body function,
 properties), so the names are known without importing torch (the CLI lists them before torch loads); the public
-``mode=`` argument, :func:`choose`, the CLI choices and the diffusers integration derive from :func:`names`.
+``mode=`` argument, the plan's mode rule (:func:`cp_ops.plan.rules.mode_rule`), the CLI choices and the diffusers
+integration derive from :func:`names`.
 
 Modes:
     agkv     — :mod:`.agkv` (chunks 1) and :mod:`.agkv_pipelined` (chunks ≥ 2): gather K/V, keep the local Q.
@@ -47,7 +48,7 @@ class Mode:
     #: the mode's bodies take ``shards``/``key_mask`` (uneven shards, key masks); pipelined with a key mask too.
     masks_pipelined: bool = True
     #: the CP group it runs on: 1 = a process group (or 1-D mesh); 2 = a 2-D ``DeviceMesh`` (outer, inner), whose
-    #: body gets a :class:`cp_ops.comm.MeshComm` and a :class:`cp_ops.mesh.MeshShards` (:mod:`cp_ops.dispatch_mesh`).
+    #: body gets a :class:`cp_ops.comm.MeshComm` and a :class:`cp_ops.mesh.MeshShards` (:mod:`cp_ops.plan.mesh2d`).
     dims: int = 1
 
 
@@ -114,40 +115,3 @@ def load_builtin() -> None:
         for ref in (m.body, m.pipelined):
             if ref is not None:
                 _load(ref)
-
-
-def heads_divisible(heads: int, world_size: int) -> bool:
-    """Whether W divides H (the rule of every mode that splits heads)."""
-    return heads % world_size == 0
-
-
-def check_heads(mode: str, heads: int, world_size: int) -> None:
-    """Raise ValueError if ``mode`` splits heads over the ranks and W does not divide H."""
-    if spec(mode).needs_heads_divisible and not heads_divisible(heads, world_size):
-        others = [m for m in names(False) if not _REGISTRY[m].needs_heads_divisible]
-        hint = f"use mode={others[0]!r}, or a CP group whose size divides {heads}" if others else \
-            f"use a CP group whose size divides {heads}"
-        raise ValueError(f"mode={mode!r} needs the head count divisible by the CP world size; got heads={heads}, "
-                         f"world_size={world_size} ({hint})")
-
-
-def choose(mode: str, heads: int, world_size: int) -> str:
-    """The concrete mode for ``mode=`` at ``heads`` H and CP world size W.
-
-    'auto' → 'agkv' at W = 2 or where W does not divide H; else 'ulysses'. Why: per rank Ulysses receives
-    4(W−1)/W of one local tensor (Q, K, V in, the output back), AGKV 2(W−1) (K and V of every peer): equal at
-    W = 2, where Ulysses still adds a second all-to-all after the attention (nothing to hide it under) and the
-    head packing, and AGKV measured ahead at every S on 2x H200 (bf16, H=40, D=128, chunks 1: 4K 1.23x vs 1.10x
-    fast, 1.10x vs 0.88x torch; 8K 1.53x vs 1.48x fast, 1.40x vs 1.27x torch;
-    benchmarks/results/2026-11-30d_h200x2_torch2.11_cu130); from W = 3 Ulysses moves less (W = 4: 3 vs 6 local
-    tensors). A named mode is checked (ValueError: unknown name; H % W != 0 for a mode that splits heads) and
-    returned.
-    """
-    if mode == "auto":
-        return "ulysses" if world_size > 2 and heads_divisible(heads, world_size) and "ulysses" in _REGISTRY \
-            else "agkv"
-    if spec(mode).dims != 1:
-        raise ValueError(f"mode={mode!r} runs on a 2-D DeviceMesh (mesh_dim_names ('agkv', 'ulysses')); got a 1-D CP "
-                         f"group of {world_size} ranks: pass group=mesh, or one of {names()}")
-    check_heads(mode, heads, world_size)
-    return mode

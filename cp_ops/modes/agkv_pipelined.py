@@ -18,7 +18,7 @@ order.) Eager code calls the body directly.
 
 Uneven shards (``shards``): the padded blocks travel; each stage attends only the real rows of the blocks that
 landed (runs are joined only across full blocks). A key mask is not supported here (the LSE kernels take no mask:
-the dispatcher runs a masked AGKV call with chunks = 1).
+the plan runs a masked AGKV call with chunks = 1).
 
 Method: AGKV as in Megatron-LM context parallelism / xDiT; the LSE merge as in ring attention (Liu et al.,
 2023, arXiv:2310.01889) and flash-decoding.

@@ -15,7 +15,7 @@ contiguous run of tokens. Steps (``comm`` is a :class:`cp_ops.comm.MeshComm`: ``
 Bytes per rank per call, in units of one local tensor (``B·S_local·H·D`` elements): 4·(I−1)/I over the inner links
 (Q, K, V in, the output back), 2·(O−1) over the outer links (K and V of each other row for H/I heads: I·S_local
 tokens × H/I heads each); :mod:`cp_ops.cost` turns these into times. With I = 1 it is AGKV, with O = 1 Ulysses (the
-dispatcher runs the 1-D modes for those meshes).
+plan runs the 1-D modes for those meshes).
 
 Uneven shards / key mask (``shards``: a :class:`cp_ops.mesh.MeshShards`): the inner step pads to the row's largest
 block and selects the row's real tokens (as 1-D Ulysses does), the outer step pads rows to the largest row and selects

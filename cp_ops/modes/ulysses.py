@@ -37,7 +37,7 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     w = comm.world
     b, s, h, d = q.shape
     # heads per rank as an int: under dynamic=True a symbolic head count made the sub-groups' cuts ``i*hl//min(g, hl)``
-    # expressions Inductor could not lower (chunks 4 of 4 heads: "Exponent must be non-negative", 2026-12-02); a
+    # expressions Inductor could not lower (chunks 4 of 4 heads: "Exponent must be non-negative"); a
     # model's head count is a constant, so specializing it (a guard) recompiles nothing in practice
     hl = operator.index(h // w)
     g = max(1, min(chunks, hl))

@@ -168,7 +168,7 @@ _logged: set = set()
 #: destroy can carry a destroyed group's name and must be asked again. The entries of destroyed groups are dropped when
 #: cp_ops notices one (:func:`cp_ops.contract.on_group_destroyed`; until then they only keep the old objects alive).
 _group_choice: dict[tuple, str] = {}
-#: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops.dispatch's plans) is stale when it moved.
+#: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops.plan's plans) is stale when it moved.
 epoch = 0
 
 
@@ -255,7 +255,7 @@ def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
 def concrete_name(name: str, group_name: str, device) -> str:
     """The transport a call with resolved transport ``name`` (what :func:`resolve` returned) runs on the CP group
     named ``group_name`` on ``device``: 'fast' or 'torch' (any registered name), never 'auto' — what heuristics
-    keyed by transport read (:func:`cp_ops.modes.pipelined.choose_chunks`).
+    keyed by transport read (:func:`cp_ops.plan.rules.chunks_rule`).
 
     An explicit name is returned as is. For ``'auto'``: :func:`for_group`'s choice for the group (collective over the
     group the first time, as the op's first call would be; cached after); for a group of the 'fake' backend (tracing

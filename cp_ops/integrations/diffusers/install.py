@@ -10,7 +10,7 @@ import torch
 from ... import modes
 from ...group import resolve_group
 from ...comm_dtype import NONE as COMM_NONE, for_mode as comm_for_mode, normalize as normalize_comm_dtype
-from ...modes.pipelined import check_chunks
+from ...plan.rules import check_chunks
 from ...transport.base import names as transport_names
 from . import caches, dispatch, hooks
 from .caches import agree_step_caches
@@ -115,7 +115,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         mode, transport: as :func:`cp_ops.attention`.
         chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
             ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
-            None (default) = the fixed rule (:func:`cp_ops.modes.pipelined.choose_chunks`: 2 stages for AGKV on
+            None (default) = the fixed rule (:func:`cp_ops.plan.rules.chunks_rule`: 2 stages for AGKV on
             the fast transport, else 1), the same run after run; measured per shape on the first eager call only
             with ``CP_OPS_TUNE_MODES=1`` (code traced by ``torch.compile`` always takes the rule). Rule for calls that carry
             ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding

@@ -1,35 +1,43 @@
 """``mode='auto'`` on a flat CP group whose ranks span several nodes: the cost model picks the split.
 
 A flat group (``None``, a ``ProcessGroup``, a 1-D mesh) whose ranks are on more than one node (:mod:`cp_ops.node`:
-host names or ``CP_OPS_NODE_ID``) does not run the 1-D heuristic (:func:`cp_ops.modes.choose`): for each call shape
-:func:`for_call` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest and the call runs it:
+host names or ``CP_OPS_NODE_ID``) does not run the 1-D mode rule (:func:`cp_ops.plan.rules.mode_rule`): for each
+call shape :func:`route` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest and the call
+runs it:
 
 * ``W×1`` → pure AGKV over the flat group (mode 'agkv');
 * ``1×W`` → pure Ulysses over the flat group (mode 'ulysses'; W divides the heads);
-* ``O×I`` otherwise → 2-D CP (mode 'agkv_ulysses', :mod:`cp_ops.dispatch_mesh`) on a mesh built from the flat group:
+* ``O×I`` otherwise → 2-D CP (mode 'agkv_ulysses', :mod:`cp_ops.plan.mesh2d`) on a mesh built from the flat group:
   row o = group ranks ``o·I .. o·I+I−1`` (the inner, Ulysses dim: one node's ranks, a part of one, or whole
   nodes), column i = the ranks of equal index in each row (the outer, AGKV dim). Group rank r is mesh rank r, so each
-  rank keeps its token block (``seq_lens`` and key masks as given). Built once per (group, O, I, device type): two
+  rank keeps its token block (``seq_lens`` as given; a ``[B, S_total]`` key mask becomes this rank's slice,
+  :func:`local_mask`). Built once per (group, O, I, device type): two
   ``dist.new_group(..., use_local_synchronization=True)`` per rank (its row, then its column: only the member ranks
-  meet), bounded by ``CP_OPS_TIMEOUT_S``.
+  meet), bounded by ``CP_OPS_TIMEOUT_S``; destroyed when cp_ops notices the flat group destroyed.
 
 **Inputs of the choice** (the same on every rank for the same call): the group's node layout (agreed once per group,
 :func:`cp_ops.node.group_nodes`), the global token count (``S_local·W``, or ``sum(seq_lens)``), B, H, D, q's dtype
-and whether the call pipelines (``chunks ≥ 2``: the overlapped time). The figures are :class:`cp_ops.cost.Links`'
-defaults (H200 NVLink measured, the network assumed). No timing: deterministic. The first call of each shape agrees
-the choice over the group (one store exchange, :func:`cp_ops.contract.agree`); ranks whose calls differ there (a rank
-with a wrong shape) all take the 1-D path, whose checks then raise on every rank, naming the rule. A rank whose call
-differs from a shape its peers have already agreed and kept (a later call) meets no agreement: that mismatch is
-raised at ``CP_OPS_TIMEOUT_S`` (naming the ranks that did not arrive), not at once.
+and whether the call pipelines (``chunks ≥ 2``: the overlapped time). The figures are :func:`cp_ops.cost.links`
+(the network from ``CP_OPS_NETWORK_GBPS``). No timing: deterministic.
 
-**Not used** (the 1-D heuristic decides, as on one node): a group on one node; nodes holding different rank counts or
+**Every rank meets at the same keys.** Every call's plan on a group of several ranks learns the group's node layout
+(once per group), and on a group across nodes meets the split's agreement (one store exchange, :func:`decide`),
+whatever its mode and ``comm_dtype``: a call that takes no split (a mode named, FP8 on the link) says so in its value.
+Ranks whose values differ (a wrong shape on one, a mode named on one, FP8 on one) all take the 1-D path, whose rank
+contract then raises ValueError on every rank, naming the difference. ``comm_dtype`` reaches here in its normal form,
+so ``q.dtype`` and None take one route. A rank whose call differs from a call its peers have already planned (a later
+call, their plan cached) meets no agreement: that mismatch is raised at ``CP_OPS_TIMEOUT_S`` (naming the ranks that
+did not arrive), not at once.
+
+**Not used** (the 1-D rule decides, as on one node): a group on one node; nodes holding different rank counts or
 ranks not numbered node by node (the split's rows would not be nodes; :attr:`Split.why` says so); ``comm_dtype``
-given (the cost model prices the input dtype's bytes); an explicit ``mode``. Under ``torch.compile`` the choice is made while tracing
-(:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path; the choice depends on the sizes,
-so on several nodes a dynamic-shape compile specializes them (one graph per shape; on one node they stay dynamic).
+moving FP8 (the cost model prices the input dtype's bytes); an explicit ``mode``. Under ``torch.compile`` the choice is
+made while tracing (:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path; the choice
+depends on the sizes, so on several nodes a dynamic-shape compile specializes them (one graph per shape; on one node
+they stay dynamic).
 
 :func:`cp_ops.describe` reports the split and the cost model's numbers (:attr:`Split.why`) once the group's node layout
-is known (after its first ``mode='auto'`` call); before, it answers as for one node (it makes no collective).
+is known (after its first call); before, it answers as for one node (it makes no collective).
 """
 
 from __future__ import annotations
@@ -40,8 +48,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import config, contract, cost, modes, node
-from . import mesh as meshes
+from .. import comm_dtype as cd
+from .. import config, contract, cost, node
+from .. import mesh as meshes
+from . import rules
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -64,14 +74,12 @@ class Split(NamedTuple):
         return f"{self.outer}x{self.inner}"
 
 
-_calls: dict = {}  # (group, q shape, dtype, device type, seq_lens, pipelined) -> Split | None
-_meshes: dict = {}  # (group name, O, I, device type) -> DeviceMesh
-_one_node: set = set()  # groups of one rank or on one node: mode='auto' as the 1-D heuristic says
+_meshes: dict = {}  # (group name, O, I, device type) -> (DeviceMesh, its row group, its column group)
 
 
 def _request(q, seq_lens, chunks):
     """The cost-model request of a call (``(tokens, heads, head_dim, batch, dtype, overlapped)``), or None when q is
-    not a 4-D tensor of a supported dtype (the dispatcher's checks raise)."""
+    not a 4-D tensor of a supported dtype (the plan's checks raise)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.dtype not in _DTYPES:
         return None
     b, s, h, d = (operator.index(x) for x in q.shape)  # under torch.compile: specializes symbolic sizes (guards)
@@ -88,7 +96,7 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
     n_nodes = len(set(ids))
     if n_nodes == 1:
         return None
-    heur = modes.choose("auto", h, w) if h >= 1 else "agkv"
+    heur = rules.choose_mode("auto", h, w) if h >= 1 else "agkv"
     try:
         nodes, per = node.layout(ids)
     except ValueError as e:
@@ -100,7 +108,7 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
                      f"mode='auto' on a flat group across {nodes} nodes whose ranks are not numbered node by node "
                      f"(node ids by group rank: {list(ids)}): no 2-D split; the 1-D heuristic: {heur}")
     tokens = sum(seq) if seq is not None else s * w
-    links = cost.Links(network_gbps=config.settings.network_gbps)  # CP_OPS_NETWORK_GBPS: equal on every rank
+    links = cost.links()  # CP_OPS_NETWORK_GBPS: equal on every rank
     preds = [p for p in cost.predict(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b,
                                      links=links) if p.layout != "ring"]
     best = cost.choose(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b, links=links,
@@ -118,33 +126,34 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
     return Split(mode, best.outer, best.inner, "cost", why)
 
 
-def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, seq, device_type: str) -> tuple | None:
+def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, seq, device_type: str,
+           skip: str = "") -> tuple | None:
     """The split of a call (:class:`Split`'s fields), agreed by the group's ranks; None: the 1-D path as on one node
-    (the group is on one node, or this rank's inputs are not a valid request: ``shape`` None). Collective on the
-    first call of a group (node identities) and of each request (the agreement: every rank meets at one key, its
-    request and split in the value, so ranks whose calls differ all fall back to the 1-D path instead of waiting).
-    Marked constant for ``torch.compile`` (run while tracing; the graph holds its result)."""
+    (the group is on one node, this rank takes no split — ``skip`` says why: a mode given, FP8 on the link —, or its
+    inputs are not a valid request: ``shape`` None). Collective on the first call of a group (node identities) and,
+    on a group across nodes, of each plan (the agreement: every rank of the group meets at one key, its request —
+    or why it takes no split — in the value, so ranks whose calls differ all take the 1-D path, whose rank contract
+    raises on every rank, instead of waiting at different keys). Marked constant for ``torch.compile`` (run while
+    tracing; the graph holds its result)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     pg = _resolve_process_group(group_name)
     ids = node.group_nodes(pg)
     if len(set(ids)) == 1:
         return None
-    got, mine = None, "invalid inputs"
-    if shape is not None:
+    got, mine = None, skip or "invalid inputs"
+    if shape is not None and not skip:
         b, s, h, d = shape
         got = choose(ids, b, s, h, d, dtype, chunks_gt1, seq)
         mine = f"{b}x{s}x{h}x{d} {dtype} pipelined={int(chunks_gt1)} seq_lens={seq} -> {got.mode} {got.shape}"
-    seen = contract.agree(pg, "split", mine, "mode='auto''s split (cp_ops.split)")
-    if got is None:
-        return None
-    if len(set(seen)) != 1:  # the ranks' calls differ: the 1-D path, whose checks name the difference
-        w = pg.size()
-        heur = modes.choose("auto", h, w)
+    seen = contract.agree(pg, "split", mine, "mode='auto''s split (cp_ops.plan.split)")
+    if len(set(seen)) != 1:  # the ranks' calls differ: the 1-D path, whose checks name the difference (not kept)
         diff = [f"rank {r}: {v}" for r, v in enumerate(seen) if v != mine]
-        return tuple(Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "mismatch",
+        return tuple(Split("", 0, 0, "mismatch",
                            f"mode='auto' on a flat group across nodes: the ranks' calls differ (this rank: {mine}; "
                            f"{'; '.join(diff[:4])}): the 1-D path, whose checks name the difference"))
+    if got is None:
+        return None
     if got.mode == "agkv_ulysses":
         _mesh(pg, got.outer, got.inner, device_type)
     return tuple(got)
@@ -166,16 +175,14 @@ spans_nodes._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch
 
 def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
     """The 2-D ``('agkv', 'ulysses')`` mesh of ``pg`` split ``outer × inner`` (group rank r = mesh rank r; built once,
-    see the module docstring)."""
+    see the module docstring; its two groups destroyed with ``pg``)."""
     key = (pg.group_name, outer, inner, device_type)
     got = _meshes.get(key)
     if got is not None:
-        return got
+        return got[0]
     import datetime
 
     from torch.distributed.device_mesh import DeviceMesh
-
-    from . import config
 
     ranks = dist.get_process_group_ranks(pg)
     grid = [ranks[o * inner:(o + 1) * inner] for o in range(outer)]
@@ -184,47 +191,73 @@ def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
     row = dist.new_group(grid[o], timeout=timeout, use_local_synchronization=True)
     col = dist.new_group([grid[x][i] for x in range(outer)], timeout=timeout, use_local_synchronization=True)
     mesh = DeviceMesh.from_group([col, row], device_type, mesh=grid, mesh_dim_names=meshes.DIM_NAMES)
-    _meshes[key] = mesh
+    _meshes[key] = (mesh, row, col)
     return mesh
 
 
 def mesh_of(group_name: str, outer: int, inner: int, device_type: str):
     """The mesh :func:`decide` built for a 2-D split (eager and traced code read it here)."""
-    return _meshes[(group_name, outer, inner, device_type)]
+    return _meshes[(group_name, outer, inner, device_type)][0]
 
 
-def for_call(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None:
-    """The split of an eager ``mode='auto'`` call on the flat group ``pg`` (cached per shape: a dict lookup after the
-    first call), or None: the 1-D heuristic as on one node (also for inputs the dispatcher will reject)."""
-    if pg in _one_node:  # the common case: one dict lookup
-        return None
-    key = (pg, getattr(q, "shape", None), getattr(q, "dtype", None), seq_lens if type(seq_lens) is not list
-           else tuple(seq_lens), chunks)
-    try:
-        got = _calls.get(key, _calls)
-    except TypeError:  # unhashable seq_lens / chunks: decided each call (the dispatcher raises on a bad one)
-        got, key = _calls, None
-    if got is not _calls:
-        return got
+def mesh_if_built(group_name: str, outer: int, inner: int, device_type: str):
+    """:func:`mesh_of`, or None before the first call built it."""
+    got = _meshes.get((group_name, outer, inner, device_type))
+    return None if got is None else got[0]
+
+
+def local_mask(call, pg):
+    """The key mask a call on the split's mesh takes: a ``[B, S_total]`` mask of every key (the same on every rank)
+    becomes this rank's ``[B, S_local]`` slice (mesh rank r = group rank r holds the r-th token block); any other
+    mask as given (the mesh's checks judge it)."""
+    m, q = call.key_mask, call.q
+    if not isinstance(m, torch.Tensor) or m.dim() != 2 or not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return m
+    s, w, r = q.shape[1], pg.size(), pg.rank()
+    seq = _seq(call.seq_lens, w)
+    total = sum(seq) if seq is not None else s * w
+    if m.shape[1] != total or total == s:
+        return m
+    lo = sum(seq[:r]) if seq is not None else r * s
+    return m[:, lo:lo + s]
+
+
+def _skip(call) -> str:
+    """Why a flat-group call takes no split ('' where it may: ``mode='auto'`` with nothing in FP8; ``comm_dtype`` is
+    in its normal form, so ``q.dtype`` and None are one)."""
+    if call.mode != "auto":
+        return f"no split: mode={call.mode!r} given"
+    if call.comm_dtype != cd.NONE:
+        return "no split: comm_dtype moves FP8 (the cost model prices the input dtype's bytes)"
+    return ""
+
+
+def route(call, pg: dist.ProcessGroup) -> Split | None:
+    """The split a call on the flat group ``pg`` runs: source 'cost' (a 1-D mode or the 2-D mesh), 'mismatch' (the
+    ranks' calls differ: the 1-D path, and the plan is not kept, so the next call agrees again on every rank), or None
+    (the 1-D path; a 'heuristic' split too). Every call's plan on a group of several ranks asks — whatever its mode and
+    ``comm_dtype`` — so the ranks meet at the same keys (:func:`decide`); eager at the plan's build, traced while
+    tracing."""
     if pg.size() == 1:
-        _one_node.add(pg)
         return None
-    req = _request(q, seq_lens, chunks)
-    if req is None:  # this rank's inputs are wrong: still meet the others (on several nodes), then the 1-D checks
-        got = decide(pg.group_name, None, "", False, None, "cpu")
+    if torch.compiler.is_compiling():
+        if not spans_nodes(pg.group_name):
+            return None
+    elif len(set(node.group_nodes(pg))) == 1:
+        return None
+    skip, q = _skip(call), call.q
+    req = None if skip else _request(q, call.seq_lens, call.chunks)
+    if req is None:
+        got = decide(pg.group_name, None, "", False, None, "cpu", skip)
     else:
         b, s, h, d, dtype, piped = req
-        got = decide(pg.group_name, (b, s, h, d), dtype, piped, _seq(seq_lens, pg.size()), q.device.type)
-    if got is None and req is not None:  # a valid request answered None: the group is on one node
-        _one_node.add(pg)
+        got = decide(pg.group_name, (b, s, h, d), dtype, piped, _seq(call.seq_lens, pg.size()), q.device.type)
     out = None if got is None else Split(*got)
-    if key is not None and req is not None and (out is None or out.source != "mismatch"):
-        _calls[key] = out  # not a mismatch: the next call agrees again (a rank that kept it would not meet the others)
-    return out
+    return out if out is not None and out.source in ("cost", "mismatch") else None
 
 
 def _seq(seq_lens, w: int):
-    """``seq_lens`` as a tuple of W ints, or None (even shards; a bad one: None, the dispatcher raises)."""
+    """``seq_lens`` as a tuple of W ints, or None (even shards; a bad one: None, the checks raise)."""
     if seq_lens is None:
         return None
     try:
@@ -234,35 +267,31 @@ def _seq(seq_lens, w: int):
     return seq if len(seq) == w and min(seq, default=0) >= 0 else None
 
 
-def known(pg: dist.ProcessGroup, q, seq_lens, chunks) -> Split | None | str:
-    """What :func:`for_call` gives for this call without a collective: the :class:`Split`, None (one node, or
-    inputs it leaves to the dispatcher), or ``'unknown'`` (the group's node layout is not known yet: no
-    ``mode='auto'`` call on it so far)."""
-    req = _request(q, seq_lens, chunks)
+def known(call, pg: dist.ProcessGroup) -> Split | None:
+    """What :func:`route` gives for this call without a collective: the :class:`Split` (a 'heuristic' one too, for
+    its reason), or None (one node, a call that takes no split, inputs left to the checks, or the group's node layout
+    not known yet: no call on it so far)."""
+    req = None if _skip(call) else _request(call.q, call.seq_lens, call.chunks)
     if req is None or pg.size() == 1:
         return None
     ids = node.known_nodes(pg)
-    if ids is None:
-        return "unknown"
-    if len(set(ids)) == 1:
+    if ids is None or len(set(ids)) == 1:
         return None
-    key = (pg, q.shape, q.dtype, seq_lens if type(seq_lens) is not list else tuple(seq_lens), chunks)
-    if key in _calls:
-        return _calls[key]
     b, s, h, d, dtype, piped = req
-    return choose(ids, b, s, h, d, dtype, piped, _seq(seq_lens, pg.size()))
+    return choose(ids, b, s, h, d, dtype, piped, _seq(call.seq_lens, pg.size()))
 
 
-def forget() -> None:
-    """Drop the cached splits (not the meshes: their groups live on)."""
-    _calls.clear()
-    _one_node.clear()
+def _release(key) -> None:
+    mesh, row, col = _meshes.pop(key)
+    for g in (row, col):
+        try:
+            dist.destroy_process_group(g)
+        except (ValueError, RuntimeError, AssertionError):  # already destroyed (or the default group is gone)
+            pass
 
 
-def _destroyed(pg: Any) -> None:
-    forget()
+def release(pg: Any) -> None:
+    """Destroy the meshes built from the flat group ``pg`` (:mod:`cp_ops.plan` calls it when cp_ops notices ``pg``
+    destroyed)."""
     for key in [k for k in _meshes if k[0] == getattr(pg, "group_name", None)]:
-        del _meshes[key]
-
-
-contract.on_group_destroyed(_destroyed)
+        _release(key)

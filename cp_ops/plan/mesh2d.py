@@ -1,5 +1,5 @@
-"""Dispatch of a :func:`cp_ops.attention` call on a 2-D CP mesh (:mod:`cp_ops.mesh`): checks, decisions, one 2-D
-mode body run with a :class:`~cp_ops.comm.MeshComm`. The 1-D dispatcher (:mod:`cp_ops.dispatch`) is its model; this
+"""The plan of a :func:`cp_ops.attention` call on a 2-D CP mesh (:mod:`cp_ops.mesh`): checks, decisions, one 2-D
+mode body run with a :class:`~cp_ops.comm.MeshComm`. The flat plan (:mod:`cp_ops.plan.flat`) is its model; this
 module adds what a second group changes and reuses the rest.
 
 **Decisions.** ``mode``: 'auto' or a 2-D mode (``cp_ops.modes.names(dims=2)``: 'agkv_ulysses'); a 1-D mode name on a
@@ -24,8 +24,8 @@ exchange raises (a row peer failed) tells its outer group before raising (eager)
 instead of waiting. Compiled code checks inputs while tracing; a rank-specific failure at run time inside a compiled
 graph reaches the rank's inner group at once and its outer group by the timeout (``CP_OPS_TIMEOUT_S``).
 
-**Paths.** Eager calls take a cached :class:`MeshPlan` keyed as :mod:`cp_ops.dispatch`'s plans (the mesh in the
-group's place); traced calls (``torch.compile``, dispatch modes) run the body with two :class:`~cp_ops.comm.OpComm`.
+**Paths.** Eager calls take a :class:`MeshPlan` from :mod:`cp_ops.plan`'s cache (the mesh in the group's place);
+traced calls (``torch.compile``, dispatch modes) run the body with two :class:`~cp_ops.comm.OpComm`.
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import comm_dtype as cd, config, contract, dispatch, emulate, layout, mesh as meshes, modes, validate
-from .comm import DirectComm, MeshComm, OpComm
-from .kernels import local_attention
-from .modes import pipelined
-from .transport import base as transport_base
+from .. import comm_dtype as cd, config, contract, emulate, layout, mesh as meshes, modes, validate
+from ..comm import DirectCodec, DirectComm, MeshComm, OpCodec, OpComm
+from ..kernels import local_attention
+from ..transport import base as transport_base
+from . import flat, rules
+from .call import Call
 
-CALL = dispatch.CALL
+CALL = flat.CALL
 MODE = "agkv_ulysses"
-_plans: dict = {}
 
 
 class MeshDecision(NamedTuple):
     """What a 2-D call runs (see the module docstring). ``flat``: for a degenerate mesh, ``(dim name, 1-D mode)`` to
-    run through :mod:`cp_ops.dispatch` instead (``body`` is then None)."""
+    run through :mod:`cp_ops.plan.flat` instead (``body`` is then None)."""
 
     info: meshes.MeshInfo
     mode: str
@@ -61,14 +61,10 @@ class MeshDecision(NamedTuple):
     has_mask: bool
     flat: tuple | None
     fmts: tuple = cd.NONE  # the formats of (q, k, v, o) on the links (cp_ops.comm_dtype.for_mode, 'agkv_ulysses')
+    why: str = ""  # the mesh rule's reason (cp_ops.plan.rules.mesh_rule)
 
 
-def _outer_transport(transport: str) -> str:
-    return "torch" if transport == "torch" else "auto"
-
-
-def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, seq_lens, key_mask, tag,
-           pgs=None, comm_dtype=None, scale=None) -> MeshDecision:
+def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
     """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups (eager: a rank
     whose checks fail tells both — on a degenerate mesh, the one group its 1-D call uses); None while tracing.
 
@@ -77,12 +73,14 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
         head count the inner size does not divide (naming both and the mesh shape), and a ``comm_dtype`` whose K and
         V differ where the outer dim gathers them (:func:`cp_ops.comm_dtype.for_mode`).
     """
+    q, k, v, mode, transport, scale, chunks = call.q, call.k, call.v, call.mode, call.transport, call.scale, call.chunks
+    seq_lens, key_mask, tag, comm_dtype = call.seq_lens, call.key_mask, call.tag, call.comm_dtype
     compiling = torch.compiler.is_compiling()
     if tag is not None and compiling:
-        tag = dispatch.constant(tag)
+        tag = flat.constant(tag)
     O, I = info.outer, info.inner  # noqa: E741 - the mesh's dims
     chosen = MODE
-    flat = ("ulysses", "ulysses") if O == 1 and I > 1 else ("agkv", "agkv") if I == 1 and O > 1 else None
+    degenerate, c, why = rules.mesh_rule((O, I), mode, chunks if isinstance(chunks, int) else None)
     resolved = transport
     fmts, scale_word = cd.NONE, None
 
@@ -93,12 +91,12 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
             raise ValueError(f"mode on a 2-D CP mesh ({info.shape}, mesh_dim_names {meshes.DIM_NAMES}) must be one of "
                              f"{modes.names(dims=2)}; got {mode!r} (a 1-D mode runs on a 1-D group: pass "
                              "mesh['agkv'] or mesh['ulysses'], or a process group)")
-        pipelined.check_chunks(chunks)
+        rules.check_chunks(chunks)
         validate.check_same(("q", "k", "v"), (q, k, v))
         layout.check_not_bhsd("q", q)
-        fmts = cd.for_mode(cd.normalize(comm_dtype, q.dtype), MODE if flat is None else flat[1])
+        fmts = cd.for_mode(cd.normalize(comm_dtype, q.dtype), MODE if degenerate is None else degenerate[1])
         h = q.shape[2]
-        if (flat is None or flat[1] == "ulysses") and h % I:  # 1xI: 1-D Ulysses over the inner dim, the same rule
+        if (degenerate is None or degenerate[1] == "ulysses") and h % I:  # 1xI: 1-D Ulysses, the same rule
             raise ValueError(f"mode={MODE!r} on a {info.shape} mesh splits the heads over the inner ('ulysses') dim: "
                              f"its size must divide the head count; got heads={h}, inner size={I} (mesh {info.shape}): "
                              f"use a mesh whose inner size divides {h}")
@@ -126,25 +124,25 @@ def decide(q, k, v, info: meshes.MeshInfo, mode: str, transport: str, chunks, se
     except (ValueError, RuntimeError, TypeError) as e:
         if not compiling and pgs is not None and info.world > 1:
             # inner first: the order of the body's first launches; a degenerate mesh: the group of its 1-D call
-            told = pgs[::-1] if flat is None else [pgs[0] if flat[0] == "agkv" else pgs[1]]
+            told = pgs[::-1] if degenerate is None else [pgs[0] if degenerate[0] == "agkv" else pgs[1]]
             for pg in told:
                 contract.exchange(pg, CALL, "", failed=e)
         raise
-    c = 1 if chunks is None else chunks
     if compiling:
-        c = dispatch._constant(dispatch.constant(c))
+        c = flat._constant(flat.constant(c))
     seq = tuple(seq_lens) if seq_lens is not None else None
     rows = meshes.row_lens(seq, O, I) if seq is not None else None
     t = contract.variant_tag(mode=chosen, chunks=c, mesh=(O, I), key_mask="given" if key_mask is not None else "None",
                              tag=tag, comm_dtype=cd.tag(fmts), scale=scale_word)
-    body = None if flat is not None or info.world == 1 else modes.body(chosen, c)
-    return MeshDecision(info, chosen, resolved, _outer_transport(resolved), c, body, t, seq, rows,
-                        key_mask is not None, flat, fmts)
+    body = None if degenerate is not None or info.world == 1 else modes.body(chosen, c)
+    return MeshDecision(info, chosen, resolved, rules.outer_transport(resolved), c, body, t, seq, rows,
+                        key_mask is not None, degenerate, fmts, why)
 
 
-def _one_rank(q, k, v, scale, key_mask, fmts):
+def _one_rank(call: Call, fmts):
     """A 1x1 mesh: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, what a mesh of more ranks computes
     at chunks = 1 (:mod:`cp_ops.emulate`: K and V round-tripped twice, as they cross both dims)."""
+    q, k, v, scale, key_mask = call.q, call.k, call.v, call.scale, call.key_mask
     if fmts != cd.NONE and config.settings.emulate_comm:
         return emulate.attention(q, k, v, scale, key_mask, fmts, kv_trips=2)
     return local_attention(q, k, v, scale, key_mask)
@@ -156,60 +154,46 @@ def _shards(d: MeshDecision, q) -> meshes.MeshShards | None:
     return meshes.MeshShards(d.seq_lens, d.info, q.shape[1], q.device)
 
 
-def attention(q, k, v, group, mode, transport, scale, chunks, seq_lens, key_mask, tag,
-              comm_dtype=None) -> torch.Tensor:
-    """Run one CP attention call on a 2-D mesh ``group`` (inputs detached by the caller). Shapes and errors as
-    :func:`cp_ops.attention`."""
-    if comm_dtype is not None:
-        comm_dtype = dispatch._normal(comm_dtype, q)
+def traced(call: Call) -> torch.Tensor:
+    """The traced path of a call on the 2-D mesh ``call.group``. Shapes and errors as :func:`cp_ops.attention`."""
+    group = call.group
+    info = meshes.MeshInfo(*meshes.describe(group))
     eager = not torch.compiler.is_compiling()
-    if eager:
-        plan = _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
-        if plan is not None:
-            return plan.run(q, k, v, scale, key_mask)
-    info = meshes.MeshInfo(*meshes.describe(group))
-    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag,
-               meshes.groups(group) if eager else None, comm_dtype, scale)
+    d = decide(call, info, meshes.groups(group) if eager else None)
     if d.flat is not None:
-        return dispatch.attention(q, k, v, group[d.flat[0]], d.flat[1], transport, scale, chunks, seq_lens, key_mask,
-                                  tag, comm_dtype)
+        return flat.traced(call._replace(group=group[d.flat[0]], mode=d.flat[1]), group[d.flat[0]].get_group())
     if info.world == 1:
-        return _one_rank(q, k, v, scale, key_mask, d.fmts)
+        return _one_rank(call, d.fmts)
     tag = contract.set_partner(info.inner_name, d.tag, info.outer_name)  # a failed row exchange tells the column
-    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, tag, info.i, d.seq_lens)
-    outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows)
-    inner.fmts, outer.fmts = d.fmts, cd.outer(d.fmts)
+    inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, tag, info.i, d.seq_lens, OpCodec(d.fmts))
+    outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows,
+                   OpCodec(cd.outer(d.fmts)))
     comm = MeshComm(outer, inner)
-    return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=_shards(d, q), key_mask=key_mask)
+    return d.body(call.q, call.k, call.v, comm, scale=call.scale, chunks=d.chunks, shards=_shards(d, call.q),
+                  key_mask=call.key_mask)
 
 
-def describe(q, group, mode: str, transport: str, chunks, seq_lens, key_mask, comm_dtype=None):
-    """What a call of :func:`attention` on the 2-D mesh ``group`` runs, without a collective (:func:`cp_ops.describe`:
-    arguments, return and errors there; ``q`` in BSHD): a degenerate mesh describes its 1-D call on the one dim
-    (:func:`cp_ops.dispatch.describe`); else mode 'agkv_ulysses' with the caller's chunks or 1, the inner (Ulysses)
+def describe(call: Call):
+    """What a call on the 2-D mesh ``call.group`` runs, without a collective (:func:`cp_ops.describe`: arguments,
+    return and errors there; ``q`` in BSHD): a degenerate mesh describes its 1-D call on the one dim
+    (:func:`cp_ops.plan.flat.describe`); else mode 'agkv_ulysses' with the caller's chunks or 1, the inner (Ulysses)
     dim's transport. Raises as :func:`decide` on this rank alone."""
-    from .modes import tune
-
+    group, q, mode, chunks = call.group, call.q, call.mode, call.chunks
     info = meshes.MeshInfo(*meshes.describe(group))
-    d = decide(q, q, q, info, mode, transport, chunks, seq_lens, key_mask, None, None, comm_dtype)
+    d = decide(call._replace(k=q, v=q, tag=None, scale=None), info)
     if d.flat is not None:
-        why = (f"a {info.shape} mesh: 1-D {d.flat[1]} over its '{d.flat[0]}' dim"
-               + ("" if mode == "auto" else f" (mode {mode!r} given)"))
-        return dispatch.describe(q, group[d.flat[0]], d.flat[1], transport, chunks, seq_lens, key_mask, comm_dtype,
-                                 mode_why=why)
+        sub = group[d.flat[0]]
+        return flat.describe(call._replace(group=sub, mode=d.flat[1]), sub.get_group(), mode_why=d.why)
     if info.world == 1:
-        return tune.Choice(MODE, 1, "heuristic", {}, d.inner_transport,
-                           "a 1x1 mesh: local attention, nothing moved")
+        return flat.measured.Choice(MODE, 1, "heuristic", {}, d.inner_transport, d.why)
     shown = transport_base.agreed_name(d.inner_transport, info.inner_name, q.device) or "auto"
     src = "explicit" if mode != "auto" and chunks is not None else "heuristic"
-    why = (f"a {info.shape} mesh: Ulysses over the inner dim ({info.inner} ranks), AGKV over the outer dim "
-           f"({info.outer} rows)" + ("" if chunks is not None else ", chunks=None means 1 (cp_ops.dispatch_mesh)"))
-    return tune.Choice(d.mode, d.chunks, src, {}, shown, why)
+    return flat.measured.Choice(d.mode, d.chunks, src, {}, shown, d.why)
 
 
 # ---- the eager path -------------------------------------------------------------------------------------------------
 class MeshPlan:
-    """What every eager 2-D call with one key runs: ``run(q, k, v, scale, key_mask)`` → output."""
+    """What every eager 2-D call with one key runs: ``run(call)`` → output."""
 
     __slots__ = ("pgs", "d", "shards", "comm", "epoch", "device")
 
@@ -217,24 +201,24 @@ class MeshPlan:
         self.pgs, self.d, self.shards, self.device = pgs, d, shards, device
         self.comm, self.epoch = None, -1
 
-    def _comm(self, pg, transport: str, seq) -> DirectComm:
+    def _comm(self, pg, transport: str, seq, fmts) -> DirectComm:
         tag, device = contract.with_seq_lens(self.d.tag, seq), self.device
         check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, transport, shape, dtype, extra, 0, tag,
                                                                 contract.tag_note(tag)))
-        return DirectComm(pg, None, check, lambda: transport_base.for_group(transport, pg, device))
+        return DirectComm(pg, None, check, lambda: transport_base.for_group(transport, pg, device), DirectCodec(fmts))
 
-    def run(self, q, k, v, scale, key_mask=None):
+    def run(self, call: Call):
         d = self.d
         if self.epoch != transport_base.epoch:
             outer_pg, inner_pg = self.pgs
-            self.comm = MeshComm(self._comm(outer_pg, d.outer_transport, d.rows),
-                                 self._comm(inner_pg, d.inner_transport, d.seq_lens))
-            self.comm.inner.fmts, self.comm.outer.fmts = d.fmts, cd.outer(d.fmts)
+            self.comm = MeshComm(self._comm(outer_pg, d.outer_transport, d.rows, cd.outer(d.fmts)),
+                                 self._comm(inner_pg, d.inner_transport, d.seq_lens, d.fmts))
             self.epoch = transport_base.epoch
         comm = self.comm
         comm.inner.armed = comm.outer.armed = True
         try:
-            return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=self.shards, key_mask=key_mask)
+            return d.body(call.q, call.k, call.v, comm, scale=call.scale, chunks=d.chunks, shards=self.shards,
+                          key_mask=call.key_mask)
         except BaseException as e:
             comm.drain()
             # the inner exchange raised: tell the outer group too — unless a row peer was late (a timeout): then the
@@ -251,15 +235,16 @@ class MeshPlan:
 class _Flat:
     """The plan of a degenerate mesh: the 1-D call on one dim's group."""
 
-    __slots__ = ("pg", "mode", "args")
+    __slots__ = ("pg", "mode", "sub", "plan")
 
-    def __init__(self, pg, mode, args):
-        self.pg, self.mode, self.args = pg, mode, args
+    def __init__(self, pg, mode, sub, plan):
+        self.pg, self.mode, self.sub, self.plan = pg, mode, sub, plan
 
-    def run(self, q, k, v, scale, key_mask=None):
-        transport, chunks, seq_lens, tag, comm_dtype = self.args
-        return dispatch.attention(q, k, v, self.pg, self.mode, transport, scale, chunks, seq_lens, key_mask, tag,
-                                  comm_dtype)
+    def run(self, call: Call):
+        call = call._replace(group=self.sub, mode=self.mode)
+        if self.plan is None:  # nothing to move: the traced path's empty case
+            return flat.traced(call, self.pg)
+        return self.plan.run(call)
 
 
 class _Local:
@@ -268,38 +253,11 @@ class _Local:
     def __init__(self, fmts):
         self.fmts = fmts
 
-    def run(self, q, k, v, scale, key_mask=None):
-        return _one_rank(q, k, v, scale, key_mask, self.fmts)
+    def run(self, call: Call):
+        return _one_rank(call, self.fmts)
 
 
-def _lookup(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None, scale=None):
-    """The plan for this call (built on the first call with its key), or None: take the traced path (as
-    :func:`cp_ops.dispatch._lookup`)."""
-    try:
-        key = dispatch.plan_key(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
-        if key is None:
-            return None
-        e = _plans.get(key)
-    except (AttributeError, TypeError):
-        return None
-    if e is not None:
-        if e[1] is group:
-            return e[0]
-        # an equal mesh object (a mesh compares by its layout: one made after destroy_process_group() equals the
-        # destroyed one): the plan serves it only over the same process groups
-        if not _same_groups(e[0], group):
-            _plans.pop(key, None)
-            return None
-        _plans[key] = (e[0], group)
-        return e[0]
-    plan = _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype, scale)
-    if len(_plans) >= dispatch._MAX_PLANS:
-        _plans.clear()
-    _plans[key] = (plan, group)
-    return plan
-
-
-def _same_groups(plan, mesh) -> bool:
+def same_groups(plan, mesh) -> bool:
     """Whether ``plan`` (built for a mesh equal to ``mesh``) runs on ``mesh``'s process groups."""
     pgs = meshes.groups(mesh)
     if isinstance(plan, MeshPlan):
@@ -309,16 +267,19 @@ def _same_groups(plan, mesh) -> bool:
     return True  # local attention or nothing to move: no group
 
 
-def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, comm_dtype=None, scale=None):
-    from .group import resolve_group
+def build(call: Call):
+    """The eager plan of a call on the 2-D mesh ``call.group`` (None: nothing to move). Raises as :func:`decide`."""
+    from ..group import resolve_group
 
     resolve_group(None)  # RuntimeError when torch.distributed is not initialized
+    group, q = call.group, call.q
     info = meshes.MeshInfo(*meshes.describe(group))
     pgs = meshes.groups(group)
-    d = decide(q, k, v, info, mode, transport, chunks, seq_lens, key_mask, tag, pgs, comm_dtype, scale)
+    d = decide(call, info, pgs)
     if d.flat is not None:
-        return _Flat(pgs[0] if d.flat[0] == "agkv" else pgs[1], d.flat[1],
-                     (transport, chunks, seq_lens, tag, comm_dtype))
+        sub = group[d.flat[0]]
+        pg = pgs[0] if d.flat[0] == "agkv" else pgs[1]
+        return _Flat(pg, d.flat[1], sub, flat.build(call._replace(group=sub, mode=d.flat[1]), pg, d.why))
     if info.world == 1:
         return _Local(d.fmts)
     shards = _shards(d, q)
@@ -326,11 +287,3 @@ def _build(q, k, v, group, mode, transport, chunks, seq_lens, key_mask, tag, com
     if q.shape[0] * rows * q.shape[2] * q.shape[3] == 0:
         return None  # nothing to move: the ops' empty path
     return MeshPlan(pgs, d, shards, q.device)
-
-
-def forget() -> None:
-    """Drop every cached 2-D plan."""
-    _plans.clear()
-
-
-contract.on_group_destroyed(lambda pg: forget())

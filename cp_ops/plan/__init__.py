@@ -1,0 +1,177 @@
+"""The one home of a call's decision: :func:`run` takes a :class:`~cp_ops.plan.call.Call` (the arguments normalized
+once at the API) to the body that runs it; :func:`describe` says what it runs and why.
+
+The data path (``docs/architecture.md``): public API (:mod:`cp_ops.attention`) → **plan** (here) → mode body
+(:mod:`cp_ops.modes`) → comm (:mod:`cp_ops.comm`) → op (:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`)
+→ kernel (:mod:`cp_ops.kernels`, ``csrc/``).
+
+* :mod:`.call` — the :class:`Call` and its key;
+* :mod:`.rules` — the rules (mode, FP8's mode rule, stages), each returning its reason;
+* :mod:`.split` — ``mode='auto'`` on a flat group across nodes: the cost model's split (its reason: the predicted ms);
+* :mod:`.measured` — the opt-in measured choice (``CP_OPS_TUNE_MODES=1``) and the choices stored;
+* :mod:`.flat`, :mod:`.mesh2d` — the checks, the decision (recording the rules' reasons) and the plan object of a
+  call on a flat group and on a 2-D mesh; the traced path of each.
+
+**One cache.** Eager calls (not traced, plain tensors, no torch dispatch mode) look their plan up by
+:meth:`Call.key` in one dict, 1-D and 2-D alike; the first call with a key builds it (checks on every rank, the
+cross-node split where it applies, the decisions); a repeat call is the dict lookup and the body. Traced calls
+(``torch.compile``, dispatch modes, empty tensors) decide per call: Dynamo traces it once. A destroyed group, or
+:func:`forget`, drops every plan.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import contract
+from ..group import resolve_group
+from ..mesh import is_mesh
+from . import flat, measured, mesh2d, split
+from .call import Call, make
+
+__all__ = ["Call", "make", "run", "describe", "forget"]
+
+_MAX_PLANS = 1024  # distinct keys kept (a model has a handful; a shape sweep clears and refills)
+_plans: dict = {}
+
+
+def run(call: Call) -> torch.Tensor:
+    """Run one CP attention call (inputs detached by the caller): its eager plan where it applies, else the traced
+    path. Shapes and errors as :func:`cp_ops.attention`."""
+    if not torch.compiler.is_compiling():
+        plan = _lookup(call)
+        if plan is not None:
+            return plan.run(call)
+    return _traced(call)
+
+
+def _traced(call: Call) -> torch.Tensor:
+    if is_mesh(call.group):
+        return mesh2d.traced(call)
+    pg = resolve_group(call.group)
+    s = split.route(call, pg)
+    if s is None or s.source != "cost":
+        return flat.traced(call, pg)
+    if s.mode == "agkv_ulysses":
+        return mesh2d.traced(_on_mesh(call, pg, s))
+    return flat.traced(call._replace(mode=s.mode), pg)
+
+
+def _on_mesh(call: Call, pg, s: split.Split) -> Call:
+    """``call`` on the 2-D mesh the split built from its flat group ``pg``: a ``[B, S_total]`` key mask becomes this
+    rank's ``[B, S_local]`` slice (mesh rank r = group rank r holds the r-th token block)."""
+    mesh = split.mesh_of(pg.group_name, s.outer, s.inner, call.q.device.type)
+    return call._replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg))
+
+
+class _Routed:
+    """The plan of a flat-group call the cross-node split sent elsewhere (a 1-D mode, or the mesh built from the
+    group): ``pg`` the caller's flat group, ``split`` the split (its reason)."""
+
+    __slots__ = ("pg", "split", "plan")
+
+    def __init__(self, pg, s, plan):
+        self.pg, self.split, self.plan = pg, s, plan
+
+    def run(self, call: Call):
+        if self.split.mode == "agkv_ulysses":
+            call = _on_mesh(call, self.pg, self.split)
+        else:
+            call = call._replace(mode=self.split.mode)
+        if self.plan is None:  # nothing to move: the traced path's empty case
+            return _traced(call)
+        return self.plan.run(call)
+
+
+def _build(call: Call):
+    """``(plan, keep)``: the plan of the call's first use (None: nothing to move) and whether to cache it (not where
+    the ranks' calls differed at the split's agreement: the next call agrees again on every rank)."""
+    if is_mesh(call.group):
+        return mesh2d.build(call), True
+    pg = resolve_group(call.group)
+    s = split.route(call, pg)
+    if s is None or s.source != "cost":
+        return flat.build(call, pg), s is None
+    if s.mode == "agkv_ulysses":
+        return _Routed(pg, s, mesh2d.build(_on_mesh(call, pg, s))), True
+    return _Routed(pg, s, flat.build(call._replace(mode=s.mode), pg)), True
+
+
+def _lookup(call: Call):
+    """The plan for this call (built and cached on the first call with its key), or None: take the traced path (as
+    :meth:`Call.key` says, nothing to move, an unhashable key)."""
+    group = call.group
+    try:
+        key = call.key()
+        if key is None:
+            return None
+        e = _plans.get(key)
+    except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
+        return None
+    if e is not None:
+        if e[1] is (dist.group.WORLD if group is None else group):
+            return e[0]
+        if not _same_groups(e[0], group):
+            _plans.pop(key, None)
+            return None
+        _plans[key] = (e[0], group)  # another mesh object over the plan's groups (e.g. a fresh slice of a larger mesh)
+        return e[0]
+    plan, keep = _build(call)
+    if keep:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = (plan, dist.group.WORLD if group is None else group)
+    return plan
+
+
+def _same_groups(plan, group) -> bool:
+    """Whether a plan cached under an equal key (the default group was destroyed or replaced, or ``group`` is a
+    DeviceMesh equal to the plan's — a mesh compares by its layout: one made after destroy_process_group() equals the
+    destroyed one — but maybe not over its groups) runs on ``group``'s process groups."""
+    if group is None or plan is None:
+        return False
+    if is_mesh(group):
+        return mesh2d.same_groups(plan, group)
+    return getattr(plan, "pg", None) is resolve_group(group)
+
+
+def describe(call: Call) -> measured.Choice:
+    """What a call runs, without a collective (:func:`cp_ops.describe`: arguments, return and errors there)."""
+    if is_mesh(call.group):
+        return mesh2d.describe(call)
+    pg = resolve_group(call.group)
+    c = flat.describe(call, pg)  # the checks, as the call
+    s = split.known(call, pg)
+    if s is None:  # one node, or before the group's first call: answered as for one node (local, no collective)
+        return c
+    if s.source != "cost":
+        return c._replace(why=s.why + "; " + c.why)
+    if s.mode == "agkv_ulysses":
+        mesh = split.mesh_if_built(pg.group_name, s.outer, s.inner, call.q.device.type)
+        if mesh is None:
+            return measured.Choice(s.mode, 1 if call.chunks is None else call.chunks, "cost", {}, "auto",
+                                   s.why + "; the mesh is built by the first call")
+        c = mesh2d.describe(call._replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg)))
+    else:
+        c = flat.describe(call._replace(mode=s.mode), pg)
+    return c._replace(source="cost", why=s.why + "; " + c.why)
+
+
+def forget() -> None:
+    """Drop every cached plan and every stored choice (the next call of each key decides again: agrees or measures,
+    as on its first call; the cache file is left as it is). Tests use it; after changing what a plan caches, e.g.
+    the chunks table."""
+    _plans.clear()
+    measured._memo.clear()
+
+
+def _destroyed(pg) -> None:
+    """What cp_ops made for a group it notices destroyed: the plans (they hold their group), its stored choices, the
+    split's meshes built from it (their groups destroyed too)."""
+    _plans.clear()
+    measured.drop_destroyed()
+    split.release(pg)
+
+
+contract.on_group_destroyed(_destroyed)

@@ -1,0 +1,93 @@
+"""A call of :func:`cp_ops.attention`: its arguments normalized once, at the API, into one value that flows down.
+
+Normalized: the layout (BSHD: a BHSD call's tensors are transposed views before the :class:`Call` is made),
+``comm_dtype`` (its normal form, :func:`cp_ops.comm_dtype.normalize`: ``None`` and ``q.dtype`` are one value; an
+invalid one is kept as given, so the plan's checks raise it on every rank). :meth:`Call.key` is the plan cache's key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import comm_dtype as cd
+from .. import config
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # > 0 while a TorchDispatchMode (tracing, fake, ...) is active
+
+
+class Call(NamedTuple):
+    """One CP attention call (arguments as :func:`cp_ops.attention`; tensors BSHD, inputs detached)."""
+
+    q: Any
+    k: Any
+    v: Any
+    group: Any = None
+    mode: str = "auto"
+    transport: str = "auto"
+    scale: Any = None
+    chunks: Any = None
+    seq_lens: Any = None
+    key_mask: Any = None
+    tag: Any = None
+    comm_dtype: Any = cd.NONE  # the normal form, or the caller's value when it is not valid
+
+    def key(self):
+        """The plan cache's key of this call, or None: take the traced path (an argument that is not a plain tensor,
+        a torch dispatch mode active — they must see the ops —, ``seq_lens`` not a tuple or list of ints, a key mask
+        not a tensor). The key holds the q/k/v shapes, dtypes and devices, the group, mode, transport, chunks (and its
+        type), the measuring setting, ``tag`` by type and repr where it is not a str or int (``True``, ``1`` and
+        ``1.0`` hash alike but are different tags), the FP8 formats, ``scale``, ``seq_lens`` and the mask's shape,
+        dtype and device (its values are data, read at every call). A new argument of :func:`cp_ops.attention` must
+        be part of it. May raise TypeError/AttributeError (and an unhashable group at the dict lookup): the caller
+        takes the traced path, which raises the error."""
+        q, k, v = self.q, self.k, self.v
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
+                or _dispatch_modes():
+            return None
+        tag, chunks, seq_lens, key_mask = self.tag, self.chunks, self.seq_lens, self.key_mask
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, self.group,
+               self.mode, self.transport, chunks, type(chunks), config.settings.tune_modes,
+               tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), self.comm_dtype,
+               self.scale)
+        if seq_lens is not None or key_mask is not None:
+            extra = _layout_key(seq_lens, key_mask)
+            if extra is None:
+                return None
+            key += extra
+        return key
+
+
+def make(q, k, v, *, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype) -> Call:
+    """The :class:`Call` of :func:`cp_ops.attention`'s keywords (BSHD tensors): ``comm_dtype`` normalized."""
+    fmts = cd.NONE if comm_dtype is None else normal_comm_dtype(comm_dtype, q)
+    return Call(q, k, v, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens,
+                key_mask=key_mask, tag=tag, comm_dtype=fmts)
+
+
+def normal_comm_dtype(comm_dtype, q):
+    """``comm_dtype`` in its normal form (hashable, a constant under compile), or as given when it is not valid (the
+    plan's checks raise it on every rank)."""
+    try:
+        return cd.normalize(comm_dtype, getattr(q, "dtype", None))
+    except ValueError:
+        return comm_dtype
+
+
+def _layout_key(seq_lens, key_mask):
+    """What a ``seq_lens`` / ``key_mask`` call adds to its key; None: the traced path (it raises on a bad one). Ints
+    only, by type: ``4.0`` and ``True`` hash like ``4`` and ``1`` but are not token counts."""
+    if seq_lens is not None:
+        if type(seq_lens) is not tuple:
+            if type(seq_lens) is not list:
+                return None
+            seq_lens = tuple(seq_lens)
+        for n in seq_lens:
+            if type(n) is not int:
+                return None
+    if key_mask is None:
+        return (seq_lens, None)
+    if type(key_mask) is not torch.Tensor:
+        return None
+    return (seq_lens, key_mask.shape, key_mask.dtype, key_mask.device)

@@ -1,0 +1,324 @@
+"""The plan of a call on a flat CP group (a ``ProcessGroup`` or a 1-D mesh): its checks and decisions, and the body
+run with one comm.
+
+**Decisions** (:func:`decide`, the same on both paths): the input rules (:mod:`cp_ops.validate`, :mod:`cp_ops.layout`;
+a rank whose rules fail tells its peers before raising, so every rank raises), the concrete mode
+(:func:`cp_ops.plan.rules.fp8_mode`, :func:`cp_ops.plan.rules.mode_rule`), the transport
+(:func:`cp_ops.transport.base.resolve`), the stage count (:func:`cp_ops.plan.rules.chunks_rule`, or the opt-in measured
+choice :func:`cp_ops.plan.measured.decide`), the body, the layout (:class:`cp_ops.layout.Shards` for
+``seq_lens``/``key_mask``) and the variant tag the rank contract compares (:func:`cp_ops.contract.variant_tag`: mode,
+chunks, shards, mask, the caller's ``tag``, the FP8 formats :func:`cp_ops.comm_dtype.for_mode` gives, which the comm's
+codec encodes and decodes; the softmax ``scale``: :func:`cp_ops.contract.scale_field`). Each rule's reason is recorded
+in :attr:`Decision.why` as it fires.
+
+**Two paths, one body:**
+
+* *traced* (``torch.compile``, or a call the eager path does not cover: a tensor subclass or FakeTensor, a torch
+  dispatch mode such as make_fx or a flop counter, an empty tensor): :func:`traced` runs the body with
+  :class:`~cp_ops.comm.OpComm` (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it
+  once).
+* *eager*: a :class:`Plan` cached by :mod:`cp_ops.plan` under the call's key (:meth:`cp_ops.plan.call.Call.key`) holds
+  the decisions of the first call with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict
+  lookup and the body: the transport called directly, no dispatcher.
+
+Both make one rank-contract exchange per call, at the call's first launch, with the same signature, so ranks that
+run a layer eager and compiled still agree. If the body raises between a launch and its wait (CUDA OOM in the
+attention), the comm waits for what it launched (:meth:`~cp_ops.comm.DirectComm.drain`) before the error propagates:
+the transport and the group stay usable and the peers' collectives of this call complete.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .. import config, contract, emulate, layout, modes, validate
+from .. import comm_dtype as cd
+from ..comm import DirectCodec, DirectComm, OpCodec, OpComm
+from ..kernels import local_attention
+from ..transport import base as transport_base
+from . import measured, rules
+from .call import Call
+
+#: The rank contract's name of an attention call (its messages say "cp_ops.attention (call #n)").
+CALL = "cp_ops.attention"
+
+
+class Decision(NamedTuple):
+    """What a call runs: the concrete mode, the resolved transport, the stages, the body, whether it runs as the
+    pipelined op when traced, the rank contract's tag, the uneven counts (or None), whether a mask comes, the FP8
+    formats and why (the reasons the rules gave, or where the measured choice came from)."""
+
+    world: int
+    mode: str
+    transport: str
+    chunks: int
+    body: Any
+    as_op: bool
+    tag: int
+    seq_lens: tuple | None
+    has_mask: bool
+    fmts: tuple = cd.NONE  # the formats of (q, k, v, o) on the link (cp_ops.comm_dtype)
+    why: str = ""
+    source: str = "heuristic"
+
+
+def decide(call: Call, pg: dist.ProcessGroup, given_why: str = "") -> Decision:
+    """Check a call's inputs (every rank raises if one rank's fail) and make its decisions (module docstring).
+    ``given_why``: for a ``mode`` a rule chose, not the caller (a degenerate mesh), that rule in words (recorded as the
+    mode's reason).
+
+    Raises:
+        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
+    """
+    q, k, v, mode, transport, scale, chunks = call.q, call.k, call.v, call.mode, call.transport, call.scale, call.chunks
+    seq_lens, key_mask, tag, comm_dtype = call.seq_lens, call.key_mask, call.tag, call.comm_dtype
+    world = pg.size()
+    chosen, mode_why, resolved, fmts, asked_fmts, scale_word = mode, "", transport, cd.NONE, cd.NONE, None
+    fp8_why = ""
+    try:  # FP8's mode rule: 'auto' with K and V apart runs Ulysses (a bad comm_dtype or q: the checks raise it)
+        mode, fp8_why = rules.fp8_mode(mode, comm_dtype, q.shape[2], world)
+    except (AttributeError, IndexError, TypeError):
+        pass
+    if tag is not None and torch.compiler.is_compiling():
+        tag = constant(tag)
+        if _symbolic(tag):
+            raise ValueError(f"tag must be a Python constant under torch.compile; got {tag!r} holding a symbolic int "
+                             "(an int that changed between compiles of the same code): pass a str tag (e.g. "
+                             "f'layer{i}'), or compile with dynamic=False")
+
+    def local_checks():
+        nonlocal chosen, mode_why, resolved, fmts, asked_fmts, scale_word
+        rules.check_chunks(chunks)
+        scale_word = contract.scale_field(scale)  # TypeError for a scale that is not a number
+        validate.check_same(("q", "k", "v"), (q, k, v))
+        layout.check_not_bhsd("q", q)  # a BHSD tensor passed as BSHD: ValueError naming both layouts
+        chosen, why = rules.mode_rule(mode, q.shape[2], world)
+        mode_why = fp8_why or given_why or why
+        resolved = transport_base.resolve(transport, q.device.type)
+        asked_fmts = cd.normalize(comm_dtype, q.dtype)
+        if q.shape[3] == 0:  # head_dim 0: nothing to encode (the codec's rows hold D >= 1 values), as nothing moves
+            asked_fmts = cd.NONE
+        fmts = cd.for_mode(asked_fmts, chosen)
+        if world > 1:
+            validate.check_device_for_group(q, pg)
+        if seq_lens is not None:
+            layout.check_seq_lens(seq_lens, world, pg.rank(), q.shape[1])
+        if key_mask is not None:
+            layout.check_key_mask(key_mask, q, _total(q, world, seq_lens))
+            if chunks is not None and chunks > 1 and not modes.spec(chosen).masks_pipelined:
+                raise ValueError(f"mode={chosen!r} with chunks > 1 takes no key_mask (its pipelined variant merges "
+                                 f"partial outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass "
+                                 "chunks=1 or None")
+        if tag is not None:
+            contract.variant_tag(tag=tag)  # TypeError for a tag whose repr differs across ranks
+
+    contract.api_checked(pg, CALL, local_checks)
+    if world == 1:
+        return Decision(1, chosen, resolved, 1, None, False, 0, None, key_mask is not None, fmts,
+                        "a group of one rank: local attention, nothing moved")
+    if (seq_lens is not None or key_mask is not None) and chunks is None:
+        c, why = rules.chunks_rule(chosen, world, resolved, None, layout_call=True)
+        why, source = f"{why}; {mode_why}", "heuristic"
+    else:
+        ch = measured.decide(mode, chunks, chosen, q, pg, resolved, runner(q, pg, resolved, asked_fmts),
+                             cd.tag(asked_fmts) or "", mode_why)
+        chosen, c, why, source = ch.mode, ch.chunks, ch.why, ch.source
+        if source == "explicit" and fp8_why:  # the FP8 rule chose the mode, the caller the chunks
+            why, source = f"{mode_why}; chunks={c} given", "heuristic"
+        fmts = cd.for_mode(asked_fmts, chosen)  # a measured choice may be another mode than the heuristic's
+    if torch.compiler.is_compiling():
+        c = _constant(constant(c))  # the variant tag is a constant of the graph
+    seq = tuple(seq_lens) if seq_lens is not None else None
+    spec = modes.spec(chosen)
+    mask_word = "None" if key_mask is None else \
+        "every key" if layout.every_key(key_mask, q.shape[1], _total(q, world, seq), seq) else "given"
+    fp8 = cd.tag(fmts)
+    # with an FP8 format the wire carries uint8 rows whatever the inputs' dtype, so the contract's dtype word cannot
+    # tell ranks apart whose inputs differ in dtype (their outputs' all-to-all would then mismatch): the tag does
+    t = contract.variant_tag(mode=chosen, chunks=c, key_mask=mask_word, tag=tag, comm_dtype=fp8, scale=scale_word,
+                             input_dtype=validate.dtype_name(q.dtype) if fp8 else None)
+    return Decision(world, chosen, resolved, c, modes.body(chosen, c), c > 1 and spec.pipelined_as_op, t, seq,
+                    key_mask is not None, fmts, why, source)
+
+
+def _total(q, world: int, seq_lens):
+    """The call's token count over all ranks: ``sum(seq_lens)``, else ``W * S_local``."""
+    return sum(seq_lens) if seq_lens is not None else world * q.shape[1]
+
+
+def _constant(n):
+    """``n`` as a Python int while Dynamo traces, where an int argument that changed between compiles of the same code
+    can stay symbolic (automatic dynamic; torch 2.11): comparing it with each candidate guards on its value and yields
+    the constant. Raises ValueError past 4096 (no stage count is that large)."""
+    if type(n) is int:
+        return n
+    for i in range(1, 4097):
+        if n == i:
+            return i
+    raise ValueError(f"chunks must be an int from 1 to 4096; got {n!r}")
+
+
+def constant(value):
+    """``value`` (an int, or a tuple/list of them, str, ...) with every int made a constant of the trace (under
+    ``torch.compile``). Dynamo holds an int that changed between compiles of the same code (a function argument, a
+    closure cell: ``chunks``, ``tag``) as a lazy constant (torch 2.13) or a symbolic int (automatic dynamic), which
+    :func:`cp_ops.contract.variant_tag` (a constant function) cannot take; ``operator.index`` makes the lazy one a
+    constant guarded by value (one graph per value). A symbolic int stays symbolic (the callers raise)."""
+    t = type(value)
+    if t is tuple or t is list:
+        return t(constant(x) for x in value)
+    if t is int:
+        return operator.index(value)
+    return value
+
+
+def _symbolic(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic(x) for x in value)
+    return isinstance(value, torch.SymInt)
+
+
+def runner(q, pg, transport: str, fmts=cd.NONE):
+    """What the opt-in measured choice times (:func:`cp_ops.plan.measured.measure`): ``runner(mode, chunks)`` → a call
+    with that explicit mode and chunks on random ``q, k, v`` of ``q``'s shape, dtype and device (seeded alike on every
+    rank: a collective every rank makes alike; the call's own data is not needed), moving them in the call's formats
+    ``fmts`` (:mod:`cp_ops.comm_dtype`'s normal form)."""
+    made: list = []
+
+    def make(mode: str, chunks: int):
+        if not made:
+            g = torch.Generator(device=q.device).manual_seed(0x5EED)
+            made.extend(torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype) for _ in range(3))
+        call = Call(*made, group=pg, mode=mode, transport=transport, chunks=chunks, comm_dtype=fmts)
+        plan = build(call, pg)  # the eager plan the call would run (W > 1, explicit mode and chunks: nothing measured)
+        return lambda: plan.run(call)
+
+    return make
+
+
+def describe(call: Call, pg, mode_why: str = ""):
+    """What a call with these arguments runs, without a collective: :func:`cp_ops.describe` (arguments, return and
+    errors there; ``q`` in BSHD). The reasons are the rules' own (:mod:`cp_ops.plan.rules`) and, once the call ran,
+    the ones its decision recorded (:func:`cp_ops.plan.measured.lookup`). ``mode_why``: for a ``mode`` a rule chose,
+    not the caller (a degenerate mesh, the cross-node split), that rule in words."""
+    q, mode, transport, chunks = call.q, call.mode, call.transport, call.chunks
+    world = pg.size()
+    rules.check_chunks(chunks)
+    validate.check_same(("q",), (q,))
+    layout.check_not_bhsd("q", q)
+    fmts = cd.normalize(call.comm_dtype, q.dtype)  # ValueError for a bad one, as the call
+    mode, fp8_why = rules.fp8_mode(mode, fmts, q.shape[2], world)
+    chosen, why = rules.mode_rule(mode, q.shape[2], world)
+    mode_why = fp8_why or mode_why or why
+    cd.for_mode(fmts, chosen)  # AGKV with K and V apart: ValueError, as the call
+    resolved = transport_base.resolve(transport, q.device.type)
+    runs_on = transport_base.agreed_name(resolved, pg.group_name, q.device)
+    shown = runs_on or "auto"
+    if fp8_why and chunks is not None:
+        return measured.Choice(chosen, chunks, "heuristic", {}, shown, f"{fp8_why}; chunks={chunks} given")
+    if mode != "auto" and chunks is not None:
+        return measured.Choice(chosen, chunks, "explicit", {}, shown, "mode and chunks given by the caller")
+    if world == 1:
+        return measured.Choice(chosen, 1, "heuristic", {}, shown, "a group of one rank: local attention, nothing moved")
+    if (call.seq_lens is not None or call.key_mask is not None) and chunks is None:
+        return measured.Choice(chosen, 1, "heuristic", {}, shown,
+                               f"{rules.chunks_rule(chosen, world, resolved, None, True)[1]}; {mode_why}")
+    stored = measured.lookup(mode, chunks, q, pg, resolved, cd.tag(fmts) or "")
+    if stored is not None:
+        return stored._replace(transport=shown)
+    # not decided yet: what the first call would decide, short of measuring and of asking the group
+    name = runs_on or transport_base.select_transport(resolved, q.device.type)
+    note = "" if runs_on else (f"; transport 'auto' is agreed with the group at the first call: '{name}' assumed (this "
+                               "rank can run it)")
+    c = measured.choose(mode, chunks, chosen, tuple(q.shape), pg, q.device, name, config.settings.tune_modes, mode_why)
+    if isinstance(c, measured.Open):
+        cands = ", ".join(f"{m}/{n}" for m, n in c.candidates)
+        return measured.Choice(c.preferred[0], c.preferred[1], "pending", {}, shown,
+                               f"measuring on (CP_OPS_TUNE_MODES=1) and no call made yet: the first eager call "
+                               f"measures {cands} (or takes the choice every rank's cache file holds); until then the "
+                               f"heuristic's candidate{note}")
+    return c._replace(transport=shown, why=c.why + note)
+
+
+def traced(call: Call, pg) -> torch.Tensor:
+    """The traced path of a call on ``pg`` (module docstring)."""
+    q, k, v, scale, key_mask = call.q, call.k, call.v, call.scale, call.key_mask
+    d = decide(call, pg)
+    if d.world == 1:
+        return _one_rank(call, d)
+    if d.as_op:
+        return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, d.world, pg.group_name, d.transport, scale,
+                                                         d.chunks, None if d.seq_lens is None else list(d.seq_lens),
+                                                         CALL, d.tag, d.fmts[1])
+    shards = _shards(d, pg, q)
+    comm = OpComm(d.world, pg.group_name, d.transport, CALL, d.tag, pg.rank(), d.seq_lens, OpCodec(d.fmts))
+    try:
+        return d.body(q, k, v, comm, scale=scale, chunks=d.chunks, shards=shards, key_mask=key_mask)
+    except BaseException:
+        if not torch.compiler.is_compiling():
+            comm.drain()
+        raise
+
+
+def _one_rank(call: Call, d: Decision):
+    """A group of one rank: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, the attention W > 1
+    ranks compute at chunks = 1, every tensor that would cross the link round-tripped through the codec
+    (:mod:`cp_ops.emulate`)."""
+    if d.fmts != cd.NONE and config.settings.emulate_comm:
+        return emulate.attention(call.q, call.k, call.v, call.scale, call.key_mask, d.fmts)
+    return local_attention(call.q, call.k, call.v, call.scale, call.key_mask)
+
+
+def _shards(d: Decision, pg, q) -> layout.Shards | None:
+    if d.seq_lens is None and not d.has_mask:
+        return None
+    return layout.Shards(d.seq_lens, d.world, pg.rank(), q.shape[1], q.device)
+
+
+class Plan:
+    """What every eager call with one key runs (module docstring): ``run(call)`` → output."""
+
+    __slots__ = ("pg", "d", "shards", "comm", "epoch", "device")
+
+    def __init__(self, pg, d: Decision, shards, device):
+        self.pg, self.d, self.shards, self.device = pg, d, shards, device
+        self.comm, self.epoch = None, -1
+
+    def run(self, call: Call):
+        d = self.d
+        if d.world == 1:
+            return _one_rank(call, d)
+        if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
+            pg, resolved, device = self.pg, d.transport, self.device
+            tag = contract.with_seq_lens(d.tag, d.seq_lens)
+            # the rank contract's exchange at each call's first launch: the signature the op would exchange for it
+            check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, resolved, shape, dtype, extra, 0, tag,
+                                                                    contract.tag_note(tag)))
+            self.comm = DirectComm(pg, None, check, lambda: transport_base.for_group(resolved, pg, device),
+                                   DirectCodec(d.fmts))
+            self.epoch = transport_base.epoch
+        comm = self.comm
+        comm.armed = True
+        try:
+            return d.body(call.q, call.k, call.v, comm, scale=call.scale, chunks=d.chunks, shards=self.shards,
+                          key_mask=call.key_mask)
+        except BaseException:
+            comm.drain()
+            raise
+
+
+def build(call: Call, pg, given_why: str = "") -> Plan | None:
+    """The eager plan of ``call`` on ``pg`` (None: nothing to move, the ops' empty path). Raises as :func:`decide`
+    (on every rank)."""
+    d = decide(call, pg, given_why)
+    q = call.q
+    shards = _shards(d, pg, q) if d.world > 1 else None
+    b, s, h, hd = q.shape
+    rows = shards.smax if shards is not None else s
+    if d.world > 1 and b * rows * h * hd == 0:
+        return None
+    return Plan(pg, d, shards, q.device)

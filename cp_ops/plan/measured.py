@@ -1,0 +1,566 @@
+"""The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`):
+the candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the
+ranks' agreement on what the file holds).
+
+An explicit mode *and* an explicit chunk count are the caller's (:func:`choose` returns them, source 'explicit').
+Otherwise the candidates are every variant the request leaves open (:func:`candidates`: modes 'agkv' and 'ulysses' —
+Ulysses only where W divides H — for ``mode='auto'``, else the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for
+``chunks=None``, else the given count; variants that run the same schedule are listed once), and:
+
+* unmeasured (measuring off — ``CP_OPS_TUNE_MODES=0``, the default —, a group of one rank or of the 'fake' backend,
+  code traced by ``torch.compile``, a call inside CUDA-graph capture): the heuristic (:func:`heuristic`) —
+  :func:`cp_ops.plan.rules.mode_rule` for the mode (AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and
+  :func:`cp_ops.plan.rules.chunks_rule` for the stages (a table keyed by mode and the transport the call runs
+  on, 'auto' resolved for the group: AGKV on the fast transport 2, else 1; see its docstring for the measurements
+  behind it). No timing: the same inputs give the same variant, hence the same outputs, from run to run, whatever
+  the load on the machine (as ``torch.backends.cudnn.benchmark = False``). Measured choices differ with load
+  (pipelined or not: ~5e-3 relative in bf16), so measuring is opt-in. Measuring at trace time was tried through
+  :func:`torch.compiler.assume_constant_result`; Dynamo cannot pass it symbolic sizes (automatic dynamic shapes after
+  a recompile) and fails the trace, so a traced call takes the heuristic; pass ``mode=``/``chunks=`` explicitly
+  (e.g. what :func:`cp_ops.describe` reports after an eager call) to compile the measured variant.
+* one candidate left (e.g. ``mode='agkv', chunks=None`` at W = 2 on a shape whose stage plans coincide): that one
+  (source 'single').
+* measuring on (``CP_OPS_TUNE_MODES=1``, or ``cp_ops.config.configure(tune_modes=True)`` on every rank), several
+  candidates: :func:`choose` returns them (an :class:`Open` request); the caller takes a choice it stored (the cache
+  every rank holds alike) or has :func:`measured` time them with its ``runner`` (:func:`measure`): every rank runs
+  every candidate, through ``runner(mode, chunks)`` (:data:`Runner`; the plan's runs :func:`cp_ops.attention`
+  on synthetic random tensors of the call's shape and dtype, :func:`cp_ops.plan.flat.runner`):
+
+  1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
+  2. rounds of samples, interleaved: each round times every candidate once, in candidate order (A B C A B C
+     ...), so drift over the measurement (clocks, temperature, first-use effects, other work on the machine)
+     hits every candidate alike instead of whichever ran first. A sample is n back-to-back calls between two
+     CUDA events (``time.perf_counter`` on CPU) divided by n, n chosen so it lasts about :data:`SAMPLE_MS`
+     (1 ≤ n ≤ :data:`MAX_CALLS`). Rounds: as many as fit in :data:`BUDGET_MS`, at least :data:`MIN_ROUNDS`,
+     at most :data:`ROUNDS`;
+  3. each candidate's time is the median of its samples, max-reduced over the group (the slowest rank's time
+     is the call's), so every rank holds the same vector;
+  4. :func:`pick` with the margin rule: among the candidates whose time is within :data:`MARGIN` (3 %) of the
+     fastest, the heuristic's candidate (:func:`heuristic_candidate`: the (mode, chunks) measuring-off would
+     run) if it is one of them; else the simplest of them (fewer chunks; at equal chunks, the heuristic's mode;
+     then candidate order). A candidate other than the heuristic's is chosen only if it is faster by more than
+     the margin. A deterministic function of the shared vector and the call, so every rank picks the same
+     candidate. Why a margin: on 2x H200 (S=4096, torch transport) a pick by the bare minimum of 3 samples chose
+     agkv chunks=2 (0.615 ms in the bench) over chunks=1 (0.469 ms). Why the heuristic's candidate first: within
+     the run-to-run spread the tie goes to what the bench measured faster across the S range; at 32K (fast
+     AGKV) the tuner measured chunks 1 and 2 within 0.2 % (18.68 vs 18.65 ms) and, preferring the simplest, kept
+     chunks=1, while the explicit chunks=2 row ran 4 % faster in the same run (see
+     :func:`cp_ops.plan.rules.chunks_rule`).
+
+  First-call cost per decision (c candidates, t = one call's time): about c·(WARMUP + 1)·t of warm-up and
+  sizing plus the timed rounds, ≤ max(:data:`BUDGET_MS`, :data:`MIN_ROUNDS`·c·(SAMPLE_MS + t)). At 2 GPUs,
+  S_local=2048, H=40, D=128 (6 candidates, t ≈ 0.5 ms): 20 calls a sample, 7 rounds of 60 ms, about 0.42 s
+  timed; for a call of 30 ms, 3 rounds, about 0.55 s timed plus 0.55 s of warm-up and sizing.
+
+**Stored choices.** :func:`decide` is what the plan calls:
+
+* an explicit mode and chunk count: returned as given (nothing stored);
+* code traced by ``torch.compile``, or a first call inside CUDA-graph capture: the heuristic, not stored (a capture's
+  request is decided again — measured where asked for — by its first call outside capture);
+* else the choice stored in memory for the request — (CP group, request, ``q``'s shape, dtype, device, transport,
+  the measuring setting) — a dict lookup (about 1 µs); on a miss :func:`cp_ops.plan.measured.choose`, and where it
+  leaves the request open (measuring on, several candidates) the file below, then measuring.
+
+Measuring off (``CP_OPS_TUNE_MODES=0``, the default): the heuristic, kept in memory only; no file is read or
+written. The same inputs give the same variant in every process.
+
+The file (measuring on only): the measured choices, with their times, in the JSON file ``settings.tune_cache``
+(``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
+file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call, the
+margin and the heuristic's candidate (:func:`disk_key`), so a later process with the same file makes the same choice
+without timing (deterministic once cached). A file of another format than :data:`FORMAT` (the pick it was
+measured for differs) is ignored, its requests measured again and the file rewritten in this format.
+
+Agreement (collective, first use of a request per process): a rank cannot trust its own file alone (a rank with a
+stale or missing file would skip measuring while its peers measure, and the collectives would mismatch). Before its
+first collective a measuring rank compares the collective settings over the group
+(:func:`cp_ops.contract.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`): a
+peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting instead
+of hanging. Then the ranks exchange which cached candidate each holds (one all-reduce over the group) and use it only
+when every rank holds the same one (source 'cached'); otherwise all measure and every rank rewrites its entry. A file
+that does not parse (bad JSON, nesting too deep for the parser: ``RecursionError``) or whose entries have wrong types
+(:func:`_valid_entry`) is ignored, in whole or those entries, with a warning naming the file, on the rank holding it:
+that rank then holds no cached candidate, so every rank measures alike (no rank raises while its peers wait). An
+unwritable file is reported once (a warning); neither stops the call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import warnings
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .. import config, contract
+from ..modes import names as mode_names
+from ..modes import spec as mode_spec
+from ..modes.agkv_pipelined import stage_plan
+from ..timing import max_over_ranks_each, steady_ms
+from ..transport.base import concrete_name
+from ..validate import dtype_name
+from .rules import chunks_rule
+
+#: Chunk counts tried for ``chunks=None``.
+CHUNKS = (1, 2, 4)
+#: Untimed calls per candidate (plans, transport tuning, allocator) before timing.
+WARMUP = 2
+#: Most rounds of timed samples (one sample per candidate per round; the median per candidate is taken).
+ROUNDS = 7
+#: Fewest rounds, whatever :data:`BUDGET_MS` says.
+MIN_ROUNDS = 3
+#: Target length of one sample, ms (n back-to-back calls, 1 ≤ n ≤ :data:`MAX_CALLS`).
+SAMPLE_MS = 10.0
+MAX_CALLS = 20
+#: Time budget of the timed rounds of one decision, ms (estimated from the sizing call; see the module docstring).
+BUDGET_MS = 500.0
+#: A more complex candidate must be faster than a simpler one by more than this fraction to be chosen over it.
+MARGIN = 0.03
+
+#: Where a choice came from (:attr:`Choice.source`).
+SOURCES = ("explicit", "heuristic", "single", "measured", "cached", "pending")
+
+
+class Choice(NamedTuple):
+    """A decision for one request: the variant (``mode``, ``chunks``), where it came from (``source``, one of
+    :data:`SOURCES`: 'explicit' (the caller's mode and chunks), 'heuristic', 'single' (one candidate left),
+    'measured' (timed now), 'cached' (the stored choice every rank holds alike, :mod:`cp_ops.plan.measured`), 'pending'
+    (only :func:`cp_ops.describe`: measuring is on and the first call has not measured yet; ``mode``/``chunks`` are
+    the heuristic's until then)), the candidates' times in ms — median of the samples on each rank, max over the
+    ranks (``{'agkv/2': 0.9, ...}``; empty unless measured or cached) —, the transport the call runs on ('torch',
+    'fast'; 'auto' where the group has not agreed on it yet; filled by :func:`cp_ops.describe`, '' elsewhere) and
+    ``why``, the reason in words."""
+
+    mode: str
+    chunks: int
+    source: str
+    times_ms: dict
+    transport: str = ""
+    why: str = ""
+
+
+class Open(NamedTuple):
+    """A request that measuring decides: its candidates (:func:`candidates`, in measuring order) and the heuristic's
+    candidate (:func:`heuristic_candidate`, which :func:`pick` prefers within the margin)."""
+
+    candidates: list
+    preferred: tuple
+
+
+#: ``runner(mode, chunks) -> run``: ``run()`` makes one call of the candidate (a collective: every rank calls it
+#: alike), on tensors of the decided call's shape, dtype and device.
+Runner = Callable[[str, int], Callable[[], object]]
+
+
+def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGroup, device, transport: str,
+           measuring: bool, mode_why: str = "") -> Choice | Open:
+    """The decision for a request on W ranks, short of timing (see the module docstring).
+
+    Args:
+        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``cp_ops.plan.rules.mode_rule(mode, H,
+            W)`` (checked). shape: ``[B, S_local, H, D]`` of this rank's q. pg: the CP group. device: q's device.
+            transport: the resolved transport ('torch', 'fast', or 'auto': resolved for the group by
+            :func:`cp_ops.transport.base.concrete_name`, collective the first time). measuring: the caller's
+            setting (``settings.tune_modes``). mode_why: the mode rule's reason (:func:`cp_ops.plan.rules.mode_rule`),
+            recorded in a heuristic choice's ``why`` with the chunks rule's.
+    Returns:
+        a :class:`Choice` (source 'explicit', 'heuristic' or 'single'), or an :class:`Open` request: measuring is on
+        and several candidates are left (the caller measures with :func:`measured`, or takes a choice it stored).
+    Raises:
+        RuntimeError: ``transport`` 'auto' and the group did not agree on one within ``CP_OPS_TIMEOUT_S``.
+    """
+    if mode != "auto" and chunks is not None:
+        return Choice(chosen, chunks, "explicit", {}, why="mode and chunks given by the caller")
+    w = pg.size()
+    if torch.compiler.is_compiling():
+        return heuristic(chunks, chosen, shape, pg, device, transport, "traced by torch.compile: measuring is eager only", mode_why)
+    if w == 1:
+        return heuristic(chunks, chosen, shape, pg, device, transport, "a group of one rank", mode_why)
+    from ..group import backend_name
+
+    if backend_name(pg) == "fake":
+        return heuristic(chunks, chosen, shape, pg, device, transport, "a 'fake' process group (nothing runs)", mode_why)
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return heuristic(chunks, chosen, shape, pg, device, transport, "inside CUDA-graph capture", mode_why)
+    if not measuring:
+        return heuristic(chunks, chosen, shape, pg, device, transport, "measuring off (CP_OPS_TUNE_MODES=0, the default)", mode_why)
+    cands = candidates(mode, chunks, shape[2], w)
+    if len(cands) == 1:
+        return Choice(cands[0][0], cands[0][1], "single", {}, why="the only candidate the request leaves open")
+    return Open(cands, heuristic_candidate(chunks, chosen, shape, pg, device, transport))
+
+
+def measured(request: Open, chosen: str, shape, dtype, device, pg: dist.ProcessGroup, transport: str,
+             runner: Runner | None) -> Choice:
+    """Time ``request``'s candidates with the caller's ``runner`` (:func:`measure`) and :func:`pick` one: a Choice
+    with source 'measured' and every candidate's time. Collective: every rank of ``pg`` calls it alike.
+
+    Raises:
+        ValueError: no runner. RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S``."""
+    cands = request.candidates
+    times = measure(cands, shape, dtype, device, pg, transport, runner)
+    best = pick(cands, times, chosen, preferred=request.preferred)
+    named = {f"{m}/{c}": t for (m, c), t in zip(cands, times)}
+    return Choice(cands[best][0], cands[best][1], "measured", named,
+                  why=f"measured: the fastest of {len(cands)} candidates beyond a {MARGIN:.0%} margin "
+                      "(the heuristic's candidate within it)")
+
+
+def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> list[tuple[str, int]]:
+    """The variants a request leaves open, in measuring order (the last tie-break of :func:`pick`): ``[(mode,
+    chunks), ...]``. Variants that run the same schedule (Ulysses head sub-groups capped at H/W; AGKV stage
+    plans that coincide) appear once."""
+    if mode == "auto":
+        ms = [m for m in ("agkv", "ulysses") if m in mode_names(False)
+              and not (mode_spec(m).needs_heads_divisible and heads % world_size)]
+    else:
+        ms = [mode]
+    out = []
+    for m in ms:
+        seen = set()
+        for c in (CHUNKS if chunks is None else (chunks,)):
+            if c == 1:
+                sched = 1
+            elif m == "ulysses":
+                g = max(1, min(c, heads // world_size))
+                sched = 1 if g == 1 and chunks is None else ("g", g)
+            else:
+                sched = stage_plan(world_size, c)
+            if sched not in seen:
+                seen.add(sched)
+                out.append((m, c))
+    return out
+
+
+def heuristic_candidate(chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
+    """The ``(mode, chunks)`` the heuristic gives a request: ``chosen`` (:func:`cp_ops.plan.rules.mode_rule`) and the given
+    ``chunks``, or for ``chunks=None`` :func:`cp_ops.plan.rules.chunks_rule` on the transport the call runs
+    on (``transport`` 'auto' resolved for the group by :func:`cp_ops.transport.base.concrete_name`)."""
+    return chosen, _chunks(chunks, chosen, pg, device, transport)[0]
+
+
+def _chunks(chunks, chosen, pg, device, transport) -> tuple[int, str]:
+    if chunks is not None:
+        return chunks_rule(chosen, pg.size(), transport, chunks)
+    return chunks_rule(chosen, pg.size(), concrete_name(transport, pg.group_name, device))
+
+
+def heuristic(chunks, chosen, shape, pg, device, transport, reason: str, mode_why: str = "") -> Choice:
+    """:func:`heuristic_candidate` as a :class:`Choice` (source 'heuristic'), ``why`` naming ``reason`` (why nothing
+    is measured) and the reasons the rules gave (``mode_why``: the mode rule's; the chunks rule's)."""
+    del shape
+    c, chunks_why = _chunks(chunks, chosen, pg, device, transport)
+    return Choice(chosen, c, "heuristic", {},
+                  why=f"the heuristic: {reason}" + (f"; {mode_why}" if mode_why else "") + f"; {chunks_why}")
+
+
+def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, margin: float | None = None,
+         preferred: tuple[str, int] | None = None) -> int:
+    """The index of the chosen candidate among those within ``margin`` (default :data:`MARGIN`) of the fastest,
+    i.e. no candidate is faster than it by more than ``margin`` of its time (``min(times) >= times[i] * (1 -
+    margin)``): ``preferred`` (the heuristic's candidate for the call, :func:`heuristic_candidate`) when it is
+    among them; else the simplest of them.
+
+    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's mode, :func:`cp_ops.plan.rules.mode_rule`)
+    before another; then the earlier in ``cands``. A pure function of its arguments: ranks holding the same
+    max-reduced ``times`` (and the same ``preferred``, which every rank derives alike) pick the same index.
+    """
+    m = MARGIN if margin is None else margin
+    fastest = min(times)
+    ok = [i for i, t in enumerate(times) if fastest >= t * (1.0 - m)]
+    if preferred is not None:
+        for i in ok:
+            if tuple(cands[i]) == tuple(preferred):
+                return i
+    return min(ok, key=lambda i: (cands[i][1], cands[i][0] != default_mode, i))
+
+
+def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = None) -> list[float]:
+    """Each candidate's time per call in ms: the median of its interleaved samples on this rank, max over the
+    ranks of ``pg`` (the same list on every rank; see the module docstring for the schedule and its budget).
+    Every rank makes the same calls (the sizes come from max-reduced estimates): each call is a collective.
+
+    ``runner(mode, chunks)`` gives the zero-argument call timed for each candidate (:data:`Runner`, given by the
+    caller: :func:`cp_ops.plan.flat.runner`), made once per candidate before timing.
+
+    Raises:
+        ValueError: no runner (this module makes no call of its own: it takes one from its caller)."""
+    if runner is None:
+        raise ValueError("tune.measure needs a runner(mode, chunks) from its caller (cp_ops.plan.flat.runner)")
+    runs = [runner(m, c) for m, c in cands]
+    for run in runs:
+        for _ in range(WARMUP):
+            run()
+    est = max_over_ranks_each([_timer(cand, run, device, 1) for cand, run in zip(cands, runs)], device, pg)
+    calls, rounds = schedule(est)
+    samples: list[list[float]] = [[] for _ in cands]
+    for _ in range(rounds):  # interleaved: A B C A B C ...
+        for i, (cand, run) in enumerate(zip(cands, runs)):
+            samples[i].append(_timer(cand, run, device, calls[i]))
+    return max_over_ranks_each([statistics.median(s) for s in samples], device, pg)
+
+
+def schedule(est_ms: list[float]) -> tuple[list[int], int]:
+    """``(calls per sample for each candidate, rounds)`` from the candidates' estimated ms per call (max over
+    ranks, so every rank gets the same): calls = ceil(:data:`SAMPLE_MS` / est) within [1, :data:`MAX_CALLS`];
+    rounds = the number of rounds that fit in :data:`BUDGET_MS`, within [:data:`MIN_ROUNDS`, :data:`ROUNDS`]."""
+    calls = [max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(e, 1e-3)))) for e in est_ms]
+    per_round = sum(n * max(e, 1e-3) for n, e in zip(calls, est_ms))
+    rounds = max(MIN_ROUNDS, min(ROUNDS, int(BUDGET_MS // per_round)))
+    return calls, rounds
+
+
+def _sample_ms(cand: tuple[str, int], run: Callable[[], object], device: torch.device, calls: int) -> float:
+    """One sample of candidate ``cand`` on this rank: ``calls`` runs of ``run()`` back to back, ms per call
+    (:func:`cp_ops.timing.steady_ms`)."""
+    del cand
+    return steady_ms(run, device, 0, 1, calls)[0]
+
+
+#: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it; the
+#: sizing call is ``calls=1``).
+_timer = _sample_ms
+
+
+#: Format of the cache file; a file of another format is ignored (and replaced on the next write).
+FORMAT = 3
+
+#: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'cached' (decisions
+#: taken from the file every rank holds alike), 'heuristic' (decisions the heuristic made and kept).
+stats = {"measured": 0, "timed": 0, "cached": 0, "heuristic": 0}
+#: (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice. Keyed by the group object (as
+#: :mod:`cp_ops.transport.base`'s per-group choices: torch reuses a destroyed group's name), a destroyed group's
+#: entries dropped when cp_ops notices it (:func:`drop_destroyed`); at most :data:`MAX_MEMO`
+#: entries, the oldest dropped first (decided again at its next call: the heuristic, or the file every rank holds).
+_memo: dict[tuple, Choice] = {}
+#: The most requests :data:`_memo` keeps (a model makes a handful; a sweep over shapes or groups would grow it).
+MAX_MEMO = 1024
+_warned: set[tuple[str, str]] = set()
+
+
+def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
+           runner: Runner | None = None, comm: str = "", mode_why: str = "") -> Choice:
+    """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks, the same on every rank (see the
+    module docstring).
+
+    Args:
+        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``cp_ops.plan.rules.mode_rule(mode,
+            H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the
+            CP group. transport: the resolved transport ('torch', 'fast', 'auto').
+        runner: what :func:`cp_ops.modes.measure` times when measuring runs (:data:`cp_ops.modes.Runner`:
+            the plan gives :func:`cp_ops.plan.flat.runner`); required where measuring runs.
+        comm: what crosses the link in another format than q's (:func:`cp_ops.comm_dtype.tag`; '' = nothing): part
+            of the request, in memory and in the file (an FP8 call is timed, and its choice kept, apart).
+        mode_why: the mode rule's reason, recorded in a heuristic choice (:func:`heuristic`).
+    Returns:
+        the :class:`Choice`: the mode name, the chunk count (≥ 1), where it came from and why.
+    Raises:
+        ValueError: the ranks' collective settings differ (first use only; raised on every rank); measuring runs and
+            no runner was given.
+        RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S`` (first use only).
+    """
+    shape = tuple(q.shape)
+    if mode != "auto" and chunks is not None:
+        return choose(mode, chunks, chosen, shape, group, q.device, transport, False)
+    if torch.compiler.is_compiling():  # traced: the heuristic, nothing stored
+        return heuristic(chunks, chosen, shape, group, q.device, transport,
+                         "traced by torch.compile: measuring is eager only", mode_why)
+    key = (group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm)
+    hit = _memo.get(key)
+    if hit is not None:  # the stored choice: one dict lookup
+        return hit
+    c = choose(mode, chunks, chosen, shape, group, q.device, transport, config.settings.tune_modes, mode_why)
+    if isinstance(c, Open):
+        c = _agreed_or_measured(c, chosen, shape, q.dtype, q.device, group, transport, runner, comm)
+    elif q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return c  # not kept: measured (where asked for) by the first call outside capture
+    elif c.source == "heuristic":
+        stats["heuristic"] += 1
+    if len(_memo) >= MAX_MEMO:
+        del _memo[next(iter(_memo))]  # the oldest request
+    _memo[key] = c
+    return c
+
+
+def lookup(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
+           comm: str = "") -> Choice | None:
+    """The :class:`~cp_ops.modes.Choice` :func:`decide` stored for this request on ``group`` (None before it
+    made one, or for a request it does not store: explicit mode and chunks, traced, captured). ``transport``,
+    ``comm``: as :func:`decide` got them. Local: no collective."""
+    return _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm))
+
+
+def drop_destroyed() -> None:
+    """Drop the stored choices of every destroyed group (:mod:`cp_ops.plan` calls it when cp_ops notices one)."""
+    contract.drop_destroyed(_memo, 0)
+
+
+# ---- agreement on the file, else measuring ------------------------------------------------------------------------
+def _agreed_or_measured(request: Open, chosen, shape, dtype, device, pg, transport, runner, comm="") -> Choice:
+    # first, one rank-contract exchange: a peer with measuring off makes its op call's exchange meanwhile, the
+    # signatures differ (the settings), and both raise ValueError naming tune_modes (never a mismatched collective)
+    contract.check_settings_agree(pg)
+    cands = [list(c) for c in request.candidates]
+    dkey = disk_key(shape, dtype, device, pg.size(), transport, request.candidates, request.preferred, comm)
+    entry = _read_cache().get(dkey)
+    code = 0
+    if entry is not None and [entry.get("mode"), entry.get("chunks")] in cands:
+        code = cands.index([entry["mode"], entry["chunks"]]) + 1
+    t = torch.tensor([code, -code], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+    hi, lo = t[0].item(), -t[1].item()
+    if hi == lo and hi > 0:  # every rank holds the same cached candidate
+        stats["cached"] += 1
+        m, c = request.candidates[int(hi) - 1]
+        return Choice(m, c, "cached", dict(entry.get("times_ms", {})),
+                      why=f"measured earlier, read from the cache file {cache_path()} (every rank holds it)")
+    choice = measured(request, chosen, shape, dtype, device, pg, transport, runner)
+    stats["measured"] += 1
+    stats["timed"] += len(request.candidates)
+    _write_cache(dkey, {"mode": choice.mode, "chunks": choice.chunks, "times_ms": choice.times_ms,
+                        "margin": MARGIN,
+                        "measured_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    return choice
+
+
+# ---- the file -----------------------------------------------------------------------------------------------------
+def cache_path() -> str | None:
+    """The cache file (None: ``tune_cache`` is 'off')."""
+    p = config.settings.tune_cache
+    if p is not None and p.strip().lower() == "off":
+        return None
+    if p:
+        return os.path.expanduser(p)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cp_ops", "choices.json")
+
+
+def machine(device: torch.device) -> dict:
+    """What a measured time depends on besides the call: device model, driver, torch and cp_ops versions."""
+    from .._version import __version__
+
+    if device.type == "cuda":
+        dev, driver = torch.cuda.get_device_name(device), _driver_version()
+    else:
+        dev, driver = f"{device.type}:{platform.processor() or platform.machine()}:{_cores()} cores", "-"
+    return {"device": dev, "driver": driver, "torch": torch.__version__, "cp_ops": __version__}
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _driver_version() -> str:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            for word in f.readline().split():
+                if word[:1].isdigit() and "." in word:
+                    return word
+    except OSError:
+        pass
+    try:
+        import ctypes
+
+        v = ctypes.c_int()
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
+        return f"cuda-driver-api-{v.value}"
+    except (OSError, AttributeError):
+        return "unknown"
+
+
+def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None, comm: str = "") -> str:
+    """The file's key of a decision (one line of JSON: machine, versions, call, candidates, the margin, the
+    heuristic's candidate :func:`cp_ops.modes.pick` prefers within the margin, so a change of the heuristic's
+    table measures again; ``comm``, the FP8 formats on the link (:func:`decide`), only where there are some: the keys of
+    calls without them are unchanged)."""
+    b, s, h, d = shape
+    extra = {"comm": comm} if comm else {}
+    return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
+                           dtype=dtype_name(dtype), transport=transport, margin=MARGIN,
+                           candidates=[f"{m}/{c}" for m, c in cands],
+                           preferred=None if preferred is None else f"{preferred[0]}/{preferred[1]}", **extra),
+                      sort_keys=True)
+
+
+def _valid_entry(e) -> bool:
+    """A cache entry as :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, ``times_ms`` (if
+    present) a dict of str -> finite number. Anything else (hand-edited, another tool's, mangled) is ignored."""
+    if not isinstance(e, dict) or not isinstance(e.get("mode"), str):
+        return False
+    c = e.get("chunks")
+    if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+        return False
+    times = e.get("times_ms", {})
+    return isinstance(times, dict) and all(
+        isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+        for k, t in times.items()
+    )
+
+
+def _read_cache() -> dict:
+    """The cache file's well-formed entries ({} when off, missing or unreadable; a warning names a file that does
+    not parse or holds malformed entries). Never raises on the file's content: a rank holding a mangled file
+    alone must not fail while its peers wait for it in the agreement's all-reduce."""
+    path = cache_path()
+    if path is None or not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError, MemoryError) as e:  # RecursionError: nesting too deep to parse
+        _warn_once(path, f"cp_ops: ignoring the choice cache {path}, which does not parse ({type(e).__name__}: "
+                         f"{str(e)[:200]}); it is rewritten after the next measurement")
+        return {}
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return {}  # another format (or none): measured again and rewritten in this one
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        _warn_once(path, f"cp_ops: ignoring the choice cache {path}: its 'entries' is a {type(entries).__name__}, "
+                         "not a mapping; it is rewritten after the next measurement")
+        return {}
+    good = {k: e for k, e in entries.items() if _valid_entry(e)}
+    if len(good) < len(entries):
+        _warn_once(path, f"cp_ops: ignoring {len(entries) - len(good)} malformed entries of the choice cache {path} "
+                         "(wrong types); they are dropped at the next write")
+    return good
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock; atomic replace)."""
+    path = cache_path()
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".lock", "a") as lock:
+            try:
+                import fcntl
+
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except ImportError:  # not POSIX: last writer wins
+                pass
+            entries = _read_cache()
+            entries[key] = entry
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"format": FORMAT, "entries": entries}, f, indent=1)
+            os.replace(tmp, path)
+    except OSError as e:
+        _warn_once(path, f"cp_ops: cannot write the choice cache {path} ({e}); set CP_OPS_TUNE_CACHE to a writable "
+                         "file, or to off")
+
+
+def _warn_once(path: str, message: str) -> None:
+    """Warn ``message`` (about the cache file ``path``) once per process."""
+    if (path, message) not in _warned:
+        _warned.add((path, message))
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
