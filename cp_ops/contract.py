@@ -303,7 +303,7 @@ def agree(group: dist.ProcessGroup, key: str, value: str, what: str) -> list[str
     if st.peers is None:
         st.peers = Peers(group)
     wait = PeerWait(_call_words(st, None, st.count + 1), f"the ranks' agreement on {what}",
-                    "calling again waits for the peers again (a failed agreement is retried at the same point)")
+                    "calling again waits for them again")
     try:
         out = st.peers.gather(f"agree/{st.agreed}/{key}", value, wait)
     except PeerExited as e:
