@@ -142,7 +142,7 @@ def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16",
     world = resolve_group(None)
     asked = (f"tokens={tokens}, heads={heads}, head_dim={head_dim}, dtype={dtype!r}, batch={batch}, "
              f"device_type={device_type!r}, links={links!r}, overlapped={overlapped}")
-    with waiting_in("cp_ops.init_cp_mesh"):  # the words of its waits on peers
+    with waiting_in("cp_ops.mesh.init_cp_mesh"):  # the words of its waits on peers
         ids = node.group_nodes(world)
         seen = agree(world, "init_cp_mesh", asked, "init_cp_mesh's arguments")
     if len(set(seen)) > 1:  # else each rank could build another mesh (init_device_mesh checks nothing of it)

@@ -127,3 +127,21 @@ def _skips_forward(rank, w):
 def test_a_skipped_forward_names_the_forward():
     pytest.importorskip("diffusers")
     run_ranks(_skips_forward, 2)
+
+
+def _skips_mesh(rank, w):
+    from cp_ops.mesh import init_cp_mesh
+
+    config.configure(timeout_s=1.0, wait_warn_s=10.0)  # the timeout alone, soon
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # skips init_cp_mesh, alive
+        store.wait(["r0_done"])
+        return
+    # the error names the function by the path a user can call (cp_ops.mesh.init_cp_mesh; cp_ops has no init_cp_mesh)
+    with pytest.raises(RuntimeError, match=TIMEOUT.format(call=r"cp_ops\.mesh\.init_cp_mesh", t=1)):
+        init_cp_mesh(4096, 24, 128, device_type="cpu")
+    store.set("r0_done", "1")
+
+
+def test_a_skipped_init_cp_mesh_names_its_importable_path():
+    run_ranks(_skips_mesh, 2)
