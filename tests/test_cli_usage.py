@@ -56,3 +56,15 @@ def test_generate_without_checkpoint_says_what_runs_without_one(capsys):
                          "one on the CPU)"), lines
     lines = _error(capsys, ["generate", "--checkpoint", "x"])
     assert lines[-1] == "cp-ops generate: error: one of the arguments --prompt --prompt-embeds is required", lines
+
+
+def test_run_help_points_to_bound_for_every_moved_flag():
+    """The bound's flags are `cp-ops bound`'s: `run --help` names each one that `run` turns away, and the command."""
+    from cp_ops.cli.bound_args import MOVED
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    text = " ".join(sub["run"].format_help().replace("-\n", "-").split())
+    assert "cp-ops bound MODEL --worlds" in text, text
+    for flag in MOVED:
+        if flag != "--bound-compile":  # the old spelling of --compile-modes, a flag run never had on its own
+            assert flag in text, flag

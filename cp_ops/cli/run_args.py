@@ -21,7 +21,10 @@ def add_parser(sub) -> None:
                                    "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time (one "
                                    "forward per row: re-timed at the end in --repeats interleaved rounds, every side "
                                    "once per round), speedup, max relative error. Sizes are latent (VAE space, "
-                                   "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1).")
+                                   "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1). The zero-communication "
+                                   "bound on one device (--bound, --cost, --unwritten, --no-group1, --side-processes, "
+                                   "--compile-workers) is its own command: cp-ops bound MODEL --worlds W[,W...] "
+                                   "(cp-ops bound --help).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
                "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with "
@@ -81,7 +84,7 @@ def add_model(r) -> None:
                         "qwenimage 166 (1328²); 16 CPU, ltx 8)")
     r.add_argument("--width", type=int, default=None,
                    help="latent width (pixels / 8; default: as --height when --height is given, else the model's)")
-    r.add_argument("--text-tokens", type=int, default=None, help="text sequence length (default: the model's, see models.py)")
+    r.add_argument("--text-tokens", type=int, default=None, help="text sequence length (default: the model's, in cp_ops/cli/models.py)")
     r.add_argument("--batch", type=int, default=1, help="batch (default 1)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     r.add_argument("--mode", choices=modes.names(), default="auto",
