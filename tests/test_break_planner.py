@@ -33,3 +33,35 @@ def _scale_types(rank, w):
 
 def test_plan_cache_refuses_scale_of_other_type_after_equal_one():
     run_ranks(_scale_types, 2)
+
+
+# ---- q/k/v whose head dim is strided (views of a fused qkv tensor) ------------------------------------------------
+def test_lse_kernel_takes_a_strided_head_dim():
+    """The LSE kernel (pipelined AGKV's) is an aten op called past SDPA's dispatcher: on CPU it read q/k/v whose last
+    dim has stride 3 (``fused[..., i]`` of a ``[B, S, H, D, 3]`` tensor) as dense and returned wrong numbers."""
+    from cp_ops.kernels import attention_with_lse
+
+    q, k, v = _data(2, 6, 2, 8, seed=3)
+    fused = torch.stack([q, k, v], dim=-1)
+    fq, fk, fv = fused[..., 0], fused[..., 1], fused[..., 2]
+    assert fq.stride(-1) == 3
+    o, lse = attention_with_lse(q, k, v, 0.4)
+    fo, flse = attention_with_lse(fq, fk, fv, 0.4)
+    assert torch.equal(fo, o) and torch.equal(flse, lse)  # the same kernel on the same values: bitwise
+    torch.testing.assert_close(o, local_attention(q, k, v, 0.4), rtol=1e-5, atol=1e-5)
+
+
+def _fused_qkv(rank, w):
+    """Pipelined AGKV on q/k/v sliced from one fused tensor (strided head dim): wrong numbers before the fix."""
+    b, h, d = 1, 2, 8
+    q, k, v = _data(b, 3 * w, h, d, seed=15)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    ref = sh(local_attention(q, k, v))
+    fused = torch.stack([sh(q), sh(k), sh(v)], dim=-1)
+    for mode in ("agkv", "ulysses"):
+        out = cp_ops.attention(fused[..., 0], fused[..., 1], fused[..., 2], mode=mode, chunks=2)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_pipelined_agkv_on_views_of_a_fused_qkv():
+    run_ranks(_fused_qkv, 2)
