@@ -65,3 +65,30 @@ def _fused_qkv(rank, w):
 
 def test_pipelined_agkv_on_views_of_a_fused_qkv():
     run_ranks(_fused_qkv, 2)
+
+
+# ---- a rank that skips a call (not the first) and stays alive -----------------------------------------------------
+def _skipped_call(rank, w):
+    """Rank 1 skips call #2. Rank 0's exchange of call #2 stayed posted after its timeout, so rank 0's next call waited
+    a whole CP_OPS_TIMEOUT_S again, blaming rank 1 (which had arrived, paired with that stale exchange and was told
+    rank 0 failed). Now the timeout says the group is unusable, and a later call on it raises at once."""
+    from cp_ops import config
+
+    config.configure(timeout_s=2, wait_warn_s=60)
+    q, k, v = _data(1, 4 * w, 2 * w, 8, seed=4)
+    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
+    ref = sh(local_attention(q, k, v))
+    torch.testing.assert_close(cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv"), ref)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=r"did not arrive within CP_OPS_TIMEOUT_S=2 s.*\n.*cannot be used"):
+            cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"call #2 .*timed out in its rank check; the group cannot be used"):
+            cp_ops.attention(sh(q), sh(k), sh(v), mode="agkv")
+        assert time.monotonic() - t0 < 1.0, time.monotonic() - t0
+    else:
+        time.sleep(3)  # past rank 0's timeout; alive while rank 0 checks
+
+
+def test_a_timed_out_call_leaves_the_group_refusing_at_once():
+    run_ranks(_skipped_call, 2, timeout=60)
