@@ -518,7 +518,9 @@ def _gather(st: _Group, op: str) -> bool:
     def waiting() -> PeerWait:
         nonlocal wait
         if wait is None:
-            wait = PeerWait(_call_words(st, op, st.count), "this call's rank check (the exchange of each rank's call)")
+            wait = PeerWait(_call_words(st, op, st.count), "this call's rank check (the exchange of each rank's call)",
+                            "this rank's exchange stays posted, so a later call would pair with a peer's earlier one: "
+                            "the group cannot be used by cp_ops any more (make a new group)")
         return wait
 
     try:
@@ -531,7 +533,10 @@ def _gather(st: _Group, op: str) -> bool:
                 raise waiting().error(st.peers.names(st.shm.pending))
         else:
             _wait_work(st, st.side._allgather_base(st.gathered, st.local), waiting)
-    except PeersTimeout:
+    except PeersTimeout as e:
+        # the exchange left posted would pair with a late peer's earlier call: later calls raise at once
+        st.release(f"{_call_words(st, op, st.count)} timed out in its rank check; the group cannot be used by cp_ops "
+                   f"any more (make a new group): {(str(e).splitlines() or [''])[0]}")
         raise
     except RuntimeError as e:
         g = st.pg.group_name

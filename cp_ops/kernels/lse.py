@@ -75,7 +75,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     Raises:
         RuntimeError: no kernel accepted the inputs (the last kernel's error).
     """
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    qt, kt, vt = _dense_rows(q).transpose(1, 2), _dense_rows(k).transpose(1, 2), _dense_rows(v).transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])
     first = _choice.get(key)
     if first is not None:  # the kernel that worked for this (device, dtype, D) before: no try on the hot path
@@ -97,6 +97,13 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
             _choice[key] = name
         return out.transpose(1, 2), lse
     raise RuntimeError(f"cp_ops: no attention kernel with LSE accepted {q.dtype} D={q.shape[-1]} on {q.device}: {err}")
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit stride along its last dim (a copy only where it has not: e.g. q of a fused ``[..., D, 3]`` qkv
+    tensor). The aten kernels here are called past SDPA's dispatcher, which makes the last dim dense for them: the
+    CPU flash kernel read a strided head dim as dense and returned wrong numbers."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def kernel_for(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:

@@ -38,7 +38,8 @@ class Call(NamedTuple):
         a torch dispatch mode active — they must see the ops —, ``seq_lens`` not a tuple or list of ints, a key mask
         not a tensor). The key holds the q/k/v shapes, dtypes and devices, the group, mode, transport, chunks (and its
         type), the measuring setting, ``tag`` by type and repr where it is not a str or int (``True``, ``1`` and
-        ``1.0`` hash alike but are different tags), the FP8 formats, ``scale``, ``seq_lens`` and the mask's shape,
+        ``1.0`` hash alike but are different tags), the FP8 formats, ``scale`` (and its type: ``True`` and
+        ``numpy.float32(1)`` hash like ``1`` but are refused), ``seq_lens`` and the mask's shape,
         dtype and device (its values are data, read at every call). A new argument of :func:`cp_ops.attention` must
         be part of it. May raise TypeError/AttributeError (and an unhashable group at the dict lookup): the caller
         takes the traced path, which raises the error."""
@@ -50,7 +51,7 @@ class Call(NamedTuple):
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, self.group,
                self.mode, self.transport, chunks, type(chunks), config.settings.tune_modes,
                tag if tag is None or type(tag) is str or type(tag) is int else (type(tag), repr(tag)), self.comm_dtype,
-               self.scale)
+               self.scale, type(self.scale))
         if seq_lens is not None or key_mask is not None:
             extra = _layout_key(seq_lens, key_mask)
             if extra is None:
