@@ -19,11 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
 def test_extension_sources_compile_and_link(tmp_path):
-    from cp_ops.transport import _fast_build
+    from cp_ops import _ext
 
     incs = [f"-I{os.path.join(os.path.dirname(torch.__file__), 'include')}", f"-I{sysconfig.get_paths()['include']}"]
     objs, procs = [], []
-    for src in _fast_build._sources():  # compiled side by side (one core each), as ninja would
+    for src in _ext._sources():  # compiled side by side (one core each), as ninja would
         assert src.is_file() and src.parent == ROOT / "csrc", src
         obj = tmp_path / (src.stem + ".o")
         procs.append((src, subprocess.Popen(

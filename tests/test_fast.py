@@ -19,7 +19,8 @@ import torch
 
 from cp_ops import layout
 from cp_ops import config
-from cp_ops.transport import _fast_build, base, fast
+from cp_ops import _ext
+from cp_ops.transport import base, fast
 from cp_ops.transport.fast import collective as fcoll, heap as fheap, lane as flane, pool as fpool
 from cp_ops.transport.fast import slots as fslots, start as fstart
 from dist_util import run_ranks
@@ -73,7 +74,7 @@ def test_reason_nvshmem_missing(fake_cuda, monkeypatch):
 
 def test_reason_build_failure_names_log(fake_cuda, monkeypatch, tmp_path):
     monkeypatch.setattr(config.settings, "ext_dir", str(tmp_path))
-    monkeypatch.setattr(_fast_build, "_state", {})
+    monkeypatch.setattr(_ext, "_state", {})
     from torch.utils import cpp_extension
 
     def boom(**kw):
@@ -86,21 +87,21 @@ def test_reason_build_failure_names_log(fake_cuda, monkeypatch, tmp_path):
     assert "planted failure" in log.read_text()
     with pytest.raises(RuntimeError, match="build log"):
         base.select_transport("fast", "cuda")
-    monkeypatch.setattr(_fast_build, "_state", {})
+    monkeypatch.setattr(_ext, "_state", {})
 
 
 def test_reason_missing_source(monkeypatch, tmp_path):
-    monkeypatch.setattr(_fast_build, "_SOURCE", tmp_path / "nope.cu")
-    monkeypatch.setattr(_fast_build, "_state", {})
-    mod, why = _fast_build.load()
+    monkeypatch.setattr(_ext, "_SOURCE", tmp_path / "nope.cu")
+    monkeypatch.setattr(_ext, "_state", {})
+    mod, why = _ext.load()
     assert mod is None and "nope.cu" in why and "missing" in why
-    monkeypatch.setattr(_fast_build, "_state", {})
+    monkeypatch.setattr(_ext, "_state", {})
 
 
 def test_import_stays_light():
     code = (
         "import sys, cp_ops; import cp_ops.transport.fast as f; f.describe(); "
-        "bad=[m for m in ('nvshmem','cp_ops.transport._fast_build','cp_ops_fast_ext') if m in sys.modules]; "
+        "bad=[m for m in ('nvshmem','cp_ops._ext','cp_ops_fast_ext') if m in sys.modules]; "
         "assert not bad, bad; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -798,7 +799,8 @@ def _startup_body(rank, world, scenarios):
 def _startup_scenario(rank, world, scenario):
     import torch.distributed as dist
 
-    from cp_ops.transport import _fast_build, base, fast
+    from cp_ops import _ext
+    from cp_ops.transport import base, fast
     from cp_ops.transport.fast import heap as fheap, start as fstart
 
     import threading
@@ -836,7 +838,7 @@ def _startup_scenario(rank, world, scenario):
 
     fast.transport.unavailable_reason = lambda device: (
         "the cp_ops CUDA extension failed to build" if scenario == "build" and rank == 0 else None)
-    _fast_build.load = lambda: (_FakeExt, None)
+    _ext.load = lambda: (_FakeExt, None)
     fstart.probe_group = lambda group, device, ext, exchange=None: (None, "nvlink")
     fstart.HEAPS["nvshmem"] = Heap
     dev = torch.device("cuda", 0)

@@ -18,17 +18,17 @@ import time
 import pytest
 
 from cp_ops import config
-from cp_ops.transport import _fast_build
-from cp_ops.transport._file_lock import LockTimeout, file_lock
+from cp_ops import _ext
+from cp_ops._file_lock import LockTimeout, file_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from cp_ops.transport import _fast_build
+from cp_ops import _ext
 bdir = Path(sys.argv[1])
-with _fast_build.build_lock(bdir, timeout_s=30):
+with _ext.build_lock(bdir, timeout_s=30):
     (bdir / "lock").write_text("")  # torch's FileBaton, as cpp_extension.load makes it mid-build
     print("held", flush=True)
     time.sleep(600)
@@ -39,7 +39,7 @@ import os, sys, types
 from torch.utils import cpp_extension
 from torch.utils.file_baton import FileBaton
 from cp_ops import config
-from cp_ops.transport import _fast_build
+from cp_ops import _ext
 
 def load(name, sources, build_directory, **kw):  # torch's _jit_compile locking, without the compiler
     baton = FileBaton(os.path.join(build_directory, "lock"))
@@ -51,7 +51,7 @@ def load(name, sources, build_directory, **kw):  # torch's _jit_compile locking,
 
 cpp_extension.load = load
 config.configure(ext_dir=sys.argv[1], timeout_s=20)
-mod, why = _fast_build.load()
+mod, why = _ext.load()
 assert mod is not None, why
 print("loaded", mod.__file__, flush=True)
 """
@@ -80,10 +80,10 @@ def holder(tmp_path):
 
 
 def test_live_holder_costs_a_bounded_wait_that_names_the_lock(holder, tmp_path, monkeypatch):
-    lock = tmp_path / _fast_build.LOCK_NAME
+    lock = tmp_path / _ext.LOCK_NAME
     t0 = time.monotonic()
     with pytest.raises(LockTimeout) as info:
-        with _fast_build.build_lock(tmp_path, timeout_s=1.0):
+        with _ext.build_lock(tmp_path, timeout_s=1.0):
             pass
     waited = time.monotonic() - t0
     assert 1.0 <= waited < 10, waited
@@ -93,12 +93,12 @@ def test_live_holder_costs_a_bounded_wait_that_names_the_lock(holder, tmp_path, 
     # then falls back to torch; an explicit 'fast' raises it)
     monkeypatch.setattr(config.settings, "ext_dir", str(tmp_path))
     monkeypatch.setattr(config.settings, "timeout_s", 0.5)
-    monkeypatch.setattr(_fast_build, "_state", {})
+    monkeypatch.setattr(_ext, "_state", {})
     t0 = time.monotonic()
-    mod, why = _fast_build.load()
+    mod, why = _ext.load()
     assert mod is None and str(lock) in why and "waited 0.5 s" in why, why
     assert time.monotonic() - t0 < 10
-    monkeypatch.setattr(_fast_build, "_state", {})
+    monkeypatch.setattr(_ext, "_state", {})
 
 
 def test_a_killed_builder_leaves_no_lock_behind(holder, tmp_path):
@@ -106,7 +106,7 @@ def test_a_killed_builder_leaves_no_lock_behind(holder, tmp_path):
     holder.wait(timeout=30)
     assert (tmp_path / "lock").exists()  # torch's baton outlives its holder: what hung every later process
     t0 = time.monotonic()
-    with _fast_build.build_lock(tmp_path, timeout_s=5.0):  # ours was released by the OS
+    with _ext.build_lock(tmp_path, timeout_s=5.0):  # ours was released by the OS
         assert not (tmp_path / "lock").exists()  # and the stale baton is gone
     assert time.monotonic() - t0 < 2
     # the next process's load() goes through torch's own locking without waiting forever

@@ -144,9 +144,9 @@ def test_extension_merge_matches_the_fp32_reference_and_triton():
     paths (D·size % 16), a row count that leaves a block part-filled, strided LSEs as cuDNN returns them, and
     a partial whose LSE is -inf for a row (its block had no key for it: weight 0)."""
     from cp_ops.kernels import lse_merge
-    from cp_ops.transport import _fast_build
+    from cp_ops import _ext
 
-    ext, why = _fast_build.load()
+    ext, why = _ext.load()
     assert ext is not None, why
     g = torch.Generator(device="cuda").manual_seed(7)
     for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)):

@@ -86,12 +86,12 @@ _SMOKE = """
     import importlib.util, logging, os, sys
     import torch, torch.distributed as dist
     import cp_ops, cp_ops.passes
-    from cp_ops.transport import _fast_build
+    from cp_ops import _ext
     site = os.path.realpath({site!r})
     inside = lambda p: os.path.realpath(p).startswith(site + os.sep)
     assert inside(cp_ops.__file__) and inside(cp_ops.passes.__file__), (cp_ops.__file__, cp_ops.passes.__file__)
     assert importlib.util.find_spec("passes") is None and importlib.util.find_spec("csrc") is None
-    for src in _fast_build._sources():  # the fast build's sources: the installed copies
+    for src in _ext._sources():  # the fast build's sources: the installed copies
         assert src.is_file() and inside(src), src
         print("source", src)
 
@@ -140,9 +140,9 @@ def test_editable_install_maps_passes_and_csrc_to_the_checkout(source, tmp_path)
     out = _run(python, """
         import importlib.util
         import cp_ops.passes, cp_ops.passes.overlap
-        from cp_ops.transport import _fast_build
+        from cp_ops import _ext
         assert importlib.util.find_spec("passes") is None and importlib.util.find_spec("csrc") is None
-        print(cp_ops.__file__, cp_ops.passes.__file__, cp_ops.passes.overlap.__file__, _fast_build.source_path())
+        print(cp_ops.__file__, cp_ops.passes.__file__, cp_ops.passes.overlap.__file__, _ext.source_path())
     """, tmp_path)
     paths = [Path(p) for p in out.split()]
     want = [source / "cp_ops" / "__init__.py", source / "passes" / "__init__.py", source / "passes" / "overlap.py",

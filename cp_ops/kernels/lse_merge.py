@@ -135,9 +135,9 @@ _EXT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def _merge_ext(outs, lses, dtype):
     """The merge through the extension's CUDA kernel, or None when it is not loaded or the inputs do not suit it
     (then the caller takes the Triton kernel)."""
-    from ..transport import _fast_build
+    from .. import _ext
 
-    ext = _fast_build.loaded()
+    ext = _ext.loaded()
     code = _EXT_DTYPES.get(dtype)
     o0, l0 = outs[0], lses[0]
     if ext is None or code is None or not 2 <= len(outs) <= _MAX_N or o0.stride(-1) != 1:
@@ -151,10 +151,8 @@ def _merge_ext(outs, lses, dtype):
     size = o0.element_size()
     vec = (d * size) % 16 == 0 and all((st[i] * size) % 16 == 0 for i in range(3)) \
         and all(o.data_ptr() % 16 == 0 for o in outs)  # out: fresh from the caching allocator (aligned)
-    from ..transport.fast.lane import _current_stream  # loaded with the extension
-
     dev = o0.device.index
-    ext.lse_merge(_current_stream(o0.device), dev, code, [o.data_ptr() for o in outs],
+    ext.lse_merge(_ext.current_stream(o0.device), dev, code, [o.data_ptr() for o in outs],
                   [l.data_ptr() for l in lses], out.data_ptr(), b, s, h, d, st[0], st[1], st[2],
                   lst[0], lst[1], lst[2], vec)
     return out

@@ -141,9 +141,9 @@ class FastTransport:
                 "nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
                 "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers"
             )
-        from .. import _fast_build
+        from ... import _ext
 
-        _, why = _fast_build.load()
+        _, why = _ext.load()
         return why
 
     def group_reason(self, group, device: torch.device) -> str | None:
@@ -190,7 +190,7 @@ class FastTransport:
         so a rank that fails or is stuck gives every rank the same :class:`~.collective.StartFailed`."""
         import torch.distributed as dist
 
-        from .. import _fast_build
+        from ... import _ext
         from . import collective, start
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -203,7 +203,7 @@ class FastTransport:
         try:
             local = self.unavailable_reason(device)
             collective.agree_outcome(exchange, "the fast transport's availability check", local)
-            ext, _ = _fast_build.load()
+            ext, _ = _ext.load()
             reason, fabric = start.probe_group(group, device, ext, exchange)
             if reason is not None:
                 raise collective.StartFailed(reason)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ... import config
+from ..._ext import current_stream as _current_stream
 from .collective import group_barrier
 from .heap import Segment
 from .pool import Pool
@@ -35,14 +36,6 @@ log = logging.getLogger("cp_ops")
 N_SLOTS = 256  # device flag slots: the most un-waited fast calls in flight at once
 _SPARE_WORKS = 8  # finished works a lane keeps for reuse (Lane._work)
 _FLAGS = {1: "ready", 2: "arrived", 3: "arrived (wait_source)"}
-
-
-def _current_stream(device: torch.device) -> int:
-    """The current CUDA stream of ``device`` as its ``cudaStream_t`` (``torch.cuda.current_stream(device)
-    .cuda_stream``, without building a Stream object: one C call, as Inductor's ``get_raw_stream``)."""
-    idx = torch.cuda.current_device() if device.index is None else device.index
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch have it
-    return raw(idx) if raw is not None else torch.cuda.current_stream(idx).cuda_stream
 
 
 class FastWork(dist.Work):

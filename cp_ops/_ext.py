@@ -1,5 +1,7 @@
-"""Build and load the fast transport's CUDA extension (``csrc/cp_fast.cu``, with the LSE merge kernel of
-``csrc/lse_merge.cu`` in the same module), once per process, cached on disk.
+"""Build and load cp_ops' CUDA extension (``csrc/cp_fast.cu``, the fast transport's lanes and kernels, with the LSE
+merge kernel of ``csrc/lse_merge.cu`` in the same module), once per process, cached on disk. A neutral home below
+both users: the fast transport (:mod:`cp_ops.transport.fast`) and the kernels (:mod:`cp_ops.kernels.lse_merge`)
+import it, and it imports neither.
 
 Built with ninja through ``torch.utils.cpp_extension.load`` for sm_90 on first use on a CUDA machine, into
 ``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the sources, torch and CUDA versions>``); a later
@@ -25,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator
 
-from .._checkout import part_dir
+from ._checkout import part_dir
 from ._file_lock import LockTimeout, file_lock
 
 log = logging.getLogger("cp_ops")
@@ -60,7 +62,7 @@ def build_dir() -> Path:
     """Where the extension is (or will be) built: ``$CP_OPS_EXT_DIR`` or a per-source cache folder."""
     import torch
 
-    from .. import config
+    from . import config
 
     base = config.settings.ext_dir
     if base:
@@ -85,7 +87,7 @@ def build_lock(bdir: Path, timeout_s: float | None = None) -> Iterator[None]:
         LockTimeout: a live process held the lock for ``timeout_s`` s (the message names the lock file, the
             holder's pid and what to do).
     """
-    from .. import config
+    from . import config
 
     timeout_s = config.settings.timeout_s if timeout_s is None else timeout_s
     lock = bdir / LOCK_NAME
@@ -98,6 +100,17 @@ def build_lock(bdir: Path, timeout_s: float | None = None) -> Iterator[None]:
                         baton)
             baton.unlink(missing_ok=True)
         yield
+
+
+def current_stream(device) -> int:
+    """The current CUDA stream of ``device`` (a ``torch.device``) as its ``cudaStream_t``, for the extension's calls
+    (``torch.cuda.current_stream(device).cuda_stream``, without building a Stream object: one C call, as Inductor's
+    ``get_raw_stream``)."""
+    import torch
+
+    idx = torch.cuda.current_device() if device.index is None else device.index
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch have it
+    return raw(idx) if raw is not None else torch.cuda.current_stream(idx).cuda_stream
 
 
 def log_path() -> Path:

@@ -3,7 +3,7 @@
 ``fcntl.flock`` on ``<path>``: held while the file descriptor is open, released by the kernel when the process
 exits or is killed (SIGKILL included), so a crashed holder never leaves a stale lock behind. The wait for a live
 holder polls (``LOCK_NB``) and is bounded: past ``timeout_s`` it raises :class:`LockTimeout` naming the lock file,
-the holder's pid and what to do. Used by the fast transport's one-per-host CUDA build (:mod:`._fast_build`).
+the holder's pid and what to do. Used by the one-per-host CUDA extension build (:mod:`cp_ops._ext`).
 Linux/macOS only (``fcntl``); the lock file must be on a local filesystem (``flock`` over NFS is not reliable).
 """
 
