@@ -33,6 +33,7 @@ from . import _checkout as _checkout
 _checkout.install()  # a source checkout: cp_ops.passes is <root>/passes, as the wheel installs it
 
 from ._version import __version__  # noqa: E402,F401
+from ._hooks import add_compile_hook as _add_compile_hook  # noqa: E402  (torch-free)
 __all__ = [
     "attention",
     "describe",
@@ -45,6 +46,26 @@ __all__ = [
     "modes",
     "compile",
 ]
+
+
+def _register_lowerings() -> None:
+    """The compile hook (:mod:`cp_ops._hooks`): register the Inductor lowerings of the cp_ops launches on the first
+    trace. A failure is a warning (tracing goes on; Inductor then lowers the launches as plain kernels)."""
+    try:
+        from .passes.lowering import register
+
+        register()
+    except Exception as e:  # noqa: BLE001 - a broken lowering must not break tracing
+        import logging
+
+        logging.getLogger("cp_ops").warning(
+            "cp_ops: the Inductor lowerings of the cp_ops launches (cp_ops.passes.lowering) were not registered: "
+            "%s: %s; Inductor lowers the launches as plain kernels and may reuse a launch's input before its wait",
+            type(e).__name__, e,
+        )
+
+
+_add_compile_hook(_register_lowerings)
 
 
 def _load_core() -> None:

@@ -11,8 +11,8 @@ Public API:
     PinWindows       the scheduler pass (``pin_windows``) that keeps each window's order in the generated code
 
 Both also register the Inductor lowerings of the launches (:mod:`cp_ops.passes.lowering`), which make Inductor keep
-each launch's inputs alive until its wait; plain ``torch.compile`` gets them too: cp_ops' fake kernels import
-:mod:`cp_ops.passes.lowering` lazily on the first trace (:mod:`cp_ops._hooks`); ``import cp_ops`` does not import
+each launch's inputs alive until its wait; plain ``torch.compile`` gets them too: the compile hook :mod:`cp_ops` registers
+(:mod:`cp_ops._hooks`) imports :mod:`cp_ops.passes.lowering` on the first trace; ``import cp_ops`` does not import
 this package. The pass keeps every launch off a pool slot whose output is still unread
 (:func:`cp_ops.transport.base.inflight_limit` slots per key, taken in turn). Logs go to the ``cp_ops.passes`` logger (debug level: each
 window, the nodes moved, fused projections left whole).

@@ -142,7 +142,7 @@ def register() -> bool:
     Returns True when they are registered, False when this torch's Inductor lacks what they need
     (``ir._CollectiveKernel``, ``lowering.register_lowering``); then Inductor lowers the launches as plain
     fallback kernels and a warning says so. Importing :mod:`torch._inductor` costs about a second, so this runs
-    on the first trace of a cp_ops op (:mod:`cp_ops._hooks` imports this module then) or when the pass is installed, never when :mod:`cp_ops` is imported.
+    on the first trace of a cp_ops op (the compile hook :mod:`cp_ops` registers in :mod:`cp_ops._hooks` imports this module then) or when the pass is installed, never when :mod:`cp_ops` is imported.
     """
     global _registered
     if _registered:
