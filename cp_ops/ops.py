@@ -33,8 +33,8 @@ Ops:
     ``after`` (the two Ulysses launches above): an ordering input, never read — the launch runs after the node that
         made it. Traced pipelined Ulysses passes what consumed the output of the launch ``slots_per_key`` before it
         (its attention, its copy out), so Inductor cannot schedule more launches of one pool key in flight than a
-        pooling transport has slots (it fused the copies out of three inverse launches into one kernel after all
-        three, 2026-12-02).
+        pooling transport has slots (otherwise it may fuse the copies out of three inverse launches into one
+        kernel after all three).
     cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
                                      call='', tag=0, comm_fmt='') -> out
         ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below). ``comm_fmt``: the FP8
@@ -355,8 +355,8 @@ def _(buf, dtype, fmt):
 #     back ``[W, B, S', Hl, D]`` (an inverse launch's waited buffer) → ``out [B, S, W, Hl, D]`` (a view of the
 #     result; S ≤ S': the first S of each block). Why an op: traced, the copy would be pointwise torch code that
 #     Inductor may fuse into a later kernel that reads ``back`` again after a later launch of the same pool key
-#     took its slot (it did: the result's three sub-group copies recomputed in one kernel after the third inverse
-#     launch, 2026-12-02). An opaque op reads ``back`` once, where it stands.
+#     took its slot (the result's three sub-group copies, recomputed in one kernel after the third inverse
+#     launch). An opaque op reads ``back`` once, where it stands.
 # (torch.library.custom_op, not op_def.define: a mutating op, whose ADInplaceOrView kernel custom_op registers)
 @torch.library.custom_op("cp_ops::ulysses_inverse_copy_out", mutates_args=("out",))
 def ulysses_inverse_copy_out(back: torch.Tensor, out: torch.Tensor) -> None:

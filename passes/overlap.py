@@ -400,7 +400,7 @@ def _open_window(
     # collectives in one order, and their graphs may differ where the order is free (uneven shards: only the ranks
     # that pad have the padding's nodes), so an order chosen from the graph's
     # dependencies differed between ranks (pipelined Ulysses, uneven, key mask: rank 0 sent sub-group 1's K/V while
-    # rank 1 sent sub-group 0's Q: gloo "Received data size doesn't match expected size", 2026-12-02)
+    # rank 1 sent sub-group 0's Q: gloo "Received data size doesn't match expected size")
     after = list(after) + _collectives_before(graph, launch)
     launch_anc = _ancestors([launch, *after]) | set(after)
     q_side = {
@@ -492,7 +492,7 @@ def _ordering_input(launch: fx.Node):
 def _slot_count(launch: fx.Node):
     """The tensor count n of a packed Ulysses launch: its send buffer's ``shape[3]`` where that is an int, else its
     ``count`` argument. Under ``dynamic=True`` a traced send buffer's sizes may be symbolic expressions (e.g. ``[W, B,
-    S, 3*hs, hs, D//hs]``), which a key cannot hash (TypeError: unhashable type: non-nested SymInt, 2026-12-02); the
+    S, 3*hs, hs, D//hs]``), which a key cannot hash (TypeError: unhashable type: non-nested SymInt); the
     launch as traced carries its count (the call's tensor count; the K/V and Q launches of a split keep the call's
     count but get buffers built here, whose ``shape[3]`` is an int)."""
     n = launch.args[0].meta["val"].shape[3]

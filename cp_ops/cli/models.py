@@ -27,7 +27,7 @@ import torch
 class ModelSpec:
     """One model family: see the module docstring.
 
-    ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA, the model's standard resolution (issue 21):
+    ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA, the model's standard resolution:
     Wan2.1 480p, 81 frames (21 x 60 x 104 = 32760 tokens); HunyuanVideo 544x960, 61 frames (16 x 68 x 120 = 32640);
     Flux.1-dev and Z-Image-Turbo 1024x1024 (4096 tokens); Qwen-Image 1328x1328 (6889 tokens). ``cpu_latent``: the
     tiny configs' (seconds on a CPU).

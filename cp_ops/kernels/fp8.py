@@ -16,7 +16,7 @@ for normal fp8 values, and ``scale · 2**-10`` (e4m3) / ``scale · 2**-17`` (e5m
 
 Kernels: :func:`encode` / :func:`decode` run the torch ops of :func:`encode_torch` / :func:`decode_torch` (any
 device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each (one read, one write; the same math:
-IEEE division, RTNE casts — bitwise equal to the torch version on every finite input on an H200; the self-test
+IEEE division, RTNE casts — bitwise equal to the torch version on every finite input on a Hopper GPU; the self-test
 checks that and the non-finite rule on each device, else the torch version runs: docs/fp8.md, the gpu-marked tests of
 tests/test_fp8.py).
 The ``torch.library`` ops ``cp_ops::fp8_encode`` / ``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced
@@ -86,7 +86,7 @@ def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
     amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     # amax / fp8_max as an IEEE division on every device, as the Triton kernel's div_rn: the divisor is a tensor on
     # x's device, because torch's CUDA division by a Python (CPU) scalar multiplies by its fp32 reciprocal instead,
-    # one ulp off amax / 448 for some amax (the 46-53 bytes the H200 self-test found; CPU divides either way)
+    # one ulp off amax / 448 for some amax (46-53 bytes of a self-test's tensor on a Hopper GPU; CPU divides either way)
     scale = amax.clamp_min_(AMAX_FLOOR).div_(amax.new_full((), fmax))  # [..., 1] fp32
     q = torch.div(x, scale).clamp_(-fmax, fmax).to(dt)
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
@@ -168,7 +168,7 @@ if triton is not None:
         else:
             v = tl.where(ex == 31, tl.where((b & 3) == 0, _bits_f32(v, 0x7F800000), _bits_f32(v, 0x7FC00000)), v)
         # the sign as a bit: Triton's unary minus is 0 - v, which makes -(+0) +0 where torch's decode of the byte 0x80
-        # (a value that rounded to zero) is -0 (found on an H200, 2026-12-02d: the fused decode's first-use check)
+        # (a value that rounded to zero) is -0 (the fused decode's first-use check catches the difference)
         return (v.to(tl.uint32, bitcast=True) | ((b & 0x80).to(tl.uint32) << 24)).to(tl.float32, bitcast=True)
 
     @triton.jit
@@ -177,7 +177,7 @@ if triton is not None:
         row's fp32 scale ``[R]``): the codec's encode (module docstring), shared by every encoding kernel."""
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2**-100
         # a NaN in the row makes its scale NaN, as torch's max does (tl.max and tl.maximum may drop NaN on the GPU:
-        # measured on an H200, the rows holding a NaN arrived finite); NaN values pass the clamp, as in torch.clamp
+        # on a Hopper GPU, the rows holding a NaN came out finite); NaN values pass the clamp, as in torch.clamp
         amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, _bits_f32(amax, 0x7FC00000), amax)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
         y = tl.math.div_rn(x, scale[:, None])

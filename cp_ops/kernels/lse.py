@@ -9,7 +9,7 @@ Kernels, the fastest first (the first one that accepts the dtype/shape is rememb
   ...)`` (LSE returned as ``[B, H, Sq, 1]`` in torch 2.11 and 2.13; squeezed here); then torch's flash kernel,
   ``aten._scaled_dot_product_flash_attention`` (LSE ``[B, H, Sq]``). Both are called only for the half dtypes
   they are written for: called directly (past SDPA's dispatcher, which checks dtypes), the cuDNN op accepted fp32
-  and returned NaN on 2x H200 (torch 2.11; a tiny fp32 Wan under pipelined AGKV).
+  and returned NaN (torch 2.11 on a Hopper GPU: a tiny fp32 Wan under pipelined AGKV).
 * CUDA, any dtype (fp32): torch's memory-efficient kernel, ``aten._scaled_dot_product_efficient_attention(...,
   compute_log_sumexp=True)`` (LSE ``[B, H, Sq rounded up to 32]``; sliced here); then an fp32 math fallback.
 * CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns ``(out, logsumexp)``), the kernel that

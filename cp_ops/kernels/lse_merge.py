@@ -10,7 +10,7 @@ the merge of ring/flash attention). Computed as ``m = max_i lse_i``, ``w_i = exp
 ``[B, S, H, D]`` in ``dtype``. On CUDA, one fused kernel per ≤ 4 partials (one read of each partial, one write):
 the CUDA kernel of ``csrc/lse_merge.cu`` when this process already loaded cp_ops' extension (the fast
 transport loads it; launched with plain integers through pybind11: measured 60 µs → a few µs of host time per
-merge on the 2x H200 host, where the Triton launcher's argument binding dominates) and the inputs suit it (2..4
+merge on a Hopper host, where the Triton launcher's argument binding dominates) and the inputs suit it (2..4
 partials in the output dtype, fp32/bf16/fp16, last dim contiguous); else the Triton kernel (:mod:`triton`, a
 torch dependency on Linux CUDA builds); else eager fp32 torch ops.
 """

@@ -3,7 +3,7 @@ body runs, and the reference every test compares against.
 
 ``local_attention(q, k, v, scale, key_mask)``: ``q [B, Sq, H, D]`` × ``k, v [B, Skv, H, D]`` (→ ``[B, Sq, H, D]``, q's
 dtype) through ``F.scaled_dot_product_attention``. On CUDA the backends are tried in the order cuDNN, flash,
-memory-efficient, math (cuDNN ran about twice as fast as torch's flash backend on H200, bf16, H=40, D=128:
+memory-efficient, math (cuDNN ran about twice as fast as torch's flash backend on a Hopper GPU, bf16, H=40, D=128:
 ``shared/anchors.md``); a backend that cannot take the inputs (a mask, a head dim) is skipped by SDPA itself.
 
 ``key_mask``: bool ``[B, Skv]`` (True = attend this key) or ``[B, 1, 1, Skv]`` (already in SDPA's broadcast form),
