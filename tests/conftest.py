@@ -45,6 +45,69 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(2, os.cpu_count() or 1))
 
 
+#: The longest tests on CI (2 cores, a cold Inductor cache: ``pytest -n 2 --durations=40``), longest first. Under
+#: xdist they are dealt in turn to the heads of the workers' shares of the collection (:func:`_deal`), so every worker
+#: starts with long tests and ends with short ones: a long test that starts last holds the whole run while the other
+#: worker idles. An order only: a test not named here runs after them, in collection order; a name that no longer
+#: matches a test is skipped over.
+LONGEST = (
+    "tests/test_pass_correctness.py::test_compiled_with_pass_equals_without_and_eager_2_ranks",
+    "tests/test_cli_bound.py::test_bound_compile_workers_fill_the_caches",
+    "tests/test_csrc_compiles.py::test_extension_sources_compile_and_link",
+    "tests/test_cli_bound.py::test_bound_side_processes",
+    "tests/test_pass_correctness.py::test_dynamic_shapes_pipelined_ulysses_2_ranks",
+    "tests/test_pass_benchmark.py::test_cpu_smoke_run",
+    "tests/test_compiled_once_per_class.py::test_regional_compile_once_per_block_class[agkv]",
+    "tests/test_pass_graph.py::test_diffusers_wan_transformer_one_window_per_layer[agkv]",
+    "tests/test_diffusers_models.py::test_models_equal_unparallelized[2]",
+    "tests/test_mesh2d.py::test_2d_compiled_equals_eager",
+    "tests/test_compiled_once_per_class.py::test_regional_compile_once_per_block_class[ulysses]",
+    "tests/test_fp8.py::test_compiled_equals_eager",
+    "tests/test_pass_graph.py::test_diffusers_wan_transformer_one_window_per_layer[ulysses]",
+    "tests/test_diffusers_compiled.py::test_parallelize_compile_equals_eager",
+    "tests/test_uneven.py::test_compiled_equals_eager",
+    "tests/test_diffusers_models.py::test_models_equal_unparallelized[4]",
+    "tests/test_packaging.py::test_fresh_non_editable_install_compiles_with_the_pass_and_finds_the_sources",
+    "tests/test_compile_guards.py::test_cp_ops_code_guards_left_out_value_guards_kept",
+    "tests/test_pass_graph.py::TestOverlapPass::test_flux_joint_tokens_per_head_norm",
+    "tests/test_fp8.py::test_slotted_transport_pipelined_mixed_formats",
+    "tests/test_attention.py::test_cp_attention_equals_single_device[2]",
+    "tests/test_fast.py::test_startup_failure_on_one_rank_reaches_every_rank[3-scenarios1]",
+    "tests/test_pooled.py::test_compiled_pipelined_ulysses_uneven_masked_keeps_collective_order",
+    "tests/test_cli_bound.py::test_side_process_failures_are_reported",
+    "tests/test_fp8.py::test_auto_mode_with_k_and_v_apart",
+)
+
+
+def _deal(items: list, workers: int) -> list:
+    """``items`` reordered for ``workers`` xdist workers taking tests by work stealing: the scheduler hands worker j
+    the j-th contiguous share of the collection (the first ``n // workers`` items, then a fair share of the rest, ...)
+    and an idle worker steals from the tail of another's share. The tests of :data:`LONGEST` are dealt in turn to the
+    heads of the shares (the longest to share 0, the next to share 1, ...), the other tests fill the shares up."""
+    rank = {nodeid: i for i, nodeid in enumerate(LONGEST)}
+    long = sorted((it for it in items if it.nodeid in rank), key=lambda it: rank[it.nodeid])
+    rest = [it for it in items if it.nodeid not in rank]
+    sizes, left = [], len(items)
+    for j in range(workers):
+        sizes.append(left // (workers - j))  # what xdist's worksteal scheduler sends worker j (its _send_tests)
+        left -= sizes[-1]
+    heads = [long[j::workers] for j in range(workers)]
+    if any(len(h) > n for h, n in zip(heads, sizes)):  # a few tests selected: nothing to deal
+        return items
+    out, i = [], 0
+    for head, n in zip(heads, sizes):
+        out += head + rest[i:i + n - len(head)]
+        i += n - len(head)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under two or more xdist workers the longest tests start first, one worker each (:func:`_deal`)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        items[:] = _deal(items, workers)
+
+
 def pytest_configure(config):
     """Two workers take tests by work stealing (``--dist worksteal``) rather than fixed batches: a few tests take
     10-25 s on CI's 2 cores, and stealing keeps one worker from ending with a queue of them while the other idles."""
