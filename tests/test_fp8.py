@@ -327,30 +327,36 @@ def test_one_rank_emulation():
     run_ranks(_one_rank_emulation, 1)
 
 
+#: (mode, chunks, comm_dtype) of the compiled check: every case is a call in one traced function
+COMPILED_CASES = (("agkv", 1, E4), ("agkv", 2, E4), ("ulysses", 1, {"q": E4, "v": E4, "o": E4}), ("ulysses", 2, E5),
+                  ("ulysses", 1, {"k": E5, "v": E4}))
+
+
 def _compiled(rank, w):
+    """Each case of COMPILED_CASES, and Ulysses with uneven shards and a key mask, compiled by ``torch.compile`` and by
+    ``cp_ops.compile`` (the overlap pass) equal eager, bitwise. The cases are calls of one function, so each compiler
+    compiles once for all of them (each call's launches, waits and codecs traced and lowered all the same)."""
     b, h, d, s = 1, 2 * w, 16, 6
     q, k, v, _ = _data(b, w * s, h, d, seed=11)
     sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
     seq = layout.shard_sizes(w * s - 1, w)
     qu, ku, vu, mask = _data(b, sum(seq), h, d, seed=12)
     shu = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
-    for mode, chunks, c in (("agkv", 1, E4), ("agkv", 2, E4), ("ulysses", 1, {"q": E4, "v": E4, "o": E4}),
-                            ("ulysses", 2, E5), ("ulysses", 1, {"k": E5, "v": E4})):
-        def f(q, k, v):
-            return cp_ops.attention(q * 1, k, v, mode=mode, chunks=chunks, comm_dtype=c) * 2
 
-        eager = f(sh(q), sh(k), sh(v))
-        for comp in (torch.compile, cp_ops.compile):  # cp_ops.compile: with the overlap pass
-            torch._dynamo.reset()
-            compiled = comp(f, fullgraph=True)(sh(q), sh(k), sh(v))
-            assert torch.equal(compiled, eager), (mode, chunks, c, comp)
+    def f(q, k, v, qu, ku, vu, m):
+        outs = [cp_ops.attention(q * 1, k, v, mode=mode, chunks=chunks, comm_dtype=c) * 2
+                for mode, chunks, c in COMPILED_CASES]
+        return outs + [cp_ops.attention(qu, ku, vu, mode="ulysses", seq_lens=seq, key_mask=m, comm_dtype=E4)]
 
-    def g(q, k, v, m):
-        return cp_ops.attention(q, k, v, mode="ulysses", seq_lens=seq, key_mask=m, comm_dtype=E4)
-
-    torch._dynamo.reset()
-    args = (shu(qu), shu(ku), shu(vu), shu(mask))
-    assert torch.equal(torch.compile(g, fullgraph=True)(*args), g(*args))
+    args = (sh(q), sh(k), sh(v), shu(qu), shu(ku), shu(vu), shu(mask))
+    eager = f(*args)
+    cases = list(COMPILED_CASES) + [("ulysses", "uneven, key mask", E4)]
+    for comp in (torch.compile, cp_ops.compile):  # cp_ops.compile: with the overlap pass
+        torch._dynamo.reset()
+        compiled = comp(f, fullgraph=True)(*args)
+        assert len(compiled) == len(cases)
+        for case, got, want in zip(cases, compiled, eager):
+            assert torch.equal(got, want), (case, comp)
 
 
 def test_compiled_equals_eager():

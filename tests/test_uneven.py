@@ -58,36 +58,40 @@ def _same_kernel_refs(q, k, v, mask, rank, w, seq, mode, scale=None):
     return sh(torch.cat(groups, dim=2))
 
 
-def _equal_to_single_device(rank, w):
+def _case_equal_to_single_device(rank, w, i):
+    """CASES[w][i] through each mode, with and without a key mask, chunks 1 (bitwise) and 2, 3."""
     pg = dist.group.WORLD
-    for i, (b, h, d, split) in enumerate(CASES[w]):
-        seq = layout.shard_sizes(split, w) if isinstance(split, int) else split
-        total = sum(seq)
-        q, k, v, mask = _data(b, total, h, d, seed=100 * w + i)
-        sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
-        assert sh(q).shape[1] == seq[rank]
-        ref = sh(cp_ops.local_attention(q, k, v))  # one device, one call
-        ref_m = sh(masked_attention(q, k, v, key_mask=mask))
-        assert ref.numel() == 0 or not torch.equal(ref, ref_m)  # the mask matters in these cases
-        modes = ["agkv", "ulysses"] if h % w == 0 else ["agkv"]
-        for mode in modes:
-            for m, full in ((None, ref), (mask, ref_m)):
-                out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=1, seq_lens=seq,
+    b, h, d, split = CASES[w][i]
+    seq = layout.shard_sizes(split, w) if isinstance(split, int) else split
+    total = sum(seq)
+    q, k, v, mask = _data(b, total, h, d, seed=100 * w + i)
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    assert sh(q).shape[1] == seq[rank]
+    ref = sh(cp_ops.local_attention(q, k, v))  # one device, one call
+    ref_m = sh(masked_attention(q, k, v, key_mask=mask))
+    assert ref.numel() == 0 or not torch.equal(ref, ref_m)  # the mask matters in these cases
+    modes = ["agkv", "ulysses"] if h % w == 0 else ["agkv"]
+    for mode in modes:
+        for m, full in ((None, ref), (mask, ref_m)):
+            out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=1, seq_lens=seq,
+                                   key_mask=None if m is None else sh(m))
+            assert out.shape == full.shape and out.is_contiguous()
+            # the same kernel calls see the same keys (padded rows removed before SDPA; with a mask, the
+            # padded sequence, masked): bitwise
+            same = _same_kernel_refs(q, k, v, m, rank, w, seq, mode)
+            assert torch.equal(out, same), (mode, seq, m is not None, (out - same).abs().max().item())
+            torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+            # pipelined: AGKV (LSE merge: not bitwise) without a mask, Ulysses (exact per head) with or without
+            for chunks in (2, 3):
+                if mode == "agkv" and m is not None:
+                    continue
+                out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=chunks, seq_lens=seq,
                                        key_mask=None if m is None else sh(m))
-                assert out.shape == full.shape and out.is_contiguous()
-                # the same kernel calls see the same keys (padded rows removed before SDPA; with a mask, the
-                # padded sequence, masked): bitwise
-                same = _same_kernel_refs(q, k, v, m, rank, w, seq, mode)
-                assert torch.equal(out, same), (mode, seq, m is not None, (out - same).abs().max().item())
-                torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
-                # pipelined: AGKV (LSE merge: not bitwise) without a mask, Ulysses (exact per head) with or without
-                for chunks in (2, 3):
-                    if mode == "agkv" and m is not None:
-                        continue
-                    out = cp_ops.attention(sh(q), sh(k), sh(v), group=pg, mode=mode, chunks=chunks, seq_lens=seq,
-                                           key_mask=None if m is None else sh(m))
-                    # (Ulysses attends fewer heads per SDPA call: CPU SDPA differs by ~1e-7, so not bitwise)
-                    torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+                # (Ulysses attends fewer heads per SDPA call: CPU SDPA differs by ~1e-7, so not bitwise)
+                torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+
+
+def _masked_even_shards(rank, w):
     # a key mask on even shards (seq_lens=None), bf16, a batch row whose keys are all masked (SDPA's answer: 0 on
     # CPU), a custom scale
     b, s, h, d = 2, 8 * w, 12, 8
@@ -130,13 +134,18 @@ def _collectives(rank, w):
     assert torch.equal(got, x)
 
 
+@pytest.mark.parametrize("world_size,case", [(w, i) for w in sorted(CASES) for i in range(len(CASES[w]))])
+def test_uneven_and_masked_equal_single_device(world_size, case):
+    run_ranks(_case_equal_to_single_device, world_size, case)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_uneven_and_masked_equal_single_device(world_size):
-    run_ranks(_all_equal, world_size)
+def test_masked_even_shards_and_collectives(world_size):
+    run_ranks(_masked_even_and_collectives, world_size)
 
 
-def _all_equal(rank, w):
-    _equal_to_single_device(rank, w)
+def _masked_even_and_collectives(rank, w):
+    _masked_even_shards(rank, w)
     _collectives(rank, w)
 
 
@@ -206,15 +215,19 @@ def _compiled(rank, w):
         q, k, v = (t.unflatten(-1, (h, d)) for t in proj(x).chunk(3, dim=-1))
         return cp_ops.attention(q, k, v, mode=mode, seq_lens=seq, key_mask=mask).flatten(-2) * 2
 
-    for mode in ("agkv", "ulysses"):
-        with torch.no_grad():
-            eager = block(x, mask, mode)
-            compiled = torch.compile(block, fullgraph=True)(x, mask, mode)
-        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-        assert eager.numel() == 0 or eager.abs().max() > 0
+    def both(x, mask):  # the modes are calls of one function: one compile for both
+        return [block(x, mask, mode) for mode in ("agkv", "ulysses")]
+
+    with torch.no_grad():
+        eager = both(x, mask)
+        compiled = torch.compile(both, fullgraph=True)(x, mask)
+    for mode, got, want in zip(("agkv", "ulysses"), compiled, eager):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=mode)
+        assert want.numel() == 0 or want.abs().max() > 0
     # the overlap pass (cp_ops.compile) under dynamic shapes, a rank holding no token: seq_lens reach the launches as
-    # SymInt graph inputs, which the pass's pool-key grouping read as tensors (AttributeError: 'SymInt' object has no
-    # attribute 'dtype', 2026-12-02); this rank's mask and every key's
+    # SymInt graph inputs, which the pass's pool-key grouping must not read as tensors; this rank's mask and every
+    # key's. One compile per case: the pass decides per graph, and a graph of several calls on a rank without tokens
+    # may be split differently from its peer's (the rank contract then raises, naming the call)
     from torch import _dynamo
 
     seq = (0, 9) if w == 2 else (0,) + layout.shard_sizes(9, w - 1)
