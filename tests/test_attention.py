@@ -17,19 +17,21 @@ def _shard(t, rank, w):
     return t[:, rank * s : (rank + 1) * s]
 
 
-def _equal_to_single_device(rank, w):
-    for b, s, h, d in SHAPES:
-        for seed in (0, 1):
-            g = torch.Generator().manual_seed(seed * 1000 + s)
-            q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
-            ref = _shard(cp_ops.local_attention(q, k, v), rank, w)
-            modes = ["agkv", "ulysses"] if h % w == 0 else ["agkv"]
-            for mode in modes + ["auto"]:
-                out = cp_ops.attention(_shard(q, rank, w), _shard(k, rank, w), _shard(v, rank, w), mode=mode)
-                assert out.shape == ref.shape, (mode, out.shape, ref.shape)
-                # Same kernel, same data for these rows/heads: bitwise equal on CPU's SDPA.
-                assert torch.equal(out, ref), (mode, (b, s, h, d), (out - ref).abs().max().item())
-    # bf16 and a custom scale
+def _equal_to_single_device(rank, w, shape):
+    b, s, h, d = shape
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed * 1000 + s)
+        q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
+        ref = _shard(cp_ops.local_attention(q, k, v), rank, w)
+        modes = ["agkv", "ulysses"] if h % w == 0 else ["agkv"]
+        for mode in modes + ["auto"]:
+            out = cp_ops.attention(_shard(q, rank, w), _shard(k, rank, w), _shard(v, rank, w), mode=mode)
+            assert out.shape == ref.shape, (mode, out.shape, ref.shape)
+            # Same kernel, same data for these rows/heads: bitwise equal on CPU's SDPA.
+            assert torch.equal(out, ref), (mode, (b, s, h, d), (out - ref).abs().max().item())
+
+
+def _bf16_custom_scale(rank, w):
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 128, 4, 16, generator=g).bfloat16() for _ in range(3))
     ref = _shard(cp_ops.local_attention(q, k, v, scale=0.3), rank, w)
@@ -39,9 +41,15 @@ def _equal_to_single_device(rank, w):
         assert torch.equal(out, ref), mode
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_cp_attention_equals_single_device(world_size):
-    run_ranks(_equal_to_single_device, world_size)
+def test_cp_attention_equals_single_device(world_size, shape):
+    run_ranks(_equal_to_single_device, world_size, shape)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bf16_and_custom_scale_equal_single_device(world_size):
+    run_ranks(_bf16_custom_scale, world_size)
 
 
 # ---- GPU (NCCL, one GPU a rank; marked gpu, skipped without the GPUs; formerly tests/test_gpu.py) ------------------
