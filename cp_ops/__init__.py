@@ -72,29 +72,16 @@ def _load_core() -> None:
     """Import the core's public names into this module (what ``import cp_ops`` did eagerly before)."""
     from . import ops  # noqa: F401  (registers torch.ops.cp_ops.*)
     from . import modes
-    from .attention import attention, describe, local_attention
+    from .api import attention, describe, local_attention
 
     modes.load_builtin()  # the mode bodies, imported with the core (never inside traced code)
     from .plan.rules import choose_mode
     from .collectives import agkv_gather, ulysses_all_to_all, ulysses_all_to_all_inverse
-    from .compile import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
+    from .compiler import compile  # noqa: A004  (torch.compile + the overlap pass; imports Inductor only when called)
     from .transport.base import select_transport
 
     globals().update({k: v for k, v in locals().items() if k in __all__})
 
-
-class _Package(type(_sys)):
-    """The package's module type: a submodule that shares a public function's name (``cp_ops.attention``,
-    ``cp_ops.compile``) is not bound over the function when it is imported before the core (the import system
-    binds each loaded submodule on its package); the name then loads the core on first use (``__getattr__``)."""
-
-    def __setattr__(self, name, value):
-        if name in __all__ and name != "modes" and isinstance(value, type(_sys)):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package
 
 if "torch" in _sys.modules:  # the usual case (torch imported first): the core costs ~20 ms more; register the ops now
     _load_core()

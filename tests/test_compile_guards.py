@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import cp_ops
 from cp_ops import config
-from cp_ops.compile import skip_cp_ops_code_guards
+from cp_ops.compiler import skip_cp_ops_code_guards
 from dist_util import run_ranks
 
 

@@ -83,6 +83,15 @@ def test_no_import_cycle_in_cp_ops():
     assert not cycles, f"import cycles: {detail}"
 
 
+def test_no_submodule_shares_a_public_name():
+    """A submodule named like a public function (``cp_ops.attention``, ``cp_ops.compile``) would be bound over the
+    function when imported before the core loads (the import system sets each loaded submodule on its package)."""
+    import cp_ops
+
+    subs = {m.split(".")[1] for m in _modules() if m.count(".") >= 1}
+    assert "api" in subs and not subs & (set(cp_ops.__all__) - {"modes"}), subs & set(cp_ops.__all__)
+
+
 def test_the_detector_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention import attention
+from ...api import attention
 from . import _private, generic
 from .hooks import CPState
 
