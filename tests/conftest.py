@@ -71,7 +71,6 @@ LONGEST = (
     "tests/test_compile_guards.py::test_cp_ops_code_guards_left_out_value_guards_kept",
     "tests/test_pass_graph.py::TestOverlapPass::test_flux_joint_tokens_per_head_norm",
     "tests/test_fp8.py::test_slotted_transport_pipelined_mixed_formats",
-    "tests/test_attention.py::test_cp_attention_equals_single_device[2]",
     "tests/test_fast.py::test_startup_failure_on_one_rank_reaches_every_rank[3-scenarios1]",
     "tests/test_pooled.py::test_compiled_pipelined_ulysses_uneven_masked_keeps_collective_order",
     "tests/test_cli_bound.py::test_side_process_failures_are_reported",
