@@ -325,8 +325,6 @@ LTX = ModelSpec(
 )
 
 MODELS: dict[str, ModelSpec] = {s.name: s for s in (WAN, ZIMAGE, FLUX, QWEN, HUNYUAN, LTX)}
-#: Backward-compatible view of Wan's configs (``cp_ops.cli.run_wan.CONFIGS`` before ``run`` took every model).
-CONFIGS = WAN.configs
 
 
 def config_label(spec: ModelSpec, config: str, cfg: dict) -> str:
