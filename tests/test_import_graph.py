@@ -134,7 +134,7 @@ def test_the_plan_is_the_one_home_of_a_decision():
         assert gone not in mods, gone
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     core = {m for m in graph if not m.startswith(("cp_ops.plan", "cp_ops.cli", "cp_ops.integrations"))} - {
-        "cp_ops.attention", "cp_ops"}
+        "cp_ops.api", "cp_ops"}
     reach = {m: sorted(d for d in graph[m] if d.startswith("cp_ops.plan.") and d not in ("cp_ops.plan.rules",))
              for m in core}
     assert not {m: r for m, r in reach.items() if r}, reach
