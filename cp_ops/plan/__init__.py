@@ -1,7 +1,7 @@
 """The one home of a call's decision: :func:`run` takes a :class:`~cp_ops.plan.call.Call` (the arguments normalized
 once at the API) to the body that runs it; :func:`describe` says what it runs and why.
 
-The data path (``docs/architecture.md``): public API (:mod:`cp_ops.attention`) → **plan** (here) → mode body
+The data path (``docs/architecture.md``): public API (:mod:`cp_ops.api`) → **plan** (here) → mode body
 (:mod:`cp_ops.modes`) → comm (:mod:`cp_ops.comm`) → op (:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`)
 → kernel (:mod:`cp_ops.kernels`, ``csrc/``).
 
