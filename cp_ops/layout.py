@@ -44,7 +44,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
     Why: the layout copies of eager code (Ulysses' pack and unpack) are strided, and a strided copy runs ATen's
     non-vectorized elementwise kernel one element per lane; moved as int64 a bf16 row takes 4x fewer elements
-    (measured on an H200: 1.9-2.3x faster, ``benchmarks/results/2026-12-01e_h200_torch2.11_cu130/pack_ab.json``).
+    (measured on an H200: 1.9-2.3x faster, ``benchmarks/results/bound/runs/2026-12-01e_pack_ab.json``).
     The rule is ``Tensor.view(dtype)``'s: last dim contiguous and divisible, storage offset and the other strides
     divisible by the width ratio. About 1-2 µs of host time per call."""
     if torch.compiler.is_compiling() or x.requires_grad:  # an integer view would cut the autograd graph (and the

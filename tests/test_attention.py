@@ -108,7 +108,7 @@ SHAPE = (1, 512, 8, 64)  # B, S_local, H, D (bf16): W divides H; Ulysses chunks=
 CASES = [(mode, chunks) for mode in ("agkv", "ulysses") for chunks in (1, 2)]
 # reduce-overhead compiles one graph per case (tens of seconds each on the GPU host): two cases cover both modes and
 # both the plain and the pipelined path. On 2x H200 / torch 2.11 the four-case version did not finish within ~150 s
-# (2026-11-30: slow compiles or a hang, not told apart; see benchmarks/results/2026-11-30_*/README.md).
+# (slow compiles or a hang, not told apart; see benchmarks/results/cp2_attention/run_2026-11-30.md).
 RO_CASES = [("agkv", 1), ("ulysses", 2)]
 
 

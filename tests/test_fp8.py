@@ -741,7 +741,7 @@ def test_scales_are_ieee_quotients_cuda():
 
 # Was a strict xfail until 2026-12-01e: the torch version's scale was amax * fl(1/448) on CUDA (see
 # _scales_are_ieee_quotients), the Triton kernel's amax / 448; both divide now (H200, 2026-12-01e: 0 bytes differ on
-# the self-test's inputs, benchmarks/results/2026-12-01e_fp8_h200_torch2.11_cu130/fp8_codec.json). Whether the codec
+# the self-test's inputs, benchmarks/results/fp8/fp8_codec_2026-12-01e.json). Whether the codec
 # USES the kernels also takes the non-finite rule: test_triton_kernels_keep_the_nonfinite_rule.
 @pytest.mark.gpu
 @ONE_CUDA

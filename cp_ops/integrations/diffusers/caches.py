@@ -1,4 +1,4 @@
-"""diffusers' step caches on a parallelized model: every rank decides the same (issue 21 item 7).
+"""diffusers' step caches on a parallelized model: every rank decides the same.
 
 A step cache skips the model's remaining blocks in a step when a metric says the step changes little. diffusers 0.42's
 ``FirstBlockCache`` computes that metric from the first block's residual — under CP, from *this rank's* tokens only,

@@ -8,7 +8,7 @@ by ``cp-ops run`` / ``--bound`` when they capture a whole forward (the one-GPU b
 * Qwen-Image (``transformer_qwenimage.compute_text_seq_len_from_mask``, diffusers 0.42.1): with a text mask, every
   forward makes ``torch.as_tensor(text_seq_len, device=cuda)`` — a copy from pageable host memory, which a capture
   refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned";
-  measured on an H200, benchmarks/results/2026-12-02c_h200_torch2.11_cu130). The replacement gives ``torch.where``
+  benchmarks/results/bound/runs/2026-12-02c.md). The replacement gives ``torch.where``
   the Python int itself (a scalar operand: no copy).
 """
 

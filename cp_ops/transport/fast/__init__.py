@@ -60,7 +60,7 @@ allocation.
 Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
 (0.69-0.78x the NCCL all-gather time), Ulysses 260-344 GB/s (0.49-0.52x the torch transport's
 pack + all_to_all_single); every output bitwise equal to the torch transport
-(``benchmarks/results/transfer_2026-11-29_h200x2.md``).
+(``benchmarks/results/transfer/table.md``).
 """
 
 from __future__ import annotations
