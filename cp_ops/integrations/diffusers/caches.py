@@ -54,7 +54,9 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
     n = 0
     for hook in _hooks(model):
         if type(hook).__name__ == "FBCHeadBlockHook" and not getattr(hook, "_cp_ops_group", None):
-            hook._cp_ops_group = pg
+            # the group read at each decision: a forward one CFG lane runs alone (a pipeline's branch call) is
+            # the lane's (.lanes.Lanes.alone sets the model's _cp_ops_input_group for it)
+            hook._cp_ops_group = (lambda: group) if group is not None else (lambda: model._cp_ops_input_group)
             hook._should_compute_remaining_blocks = types.MethodType(_fbc_should_compute, hook)
             n += 1
     return n
@@ -81,7 +83,7 @@ def _fbc_should_compute(self, hidden_states_residual: torch.Tensor) -> bool:
     if prev is None:
         return True
     sums = torch.stack([(hidden_states_residual - prev).abs().sum(), prev.abs().sum()]).double()
-    dist.all_reduce(sums, group=self._cp_ops_group)
+    dist.all_reduce(sums, group=self._cp_ops_group())
     return (sums[0] / sums[1]).item() > self.threshold
 
 

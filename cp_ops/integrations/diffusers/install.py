@@ -220,6 +220,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     transformer._cp_ops_group = cp  # marks the model before any hook goes in
     transformer._cp_ops_input_group = pg  # every rank holding part of the inputs (both CFG lanes): step caches
     checks = RankChecks(transformer, cp, spec.checked_inputs, input_pg=pg)  # a pre-hook: sees the full inputs
+    if lanes is not None:  # a forward one lane runs alone (a pipeline's branch call): its inputs are the lane's
+        transformer._cp_ops_lanes = lanes
+        lanes.input_groups += [(checks, "input_pg"), (transformer, "_cp_ops_input_group")]
     streams = {s for _, e in plan for sp in ([e] if isinstance(e, Gather) else e.values())
                for s in ((sp.stream,) if isinstance(sp, Gather) else sp.streams)}
     streams |= {s for ss in spec.attention.values() for s in ss}
@@ -245,4 +248,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
         capture_forward(transformer, group=pg)
+        if lanes is not None:
+            from ...captured import captured
+
+            lanes.input_groups.append((captured(transformer), "group"))
     return transformer

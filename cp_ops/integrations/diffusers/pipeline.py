@@ -200,6 +200,7 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
         RuntimeError: torch.distributed cannot start.
     """
     from .install import parallelize
+    from .lanes import attach_pipeline
 
     components = getattr(pipe, "components", None)
     if not isinstance(components, dict):
@@ -219,6 +220,7 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
     for name in names:
         parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks, comm_dtype=comm_dtype,
                     **kwargs)
+    attach_pipeline(pipe, [components[n] for n in names])  # CFG lanes: a pipeline's per-branch calls paired
     check_calls(pipe, components[names[0]]._cp_ops_input_group)
     pipe.cp_ops_transformers = tuple(names)
     pipe.cp_ops_writes_output = dist.get_rank() == 0

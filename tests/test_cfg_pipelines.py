@@ -1,0 +1,133 @@
+"""CFG lanes in diffusers pipelines that call the transformer once per branch (Wan 2.2 with two experts, Qwen-Image,
+Flux with true CFG): ``parallelize_pipeline(pipe, cfg_parallel=True)`` runs the conditional call on lane 0 and the
+unconditional one on lane 1 — each lane runs only its branch's forwards — and gives the unparallelized pipeline's
+output, at W = 2 (2 lanes x CP1: bitwise) and W = 4 (2 lanes x CP2). A call with no CFG pair runs on both lanes
+alike, with one warning; a conditional call left without its unconditional call raises on every rank."""
+
+import importlib.util
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+NEEDS = [m for m in ("transformers",) if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(bool(NEEDS), reason=f"diffusers pipelines need {NEEDS} (pip install transformers)")
+
+from dist_util import run_ranks  # noqa: E402
+
+
+def tiny_qwenimage(steps: int = 2, true_cfg: float = 4.0):
+    """A ``QwenImagePipeline`` of 32 x 32 pixels (4 image tokens), true CFG with a negative prompt of another length
+    and a text mask that pads it."""
+    import diffusers as d
+
+    from cp_ops.examples.tiny import _randomize
+
+    torch.manual_seed(0)
+    vae = d.AutoencoderKLQwenImage(base_dim=4, z_dim=4, latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+                                   dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    tr = d.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                       attention_head_dim=8, num_attention_heads=4, joint_attention_dim=16,
+                                       axes_dims_rope=(2, 2, 4))
+    _randomize(tr)
+    pipe = d.QwenImagePipeline(scheduler=d.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None,
+                               tokenizer=None, transformer=tr)
+    g = torch.Generator().manual_seed(1)
+    neg_mask = torch.ones(1, 6, dtype=torch.long)
+    neg_mask[0, -2:] = 0
+    call = dict(prompt_embeds=torch.randn(1, 8, 16, generator=g), prompt_embeds_mask=torch.ones(1, 8, dtype=torch.long),
+                negative_prompt_embeds=torch.randn(1, 6, 16, generator=g), negative_prompt_embeds_mask=neg_mask,
+                true_cfg_scale=true_cfg, height=32, width=32, num_inference_steps=steps)
+    return pipe, call
+
+
+def tiny_flux_true_cfg(steps: int = 2):
+    """:func:`cp_ops.examples.tiny.tiny_flux` with true CFG (a negative prompt's embeddings, ``true_cfg_scale``)."""
+    from cp_ops.examples.tiny import tiny_flux
+
+    pipe, call = tiny_flux(steps=steps)
+    g = torch.Generator().manual_seed(2)
+    call.update(negative_prompt_embeds=torch.randn(1, 8, 16, generator=g),
+                negative_pooled_prompt_embeds=torch.randn(1, 8, generator=g), true_cfg_scale=3.0)
+    return pipe, call
+
+
+def _output(pipe, call):
+    with torch.no_grad():
+        out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np")
+    return out.frames if hasattr(out, "frames") else out.images
+
+
+def _count_forwards(pipe, names):
+    """Forwards each transformer ran (a pre-hook: runs inside the call, where a lane that skips a branch does not)."""
+    calls = dict.fromkeys(names, 0)
+    for n in names:
+        getattr(pipe, n).register_forward_pre_hook(lambda *a, n=n: calls.__setitem__(n, calls[n] + 1))
+    return calls
+
+
+def _cfg_pipelines(rank, w):
+    from cp_ops.examples.tiny import tiny_flux, tiny_wan22
+    from cp_ops.integrations.diffusers import parallelize_pipeline
+
+    lane = rank // (w // 2)
+    # (builder, transformers, forwards each runs per lane: its branch's only)
+    cases = [(tiny_wan22, ("transformer", "transformer_2"), 1), (tiny_qwenimage, ("transformer",), 2),
+             (tiny_flux_true_cfg, ("transformer",), 2)]
+    for build, names, per_lane in cases:
+        ref_pipe, call = build()
+        ref_pipe.set_progress_bar_config(disable=True)
+        ref = _output(ref_pipe, call)
+        pipe, call = build()
+        parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
+        calls = _count_forwards(pipe, names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a paired pipeline runs without the both-lanes warning
+            out = _output(pipe, call)
+        # each lane ran only its own branch: one forward per step and transformer, not two
+        assert calls == dict.fromkeys(names, per_lane), (build.__name__, lane, calls)
+        assert out.shape == ref.shape and out.std() > 0, (build.__name__, out.shape, ref.shape)
+        if w == 2 or build is tiny_wan22:  # the same kernels on the same data (CP1, or one stream in even shards)
+            assert np.array_equal(out, ref), (build.__name__, w, np.abs(out - ref).max())
+        else:  # joint attention over CP2 sees its keys in another order: equal to rounding
+            assert np.abs(out - ref).max() <= 1e-5, (build.__name__, w, np.abs(out - ref).max())
+        out2 = _output(pipe, call)  # a second call: the output shapes are known, nothing is asked again
+        assert np.array_equal(out2, out), build.__name__
+
+    # no true CFG (one call per step): both lanes run it, each over its CP group, with one warning
+    ref_pipe, call = tiny_flux()
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref = _output(ref_pipe, call)
+    pipe, call = tiny_flux()
+    parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
+    calls = _count_forwards(pipe, ("transformer",))
+    with pytest.warns(UserWarning, match="FluxPipeline runs FluxTransformer2DModel where classifier-free guidance "
+                                         "is off in this call: both CFG lanes run this forward alike"):
+        out = _output(pipe, call)
+    assert calls == {"transformer": 2}, calls
+    assert out.shape == ref.shape and np.abs(out - ref).max() <= (0 if w == 2 else 1e-5), np.abs(out - ref).max()
+
+    # a rule that says "paired" where the pipeline makes no unconditional call: raises on every rank, and the
+    # pipeline stays usable
+    from cp_ops.integrations.diffusers import lanes
+
+    saved = lanes.PAIRED["FluxPipeline"]
+    lanes.PAIRED["FluxPipeline"] = lambda pipe, args: True
+    try:
+        with pytest.raises(RuntimeError, match=r"cfg_parallel=True: FluxPipeline called FluxTransformer2DModel again "
+                                               r"after a conditional call of FluxTransformer2DModel with no "
+                                               r"unconditional call between"):
+            _output(pipe, call)
+    finally:
+        lanes.PAIRED["FluxPipeline"] = saved
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = _output(pipe, call)
+    assert np.array_equal(again, out)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cfg_lanes_in_pipelines_equal_unparallelized(world_size):
+    run_ranks(_cfg_pipelines, world_size)
