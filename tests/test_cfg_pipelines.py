@@ -96,6 +96,40 @@ def _cfg_pipelines(rank, w):
         out2 = _output(pipe, call)  # a second call: the output shapes are known, nothing is asked again
         assert np.array_equal(out2, out), build.__name__
 
+    # a step cache: FirstBlockCache decides per branch from the branch's own tokens (reduced over the lane that runs
+    # it, not over both lanes: that would mix the two branches' metrics). At threshold 0.35 one device skips the
+    # conditional branch at step 2 (metric 0.33) but computes the unconditional one (0.38): a mixed metric differs
+    from diffusers import FirstBlockCacheConfig
+
+    outs = []
+    for parallel in (False, True):
+        pipe, call = tiny_qwenimage(steps=3)
+        pipe.set_progress_bar_config(disable=True)
+        if parallel:
+            parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
+        pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.35))
+        outs.append(_output(pipe, call))
+    assert np.abs(outs[1] - outs[0]).max() <= (0 if w == 2 else 1e-5), ("FirstBlockCache", np.abs(outs[1] - outs[0]).max())
+
+    # the whole forward captured (cp_ops.captured's CPU stand-in for CUDA graphs: the keys, static inputs, clones and
+    # the ranks' agreement on each capture run for real): each lane captures its own branch's calls, agreeing within
+    # the lane
+    from test_captured import Recorder
+
+    from cp_ops import captured
+
+    captured.BACKEND = Recorder()
+    ref_pipe, call = tiny_qwenimage()
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref = _output(ref_pipe, call)
+    pipe, call = tiny_qwenimage()
+    parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True, cuda_graphs="forward")
+    for _ in range(2):  # the second call replays
+        out = _output(pipe, call)
+        assert np.abs(out - ref).max() <= (0 if w == 2 else 1e-5), ("captured", np.abs(out - ref).max())
+    assert captured.captured(pipe.transformer).captures == 1, captured.captured(pipe.transformer).keys()
+    assert "replay" in captured.BACKEND.events
+
     # no true CFG (one call per step): both lanes run it, each over its CP group, with one warning
     ref_pipe, call = tiny_flux()
     ref_pipe.set_progress_bar_config(disable=True)
