@@ -1,8 +1,9 @@
 """CFG lanes in diffusers pipelines that call the transformer once per branch (Wan 2.2 with two experts, Qwen-Image,
-Flux with true CFG): ``parallelize_pipeline(pipe, cfg_parallel=True)`` runs the conditional call on lane 0 and the
+Flux with true CFG, HunyuanVideo): ``parallelize_pipeline(pipe, cfg_parallel=True)`` runs the conditional call on lane 0 and the
 unconditional one on lane 1 — each lane runs only its branch's forwards — and gives the unparallelized pipeline's
-output, at W = 2 (2 lanes x CP1: bitwise) and W = 4 (2 lanes x CP2). A call with no CFG pair runs on both lanes
-alike, with one warning; a conditional call left without its unconditional call raises on every rank."""
+output, at W = 2 (2 lanes x CP1: bitwise) and W = 4 (2 lanes x CP2). A pipeline that batches [uncond, cond] (LTX)
+keeps the batch split over the lanes. A call with no CFG pair runs on both lanes alike, with one warning; a
+conditional call left without its unconditional call raises on every rank."""
 
 import importlib.util
 import warnings
@@ -54,6 +55,60 @@ def tiny_flux_true_cfg(steps: int = 2):
     return pipe, call
 
 
+def tiny_hunyuanvideo(steps: int = 2):
+    """A ``HunyuanVideoPipeline``: 5 frames of 32 x 32 pixels (2 latent frames of 4 tokens), true CFG."""
+    import diffusers as d
+
+    from cp_ops.examples.tiny import _randomize
+
+    torch.manual_seed(0)
+    vae = d.AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(4,) * 4, layers_per_block=1,
+        norm_num_groups=2, spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=False)
+    tr = d.HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                          num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
+                                          text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4))
+    _randomize(tr)
+    pipe = d.HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=tr, vae=vae,
+                                  scheduler=d.FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    ones = torch.ones(1, 8, dtype=torch.long)
+    call = dict(prompt_embeds=r(1, 8, 16), pooled_prompt_embeds=r(1, 8), prompt_attention_mask=ones,
+                negative_prompt_embeds=r(1, 8, 16), negative_pooled_prompt_embeds=r(1, 8),
+                negative_prompt_attention_mask=ones, true_cfg_scale=3.0, height=32, width=32, num_frames=5,
+                num_inference_steps=steps)
+    return pipe, call
+
+
+def tiny_ltx(steps: int = 2):
+    """An ``LTXPipeline`` (cond and uncond in one call, a batch of 2): 9 frames of 32 x 32 pixels."""
+    import diffusers as d
+
+    from cp_ops.examples.tiny import _randomize
+
+    torch.manual_seed(0)
+    five = (1,) * 5
+    vae = d.AutoencoderKLLTXVideo(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8,) * 4,
+        decoder_block_out_channels=(8,) * 4, layers_per_block=five, decoder_layers_per_block=five,
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+        timestep_conditioning=False, patch_size=1, patch_size_t=1, encoder_causal=True, decoder_causal=False)
+    tr = d.LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8,
+                                      cross_attention_dim=32, num_layers=2, caption_channels=16)
+    _randomize(tr)
+    pipe = d.LTXPipeline(scheduler=d.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                         transformer=tr)
+    g = torch.Generator().manual_seed(1)
+    ones = torch.ones(1, 8, dtype=torch.long)
+    call = dict(prompt_embeds=torch.randn(1, 8, 16, generator=g), prompt_attention_mask=ones,
+                negative_prompt_embeds=torch.randn(1, 8, 16, generator=g), negative_prompt_attention_mask=ones,
+                guidance_scale=3.0, height=32, width=32, num_frames=9, num_inference_steps=steps)
+    return pipe, call
+
+
 def _output(pipe, call):
     with torch.no_grad():
         out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np")
@@ -73,9 +128,11 @@ def _cfg_pipelines(rank, w):
     from cp_ops.integrations.diffusers import parallelize_pipeline
 
     lane = rank // (w // 2)
-    # (builder, transformers, forwards each runs per lane: its branch's only)
+    # (builder, transformers, forwards each runs per lane: its branch's only; LTX: a batch of 2, split by lane)
     cases = [(tiny_wan22, ("transformer", "transformer_2"), 1), (tiny_qwenimage, ("transformer",), 2),
              (tiny_flux_true_cfg, ("transformer",), 2)]
+    # one more video pipeline per W (their VAEs cost the most): the batched one with even lanes, HunyuanVideo on CP2
+    cases += [(tiny_ltx, ("transformer",), 2)] if w == 2 else [(tiny_hunyuanvideo, ("transformer",), 2)]
     for build, names, per_lane in cases:
         ref_pipe, call = build()
         ref_pipe.set_progress_bar_config(disable=True)
@@ -89,7 +146,9 @@ def _cfg_pipelines(rank, w):
         # each lane ran only its own branch: one forward per step and transformer, not two
         assert calls == dict.fromkeys(names, per_lane), (build.__name__, lane, calls)
         assert out.shape == ref.shape and out.std() > 0, (build.__name__, out.shape, ref.shape)
-        if w == 2 or build is tiny_wan22:  # the same kernels on the same data (CP1, or one stream in even shards)
+        if build is tiny_ltx:  # each lane runs batch 1 where the reference ran batch 2: equal to rounding
+            assert np.abs(out - ref).max() <= 1e-5, (build.__name__, w, np.abs(out - ref).max())
+        elif w == 2 or build is tiny_wan22:  # the same kernels on the same data (CP1, or one stream in even shards)
             assert np.array_equal(out, ref), (build.__name__, w, np.abs(out - ref).max())
         else:  # joint attention over CP2 sees its keys in another order: equal to rounding
             assert np.abs(out - ref).max() <= 1e-5, (build.__name__, w, np.abs(out - ref).max())
