@@ -1,9 +1,9 @@
-"""CFG lanes in diffusers pipelines that call the transformer once per branch (Wan 2.2 with two experts, Qwen-Image,
-Flux with true CFG, HunyuanVideo): ``parallelize_pipeline(pipe, cfg_parallel=True)`` runs the conditional call on lane 0 and the
-unconditional one on lane 1 — each lane runs only its branch's forwards — and gives the unparallelized pipeline's
-output, at W = 2 (2 lanes x CP1: bitwise) and W = 4 (2 lanes x CP2). A pipeline that batches [uncond, cond] (LTX)
-keeps the batch split over the lanes. A call with no CFG pair runs on both lanes alike, with one warning; a
-conditional call left without its unconditional call raises on every rank."""
+"""CFG lanes in diffusers pipelines that call the transformer once per branch (Wan 2.2 with two experts,
+Qwen-Image, Flux with true CFG, HunyuanVideo): ``parallelize_pipeline(pipe, cfg_parallel=True)`` runs the conditional
+call on lane 0 and the unconditional one on lane 1 — each lane runs only its branch's forwards — and gives the
+unparallelized pipeline's output, at W = 2 (2 lanes x CP1: bitwise) and W = 4 (2 lanes x CP2). A pipeline that
+batches [uncond, cond] (LTX) keeps the batch split over the lanes. A call with no CFG pair runs on both lanes alike,
+with one warning; a conditional call left without its unconditional call raises on every rank."""
 
 import importlib.util
 import warnings
@@ -168,7 +168,8 @@ def _cfg_pipelines(rank, w):
             parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
         pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.35))
         outs.append(_output(pipe, call))
-    assert np.abs(outs[1] - outs[0]).max() <= (0 if w == 2 else 1e-5), ("FirstBlockCache", np.abs(outs[1] - outs[0]).max())
+    err = np.abs(outs[1] - outs[0]).max()
+    assert err <= (0 if w == 2 else 1e-5), ("FirstBlockCache", err)
 
     # the whole forward captured (cp_ops.captured's CPU stand-in for CUDA graphs: the keys, static inputs, clones and
     # the ranks' agreement on each capture run for real): each lane captures its own branch's calls, agreeing within

@@ -131,7 +131,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
-            batch of 2, on every rank.
+            batch of 2, on every rank. A pipeline that calls the transformer once per branch (batch 1 each) runs
+            its two calls on the two lanes at the same time under :func:`parallelize_pipeline` (:mod:`.lanes`).
         compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
             :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
             path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).
@@ -160,7 +161,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             in different FP8 formats where the calls gather them together. At run time: a stream with fewer tokens than ranks; a mask CP attention
             cannot take (only bool key-padding masks);
             on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
-            (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2.
+            (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2 (outside a
+            :func:`parallelize_pipeline` pipeline's call).
         RuntimeError: torch.distributed not initialized. ``cuda_graphs="forward"``: at a new signature's first call,
             :class:`cp_ops.captured.CaptureError` when its capture failed on any rank (on every rank, naming the
             first failing rank, its reason and the model's line).

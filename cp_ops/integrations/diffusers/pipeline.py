@@ -190,7 +190,9 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
             :func:`~cp_ops.integrations.diffusers.parallelize`'s (None = the model's dtype; ``torch.float8_e4m3fn`` /
             ``torch.float8_e5m2`` or ``'e4m3'`` / ``'e5m2'``; a dict per tensor q/k/v/o; docs/fp8.md).
         **kwargs: passed on to :func:`~cp_ops.integrations.diffusers.parallelize` for every transformer
-            (``cfg_parallel``, ``compile``, ``cuda_graphs``, ...).
+            (``cfg_parallel``, ``compile``, ``cuda_graphs``, ...). With ``cfg_parallel=True``, a pipeline that calls
+            the transformer once per CFG branch runs the two calls on the two lanes at the same time
+            (:mod:`.lanes`, docs/pipelines.md).
 
     Raises:
         ValueError: ``pipe`` has no component :func:`~cp_ops.integrations.diffusers.parallelize` supports (the message
