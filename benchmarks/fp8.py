@@ -301,7 +301,7 @@ def models(device, args) -> list[dict]:
         with torch.no_grad():
             one = spec.predict(model, kw).float()
         one_lat, _ = denoise(model, spec, kw, args.steps, device)
-        parallelize(model, group=dist.group.WORLD, mode="agkv")
+        parallelize(model, group=dist.group.WORLD, mode="agkv", cuda_graphs=False)
         state = model._cp_ops_state
         base = dict(model=name, config=conf, tokens=spec.tokens(cfg, f, hh, ww), steps=args.steps,
                     build_s=round(build_s, 1))
@@ -396,7 +396,7 @@ def vae(device, args) -> list[dict]:
         fl_raw, fl_img = decode(denoise(model, spec, kw, args.steps, device)[0])
         floor = dict(psnr_db=_psnr(fl_img, one_img), **_rel(fl_raw, one_raw))
         model.set_attention_backend("_native_cudnn")
-    parallelize(model, group=dist.group.WORLD, mode="agkv")
+    parallelize(model, group=dist.group.WORLD, mode="agkv", cuda_graphs=False)
     state = model._cp_ops_state
     bf_raw, bf_img = decode(denoise(model, spec, kw, args.steps, device)[0])
     heads = cfg[spec.heads_key]

@@ -129,7 +129,12 @@ BACKEND: Any = CudaGraphs()
 
 
 class CaptureError(RuntimeError):
-    """A capture (or its warm-up) failed on some rank; raised on every rank of the group."""
+    """A capture (or its warm-up) failed on some rank; raised on every rank of the group. ``stage``: where the first
+    failing rank failed (``'warm-up'``, ``'capture'``, ``'outputs'``)."""
+
+    def __init__(self, message: str, stage: str = "capture"):
+        super().__init__(message)
+        self.stage = stage
 
 
 class _Entry:
@@ -253,7 +258,7 @@ def _agree(group, reason: str, what: str) -> None:
     any failed. One process standing for a group (the fake backend) or a group of one agrees alone."""
     bad = failed_ranks(group, reason)
     if bad:
-        raise CaptureError(failure_message(what, bad))
+        raise CaptureError(failure_message(what, bad), bad[0][1].split(":", 1)[0])
 
 
 class CapturedForward:
@@ -264,13 +269,24 @@ class CapturedForward:
     """
 
     def __init__(self, module: torch.nn.Module, call: Callable[..., Any], device: torch.device, *, group=None,
-                 warmup: int = 2, clone_outputs: bool = True, max_keys: int = MAX_KEYS, what: str = ""):
+                 warmup: int = 2, clone_outputs: bool = True, max_keys: int = MAX_KEYS, what: str = "",
+                 fallback: Callable[[str], None] | None = None, refuse: Callable[[], str | None] | None = None):
         self.module, self._call, self.device, self.group = module, call, device, group
         self.warmup, self.clone_outputs, self.max_keys = warmup, clone_outputs, max_keys
         self.what = what or f"captured {type(module).__name__}"
+        self.fallback, self.refuse = fallback, refuse
+        self.eager_why: str | None = None  # with a fallback: why every call now runs eager (None: capturing)
         self._entries: collections.OrderedDict = collections.OrderedDict()
         self._pool = None
         self.captures = self.evictions = 0
+
+    def go_eager(self, why: str) -> None:
+        """With a ``fallback``: every later call runs the module's call eagerly, the graphs freed; ``fallback(why)``
+        is told once."""
+        if self.eager_why is None:
+            self.eager_why = why
+            self._entries.clear()
+            self.fallback(why)
 
     def keys(self) -> list:
         return list(self._entries)
@@ -282,13 +298,27 @@ class CapturedForward:
         module = copy.deepcopy(self.module, memo)  # the module being copied (memo): this is its __dict__ entry
         return CapturedForward(module, self._call.__func__.__get__(module), self.device, group=self.group,
                                warmup=self.warmup, clone_outputs=self.clone_outputs, max_keys=self.max_keys,
-                               what=self.what)
+                               what=self.what, fallback=self.fallback, refuse=self.refuse)
 
     def __call__(self, *args, **kwargs):
+        if self.fallback is not None and (self.eager_why is not None or torch.compiler.is_compiling()):
+            return self._call(*args, **kwargs)  # gone eager, or traced by Dynamo (it compiles the eager call)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _key(leaves, spec)
         entry = self._entries.get(key)
-        if entry is None:
+        if entry is None and self.fallback is not None:
+            why = self.refuse() if self.refuse is not None else None
+            if why is None:
+                try:
+                    entry = self._capture(key, leaves, spec)
+                except CaptureError as e:
+                    if e.stage == "warm-up":  # the forward itself fails on these inputs: eager raises its error
+                        return self._call(*args, **kwargs)
+                    why = str(e)
+            if why is not None:
+                self.go_eager(why)
+                return self._call(*args, **kwargs)
+        elif entry is None:
             entry = self._capture(key, leaves, spec)
         else:
             self._entries.move_to_end(key)
@@ -336,7 +366,7 @@ class CapturedForward:
             check_outputs(out)
         except Exception as e:  # noqa: BLE001 - agreed over the group below, then raised on every rank
             if self.group is None:
-                raise CaptureError(failure_message(self.what, [(None, _reason(stage, e))])) from e
+                raise CaptureError(failure_message(self.what, [(None, _reason(stage, e))]), stage) from e
             reason = _reason(stage, e)
         if self.group is not None:
             if self.device.type == "cuda":
@@ -391,7 +421,9 @@ def _subclass(cls: type) -> type:
 
 
 def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None = None, warmup: int = 2,
-                    clone_outputs: bool = True, max_keys: int = MAX_KEYS) -> torch.nn.Module:
+                    clone_outputs: bool = True, max_keys: int = MAX_KEYS,
+                    fallback: Callable[[str], None] | None = None,
+                    refuse: Callable[[], str | None] | None = None) -> torch.nn.Module:
     """Make every later ``module(*args, **kwargs)`` run as a CUDA-graph replay of the whole call, hooks included, in
     place; returns ``module`` (the same object, its class swapped for a same-named subclass).
 
@@ -400,6 +432,12 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
             on each capture's outcome); None: this process alone. warmup: eager calls before each capture (>= 1).
         clone_outputs: return clones of the graph's outputs (default); False: the graph's own output tensors, valid
             until the next call with the same key. max_keys: live keys at most (>= 1; LRU eviction past it).
+        fallback: None (default): a failed capture raises (below). A function: a capture that fails (its capture or
+            its outputs, agreed over ``group``), or that ``refuse()`` refuses (a reason, None: go on; asked before each
+            new key's capture), turns the module eager for good (its graphs freed) and calls ``fallback(reason)``
+            once: that call and every later one run ``module``'s call as it was (warm-up side effects aside, the
+            forward's numbers as eager); a failed warm-up runs the call eagerly (its own error); a call traced by
+            Dynamo (``torch.compiler.is_compiling()``) runs it eagerly too.
     Returns: ``module``. Its calls return what the module returns (tensors detached; cloned by default).
     Raises:
         ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
@@ -418,7 +456,7 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
     call = cls.__call__.__get__(module, cls)  # nn.Module.__call__: hooks, then forward (also an instance forward)
     module.__dict__[ATTR] = CapturedForward(module, call, _device_of(module), group=group, warmup=warmup,
                                             clone_outputs=clone_outputs, max_keys=max_keys,
-                                            what=f"captured {cls.__name__}")
+                                            what=f"captured {cls.__name__}", fallback=fallback, refuse=refuse)
     module.__class__ = _subclass(cls)
     return module
 

@@ -136,7 +136,7 @@ def test_parallelize_forward_capture_applies_it(clean, monkeypatch):
     orig = qwen.compute_text_seq_len_from_mask
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        parallelize(build("qwenimage"), mode="agkv", transport="torch", chunks=1)
+        parallelize(build("qwenimage"), mode="agkv", transport="torch", chunks=1, cuda_graphs=False)
         assert qwen.compute_text_seq_len_from_mask is orig  # no capture asked: untouched
         parallelize(build("qwenimage"), mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
         assert qwen.compute_text_seq_len_from_mask is capture_safe._text_seq_len_from_mask

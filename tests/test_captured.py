@@ -261,7 +261,8 @@ def test_parallelize_cuda_graphs_argument(monkeypatch):
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        with pytest.raises(ValueError, match=r"cuda_graphs must be one of \(False, True, 'forward'\).*got 'graphs'"):
+        with pytest.raises(ValueError, match=r"cuda_graphs must be one of \(False, True, 'forward', 'auto'\).*got "
+                                             r"'graphs'"):
             parallelize(build("wan"), cuda_graphs="graphs")
         model = build("wan")
         with pytest.raises(ValueError, match=r"parallelize\(cuda_graphs='forward'\): whole-forward CUDA-graph "
@@ -288,7 +289,7 @@ def _ranks_capture(rank, world_size):
     captured.BACKEND = Recorder()
     for name, mask in (("wan", False), ("qwenimage", True)):
         base = build(name)
-        eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1)
+        eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs=False)
         graphed = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
         g = torch.Generator().manual_seed(7)  # the same inputs on every rank
         kws = [inputs(name, 2, (2, 4, 4), 6, g, mask=mask) for _ in range(2)]
@@ -339,7 +340,8 @@ def _one_gpu_captured(rank, world_size):
         for compile_ in (False, True):
             torch._dynamo.reset()
             base = build(name).to(dev, torch.bfloat16)
-            eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, compile=compile_)
+            eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, compile=compile_,
+                                cuda_graphs=False)
             graphed = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, compile=compile_,
                                   cuda_graphs="forward")
             g = torch.Generator().manual_seed(11)
@@ -365,7 +367,7 @@ def _one_gpu_captured(rank, world_size):
     kw = inputs("qwenimage", 2, (1, 8, 8), 8, torch.Generator().manual_seed(2), mask=True)
     kw = {k: (v.to(dev, torch.bfloat16) if k in ACTIVATIONS else v.to(dev)) if isinstance(v, torch.Tensor) else v
           for k, v in kw.items()}
-    eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1)
+    eager = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs=False)
     graphed = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
     with torch.no_grad():
         o, r = sample(graphed(**kw)), sample(eager(**kw))

@@ -249,7 +249,8 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
             with bound_fill.recording() as eager_fills:
                 _make_call(m, spec, kw, eager, device)()
     elif side.kind != "diffusers":
-        parallelize(m, groups[side.world], mode=side.mode, transport="torch", chunks=args.chunks)
+        parallelize(m, groups[side.world], mode=side.mode, transport="torch", chunks=args.chunks,
+                    cuda_graphs=False)  # the bound compiles and captures every side alike itself
         if side.kind == "plain":
             to_plain(m, side.mode)
     cargs = margs if fullgraph else SimpleNamespace(**vars(margs), fullgraph=False)

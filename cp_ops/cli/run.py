@@ -350,10 +350,11 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         mode = "agkv_ulysses"
     try:
         if mesh is not None:
-            parallelize(model, group=mesh, transport=args.transport, chunks=getattr(args, "chunks", None))
+            parallelize(model, group=mesh, transport=args.transport, chunks=getattr(args, "chunks", None),
+                        cuda_graphs=False)  # run compiles and captures itself
         else:
             parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
-                        comm_dtype=fmts, **({"cfg_parallel": True} if args.cfg else {}))
+                        comm_dtype=fmts, cuda_graphs=False, **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
             if rank == 0:

@@ -40,6 +40,9 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
         group: the ranks whose tokens make up the model's input (default: the group ``parallelize`` was given — with
             CFG lanes, both lanes, so the metric covers the whole batch as on one device).
 
+    A model whose whole forward ``parallelize`` captured by default (``cuda_graphs="auto"``) runs eager from then on
+    (one warning): a CUDA graph cannot replay a step cache's decision.
+
     Raises:
         ValueError: a cache that decides from this rank's tokens in a way cp_ops does not reduce (SeaCache); the
             model is not parallelized and no group is given.
@@ -51,6 +54,9 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
     why = refused_cache(model)
     if why:
         raise ValueError(why)
+    cf = getattr(model, "_cp_ops_captured", None)  # parallelize's default whole-forward capture goes eager
+    if cf is not None and cf.fallback is not None and (why := host_hooks(model)) is not None:
+        cf.go_eager(why)
     n = 0
     for hook in _hooks(model):
         if type(hook).__name__ == "FBCHeadBlockHook" and not getattr(hook, "_cp_ops_group", None):
@@ -60,6 +66,24 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
             hook._should_compute_remaining_blocks = types.MethodType(_fbc_should_compute, hook)
             n += 1
     return n
+
+
+#: diffusers hooks whose per-call work a CUDA graph replays as recorded (layerwise casting: the same casts each call)
+_REPLAYABLE = ("LayerwiseCastingHook", "PeftInputAutocastDisableHook")
+
+
+def host_hooks(model: torch.nn.Module) -> str | None:
+    """Why a whole-forward CUDA graph cannot replay ``model``'s forward because of hooks that decide or move things on
+    the host at each call — diffusers' step caches, group offloading, layer skipping (any diffusers hook but
+    layerwise casting), accelerate's offloading (``_hf_hook``) — or None when it has none."""
+    for module in model.modules():
+        if getattr(module, "_hf_hook", None) is not None:
+            return "accelerate moves its weights at each call (CPU offloading), which a CUDA graph cannot replay"
+    for hook in _hooks(model):
+        if type(hook).__name__ not in _REPLAYABLE:
+            what = "a step cache" if getattr(hook, "_is_stateful", False) else "a diffusers hook"
+            return f"{what} ({type(hook).__name__}) acts on the host at each call, which a CUDA graph cannot replay"
+    return None
 
 
 def refused_cache(model: torch.nn.Module) -> str | None:

@@ -19,8 +19,8 @@ from .lanes import Lanes
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
-#: the values parallelize's ``cuda_graphs`` takes
-CUDA_GRAPHS = (False, True, "forward")
+#: the values parallelize's ``cuda_graphs`` takes ("auto", the default: "forward" where it can be captured)
+CUDA_GRAPHS = (False, True, "forward", "auto")
 
 
 def mesh_groups(group: Any, cfg_parallel: bool):
@@ -81,6 +81,34 @@ def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
             raise ValueError(f"parallelize on {where}: {e}") from None
 
 
+def auto_graphs(model: torch.nn.Module, transport: str, pg) -> tuple[str | bool, str | None]:
+    """``cuda_graphs="auto"``: ``("forward", None)`` where the whole forward can be captured, else ``(False, why)``
+    (``why`` None: a model not on CUDA, which runs eager without a word). What is known only at a call (a step
+    cache enabled later, a capture that fails) is the capture's fallback (:func:`_fell_back`)."""
+    from ... import captured
+    from ...transport.torch import stage_through_host
+
+    device = captured._device_of(model)
+    try:
+        captured.check_capturable(model)
+    except ValueError as e:
+        return False, (str(e) if device.type == "cuda" else None)
+    if transport == "torch" and stage_through_host(pg, device):
+        return False, ("its ranks share a GPU over gloo, and the torch transport moves their CUDA tensors through "
+                       "host memory, which a CUDA graph cannot hold (transport='fast' can be captured)")
+    return "forward", None
+
+
+def _fell_back(name: str):
+    def warn(why: str) -> None:
+        import warnings
+
+        warnings.warn(f"cp_ops.parallelize: {name} runs eager, its whole forward not captured in one CUDA graph (the "
+                      f"default on CUDA): {why}. Pass cuda_graphs=False to choose eager without this warning",
+                      stacklevel=3)
+    return warn
+
+
 def _check_heads(attn_modules, w: int) -> None:
     """mode='ulysses' splits each attention's heads over the W ranks: refuse here (ValueError) a module whose heads
     W does not divide, not at the first forward."""
@@ -96,7 +124,7 @@ def _check_heads(attn_modules, w: int) -> None:
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
-                cuda_graphs: bool | str = False, comm_dtype: Any = None) -> torch.nn.Module:
+                cuda_graphs: bool | str = "auto", comm_dtype: Any = None) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
     Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of the
@@ -145,6 +173,11 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             arguments and grad mode fix a signature; outputs returned cloned; at most 8 signatures kept, least
             recently used evicted; a forward that cannot be captured raises at its first call on every rank).
             The model stays the same object (its class becomes a same-named subclass). ``False``: none.
+            ``"auto"`` (default): ``"forward"`` on CUDA where the forward can be captured, else eager — on the CPU
+            silently; on CUDA with one warning naming why: ranks sharing a GPU over gloo with the torch transport
+            (:func:`auto_graphs`, at this call), or at a call a step cache (enabled before or after), a capture that
+            fails (agreed by the ranks) or outputs a replay cannot return; the model then stays eager (never an
+            error, never other numbers than eager's). A call traced by ``torch.compile`` runs the eager forward.
 
     Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
     made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
@@ -177,8 +210,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     comm_dtype = normalize_comm_dtype(comm_dtype, next((p.dtype for p in transformer.parameters()), None))
     if not any(cuda_graphs is v or (isinstance(v, str) and cuda_graphs == v) for v in CUDA_GRAPHS):
         raise ValueError(f"parallelize: cuda_graphs must be one of {CUDA_GRAPHS} (True: per-block graphs under "
-                         "compile=True; 'forward': the whole forward captured in one graph); got "
-                         f"{cuda_graphs!r}")
+                         "compile=True; 'forward': the whole forward captured in one graph; 'auto': 'forward' where "
+                         f"it can be captured); got {cuda_graphs!r}")
     if cuda_graphs is True and not compile:
         raise ValueError("parallelize: cuda_graphs=True needs compile=True (CUDA graphs over the compiled blocks, "
                          "mode='reduce-overhead'); got compile=False (cuda_graphs='forward' captures the whole "
@@ -205,6 +238,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if spec.check is not None:
         spec.check(transformer)
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
+    graphs, why = auto_graphs(transformer, transport, pg) if cuda_graphs == "auto" else (cuda_graphs, None)
     if attn_group is not None and mode not in modes.names(dims=2):
         raise ValueError(f"parallelize on a 2-D CP mesh: mode must be one of {modes.names(dims=2)}; got {mode!r}")
     _check_comm_dtype(comm_dtype, mode, attn_group)
@@ -243,13 +277,17 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         from .compiled import compile_blocks
 
         compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
-    if cuda_graphs == "forward":
+    if why is not None:
+        _fell_back(name)(why)
+    if graphs == "forward":
         from ...captured import capture_forward
         from . import capture_safe
 
         capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
-        capture_forward(transformer, group=pg)
+        auto = dict(fallback=_fell_back(name), refuse=lambda: caches.host_hooks(transformer)) \
+            if cuda_graphs == "auto" else {}
+        capture_forward(transformer, group=pg, **auto)
         if lanes is not None:
             from ...captured import captured
 
