@@ -155,3 +155,27 @@ def _fallbacks(rank, w):
 
 def test_fallbacks_give_eager_numbers():
     run_ranks(_fallbacks, 2)
+
+
+def test_host_hooks_named():
+    """What the default refuses to capture, by name: a step cache, accelerate's offloading hook, LoRA layers (peft);
+    layerwise casting is replayed as recorded."""
+    from diffusers import FirstBlockCacheConfig
+
+    from cp_ops.integrations.diffusers.caches import host_hooks
+    from diffusers_tiny import build
+
+    model = build("wan")
+    assert host_hooks(model) is None
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert host_hooks(model) is None
+    cached = build("wan")
+    cached.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    assert host_hooks(cached).startswith("a step cache (FBCHeadBlockHook) acts on the host at each call")
+    offloaded = build("wan")
+    offloaded.blocks[0]._hf_hook = object()  # what accelerate's add_hook_to_module sets
+    assert host_hooks(offloaded).startswith("accelerate moves its weights at each call")
+    lora = build("wan")
+    layer = type("Linear", (torch.nn.Module,), {"__module__": "peft.tuners.lora.layer"})()
+    lora.blocks[0].add_module("lora", layer)
+    assert host_hooks(lora).startswith("LoRA layers (Linear) read their adapter scales on the host")

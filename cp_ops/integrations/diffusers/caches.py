@@ -75,10 +75,14 @@ _REPLAYABLE = ("LayerwiseCastingHook", "PeftInputAutocastDisableHook")
 def host_hooks(model: torch.nn.Module) -> str | None:
     """Why a whole-forward CUDA graph cannot replay ``model``'s forward because of hooks that decide or move things on
     the host at each call — diffusers' step caches, group offloading, layer skipping (any diffusers hook but
-    layerwise casting), accelerate's offloading (``_hf_hook``) — or None when it has none."""
+    layerwise casting), accelerate's offloading (``_hf_hook``), LoRA layers (peft: their scales are Python numbers,
+    set between calls) — or None when it has none."""
     for module in model.modules():
         if getattr(module, "_hf_hook", None) is not None:
             return "accelerate moves its weights at each call (CPU offloading), which a CUDA graph cannot replay"
+        if type(module).__module__.startswith("peft."):
+            return (f"LoRA layers ({type(module).__name__}) read their adapter scales on the host at each call, "
+                    "which a CUDA graph cannot replay (fuse the LoRA, pipe.fuse_lora(), and unload it first)")
     for hook in _hooks(model):
         if type(hook).__name__ not in _REPLAYABLE:
             what = "a step cache" if getattr(hook, "_is_stateful", False) else "a diffusers hook"
