@@ -270,7 +270,8 @@ class CapturedForward:
 
     def __init__(self, module: torch.nn.Module, call: Callable[..., Any], device: torch.device, *, group=None,
                  warmup: int = 2, clone_outputs: bool = True, max_keys: int = MAX_KEYS, what: str = "",
-                 fallback: Callable[[str], None] | None = None, refuse: Callable[[], str | None] | None = None):
+                 fallback: Callable[[str], None] | None = None,
+                 refuse: Callable[[torch.nn.Module], str | None] | None = None):
         self.module, self._call, self.device, self.group = module, call, device, group
         self.warmup, self.clone_outputs, self.max_keys = warmup, clone_outputs, max_keys
         self.what = what or f"captured {type(module).__name__}"
@@ -307,7 +308,7 @@ class CapturedForward:
         key = _key(leaves, spec)
         entry = self._entries.get(key)
         if entry is None and self.fallback is not None:
-            why = self.refuse() if self.refuse is not None else None
+            why = self.refuse(self.module) if self.refuse is not None else None
             if why is None:
                 try:
                     entry = self._capture(key, leaves, spec)
@@ -423,7 +424,7 @@ def _subclass(cls: type) -> type:
 def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None = None, warmup: int = 2,
                     clone_outputs: bool = True, max_keys: int = MAX_KEYS,
                     fallback: Callable[[str], None] | None = None,
-                    refuse: Callable[[], str | None] | None = None) -> torch.nn.Module:
+                    refuse: Callable[[torch.nn.Module], str | None] | None = None) -> torch.nn.Module:
     """Make every later ``module(*args, **kwargs)`` run as a CUDA-graph replay of the whole call, hooks included, in
     place; returns ``module`` (the same object, its class swapped for a same-named subclass).
 
@@ -433,8 +434,8 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
         clone_outputs: return clones of the graph's outputs (default); False: the graph's own output tensors, valid
             until the next call with the same key. max_keys: live keys at most (>= 1; LRU eviction past it).
         fallback: None (default): a failed capture raises (below). A function: a capture that fails (its capture or
-            its outputs, agreed over ``group``), or that ``refuse()`` refuses (a reason, None: go on; asked before each
-            new key's capture), turns the module eager for good (its graphs freed) and calls ``fallback(reason)``
+            its outputs, agreed over ``group``), or that ``refuse(module)`` refuses (a reason, None: go on; asked
+            before each new key's capture), turns the module eager for good (its graphs freed) and calls ``fallback(reason)``
             once: that call and every later one run ``module``'s call as it was (warm-up side effects aside, the
             forward's numbers as eager); a failed warm-up runs the call eagerly (its own error); a call traced by
             Dynamo (``torch.compiler.is_compiling()``) runs it eagerly too.

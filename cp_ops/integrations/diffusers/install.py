@@ -285,8 +285,7 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
 
         capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
-        auto = dict(fallback=_fell_back(name), refuse=lambda: caches.host_hooks(transformer)) \
-            if cuda_graphs == "auto" else {}
+        auto = dict(fallback=_fell_back(name), refuse=caches.host_hooks) if cuda_graphs == "auto" else {}
         capture_forward(transformer, group=pg, **auto)
         if lanes is not None:
             from ...captured import captured
