@@ -133,8 +133,6 @@ class Lanes:
         self.via = gather_route(self.pair, "torch")  # ranks sharing a GPU: the gather goes through host memory
         self.params = list(inspect.signature(model.forward).parameters)
         self.name = type(model).__name__
-        p = next(model.parameters(), None)
-        self.device = p.device if p is not None else torch.device("cpu")
         #: ``(object, attribute)`` holding the group of the ranks that share a forward's inputs (both lanes): set to
         #: :attr:`cp` while this lane runs a forward alone (:meth:`alone`)
         self.input_groups: list[tuple[object, str]] = []
@@ -286,10 +284,11 @@ class Lanes:
                 with self.alone():
                     out = inner(*args, **kwargs)
             return out
-        if out is None:
-            out = tuple(torch.full(s, float("nan"), dtype=getattr(torch, d), device=self.device)
+        if out is None:  # on the inputs' device (the model's)
+            dev = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+            out = tuple(torch.full(s, float("nan"), dtype=getattr(torch, d), device=dev)
                         if getattr(torch, d).is_floating_point else
-                        torch.zeros(s, dtype=getattr(torch, d), device=self.device) for s, d in meta)
+                        torch.zeros(s, dtype=getattr(torch, d), device=dev) for s, d in meta)
         self.pending = (key, out)
         return out
 
