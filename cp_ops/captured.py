@@ -435,8 +435,8 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
             until the next call with the same key. max_keys: live keys at most (>= 1; LRU eviction past it).
         fallback: None (default): a failed capture raises (below). A function: a capture that fails (its capture or
             its outputs, agreed over ``group``), or that ``refuse(module)`` refuses (a reason, None: go on; asked
-            before each new key's capture), turns the module eager for good (its graphs freed) and calls ``fallback(reason)``
-            once: that call and every later one run ``module``'s call as it was (warm-up side effects aside, the
+            before each new key's capture), turns the module eager for good (its graphs freed) and calls
+            ``fallback(reason)`` once: that call and every later one run ``module``'s call as it was (warm-up side effects aside, the
             forward's numbers as eager); a failed warm-up runs the call eagerly (its own error); a call traced by
             Dynamo (``torch.compiler.is_compiling()``) runs it eagerly too.
     Returns: ``module``. Its calls return what the module returns (tensors detached; cloned by default).
