@@ -226,3 +226,58 @@ def _cfg_pipelines(rank, w):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cfg_lanes_in_pipelines_equal_unparallelized(world_size):
     run_ranks(_cfg_pipelines, world_size)
+
+
+# ---- GPU (marked gpu; skipped without 2 GPUs): NCCL, one GPU a lane ----
+
+def _on_device(call: dict, dev) -> dict:
+    return {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+
+
+def _cuda_cfg_pipelines(rank, w):
+    """2 lanes x CP1 on NCCL (the default capture on): the paired pipelines equal the unparallelized ones; where the
+    transformers replay captured graphs, a second call's transformer calls (shapes known) make no host sync — each
+    lane's host returns while its GPU computes, the exchange included."""
+    import numpy as np
+
+    from cp_ops import captured
+    from cp_ops.examples.tiny import tiny_wan22
+    from cp_ops.integrations.diffusers import parallelize_pipeline
+
+    dev = torch.device("cuda", rank)
+    for build in (tiny_wan22, tiny_qwenimage, tiny_flux_true_cfg):
+        ref_pipe, call = build()
+        ref_pipe.to(dev).set_progress_bar_config(disable=True)
+        ref = _output(ref_pipe, _on_device(call, dev))
+        pipe, call = build()
+        parallelize_pipeline(pipe, device=dev, mode="agkv", chunks=1, cfg_parallel=True)
+        call = _on_device(call, dev)
+        out = _output(pipe, call)
+        assert np.abs(out - ref).max() <= 1e-4, (build.__name__, np.abs(out - ref).max())  # other kernels: rounding
+        syncs = []
+
+        def no_sync(inner, args, kwargs, call_):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return call_(inner, args, kwargs)
+            except RuntimeError as e:
+                syncs.append(str(e).splitlines()[0])
+                raise
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        graphed = all(getattr(captured.captured(getattr(pipe, n)), "eager_why", "none") is None
+                      for n in pipe.cp_ops_transformers)
+        if graphed:
+            for n in pipe.cp_ops_transformers:
+                lanes = getattr(pipe, n)._cp_ops_lanes
+                lanes.call = lambda inner, a, k, call_=lanes.call: no_sync(inner, a, k, call_)
+        again = _output(pipe, call)
+        assert not syncs and np.array_equal(again, out), (build.__name__, syncs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_cuda_cfg_lanes_in_pipelines():
+    run_ranks(_cuda_cfg_pipelines, 2, timeout=600, device="cuda")

@@ -76,6 +76,7 @@ def _pipeline_equals_eager(dev, **kwargs) -> list:
     for graphs in ({}, {"cuda_graphs": False}):
         pipe, call = tiny_wan22()
         parallelize_pipeline(pipe, device=dev, mode="agkv", chunks=1, **kwargs, **graphs)
+        call = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.no_grad():
