@@ -1,0 +1,232 @@
+"""The planned layout of a pipeline on N ranks: CFG lanes or not, the CP width and mode of each lane, and the step
+time each layout is predicted to take. :func:`parallelize_pipeline` (with no ``cfg_parallel`` and no mesh) runs the
+choice; ``cp-ops run MODEL --plan N`` prints it beside the alternatives.
+
+**The candidates.** 1 lane: CP over all N ranks; 2 lanes (where the pipeline runs classifier-free guidance and N is
+even): each branch on N/2 ranks (:mod:`.lanes`). Each lane's mode is what ``mode='auto'`` runs there: the mode rule
+(:func:`cp_ops.plan.rules.mode_rule`) on one node, the cost model's split (:mod:`cp_ops.plan.split`) for a lane across
+nodes — this module predicts it, it does not decide it.
+
+**Predicted step time** = (transformer forwards per step on one lane) × (rank 0's forward at the lane's CP width +
+the attention calls' communication):
+
+* forwards per step: 2 with CFG on one lane (cond and uncond one after the other; a pipeline that batches them,
+  LTX-Video and Z-Image, counts its batch-2 forward as two batch-1 forwards: an upper estimate), 1 with 2 lanes or
+  without CFG;
+* rank 0's forward: :data:`BOUND`, the zero-communication bound measured on one H200 (``benchmarks/results/bound``:
+  rank 0's forward with the collectives' writes faked, no link; W = 1 is the one-GPU forward) for the compile path
+  that will run (``eager``; ``eager+graphs``: the whole forward captured, the CUDA default; ``regional+capture``:
+  ``compile=True``). Another resolution scales the measured time by the tokens ``r = S / S_measured``:
+  ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP ``4·S²·H·D`` per
+  attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in tokens.
+  A width not measured (not 1/2/4/8) scales the widest measured one below it by ``w / n`` (perfect scaling: a ceiling);
+* communication: :func:`cp_ops.cost.predict`'s transport-then-attend link time of that mode (:func:`cp_ops.cost.links`)
+  × the attention calls per forward — exposed in full (the overlap hides part of it: an upper estimate). The lanes'
+  output exchange (one latent tensor per step) is not counted: it is small beside the activations.
+
+**The choice**: the smallest predicted step time; a tie keeps 1 lane. No timing: the same inputs (the transformer's
+class and config, N, ranks per node, the compile path) give the same choice on every rank. A transformer whose class
+has no row in :data:`BOUND` takes a rule that needs no numbers: 2 lanes wherever the pipeline runs CFG and N is even
+(each branch on half the ranks needs no cross-branch wait, and CP over N/2 ranks scales at least as well as over N),
+else 1; the reason says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ... import cost
+from ...plan.rules import mode_rule
+
+#: The compile paths with measured rows (``parallelize``'s ``compile`` / ``cuda_graphs`` → :func:`path_for`).
+PATHS = ("eager", "eager+graphs", "regional+capture")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured model: ``label``; ``match``: the config entries that identify it among its class's rows;
+    ``tokens``: image/video tokens it was measured at; ``heads``, ``head_dim``; ``calls``: CP attention calls per
+    forward; ``ms``: compile path → rank 0's forward in ms at W = 1, 2, 4, 8."""
+
+    label: str
+    match: Mapping
+    tokens: int
+    heads: int
+    head_dim: int
+    calls: int
+    ms: Mapping[str, tuple[float, float, float, float]]
+
+
+#: Rank 0's forward (ms) at W = 1/2/4/8, batch 1, bf16, one NVIDIA H200, torch 2.11 + CUDA 13.0, diffusers 0.42.1:
+#: benchmarks/results/bound/bound.json (cp_ops rows, runs 2026-12-01 … 2026-12-02f; W = 1: the one-GPU forward).
+BOUND: dict[str, tuple[Row, ...]] = {
+    "FluxTransformer2DModel": (Row("FLUX.1-dev 1024²", {"num_layers": 19}, 4096, 24, 128, 57, {
+        "eager": (180.4, 97.3, 86.1, 85.3), "eager+graphs": (175.2, 90.7, 49.5, 30.7),
+        "regional+capture": (133.4, 72.9, 38.7, 24.2)}),),
+    "QwenImageTransformer2DModel": (Row("Qwen-Image 1328²", {"num_layers": 60}, 6889, 24, 128, 60, {
+        "eager": (340.3, 198.9, 192.9, 180.7), "eager+graphs": (334.5, 178.8, 99.8, 66.2),
+        "regional+capture": (260.2, 147.0, 79.7, 51.9)}),),
+    "ZImageTransformer2DModel": (Row("Z-Image-Turbo 1024²", {"n_layers": 30}, 4096, 30, 128, 30, {
+        "eager": (146.9, 83.2, 70.3, 72.6), "eager+graphs": (145.4, 73.5, 39.8, 23.7),
+        "regional+capture": (98.2, 53.5, 27.5, 15.2)}),),
+    "LTXVideoTransformer3DModel": (Row("LTX-Video 768x512x121", {"num_layers": 28}, 6144, 32, 64, 28, {
+        "eager": (89.6, 48.6, 50.2, 51.4), "eager+graphs": (86.5, 42.2, 23.4, 14.9),
+        "regional+capture": (59.2, 30.7, 16.6, 10.2)}),),
+    "WanTransformer3DModel": (
+        Row("Wan2.1-1.3B 480p", {"num_layers": 30}, 32760, 12, 128, 30, {
+            "eager": (644.0, 321.1, 165.3, 84.5), "eager+graphs": (642.3, 313.2, 163.6, 79.8),
+            "regional+capture": (525.3, 267.3, 134.6, 69.9)}),
+        Row("Wan2.1-14B 480p", {"num_layers": 40}, 32760, 40, 128, 40, {
+            "eager": (3370.1, 1661.3, 866.8, 440.1), "eager+graphs": (3361.3, 1678.1, 855.1, 431.3),
+            "regional+capture": (2836.3, 1441.3, 739.8, 366.6)})),
+    "HunyuanVideoTransformer3DModel": (Row("HunyuanVideo 544x960x61", {"num_layers": 20}, 32640, 24, 128, 60, {
+        "eager": (3195.3, 1582.7, 818.8, 419.1), "eager+graphs": (3185.5, 1588.0, 803.6, 406.7),
+        "regional+capture": (2698.1, 1356.1, 689.8, 348.3)}),),
+}
+_WIDTHS = (1, 2, 4, 8)
+
+
+def path_for(compile: bool, cuda_graphs, cuda: bool) -> str:  # noqa: A002 - parallelize's argument name
+    """The :data:`PATHS` entry that ``parallelize(compile=, cuda_graphs=)`` runs on CUDA (``cuda``) or the CPU."""
+    graphs = cuda and cuda_graphs is not False
+    return "regional+capture" if compile and graphs else "eager+graphs" if graphs else "eager"
+
+
+def row_for(cls: str, config: Mapping | None) -> tuple[Row | None, str]:
+    """The :data:`BOUND` row for a transformer class and config, and how it was found ('' = matched its config)."""
+    rows = BOUND.get(cls)
+    if not rows:
+        return None, f"{cls} has no measured row"
+    if config is None and len(rows) == 1:
+        return rows[0], ""
+    for r in rows:
+        if config is not None and all(config.get(k) == v for k, v in r.match.items()):
+            return r, ""
+    return rows[0], f"no row for this {cls} config: {rows[0].label}'s scaling stands in"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: ``lanes`` (1 or 2) × CP ``cp`` ranks per lane running ``mode``; ``forwards`` per step on a
+    lane; ``forward_ms`` (rank 0's, from the bound), ``comm_ms`` (per forward, link model), ``step_ms`` =
+    ``forwards × (forward_ms + comm_ms)``; None where nothing is predicted (a row-less class)."""
+
+    lanes: int
+    cp: int
+    mode: str
+    forwards: int
+    forward_ms: float | None = None
+    comm_ms: float | None = None
+
+    @property
+    def step_ms(self) -> float | None:
+        return None if self.forward_ms is None else self.forwards * (self.forward_ms + self.comm_ms)
+
+    @property
+    def name(self) -> str:
+        return f"{self.lanes} lanes x CP{self.cp}" if self.lanes > 1 else f"CP{self.cp}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen :class:`Layout` (``layout``), every candidate (``layouts``, the chosen first) and ``why``."""
+
+    layout: Layout
+    layouts: tuple[Layout, ...]
+    why: str
+    row: str = ""
+    path: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cfg_parallel(self) -> bool:
+        return self.layout.lanes == 2
+
+    def __str__(self) -> str:
+        lines = [f"planned layout: {self.layout.name} ({self.layout.mode}) - {self.why}"]
+        if self.layout.step_ms is not None:
+            lines.append(f"predicted per denoising step ({self.row}, {self.path}; H200 bound + link model):")
+            for lay in self.layouts:
+                lines.append(f"  {lay.name:<16} {lay.mode:<8} {lay.forwards} x ({lay.forward_ms:8.1f} ms forward + "
+                             f"{lay.comm_ms:6.1f} ms comm) = {lay.step_ms:8.1f} ms"
+                             + ("   <- chosen" if lay is self.layout else ""))
+        return "\n".join(lines)
+
+
+def _forward_ms(row: Row, path: str, n: int, tokens: int, links: cost.Links) -> float:
+    ms = dict(zip(_WIDTHS, row.ms[path]))
+    w = max(x for x in _WIDTHS if x <= n)
+    t = ms[w] * w / n
+    r = tokens / row.tokens
+    attn = 4.0 * row.tokens ** 2 * row.heads * row.head_dim * row.calls / (links.attn_tflops * 1e12) * 1e3
+    a = min(0.9, attn / ms[1])
+    return t * ((1 - a) * r + a * r * r)
+
+
+def _mode(heads: int, n: int, ranks_per_node: int) -> str:
+    if n <= ranks_per_node:
+        return mode_rule("auto", heads, n)[0]
+    return "split"  # across nodes: plan/split.py's cost-model split
+
+
+def _comm_ms(row: Row, n: int, mode: str, tokens: int, ranks_per_node: int, links: cost.Links) -> float:
+    if n == 1:
+        return 0.0
+    g = min(n, ranks_per_node)
+    preds = cost.predict(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
+    if mode == "split":
+        p = cost.choose(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
+    else:
+        p = next(p for p in preds if p.name == mode)
+    return p.comm_ms * row.calls
+
+
+def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, tokens: int | None = None,
+         path: str = "eager+graphs", ranks_per_node: int | None = None, links: cost.Links | None = None) -> Plan:
+    """The layout for a transformer of class ``cls`` (``config``: its config, to pick among its class's rows) in a
+    pipeline over ``n`` ranks (module docstring).
+
+    Args:
+        cfg: how the pipeline runs classifier-free guidance: 'paired' (one call per branch), 'batched' (one call of
+            a batch of 2) or None (no CFG: never lanes).
+        tokens: image/video tokens per forward (None: the measured resolution's).
+        path: one of :data:`PATHS`.
+        ranks_per_node: ranks sharing a node (None: all ``n``).
+
+    Raises:
+        ValueError: ``n`` < 1; an unknown ``cfg`` or ``path``.
+    """
+    if n < 1 or cfg not in (None, "paired", "batched") or path not in PATHS:
+        raise ValueError(f"plan: n must be >= 1, cfg one of None/'paired'/'batched', path one of {PATHS}; got n={n}, "
+                         f"cfg={cfg!r}, path={path!r}")
+    links = links or cost.links()
+    rpn = min(n, ranks_per_node or n)
+    two = cfg is not None and n % 2 == 0
+    row, how = row_for(cls, config)
+    if row is None:
+        lay = Layout(2, n // 2, "auto", 1) if two else Layout(1, n, "auto", 2 if cfg else 1)
+        why = (f"{how}: the rule without numbers: " + ("the pipeline runs CFG and N is even -> 2 lanes" if two else
+               "no CFG -> no lanes" if cfg is None else f"N={n} is odd -> no lanes"))
+        return Plan(lay, (lay,), why)
+    s = tokens or row.tokens
+    cands = []
+    for lanes in ((1, 2) if two else (1,)):
+        w = n // lanes
+        mode = _mode(row.heads, w, rpn)
+        forwards = 2 if cfg and lanes == 1 else 1
+        cands.append(Layout(lanes, w, mode, forwards, _forward_ms(row, path, w, s, links),
+                            _comm_ms(row, w, mode, s, rpn, links)))
+    best = min(cands, key=lambda lay: (round(lay.step_ms, 6), lay.lanes))
+    rest = [c for c in cands if c is not best]
+    if cfg is None:
+        why = "the pipeline runs no classifier-free guidance by default -> no lanes"
+    elif not two:
+        why = f"N={n} is odd -> no lanes"
+    else:
+        other = rest[0]
+        why = (f"{best.name} predicted {best.step_ms:.1f} ms per step vs {other.name} {other.step_ms:.1f} ms "
+               f"({other.step_ms / best.step_ms:.2f}x)")
+    if how:
+        why += f"; {how}"
+    return Plan(best, (best, *rest), why, row.label + (f" at {s} tokens" if s != row.tokens else ""), path)
