@@ -72,6 +72,27 @@ PAIRED = {
 }
 
 
+#: diffusers pipelines (class name) that run both CFG branches in one call of a batch of 2 (read: diffusers 0.42.1)
+BATCHED_CFG = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline", "ZImagePipeline")
+
+
+def cfg_kind(pipe_cls: type) -> str | None:
+    """How a pipeline class runs classifier-free guidance with its own defaults (its ``__call__``'s): 'paired' (a
+    class of :data:`PAIRED` whose default scale — ``true_cfg_scale`` where it has one, else ``guidance_scale`` — is
+    above 1: Wan, Qwen-Image, Flux 2 Klein; Qwen-Image's true CFG then runs whenever a negative prompt is given),
+    'batched' (a class of :data:`BATCHED_CFG` whose default ``guidance_scale`` is above 1), else None (Flux and
+    HunyuanVideo: ``true_cfg_scale`` 1 by default; any other pipeline)."""
+    name = pipe_cls.__name__
+    kind = "paired" if name in PAIRED else "batched" if name in BATCHED_CFG else None
+    if kind is None:
+        return None
+    params = inspect.signature(pipe_cls.__call__).parameters
+    scale = params.get("true_cfg_scale") if kind == "paired" else None
+    scale = scale if scale is not None else params.get("guidance_scale")
+    default = None if scale is None else scale.default
+    return kind if isinstance(default, (int, float)) and default > 1 else None
+
+
 def _new_group(ranks: list[int], pg: dist.ProcessGroup, mine: bool):
     if pg is dist.group.WORLD:
         return dist.new_group(ranks)  # every rank calls every new_group, in the same order

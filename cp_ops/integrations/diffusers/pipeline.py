@@ -159,6 +159,22 @@ def _init_group(device: torch.device) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kw)
 
 
+def _plan(pipe, model, group, dev: torch.device, mode: str, kwargs: dict):
+    """The planned layout (:func:`.planner.plan_pipeline`) over ``group``'s ranks; None for a mesh (its shape is the
+    layout). Ranks per node: torchrun's ``LOCAL_WORLD_SIZE`` (the same on every node), else every rank."""
+    from ...group import resolve_group
+    from ...mesh import is_mesh
+    from .planner import plan_pipeline
+
+    if is_mesh(group):
+        return None
+    n = resolve_group(group).size()
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return plan_pipeline(pipe, model, n, ranks_per_node=int(local) if local.isdigit() else None,
+                         cuda=dev.type == "cuda", mode=mode, cfg_parallel=kwargs.get("cfg_parallel"),
+                         compile=kwargs.get("compile", False), cuda_graphs=kwargs.get("cuda_graphs", "auto"))
+
+
 def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device | str | None = None, mode: str = "auto",
                          transport: str = "auto", chunks: int | None = None, comm_dtype: Any = None,
                          **kwargs: Any) -> Any:
@@ -219,6 +235,9 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
         torch.cuda.set_device(dev)
     _init_group(dev)
     pipe.to(dev)
+    pipe.cp_ops_layout = _plan(pipe, components[names[0]], group, dev, mode, kwargs)
+    if pipe.cp_ops_layout is not None:
+        kwargs.setdefault("cfg_parallel", pipe.cp_ops_layout.cfg_parallel)  # a given cfg_parallel wins
     for name in names:
         parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks, comm_dtype=comm_dtype,
                     **kwargs)

@@ -19,7 +19,8 @@ the attention calls' communication):
   ``compile=True``). Another resolution scales the measured time by the tokens ``r = S / S_measured``:
   ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP ``4·S²·H·D`` per
   attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in tokens.
-  A width not measured (not 1/2/4/8) scales the widest measured one below it by ``w / n`` (perfect scaling: a ceiling);
+  A width not measured (not 1/2/4/8) scales the widest measured one below it by ``w / n`` (perfect scaling: a
+  ceiling);
 * communication: :func:`cp_ops.cost.predict`'s transport-then-attend link time of that mode (:func:`cp_ops.cost.links`)
   × the attention calls per forward — exposed in full (the overlap hides part of it: an upper estimate). The lanes'
   output exchange (one latent tensor per step) is not counted: it is small beside the activations.
@@ -36,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ... import cost
+from ... import cost, modes
 from ...plan.rules import mode_rule
 
 #: The compile paths with measured rows (``parallelize``'s ``compile`` / ``cuda_graphs`` → :func:`path_for`).
@@ -148,7 +149,7 @@ class Plan:
         if self.layout.step_ms is not None:
             lines.append(f"predicted per denoising step ({self.row}, {self.path}; H200 bound + link model):")
             for lay in self.layouts:
-                lines.append(f"  {lay.name:<16} {lay.mode:<8} {lay.forwards} x ({lay.forward_ms:8.1f} ms forward + "
+                lines.append(f"  {lay.name:<16} {lay.mode:<10} {lay.forwards} x ({lay.forward_ms:8.1f} ms forward + "
                              f"{lay.comm_ms:6.1f} ms comm) = {lay.step_ms:8.1f} ms"
                              + ("   <- chosen" if lay is self.layout else ""))
         return "\n".join(lines)
@@ -164,26 +165,36 @@ def _forward_ms(row: Row, path: str, n: int, tokens: int, links: cost.Links) -> 
     return t * ((1 - a) * r + a * r * r)
 
 
+def _heads(config: Mapping | None) -> int | None:
+    if config is None:
+        return None
+    return config.get("num_attention_heads") or config.get("n_heads")
+
+
 def _mode(heads: int, n: int, ranks_per_node: int) -> str:
     if n <= ranks_per_node:
         return mode_rule("auto", heads, n)[0]
     return "split"  # across nodes: plan/split.py's cost-model split
 
 
-def _comm_ms(row: Row, n: int, mode: str, tokens: int, ranks_per_node: int, links: cost.Links) -> float:
+def _comm_ms(row: Row, n: int, mode: str, tokens: int, ranks_per_node: int, links: cost.Links) -> tuple[str, float]:
+    """``(mode, link ms per forward)``; a lane across nodes: the split :mod:`cp_ops.plan.split` picks, named as
+    :attr:`cp_ops.cost.Prediction.name` (``'agkv'``, ``'ulysses'``, ``'OxI'``) after ``'split '``."""
     if n == 1:
-        return 0.0
+        return mode, 0.0
     g = min(n, ranks_per_node)
-    preds = cost.predict(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
     if mode == "split":
         p = cost.choose(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
-    else:
-        p = next(p for p in preds if p.name == mode)
-    return p.comm_ms * row.calls
+        return f"split {p.name}", p.comm_ms * row.calls
+    preds = cost.predict(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
+    # the row's heads may not split as the model's do: price the mode the row can run
+    p = next((p for p in preds if p.name == mode), None) or next(p for p in preds if p.name == "agkv")
+    return mode, p.comm_ms * row.calls
 
 
 def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, tokens: int | None = None,
-         path: str = "eager+graphs", ranks_per_node: int | None = None, links: cost.Links | None = None) -> Plan:
+         path: str = "eager+graphs", ranks_per_node: int | None = None, mode: str = "auto",
+         lanes: int | None = None, links: cost.Links | None = None) -> Plan:
     """The layout for a transformer of class ``cls`` (``config``: its config, to pick among its class's rows) in a
     pipeline over ``n`` ranks (module docstring).
 
@@ -193,6 +204,9 @@ def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, to
         tokens: image/video tokens per forward (None: the measured resolution's).
         path: one of :data:`PATHS`.
         ranks_per_node: ranks sharing a node (None: all ``n``).
+        mode: the mode the caller gave (``'auto'``: each lane's mode rule); a mode that splits heads is not planned
+            on a lane width that does not divide the model's heads (``config``'s, else the row's).
+        lanes: the caller's choice (``cfg_parallel`` given: 2 or 1): predicted beside the plan's, and kept.
 
     Raises:
         ValueError: ``n`` < 1; an unknown ``cfg`` or ``path``.
@@ -205,24 +219,42 @@ def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, to
     two = cfg is not None and n % 2 == 0
     row, how = row_for(cls, config)
     if row is None:
-        lay = Layout(2, n // 2, "auto", 1) if two else Layout(1, n, "auto", 2 if cfg else 1)
-        why = (f"{how}: the rule without numbers: " + ("the pipeline runs CFG and N is even -> 2 lanes" if two else
-               "no CFG -> no lanes" if cfg is None else f"N={n} is odd -> no lanes"))
+        two = two if lanes is None else lanes == 2
+        lay = Layout(2, n // 2, mode, 1) if two else Layout(1, n, mode, 2 if cfg else 1)
+        rule = ("the pipeline runs CFG and N is even -> 2 lanes" if two else "no CFG -> no lanes" if cfg is None
+                else f"N={n} is odd -> no lanes")
+        why = f"cfg_parallel={two} given" if lanes is not None else f"{how}: the rule without numbers: {rule}"
         return Plan(lay, (lay,), why)
     s = tokens or row.tokens
+    heads = _heads(config) or row.heads
+    mode = mode if mode in modes.names(False) else "auto"  # another name: parallelize raises naming it
     cands = []
-    for lanes in ((1, 2) if two else (1,)):
-        w = n // lanes
-        mode = _mode(row.heads, w, rpn)
-        forwards = 2 if cfg and lanes == 1 else 1
-        cands.append(Layout(lanes, w, mode, forwards, _forward_ms(row, path, w, s, links),
-                            _comm_ms(row, w, mode, s, rpn, links)))
+    for k in ((1, 2) if two or (lanes == 2 and n % 2 == 0) else (1,)):
+        w = n // k
+        if mode != "auto" and (modes.spec(mode).needs_heads_divisible and heads % w or modes.spec(mode).dims != 1):
+            continue
+        lane_mode = _mode(heads, w, rpn) if mode == "auto" else mode
+        lane_mode, comm = _comm_ms(row, w, lane_mode, s, rpn, links)
+        cands.append(Layout(k, w, lane_mode, 2 if cfg and k == 1 else 1, _forward_ms(row, path, w, s, links), comm))
+    if not cands:  # parallelize raises naming the rule
+        lay = Layout(lanes or 1, n // (lanes or 1), mode, 1)
+        return Plan(lay, (lay,), f"mode {mode!r} runs on no lane width of N={n} (H={heads})")
     best = min(cands, key=lambda lay: (round(lay.step_ms, 6), lay.lanes))
     rest = [c for c in cands if c is not best]
-    if cfg is None:
+    if lanes is not None and best.lanes != lanes:
+        given = [c for c in cands if c.lanes == lanes]
+        if given:
+            best, rest = given[0], [c for c in cands if c is not given[0]]
+    if lanes is not None:
+        why = (f"cfg_parallel={lanes == 2} given"
+               + (f"; the plan's {rest[0].name} predicted {rest[0].step_ms:.1f} ms per step vs {best.step_ms:.1f} ms"
+                  if rest and rest[0].step_ms < best.step_ms else ""))
+    elif cfg is None:
         why = "the pipeline runs no classifier-free guidance by default -> no lanes"
     elif not two:
         why = f"N={n} is odd -> no lanes"
+    elif not rest:
+        why = f"mode {mode!r} given: only {best.name} splits the {heads} heads"
     else:
         other = rest[0]
         why = (f"{best.name} predicted {best.step_ms:.1f} ms per step vs {other.name} {other.step_ms:.1f} ms "
@@ -230,3 +262,15 @@ def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, to
     if how:
         why += f"; {how}"
     return Plan(best, (best, *rest), why, row.label + (f" at {s} tokens" if s != row.tokens else ""), path)
+
+
+def plan_pipeline(pipe, model, n: int, *, ranks_per_node: int | None, cuda: bool, mode: str = "auto",
+                  cfg_parallel: bool | None = None, compile: bool = False, cuda_graphs="auto") -> Plan:  # noqa: A002
+    """:func:`plan` for ``model`` (a transformer of ``pipe``) over ``n`` ranks, with the facts read from them: its class
+    and config, the pipeline's CFG (:func:`.lanes.cfg_kind`), the compile path (:func:`path_for`)."""
+    from .lanes import cfg_kind
+
+    config = dict(getattr(model, "config", None) or {})
+    return plan(type(model).__name__, n, cfg=cfg_kind(type(pipe)), config=config, ranks_per_node=ranks_per_node,
+                path=path_for(compile, cuda_graphs, cuda), mode=mode,
+                lanes=None if cfg_parallel is None else 2 if cfg_parallel else 1)
