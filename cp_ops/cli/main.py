@@ -165,6 +165,10 @@ def _main(args) -> int:
     else:
         from .run import run_model as body
 
+        if args.plan is not None:  # nothing runs: the planned layout for N GPUs
+            from .run_plan import print_plan
+
+            return print_plan(args)
         run_args.check(args, device, world)
     check_out(args.out, "--out")
     if bound:  # one process, this device: no ranks to launch

@@ -53,6 +53,10 @@ def add_parser(sub) -> None:
     r.add_argument("--steps", type=int, default=0,
                    help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
                         "times): time per step and total (default 0: one forward)")
+    r.add_argument("--plan", type=int, default=None, metavar="N",
+                   help="run nothing: print the layout parallelize_pipeline plans for the model's pipeline on N GPUs "
+                        "(CFG lanes x CP width) and its predicted step time beside the alternatives (from the "
+                        "measured bound and the link model; docs/pipelines.md)")
     r.add_argument("--cfg", action="store_true",
                    help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
                         "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
