@@ -133,6 +133,30 @@ def test_cli_run_plan_prints_the_choice(capsys):
     assert "--plan takes the GPU count N >= 1; got 0" in capsys.readouterr().err
 
 
+def test_the_docs_table_is_the_planners():
+    """docs/pipelines.md's table of planned layouts per model at N = 2/4/8 is what the planner predicts."""
+    import os
+    import re
+
+    from cp_ops.cli.models import MODELS
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "pipelines.md"), encoding="utf-8").read()
+    kinds = {"none": None, "one call per branch": "paired", "batched": "batched"}
+    spec_of = {"FLUX": "flux", "Qwen": "qwenimage", "Z-Image": "zimage", "LTX": "ltx", "Wan2.1-1.3B": "wan",
+               "HunyuanVideo": "hunyuanvideo"}
+    rows = re.findall(r"^\| (\S+) [^|]*\(([^)]*)\) \| ([\d.]+) \| (.*) \|$", doc, re.M)
+    assert len(rows) == 6, rows
+    for name, kind, one, cells in rows:
+        spec = MODELS[next(v for k, v in spec_of.items() if name.startswith(k))]
+        cfg = spec.config(spec.gpu_config)
+        assert f"{planner.plan(spec.cls, 1, cfg=kinds[kind], config=cfg).layout.step_ms:.1f}" == one, name
+        for n, cell in zip((2, 4, 8), cells.split(" | ")):
+            p = planner.plan(spec.cls, n, cfg=kinds[kind], config=cfg)
+            lay = p.layout
+            want = f"{'2 × ' if lay.lanes == 2 else ''}CP{lay.cp} {lay.step_ms:.1f}"
+            assert cell.replace("2 lanes × ", "2 × ").startswith(want), (name, n, cell, str(p))
+
+
 # ---- one rank launch: parallelize_pipeline(pipe) with no layout arguments ----
 
 def _planned_lanes(rank, w):
