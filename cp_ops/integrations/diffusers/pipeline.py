@@ -185,9 +185,13 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
     on CUDA, gloo on the CPU; a plain ``python`` run gets a group of one rank); ``pipe.to(device)``; then
     :func:`~cp_ops.integrations.diffusers.parallelize` on every component that is a supported transformer
     (``transformer``, and ``transformer_2`` where the pipeline has one, as Wan 2.2 A14B's two experts; a component
-    that is None is skipped). Sets ``pipe.cp_ops_writes_output`` (True on global rank 0 only: the rank that should
-    save the result) and ``pipe.cp_ops_transformers`` (the component names parallelized), and shows the pipeline's
-    progress bar on rank 0 only.
+    that is None is skipped). Without ``cfg_parallel`` and a mesh, the layout is planned first
+    (:mod:`.planner`: two CFG lanes of W/2 or one CP group of W, whichever the measured bound and the link model
+    predict faster per step for this transformer class and compile path; the same on every rank). Sets
+    ``pipe.cp_ops_layout`` (the :class:`.planner.Plan`: ``print`` it for the choice, why, and each candidate's predicted
+    step time; None on a mesh), ``pipe.cp_ops_writes_output`` (True on global rank 0 only: the rank that should save
+    the result) and ``pipe.cp_ops_transformers`` (the component names parallelized), and shows the pipeline's progress
+    bar on rank 0 only.
 
     Every rank must then make the same ``pipe(...)`` calls with the same arguments: pass a generator seeded alike on
     every rank (``torch.Generator().manual_seed(0)``) so the initial noise agrees. What is checked: at each
@@ -208,7 +212,8 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
         **kwargs: passed on to :func:`~cp_ops.integrations.diffusers.parallelize` for every transformer
             (``cfg_parallel``, ``compile``, ``cuda_graphs``, ...). With ``cfg_parallel=True``, a pipeline that calls
             the transformer once per CFG branch runs the two calls on the two lanes at the same time
-            (:mod:`.lanes`, docs/pipelines.md).
+            (:mod:`.lanes`, docs/pipelines.md); not given: the planned layout's. A given ``cfg_parallel``, ``mode``
+            or mesh wins over the plan.
 
     Raises:
         ValueError: ``pipe`` has no component :func:`~cp_ops.integrations.diffusers.parallelize` supports (the message

@@ -18,7 +18,8 @@ the attention calls' communication):
   that will run (``eager``; ``eager+graphs``: the whole forward captured, the CUDA default; ``regional+capture``:
   ``compile=True``). Another resolution scales the measured time by the tokens ``r = S / S_measured``:
   ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP ``4·S²·H·D`` per
-  attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in tokens.
+  attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in
+  tokens.
   A width not measured (not 1/2/4/8) scales the widest measured one below it by ``w / n`` (perfect scaling: a
   ceiling);
 * communication: :func:`cp_ops.cost.predict`'s transport-then-attend link time of that mode (:func:`cp_ops.cost.links`)
