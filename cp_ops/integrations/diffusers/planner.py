@@ -17,8 +17,8 @@ the attention calls' communication):
   rank 0's forward with the collectives' writes faked, no link; W = 1 is the one-GPU forward) for the compile path
   that will run (``eager``; ``eager+graphs``: the whole forward captured, the CUDA default; ``regional+capture``:
   ``compile=True``). Another resolution scales the measured time by the tokens ``r = S / S_measured``:
-  ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP ``4·S²·H·D`` per
-  attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in
+  ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP ``4·S²·H·D``
+  per attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in
   tokens.
   A width not measured (not 1/2/4/8) scales the widest measured one below it by ``w / n`` (perfect scaling: a
   ceiling);
