@@ -169,7 +169,8 @@ def _forward_ms(row: Row, path: str, n: int, tokens: int, links: cost.Links) -> 
 def _heads(config: Mapping | None) -> int | None:
     if config is None:
         return None
-    return config.get("num_attention_heads") or config.get("n_heads")
+    heads = config.get("num_attention_heads") or config.get("n_heads")
+    return heads if isinstance(heads, int) and heads > 0 else None
 
 
 def _mode(heads: int, n: int, ranks_per_node: int) -> str:
