@@ -35,7 +35,7 @@ else 1; the reason says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 from ... import cost, modes
@@ -139,7 +139,6 @@ class Plan:
     why: str
     row: str = ""
     path: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def cfg_parallel(self) -> bool:
@@ -173,8 +172,15 @@ def _heads(config: Mapping | None) -> int | None:
     return heads if isinstance(heads, int) and heads > 0 else None
 
 
+def _nodes(n: int, ranks_per_node: int) -> tuple[int, int]:
+    """``(ranks per node, nodes)`` of a lane of ``n`` ranks (node-major); a lane of part-nodes is priced as one node
+    (:mod:`cp_ops.plan.split` does not split it either)."""
+    g = min(n, ranks_per_node)
+    return (g, n // g) if n % g == 0 else (n, 1)
+
+
 def _mode(heads: int, n: int, ranks_per_node: int) -> str:
-    if n <= ranks_per_node:
+    if _nodes(n, ranks_per_node)[1] == 1:
         return mode_rule("auto", heads, n)[0]
     return "split"  # across nodes: plan/split.py's cost-model split
 
@@ -184,11 +190,11 @@ def _comm_ms(row: Row, n: int, mode: str, tokens: int, ranks_per_node: int, link
     :attr:`cp_ops.cost.Prediction.name` (``'agkv'``, ``'ulysses'``, ``'OxI'``) after ``'split '``."""
     if n == 1:
         return mode, 0.0
-    g = min(n, ranks_per_node)
+    g, nodes = _nodes(n, ranks_per_node)
     if mode == "split":
-        p = cost.choose(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
+        p = cost.choose(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=nodes, links=links)
         return f"split {p.name}", p.comm_ms * row.calls
-    preds = cost.predict(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=n // g, links=links)
+    preds = cost.predict(tokens, row.heads, row.head_dim, ranks_per_node=g, nodes=nodes, links=links)
     # the row's heads may not split as the model's do: price the mode the row can run
     p = next((p for p in preds if p.name == mode), None) or next(p for p in preds if p.name == "agkv")
     return mode, p.comm_ms * row.calls
