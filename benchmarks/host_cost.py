@@ -221,7 +221,11 @@ def _body(rank, world, device, args):
         torch.set_num_threads(1)  # ranks share the cores: no intra-op threads competing with the other rank
     if args.fake:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the 'fake' backend)
+        from torch._C._distributed_c10d import FakeWork
 
+        # a fake collective is done at launch, but FakeWork.is_completed() says False forever: a wait that polls it
+        # (cp_ops.contract.wait_collective, a CPU group's bounded wait) would run to its timeout
+        FakeWork.is_completed = lambda self: True
         group = dist.new_group(list(range(world)), backend="fake")
         validate._state(group).skip = False  # each rank is a real process: the rank contract exchanges as usual
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
