@@ -80,8 +80,24 @@ def _register(work, *outs: torch.Tensor) -> None:
     if config.settings.blocking:
         work.wait()
         return
+    if not isinstance(work, dist.Work):  # a host wait written in Python (the torch transport's CPU collectives)
+        work = _AsWork(work)
     for out in outs:
         _register_work(out, work)
+
+
+class _AsWork(dist.Work):
+    """A transport's work that is not a ``dist.Work``, as one, so ``wait_tensor`` can wait it."""
+
+    def __init__(self, work):
+        super().__init__()
+        self.work = work
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 # ---- AGKV all-gather ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..contract import wait_collective
 from ..layout import ulysses_inverse_pack, ulysses_pack
 from .base import Arrival, register
 
@@ -127,18 +128,17 @@ def _watched(group: dist.ProcessGroup, t: torch.Tensor, work):
     return _Watched(group, work) if t.device.type == "cpu" else work
 
 
-class _Watched(dist.Work):
-    """A CPU collective's work whose ``wait()`` is :func:`cp_ops.contract.wait_collective`. A ``dist.Work`` so the
-    ops can register it with their outputs (``wait_tensor`` under compile)."""
+class _Watched:
+    """A CPU collective's work whose ``wait()`` is :func:`cp_ops.contract.wait_collective` (a plain object: the eager
+    path waits it as it is; the ops wrap it to register it, :func:`cp_ops.ops._register`)."""
+
+    __slots__ = ("group", "work")
 
     def __init__(self, group: dist.ProcessGroup, work):
-        super().__init__()
         self.group, self.work = group, work
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
         if self.work is not None:
-            from ..contract import wait_collective
-
             work, self.work = self.work, None
             wait_collective(self.group, work)
         return True
