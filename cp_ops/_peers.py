@@ -10,7 +10,7 @@ Keys live in the default process group's store (``torch.distributed``'s TCPStore
   is still known).
 * **Liveness**: a peer on this host (same host name and pid namespace, read from ``/proc``) whose process is gone —
   no such pid, a zombie, or its pid now held by a process started later — has *exited*; a wait for it raises within
-  about :data:`CHECK_EVERY_S` seconds, naming its rank and pid. Peers on other hosts (or without ``/proc``) are not
+  about :data:`cp_ops._waits.CHECK_EVERY_S` seconds, naming its rank and pid. Peers on other hosts (or without ``/proc``) are not
   watched: their waits end at the timeout, or at once when the connection to them closes.
 * **Gather** (:meth:`Peers.gather`): every rank sets ``<key>/<rank>`` and polls for the others' until
   ``settings.timeout_s``, warning while they are late (:mod:`cp_ops._waits`). Keys are fixed per purpose, so a rank that timed out and calls again meets a late peer at
@@ -28,10 +28,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from . import config
-from ._waits import PeerWait, PeersTimeout  # noqa: F401 - PeersTimeout: what gather raises
+from ._waits import CHECK_EVERY_S, PeerWait, PeersTimeout  # noqa: F401 - PeersTimeout: what gather raises
 
-#: Seconds between liveness checks of the peers a wait is waiting for.
-CHECK_EVERY_S = 0.25
 _PREFIX = "cp_ops/contract/"
 
 
@@ -152,7 +150,11 @@ class Peers:
         """Raise :class:`PeerExited` naming each of ``ranks`` whose process has exited."""
         gone = self.exited(ranks)
         if gone:
-            raise PeerExited("; ".join(f"{self.name(r)} {why}" for r, why in gone))
+            raise PeerExited(self.said(gone))
+
+    def said(self, gone) -> str:
+        """``(rank, how)`` pairs (:meth:`exited`) in words: 'rank 1 (...) exited ...', joined."""
+        return "; ".join(f"{self.name(r)} {how}" for r, how in gone)
 
     def names(self, ranks) -> str:
         """``ranks`` (group ranks) in words, for messages: 'rank 1 (global rank 1, pid ... on host)', joined."""

@@ -28,9 +28,7 @@ import time
 import uuid
 import zlib
 
-
-#: Seconds between ``on_wait`` calls while :meth:`ShmExchange.allgather` waits.
-CHECK_EVERY_S = 0.25
+from ._waits import poll
 
 
 def _unlink(path: str) -> None:
@@ -112,17 +110,18 @@ class ShmExchange:
         ``out`` (``world * n`` int64) with every rank's words. Returns False when some rank did not publish within
         ``timeout_s`` seconds (``out`` is then incomplete; :attr:`pending`: the ranks that did not).
         ``on_wait(pending ranks)``, when given, is called about
-        every :data:`CHECK_EVERY_S` seconds of waiting (after the first spins) and may raise (a peer has exited)."""
+        every ``_waits.CHECK_EVERY_S`` seconds of waiting (after the first spins) and may raise (a peer has exited)."""
         vals = self.words.unpack(words)
         crc = zlib.crc32(words, call & 0xFFFFFFFF)
         self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)
         step = self.words.size
         out[self.rank * step:(self.rank + 1) * step] = words
-        self.pending = pending = [r for r in range(self.world) if r != self.rank]
-        spins, deadline = 0, None
-        while pending:
+        self.pending = [r for r in range(self.world) if r != self.rank]
+        deadline = None
+
+        def arrived() -> bool:
             still = []
-            for r in pending:
+            for r in self.pending:
                 off = self._offset(r, call)
                 got_call, got_crc = struct.unpack_from("<2q", self.mm, off)
                 if got_call == call:
@@ -131,20 +130,17 @@ class ShmExchange:
                         out[r * step:(r + 1) * step] = body
                         continue
                 still.append(r)
-            self.pending = pending = still
-            if not pending:
-                break
-            spins += 1
-            if spins < 200:
-                os.sched_yield()
-                continue
-            now = time.monotonic()
+            self.pending = still
+            return not still
+
+        def check() -> bool:
+            nonlocal deadline
             if deadline is None:
-                deadline, next_check = now + timeout_s, now + CHECK_EVERY_S
-            elif now > deadline:
-                return False
-            if on_wait is not None and now >= next_check:
-                on_wait(pending)
-                next_check = now + CHECK_EVERY_S
-            time.sleep(0.00005 if spins < 2000 else 0.001)
-        return True
+                deadline = time.monotonic() + timeout_s
+            elif time.monotonic() > deadline:
+                return True
+            elif on_wait is not None:
+                on_wait(self.pending)
+            return False
+
+        return poll(arrived, check)

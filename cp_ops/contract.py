@@ -67,7 +67,6 @@ import datetime
 import hashlib
 import logging
 import operator
-import os
 import pickle
 import re
 import struct
@@ -81,7 +80,7 @@ import torch.distributed as dist
 
 from . import config
 from ._peers import Peers, PeerExited
-from ._waits import PeerWait, PeersTimeout
+from ._waits import PeerWait, PeersTimeout, poll
 from .group import backend_name
 from .validate import dtype_name
 
@@ -389,7 +388,7 @@ def _setup(st: _Group, op: str) -> None:
             st.shm = _make_shm(st, op)
     except RuntimeError as e:
         gone = peers.exited(range(st.w))
-        why = "; ".join(f"{peers.name(r)} {how}" for r, how in gone) if gone else str(e).splitlines()[0]
+        why = peers.said(gone) if gone else str(e).splitlines()[0]
         st.release(f"{op}: setting up the rank contract of {where} failed after every rank had arrived (a peer died, "
                    f"or one that had timed out earlier did not call again): {why}; the group cannot be used by cp_ops "
                    "any more")
@@ -540,18 +539,12 @@ def _gather(st: _Group, op: str) -> bool:
         raise
     except RuntimeError as e:
         g = st.pg.group_name
-        gone, t_end = [], time.monotonic() + _GRACE_S
-        while st.peers is not None:  # a peer that exited closes its sockets a moment before its process ends
-            gone = st.peers.exited(range(st.w))
-            if gone or time.monotonic() >= t_end:
-                break
-            time.sleep(0.05)
+        gone = _within_grace(lambda: st.peers.exited(range(st.w))) if st.peers is not None else []
         if gone:
-            st.release(f"{op}: CP group '{g}': " + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
-                       + "; the group cannot be used by cp_ops any more")
-            raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': "
-                               + "; ".join(f"{st.peers.name(r)} {how}" for r, how in gone)
-                               + " while this rank waited for it in the rank check") from e
+            who = st.peers.said(gone)
+            st.release(f"{op}: CP group '{g}': {who}; the group cannot be used by cp_ops any more")
+            raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': {who} while this rank waited for it in the "
+                               "rank check") from e
         raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: "
                            f"{(str(e).splitlines() or [''])[0]}. A peer on another host may have crashed (its log says "
                            "why)") from e
@@ -562,12 +555,10 @@ def _wait_work(st: _Group, work, waiting: Callable[[], PeerWait]) -> None:
     """Wait for the gloo side group's exchange ``work``: spin briefly, then poll, warning while peers are late.
     Over gloo this rank cannot see who has arrived, so a rank that has waited a second publishes its call number in
     the store (``at/<rank>``) and the warning names the ranks not seen at this call."""
-    spins, at = 0, None
-    while not work.is_completed():
-        spins += 1
-        if spins < 200:
-            os.sched_yield()
-            continue
+    at = None
+
+    def check() -> bool:
+        nonlocal at
         w = waiting()
         if at is None and w.waited() >= min(1.0, w.warn_s / 2):
             at = st.peers.store
@@ -576,7 +567,9 @@ def _wait_work(st: _Group, work, waiting: Callable[[], PeerWait]) -> None:
             w.tick(lambda: _not_seen(st))
             if w.expired():
                 raise w.error(_not_seen(st))
-        time.sleep(0.00005 if spins < 2000 else 0.001)
+        return False
+
+    poll(work.is_completed, check)
     work.wait()  # raises the exchange's error, if it failed
 
 
@@ -622,10 +615,17 @@ def _failed_peers(st: _Group) -> list[tuple[int, str]]:
     return out
 
 
-#: Seconds between a data collective's checks of the peers (liveness, published failures).
-_CHECK_EVERY_S = 0.25
 #: Seconds a failed collective or exchange looks for the peer that exited before giving its own error.
 _GRACE_S = 1.0
+
+
+def _within_grace(look: Callable):
+    """``look()`` until it returns something (or :data:`_GRACE_S` passed): a peer that exited closes its sockets a
+    moment before its process shows as ended, so a failed collective looks for it a while before its own error."""
+    t_end = time.monotonic() + _GRACE_S
+    while not (found := look()) and time.monotonic() < t_end:
+        time.sleep(0.05)
+    return found
 
 
 def wait_collective(pg: dist.ProcessGroup, work) -> None:
@@ -643,25 +643,22 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
     if st is None or st.pg is not pg or st.peers is None or st.skip:
         work.wait()
         return
-    spins, wait, next_check = 0, None, 0.0
+    wait = None
+
+    def check() -> bool:
+        nonlocal wait
+        if wait is None:
+            wait = PeerWait(_call_words(st, None, st.count), "this call's communication (a collective of its data)",
+                            "the group cannot be used by cp_ops any more: make a new group")
+            return False
+        _peer_trouble(st, None)
+        wait.tick("a rank (its part of this collective has not come)")
+        if wait.expired():
+            raise wait.error("a rank (its part of this collective)")
+        return False
+
     try:
-        while not work.is_completed():
-            spins += 1
-            if spins < 200:
-                os.sched_yield()
-                continue
-            now = time.monotonic()
-            if wait is None:
-                wait = PeerWait(_call_words(st, None, st.count), "this call's communication (a collective of its "
-                                "data)", "the group cannot be used by cp_ops any more: make a new group")
-                next_check = now + _CHECK_EVERY_S
-            elif now >= next_check:
-                _peer_trouble(st, None)
-                wait.tick("a rank (its part of this collective has not come)")
-                if wait.expired():
-                    raise wait.error("a rank (its part of this collective)")
-                next_check = now + _CHECK_EVERY_S
-            time.sleep(0.00005 if spins < 2000 else 0.001)
+        poll(work.is_completed, check)
         work.wait()
     except PeersTimeout as e:
         st.release(str(e).splitlines()[0] + ": the group cannot be used by cp_ops any more: make a new group")
@@ -669,14 +666,7 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
     except RuntimeError as e:
         if getattr(e, "_cp_ops_named", False):
             raise
-        # the collective failed (a connection reset): a peer that exited closes its sockets a moment before its
-        # process shows as ended, so look for it a little while before giving the collective's own error
-        t_end = time.monotonic() + _GRACE_S
-        while True:
-            _peer_trouble(st, e)
-            if time.monotonic() >= t_end:
-                break
-            time.sleep(0.05)
+        _within_grace(lambda: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
         call = _call_words(st, None, st.count)
         st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
         raise RuntimeError(f"{call}: this call's communication failed: {(str(e).splitlines() or [''])[0]}. A peer on "
@@ -692,8 +682,8 @@ def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
     if not gone and not failed:
         return
     call = _call_words(st, None, st.count)
-    what = "; ".join([f"{st.peers.name(r)} {how}" for r, how in gone]
-                     + [f"{st.peers.name(r)} raised {why}" for r, why in failed])
+    what = "; ".join(([st.peers.said(gone)] if gone else []) + [f"{st.peers.name(r)} raised {why}"
+                                                                  for r, why in failed])
     err = RuntimeError(f"{call}: {what} during this call's communication: this rank stops too. Fix that rank's "
                        "error (its log has it); the group cannot be used by cp_ops any more: make a new group")
     err._cp_ops_named = True  # type: ignore[attr-defined]
