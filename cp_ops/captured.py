@@ -3,51 +3,10 @@ graph per call signature, replayed with no host work.
 
 What ``parallelize(..., cuda_graphs="forward")`` uses (:mod:`cp_ops.integrations.diffusers.install`); works on any
 ``torch.nn.Module`` whose forward a CUDA graph can record. Under CP the graph holds the CP split hook, every
-attention's communication and the final gather: a replay launches them all at once (measured on one H200, rank 0 of
-a fake group, eager Flux/Z-Image/LTX-Video/Wan2.1-1.3B: cp_ops' own cost vs plain attention -1.5 .. +1.3 %, against
-0.7-4.7 % with per-block graphs). With regional compilation (:func:`cp_ops.integrations.diffusers.compiled.
-compile_blocks` without ``mode="reduce-overhead"``) the compiled blocks' kernels are captured too.
-
-Rules (what a caller must know):
-
-* **Key.** A call's key is (the pytree structure of ``(args, kwargs)``, each tensor leaf's shape, dtype, device and
-  stride, every non-tensor leaf by value, grad mode, inference mode). A new key runs ``warmup`` eager calls on a
-  side stream (torch's rule for ``torch.cuda.graph``; compiles, plans, communicators happen there), then captures
-  one call into a CUDA graph whose inputs are static copies of the tensor leaves, then replays it. A known key
-  copies the new tensor leaves into those static inputs and replays: nothing of the forward's Python runs (no
-  hook, no check, no Dynamo guard). Non-tensor leaves must be hashable (ValueError otherwise). Anything the forward
-  reads that is not an argument — parameters, buffers, module attributes — is read as it was at capture: change a
-  weight in place (``copy_``) and the replay sees it; replace a tensor attribute and it does not.
-* **Outputs.** Returned cloned (``clone_outputs=True``, the default), detached (no autograd history: forward only).
-  A replay rewrites the graph's own output tensors, so without the clone a CFG loop's second call of the same shape
-  overwrites the first's output. ``clone_outputs=False`` returns the graph's output tensors themselves (one copy
-  less): valid only until the next call with the same key; copy what you keep. The outputs must be tensors,
-  immutable values (None, numbers, str, dtype) and pytree containers of them (tuple, list, dict, namedtuple,
-  diffusers' ``BaseOutput``): any other object (a plain dataclass) is refused at capture (CaptureError naming its
-  class; register it with ``torch.utils._pytree.register_dataclass``), since a replay would return that same object.
-* **Arguments written in place.** A replay writes the static copies; the argument leaves a warm-up call wrote in
-  place (their version counter moved) are copied back into the caller's tensors after each replay, as eager writes
-  them (no copy for a forward that writes none).
-* **Memory.** One CUDA-graph memory pool per captured module, shared by all its keys (``torch.cuda.graph_pool_handle``;
-  the graphs replay one at a time on the caller's stream, so their intermediates may share memory), plus each
-  key's static inputs and outputs. At most ``max_keys`` keys (default 8): a new key past it evicts the least
-  recently used one (its graph, static inputs and outputs freed; its next call captures again). ``captures``
-  counts captures, ``keys()`` lists the live keys.
-* **What cannot be captured.** A forward that synchronizes with the host (``.item()``, ``.tolist()``, a
-  data-dependent branch: diffusers' step caches), copies from pageable host memory (``torch.as_tensor(x,
-  device="cuda")`` of a Python number: diffusers 0.42.1's Qwen-Image ``compute_text_seq_len_from_mask``, replaced by
-  :mod:`cp_ops.integrations.diffusers.capture_safe` where cp_ops captures a diffusers model), or makes
-  CPU-side decisions on GPU values. Its capture raises RuntimeError naming the failing rank, its reason and the
-  innermost frame of the model's code; no silent fallback to eager.
-* **CP groups.** With ``group``, the ranks agree on each capture's outcome (a replay runs collectives: every rank
-  must hold a graph or none, as :class:`cp_ops.timing.Graphed`): a failure on any rank raises on every rank,
-  naming the first failing rank and its reason. Every rank must call with the same keys in the same order (as it
-  must make the same calls); one process standing for a group (the fake backend of the zero-communication bound)
-  or a group of one agrees alone.
-* **The object stays the model.** The module's class is swapped for a subclass of it with the same name whose
-  ``__call__`` goes through the capture, so ``pipe.transformer(...)``, ``.config``, ``.dtype``, ``isinstance`` and
-  the module tree are unchanged (``type(m) is Cls`` is not). :func:`uncapture` restores the class.
-  ``copy.deepcopy`` of a captured module gives a captured copy with no graphs yet (it captures afresh).
+attention's communication and the final gather: a replay launches them all at once. The rules a caller must know —
+the key, cloned outputs, arguments written in place, memory and ``max_keys``, what cannot be captured, the ranks'
+agreement on each capture, the class swap (:func:`uncapture` restores it) — and the measurements:
+``docs/diffusers_compile_caches.md`` ("Whole-forward capture").
 
 Testing without a GPU: the graph mechanism is :data:`BACKEND` (an object with ``check``, ``pool``, ``warmup``,
 ``capture``, see :class:`CudaGraphs`); a test may replace it with a recorder that re-runs the call on the static
@@ -194,7 +153,7 @@ def _key(leaves: list, spec) -> tuple:
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple:
-    """The key of a call ``(args, kwargs)`` (see the module docstring). Raises ValueError for a non-tensor leaf that
+    """The key of a call ``(args, kwargs)`` (docs/diffusers_compile_caches.md). Raises ValueError for a non-tensor leaf that
     is not hashable."""
     return _key(*pytree.tree_flatten((args, kwargs)))
 
@@ -262,7 +221,7 @@ def _agree(group, reason: str, what: str) -> None:
 
 
 class CapturedForward:
-    """The per-key graphs of one module's call (see the module docstring). ``__call__(*args, **kwargs)`` returns
+    """The per-key graphs of one module's call (docs/diffusers_compile_caches.md). ``__call__(*args, **kwargs)`` returns
     what ``module(*args, **kwargs)`` returns (tensors cloned and detached unless ``clone_outputs=False``).
 
     Attributes: ``captures`` (int, captures made), ``evictions`` (int), :meth:`keys` (live keys, least recent first).
@@ -444,7 +403,7 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
         ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
             argument leaf that is not hashable.
         CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed, or the outputs hold
-            an object a replay cannot return afresh (see the module docstring) (with ``group``: on any rank, raised
+            an object a replay cannot return afresh (docs/diffusers_compile_caches.md) (with ``group``: on any rank, raised
             on every rank naming the first failing rank and its reason).
     """
     if not isinstance(warmup, int) or warmup < 1:

@@ -28,27 +28,16 @@ stream):
   :func:`cp_ops.transport.base.agkv_start_sources`.
 
 **The rank contract** (:mod:`cp_ops.contract`): one exchange per call, made by the call's *first* launch in both
-implementations, with the same signature (call name, the first launch's tensor shape and dtype and tensor count,
-the transport argument, and ``tag``: a hash of the variant — mode, chunks, uneven shards, mask, the caller's
-layer tag — described in words in error messages). Later launches of the same call exchange nothing: the body
-is deterministic, so once the first launch agrees the rest of the schedule does too.
+implementations, with the same signature (``docs/architecture.md``); the body is deterministic, so once the first
+launch agrees the rest of the schedule does too.
 
-**FP8 communication** (``comm_dtype``, :mod:`cp_ops.comm_dtype`): the codec a comm is made with (:class:`OpCodec`
-for :class:`OpComm`, :class:`DirectCodec` for :class:`DirectComm`; ``codec.fmts`` names the format each of q, k, v, o
-travels in; none: every tensor in the input dtype). A launch encodes the tensors it moves (:mod:`cp_ops.kernels.fp8`: uint8
-``[..., D + 4]``, fp8 values and each (token, head)'s fp32 scale in one buffer, so one collective moves both and the
-transports and layouts are unchanged) and its wait decodes them: the body gets what it gets without FP8 — the same
-shapes and dtype — so the bodies have no FP8 branch. Ulysses fuses the codec with its layouts
-(:mod:`cp_ops.kernels.fp8_ulysses`): q, k, v are encoded straight into the send buffer (moved by the transport's
-``ulysses_packed_start``) and decoded straight into the unpacked ``[n, B, W*S, Hl, D]``, O's arrival straight into
-``[B, S, W*Hl, D]`` (or, ``wait_into``, into pipelined Ulysses' result). Ulysses tensors of different formats travel
-in one launch per format (their first launch makes the rank-contract exchange). Pipelined AGKV decodes each piece
-when its arrival is waited.
+**FP8** (``comm_dtype``, ``docs/fp8.md``): the codec a comm is made with (:class:`OpCodec` / :class:`DirectCodec`;
+``codec.fmts``: the format each of q, k, v, o travels in) encodes what a launch moves and its wait decodes it, so the
+body gets the same shapes and dtype as without FP8 (no FP8 branch in the bodies); Ulysses fuses the codec with its
+layouts (:mod:`cp_ops.kernels.fp8_ulysses`).
 
-**Faults**: a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for
-all of it. The plan calls it when a body raises between a launch and its wait (e.g. CUDA OOM in the
-attention), so the transport's buffers and the group's collectives are left consistent and the next call works;
-the peers' matching collectives complete, so no peer is left waiting in this call.
+**Faults**: a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for all of it (the plan
+calls it when a body raises between a launch and its wait), so the next call works and no peer is left waiting.
 """
 
 from __future__ import annotations

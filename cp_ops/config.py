@@ -3,23 +3,7 @@
 Nothing else in cp_ops reads or writes ``CP_OPS_*`` variables: code reads ``cp_ops.config.settings`` and
 changes it with :func:`configure` (the CLI passes its options that way; it never sets environment variables).
 
-| variable                   | field             | meaning (default)                                                      |
-|----------------------------|-------------------|------------------------------------------------------------------------|
-| ``CP_OPS_BLOCKING``        | ``blocking``      | every launch waits for itself, like ``CUDA_LAUNCH_BLOCKING`` (0)        |
-| ``CP_OPS_CHECK_RANKS``     | ``check_ranks``   | ``on`` (every call) / ``debug`` (+ input checksums every forward) / ``off``; ``once``/``always`` deprecated |
-| ``CP_OPS_TIMEOUT_S``       | ``timeout_s``     | bound on every collective and device-side wait, seconds (300)          |
-| ``CP_OPS_WAIT_WARN_S``     | ``wait_warn_s``   | a wait on peers past this many seconds logs a warning naming them, again at 3x, 6x, 12x, ... (10) |
-| ``CP_OPS_FAST_POOL_GB``    | ``fast_pool_gb``  | fast transport: ceiling of the symmetric pool per GPU, GiB (8)          |
-| ``CP_OPS_FAST_HEAP``       | ``fast_heap``     | fast transport symmetric memory: ``nvshmem`` or ``ipc`` (nvshmem)       |
-| ``CP_OPS_FAST_PATH``       | ``fast_path``     | fast transport copy path: ``auto`` (measured), ``ce``, ``sm`` (auto)    |
-| ``CP_OPS_FAST_LANE_WIDTH`` | ``fast_lane_width`` | the one CP-group width per process that uses the fast lane (first used) |
-| ``CP_OPS_FAST_TUNE``       | ``fast_tune``     | measure the fast fan-out per shape (1); 0: a fixed default             |
-| ``CP_OPS_EXT_DIR``         | ``ext_dir``       | where the fast transport's CUDA extension is built (a per-source cache) |
-| ``CP_OPS_TUNE_MODES``      | ``tune_modes``    | ``mode='auto'``/``chunks=None``: the heuristic (0, reproducible); 1: measured |
-| ``CP_OPS_TUNE_CACHE``      | ``tune_cache``    | file of measured choices (``$XDG_CACHE_HOME/cp_ops/choices.json``); ``off``: none |
-| ``CP_OPS_EMULATE_COMM``    | ``emulate_comm``  | a group of ONE rank round-trips what W > 1 ranks would send through the ``comm_dtype`` codec (accuracy on one device, docs/fp8.md) (0) |
-| ``CP_OPS_NETWORK_GBPS``    | ``network_gbps``  | inter-node GB/s per GPU that ``mode='auto'``'s split across nodes assumes (50: 400 Gb/s) |
-| ``CP_OPS_NODE_ID``         | ``node_id``       | this rank's node identity (default: the host name); ranks with equal ids share a node (:mod:`cp_ops.node`); set per rank, e.g. to simulate 2 nodes on one machine |
+Each variable, its field, meaning and default: ``docs/settings.md`` (and :data:`_FIELDS` below).
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
 group; :func:`cp_ops.contract.check_settings_agree` compares them once per group and raises on a mismatch.

@@ -23,16 +23,11 @@ measured ``attn_ms`` per rank's share, e.g. the zero-communication bound's rank-
 AGKV bytes) + one step's latency``. Speedup = one-GPU attention (``W ×`` the per-rank attention) ÷ the layout's time:
 the attention step only (the rest of a DiT layer, GEMMs and norms, scales ~1/W with no communication).
 
-**Numbers and their sources** (:class:`Links`, all overridable):
-
-* NVLink 345 GB/s per rank: the P2P write ceiling measured on H200 (copy engine, 16K–32K tokens, both ranks writing at
-  once: 345–348 GB/s; ``shared/anchors.md`` and ``benchmarks/results``); NCCL's all-gather reached 219–260 GB/s there.
-* network 50 GB/s per rank: an *assumed* figure, one 400 Gb/s NIC per GPU (8×400 Gb/s per 8-GPU node: InfiniBand
-  NDR / RoCE as on H100/H200 clusters), line rate; not measured here (this project has no multi-node machine).
-* latency 0.02 ms per collective inside a node, 0.03 ms across nodes: assumed (NCCL launch + sync; sglang measured
-  ~0.34 ms per NCCL all-to-all at small sizes, so small shapes may be worse than predicted).
-* attention 550 TFLOP/s (bf16, cuDNN, H200): the low end of the 550–690 TFLOP/s measured (211.8 ms at 75.6K tokens,
-  40 heads, D 128 is 553 TFLOP/s).
+**Numbers and their sources** (:class:`Links`, all overridable; ``docs/2d.md`` has the table): NVLink 345 GB/s per
+rank, the P2P write ceiling measured with both ranks writing (``benchmarks/results/transfer/``); the network 50 GB/s
+per rank, *assumed* (one 400 Gb/s NIC per GPU, line rate; ``CP_OPS_NETWORK_GBPS``); latency 0.02 ms per collective
+inside a node, 0.03 ms across, assumed; attention 550 TFLOP/s (bf16, cuDNN), the low end of the 550–690 TFLOP/s
+measured (211.8 ms at 75.6K tokens, 40 heads, D 128: the one-GPU anchors, ``shared/anchors.md``).
 """
 
 from __future__ import annotations
@@ -46,11 +41,11 @@ DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "fl
 class Links:
     """Link and compute figures (see the module docstring for their sources)."""
 
-    nvlink_gbps: float = 345.0  #: GB/s per rank inside a node (measured, H200)
+    nvlink_gbps: float = 345.0  #: GB/s per rank inside a node (measured: benchmarks/results/transfer/)
     network_gbps: float = 50.0  #: GB/s per rank across nodes (assumed: 400 Gb/s per GPU)
     nvlink_latency_ms: float = 0.02  #: per collective inside a node (assumed)
     network_latency_ms: float = 0.03  #: per collective spanning nodes (assumed)
-    attn_tflops: float = 550.0  #: attention throughput per GPU, TFLOP/s (measured low end, H200 bf16 cuDNN)
+    attn_tflops: float = 550.0  #: attention throughput per GPU, TFLOP/s (measured low end, bf16 cuDNN)
 
 
 def links() -> Links:
@@ -171,7 +166,7 @@ def choose(tokens: int, heads: int, head_dim: int, *, ranks_per_node: int, nodes
 
 
 def table(preds: list[Prediction], links: "Links | None" = None) -> str:
-    """A markdown table of predictions, titled with the link figures they assume (:class:`Links` defaults: H200
+    """A markdown table of predictions, titled with the link figures they assume (:class:`Links` defaults:
     NVLink measured, the network assumed); ring is listed for comparison only (cp_ops does not run it)."""
     links = links or Links()
     rows = [f"predicted for H200 links (NVLink {links.nvlink_gbps:g} GB/s per rank measured; network "

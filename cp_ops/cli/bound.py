@@ -1,42 +1,12 @@
 """``cp-ops bound MODEL --worlds W[,W...]``: the zero-communication bound of a DiT on ONE device.
 
 The model is parallelized by :func:`cp_ops.integrations.diffusers.parallelize` over a *fake* process group of W
-ranks (``torch.testing._internal.distributed.fake_pg``: this process is rank 0 of W, collectives move nothing), so
-one forward does exactly rank 0's work — its ``S / W`` tokens (uneven: ``ceil(S / W)``, the most any rank holds), its
-queries against all S keys, the replicated text/timestep work — plus cp_ops' host path, without any transfer.
-
-    bound(W) = t(one device) / t(rank 0 of W)
-
-No CP implementation of the same model can beat it (its limits: ``docs/measuring.md``). The fake collectives write
-their outputs with this rank's own data (:mod:`cp_ops.cli.bound_fill`; torch 2.11's fake backend leaves them
-unwritten, and kernels on stale zeros run faster than on real data): those copies are recorded on each side's first
-call, timed alone (``fill_ms``: their device time, replayed in one CUDA graph on CUDA) and taken out of rank 0's
-time (``rank0_ms``; measured: ``rank0_raw_ms``).
-``--unwritten`` leaves them as torch does. ``t(one device)`` is the
-faster of two single-device sides, and each row says which: ``diffusers`` (the unmodified model, attention backend
-cuDNN on CUDA) and ``group of 1`` (the model parallelized over a fake group of one rank: cp_ops' path, no split).
-
-Sides, one shared set of weights (each side is a copy of the module tree whose parameters and buffers are the
-original's, so a side costs no weight memory): ``diffusers``, ``group of 1``, ``cp_ops W`` for each W and, with
-``--cost``, ``plain W``: the ``cp_ops W`` model with every cp_ops attention call replaced by plain local attention
-of the same shapes (:class:`PlainAttention`), so ``rank0_ms - plain_ms`` is cp_ops' own cost inside the bound
-(host path, padding and mask handling, the collectives' launch and wait; the split/gather hooks stay in both). The
-cost compares the two measured times, each with its stand-in for the transfers' writes (cp: the fake collectives'
-copies; plain: its repeats, of the same sizes).
-
-Compile modes (``--compile-modes``): ``eager``, ``regional`` (each repeated block compiled, as ``cp-ops run
---compile``), ``full`` (the whole forward, fullgraph), each optionally ``+graphs`` (CUDA graphs: under compile
-``mode='reduce-overhead'``, in eager an explicit capture of the forward) or, compiled, ``+capture`` (compiled without
-reduce-overhead, then the whole forward captured in one CUDA graph: :class:`cp_ops.timing.Graphed`, the mechanism of
-``eager+graphs``; rows say ``cuda_graphs: "forward"``). In each mode every side is compiled the
-same way, its first call timed (compile included), then all sides are timed in ``--repeats`` interleaved rounds
-(each round one sample of every side; a sample = the median of ``n`` waited-for forwards, ``n`` so that a sample
-lasts ~0.2 s), so drift hits every side alike. A mode that fails (e.g. a compile error) becomes a row with its
-reason; the other modes still run.
-
-Result rows (``--out``): one per compile mode x W, keys ``model, config, layers, tokens, compile, cuda_graphs,
-world_size, one_gpu_ms, rank0_ms, bound_speedup, cp_ops_cost_ms``  and more
-(``one_gpu_from``, ``diffusers_ms``, ``group1_ms``, ``plain_ms``, ``cp_ops_cost_pct``, ``mode``, ...).
+ranks (this process is rank 0 of W, collectives move nothing), so one forward does exactly rank 0's work plus cp_ops'
+host path, without any transfer: ``bound(W) = t(one device) / t(rank 0 of W)``. The sides (``diffusers``, ``group of
+1``, ``cp_ops W``, ``plain W`` with ``--cost``), the fake collectives' writes (:mod:`cp_ops.cli.bound_fill`,
+``fill_ms``, ``--unwritten``), the compile modes, the interleaved rounds and the result rows: ``docs/measuring.md``.
+This module is the command: its arguments, the sides per compile mode (:mod:`cp_ops.cli.bound_sides`), the worker
+processes (:mod:`cp_ops.cli.bound_procs`) and the report (:mod:`cp_ops.cli.bound_report`).
 """
 
 from __future__ import annotations

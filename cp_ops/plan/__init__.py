@@ -1,16 +1,6 @@
 """The one home of a call's decision: :func:`run` takes a :class:`~cp_ops.plan.call.Call` (the arguments normalized
-once at the API) to the body that runs it; :func:`describe` says what it runs and why.
-
-The data path (``docs/architecture.md``): public API (:mod:`cp_ops.api`) → **plan** (here) → mode body
-(:mod:`cp_ops.modes`) → comm (:mod:`cp_ops.comm`) → op (:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`)
-→ kernel (:mod:`cp_ops.kernels`, ``csrc/``).
-
-* :mod:`.call` — the :class:`Call` and its key;
-* :mod:`.rules` — the rules (mode, FP8's mode rule, stages), each returning its reason;
-* :mod:`.split` — ``mode='auto'`` on a flat group across nodes: the cost model's split (its reason: the predicted ms);
-* :mod:`.measured` — the opt-in measured choice (``CP_OPS_TUNE_MODES=1``) and the choices stored;
-* :mod:`.flat`, :mod:`.mesh2d` — the checks, the decision (recording the rules' reasons) and the plan object of a
-  call on a flat group and on a 2-D mesh; the traced path of each.
+once at the API) to the body that runs it; :func:`describe` says what it runs and why. Its modules and the data path:
+``docs/architecture.md``.
 
 **One cache.** Eager calls (not traced, plain tensors, no torch dispatch mode) look their plan up by
 :meth:`Call.key` in one dict, 1-D and 2-D alike; the first call with a key builds it (checks on every rank, the

@@ -1,30 +1,17 @@
 """The plan of a call on a flat CP group (a ``ProcessGroup`` or a 1-D mesh): its checks and decisions, and the body
 run with one comm.
 
-**Decisions** (:func:`decide`, the same on both paths): the input rules (:mod:`cp_ops.validate`, :mod:`cp_ops.layout`;
-a rank whose rules fail tells its peers before raising, so every rank raises), the concrete mode
-(:func:`cp_ops.plan.rules.fp8_mode`, :func:`cp_ops.plan.rules.mode_rule`), the transport
-(:func:`cp_ops.transport.base.resolve`), the stage count (:func:`cp_ops.plan.rules.chunks_rule`, or the opt-in measured
-choice :func:`cp_ops.plan.measured.decide`), the body, the layout (:class:`cp_ops.layout.Shards` for
-``seq_lens``/``key_mask``) and the variant tag the rank contract compares (:func:`cp_ops.contract.variant_tag`: mode,
-chunks, shards, mask, the caller's ``tag``, the FP8 formats :func:`cp_ops.comm_dtype.for_mode` gives, which the comm's
-codec encodes and decodes; the softmax ``scale``: :func:`cp_ops.contract.scale_field`). Each rule's reason is recorded
-in :attr:`Decision.why` as it fires.
+**Decisions** (:func:`decide`, the same on both paths): the input rules (a rank whose rules fail tells its peers
+before raising, so every rank raises), the concrete mode, the transport, the stage count (the rules of
+:mod:`cp_ops.plan.rules`, or the opt-in measured choice :func:`cp_ops.plan.measured.decide`), the body, the layout
+(:class:`cp_ops.layout.Shards`) and the variant tag the rank contract compares (:func:`cp_ops.contract.variant_tag`).
+Each rule's reason is recorded in :attr:`Decision.why` as it fires.
 
-**Two paths, one body:**
-
-* *traced* (``torch.compile``, or a call the eager path does not cover: a tensor subclass or FakeTensor, a torch
-  dispatch mode such as make_fx or a flop counter, an empty tensor): :func:`traced` runs the body with
-  :class:`~cp_ops.comm.OpComm` (the ``torch.library`` launches and ``wait_tensor``), decided per call (Dynamo traces it
-  once).
-* *eager*: a :class:`Plan` cached by :mod:`cp_ops.plan` under the call's key (:meth:`cp_ops.plan.call.Call.key`) holds
-  the decisions of the first call with that key and a :class:`~cp_ops.comm.DirectComm`; a repeat call is a dict
-  lookup and the body: the transport called directly, no dispatcher.
-
-Both make one rank-contract exchange per call, at the call's first launch, with the same signature, so ranks that
-run a layer eager and compiled still agree. If the body raises between a launch and its wait (CUDA OOM in the
-attention), the comm waits for what it launched (:meth:`~cp_ops.comm.DirectComm.drain`) before the error propagates:
-the transport and the group stay usable and the peers' collectives of this call complete.
+**Two paths, one body** (``docs/architecture.md``): *traced* (``torch.compile``, a tensor subclass or FakeTensor, a
+torch dispatch mode, an empty tensor): :func:`traced` runs the body with :class:`~cp_ops.comm.OpComm`, decided per
+call; *eager*: a :class:`Plan` cached by :mod:`cp_ops.plan` under the call's key holds the first call's decisions and
+a :class:`~cp_ops.comm.DirectComm`. Both make one rank-contract exchange per call with the same signature, and drain
+the comm when the body raises between a launch and its wait.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """The plan of a :func:`cp_ops.attention` call on a 2-D CP mesh (:mod:`cp_ops.mesh`): checks, decisions, one 2-D
 mode body run with a :class:`~cp_ops.comm.MeshComm`. The flat plan (:mod:`cp_ops.plan.flat`) is its model; this
-module adds what a second group changes and reuses the rest.
-
-**Decisions.** ``mode``: 'auto' or a 2-D mode (``cp_ops.modes.names(dims=2)``: 'agkv_ulysses'); a 1-D mode name on a
-2-D mesh raises ValueError. Degenerate meshes run the 1-D modes on the one non-trivial dim: ``1×I`` → Ulysses over the
-inner group, ``O×1`` → AGKV over the outer group (the same call, so equal to it bitwise); ``1×1`` → local attention.
-``transport`` applies to the inner (Ulysses) dim; the outer (AGKV) dim uses 'torch' when ``transport='torch'``, else
-'auto' (fast only where the outer group can host it: one node, :mod:`cp_ops.node`). ``chunks``: None → 1; k ≥ 2
-pipelines the outer AGKV (:mod:`cp_ops.modes.agkv_ulysses`); a key mask needs chunks 1 (as 1-D AGKV).
-
-**FP8 communication** (``comm_dtype``, :mod:`cp_ops.comm_dtype`, docs/fp8.md): the inner comm encodes what its
-Ulysses launches move (Q, K, V out, O back: the formats :func:`cp_ops.comm_dtype.for_mode` gives for
-'agkv_ulysses'), the outer comm the K and V it gathers (:func:`cp_ops.comm_dtype.outer`: they must share a format,
-ValueError otherwise); each wait decodes, so the body is the one without FP8. K and V thus cross two links, each
-through the codec (decoded after the inner all-to-all, encoded again for the outer gather): at chunks = 1 every K/V
-row the attention sees is ``round_trip(round_trip(x))``, Q ``round_trip(q)``, the output ``round_trip(o)``. A
-degenerate mesh passes ``comm_dtype`` to its 1-D call.
+module adds what a second group changes and reuses the rest. What a mesh call means for users (modes, degenerate
+meshes, transports per dim, chunks, key masks): ``docs/2d.md``; FP8 on a mesh (K and V through the codec on both
+links, one format for both): ``docs/fp8.md``.
 
 **Rank contract.** Each dim's comm exchanges at its first launch of the call over its own group (inner, then outer),
-with the call's variant tag (mode, chunks, mesh shape, mask, the caller's ``tag``; the inner dim's tag carries the W
-``seq_lens``, the outer's the O row totals). A rank whose inputs fail tells both its groups; a rank whose inner
-exchange raises (a row peer failed) tells its outer group before raising (eager), so every rank of the mesh raises
-instead of waiting. Compiled code checks inputs while tracing; a rank-specific failure at run time inside a compiled
-graph reaches the rank's inner group at once and its outer group by the timeout (``CP_OPS_TIMEOUT_S``).
+with the call's variant tag (the inner dim's tag carries the W ``seq_lens``, the outer's the O row totals). A rank
+whose inputs fail tells both its groups; a rank whose inner exchange raises (a row peer failed) tells its outer group
+before raising (eager; compiled: :func:`cp_ops.contract.set_partner`), so every rank of the mesh raises instead of
+waiting.
 
 **Paths.** Eager calls take a :class:`MeshPlan` from :mod:`cp_ops.plan`'s cache (the mesh in the group's place);
 traced calls (``torch.compile``, dispatch modes) run the body with two :class:`~cp_ops.comm.OpComm`.
@@ -46,7 +32,7 @@ MODE = "agkv_ulysses"
 
 
 class MeshDecision(NamedTuple):
-    """What a 2-D call runs (see the module docstring). ``flat``: for a degenerate mesh, ``(dim name, 1-D mode)`` to
+    """What a 2-D call runs (docs/2d.md). ``flat``: for a degenerate mesh, ``(dim name, 1-D mode)`` to
     run through :mod:`cp_ops.plan.flat` instead (``body`` is then None)."""
 
     info: meshes.MeshInfo

@@ -1,43 +1,19 @@
 """``mode='auto'`` on a flat CP group whose ranks span several nodes: the cost model picks the split.
 
-A flat group (``None``, a ``ProcessGroup``, a 1-D mesh) whose ranks are on more than one node (:mod:`cp_ops.node`:
-host names or ``CP_OPS_NODE_ID``) does not run the 1-D mode rule (:func:`cp_ops.plan.rules.mode_rule`): for each
-call shape :func:`route` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest and the call
-runs it:
-
-* ``W×1`` → pure AGKV over the flat group (mode 'agkv');
-* ``1×W`` → pure Ulysses over the flat group (mode 'ulysses'; W divides the heads);
-* ``O×I`` otherwise → 2-D CP (mode 'agkv_ulysses', :mod:`cp_ops.plan.mesh2d`) on a mesh built from the flat group:
-  row o = group ranks ``o·I .. o·I+I−1`` (the inner, Ulysses dim: one node's ranks, a part of one, or whole
-  nodes), column i = the ranks of equal index in each row (the outer, AGKV dim). Group rank r is mesh rank r, so each
-  rank keeps its token block (``seq_lens`` as given; a ``[B, S_total]`` key mask becomes this rank's slice,
-  :func:`local_mask`). Built once per (group, O, I, device type): two
-  ``dist.new_group(..., use_local_synchronization=True)`` per rank (its row, then its column: only the member ranks
-  meet), bounded by ``CP_OPS_TIMEOUT_S``; destroyed when cp_ops notices the flat group destroyed.
-
-**Inputs of the choice** (the same on every rank for the same call): the group's node layout (agreed once per group,
-:func:`cp_ops.node.group_nodes`), the global token count (``S_local·W``, or ``sum(seq_lens)``), B, H, D, q's dtype
-and whether the call pipelines (``chunks ≥ 2``: the overlapped time). The figures are :func:`cp_ops.cost.links`
-(the network from ``CP_OPS_NETWORK_GBPS``). No timing: deterministic.
+For each call shape :func:`route` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest and
+the call runs it: ``W×1`` pure AGKV, ``1×W`` pure Ulysses (both over the flat group), ``O×I`` 2-D CP
+(:mod:`cp_ops.plan.mesh2d`) on a mesh built from the group (row o = group ranks ``o·I .. o·I+I−1``; group rank r is
+mesh rank r, so each rank keeps its token block; a ``[B, S_total]`` key mask becomes this rank's slice,
+:func:`local_mask`), built once per (group, O, I, device type) and destroyed with the flat group. The inputs, the
+outcomes, when the 1-D rules decide instead, ``torch.compile`` and :func:`cp_ops.describe`: ``docs/2d.md``
+("``mode="auto"`` on a flat group across nodes").
 
 **Every rank meets at the same keys.** Every call's plan on a group of several ranks learns the group's node layout
 (once per group), and on a group across nodes meets the split's agreement (one store exchange, :func:`decide`),
-whatever its mode and ``comm_dtype``: a call that takes no split (a mode named, FP8 on the link) says so in its value.
-Ranks whose values differ (a wrong shape on one, a mode named on one, FP8 on one) all take the 1-D path, whose rank
-contract then raises ValueError on every rank, naming the difference. ``comm_dtype`` reaches here in its normal form,
-so ``q.dtype`` and None take one route. A rank whose call differs from a call its peers have already planned (a later
-call, their plan cached) meets no agreement: that mismatch is raised at ``CP_OPS_TIMEOUT_S`` (naming the ranks that
-did not arrive), not at once.
-
-**Not used** (the 1-D rule decides, as on one node): a group on one node; nodes holding different rank counts or
-ranks not numbered node by node (the split's rows would not be nodes; :attr:`Split.why` says so); ``comm_dtype``
-moving FP8 (the cost model prices the input dtype's bytes); an explicit ``mode``. Under ``torch.compile`` the choice is
-made while tracing (:func:`decide`, a constant of the graph) and a 2-D split runs the traced 2-D path; the choice
-depends on the sizes, so on several nodes a dynamic-shape compile specializes them (one graph per shape; on one node
-they stay dynamic).
-
-:func:`cp_ops.describe` reports the split and the cost model's numbers (:attr:`Split.why`) once the group's node layout
-is known (after its first call); before, it answers as for one node (it makes no collective).
+whatever its mode and ``comm_dtype``: a call that takes no split says so in its value. Ranks whose values differ all
+take the 1-D path, whose rank contract then raises ValueError on every rank, naming the difference. A rank whose call
+differs from a call its peers have already planned (their plan cached) meets no agreement: that mismatch is raised at
+``CP_OPS_TIMEOUT_S`` (naming the ranks that did not arrive), not at once.
 """
 
 from __future__ import annotations
@@ -175,7 +151,7 @@ spans_nodes._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch
 
 def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
     """The 2-D ``('agkv', 'ulysses')`` mesh of ``pg`` split ``outer × inner`` (group rank r = mesh rank r; built once,
-    see the module docstring; its two groups destroyed with ``pg``)."""
+    its two groups destroyed with ``pg``)."""
     key = (pg.group_name, outer, inner, device_type)
     got = _meshes.get(key)
     if got is not None:
