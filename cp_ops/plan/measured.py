@@ -1,87 +1,32 @@
 """The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`):
 the candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the
-ranks' agreement on what the file holds).
+ranks' agreement on what the file holds). For users: ``docs/measuring.md`` ("Choosing the variant"),
+``docs/settings.md`` (``CP_OPS_TUNE_MODES``, ``CP_OPS_TUNE_CACHE``).
 
-An explicit mode *and* an explicit chunk count are the caller's (:func:`choose` returns them, source 'explicit').
-Otherwise the candidates are every variant the request leaves open (:func:`candidates`: modes 'agkv' and 'ulysses' —
-Ulysses only where W divides H — for ``mode='auto'``, else the named mode; chunk counts :data:`CHUNKS` = 1, 2, 4 for
-``chunks=None``, else the given count; variants that run the same schedule are listed once), and:
+:func:`choose` decides short of timing: an explicit mode and chunk count as given ('explicit'); the heuristic
+(:func:`heuristic`: the rules, no timing, so the same inputs give the same variant whatever the machine's load) where
+measuring is off (the default), for a group of one rank or of the 'fake' backend, in traced code (Dynamo cannot pass
+symbolic sizes to a measurement: pass the ``mode``/``chunks`` :func:`cp_ops.describe` reports to compile a measured
+variant) and inside CUDA-graph capture; the one candidate left ('single'); else an :class:`Open` request, which
+:func:`decide` (what the plan calls) takes from memory, from the file every rank holds alike, or has
+:func:`measured` time with the plan's runner (:func:`measure`):
 
-* unmeasured (measuring off — ``CP_OPS_TUNE_MODES=0``, the default —, a group of one rank or of the 'fake' backend,
-  code traced by ``torch.compile``, a call inside CUDA-graph capture): the heuristic (:func:`heuristic`) —
-  :func:`cp_ops.plan.rules.mode_rule` for the mode (AGKV at W = 2; from W = 3 Ulysses when W divides H, else AGKV) and
-  :func:`cp_ops.plan.rules.chunks_rule` for the stages (a table keyed by mode and the transport the call runs
-  on, 'auto' resolved for the group: AGKV on the fast transport 2, else 1; see its docstring for the measurements
-  behind it). No timing: the same inputs give the same variant, hence the same outputs, from run to run, whatever
-  the load on the machine (as ``torch.backends.cudnn.benchmark = False``). Measured choices differ with load
-  (pipelined or not: ~5e-3 relative in bf16), so measuring is opt-in. Measuring at trace time was tried through
-  :func:`torch.compiler.assume_constant_result`; Dynamo cannot pass it symbolic sizes (automatic dynamic shapes after
-  a recompile) and fails the trace, so a traced call takes the heuristic; pass ``mode=``/``chunks=`` explicitly
-  (e.g. what :func:`cp_ops.describe` reports after an eager call) to compile the measured variant.
-* one candidate left (e.g. ``mode='agkv', chunks=None`` at W = 2 on a shape whose stage plans coincide): that one
-  (source 'single').
-* measuring on (``CP_OPS_TUNE_MODES=1``, or ``cp_ops.config.configure(tune_modes=True)`` on every rank), several
-  candidates: :func:`choose` returns them (an :class:`Open` request); the caller takes a choice it stored (the cache
-  every rank holds alike) or has :func:`measured` time them with its ``runner`` (:func:`measure`): every rank runs
-  every candidate, through ``runner(mode, chunks)`` (:data:`Runner`; the plan's runs :func:`cp_ops.attention`
-  on synthetic random tensors of the call's shape and dtype, :func:`cp_ops.plan.flat.runner`):
+1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
+2. interleaved rounds (A B C A B C ...), so drift hits every candidate alike; a sample is n back-to-back calls
+   lasting about :data:`SAMPLE_MS` (1 ≤ n ≤ :data:`MAX_CALLS`); rounds within :data:`BUDGET_MS`, between
+   :data:`MIN_ROUNDS` and :data:`ROUNDS`;
+3. each candidate's time: the median of its samples, max over the ranks (the same vector on every rank);
+4. :func:`pick`: among the candidates within :data:`MARGIN` of the fastest, the heuristic's if it is one, else the
+   simplest (fewer chunks, then the heuristic's mode). Why a margin and the heuristic first: a pick by the bare
+   minimum chose AGKV chunks=2 at 0.615 ms over chunks=1 at 0.469 ms in the bench, and at 32K fast AGKV the tuner saw
+   chunks 1 and 2 within 0.2 % (``benchmarks/results/cp2_attention/``).
 
-  1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
-  2. rounds of samples, interleaved: each round times every candidate once, in candidate order (A B C A B C
-     ...), so drift over the measurement (clocks, temperature, first-use effects, other work on the machine)
-     hits every candidate alike instead of whichever ran first. A sample is n back-to-back calls between two
-     CUDA events (``time.perf_counter`` on CPU) divided by n, n chosen so it lasts about :data:`SAMPLE_MS`
-     (1 ≤ n ≤ :data:`MAX_CALLS`). Rounds: as many as fit in :data:`BUDGET_MS`, at least :data:`MIN_ROUNDS`,
-     at most :data:`ROUNDS`;
-  3. each candidate's time is the median of its samples, max-reduced over the group (the slowest rank's time
-     is the call's), so every rank holds the same vector;
-  4. :func:`pick` with the margin rule: among the candidates whose time is within :data:`MARGIN` (3 %) of the
-     fastest, the heuristic's candidate (:func:`heuristic_candidate`: the (mode, chunks) measuring-off would
-     run) if it is one of them; else the simplest of them (fewer chunks; at equal chunks, the heuristic's mode;
-     then candidate order). A candidate other than the heuristic's is chosen only if it is faster by more than
-     the margin. A deterministic function of the shared vector and the call, so every rank picks the same
-     candidate. Why a margin: on 2x H200 (S=4096, torch transport) a pick by the bare minimum of 3 samples chose
-     agkv chunks=2 (0.615 ms in the bench) over chunks=1 (0.469 ms). Why the heuristic's candidate first: within
-     the run-to-run spread the tie goes to what the bench measured faster across the S range; at 32K (fast
-     AGKV) the tuner measured chunks 1 and 2 within 0.2 % (18.68 vs 18.65 ms) and, preferring the simplest, kept
-     chunks=1, while the explicit chunks=2 row ran 4 % faster in the same run (see
-     :func:`cp_ops.plan.rules.chunks_rule`).
-
-  First-call cost per decision (c candidates, t = one call's time): about c·(WARMUP + 1)·t of warm-up and
-  sizing plus the timed rounds, ≤ max(:data:`BUDGET_MS`, :data:`MIN_ROUNDS`·c·(SAMPLE_MS + t)). At 2 GPUs,
-  S_local=2048, H=40, D=128 (6 candidates, t ≈ 0.5 ms): 20 calls a sample, 7 rounds of 60 ms, about 0.42 s
-  timed; for a call of 30 ms, 3 rounds, about 0.55 s timed plus 0.55 s of warm-up and sizing.
-
-**Stored choices.** :func:`decide` is what the plan calls:
-
-* an explicit mode and chunk count: returned as given (nothing stored);
-* code traced by ``torch.compile``, or a first call inside CUDA-graph capture: the heuristic, not stored (a capture's
-  request is decided again — measured where asked for — by its first call outside capture);
-* else the choice stored in memory for the request — (CP group, request, ``q``'s shape, dtype, device, transport,
-  the measuring setting) — a dict lookup (about 1 µs); on a miss :func:`cp_ops.plan.measured.choose`, and where it
-  leaves the request open (measuring on, several candidates) the file below, then measuring.
-
-Measuring off (``CP_OPS_TUNE_MODES=0``, the default): the heuristic, kept in memory only; no file is read or
-written. The same inputs give the same variant in every process.
-
-The file (measuring on only): the measured choices, with their times, in the JSON file ``settings.tune_cache``
-(``CP_OPS_TUNE_CACHE``; default ``$XDG_CACHE_HOME/cp_ops/choices.json``, ``~/.cache/...`` without it; ``off``: no
-file), keyed by the machine (GPU model and driver version, or the CPU), the torch and cp_ops versions, the call, the
-margin and the heuristic's candidate (:func:`disk_key`), so a later process with the same file makes the same choice
-without timing (deterministic once cached). A file of another format than :data:`FORMAT` (the pick it was
-measured for differs) is ignored, its requests measured again and the file rewritten in this format.
-
-Agreement (collective, first use of a request per process): a rank cannot trust its own file alone (a rank with a
-stale or missing file would skip measuring while its peers measure, and the collectives would mismatch). Before its
-first collective a measuring rank compares the collective settings over the group
-(:func:`cp_ops.contract.check_settings_agree`; ``tune_modes`` is one of :data:`cp_ops.config.COLLECTIVE_FIELDS`): a
-peer with measuring off meets that exchange with its op's own, and both raise ValueError naming the setting instead
-of hanging. Then the ranks exchange which cached candidate each holds (one all-reduce over the group) and use it only
-when every rank holds the same one (source 'cached'); otherwise all measure and every rank rewrites its entry. A file
-that does not parse (bad JSON, nesting too deep for the parser: ``RecursionError``) or whose entries have wrong types
-(:func:`_valid_entry`) is ignored, in whole or those entries, with a warning naming the file, on the rank holding it:
-that rank then holds no cached candidate, so every rank measures alike (no rank raises while its peers wait). An
-unwritable file is reported once (a warning); neither stops the call.
+The file (measuring on only): ``settings.tune_cache``, keyed by the machine, the torch and cp_ops versions, the call,
+the margin and the heuristic's candidate (:func:`disk_key`); a file of another :data:`FORMAT` is ignored and
+rewritten. Before its first collective a measuring rank compares the collective settings over the group
+(``tune_modes`` is one of them), so a peer with measuring off raises instead of hanging; then the ranks use a cached
+candidate only when every rank holds the same one. A file that does not parse or holds entries of wrong types is
+ignored (a warning naming it), so that rank measures with its peers.
 """
 
 from __future__ import annotations
@@ -160,7 +105,7 @@ Runner = Callable[[str, int], Callable[[], object]]
 
 def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGroup, device, transport: str,
            measuring: bool, mode_why: str = "") -> Choice | Open:
-    """The decision for a request on W ranks, short of timing (see the module docstring).
+    """The decision for a request on W ranks, short of timing (the module docstring says which).
 
     Args:
         mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``cp_ops.plan.rules.mode_rule(mode, H,
@@ -177,19 +122,17 @@ def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGr
     """
     if mode != "auto" and chunks is not None:
         return Choice(chosen, chunks, "explicit", {}, why="mode and chunks given by the caller")
-    w = pg.size()
-    if torch.compiler.is_compiling():
-        return heuristic(chunks, chosen, shape, pg, device, transport, "traced by torch.compile: measuring is eager only", mode_why)
-    if w == 1:
-        return heuristic(chunks, chosen, shape, pg, device, transport, "a group of one rank", mode_why)
     from ..group import backend_name
 
-    if backend_name(pg) == "fake":
-        return heuristic(chunks, chosen, shape, pg, device, transport, "a 'fake' process group (nothing runs)", mode_why)
-    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return heuristic(chunks, chosen, shape, pg, device, transport, "inside CUDA-graph capture", mode_why)
-    if not measuring:
-        return heuristic(chunks, chosen, shape, pg, device, transport, "measuring off (CP_OPS_TUNE_MODES=0, the default)", mode_why)
+    w = pg.size()
+    why = ("traced by torch.compile: measuring is eager only" if torch.compiler.is_compiling()
+           else "a group of one rank" if w == 1
+           else "a 'fake' process group (nothing runs)" if backend_name(pg) == "fake"
+           else "inside CUDA-graph capture" if torch.device(device).type == "cuda"
+           and torch.cuda.is_current_stream_capturing()
+           else "measuring off (CP_OPS_TUNE_MODES=0, the default)" if not measuring else None)
+    if why is not None:
+        return heuristic(chunks, chosen, shape, pg, device, transport, why, mode_why)
     cands = candidates(mode, chunks, shape[2], w)
     if len(cands) == 1:
         return Choice(cands[0][0], cands[0][1], "single", {}, why="the only candidate the request leaves open")
@@ -366,11 +309,8 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
         RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S`` (first use only).
     """
     shape = tuple(q.shape)
-    if mode != "auto" and chunks is not None:
-        return choose(mode, chunks, chosen, shape, group, q.device, transport, False)
-    if torch.compiler.is_compiling():  # traced: the heuristic, nothing stored
-        return heuristic(chunks, chosen, shape, group, q.device, transport,
-                         "traced by torch.compile: measuring is eager only", mode_why)
+    if mode != "auto" and chunks is not None or torch.compiler.is_compiling():  # explicit, or the heuristic: not stored
+        return choose(mode, chunks, chosen, shape, group, q.device, transport, False, mode_why)
     key = (group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm)
     hit = _memo.get(key)
     if hit is not None:  # the stored choice: one dict lookup
