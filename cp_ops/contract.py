@@ -1,63 +1,19 @@
 """The cross-rank call contract: every rank of a CP group makes the same cp_ops calls, in the same order, with the
-same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`), variant
-(mode, chunks, key mask, ``seq_lens``, ``comm_dtype``, the softmax ``scale``: :func:`variant_tag`) and caller tag — else
-an error on every rank, naming what each rank called, before any data moves.
+same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) and
+variant (:func:`variant_tag`, the caller's ``tag=`` included) — else an error on every rank, naming what each rank
+called, before any data moves. What is promised under each fault, every wait on peers and its bound: ``docs/faults.md``;
+``settings.check_ranks``: ``docs/settings.md``.
 
-A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so every op
-call makes one exchange that all ranks always make (:func:`exchange`): a fixed-size int64 signature all-gathered
-through host shared memory when the group's ranks share one host (:mod:`cp_ops._shm_exchange`, 5 µs per call at
-W=2 measured on the 2-core CI machine), else over a host-only gloo side group of the CP group (~0.4-0.6 ms per
-call) — no GPU work, no GPU sync, the host may run ahead of the GPU. Any difference, or any rank whose own input
-checks failed (:mod:`cp_ops.validate`: :func:`api_checked`, :func:`op_checked`), raises on every rank; a second
-exchange (only then) carries each rank's description so the message names what each rank called.
+A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so every call
+makes one exchange that all ranks always make (:func:`exchange`, :class:`CallCheck`): a fixed-size int64 signature
+all-gathered through host shared memory when the group's ranks share one host (:mod:`cp_ops._shm_exchange`), else
+over a host-only gloo side group. Any difference, or a rank whose own input checks failed (:func:`api_checked`,
+:func:`op_checked`), raises on every rank; a second exchange (only then) carries each rank's description so the
+message names what each rank called. Words that stand for text are 64-bit BLAKE2b digests (:func:`_digest`).
 
-Words that stand for text (the call's name, the transport, the settings, the variant, the caller tag) are 64-bit
-BLAKE2b digests (:func:`_digest`): two different values pass as equal with probability 2**-64 per compared pair.
-
-``settings.check_ranks``:
-
-* default (``'on'``): every call exchanges (call, call number, shape, dtype, transport, settings, variant, caller
-  tag); ``cp_ops.integrations.diffusers.parallelize`` checksums its full inputs once per input shape;
-* ``'debug'``: as the default, and ``parallelize`` checksums its inputs on every forward (a GPU sync each);
-* ``'off'``: only the first call on each group exchanges (so ranks with different settings still meet once).
-
-Eager :func:`cp_ops.attention` makes **one** exchange per call (:mod:`cp_ops.plan`: a :class:`CallCheck` whose
-signature is packed once per call key); compiled code makes one per call too, at its first launch.
-
-**Caller tag.** Two layers of one shape make identical signatures, so a rank that skips one layer's attention would
-pair its next call with its peers' call of the skipped layer. Inside :class:`caller_tag` (and with
-``cp_ops.attention(..., tag=...)``, part of the variant; ``parallelize`` tags each attention module by its path,
-e.g. ``'blocks.3.attn1'``) every exchange carries the tag, so the first mispaired call raises on every rank. A tag is
-any value whose ``repr`` is the same on every rank (an int, a str, a tuple of them).
-
-**Waits** (:mod:`cp_ops._waits`): every wait on peers — the first-call rendezvous and the shared-memory setup
-(store gathers, :mod:`cp_ops._peers`), each call's exchange (shared memory or gloo), the group's agreements
-(:func:`agree`) — logs a warning past ``settings.wait_warn_s`` naming the ranks not there and the call (its public
-name and number: ``cp_ops.attention call #3``, or what :class:`waiting_in` names), and raises at
-``settings.timeout_s`` in the same words everywhere. Same-host peers' liveness is polled every 0.25 s in each of
-them.
-
-**Setting up a group** (its first exchange): the ranks meet through the default store (each publishes host, pid and
-process start time), then make the gloo side group and, on one host, the shared-memory exchange. Faults, each
-bounded:
-
-* a peer that never arrives: RuntimeError after ``settings.timeout_s`` naming the missing ranks; calling again waits
-  for them again at the same store keys, so a late peer and a retrying rank meet;
-* a peer on this host that has exited (its process gone, also while waiting in any later exchange): RuntimeError
-  within about a quarter second, naming its rank and pid; the group is then unusable for cp_ops (every later call
-  raises at once);
-* ``/dev/shm`` full (or not shared): a warning naming it, and the gloo side group carries the exchange;
-* a peer dying while mapping the shared-memory file: the error names it; the file is removed.
-
-The gloo side group's creation starts only after every rank arrived (bounded by ``settings.timeout_s``); the
-description gather of a disagreement runs over it (gloo's timeout, ``settings.timeout_s``).
-
-**Groups end**: what cp_ops made for a group (side group, shared-memory map) is released when a group that was
-destroyed (``dist.destroy_process_group(group)``) is noticed — at the first exchange on any new group — and at exit.
-
-CUDA graphs: the exchange is host code, so it runs when a graph is *captured* (``torch.cuda.graph``, or the
-recording run of ``torch.compile(mode="reduce-overhead")``), never when it is replayed: a replay is not checked,
-and the ranks must replay the same graphs in the same order (as they must make the same calls).
+A group's first exchange meets the peers through the default store (:mod:`cp_ops._peers`), then makes the side group
+and the shared-memory map; what cp_ops made for a group is released when a destroyed group is noticed (at the first
+exchange on a new group) and at exit. The exchange is host code: under CUDA graphs it runs at capture, not at replay.
 """
 
 from __future__ import annotations
@@ -91,14 +47,13 @@ log = logging.getLogger("cp_ops")
 OPS: dict[str, int] = {}
 # signature fields (int64 each): what they are called in messages
 _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
-           "checksum0", "checksum1", "checksum2", "chunks", "tag", "caller")
+           "checksum0", "checksum1", "checksum2", "chunks", "tag")
 _N = len(_FIELDS)
 _PACK = struct.Struct(f"<{_N}q")
 _ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
            8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
            15: "chunks",
-           16: "variant",  # tag: the call's variant (mode, chunks, key mask, seq_lens, the caller's tag=), named by its note
-           17: "caller tag"}
+           16: "variant"}  # tag: the call's variant (mode, chunks, key mask, seq_lens, the caller's tag=), named by its note
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
@@ -129,13 +84,6 @@ def register_op(name: str, extra_label: str = "tensors") -> int:
     return OPS[name]
 
 
-# ---- the caller tag ------------------------------------------------------------------------------
-class _Caller(threading.local):
-    id = 0  # the tag's signature word (0: no tag)
-    tag = None  # the tag itself, for messages
-
-
-_caller = _Caller()
 _tag_ids: dict = {}
 
 
@@ -151,25 +99,6 @@ def tag_id(tag) -> int:
             _tag_ids.clear()
         v = _tag_ids[tag] = _digest(repr(tag))
     return v
-
-
-class caller_tag:
-    """``with caller_tag(tag):`` every rank-contract exchange this thread makes inside carries ``tag`` (see the module
-    docstring); ranks whose calls carry different tags raise on every rank. ``None``: no tag. Nests."""
-
-    __slots__ = ("tag", "id", "prev")
-
-    def __init__(self, tag):
-        self.tag, self.id = tag, (0 if tag is None else tag_id(tag))
-
-    def __enter__(self):
-        c = _caller
-        self.prev = (c.id, c.tag)
-        c.id, c.tag = self.id, self.tag
-        return self
-
-    def __exit__(self, *exc):
-        _caller.id, _caller.tag = self.prev
 
 
 # ---- per-group state -----------------------------------------------------------------------------
@@ -202,9 +131,8 @@ _groups: dict[str, _Group] = {}
 
 
 def _release_all() -> None:
-    """At interpreter exit, drop the gloo side groups and shared-memory maps while the interpreter is whole: a
-    gloo group left to die in the final teardown can abort the process ("terminate called without an active
-    exception") after its store is gone."""
+    """At exit, drop the side groups and shared-memory maps while the interpreter is whole (a gloo group left to the
+    final teardown can abort the process after its store is gone)."""
     for st in _groups.values():
         st.release()
     _groups.clear()
@@ -227,17 +155,14 @@ _on_destroyed: list[Callable[[dist.ProcessGroup], None]] = []
 
 
 def on_group_destroyed(fn: Callable[[dist.ProcessGroup], None]) -> None:
-    """Call ``fn(group)`` when cp_ops notices that ``group`` was destroyed (at the first exchange on a new group):
-    a per-group cache (plans, transports' state) drops what it holds for the group, so the group's own resources
-    (gloo threads and sockets) are freed as they are for code that never used cp_ops."""
+    """Call ``fn(group)`` when cp_ops notices that ``group`` was destroyed (at the first exchange on a new group), so
+    a per-group cache drops what it holds for it."""
     _on_destroyed.append(fn)
 
 
 def drop_destroyed(cache: dict, at: int) -> None:
-    """Delete the entries of ``cache`` (a dict keyed by tuples that hold a process group object at index ``at``)
-    whose group torch no longer knows (destroyed): what a per-group cache keyed by the group object (not its name,
-    which torch reuses after ``destroy_process_group()``) registers with :func:`on_group_destroyed`, so a destroyed
-    group's entries (and the group object they hold) go. Nothing where this torch does not say which groups live."""
+    """Delete the entries of ``cache`` (keyed by tuples holding a process group object at index ``at``: torch reuses
+    a destroyed group's name) whose group torch no longer knows; nothing where this torch does not say."""
     live = _live_groups()
     if live is None:
         return
@@ -275,9 +200,8 @@ def call_count(group: dist.ProcessGroup) -> int:
 
 
 def announce(group: dist.ProcessGroup) -> None:
-    """Publish this rank's process identity for ``group`` now (one store write, no wait), so that a peer waiting for
-    this rank later can tell that it exited (:mod:`cp_ops._peers`). :func:`cp_ops.integrations.diffusers.parallelize`
-    calls it; a rank's first exchange on a group does it anyway."""
+    """Publish this rank's process identity for ``group`` now (one store write), so that a peer waiting for it later
+    can tell that it exited (:mod:`cp_ops._peers`); a rank's first exchange on a group does it anyway."""
     st = _state(group)
     if st.skip:
         return
@@ -288,10 +212,9 @@ def announce(group: dist.ProcessGroup) -> None:
 
 def agree(group: dist.ProcessGroup, key: str, value: str, what: str) -> list[str]:
     """Every rank's ``value`` (a short str), in group-rank order, through the default store: the agreement of a rare
-    per-group decision (e.g. ``transport='auto'``'s choice). Every rank of ``group`` makes the same agreements in the
-    same order, with the same ``key`` (the n-th agreement on a group meets at store key ``agree/<n>/<key>``; one that
-    failed is retried at the same n, so a late peer and a retrying rank meet). A group of one rank or of the 'fake'
-    backend: ``[value] * W``.
+    per-group decision (e.g. ``transport='auto'``'s choice), made by every rank in the same order with the same
+    ``key`` (the n-th meets at ``agree/<n>/<key>``; a failed one is retried at the same n). A group of one rank or of
+    the 'fake' backend: ``[value] * W``.
 
     Raises:
         RuntimeError: not every rank reached it within ``settings.timeout_s``, or a peer on this host exited (named).
@@ -339,9 +262,8 @@ class waiting_in:
 
 
 def _call_words(st: "_Group", op: str | None, n: int) -> str:
-    """The call a wait on ``st``'s peers is in, for its warning and error: ``"cp_ops.attention call #3 (tag
-    'blocks.0.attn1') on CP group '0'"``; ``op`` None: the public call in progress on this
-    group (by default ``cp_ops.attention``, whose first call makes the group's agreements)."""
+    """The call a wait on ``st``'s peers is in, for its warning and error: ``"cp_ops.attention call #3 on CP group
+    '0'"``; ``op`` None: the public call in progress on this group (by default ``cp_ops.attention``, whose first call makes the group's agreements)."""
     g = st.pg.group_name
     if _current.label is not None:
         base = _current.label
@@ -349,8 +271,6 @@ def _call_words(st: "_Group", op: str | None, n: int) -> str:
         if op is None:
             op = _current.api if _current.group == g and _current.api else "cp_ops.attention"
         base = f"{op} call #{n}"
-    if _caller.tag is not None:
-        base += f" (tag {_caller.tag!r})"
     return f"{base} on CP group '{g}'"
 
 
@@ -414,9 +334,7 @@ def _make_shm(st: _Group, op: str):
                 made = "error:" + str(e)
         made = peers.gather("shm/file", made, PeerWait(call, "the rank check's shared-memory setup"))[0]
         if not made.startswith("path:"):
-            log.warning("cp_ops: CP group '%s': the rank contract exchanges over gloo (~0.5 ms per call) instead of "
-                        "host shared memory: rank 0 could not make the file: %s", st.pg.group_name, made[6:])
-            return None
+            return _over_gloo(st, f"rank 0 could not make the file: {made[6:]}")
         err = ""
         if rank != 0:
             try:
@@ -436,10 +354,13 @@ def _make_shm(st: _Group, op: str):
     if bad:
         if x is not None:
             x.close()
-        log.warning("cp_ops: CP group '%s': the rank contract exchanges over gloo (~0.5 ms per call) instead of host "
-                    "shared memory: %s", st.pg.group_name, "; ".join(f"rank {r}: {e}" for r, e in bad))
-        return None
+        return _over_gloo(st, "; ".join(f"rank {r}: {e}" for r, e in bad))
     return x
+
+
+def _over_gloo(st: _Group, why: str) -> None:
+    log.warning("cp_ops: CP group '%s': the rank contract exchanges over gloo (~0.5 ms per call) instead of host "
+                "shared memory: %s", st.pg.group_name, why)
 
 
 # ---- the exchange --------------------------------------------------------------------------------
@@ -454,7 +375,7 @@ def _signed(st: _Group, op: str, op_id: int, tid: int, b, s, h, d, dt: int, extr
         _setup(st, op)
     st.count += 1
     _PACK.pack_into(st.lbuf, 0, op_id, st.gid, st.count, failed, tid, _id(_collective_values(config.settings)),
-                    b, s, h, d, dt, extra, s0, s1, s2, chunks, tag, _caller.id)
+                    b, s, h, d, dt, extra, s0, s1, s2, chunks, tag)
     return _gather(st, op)
 
 
@@ -470,7 +391,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
              failed: BaseException | None = None, inputs: dict | None = None, tag: int = 0,
              note: str | None = None) -> None:
     """Check the rank contract for one call: all ranks of ``pg`` exchange a signature; raise on every rank on
-    any difference. See the module docstring for what is compared under each ``settings.check_ranks``.
+    any difference (what is compared under each ``settings.check_ranks``: ``docs/settings.md``).
 
     Args:
         pg: the CP group. op: the call's name (an entry of :data:`OPS`, or a new one). transport: the
@@ -629,12 +550,10 @@ def _within_grace(look: Callable):
 
 
 def wait_collective(pg: dist.ProcessGroup, work) -> None:
-    """Wait for ``work``, a data collective of this rank's current call on ``pg`` (host-side waits: a CPU gloo
-    group), bounded by cp_ops: polls the work, and every 0.25 s whether a peer exited or published a failure of this
-    call (:func:`call_failed`), warning past ``settings.wait_warn_s`` (:mod:`cp_ops._waits`), raising at
-    ``settings.timeout_s``; a collective that fails (a peer's connection reset) is named by the peer that exited.
-    Every such error leaves the group unusable for cp_ops (its collectives are out of step): later calls raise at
-    once. A group without a set-up contract: ``work.wait()``.
+    """Wait for ``work``, a data collective of this rank's current call on ``pg`` (a CPU gloo group: the host
+    waits), bounded by cp_ops (:func:`cp_ops._waits.poll`): an exited peer or one that published a failure of this
+    call (:func:`call_failed`) is named, a failed collective by the peer that exited; every such error leaves the
+    group unusable for cp_ops (its collectives are out of step). A group without a set-up contract: ``work.wait()``.
 
     Raises:
         RuntimeError: naming the failing or exited peer and the call; PeersTimeout at ``settings.timeout_s``.
@@ -666,7 +585,7 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
     except RuntimeError as e:
         if getattr(e, "_cp_ops_named", False):
             raise
-        _within_grace(lambda: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
+        _within_grace(lambda e=e: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
         call = _call_words(st, None, st.count)
         st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
         raise RuntimeError(f"{call}: this call's communication failed: {(str(e).splitlines() or [''])[0]}. A peer on "
@@ -692,18 +611,10 @@ def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
 
 
 class CallCheck:
-    """The rank contract's exchange for one repeated call, its signature fixed once (what the eager fast path of
-    :func:`cp_ops.attention` runs per call: the same exchange as :func:`exchange`, without rebuilding the
-    signature). ``check()`` compares (call, call number, shape, dtype, transport, tensor count, chunks, the
-    collective settings and the caller tag, both read at each call) across the ranks of ``pg``; raises as
-    :func:`exchange`.
-
-    Args:
-        pg: the CP group. op: the call's name. transport: the transport argument as given. shape, dtype: the
-            compared tensor's ``[B, S_local, H, D]`` and dtype. extra: the tensor count (or chunks, see
-            :func:`register_op`). chunks: the pipeline stages of the call (0: not a pipelined call). tag, note:
-            as :func:`exchange`'s (e.g. a hash of the call's ``seq_lens`` and those in words).
-    """
+    """:func:`exchange` for one repeated call (the eager plan's), its signature packed once; ``check()`` makes the
+    exchange (the collective settings read at each call) and raises as :func:`exchange`. Arguments as
+    :func:`exchange`'s (``shape``, ``dtype``: the compared tensor's; ``chunks``: the pipeline stages, 0: not
+    pipelined)."""
 
     __slots__ = ("pg", "st", "op", "transport", "shape", "dtype", "extra", "chunks", "tag", "words", "note")
 
@@ -735,7 +646,6 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
                                                for k, x in inputs.items()},
         "error": None if failed is None else f"{type(failed).__name__}: {str(failed).splitlines()[0]}",
         "note": note,
-        "caller": None if _caller.tag is None else repr(_caller.tag),
     }
     desc = _gather_objects(st, mine)
     if failed is not None:
@@ -820,23 +730,18 @@ def _scale_hint(aspects: list[str], desc: list[dict]) -> str:
 
 
 def _caller_hint(aspects: list[str], desc: list[dict]) -> str:
-    """Where the ranks' caller tags differ: a rank skipped (or reordered) a tagged call, e.g. one layer's attention."""
-    if "variant" in aspects:  # cp_ops.attention(tag=...): the tag is part of the variant's note
-        notes = [d.get("note") or "" for d in desc]
-        if len({re.sub(r" ?tag=\S+", "", n) for n in notes}) == 1 and len(set(notes)) > 1:
-            return ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the "
-                    "layers in another order — every rank must make every CP attention call")
-        modes_chunks = {tuple(re.findall(r"\b(?:mode|chunks)=\S+", n)) for n in notes}
-        if len(modes_chunks) > 1:
-            return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) "
-                    "must get the same mode and chunks on every rank")
-    if "caller tag" not in aspects:
+    """Where the ranks' variants differ in the caller's ``tag=`` only (a rank skipped or reordered a tagged call, e.g.
+    one layer's attention), or in mode and chunks."""
+    if "variant" not in aspects:  # cp_ops.attention(tag=...): the tag is part of the variant's note
         return ""
-    hint = ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the layers "
-            "in another order — every rank must make every CP attention call")
-    if any(" at 0x" in (d.get("caller") or "") for d in desc):
-        hint += "; a tag whose repr holds a memory address differs on every rank: tag by a name or an index"
-    return hint
+    notes = [d.get("note") or "" for d in desc]
+    if len({re.sub(r" ?tag=\S+", "", n) for n in notes}) == 1 and len(set(notes)) > 1:
+        return ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the "
+                "layers in another order — every rank must make every CP attention call")
+    if len({tuple(re.findall(r"\b(?:mode|chunks)=\S+", n)) for n in notes}) > 1:
+        return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) "
+                "must get the same mode and chunks on every rank")
+    return ""
 
 
 def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
@@ -850,8 +755,6 @@ def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
         out += f" inputs={d['inputs']}"
     if d.get("note"):
         out += f" {d['note']}"
-    if d.get("caller") is not None or "caller tag" in aspects:
-        out += f" tag={d.get('caller') or 'none'}"
     if "chunks" in aspects:
         out += f" chunks={d.get('chunks') or 'none (not pipelined)'}"
     if "transport" in aspects:
@@ -958,11 +861,9 @@ _partners: dict[tuple[str, int], str] = {}
 
 def set_partner(first: str, tag: int, second: str) -> int:
     """Declare that a compiled call with variant ``tag`` whose first exchange runs on group ``first`` makes its next
-    exchange on group ``second`` (a 2-D mesh call: inner, then outer; :mod:`cp_ops.plan.mesh2d` declares it while
-    tracing). When the first exchange fails on a rank (its row disagrees, or its own inputs fail), the rank tells
-    ``second`` instead of leaving that group's pending exchange to pair with its next call. Returns ``tag``.
-    Dynamo runs it while tracing (a constant result: a side effect inside a graph would only be applied after the
-    graph ran)."""
+    on ``second`` (a 2-D call: inner, then outer): when the first fails on a rank, the rank tells ``second`` instead
+    of leaving that group's exchange to pair with its next call. Returns ``tag``. Run by Dynamo while tracing (a
+    constant result: a side effect inside a graph would only be applied after the graph ran)."""
     _partners[(first, tag)] = second
     return tag
 
@@ -986,11 +887,9 @@ _TAG_NOTES: dict[int, str] = {}
 
 
 def variant_tag(**fields) -> int:
-    """A stable 64-bit int (equal on every rank for equal fields; :func:`_digest`) for the rank contract's ``tag``
-    word, and the fields in
-    words for its error messages (:func:`tag_note`). Fields whose value is None are left out. Values must have a
-    repr that is the same on every rank (ints, strings, tuples of them); raises TypeError for other types (an
-    object's default repr holds its address)."""
+    """A stable 64-bit int (:func:`_digest`) for the rank contract's ``tag`` word, and the fields in words for its
+    error messages (:func:`tag_note`); None values are left out. Values must be ints, strings or tuples of them (the
+    same repr on every rank): TypeError otherwise."""
     parts = []
     for k, v in fields.items():
         if v is None:
@@ -1006,10 +905,8 @@ def variant_tag(**fields) -> int:
 
 
 def scale_field(scale) -> str | None:
-    """The variant tag's field for a call's softmax ``scale`` (:func:`variant_tag`): None for ``None`` (the default
-    ``1/sqrt(D)``; the tag is then unchanged), else the exact value as ``repr(float(scale))`` (e.g. ``'0.125'``), so
-    ranks that pass different scales differ in variant. Raises TypeError for a scale that is not a real number (a
-    bool, a str, a tensor)."""
+    """The variant tag's field for a call's softmax ``scale``: None for ``None`` (``1/sqrt(D)``), else the exact value
+    as ``repr(float(scale))``. Raises TypeError for a scale that is not a real number (a bool, a str, a tensor)."""
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -1024,7 +921,7 @@ def scale_field(scale) -> str | None:
 def _stable(v) -> bool:
     if isinstance(v, (tuple, list)):
         return all(_stable(x) for x in v)
-    return isinstance(v, (int, str)) and not isinstance(v, bool) or isinstance(v, bool)
+    return isinstance(v, (int, str))
 
 
 def with_seq_lens(tag: int, seq_lens) -> int:
