@@ -134,44 +134,36 @@ def attention(
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
-    bhsd = layout != "bshd"
+    bhsd = _is_bhsd(layout)
     if bhsd:
-        if layout != "bhsd":
-            raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach
-        # the output to q, k and v through a node whose backward raises
-        out = plan.run(plan.make(q.detach(), k.detach(), v.detach(), group=group, mode=mode, transport=transport,
-                                 scale=scale, chunks=chunks, seq_lens=seq_lens, key_mask=key_mask, tag=tag,
-                                 comm_dtype=comm_dtype))
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # with grad: compute on detached inputs (nothing saved for a backward, no pooled K/V kept alive), then attach the
+    # output to q, k and v through a node whose backward raises
+    qd, kd, vd = (q.detach(), k.detach(), v.detach()) if grad else (q, k, v)
+    out = plan.run(plan.make(qd, kd, vd, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks,
+                             seq_lens=seq_lens, key_mask=key_mask, tag=tag, comm_dtype=comm_dtype))
+    if grad:
         out = _ForwardOnly.apply(out, q, k, v)
-    else:
-        out = plan.run(plan.make(q, k, v, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks,
-                                 seq_lens=seq_lens, key_mask=key_mask, tag=tag, comm_dtype=comm_dtype))
     return out.transpose(1, 2) if bhsd else out
 
 
-def describe(
-    q: torch.Tensor,
-    k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
-    *,
-    group: Any = None,
-    mode: str = "auto",
-    transport: str = "auto",
-    scale: float | None = None,
-    chunks: int | None = None,
-    seq_lens: tuple[int, ...] | None = None,
-    key_mask: torch.Tensor | None = None,
-    tag: Hashable | None = None,
-    layout: str = "bshd",
-    comm_dtype: Any = None,
-) -> Choice:
+def _is_bhsd(layout: str) -> bool:
+    if layout not in ("bshd", "bhsd"):
+        raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
+    return layout == "bhsd"
+
+
+#: :func:`attention`'s keywords besides ``layout``: what :func:`describe` takes
+_KEYWORDS = ("group", "mode", "transport", "scale", "chunks", "seq_lens", "key_mask", "tag", "comm_dtype")
+
+
+def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, layout: str = "bshd",
+             **keywords) -> Choice:
     """What :func:`attention` picked — or, before the first such call, would pick — for a call with these arguments:
-    the mode, the chunk count, the transport and why. Pass the call's own arguments (``k``, ``v``, ``scale`` and
-    ``tag`` are accepted so a call can be copied as is, and not read: the choice depends on ``q``'s shape, dtype and
-    device, the group and the other keywords).
+    the mode, the chunk count, the transport and why. Pass the call's own arguments (``k``, ``v`` and
+    :func:`attention`'s keywords; ``k``, ``v``, ``scale`` and ``tag`` are accepted so a call can be copied as is, and
+    not read: the choice depends on ``q``'s shape, dtype and device, the group and the other keywords).
 
     Local: no collective, no measuring, no file read; any rank may call it alone, at any time.
 
@@ -201,16 +193,18 @@ def describe(
             an int ≥ 1, ``layout`` not 'bshd'/'bhsd'; a bad ``comm_dtype`` (as the call: on a mesh K and V
             must share a format);
             on a mesh, wrong dim names or an inner size that does not divide H.
-        TypeError: q is not a tensor.
+        TypeError: q is not a tensor; a keyword :func:`attention` does not take.
         RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.
     """
-    del k, v, scale, tag  # the choice does not depend on them
-    if layout != "bshd":
-        if layout != "bhsd":
-            raise ValueError(f"layout must be 'bshd' ([B, S, H, D]) or 'bhsd' ([B, H, S, D]); got {layout!r}")
+    del k, v
+    unknown = sorted(keywords.keys() - set(_KEYWORDS))
+    if unknown:
+        raise TypeError(f"describe() got unexpected keyword arguments {unknown}: it takes attention's keywords "
+                        f"({', '.join(_KEYWORDS)}) and layout")
+    if _is_bhsd(layout):
         q = q.transpose(1, 2)
-    return plan.describe(plan.make(q, q, q, group=group, mode=mode, transport=transport, scale=None, chunks=chunks,
-                                   seq_lens=seq_lens, key_mask=key_mask, tag=None, comm_dtype=comm_dtype))
+    keywords.update(scale=None, tag=None)  # the choice does not depend on them
+    return plan.describe(plan.make(q, q, q, **keywords))
 
 
 class _ForwardOnly(torch.autograd.Function):

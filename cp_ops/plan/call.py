@@ -60,7 +60,8 @@ class Call(NamedTuple):
         return key
 
 
-def make(q, k, v, *, group, mode, transport, scale, chunks, seq_lens, key_mask, tag, comm_dtype) -> Call:
+def make(q, k, v, *, group=None, mode="auto", transport="auto", scale=None, chunks=None, seq_lens=None, key_mask=None,
+         tag=None, comm_dtype=None) -> Call:
     """The :class:`Call` of :func:`cp_ops.attention`'s keywords (BSHD tensors): ``comm_dtype`` normalized."""
     fmts = cd.NONE if comm_dtype is None else normal_comm_dtype(comm_dtype, q)
     return Call(q, k, v, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens,
