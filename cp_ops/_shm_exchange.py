@@ -1,10 +1,10 @@
 """Host-memory all-gather of the rank contract's fixed-size signature among the ranks of one node.
 
-The rank contract (:mod:`cp_ops.contract`) exchanges a few int64 words on every cp_ops call. Over gloo
-(localhost TCP, a worker thread per call) that costs ~0.4 ms per call on an H200 host — more than the whole
-attention of a 4K-token CP2 layer. When every rank of the group runs on one host, the words go through a
-small shared-memory file instead: each rank writes its row, then reads the peers' rows, spinning (with
-yields, then short sleeps) until they carry this call's number; a few µs when the ranks are in step.
+The rank contract (:mod:`cp_ops.contract`) exchanges a few int64 words on every cp_ops call; over gloo (localhost
+TCP, a worker thread per call) that costs ~0.4 ms per call, more than the whole attention of a 4K-token CP2 layer.
+When every rank of the group runs on one host, the words go through a small shared-memory file instead: each rank
+writes its row, then reads the peers' rows until they carry this call's number (:func:`cp_ops._waits.poll`); a few µs
+when the ranks are in step.
 
 Layout: for each rank, two slots (call-number parity), each ``[call number, crc, word_0 .. word_{n-1}]``
 (int64). A rank can be at most one call ahead of the slowest peer that has not yet read its row (it must

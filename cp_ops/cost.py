@@ -169,7 +169,7 @@ def table(preds: list[Prediction], links: "Links | None" = None) -> str:
     """A markdown table of predictions, titled with the link figures they assume (:class:`Links` defaults:
     NVLink measured, the network assumed); ring is listed for comparison only (cp_ops does not run it)."""
     links = links or Links()
-    rows = [f"predicted for H200 links (NVLink {links.nvlink_gbps:g} GB/s per rank measured; network "
+    rows = [f"predicted for these links (NVLink {links.nvlink_gbps:g} GB/s per rank measured; network "
             f"{links.network_gbps:g} GB/s per GPU assumed); ring: for comparison, not run by cp_ops",
             "| layout | NVLink MB | network MB | comm ms | attention ms | time ms | speedup | overlapped speedup |",
             "|---|---|---|---|---|---|---|---|"]

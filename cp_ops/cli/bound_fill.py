@@ -4,7 +4,7 @@
 (``torch.testing._internal.distributed.fake_pg``: one process stands for every rank, collectives move nothing).
 What torch's fake backend leaves in a collective's output depends on the torch version: torch 2.11's leaves
 ``alltoall_base``'s output unwritten, and kernels computing on whatever the allocator's block held (zeros in fresh
-memory) ran 13-15 % faster on an H200 than on real values. So the groups this module makes write every output
+memory) ran 13-15 % faster than on real values (``benchmarks/results/bound/``). So the groups this module makes write every output
 themselves: this rank's own data in every source slot (real activations, the same magnitudes and statistics as the
 peers' would have), whatever the torch version.
 

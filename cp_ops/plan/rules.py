@@ -1,8 +1,7 @@
 """The rules of a call's plan, each written once and each returning its reason with its value: the mode
 (:func:`mode_rule`), FP8's mode rule (:func:`fp8_mode`), the stage count (:func:`chunks_rule`), a 2-D mesh's
-(:func:`mesh_rule`). The cross-node split is
-:mod:`cp_ops.plan.split`; the opt-in measured choice :mod:`cp_ops.plan.measured`. A plan records the reasons its rules
-gave (:attr:`cp_ops.plan.flat.Decision.why`); :func:`cp_ops.describe` reports them.
+(:func:`mesh_rule`). The cross-node split is :mod:`cp_ops.plan.split`; the opt-in measured choice
+:mod:`cp_ops.plan.measured`. A plan records the reasons its rules gave; :func:`cp_ops.describe` reports them.
 
 ``cp_ops.attention(..., chunks=c)``: ``c = 1`` runs the mode as transport-then-attend (bitwise equal to one device);
 ``c ≥ 2`` runs the mode's pipelined variant in c stages (:mod:`cp_ops.modes.agkv_pipelined`,
@@ -56,9 +55,9 @@ def mode_rule(mode: str, heads: int, world_size: int) -> tuple[str, str]:
     'auto' → 'agkv' at W = 2 or where W does not divide H; else 'ulysses'. Why: per rank Ulysses receives
     4(W−1)/W of one local tensor (Q, K, V in, the output back), AGKV 2(W−1) (K and V of every peer): equal at
     W = 2, where Ulysses still adds a second all-to-all after the attention (nothing to hide it under) and the
-    head packing, and AGKV measured ahead at every S on 2x H200 (bf16, H=40, D=128, chunks 1: 4K 1.23x vs 1.10x
-    fast, 1.10x vs 0.88x torch; 8K 1.53x vs 1.48x fast, 1.40x vs 1.27x torch); from W = 3 Ulysses moves less
-    (W = 4: 3 vs 6 local tensors).
+    head packing, and AGKV measured ahead at every S at W = 2 (bf16, H=40, D=128, chunks 1: 4K 1.23x vs 1.10x
+    fast, 1.10x vs 0.88x torch; 8K 1.53x vs 1.48x fast, 1.40x vs 1.27x torch; ``benchmarks/results/cp2_attention/``);
+    from W = 3 Ulysses moves less (W = 4: 3 vs 6 local tensors).
 
     A named mode is checked (ValueError: unknown name, a 2-D mode on a 1-D group, H % W != 0 for a mode that splits
     heads) and returned.
@@ -89,23 +88,14 @@ HEURISTIC_CHUNKS: dict[tuple[str, str], int] = {
 
 def chunks_rule(mode: str, world_size: int, transport: str, given: int | None = None,
                 layout_call: bool = False) -> tuple[int, str]:
-    """``(stage count, reason)`` for ``chunks=given`` where the choice is not measured: measuring off
-    (``CP_OPS_TUNE_MODES=0``), code traced by ``torch.compile``, a first call inside CUDA-graph capture (see
-    :mod:`cp_ops.plan.measured`); also the candidate :func:`cp_ops.plan.measured.pick` prefers within its margin.
+    """``(stage count, reason)`` for ``chunks=given`` where the choice is not measured (:mod:`cp_ops.plan.measured`
+    says when; also the candidate its pick prefers within the margin): ``given`` when not None; 1 where W = 1 or for
+    a ``layout_call`` (uneven shards or a key mask); else :data:`HEURISTIC_CHUNKS` ``[(mode, transport)]``, 1 for a
+    pair not listed. ``transport``: the one the call runs on, 'fast' or 'torch' (ValueError for 'auto': resolve it
+    with :func:`cp_ops.transport.base.concrete_name`).
 
-    Args:
-        mode: the concrete mode ('agkv', 'ulysses', ...). world_size: W. transport: the transport the call runs on,
-            'fast' or 'torch' (:func:`cp_ops.transport.base.concrete_name`; never 'auto'). given: the caller's chunks.
-        layout_call: the call has uneven shards or a key mask (then None means 1).
-    Returns:
-        ``given`` when not None; 1 where W = 1 (nothing to pipeline) or for a layout call; else
-        :data:`HEURISTIC_CHUNKS` ``[(mode, transport)]``, 1 for a pair not listed: 2 for AGKV on the fast transport,
-        1 (transport-then-attend, bitwise equal to one device) otherwise.
-    Raises:
-        ValueError: transport is 'auto' (a caller must resolve it first: the rule depends on the transport run).
-
-    Source: CP2 on 2x H200, bf16, B=1, H=40, D=128, steady-state speedup over one GPU, eager, fast transport, AGKV,
-    chunks=2 vs chunks=1 in interleaved rounds: 4096: 1.20x vs 1.23x (eager at 4K is host-bound; from a CUDA graph
+    Source (``benchmarks/results/cp2_attention/``): CP2, bf16, B=1, H=40, D=128, steady-state speedup over one GPU,
+    eager, fast transport, AGKV, chunks=2 vs chunks=1 in interleaved rounds: 4096: 1.20x vs 1.23x (eager at 4K is host-bound; from a CUDA graph
     1.66x vs 1.31x); 8192: 1.76x vs 1.53x; 16384: 1.86x vs 1.76x; 32768: 1.92x vs 1.89x; 75600: 1.94x vs 1.93x.
     Torch transport: within a few % of chunks=1 either way (kept at 1). Ulysses head sub-groups were slower than one
     group at every S on both transports. Measured at W = 2; used for every W.
