@@ -113,10 +113,6 @@ def current_stream(device) -> int:
     return raw(idx) if raw is not None else torch.cuda.current_stream(idx).cuda_stream
 
 
-def log_path() -> Path:
-    return build_dir() / "build.log"
-
-
 def loaded():
     """The extension module when this process already loaded it (by :func:`load`), else None: never builds."""
     result = _state.get("result")

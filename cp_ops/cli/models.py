@@ -339,11 +339,6 @@ def config_label(spec: ModelSpec, config: str, cfg: dict) -> str:
     return f"{config} ({'+'.join(map(str, used))} of {'+'.join(map(str, released))} layers)"
 
 
-def spec_for_class(name: str) -> ModelSpec | None:
-    """The spec whose diffusers class is ``name`` (e.g. from a checkpoint's ``config.json``), or None."""
-    return next((s for s in MODELS.values() if s.cls == name), None)
-
-
 def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast floating parameters/buffers to ``dtype`` as ``from_pretrained(torch_dtype=...)`` does: modules the
     class keeps in fp32 (``_keep_in_fp32_modules``) stay fp32, and non-fp32 buffers (fp64 RoPE tables) are left."""

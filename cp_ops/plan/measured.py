@@ -289,20 +289,13 @@ _warned: set[tuple[str, str]] = set()
 
 def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
            runner: Runner | None = None, comm: str = "", mode_why: str = "") -> Choice:
-    """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks, the same on every rank (see the
-    module docstring).
+    """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks, the same on every rank: the choice
+    stored for the request, else :func:`choose`'s, measured where it leaves the request open (module docstring).
 
-    Args:
-        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``cp_ops.plan.rules.mode_rule(mode,
-            H, W)`` (checked). q: this rank's ``[B, S_local, H, D]`` (only shape, dtype, device are read). group: the
-            CP group. transport: the resolved transport ('torch', 'fast', 'auto').
-        runner: what :func:`cp_ops.modes.measure` times when measuring runs (:data:`cp_ops.modes.Runner`:
-            the plan gives :func:`cp_ops.plan.flat.runner`); required where measuring runs.
-        comm: what crosses the link in another format than q's (:func:`cp_ops.comm_dtype.tag`; '' = nothing): part
-            of the request, in memory and in the file (an FP8 call is timed, and its choice kept, apart).
-        mode_why: the mode rule's reason, recorded in a heuristic choice (:func:`heuristic`).
-    Returns:
-        the :class:`Choice`: the mode name, the chunk count (≥ 1), where it came from and why.
+    Args: as :func:`choose`'s (``q``: this rank's q, only its shape, dtype and device are read; ``group``: the CP
+        group), and ``runner``: what :func:`measure` times (:func:`cp_ops.plan.flat.runner`; required where measuring
+        runs); ``comm``: what crosses the link in another format than q's (:func:`cp_ops.comm_dtype.tag`), part of
+        the request, in memory and in the file.
     Raises:
         ValueError: the ranks' collective settings differ (first use only; raised on every rank); measuring runs and
             no runner was given.
