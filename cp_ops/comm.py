@@ -47,7 +47,7 @@ import torch
 from . import contract, layout
 from .comm_dtype import NONE
 from .kernels import fp8, fp8_ulysses
-from .transport.base import Arrival, agkv_start_sources, mask_all_gather, ulysses_packed_start
+from .transport.base import Arrival, Works, agkv_start_sources, mask_all_gather, ulysses_packed_start
 
 
 class Pending:
@@ -184,9 +184,8 @@ class _Comm:
 
     def ulysses_launches_per_key(self) -> int:
         """The most launches one :meth:`ulysses` call of q, k, v makes with one pool key (op, shape, dtype): 2 where
-        two FP8 formats hold one tensor each (e.g. q e4m3 and v e5m2: two uint8 ``[W, B, S, 1, hs, D + 4]`` send
-        buffers), else 1. A pooling transport holds ``slots_per_key`` = 2 such outputs, so pipelined Ulysses keeps one
-        sub-group in flight instead of two when this is 2 (:mod:`cp_ops.modes.ulysses`)."""
+        two FP8 formats hold one tensor each (two uint8 send buffers of one shape), else 1; pipelined Ulysses keeps
+        fewer sub-groups in flight then (:mod:`cp_ops.modes.ulysses`)."""
         sizes = [len(idx) for f, idx in self._groups((None, None, None)) if f]
         return 2 if len(sizes) == 2 and sizes[0] == sizes[1] else 1  # (at most two FP8 groups: two formats)
 
@@ -234,11 +233,9 @@ class _Comm:
 
     def drain(self) -> None:
         """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
-        transport's work has it (the fast transport: the copies already queued still land, the slots are given
-        back), else a wait. Errors here are dropped (the body's own error is the one raised). Then the peers learn
-        that this rank's call failed (:func:`cp_ops.contract.call_failed`): a peer waiting in a collective this rank
-        will not make raises, naming it, instead of waiting out the timeout (after the drain: every collective this
-        rank made is complete, so the one a peer still waits in is one this rank never made)."""
+        transport's work has it, else a wait (errors dropped: the body's is the one raised). Then tell the peers that
+        this rank's call failed (:func:`cp_ops.contract.call_failed`), so one waiting in a collective this rank will
+        not make raises, naming it."""
         while self.pending:
             p = self.pending.pop()
             p.comm = None
@@ -259,14 +256,9 @@ class _Comm:
 
 class OpComm(_Comm):
     """Launches as ``torch.ops.cp_ops`` ops, waits as ``wait_tensor``: what traced code (and a compiler) sees.
-
-    Args:
-        world: the CP world size W. group_name: the CP group's name. transport: the resolved transport argument
-            ('torch', 'fast' or 'auto': :func:`cp_ops.transport.base.resolve`). call: the rank contract's call name
-            for the first launch (e.g. 'cp_ops.attention'). tag: the variant's hash (:func:`cp_ops.contract.variant_tag`).
-        rank: this rank. seq_lens: the uneven token counts (given to the first launch, which folds them into the tag).
-        codec: the FP8 codec (:class:`OpCodec`; None: nothing in FP8).
-    """
+    ``call``, ``tag``, ``seq_lens``: the rank contract's words for the call's first launch (:mod:`cp_ops.ops`);
+    ``transport``: the resolved argument (:func:`cp_ops.transport.base.resolve`); ``codec``: :class:`OpCodec` or
+    None (nothing in FP8)."""
 
     _pending_type = _OpPending
     _codec_type = OpCodec
@@ -344,13 +336,10 @@ class DirectComm(_Comm):
     """Launches as the transport object's methods, waits as ``work.wait()``: the eager path, no dispatcher.
 
     Args:
-        pg: the CP process group. transport: the transport object (:func:`cp_ops.transport.base.for_group`).
-        check: makes the rank contract's check of the calls' first launch: ``check(shape, dtype, extra)`` (the first
-            launch's tensor — as the op would get it — and its tensor count) → an object whose ``check()`` exchanges
-            (:class:`cp_ops.contract.CallCheck`; made once: a comm serves calls of one shape), or None (the caller
-            exchanged already: the real kernel of ``cp_ops::agkv_pipelined_attention``).
-        resolve: gives the transport object when ``transport`` is None, called once, after the first exchange
-            (choosing it may be collective: :func:`cp_ops.transport.base.for_group`).
+        pg: the CP process group. transport: the transport object, or None: ``resolve()`` gives it after the first
+            exchange (choosing it may be collective: :func:`cp_ops.transport.base.for_group`).
+        check: ``check(shape, dtype, extra)`` → the rank contract's check of the calls' first launch
+            (:class:`cp_ops.contract.CallCheck`, made once), or None (the caller exchanged already).
         codec: the FP8 codec (:class:`DirectCodec`; None: nothing in FP8).
     Set ``armed = True`` before each call's first launch (the plan does).
     """
@@ -406,7 +395,7 @@ class DirectComm(_Comm):
         if mask is None:
             return self._launched((kf, vf, None), work, post)
         mf, mwork = self._mask(mask)
-        return self._launched((kf, vf, mf), _Both(work, mwork), post)
+        return self._launched((kf, vf, mf), Works((work, mwork)), post)
 
     def _mask(self, m):
         return mask_all_gather(m, self.pg)
@@ -445,11 +434,9 @@ class DirectComm(_Comm):
         return self._launched(buf, work)
 
     def _ulysses_fp8(self, xs, lo, hi) -> Pending:
-        """:meth:`ulysses` with FP8 tensors: one launch per format, of a send buffer packed here — an FP8 group's
-        encoded straight from the inputs' heads ``[lo, hi)`` (:func:`cp_ops.kernels.fp8_ulysses.pack_encode`) — moved
-        by the transport's ``ulysses_packed_start``; its wait decodes straight into the unpacked layout. The rank
-        contract's signature as the op's (:class:`OpComm`): ``[B, S, W*(hi-lo), D']`` of the buffer's dtype, the
-        group's tensor count."""
+        """:meth:`ulysses` with FP8 tensors: one launch per format of a send buffer packed (an FP8 group: encoded)
+        here, moved by the transport's ``ulysses_packed_start``; its wait decodes straight into the unpacked layout.
+        The rank contract's signature as the op's: ``[B, S, W*(hi-lo), D']`` of the buffer's dtype."""
         dt = xs[0].dtype
         sends = self._ulysses_sends(xs, lo, hi, layout.ulysses_pack)
         bufs, works = [], []
@@ -460,7 +447,7 @@ class DirectComm(_Comm):
             buf, work = ulysses_packed_start(self.tr, send, self.pg)
             bufs.append(buf)
             works.append(work)
-        work = works[0] if len(works) == 1 else _Both(*works)
+        work = works[0] if len(works) == 1 else Works(works)
         groups = [(f, idx) for f, idx, _ in sends]
         return self._launched(tuple(bufs), work, lambda b: self._ulysses_decoded(groups, b, dt))
 
@@ -478,12 +465,8 @@ class DirectComm(_Comm):
 
 class MeshComm:
     """The comm of a 2-D mode body (:mod:`cp_ops.modes.agkv_ulysses`): two comms of the same kind, ``inner`` (the
-    mesh's inner dim, Ulysses) and ``outer`` (its outer dim, AGKV); each makes its own group's rank-contract exchange
-    at its first launch of a call (every rank is in one inner and one outer group, so when both agree every rank of
-    the mesh agrees). Why a pair and not a sub-group argument on every launch: the bodies keep calling the 1-D
-    launches unchanged, and a comm stays bound to one group (its transport, its contract state).
-
-    Attributes: ``inner``, ``outer`` (:class:`OpComm` or :class:`DirectComm`), ``world`` (O·I)."""
+    mesh's inner dim, Ulysses) and ``outer`` (AGKV), each bound to its group (its transport, its rank-contract
+    exchange), so the bodies call the 1-D launches unchanged; ``world``: O·I."""
 
     __slots__ = ("inner", "outer", "world")
 
@@ -495,21 +478,6 @@ class MeshComm:
         """:meth:`_Comm.drain` of both comms (after a body raised)."""
         self.inner.drain()
         self.outer.drain()
-
-
-class _Both:
-    """Several works as one (a mask's and K/V's gathers; a Ulysses launch per format: up to three, q, k and v in
-    three formats)."""
-
-    __slots__ = ("works",)
-
-    def __init__(self, *works):
-        self.works = works
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
-        for w in self.works:
-            w.wait()
-        return True
 
 
 class _Decoding:

@@ -93,6 +93,24 @@ class Arrival:
     work: object
 
 
+class Works:
+    """Several works as one: ``wait()`` waits for each (CUDA: the current stream waits; CPU: the host)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
 class _SourceWait:
     """Wait for one source of a work that signals per source (``work.wait_source(src)``, e.g. the fast
     transport's); the protocol's generic per-source view of such a work."""

@@ -6,7 +6,7 @@ packed buffer carrying every tensor of the call. Outputs are fresh tensors (neve
 
 A group that runs CUDA tensors over gloo (``cpu:gloo,cuda:gloo``: e.g. two ranks sharing one GPU in the tests) is
 staged through host memory: gloo's coalesced all-gather and its send/recv have no CUDA path (they hand device
-pointers to the host transport: a segfault in ``work.wait()``, seen on an H200 with torch 2.11), so each launch
+pointers to the host transport: a segfault in ``work.wait()``, seen on CUDA with torch 2.11), so each launch
 copies its inputs to the host, runs the CPU collective there, waits, and copies the outputs back (synchronous: for
 correctness where no GPU-capable backend can run, never for speed).
 """
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..contract import wait_collective
 from ..layout import ulysses_inverse_pack, ulysses_pack
-from .base import Arrival, register
+from .base import Arrival, Works, register
 
 
 class TorchTransport:
@@ -103,10 +103,10 @@ def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pi
                     c = group.recv([x_full[i, src * s + lo:src * s + hi]], src, 2 * i + tag)
                     if not coalesce:
                         batch += [a, c]
-            work = _Works([group._end_coalescing(k.device)] if coalesce else batch)  # gloo p2p: done in wait()
+            work = Works([group._end_coalescing(k.device)] if coalesce else batch)  # gloo p2p: done in wait()
             works.append(work)
             arrivals.append(Arrival(src, src * s + lo, src * s + hi, work))
-    return k_full, v_full, arrivals, _Works(works)
+    return k_full, v_full, arrivals, Works(works)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
@@ -145,22 +145,6 @@ class _Watched:
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
-
-
-class _Works:
-    """Several works as one: ``wait()`` waits for each (CUDA: the current stream waits; CPU: the host)."""
-
-    def __init__(self, works):
-        self.works = list(works)
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
-        for w in self.works:
-            w.wait()
-        self.works = []
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
 
 
 def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
