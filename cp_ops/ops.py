@@ -159,15 +159,10 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
 
 
 # ---- Ulysses all-to-all of a send buffer packed by the caller (traced code: Inductor writes it) ----------------
-# cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call, tag, seq_lens) -> buf
-#     send ``[W, B, S_local, n, Hl, D]`` (contiguous; slab w = head group w, what :func:`cp_ops.layout.ulysses_pack`
-#     makes) → buf of the same shape (slab w = source rank w's tokens), what ``ulysses_start`` returns for the n
-#     tensors the caller packed. Why: under torch.compile the pack is traced torch code (:func:`cp_ops.layout.
-#     ulysses_pack_traced`) that Inductor fuses into the kernels producing Q, K and V (their norm/RoPE), so they
-#     write the send buffer directly; ``ulysses_start`` would copy them again. The transport's
-#     ``ulysses_packed_start`` moves the slabs (torch: one ``alltoall_base``; fast: one copy per peer, its own pool
-#     role); a transport without it moves them with ``ulysses_inverse_start`` of the buffer seen as
-#     ``[1, W * B*S_local*n, Hl, D]`` (slab w is token block w of that view).
+# Why (the ops table above says what): under torch.compile the pack is traced torch code
+# (:func:`cp_ops.layout.ulysses_pack_traced`) that Inductor fuses into the kernels producing Q, K and V (their
+# norm/RoPE), so they write the send buffer directly; ``ulysses_start`` would copy them again. Moved by
+# :func:`cp_ops.transport.base.ulysses_packed_start`.
 @op_def.define("cp_ops::ulysses_packed_start")
 def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
                          tag: int = 0, seq_lens: list[int] | None = None, count: int = 0,
@@ -253,10 +248,8 @@ def _(mask, world_size, group_name):
 
 
 # ---- pipelined AGKV: the body of cp_ops/modes/agkv_pipelined.py as one op ----------------------------
-# cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens, call, tag)
-#     q, k, v ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype): AGKV attention with the
-#     transfer under the attention of the blocks already here, partials merged by LSE. Synchronous for the
-#     caller's stream (not a launch: no wait_tensor needed). ``seq_lens``: uneven shards (cp_ops.layout.Shards).
+# AGKV attention with the transfer under the attention of the blocks already here, partials merged by LSE;
+# synchronous for the caller's stream (not a launch: no wait_tensor needed).
 @op_def.define("cp_ops::agkv_pipelined_attention")
 def agkv_pipelined_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, group_name: str, transport: str,
@@ -367,12 +360,10 @@ def _(buf, dtype, fmt):
 
 
 # ---- pipelined Ulysses: a sub-group's inverse copied out of its (maybe pooled) buffer ----------------
-# cp_ops::ulysses_inverse_copy_out(back, out) -> None, mutates out
-#     back ``[W, B, S', Hl, D]`` (an inverse launch's waited buffer) → ``out [B, S, W, Hl, D]`` (a view of the
-#     result; S ≤ S': the first S of each block). Why an op: traced, the copy would be pointwise torch code that
-#     Inductor may fuse into a later kernel that reads ``back`` again after a later launch of the same pool key
-#     took its slot (the result's three sub-group copies, recomputed in one kernel after the third inverse
-#     launch). An opaque op reads ``back`` once, where it stands.
+# cp_ops::ulysses_inverse_copy_out(back, out): back ``[W, B, S', Hl, D]`` (an inverse launch's waited buffer) →
+#     ``out [B, S, W, Hl, D]`` (S ≤ S': the first S of each block). Why an op: traced, the copy would be pointwise
+#     code Inductor may fuse into a later kernel that reads ``back`` after a later launch of its pool key took the
+#     slot; an opaque op reads ``back`` once, where it stands.
 # (torch.library.custom_op, not op_def.define: a mutating op, whose ADInplaceOrView kernel custom_op registers)
 @torch.library.custom_op("cp_ops::ulysses_inverse_copy_out", mutates_args=("out",))
 def ulysses_inverse_copy_out(back: torch.Tensor, out: torch.Tensor) -> None:
