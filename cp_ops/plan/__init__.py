@@ -55,25 +55,6 @@ def _on_mesh(call: Call, pg, s: split.Split) -> Call:
     return call._replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg))
 
 
-class _Routed:
-    """The plan of a flat-group call the cross-node split sent elsewhere (a 1-D mode, or the mesh built from the
-    group): ``pg`` the caller's flat group, ``split`` the split (its reason)."""
-
-    __slots__ = ("pg", "split", "plan")
-
-    def __init__(self, pg, s, plan):
-        self.pg, self.split, self.plan = pg, s, plan
-
-    def run(self, call: Call):
-        if self.split.mode == "agkv_ulysses":
-            call = _on_mesh(call, self.pg, self.split)
-        else:
-            call = call._replace(mode=self.split.mode)
-        if self.plan is None:  # nothing to move: the traced path's empty case
-            return _traced(call)
-        return self.plan.run(call)
-
-
 def _build(call: Call):
     """``(plan, keep)``: the plan of the call's first use (None: nothing to move) and whether to cache it (not where
     the ranks' calls differed at the split's agreement: the next call agrees again on every rank)."""
@@ -84,8 +65,10 @@ def _build(call: Call):
     if s is None or s.source != "cost":
         return flat.build(call, pg), s is None
     if s.mode == "agkv_ulysses":
-        return _Routed(pg, s, mesh2d.build(_on_mesh(call, pg, s))), True
-    return _Routed(pg, s, flat.build(call._replace(mode=s.mode), pg)), True
+        on_mesh = lambda c: _on_mesh(c, pg, s)  # noqa: E731
+        return flat.Rerouted(pg, s, on_mesh, mesh2d.build(on_mesh(call)), _traced), True
+    as_mode = lambda c: c._replace(mode=s.mode)  # noqa: E731
+    return flat.Rerouted(pg, s, as_mode, flat.build(as_mode(call), pg), _traced), True
 
 
 def _lookup(call: Call):

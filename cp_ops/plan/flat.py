@@ -236,7 +236,7 @@ def traced(call: Call, pg) -> torch.Tensor:
     q, k, v, scale, key_mask = call.q, call.k, call.v, call.scale, call.key_mask
     d = decide(call, pg)
     if d.world == 1:
-        return _one_rank(call, d)
+        return one_rank(call, d.fmts)
     if d.as_op:
         return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, d.world, pg.group_name, d.transport, scale,
                                                          d.chunks, None if d.seq_lens is None else list(d.seq_lens),
@@ -251,12 +251,12 @@ def traced(call: Call, pg) -> torch.Tensor:
         raise
 
 
-def _one_rank(call: Call, d: Decision):
-    """A group of one rank: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, the attention W > 1
-    ranks compute at chunks = 1, every tensor that would cross the link round-tripped through the codec
-    (:mod:`cp_ops.emulate`)."""
-    if d.fmts != cd.NONE and config.settings.emulate_comm:
-        return emulate.attention(call.q, call.k, call.v, call.scale, call.key_mask, d.fmts)
+def one_rank(call: Call, fmts, kv_trips: int = 1):
+    """A group (or mesh) of one rank: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, the attention
+    more ranks compute at chunks = 1, every tensor that would cross a link round-tripped through the codec
+    (:mod:`cp_ops.emulate`; ``kv_trips``: the links K and V cross, 2 on a mesh)."""
+    if fmts != cd.NONE and config.settings.emulate_comm:
+        return emulate.attention(call.q, call.k, call.v, call.scale, call.key_mask, fmts, kv_trips)
     return local_attention(call.q, call.k, call.v, call.scale, call.key_mask)
 
 
@@ -264,6 +264,30 @@ def _shards(d: Decision, pg, q) -> layout.Shards | None:
     if d.seq_lens is None and not d.has_mask:
         return None
     return layout.Shards(d.seq_lens, d.world, pg.rank(), q.shape[1], q.device)
+
+
+def direct_comm(pg, transport: str, tag: int, seq_lens, fmts, device) -> DirectComm:
+    """The eager plan's comm on ``pg``: its first launch of each call makes the rank contract's exchange with the
+    signature the op would exchange (``tag`` with ``seq_lens`` folded in); the transport chosen at the first call."""
+    tag = contract.with_seq_lens(tag, seq_lens)
+    check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, transport, shape, dtype, extra, 0, tag,
+                                                            contract.tag_note(tag)))
+    return DirectComm(pg, None, check, lambda: transport_base.for_group(transport, pg, device), DirectCodec(fmts))
+
+
+class Rerouted:
+    """The eager plan of a call that runs as another call: ``reroute(call)`` (a 1-D mode of the cross-node split, the
+    mesh it built, a degenerate mesh's one dim) run by ``plan``, or by ``traced`` where ``plan`` is None (nothing to
+    move: the traced path's empty case). ``pg``: the group it runs on, ``info``: what chose it (e.g. the split)."""
+
+    __slots__ = ("pg", "info", "reroute", "plan", "traced")
+
+    def __init__(self, pg, info, reroute, plan, traced):
+        self.pg, self.info, self.reroute, self.plan, self.traced = pg, info, reroute, plan, traced
+
+    def run(self, call: Call):
+        call = self.reroute(call)
+        return self.traced(call) if self.plan is None else self.plan.run(call)
 
 
 class Plan:
@@ -278,15 +302,9 @@ class Plan:
     def run(self, call: Call):
         d = self.d
         if d.world == 1:
-            return _one_rank(call, d)
+            return one_rank(call, d.fmts)
         if self.epoch != transport_base.epoch:  # first call, or the transports' per-group choices were reset
-            pg, resolved, device = self.pg, d.transport, self.device
-            tag = contract.with_seq_lens(d.tag, d.seq_lens)
-            # the rank contract's exchange at each call's first launch: the signature the op would exchange for it
-            check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, resolved, shape, dtype, extra, 0, tag,
-                                                                    contract.tag_note(tag)))
-            self.comm = DirectComm(pg, None, check, lambda: transport_base.for_group(resolved, pg, device),
-                                   DirectCodec(d.fmts))
+            self.comm = direct_comm(self.pg, d.transport, d.tag, d.seq_lens, d.fmts, self.device)
             self.epoch = transport_base.epoch
         comm = self.comm
         comm.armed = True

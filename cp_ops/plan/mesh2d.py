@@ -20,9 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import comm_dtype as cd, config, contract, emulate, layout, mesh as meshes, modes, validate
-from ..comm import DirectCodec, DirectComm, MeshComm, OpCodec, OpComm
-from ..kernels import local_attention
+from .. import comm_dtype as cd, contract, layout, mesh as meshes, modes, validate
+from ..comm import MeshComm, OpCodec, OpComm
 from ..transport import base as transport_base
 from . import flat, rules
 from .call import Call
@@ -71,7 +70,7 @@ def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
     fmts, scale_word = cd.NONE, None
 
     def local_checks():
-        nonlocal chosen, resolved, fmts, scale_word
+        nonlocal resolved, fmts, scale_word
         scale_word = contract.scale_field(scale)  # TypeError for a scale that is not a number
         if mode not in modes.names(dims=2):
             raise ValueError(f"mode on a 2-D CP mesh ({info.shape}, mesh_dim_names {meshes.DIM_NAMES}) must be one of "
@@ -125,15 +124,6 @@ def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
                         key_mask is not None, degenerate, fmts, why)
 
 
-def _one_rank(call: Call, fmts):
-    """A 1x1 mesh: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, what a mesh of more ranks computes
-    at chunks = 1 (:mod:`cp_ops.emulate`: K and V round-tripped twice, as they cross both dims)."""
-    q, k, v, scale, key_mask = call.q, call.k, call.v, call.scale, call.key_mask
-    if fmts != cd.NONE and config.settings.emulate_comm:
-        return emulate.attention(q, k, v, scale, key_mask, fmts, kv_trips=2)
-    return local_attention(q, k, v, scale, key_mask)
-
-
 def _shards(d: MeshDecision, q) -> meshes.MeshShards | None:
     if d.seq_lens is None and not d.has_mask:
         return None
@@ -149,7 +139,7 @@ def traced(call: Call) -> torch.Tensor:
     if d.flat is not None:
         return flat.traced(call._replace(group=group[d.flat[0]], mode=d.flat[1]), group[d.flat[0]].get_group())
     if info.world == 1:
-        return _one_rank(call, d.fmts)
+        return flat.one_rank(call, d.fmts, kv_trips=2)
     tag = contract.set_partner(info.inner_name, d.tag, info.outer_name)  # a failed row exchange tells the column
     inner = OpComm(info.inner, info.inner_name, d.inner_transport, CALL, tag, info.i, d.seq_lens, OpCodec(d.fmts))
     outer = OpComm(info.outer, info.outer_name, d.outer_transport, CALL, d.tag, info.o, d.rows,
@@ -187,18 +177,13 @@ class MeshPlan:
         self.pgs, self.d, self.shards, self.device = pgs, d, shards, device
         self.comm, self.epoch = None, -1
 
-    def _comm(self, pg, transport: str, seq, fmts) -> DirectComm:
-        tag, device = contract.with_seq_lens(self.d.tag, seq), self.device
-        check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, transport, shape, dtype, extra, 0, tag,
-                                                                contract.tag_note(tag)))
-        return DirectComm(pg, None, check, lambda: transport_base.for_group(transport, pg, device), DirectCodec(fmts))
-
     def run(self, call: Call):
         d = self.d
         if self.epoch != transport_base.epoch:
             outer_pg, inner_pg = self.pgs
-            self.comm = MeshComm(self._comm(outer_pg, d.outer_transport, d.rows, cd.outer(d.fmts)),
-                                 self._comm(inner_pg, d.inner_transport, d.seq_lens, d.fmts))
+            self.comm = MeshComm(flat.direct_comm(outer_pg, d.outer_transport, d.tag, d.rows, cd.outer(d.fmts),
+                                                  self.device),
+                                 flat.direct_comm(inner_pg, d.inner_transport, d.tag, d.seq_lens, d.fmts, self.device))
             self.epoch = transport_base.epoch
         comm = self.comm
         comm.inner.armed = comm.outer.armed = True
@@ -218,21 +203,6 @@ class MeshPlan:
             raise
 
 
-class _Flat:
-    """The plan of a degenerate mesh: the 1-D call on one dim's group."""
-
-    __slots__ = ("pg", "mode", "sub", "plan")
-
-    def __init__(self, pg, mode, sub, plan):
-        self.pg, self.mode, self.sub, self.plan = pg, mode, sub, plan
-
-    def run(self, call: Call):
-        call = call._replace(group=self.sub, mode=self.mode)
-        if self.plan is None:  # nothing to move: the traced path's empty case
-            return flat.traced(call, self.pg)
-        return self.plan.run(call)
-
-
 class _Local:
     __slots__ = ("fmts",)
 
@@ -240,7 +210,7 @@ class _Local:
         self.fmts = fmts
 
     def run(self, call: Call):
-        return _one_rank(call, self.fmts)
+        return flat.one_rank(call, self.fmts, kv_trips=2)
 
 
 def same_groups(plan, mesh) -> bool:
@@ -248,7 +218,7 @@ def same_groups(plan, mesh) -> bool:
     pgs = meshes.groups(mesh)
     if isinstance(plan, MeshPlan):
         return plan.pgs[0] is pgs[0] and plan.pgs[1] is pgs[1]
-    if isinstance(plan, _Flat):
+    if isinstance(plan, flat.Rerouted):
         return plan.pg is pgs[0] or plan.pg is pgs[1]
     return True  # local attention or nothing to move: no group
 
@@ -265,7 +235,9 @@ def build(call: Call):
     if d.flat is not None:
         sub = group[d.flat[0]]
         pg = pgs[0] if d.flat[0] == "agkv" else pgs[1]
-        return _Flat(pg, d.flat[1], sub, flat.build(call._replace(group=sub, mode=d.flat[1]), pg, d.why))
+        plan = flat.build(call._replace(group=sub, mode=d.flat[1]), pg, d.why)
+        return flat.Rerouted(pg, d.flat, lambda c: c._replace(group=sub, mode=d.flat[1]), plan,
+                             lambda c: flat.traced(c, pg))
     if info.world == 1:
         return _Local(d.fmts)
     shards = _shards(d, q)
