@@ -4,16 +4,10 @@ both users: the fast transport (:mod:`cp_ops.transport.fast`) and the kernels (:
 import it, and it imports neither.
 
 Built with ninja through ``torch.utils.cpp_extension.load`` for sm_90 on first use on a CUDA machine, into
-``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the sources, torch and CUDA versions>``); a later
-process with the same source loads the cached ``.so`` without compiling. Never imported on CPU-only paths.
-A failed build leaves its full compiler output in ``<build dir>/build.log``; :func:`load` then returns the
-reason naming that file (and does not retry in this process).
-
-One build per build folder at a time, across processes (:func:`build_lock`): an ``flock`` on
-``<build dir>/cp_ops_build.lock``, which the OS releases when its holder dies (a rank killed during the ~1 min
-build leaves no stale lock), waited for at most ``CP_OPS_TIMEOUT_S``; the timeout is a reason naming the lock file
-and its holder's pid. Inside it, a ``<build dir>/lock`` left by torch's own build lock (``FileBaton``: a file that
-outlives a killed holder, on which every later build would wait forever) is stale and removed.
+``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the sources, torch and CUDA versions>``); never imported on
+CPU-only paths. A failed build leaves its compiler output in ``<build dir>/build.log``; :func:`load` then returns the
+reason naming that file (and does not retry in this process). One build per build folder at a time across processes
+(:func:`build_lock`; ``docs/install.md``).
 """
 
 from __future__ import annotations

@@ -36,11 +36,8 @@ def file_lock(path: str | os.PathLike, timeout_s: float, purpose: str = "the loc
     """Hold an exclusive ``flock`` on ``path`` (created if missing, never deleted) for the ``with`` body.
 
     Args:
-        path: the lock file; its folder must exist.
-        timeout_s: longest wait, seconds, for a live holder to let go (> 0).
-        purpose: what the lock guards, for the error message (e.g. "the cp_ops CUDA extension build in DIR").
-        hint: what to do when the wait times out (added to the message).
-
+        path: the lock file (its folder must exist). timeout_s: longest wait, seconds, for a live holder (> 0).
+        purpose, hint: what the lock guards and what to do, for the timeout's message.
     Raises:
         LockTimeout: another live process held the lock for ``timeout_s`` seconds; the message names ``path``,
             the holder's pid (written into the file while held) and ``hint``.

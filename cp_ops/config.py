@@ -188,11 +188,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 def configure(**changes: Any) -> Settings:
-    """Change settings at run time (field names as in :class:`Settings`); returns the settings object.
-
-    Values are checked with the same rules as the environment variables. Some fields have their own
-    moment: the fast transport's heap, pool ceiling and lane width apply when its lane is created
-    (:func:`cp_ops.transport.fast.configure` enforces that).
+    """Change settings at run time (field names as in :class:`Settings`, values checked as the environment's);
+    returns the settings object. The fast transport's heap, pool ceiling and lane width apply when its lane is
+    created (:func:`cp_ops.transport.fast.configure` enforces that).
 
     Raises:
         ConfigError: an unknown field or a value outside its allowed values.

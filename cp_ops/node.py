@@ -1,22 +1,10 @@
 """Which ranks share a node: cp_ops never assumes that every rank of a group runs on one host.
 
-**The rule.** A rank's node identity is ``CP_OPS_NODE_ID`` when set (``cp_ops.config.settings.node_id``, read per
-rank), else its host name (``socket.gethostname()``). Ranks with equal identities share a node. Under
-``torchrun --nnodes N`` each node's ranks have their node's host name, so nothing needs setting; set
-``CP_OPS_NODE_ID`` to simulate several nodes on one machine (one ``torchrun --nnodes 2 --node-rank k`` per simulated
-node, each with its own ``CP_OPS_NODE_ID=nodek``; tests: ``cp_ops.config.configure(node_id=...)`` in each rank before
-its first cp_ops call), or where host names do not tell nodes apart (containers with one fixed host name on every node).
-
-What reads it:
-
-* the rank contract's shared-memory exchange (:mod:`cp_ops._shm_exchange`): only for a group on one node, else the
-  exchange goes over the group's gloo side group (:mod:`cp_ops.contract`, through :mod:`cp_ops._peers`' identities);
-* the fast transport's group probe (:mod:`cp_ops.transport.fast.start`): a group on more than one node cannot host
-  the fast lane;
-* ``transport='auto'`` (:func:`cp_ops.transport.base.for_group`): a transport marked ``single_node`` is not tried
-  for a group whose ranks are on more than one node (torch is used);
-* the 2-D mesh helper and the cost model (:mod:`cp_ops.cost`): ranks per node and node count;
-* ``mode='auto'`` on a flat group (:mod:`cp_ops.plan.split`): on several nodes the cost model picks the split.
+A rank's node identity is ``CP_OPS_NODE_ID`` when set (``cp_ops.config.settings.node_id``, read per rank), else its
+host name; ranks with equal identities share a node. Set it to simulate several nodes on one machine, or where host
+names do not tell nodes apart (``docs/settings.md``). What reads it — the rank contract's shared-memory exchange, the
+fast transport's group probe, ``transport='auto'``, the cost model and ``mode='auto'``'s cross-node split:
+``docs/2d.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The bound tool's process groups: fake groups whose collectives write their outputs.
 
-``cp-ops bound`` (:mod:`cp_ops.cli.bound`) times rank 0 of a W-rank *fake* process group
-(``torch.testing._internal.distributed.fake_pg``: one process stands for every rank, collectives move nothing).
-What torch's fake backend leaves in a collective's output depends on the torch version: torch 2.11's leaves
-``alltoall_base``'s output unwritten, and kernels computing on whatever the allocator's block held (zeros in fresh
-memory) ran 13-15 % faster than on real values (``benchmarks/results/bound/``). So the groups this module makes write every output
-themselves: this rank's own data in every source slot (real activations, the same magnitudes and statistics as the
-peers' would have), whatever the torch version.
+``cp-ops bound`` (:mod:`cp_ops.cli.bound`) times rank 0 of a W-rank *fake* process group (one process stands for
+every rank). torch 2.11's fake backend leaves ``alltoall_base``'s output unwritten, and kernels on stale memory ran
+13-15 % faster than on real values (``docs/measuring.md``, ``benchmarks/results/bound/``), so the groups this module
+makes write every output themselves: this rank's own data in every source slot, whatever the torch version.
 
 How: :func:`filled` swaps the creator of torch's ``'fake'`` backend while the tool makes its groups, so each is a
 :class:`FilledFakeGroup` — a Python :class:`torch.distributed.ProcessGroup` (as torch's own ``multi_threaded_pg``

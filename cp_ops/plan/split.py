@@ -104,13 +104,9 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
 
 def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, seq, device_type: str,
            skip: str = "") -> tuple | None:
-    """The split of a call (:class:`Split`'s fields), agreed by the group's ranks; None: the 1-D path as on one node
-    (the group is on one node, this rank takes no split — ``skip`` says why: a mode given, FP8 on the link —, or its
-    inputs are not a valid request: ``shape`` None). Collective on the first call of a group (node identities) and,
-    on a group across nodes, of each plan (the agreement: every rank of the group meets at one key, its request —
-    or why it takes no split — in the value, so ranks whose calls differ all take the 1-D path, whose rank contract
-    raises on every rank, instead of waiting at different keys). Marked constant for ``torch.compile`` (run while
-    tracing; the graph holds its result)."""
+    """The split of a call (:class:`Split`'s fields), agreed by the group's ranks (module docstring); None: the 1-D
+    path as on one node (one node; this rank takes no split, ``skip`` says why; or ``shape`` None: invalid inputs).
+    Marked constant for ``torch.compile`` (run while tracing; the graph holds its result)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     pg = _resolve_process_group(group_name)
@@ -210,10 +206,8 @@ def _skip(call) -> str:
 
 def route(call, pg: dist.ProcessGroup) -> Split | None:
     """The split a call on the flat group ``pg`` runs: source 'cost' (a 1-D mode or the 2-D mesh), 'mismatch' (the
-    ranks' calls differ: the 1-D path, and the plan is not kept, so the next call agrees again on every rank), or None
-    (the 1-D path; a 'heuristic' split too). Every call's plan on a group of several ranks asks — whatever its mode and
-    ``comm_dtype`` — so the ranks meet at the same keys (:func:`decide`); eager at the plan's build, traced while
-    tracing."""
+    ranks' calls differ: the 1-D path, and the plan is not kept), or None (the 1-D path; a 'heuristic' split too).
+    Every call's plan on a group of several ranks asks, whatever its mode and ``comm_dtype`` (:func:`decide`)."""
     if pg.size() == 1:
         return None
     if torch.compiler.is_compiling():

@@ -1,23 +1,13 @@
 """The transport protocol, the registry of transports, and the one selector (auto / explicit / fallback).
 
-A transport moves CP tensors between the ranks of a group with the layouts of :mod:`cp_ops.layout`. Adding
-one is one file that defines a :class:`Transport` and calls :func:`register`; the names the ops, the public
-API and the CLI accept (:func:`names`) derive from this registry.
-
-Selection happens in two steps, both here:
-
-* :func:`resolve` — at the public API (also while ``torch.compile`` traces; a constant for the compiler):
-  checks the name and the device. ``'torch'`` → ``'torch'``; an explicit name → that name, or RuntimeError
-  naming why it cannot run on this device; ``'auto'`` → ``'auto'`` when a preferred transport moves tensors of
-  this device type (its ``device_types``), else ``'torch'`` (logged once with the reason). Whether it can run
-  *here* is not asked at this step: that may differ from rank to rank, and the resolved name is part of the rank
-  contract's signature, so it must be the same on every rank.
-* :func:`for_group` — inside an op's real kernel, with the group in hand: an explicit name must suit the
-  group (RuntimeError naming why, on every rank: the verdict is agreed collectively by the transport's
-  :meth:`Transport.group_reason`); ``'auto'`` takes the first transport of :data:`AUTO_ORDER` that every rank of
-  the group can run — each rank's own :meth:`Transport.unavailable_reason` and then the group's
-  :meth:`Transport.group_reason`, each agreed across the ranks (:func:`cp_ops.contract.agree`, once per group; a
-  ``single_node`` transport is not tried for a group on several nodes, :mod:`cp_ops.node`) —, else torch on every rank (logged once per group, with the reason and the ranks that refused).
+A transport moves CP tensors between the ranks of a group with the layouts of :mod:`cp_ops.layout`. Adding one is
+one file that defines a :class:`Transport` and calls :func:`register`; the names the ops, the public API and the CLI
+accept (:func:`names`) derive from this registry. Selection happens in two steps, both here: :func:`resolve` at the
+public API (also while tracing: a constant for the compiler) checks the name and the device — whether a transport can
+run *here* may differ from rank to rank, and the resolved name is part of the rank contract's signature, so 'auto'
+stays 'auto' where a preferred transport moves tensors of this device type —; :func:`for_group` inside an op's real
+kernel, with the group in hand, takes an explicit name if it suits the group and for 'auto' the first transport of
+:data:`AUTO_ORDER` every rank of the group can run (agreed across the ranks, once per group), else torch.
 """
 
 from __future__ import annotations
@@ -217,7 +207,7 @@ def _log_once(key, msg: str, *args) -> None:
 
 
 def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
-    """Resolve a public ``transport=`` argument for tensors of ``device_type``; see the module docstring.
+    """Resolve a public ``transport=`` argument for tensors of ``device_type`` (module docstring).
 
     Returns:
         'auto' (a preferred transport may run; the group decides in the op), or a registered name.
