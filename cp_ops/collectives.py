@@ -97,7 +97,7 @@ def agkv_gather(
 
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
-        seq_lens: uneven shards (:class:`cp_ops._lay.Shards`): W token counts in rank order, the same on every
+        seq_lens: uneven shards (:class:`cp_ops.layout.Shards`): W token counts in rank order, the same on every
             rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
         comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
@@ -116,18 +116,20 @@ def agkv_gather(
     if _layout(layout, (k, v)):
         kf, vf = agkv_gather(_t(k), _t(v), group=group, transport=transport, seq_lens=seq_lens, comm_dtype=comm_dtype)
         return _t(kf), _t(vf)
-    if seq_lens is not None:
-        return _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype)
-    pg, tr, fmts = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport, comm_dtype=comm_dtype,
-                            mode="agkv")
+    uneven = None if seq_lens is None else \
+        (lambda w: _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]))
+    pg, tr, fmts = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport, uneven, comm_dtype, "agkv")
+    sh = _shards(seq_lens, pg, k.shape[1], k.device)
+    pad, rows = (_same, _same) if sh is None else (sh.pad, sh.rows)
     if fmts != cd.NONE:  # decoded into tensors of their own
-        k_full, v_full, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts).agkv(k, v).wait()
-        return k_full, v_full
-    k_full, v_full = torch.ops.cp_ops.agkv_gather_start(k, v, pg.size(), pg.group_name, tr)
-    k_full, v_full = ops.wait(k_full), ops.wait(v_full)
-    if _pooled(tr, pg, k):
-        return k_full.clone(), v_full.clone()
-    return k_full, v_full
+        kf, vf, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts, seq_lens).agkv(pad(k), pad(v)).wait()
+        return rows(kf).contiguous(), rows(vf).contiguous()
+    kf, vf = torch.ops.cp_ops.agkv_gather_start(pad(k), pad(v), pg.size(), pg.group_name, tr, "", 0, _list(seq_lens))
+    kf, vf = ops.wait(kf), ops.wait(vf)
+    k_out, v_out = rows(kf), rows(vf)  # (views of kf, vf where every block is full or the split a prefix)
+    if _pooled(tr, pg, kf):
+        return _owned(k_out, kf), _owned(v_out, vf)
+    return k_out.contiguous(), v_out.contiguous()  # (B > 1 under a prefix split: the promised contiguous copy)
 
 
 def ulysses_all_to_all(
@@ -155,17 +157,26 @@ def ulysses_all_to_all(
     if _layout(layout, xs):
         return [_t(o) for o in ulysses_all_to_all(*(_t(x) for x in xs), group=group, transport=transport,
                                                    seq_lens=seq_lens, comm_dtype=comm_dtype)]
-    if seq_lens is not None:
-        return _ulysses_uneven(xs, group, transport, seq_lens, comm_dtype)
     names = tuple(f"xs[{i}]" for i in range(len(xs)))
-    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport,
-                            lambda w: check_heads_divisible(xs[0].shape[2], w), comm_dtype)
+
+    def more(w):
+        check_heads_divisible(xs[0].shape[2], w)
+        if seq_lens is not None:
+            _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
+
+    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more, comm_dtype)
+    sh = _shards(seq_lens, pg, xs[0].shape[1], xs[0].device)
+    sent = list(xs) if sh is None else [sh.pad(x) for x in xs]
+
+    def rows(b):
+        unpack = lambda b: [_lay.ulysses_unpack(b, i) for i in range(len(xs))]  # noqa: E731
+        return unpack(b) if sh is None else list(sh.ulysses_rows(b, unpack))
+
     if any(fmts[:len(xs)]):  # views of one decoded buffer of their own
-        buf = _fp8_comm("cp_ops.ulysses_all_to_all", pg, tr, fmts).ulysses(list(xs)).wait()
-        return [_lay.ulysses_unpack(buf, i) for i in range(len(xs))]
-    buf = ops.wait(torch.ops.cp_ops.ulysses_start(list(xs), pg.size(), pg.group_name, tr))
-    outs = [_lay.ulysses_unpack(buf, i) for i in range(len(xs))]
-    return [_owned(o, buf) for o in outs] if _pooled(tr, pg, xs[0]) else outs
+        return rows(_fp8_comm("cp_ops.ulysses_all_to_all", pg, tr, fmts, seq_lens).ulysses(sent).wait())
+    buf = ops.wait(torch.ops.cp_ops.ulysses_start(sent, pg.size(), pg.group_name, tr, "", 0, _list(seq_lens)))
+    outs = rows(buf)
+    return [_owned(o, buf) for o in outs] if _pooled(tr, pg, buf) else outs
 
 
 def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport: str = "auto",
@@ -191,61 +202,28 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     if _layout(layout, (x,)):
         return _t(ulysses_all_to_all_inverse(_t(x), group=group, transport=transport, seq_lens=seq_lens,
                                              comm_dtype=comm_dtype))
-    if seq_lens is not None:
-        return _ulysses_inverse_uneven(x, group, transport, seq_lens, comm_dtype)
-    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
-                            lambda w: check_seq_divisible(x.shape[1], w), comm_dtype)
+    check = (lambda w: check_seq_divisible(x.shape[1], w)) if seq_lens is None else \
+        (lambda w: _lay.check_seq_lens(seq_lens, w, total=x.shape[1]))
+    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport, check, comm_dtype)
+    if seq_lens is None:
+        sent, rows = x, _lay.ulysses_inverse_unpack
+    else:
+        sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), seq_lens[pg.rank()], x.device)
+        sent, rows = sh.repad(x), sh.inverse_rows
     if fmts[3]:
-        return _lay.ulysses_inverse_unpack(_fp8_comm("cp_ops.ulysses_all_to_all_inverse", pg, tr, fmts)
-                                           .ulysses_inverse(x).wait())
-    buf = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(x, pg.size(), pg.group_name, tr))
-    return _lay.ulysses_inverse_unpack(buf)
+        return rows(_fp8_comm("cp_ops.ulysses_all_to_all_inverse", pg, tr, fmts, seq_lens).ulysses_inverse(sent).wait())
+    return rows(ops.wait(torch.ops.cp_ops.ulysses_inverse_start(sent, pg.size(), pg.group_name, tr, "", 0,
+                                                                _list(seq_lens))))
 
 
-# ---- uneven shards (cp_ops._lay.Shards: pad to max(seq_lens), move with the even ops, take the real rows) ----
-def _agkv_gather_uneven(k, v, group, transport, seq_lens, comm_dtype=None):
-    pg, tr, fmts = _prepare("cp_ops.agkv_gather", ("k", "v"), (k, v), group, transport,
-                            lambda w: _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), k.shape[1]),
-                            comm_dtype, "agkv")
-    sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), k.shape[1], k.device)
-    if fmts != cd.NONE:
-        kf, vf, _ = _fp8_comm("cp_ops.agkv_gather", pg, tr, fmts, seq_lens).agkv(sh.pad(k), sh.pad(v)).wait()
-        return sh.rows(kf).contiguous(), sh.rows(vf).contiguous()  # decoded: tensors of their own
-    kf, vf = torch.ops.cp_ops.agkv_gather_start(sh.pad(k), sh.pad(v), pg.size(), pg.group_name, tr, "", 0,
-                                                list(seq_lens))
-    kf, vf = ops.wait(kf), ops.wait(vf)
-    k_out, v_out = sh.rows(kf), sh.rows(vf)  # (views of kf, vf where every block is full or the split a prefix)
-    if _pooled(tr, pg, kf):
-        return _owned(k_out, kf), _owned(v_out, vf)
-    return k_out.contiguous(), v_out.contiguous()  # (B > 1 under a prefix split: the promised contiguous copy)
+# ---- uneven shards (cp_ops.layout.Shards: pad to max(seq_lens), move with the even ops, take the real rows) ----
+def _shards(seq_lens, pg, s_local: int, device):
+    return None if seq_lens is None else _lay.Shards(seq_lens, pg.size(), pg.rank(), s_local, device)
 
 
-def _ulysses_uneven(xs, group, transport, seq_lens, comm_dtype=None):
-    names = tuple(f"xs[{i}]" for i in range(len(xs)))
-
-    def more(w):
-        check_heads_divisible(xs[0].shape[2], w)
-        _lay.check_seq_lens(seq_lens, w, resolve_group(group).rank(), xs[0].shape[1])
-
-    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all", names, xs, group, transport, more, comm_dtype)
-    sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), xs[0].shape[1], xs[0].device)
-    if any(fmts[:len(xs)]):
-        buf = _fp8_comm("cp_ops.ulysses_all_to_all", pg, tr, fmts, seq_lens).ulysses([sh.pad(x) for x in xs]).wait()
-        return list(sh.ulysses_rows(buf, lambda b: [_lay.ulysses_unpack(b, i) for i in range(len(xs))]))
-    buf = ops.wait(torch.ops.cp_ops.ulysses_start([sh.pad(x) for x in xs], pg.size(), pg.group_name, tr, "", 0,
-                                                  list(seq_lens)))
-    outs = list(sh.ulysses_rows(buf, lambda b: [_lay.ulysses_unpack(b, i) for i in range(len(xs))]))
-    return [_owned(o, buf) for o in outs] if _pooled(tr, pg, buf) else outs
+def _list(seq_lens):
+    return None if seq_lens is None else list(seq_lens)
 
 
-def _ulysses_inverse_uneven(x, group, transport, seq_lens, comm_dtype=None):
-    pg, tr, fmts = _prepare("cp_ops.ulysses_all_to_all_inverse", ("x",), (x,), group, transport,
-                            lambda w: _lay.check_seq_lens(seq_lens, w, total=x.shape[1]), comm_dtype)
-    sh = _lay.Shards(seq_lens, pg.size(), pg.rank(), seq_lens[pg.rank()], x.device)
-    xp = sh.repad(x)
-    if fmts[3]:
-        back = _fp8_comm("cp_ops.ulysses_all_to_all_inverse", pg, tr, fmts, seq_lens).ulysses_inverse(xp).wait()
-        return sh.inverse_rows(back)
-    back = ops.wait(torch.ops.cp_ops.ulysses_inverse_start(xp, pg.size(), pg.group_name, tr, "", 0,
-                                                           list(seq_lens)))
-    return sh.inverse_rows(back)
+def _same(t):
+    return t
