@@ -6,6 +6,7 @@ bracketed and waited for on its own: the latency of one call, host launch cost i
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -14,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 from .captured import failed_ranks, warm_on_side_stream
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
@@ -35,16 +44,10 @@ def summary(samples: list[float]) -> dict:
 
 def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
                host: list | None = None) -> list[float]:
-    """Wall time of each of ``repeats`` runs of ``fn()`` in ms, after ``warmup`` untimed runs.
-
-    On CUDA each run is bracketed by CUDA events on the current stream, so the time is GPU time of the
-    work ``fn`` enqueues (including waits on communication it enqueues).
-
-    ``host`` (a list, optional) gets each run's host time in ms: the wall time of the ``fn()`` call itself, not
-    waited for (on CUDA the run is waited for after it, outside the timed region; the device's queue is empty at
-    its start). Where it reaches the device-timed time, the run is host-bound: the device waited for the host's
-    launches (or ``fn`` itself waited for the device). On CPU it is the wall time.
-    """
+    """Wall time of each of ``repeats`` runs of ``fn()`` in ms, after ``warmup`` untimed runs; on CUDA between CUDA
+    events on the current stream (the GPU time of the work ``fn`` enqueues, its waits on communication included).
+    ``host`` (a list) gets each run's host time in ms, the ``fn()`` call itself (each run starts on an empty device
+    queue): where it reaches the device time, the run is host-bound."""
     for _ in range(warmup):
         fn()
     times = []
@@ -148,13 +151,9 @@ def max_over_ranks_each(values: list[float], device: torch.device, group: dist.P
 
 
 class Graphed:
-    """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph; ``graphed()`` replays them and returns
-    the last call's output (static: the captured tensors, rewritten by each replay).
-
-    Capture follows torch's rule for ``torch.cuda.graph``: ``warmup`` calls first on a side stream (plans,
-    communicators, the fast transport's lane, pool buffers and per-shape decision, kernels' first-call setup),
-    then the capture on the current device. The inputs ``fn`` reads are the graph's: replays see their values at
-    replay time.
+    """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph after ``warmup`` calls on a side stream
+    (torch's rule for ``torch.cuda.graph``); ``graphed()`` replays them and returns the last call's output (static:
+    rewritten by each replay). Replays read ``fn``'s inputs as they are at replay time.
 
     Args:
         fn: the work to capture (eager PyTorch, cp_ops calls). device: a CUDA device. calls: calls per graph.

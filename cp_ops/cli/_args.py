@@ -149,7 +149,7 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", la
         fail(f"{what}: --mesh {text}: both degrees must be >= 1; got outer={o}, inner={i}")
     if o * i != world:
         need = o * i * lanes
-        how = (f"launch {need} ranks in all (torchrun: --nnodes x --nproc-per-node = {need})" if _under_torchrun()
+        how = (f"launch {need} ranks in all (torchrun: --nnodes x --nproc-per-node = {need})" if under_torchrun()
                else f"pass --nproc {need}")
         fail(f"{what}: --mesh {text}: outer x inner must equal the CP world size {world}{per}; got {o} x {i} = {o * i} "
              f"(for this mesh, {how})")
@@ -162,8 +162,8 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", la
     args.mesh = (o, i)
 
 
-def _under_torchrun() -> bool:
-    """As :func:`cp_ops.cli.launch.under_torchrun` (which imports torch): torchrun's variables are set."""
+def under_torchrun() -> bool:
+    """Whether torchrun's variables are set (this process is one of its ranks)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 

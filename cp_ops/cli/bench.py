@@ -17,13 +17,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 
 import torch
 import torch.distributed as dist
 
 from cp_ops import attention, choose_mode, describe, local_attention, modes, select_transport
 
-from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, samples_ms, steady_ms, summary
+from ..timing import (Graphed, available_cores, interleaved_rounds, max_over_ranks, max_over_ranks_each, samples_ms,
+                      steady_ms, summary)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,15 +51,23 @@ def environment(device: torch.device, world_size: int) -> dict:
                    cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
     else:
         env.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    if "diffusers" in sys.modules:  # a run of a diffusers model (cp-ops run, bound)
+        env["diffusers"] = sys.modules["diffusers"].__version__
     return env
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+def cpu_threads(rank: int, world_size: int, device: torch.device, command: str, cores: int) -> int | None:
+    """On CPU: this rank's share of the ``cores`` as torch's intra-op threads (returned; None on GPU), with a warning
+    from rank 0 when the ranks outnumber the cores."""
+    if device.type != "cpu":
+        return None
+    threads = max(1, cores // world_size)
+    torch.set_num_threads(threads)
+    if rank == 0 and world_size * threads > cores:
+        print(f"cp-ops {command}: warning: {world_size} ranks x {threads} thread(s) = {world_size * threads} > {cores} "
+              "cores here: the ranks contend for cores, so CP times are inflated and speedups understated (use "
+              "--nproc <= cores)", flush=True)
+    return threads
 
 
 def _write_json(path: str, payload: dict, quiet: bool = False) -> None:
@@ -108,30 +118,12 @@ def received_bytes(mode: str, world_size: int, local_bytes: int, mesh: tuple | N
 
 
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
-    """Rank body of ``cp-ops bench`` (see :mod:`cp_ops.cli.main` for the arguments).
-
-    Once: the P2P probe (:func:`p2p_probe`) at the largest S. Per S (:func:`_bench_one_s`): every rank draws the
-    same full q, k, v; every case (mode, chunk count, transport) is checked against the single-device output and
-    warmed up (``args.warmup`` calls); then ``args.repeats`` interleaved rounds: rank 0 times single-device SDPA
-    (the full sequence, and one rank's share — its S/W queries against all S keys: the bound's attention time)
-    while the other ranks wait at a barrier (no contention for cores or memory bandwidth), then every rank takes
-    one steady-state sample (``args.calls`` calls) of every case. Drift over the run (clocks, temperature) hits
-    baseline and cases alike. Then ``args.repeats`` single waited-for calls per case (latency). A sample's CP
-    time is the slowest rank's; the reported time is the median over the samples, with the interquartile range
-    beside it.
-    """
+    """Rank body of ``cp-ops bench`` (arguments: :mod:`cp_ops.cli.bench_args`): the P2P probe (:func:`p2p_probe`)
+    at the largest S, then per S :func:`_bench_one_s` (every rank draws the same full q, k, v), then the report."""
     from cp_ops import config
     from cp_ops.group import resolve_group
 
-    threads = None
-    if device.type == "cpu":
-        cores = available_cores()
-        threads = max(1, cores // world_size)
-        torch.set_num_threads(threads)
-        if rank == 0 and world_size * threads > cores:
-            print(f"cp-ops bench: warning: {world_size} ranks x {threads} thread(s) = {world_size * threads} > "
-                  f"{cores} cores here: the ranks contend for cores, so CP times are inflated and speedups "
-                  "understated (use --nproc <= cores)", flush=True)
+    threads = cpu_threads(rank, world_size, device, "bench", available_cores())
     dtype = DTYPES[args.dtype]
     b, h, d = args.batch, args.heads, args.head_dim
     calls = getattr(args, "calls", 1)

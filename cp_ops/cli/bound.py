@@ -155,12 +155,6 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 side_processes=("every side of a compiled mode built, compiled and timed in its own process "
                                 "(--side-processes), on this process's weights (shared, not copied), its forwards "
                                 "when this process asks: one side's at a time" if remote else False))
-    try:
-        import diffusers
-
-        meta["diffusers"] = diffusers.__version__
-    except ImportError:
-        pass
     if only is None:
         print(f"cp-ops bound {args.model} --worlds {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
               f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)

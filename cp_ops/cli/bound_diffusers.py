@@ -1,19 +1,8 @@
-"""diffusers' own context parallelism as a side of ``cp-ops bound MODEL --worlds W --compare diffusers``.
-
-A copy of the model (sharing its weights) gets ``enable_parallelism(config=ContextParallelConfig(...))`` over a
-device mesh of the first W ranks of the fake default group (``("ring", "ulysses")`` dims: ``(1, W)`` for Ulysses,
-``(W, 1)`` for ring), so one forward is rank 0's work under diffusers' CP, timed beside cp_ops' in the same rounds.
-``ulysses``: ``ulysses_degree=W`` (``ulysses_anything=True`` where W does not divide the heads, as diffusers needs);
-``ring``: ``ring_degree=W`` (diffusers' ring all-gathers K/V once, then attends to each block and merges by LSE).
-
-**The fake collectives' outputs.** diffusers moves data with functional collectives
-(``torch.distributed._functional_collectives``: ``all_to_all_single`` for Ulysses, ``all_gather_tensor`` for ring
-and the output gathers); on the bound tool's fake groups (:mod:`cp_ops.cli.bound_fill`) they write this rank's own
-data into every slot and are recorded, timed alone (``fill_ms``) and taken out of rank 0's time, as for cp_ops' sides.
-
-diffusers' ``enable_parallelism`` places rank r on ``device r % torch.accelerator.device_count()``: on a CPU-only
-torch that is a division by zero, so its CP needs an accelerator; on CPU the side becomes a row with that reason (the
-CPU tests patch the device count to exercise the same path).
+"""diffusers' own context parallelism as a side of ``cp-ops bound MODEL --worlds W --compare diffusers``: a copy of
+the model (sharing its weights) with ``enable_parallelism(config=ContextParallelConfig(...))`` over a device mesh of
+the first W ranks of the fake default group (``("ring", "ulysses")`` dims: ``(1, W)`` for Ulysses, ``(W, 1)`` for
+ring), timed beside cp_ops' in the same rounds; its functional collectives write on the tool's fake groups
+(:mod:`cp_ops.cli.bound_fill`). The side, its rows and its limits: ``docs/measuring.md``.
 """
 
 from __future__ import annotations
@@ -64,7 +53,7 @@ def parallelize(model: torch.nn.Module, layout: str, world: int, heads: int | No
     """``model.enable_parallelism`` with diffusers' ``layout`` over ``world`` ranks (see :func:`mesh_for`); returns
     a label (``'ulysses'``, ``'ulysses_anything'``, ``'ring'``). Raises what diffusers raises (e.g. on CPU:
     RuntimeError, no accelerator: diffusers itself would divide by zero) and ValueError for an unknown layout."""
-    _logger_compat()
+    logger_compat()
     if torch.accelerator.device_count() == 0:  # what diffusers would do: rank % 0, a ZeroDivisionError
         raise RuntimeError("diffusers' enable_parallelism needs an accelerator (it places rank r on device "
                            "r % torch.accelerator.device_count(), 0 here)")
@@ -73,9 +62,9 @@ def parallelize(model: torch.nn.Module, layout: str, world: int, heads: int | No
     return "ulysses_anything" if getattr(cfg, "ulysses_anything", False) else layout
 
 
-def _logger_compat() -> None:
+def logger_compat() -> None:
     """diffusers 0.42.1's CP hooks call ``logger.warning_once`` (added by transformers); without transformers the
-    same message through ``warning`` (as :func:`cp_ops.cli.run._diffusers_rows` does)."""
+    same message through ``warning``."""
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -152,12 +152,9 @@ def replay_ms(records: list, device: torch.device, repeats: int = 5, graphed: bo
     memory for one write of each shape only.
 
     ``graphed`` (default: on CUDA): all the writes are captured in one CUDA graph and its replay timed (median of
-    ``repeats``), so the result is their device time without the host's launches — replayed one launch at a time
-    the hundreds of ~3 µs copies of an image model are launch-bound (FLUX.1-dev at W = 8: 172 writes took 1.21 ms
-    so, 0.45 ms of device time inside the forward's CUDA graphs), and taking that out of a forward would make its
-    bound optimistic. Inside a host-bound eager forward the writes' launches cost host time too; they stay in
-    rank 0's time (as a real collective's launch would). ``graphed=False`` (always on CPU): the writes launched
-    back to back, timed as they run.
+    ``repeats``): their device time without the host's launches (launched one by one, an image model's hundreds of
+    ~3 µs copies are launch-bound: ``docs/measuring.md``); their launches stay in rank 0's time, as a real
+    collective's would. ``graphed=False`` (always on CPU): the writes launched back to back, timed as they run.
 
     Raises:
         RuntimeError: ``graphed=True`` off CUDA, or the capture failed.

@@ -19,6 +19,7 @@ from ..integrations.diffusers.dispatch import CPAttention
 from ..timing import Graphed, time_ms
 from . import bound_fill
 from ._args import whole_capture
+from .run import _sync
 
 
 #: compile modes --compile-modes takes: a base and an optional "+graphs"
@@ -76,10 +77,9 @@ class PlainAttention(CPAttention):
     - Ulysses: Q, K, V of all S tokens and ``H / W`` heads (the local block repeated over the sequence, cut to S,
       the first ``H / W`` heads), and the output's first ``S_local`` tokens repeated over the heads.
 
-    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K). For a model installed
-    from its ``_cp_plan`` (generic: no recorded stream totals) S = W x S_local (exact for even shards). Attention runs on
-    cuDNN first on CUDA (as :func:`cp_ops.local_attention`). Output ``[B, S_local, H, D]``, the query's dtype.
-    Its values are not the model's (the copies repeat this rank's tokens): a timing stand-in only.
+    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K); S = W x S_local for a
+    model installed from its ``_cp_plan``. Output ``[B, S_local, H, D]``, the query's dtype; its values are not the
+    model's (the copies repeat this rank's tokens): a timing stand-in only.
     """
 
     def __init__(self, cp: CPAttention, mode: str):
@@ -180,11 +180,6 @@ class Side:
         waited for the host)."""
         h = self.host_ms
         return None if h is None else h >= HOST_BOUND * self.ms
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _make_call(m, spec, kw, margs, device, count=None, step_log=None):

@@ -20,13 +20,12 @@ import inspect
 import json
 import math
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from .bench import DTYPES, available_cores
-from .run import UNSUPPORTED
+from .run import exit_unsupported
 
 
 def load_pipeline(path: str, dtype: torch.dtype, device: torch.device):
@@ -140,12 +139,8 @@ def generate(rank: int, world_size: int, device: torch.device, args) -> None:
     except ValueError as e:
         if "support" not in str(e):
             raise
-        if rank == 0:
-            print(f"cp-ops generate: cp_ops.parallelize does not support {type(pipe.transformer).__name__} here: {e}",
-                  file=sys.stderr, flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.exit(UNSUPPORTED)
+        exit_unsupported(rank, f"cp-ops generate: cp_ops.parallelize does not support "
+                               f"{type(pipe.transformer).__name__} here: {e}")
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"CP{world_size} steps")
     kw = _call_kwargs(pipe, args, device)
     if device.type == "cuda":

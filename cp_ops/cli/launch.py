@@ -27,6 +27,8 @@ from cp_ops import config
 
 from cp_ops.config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
 
+from ._args import under_torchrun  # noqa: F401 (main and bound_args import it from here)
+
 
 #: the device name :func:`launch` takes for ranks that share cuda:0 (``--share-device``)
 SHARED = "cuda-shared"
@@ -97,6 +99,10 @@ def run_rank(rank: int, world_size: int, device: str, port: int, fn: Callable, a
     down (:func:`shutdown`: the process exits 0, or 1 when ``fn`` raised). What :func:`launch` spawns per rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_RANK"] = str(rank)
+    _run(rank, world_size, device, fn, args)
+
+
+def _run(rank: int, world_size: int, device: str, fn: Callable, args: tuple) -> None:
     dev = init_rank(rank, world_size, device)
     ok = False
     try:
@@ -104,10 +110,6 @@ def run_rank(rank: int, world_size: int, device: str, port: int, fn: Callable, a
         ok = True
     finally:
         shutdown(ok)
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
@@ -119,15 +121,7 @@ def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
     if under_torchrun():
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dev = init_rank(rank, world, device)
-        ok = False
-        try:
-            fn(rank, world, dev, *args)
-            ok = True
-        finally:
-            shutdown(ok)
-        return
+        return _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, fn, args)
     if device == "cuda" and torch.cuda.device_count() < nproc:
         raise ValueError(
             f"--nproc {nproc} needs {nproc} visible GPUs; found {torch.cuda.device_count()} "

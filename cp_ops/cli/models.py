@@ -25,19 +25,12 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One model family: see the module docstring.
-
-    ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA, the model's standard resolution:
-    Wan2.1 480p, 81 frames (21 x 60 x 104 = 32760 tokens); HunyuanVideo 544x960, 61 frames (16 x 68 x 120 = 32640);
-    Flux.1-dev and Z-Image-Turbo 1024x1024 (4096 tokens); Qwen-Image 1328x1328 (6889 tokens). ``cpu_latent``: the
-    tiny configs' (seconds on a CPU).
-
-    ``layer_keys``: config entries ``--layers N`` sets to N (every block kind: Flux and HunyuanVideo get N
-    double-stream and N single-stream blocks). ``text_tokens``: text sequence length per config (the
-    pipeline's ``max_sequence_length`` where it pads, else a typical prompt's valid tokens). ``replicated``:
-    submodule name prefixes whose work every rank repeats on full (unsplit) tensors (timestep and text
-    embeddings), for the ``--profile`` breakdown.
-    """
+    """One model family (module docstring). ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA,
+    the model's standard resolution (``cp-ops run --help``: ``--height``); ``cpu_latent``: the tiny configs'.
+    ``layer_keys``: config entries ``--layers N`` sets to N (every block kind). ``text_tokens``: text sequence length
+    per config (the pipeline's ``max_sequence_length`` where it pads, else a typical prompt's valid tokens).
+    ``replicated``: submodule name prefixes whose work every rank repeats on full tensors (timestep and text
+    embeddings), for the ``--profile`` breakdown."""
 
     name: str
     cls: str

@@ -110,21 +110,7 @@ def _length(iv) -> float:
 
 def _minus(a, b) -> float:
     """Length of union(a) not covered by union(b)."""
-    a, b = _union(a), _union(b)
-    total, j = 0.0, 0
-    for s, e in a:
-        cur = s
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                total += b[k][0] - cur
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            total += e - cur
-    return total
+    return _length(a) - _intersect(_union(a), _union(b))
 
 
 #: the classes of GPU time in one CP attention call's trace (:func:`attention_timeline`)

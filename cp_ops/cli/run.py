@@ -15,15 +15,10 @@ to the unparallelized model's; ``parallelize(..., cfg_parallel=True)`` is expect
 of ``W / 2`` ranks each, CP inside each lane. The ``--steps`` loop then combines the halves with guidance 5.
 
 Each row: one forward (``--steps 0``, median of ``--repeats``; without ``--cuda-graphs`` the final times come from
-interleaved rounds, every side once per round, so drift over the run hits all alike) or a denoising loop of ``--steps N`` (the
-model's diffusers scheduler; time per step = median, total = sum), time (CP = the slowest rank), speedup
-over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile`` compiles every side the
-same way (``regional``: each repeated block's forward, as diffusers' ``compile_repeated_blocks``; ``full``:
-the whole model) through :func:`cp_ops.compile`; ``--cuda-graphs`` replays CUDA graphs (with ``--compile``: per
-block, ``mode='reduce-overhead'``; without it, or ``--cuda-graphs forward``: the whole forward captured in one graph,
-:class:`cp_ops.timing.Graphed`); ``--profile DIR``
-traces the cp_ops run (see :mod:`cp_ops.cli.profile`). A model ``parallelize`` does not support (yet) ends
-the run with exit code 3 and one line saying so.
+interleaved rounds, every side once per round) or a denoising loop of ``--steps N``, time (CP = the slowest rank),
+speedup over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile``, ``--cuda-graphs`` and
+``--profile DIR`` (:mod:`cp_ops.cli.profile`) as their ``--help`` says; every side is compiled the same way. A model
+``parallelize`` does not support (yet) ends the run with exit code 3 and one line saying so.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .bench import DTYPES, _write_json, available_cores, environment
+from .bench import DTYPES, _write_json, available_cores, cpu_threads, environment
 from .models import MODELS, build, config_label, load_checkpoint
 from ._args import per_block_graphs, whole_capture
 from ..integrations.diffusers.compiled import canonical as _canonical  # noqa: F401  (tests' names)
@@ -45,6 +40,16 @@ from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
 UNSUPPORTED = 3
+
+
+def exit_unsupported(rank: int, line: str) -> None:
+    """A model (or layout) ``parallelize`` does not support: rank 0 prints ``line``, every rank exits
+    :data:`UNSUPPORTED`."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(UNSUPPORTED)
 
 
 class _Skip(Exception):
@@ -197,15 +202,12 @@ def _row(name, first_s, ms, out, ref, single, device, steps):
 def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: list | None = None):
     """Rows of diffusers' native CP (Ulysses W, ring W) on copies of ``base`` (still unparallelized). ``keep``: a
     list that gets ``(row, call)`` of every row that ran (its model kept alive for :func:`_interleaved`)."""
-    rows = []
-    try:
-        import transformers  # noqa: F401  (diffusers 0.42.1's CP hooks call logger.warning_once, added by it)
-    except ImportError:
-        import diffusers.hooks.context_parallel as dcp
-
-        if not hasattr(dcp.logger, "warning_once"):
-            dcp.logger.warning_once = dcp.logger.warning  # the same message, without transformers' dedup
     from diffusers import ContextParallelConfig
+
+    from .bound_diffusers import logger_compat
+
+    rows = []
+    logger_compat()
 
     for label, cpc in (("diffusers ulysses", dict(ulysses_degree=world)), ("diffusers ring", dict(ring_degree=world))):
         reason = None
@@ -292,13 +294,7 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     from cp_ops.integrations.diffusers import parallelize
 
     spec = MODELS[args.model]
-    if device.type == "cpu":
-        cores = available_cores()
-        threads = max(1, cores // world_size)
-        torch.set_num_threads(threads)
-        if rank == 0 and world_size * threads > cores:  # as cp-ops bench warns
-            print(f"cp-ops run: warning: {world_size} ranks x {threads} thread(s) = {world_size * threads} > {cores} "
-                  "cores here: the ranks contend for cores, so CP times are inflated (use --nproc <= cores)", flush=True)
+    cpu_threads(rank, world_size, device, "run", available_cores())
     dtype = DTYPES[args.dtype]
     if args.checkpoint:
         model, cfg = load_checkpoint(spec, args.checkpoint, device, dtype)
@@ -357,13 +353,9 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
                         comm_dtype=fmts, cuda_graphs=False, **({"cfg_parallel": True} if args.cfg else {}))
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
-            if rank == 0:
-                what = "the CFG-parallel layout (--cfg) of " if args.cfg else ""
-                print(f"cp-ops run {args.model}: cp_ops.parallelize does not support {what}{spec.cls} here: {e}",
-                      file=sys.stderr, flush=True)
-            dist.barrier()
-            dist.destroy_process_group()
-            sys.exit(UNSUPPORTED)
+            what = "the CFG-parallel layout (--cfg) of " if args.cfg else ""
+            exit_unsupported(rank, f"cp-ops run {args.model}: cp_ops.parallelize does not support {what}{spec.cls} "
+                                   f"here: {e}")
         raise
     by_dim = None
     if mesh is not None:  # the attention calls of one eager forward, then each dim's collectives for them, alone
@@ -432,12 +424,6 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
         from .mesh_comm import label
 
         meta["mesh"] = dict(shape=list(args.mesh), dims=list(mesh.mesh_dim_names), label=label(mesh))
-    try:
-        import diffusers
-
-        meta["diffusers"] = diffusers.__version__
-    except ImportError:
-        pass
     weights = f"checkpoint {args.checkpoint}" if args.checkpoint else "random weights"
     name = {"wan": "Wan"}.get(args.model, spec.cls)
     print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "
