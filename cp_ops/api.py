@@ -65,26 +65,18 @@ def attention(
             Every rank must pass the same value.
         seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
             ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
-            :func:`cp_ops.layout.shard_sizes`). Padded blocks are moved; without a key mask the real rows are
-            taken before attention (exact: the keys are the concatenation of all ranks' real tokens) — as views
-            where every block before the last non-empty one is full (the prefix split ``shard_sizes`` makes: split
-            with it for speed), else by a copy selecting them (e.g. ``torch.tensor_split``'s split), with one
-            the padded blocks are attended with the padding rows masked (equal up to the attention kernel's order
-            of sums; no copy of the real rows: :class:`cp_ops.layout.Shards`). None = every rank holds S_local.
+            :func:`cp_ops.layout.shard_sizes`: its prefix split takes the real rows as views, any other split by a
+            copy). Padded blocks are moved; the real rows are attended (exact), or with a key mask the padding rows
+            masked (:class:`cp_ops.layout.Shards`). None = every rank holds S_local.
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
             applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`); or bool
             ``[B, S_total]`` (``S_total = sum(seq_lens)``, else ``W * S_local``): every key of the call in rank order,
-            the same on every rank, applied as given with no communication (for a caller that knows the whole mask,
-            e.g. once per forward for all layers: :mod:`cp_ops.integrations.diffusers`; not on a 2-D mesh given as
-            ``group``; where the cross-node split runs a flat group's call on a mesh, it takes this rank's slice). When
-            this rank holds every token the two shapes are one, read as this rank's. AGKV with a mask runs 1 stage
-            (its pipelined variant's LSE kernels take no mask).
+            the same on every rank, applied as given with no communication (not on a 2-D mesh given as ``group``; when
+            this rank holds every token the two shapes are one, read as this rank's). AGKV with a mask runs 1 stage.
         layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in
-            and out; transposed views, no copy of its own). The misuse rule: a 'bshd' call whose dim 2 (read as
-            heads) holds more than 64 entries and more than dim 1 (read as tokens) — e.g. ``[1, 8, 512, 64]`` — is a
-            BHSD tensor passed without ``layout='bhsd'``: ValueError naming both layouts (no DiT we know has more than
-            40 heads). A smaller BHSD tensor (e.g. 24 heads, 32 tokens per rank) looks like a valid BSHD one: pass
-            ``layout=`` whenever your tensors are BHSD.
+            and out; transposed views). A 'bshd' call whose dim 2 (read as heads) holds more than 64 entries and more
+            than dim 1 (e.g. ``[1, 8, 512, 64]``) is taken for a BHSD tensor: ValueError naming both layouts; a smaller
+            BHSD tensor looks like a valid BSHD one: pass ``layout=`` whenever your tensors are BHSD.
         tag: this call site's identity for the rank contract (an int, a str, or a tuple of them; the same on every
             rank), e.g. the layer index: ranks whose calls pair different tags (a rank skipped a layer) raise on every
             rank at the first mispaired call. :func:`cp_ops.parallelize` passes each attention module's layer.
@@ -94,9 +86,8 @@ def attention(
             Ulysses: Q, K, V, O) in FP8 with one fp32 scale per (token, head), carried with the bytes (D + 4 bytes
             per row instead of 2·D in bf16) and decoded on arrival; a dict ``{"q"|"k"|"v"|"o": fp8 dtype, its name or None}``
             = per tensor (e.g. ``{"q": e4m3, "v": e4m3, "o": e4m3}``; AGKV and a 2-D mesh: K and V alike; on a 2-D
-            mesh K and V cross both dims, each through the codec). Part of the rank
-            contract's variant (ranks that differ raise on every rank). Error (docs/fp8.md): e4m3 on all four
-            tensors ~5% (rms) of one attention output on random data, 0.7-2.5% of a full model's forward; not bitwise.
+            mesh K and V cross both dims, each through the codec). Part of the rank contract's variant (ranks that
+            differ raise on every rank). Not bitwise: its error is in docs/fp8.md.
             Either transport; on a group of one rank it is ignored unless ``CP_OPS_EMULATE_COMM=1``
             (:mod:`cp_ops.emulate`). Non-finite input: a (token, head) row holding a NaN or ±inf arrives as a row of
             NaN (never finite values; inf becomes NaN; docs/fp8.md): check ``torch.isfinite`` upstream if it matters.
@@ -116,25 +107,23 @@ def attention(
             e.g. the CLI's 'none' or 'e4m3:qvo', included), or AGKV with K and V apart;
             mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
             transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
-            S_local, mask dtype/shape; AGKV chunks > 1 with a mask); the ranks of the group disagree on the call (mode, shape,
-            dtype, transport, chunks, scale, comm_dtype, collective settings, call order) or one rank rejected its
-            inputs — raised
-            on every rank, naming each rank's call (:mod:`cp_ops.validate`).
+            S_local, mask dtype/shape; AGKV chunks > 1 with a mask); the ranks of the group disagree on the call (mode,
+            shape, dtype, transport, chunks, scale, comm_dtype, collective settings, call order) or one rank rejected
+            its inputs — raised on every rank, naming each rank's call (:mod:`cp_ops.validate`).
         TypeError: ``scale`` not None or a real number; ``tag`` not an int, a str or a tuple of them.
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
             initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
             output (see Autograd).
 
-    Host cost (eager): the first call with a given (shapes, dtypes, devices, group, mode, transport, chunks, scale;
-    ``seq_lens``, the key mask's shape, ``tag``, ``comm_dtype``) runs every check and caches its decisions; a
-    repeat call is a dict lookup, one rank-contract exchange and the mode's launches and kernels, called without the
-    ``torch.library`` dispatcher (:mod:`cp_ops.plan`). CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
+    Host cost (eager): the first call with a given key (:mod:`cp_ops.plan`) runs every check and caches its
+    decisions; a repeat call is a dict lookup, one rank-contract exchange and the mode's launches and kernels, without
+    the ``torch.library`` dispatcher. CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
     ``torch.compile(mode="reduce-overhead")``); the rank contract is checked at capture, not at replay.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
     """
-    bhsd = _is_bhsd(layout)
+    bhsd = layout != "bshd" and _is_bhsd(layout)
     if bhsd:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
