@@ -16,14 +16,11 @@ Public API:
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
 The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops.ops`.
 
-Importing: when torch is already imported (the usual case), ``import cp_ops`` loads the core at once — it
-registers ``torch.ops.cp_ops.*`` and parses the settings (a bad ``CP_OPS_*`` value raises
-:class:`cp_ops.config.ConfigError`). Otherwise ``import cp_ops`` imports nothing, and the first public name used
-(``cp_ops.attention``, ``from cp_ops import attention``) loads the core; submodules import as usual. Code that
-calls ``torch.ops.cp_ops.*`` directly imports torch first (or ``cp_ops.ops``). This keeps
-the ``cp-ops`` command's ``--help`` and argument errors instant (parsed before torch loads), and lets it report a
-bad setting in one line. Neither way imports torch's compiler (``torch._dynamo``, ``torch._inductor``) or changes
-a process-wide setting.
+Importing: when torch is already imported (the usual case), ``import cp_ops`` loads the core at once (it registers
+``torch.ops.cp_ops.*`` and parses the settings: a bad ``CP_OPS_*`` value raises :class:`cp_ops.config.ConfigError`);
+otherwise the first public name used loads it (so the ``cp-ops`` command parses its arguments before torch loads).
+Code that calls ``torch.ops.cp_ops.*`` directly imports torch first (or ``cp_ops.ops``). Neither way imports torch's
+compiler or changes a process-wide setting.
 """
 
 import sys as _sys

@@ -1,17 +1,10 @@
 """``comm_dtype``: which tensors of a CP attention call cross the link in FP8, and in which format.
 
-The public argument (:func:`cp_ops.attention`, :func:`cp_ops.parallelize`, ``cp-ops run --comm-dtype``) is one of
-
-* ``None`` (default), or the input dtype itself: every tensor travels in the input dtype (bitwise the call without
-  the argument);
-* ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` — or their names ``'e4m3'`` / ``'e5m2'``, as the CLI's
-  ``--comm-dtype`` spells them: every tensor the mode moves travels in that format (AGKV: K and V; Ulysses: Q, K, V
-  and the output O on its way back);
-* a dict naming tensors, e.g. ``{"q": torch.float8_e4m3fn, "v": torch.float8_e4m3fn, "o": torch.float8_e4m3fn}``
-  (cache-dit's choice: K stays in the input dtype): keys from ``"q", "k", "v", "o"``, values an FP8 dtype (or its
-  name ``'e4m3'`` / ``'e5m2'``) or None;
-  a tensor not named travels in the input dtype. AGKV moves K and V in one gather: they must have the same entry
-  (Q and O do not travel in AGKV; their entries are ignored there).
+The public argument (:func:`cp_ops.attention`, :func:`cp_ops.parallelize`, ``cp-ops run --comm-dtype``): ``None`` or
+the input dtype (everything in the input dtype, bitwise the call without it); ``torch.float8_e4m3fn`` /
+``torch.float8_e5m2`` or their names ``'e4m3'`` / ``'e5m2'`` (every tensor the mode moves); a dict naming tensors of
+``"q", "k", "v", "o"`` (the others in the input dtype; AGKV needs K and V alike). The table and the errors:
+``docs/fp8.md`` ("The argument").
 
 The normal form (:func:`normalize`) is a 4-tuple of format names for (q, k, v, o), '' = the input dtype: hashable,
 a constant under ``torch.compile``, and what the rank contract's variant tag carries (:func:`tag`). The codec

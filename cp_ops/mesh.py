@@ -1,15 +1,9 @@
 """2-D CP meshes: what a ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` means to cp_ops, and its layout.
 
-**The mesh.** ``init_device_mesh(device, (O, I), mesh_dim_names=("agkv", "ulysses"))``: O rows (the outer dim: AGKV
-runs over it, between the rows), I ranks per row (the inner dim: Ulysses runs over it, inside a row). Rank r of the mesh, in row-major order (``r = o·I + i``), holds the r-th block of tokens, as in 1-D: the I
-ranks of row o hold a contiguous run of tokens. To keep the Ulysses all-to-all (which moves Q, K, V and the output)
-inside a node, give each row the ranks of one node: with torchrun's rank order (node-major) that is
-``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("agkv", "ulysses"))``; the AGKV over the outer dim
-then crosses nodes, moving K/V only. The inner size must divide the head count.
-
-The names: the mesh's first dim must be named ``'agkv'`` and its second ``'ulysses'`` (the order says which is which;
-another order or other names raise ValueError). A 3-D ``("cfg", "agkv", "ulysses")`` mesh is sliced by the caller:
-``mesh["agkv", "ulysses"]`` is this rank's CP mesh.
+O rows (the outer dim: AGKV runs over it, between the rows), I ranks per row (the inner dim: Ulysses runs over it,
+inside a row); rank r of the mesh, in row-major order (``r = o·I + i``), holds the r-th block of tokens; the inner
+size must divide the head count; other dim names or orders raise ValueError. Give each row one node's ranks
+(``init_device_mesh("cuda", (nodes, gpus_per_node), ...)``) to keep the all-to-all inside a node: ``docs/2d.md``.
 
 :func:`describe` reads a mesh into plain values (a constant for the compiler); :class:`MeshShards` is the 2-D form of
 :class:`cp_ops.layout.Shards` (uneven ``seq_lens`` / key masks) the 2-D body takes.
