@@ -43,7 +43,7 @@ from .validate import dtype_name
 log = logging.getLogger("cp_ops")
 
 #: Every call that exchanges a signature: name -> id (a stable hash, equal on every rank). The ops register
-#: themselves (``cp_ops._library``), the public API and integrations add the calls they check.
+#: themselves (:mod:`cp_ops.ops`), the public API and integrations add the calls they check.
 OPS: dict[str, int] = {}
 # signature fields (int64 each): what they are called in messages
 _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
@@ -394,13 +394,10 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
     any difference (what is compared under each ``settings.check_ranks``: ``docs/settings.md``).
 
     Args:
-        pg: the CP group. op: the call's name (an entry of :data:`OPS`, or a new one). transport: the
-            transport argument as given to the op. t: the tensor whose shape and dtype are compared (a
-            ``[B, S_local, H, D]`` tensor or a :class:`Like` of one, or None). extra: the number of tensors in the call.
-        failed: this rank's own input error: peers learn that this rank stops (the caller re-raises it).
-        inputs: name -> tensor (at most 3) whose checksums (:func:`input_checksum`) must be equal on every rank.
-        tag: one more int64 that must be equal on every rank (e.g. a hash of the call's ``seq_lens``);
-            note: what ``tag`` stands for, in words, for the error message (e.g. ``'seq_lens=[3, 2]'``).
+        op: the call's name (:data:`OPS`, or a new one). transport: as given to the op. t: the ``[B, S_local, H, D]``
+            tensor (or :class:`Like`) whose shape and dtype are compared, or None. extra: the call's tensor count.
+        failed: this rank's own input error (peers learn that it stops; the caller re-raises it). inputs: name ->
+            tensor (at most 3) whose :func:`input_checksum` must agree. tag, note: the variant word and its words.
     Raises:
         ValueError: on every rank (but a rank that passed ``failed``), naming each rank's call and what differs.
         RuntimeError: the ranks did not all reach the exchange within ``settings.timeout_s``, or a peer exited.
@@ -562,6 +559,26 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
     if st is None or st.pg is not pg or st.peers is None or st.skip:
         work.wait()
         return
+    try:
+        if not work.is_completed():  # (done already: no poll)
+            poll(work.is_completed, _collective_check(st))
+        work.wait()
+    except PeersTimeout as e:
+        st.release(str(e).splitlines()[0] + ": the group cannot be used by cp_ops any more: make a new group")
+        raise
+    except RuntimeError as e:
+        if getattr(e, "_cp_ops_named", False):
+            raise
+        _within_grace(lambda e=e: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
+        call = _call_words(st, None, st.count)
+        st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
+        raise RuntimeError(f"{call}: this call's communication failed: {(str(e).splitlines() or [''])[0]}. A peer on "
+                           "another host may have crashed (its log says why); the group cannot be used by cp_ops any "
+                           "more: make a new group") from e
+
+
+def _collective_check(st: _Group):
+    """:func:`wait_collective`'s check of the peers while it polls (:func:`cp_ops._waits.poll`)."""
     wait = None
 
     def check() -> bool:
@@ -576,21 +593,7 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
             raise wait.error("a rank (its part of this collective)")
         return False
 
-    try:
-        poll(work.is_completed, check)
-        work.wait()
-    except PeersTimeout as e:
-        st.release(str(e).splitlines()[0] + ": the group cannot be used by cp_ops any more: make a new group")
-        raise
-    except RuntimeError as e:
-        if getattr(e, "_cp_ops_named", False):
-            raise
-        _within_grace(lambda e=e: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
-        call = _call_words(st, None, st.count)
-        st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
-        raise RuntimeError(f"{call}: this call's communication failed: {(str(e).splitlines() or [''])[0]}. A peer on "
-                           "another host may have crashed (its log says why); the group cannot be used by cp_ops any "
-                           "more: make a new group") from e
+    return check
 
 
 def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
@@ -663,8 +666,7 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
         if any(r[j] != rows[0][j] for r in rows) and _ASPECT.get(j) and _ASPECT[j] not in aspects:
             aspects.append(_ASPECT[j])
     per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
-    hints = [h for h in (_uneven_hint(aspects, desc), _caller_hint(aspects, desc), _scale_hint(aspects, desc),
-                         _inputs_hint(rows, desc)) if h]
+    hints = [h for h in (_uneven_hint(aspects, desc), *_variant_hints(aspects, desc), _inputs_hint(rows, desc)) if h]
     # one line first: what differs and what to do (the first hint, else the rule); each rank's call after it
     todo = (_inputs_hint(rows, desc, short=True) or (hints[0] if hints else ""))[2:] or \
         "every rank must make the same cp_ops calls in the same order, with the same arguments"
@@ -717,31 +719,24 @@ def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
             "standard split, whose counts are cp_ops.layout.shard_sizes(total, W))")
 
 
-def _scale_hint(aspects: list[str], desc: list[dict]) -> str:
-    """Where the ranks' variants differ in the softmax ``scale`` (:func:`scale_field`): the rule, and each rank's."""
+def _variant_hints(aspects: list[str], desc: list[dict]) -> list[str]:
+    """Where the ranks' variants differ (the words :func:`variant_tag` made): in the caller's ``tag=`` only (a rank
+    skipped or reordered a tagged call, e.g. one layer's attention), in mode and chunks, and in the softmax scale."""
     if "variant" not in aspects:
-        return ""
-    seen = [(re.findall(r"\bscale=(\S+)", d.get("note") or "") or ["None"])[-1] for d in desc]  # the last field
-    if len(set(seen)) == 1:
-        return ""
-    return ("; the ranks passed different softmax scales (" + ", ".join(f"rank {i}: scale={s}" for i, s in
-                                                                      enumerate(seen))
-            + "): cp_ops.attention's scale must be the same on every rank (None = 1/sqrt(D) on every rank)")
-
-
-def _caller_hint(aspects: list[str], desc: list[dict]) -> str:
-    """Where the ranks' variants differ in the caller's ``tag=`` only (a rank skipped or reordered a tagged call, e.g.
-    one layer's attention), or in mode and chunks."""
-    if "variant" not in aspects:  # cp_ops.attention(tag=...): the tag is part of the variant's note
-        return ""
-    notes = [d.get("note") or "" for d in desc]
+        return []
+    notes, out = [d.get("note") or "" for d in desc], []
     if len({re.sub(r" ?tag=\S+", "", n) for n in notes}) == 1 and len(set(notes)) > 1:
-        return ("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the "
-                "layers in another order — every rank must make every CP attention call")
-    if len({tuple(re.findall(r"\b(?:mode|chunks)=\S+", n)) for n in notes}) > 1:
-        return ("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) "
-                "must get the same mode and chunks on every rank")
-    return ""
+        out.append("; the ranks are at different tagged calls (layers): a rank skipped a layer's attention or ran the "
+                   "layers in another order — every rank must make every CP attention call")
+    elif len({tuple(re.findall(r"\b(?:mode|chunks)=\S+", n)) for n in notes}) > 1:
+        out.append("; the ranks started different CP variants at the same call: cp_ops.attention (and parallelize) "
+                   "must get the same mode and chunks on every rank")
+    scales = [(re.findall(r"\bscale=(\S+)", n) or ["None"])[-1] for n in notes]  # the last field
+    if len(set(scales)) > 1:
+        out.append("; the ranks passed different softmax scales (" + ", ".join(f"rank {i}: scale={s}" for i, s in
+                                                                               enumerate(scales))
+                   + "): cp_ops.attention's scale must be the same on every rank (None = 1/sqrt(D) on every rank)")
+    return out
 
 
 def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
@@ -816,10 +811,9 @@ def check_settings_agree(group: dist.ProcessGroup) -> None:
 
 
 def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) -> None:
-    """Run a public function's input checks; if they fail, tell the peers (waiting in the op's rank check)
-    before raising, so no rank is left in a collective. While ``torch.compile`` traces, only the checks run. The
-    waits on peers until this rank's next exchange on ``group`` name the call ``api`` (e.g. a first call's
-    agreements)."""
+    """Run a public function's input checks; if they fail, tell the peers before raising, so no rank is left in a
+    collective (while ``torch.compile`` traces: the checks only). Waits on peers until the next exchange on
+    ``group`` name the call ``api``."""
     _current.group, _current.api = group.group_name, api
     try:
         checks()
@@ -831,10 +825,9 @@ def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) 
 
 def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Callable[[], None], extra: int = 0, *,
                call: str = "", tag: int = 0, seq_lens=None) -> None:
-    """An op's real kernel: its input rules (the fake kernel's), then the rank contract's exchange, named ``call`` (the
-    op's own name when empty) with the variant ``tag`` (``seq_lens`` folded in here, where the counts are concrete:
-    :func:`with_seq_lens`) — unless ``call`` is '-' (a later launch of a call whose first launch exchanged): then
-    only the rules."""
+    """An op's real kernel: its input rules, then the exchange, named ``call`` (the op's name when empty) with the
+    variant ``tag`` (``seq_lens`` folded in: :func:`with_seq_lens`); ``call`` '-' (a later launch of a call): the rules
+    only."""
     if call == "-":
         rules()
         return
