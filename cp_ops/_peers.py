@@ -1,21 +1,14 @@
 """The peers of a CP group: who they are, whether their processes still run, and a bounded all-gather of short
 strings through the default store — the rendezvous under cp_ops' per-group state (:mod:`cp_ops.contract`).
 
-Keys live in the default process group's store (``torch.distributed``'s TCPStore) under
-``cp_ops/contract/<group name>/``:
-
-* **Identity** (``id/<rank>``): host name, pid namespace, pid and process start time, published once per group by
-  :meth:`Peers.announce` — at a rank's first cp_ops call on the group, or earlier
-  (:func:`cp_ops.integrations.diffusers.parallelize` announces when it installs, so a rank that never reaches a call
-  is still known).
-* **Liveness**: a peer on this host (same host name and pid namespace, read from ``/proc``) whose process is gone —
-  no such pid, a zombie, or its pid now held by a process started later — has *exited*; a wait for it raises within
-  about :data:`cp_ops._waits.CHECK_EVERY_S` seconds, naming its rank and pid. Peers on other hosts (or without ``/proc``) are not
-  watched: their waits end at the timeout, or at once when the connection to them closes.
-* **Gather** (:meth:`Peers.gather`): every rank sets ``<key>/<rank>`` and polls for the others' until
-  ``settings.timeout_s``, warning while they are late (:mod:`cp_ops._waits`). Keys are fixed per purpose, so a rank that timed out and calls again meets a late peer at
-  the same keys (a retry works); a group name is used once per default store (``dist.new_group`` names are not
-  reused), so keys never meet those of another group.
+Keys live in the default store under ``cp_ops/contract/<group name>/``: each rank's **identity** (``id/<rank>``: host
+name, pid namespace, pid, process start time; published by :meth:`Peers.announce` at its first call on the group, or
+earlier by ``parallelize``), from which **liveness** is read: a peer on this host whose process is gone (no such pid,
+a zombie, or its pid now held by a newer process) has *exited*, and a wait for it raises within a check interval,
+naming it; peers on other hosts are not watched (their waits end at the timeout, or when the connection closes).
+:meth:`Peers.gather` sets ``<key>/<rank>`` and polls for the others' until ``settings.timeout_s``; keys are fixed
+per purpose, so a rank that timed out and calls again meets a late peer at the same keys (and a group name is used
+once per default store, so they never meet another group's).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""How a rank waits for its peers: one warning schedule and one timeout message for every wait cp_ops makes on
-other ranks (the first-call rendezvous, the rank contract's exchange, a group's agreements: :mod:`cp_ops.contract`,
-:mod:`cp_ops._peers`).
-
-A wait is a :class:`PeerWait`: the waiting code calls :meth:`PeerWait.tick` with the ranks it still waits for as it
-polls. Once the wait passes ``settings.wait_warn_s`` (``CP_OPS_WAIT_WARN_S``, 10 s by default) it logs one warning
-on logger ``cp_ops`` naming those ranks, the call, how long it has waited and when it gives up
-(``CP_OPS_TIMEOUT_S``), and the likely causes; again at 3x, 6x, 12x, 24x, ... that delay (10 s, 30 s, 60 s,
-120 s, 240 s by default). At ``settings.timeout_s`` :meth:`PeerWait.error` gives the error every wait raises, in
-the same words: which ranks did not arrive at which call, within which bound, what to check; details after the
-first line.
+"""How a rank waits for its peers: one spin-then-poll loop (:func:`poll`), one warning schedule and one timeout message
+for every wait cp_ops makes on other ranks (:mod:`cp_ops.contract`, :mod:`cp_ops._peers`). A wait is a
+:class:`PeerWait`: :meth:`PeerWait.tick` warns past ``settings.wait_warn_s`` and again at 3x, 6x, 12x, ... that delay;
+:meth:`PeerWait.error` is the error at ``settings.timeout_s``, in the same words everywhere (``docs/faults.md``).
 """
 
 from __future__ import annotations
