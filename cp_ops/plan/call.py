@@ -34,15 +34,11 @@ class Call(NamedTuple):
     comm_dtype: Any = cd.NONE  # the normal form, or the caller's value when it is not valid
 
     def key(self):
-        """The plan cache's key of this call, or None: take the traced path (an argument that is not a plain tensor,
-        a torch dispatch mode active — they must see the ops —, ``seq_lens`` not a tuple or list of ints, a key mask
-        not a tensor). The key holds the q/k/v shapes, dtypes and devices, the group, mode, transport, chunks (and its
-        type), the measuring setting, ``tag`` by type and repr where it is not a str or int (``True``, ``1`` and
-        ``1.0`` hash alike but are different tags), the FP8 formats, ``scale`` (and its type: ``True`` and
-        ``numpy.float32(1)`` hash like ``1`` but are refused), ``seq_lens`` and the mask's shape,
-        dtype and device (its values are data, read at every call). A new argument of :func:`cp_ops.attention` must
-        be part of it. May raise TypeError/AttributeError (and an unhashable group at the dict lookup): the caller
-        takes the traced path, which raises the error."""
+        """The plan cache's key of this call, or None: take the traced path (not plain tensors, a torch dispatch mode
+        active, ``seq_lens`` not ints, a key mask not a tensor). Every argument of :func:`cp_ops.attention` is in it
+        (tensors by shape, dtype and device; ``chunks``, ``scale`` and a ``tag`` that is not a str or int by type
+        too: ``True``, ``1`` and ``1.0`` hash alike), and the measuring setting. May raise TypeError/AttributeError:
+        the caller takes the traced path, which raises the error."""
         q, k, v = self.q, self.k, self.v
         if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
                 or _dispatch_modes():

@@ -96,10 +96,8 @@ def decide(call: Call, pg: dist.ProcessGroup, given_why: str = "") -> Decision:
             layout.check_seq_lens(seq_lens, world, pg.rank(), q.shape[1])
         if key_mask is not None:
             layout.check_key_mask(key_mask, q, _total(q, world, seq_lens))
-            if chunks is not None and chunks > 1 and not modes.spec(chosen).masks_pipelined:
-                raise ValueError(f"mode={chosen!r} with chunks > 1 takes no key_mask (its pipelined variant merges "
-                                 f"partial outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass "
-                                 "chunks=1 or None")
+            if not modes.spec(chosen).masks_pipelined:
+                check_mask_chunks(chosen, chunks)
         if tag is not None:
             contract.variant_tag(tag=tag)  # TypeError for a tag whose repr differs across ranks
 
@@ -132,6 +130,13 @@ def decide(call: Call, pg: dist.ProcessGroup, given_why: str = "") -> Decision:
                     key_mask is not None, fmts, why, source)
 
 
+def check_mask_chunks(mode: str, chunks) -> None:
+    """A key mask needs chunks None or 1 in a mode whose pipelined variant merges partial outputs by LSE."""
+    if chunks is not None and chunks > 1:
+        raise ValueError(f"mode={mode!r} with chunks > 1 takes no key_mask (its pipelined variant merges partial "
+                         f"outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass chunks=1 or None")
+
+
 def _total(q, world: int, seq_lens):
     """The call's token count over all ranks: ``sum(seq_lens)``, else ``W * S_local``."""
     return sum(seq_lens) if seq_lens is not None else world * q.shape[1]
@@ -150,11 +155,10 @@ def _constant(n):
 
 
 def constant(value):
-    """``value`` (an int, or a tuple/list of them, str, ...) with every int made a constant of the trace (under
-    ``torch.compile``). Dynamo holds an int that changed between compiles of the same code (a function argument, a
-    closure cell: ``chunks``, ``tag``) as a lazy constant (torch 2.13) or a symbolic int (automatic dynamic), which
-    :func:`cp_ops.contract.variant_tag` (a constant function) cannot take; ``operator.index`` makes the lazy one a
-    constant guarded by value (one graph per value). A symbolic int stays symbolic (the callers raise)."""
+    """``value`` (an int, or a tuple/list of them, str, ...) with every int made a constant of the trace: Dynamo
+    holds an int that changed between compiles of the same code (``chunks``, ``tag``) as a lazy constant (torch
+    2.13), which ``operator.index`` makes a constant guarded by value, or a symbolic int (automatic dynamic), which
+    stays symbolic (the callers raise): :func:`cp_ops.contract.variant_tag` takes constants only."""
     t = type(value)
     if t is tuple or t is list:
         return t(constant(x) for x in value)
@@ -172,8 +176,7 @@ def _symbolic(value) -> bool:
 def runner(q, pg, transport: str, fmts=cd.NONE):
     """What the opt-in measured choice times (:func:`cp_ops.plan.measured.measure`): ``runner(mode, chunks)`` → a call
     with that explicit mode and chunks on random ``q, k, v`` of ``q``'s shape, dtype and device (seeded alike on every
-    rank: a collective every rank makes alike; the call's own data is not needed), moving them in the call's formats
-    ``fmts`` (:mod:`cp_ops.comm_dtype`'s normal form)."""
+    rank), moving them in the call's formats ``fmts``."""
     made: list = []
 
     def make(mode: str, chunks: int):
@@ -188,10 +191,9 @@ def runner(q, pg, transport: str, fmts=cd.NONE):
 
 
 def describe(call: Call, pg, mode_why: str = ""):
-    """What a call with these arguments runs, without a collective: :func:`cp_ops.describe` (arguments, return and
-    errors there; ``q`` in BSHD). The reasons are the rules' own (:mod:`cp_ops.plan.rules`) and, once the call ran,
-    the ones its decision recorded (:func:`cp_ops.plan.measured.lookup`). ``mode_why``: for a ``mode`` a rule chose,
-    not the caller (a degenerate mesh, the cross-node split), that rule in words."""
+    """What a call with these arguments runs, without a collective (:func:`cp_ops.describe`; ``q`` in BSHD): the
+    rules' reasons, or once the call ran its recorded decision. ``mode_why``: for a ``mode`` a rule chose, not the
+    caller (a degenerate mesh, the cross-node split), that rule in words."""
     q, mode, transport, chunks = call.q, call.mode, call.transport, call.chunks
     world = pg.size()
     rules.check_chunks(chunks)
@@ -317,8 +319,7 @@ class Plan:
 
 
 def build(call: Call, pg, given_why: str = "") -> Plan | None:
-    """The eager plan of ``call`` on ``pg`` (None: nothing to move, the ops' empty path). Raises as :func:`decide`
-    (on every rank)."""
+    """The eager plan of ``call`` on ``pg`` (None: nothing to move). Raises as :func:`decide` (on every rank)."""
     d = decide(call, pg, given_why)
     q = call.q
     shards = _shards(d, pg, q) if d.world > 1 else None

@@ -47,7 +47,7 @@ from .. import config, contract
 from ..modes import names as mode_names
 from ..modes import spec as mode_spec
 from ..modes.agkv_pipelined import stage_plan
-from ..timing import max_over_ranks_each, steady_ms
+from ..timing import available_cores, max_over_ranks_each, steady_ms
 from ..transport.base import concrete_name
 from ..validate import dtype_name
 from .rules import chunks_rule
@@ -73,14 +73,8 @@ SOURCES = ("explicit", "heuristic", "single", "measured", "cached", "pending")
 
 
 class Choice(NamedTuple):
-    """A decision for one request: the variant (``mode``, ``chunks``), where it came from (``source``, one of
-    :data:`SOURCES`: 'explicit' (the caller's mode and chunks), 'heuristic', 'single' (one candidate left),
-    'measured' (timed now), 'cached' (the stored choice every rank holds alike, :mod:`cp_ops.plan.measured`), 'pending'
-    (only :func:`cp_ops.describe`: measuring is on and the first call has not measured yet; ``mode``/``chunks`` are
-    the heuristic's until then)), the candidates' times in ms — median of the samples on each rank, max over the
-    ranks (``{'agkv/2': 0.9, ...}``; empty unless measured or cached) —, the transport the call runs on ('torch',
-    'fast'; 'auto' where the group has not agreed on it yet; filled by :func:`cp_ops.describe`, '' elsewhere) and
-    ``why``, the reason in words."""
+    """A decision for one request (``source``: one of :data:`SOURCES`, or 'cost'); what each field holds:
+    :func:`cp_ops.describe`. ``transport`` is filled by :func:`cp_ops.describe` ('' elsewhere)."""
 
     mode: str
     chunks: int
@@ -92,7 +86,7 @@ class Choice(NamedTuple):
 
 class Open(NamedTuple):
     """A request that measuring decides: its candidates (:func:`candidates`, in measuring order) and the heuristic's
-    candidate (:func:`heuristic_candidate`, which :func:`pick` prefers within the margin)."""
+    candidate (which :func:`pick` prefers within the margin)."""
 
     candidates: list
     preferred: tuple
@@ -108,12 +102,9 @@ def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGr
     """The decision for a request on W ranks, short of timing (the module docstring says which).
 
     Args:
-        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen: ``cp_ops.plan.rules.mode_rule(mode, H,
-            W)`` (checked). shape: ``[B, S_local, H, D]`` of this rank's q. pg: the CP group. device: q's device.
-            transport: the resolved transport ('torch', 'fast', or 'auto': resolved for the group by
-            :func:`cp_ops.transport.base.concrete_name`, collective the first time). measuring: the caller's
-            setting (``settings.tune_modes``). mode_why: the mode rule's reason (:func:`cp_ops.plan.rules.mode_rule`),
-            recorded in a heuristic choice's ``why`` with the chunks rule's.
+        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen, mode_why:
+            :func:`cp_ops.plan.rules.mode_rule`'s mode and reason. shape: this rank's q's. transport: resolved, or
+            'auto' (resolved for the group: collective the first time). measuring: ``settings.tune_modes``.
     Returns:
         a :class:`Choice` (source 'explicit', 'heuristic' or 'single'), or an :class:`Open` request: measuring is on
         and several candidates are left (the caller measures with :func:`measured`, or takes a choice it stored).
@@ -132,11 +123,11 @@ def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGr
            and torch.cuda.is_current_stream_capturing()
            else "measuring off (CP_OPS_TUNE_MODES=0, the default)" if not measuring else None)
     if why is not None:
-        return heuristic(chunks, chosen, shape, pg, device, transport, why, mode_why)
+        return heuristic(chunks, chosen, pg, device, transport, why, mode_why)
     cands = candidates(mode, chunks, shape[2], w)
     if len(cands) == 1:
         return Choice(cands[0][0], cands[0][1], "single", {}, why="the only candidate the request leaves open")
-    return Open(cands, heuristic_candidate(chunks, chosen, shape, pg, device, transport))
+    return Open(cands, (chosen, _chunks(chunks, chosen, pg, device, transport)[0]))
 
 
 def measured(request: Open, chosen: str, shape, dtype, device, pg: dist.ProcessGroup, transport: str,
@@ -181,23 +172,17 @@ def candidates(mode: str, chunks: int | None, heads: int, world_size: int) -> li
     return out
 
 
-def heuristic_candidate(chunks, chosen, shape, pg, device, transport) -> tuple[str, int]:
-    """The ``(mode, chunks)`` the heuristic gives a request: ``chosen`` (:func:`cp_ops.plan.rules.mode_rule`) and the given
-    ``chunks``, or for ``chunks=None`` :func:`cp_ops.plan.rules.chunks_rule` on the transport the call runs
-    on (``transport`` 'auto' resolved for the group by :func:`cp_ops.transport.base.concrete_name`)."""
-    return chosen, _chunks(chunks, chosen, pg, device, transport)[0]
-
-
 def _chunks(chunks, chosen, pg, device, transport) -> tuple[int, str]:
+    """The heuristic's chunks and reason: as given, or :func:`cp_ops.plan.rules.chunks_rule` on the transport the call
+    runs on ('auto' resolved for the group by :func:`cp_ops.transport.base.concrete_name`)."""
     if chunks is not None:
         return chunks_rule(chosen, pg.size(), transport, chunks)
     return chunks_rule(chosen, pg.size(), concrete_name(transport, pg.group_name, device))
 
 
-def heuristic(chunks, chosen, shape, pg, device, transport, reason: str, mode_why: str = "") -> Choice:
-    """:func:`heuristic_candidate` as a :class:`Choice` (source 'heuristic'), ``why`` naming ``reason`` (why nothing
-    is measured) and the reasons the rules gave (``mode_why``: the mode rule's; the chunks rule's)."""
-    del shape
+def heuristic(chunks, chosen, pg, device, transport, reason: str, mode_why: str = "") -> Choice:
+    """The heuristic's candidate (``chosen`` and :func:`_chunks`) as a :class:`Choice` (source 'heuristic'), ``why``
+    naming ``reason`` (why nothing is measured) and the reasons the rules gave (``mode_why``: the mode rule's)."""
     c, chunks_why = _chunks(chunks, chosen, pg, device, transport)
     return Choice(chosen, c, "heuristic", {},
                   why=f"the heuristic: {reason}" + (f"; {mode_why}" if mode_why else "") + f"; {chunks_why}")
@@ -207,12 +192,11 @@ def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, ma
          preferred: tuple[str, int] | None = None) -> int:
     """The index of the chosen candidate among those within ``margin`` (default :data:`MARGIN`) of the fastest,
     i.e. no candidate is faster than it by more than ``margin`` of its time (``min(times) >= times[i] * (1 -
-    margin)``): ``preferred`` (the heuristic's candidate for the call, :func:`heuristic_candidate`) when it is
+    margin)``): ``preferred`` (the heuristic's candidate for the call) when it is
     among them; else the simplest of them.
 
-    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's mode, :func:`cp_ops.plan.rules.mode_rule`)
-    before another; then the earlier in ``cands``. A pure function of its arguments: ranks holding the same
-    max-reduced ``times`` (and the same ``preferred``, which every rank derives alike) pick the same index.
+    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's) before another; then the earlier in
+    ``cands``. A pure function of its arguments, so ranks holding the same ``times`` pick the same index.
     """
     m = MARGIN if margin is None else margin
     fastest = min(times)
@@ -226,14 +210,9 @@ def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, ma
 
 def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = None) -> list[float]:
     """Each candidate's time per call in ms: the median of its interleaved samples on this rank, max over the
-    ranks of ``pg`` (the same list on every rank; see the module docstring for the schedule and its budget).
-    Every rank makes the same calls (the sizes come from max-reduced estimates): each call is a collective.
-
-    ``runner(mode, chunks)`` gives the zero-argument call timed for each candidate (:data:`Runner`, given by the
-    caller: :func:`cp_ops.plan.flat.runner`), made once per candidate before timing.
-
-    Raises:
-        ValueError: no runner (this module makes no call of its own: it takes one from its caller)."""
+    ranks of ``pg`` (the same list on every rank; the schedule: the module docstring). Collective: every rank makes
+    the same calls, ``runner(mode, chunks)()`` (:data:`Runner`: :func:`cp_ops.plan.flat.runner`; ValueError
+    without one)."""
     if runner is None:
         raise ValueError("tune.measure needs a runner(mode, chunks) from its caller (cp_ops.plan.flat.runner)")
     runs = [runner(m, c) for m, c in cands]
@@ -381,15 +360,8 @@ def machine(device: torch.device) -> dict:
     if device.type == "cuda":
         dev, driver = torch.cuda.get_device_name(device), _driver_version()
     else:
-        dev, driver = f"{device.type}:{platform.processor() or platform.machine()}:{_cores()} cores", "-"
+        dev, driver = f"{device.type}:{platform.processor() or platform.machine()}:{available_cores()} cores", "-"
     return {"device": dev, "driver": driver, "torch": torch.__version__, "cp_ops": __version__}
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _driver_version() -> str:

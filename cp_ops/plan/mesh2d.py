@@ -97,10 +97,7 @@ def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
                 raise ValueError(f"a key mask of every key ([B, S_total] = {list(key_mask.shape)}) is not supported on "
                                  f"a 2-D CP mesh; pass this rank's [B, S_local] = [{q.shape[0]}, {q.shape[1]}]")
             layout.check_key_mask(key_mask, q)
-            if chunks is not None and chunks > 1:
-                raise ValueError(f"mode={MODE!r} with chunks > 1 takes no key_mask (its pipelined AGKV merges partial "
-                                 f"outputs by LSE, whose kernels take no mask); got chunks={chunks}: pass chunks=1 or "
-                                 "None")
+            flat.check_mask_chunks(MODE, chunks)
         if tag is not None:
             contract.variant_tag(tag=tag)
 

@@ -72,17 +72,19 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
     n_nodes = len(set(ids))
     if n_nodes == 1:
         return None
-    heur = rules.choose_mode("auto", h, w) if h >= 1 else "agkv"
+    heur = rules.mode_rule("auto", h, w)[0] if h >= 1 else "agkv"
+
+    def heuristic(why: str) -> Split:
+        return Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "heuristic",
+                     f"mode='auto' on a flat group across {why}: no 2-D split; the 1-D heuristic: {heur}")
+
     try:
         nodes, per = node.layout(ids)
     except ValueError as e:
-        return Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "heuristic",
-                     f"mode='auto' on a flat group across {n_nodes} nodes: no 2-D split ({e}); the 1-D heuristic: "
-                     f"{heur}")
+        return heuristic(f"{n_nodes} nodes ({e})")
     if not node.node_major(ids):
-        return Split(heur, w if heur == "agkv" else 1, 1 if heur == "agkv" else w, "heuristic",
-                     f"mode='auto' on a flat group across {nodes} nodes whose ranks are not numbered node by node "
-                     f"(node ids by group rank: {list(ids)}): no 2-D split; the 1-D heuristic: {heur}")
+        return heuristic(f"{nodes} nodes whose ranks are not numbered node by node (node ids by group rank: "
+                         f"{list(ids)})")
     tokens = sum(seq) if seq is not None else s * w
     links = cost.links()  # CP_OPS_NETWORK_GBPS: equal on every rank
     preds = [p for p in cost.predict(max(tokens, 1), h, d, ranks_per_node=per, nodes=nodes, dtype=dtype, batch=b,
