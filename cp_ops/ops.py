@@ -39,15 +39,9 @@ Ops:
                                      call='', tag=0, comm_fmt='') -> out
         ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below). ``comm_fmt``: the FP8
         format K and V travel in ('e4m3' / 'e5m2'; '' = the input dtype).
-    cp_ops::fp8_encode(x, fmt) -> buf      ``[..., D]`` fp32/bf16/fp16 → uint8 ``[..., D + 4]`` (:mod:`cp_ops.kernels.fp8`)
-    cp_ops::fp8_decode(buf, dtype, fmt) -> x    uint8 ``[..., D + 4]`` → ``[..., D]`` of ``dtype``; not launches: the
-        FP8 codec of ``comm_dtype`` (:mod:`cp_ops.comm_dtype`), encoded before a launch, decoded after its wait.
-    cp_ops::fp8_ulysses_pack(xs, world_size, lo, hi, fmt) -> send   n (1-3) tensors ``[B, S, H, D]`` → the uint8 send
-        buffer ``[W, B, S, n, hi - lo, D + 4]`` of heads ``[lo, hi)`` of every head group, encoded (one pass; moved by
-        ``ulysses_packed_start``). cp_ops::fp8_ulysses_unpack(buf, dtype, fmt) -> x   the receive buffer
-        ``[W, B, S, n, Hl, D + 4]`` → ``[n, B, W*S, Hl, D]`` of ``dtype``, decoded and unpacked (one pass).
-        cp_ops::fp8_ulysses_inverse_unpack(buf, dtype, fmt) -> x   the inverse's ``[W, B, S, Hl, D + 4]`` →
-        ``[B, S, W, Hl, D]``. Not launches (:mod:`cp_ops.kernels.fp8_ulysses`; bitwise the unfused codec + layouts).
+    cp_ops::fp8_encode / fp8_decode, fp8_ulysses_pack / fp8_ulysses_unpack / fp8_ulysses_inverse_unpack: not
+        launches: the FP8 codec of ``comm_dtype`` as ops for traced code (``[..., D]`` ↔ uint8 ``[..., D + 4]``; the
+        Ulysses ones fused with the layouts), as :mod:`cp_ops.kernels.fp8` and :mod:`cp_ops.kernels.fp8_ulysses`.
 """
 
 from __future__ import annotations

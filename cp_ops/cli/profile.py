@@ -1,10 +1,8 @@
 """``cp-ops run --profile DIR``: a torch.profiler trace of the CP run and where its time goes, per layer.
 
-:func:`profile_run` marks every transformer block and every replicated module (timestep/text embeddings,
-cross-attention K/V over the replicated text: ``ModelSpec.replicated``) with ``record_function`` ranges
-(forward hooks; eager, or outside the compiled regions under ``--compile regional``), profiles
-``--profile-runs`` forwards, writes ``DIR/trace_rank{r}.json.gz`` (gzipped Chrome trace: https://ui.perfetto.dev
-or chrome://tracing open it) and computes :func:`breakdown` from that trace file.
+:func:`profile_run` marks every transformer block and every replicated module (``ModelSpec.replicated``) with
+``record_function`` ranges, profiles ``--profile-runs`` forwards, writes ``DIR/trace_rank{r}.json.gz`` (a gzipped
+Chrome trace: https://ui.perfetto.dev opens it) and computes :func:`breakdown` from it.
 
 The breakdown (per forward; ``layers`` = the mean over the blocks, ``per_layer`` each block):
 
@@ -20,9 +18,8 @@ The breakdown (per forward; ``layers`` = the mean over the blocks, ``per_layer``
   ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``, DtoH copies, ``aten::item`` /
   ``aten::_local_scalar_dense``), counted per range.
 
-On CPU (gloo) the trace has CPU ops only: the same numbers are computed over the host's op intervals (every op,
-by its own name; the output says so); communication runs on gloo's threads and shows as the ops the host waits
-in, all of it exposed.
+On CPU (gloo) the same numbers are computed over the host's op intervals; communication shows as the ops the host
+waits in, all of it exposed.
 """
 
 from __future__ import annotations

@@ -40,11 +40,8 @@ class TorchTransport:
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
         """AGKV by point-to-point sends, one batch (one work) per (peer, piece), so each piece can be waited as
         it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
-        into ``pieces`` token ranges. Returns as :func:`cp_ops.transport.base.agkv_start_sources` (own block of
-        ``k_full``/``v_full`` unwritten). On NCCL the batches run in issue order, so pieces land in list order.
-        A group staged through host memory makes the same sends and receives on host copies (so it pairs with a
-        peer that does not stage, and its arrivals, hence the pipelined stages, are the unstaged ones), every piece
-        landing when the launch returns."""
+        into ``pieces`` token ranges; returns as :func:`cp_ops.transport.base.agkv_start_sources`. A group staged
+        through host memory makes the same sends on host copies (so it pairs with a peer that does not stage)."""
         if stage_through_host(group, k.device):
             k_full, v_full, arrivals, work = _staged(_agkv_sources, group, k, v, pieces)
             return k_full, v_full, [Arrival(a.src, a.lo, a.hi, work) for a in arrivals], work
@@ -164,10 +161,8 @@ def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
 
 
 def _staged(launch, *args):
-    """``launch(*args)`` with every tensor argument copied to the host; its work (the last output) waited there and
-    each tensor output copied back to the first tensor argument's device (other outputs as they are). Returns the
-    launch's outputs with, in place of its work, one that orders the waiting stream after the copies back
-    (:class:`_Copied`)."""
+    """``launch(*args)`` on host copies of its tensor arguments, waited there, its tensor outputs copied back to the
+    first tensor argument's device; its work replaced by one that orders the waiting stream after those copies."""
     dev = next(a.device for a in args if isinstance(a, torch.Tensor))
     *outs, work = launch(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args))
     work.wait()
