@@ -71,11 +71,9 @@ def build_dir() -> Path:
 
 @contextlib.contextmanager
 def build_lock(bdir: Path, timeout_s: float | None = None) -> Iterator[None]:
-    """Hold the build folder ``bdir``'s lock (one build or load per folder across the host's processes).
-
-    Waits at most ``timeout_s`` (default ``CP_OPS_TIMEOUT_S``) for a live holder; a dead holder's lock is released
-    by the OS. While held, a torch ``FileBaton`` file (``bdir/lock``) is stale (every cp_ops build takes this lock
-    first) and is removed, so ``cpp_extension.load`` does not wait on it forever.
+    """Hold the build folder ``bdir``'s lock (one build or load per folder across the host's processes;
+    ``docs/install.md``), waiting at most ``timeout_s`` (default ``CP_OPS_TIMEOUT_S``) for a live holder. While held,
+    torch's ``FileBaton`` file (``bdir/lock``) is stale and removed, so ``cpp_extension.load`` does not wait on it.
 
     Raises:
         LockTimeout: a live process held the lock for ``timeout_s`` s (the message names the lock file, the

@@ -164,18 +164,15 @@ def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | N
     Returns:
         :class:`cp_ops.plan.measured.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
         ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
-        'explicit' (mode and chunks given), 'heuristic' (``cp_ops.plan.rules.mode_rule`` and
-        ``cp_ops.plan.rules.chunks_rule``: measuring off — the default —, a traced call, a group of one rank,
-        uneven shards or a key mask), 'cost' (``mode='auto'`` on a flat group across several nodes: the cost model's
-        split, :mod:`cp_ops.plan.split`, known from the group's first ``mode='auto'`` call on: before it, the answer is
-        the one-node answer; ``why`` lists its predicted ms per layout), 'single' (one candidate left), 'measured'
-        (timed by this process's first call: ``CP_OPS_TUNE_MODES=1``), 'cached' (taken from the cache file every
-        rank holds), 'pending' (measuring is on and no call was made yet: mode and chunks are the heuristic's until
-        the first call measures); ``times_ms`` the candidates' times in ms, max over ranks (``{'agkv/1': 0.47,
-        ...}``; empty unless measured or cached); ``transport`` 'torch' or 'fast' ('auto' before the group's first
-        call agreed on one); ``why`` the reason in words. Code traced by ``torch.compile`` always runs the
-        heuristic's variant (across nodes: the split); to compile a measured one pass
-        the ``mode`` and ``chunks`` this returns after an eager call.
+        'explicit' (mode and chunks given), 'heuristic' (the rules of :mod:`cp_ops.plan.rules`: measuring off — the
+        default —, a traced call, a group of one rank, uneven shards or a key mask), 'cost' (``mode='auto'`` on a
+        flat group across nodes: the cost model's split, known from the group's first call on; ``why`` lists its
+        predicted ms per layout), 'single' (one candidate left), 'measured' (timed by this process's first call:
+        ``CP_OPS_TUNE_MODES=1``), 'cached' (from the cache file every rank holds), 'pending' (measuring on, no call
+        made yet: the heuristic's until then); ``times_ms`` the candidates' times in ms, max over ranks (empty unless
+        measured or cached); ``transport`` 'torch' or 'fast' ('auto' before the group's first call agreed on one);
+        ``why`` the reason in words. Traced code runs the heuristic's variant (across nodes: the split): to compile a
+        measured one, pass the ``mode`` and ``chunks`` this returns after an eager call.
     Raises:
         ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a
             BHSD tensor passed as BSHD, unknown mode or transport, mode='ulysses' with H % W != 0, chunks not None or

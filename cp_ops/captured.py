@@ -153,8 +153,8 @@ def _key(leaves: list, spec) -> tuple:
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple:
-    """The key of a call ``(args, kwargs)`` (docs/diffusers_compile_caches.md). Raises ValueError for a non-tensor leaf that
-    is not hashable."""
+    """The key of a call ``(args, kwargs)`` (docs/diffusers_compile_caches.md). Raises ValueError for a non-tensor
+    leaf that is not hashable."""
     return _key(*pytree.tree_flatten((args, kwargs)))
 
 
@@ -184,8 +184,8 @@ def _first_line(e: BaseException) -> str:
 
 def _reason(stage: str, e: BaseException) -> str:
     """``'<stage>: <Type>: <first line> (at <model frame>)[ (then: ...)][; known: ...]'`` of the exception that
-    started the failure: a capture that fails inside ``torch.cuda.graph`` makes its exit raise again ("operation failed
-    due to a previous error during capture"), with the model's own error as the context; that one is named."""
+    started the failure (a capture failing inside ``torch.cuda.graph`` raises again at its exit: the context is
+    named)."""
     chain = [e]
     while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
         chain.append(nxt)
@@ -403,8 +403,8 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
         ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
             argument leaf that is not hashable.
         CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed, or the outputs hold
-            an object a replay cannot return afresh (docs/diffusers_compile_caches.md) (with ``group``: on any rank, raised
-            on every rank naming the first failing rank and its reason).
+            an object a replay cannot return afresh (with ``group``: on any rank, raised on every rank naming the first
+            failing rank and its reason).
     """
     if not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"capture_forward: warmup must be an int >= 1 (torch's rule: warm up before capture); "

@@ -191,18 +191,15 @@ class _Comm:
 
     def _ulysses_sends(self, xs, lo, hi, pack):
         """The send buffers of a Ulysses launch, one per format group: ``[(fmt, idx, send [W, B, S, m, hs, D'])]``, an
-        FP8 group encoded straight into its send buffer (``codec.pack``: :func:`cp_ops.kernels.fp8_ulysses.pack_encode`
-        or its op; D' = D + 4 bytes), a group in the input dtype packed by ``pack`` (:mod:`cp_ops.layout`)."""
+        FP8 group encoded straight into it (``codec.pack``), another packed by ``pack`` (:mod:`cp_ops.layout`)."""
         w = self.world
         return [(f, idx, self.codec.pack([xs[i] for i in idx], w, lo, hi, f) if f else pack([xs[i] for i in idx], w, lo, hi))
                 for f, idx in self._groups(xs)]
 
     def _ulysses_decoded(self, groups, bufs, dt):
-        """The wait's decode of a Ulysses launch made of one launch per format group (``groups``: (fmt, idx);
-        ``bufs``: their receive buffers ``[W, B, S, m, Hl, D']``): ``[W, B, S, n, Hl, D]`` of the input dtype ``dt``,
-        the inputs in their order — a permuted view of one new ``[n, B, W*S, Hl, D]`` tensor, which the FP8 groups are
-        decoded straight into (:func:`cp_ops.kernels.fp8_ulysses.unpack_decode`), so the body's unpack
-        (:meth:`unpack`) is views, no copy."""
+        """The wait's decode of a Ulysses launch per format group (``groups``: (fmt, idx); ``bufs``: their receive
+        buffers): ``[W, B, S, n, Hl, D]`` of ``dt``, a permuted view of one new ``[n, B, W*S, Hl, D]`` tensor the FP8
+        groups are decoded straight into, so the body's :meth:`unpack` is views."""
         f0, _ = groups[0]
         if len(groups) == 1 and not f0:  # q, k, v in the input dtype (only O in FP8): the buffer as received
             return bufs[0]
@@ -226,9 +223,8 @@ class _Comm:
         return torch.stack(slots)
 
     def _inverse_decoded(self, buf, dt, f):
-        """The wait's decode of an FP8 inverse launch: ``[W, B, S, Hl, D + 4]`` → ``[W, B, S, Hl, D]`` of ``dt``, a
-        permuted view of one new ``[B, S, W, Hl, D]`` tensor (:func:`cp_ops.kernels.fp8_ulysses.inverse_decode`), so
-        :func:`cp_ops.layout.ulysses_inverse_unpack` is a view, no copy."""
+        """The wait's decode of an FP8 inverse launch: ``[W, B, S, Hl, D]`` of ``dt``, a permuted view of one new
+        ``[B, S, W, Hl, D]`` tensor (so :func:`cp_ops.layout.ulysses_inverse_unpack` is a view)."""
         return self.codec.inv_unpack(buf, dt, f).permute(2, 0, 1, 3, 4)
 
     def drain(self) -> None:

@@ -156,8 +156,7 @@ class Settings:
 
 
 def _warn_unknown(environ: Mapping[str, str]) -> None:
-    """A ``CP_OPS_*`` variable that names no setting (a typo such as ``CP_OPS_CHECK_RANK``) would otherwise be
-    ignored in silence: warn, naming the closest known variable."""
+    """Warn about a ``CP_OPS_*`` variable that names no setting (a typo), naming the closest known variable."""
     import difflib
     import logging
 

@@ -426,9 +426,8 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
 
 
 def _gather(st: _Group, op: str) -> bool:
-    """All-gather the signature packed in ``st.lbuf``; True when every rank's equals this rank's. A wait past
-    ``settings.wait_warn_s`` warns (:mod:`cp_ops._waits`), one past ``settings.timeout_s`` raises, naming the ranks
-    not there."""
+    """All-gather the signature packed in ``st.lbuf`` (a bounded wait: :mod:`cp_ops._waits`); True when every rank's
+    equals this rank's."""
     mine = bytes(st.lbuf)
     wait = None
 
@@ -470,9 +469,8 @@ def _gather(st: _Group, op: str) -> bool:
 
 
 def _wait_work(st: _Group, work, waiting: Callable[[], PeerWait]) -> None:
-    """Wait for the gloo side group's exchange ``work``: spin briefly, then poll, warning while peers are late.
-    Over gloo this rank cannot see who has arrived, so a rank that has waited a second publishes its call number in
-    the store (``at/<rank>``) and the warning names the ranks not seen at this call."""
+    """Wait for the gloo side group's exchange ``work`` (:func:`cp_ops._waits.poll`). Over gloo this rank cannot see
+    who arrived: after a second it publishes its call number (``at/<rank>``), so warnings name the ranks not seen."""
     at = None
 
     def check() -> bool:
@@ -505,10 +503,8 @@ def _not_seen(st: _Group) -> str:
 
 
 def call_failed(group: dist.ProcessGroup | str) -> None:
-    """This rank's call on ``group`` raised between its launches (its body failed: called from the comm's drain, in
-    the ``except`` that re-raises): publish the failure for the peers, which may be waiting in this call's
-    collectives (:func:`wait_collective` names this rank and its error within about a quarter second). One store
-    write; nothing for a group whose contract was not set up."""
+    """This rank's call on ``group`` raised between its launches (the comm's drain calls it): publish the failure for
+    the peers waiting in this call's collectives (:func:`wait_collective` names it). One store write."""
     name = group if isinstance(group, str) else group.group_name
     st = _groups.get(name)
     if st is None or st.peers is None or st.skip:
@@ -789,12 +785,8 @@ def input_checksum(t) -> int:
 
 
 def check_inputs_agree(group: dist.ProcessGroup, what: str, inputs: dict) -> None:
-    """Raise on every rank unless ``inputs`` (name -> tensor or None, at most 3) have the same shapes, dtypes and
-    checksums on every rank of ``group`` (inputs that must be replicated, e.g. a DiT's latents and timestep).
-
-    Raises:
-        ValueError: on every rank, naming the inputs whose checksums differ.
-    """
+    """Raise ValueError on every rank (naming the inputs that differ) unless ``inputs`` (name -> tensor or None, at
+    most 3) have the same shapes, dtypes and checksums on every rank of ``group`` (replicated inputs: latents, ...)."""
     if len(inputs) > 3:
         raise ValueError(f"check_inputs_agree compares at most 3 inputs; got {len(inputs)}")
     exchange(group, what, "", inputs=inputs)
@@ -802,11 +794,7 @@ def check_inputs_agree(group: dist.ProcessGroup, what: str, inputs: dict) -> Non
 
 def check_settings_agree(group: dist.ProcessGroup) -> None:
     """Compare the collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) across the ranks of ``group`` now
-    (e.g. at start-up). Every op call's exchange compares them too; this makes one more exchange.
-
-    Raises:
-        ValueError: on every rank, naming each differing setting and each rank's value.
-    """
+    (every call's exchange does too): ValueError on every rank, naming each differing setting and each rank's value."""
     exchange(group, "cp_ops.check_settings_agree", "")
 
 

@@ -9,11 +9,8 @@ Each op takes ``world_size: int`` (so fake kernels need no process group), ``gro
 op-level ``transport`` from :func:`cp_ops.transport.base.resolve`: a registered name (raises when the group
 cannot use it) or 'auto' (the first of ``AUTO_ORDER`` that suits the group, else torch).
 
-The rank contract (:mod:`cp_ops.contract`): a launch's real kernel exchanges the call's signature unless ``call`` is
-``'-'`` (a later launch of a call whose first launch exchanged); ``call`` names the call in messages (default: the op)
-``tag`` carries its variant (:func:`cp_ops.contract.variant_tag`) and ``seq_lens`` the uneven token counts, folded
-into the tag at run time (:func:`cp_ops.contract.with_seq_lens`). These three only name and check the call: the data
-moved depends on the tensors alone (padded blocks for uneven shards: :class:`cp_ops.layout.Shards`).
+The rank contract: a launch's real kernel exchanges the call's signature (:func:`cp_ops.contract.op_checked`) with
+``call``, ``tag`` and ``seq_lens``, which only name and check the call: the data moved depends on the tensors alone.
 
 Ops:
     cp_ops::agkv_gather_start(k, v, world_size, group_name, transport, call='', tag=0, seq_lens=None)
@@ -30,11 +27,9 @@ Ops:
         ``ulysses_start`` (and the eager path) would for the call: ``[B, S_local, H, D]`` and ``count`` tensors (0: n).
     cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None, after=None)
         -> buf: ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
-    ``after`` (the two Ulysses launches above): an ordering input, never read — the launch runs after the node that
-        made it. Traced pipelined Ulysses passes what consumed the output of the launch ``slots_per_key`` before it
-        (its attention, its copy out), so Inductor cannot schedule more launches of one pool key in flight than a
-        pooling transport has slots (otherwise it may fuse the copies out of three inverse launches into one
-        kernel after all three).
+    ``after`` (the two Ulysses launches above): an ordering input, never read: traced pipelined Ulysses passes what
+        consumed the output of the launch ``slots_per_key`` before it, so Inductor keeps no more launches of one pool
+        key in flight than a pooling transport has slots.
     cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
                                      call='', tag=0, comm_fmt='') -> out
         ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below). ``comm_fmt``: the FP8

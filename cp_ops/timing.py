@@ -107,15 +107,11 @@ def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, sampl
 def interleaved_rounds(baselines: list[Callable[[], object]], cases: list[Callable[[], object]], rounds: int,
                        sample: Callable[[Callable[[], object]], float], on_round: Callable[[int], None] | None = None
                        ) -> tuple[list[list[float]], list[list[float]]]:
-    """Samples of single-device baselines and CP cases taken in ``rounds`` interleaved rounds, so drift over the
-    measurement (clocks, temperature) hits every side alike: each round, the ranks meet at a barrier, rank 0 takes
-    one sample of every baseline alone (the other ranks wait at a second barrier: no contention), then every rank
-    takes one sample of every case (collective: every rank passes the same cases in the same order).
+    """Samples taken in ``rounds`` interleaved rounds, so drift (clocks, temperature) hits every side alike: each
+    round, rank 0 takes one sample of every baseline alone (the other ranks wait at a barrier), then every rank one
+    of every case (collective: the same cases in the same order). ``sample``: ``fn -> ms`` (e.g. one
+    :func:`steady_ms` sample); ``on_round``: called with the round's index before it.
 
-    Args:
-        baselines: callables timed on rank 0 only (other ranks may pass the same list; it is not run there).
-        cases: callables every rank runs. sample: ``fn -> ms`` (e.g. one :func:`steady_ms` sample).
-        on_round: called with the round's index before it (progress reports).
     Returns:
         ``(baseline samples, case samples)``: one list of ``rounds`` ms per callable (baselines: empty lists on
         ranks other than 0); this rank's own times (reduce over ranks with :func:`max_over_ranks_each`).

@@ -103,10 +103,8 @@ def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: t
 
 
 def received_bytes(mode: str, world_size: int, local_bytes: int, mesh: tuple | None = None) -> int | None:
-    """Bytes each rank must receive for one call of ``mode``, given one local tensor's bytes T: AGKV gathers
-    K and V from W−1 peers, 2(W−1)·T; Ulysses receives (W−1)/W of Q, K, V and of the output, 4(W−1)/W·T; 2-D
-    ('agkv_ulysses' on ``mesh`` = (O, I)) 4(I−1)/I·T over the inner dim + 2(O−1)·T over the outer. None
-    for a mode whose traffic is not known here."""
+    """Bytes each rank must receive for one call of ``mode``, given one local tensor's bytes T: AGKV 2(W−1)·T,
+    Ulysses 4(W−1)/W·T, 2-D (``mesh`` = (O, I)) 4(I−1)/I·T + 2(O−1)·T; None for another mode."""
     if mode == "agkv_ulysses" and mesh is not None:
         o, i = mesh
         return 4 * (i - 1) * local_bytes // i + 2 * (o - 1) * local_bytes
@@ -192,10 +190,9 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
 
 
 def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, bar, group=None) -> list[dict]:
-    """The rows of one S: warm-up and the output check of every case (the first call of an auto case measures its
-    choice), then ``args.repeats`` interleaved rounds — the 1-device baselines on rank 0 alone (the other ranks
-    wait at a barrier), then one steady-state sample of every case — so drift over the run (clocks, temperature)
-    hits the baseline and every case alike; then latencies and (``--graphs``) the CUDA-graph columns."""
+    """The rows of one S: warm-up and the output check of every case, then ``args.repeats`` interleaved rounds
+    (:func:`cp_ops.timing.interleaved_rounds`: the 1-device baselines on rank 0 alone, then one steady-state sample
+    of every case), then latencies and (``--graphs``) the CUDA-graph columns."""
     dtype = DTYPES[args.dtype]
     b, h, d = args.batch, args.heads, args.head_dim
     calls = getattr(args, "calls", 1)

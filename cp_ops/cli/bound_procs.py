@@ -18,9 +18,8 @@ from .bound_sides import Side, _reason, _timed, parse_mode
 
 
 def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results, run) -> None:
-    """A :func:`precompile` child (a fresh process): build ``side`` of ``mode_text`` and run its first call (the
-    compile) as ``run`` (:func:`cp_ops.cli.bound.run_bound`) would; puts ``(mode, side, seconds, error or None)`` on ``results``. Dies with its
-    parent (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves no child holding the device's memory."""
+    """A :func:`precompile` child: build ``side`` of ``mode_text`` and run its first call (the compile) as ``run``
+    (:func:`cp_ops.cli.bound.run_bound`) would; puts ``(mode, side, seconds, error or None)`` on ``results``."""
     import contextlib
     import io
 
@@ -59,11 +58,10 @@ SAMPLE_TIMEOUT_S = 900.0
 
 
 def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base, parent_pid, run) -> None:
-    """A ``--side-processes`` child (spawned): build ``side`` of ``mode_text`` as ``run`` (the run's body,
-    :func:`cp_ops.cli.bound.run_bound`, handed over by reference) would, on the
-    parent's model ``base`` (received with its parameters and buffers shared, not copied: CUDA IPC on CUDA, shared
-    memory on CPU; the parent keeps them alive), run its first call, then answer the parent's timing requests on
-    ``conn`` (:func:`_serve`) until told to stop. An exception is sent as ``('error', reason)``."""
+    """A ``--side-processes`` child: build ``side`` of ``mode_text`` as ``run`` (:func:`cp_ops.cli.bound.run_bound`)
+    would, on the parent's model ``base`` (its weights shared, not copied), run its first call, then answer the
+    parent's timing requests on ``conn`` (:func:`_serve`) until told to stop; an exception is sent as ``('error',
+    reason)``."""
     import contextlib
     import io
 
@@ -139,12 +137,10 @@ def _recv(s: Side, timeout: float):
 
 
 def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], base: torch.nn.Module, run) -> None:
-    """``--side-processes``: start one process per side of ``mode_text`` at once (spawned; each gets ``base`` with its
-    weights shared, builds its side on them, compiles it and runs its first call, concurrently), wait for each to
-    report, and fill in the sides (``proc``/``conn``, ``build_s``, ``first_s`` (the first call beside the others'
-    compiles), ``second_ms`` (asked once every side is built), ``out``, ``fill_count``); :func:`_time_sides` then
-    times them through their pipes. Raises as :func:`_recv` does (the first side to fail; :func:`stop_sides` ends
-    the others)."""
+    """``--side-processes``: start one process per side of ``mode_text`` at once (:func:`_serve_side`), wait for each
+    to report and fill in the sides (``proc``/``conn``, ``build_s``, ``first_s``, ``second_ms``, ``out``,
+    ``fill_count``); :func:`_time_sides` then times them through their pipes. Raises as :func:`_recv` does (the first
+    side to fail; :func:`stop_sides` ends the others)."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -205,12 +201,9 @@ def stop_sides(sides: list[Side]) -> None:
 
 def precompile(args, device: torch.device, sides_for, run) -> None:
     """``--compile-workers N``: every side of every compiled mode built and called once in child processes, up to N at
-    a time (spawned, one per side: each loads the model, so each holds one copy of the weights on ``device``), so that
-    torch's on-disk compile caches (Inductor's FX graph cache, AOTAutograd's, the Triton/C++ kernels; all shared
-    through ``TORCHINDUCTOR_CACHE_DIR``, default under /tmp) hold what this process then compiles: its own compiles
-    are mostly cache hits (Dynamo still traces each side; each mode's line says how many hit). Prints each child's
-    time; a child that fails or dies (e.g. out of memory) is reported by its side and this process builds that side
-    as usual. Skipped, saying so, where Inductor's FX graph cache is off."""
+    a time (one per side, each with its own copy of the weights), so that torch's on-disk compile caches hold what
+    this process then compiles (mostly cache hits; Dynamo still traces). A child that fails or dies is reported and
+    its side built here as usual. Skipped, saying so, where Inductor's FX graph cache is off."""
     import multiprocessing
     import queue
     from multiprocessing.connection import wait

@@ -63,17 +63,11 @@ def _sync(device):
 
 def compile_model(model, spec, args, overlap: bool, kw_in: dict | None = None):
     """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``.
-
-    ``regional``: :func:`cp_ops.integrations.diffusers.compiled.compile_blocks` (every repeated block gets
-    ``block.forward = cp_ops.compile(block.forward, ...)``);
-    Dynamo caches by code object, so each block class compiles once and the other instances reuse it (as
-    diffusers' ``compile_repeated_blocks``); module hooks (the CP split/gather, profiler ranges) stay eager.
-    ``full``: ``cp_ops.compile(model, fullgraph=True)``, after one eager forward on ``kw_in`` where given: diffusers
-    models that build state at their first call are traced with it built, as after a pipeline's first step (Z-Image
-    makes its RoPE table inside ``with torch.device('cpu')``, which Dynamo cannot trace whole: "Unsupported context
-    manager"). Static shapes (``dynamic=False``) for both.
-    A bare ``--cuda-graphs`` adds ``mode="reduce-overhead"`` (``--cuda-graphs forward``: compiled without it, the
-    whole forward captured later by :func:`_measure`).
+    ``regional``: :func:`cp_ops.integrations.diffusers.compiled.compile_blocks` (each block class compiles once, as
+    diffusers' ``compile_repeated_blocks``; module hooks stay eager). ``full``: ``cp_ops.compile(model,
+    fullgraph=True)`` after one eager forward on ``kw_in`` where given (models that build state at their first call,
+    e.g. Z-Image's RoPE table, are traced with it built). Static shapes for both; a bare ``--cuda-graphs`` adds
+    ``mode="reduce-overhead"``.
     """
     import cp_ops
 
@@ -242,9 +236,7 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
 
 def _can_interleave(model, args, device) -> bool:
     """Whether the final times come from interleaved rounds (:func:`_interleaved`): one forward per row (no
-    ``--steps``, no ``--cuda-graphs``), and on CUDA room for the extra model copies that stay alive (the 1-rank
-    model and, with ``--compare``, diffusers' two): their weights within half the free memory on every rank (the
-    ranks agree: the rounds are collective)."""
+    ``--steps``, no ``--cuda-graphs``) and room for the copies on every rank (:func:`_room_for_copies`; agreed)."""
     wanted = not args.steps and not args.cuda_graphs  # the same arguments on every rank
     t = torch.tensor([int(wanted and _room_for_copies(model, args, device))], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)

@@ -99,9 +99,8 @@ def _lookup(call: Call):
 
 
 def _same_groups(plan, group) -> bool:
-    """Whether a plan cached under an equal key (the default group was destroyed or replaced, or ``group`` is a
-    DeviceMesh equal to the plan's — a mesh compares by its layout: one made after destroy_process_group() equals the
-    destroyed one — but maybe not over its groups) runs on ``group``'s process groups."""
+    """Whether a plan cached under an equal key runs on ``group``'s process groups (the default group may have been
+    replaced; a DeviceMesh compares by its layout, so a new one equals a destroyed one)."""
     if group is None or plan is None:
         return False
     if is_mesh(group):
@@ -132,9 +131,8 @@ def describe(call: Call) -> measured.Choice:
 
 
 def forget() -> None:
-    """Drop every cached plan and every stored choice (the next call of each key decides again: agrees or measures,
-    as on its first call; the cache file is left as it is). Tests use it; after changing what a plan caches, e.g.
-    the chunks table."""
+    """Drop every cached plan and every stored choice (the next call of each key decides again, as its first; the
+    cache file is left as it is)."""
     _plans.clear()
     measured._memo.clear()
 

@@ -35,9 +35,8 @@ CALL = "cp_ops.attention"
 
 
 class Decision(NamedTuple):
-    """What a call runs: the concrete mode, the resolved transport, the stages, the body, whether it runs as the
-    pipelined op when traced, the rank contract's tag, the uneven counts (or None), whether a mask comes, the FP8
-    formats and why (the reasons the rules gave, or where the measured choice came from)."""
+    """What a call runs, decided once (its fields: the mode, transport, stages, body, the rank contract's tag, the
+    layout, the FP8 formats, and why: the rules' reasons or where the measured choice came from)."""
 
     world: int
     mode: str

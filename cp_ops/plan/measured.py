@@ -92,8 +92,7 @@ class Open(NamedTuple):
     preferred: tuple
 
 
-#: ``runner(mode, chunks) -> run``: ``run()`` makes one call of the candidate (a collective: every rank calls it
-#: alike), on tensors of the decided call's shape, dtype and device.
+#: ``runner(mode, chunks) -> run``: ``run()`` makes one call of the candidate (a collective) on the call's shapes.
 Runner = Callable[[str, int], Callable[[], object]]
 
 
@@ -245,21 +244,17 @@ def _sample_ms(cand: tuple[str, int], run: Callable[[], object], device: torch.d
     return steady_ms(run, device, 0, 1, calls)[0]
 
 
-#: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it; the
-#: sizing call is ``calls=1``).
+#: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it).
 _timer = _sample_ms
 
 
 #: Format of the cache file; a file of another format is ignored (and replaced on the next write).
 FORMAT = 3
 
-#: Counters for tests and reports: 'measured' (decisions measured), 'timed' (candidates timed), 'cached' (decisions
-#: taken from the file every rank holds alike), 'heuristic' (decisions the heuristic made and kept).
+#: Counters for tests and reports: decisions 'measured', 'cached' (from the file) and 'heuristic'; candidates 'timed'.
 stats = {"measured": 0, "timed": 0, "cached": 0, "heuristic": 0}
-#: (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice. Keyed by the group object (as
-#: :mod:`cp_ops.transport.base`'s per-group choices: torch reuses a destroyed group's name), a destroyed group's
-#: entries dropped when cp_ops notices it (:func:`drop_destroyed`); at most :data:`MAX_MEMO`
-#: entries, the oldest dropped first (decided again at its next call: the heuristic, or the file every rank holds).
+#: (group, mode, chunks, shape, dtype, device, transport, tune_modes, comm) -> Choice, keyed by the group object (a
+#: destroyed group's entries dropped: :func:`drop_destroyed`); at most :data:`MAX_MEMO`, the oldest dropped first.
 _memo: dict[tuple, Choice] = {}
 #: The most requests :data:`_memo` keeps (a model makes a handful; a sweep over shapes or groups would grow it).
 MAX_MEMO = 1024

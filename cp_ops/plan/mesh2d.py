@@ -51,7 +51,7 @@ class MeshDecision(NamedTuple):
 
 def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
     """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups (eager: a rank
-    whose checks fail tells both — on a degenerate mesh, the one group its 1-D call uses); None while tracing.
+    whose checks fail tells both, or a degenerate mesh's one); None while tracing.
 
     Raises:
         ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`; besides, a mode that is not 2-D, a
@@ -147,10 +147,8 @@ def traced(call: Call) -> torch.Tensor:
 
 
 def describe(call: Call):
-    """What a call on the 2-D mesh ``call.group`` runs, without a collective (:func:`cp_ops.describe`: arguments,
-    return and errors there; ``q`` in BSHD): a degenerate mesh describes its 1-D call on the one dim
-    (:func:`cp_ops.plan.flat.describe`); else mode 'agkv_ulysses' with the caller's chunks or 1, the inner (Ulysses)
-    dim's transport. Raises as :func:`decide` on this rank alone."""
+    """What a call on the 2-D mesh ``call.group`` runs, without a collective (:func:`cp_ops.describe`): a degenerate
+    mesh's 1-D call, else mode 'agkv_ulysses' with the caller's chunks or 1 and the inner dim's transport."""
     group, q, mode, chunks = call.group, call.q, call.mode, call.chunks
     info = meshes.MeshInfo(*meshes.describe(group))
     d = decide(call._replace(k=q, v=q, tag=None, scale=None), info)

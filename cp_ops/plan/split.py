@@ -33,11 +33,9 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class Split(NamedTuple):
-    """What ``mode='auto'`` runs for one call shape on a flat group. ``mode``: 'agkv', 'ulysses' (1-D over the flat
-    group) or 'agkv_ulysses' (2-D on ``outer × inner``); ``source``: 'cost' (the cost model chose), 'heuristic'
-    (the 1-D heuristic: the node layout does not allow a split) or 'mismatch' (the ranks' calls differ: the 1-D path,
-    whose checks raise; not kept); ``why``: the reason with
-    the cost model's predicted ms per layout."""
+    """What ``mode='auto'`` runs for one call shape on a flat group: ``mode`` 'agkv', 'ulysses' (1-D) or
+    'agkv_ulysses' (2-D on ``outer × inner``); ``source`` 'cost', 'heuristic' (the node layout allows no split) or
+    'mismatch' (the ranks' calls differ: the 1-D path, whose checks raise); ``why`` with the predicted ms."""
 
     mode: str
     outer: int
@@ -181,9 +179,8 @@ def mesh_if_built(group_name: str, outer: int, inner: int, device_type: str):
 
 
 def local_mask(call, pg):
-    """The key mask a call on the split's mesh takes: a ``[B, S_total]`` mask of every key (the same on every rank)
-    becomes this rank's ``[B, S_local]`` slice (mesh rank r = group rank r holds the r-th token block); any other
-    mask as given (the mesh's checks judge it)."""
+    """The key mask a call on the split's mesh takes: a ``[B, S_total]`` mask of every key becomes this rank's
+    ``[B, S_local]`` slice (mesh rank r = group rank r); any other as given (the mesh's checks judge it)."""
     m, q = call.key_mask, call.q
     if not isinstance(m, torch.Tensor) or m.dim() != 2 or not isinstance(q, torch.Tensor) or q.dim() != 4:
         return m

@@ -58,16 +58,9 @@ class Transport(Protocol):
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
         """``[B, S, H/W, D]`` → ``(buf [W, B, S/W, H/W, D], work)``; index 0 = source rank (head group)."""
 
-    # Optional: ``single_node = True``: the transport runs only among the ranks of one node; ``'auto'`` does not try it
-    # for a group whose ranks are on more than one node (:mod:`cp_ops.node`; no collective of the transport is made).
-    # Optional: ``device_types``, a tuple of the device types the transport ever moves (e.g. ``("cuda",)``); absent:
-    # any. ``'auto'`` asks a transport at the group only for tensors of those types (see :func:`resolve`).
-    # Optional: ``ulysses_packed_start(send, group) -> (buf, work)``, the all-to-all of a send buffer
-    # ``[W, B, S_local, n, Hl, D]`` packed by the caller (``cp_ops::ulysses_packed_start``); without it the op moves
-    # the buffer with :meth:`Transport.ulysses_inverse_start` (the same all-to-all of whole slabs).
-    # Optional: ``agkv_start_sources(k, v, group, pieces) -> (k_full, v_full, arrivals, work)``, an AGKV gather
-    # whose peers' pieces can be waited one by one (see :func:`agkv_start_sources`, which falls back to
-    # ``agkv_start`` for transports without it). Not a protocol member, so older transports still match.
+    # Optional (not protocol members): ``single_node = True`` ('auto' does not try it for a group on several nodes,
+    # :mod:`cp_ops.node`); ``device_types``, the device types it ever moves (absent: any; :func:`resolve`);
+    # ``ulysses_packed_start`` and ``agkv_start_sources`` (the module functions of those names fall back without).
 
 
 # ---- optional capability: AGKV with per-source arrival (pipelined AGKV) ----------------------------
@@ -171,10 +164,8 @@ _REGISTRY: dict[str, Transport] = {}
 #: Preference of ``transport='auto'``: the first that can run wins; 'torch' always can.
 AUTO_ORDER: list[str] = []
 _logged: set = set()
-#: (requested name, the group object, device type) -> the transport :func:`for_group` chose. Keyed by the group object,
-#: not its name: torch names groups by a counter that ``destroy_process_group()`` resets, so a group made after a
-#: destroy can carry a destroyed group's name and must be asked again. The entries of destroyed groups are dropped when
-#: cp_ops notices one (:func:`cp_ops.contract.on_group_destroyed`; until then they only keep the old objects alive).
+#: (requested name, the group object, device type) -> the transport :func:`for_group` chose (keyed by the group object:
+#: torch reuses a destroyed group's name; :func:`cp_ops.contract.drop_destroyed`).
 _group_choice: dict[tuple, str] = {}
 #: Bumped by :func:`forget_groups`: a cached :func:`for_group` result (cp_ops.plan's plans) is stale when it moved.
 epoch = 0
@@ -261,15 +252,9 @@ def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
 
 
 def concrete_name(name: str, group_name: str, device) -> str:
-    """The transport a call with resolved transport ``name`` (what :func:`resolve` returned) runs on the CP group
-    named ``group_name`` on ``device``: 'fast' or 'torch' (any registered name), never 'auto' — what heuristics
-    keyed by transport read (:func:`cp_ops.plan.rules.chunks_rule`).
-
-    An explicit name is returned as is. For ``'auto'``: :func:`for_group`'s choice for the group (collective over the
-    group the first time, as the op's first call would be; cached after); for a group of the 'fake' backend (tracing
-    tests: it never runs a transport) the name :func:`select_transport` gives for the device. A constant for the
-    compiler (as :func:`resolve`): called while ``torch.compile`` traces, with the group's name and the device.
-    """
+    """The transport a call with resolved transport ``name`` runs on the CP group named ``group_name``, never 'auto'
+    (what :func:`cp_ops.plan.rules.chunks_rule` reads): an explicit name as is; for 'auto' :func:`for_group`'s choice
+    (collective the first time), or for a 'fake' group :func:`select_transport`'s. A constant for the compiler."""
     known = agreed_name(name, group_name, device)
     if known is not None:
         return known
@@ -326,11 +311,9 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
 
 
 def _agree_auto(group: dist.ProcessGroup, device: torch.device) -> str:
-    """``'auto'``'s choice for ``group``, the same on every rank: the first transport of :data:`AUTO_ORDER` that
-    every rank can run (each rank's :meth:`Transport.unavailable_reason`, all-gathered), whose
-    :meth:`Transport.group_reason` (called on every rank) every rank accepts; else 'torch'. Collective, once per
-    (group, device type) until :func:`forget_groups`; bounded by ``settings.timeout_s``
-    (:func:`cp_ops.contract.agree`)."""
+    """``'auto'``'s choice for ``group``, the same on every rank: the first transport of :data:`AUTO_ORDER` every rank
+    can run and whose :meth:`Transport.group_reason` every rank accepts, else 'torch' (agreed through
+    :func:`cp_ops.contract.agree`, once per group and device type)."""
     import json
 
     from ..contract import agree
@@ -369,10 +352,8 @@ def inflight_limit() -> int | None:
 
 
 def check_all() -> None:
-    """Raise a device-side failure a transport recorded and has not raised yet (a device wait of the fast transport
-    that timed out and poisoned its outputs): each registered transport's ``check()``, where it has one. Cheap (no
-    device sync): called at the host points the library owns, the ``parallelize`` output gather and the end of a
-    captured forward's replay."""
+    """Raise a device-side failure a transport recorded and has not raised yet (each transport's ``check()``; no device
+    sync): called at the ``parallelize`` output gather and after a captured forward's replay."""
     for t in _REGISTRY.values():
         check = getattr(t, "check", None)
         if check is not None:
