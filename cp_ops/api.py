@@ -45,12 +45,10 @@ def attention(
             ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` (2-D CP: Ulysses inside each row, AGKV across
             rows; rank r in row-major order holds the r-th token block; the inner size must divide H;
             :mod:`cp_ops.mesh`, :mod:`cp_ops.plan.mesh2d`, docs/2d.md).
-        mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H),
-            or 'auto' (the heuristic :func:`cp_ops.plan.rules.mode_rule`; the fastest, measured on first use, where
-            ``CP_OPS_TUNE_MODES=1``: :mod:`cp_ops.plan.measured`); on a flat group whose ranks span several nodes, 'auto'
-            runs the cost model's split instead (:mod:`cp_ops.plan.split`: pure AGKV, pure Ulysses, or 2-D CP on a mesh
-            built from the group, rows = nodes); any name of ``cp_ops.modes.names()``. On a 2-D mesh:
-            'auto' or 'agkv_ulysses' (``cp_ops.modes.names(dims=2)``). What a call ran: :func:`describe`.
+        mode: 'agkv' (gather K/V, keep local Q), 'ulysses' (all-to-all sequence↔heads; W must divide H), any name of
+            ``cp_ops.modes.names()``, or 'auto': the rules (:mod:`cp_ops.plan.rules`; measured on first use where
+            ``CP_OPS_TUNE_MODES=1``), on a flat group across nodes the cost model's split (:mod:`cp_ops.plan.split`).
+            On a 2-D mesh: 'auto' or 'agkv_ulysses'. What a call ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
         scale: softmax scale (a Python float or int); default ``1/sqrt(D)``. Part of the rank contract's variant:
@@ -158,9 +156,7 @@ def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | N
 
     Args:
         q: ``[B, S_local, H, D]`` (or ``[B, H, S_local, D]`` with ``layout='bhsd'``), the call's q (shape, dtype and
-            device are read, never the values). The keywords: as :func:`attention`; ``group`` may be a 2-D
-            ``('agkv', 'ulysses')`` mesh (mode 'agkv_ulysses', chunks as given or 1, the inner dim's transport; a
-            degenerate mesh describes the 1-D call on its one dim); ``comm_dtype`` is checked, not read.
+            device are read, never the values). The keywords: as :func:`attention` (``comm_dtype`` checked, not read).
     Returns:
         :class:`cp_ops.plan.measured.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
         ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
@@ -174,11 +170,8 @@ def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | N
         ``why`` the reason in words. Traced code runs the heuristic's variant (across nodes: the split): to compile a
         measured one, pass the ``mode`` and ``chunks`` this returns after an eager call.
     Raises:
-        ValueError: the checks :func:`attention` makes on this rank alone: q not 4-D or of an unsupported dtype, a
-            BHSD tensor passed as BSHD, unknown mode or transport, mode='ulysses' with H % W != 0, chunks not None or
-            an int ≥ 1, ``layout`` not 'bshd'/'bhsd'; a bad ``comm_dtype`` (as the call: on a mesh K and V
-            must share a format);
-            on a mesh, wrong dim names or an inner size that does not divide H.
+        ValueError: the checks :func:`attention` makes on this rank alone (q's shape and dtype, the layout, mode,
+            transport, chunks, ``comm_dtype``; on a mesh its dim names and inner size).
         TypeError: q is not a tensor; a keyword :func:`attention` does not take.
         RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.
     """

@@ -40,10 +40,9 @@ def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) 
 
 
 def failed_ranks(group: dist.ProcessGroup | None, reason: str) -> list[tuple[int | None, str]]:
-    """Every rank's outcome of a step that must succeed on all ranks or on none (a CUDA-graph capture: a replay runs
-    collectives), ``reason`` = this rank's (``''``: succeeded): ``[(rank, reason)]`` of the ranks that failed, in rank
-    order, gathered over ``group`` (``all_gather_object``: every rank calls). A group of one rank, a fake group (one
-    process stands for all) or None: this process's own outcome alone (rank None for None)."""
+    """``[(rank, reason)]`` of the ranks whose step failed (``reason`` = this rank's, ``''``: succeeded), gathered
+    over ``group`` (every rank calls) for a step that must succeed on all ranks or none (a CUDA-graph capture); a group
+    of one rank, a fake group or None: this process's own outcome alone (rank None for None)."""
     if group is not None and group.size() > 1 and str(dist.get_backend(group)) != "fake":
         reasons: list = [None] * group.size()
         dist.all_gather_object(reasons, reason, group=group)
@@ -114,9 +113,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 def check_outputs(out) -> None:
     """Raise ValueError when a forward's output holds a leaf a replay cannot return afresh: anything but tensors,
-    immutable values (None, numbers, str, dtype, ...) and pytree containers (tuple, list, dict, namedtuple, diffusers'
-    BaseOutput). A plain dataclass or other object is one pytree leaf: every replay would return that same object,
-    its tensors the graph's own (not cloned: the next call of the key overwrites them)."""
+    immutable values and pytree containers (a plain dataclass is one leaf: every replay would return that object)."""
     for i, x in enumerate(pytree.tree_leaves(out)):
         if not isinstance(x, (torch.Tensor, *_PLAIN)) and not isinstance(x, enum.Enum):
             raise ValueError(
@@ -221,11 +218,8 @@ def _agree(group, reason: str, what: str) -> None:
 
 
 class CapturedForward:
-    """The per-key graphs of one module's call (docs/diffusers_compile_caches.md). ``__call__(*args, **kwargs)`` returns
-    what ``module(*args, **kwargs)`` returns (tensors cloned and detached unless ``clone_outputs=False``).
-
-    Attributes: ``captures`` (int, captures made), ``evictions`` (int), :meth:`keys` (live keys, least recent first).
-    """
+    """The per-key graphs of one module's call (docs/diffusers_compile_caches.md): ``__call__`` returns what the module
+    returns (tensors cloned and detached unless ``clone_outputs=False``); ``captures``, ``evictions``, :meth:`keys`."""
 
     def __init__(self, module: torch.nn.Module, call: Callable[..., Any], device: torch.device, *, group=None,
                  warmup: int = 2, clone_outputs: bool = True, max_keys: int = MAX_KEYS, what: str = "",

@@ -3,14 +3,10 @@
 For compiled code and overlap, call the launches (``torch.ops.cp_ops.*_start``) and
 ``torch.ops._c10d_functional.wait_tensor`` yourself; :func:`cp_ops.attention` does.
 
-``comm_dtype`` (docs/fp8.md, :mod:`cp_ops.comm_dtype`): what crosses the link, as :func:`cp_ops.attention`'s, with the
-same codec and the same per-tensor selection, through the comm the mode bodies use (:class:`cp_ops.comm.OpComm`):
-:func:`agkv_gather` moves K and V (the dict's ``"k"``/``"v"`` entries, which must agree), :func:`ulysses_all_to_all`
-up to three tensors named ``q, k, v`` by position (a plain FP8 dtype: all of them), :func:`ulysses_all_to_all_inverse`
-the output (``"o"``). Each row of ``D`` values (one token of one head) travels as ``D`` fp8 bytes and its fp32 scale
-and arrives as ``decode(encode(x))`` (:func:`cp_ops.kernels.fp8.round_trip`; error per element: docs/fp8.md).
-None or the input dtype: the plain collective, bitwise. Part of the rank contract: ranks that differ raise on every
-rank.
+``comm_dtype``: what crosses the link, as :func:`cp_ops.attention`'s, through the comm the mode bodies use
+(:class:`cp_ops.comm.OpComm`): :func:`agkv_gather` moves K and V, :func:`ulysses_all_to_all` up to three tensors
+named ``q, k, v`` by position, :func:`ulysses_all_to_all_inverse` the output (``"o"``); what arrives is
+:func:`cp_ops.kernels.fp8.round_trip` of the plain result (``docs/fp8.md``, "The collectives").
 """
 
 from __future__ import annotations
@@ -101,13 +97,11 @@ def agkv_gather(
             rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
         comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
-            (or their names ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree (module docstring): K and V travel as FP8 bytes with a
-            fp32 scale per (token, head) and arrive decoded, k's dtype (``D + 4`` bytes per row on the link).
+            (or their names ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree: K and V
+            travel as FP8 with a fp32 scale per (token, head) and arrive decoded, in k's dtype.
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
-        every rank's real tokens, no padding), contiguous, ready for attention; tensors of
-        their own (with the fast transport, whose receive buffers are pooled, that is one copy of each —
-        :func:`cp_ops.attention` uses the ops directly and pays none).
+        every rank's real tokens), contiguous, tensors of their own (a copy of the fast transport's pooled buffers).
     Raises:
         ValueError / RuntimeError: as :func:`cp_ops.attention` (bad ``seq_lens``: length, values,
             ``seq_lens[rank] != S_local``, ranks that disagree on it; a bad ``comm_dtype``, K and V in different

@@ -1,9 +1,8 @@
 """The communication interface every mode body is written against, and its two implementations.
 
 A mode body (:mod:`cp_ops.modes`) is one function ``body(q, k, v, comm, *, scale, chunks, shards)`` (a 2-D mode's
-``comm`` is a :class:`MeshComm`: one comm per mesh dim). It never
-touches a process group, an op or a transport: it launches through ``comm`` and waits on what the launch
-returned, so the same body runs
+``comm`` is a :class:`MeshComm`). It never touches a process group, an op or a transport: it launches through
+``comm`` and waits on what the launch returned, so the same body runs
 
 * **traced** (``torch.compile``, make_fx, FakeTensor, a dispatch mode, a direct op call) with :class:`OpComm`:
   every launch is a ``torch.ops.cp_ops.*_start`` op (:mod:`cp_ops.ops`) and every wait is
@@ -21,11 +20,9 @@ stream):
   ``[lo, hi)`` of every head group; all of them by default).
 * ``ulysses_inverse(x, after=None)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``; ``pending.wait_into(out)``
   writes it into ``out [B, S/W, W, Hl, D]`` instead (pipelined Ulysses' result heads: FP8 decodes straight into it).
-  ``after`` (both): a tensor the launch must follow — traced, an ordering input of the op (never read: Inductor
-  keeps the launch after the node that made it); eager, ignored (launches run in program order).
-* ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (pipelined AGKV, which traced code runs inside one op,
-  ``cp_ops::agkv_pipelined_attention``): ``(k_full, v_full, arrivals, work)`` as
-  :func:`cp_ops.transport.base.agkv_start_sources`.
+  ``after`` (both): a tensor the launch must follow (traced: an ordering input of the op; eager: ignored).
+* ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (traced, pipelined AGKV is one op): ``(k_full, v_full,
+  arrivals, work)`` as :func:`cp_ops.transport.base.agkv_start_sources`.
 
 **The rank contract** (:mod:`cp_ops.contract`): one exchange per call, made by the call's *first* launch in both
 implementations, with the same signature (``docs/architecture.md``); the body is deterministic, so once the first

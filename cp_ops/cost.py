@@ -15,13 +15,11 @@ picks the fastest feasible one. :func:`cp_ops.mesh.init_cp_mesh` builds the mesh
   ``L`` each, so the same formula with n = O.
 * Ring over W: as AGKV (every K/V block passes every rank), step by step under the attention.
 
-**Time** (ms): each collective costs ``latency + max(NVLink bytes / NVLink GB/s, network bytes / network GB/s)`` (the
-two links run at once; the slower one decides); attention costs ``4·B·(S/W)·S·H·D`` FLOP at ``attn_tflops`` (or a
-measured ``attn_ms`` per rank's share, e.g. the zero-communication bound's rank-0 attention). Transport-then-attend
-(``chunks=1``): Ulysses-in + AGKV + attention + Ulysses-out. ``overlapped_ms``: the AGKV hidden under the attention
-(pipelined AGKV's best case, ``chunks ≥ 2``): Ulysses-in + max(AGKV, attention) + Ulysses-out. Ring: ``max(attention,
-AGKV bytes) + one step's latency``. Speedup = one-GPU attention (``W ×`` the per-rank attention) ÷ the layout's time:
-the attention step only (the rest of a DiT layer, GEMMs and norms, scales ~1/W with no communication).
+**Time** (ms): a collective costs ``latency + max(NVLink bytes / NVLink GB/s, network bytes / network GB/s)``;
+attention ``4·B·(S/W)·S·H·D`` FLOP at ``attn_tflops`` (or a measured ``attn_ms``). Transport-then-attend: Ulysses-in
++ AGKV + attention + Ulysses-out; ``overlapped_ms`` (``chunks ≥ 2``'s best case): Ulysses-in + max(AGKV, attention) +
+Ulysses-out; ring: ``max(attention, AGKV bytes) + one step's latency``. Speedup = one-GPU attention ÷ the layout's
+time, of the attention step only.
 
 **Numbers and their sources** (:class:`Links`, all overridable; ``docs/2d.md`` has the table): NVLink 345 GB/s per
 rank, the P2P write ceiling measured with both ranks writing (``benchmarks/results/transfer/``); the network 50 GB/s

@@ -1,8 +1,6 @@
-"""Timing for the bench, ``cp-ops run`` and the measured mode choice (:mod:`cp_ops.plan.measured`): CUDA events on GPU (perf_counter on CPU), warm-up, median and spread, max over ranks.
-
-Two ways to time a call: :func:`steady_ms` (N calls back to back between two CUDA events, the host running
-ahead as consecutive layers of a model run: the time per call a model sees) and :func:`samples_ms` (each call
-bracketed and waited for on its own: the latency of one call, host launch cost included)."""
+"""Timing for the bench, ``cp-ops run`` and the measured mode choice (:mod:`cp_ops.plan.measured`), max over ranks:
+:func:`steady_ms` (N calls back to back, the host running ahead as consecutive layers do: the time per call a model
+sees) and :func:`samples_ms` (each call waited for on its own: the latency of one call, host launch cost included)."""
 
 from __future__ import annotations
 
@@ -76,11 +74,9 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repe
 
 def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, samples: int, calls: int,
               align: dist.ProcessGroup | bool = False) -> list[float]:
-    """Steady-state time per call, ms, of each of ``samples`` samples: ``calls`` runs of ``fn()`` back to back
-    between two CUDA events on the current stream (no host wait in between: the host runs ahead), divided by
-    ``calls``; after ``warmup`` untimed runs. The device is synchronized before each sample (its queue empty).
-    On CPU: ``time.perf_counter`` around the ``calls`` runs. ``align``: a process group (``True``: the default
-    group) whose ranks meet in a barrier before each sample, so every rank's sample starts together."""
+    """Steady-state ms per call of each of ``samples`` samples: ``calls`` runs of ``fn()`` back to back between two
+    CUDA events (the host runs ahead; ``time.perf_counter`` on CPU) after ``warmup`` untimed runs, the device idle
+    before each sample. ``align``: a process group (``True``: the default) meeting in a barrier before each sample."""
     for _ in range(warmup):
         fn()
     times = []

@@ -21,12 +21,9 @@ variant) and inside CUDA-graph capture; the one candidate left ('single'); else 
    minimum chose AGKV chunks=2 at 0.615 ms over chunks=1 at 0.469 ms in the bench, and at 32K fast AGKV the tuner saw
    chunks 1 and 2 within 0.2 % (``benchmarks/results/cp2_attention/``).
 
-The file (measuring on only): ``settings.tune_cache``, keyed by the machine, the torch and cp_ops versions, the call,
-the margin and the heuristic's candidate (:func:`disk_key`); a file of another :data:`FORMAT` is ignored and
-rewritten. Before its first collective a measuring rank compares the collective settings over the group
-(``tune_modes`` is one of them), so a peer with measuring off raises instead of hanging; then the ranks use a cached
-candidate only when every rank holds the same one. A file that does not parse or holds entries of wrong types is
-ignored (a warning naming it), so that rank measures with its peers.
+The file (measuring on only): ``settings.tune_cache``, keyed by :func:`disk_key`. A measuring rank first compares the
+collective settings over the group (a peer with measuring off raises instead of hanging); the ranks use a cached
+candidate only when every rank holds the same one; a file that does not parse is ignored with a warning.
 """
 
 from __future__ import annotations

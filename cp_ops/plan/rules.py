@@ -53,14 +53,10 @@ def mode_rule(mode: str, heads: int, world_size: int) -> tuple[str, str]:
     """``(concrete mode, reason)`` for ``mode=`` at H heads and W ranks.
 
     'auto' → 'agkv' at W = 2 or where W does not divide H; else 'ulysses'. Why: per rank Ulysses receives
-    4(W−1)/W of one local tensor (Q, K, V in, the output back), AGKV 2(W−1) (K and V of every peer): equal at
-    W = 2, where Ulysses still adds a second all-to-all after the attention (nothing to hide it under) and the
-    head packing, and AGKV measured ahead at every S at W = 2 (bf16, H=40, D=128, chunks 1: 4K 1.23x vs 1.10x
-    fast, 1.10x vs 0.88x torch; 8K 1.53x vs 1.48x fast, 1.40x vs 1.27x torch; ``benchmarks/results/cp2_attention/``);
-    from W = 3 Ulysses moves less (W = 4: 3 vs 6 local tensors).
-
-    A named mode is checked (ValueError: unknown name, a 2-D mode on a 1-D group, H % W != 0 for a mode that splits
-    heads) and returned.
+    4(W−1)/W of one local tensor, AGKV 2(W−1): equal at W = 2, where Ulysses adds an exposed inverse all-to-all,
+    and AGKV measured ahead at every S at W = 2 (bf16, H=40, D=128, chunks 1: 4K 1.23x vs 1.10x fast, 1.10x vs 0.88x
+    torch; 8K 1.53x vs 1.48x fast, 1.40x vs 1.27x torch; ``benchmarks/results/cp2_attention/``); from W = 3 Ulysses
+    moves less. A named mode is checked (ValueError: unknown, 2-D on a 1-D group, H % W != 0) and returned.
     """
     if mode == "auto":
         if world_size > 2 and heads % world_size == 0 and "ulysses" in modes.names(False):
@@ -95,10 +91,10 @@ def chunks_rule(mode: str, world_size: int, transport: str, given: int | None = 
     with :func:`cp_ops.transport.base.concrete_name`).
 
     Source (``benchmarks/results/cp2_attention/``): CP2, bf16, B=1, H=40, D=128, steady-state speedup over one GPU,
-    eager, fast transport, AGKV, chunks=2 vs chunks=1 in interleaved rounds: 4096: 1.20x vs 1.23x (eager at 4K is host-bound; from a CUDA graph
-    1.66x vs 1.31x); 8192: 1.76x vs 1.53x; 16384: 1.86x vs 1.76x; 32768: 1.92x vs 1.89x; 75600: 1.94x vs 1.93x.
-    Torch transport: within a few % of chunks=1 either way (kept at 1). Ulysses head sub-groups were slower than one
-    group at every S on both transports. Measured at W = 2; used for every W.
+    eager, fast transport, AGKV, chunks=2 vs chunks=1 in interleaved rounds: 4096: 1.20x vs 1.23x (host-bound; from a
+    CUDA graph 1.66x vs 1.31x); 8192: 1.76x vs 1.53x; 16384: 1.86x vs 1.76x; 32768: 1.92x vs 1.89x; 75600: 1.94x vs
+    1.93x. Torch transport: within a few % either way (kept at 1). Ulysses head sub-groups were slower than one group
+    at every S on both transports. Measured at W = 2; used for every W.
     """
     if given is not None:
         return given, f"chunks={given} given"
