@@ -20,7 +20,7 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 echo "== build"; t0=$(date +%s)
 timeout 240 python3 -c "
-from cp_ops.transport import _fast_build as b
+from cp_ops import _ext as b
 m, why = b.load(); print('build:', why or ('OK ' + m.__file__))"
 cp "$CP_OPS_EXT_DIR/build.log" "$OUT/build.log" 2>/dev/null
 echo "build took $(( $(date +%s) - t0 )) s"

@@ -34,7 +34,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name: $*" | tee -a "$LOG"; 
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
   2>&1 | tee -a "$LOG"
 for s in $SECTIONS; do case $s in
-  build) step build 240 python3 -c "from cp_ops.transport import _fast_build as b; ext, why = b.load(); print('extension:', ext, why); assert ext is not None" ;;
+  build) step build 240 python3 -c "from cp_ops import _ext as b; ext, why = b.load(); print('extension:', ext, why); assert ext is not None" ;;
   tests) step tests "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_one_gpu.py tests/test_fast.py -k "one_gpu or merge or two_ranks or fake_group" ;
          step pass_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_pass_rollback.py tests/test_csrc_compiles.py ;;
   host)  step host_new 90 python3 benchmarks/host_cost.py --fake --nproc 2 --calls 2000 --out "$OUT/host_new"

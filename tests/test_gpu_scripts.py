@@ -81,3 +81,32 @@ def test_gpu_steps_runs_the_named_steps_under_the_deadline(tmp_path):
     log = (tmp_path / "out2" / "log.txt").read_text()
     assert "=== t2r: rc=0" in log and "=== flux_full: skipped" in log and "needs 150" in log, log
     assert "-m cp_ops run" not in (tmp_path / "calls.log").read_text()
+
+
+def test_gpu_scripts_name_modules_and_files_that_exist():
+    """Every cp_ops module a GPU script imports (``from cp_ops.x import y``, ``import cp_ops.x``, ``python3 -m
+    cp_ops...``) and every tests/ or benchmarks/ file it names exists in this tree: a rename the scripts missed fails
+    here, on CPU, instead of in a device call (gpu_one.sh's build step imported a module renamed months before)."""
+    import importlib
+    import importlib.util
+    import re
+
+    bad = []
+    for f in sorted((ROOT / "benchmarks").glob("gpu_*.sh")):
+        text = f.read_text()
+        for m in re.finditer(r"from (cp_ops(?:\.\w+)*) import ([\w, ]+?)(?: as \w+)?[;\n\"']", text):
+            mod, names = m.group(1), [n.strip() for n in m.group(2).split(",")]
+            if importlib.util.find_spec(mod) is None:
+                bad.append(f"{f.name}: module {mod}")
+                continue
+            pkg = importlib.import_module(mod)
+            for n in names:
+                if not hasattr(pkg, n) and importlib.util.find_spec(f"{mod}.{n}") is None:
+                    bad.append(f"{f.name}: {mod}.{n}")
+        for m in re.finditer(r"(?:import|-m) (cp_ops(?:\.\w+)+)", text):
+            if importlib.util.find_spec(m.group(1)) is None:
+                bad.append(f"{f.name}: module {m.group(1)}")
+        for m in re.finditer(r"\b((?:tests|benchmarks)/[\w/]+\.(?:py|sh))", text):
+            if not (ROOT / m.group(1)).exists():
+                bad.append(f"{f.name}: file {m.group(1)}")
+    assert not bad, bad
