@@ -110,3 +110,27 @@ def test_gpu_scripts_name_modules_and_files_that_exist():
             if not (ROOT / m.group(1)).exists():
                 bad.append(f"{f.name}: file {m.group(1)}")
     assert not bad, bad
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_gpu_one_lanes_world_sizes_and_end(tmp_path):
+    """gpu_one.sh: 'a+b/c' runs lane a-then-b beside lane c (each its own log), a section's world sizes reach pytest's
+    -k, the records are merged once at the end; with END spent, a step is skipped and says so (non-zero exit)."""
+    root, env = _tree(tmp_path)
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", "benchmarks/gpu_one.sh", str(out), "shared:w8+faults/wan:w2,w4"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text()
+    assert "tests/test_one_gpu.py -k shared_device and (w8)" in calls, calls
+    assert "tests/test_one_gpu.py -k wan_full and (w2 or w4)" in calls, calls
+    assert "tests/test_one_gpu_faults.py -k never_arrives or killed or test_one_gpu_faults" in calls, calls
+    lanes = [(out / f"log_{n}.txt").read_text() for n in (1, 2)]
+    assert "=== shared_w8: rc=0" in lanes[0] and "=== faults: rc=0" in lanes[0], lanes[0]
+    assert "=== wan_w2,w4: rc=0" in lanes[1], lanes[1]
+    assert len([c for c in calls.splitlines() if c.startswith("python3 - ")]) == 1, calls  # one merge, at the end
+    env["END"] = "10"
+    r = subprocess.run(["bash", "benchmarks/gpu_one.sh", str(tmp_path / "out2"), "flux"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "=== flux: skipped (END=10 s" in (tmp_path / "out2" / "log.txt").read_text()

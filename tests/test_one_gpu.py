@@ -531,11 +531,155 @@ def _wan_full(rank, w, transport, heap, out):
         assert rel < 2e-2, rel
 
 
-@pytest.mark.parametrize("w,transport,heap", [(w, t, h) for w in (2, 4, 8) for t, h in (("torch", ""),
-                                                                                         ("fast", "ipc"))])
+MODELS_SHARED = [(w, t, h) for w in (2, 4, 8) for t, h in (("torch", ""), ("fast", "ipc"))]
+MODEL_IDS = [f"w{w}-{t}{'-' + h if h else ''}" for w, t, h in MODELS_SHARED]
+
+
+@pytest.mark.parametrize("w,transport,heap", MODELS_SHARED, ids=MODEL_IDS)
 def test_wan_full_depth_shared(w, transport, heap, monkeypatch, tmp_path):
     if importlib.util.find_spec("diffusers") is None:
         pytest.skip("diffusers is not installed")
     if heap:
         monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
     run_ranks(_wan_full, w, transport, heap, _out_dir(tmp_path), timeout=300, device="one_gpu")
+
+
+# ---- Flux-dev at the depth 8 copies fit one GPU, 4 denoising steps, W = 2, 4, 8 ------------------------------------
+#: double- and single-stream blocks of each kind: Flux-dev's widths (24 heads x 128, joint dim 4096) at 6 + 6 blocks
+#: = 3.0e9 parameters, 5.9 GB in bf16 (full depth 19 + 38: 11.9e9, 24 GB). W = 8 ranks hold 8 copies: 47 GB, with
+#: their CUDA contexts, activations and graph pools within one 80 GB H100.
+FLUX_LAYERS = 6
+
+
+def _fbc_hook(model):
+    """The FirstBlockCache head hook of ``model`` (diffusers' ``enable_cache``), or None."""
+    for m in model.modules():
+        reg = getattr(m, "_diffusers_hook", None)
+        hook = reg.get_hook("fbc_leader_block_hook") if reg is not None else None
+        if hook is not None:
+            return hook
+    return None
+
+
+def _flux_steps(model, kw, spec, steps=4, cache=False):
+    """``steps`` Flow-Euler steps from the latents of ``kw``; returns (final latents fp32, [compute decision per step]
+    of the step cache, or [] without one). With ``cache``: the steps run in one cache context (as the pipelines do)."""
+    import contextlib
+
+    sched = spec.scheduler()
+    sched.set_timesteps(steps, device=kw["hidden_states"].device)
+    kw = dict(kw)
+    lat = kw["hidden_states"].clone()
+    decisions = []
+    ctx = model.cache_context("cond") if cache else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        for t in sched.timesteps:
+            kw["hidden_states"] = lat
+            kw["timestep"] = spec.model_timestep(t.float()).expand(lat.shape[0]).to(lat.dtype)
+            pred = model(**kw)[0]
+            if cache:
+                decisions.append(bool(_fbc_hook(model).state_manager.get_state().should_compute))
+            lat = sched.step(pred, t, lat, return_dict=False)[0]
+    return lat.float(), decisions
+
+
+def _fbc_threshold(model, kw, spec):
+    """A FirstBlockCache threshold between the smallest and largest step-to-step metric of the one-device model's
+    all-compute run: the cached run then skips at least one step and computes the first one."""
+    from diffusers import FirstBlockCacheConfig
+    from diffusers.hooks import first_block_cache as fbc
+
+    metrics = []
+    real = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+    def spy(self, r):
+        prev = self.state_manager.get_state().head_block_residual
+        if prev is not None:
+            metrics.append(((r - prev).abs().float().mean() / prev.abs().float().mean()).item())
+        return True
+
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.0))
+    fbc.FBCHeadBlockHook._should_compute_remaining_blocks = spy
+    try:
+        _flux_steps(model, kw, spec, cache=True)
+    finally:
+        fbc.FBCHeadBlockHook._should_compute_remaining_blocks = real
+        model.disable_cache()
+    return (min(metrics) + max(metrics)) / 2, metrics
+
+
+def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
+    """(what, passed, max_err, extra) per check: Flux ``config`` at ``layers`` blocks of each kind (random weights from
+    the config, as the bound tool builds it), ``size`` = (frames, height, width) latent, 4 steps through parallelize
+    — eager, eager with FirstBlockCache, compile=True (+ cuda_graphs="forward" on the fast transport) — each rank's
+    final latents against the one-device model's (joint attention sees its keys in another order: within bf16
+    rounding) and bitwise equal across ranks (every rank gathers the same output)."""
+    import torch.distributed as dist
+    from diffusers import FirstBlockCacheConfig
+
+    from cp_ops.cli import models
+    from cp_ops.integrations.diffusers import parallelize
+
+    spec = models.FLUX
+    model, cfg = models.build(spec, config, layers, dev, dtype)  # seed 0: every build has the same weights
+    kw = spec.make_inputs(cfg, spec.text_tokens[config], 1, *size, dev, dtype,
+                          torch.Generator(device=dev).manual_seed(4))
+    want, _ = _flux_steps(model, kw, spec)  # the one-device model, every rank alike (same seed, same kernels)
+    tau, metrics = _fbc_threshold(model, kw, spec)
+    model.enable_cache(FirstBlockCacheConfig(threshold=tau))
+    want_c, want_dec = _flux_steps(model, kw, spec, cache=True)
+    model.disable_cache()
+    scale = want.abs().max().item()
+    results = []
+
+    def judge(what, got, ref, extra=None, ok=True, tol=3e-2):
+        every = [None] * w
+        dist.all_gather_object(every, got.cpu())
+        same = all(torch.equal(e, every[0]) for e in every)
+        e = _err(got, ref)
+        results.append((what, bool(ok and same and e / scale < tol), e, dict(extra or {}, ranks_equal=same)))
+
+    graphs = "forward" if transport == "fast" else False  # gloo's collectives cannot be captured
+    variants = [("eager", {}), ("compile=True" + (" cuda_graphs=forward" if graphs else ""),
+                                dict(compile=True, cuda_graphs=graphs))]
+    for name, kwargs in variants:
+        if model is None:
+            model, _ = models.build(spec, config, layers, dev, dtype)
+        par = parallelize(model, mode="agkv", transport=transport, chunks=1, **kwargs)
+        got, _ = _flux_steps(par, kw, spec)
+        judge(f"parallelize flux-dev {layers}+{layers} blocks 4 steps {name}", got, want)
+        if not graphs or not kwargs:  # a step cache decides on the host: a whole-forward graph cannot hold it
+            par.enable_cache(FirstBlockCacheConfig(threshold=tau))
+            try:
+                got, dec = _flux_steps(par, kw, spec, cache=True)
+            finally:
+                par.disable_cache()
+            judge(f"parallelize flux-dev {layers}+{layers} blocks 4 steps {name} + FirstBlockCache", got, want_c,
+                  dict(decisions=dec, want_decisions=want_dec, threshold=tau), ok=dec == want_dec)
+        del par, model
+        model = None
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    return results, dict(metrics=metrics, want_decisions=want_dec)
+
+
+def _flux_body(rank, w, transport, heap, out):
+    """:func:`_flux_checks` of Flux-dev at :data:`FLUX_LAYERS`, 1024x1024 (4096 image + 512 text tokens), bf16, on
+    the shared GPU; rank 0 writes the records, every check must pass."""
+    dev = torch.device("cuda", 0)
+    res, info = _flux_checks(rank, w, transport, dev, torch.bfloat16, "dev", FLUX_LAYERS, (1, 128, 128))
+    recs = [dict(world_size=w, transport=transport, heap=heap or None, what=what, passed=ok, max_err=e, **extra)
+            for what, ok, e, extra in res]
+    if rank == 0:
+        with open(os.path.join(out, f"flux_{w}_{transport}_{heap or 'none'}.json"), "w") as f:
+            json.dump(recs, f, indent=1)
+    failed = [r for r in recs if not r["passed"]]
+    assert not failed, json.dumps(dict(failed=failed, **info), indent=1)
+
+
+@pytest.mark.parametrize("w,transport,heap", MODELS_SHARED, ids=MODEL_IDS)
+def test_flux_dev_steps_shared(w, transport, heap, monkeypatch, tmp_path):
+    if importlib.util.find_spec("diffusers") is None:
+        pytest.skip("diffusers is not installed")
+    if heap:
+        monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
+    run_ranks(_flux_body, w, transport, heap, _out_dir(tmp_path), timeout=420, device="one_gpu")
