@@ -614,6 +614,8 @@ def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
     — eager, eager with FirstBlockCache, compile=True (+ cuda_graphs="forward" on the fast transport) — each rank's
     final latents against the one-device model's (joint attention sees its keys in another order: within bf16
     rounding) and bitwise equal across ranks (every rank gathers the same output)."""
+    import gc
+
     import torch.distributed as dist
     from diffusers import FirstBlockCacheConfig
 
@@ -658,6 +660,7 @@ def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
                   dict(decisions=dec, want_decisions=want_dec, threshold=tau), ok=dec == want_dec)
         del par, model
         model = None
+        gc.collect()  # the hooks' reference cycles: two copies per rank would not fit at W = 8
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     return results, dict(metrics=metrics, want_decisions=want_dec)
 
