@@ -83,7 +83,9 @@ section() { local s=${1%%:*} w=""; [ "$1" != "$s" ] && w=${1#*:}
            -k "${FAULTS_K:-never_arrives or killed or test_one_gpu_faults}" ;;
   sharebench) step sharebench 150 python3 -m cp_ops bench --share-device --nproc "${SHAREBENCH_W:-2}" --seqs 8192 \
                 --modes agkv,ulysses --transports torch,fast --chunks 1,2 --warmup 1 --repeats 1 ;;
-  nvshmem) mkdir -p /tmp/mps_pipe /tmp/mps_log
+  nvshmem) if [ -n "${END:-}" ] && [ $((END - (SECONDS - T0))) -lt 60 ]; then
+           echo "=== nvshmem_mps: skipped (END=$END s: no MPS daemon started)" | tee -a "$LOG"; status=1; return; fi
+         mkdir -p /tmp/mps_pipe /tmp/mps_log
          export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
          nvidia-cuda-mps-control -d 2>&1 | tee -a "$LOG"
          CP_OPS_SHARED_DEVICE_TAG=+mps ptest "nvshmem_mps${w:+_$w}" "${MPS_TIMEOUT:-240}" tests/test_one_gpu.py \
