@@ -134,7 +134,7 @@ def _go_ahead_gate(rank, w):
             wk.wait()
         del kf, vf
         lane = T.lane
-        e = lane.pool.entries[("agkv.k", (b, 2 * shape[1], h, d), torch.bfloat16)]
+        e = lane.pool.entries[("agkv.k", (b, w * shape[1], h, d), torch.bfloat16)]
         i = e.turn  # the slot call C will use
         block = shape[1] * h * d  # rank 0's rows of the gathered K (B = 1): the first block
         marker = torch.full((block,), 3.0, device="cuda", dtype=torch.bfloat16)
