@@ -12,6 +12,8 @@
 #   shared — W = 2, 4, 8 ranks sharing the GPU (tests/test_one_gpu.py: every mode, both transports and heaps, eager,
 #           compiled, captured, 200 calls, parallelize eager and captured), records merged into OUT_DIR/shared_device.json;
 #   wan   — parallelize full-depth Wan2.1-1.3B at 480p, W = 2, 4, 8, ranks sharing the GPU (same JSON);
+#   wansteps — the same Wan, 4 denoising steps: eager / + FirstBlockCache / compile=True (+ cuda_graphs="forward" on
+#           fast), W = 2, 4, 8 (same JSON);
 #   flux  — parallelize Flux-dev at the depth 8 copies fit the GPU, 4 denoising steps, eager / + FirstBlockCache /
 #           compile=True (+ cuda_graphs="forward" on fast), W = 2, 4, 8 (same JSON);
 #   faults — a peer that never arrives, a killed rank (tests/test_one_gpu.py) and tests/test_one_gpu_faults.py (an
@@ -78,6 +80,7 @@ section() { local s=${1%%:*} w=""; [ "$1" != "$s" ] && w=${1#*:}
          fi ;;
   shared) ptest "shared${w:+_$w}" "${SHARED_TIMEOUT:-480}" tests/test_one_gpu.py -k "$(kw "${SHARED_K:-shared_device}" "$w")" ;;
   wan)   ptest "wan${w:+_$w}" "${WAN_TIMEOUT:-300}" tests/test_one_gpu.py -k "$(kw "${WAN_K:-wan_full}" "$w")" ;;
+  wansteps) ptest "wansteps${w:+_$w}" "${WANSTEPS_TIMEOUT:-540}" tests/test_one_gpu.py -k "$(kw "${WANSTEPS_K:-wan_steps}" "$w")" ;;
   flux)  ptest "flux${w:+_$w}" "${FLUX_TIMEOUT:-420}" tests/test_one_gpu.py -k "$(kw "${FLUX_K:-flux_dev}" "$w")" ;;
   faults) ptest faults "${FAULTS_TIMEOUT:-240}" tests/test_one_gpu.py tests/test_one_gpu_faults.py \
            -k "${FAULTS_K:-never_arrives or killed or test_one_gpu_faults}" ;;

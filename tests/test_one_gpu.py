@@ -544,7 +544,7 @@ def test_wan_full_depth_shared(w, transport, heap, monkeypatch, tmp_path):
     run_ranks(_wan_full, w, transport, heap, _out_dir(tmp_path), timeout=300, device="one_gpu")
 
 
-# ---- Flux-dev at the depth 8 copies fit one GPU, 4 denoising steps, W = 2, 4, 8 ------------------------------------
+# ---- whole models, 4 denoising steps, W = 2, 4, 8: Flux-dev at the depth 8 copies fit one GPU, full-depth Wan ------
 #: double- and single-stream blocks of each kind: Flux-dev's widths (24 heads x 128, joint dim 4096) at 6 + 6 blocks
 #: = 3.0e9 parameters, 5.9 GB in bf16 (full depth 19 + 38: 11.9e9, 24 GB). W = 8 ranks hold 8 copies: 47 GB, with
 #: their CUDA contexts, activations and graph pools within one 80 GB H100.
@@ -561,22 +561,24 @@ def _fbc_hook(model):
     return None
 
 
-def _flux_steps(model, kw, spec, steps=4, cache=False):
-    """``steps`` Flow-Euler steps from the latents of ``kw``; returns (final latents fp32, [compute decision per step]
-    of the step cache, or [] without one). With ``cache``: the steps run in one cache context (as the pipelines do)."""
+def _steps(model, kw, spec, steps=4, cache=False):
+    """``steps`` steps of the model's scheduler (``spec.scheduler``) from the latents of ``kw``; returns (final latents
+    fp32, [compute decision per step] of the step cache, or [] without one). With ``cache``: the steps run in one
+    cache context (as the pipelines do)."""
     import contextlib
 
+    lat = spec.get_latents(kw).clone()
     sched = spec.scheduler()
-    sched.set_timesteps(steps, device=kw["hidden_states"].device)
+    sched.set_timesteps(steps, device=lat.device)
     kw = dict(kw)
-    lat = kw["hidden_states"].clone()
+    tdtype = kw["timestep"].dtype
     decisions = []
     ctx = model.cache_context("cond") if cache else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         for t in sched.timesteps:
-            kw["hidden_states"] = lat
-            kw["timestep"] = spec.model_timestep(t.float()).expand(lat.shape[0]).to(lat.dtype)
-            pred = model(**kw)[0]
+            spec.set_latents(kw, lat)
+            kw["timestep"] = spec.model_timestep(t.float()).expand(lat.shape[0]).to(tdtype)
+            pred = spec.predict(model, kw)
             if cache:
                 decisions.append(bool(_fbc_hook(model).state_manager.get_state().should_compute))
             lat = sched.step(pred, t, lat, return_dict=False)[0]
@@ -601,19 +603,21 @@ def _fbc_threshold(model, kw, spec):
     model.enable_cache(FirstBlockCacheConfig(threshold=0.0))
     fbc.FBCHeadBlockHook._should_compute_remaining_blocks = spy
     try:
-        _flux_steps(model, kw, spec, cache=True)
+        _steps(model, kw, spec, cache=True)
     finally:
         fbc.FBCHeadBlockHook._should_compute_remaining_blocks = real
         model.disable_cache()
     return (min(metrics) + max(metrics)) / 2, metrics
 
 
-def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
-    """(what, passed, max_err, extra) per check: Flux ``config`` at ``layers`` blocks of each kind (random weights from
-    the config, as the bound tool builds it), ``size`` = (frames, height, width) latent, 4 steps through parallelize
-    — eager, eager with FirstBlockCache, compile=True (+ cuda_graphs="forward" on the fast transport) — each rank's
-    final latents against the one-device model's (joint attention sees its keys in another order: within bf16
-    rounding) and bitwise equal across ranks (every rank gathers the same output)."""
+def _step_checks(rank, w, transport, spec, dev, dtype, config, layers, size, label):
+    """(what, passed, max_err, extra) per check: ``spec`` (a :mod:`cp_ops.cli.models` spec) at ``config`` with
+    ``layers`` blocks of each kind (None: the config's depth; random weights from the config, as the bound tool
+    builds it), latent ``size`` = (frames, height, width), 4 steps through parallelize — eager, eager with
+    FirstBlockCache, compile=True (+ cuda_graphs="forward" on the fast transport) — each rank's final latents against
+    the one-device model's (rank 0 runs it; within bf16 rounding: the blocks' matmuls see other row counts, joint
+    attention its keys in another order) and bitwise equal across ranks (every rank gathers the same output); the
+    cached runs' skip decisions equal the one-device model's."""
     import gc
 
     import torch.distributed as dist
@@ -622,15 +626,20 @@ def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
     from cp_ops.cli import models
     from cp_ops.integrations.diffusers import parallelize
 
-    spec = models.FLUX
     model, cfg = models.build(spec, config, layers, dev, dtype)  # seed 0: every build has the same weights
     kw = spec.make_inputs(cfg, spec.text_tokens[config], 1, *size, dev, dtype,
                           torch.Generator(device=dev).manual_seed(4))
-    want, _ = _flux_steps(model, kw, spec)  # the one-device model, every rank alike (same seed, same kernels)
-    tau, metrics = _fbc_threshold(model, kw, spec)
-    model.enable_cache(FirstBlockCacheConfig(threshold=tau))
-    want_c, want_dec = _flux_steps(model, kw, spec, cache=True)
-    model.disable_cache()
+    ref = [None] * 5
+    if rank == 0:  # the one-device model: no cache, the cache's threshold, with the cache
+        want, _ = _steps(model, kw, spec)
+        tau, metrics = _fbc_threshold(model, kw, spec)
+        model.enable_cache(FirstBlockCacheConfig(threshold=tau))
+        want_c, want_dec = _steps(model, kw, spec, cache=True)
+        model.disable_cache()
+        ref = [want.cpu(), tau, metrics, want_c.cpu(), want_dec]
+    dist.broadcast_object_list(ref, src=0)
+    want, tau, metrics, want_c, want_dec = ref
+    want, want_c = want.to(dev), want_c.to(dev)
     scale = want.abs().max().item()
     results = []
 
@@ -648,16 +657,17 @@ def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
         if model is None:
             model, _ = models.build(spec, config, layers, dev, dtype)
         par = parallelize(model, mode="agkv", transport=transport, chunks=1, **kwargs)
-        got, _ = _flux_steps(par, kw, spec)
-        judge(f"parallelize flux-dev {layers}+{layers} blocks 4 steps {name}", got, want)
+        got, _ = _steps(par, kw, spec)
+        judge(f"parallelize {label} 4 steps {name}", got, want)
         if not graphs or not kwargs:  # a step cache decides on the host: a whole-forward graph cannot hold it
             par.enable_cache(FirstBlockCacheConfig(threshold=tau))
             try:
-                got, dec = _flux_steps(par, kw, spec, cache=True)
+                got, dec = _steps(par, kw, spec, cache=True)
             finally:
                 par.disable_cache()
-            judge(f"parallelize flux-dev {layers}+{layers} blocks 4 steps {name} + FirstBlockCache", got, want_c,
-                  dict(decisions=dec, want_decisions=want_dec, threshold=tau), ok=dec == want_dec)
+            judge(f"parallelize {label} 4 steps {name} + FirstBlockCache", got, want_c,
+                  dict(decisions=dec, want_decisions=want_dec, threshold=tau),
+                  ok=dec == want_dec and not all(want_dec))  # the cache skipped a step: the check is not vacuous
         del par, model
         model = None
         gc.collect()  # the hooks' reference cycles: two copies per rank would not fit at W = 8
@@ -665,15 +675,17 @@ def _flux_checks(rank, w, transport, dev, dtype, config, layers, size):
     return results, dict(metrics=metrics, want_decisions=want_dec)
 
 
-def _flux_body(rank, w, transport, heap, out):
-    """:func:`_flux_checks` of Flux-dev at :data:`FLUX_LAYERS`, 1024x1024 (4096 image + 512 text tokens), bf16, on
-    the shared GPU; rank 0 writes the records, every check must pass."""
+def _steps_body(rank, w, transport, heap, out, name, spec_name, config, layers, size, label):
+    """:func:`_step_checks` on the shared GPU in bf16; rank 0 writes the records, every check must pass."""
+    from cp_ops.cli import models
+
     dev = torch.device("cuda", 0)
-    res, info = _flux_checks(rank, w, transport, dev, torch.bfloat16, "dev", FLUX_LAYERS, (1, 128, 128))
+    res, info = _step_checks(rank, w, transport, models.MODELS[spec_name], dev, torch.bfloat16, config, layers, size,
+                             label)
     recs = [dict(world_size=w, transport=transport, heap=heap or None, what=what, passed=ok, max_err=e, **extra)
             for what, ok, e, extra in res]
     if rank == 0:
-        with open(os.path.join(out, f"flux_{w}_{transport}_{heap or 'none'}.json"), "w") as f:
+        with open(os.path.join(out, f"{name}_{w}_{transport}_{heap or 'none'}.json"), "w") as f:
             json.dump(recs, f, indent=1)
     failed = [r for r in recs if not r["passed"]]
     assert not failed, json.dumps(dict(failed=failed, **info), indent=1)
@@ -685,4 +697,16 @@ def test_flux_dev_steps_shared(w, transport, heap, monkeypatch, tmp_path):
         pytest.skip("diffusers is not installed")
     if heap:
         monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
-    run_ranks(_flux_body, w, transport, heap, _out_dir(tmp_path), timeout=420, device="one_gpu")
+    run_ranks(_steps_body, w, transport, heap, _out_dir(tmp_path), "flux", "flux", "dev", FLUX_LAYERS, (1, 128, 128),
+              f"flux-dev {FLUX_LAYERS}+{FLUX_LAYERS} blocks 1024x1024", timeout=420, device="one_gpu")
+
+
+@pytest.mark.parametrize("w,transport,heap", MODELS_SHARED, ids=MODEL_IDS)
+def test_wan_steps_shared(w, transport, heap, monkeypatch, tmp_path):
+    """Full-depth Wan2.1-1.3B at 480p, 81 frames (32760 tokens), 4 UniPC steps: as the Flux test."""
+    if importlib.util.find_spec("diffusers") is None:
+        pytest.skip("diffusers is not installed")
+    if heap:
+        monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
+    run_ranks(_steps_body, w, transport, heap, _out_dir(tmp_path), "wansteps", "wan", "1.3b", None, (21, 60, 104),
+              "wan1.3b full depth 480p", timeout=540, device="one_gpu")
