@@ -9,6 +9,13 @@ own processor code (projections, norms, RoPE, joint text+image concatenation) ru
 Only the modules a model's registry entry names are routed (Wan's cross-attention ``attn2`` is not: it stays on
 its own backend, local). A routed processor that calls dispatch without its ``parallel_config`` (e.g. Flux2's
 reference-token KV-cache path) would attend to this rank's tokens only; the backend raises instead.
+
+**Replicated context.** A routed module's forward attends its split streams once, at its first attention call (Q
+and K/V: this rank's tokens of those streams; else ValueError). Every later attention call of that forward — the
+extra terms an IP-Adapter processor adds (``FluxIPAdapterAttnProcessor``: this rank's image queries against the IP
+image tokens, which every rank holds whole) — attends its K/V locally on the module's own backend: once, nothing
+gathered, the same rows and keys as one device's call for those queries. (Gathering them would attend W copies of
+each key: the same softmax, W times the work; at K/V lengths other than the split ones, an error.)
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from ...api import attention
 from . import _private, generic
 from .hooks import CPState
+from .plan import shard_sizes
 
 
 #: under 255 characters: CUDA's torch._assert_async refuses a longer message (RuntimeError "Message length must be
@@ -37,8 +45,13 @@ class CPAttention:
     """A processor's ``_parallel_config``: the CP group (via the model's :class:`CPState`) and the streams its
     token sequence is made of (``("text", "image")`` for joint attention: each rank holds its block of each)."""
 
-    def __init__(self, state: CPState, streams: tuple[str, ...], where: str):
+    def __init__(self, state: CPState, streams: tuple[str, ...], where: str, once: bool = True):
         self.state, self.streams, self.where = state, streams, where
+        #: the module attends its streams once per forward (module docstring), or at every call whose shapes fit them
+        #: (False: the generic installer's per-call configs, which found the streams from the shapes)
+        self.once = once
+        #: this forward of the module has made its CP attention call (reset before each forward: :func:`route`)
+        self.attended = False
 
     def __repr__(self):
         return (f"CPAttention({self.where}, streams={self.streams}, W={self.state.world}, mode={self.state.mode!r}, "
@@ -72,10 +85,23 @@ class CPAttention:
                              f"dropout_p={dropout_p}, is_causal={is_causal}")
         if not self.streams:  # a module of a generic _cp_plan model: its streams are found per call
             return generic.call(self, query, key, value, attn_mask, dropout_p, is_causal, scale)
+        if self.attended:  # a later call of this forward: replicated context (module docstring)
+            return _private.local_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                            getattr(self, "local_backend", None))
+        self.attended = self.once
         st = self.state
+        totals = [st.total(s, self.where) for s in self.streams]
+        if not torch.compiler.is_compiling():
+            local = sum(shard_sizes(t, st.world)[st.rank] for t in totals)  # this rank's tokens of the streams
+            if query.shape[1] != local or key.shape[1] != local:
+                raise ValueError(
+                    f"cp_ops.parallelize ({self.where}): the first attention call of this module's forward must "
+                    f"attend its split streams {self.streams} ({local} tokens on rank {st.rank}); got query "
+                    f"{tuple(query.shape)} and key {tuple(key.shape)} (BSHD). Later calls of the forward attend "
+                    "K/V every rank holds whole (IP-Adapter tokens) locally; name the module's streams in its "
+                    "registry line (cp_ops/integrations/diffusers/registry.py)")
         kwargs = {}
         mask = self.key_mask(attn_mask, query)
-        totals = [st.total(s, self.where) for s in self.streams]
         if any(t % st.world != 0 for t in totals):
             kwargs["seq_lens"] = st.seq_lens(self.streams, self.where)
         if mask is not None:
@@ -141,6 +167,11 @@ def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], whe
     config = CPAttention(state, streams, where)
     if streams:
         state.attn_streams.add(tuple(streams))
+
+        def new_forward(mod, args, kwargs):
+            config.attended = False
+
+        module.register_forward_pre_hook(new_forward, with_kwargs=True)
     config.local_backend = getattr(module.processor, "_attention_backend", None)  # for calls that need no CP
     if not streams:
         generic.watch(module, config)

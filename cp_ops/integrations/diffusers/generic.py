@@ -176,7 +176,7 @@ def call(config, query, key, value, attn_mask, dropout_p, is_causal, scale):
         return _cross_to_split(config, kv, query, key, value, attn_mask, dropout_p, is_causal, scale)
     by = config.__dict__.setdefault("_by_streams", {})
     if kv not in by:
-        by[kv] = type(config)(st, kv, config.where)
+        by[kv] = type(config)(st, kv, config.where, once=False)
     return by[kv](query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 

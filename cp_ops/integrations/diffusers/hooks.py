@@ -23,6 +23,7 @@ from ...contract import announce
 from ...layout import Shards
 from ...transport.base import check_all
 from ...transport.torch import stage_through_host
+from .empty import EmptyShapes
 from .plan import Gather, Plan, Split, shard_sizes
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (same signature); 2.11 has only the old name.
@@ -95,6 +96,20 @@ class CPState:
         #: (attention streams, mask shape) -> the buffer that mask lives in: one per shape, so forwards alternating
         #: between shapes (CFG's prompt and negative prompt of different lengths) keep each one's address
         self._mask_bufs: dict[tuple, torch.Tensor] = {}
+        self._empty = None  # the EmptyShapes mode this forward entered (a split left this rank no token), or None
+
+    def allow_empty(self) -> None:
+        """This rank holds no token of a split stream: until the forward ends, ``reshape``/``view`` of its empty
+        tensors resolve ``-1`` (:mod:`.empty`). Not under torch.compile (a graph of empty tensors is not traced)."""
+        if self._empty is None and not torch.compiler.is_compiling():
+            self._empty = EmptyShapes()
+            self._empty.__enter__()
+
+    def end_forward(self) -> None:
+        """Leave what :meth:`allow_empty` entered (the forward ended or raised)."""
+        mode, self._empty = self._empty, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     def record(self, stream: str, total) -> None:
         if stream not in self.totals:
@@ -213,10 +228,13 @@ def split_tensor(x: torch.Tensor, spec: Split, state: CPState, where: str) -> to
     r, w = state.rank, state.world
     blocks = []
     for start, total in parts:
-        if isinstance(total, int) and total < w:
+        if spec.every_rank and isinstance(total, int) and total < w:
             raise ValueError(f"cp_ops.parallelize: {where} has {total} tokens along dim {dim}, fewer than the CP "
-                             f"world size {w}; every rank needs at least one token of each split stream")
+                             f"world size {w}: pass at least {w} tokens (e.g. pad the prompt), or use at most "
+                             f"{max(total, 1)} ranks. Why: {spec.every_rank}")
         sizes = shard_sizes(total, w)
+        if isinstance(sizes[r], int) and sizes[r] == 0:  # fewer tokens than ranks: this rank holds none of them
+            state.allow_empty()
         blocks.append(x.narrow(dim, start + sum(sizes[:r]), sizes[r]))
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
@@ -321,23 +339,28 @@ def _gather_hook(spec: Gather, state: CPState, before: Callable[[], None]):
     return gather_hook
 
 
-def wrap_forward(model: torch.nn.Module, pre: list, post: list) -> None:
+def wrap_forward(model: torch.nn.Module, pre: list, post: list, finally_=None) -> None:
     """Run ``pre`` (``(mod, args, kwargs) -> (args, kwargs)``) before and ``post`` (``(mod, args, output) ->
     output``) after ``model.forward``, inside it. Unlike module hooks of the compiled module itself (which
     torch.compile traces as frames of their own), this keeps the model's splits, its forward and its gathers in one
-    traced frame: the token counts they share stay symbolic (one graph for every resolution)."""
+    traced frame: the token counts they share stay symbolic (one graph for every resolution). ``finally_``: called
+    when the forward returns or raises."""
     if not pre and not post:
         return
     inner = model.forward
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        for f in pre:
-            args, kwargs = f(model, args, kwargs)
-        out = inner(*args, **kwargs)
-        for f in post:
-            out = f(model, args, out)
-        return out
+        try:
+            for f in pre:
+                args, kwargs = f(model, args, kwargs)
+            out = inner(*args, **kwargs)
+            for f in post:
+                out = f(model, args, out)
+            return out
+        finally:
+            if finally_ is not None:
+                finally_()
 
     model.forward = forward
 
@@ -373,4 +396,4 @@ def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: C
                 module.register_forward_pre_hook(pre, with_kwargs=True)
             if post:
                 module.register_forward_hook(post)
-    wrap_forward(model, root_pre, root_post + list(outer_post) + [forget_after])
+    wrap_forward(model, root_pre, root_post + list(outer_post) + [forget_after], state.end_forward)

@@ -27,11 +27,15 @@ from . import _private
 @dataclass(frozen=True)
 class Split:
     """Split a tensor along ``dim`` (its token dimension). ``streams``: the stream(s) it holds, in order;
-    ``expected_dims``: split only a tensor of this many dimensions (others pass unchanged, as in diffusers)."""
+    ``expected_dims``: split only a tensor of this many dimensions (others pass unchanged, as in diffusers).
+    ``every_rank``: why the model needs at least one token of the stream on every rank (a model whose code cuts the
+    stream off by a negative count, ``x[:, :-n]``, which is every row for ``n = 0``), or None: fewer tokens than ranks
+    leave some ranks none (their tensors empty)."""
 
     dim: int
     streams: tuple[str, ...] = ("image",)
     expected_dims: int | None = None
+    every_rank: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ first double-stream block; the model's joint key mask ``[B, 1, 1, N_video + N_te
 split stream by stream at every block, each rank keeping ``[its video block, its text block]`` — the order in
 which the processors concatenate this rank's tokens. Every token sits on one rank and counts once in the softmax.
 
-Not supported: the image-to-video "token replace" variant (its first-frame modulation indexes the full sequence).
+Not supported: the image-to-video "token replace" variant (its first-frame modulation indexes the full sequence); a
+text shorter than the CP world size (ValueError: its single-stream blocks need a text token on every rank).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 from ..plan import Gather, Split
 
 _JOINT = ("image", "text")
+#: why every rank needs a text token (Split.every_rank)
+_TEXT_EVERY_RANK = ("HunyuanVideo's single-stream blocks cut the text off their sequence by a negative count "
+                    "(x[:, :-n_text]), which takes no row at all on a rank holding no text token")
 
 
 def plan(model) -> list:
@@ -21,7 +25,7 @@ def plan(model) -> list:
     return [
         ("rope", {0: Split(0, ("image",), 2), 1: Split(0, ("image",), 2)}),
         ("transformer_blocks.0", {"hidden_states": Split(1, ("image",), 3),
-                                  "encoder_hidden_states": Split(1, ("text",), 3)}),
+                                  "encoder_hidden_states": Split(1, ("text",), 3, _TEXT_EVERY_RANK)}),
         ("transformer_blocks.*", mask),
         ("single_transformer_blocks.*", mask),
         ("proj_out", Gather(1, "image", 3)),

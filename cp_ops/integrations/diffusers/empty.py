@@ -1,0 +1,46 @@
+"""Model code on a rank whose split left it no token of a stream (a text shorter than W, an image smaller than W).
+
+A rank holding 0 tokens still runs the model's forward (its collectives must meet the peers'), on empty tensors.
+Most of diffusers' code takes them; its RoPE does not: ``x.reshape(*x.shape[:-1], -1, 2)`` (``embeddings.
+apply_rotary_emb``, Qwen-Image's, Z-Image's nested one, ...) raises "cannot reshape tensor of 0 elements ... the
+unspecified dimension size -1 can be any value and is ambiguous". :class:`EmptyShapes` — a torch function mode that
+a split enters only on a rank it leaves empty, for the rest of that forward — gives such a ``reshape``/``view`` of a
+tensor with no element the size the same call has on a non-empty tensor of the same other sizes: the product of the
+input's non-zero sizes over that of the other non-zero sizes asked (``[B, 0, H, D]`` → ``(B, 0, H, -1, 2)``:
+``D / 2``). A tensor with elements, or a shape it cannot resolve, goes through unchanged (torch's own error). No
+number is involved: the tensors are empty.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_SHAPED = {torch.Tensor.reshape, torch.Tensor.view, torch.reshape}
+
+
+def _resolved(x: torch.Tensor, shape) -> tuple | None:
+    """``shape`` (one -1) with the -1 resolved for the empty ``x`` (module docstring), or None."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if not all(isinstance(n, int) for n in shape) or list(shape).count(-1) != 1 or 0 not in shape:
+        return None
+    have = math.prod(n for n in x.shape if n != 0)
+    asked = math.prod(n for n in shape if n not in (0, -1))
+    if asked == 0 or have % asked:
+        return None
+    return tuple(have // asked if n == -1 else n for n in shape)
+
+
+class EmptyShapes(TorchFunctionMode):
+    """Resolve ``-1`` in ``reshape``/``view`` of tensors with no element (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SHAPED and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 0 and not kwargs:
+            shape = _resolved(args[0], args[1:])
+            if shape is not None:
+                return func(args[0], shape)
+        return func(*args, **kwargs)
