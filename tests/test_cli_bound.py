@@ -182,7 +182,6 @@ def test_graph_kinds_from_the_flags():
     (["--worlds", "2", "--compile-modes", "regional+graphs"], "needs CUDA"),
     (["--worlds", "2", "--compile-modes", "fast"], "a compile mode is one of"),
     (["--worlds", "2", "--compile-modes", "eager+capture"], "eager+graphs already captures"),
-    (["--worlds", "8", "--text-tokens", "4"], "at least one token of each split stream"),
     (["--worlds", "3", "--mode", "ulysses"], "needs W=3 to divide the 4 heads"),
     (["--worlds", "2", "--no-overlap"], "--no-overlap applies to compiled modes; --compile-modes is ['eager']"),
     (["--worlds", "2", "--compile-workers", "2"], "--compile-workers applies to compiled modes"),

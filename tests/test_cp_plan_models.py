@@ -27,7 +27,8 @@ ULYSSES_ONLY_BITWISE = {"LTXVideoTransformer3DModel"}
 CANNOT = {
     "LTX2VideoTransformer3DModel": "diffusers' LTX2 _cp_plan splits the video tokens and their self-attention RoPE "
                                    "('rope') but not the audio-video cross-attention RoPE ('cross_attn_rope'): "
-                                   "audio_to_video_attn's split video queries meet a full-length RoPE table",
+                                   "audio_to_video_attn's split video queries meet a full-length RoPE table (its "
+                                   "registry line, models/ltx2.py, adds that split: tests/test_diffusers_context.py)",
 }
 # (mode, batch, latent grid (frames, h, w) in tokens, text tokens): 8 image tokens (even), 9 (uneven on 2 ranks)
 CASES = [("ulysses", 1, (1, 2, 4), 8), ("agkv", 2, (1, 3, 3), 7), ("agkv", 1, (2, 2, 2), 6)]

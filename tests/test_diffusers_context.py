@@ -2,8 +2,8 @@
 with replicated context (IP-Adapter image tokens every rank holds whole), equal to the unparallelized model on gloo
 ranks (W = 2, 3, 4; one rank launch each): Flux, Qwen-Image (text mask) and Z-Image with fewer text and image tokens
 than ranks, through AGKV and Ulysses; Flux with IP-Adapter inputs, the IP term attended locally (never through a CP
-call); HunyuanVideo's short text refused on every rank with the rule; and cp_ops.attention itself with empty shards
-through pipelined AGKV (chunks 4) and a 2x2 mesh."""
+call); LTX-2 (video and audio); HunyuanVideo's short text refused on every rank with the rule; and cp_ops.attention
+itself with empty shards through pipelined AGKV (chunks 2, 4), Ulysses and a 2x2 mesh."""
 
 import copy
 
@@ -136,9 +136,29 @@ def _attention_empty_shards(rank, w):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def _ltx2(rank, w):
+    """LTX-2 (video + audio, its registry line: models/ltx2.py) equal to the unparallelized model: video and audio
+    outputs, even and uneven video, a video stream shorter than W; AGKV and Ulysses."""
+    from cp_ops.integrations.diffusers import parallelize
+    from cp_plan_tiny import TINY, build as build_class, classes
+
+    name = "LTX2VideoTransformer3DModel"
+    overrides, make = TINY[name]
+    model = build_class(classes()[name], overrides)
+    for mode in _modes(w):
+        cp = parallelize(copy.deepcopy(model), mode=mode, transport="torch")
+        for b, grid, text in ((1, (1, 2, 4), 8), (2, (1, 3, 3), 7), (1, (1, 1, w - 1), 3)):
+            kw = make(b, grid, text, torch.Generator().manual_seed(b * 100 + grid[-1]))
+            with torch.no_grad():
+                ref, out = model(**kw).to_tuple(), cp(**kw).to_tuple()
+            for what, r, o in zip(("video", "audio"), ref, out):
+                _close(o, r, ("ltx2", mode, grid, what))
+
+
 def _all(rank, w):
     _ip_adapter(rank, w)
     _short_streams(rank, w)
+    _ltx2(rank, w)
     if w == 4:
         _hunyuan_short_text_refused(rank, w)
         _attention_empty_shards(rank, w)

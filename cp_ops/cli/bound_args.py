@@ -126,11 +126,6 @@ def check(args, device: str) -> None:
     for w in args.bound:
         if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:
             fail(f"{what}: mode {args.mode} needs W={w} to divide the {heads} heads; use --mode agkv or --mode auto")
-    tokens = spec.tokens(cfg, args.frames, args.height, args.width)
-    top = max(args.bound)
-    if tokens < top or args.text_tokens < top:
-        fail(f"{what} --worlds {top}: every rank needs at least one token of each split stream; got {tokens} image "
-             f"and {args.text_tokens} text tokens (raise --height/--width or --text-tokens)")
     args.chunks = 1 if args.chunks is None else args.chunks
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import _private, generic
-from .models import hunyuan_video, wan_vace, zimage
+from .models import hunyuan_video, ltx2, wan_vace, zimage
 from .plan import Plan, from_diffusers
 
 
@@ -62,6 +62,9 @@ SUPPORTED: dict[str, ModelSpec] = {
         # replicated so cross-attention stays local
         plan=_diffusers(drop={("", "encoder_hidden_states"), ("", "encoder_attention_mask")}),
         attention={"transformer_blocks.*.attn1": ("image",)}, text="replicated (cross-attention, local)"),
+    "LTX2VideoTransformer3DModel": ModelSpec(
+        plan=ltx2.plan, attention=ltx2.ATTENTION, text="replicated (cross-attention, local); audio replicated",
+        plan_source="diffusers _cp_plan + cp_ops (models/ltx2.py)"),
     "ZImageTransformer2DModel": ModelSpec(
         plan=zimage.plan, attention=zimage.ATTENTION, text="sharded (joint attention in the unified sequence)",
         checked_inputs=("x", "t", "cap_feats"), plan_source="cp_ops (models/zimage.py)"),
