@@ -13,8 +13,6 @@ number is involved: the tensors are empty.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -27,11 +25,19 @@ def _resolved(x: torch.Tensor, shape) -> tuple | None:
         shape = tuple(shape[0])
     if not all(isinstance(n, int) for n in shape) or list(shape).count(-1) != 1 or 0 not in shape:
         return None
-    have = math.prod(n for n in x.shape if n != 0)
-    asked = math.prod(n for n in shape if n not in (0, -1))
+    have = asked = 1  # (plain loops: Dynamo traces them, where a whole-model compile runs this mode)
+    for n in x.shape:
+        have = have * n if n != 0 else have
+    for n in shape:
+        asked = asked * n if n not in (0, -1) else asked
     if asked == 0 or have % asked:
         return None
     return tuple(have // asked if n == -1 else n for n in shape)
+
+
+#: Tensor methods written in Python that call ``super()`` (torch/_tensor.py), which Dynamo cannot trace from inside a
+#: mode's handler: their functional forms (the same op)
+_FUNCTIONAL = ((torch.Tensor.unflatten, torch.unflatten), (torch.Tensor.split, torch.split))
 
 
 class EmptyShapes(TorchFunctionMode):
@@ -43,4 +49,7 @@ class EmptyShapes(TorchFunctionMode):
             shape = _resolved(args[0], args[1:])
             if shape is not None:
                 return func(args[0], shape)
+        for method, functional in _FUNCTIONAL:
+            if func is method:
+                return functional(*args, **kwargs)
         return func(*args, **kwargs)

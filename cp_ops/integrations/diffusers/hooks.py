@@ -100,8 +100,8 @@ class CPState:
 
     def allow_empty(self) -> None:
         """This rank holds no token of a split stream: until the forward ends, ``reshape``/``view`` of its empty
-        tensors resolve ``-1`` (:mod:`.empty`). Not under torch.compile (a graph of empty tensors is not traced)."""
-        if self._empty is None and not torch.compiler.is_compiling():
+        tensors resolve ``-1`` (:mod:`.empty`; eager, or traced by torch.compile: Dynamo inlines the mode)."""
+        if self._empty is None:
             self._empty = EmptyShapes()
             self._empty.__enter__()
 
