@@ -5,8 +5,9 @@ Forward pre-hooks split named inputs, forward hooks split outputs or all-gather 
 tokens on every rank but the last, the prefix split); the gather pads each rank's block to the largest, all-gathers,
 and takes the real rows (:class:`cp_ops.layout.Shards`: the first ``total``, a view, under the prefix split). Each
 split records its stream's full token count in :class:`CPState`, which the attention (:mod:`.dispatch`) reads to
-know every rank's sequence length. No host synchronisation: every size is computed from shapes, branch-free where
-the shape may be symbolic.
+know every rank's sequence length. A stream with fewer tokens than ranks leaves the last ranks none of it: their
+blocks are empty, and the model's code runs on them (:mod:`.empty`). No host synchronisation: every size is
+computed from shapes, branch-free where the shape may be symbolic.
 """
 
 from __future__ import annotations
