@@ -29,12 +29,15 @@ import contextlib
 import functools
 import inspect
 import json
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from ..._peers import CHECK_EVERY_S, Peers
+from ..._waits import PeerWait
 from ...contract import agree
 from .hooks import _all_gather, gather_route
 
@@ -125,6 +128,14 @@ def _shape_key(args: tuple, kwargs: dict) -> str:
                              for x in leaves]))
 
 
+def _placeholders(meta: list, args: tuple, kwargs: dict) -> tuple:
+    """NaN-filled tensors (zeros for integer dtypes) of ``meta``'s shapes and dtypes, on the inputs' device."""
+    dev = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
+    return tuple(torch.full(s, float("nan"), dtype=getattr(torch, d), device=dev)
+                 if getattr(torch, d).is_floating_point else
+                 torch.zeros(s, dtype=getattr(torch, d), device=dev) for s, d in meta)
+
+
 def _meta(out) -> list | str:
     """A forward's output as ``[[shape, dtype], ...]`` (a tuple of tensors: ``return_dict=False``), or why it is not
     one."""
@@ -152,6 +163,12 @@ class Lanes:
         pairs = [_new_group([ranks[i], ranks[i + half]], pg, cp_rank == i) for i in range(half)]
         self.pair = pairs[cp_rank]
         self.via = gather_route(self.pair, "torch")  # ranks sharing a GPU: the gather goes through host memory
+        self.peers = Peers(self.pair)  # the partner's identity (liveness) and the store its failures are told in
+        self.peers.announce()
+        self.calls = 0  # pipe(...) calls begun (the same count on every rank)
+        self.n = 0  # exchanges of this call so far
+        self.told = False  # this call's failure is already settled with the partner (told, or told by it)
+        self.broken: str | None = None  # why the pair's collectives are out of step (every later call raises it)
         self.params = list(inspect.signature(model.forward).parameters)
         self.name = type(model).__name__
         #: ``(object, attribute)`` holding the group of the ranks that share a forward's inputs (both lanes): set to
@@ -287,13 +304,20 @@ class Lanes:
         meta = self.metas.get(key)
         out = None
         if self.lane == 0:
-            with self.alone():
-                out = inner(*args, **kwargs)
+            try:
+                with self.alone():
+                    out = inner(*args, **kwargs)
+            except BaseException as e:
+                if meta is not None and not isinstance(meta, str):  # the partner holds a placeholder: exchange one
+                    self.pending = (key, _placeholders(meta, args, kwargs))
+                self._forward_failed(e, meta, "cfg-lanes-output")
+                raise
             if meta is None:
                 meta = _meta(out)
                 agree(self.pair, "cfg-lanes-output", json.dumps(meta), f"{self.name}'s conditional output")
         elif meta is None:
             meta = json.loads(agree(self.pair, "cfg-lanes-output", "null", f"{self.name}'s conditional output")[0])
+            self._check_told(meta)
         if len(self.metas) >= 64:  # every rank sees the same keys: all clear alike
             self.metas.clear()
             self.checked.clear()
@@ -305,11 +329,8 @@ class Lanes:
                 with self.alone():
                     out = inner(*args, **kwargs)
             return out
-        if out is None:  # on the inputs' device (the model's)
-            dev = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
-            out = tuple(torch.full(s, float("nan"), dtype=getattr(torch, d), device=dev)
-                        if getattr(torch, d).is_floating_point else
-                        torch.zeros(s, dtype=getattr(torch, d), device=dev) for s, d in meta)
+        if out is None:
+            out = _placeholders(meta, args, kwargs)
         self.pending = (key, out)
         return out
 
@@ -317,14 +338,21 @@ class Lanes:
         """Lane 1 runs the unconditional forward; both exchange: lane 1's placeholder gets lane 0's conditional
         output (in place), lane 0 returns lane 1's unconditional output."""
         (cond_key, cond), self.pending = self.pending, None
+        pair_key = (cond_key, _shape_key(args, kwargs))
         out = None
         if self.lane == 1:
-            with self.alone():
-                out = inner(*args, **kwargs)
-        pair_key = (cond_key, _shape_key(args, kwargs))
+            try:
+                with self.alone():
+                    out = inner(*args, **kwargs)
+            except BaseException as e:
+                self.pending = (cond_key, cond)  # the placeholder: what this lane sends in the exchange it joins
+                self._forward_failed(e, self.metas[cond_key] if pair_key in self.checked else None,
+                                     "cfg-lanes-uncond")
+                raise
         if pair_key not in self.checked:  # once per shape: lane 1 tells its output, both check it matches
             told = json.dumps(_meta(out)) if out is not None else "null"
             seen = json.loads(agree(self.pair, "cfg-lanes-uncond", told, f"{self.name}'s unconditional output")[1])
+            self._check_told(seen)
             if seen != self.metas[cond_key]:
                 raise RuntimeError(f"cfg_parallel=True: {self.run.name}'s unconditional {self.name} output "
                                    f"({seen}) differs from its conditional one ({self.metas[cond_key]}) in shape; "
@@ -332,13 +360,141 @@ class Lanes:
                                    "runs this pipeline")
             self.checked.add(pair_key)
         mine = out if out is not None else cond
-        both = [self._gather(x) for x in mine]  # [lane 0's; lane 1's] along dim 0
+        both = self._exchange(mine)  # [lane 0's; lane 1's] along dim 0
         if self.lane == 1:
             with torch.no_grad():
                 for placeholder, x in zip(cond, both):
                     placeholder.copy_(x[:x.shape[0] // 2])
             return out
         return tuple(x[x.shape[0] // 2:] for x in both)
+
+    # ---- a lane that fails: its partner is told, in seconds, and the pair stays in step where it can ----------
+    def _store_key(self, lane: int) -> str:
+        return f"{self.peers.base}lanes-failed/{lane}"
+
+    def _tell(self, k: int, joins: bool, e: BaseException) -> None:
+        """Publish that this rank's pipeline call failed (``e``) at its ``k``-th exchange of this call; ``joins``:
+        it still makes that exchange (with placeholders), so its partner's collectives stay in step."""
+        self.told = True
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        try:
+            self.peers.store.set(self._store_key(self.lane), f"{self.calls}\t{k}\t{int(joins)}\t{why}")
+        except Exception:  # noqa: BLE001 - the rank's own error is the one raised
+            pass
+
+    def _partner_failed(self, k: int) -> tuple[bool, str] | None:
+        """(whether it joins, its error) where the partner told a failure of this call at or before exchange ``k``."""
+        key = self._store_key(1 - self.lane)
+        if not self.peers.store.check([key]):
+            return None
+        call, at, joins, why = self.peers.store.get(key).decode().split("\t", 3)
+        if int(call) != self.calls or int(at) > k:
+            return None
+        return joins == "1", why
+
+    def _named(self, why: str, where: str) -> RuntimeError:
+        """The error of a rank whose partner failed: one line naming it and its error, what to do after."""
+        self.told = True
+        name = self.run.name if self.run is not None else "the pipeline"
+        return RuntimeError(f"cfg_parallel=True: {name}'s CFG lane exchange: {self.peers.name(1 - self.lane)} raised "
+                            f"{why} {where}; this rank stops too. Fix that rank's error (its log has it)"
+                            + ("" if self.broken else "; the next pipe(...) call runs again"))
+
+    def _check_told(self, value) -> None:
+        """An agreement's value from the partner that says its forward failed: raise naming it."""
+        if isinstance(value, dict) and "failed" in value:
+            raise self._named(value["failed"], "in its forward")
+
+    def _forward_failed(self, e: BaseException, meta, key: str) -> None:
+        """This lane's forward of a CFG pair raised ``e`` (re-raised by the caller): tell the partner, which waits
+        for this lane in the agreement ``key`` (``meta`` None: the first call of this shape) or in the exchange."""
+        if meta is None:
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            self.told = True
+            try:
+                agree(self.pair, key, json.dumps({"failed": why}), f"{self.name}'s output")
+            except Exception:  # noqa: BLE001 - the forward's error is the one raised
+                pass
+            self.pending = None
+            return
+        if self.pending is None:  # an output the exchange does not take: no exchange to join
+            self._tell(self.n + 1, False, e)
+            return
+        self._join(e)
+
+    def _join(self, e: BaseException) -> None:
+        """Make this call's pending exchange with placeholders (what the partner already holds: lane 0's output
+        or lane 1's placeholder), after telling the partner that ``e`` ends this rank's call."""
+        (_, held), self.pending = self.pending, None
+        self._tell(self.n + 1, True, e)
+        try:
+            self._exchange(held, joining=True)
+        except BaseException:  # noqa: BLE001 - ``e`` is the error raised; a failed join leaves the pair broken
+            self.broken = self.broken or "an exchange between the CFG lanes was left unfinished after a failure"
+
+    def _exchange(self, mine, joining: bool = False) -> list:
+        """Exchange ``mine`` (a tuple of tensors) between the lanes: ``[lane 0's; lane 1's]`` along dim 0 each. On
+        the CPU (the host waits), bounded by cp_ops: the partner's published failure, its exit and
+        ``settings.timeout_s`` end the wait, naming it; on CUDA stream-ordered (the host does not wait)."""
+        self.n += 1
+        if not all(x.device.type == "cpu" for x in mine):
+            return [self._gather(x) for x in mine]
+        parts = [[torch.empty_like(x) for _ in range(2)] for x in mine]
+        works = [dist.all_gather(p, x.contiguous(), group=self.pair, async_op=True) for p, x in zip(parts, mine)]
+        k, partner, wait = self.n, 1 - self.lane, None
+        try:
+            for work in works:
+                spins, next_check = 0, 0.0
+                while not work.is_completed():
+                    spins += 1
+                    if spins < 200:
+                        continue
+                    now = time.monotonic()
+                    if wait is None:
+                        name = self.run.name if self.run is not None else "the pipeline"
+                        wait = PeerWait(f"cfg_parallel=True: {name}'s CFG lane exchange #{k} with "
+                                        f"{self.peers.name(partner)}", "the exchange of the CFG lanes' outputs")
+                    if now >= next_check:
+                        next_check = now + CHECK_EVERY_S
+                        told = self._partner_failed(k)
+                        if told is not None and not told[0] and not joining:
+                            self.broken = ("the partner lane failed while this rank waited in an exchange: the "
+                                           "lanes' collectives are out of step")
+                            raise self._named(told[1], "and did not come to this exchange")
+                        gone = self.peers.exited([partner])
+                        if gone:
+                            self.broken = f"{self.peers.name(partner)} {gone[0][1]}"
+                            raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange: {self.peers.name(partner)} "
+                                               f"{gone[0][1]}; this rank stops too")
+                        wait.tick(lambda: self.peers.name(partner))
+                        if wait.expired():
+                            self.broken = "an exchange between the CFG lanes timed out"
+                            raise wait.error(self.peers.name(partner))
+                    time.sleep(0.0002 if spins < 2000 else 0.002)
+                work.wait()
+        except BaseException:
+            if not all(w.is_completed() for w in works):
+                self.broken = self.broken or "an exchange between the CFG lanes was left unfinished"
+            raise
+        if not joining:
+            told = self._partner_failed(k)
+            if told is not None:  # it joined with placeholders: its output is not there
+                raise self._named(told[1], "in its forward")
+        return [torch.cat(p) for p in parts]
+
+    def abandon(self, e: BaseException) -> None:
+        """This rank's ``pipe(...)`` call raised ``e``: a CFG pair still open is exchanged (with what this lane
+        holds) so the partner's collectives stay in step; else the partner, if it waits in this call's next
+        exchange, is told."""
+        try:
+            if self.told or self.broken:
+                return
+            if self.pending is not None:
+                self._join(e)
+            else:
+                self._tell(self.n + 1, False, e)
+        finally:
+            self.pending = None
 
     def begin(self, run: _PipeCall | None) -> None:
         """A pipe(...) call starts (``run``) or returns (None; a conditional output still pending raises)."""
@@ -347,6 +503,13 @@ class Lanes:
                 self._no_pending("returned")
         finally:
             self.pending, self.run = None, run
+        if run is not None:
+            self.calls, self.n, self.told = self.calls + 1, 0, False
+            if self.broken:
+                err = RuntimeError(f"cfg_parallel=True: {run.name}'s CFG lanes cannot run any more: {self.broken} "
+                                   "in an earlier call. Parallelize a new pipeline (or restart the ranks)")
+                self._tell(1, False, err)
+                raise err
 
 
 def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
@@ -396,9 +559,9 @@ def attach_pipeline(pipe, models: list[torch.nn.Module]) -> None:
             ln.begin(run)
         try:
             out = cls.__call__(self, *args, **kwargs)
-        except BaseException:
+        except BaseException as e:
             for ln in lanes:
-                ln.pending = None  # the pipeline's own error, not a pending output's
+                ln.abandon(e)  # the pipeline's own error, not a pending output's: the partner is told
                 ln.begin(None)
             raise
         errors = []
