@@ -118,3 +118,31 @@ def _calls_a_user_makes(rank, w):
 
 def test_calls_a_user_makes_on_cfg_lanes():
     run_ranks(_calls_a_user_makes, 2)
+
+
+def _planned_odd_and_subgroups(rank, w):
+    """The planner at W=3 (odd: one CP group) and on groups that are not WORLD (W=4 as two groups of 2, each planning
+    its own lanes): the unparallelized output."""
+    import torch.distributed as dist
+
+    from cp_ops.integrations.diffusers import parallelize_pipeline
+
+    ref_pipe, call = tiny_qwenimage()
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref = _output(ref_pipe, call)
+    group = None
+    if w == 4:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group = groups[rank // 2]
+    pipe, call = tiny_qwenimage()
+    parallelize_pipeline(pipe, group, transport="torch", chunks=1)
+    lay = pipe.cp_ops_layout
+    assert lay.cfg_parallel == (w == 4), str(lay)
+    out = _output(pipe, call)
+    assert np.abs(out - ref).max() <= (1e-5 if w == 3 else 0), np.abs(out - ref).max()
+    dist.barrier()  # rank 0 holds the store: it stays until the other group is done
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_planned_layout_at_odd_n_and_on_a_subgroup(world_size):
+    run_ranks(_planned_odd_and_subgroups, world_size)

@@ -417,15 +417,18 @@ class Lanes:
                 pass
             self.pending = None
             return
-        if self.pending is None:  # an output the exchange does not take: no exchange to join
-            self._tell(self.n + 1, False, e)
-            return
         self._join(e)
 
     def _join(self, e: BaseException) -> None:
         """Make this call's pending exchange with placeholders (what the partner already holds: lane 0's output
         or lane 1's placeholder), after telling the partner that ``e`` ends this rank's call."""
-        (_, held), self.pending = self.pending, None
+        held = self.pending[1] if self.pending is not None else None
+        self.pending = None
+        if held is None or not all(x.device.type == "cpu" for x in held):
+            # nothing to exchange (an output the lanes do not pair), or CUDA: the partner's host does not wait for
+            # the exchange, so it could not tell placeholders from outputs; it waits for this rank as before
+            self._tell(self.n + 1, False, e)
+            return
         self._tell(self.n + 1, True, e)
         try:
             self._exchange(held, joining=True)
@@ -471,7 +474,18 @@ class Lanes:
                             self.broken = "an exchange between the CFG lanes timed out"
                             raise wait.error(self.peers.name(partner))
                     time.sleep(0.0002 if spins < 2000 else 0.002)
-                work.wait()
+                try:
+                    work.wait()
+                except RuntimeError as e:  # the collective failed (a connection reset): name the peer that exited
+                    t_end = time.monotonic() + 1.0
+                    gone = self.peers.exited([partner])
+                    while not gone and time.monotonic() < t_end:
+                        time.sleep(0.05)
+                        gone = self.peers.exited([partner])
+                    self.broken = "an exchange between the CFG lanes failed"
+                    how = f"{self.peers.name(partner)} {gone[0][1]}" if gone else (str(e).splitlines() or [""])[0]
+                    raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange failed: {how}; this rank stops "
+                                       "too") from e
         except BaseException:
             if not all(w.is_completed() for w in works):
                 self.broken = self.broken or "an exchange between the CFG lanes was left unfinished"
