@@ -63,6 +63,34 @@ def _lane_fails(rank, w):
         assert waited < 10, f"the partner of a failing lane waited {waited:.1f} s"
         # the pipeline stays usable: the next call runs in step and gives the unparallelized output
         assert np.abs(_output(pipe, call) - ref).max() <= tol, (fail_lane, nth, size)
+    # Ctrl-C reaching every rank in step 2: lane 0 waits in the exchange (interrupted there), lane 1 is in its
+    # unconditional forward (interrupted there): both raise KeyboardInterrupt, and the next call runs
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt("Ctrl-C")
+
+    seen = [0]
+
+    def at_step_2(*_):
+        seen[0] += 1
+        if seen[0] != 2:
+            return
+        if lane == 0:  # its conditional forward: it waits in the exchange 0.5 s later
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+        else:
+            time.sleep(1.5)
+            raise KeyboardInterrupt("Ctrl-C")
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    h = pipe.transformer.register_forward_pre_hook(at_step_2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _output(pipe, call)
+    finally:
+        h.remove()
+        signal.signal(signal.SIGALRM, old)
+    assert np.abs(_output(pipe, call) - ref).max() <= tol, "after an interrupt"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

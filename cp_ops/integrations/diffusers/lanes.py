@@ -169,6 +169,7 @@ class Lanes:
         self.n = 0  # exchanges of this call so far
         self.told = False  # this call's failure is already settled with the partner (told, or told by it)
         self.broken: str | None = None  # why the pair's collectives are out of step (every later call raises it)
+        self.stale = None  # (works, exchange, call) of an exchange this rank left unfinished (interrupted)
         self.params = list(inspect.signature(model.forward).parameters)
         self.name = type(model).__name__
         #: ``(object, attribute)`` holding the group of the ranks that share a forward's inputs (both lanes): set to
@@ -487,8 +488,10 @@ class Lanes:
                     raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange failed: {how}; this rank stops "
                                        "too") from e
         except BaseException:
-            if not all(w.is_completed() for w in works):
-                self.broken = self.broken or "an exchange between the CFG lanes was left unfinished"
+            if not all(w.is_completed() for w in works) and not self.broken:
+                # interrupted here (KeyboardInterrupt): this rank's part is posted; the partner may still make its
+                # own (it joins where its call fails too): the next call settles it (:meth:`_settle`)
+                self.stale = (works, k, self.calls)
             raise
         if not joining:
             told = self._partner_failed(k)
@@ -496,12 +499,37 @@ class Lanes:
                 raise self._named(told[1], "in its forward")
         return [torch.cat(p) for p in parts]
 
+    def _settle(self) -> None:
+        """An exchange this rank left unfinished (interrupted while waiting): wait, bounded, until the partner's
+        part arrives (it made the exchange, or joined it when its own call failed); where the partner said it will
+        not come, or does not within ``settings.timeout_s``, the pair is out of step (:attr:`broken`)."""
+        if self.stale is None:
+            return
+        (works, k, call), self.stale = self.stale, None
+        saved, self.calls = self.calls, call
+        wait = PeerWait(f"cfg_parallel=True: the CFG lane exchange #{k} left unfinished by an earlier call",
+                        "the unfinished exchange of the CFG lanes' outputs")
+        try:
+            while not all(w.is_completed() for w in works):
+                told = self._partner_failed(k)
+                if told is not None and not told[0] or wait.expired() or self.peers.exited([1 - self.lane]):
+                    self.broken = f"an exchange between the CFG lanes was left unfinished (exchange #{k})"
+                    return
+                wait.tick(lambda: self.peers.name(1 - self.lane))
+                time.sleep(0.005)
+            for w in works:
+                w.wait()
+        except Exception:  # noqa: BLE001 - a failed collective: the pair cannot be used
+            self.broken = f"an exchange between the CFG lanes failed (exchange #{k})"
+        finally:
+            self.calls = saved
+
     def abandon(self, e: BaseException) -> None:
         """This rank's ``pipe(...)`` call raised ``e``: a CFG pair still open is exchanged (with what this lane
         holds) so the partner's collectives stay in step; else the partner, if it waits in this call's next
         exchange, is told."""
         try:
-            if self.told or self.broken:
+            if self.told:
                 return
             if self.pending is not None:
                 self._join(e)
@@ -518,6 +546,7 @@ class Lanes:
         finally:
             self.pending, self.run = None, run
         if run is not None:
+            self._settle()
             self.calls, self.n, self.told = self.calls + 1, 0, False
             if self.broken:
                 err = RuntimeError(f"cfg_parallel=True: {run.name}'s CFG lanes cannot run any more: {self.broken} "
