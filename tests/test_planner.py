@@ -185,3 +185,25 @@ def test_parallelize_pipeline_plans_lanes_for_true_cfg():
     from dist_util import run_ranks
 
     run_ranks(_planned_lanes, 4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
+def test_a_guidance_distilled_pipeline_gets_no_lanes():
+    """Flux 2 Klein's distilled checkpoints (``is_distilled`` in the pipeline's config) run no CFG at the default
+    ``guidance_scale`` 4: two lanes would run every forward on both lanes at half the CP width."""
+    import diffusers
+    import torch
+    from diffusers.configuration_utils import FrozenDict
+
+    from cp_ops.integrations.diffusers.lanes import cfg_kind
+
+    cls = diffusers.Flux2KleinPipeline
+    pipe = object.__new__(cls)
+    pipe._internal_dict = FrozenDict(is_distilled=True)
+    model = type("Flux2Transformer2DModel", (torch.nn.Module,), {})()
+    p = planner.plan_pipeline(pipe, model, 4, ranks_per_node=None, cuda=True)
+    assert not p.cfg_parallel and (p.layout.lanes, p.layout.cp) == (1, 4), str(p)
+    pipe._internal_dict = FrozenDict(is_distilled=False)
+    assert planner.plan_pipeline(pipe, model, 4, ranks_per_node=None, cuda=True).cfg_parallel
+    assert cfg_kind(cls) == "paired" and cfg_kind(cls, {"is_distilled": False}) == "paired"
+    assert cfg_kind(cls, {"is_distilled": True}) is None

@@ -79,15 +79,17 @@ PAIRED = {
 BATCHED_CFG = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline", "ZImagePipeline")
 
 
-def cfg_kind(pipe_cls: type) -> str | None:
+def cfg_kind(pipe_cls: type, config=None) -> str | None:
     """How a pipeline class runs classifier-free guidance with its own defaults (its ``__call__``'s): 'paired' (a
     class of :data:`PAIRED` whose default scale — ``true_cfg_scale`` where it has one, else ``guidance_scale`` — is
     above 1: Wan, Qwen-Image, Flux 2 Klein; Qwen-Image's true CFG then runs whenever a negative prompt is given),
     'batched' (a class of :data:`BATCHED_CFG` whose default ``guidance_scale`` is above 1), else None (Flux and
-    HunyuanVideo: ``true_cfg_scale`` 1 by default; any other pipeline)."""
+    HunyuanVideo: ``true_cfg_scale`` 1 by default; any other pipeline). ``config``: the pipeline's own config,
+    where one is at hand: a guidance-distilled pipeline (``is_distilled``, Flux 2 Klein's distilled checkpoints)
+    runs no CFG at any scale."""
     name = pipe_cls.__name__
     kind = "paired" if name in PAIRED else "batched" if name in BATCHED_CFG else None
-    if kind is None:
+    if kind is None or (config is not None and bool(dict(config).get("is_distilled", False))):
         return None
     params = inspect.signature(pipe_cls.__call__).parameters
     scale = params.get("true_cfg_scale") if kind == "paired" else None
