@@ -143,6 +143,25 @@ def _calls_a_user_makes(rank, w):
         _output(pipe, {**call, "prompt_embeds": torch.randn(1, 8, 16, generator=g)})
     assert np.abs(_output(pipe, call) - ref_of()).max() <= tol
 
+    # Wan 2.2 (two experts, switched mid-run) with guidance turned off by a callback after step 1 (the pipeline's
+    # own do_classifier_free_guidance then says no): step 1 paired, the steps after on both lanes alike
+    from cp_ops.examples.tiny import tiny_wan22
+
+    def cfg_off(p, i, t, kw):
+        p._guidance_scale = 1.0
+        return {}
+
+    outs = []
+    for parallel in (False, True):
+        wan, wcall = tiny_wan22(steps=3)
+        wan.set_progress_bar_config(disable=True)
+        if parallel:
+            parallelize_pipeline(wan, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs.append(_output(wan, {**wcall, "callback_on_step_end": cfg_off}))
+    assert np.abs(outs[1] - outs[0]).max() <= tol, np.abs(outs[1] - outs[0]).max()
+
 
 def test_calls_a_user_makes_on_cfg_lanes():
     run_ranks(_calls_a_user_makes, 2)
