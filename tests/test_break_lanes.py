@@ -163,6 +163,37 @@ def _calls_a_user_makes(rank, w):
     assert np.abs(outs[1] - outs[0]).max() <= tol, np.abs(outs[1] - outs[0]).max()
 
 
+def _shared_components(rank, w):
+    """A second pipeline on the parallelized one's components (as ``from_pipe`` makes): parallelize_pipeline runs it
+    on the transformers as they are (CFG lanes paired, calls checked); layout arguments for them are refused."""
+    import diffusers
+
+    from cp_ops.integrations.diffusers import parallelize_pipeline
+
+    ref_pipe, call = tiny_qwenimage()
+    ref_pipe.set_progress_bar_config(disable=True)
+    ref = _output(ref_pipe, call)
+    pipe, call = tiny_qwenimage()
+    parallelize_pipeline(pipe, transport="torch", chunks=1)  # planned: 2 lanes
+    assert pipe.cp_ops_layout.cfg_parallel
+    other = diffusers.QwenImagePipeline(**pipe.components)
+    with pytest.raises(ValueError, match=r"already parallelized \(this pipeline shares them .*from_pipe\): call "
+                                         r"parallelize_pipeline\(pipe\) with no layout arguments"):
+        parallelize_pipeline(other, mode="agkv")
+    parallelize_pipeline(other)
+    assert other.cp_ops_layout is pipe.cp_ops_layout and other.cp_ops_writes_output == (rank == 0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # paired: no both-lanes warning
+        assert np.array_equal(_output(other, call), ref)
+    assert np.array_equal(_output(pipe, call), ref)  # the first pipeline still runs
+
+
+def test_a_pipeline_sharing_parallelized_transformers():
+    run_ranks(_shared_components, 2)
+
+
 def test_calls_a_user_makes_on_cfg_lanes():
     run_ranks(_calls_a_user_makes, 2)
 

@@ -561,12 +561,14 @@ def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
     """Route ``model(...)`` through :meth:`Lanes.call`, outside everything else the model's call does (its hooks, a
     whole-forward capture), and record its ``cache_context`` name. The class becomes a same-named subclass."""
     cls = type(model)
+    if getattr(cls, "_cp_ops_lanes_call", False):  # already routed (a pipeline sharing the model: from_pipe)
+        return
 
     def __call__(self, *args, **kwargs):
         return lanes.call(functools.partial(cls.__call__, self), args, kwargs)
 
     model.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                                   "__qualname__": cls.__qualname__})
+                                                   "__qualname__": cls.__qualname__, "_cp_ops_lanes_call": True})
     inner = getattr(model, "cache_context", None)
     if inner is not None:
         @contextlib.contextmanager

@@ -217,7 +217,10 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
 
     Raises:
         ValueError: ``pipe`` has no component :func:`~cp_ops.integrations.diffusers.parallelize` supports (the message
-            lists the components); a transformer already parallelized; bad ``LOCAL_RANK``; a CUDA ``device`` where
+            lists the components); some of its transformers already parallelized and some not, or layout arguments
+            given for transformers already parallelized (a pipeline sharing them with one this ran on, as
+            ``from_pipe`` makes: ``parallelize_pipeline(pipe)`` with no layout arguments runs it on them as they
+            are, its calls checked and paired like the first's); bad ``LOCAL_RANK``; a CUDA ``device`` where
             CUDA is not available; anything :func:`~cp_ops.integrations.diffusers.parallelize` raises. Later, at a
             ``pipe(...)`` call: ranks that passed different arguments (on every rank).
         RuntimeError: torch.distributed cannot start.
@@ -235,17 +238,33 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
             f"{type(pipe).__name__} has no transformer cp_ops supports: components "
             f"{ {n: type(m).__name__ for n, m in components.items()} }; supported: {tuple(SUPPORTED)} and every class "
             "with a diffusers _cp_plan")
-    dev = _device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    _init_group(dev)
-    pipe.to(dev)
-    pipe.cp_ops_layout = _plan(pipe, components[names[0]], group, dev, mode, kwargs)
-    if pipe.cp_ops_layout is not None:
-        kwargs.setdefault("cfg_parallel", pipe.cp_ops_layout.cfg_parallel)  # a given cfg_parallel wins
-    for name in names:
-        parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks, comm_dtype=comm_dtype,
-                    **kwargs)
+    shared = [n for n in names if getattr(components[n], "_cp_ops_group", None) is not None]
+    if shared:  # a pipeline made from a parallelized one (from_pipe, or built from its components)
+        given = {k: v for k, v in dict(group=group, device=device, transport=transport, chunks=chunks,
+                                       comm_dtype=comm_dtype, **kwargs).items() if v not in (None, "auto")}
+        if len(shared) != len(names) or given or mode != "auto":
+            raise ValueError(
+                f"{type(pipe).__name__}'s transformers {shared} are already parallelized (this pipeline shares them "
+                f"with one parallelize_pipeline ran on: from_pipe); {sorted(set(names) - set(shared))} are not"
+                if len(shared) != len(names) else
+                f"{type(pipe).__name__}'s transformers {shared} are already parallelized (this pipeline shares them "
+                f"with one parallelize_pipeline ran on: from_pipe): call parallelize_pipeline(pipe) with no layout "
+                f"arguments to run this pipeline on them as they are; got {sorted(given) or ['mode']}")
+        pipe.to(components[names[0]].device if hasattr(components[names[0]], "device") else _device(None))
+        pipe.cp_ops_layout = getattr(components[names[0]], "_cp_ops_layout", None)
+    else:
+        dev = _device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        _init_group(dev)
+        pipe.to(dev)
+        pipe.cp_ops_layout = _plan(pipe, components[names[0]], group, dev, mode, kwargs)
+        if pipe.cp_ops_layout is not None:
+            kwargs.setdefault("cfg_parallel", pipe.cp_ops_layout.cfg_parallel)  # a given cfg_parallel wins
+        for name in names:
+            parallelize(components[name], group, mode=mode, transport=transport, chunks=chunks,
+                        comm_dtype=comm_dtype, **kwargs)
+            components[name]._cp_ops_layout = pipe.cp_ops_layout
     attach_pipeline(pipe, [components[n] for n in names])  # CFG lanes: a pipeline's per-branch calls paired
     check_calls(pipe, components[names[0]]._cp_ops_input_group)
     pipe.cp_ops_transformers = tuple(names)
