@@ -224,3 +224,21 @@ def _planned_odd_and_subgroups(rank, w):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_planned_layout_at_odd_n_and_on_a_subgroup(world_size):
     run_ranks(_planned_odd_and_subgroups, world_size)
+
+
+def test_cfg_lanes_on_a_fake_group():
+    """The 'fake' backend (what cp-ops bound measures on) has no store to tell failures through: parallelize with
+    cfg_parallel=True installs there as before."""
+    import diffusers_tiny
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from cp_ops.integrations.diffusers import parallelize
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        model = diffusers_tiny.build("wan")
+        parallelize(model, mode="agkv", transport="torch", cfg_parallel=True)
+        assert model._cp_ops_lanes.peers is None and model._cp_ops_group.size() == 2
+    finally:
+        dist.destroy_process_group()

@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from ..._peers import CHECK_EVERY_S, Peers
 from ..._waits import PeerWait
 from ...contract import agree
+from ...group import backend_name
 from .hooks import _all_gather, gather_route
 
 # forward parameters that carry the batch (dim 0 of a tensor, or a list with one item per sample)
@@ -165,8 +166,10 @@ class Lanes:
         pairs = [_new_group([ranks[i], ranks[i + half]], pg, cp_rank == i) for i in range(half)]
         self.pair = pairs[cp_rank]
         self.via = gather_route(self.pair, "torch")  # ranks sharing a GPU: the gather goes through host memory
-        self.peers = Peers(self.pair)  # the partner's identity (liveness) and the store its failures are told in
-        self.peers.announce()
+        # the partner's identity (liveness) and the store its failures are told in (None: a 'fake' group)
+        self.peers = None if backend_name(self.pair) == "fake" else Peers(self.pair)
+        if self.peers is not None:
+            self.peers.announce()
         self.calls = 0  # pipe(...) calls begun (the same count on every rank)
         self.n = 0  # exchanges of this call so far
         self.told = False  # this call's failure is already settled with the partner (told, or told by it)
@@ -379,6 +382,8 @@ class Lanes:
         """Publish that this rank's pipeline call failed (``e``) at its ``k``-th exchange of this call; ``joins``:
         it still makes that exchange (with placeholders), so its partner's collectives stay in step."""
         self.told = True
+        if self.peers is None:
+            return
         why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         try:
             self.peers.store.set(self._store_key(self.lane), f"{self.calls}\t{k}\t{int(joins)}\t{why}")
@@ -387,6 +392,8 @@ class Lanes:
 
     def _partner_failed(self, k: int) -> tuple[bool, str] | None:
         """(whether it joins, its error) where the partner told a failure of this call at or before exchange ``k``."""
+        if self.peers is None:
+            return None
         key = self._store_key(1 - self.lane)
         if not self.peers.store.check([key]):
             return None
@@ -443,7 +450,7 @@ class Lanes:
         the CPU (the host waits), bounded by cp_ops: the partner's published failure, its exit and
         ``settings.timeout_s`` end the wait, naming it; on CUDA stream-ordered (the host does not wait)."""
         self.n += 1
-        if not all(x.device.type == "cpu" for x in mine):
+        if self.peers is None or not all(x.device.type == "cpu" for x in mine):
             return [self._gather(x) for x in mine]
         parts = [[torch.empty_like(x) for _ in range(2)] for x in mine]
         works = [dist.all_gather(p, x.contiguous(), group=self.pair, async_op=True) for p, x in zip(parts, mine)]
