@@ -92,6 +92,32 @@ def _lane_fails(rank, w):
         signal.signal(signal.SIGALRM, old)
     assert np.abs(_output(pipe, call) - ref).max() <= tol, "after an interrupt"
 
+    # the exchange as on CUDA (stream-ordered: the host does not wait, so a failed lane cannot join it with
+    # placeholders its partner would take for outputs): the partner reads the failure before its next exchange and
+    # raises naming it, without making that exchange; the next call runs
+    from cp_ops.integrations.diffusers import lanes as lanes_mod
+
+    saved = lanes_mod._host_waits
+    lanes_mod._host_waits = lambda tensors: False
+    try:
+        seen = [0]
+
+        def late(*_):
+            seen[0] += 1
+            if seen[0] == 2 and lane == 0:
+                time.sleep(0.3)  # lane 1 fails meanwhile: lane 0 reaches the exchange after it told
+
+        h = pipe.transformer.register_forward_pre_hook(late)
+        _fail_at(pipe, rank, lane == 1, 2)
+        with pytest.raises(RuntimeError, match="^boom in lane$" if lane == 1 else
+                           r"^cfg_parallel=True: QwenImagePipeline's CFG lane exchange: rank 1 .* raised RuntimeError: "
+                           r"boom in lane and did not come to this exchange; this rank stops too.*the next pipe"):
+            _output(pipe, call)
+        h.remove()
+        assert np.abs(_output(pipe, call) - ref).max() <= tol, "stream-ordered exchange"
+    finally:
+        lanes_mod._host_waits = saved
+
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_lane_that_raises_is_named_by_its_partner_in_seconds_and_the_next_call_works(monkeypatch, world_size):

@@ -131,6 +131,12 @@ def _shape_key(args: tuple, kwargs: dict) -> str:
                              for x in leaves]))
 
 
+def _host_waits(tensors) -> bool:
+    """Whether the lanes' exchange of ``tensors`` is waited by the host (CPU tensors over gloo), so cp_ops bounds it
+    and a failed lane can join it with placeholders; on CUDA it is stream-ordered (the host does not wait)."""
+    return all(x.device.type == "cpu" for x in tensors)
+
+
 def _placeholders(meta: list, args: tuple, kwargs: dict) -> tuple:
     """NaN-filled tensors (zeros for integer dtypes) of ``meta``'s shapes and dtypes, on the inputs' device."""
     dev = next((x.device for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)), None)
@@ -390,8 +396,9 @@ class Lanes:
         except Exception:  # noqa: BLE001 - the rank's own error is the one raised
             pass
 
-    def _partner_failed(self, k: int) -> tuple[bool, str] | None:
-        """(whether it joins, its error) where the partner told a failure of this call at or before exchange ``k``."""
+    def _partner_failed(self, k: int) -> tuple[bool, str, int] | None:
+        """(whether it joins, its error, the exchange it failed at) where the partner told a failure of this call at
+        or before exchange ``k``."""
         if self.peers is None:
             return None
         key = self._store_key(1 - self.lane)
@@ -400,7 +407,7 @@ class Lanes:
         call, at, joins, why = self.peers.store.get(key).decode().split("\t", 3)
         if int(call) != self.calls or int(at) > k:
             return None
-        return joins == "1", why
+        return joins == "1", why, int(at)
 
     def _named(self, why: str, where: str) -> RuntimeError:
         """The error of a rank whose partner failed: one line naming it and its error, what to do after."""
@@ -434,7 +441,7 @@ class Lanes:
         or lane 1's placeholder), after telling the partner that ``e`` ends this rank's call."""
         held = self.pending[1] if self.pending is not None else None
         self.pending = None
-        if held is None or not all(x.device.type == "cpu" for x in held):
+        if held is None or not _host_waits(held):
             # nothing to exchange (an output the lanes do not pair), or CUDA: the partner's host does not wait for
             # the exchange, so it could not tell placeholders from outputs; it waits for this rank as before
             self._tell(self.n + 1, False, e)
@@ -448,9 +455,15 @@ class Lanes:
     def _exchange(self, mine, joining: bool = False) -> list:
         """Exchange ``mine`` (a tuple of tensors) between the lanes: ``[lane 0's; lane 1's]`` along dim 0 each. On
         the CPU (the host waits), bounded by cp_ops: the partner's published failure, its exit and
-        ``settings.timeout_s`` end the wait, naming it; on CUDA stream-ordered (the host does not wait)."""
+        ``settings.timeout_s`` end the wait, naming it; on CUDA stream-ordered (the host does not wait): a failure
+        the partner told before this exchange raises here, naming it, without making it."""
         self.n += 1
-        if self.peers is None or not all(x.device.type == "cpu" for x in mine):
+        if self.peers is None or not _host_waits(mine):
+            told = self._partner_failed(self.n) if not joining else None
+            if told is not None:  # it failed before this exchange (it never joins here): this rank stops before it
+                if told[2] < self.n:
+                    self.broken = "the partner lane failed after this rank had made an exchange it never made"
+                raise self._named(told[1], "and did not come to this exchange")
             return [self._gather(x) for x in mine]
         parts = [[torch.empty_like(x) for _ in range(2)] for x in mine]
         works = [dist.all_gather(p, x.contiguous(), group=self.pair, async_op=True) for p, x in zip(parts, mine)]
