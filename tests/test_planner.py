@@ -207,3 +207,13 @@ def test_a_guidance_distilled_pipeline_gets_no_lanes():
     assert planner.plan_pipeline(pipe, model, 4, ranks_per_node=None, cuda=True).cfg_parallel
     assert cfg_kind(cls) == "paired" and cfg_kind(cls, {"is_distilled": False}) == "paired"
     assert cfg_kind(cls, {"is_distilled": True}) is None
+
+
+def test_two_lanes_given_on_odd_n_says_it_cannot_run():
+    """cfg_parallel=True on 3 ranks: the plan says it cannot run (it printed '2 lanes x CP1' for a row-less class, and
+    a CP3 prediction under 'cfg_parallel=True given' for a measured one); parallelize raises."""
+    for cls in (QWEN, "SD3Transformer2DModel"):
+        p = planner.plan(cls, 3, cfg="paired", lanes=2)
+        assert (p.layout.lanes, p.layout.cp) == (1, 3) and p.layout.step_ms is None, str(p)
+        assert p.why.startswith("cfg_parallel=True given, which N=3 cannot run: two equal lanes need an even N"), p.why
+    assert planner.plan(QWEN, 3, cfg="paired", lanes=1).layout.cp == 3

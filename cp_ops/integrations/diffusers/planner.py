@@ -222,6 +222,10 @@ def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, to
     if n < 1 or cfg not in (None, "paired", "batched") or path not in PATHS:
         raise ValueError(f"plan: n must be >= 1, cfg one of None/'paired'/'batched', path one of {PATHS}; got n={n}, "
                          f"cfg={cfg!r}, path={path!r}")
+    if lanes == 2 and n % 2:  # parallelize refuses it (ValueError): say so instead of a layout of 2 x CP(n // 2)
+        lay = Layout(1, n, mode, 2 if cfg else 1)
+        return Plan(lay, (lay,), f"cfg_parallel=True given, which N={n} cannot run: two equal lanes need an even N "
+                                 "(parallelize raises); pass cfg_parallel=False, or leave it out to have it planned")
     links = links or cost.links()
     rpn = min(n, ranks_per_node or n)
     two = cfg is not None and n % 2 == 0
