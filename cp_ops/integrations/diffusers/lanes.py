@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from ..._peers import CHECK_EVERY_S, Peers
-from ..._waits import PeerWait
+from ..._peers import Peers
+from ..._waits import PeerWait, poll
 from ...contract import agree
 from ...group import backend_name
 from .hooks import _all_gather, gather_route
@@ -468,35 +468,32 @@ class Lanes:
         parts = [[torch.empty_like(x) for _ in range(2)] for x in mine]
         works = [dist.all_gather(p, x.contiguous(), group=self.pair, async_op=True) for p, x in zip(parts, mine)]
         k, partner, wait = self.n, 1 - self.lane, None
+
+        def check() -> bool:
+            nonlocal wait
+            if wait is None:
+                name = self.run.name if self.run is not None else "the pipeline"
+                wait = PeerWait(f"cfg_parallel=True: {name}'s CFG lane exchange #{k} with {self.peers.name(partner)}",
+                                "the exchange of the CFG lanes' outputs")
+            told = self._partner_failed(k)
+            if told is not None and not told[0] and not joining:
+                self.broken = ("the partner lane failed while this rank waited in an exchange: the lanes' "
+                               "collectives are out of step")
+                raise self._named(told[1], "and did not come to this exchange")
+            gone = self.peers.exited([partner])
+            if gone:
+                self.broken = self.peers.said(gone)
+                raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange: {self.peers.said(gone)}; this rank "
+                                   "stops too")
+            wait.tick(lambda: self.peers.name(partner))
+            if wait.expired():
+                self.broken = "an exchange between the CFG lanes timed out"
+                raise wait.error(self.peers.name(partner))
+            return False
+
         try:
             for work in works:
-                spins, next_check = 0, 0.0
-                while not work.is_completed():
-                    spins += 1
-                    if spins < 200:
-                        continue
-                    now = time.monotonic()
-                    if wait is None:
-                        name = self.run.name if self.run is not None else "the pipeline"
-                        wait = PeerWait(f"cfg_parallel=True: {name}'s CFG lane exchange #{k} with "
-                                        f"{self.peers.name(partner)}", "the exchange of the CFG lanes' outputs")
-                    if now >= next_check:
-                        next_check = now + CHECK_EVERY_S
-                        told = self._partner_failed(k)
-                        if told is not None and not told[0] and not joining:
-                            self.broken = ("the partner lane failed while this rank waited in an exchange: the "
-                                           "lanes' collectives are out of step")
-                            raise self._named(told[1], "and did not come to this exchange")
-                        gone = self.peers.exited([partner])
-                        if gone:
-                            self.broken = f"{self.peers.name(partner)} {gone[0][1]}"
-                            raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange: {self.peers.name(partner)} "
-                                               f"{gone[0][1]}; this rank stops too")
-                        wait.tick(lambda: self.peers.name(partner))
-                        if wait.expired():
-                            self.broken = "an exchange between the CFG lanes timed out"
-                            raise wait.error(self.peers.name(partner))
-                    time.sleep(0.0002 if spins < 2000 else 0.002)
+                poll(work.is_completed, check)
                 try:
                     work.wait()
                 except RuntimeError as e:  # the collective failed (a connection reset): name the peer that exited
@@ -506,7 +503,7 @@ class Lanes:
                         time.sleep(0.05)
                         gone = self.peers.exited([partner])
                     self.broken = "an exchange between the CFG lanes failed"
-                    how = f"{self.peers.name(partner)} {gone[0][1]}" if gone else (str(e).splitlines() or [""])[0]
+                    how = self.peers.said(gone) if gone else (str(e).splitlines() or [""])[0]
                     raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange failed: {how}; this rank stops "
                                        "too") from e
         except BaseException:
@@ -531,14 +528,15 @@ class Lanes:
         saved, self.calls = self.calls, call
         wait = PeerWait(f"cfg_parallel=True: the CFG lane exchange #{k} left unfinished by an earlier call",
                         "the unfinished exchange of the CFG lanes' outputs")
+        def gone() -> bool:  # the partner will not make its part: the pair is out of step
+            told = self._partner_failed(k)
+            wait.tick(lambda: self.peers.name(1 - self.lane))
+            return bool(told is not None and not told[0] or wait.expired() or self.peers.exited([1 - self.lane]))
+
         try:
-            while not all(w.is_completed() for w in works):
-                told = self._partner_failed(k)
-                if told is not None and not told[0] or wait.expired() or self.peers.exited([1 - self.lane]):
-                    self.broken = f"an exchange between the CFG lanes was left unfinished (exchange #{k})"
-                    return
-                wait.tick(lambda: self.peers.name(1 - self.lane))
-                time.sleep(0.005)
+            if not poll(lambda: all(w.is_completed() for w in works), gone):
+                self.broken = f"an exchange between the CFG lanes was left unfinished (exchange #{k})"
+                return
             for w in works:
                 w.wait()
         except Exception:  # noqa: BLE001 - a failed collective: the pair cannot be used

@@ -283,6 +283,7 @@ def plan_pipeline(pipe, model, n: int, *, ranks_per_node: int | None, cuda: bool
     from .lanes import cfg_kind
 
     config = dict(getattr(model, "config", None) or {})
-    return plan(type(model).__name__, n, cfg=cfg_kind(type(pipe), getattr(pipe, "config", None)), config=config, ranks_per_node=ranks_per_node,
+    cfg = cfg_kind(type(pipe), getattr(pipe, "config", None))
+    return plan(type(model).__name__, n, cfg=cfg, config=config, ranks_per_node=ranks_per_node,
                 path=path_for(compile, cuda_graphs, cuda), mode=mode,
                 lanes=None if cfg_parallel is None else 2 if cfg_parallel else 1)
