@@ -213,8 +213,8 @@ def _shared_components(rank, w):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # paired: no both-lanes warning
-        assert np.array_equal(_output(other, call), ref)
-    assert np.array_equal(_output(pipe, call), ref)  # the first pipeline still runs
+        assert np.abs(_output(other, call) - ref).max() <= (0 if w == 2 else 1e-5)
+    assert np.abs(_output(pipe, call) - ref).max() <= (0 if w == 2 else 1e-5)  # the first pipeline still runs
 
 
 def test_calls_a_user_makes_on_cfg_lanes():
