@@ -34,8 +34,6 @@ import torch.distributed as dist
 from .bench import DTYPES, _write_json, available_cores, cpu_threads, environment
 from .models import MODELS, build, config_label, load_checkpoint
 from ._args import per_block_graphs, whole_capture
-from ..integrations.diffusers.compiled import canonical as _canonical  # noqa: F401  (tests' names)
-from ..integrations.diffusers.compiled import contiguous_strides as _contiguous_strides  # noqa: F401
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
