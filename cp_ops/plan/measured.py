@@ -432,19 +432,16 @@ def _read_cache() -> dict:
 
 
 def _write_cache(key: str, entry: dict) -> None:
-    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock; atomic replace)."""
+    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock, :func:`cp_ops._file_lock.file_lock`: a
+    wait bounded by ``settings.timeout_s``; atomic replace)."""
+    from .._file_lock import file_lock
+
     path = cache_path()
     if path is None:
         return
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".lock", "a") as lock:
-            try:
-                import fcntl
-
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except ImportError:  # not POSIX: last writer wins
-                pass
+        with file_lock(path + ".lock", config.settings.timeout_s, f"the choice cache {path}"):
             entries = _read_cache()
             entries[key] = entry
             tmp = f"{path}.{os.getpid()}.tmp"
