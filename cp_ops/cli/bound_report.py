@@ -104,9 +104,11 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                   tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs)
     ref = by["diffusers"].out
 
-    def timed(s: Side) -> dict:  # what every timed CP side's row holds; rank0_ms: less the fake collectives' writes
-        return dict(one_gpu_ms=one, one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=s.ms - s.fill_ms,
-                    bound_speedup=_speedup(one, s), rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=_fill_count(s),
+    def timed(s: Side) -> dict:  # what every timed CP side's row holds
+        net = s.ms - s.fill_ms  # the fake collectives' writes taken out; the bound: None where nothing is left
+        return dict(one_gpu_ms=one, one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=net,
+                    bound_speedup=one / net if net > 0 else None, rank0_raw_ms=s.ms, fill_ms=s.fill_ms,
+                    fills=len(s.fills) if s.fill_count is None else s.fill_count,  # --side-processes: counted there
                     first_call_s=s.first_s, rank0_samples=s.samples, **_host(s, steps=steps))
 
     out = []
@@ -145,11 +147,6 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
     return out
 
 
-def _fill_count(s: Side) -> int:
-    """How many fake-collective writes one forward of ``s`` makes (counted in its process with --side-processes)."""
-    return len(s.fills) if s.fill_count is None else s.fill_count
-
-
 def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:
     """``{prefix + 'host_ms', prefix + 'host_bound'}`` of ``side`` (the host's time to enqueue one forward, and whether
     it reaches :data:`HOST_BOUND` of the side's measured time ``ms``); ``{}`` where not timed, and for a ``steps``
@@ -157,12 +154,6 @@ def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:
     if side.host_ms is None or steps:
         return {}
     return {prefix + "host_ms": side.host_ms, prefix + "host_bound": side.host_bound}
-
-
-def _speedup(one: float, side: Side) -> float | None:
-    """The bound of ``side``: the 1-device time / its time less its fill copies; None where nothing is left."""
-    net = side.ms - side.fill_ms
-    return one / net if net > 0 else None
 
 
 def _no_time_left(side: Side) -> dict:

@@ -234,15 +234,11 @@ def schedule(est_ms: list[float]) -> tuple[list[int], int]:
     return calls, rounds
 
 
-def _sample_ms(cand: tuple[str, int], run: Callable[[], object], device: torch.device, calls: int) -> float:
+def _timer(cand: tuple[str, int], run: Callable[[], object], device: torch.device, calls: int) -> float:
     """One sample of candidate ``cand`` on this rank: ``calls`` runs of ``run()`` back to back, ms per call
-    (:func:`cp_ops.timing.steady_ms`)."""
+    (:func:`cp_ops.timing.steady_ms`); tests replace it."""
     del cand
     return steady_ms(run, device, 0, 1, calls)[0]
-
-
-#: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it).
-_timer = _sample_ms
 
 
 #: Format of the cache file; a file of another format is ignored (and replaced on the next write).
