@@ -217,10 +217,8 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
             pass
         except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        flags = [reason is not None]
-        t = torch.tensor(flags, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t.item():  # any rank failed: every rank skips the row (no rank waits in a collective alone)
+        # any rank failed: every rank skips the row (no rank waits in a collective alone)
+        if max_over_ranks(float(reason is not None), device):
             rows.append(dict(name=label, skipped=reason or "refused on another rank"))
         else:
             rows.append(_row(label, first_s, ms, out, ref, single_ms, device, args.steps))
