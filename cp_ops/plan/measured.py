@@ -312,9 +312,8 @@ def _agreed_or_measured(request: Open, chosen, shape, dtype, device, pg, transpo
     code = 0
     if entry is not None and [entry.get("mode"), entry.get("chunks")] in cands:
         code = cands.index([entry["mode"], entry["chunks"]]) + 1
-    t = torch.tensor([code, -code], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    hi, lo = t[0].item(), -t[1].item()
+    hi, neg_lo = max_over_ranks_each([code, -code], device, pg)  # the highest and the lowest code over the ranks
+    lo = -neg_lo
     if hi == lo and hi > 0:  # every rank holds the same cached candidate
         stats["cached"] += 1
         m, c = request.candidates[int(hi) - 1]
