@@ -84,23 +84,6 @@ def register_op(name: str, extra_label: str = "tensors") -> int:
     return OPS[name]
 
 
-_tag_ids: dict = {}
-
-
-def tag_id(tag) -> int:
-    """A stable nonzero int for ``tag`` (a 64-bit digest of its ``repr``: equal on every rank for ints, strs,
-    tuples)."""
-    try:
-        v = _tag_ids.get(tag)
-    except TypeError:  # unhashable: not cached
-        return _digest(repr(tag))
-    if v is None:
-        if len(_tag_ids) >= 4096:
-            _tag_ids.clear()
-        v = _tag_ids[tag] = _digest(repr(tag))
-    return v
-
-
 # ---- per-group state -----------------------------------------------------------------------------
 class _Group:
     """Per CP group: the peers' rendezvous, the gloo side group and shared-memory exchange (made at the first

@@ -129,9 +129,7 @@ def interleaved_rounds(baselines: list[Callable[[], object]], cases: list[Callab
 
 def max_over_ranks(value: float, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
     """The maximum of ``value`` over the ranks of ``group`` (every rank gets it)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return max_over_ranks_each([value], device, group)[0]
 
 
 def max_over_ranks_each(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:

@@ -102,10 +102,10 @@ def test_plot_checked_before_the_run(tmp_path, monkeypatch, capsys):
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
 def test_out_check_tries_the_write():
     """/proc takes no new files, yet os.access says writable to root: the check tries the write, before the run."""
-    from cp_ops.cli.main import UsageError, _check_out
+    from cp_ops.cli._args import UsageError, check_out
 
     with pytest.raises(UsageError, match=r"^--out /proc/cp_ops_x\.json: cannot write under /proc \("):
-        _check_out("/proc/cp_ops_x.json", "--out")
+        check_out("/proc/cp_ops_x.json", "--out")
 
 
 def test_out_overwrite_is_announced(tmp_path, monkeypatch, capsys):
@@ -181,7 +181,8 @@ def test_plot_ticks_are_the_measured_seqs_and_a_one_point_bound_shows(tmp_path, 
 def test_run_width_defaults_to_height():
     """cp-ops run --help: '--width (default as --height)'; --height 8 alone gave a width of 16 (the CPU default)."""
     pytest.importorskip("diffusers")
-    from cp_ops.cli.main import _check_run, build_parser
+    from cp_ops.cli.main import build_parser
+    from cp_ops.cli.run_args import check as _check_run
 
     for argv, hw in [(["--height", "8"], (8, 8)), ([], (16, 16)), (["--height", "8", "--width", "4"], (8, 4))]:
         args = build_parser().parse_args(["run", "wan", *argv])
@@ -193,7 +194,9 @@ def test_bench_default_seqs_on_a_width_they_do_not_fit():
     """cp-ops bench --nproc 3 (CPU default S 512,1024,2048): the error says the S are the defaults and offers
     multiples of 3, instead of blaming a --seqs the user never gave."""
     from cp_ops import config
-    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+    from cp_ops.cli._args import UsageError
+    from cp_ops.cli.bench_args import check as _check_bench
+    from cp_ops.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--nproc", "3"])
     with pytest.raises(UsageError, match=r"^bench: the default S \[512, 1024, 2048\] are not all multiples of the CP "
@@ -212,7 +215,10 @@ def test_comm_dtype_checked_alike_by_bench_and_run(value, ok):
     import importlib.util
 
     from cp_ops import config
-    from cp_ops.cli.main import UsageError, _check_bench, _check_run, build_parser
+    from cp_ops.cli._args import UsageError
+    from cp_ops.cli.bench_args import check as _check_bench
+    from cp_ops.cli.main import build_parser
+    from cp_ops.cli.run_args import check as _check_run
 
     cases = [(build_parser().parse_args(["bench", "--comm-dtype", value]), lambda a: _check_bench(a, "cpu", 2,
                                                                                                    config.settings))]
@@ -234,7 +240,9 @@ def test_comm_dtype_aliases_become_one_spelling(value, canonical):
     spelling the header, the JSON and the --mesh check read (was: the header said 'comm_dtype=bf16 (FP8 on the wire:
     not bitwise)' for bf16, which sends the input dtype, and --mesh refused bf16 as FP8; e4m3fn was refused)."""
     from cp_ops import config
-    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+    from cp_ops.cli._args import UsageError
+    from cp_ops.cli.bench_args import check as _check_bench
+    from cp_ops.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--comm-dtype", value, "--dtype", "bf16"])
     _check_bench(args, "cpu", 2, config.settings)
@@ -252,7 +260,9 @@ def test_comm_dtype_bf16_on_other_inputs_is_refused():
     """--comm-dtype bf16 means the input dtype: on fp32 inputs (the CPU default) it would send fp32 while the user asked
     for bf16; refused naming both and the alternatives (was: accepted, fp32 on the wire, header 'FP8 on the wire')."""
     from cp_ops import config
-    from cp_ops.cli.main import UsageError, _check_bench, build_parser
+    from cp_ops.cli._args import UsageError
+    from cp_ops.cli.bench_args import check as _check_bench
+    from cp_ops.cli.main import build_parser
 
     for dtype in ("fp32", "fp16"):
         args = build_parser().parse_args(["bench", "--comm-dtype", "bf16", "--dtype", dtype])
@@ -266,7 +276,8 @@ def _bench_kv_apart(rank, w, out):
 
     from cp_ops import config
     from cp_ops.cli.bench import run_bench
-    from cp_ops.cli.main import _check_bench, build_parser
+    from cp_ops.cli.bench_args import check as _check_bench
+    from cp_ops.cli.main import build_parser
 
     args = build_parser().parse_args(["bench", "--device", "cpu", "--seqs", "16", "--modes", "auto,agkv,ulysses",
                                       "--heads", "4", "--head-dim", "8", "--comm-dtype", "e4m3:qvo", "--repeats", "1",

@@ -212,7 +212,8 @@ def test_regional_compile_once_per_class(monkeypatch):
     import cp_ops
     from torch._dynamo.testing import CompileCounter
 
-    from cp_ops.cli.run import _canonical, _contiguous_strides, _restore_blocks, compile_model
+    from cp_ops.cli.run import _restore_blocks, compile_model
+    from cp_ops.integrations.diffusers.compiled import canonical, contiguous_strides
 
     seen, counter = [], CompileCounter()
 
@@ -232,10 +233,10 @@ def test_regional_compile_once_per_class(monkeypatch):
         # the CP split's view: a batch-1 shard narrowed from a longer sequence (stride(0) of the long one)
         x = torch.randn(1, 2 * 64, cfg["num_attention_heads"] * cfg["attention_head_dim"], generator=torch.Generator().manual_seed(1))
         view = x[:, :64]
-        assert _canonical(view).stride() == (view.shape[1] * view.shape[2], view.shape[2], 1)
-        assert _canonical(view) is not view and torch.equal(_canonical(view), view) and _canonical(x) is x
+        assert canonical(view).stride() == (view.shape[1] * view.shape[2], view.shape[2], 1)
+        assert canonical(view) is not view and torch.equal(canonical(view), view) and canonical(x) is x
         for shape in [(1, 8192, 1536), (2, 0, 3), (1, 1, 4), (3, 4, 5, 6), (), (5, 1, 1)]:
-            assert _contiguous_strides(shape) == torch.empty(shape).stride(), shape
+            assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
     assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True, dynamic=False)] * 2
     torch.testing.assert_close(out, ref)
     _restore_blocks(model, spec)

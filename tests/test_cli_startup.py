@@ -126,6 +126,7 @@ def test_cli_passes_settings_with_configure_not_the_environment(monkeypatch):
 
     import cp_ops.config as config
     import cp_ops.transport.fast as fast
+    from cp_ops.cli import bench_args
     from cp_ops.cli import main as cli
 
     saved = config.snapshot()
@@ -134,7 +135,7 @@ def test_cli_passes_settings_with_configure_not_the_environment(monkeypatch):
                               transports=["fast"], plot=None, dtype="bf16", settings={})
     environ = dict(os.environ)
     try:
-        cli._check_bench(args, "cuda", 2, config.settings)
+        bench_args.check(args, "cuda", 2, config.settings)
         assert args.settings["fast_pool_gb"] > 8
         seen = []
         cli._rank_entry(0, 2, "cpu", lambda r, w, d, a: seen.append(

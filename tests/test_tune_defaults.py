@@ -150,3 +150,34 @@ def _mangled_body(rank, w, tmp):
 def test_mangled_cache_on_one_rank_and_the_callers_runner(tmp_path, monkeypatch):
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "30")  # before the fix rank 0 waited for rank 1 until this bound
     run_ranks(_mangled_body, 2, str(tmp_path), timeout=180)
+
+
+def test_a_held_cache_lock_is_waited_for_a_bounded_time(tmp_path):
+    """A choice-cache write whose lock another holder keeps (a hung process) gives up after ``settings.timeout_s``
+    with a warning naming the file, instead of waiting forever."""
+    import threading
+
+    from cp_ops._file_lock import file_lock
+
+    saved = config.snapshot()
+    path = tmp_path / "choices.json"
+    seen = []
+    try:
+        config.configure(tune_cache=str(path), timeout_s=0.3)
+
+        def write():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                choices._write_cache("k", {"mode": "agkv", "chunks": 1})
+            seen.extend(str(w.message) for w in caught)
+
+        with file_lock(str(path) + ".lock", 5.0, "the test's hold"):
+            t = threading.Thread(target=write, daemon=True)
+            t.start()
+            t.join(5.0)
+            assert not t.is_alive(), "the write waited for the held lock past settings.timeout_s"
+        assert any(f"cannot write the choice cache {path}" in m and "waited 0.3 s" in m for m in seen), seen
+        assert not path.exists()
+    finally:
+        config.restore(saved)
+        choices._warned.clear()

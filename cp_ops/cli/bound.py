@@ -198,7 +198,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                         raise
                     s.error, s.call = _reason(e), None
                     print(f"  [{mode_text}] {s.name}: failed: {s.error}", flush=True)
-                    _reset_after_failure(base_mode, device)
+                    _free(device, reset=base_mode != "eager")
                     continue
                 if not margs.steps:  # one more forward, timed alone: a run killed before the rounds keeps it
                     s.second_ms = time_ms(s.call, device, 0, 1)
@@ -236,11 +236,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             for s in sides:
                 s.call = None
             sides = None
-            if base_mode != "eager" and not remote:
-                torch._dynamo.reset()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _free(device, reset=base_mode != "eager" and not remote)
         if args.out:  # after every mode: a later mode that is killed (a time limit) keeps the earlier rows
             _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls))
     if only is not None:
@@ -272,9 +268,10 @@ def _first_call(s: Side) -> dict:
                 second_call_ms=s.second_ms)
 
 
-def _reset_after_failure(base_mode: str, device) -> None:
-    """After a side failed half-way (a compile error, an unwaited collective): free what it held."""
-    if base_mode != "eager":
+def _free(device, reset: bool) -> None:
+    """Free what a mode's sides held, or a side that failed half-way (a compile error, an unwaited collective);
+    ``reset``: Dynamo's compiled code too."""
+    if reset:
         torch._dynamo.reset()  # torch._dynamo is imported by run_bound (a local import here would make `torch` a
         # local name, unbound in the eager branch)
     gc.collect()

@@ -17,20 +17,26 @@ from . import bound_fill
 from .bound_sides import Side, _reason, _timed, parse_mode
 
 
-def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results, run) -> None:
-    """A :func:`precompile` child: build ``side`` of ``mode_text`` and run its first call (the compile) as ``run``
-    (:func:`cp_ops.cli.bound.run_bound`) would; puts ``(mode, side, seconds, error or None)`` on ``results``."""
+def _child_run(run, args_dict: dict, device: str, parent_pid: int | None, **changes) -> None:
+    """What a child process runs: ``run`` (:func:`cp_ops.cli.bound.run_bound`) on the parent's arguments with
+    ``changes`` (and no workers, no file, no profile), its stdout silenced; it dies with its parent."""
     import contextlib
     import io
 
-    _die_with_parent()
+    _die_with_parent(parent_pid)
     args = SimpleNamespace(**args_dict)
-    args.compile_workers, args.only_side, args.out, args.profile = 0, (mode_text, side), None, None
+    vars(args).update(compile_workers=0, out=None, profile=None, **changes)
+    with contextlib.redirect_stdout(io.StringIO()):
+        run(args, torch.device(device))
+
+
+def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results, run) -> None:
+    """A :func:`precompile` child: build ``side`` of ``mode_text`` and run its first call (the compile) as ``run``
+    (:func:`cp_ops.cli.bound.run_bound`) would; puts ``(mode, side, seconds, error or None)`` on ``results``."""
     t0 = time.perf_counter()
     err = None
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run(args, torch.device(device))
+        _child_run(run, args_dict, device, None, only_side=(mode_text, side))
     except Exception as e:  # noqa: BLE001 - reported; the parent's own build meets (and reports) it again
         err = _reason(e)
     results.put((mode_text, side, time.perf_counter() - t0, err))
@@ -62,16 +68,9 @@ def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, b
     would, on the parent's model ``base`` (its weights shared, not copied), run its first call, then answer the
     parent's timing requests on ``conn`` (:func:`_serve`) until told to stop; an exception is sent as ``('error',
     reason)``."""
-    import contextlib
-    import io
-
-    _die_with_parent(parent_pid)
-    args = SimpleNamespace(**args_dict)
-    args.compile_workers, args.side_processes, args.out, args.profile = 0, False, None, None
-    args.only_side, args.serve = (mode_text, side), (conn, base)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run(args, torch.device(device))
+        _child_run(run, args_dict, device, parent_pid, side_processes=False, only_side=(mode_text, side),
+                   serve=(conn, base))
     except Exception as e:  # noqa: BLE001 - the parent turns it into the mode's failed row
         try:
             conn.send(("error", _reason(e)))

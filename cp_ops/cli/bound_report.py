@@ -103,14 +103,18 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
     common = dict(model=args.model, cls=spec.cls, config=config_name, layers=layers[0] if len(layers) == 1 else layers,
                   tokens=tokens, compile=base_mode if base_mode != "eager" else False, cuda_graphs=graphs)
     ref = by["diffusers"].out
+
+    def timed(s: Side) -> dict:  # what every timed CP side's row holds
+        net = s.ms - s.fill_ms  # the fake collectives' writes taken out; the bound: None where nothing is left
+        return dict(one_gpu_ms=one, one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=net,
+                    bound_speedup=one / net if net > 0 else None, rank0_raw_ms=s.ms, fill_ms=s.fill_ms,
+                    fills=len(s.fills) if s.fill_count is None else s.fill_count,  # --side-processes: counted there
+                    first_call_s=s.first_s, rank0_samples=s.samples, **_host(s, steps=steps))
+
     out = []
     for w in args.bound:
         cp = by[f"cp_ops W{w}"]
-        net = cp.ms - cp.fill_ms  # the fake collectives' writes (stand-ins for the transfers) taken out
-        row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, one_gpu_ms=one, one_gpu_from=best.name,
-                   diffusers_ms=by["diffusers"].ms, rank0_ms=net, bound_speedup=_speedup(one, cp),
-                   rank0_raw_ms=cp.ms, fill_ms=cp.fill_ms, fills=_fill_count(cp),
-                   first_call_s=cp.first_s, rank0_samples=cp.samples, **_host(cp, steps=steps),
+        row = dict(common, world_size=w, impl="cp_ops", mode=cp.mode, **timed(cp),
                    **_host(by["diffusers"], "diffusers_", steps), **_no_time_left(cp))
         if "group of 1" in by:
             row["group1_ms"] = by["group of 1"].ms
@@ -125,18 +129,13 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
                 rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label or s.mode,
                                  skipped=s.error))
                 continue
-            d = s.ms - s.fill_ms
             shape_ok = s.out is not None and tuple(s.out.shape) == tuple(ref.shape)
             finite = bool(shape_ok and torch.isfinite(s.out).all())
             why = ([] if finite else ["the output is not finite or not the full shape: a collective's output was "
                                       "left unwritten (stale memory), so its kernels did not run on real data"]) \
                 + list(_no_time_left(s).values())
-            rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, one_gpu_ms=one,
-                             one_gpu_from=best.name, diffusers_ms=by["diffusers"].ms, rank0_ms=d,
-                             bound_speedup=_speedup(one, s),
-                             rank0_raw_ms=s.ms, fill_ms=s.fill_ms, fills=_fill_count(s), first_call_s=s.first_s,
-                             rank0_samples=s.samples, **_host(s, steps=steps), output_shape_ok=shape_ok,
-                             outputs_finite=finite,
+            rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, **timed(s),
+                             output_shape_ok=shape_ok, outputs_finite=finite,
                              **({"invalid": "; ".join(why)} if why else {}),
                              **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
                              **({"fullgraph_error": s.fullgraph_error} if s.fullgraph_error else {})))
@@ -148,11 +147,6 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
     return out
 
 
-def _fill_count(s: Side) -> int:
-    """How many fake-collective writes one forward of ``s`` makes (counted in its process with --side-processes)."""
-    return len(s.fills) if s.fill_count is None else s.fill_count
-
-
 def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:
     """``{prefix + 'host_ms', prefix + 'host_bound'}`` of ``side`` (the host's time to enqueue one forward, and whether
     it reaches :data:`HOST_BOUND` of the side's measured time ``ms``); ``{}`` where not timed, and for a ``steps``
@@ -160,12 +154,6 @@ def _host(side: Side, prefix: str = "", steps: int = 0) -> dict:
     if side.host_ms is None or steps:
         return {}
     return {prefix + "host_ms": side.host_ms, prefix + "host_bound": side.host_bound}
-
-
-def _speedup(one: float, side: Side) -> float | None:
-    """The bound of ``side``: the 1-device time / its time less its fill copies; None where nothing is left."""
-    net = side.ms - side.fill_ms
-    return one / net if net > 0 else None
 
 
 def _no_time_left(side: Side) -> dict:
@@ -180,8 +168,7 @@ def _no_time_left(side: Side) -> dict:
 def _add_steps(row: dict, steps: int, by: dict, model: str) -> None:
     """A --steps row: its times are whole loops of ``steps`` steps; per step, the steps run, and where ``steps`` is
     below the model's standard count the totals extrapolated to it (per-step time x the standard count)."""
-    side = by["cp_ops W%d" % row["world_size"]] if row["impl"] == "cp_ops" else \
-        by[f"{row['impl']} W{row['world_size']}"]
+    side = by[f"{row['impl']} W{row['world_size']}"]
     std = STANDARD_STEPS.get(model)
     row.update(steps=steps, steps_run=len(side.step_ms), total_ms=row["rank0_ms"], step_ms=row["rank0_ms"] / steps,
                one_gpu_step_ms=row["one_gpu_ms"] / steps, rank0_step_samples_ms=side.step_ms,

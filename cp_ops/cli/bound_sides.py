@@ -213,11 +213,11 @@ def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
 
     A dcp side (diffusers' own CP) that Dynamo cannot compile whole (``fullgraph=True``, as every other side) is
     built again and compiled with graph breaks (``fullgraph=False``): ``side.fullgraph_error`` says why."""
-    if side.kind != "dcp" or not margs.compile:
-        return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
     try:
         return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
     except Exception as e:  # noqa: BLE001 - diffusers' CP under Dynamo: retried with graph breaks, the reason kept
+        if side.kind != "dcp" or not margs.compile:
+            raise
         side.fullgraph_error = _reason(e)
         print(f"  {side.name}: fullgraph=True failed ({side.fullgraph_error[:160]}); compiling with graph breaks",
               flush=True)

@@ -77,11 +77,8 @@ def collect() -> dict:
         info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
     info["nvshmem4py"] = importlib.util.find_spec("nvshmem") is not None
     device_type = "cuda" if n else "cpu"
-    reason = fast.unavailable_reason(device_type)
-    info["transports"] = {"torch": None, "fast": reason}
-    describe = getattr(fast, "describe", None)
-    if describe is not None:
-        info["fast_runtime"] = describe()
+    info["transports"] = {"torch": None, "fast": fast.unavailable_reason(device_type)}
+    info["fast_runtime"] = fast.describe()
     return info
 
 

@@ -72,15 +72,13 @@ def _frames(result):
     import numpy as np
 
     if hasattr(result, "frames"):
-        x = np.asarray(result.frames[0] if not isinstance(result.frames, np.ndarray) else result.frames[0])
-        return x, True
-    x = np.asarray(result.images[0] if isinstance(result.images, list) else result.images[0])
-    return x[None], False
+        return np.asarray(result.frames[0]), True
+    return np.asarray(result.images[0])[None], False
 
 
 def write(frames, video: bool, out: str) -> str:
-    """Write ``frames`` (float ``[F, H, W, 3]`` in [0, 1]); returns the path written (a ``.png`` grid replaces an
-    ``.mp4`` that no installed encoder can write)."""
+    """Write ``frames`` (float ``[F, H, W, 3]`` in [0, 1]) as a video, else a PNG grid (one frame: the image); returns
+    the path written (a ``.png`` grid replaces an ``.mp4`` that no installed encoder can write)."""
     import numpy as np
     from PIL import Image
 
@@ -97,9 +95,6 @@ def write(frames, video: bool, out: str) -> str:
             print(f"cp-ops generate: no video encoder ({why}); "
                   f"writing the {len(frames)} frames as a PNG grid {png} (pip install imageio imageio-ffmpeg for MP4)")
             out = png
-    if len(u8) == 1:
-        Image.fromarray(u8[0]).save(out)
-        return out
     cols = math.ceil(math.sqrt(len(u8)))
     rows = math.ceil(len(u8) / cols)
     f, h, w, c = u8.shape

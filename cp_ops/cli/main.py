@@ -19,12 +19,7 @@ import os
 import sys
 
 from . import bench_args, bound_args, generate_args, run_args
-from ._args import Parser, UsageError, check_out, csv, fail, say_once
-
-# the names earlier versions defined here (tests and scripts import them from cp_ops.cli.main)
-_check_bench, _check_run, _check_generate = bench_args.check, run_args.check, generate_args.check
-_check_out, _fail, _say_once, _Parser, _csv = check_out, fail, say_once, Parser, csv
-MODEL_NAMES, GPU_SEQS, CPU_SEQS = run_args.MODEL_NAMES, bench_args.GPU_SEQS, bench_args.CPU_SEQS
+from ._args import Parser, UsageError, check_out, fail, say_once
 
 
 def _device(args) -> str:

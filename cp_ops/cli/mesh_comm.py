@@ -53,11 +53,6 @@ def label(mesh) -> str:
     return f"mesh {cfg}{o}x{i} ({cfg}agkv {o} x ulysses {i}; rows {rows})"
 
 
-def padded(seq_lens, s_local: int) -> int:
-    """The per-rank token count a 2-D call moves: the largest block (uneven shards are padded to it)."""
-    return max(seq_lens) if seq_lens else s_local
-
-
 def dim_times(mesh, b: int, s_local: int, h: int, d: int, dtype: torch.dtype, transport: str,
               device: torch.device, warmup: int = 1, samples: int = 3, calls: int = 1) -> dict[str, float]:
     """``{'ulysses': ms, 'agkv': ms}``: each dim's collectives of one 2-D call on ``mesh`` for this rank's
@@ -123,7 +118,8 @@ def forward_dim_times(model, spec, kw, mesh, transport: str, device: torch.devic
     total = {"ulysses": 0.0, "agkv": 0.0}
     for (shape, dtype, seq), n in seen.items():
         b, s, h, d = shape
-        got = dim_times(mesh, b, padded(seq, s), h, d, dtype, transport, device, 1, samples, 1)
+        s = max(seq) if seq else s  # uneven shards move padded to the largest block
+        got = dim_times(mesh, b, s, h, d, dtype, transport, device, 1, samples, 1)
         for name in total:
             total[name] += n * got[name]
     return {"ms": total, "calls": sum(seen.values())}

@@ -176,8 +176,7 @@ def breakdown(trace_path: str) -> dict:
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
-    ann = [e for e in events if e.get("cat") in ("user_annotation", "gpu_user_annotation") and
-           e["name"].startswith("cp-ops ") and e.get("cat") == "user_annotation"]
+    ann = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("cp-ops ")]
     forwards = [e for e in ann if e["name"] == FORWARD]
     if not forwards:
         raise ValueError(f"{trace_path}: no '{FORWARD}' range in the trace; was it written by cp-ops run --profile?")

@@ -34,8 +34,6 @@ import torch.distributed as dist
 from .bench import DTYPES, _write_json, available_cores, cpu_threads, environment
 from .models import MODELS, build, config_label, load_checkpoint
 from ._args import per_block_graphs, whole_capture
-from ..integrations.diffusers.compiled import canonical as _canonical  # noqa: F401  (tests' names)
-from ..integrations.diffusers.compiled import contiguous_strides as _contiguous_strides  # noqa: F401
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
@@ -219,10 +217,8 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
             pass
         except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
             reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        flags = [reason is not None]
-        t = torch.tensor(flags, dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if t.item():  # any rank failed: every rank skips the row (no rank waits in a collective alone)
+        # any rank failed: every rank skips the row (no rank waits in a collective alone)
+        if max_over_ranks(float(reason is not None), device):
             rows.append(dict(name=label, skipped=reason or "refused on another rank"))
         else:
             rows.append(_row(label, first_s, ms, out, ref, single_ms, device, args.steps))

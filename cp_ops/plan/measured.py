@@ -234,15 +234,11 @@ def schedule(est_ms: list[float]) -> tuple[list[int], int]:
     return calls, rounds
 
 
-def _sample_ms(cand: tuple[str, int], run: Callable[[], object], device: torch.device, calls: int) -> float:
+def _timer(cand: tuple[str, int], run: Callable[[], object], device: torch.device, calls: int) -> float:
     """One sample of candidate ``cand`` on this rank: ``calls`` runs of ``run()`` back to back, ms per call
-    (:func:`cp_ops.timing.steady_ms`)."""
+    (:func:`cp_ops.timing.steady_ms`); tests replace it."""
     del cand
     return steady_ms(run, device, 0, 1, calls)[0]
-
-
-#: How one sample is timed on this rank: ``fn(cand, run, device, calls) -> ms per call`` (tests replace it).
-_timer = _sample_ms
 
 
 #: Format of the cache file; a file of another format is ignored (and replaced on the next write).
@@ -316,9 +312,8 @@ def _agreed_or_measured(request: Open, chosen, shape, dtype, device, pg, transpo
     code = 0
     if entry is not None and [entry.get("mode"), entry.get("chunks")] in cands:
         code = cands.index([entry["mode"], entry["chunks"]]) + 1
-    t = torch.tensor([code, -code], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-    hi, lo = t[0].item(), -t[1].item()
+    hi, neg_lo = max_over_ranks_each([code, -code], device, pg)  # the highest and the lowest code over the ranks
+    lo = -neg_lo
     if hi == lo and hi > 0:  # every rank holds the same cached candidate
         stats["cached"] += 1
         m, c = request.candidates[int(hi) - 1]
@@ -432,19 +427,16 @@ def _read_cache() -> dict:
 
 
 def _write_cache(key: str, entry: dict) -> None:
-    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock; atomic replace)."""
+    """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock, :func:`cp_ops._file_lock.file_lock`: a
+    wait bounded by ``settings.timeout_s``; atomic replace)."""
+    from .._file_lock import file_lock
+
     path = cache_path()
     if path is None:
         return
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".lock", "a") as lock:
-            try:
-                import fcntl
-
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except ImportError:  # not POSIX: last writer wins
-                pass
+        with file_lock(path + ".lock", config.settings.timeout_s, f"the choice cache {path}"):
             entries = _read_cache()
             entries[key] = entry
             tmp = f"{path}.{os.getpid()}.tmp"
