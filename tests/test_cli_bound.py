@@ -233,40 +233,38 @@ def test_bound_cli_end_to_end(tmp_path, capsys):
     assert not dist.is_initialized()
 
 
-def test_bound_compile_workers_fill_the_caches(tmp_path):
-    """--compile-workers 2: each side of the compiled mode is compiled first in a child process (spawned, its own
-    model) into the shared on-disk caches; the run's own compiles of the same sides then all hit Inductor's FX graph
-    cache (it says so), and the rows are as without it. A fresh process, as the CLI runs: the compiled graphs name
-    the fake groups, whose names count the groups a process made before."""
+def _bound_cli(extra, env):
+    r = subprocess.run([sys.executable, "-m", "cp_ops", "bound", "wan", "--device", "cpu", "--layers", "1", "--worlds",
+                        "2", "--compile-modes", "regional", "--no-group1"] + extra,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_bound_compile_workers_then_side_processes(tmp_path):
+    """Fresh processes, as the CLI runs (the compiled graphs name the fake groups, whose names count the groups a
+    process made before), on one cold on-disk cache:
+
+    1. --compile-workers 2: each side of the compiled mode is compiled first in a child process (spawned, its own
+       model) into the shared on-disk caches; the run's own compiles of the same sides then all hit Inductor's FX
+       graph cache (it says so), and the rows are as without it.
+    2. --side-processes, on the caches run 1 filled (what it checks does not depend on them): each side of the
+       compiled mode is built, compiled and timed in its own spawned process on the parent's weights; the parent's
+       rounds time them through their pipes, and the rows carry what the processes measured (the fake collectives'
+       writes counted there, the outputs checked here)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     # a cold cache; Inductor's compile in-process (no pool of compile workers to start in each of the 3 processes)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
                PYTHONPATH=os.pathsep.join(sys.path))
-    r = subprocess.run([sys.executable, "-m", "cp_ops", "bound", "wan", "--device", "cpu", "--layers", "1", "--worlds",
-                        "2", "--compile-modes", "regional", "--no-group1", "--repeats", "1", "--warmup", "0",
-                        "--compile-workers", "2"], env=env, capture_output=True, text=True, timeout=600)
-    text = r.stdout
-    assert r.returncode == 0, text + r.stderr
+    text = _bound_cli(["--repeats", "1", "--warmup", "0", "--compile-workers", "2"], env)
     assert "precompiling 2 sides in 2 child processes" in text, text
     assert "[precompile] [regional] diffusers:" in text and "[precompile] [regional] cp_ops W2:" in text, text
     assert "failed" not in text, text
     assert "[regional] Inductor's FX graph cache: 2 hits, 0 misses; AOTAutograd's: 2 hits, 0 misses" in text, text
     assert re.search(r"regional\s+2\s+agkv", text), text
 
-
-def test_bound_side_processes(tmp_path):
-    """--side-processes: each side of the compiled mode is built, compiled and timed in its own spawned process on the
-    parent's weights; the parent's rounds time them through their pipes, and the rows carry what the processes
-    measured (the fake collectives' writes counted there, the outputs checked here). A fresh process, as the CLI."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
-               PYTHONPATH=os.pathsep.join(sys.path))
     out = tmp_path / "sp.json"
-    r = subprocess.run([sys.executable, "-m", "cp_ops", "bound", "wan", "--device", "cpu", "--layers", "1", "--worlds",
-                        "2", "--compile-modes", "regional", "--no-group1", "--repeats", "2", "--warmup", "1",
-                        "--side-processes", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    text = r.stdout
-    assert r.returncode == 0, text + r.stderr
+    text = _bound_cli(["--repeats", "2", "--warmup", "1", "--side-processes", "--out", str(out)], env)
     assert "[regional] 2 sides in their own processes (--side-processes)" in text, text
     for side in ("diffusers", "cp_ops W2"):
         assert f"[regional] {side}: built in" in text and "(in its process, beside the others' compiles)" in text
@@ -282,10 +280,12 @@ def test_bound_side_processes(tmp_path):
 
 def test_side_process_failures_are_reported():
     """A side's process that reports an error, dies without answering, or does not answer in time: the parent's wait
-    raises naming the side (the mode becomes a failed row), never waits unbounded."""
+    raises naming the side (the mode becomes a failed row), never waits unbounded. The children are forked (what is
+    checked is the parent's wait; the spawned side processes run in test_bound_compile_workers_then_side_processes):
+    a spawned child would import torch first, seconds each."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")
 
     def side(target, args):
         s = bound_sides.Side("cp_ops W2", "cp", 2)
@@ -316,8 +316,8 @@ def test_side_process_failures_are_reported():
     bound_procs.stop_sides([s])
     s, theirs = side(time.sleep, lambda c: (60,))
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"did not answer in 2 s"):
-        bound_procs._recv(s, 2)
+    with pytest.raises(TimeoutError, match=r"did not answer in 1 s"):
+        bound_procs._recv(s, 1)
     assert time.monotonic() - t0 < 30
     bound_procs.stop_sides([s])
     theirs.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,12 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "overlap_block.py")
 
 
-@pytest.fixture(scope="module")
-def ob():
+def _load():
     spec = importlib.util.spec_from_file_location("overlap_block", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # importable by name, as Dynamo looks up the functions it traces
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def ob():
+    return _load()
 
 
 def _kernel(name, ts, dur, cat="kernel"):
@@ -69,16 +73,40 @@ def test_window_kernels_reads_generated_code(ob):
     assert ob.window_kernels(code) == [["extern_kernels.mm", "triton_red_fused_mean_pow_rsqrt_2", "triton_poi_fused_stack_3"]]
 
 
-def test_cpu_smoke_run(tmp_path):
+def _smoke_rank(rank, world_size, args, stdout_path):
+    """A rank of the smoke run: the script's own rank body, its printing (rank 0's table) kept in a file."""
+    import contextlib
+
+    import torch
+
+    with open(stdout_path if rank == 0 else os.devnull, "w") as f, contextlib.redirect_stdout(f):
+        _load().run_rank(rank, world_size, torch.device("cpu"), args)
+
+
+def test_cpu_smoke_run(ob, tmp_path, monkeypatch):
+    """The script's main() on CPU, end to end: its arguments and CPU defaults, every variant compiled and timed, the
+    profiles read back, the table, the JSON and the plot. Its ranks are the tests' forked gloo ranks
+    (dist_util.run_ranks) instead of the script's spawned ones (cp_ops.cli.launch.launch, which test_cli's
+    ``cp-ops bench`` runs go through): three interpreter starts fewer."""
+    from dist_util import run_ranks
+
     out = tmp_path / "out"
-    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--out", str(out), "--seqs", "64", "--warmup", "1",
-           "--repeats", "2", "--profile-iters", "1",
-           "--modes", "ulysses"]  # one mode keeps CI's time: the script's AGKV path is the same code, and the pass's
-    # AGKV windows are tested by test_pass_graph / test_pass_correctness
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "exposed CP" in proc.stdout  # the table header
+    stdout = tmp_path / "stdout.txt"
+    launched = []
+
+    def launch(fn, nproc, device, args):
+        assert fn is ob.run_rank and device == "cpu", (fn, device)
+        launched.append(nproc)
+        run_ranks(_smoke_rank, nproc, args, str(stdout))
+
+    monkeypatch.setattr(ob, "launch", launch)
+    assert ob.main(["--device", "cpu", "--out", str(out), "--seqs", "64", "--warmup", "1", "--repeats", "2",
+                    "--profile-iters", "1",
+                    "--modes", "ulysses"]) == 0  # one mode keeps CI's time: the script's AGKV path is the same
+    # code, and the pass's AGKV windows are tested by test_pass_graph / test_pass_correctness
+    assert launched == [2]
+    text = stdout.read_text()
+    assert "exposed CP" in text, text  # the table header
     res = json.loads((out / "overlap_block.json").read_text())
     assert res["complete"] and not res["skipped"]
     rows = {r["mode"]: r for r in res["rows"]}

@@ -7,6 +7,7 @@ the code is only inspected, so no real communication is needed (the run itself m
 
 from __future__ import annotations
 
+import functools
 import re
 
 import expecttest
@@ -31,6 +32,14 @@ def _wan_args(s_local=16, seed=0):
     return x, cos, sin
 
 
+@functools.cache
+def _wan(mode: str):
+    """(model, compile_and_get(model, _wan_args())) for a WanBlock of ``mode``, compiled once per process: several
+    tests read the same compiled block's graphs, code and logs."""
+    model = pb.WanBlock(DIM, HEADS, mode=mode)
+    return model, compile_and_get(model, _wan_args())
+
+
 # Q-side checks shared by the blocks: Q GEMM(s) named by their Dynamo source node, then the Q norm
 # (a fused kernel with rsqrt) and the Q RoPE (neg/stack: in the same kernel on CPU, or a later one).
 def _check_q_window(fc: FileCheck, q_gemms: tuple[str, ...]) -> FileCheck:
@@ -41,9 +50,8 @@ def _check_q_window(fc: FileCheck, q_gemms: tuple[str, ...]) -> FileCheck:
 
 class TestOverlapPass(expecttest.TestCase):
     def test_wan_agkv_graph_and_code_order(self):
-        model = pb.WanBlock(DIM, HEADS, mode="agkv")
+        model, (_, code, cap, logs) = _wan("agkv")
         args = _wan_args()
-        _, code, cap, logs = compile_and_get(model, args)
         self.assertEqual(cap.windows, [1])
         self.assertExpectedInline(cap.after[0], """\
 addmm_0 = addmm(in0, in1, in2)
@@ -96,11 +104,11 @@ addmm_3 = addmm(in11, _scaled_dot_product_flash_attention_for_cpu_0, in12)""")
 
     def test_launch_inputs_stay_alive_until_wait(self):
         # Inductor knows the launch is a collective: its input buffers are not freed or reused before the wait.
-        _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="agkv"), _wan_args())
+        _, code, _, _ = _wan("agkv")[1]
         self._check_inputs_alive(code, "agkv_gather_start", 2)
         # Ulysses K/V launch: its send buffer (written by the K norm/RoPE kernel and V's copy) stays alive until
         # its wait.
-        _, code, _, _ = compile_and_get(pb.WanBlock(DIM, HEADS, mode="ulysses"), _wan_args())
+        _, code, _, _ = _wan("ulysses")[1]
         self._check_inputs_alive(code, "ulysses_packed_start", 1)
 
     def test_launch_outputs_never_recycled(self):
@@ -116,8 +124,7 @@ addmm_3 = addmm(in11, _scaled_dot_product_flash_attention_for_cpu_0, in12)""")
         check_inputs_alive(code, op, n_inputs)
 
     def test_wan_ulysses_split_graph_and_code_order(self):
-        model = pb.WanBlock(DIM, HEADS, mode="ulysses")
-        _, code, cap, logs = compile_and_get(model, _wan_args())
+        _, (_, code, cap, logs) = _wan("ulysses")
         self.assertEqual(cap.windows, [1])
         self.assertExpectedInline(cap.before[0], """\
 addmm_0 = addmm(in0, in1, in2)
