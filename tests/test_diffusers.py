@@ -126,7 +126,7 @@ def test_parallelize_clear_errors():
         with pytest.raises(ValueError, match=r"supports \('WanTransformer3DModel', .*'HunyuanVideoTransformer3DModel'\); "
                                              r"got Linear\. To add a model: one ModelSpec line"):
             parallelize(torch.nn.Linear(2, 2))
-        assert len(SUPPORTED) == 8
+        assert len(SUPPORTED) == 9 and "LTX2VideoTransformer3DModel" in SUPPORTED
         with pytest.raises(ValueError, match="two equal lanes; the group has 3 ranks"):
             parallelize(build("wan"), cfg_parallel=True)
         import diffusers

@@ -102,6 +102,7 @@ def _flat_group_across_nodes(rank, w, network_gbps):
     """parallelize(model) on the flat WORLD group whose ranks sit on 2 simulated nodes, mode='auto': the model's
     attention calls take the cost model's split (cp_ops.plan.split); the output equals the unparallelized model."""
     from cp_ops import config, plan
+    from cp_ops.plan import flat, split
     from cp_ops.integrations.diffusers import parallelize
 
     config.configure(node_id=f"node{rank // 2}", network_gbps=network_gbps)
@@ -113,7 +114,8 @@ def _flat_group_across_nodes(rank, w, network_gbps):
             ref = sample(model(**kw))
             out = sample(cp_model(**kw))
         assert out.shape == ref.shape and _rel(out, ref) <= 1e-5, (size, _rel(out, ref))
-    picked = {(p.split.mode, p.split.shape) for p, _ in plan._plans.values() if isinstance(p, plan._Routed)}
+    picked = {(p.info.mode, p.info.shape) for p, _ in plan._plans.values()
+              if isinstance(p, flat.Rerouted) and isinstance(p.info, split.Split)}
     # a fast network: latency decides (one collective, pure AGKV); a slow one: the fewest network bytes, which pure
     # Ulysses (4 heads) sends in fewer collectives than the 2x2 split (tests/test_split.py's hand-checked cases)
     want = ("agkv", "4x1") if network_gbps > 1 else ("ulysses", "1x4")
