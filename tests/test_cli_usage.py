@@ -68,3 +68,17 @@ def test_run_help_points_to_bound_for_every_moved_flag():
     for flag in MOVED:
         if flag != "--bound-compile":  # the old spelling of --compile-modes, a flag run never had on its own
             assert flag in text, flag
+
+
+def test_plan_without_diffusers_says_what_to_install(monkeypatch, capsys):
+    """`cp-ops run MODEL --plan N` on the README's install (no diffusers): the one-line install hint that `run` gives,
+    exit code 2, not a ModuleNotFoundError traceback."""
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` raises, as where it is not installed
+    assert main(["run", "wan", "--plan", "8"]) == 2
+    out = capsys.readouterr()
+    assert "run wan --plan needs diffusers: pip install -e '.[diffusers]'" in out.out + out.err, out

@@ -13,8 +13,6 @@ PIPELINES = {"wan": "WanPipeline", "qwenimage": "QwenImagePipeline", "flux": "Fl
 def print_plan(args) -> int:
     """Print the plan for ``args.model`` on ``args.plan`` GPUs (``args`` as :func:`.run_args.check_model` fills them
     for CUDA); returns 0."""
-    import diffusers
-
     from ..integrations.diffusers import planner
     from ..integrations.diffusers.lanes import cfg_kind
     from .models import MODELS, config_label
@@ -23,7 +21,9 @@ def print_plan(args) -> int:
 
     if args.plan < 1:
         fail(f"run {args.model}: --plan takes the GPU count N >= 1; got {args.plan}")
-    spec, cfg = check_model(args, "cuda", f"run {args.model} --plan")
+    spec, cfg = check_model(args, "cuda", f"run {args.model} --plan")  # first: it names the missing diffusers
+    import diffusers
+
     pipe = PIPELINES[args.model]
     kind = cfg_kind(getattr(diffusers, pipe))
     tokens = spec.tokens(cfg, args.frames, args.height, args.width) * args.batch
