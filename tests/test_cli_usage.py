@@ -82,3 +82,21 @@ def test_plan_without_diffusers_says_what_to_install(monkeypatch, capsys):
     assert main(["run", "wan", "--plan", "8"]) == 2
     out = capsys.readouterr()
     assert "run wan --plan needs diffusers: pip install -e '.[diffusers]'" in out.out + out.err, out
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("diffusers") is None, reason="needs diffusers")
+def test_plan_without_transformers_refuses_instead_of_planning_no_cfg(monkeypatch, capsys):
+    """diffusers without transformers exports its pipelines as placeholders whose `__call__` has no defaults: the plan
+    read 'CFG: off by default' for Wan and Qwen-Image and printed CP8 instead of 2 lanes x CP4. It says what to
+    install instead."""
+    import diffusers
+    from diffusers.utils import DummyObject
+
+    class WanPipeline(metaclass=DummyObject):  # what `diffusers.WanPipeline` is where transformers is missing
+        _backends = ["torch", "transformers"]
+
+    monkeypatch.setattr(diffusers, "WanPipeline", WanPipeline)
+    assert main(["run", "wan", "--plan", "8"]) == 2
+    out = capsys.readouterr()
+    assert "run wan --plan needs transformers" in out.out + out.err, out
+    assert "planned layout" not in out.out, out.out

@@ -25,7 +25,12 @@ def print_plan(args) -> int:
     import diffusers
 
     pipe = PIPELINES[args.model]
-    kind = cfg_kind(getattr(diffusers, pipe))
+    cls = getattr(diffusers, pipe)
+    if type(cls).__name__ == "DummyObject":  # diffusers' placeholder where a backend is missing: no defaults to read
+        missing = [b for b in getattr(cls, "_backends", ()) if b != "torch"] or ["transformers"]
+        fail(f"run {args.model} --plan needs {', '.join(missing)} (it reads {pipe}'s CFG defaults): "
+             f"pip install -e '.[generate]' (or pip install {' '.join(missing)})")
+    kind = cfg_kind(cls)
     tokens = spec.tokens(cfg, args.frames, args.height, args.width) * args.batch
     path = "regional+capture" if args.compile else "eager+graphs"
     kw = dict(cfg=kind, config=cfg, tokens=tokens, path=path, mode=args.mode)
