@@ -56,7 +56,8 @@ def add_parser(sub) -> None:
     r.add_argument("--plan", type=int, default=None, metavar="N",
                    help="run nothing: print the layout parallelize_pipeline plans for the model's pipeline on N GPUs "
                         "(CFG lanes x CP width) and its predicted step time beside the alternatives (from the "
-                        "measured bound and the link model; docs/pipelines.md)")
+                        "measured bound and the link model; docs/pipelines.md). Reads the pipeline's CFG defaults: needs "
+                        "transformers (pip install -e '.[generate]')")
     r.add_argument("--cfg", action="store_true",
                    help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
                         "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")
