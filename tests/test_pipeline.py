@@ -156,3 +156,35 @@ def test_example_under_torchrun(tmp_path):
         torch.set_num_threads(threads)
     export_to_gif(frames, str(tmp_path / "ref.gif"))
     assert (tmp_path / "fox.gif").read_bytes() == (tmp_path / "ref.gif").read_bytes()
+
+
+@pytest.mark.parametrize("new", [True, False])
+def test_example_loads_a_checkpoint_in_bf16_on_any_diffusers(monkeypatch, tmp_path, new):
+    """`cp_ops.examples.generate --checkpoint X` asks from_pretrained for bf16 with the keyword the installed diffusers
+    reads: `dtype=` where it has it, `torch_dtype=` on older diffusers (up to 0.37 at least: they ignore `dtype=`
+    with a logged line and load fp32, twice the memory of a 14B expert pair)."""
+    import runpy
+
+    import diffusers
+    import diffusers.utils.deprecation_utils as dep
+
+    if not new:
+        monkeypatch.delattr(dep, "_resolve_dtype", raising=False)
+    elif not hasattr(dep, "_resolve_dtype"):
+        pytest.skip("this diffusers has no dtype= keyword")
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def from_pretrained(path, **kw):
+        seen.update(kw, path=path)
+        raise Loaded
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(sys, "argv", ["generate", "--checkpoint", str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "cp_ops.examples.generate", raising=False)
+    with pytest.raises(Loaded):
+        runpy.run_module("cp_ops.examples.generate", run_name="__main__")
+    key = "dtype" if new else "torch_dtype"
+    assert seen == {"path": str(tmp_path), key: torch.bfloat16}, seen

@@ -17,6 +17,7 @@ except ImportError as e:  # the example's own dependencies: say which extra brin
     raise SystemExit(f"cp_ops.examples.generate needs diffusers and transformers: pip install -e '.[generate]' "
                      f"(or pip install 'cp_ops[generate]'); {e}") from None
 
+from cp_ops.cli.models import dtype_kwarg
 from cp_ops.examples.tiny import tiny_wan22
 from cp_ops.integrations.diffusers import parallelize_pipeline
 
@@ -27,7 +28,7 @@ p.add_argument("--steps", type=int, default=30, help="denoising steps, with --ch
 p.add_argument("--out", default="generated.gif", help="the GIF rank 0 writes (default: ./generated.gif)")
 args = p.parse_args()
 if args.checkpoint:  # every rank loads the same pipeline
-    pipe = DiffusionPipeline.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
+    pipe = DiffusionPipeline.from_pretrained(args.checkpoint, **dtype_kwarg(torch.bfloat16))  # dtype= or torch_dtype=
     call = dict(prompt=args.prompt, num_inference_steps=args.steps)
 else:  # no checkpoint: a tiny two-transformer pipeline with random weights, built here (no download)
     pipe, call = tiny_wan22()
