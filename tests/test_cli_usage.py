@@ -100,3 +100,13 @@ def test_plan_without_transformers_refuses_instead_of_planning_no_cfg(monkeypatc
     out = capsys.readouterr()
     assert "run wan --plan needs transformers" in out.out + out.err, out
     assert "planned layout" not in out.out, out.out
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None, reason="needs transformers")
+def test_plan_with_cfg_on_odd_n_is_a_usage_error(capsys):
+    """`--plan 7 --cfg` asks for a layout parallelize refuses (two equal lanes need an even N): exit code 2 and the
+    rule with the value, not a printed 'planned layout' and exit code 0."""
+    assert main(["run", "wan", "--plan", "7", "--cfg"]) == 2
+    out = capsys.readouterr()
+    assert "--cfg needs an even N; got --plan 7" in out.out + out.err, out
+    assert "planned layout" not in out.out, out.out

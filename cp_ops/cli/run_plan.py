@@ -21,6 +21,9 @@ def print_plan(args) -> int:
 
     if args.plan < 1:
         fail(f"run {args.model}: --plan takes the GPU count N >= 1; got {args.plan}")
+    if args.cfg and args.plan % 2:
+        fail(f"run {args.model}: --cfg needs an even N; got --plan {args.plan} (two equal CFG lanes; drop --cfg to "
+             "have the lanes planned)")
     spec, cfg = check_model(args, "cuda", f"run {args.model} --plan")  # first: it names the missing diffusers
     import diffusers
 
