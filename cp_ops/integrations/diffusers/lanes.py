@@ -295,7 +295,7 @@ class Lanes:
         if why not in self.warned:
             self.warned.add(why)
             warnings.warn(f"cfg_parallel=True: {run.name} runs {self.name} where {why}: both CFG lanes run this "
-                          "forward alike (CP over half the ranks each); parallelize_pipeline without cfg_parallel "
+                          "forward alike (CP over half the ranks each); parallelize_pipeline(pipe, cfg_parallel=False) "
                           "runs it over all of them", stacklevel=3)
         with self.alone():
             return inner(*args, **kwargs)
@@ -308,7 +308,7 @@ class Lanes:
             name = self.run.name if self.run is not None else "the pipeline"
             raise RuntimeError(f"cfg_parallel=True: {name} {what} after a conditional call of {self.name} with no "
                                "unconditional call between, so the conditional output on the second CFG lane was "
-                               "never filled; parallelize_pipeline without cfg_parallel runs this pipeline")
+                               "never filled; parallelize_pipeline(pipe, cfg_parallel=False) runs this pipeline")
 
     def _cond(self, inner, args, kwargs):
         """Lane 0 runs the conditional forward; lane 1 returns a placeholder of its output's shape at once."""
@@ -368,7 +368,7 @@ class Lanes:
             if seen != self.metas[cond_key]:
                 raise RuntimeError(f"cfg_parallel=True: {self.run.name}'s unconditional {self.name} output "
                                    f"({seen}) differs from its conditional one ({self.metas[cond_key]}) in shape; "
-                                   "the lanes exchange equal shapes. parallelize_pipeline without cfg_parallel "
+                                   "the lanes exchange equal shapes. parallelize_pipeline(pipe, cfg_parallel=False) "
                                    "runs this pipeline")
             self.checked.add(pair_key)
         mine = out if out is not None else cond
