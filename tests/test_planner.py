@@ -117,8 +117,9 @@ def test_across_nodes_a_lane_is_priced_as_the_split():
     assert cp16.mode.startswith("split ") and cp16.comm_ms > lanes.comm_ms, str(p)  # the network in the way
 
 
-@pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs diffusers and transformers")
 def test_cli_run_plan_prints_the_choice(capsys):
+    pytest.importorskip("diffusers")
     from cp_ops.cli.main import main
 
     assert main(["run", "qwenimage", "--device", "cpu", "--plan", "8"]) == 0
