@@ -17,7 +17,6 @@ except ImportError as e:  # the example's own dependencies: say which extra brin
     raise SystemExit(f"cp_ops.examples.generate needs diffusers and transformers: pip install -e '.[generate]' "
                      f"(or pip install 'cp_ops[generate]'); {e}") from None
 
-from cp_ops.cli.models import dtype_kwarg
 from cp_ops.examples.tiny import tiny_wan22
 from cp_ops.integrations.diffusers import parallelize_pipeline
 
@@ -28,7 +27,10 @@ p.add_argument("--steps", type=int, default=30, help="denoising steps, with --ch
 p.add_argument("--out", default="generated.gif", help="the GIF rank 0 writes (default: ./generated.gif)")
 args = p.parse_args()
 if args.checkpoint:  # every rank loads the same pipeline
-    pipe = DiffusionPipeline.from_pretrained(args.checkpoint, **dtype_kwarg(torch.bfloat16))  # dtype= or torch_dtype=
+    # diffusers that deprecate torch_dtype= read dtype=; older ones read only torch_dtype= (they would load fp32)
+    import diffusers.utils.deprecation_utils as dep
+    key = "dtype" if hasattr(dep, "_resolve_dtype") else "torch_dtype"
+    pipe = DiffusionPipeline.from_pretrained(args.checkpoint, **{key: torch.bfloat16})
     call = dict(prompt=args.prompt, num_inference_steps=args.steps)
 else:  # no checkpoint: a tiny two-transformer pipeline with random weights, built here (no download)
     pipe, call = tiny_wan22()
