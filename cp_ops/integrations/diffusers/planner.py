@@ -61,7 +61,7 @@ class Row:
 
 
 #: Rank 0's forward (ms) at W = 1/2/4/8, batch 1, bf16, one NVIDIA H200, torch 2.11 + CUDA 13.0, diffusers 0.42.1:
-#: benchmarks/results/bound/bound.json (cp_ops rows, runs 2026-12-01 … 2026-12-02f; W = 1: the one-GPU forward).
+#: benchmarks/results/bound/bound.json (its cp_ops rows; W = 1: the one-GPU forward).
 BOUND: dict[str, tuple[Row, ...]] = {
     "FluxTransformer2DModel": (Row("FLUX.1-dev 1024²", {"num_layers": 19}, 4096, 24, 128, 57, {
         "eager": (180.4, 97.3, 86.1, 85.3), "eager+graphs": (175.2, 90.7, 49.5, 30.7),
