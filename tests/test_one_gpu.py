@@ -279,6 +279,7 @@ def _shared_checks(rank, w, transport, heap):
         return same(cp_ops.compile(block, fullgraph=True)(x), block(x))
 
     checks.append(("compiled agkv (overlap pass)", lambda: compiled("agkv")))
+    checks.append(("compiled ulysses (overlap pass)", lambda: compiled("ulysses")))
 
     def captured(mode):
         """A CUDA graph of the call (after an eager warm-up on a side stream), replayed on fresh inputs: = eager."""
@@ -330,9 +331,13 @@ def _shared_checks(rank, w, transport, heap):
         m = init_device_mesh("cuda", shape, mesh_dim_names=("agkv", "ulysses"))
         return close(att(q[:, sl], k[:, sl], v[:, sl], group=m, chunks=1), ref)
 
-    if transport == "torch":  # the fast transport has one lane per process (the flat group): meshes run on torch
-        for shape in {4: [(2, 2)], 8: [(2, 4), (4, 2)]}.get(w, []):
-            checks.append((f"mesh {shape[0]}x{shape[1]}", lambda shape=shape: mesh(shape)))
+    # The fast transport has one lane per process: a mesh runs its inner dim on it when the lane is that dim's width
+    # (CP_OPS_FAST_LANE_WIDTH, test_shared_device_mesh_fast), its outer dim on torch.
+    lane = os.environ.get("CP_OPS_FAST_LANE_WIDTH")
+    for shape in {4: [(2, 2)], 8: [(2, 4), (4, 2)]}.get(w, []):
+        if transport == "torch" or lane == str(shape[1]):
+            inner = " (inner fast)" if transport == "fast" else ""
+            checks.append((f"mesh {shape[0]}x{shape[1]}{inner}", lambda shape=shape: mesh(shape)))
 
     def model(graphs):
         """A tiny Wan through parallelize: every rank's output = one device (eager); the captured forward = eager."""
@@ -357,9 +362,30 @@ def _shared_checks(rank, w, transport, heap):
                 return same(got, eager)
         return close(got, want)
 
+    def per_block():
+        """compile=True, cuda_graphs=True through parallelize: each block compiled and graphed; = one device within
+        bf16 rounding (Inductor fuses what eager runs op by op)."""
+        import copy
+
+        from cp_ops.integrations.diffusers import parallelize
+        from diffusers_tiny import build, inputs, sample
+
+        torch.manual_seed(0)
+        base = build("wan").to(dev, torch.bfloat16)
+        kw = inputs("wan", 1, (2, 8, 8), 8, torch.Generator().manual_seed(7))
+        kw = {k_: (v_.to(dev, torch.bfloat16) if v_.is_floating_point() else v_.to(dev)) for k_, v_ in kw.items()}
+        with torch.no_grad():
+            want = sample(copy.deepcopy(base)(**kw))
+            par = parallelize(copy.deepcopy(base), mode="agkv", transport=transport, chunks=1, compile=True,
+                              cuda_graphs=True)
+            outs = [sample(par(**kw)) for _ in range(3)]  # warm-up, capture, replay
+        ok, e = close(outs[-1], want, tol=3e-2)
+        return ok and torch.equal(outs[-1], outs[-2]), e
+
     checks.append(("parallelize tiny wan eager", lambda: model(False)))
     if transport == "fast":
         checks.append(("parallelize tiny wan cuda_graphs=forward", lambda: model(True)))
+        checks.append(("parallelize tiny wan compile+per-block graphs", per_block))
     return checks
 
 
@@ -407,6 +433,20 @@ def test_shared_device(w, transport, heap, monkeypatch, tmp_path):
         monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "60")
     run_ranks(_shared_body, w, transport, heap, _out_dir(tmp_path), timeout=540, device="one_gpu")
+
+
+MESH_FAST = [(4, 2), (8, 4), (8, 2)]  # (W, the inner dim's width: the fast lane's)
+
+
+@pytest.mark.parametrize("w,lane", MESH_FAST, ids=[f"w{w}-inner{n}" for w, n in MESH_FAST])
+def test_shared_device_mesh_fast(w, lane, monkeypatch, tmp_path):
+    """2-D meshes with transport='fast': the inner dim on the fast lane (its width set), the outer on torch."""
+    monkeypatch.setenv("CP_OPS_FAST_HEAP", "ipc")
+    monkeypatch.setenv("CP_OPS_FAST_LANE_WIDTH", str(lane))
+    monkeypatch.setenv("CP_OPS_SHARED_DEVICE_ONLY", "mesh")
+    monkeypatch.setenv("CP_OPS_SHARED_DEVICE_TAG", f"+mesh{lane}")
+    monkeypatch.setenv("CP_OPS_TIMEOUT_S", "60")
+    run_ranks(_shared_body, w, "fast", "ipc", _out_dir(tmp_path), timeout=300, device="one_gpu")
 
 
 def _peer_never_arrives(rank, w, transport):
