@@ -1,61 +1,22 @@
 """The fast transport: one Hopper node, direct peer writes over NVLink/P2P into symmetric buffers.
 
-:class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`:
-``agkv_start(k, v, group) -> (k_full, v_full, work)``, ``ulysses_start(xs, group) -> (buf, work)``,
-``ulysses_inverse_start(x, group) -> (buf, work)``, with the layouts of :mod:`cp_ops.layout`;
-``work.wait()`` makes the current CUDA stream wait (no host block). The object owns its state: the lane
-(group, symmetric heap, call slots, pool, tuned decisions), the pending works, the per-device and per-group
-verdicts. ``cp_ops.transport.fast.transport`` is the registered instance.
+:class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`, with the layouts
+of :mod:`cp_ops.layout`; ``work.wait()`` makes the current CUDA stream wait (no host block).
 
-Method (this project): each rank writes its own chunk straight into every peer's *final* buffer — for AGKV
-its K and V tokens into ``[B, S, H, D]`` at its token block (a pitched copy when B > 1), for Ulysses the
-sequence<->head transform folded into pitched copies — then raises a per-call, per-source arrival flag on
-that peer, so a consumer can wait for one source's chunk (:meth:`FastTransport.wait_source`). Two data
-paths: the copy engine (``cudaMemcpyAsync``/``cudaMemcpy2DAsync`` on peer pointers) and an SM copy kernel
-(16-byte vector stores). The own chunk is copied on its own stream; remote targets are visited ``rank ^ j``
-(``(rank + j) % W`` when W is not a power of two), ``inflight`` of them at once, each split over ``split``
-copy-engine streams; path/inflight/split are measured per shape at its first call, the max over ranks taken
-so every rank picks the same, and cached. A shared-egress fabric (a peer link without native atomics, i.e.
-PCIe-like) uses one remote stream; the flag protocol uses no peer atomics. Symmetric memory comes from
-NVSHMEM (nvshmem4py, bootstrapped over the lane's group only) or CUDA IPC; see
-the package's modules for the heap (:mod:`.heap`), the call slots (:mod:`.slots`), the pool (:mod:`.pool`), the lane
-and its works and bounded waits (:mod:`.lane`), start-up (:mod:`.start`, :mod:`.collective`); kernels
-and the flag protocol in ``csrc/cp_fast.cu``.
-
-Settings (:data:`cp_ops.config.settings`, or :func:`configure` before the first fast call):
-    ``CP_OPS_FAST_POOL_GB``     ceiling of the symmetric pool per GPU in GiB (default 8; grown on demand,
-                                least-recently-used shapes evicted when full)
-    ``CP_OPS_FAST_HEAP``        ``nvshmem`` (default) or ``ipc``
-    ``CP_OPS_FAST_PATH``        ``auto`` (measure both), ``ce`` (copy engine) or ``sm`` (copy kernel)
-    ``CP_OPS_FAST_LANE_WIDTH``  the one group width that uses the fast lane (default: the first CP group used)
-    ``CP_OPS_FAST_TUNE``        ``0`` disables the per-shape measurement (then: CE, all targets in flight)
-    ``CP_OPS_TIMEOUT_S``        bound on every device-side wait and on every start-up/pool exchange (see Faults)
+Method (this project): each rank writes its own chunk straight into every peer's *final* buffer — for AGKV its K and
+V tokens at its token block (a pitched copy when B > 1), for Ulysses the sequence<->head transform folded into
+pitched copies — then raises a per-call, per-source arrival flag on that peer, so a consumer can wait for one
+source's chunk (:meth:`FastTransport.wait_source`). The copies run on the copy engine or an SM copy kernel; remote
+targets are visited ``rank ^ j`` (``(rank + j) % W`` when W is not a power of two), ``inflight`` at once, each split
+over ``split`` streams; path/inflight/split are measured per shape at its first call and agreed (max over ranks).
+The package's modules and what the transport promises under faults: ``docs/fast_transport.md``; its settings
+(``CP_OPS_FAST_*``): ``docs/settings.md``.
 
 Outputs are views of pooled buffers: valid until the second-next fast call of the same role and shape
-(``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most
-256 fast calls may be launched and not yet waited (a launch beyond that raises). A work may be waited on several
-streams (the later ones wait for the first; RuntimeError once the outputs were recycled).
-
-CUDA graphs (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``): a fast call can be captured once its
-shape was called eagerly (the lane started, its pool buffers allocated, its per-shape decision tuned); a replay
-raises the slots' generations on the device. A first call captured raises RuntimeError naming why. Each captured
-call keeps its flag slot while its graph lives (given back, on every rank alike, once the graph is destroyed; at
-most 248 of the 256 slots held by live graphs) and its pool buffers until :meth:`FastTransport.shutdown`.
-
-Group-level requirements (one node, every peer P2P-reachable, the extension built, the heap started) are
-checked collectively when a group first uses the transport, and each start-up stage's outcome is exchanged
-over the group through the c10d store, bounded by ``CP_OPS_TIMEOUT_S`` and agreed: with ``transport='fast'`` every
-rank raises the same RuntimeError naming the failing (or stuck) rank, the library's message and a hint; with
-``transport='auto'`` that group uses the torch transport on every rank (logged once); the verdict is kept (no
-retry until :meth:`FastTransport.shutdown`). The process has one fast lane: a group that is not it gets a reason
-naming the lane's width and ranks.
-
-Faults (``docs/fast_transport.md``): a device wait that gives up after ``CP_OPS_TIMEOUT_S`` poisons the call's
-outputs on that rank (NaN) and the error is raised by the next wait, launch, :meth:`FastTransport.check` or
-:meth:`FastTransport.synchronize`. A launch that will not be waited (an exception between launch and wait) is
-given up with ``work.cancel()`` (never raises; a work dropped un-waited is cancelled when the lane next needs its
-slots). Pool growth checks free memory on every rank and agrees on the outcome before and after the collective
-allocation.
+(``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most 256 fast
+calls may be launched and not yet waited. Under CUDA graphs a call can be captured once its shape ran eagerly (lane
+started, buffers allocated, fan-out tuned); each captured call keeps its flag slot while its graph lives and its pool
+buffers until :meth:`FastTransport.shutdown`.
 
 Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
 (0.69-0.78x the NCCL all-gather time), Ulysses 260-344 GB/s (0.49-0.52x the torch transport's
@@ -466,16 +427,6 @@ def configure(**kw) -> None:
     transport.configure(**kw)
 
 
-def describe() -> dict:
-    """:meth:`FastTransport.describe`."""
-    return transport.describe()
-
-
-def shutdown() -> None:
-    """:meth:`FastTransport.shutdown`."""
-    transport.shutdown()
-
-
-def check() -> None:
-    """:meth:`FastTransport.check`: raise a recorded device-wait timeout (RuntimeError)."""
-    transport.check()
+describe = transport.describe
+shutdown = transport.shutdown
+check = transport.check
