@@ -1,26 +1,16 @@
 """CFG-parallel lanes: the conditional and unconditional branches of classifier-free guidance on two halves of
-the ranks, CP inside each half.
+the ranks, CP inside each half (docs/pipelines.md, "CFG lanes").
 
-The caller passes every rank the same batch of 2 — ``[cond, uncond]`` along dim 0 of every batched input (latents,
-timestep, text embeddings, masks; list inputs such as Z-Image's ``x`` as lists of 2). Ranks ``0 .. W/2-1`` (lane 0)
-run the conditional element, ranks ``W/2 .. W-1`` (lane 1) the unconditional one, each lane a CP group of W/2 ranks
-(e.g. 4 ranks = 2 lanes × CP2); every rank returns the full batch-of-2 output, equal to the single-device batch:
-the lane outputs are all-gathered between the ranks of equal CP rank (one pair group per CP rank). With the fast
-transport, its lane width (``CP_OPS_FAST_LANE_WIDTH``) is the CP group's width, W/2.
+A batch of 2 (``[cond, uncond]`` along dim 0 of every batched input) is split: ranks ``0 .. W/2-1`` (lane 0) run
+the conditional element, ranks ``W/2 .. W-1`` (lane 1) the unconditional one; the lane outputs are all-gathered
+between the ranks of equal CP rank (one pair group per CP rank), so every rank returns the batch-of-2 output.
 
-Pipelines that call the transformer once per branch — diffusers' Wan 2.1/2.2 (both experts), Qwen-Image, Flux with
-true CFG, HunyuanVideo, Flux 2 Klein: a batch of 1 under ``cache_context("cond")``, then one under
-``cache_context("uncond")`` — run their two calls on the two lanes at the same time under
-:func:`~cp_ops.integrations.diffusers.parallelize_pipeline` (:func:`attach_pipeline`, :data:`PAIRED`): at the cond
-call lane 0 runs the forward while lane 1 returns at once a placeholder (NaN-filled, of the output's shape: lane 0
-tells it once per input shape); at the uncond call lane 1 runs the forward while lane 0 enqueues the exchange and
-returns; the exchange (an all-gather between the two lanes' ranks of equal CP rank) writes lane 0's conditional output
-into lane 1's placeholder in place and hands lane 1's unconditional output to lane 0, stream-ordered, before the
-pipeline reads either. Every rank then holds both outputs, each computed once by a batch-1 forward, as on one device.
-This needs the pipeline to leave the first output untouched (or only sliced: a view) until its second call: the
-pipelines in :data:`PAIRED` were read for it (diffusers 0.42.1). Any other batch-1 call inside a pipeline call (no
-CFG in that call, a pipeline not in :data:`PAIRED`) runs on both lanes alike (each lane its CP group, the same
-output on every rank; one warning says why); a conditional call with no unconditional call after it raises.
+A pipeline of :data:`PAIRED` calls the transformer once per branch (cache_context "cond", then "uncond"):
+:func:`attach_pipeline` runs the cond call on lane 0 while lane 1 returns a NaN placeholder of the output's shape,
+and the uncond call on lane 1 while lane 0 returns at once; the exchange then fills lane 1's placeholder in place and
+hands lane 1's output to lane 0, stream-ordered, before the pipeline reads either (the pipelines in :data:`PAIRED`
+leave the first output untouched, or only sliced, until their second call). Any other batch-1 call runs on both lanes
+alike (one warning says why); a conditional call with no unconditional call after it raises.
 """
 
 from __future__ import annotations
@@ -29,7 +19,6 @@ import contextlib
 import functools
 import inspect
 import json
-import time
 import warnings
 
 import torch
@@ -38,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from ..._peers import Peers
 from ..._waits import PeerWait, poll
-from ...contract import agree
+from ...contract import _within_grace, agree
 from ...group import backend_name
 from .hooks import _all_gather, gather_route
 
@@ -497,11 +486,7 @@ class Lanes:
                 try:
                     work.wait()
                 except RuntimeError as e:  # the collective failed (a connection reset): name the peer that exited
-                    t_end = time.monotonic() + 1.0
-                    gone = self.peers.exited([partner])
-                    while not gone and time.monotonic() < t_end:
-                        time.sleep(0.05)
-                        gone = self.peers.exited([partner])
+                    gone = _within_grace(lambda: self.peers.exited([partner]))
                     self.broken = "an exchange between the CFG lanes failed"
                     how = self.peers.said(gone) if gone else (str(e).splitlines() or [""])[0]
                     raise RuntimeError(f"cfg_parallel=True: the CFG lane exchange failed: {how}; this rank stops "
