@@ -1,24 +1,19 @@
 """The cross-rank call contract: every rank of a CP group makes the same cp_ops calls, in the same order, with the
 same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) and
-variant (:func:`variant_tag`, the caller's ``tag=`` included) — else an error on every rank, naming what each rank
-called, before any data moves. What is promised under each fault, every wait on peers and its bound: ``docs/faults.md``;
-``settings.check_ranks``: ``docs/settings.md``.
+variant (:func:`variant_tag`) — else an error on every rank, naming what each rank called, before any data moves.
+Faults, waits and their bounds: ``docs/faults.md``; ``settings.check_ranks``: ``docs/settings.md``.
 
 A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so every call
-makes one exchange that all ranks always make (:func:`exchange`, :class:`CallCheck`): a fixed-size int64 signature
-all-gathered through host shared memory when the group's ranks share one host (:mod:`cp_ops._shm_exchange`), else
-over a host-only gloo side group. Any difference, or a rank whose own input checks failed (:func:`api_checked`,
-:func:`op_checked`), raises on every rank; a second exchange (only then) carries each rank's description so the
-message names what each rank called. Words that stand for text are 64-bit BLAKE2b digests (:func:`_digest`).
-
-A group's first exchange meets the peers through the default store (:mod:`cp_ops._peers`), then makes the side group
-and the shared-memory map; what cp_ops made for a group is released when a destroyed group is noticed (at the first
-exchange on a new group) and at exit. The exchange is host code: under CUDA graphs it runs at capture, not at replay.
+makes one exchange that all ranks make (:func:`exchange`, :class:`CallCheck`): a fixed-size int64 signature
+all-gathered through host shared memory on one host (:mod:`cp_ops._shm_exchange`), else over a gloo side group; a
+second exchange (only on a difference) carries each rank's description for the message. Words that stand for text
+are 64-bit BLAKE2b digests (:func:`_digest`). The exchange is host code: under CUDA graphs it runs at capture.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import logging
@@ -50,10 +45,9 @@ _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S
            "checksum0", "checksum1", "checksum2", "chunks", "tag")
 _N = len(_FIELDS)
 _PACK = struct.Struct(f"<{_N}q")
-_ASPECT = {0: "call", 1: "call", 2: "call number", 4: "transport", 5: "settings", 6: "shape", 7: "shape",
-           8: "shape", 9: "shape", 10: "dtype", 11: "count", 12: "inputs", 13: "inputs", 14: "inputs",
-           15: "chunks",
-           16: "variant"}  # tag: the call's variant (mode, chunks, key mask, seq_lens, the caller's tag=), named by its note
+# the aspect a difference in each field is named by (None: not named; tag: the variant, named by its note)
+_ASPECT = ("call", "call", "call number", None, "transport", "settings", "shape", "shape", "shape", "shape", "dtype",
+           "count", "inputs", "inputs", "inputs", "chunks", "variant")
 _ids: dict = {}  # str/dtype/settings tuple -> stable int id
 _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settings.collective_values(), faster
 
@@ -227,21 +221,15 @@ class _Current(threading.local):
 _current = _Current()
 
 
-class waiting_in:
+@contextlib.contextmanager
+def waiting_in(label: str):
     """``with waiting_in("cp_ops.parallelize inputs of forward #3"):`` the rank contract's waits inside name the call
     so (their warnings and timeout errors), instead of ``<op> call #n``. Nests."""
-
-    __slots__ = ("label", "prev")
-
-    def __init__(self, label: str):
-        self.label = label
-
-    def __enter__(self):
-        self.prev, _current.label = _current.label, self.label
-        return self
-
-    def __exit__(self, *exc):
-        _current.label = self.prev
+    prev, _current.label = _current.label, label
+    try:
+        yield
+    finally:
+        _current.label = prev
 
 
 def _call_words(st: "_Group", op: str | None, n: int) -> str:
@@ -642,7 +630,7 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
         )
     aspects = []
     for j in range(_N):
-        if any(r[j] != rows[0][j] for r in rows) and _ASPECT.get(j) and _ASPECT[j] not in aspects:
+        if any(r[j] != rows[0][j] for r in rows) and _ASPECT[j] and _ASPECT[j] not in aspects:
             aspects.append(_ASPECT[j])
     per_rank = "; ".join(f"rank {i}: {_describe(d, aspects, desc)}" for i, d in enumerate(desc))
     hints = [h for h in (_uneven_hint(aspects, desc), *_variant_hints(aspects, desc), _inputs_hint(rows, desc)) if h]
