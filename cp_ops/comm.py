@@ -1,8 +1,7 @@
 """The communication interface every mode body is written against, and its two implementations.
 
-A mode body (:mod:`cp_ops.modes`) is one function ``body(q, k, v, comm, *, scale, chunks, shards)`` (a 2-D mode's
-``comm`` is a :class:`MeshComm`). It never touches a process group, an op or a transport: it launches through
-``comm`` and waits on what the launch returned, so the same body runs
+A mode body (:mod:`cp_ops.modes`) launches through ``comm`` and waits on what the launch returned (it never touches a
+process group, an op or a transport), so the same body runs
 
 * **traced** (``torch.compile``, make_fx, FakeTensor, a dispatch mode, a direct op call) with :class:`OpComm`:
   every launch is a ``torch.ops.cp_ops.*_start`` op (:mod:`cp_ops.ops`) and every wait is
@@ -24,17 +23,10 @@ stream):
 * ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (traced, pipelined AGKV is one op): ``(k_full, v_full,
   arrivals, work)`` as :func:`cp_ops.transport.base.agkv_start_sources`.
 
-**The rank contract** (:mod:`cp_ops.contract`): one exchange per call, made by the call's *first* launch in both
-implementations, with the same signature (``docs/architecture.md``); the body is deterministic, so once the first
-launch agrees the rest of the schedule does too.
-
-**FP8** (``comm_dtype``, ``docs/fp8.md``): the codec a comm is made with (:class:`OpCodec` / :class:`DirectCodec`;
-``codec.fmts``: the format each of q, k, v, o travels in) encodes what a launch moves and its wait decodes it, so the
-body gets the same shapes and dtype as without FP8 (no FP8 branch in the bodies); Ulysses fuses the codec with its
-layouts (:mod:`cp_ops.kernels.fp8_ulysses`).
-
-**Faults**: a comm remembers what it launched and nobody waited yet; :meth:`drain` waits for all of it (the plan
-calls it when a body raises between a launch and its wait), so the next call works and no peer is left waiting.
+The rank contract's exchange is made by a call's *first* launch in both implementations, with the same signature.
+FP8 (``comm_dtype``, ``docs/fp8.md``): the codec a comm is made with (:class:`OpCodec` / :class:`DirectCodec`)
+encodes what a launch moves and its wait decodes it, so the bodies have no FP8 branch. :meth:`_Comm.drain` settles
+what was launched and not waited when a body raises, so the next call works and no peer is left waiting.
 """
 
 from __future__ import annotations

@@ -1,42 +1,26 @@
 """Every cp_ops ``torch.library`` op in one table: schema, fake kernel and real kernel, side by side.
 
-The ops are *launches*: they start the communication and return at once, with their outputs registered
-so that ``torch.ops._c10d_functional.wait_tensor(out)`` waits for it (as c10d's functional collectives
-do) — a compiler can then move the launch early and the wait late. Outputs are not valid until waited.
-Mode bodies reach them through :class:`cp_ops.comm.OpComm`; eager calls skip them (:class:`cp_ops.comm.DirectComm`).
+The ops are *launches*: they start the communication and return at once, with their outputs registered so that
+``torch.ops._c10d_functional.wait_tensor(out)`` waits for it (as c10d's functional collectives do) — a compiler can
+then move the launch early and the wait late. Outputs are not valid until waited. Mode bodies reach them through
+:class:`cp_ops.comm.OpComm`; eager calls skip them (:class:`cp_ops.comm.DirectComm`).
 
-Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and an
-op-level ``transport`` from :func:`cp_ops.transport.base.resolve`: a registered name (raises when the group
-cannot use it) or 'auto' (the first of ``AUTO_ORDER`` that suits the group, else torch).
+Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and an op-level
+``transport`` from :func:`cp_ops.transport.base.resolve`. A launch's real kernel exchanges the call's signature
+(:func:`cp_ops.contract.op_checked`) with ``call``, ``tag`` and ``seq_lens``, which only name and check the call.
 
-The rank contract: a launch's real kernel exchanges the call's signature (:func:`cp_ops.contract.op_checked`) with
-``call``, ``tag`` and ``seq_lens``, which only name and check the call: the data moved depends on the tensors alone.
-
-Ops:
-    cp_ops::agkv_gather_start(k, v, world_size, group_name, transport, call='', tag=0, seq_lens=None)
-        -> (k_full, v_full)
-        k, v ``[B, S_local, H, D]`` → ``[B, W*S_local, H, D]`` each, tokens in rank order.
-    cp_ops::mask_gather_start(mask, world_size, group_name) -> mask_full
-        uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys; never exchanges.
-    cp_ops::ulysses_start(xs, world_size, group_name, transport, call='', tag=0, seq_lens=None) -> buf
-        n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]`` (see :mod:`cp_ops.layout`).
-    cp_ops::ulysses_packed_start(send, world_size, group_name, transport, call='', tag=0, seq_lens=None, count=0,
-                                 after=None) -> buf
-        a send buffer ``[W, B, S_local, n, H/W, D]`` packed by the caller (traced code) → the same shape, what
-        ``ulysses_start`` returns for the n tensors packed in it. Its rank-contract exchange carries the signature
-        ``ulysses_start`` (and the eager path) would for the call: ``[B, S_local, H, D]`` and ``count`` tensors (0: n).
-    cp_ops::ulysses_inverse_start(x, world_size, group_name, transport, call='', tag=0, seq_lens=None, after=None)
-        -> buf: ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
+Ops (W = world_size; layouts: :mod:`cp_ops.layout`):
+    agkv_gather_start: k, v ``[B, S_local, H, D]`` → ``[B, W*S_local, H, D]`` each, tokens in rank order.
+    mask_gather_start: uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys.
+    ulysses_start: n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]``.
+    ulysses_packed_start: a send buffer ``[W, B, S_local, n, H/W, D]`` packed by traced code → the same shape; its
+        exchange carries the signature ``ulysses_start`` would (``[B, S_local, H, D]``, ``count`` tensors).
+    ulysses_inverse_start: ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
     ``after`` (the two Ulysses launches above): an ordering input, never read: traced pipelined Ulysses passes what
         consumed the output of the launch ``slots_per_key`` before it, so Inductor keeps no more launches of one pool
         key in flight than a pooling transport has slots.
-    cp_ops::agkv_pipelined_attention(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None,
-                                     call='', tag=0, comm_fmt='') -> out
-        ``[B, S_local, H, D]`` → ``[B, S_local, H, D]``; synchronous (see its block below). ``comm_fmt``: the FP8
-        format K and V travel in ('e4m3' / 'e5m2'; '' = the input dtype).
-    cp_ops::fp8_encode / fp8_decode, fp8_ulysses_pack / fp8_ulysses_unpack / fp8_ulysses_inverse_unpack: not
-        launches: the FP8 codec of ``comm_dtype`` as ops for traced code (``[..., D]`` ↔ uint8 ``[..., D + 4]``; the
-        Ulysses ones fused with the layouts), as :mod:`cp_ops.kernels.fp8` and :mod:`cp_ops.kernels.fp8_ulysses`.
+    agkv_pipelined_attention: ``[B, S_local, H, D]`` → the same; synchronous (see its block below).
+    fp8_*: not launches: the FP8 codec of ``comm_dtype`` for traced code (:mod:`cp_ops.kernels.fp8`, ``fp8_ulysses``).
 """
 
 from __future__ import annotations
