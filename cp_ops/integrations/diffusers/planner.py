@@ -1,36 +1,11 @@
 """The planned layout of a pipeline on N ranks: CFG lanes or not, the CP width and mode of each lane, and the step
 time each layout is predicted to take. :func:`parallelize_pipeline` (with no ``cfg_parallel`` and no mesh) runs the
-choice; ``cp-ops run MODEL --plan N`` prints it beside the alternatives.
+choice; ``cp-ops run MODEL --plan N`` prints it beside the alternatives. The candidates, the predicted step time and
+the choice: docs/pipelines.md, "The planned layout".
 
-**The candidates.** 1 lane: CP over all N ranks; 2 lanes (where the pipeline runs classifier-free guidance and N is
-even): each branch on N/2 ranks (:mod:`.lanes`). Each lane's mode is what ``mode='auto'`` runs there: the mode rule
-(:func:`cp_ops.plan.rules.mode_rule`) on one node, the cost model's split (:mod:`cp_ops.plan.split`) for a lane across
-nodes — this module predicts it, it does not decide it.
-
-**Predicted step time** = (transformer forwards per step on one lane) × (rank 0's forward at the lane's CP width +
-the attention calls' communication):
-
-* forwards per step: 2 with CFG on one lane (cond and uncond one after the other; a pipeline that batches them,
-  LTX-Video and Z-Image, counts its batch-2 forward as two batch-1 forwards: an upper estimate), 1 with 2 lanes or
-  without CFG;
-* rank 0's forward: :data:`BOUND`, the zero-communication bound measured on one H200 (``benchmarks/results/bound``:
-  rank 0's forward with the collectives' writes faked, no link; W = 1 is the one-GPU forward) for the compile path
-  that will run (``eager``; ``eager+graphs``: the whole forward captured, the CUDA default; ``regional+capture``:
-  ``compile=True``). Another resolution scales the measured time by the tokens ``r = S / S_measured``:
-  ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP ``4·S²·H·D``
-  per attention call at :class:`cp_ops.cost.Links`' ``attn_tflops``, at most 0.9): the rest of a DiT is linear in
-  tokens.
-  A width not measured (not 1/2/4/8) scales the widest measured one below it by ``w / n`` (perfect scaling: a
-  ceiling);
-* communication: :func:`cp_ops.cost.predict`'s transport-then-attend link time of that mode (:func:`cp_ops.cost.links`)
-  × the attention calls per forward — exposed in full (the overlap hides part of it: an upper estimate). The lanes'
-  output exchange (one latent tensor per step) is not counted: it is small beside the activations.
-
-**The choice**: the smallest predicted step time; a tie keeps 1 lane. No timing: the same inputs (the transformer's
-class and config, N, ranks per node, the compile path) give the same choice on every rank. A transformer whose class
-has no row in :data:`BOUND` takes a rule that needs no numbers: 2 lanes wherever the pipeline runs CFG and N is even
-(each branch on half the ranks needs no cross-branch wait, and CP over N/2 ranks scales at least as well as over N),
-else 1; the reason says so.
+Each lane's mode is what ``mode='auto'`` runs there (:func:`cp_ops.plan.rules.mode_rule` on one node,
+:mod:`cp_ops.plan.split` across nodes): this module predicts it, it does not decide it. Rank 0's forward comes from
+:data:`BOUND` (measured, with the token scaling in :func:`_forward_ms`), the link time from :func:`cp_ops.cost.predict`.
 """
 
 from __future__ import annotations
@@ -156,6 +131,8 @@ class Plan:
 
 
 def _forward_ms(row: Row, path: str, n: int, tokens: int, links: cost.Links) -> float:
+    """Rank 0's forward: the widest measured width w <= n scaled by w / n, then by the tokens r = tokens / measured
+    as ``t · ((1 − a) · r + a · r²)``, ``a`` the attention's share of the one-GPU forward (its FLOP, at most 0.9)."""
     ms = dict(zip(_WIDTHS, row.ms[path]))
     w = max(x for x in _WIDTHS if x <= n)
     t = ms[w] * w / n
