@@ -3,27 +3,12 @@ the candidates, the timing with the caller's runner, the pick, and what was chos
 ranks' agreement on what the file holds). For users: ``docs/measuring.md`` ("Choosing the variant"),
 ``docs/settings.md`` (``CP_OPS_TUNE_MODES``, ``CP_OPS_TUNE_CACHE``).
 
-:func:`choose` decides short of timing: an explicit mode and chunk count as given ('explicit'); the heuristic
-(:func:`heuristic`: the rules, no timing, so the same inputs give the same variant whatever the machine's load) where
-measuring is off (the default), for a group of one rank or of the 'fake' backend, in traced code (Dynamo cannot pass
-symbolic sizes to a measurement: pass the ``mode``/``chunks`` :func:`cp_ops.describe` reports to compile a measured
-variant) and inside CUDA-graph capture; the one candidate left ('single'); else an :class:`Open` request, which
-:func:`decide` (what the plan calls) takes from memory, from the file every rank holds alike, or has
-:func:`measured` time with the plan's runner (:func:`measure`):
-
-1. :data:`WARMUP` untimed calls per candidate, then one timed call each to size the samples (max over ranks);
-2. interleaved rounds (A B C A B C ...), so drift hits every candidate alike; a sample is n back-to-back calls
-   lasting about :data:`SAMPLE_MS` (1 ≤ n ≤ :data:`MAX_CALLS`); rounds within :data:`BUDGET_MS`, between
-   :data:`MIN_ROUNDS` and :data:`ROUNDS`;
-3. each candidate's time: the median of its samples, max over the ranks (the same vector on every rank);
-4. :func:`pick`: among the candidates within :data:`MARGIN` of the fastest, the heuristic's if it is one, else the
-   simplest (fewer chunks, then the heuristic's mode). Why a margin and the heuristic first: a pick by the bare
-   minimum chose AGKV chunks=2 at 0.615 ms over chunks=1 at 0.469 ms in the bench, and at 32K fast AGKV the tuner saw
-   chunks 1 and 2 within 0.2 % (``benchmarks/results/cp2_attention/``).
-
-The file (measuring on only): ``settings.tune_cache``, keyed by :func:`disk_key`. A measuring rank first compares the
-collective settings over the group (a peer with measuring off raises instead of hanging); the ranks use a cached
-candidate only when every rank holds the same one; a file that does not parse is ignored with a warning.
+:func:`choose` decides short of timing (explicit, the heuristic, a single candidate) or returns an :class:`Open`
+request, which :func:`decide` takes from memory, from the file every rank holds alike, or times (:func:`measure`:
+warm-up, then interleaved rounds, so drift hits every candidate alike; the median per candidate, max over ranks) and
+:func:`pick`s. Why a margin and the heuristic first: a pick by the bare minimum chose AGKV chunks=2 at 0.615 ms over
+chunks=1 at 0.469 ms in the bench, and at 32K fast AGKV the tuner saw chunks 1 and 2 within 0.2 %
+(``benchmarks/results/cp2_attention/``). The ranks use a cached candidate only when every rank holds the same one.
 """
 
 from __future__ import annotations
@@ -60,7 +45,7 @@ MIN_ROUNDS = 3
 #: Target length of one sample, ms (n back-to-back calls, 1 ≤ n ≤ :data:`MAX_CALLS`).
 SAMPLE_MS = 10.0
 MAX_CALLS = 20
-#: Time budget of the timed rounds of one decision, ms (estimated from the sizing call; see the module docstring).
+#: Time budget of the timed rounds of one decision, ms (estimated from one timed call per candidate).
 BUDGET_MS = 500.0
 #: A more complex candidate must be faster than a simpler one by more than this fraction to be chosen over it.
 MARGIN = 0.03
@@ -95,7 +80,8 @@ Runner = Callable[[str, int], Callable[[], object]]
 
 def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGroup, device, transport: str,
            measuring: bool, mode_why: str = "") -> Choice | Open:
-    """The decision for a request on W ranks, short of timing (the module docstring says which).
+    """The decision for a request on W ranks, short of timing: explicit, the heuristic (measuring off or
+    unable to run: each reason below), or the only candidate left.
 
     Args:
         mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen, mode_why:
@@ -206,7 +192,7 @@ def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, ma
 
 def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = None) -> list[float]:
     """Each candidate's time per call in ms: the median of its interleaved samples on this rank, max over the
-    ranks of ``pg`` (the same list on every rank; the schedule: the module docstring). Collective: every rank makes
+    ranks of ``pg`` (the same list on every rank; the rounds: :func:`schedule`). Collective: every rank makes
     the same calls, ``runner(mode, chunks)()`` (:data:`Runner`: :func:`cp_ops.plan.flat.runner`; ValueError
     without one)."""
     if runner is None:
@@ -257,7 +243,7 @@ _warned: set[tuple[str, str]] = set()
 def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
            runner: Runner | None = None, comm: str = "", mode_why: str = "") -> Choice:
     """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks, the same on every rank: the choice
-    stored for the request, else :func:`choose`'s, measured where it leaves the request open (module docstring).
+    stored for the request, else :func:`choose`'s, measured where it leaves the request open.
 
     Args: as :func:`choose`'s (``q``: this rank's q, only its shape, dtype and device are read; ``group``: the CP
         group), and ``runner``: what :func:`measure` times (:func:`cp_ops.plan.flat.runner`; required where measuring
