@@ -21,11 +21,8 @@ attention ``4·B·(S/W)·S·H·D`` FLOP at ``attn_tflops`` (or a measured ``attn
 Ulysses-out; ring: ``max(attention, AGKV bytes) + one step's latency``. Speedup = one-GPU attention ÷ the layout's
 time, of the attention step only.
 
-**Numbers and their sources** (:class:`Links`, all overridable; ``docs/2d.md`` has the table): NVLink 345 GB/s per
-rank, the P2P write ceiling measured with both ranks writing (``benchmarks/results/transfer/``); the network 50 GB/s
-per rank, *assumed* (one 400 Gb/s NIC per GPU, line rate; ``CP_OPS_NETWORK_GBPS``); latency 0.02 ms per collective
-inside a node, 0.03 ms across, assumed; attention 550 TFLOP/s (bf16, cuDNN), the low end of the 550–690 TFLOP/s
-measured (211.8 ms at 75.6K tokens, 40 heads, D 128: the one-GPU anchors, ``shared/anchors.md``).
+**Numbers and their sources** (:class:`Links`, all overridable): the table in ``docs/2d.md`` (NVLink measured,
+the network and latencies assumed, attention the low end of the measured TFLOP/s).
 """
 
 from __future__ import annotations

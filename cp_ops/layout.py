@@ -153,14 +153,9 @@ def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
-    """``[W, B, S_local, Hl, D]`` (slab w = head group w) → ``[B, S_local, W * Hl, D]``, a new tensor.
-
-    One copy in every case, as before: ``reshape`` copied the permuted buffer anyway, except when
-    B·S_local = 1, where it returned a view of ``buf`` (a pooled receive slot under the fast transport).
-    Except: a buffer that is not contiguous while its permute is — the FP8 decode's output, written in this order
-    (:func:`cp_ops.kernels.fp8_ulysses.inverse_decode`; a transport's receive buffer is contiguous) and the
-    caller's own — comes back as that view (no copy).
-    """
+    """``[W, B, S_local, Hl, D]`` (slab w = head group w) → ``[B, S_local, W * Hl, D]``, a new tensor (never a view
+    of ``buf``, which a transport may pool) — except a buffer that is not contiguous while its permute is (the FP8
+    decode's output, :func:`cp_ops.kernels.fp8_ulysses.inverse_decode`), which comes back as that view."""
     w, b, s, hl, _ = buf.shape
     p = buf.permute(1, 2, 0, 3, 4)
     if p.is_contiguous() and not buf.is_contiguous():

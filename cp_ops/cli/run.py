@@ -1,24 +1,11 @@
 """``cp-ops run MODEL``: a real diffusers DiT (random seeded weights, or a local checkpoint), one rank vs CP.
 
-Per run, in this order, on the same model and the same inputs (every rank draws them from one seeded generator):
-
-1. the single-rank baseline: the unmodified diffusers model on rank 0 (attention backend cuDNN on CUDA, the
-   kernel the CP attention uses), the other ranks waiting;
-2. with ``--compare diffusers``: diffusers' own context parallelism (``enable_parallelism`` with
-   ``ContextParallelConfig(ulysses_degree=W)`` and ``(ring_degree=W)``) on a copy of the model, one row each;
-   a row diffusers refuses is printed with its reason;
-3. cp_ops: :func:`cp_ops.integrations.diffusers.parallelize` in place (``cfg_parallel=True`` with ``--cfg``).
-
-``--cfg``: the model is called with batch ``2 * --batch`` (rows ``[0, B)`` conditional, ``[B, 2B)`` unconditional,
-different text embeddings), the same full inputs on every rank, and must return the full batch-``2B`` output, equal
-to the unparallelized model's; ``parallelize(..., cfg_parallel=True)`` is expected to put the halves on two lanes
-of ``W / 2`` ranks each, CP inside each lane. The ``--steps`` loop then combines the halves with guidance 5.
-
-Each row: one forward (``--steps 0``, median of ``--repeats``; without ``--cuda-graphs`` the final times come from
-interleaved rounds, every side once per round) or a denoising loop of ``--steps N``, time (CP = the slowest rank),
-speedup over the baseline and max relative error (max |x − ref| / max |ref|). ``--compile``, ``--cuda-graphs`` and
-``--profile DIR`` (:mod:`cp_ops.cli.profile`) as their ``--help`` says; every side is compiled the same way. A model
-``parallelize`` does not support (yet) ends the run with exit code 3 and one line saying so.
+On the same model and inputs (every rank draws them from one seeded generator), in this order: the single-rank
+baseline on rank 0 (cuDNN attention on CUDA, the kernel CP attention uses); with ``--compare diffusers`` diffusers'
+own CP (Ulysses W, ring W) on copies of the model, a refused row printed with its reason; cp_ops'
+:func:`~cp_ops.integrations.diffusers.parallelize` in place (``--cfg``: a batch of ``2 * --batch``, cond then uncond
+halves, on two CFG lanes). Each row: time (CP = the slowest rank), speedup and max relative error; the flags as
+``--help`` says. A model ``parallelize`` does not support ends the run with exit code 3 and one line saying so.
 """
 
 from __future__ import annotations

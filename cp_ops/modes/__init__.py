@@ -16,12 +16,6 @@ A new mode is one file here defining its body plus one line in :data:`_BUILTIN` 
 properties), so the names are known without importing torch (the CLI lists them before torch loads); the public
 ``mode=`` argument, the plan's mode rule (:func:`cp_ops.plan.rules.mode_rule`), the CLI choices and the diffusers
 integration derive from :func:`names`.
-
-Modes:
-    agkv     — :mod:`.agkv` (chunks 1) and :mod:`.agkv_pipelined` (chunks ≥ 2): gather K/V, keep the local Q.
-    ulysses  — :mod:`.ulysses` (any chunks: head sub-groups): all-to-all sequence ↔ heads; W must divide H.
-    agkv_ulysses — :mod:`.agkv_ulysses` (2-D mesh): Ulysses over the inner dim, AGKV of the Ulysses-local K/V over the
-               outer dim (pipelined for chunks ≥ 2); the inner size must divide H.
 """
 
 from __future__ import annotations

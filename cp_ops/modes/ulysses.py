@@ -12,13 +12,8 @@ two FP8 formats of one tensor each, e.g. q e4m3 and v e5m2), sub-group i+1 is la
 were waited (decoded): one sub-group in flight.
 
 Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows and this rank keeps the first ``S_local``
-rows of what comes back. Without a key mask the real rows of the full sequence are taken after the all-to-all (under
-the prefix split of :func:`cp_ops.layout.shard_sizes` the first ``total`` rows: views; under any other split one copy
-for q, k, v together) and the output is re-padded for the way back (one zero ``pad`` at the end, or the inverse
-selection; exact); with one, the padded sequence
-is attended with the padding rows (zeros) masked: no selection, no re-padding (:class:`cp_ops.layout.Shards`). The
-mask is gathered beside the first sub-group and applied to every one (a mask of every key, ``[B, total]``, is
-re-padded: nothing to gather).
+rows of what comes back; :class:`cp_ops.layout.Shards` takes the real rows (or, with a key mask, masks the padding).
+The mask is gathered beside the first sub-group and applied to every one.
 ``chunks = 1`` takes the same steps with one group of all heads, unpacking the way back in one copy.
 """
 
