@@ -1,13 +1,10 @@
 """The transport protocol, the registry of transports, and the one selector (auto / explicit / fallback).
 
-A transport moves CP tensors between the ranks of a group with the layouts of :mod:`cp_ops.layout`. Adding one is
-one file that defines a :class:`Transport` and calls :func:`register`; the names the ops, the public API and the CLI
-accept (:func:`names`) derive from this registry. Selection happens in two steps, both here: :func:`resolve` at the
-public API (also while tracing: a constant for the compiler) checks the name and the device — whether a transport can
-run *here* may differ from rank to rank, and the resolved name is part of the rank contract's signature, so 'auto'
-stays 'auto' where a preferred transport moves tensors of this device type —; :func:`for_group` inside an op's real
-kernel, with the group in hand, takes an explicit name if it suits the group and for 'auto' the first transport of
-:data:`AUTO_ORDER` every rank of the group can run (agreed across the ranks, once per group), else torch.
+Adding a transport is one file that defines a :class:`Transport` and calls :func:`register`; the names the ops, the
+public API and the CLI accept (:func:`names`) derive from this registry. Selection has two steps, both here:
+:func:`resolve` at the public API (name and device; the resolved name is part of the rank contract's signature, so
+'auto' stays 'auto' where a preferred transport may run) and :func:`for_group` in an op's real kernel (the group's
+agreed choice).
 """
 
 from __future__ import annotations
@@ -198,7 +195,8 @@ def _log_once(key, msg: str, *args) -> None:
 
 
 def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
-    """Resolve a public ``transport=`` argument for tensors of ``device_type`` (module docstring).
+    """Resolve a public ``transport=`` argument for tensors of ``device_type``: whether a transport can run *here*
+    may differ from rank to rank, so 'auto' stays 'auto' where a preferred transport moves tensors of this device type.
 
     Returns:
         'auto' (a preferred transport may run; the group decides in the op), or a registered name.
@@ -283,7 +281,8 @@ def agreed_name(name: str, group_name: str, device) -> str | None:
 
 
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
-    """The transport an op uses for ``group`` (called inside the op's real kernel).
+    """The transport an op uses for ``group`` (called inside the op's real kernel): an explicit name if it suits the
+    group; for 'auto' the first of :data:`AUTO_ORDER` every rank can run (agreed once per group), else torch.
 
     Raises:
         RuntimeError: an explicit transport that cannot run here or for this group (every rank of the group
