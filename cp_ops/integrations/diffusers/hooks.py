@@ -1,13 +1,10 @@
 """The generic split/gather hooks that carry out a :mod:`plan <cp_ops.integrations.diffusers.plan>` on a model.
 
-Forward pre-hooks split named inputs, forward hooks split outputs or all-gather them. Uneven token counts follow
-:func:`~cp_ops.integrations.diffusers.plan.shard_sizes` (rank r holds the r-th contiguous block: ``ceil(total / W)``
-tokens on every rank but the last, the prefix split); the gather pads each rank's block to the largest, all-gathers,
-and takes the real rows (:class:`cp_ops.layout.Shards`: the first ``total``, a view, under the prefix split). Each
-split records its stream's full token count in :class:`CPState`, which the attention (:mod:`.dispatch`) reads to
-know every rank's sequence length. A stream with fewer tokens than ranks leaves the last ranks none of it: their
-blocks are empty, and the model's code runs on them (:mod:`.empty`). No host synchronisation: every size is
-computed from shapes, branch-free where the shape may be symbolic.
+Forward pre-hooks split named inputs, forward hooks split outputs or all-gather them (uneven blocks: the prefix split
+of :func:`~cp_ops.integrations.diffusers.plan.shard_sizes`, gathered through :class:`cp_ops.layout.Shards`). Each
+split records its stream's full token count in :class:`CPState`, which the attention (:mod:`.dispatch`) reads; a rank
+left with no token of a stream runs the model on empty tensors (:mod:`.empty`). No host synchronisation: every size
+is computed from shapes, branch-free where the shape may be symbolic.
 """
 
 from __future__ import annotations
@@ -118,10 +115,9 @@ class CPState:
         self.totals[stream] = total
 
     def forget_totals(self) -> None:
-        """Every stream back to "not recorded" (0), at the start and the end of each forward: a forward sees only the
-        counts it records, and every call enters with the same totals, so a whole-model compile does not specialize
-        on the previous call's counts (torch 2.11's Dynamo guards on the values found at entry: without this, every
-        parallelized model compiled once more at its second call, as long as its first compile: FLUX.1-dev ~100 s)."""
+        """Every stream back to "not recorded" (0), at the start and the end of each forward, so every call enters
+        with the same totals and a whole-model compile does not specialize on the previous call's counts (torch
+        2.11's Dynamo guards on the values found at entry: every model compiled once more at its second call)."""
         for s in self.totals:
             self.totals[s] = 0
 
@@ -135,19 +131,14 @@ class CPState:
         return v
 
     def note_key_mask(self, full: torch.Tensor, spec: Split) -> None:
-        """A block's key-mask input ``full`` (bool, every rank's tokens: before its split) for the attention calls
-        this forward makes: build, once per mask (the same tensor object and version, split alike, at the same
-        token counts: the blocks of one forward share it), the every-key mask ``[B, S_total]`` of each routed
-        attention whose streams include the mask's (rank r's keys are its block of each stream in the attention's
-        order; a stream the mask does not cover is attended: Qwen-Image's image tokens); the attention passes it to
-        :func:`cp_ops.attention` instead of gathering its own mask at every call, after checking on the device that
-        its own block equals the mask it got (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention`).
-        Each attention's mask is written into the same buffer every time (one fixed address per attention's streams
-        and mask shape, also when forwards alternate between mask inputs or shapes): CUDA
-        graphs of the compiled blocks take it as a static input, read in place at replay; a new address would make
-        them record again (not a buffer made under ``torch.inference_mode`` once outside it; a mask made under it,
-        which has no version counter, is rebuilt every time). Not while torch.compile traces the hook (a whole-model compile): the memo is cleared,
-        every call gathers."""
+        """A block's key-mask input ``full`` (bool, every rank's tokens: before its split): build, once per mask (the
+        same tensor and version, split alike, at the same token counts), the every-key mask ``[B, S_total]`` of each
+        routed attention whose streams include the mask's (:func:`_every_key`), which the attention passes to
+        :func:`cp_ops.attention` instead of gathering its own mask at every call
+        (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention` checks its block on the device). Each is written
+        into one fixed buffer per (streams, mask shape): CUDA graphs of the compiled blocks read it in place at
+        replay, where a new address would make them record again. Traced (a whole-model compile): every call
+        gathers."""
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
             return
