@@ -47,13 +47,9 @@ def _sync(device):
 
 
 def compile_model(model, spec, args, overlap: bool, kw_in: dict | None = None):
-    """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``.
-    ``regional``: :func:`cp_ops.integrations.diffusers.compiled.compile_blocks` (each block class compiles once, as
-    diffusers' ``compile_repeated_blocks``; module hooks stay eager). ``full``: ``cp_ops.compile(model,
-    fullgraph=True)`` after one eager forward on ``kw_in`` where given (models that build state at their first call,
-    e.g. Z-Image's RoPE table, are traced with it built). Static shapes for both; a bare ``--cuda-graphs`` adds
-    ``mode="reduce-overhead"``.
-    """
+    """Compile ``model`` as ``--compile`` says; returns ``(callable model, compiled block forwards)``: ``regional``
+    compiles each block class once (module hooks stay eager), ``full`` the whole model after one eager forward on
+    ``kw_in`` where given (state built at the first call, e.g. Z-Image's RoPE table, is traced built)."""
     import cp_ops
 
     if not args.compile:
@@ -90,13 +86,9 @@ def _forward_fn(m, spec, kw, args):
 
 
 def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
-    """``steps`` steps of the model's scheduler from the latents in ``kw`` (not modified). Returns
-    ``(final latents fp32, per-step ms)``; a step = the transformer call + the scheduler update. On CUDA the
-    steps are bracketed by events (the host never waits inside the loop).
-
-    With ``args.cfg`` (classifier-free guidance): the first half of the batch is the latents; each step feeds
-    ``cat([x, x])`` with the conditional (first half) and unconditional (second half) text of ``kw`` and
-    combines ``u + guidance * (c - u)``, as the pipelines do."""
+    """``steps`` steps of the model's scheduler from the latents in ``kw`` (not modified): ``(final latents fp32,
+    per-step ms)``, a step = the transformer call + the scheduler update (CUDA: between events, no host wait).
+    ``args.cfg``: each step feeds ``cat([x, x])`` and combines ``u + guidance * (c - u)``, as the pipelines do."""
     sched = spec.scheduler()
     sched.set_timesteps(steps, device=device)
     kw = dict(kw)
@@ -239,12 +231,10 @@ def _room_for_copies(model, args, device) -> bool:
 
 
 def _interleaved(single_row, single_call, cp, args, device, rank: int) -> None:
-    """Time every side again in ``args.repeats`` interleaved rounds and make those the rows' times: each round
-    runs one forward of the 1-rank model on rank 0 alone (the other ranks wait at a barrier), then one forward of
-    every CP row (``cp``: ``[(row, call)]``, the same rows in the same order on every rank). Drift over the run
-    (clocks, temperature) then hits every side alike; the first, sequential measurement stays in each row as
-    ``ms_sequential`` (and ``speedup_sequential``). One untimed forward of each first (a compiled side whose
-    Dynamo cache was reset compiles again there)."""
+    """Time every side again in ``args.repeats`` interleaved rounds (:func:`cp_ops.timing.interleaved_rounds`: the
+    1-rank model on rank 0 alone, then every CP row of ``cp`` = ``[(row, call)]``) and make those the rows' times,
+    so drift hits every side alike; the first, sequential times stay as ``ms_sequential`` (``speedup_sequential``).
+    One untimed forward of each first (a side whose Dynamo cache was reset compiles again there)."""
     dist.barrier()
     if rank == 0:
         single_call()
