@@ -1,21 +1,6 @@
 """``--mesh OxI`` of ``cp-ops bench`` / ``cp-ops run``: the 2-D CP mesh, how the header names it, and the
-communication time of each of its dims.
-
-**Per-dim communication time: what is measured.** Each dim's collectives of one 2-D attention call are timed *alone*,
-with the shapes, group and transport the call uses, in steady state (:func:`cp_ops.timing.steady_ms`: ``calls``
-back to back between CUDA events on CUDA, ``time.perf_counter`` on CPU; the slowest rank's per sample, median):
-
-* ``ulysses`` (the inner dim, I ranks of a row): the all-to-all of Q, K, V (this rank's ``[B, S_local, H, D]`` each)
-  and the inverse all-to-all of the output (``[B, I·S_local, H/I, D]``), through the inner dim's transport;
-* ``agkv`` (the outer dim, O rows): the all-gather of the Ulysses-local K and V (``[B, I·S_local, H/I, D]`` each)
-  over the column, through the outer dim's transport ('torch' for ``--transports torch``, else 'auto': fast only on
-  one node).
-
-A dim of size 1 moves nothing: 0. Why alone and not inside the call: a call waits for the inner all-to-all before it
-starts the outer gather and (chunks ≥ 2) hides the gather under attention, so events around each launch inside the
-call would measure waiting, not the link. At chunks = 1 the call is these two, one after the other, plus attention
-and the layout copies; with chunks ≥ 2 part of the ``agkv`` time is hidden. Uneven shards (``cp-ops run``'s split
-streams) are timed at the padded shape the call moves (its largest block). The key mask's gathers are not counted.
+communication time of each of its dims, timed alone with the call's shapes, group and transport (what is measured
+and why alone: docs/2d.md, "Per-dim communication time").
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""``mode='auto'`` on a flat CP group whose ranks span several nodes: the cost model picks the split.
+"""``mode='auto'`` on a flat CP group whose ranks span several nodes: the cost model picks the split
+(docs/2d.md, "``mode="auto"`` on a flat group across nodes": inputs, outcomes, compile, describe).
 
-For each call shape :func:`route` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest and
-the call runs it: ``W×1`` pure AGKV, ``1×W`` pure Ulysses (both over the flat group), ``O×I`` 2-D CP
-(:mod:`cp_ops.plan.mesh2d`) on a mesh built from the group (row o = group ranks ``o·I .. o·I+I−1``; group rank r is
-mesh rank r, so each rank keeps its token block; a ``[B, S_total]`` key mask becomes this rank's slice,
-:func:`local_mask`), built once per (group, O, I, device type) and destroyed with the flat group. The inputs, the
-outcomes, when the 1-D rules decide instead, ``torch.compile`` and :func:`cp_ops.describe`: ``docs/2d.md``
-("``mode="auto"`` on a flat group across nodes").
+For each call shape :func:`route` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest:
+``W×1`` pure AGKV, ``1×W`` pure Ulysses (both over the flat group), ``O×I`` 2-D CP (:mod:`cp_ops.plan.mesh2d`) on a
+mesh built from the group (group rank r = mesh rank r), built once per (group, O, I, device type).
 
-**Every rank meets at the same keys.** Every call's plan on a group of several ranks learns the group's node layout
-(once per group), and on a group across nodes meets the split's agreement (one store exchange, :func:`decide`),
-whatever its mode and ``comm_dtype``: a call that takes no split says so in its value. Ranks whose values differ all
-take the 1-D path, whose rank contract then raises ValueError on every rank, naming the difference. A rank whose call
-differs from a call its peers have already planned (their plan cached) meets no agreement: that mismatch is raised at
-``CP_OPS_TIMEOUT_S`` (naming the ranks that did not arrive), not at once.
+**Every rank meets at the same keys.** Every call's plan on a group across nodes meets the split's agreement (one
+store exchange, :func:`decide`), whatever its mode and ``comm_dtype``; ranks whose values differ all take the 1-D
+path, whose rank contract then raises on every rank. A rank whose call differs from one its peers already planned
+(cached) meets no agreement: that mismatch is raised at ``CP_OPS_TIMEOUT_S``, not at once.
 """
 
 from __future__ import annotations

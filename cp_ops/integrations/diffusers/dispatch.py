@@ -10,12 +10,8 @@ Only the modules a model's registry entry names are routed (Wan's cross-attentio
 its own backend, local). A routed processor that calls dispatch without its ``parallel_config`` (e.g. Flux2's
 reference-token KV-cache path) would attend to this rank's tokens only; the backend raises instead.
 
-**Replicated context.** A routed module's forward attends its split streams once, at its first attention call (Q
-and K/V: this rank's tokens of those streams; else ValueError). Every later attention call of that forward — the
-extra terms an IP-Adapter processor adds (``FluxIPAdapterAttnProcessor``: this rank's image queries against the IP
-image tokens, which every rank holds whole) — attends its K/V locally on the module's own backend: once, nothing
-gathered, the same rows and keys as one device's call for those queries. (Gathering them would attend W copies of
-each key: the same softmax, W times the work; at K/V lengths other than the split ones, an error.)
+**Replicated context** (docs/pipelines.md): a routed module's first attention call of a forward is the CP call over
+its split streams; its later calls (an IP-Adapter's term) attend their K/V locally on the module's own backend.
 """
 
 from __future__ import annotations
