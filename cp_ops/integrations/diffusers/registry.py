@@ -14,7 +14,7 @@ adapter file in ``models/`` with ``plan(model)`` and ``ATTENTION`` — and a tin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from . import _private, generic
@@ -26,11 +26,9 @@ from .plan import Plan, from_diffusers
 class ModelSpec:
     plan: Callable[[object], Plan]
     attention: dict[str, tuple[str, ...]]
-    text: str  # how text tokens are handled, for the docs/errors: "sharded (joint)", "replicated (cross-attn)"
     checked_inputs: tuple[str, ...] = ("hidden_states", "timestep", "encoder_hidden_states")
     check: Callable[[object], None] | None = None
     plan_source: str = "diffusers _cp_plan"
-    extra: dict = field(default_factory=dict)
 
 
 def _diffusers(text=(), drop=()):
@@ -40,37 +38,32 @@ def _diffusers(text=(), drop=()):
 _JOINT = ("text", "image")
 
 SUPPORTED: dict[str, ModelSpec] = {
-    "WanTransformer3DModel": ModelSpec(
-        plan=_diffusers(), attention={"blocks.*.attn1": ("image",)}, text="replicated (cross-attention, local)"),
+    "WanTransformer3DModel": ModelSpec(plan=_diffusers(), attention={"blocks.*.attn1": ("image",)}),
     "WanVACETransformer3DModel": ModelSpec(
-        plan=wan_vace.plan, attention=wan_vace.ATTENTION, text="replicated (cross-attention, local)",
-        plan_source="cp_ops (models/wan_vace.py)"),
+        plan=wan_vace.plan, attention=wan_vace.ATTENTION, plan_source="cp_ops (models/wan_vace.py)"),
     "FluxTransformer2DModel": ModelSpec(
         plan=_diffusers(text={("", "encoder_hidden_states"), ("", "txt_ids")}),
-        attention={"transformer_blocks.*.attn": _JOINT, "single_transformer_blocks.*.attn": _JOINT},
-        text="sharded (joint attention)"),
+        attention={"transformer_blocks.*.attn": _JOINT, "single_transformer_blocks.*.attn": _JOINT}),
     "Flux2Transformer2DModel": ModelSpec(
         plan=_diffusers(text={("", "encoder_hidden_states"), ("", "txt_ids")}),
-        attention={"transformer_blocks.*.attn": _JOINT, "single_transformer_blocks.*.attn": _JOINT},
-        text="sharded (joint attention)"),
+        attention={"transformer_blocks.*.attn": _JOINT, "single_transformer_blocks.*.attn": _JOINT}),
     "QwenImageTransformer2DModel": ModelSpec(
         plan=_diffusers(text={("transformer_blocks.0", "encoder_hidden_states"),
                               ("transformer_blocks.*", "encoder_hidden_states_mask"), ("pos_embed", 1)}),
-        attention={"transformer_blocks.*.attn": _JOINT}, text="sharded (joint attention; text mask honoured)"),
+        attention={"transformer_blocks.*.attn": _JOINT}),
     "LTXVideoTransformer3DModel": ModelSpec(
         # the class plan also splits the text (its cross-attention then gathers it back); cp_ops keeps the text
         # replicated so cross-attention stays local
         plan=_diffusers(drop={("", "encoder_hidden_states"), ("", "encoder_attention_mask")}),
-        attention={"transformer_blocks.*.attn1": ("image",)}, text="replicated (cross-attention, local)"),
+        attention={"transformer_blocks.*.attn1": ("image",)}),
     "LTX2VideoTransformer3DModel": ModelSpec(
-        plan=ltx2.plan, attention=ltx2.ATTENTION, text="replicated (cross-attention, local); audio replicated",
-        plan_source="diffusers _cp_plan + cp_ops (models/ltx2.py)"),
+        plan=ltx2.plan, attention=ltx2.ATTENTION, plan_source="diffusers _cp_plan + cp_ops (models/ltx2.py)"),
     "ZImageTransformer2DModel": ModelSpec(
-        plan=zimage.plan, attention=zimage.ATTENTION, text="sharded (joint attention in the unified sequence)",
-        checked_inputs=("x", "t", "cap_feats"), plan_source="cp_ops (models/zimage.py)"),
+        plan=zimage.plan, attention=zimage.ATTENTION, checked_inputs=("x", "t", "cap_feats"),
+        plan_source="cp_ops (models/zimage.py)"),
     "HunyuanVideoTransformer3DModel": ModelSpec(
-        plan=hunyuan_video.plan, attention=hunyuan_video.ATTENTION, text="sharded (joint attention; text mask)",
-        check=hunyuan_video.check, plan_source="cp_ops (models/hunyuan_video.py)"),
+        plan=hunyuan_video.plan, attention=hunyuan_video.ATTENTION, check=hunyuan_video.check,
+        plan_source="cp_ops (models/hunyuan_video.py)"),
 }
 
 
@@ -83,7 +76,7 @@ def spec_for(model) -> ModelSpec:
     """
     name = type(model).__name__
     if name not in SUPPORTED and _private.class_cp_plan(type(model)):
-        return ModelSpec(plan=generic.plan, attention=generic.attention(model), text="streams found per call",
+        return ModelSpec(plan=generic.plan, attention=generic.attention(model),
                          plan_source="diffusers _cp_plan (generic installer, generic.py)")
     if name not in SUPPORTED:
         raise ValueError(
