@@ -234,10 +234,6 @@ class _Comm:
                 pass
         contract.call_failed(getattr(self, "pg", None) or getattr(self, "group_name", ""))
 
-    def unpack(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The n slots of a received Ulysses buffer ``[W, B, S, n, Hl, D]`` as n tensors ``[B, W*S, Hl, D]``."""
-        return layout.ulysses_unpack_all(buf)
-
 
 class OpComm(_Comm):
     """Launches as ``torch.ops.cp_ops`` ops, waits as ``wait_tensor``: what traced code (and a compiler) sees.
@@ -330,6 +326,7 @@ class DirectComm(_Comm):
     """
 
     _pending_type = _DirectPending
+    #: ``unpack(buf)``: the n slots of a received Ulysses buffer ``[W, B, S, n, Hl, D]`` as n ``[B, W*S, Hl, D]``
     unpack = staticmethod(layout.ulysses_unpack_all)
 
     def __init__(self, pg, transport, check=None, resolve=None, codec: DirectCodec | None = None):

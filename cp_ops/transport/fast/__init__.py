@@ -329,18 +329,12 @@ class FastTransport:
         lane = self._lane_for(group)
         return kf, vf, source_arrivals(work, lane.world, lane.rank, k.shape[1]), work
 
-    def ulysses_start(self, xs: list[torch.Tensor], group):
-        """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, H/W, D]``
-        (index 0 = source rank), the layout of :func:`cp_ops.layout.ulysses_pack` after the all-to-all.
-
-        Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
-        """
-        return self.ulysses_start_heads(xs, group, 0, None)
-
-    def ulysses_start_heads(self, xs: list[torch.Tensor], group, lo: int, hi: int | None):
-        """:meth:`ulysses_start` of heads ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group):
-        ``(buf [W, B, S_local, n, hi - lo, D], work)``, the pitched copies reading the whole tensors (no copy of
-        the sub-group first). ``hi=None``: every head (:meth:`ulysses_start`)."""
+    def ulysses_start_heads(self, xs: list[torch.Tensor], group, lo: int = 0, hi: int | None = None):
+        """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, hi - lo, D]``
+        (index 0 = source rank), the layout of :func:`cp_ops.layout.ulysses_pack` after the all-to-all, of heads
+        ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group; ``hi=None``: every head), the pitched
+        copies reading the whole tensors. Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot
+        run (reason given)."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         prepped = [_prep(x) for x in xs]
@@ -364,6 +358,8 @@ class FastTransport:
             ("ulysses_heads", b, s, h, d, n, lo, hi, str(xs[0].dtype))
         (buf,), work = self._launch(lane, key, [("ulysses", (w, b, s, n, hs, d), xs[0].dtype)], descs, xs)
         return buf, work
+
+    ulysses_start = ulysses_start_heads
 
     def ulysses_packed_start(self, send: torch.Tensor, group):
         """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
