@@ -6,10 +6,7 @@ changes it with :func:`configure` (the CLI passes its options that way; it never
 Each variable, its field, meaning and default: ``docs/settings.md`` (and :data:`_FIELDS` below).
 
 Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
-group; :func:`cp_ops.contract.check_settings_agree` compares them once per group and raises on a mismatch.
-
-Errors: a bad value raises :class:`ConfigError` (a ``ValueError``) with one line naming the variable, the value
-seen and the values allowed.
+group; the rank contract compares them. A bad value raises :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -21,7 +18,8 @@ from typing import Any, Callable, Mapping
 
 
 class ConfigError(ValueError):
-    """A ``CP_OPS_*`` value (or a :func:`configure` argument) outside its allowed values."""
+    """A ``CP_OPS_*`` value (or a :func:`configure` argument) outside its allowed values: one line naming the
+    variable, the value seen and the values allowed."""
 
 
 def _flag(name: str, raw: str) -> bool:
