@@ -1,15 +1,10 @@
-"""diffusers' step caches on a parallelized model: every rank decides the same.
+"""diffusers' step caches on a parallelized model: every rank decides the same (docs/diffusers_compile_caches.md,
+"Step caches": each cache and what cp_ops does with it).
 
-A step cache skips the model's remaining blocks in a step when a metric says the step changes little. diffusers 0.42's
-``FirstBlockCache`` computes that metric from the first block's residual — under CP, from *this rank's* tokens only,
-so ranks can decide differently: one runs 40 blocks (40 CP attention calls), another skips them, and the collectives
-pair up wrongly or hang (peers hit exactly this: cache-dit #1094, vllm-omni #4814, sglang #19955).
-
-:func:`agree_step_caches` makes the decision over the whole group: the metric's sums (``sum |r - r_prev|`` and
-``sum |r_prev|``) are all-reduced over every rank that holds part of the tokens, so each rank computes the ratio of
-all tokens — the one-device metric, up to the order of the sums — and all decide alike. Caches that decide from the
-step index or timestep alone (``MagCache``, ``TaylorSeerCache``, ``FasterCache``, ``PyramidAttentionBroadcast``) agree
-already and are left as they are. ``SeaCache`` (an indicator built from the hidden states, not reduced here) is refused.
+``FirstBlockCache`` decides from the first block's residual — under CP from *this rank's* tokens, so ranks could
+decide differently and their collectives pair wrongly or hang (peers hit exactly this: cache-dit #1094, vllm-omni
+#4814, sglang #19955). :func:`agree_step_caches` all-reduces the metric's two sums over every rank holding part of the
+tokens, so all decide on the one-device metric.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""Regional compilation of a diffusers transformer: every repeated block through :func:`cp_ops.compile`.
+"""Regional compilation of a diffusers transformer: every repeated block through :func:`cp_ops.compile`
+(``parallelize(..., compile=True)``, ``cp-ops run --compile regional``; docs/diffusers_compile_caches.md).
 
-What ``parallelize(..., compile=True)`` does after installing the CP plan, and what ``cp-ops run --compile regional``
-uses: each block's instance ``forward`` becomes ``cp_ops.compile(block.forward, fullgraph=True, dynamic=False)``
-(with the K/V-communication overlap pass; ``cuda_graphs=True`` adds ``mode="reduce-overhead"``). The blocks of one
-class share one Dynamo frame (equal options make equal Inductor backends), so a model compiles once per block class
-and shape, as diffusers' ``compile_repeated_blocks``. Module hooks (the CP split/gather, profiler ranges) stay eager
-around the compiled forwards, so one compiled block serves every resolution's split the same way.
-
-Which blocks: every submodule whose class the model's class names in ``_repeated_blocks`` (diffusers' list, e.g.
-Z-Image's refiner blocks are ``ZImageTransformerBlock`` too), else the children of the ``blocks`` names given.
+Each block's instance ``forward`` becomes ``cp_ops.compile(block.forward, fullgraph=True, dynamic=False)``; the
+blocks of one class share one Dynamo frame (equal options make equal Inductor backends), so a model compiles once per
+block class and shape, as diffusers' ``compile_repeated_blocks``. Module hooks (the CP split/gather, profiler ranges)
+stay eager around the compiled forwards. Which blocks: the classes the model names in ``_repeated_blocks``, else the
+children of the ``blocks`` names given.
 """
 
 from __future__ import annotations

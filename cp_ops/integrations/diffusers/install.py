@@ -142,14 +142,10 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             ``cfg_parallel=True``).
         mode, transport: as :func:`cp_ops.attention`.
         chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
-            ``chunks``: 1 = transport-then-attend (bitwise equal to one device); k ≥ 2 = pipelined in k stages;
-            None (default) = the fixed rule (:func:`cp_ops.plan.rules.chunks_rule`: 2 stages for AGKV on
-            the fast transport, else 1), the same run after run; measured per shape on the first eager call only
-            with ``CP_OPS_TUNE_MODES=1`` (code traced by ``torch.compile`` always takes the rule). Rule for calls that carry
-            ``seq_lens`` or a key mask (uneven shards: a stream's token count not divisible by W; bool key-padding
-            masks), which only run transport-then-attend (:class:`cp_ops.layout.Shards`): they get ``chunks=1`` when
-            ``chunks`` ≥ 2 is asked for (None stays None, i.e. 1 there too), so a model with uneven shards still
-            runs, pipelined only where its shards are even.
+            ``chunks`` (None, the default: the rule, 2 stages for AGKV on the fast transport, else 1). Calls that
+            carry ``seq_lens`` or a key mask (uneven shards, bool key-padding masks) run transport-then-attend: they
+            get ``chunks=1`` where ``chunks`` ≥ 2 is asked for, so a model with uneven shards still runs, pipelined
+            only where its shards are even.
         comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
             ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or their names
             ``'e4m3'`` / ``'e5m2'``; a dict per tensor q/k/v/o):
@@ -164,20 +160,14 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
             :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
             path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).
-        cuda_graphs: one of :data:`CUDA_GRAPHS` (CUDA only). ``True``: with ``compile``, CUDA graphs over each block
-            (``mode="reduce-overhead"``): call ``torch.compiler.cudagraph_mark_step_begin()`` before each forward
-            (each denoising step). ``"forward"``: the whole call ``model(...)`` — the CP split, every block (eager,
-            or with ``compile`` regionally compiled without ``reduce-overhead``), every attention's communication,
-            the final gather — captured in one CUDA graph per call signature and replayed
-            (:func:`cp_ops.captured.capture_forward`, over the group's ranks: shapes, values of non-tensor
-            arguments and grad mode fix a signature; outputs returned cloned; at most 8 signatures kept, least
-            recently used evicted; a forward that cannot be captured raises at its first call on every rank).
-            The model stays the same object (its class becomes a same-named subclass). ``False``: none.
-            ``"auto"`` (default): ``"forward"`` on CUDA where the forward can be captured, else eager — on the CPU
-            silently; on CUDA with one warning naming why: ranks sharing a GPU over gloo with the torch transport
-            (:func:`auto_graphs`, at this call), or at a call a step cache (enabled before or after), a capture that
-            fails (agreed by the ranks) or outputs a replay cannot return; the model then stays eager (never an
-            error, never other numbers than eager's). A call traced by ``torch.compile`` runs the eager forward.
+        cuda_graphs: one of :data:`CUDA_GRAPHS` (CUDA only; docs/diffusers_compile_caches.md). ``True``: with
+            ``compile``, CUDA graphs over each block (``mode="reduce-overhead"``): call
+            ``torch.compiler.cudagraph_mark_step_begin()`` before each forward. ``"forward"``: the whole call
+            ``model(...)`` — the CP split, every block, every attention's communication, the final gather — captured
+            in one CUDA graph per call signature and replayed (:func:`cp_ops.captured.capture_forward`; outputs
+            returned cloned; a forward that cannot be captured raises at its first call on every rank). ``False``:
+            none. ``"auto"`` (default): ``"forward"`` on CUDA where the forward can be captured, else eager — on the
+            CPU silently, on CUDA with one warning naming why (never an error, never other numbers than eager's).
 
     Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
     made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
