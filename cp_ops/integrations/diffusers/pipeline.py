@@ -1,10 +1,4 @@
-"""A whole diffusers pipeline under context parallelism in one call: :func:`parallelize_pipeline`.
-
-Run the same script on every rank (``torchrun --nproc-per-node W script.py``): each rank loads the pipeline, calls
-``parallelize_pipeline(pipe)`` and runs the same ``pipe(...)`` call with the same seeded generator. The text encoders,
-scheduler and VAE run in full on every rank; inside each transformer the tokens are split over the ranks
-(:func:`~cp_ops.integrations.diffusers.parallelize`), and every rank ends with the same output. Rank 0 writes it
-(``pipe.cp_ops_writes_output``).
+"""A whole diffusers pipeline under context parallelism in one call: :func:`parallelize_pipeline` (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -180,26 +174,14 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
                          **kwargs: Any) -> Any:
     """Make every transformer of a diffusers pipeline run context-parallel, in place; returns ``pipe``.
 
-    Steps: the device (``device``, else :func:`local_device`: ``cuda:LOCAL_RANK`` or the CPU; on CUDA also
-    ``torch.cuda.set_device``); torch.distributed (initialized from torchrun's environment where it is not yet: NCCL
-    on CUDA, gloo on the CPU; a plain ``python`` run gets a group of one rank); ``pipe.to(device)``; then
-    :func:`~cp_ops.integrations.diffusers.parallelize` on every component that is a supported transformer
-    (``transformer``, and ``transformer_2`` where the pipeline has one, as Wan 2.2 A14B's two experts; a component
-    that is None is skipped). Without ``cfg_parallel`` and a mesh, the layout is planned first
-    (:mod:`.planner`: two CFG lanes of W/2 or one CP group of W, whichever the measured bound and the link model
-    predict faster per step for this transformer class and compile path; the same on every rank). Sets
-    ``pipe.cp_ops_layout`` (the :class:`.planner.Plan`: ``print`` it for the choice, why, and each candidate's predicted
-    step time; None on a mesh), ``pipe.cp_ops_writes_output`` (True on global rank 0 only: the rank that should save
-    the result) and ``pipe.cp_ops_transformers`` (the component names parallelized), and shows the pipeline's progress
-    bar on rank 0 only.
-
-    Every rank must then make the same ``pipe(...)`` calls with the same arguments: pass a generator seeded alike on
-    every rank (``torch.Generator().manual_seed(0)``) so the initial noise agrees. What is checked: at each
-    ``pipe(...)`` call, before anything runs, every argument — plain values (``guidance_scale``, step counts,
-    prompts) by value, tensors and arrays by shape, dtype and a digest of their values, generators by a digest of
-    their state, callbacks by name — on every rank that shares the inputs; a difference raises ValueError on every
-    rank naming the arguments. Inside, each transformer forward checks its inputs (:func:`~cp_ops.integrations.
-    diffusers.parallelize`: once per input shape) and that every rank made the same cp_ops calls.
+    What it does and what is checked: docs/pipelines.md ("A whole pipeline in one line"). In short: the device
+    (``device``, else :func:`local_device`), torch.distributed (from torchrun's environment where it is not started;
+    a plain ``python`` run gets a group of one rank), ``pipe.to(device)``, the planned layout where none is given
+    (:mod:`.planner`), then :func:`~cp_ops.integrations.diffusers.parallelize` on every supported transformer
+    component. Sets ``pipe.cp_ops_layout`` (the :class:`.planner.Plan`, None on a mesh), ``pipe.cp_ops_writes_output``
+    (True on global rank 0 only) and ``pipe.cp_ops_transformers``; the progress bar shows on rank 0 only. Every rank
+    must then make the same ``pipe(...)`` calls with the same arguments (a generator seeded alike): each call first
+    compares every argument over the ranks and raises ValueError on every rank naming those that differ.
 
     Args:
         pipe: a ``diffusers.DiffusionPipeline`` (anything with ``components`` and ``to``).
