@@ -1,26 +1,15 @@
 """The FP8 communication codec: a tensor ``[..., D]`` (fp32/bf16/fp16) ↔ one byte buffer ``[..., D + 4]`` (uint8).
 
-Each row of ``D`` values (one (token, head) of a ``[B, S, H, D]`` tensor) is quantized on the sender with its own
-scale and carried with it, so one collective moves both and every layout of :mod:`cp_ops.layout` (which moves rows
-of the last dim) works on the encoded tensor unchanged:
+Each row of ``D`` values (one (token, head)) is quantized with its own scale, carried with it, so one collective moves
+both and every layout of :mod:`cp_ops.layout` works on the encoded tensor unchanged:
 
     bytes [0, D)      the D values, x / scale rounded to the fp8 format (round to nearest even, saturated)
     bytes [D, D + 4)  scale, fp32 (native byte order), scale = max(amax, 2**-100) / fp8_max
 
-``amax`` = max |x| over the row in fp32; ``fp8_max`` = 448 (e4m3fn) or 57344 (e5m2). The floor 2**-100 keeps the
-scale a normal fp32 (rows of zeros or tiny values give no inf/NaN: a zero row decodes to zeros). Decoding is
-``fp8_value * scale`` in fp32, rounded once to the output dtype. Error of one round trip, per element: at most
-half an fp8 ulp of ``|x| / scale`` — relative ``2**-4`` (e4m3, 3 mantissa bits) or ``2**-3`` (e5m2) of ``|x|``
-for normal fp8 values, and ``scale · 2**-10`` (e4m3) / ``scale · 2**-17`` (e5m2) absolute below the fp8 normal range
-— plus the output dtype's rounding.
-
-Kernels: :func:`encode` / :func:`decode` run the torch ops of :func:`encode_torch` / :func:`decode_torch` (any
-device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each (one read, one write; the same math:
-IEEE division, RTNE casts — bitwise equal to the torch version on every finite input on a Hopper GPU; the self-test
-checks that and the non-finite rule on each device, else the torch version runs: docs/fp8.md, the gpu-marked tests of
-tests/test_fp8.py).
-The ``torch.library`` ops ``cp_ops::fp8_encode`` / ``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced
-code.
+The rule, its error bound and the non-finite rule: docs/fp8.md ("The codec"). :func:`encode` / :func:`decode` run the
+torch version (any device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each, used only where
+:func:`self_test` found it bitwise equal to the torch version on that device. The ops ``cp_ops::fp8_encode`` /
+``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced code.
 """
 
 from __future__ import annotations

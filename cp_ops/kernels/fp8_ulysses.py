@@ -1,39 +1,17 @@
-"""The FP8 codec (:mod:`cp_ops.kernels.fp8`) fused with the Ulysses layouts (:mod:`cp_ops.layout`): one pass each way.
+"""The FP8 codec (:mod:`cp_ops.kernels.fp8`) fused with the Ulysses layouts (:mod:`cp_ops.layout`): one pass each way
+instead of four (encode, pack, decode, unpack). What each function takes and gives, the kernels' grid and their
+measured speed: docs/fp8.md ("Fused with the Ulysses layouts").
 
-Unfused, a Ulysses launch with FP8 tensors makes four passes over its data: encode each tensor, pack the encoded
-tensors into the send buffer, decode the receive buffer, unpack it into the n tensors attention reads. Here the send
-buffer is written by the encode and the unpacked tensors by the decode:
+* :func:`pack_encode`: n tensors ``[B, S, H, D]`` → the uint8 send buffer ``[W, B, S, n, hi - lo, D + 4]``;
+* :func:`unpack_decode`: the receive buffer ``[W, B, S, n, Hl, D + 4]`` → ``[n, B, W*S, Hl, D]`` (or into ``out``);
+* :func:`inverse_decode`: the inverse's receive buffer ``[W, B, S, Hl, D + 4]`` → ``[B, S, W, Hl, D]`` (or ``out``).
 
-* :func:`pack_encode`: n tensors ``[B, S, H, D]`` (fp32/bf16/fp16, any strides; heads ``[lo, hi)`` of every head
-  group, as :func:`cp_ops.layout.ulysses_pack` takes them) → the uint8 send buffer ``[W, B, S, n, hi - lo, D + 4]``,
-  bitwise ``layout.ulysses_pack([fp8.encode(layout.ulysses_heads(x, W, lo, hi)) for x in xs], W)``;
-* :func:`unpack_decode`: the receive buffer ``[W, B, S, n, Hl, D + 4]`` → ``[n, B, W*S, Hl, D]`` of ``dtype``
-  (slot i = tensor i, tokens in source-rank order), bitwise the decode of the buffer followed by the unpack
-  (:func:`cp_ops.layout.ulysses_unpack_all`); written into ``out`` (any strides, rows contiguous) when given;
-* :func:`inverse_decode`: the inverse all-to-all's receive buffer ``[W, B, S, Hl, D + 4]`` (slab j = head group j) →
-  ``[B, S, W, Hl, D]`` of ``dtype`` (``[B, S, W*Hl, D]`` as a view when contiguous), bitwise the decode followed by
-  :func:`cp_ops.layout.ulysses_inverse_unpack`; into ``out`` when given (e.g. pipelined Ulysses' ``result[..., lo:hi]``
-  view). The inverse's encode needs no kernel of its own: the output ``[B, W*S, Hl, D]`` encoded by the contiguous
-  kernel is its send buffer ``[W, B, S, Hl, D + 4]`` (a view at B = 1; the transport packs it at B > 1).
-
-**The kernels.** Every layout here is, per (destination-or-source rank j, tensor slot i, batch b), a run of T tokens
-× HL heads of D-value rows, contiguous per head in both source and destination, with a per-token row stride on each
-side. So the grid is ``(cdiv(T*HL, BLOCK_R), W·n, B)``, one tile per program as the contiguous kernels: a program
-computes its (j, i, b) base offsets once, as int64 scalars from a few runtime strides (and, encoding, picks its input's
-pointer), and its tile's rows ``r`` → ``t = r // HL, h = r % HL`` with HL a constexpr
-(a multiply and shift, int32) → ``row = base + t * st + h * sh``. Strides are passed in rows (D values, D + 4 bytes):
-the compiler then knows each row's alignment as in the contiguous kernels. The quantize/dequantize math is the
-contiguous kernels' own (``_quantize``, ``_dequantize``: the same IEEE divisions and integer RNE casts), so every
-byte equals the torch version's. Integer arguments are not specialized (``do_not_specialize``): one compiled variant
-serves every T, n, stride and batch of a (input dtype, format, D, HL); the constexprs are D, HL, the format and the
-output dtype (and Triton's 16-byte alignment of each pointer).
-
-Each function runs torch ops (:mod:`cp_ops.kernels.fp8`'s torch version and the layout copies; any device, CI) when
-:func:`cp_ops.kernels.fp8.use_triton` is false for the device — the same bytes. **Checked where it runs**: the first
-call of each kernel variant (kernel, device, input/output dtype, format, D, HL, pointer alignment) outside a CUDA graph capture runs the
-Triton kernel and the torch version on its own inputs and compares them (:func:`_first_use`: every row whose scale
-is finite bitwise; rows holding NaN/±inf decode to NaN either way); a variant that differs (or raises) runs the torch
-version from then on, logged once. Inside a capture an unchecked variant runs the torch version.
+Every byte equals the unfused torch version's (the contiguous kernels' ``_quantize``/``_dequantize``). Integer
+arguments are not specialized (``do_not_specialize``): one compiled variant per (input dtype, format, D, HL, pointer
+alignment). Each function runs the torch version where :func:`cp_ops.kernels.fp8.use_triton` is false. **Checked
+where it runs**: each kernel variant's first call outside a CUDA graph capture runs the Triton kernel and the torch
+version and compares them (:func:`_first_use`); a variant that differs or raises runs the torch version from then on,
+logged once. Inside a capture an unchecked variant runs the torch version.
 """
 
 from __future__ import annotations
