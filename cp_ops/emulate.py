@@ -1,15 +1,10 @@
 """FP8 communication on ONE device: what W > 1 ranks compute with ``comm_dtype``, without a second rank.
 
-With ``CP_OPS_EMULATE_COMM=1`` (:data:`cp_ops.config.settings` ``emulate_comm``), a :func:`cp_ops.attention` call on
-a group of one rank with FP8 formats (:mod:`cp_ops.comm_dtype`) round-trips every tensor that W > 1 ranks would send
-through the codec exactly as the transports do (:func:`cp_ops.kernels.fp8.round_trip`: the same encode and decode),
-then attends: AGKV decodes K and V after the gather, Ulysses Q, K, V after the all-to-all and O after the way back.
-
-Why W does not matter: the codec's scales are per (token, head) row, so a row is encoded the same whichever rank
-holds it, and at ``chunks = 1`` every rank's block — its own included, which travels in the same packed buffer —
-goes through the codec. So this is the W-rank result at chunks = 1 for any W (up to the attention kernel's rounding
-by call shape: AGKV attends per query block, Ulysses per head group). The pipelined AGKV (chunks ≥ 2) keeps the own
-block exact, so its error is at most this one's. Uneven shards do not change it either (padding rows are dropped).
+With ``CP_OPS_EMULATE_COMM=1``, a :func:`cp_ops.attention` call on a group of one rank with FP8 formats round-trips
+every tensor that W > 1 ranks would send through the codec (:func:`cp_ops.kernels.fp8.round_trip`), then attends:
+AGKV decodes K and V after the gather, Ulysses Q, K, V after the all-to-all and O after the way back. Why this is
+the W-rank result at chunks = 1 for any W: docs/fp8.md ("Accuracy on one device"). The pipelined AGKV (chunks ≥ 2)
+keeps the own block exact, so its error is at most this one's.
 """
 
 from __future__ import annotations

@@ -3,10 +3,8 @@
 ``torch.library.custom_op`` wraps the real kernel in Python layers that run at every call: an autograd kernel that
 packs a metadata object and redispatches, a backend wrapper that checks the outputs for aliasing, a Dynamo-disable
 wrapper. A launch op runs 2-3 times per attention call inside every compiled block, so those layers are host time
-on the critical path of a forward that is not CUDA-graphed: 17 µs per call against 4 µs for a trivial kernel
-registered with ``torch.library.Library``; ``cp_ops::ulysses_packed_start`` and its wait on a fake group of 4,
-88.8 → 79.1 µs (torch 2.11) and 73.0 → 60.3 µs (2.13) per call (the 2-core CPU box; its body alone
-60.6 / 43.8 µs).
+on the critical path of a forward that is not CUDA-graphed (17 µs per call against 4 µs for a trivial kernel
+registered with ``torch.library.Library``; what this saves per call: docs/own_cost.md).
 
 :func:`define` registers the same things with the low-level API (the schema inferred from the annotations by
 ``torch.library.infer_schema``, as ``custom_op`` does):
