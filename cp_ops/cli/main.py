@@ -1,15 +1,10 @@
 """``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, generate, env.
 
-Standalone, ``bench`` and ``run`` spawn ``--nproc`` local ranks themselves; under ``torchrun`` they join
-its ranks; ``bound`` runs in this one process on one device. Defaults: on a CUDA machine all visible GPUs with NCCL and the GPU shapes; otherwise (the
-embedded default) 2 gloo ranks on the CPU and shapes that finish in seconds.
-
-Arguments are parsed and checked before torch is imported (``--help`` and a wrong flag answer at once). A
-wrong argument or a bad ``CP_OPS_*`` value prints one line ``cp-ops: ...`` and exits 2; under torchrun only
-rank 0 prints it. Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
-
-Each command owns its parser and argument checks, in a torch-free module: :mod:`.bench_args`, :mod:`.run_args`,
-:mod:`.bound_args`, :mod:`.generate_args` (shared pieces: :mod:`._args`); this module builds the parser from them and starts the ranks.
+Standalone, ``bench`` and ``run`` spawn ``--nproc`` local ranks themselves (default: every visible GPU, else 2 gloo
+ranks on the CPU); under ``torchrun`` they join its ranks; ``bound`` runs in this one process on one device. Each
+command's parser and checks are a torch-free ``<command>_args`` module (``--help`` and a wrong flag answer before
+torch loads); a wrong argument or a bad ``CP_OPS_*`` value prints one line ``cp-ops: ...`` (rank 0) and exits 2.
+Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
 """
 
 from __future__ import annotations

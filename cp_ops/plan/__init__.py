@@ -2,11 +2,8 @@
 once at the API) to the body that runs it; :func:`describe` says what it runs and why. Its modules and the data path:
 ``docs/architecture.md``.
 
-**One cache.** Eager calls (not traced, plain tensors, no torch dispatch mode) look their plan up by
-:meth:`Call.key` in one dict, 1-D and 2-D alike; the first call with a key builds it (checks on every rank, the
-cross-node split where it applies, the decisions); a repeat call is the dict lookup and the body. Traced calls
-(``torch.compile``, dispatch modes, empty tensors) decide per call: Dynamo traces it once. A destroyed group, or
-:func:`forget`, drops every plan.
+**One cache.** Eager calls look their plan up by :meth:`Call.key` in one dict, 1-D and 2-D alike; a repeat call is
+the dict lookup and the body. Traced calls (``torch.compile``, dispatch modes, empty tensors) decide per call.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The plan of a call on a flat CP group (a ``ProcessGroup`` or a 1-D mesh): its checks and decisions, and the body
-run with one comm.
-
-**Decisions** (:func:`decide`, the same on both paths): the input rules (a rank whose rules fail tells its peers
-before raising, so every rank raises), the concrete mode, the transport, the stage count (the rules of
-:mod:`cp_ops.plan.rules`, or the opt-in measured choice :func:`cp_ops.plan.measured.decide`), the body, the layout
-(:class:`cp_ops.layout.Shards`) and the variant tag the rank contract compares (:func:`cp_ops.contract.variant_tag`).
-Each rule's reason is recorded in :attr:`Decision.why` as it fires.
-
-**Two paths, one body** (``docs/architecture.md``): *traced* (``torch.compile``, a tensor subclass or FakeTensor, a
-torch dispatch mode, an empty tensor): :func:`traced` runs the body with :class:`~cp_ops.comm.OpComm`, decided per
-call; *eager*: a :class:`Plan` cached by :mod:`cp_ops.plan` under the call's key holds the first call's decisions and
-a :class:`~cp_ops.comm.DirectComm`. Both make one rank-contract exchange per call with the same signature, and drain
-the comm when the body raises between a launch and its wait.
+"""The plan of a call on a flat CP group (a ``ProcessGroup`` or a 1-D mesh): its checks and decisions
+(:func:`decide`: the input rules on every rank, the mode, transport, stages, body, layout and variant tag, each
+rule's reason recorded in :attr:`Decision.why`), and the body run with one comm: *traced* (:func:`traced`, an
+:class:`~cp_ops.comm.OpComm`, decided per call) or *eager* (a :class:`Plan` cached by :mod:`cp_ops.plan`, a
+:class:`~cp_ops.comm.DirectComm`); the data path: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
