@@ -1,15 +1,11 @@
-"""``cp-ops bench``: the standard CP attention microbenchmark.
+"""``cp-ops bench``: the standard CP attention microbenchmark (what each column means: ``--help`` and the legend the
+table ends with, :func:`legend`).
 
-For each global sequence length S, mode, chunk count and transport: the CP attention time in steady state (the
-headline: N calls back to back between two CUDA events while the host runs ahead, as consecutive layers of a
-model run; median over samples of time / N, each sample's time the slowest rank's) and the latency of one call
-(each call waited for), the single-device SDPA time on the full sequence measured the same way in the same run,
-the speedup (single ÷ CP, steady state), the **bound** — max(attention time at one rank's share, bytes each
-rank must receive ÷ the P2P bandwidth measured in the same run) — and the % of the bound reached, and the
-relative error of the CP output against the single-device output (max |cp − ref| / max |ref|, max over ranks).
-``--modes auto`` runs ``mode='auto', chunks=None`` (the heuristic; measured with ``CP_OPS_TUNE_MODES=1``) and reports
-the variant it picked. Dense non-causal attention, BSHD, S split evenly over the CP group. The single-device
-baselines run on rank 0 alone; every time has its interquartile range beside it; the table ends with a legend.
+For each global sequence length S, mode, chunk count and transport: the CP time in steady state (N calls back to back
+between two events while the host runs ahead, as consecutive layers run; the slowest rank's), the latency of one
+call, the single-device SDPA time measured the same way in interleaved rounds on rank 0 alone, the speedup, the bound
+(max of attention at one rank's share and the bytes each rank receives over the P2P bandwidth measured in the same
+run) and the relative error against the single-device output.
 """
 
 from __future__ import annotations
