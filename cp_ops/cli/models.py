@@ -23,6 +23,18 @@ from typing import Any, Callable
 import torch
 
 
+def _first(model, kw):
+    return model(**kw)[0]
+
+
+def _set_hidden(kw, x):
+    kw["hidden_states"] = x
+
+
+def _get_hidden(kw):
+    return kw["hidden_states"]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One model family (module docstring). ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA,
@@ -42,13 +54,13 @@ class ModelSpec:
     cpu_latent: tuple[int, int, int]
     video: bool
     make_inputs: Callable[..., dict]
-    predict: Callable[[torch.nn.Module, dict], torch.Tensor]
-    set_latents: Callable[[dict, torch.Tensor], None]
-    get_latents: Callable[[dict], torch.Tensor]
     model_timestep: Callable[[torch.Tensor], torch.Tensor]
     scheduler: Callable[[], Any]
     patch: Callable[[dict], tuple[int, int, int]]
     heads_key: str
+    predict: Callable[[torch.nn.Module, dict], torch.Tensor] = _first  # the output tuple's first tensor
+    set_latents: Callable[[dict, torch.Tensor], None] = _set_hidden
+    get_latents: Callable[[dict], torch.Tensor] = _get_hidden
     replicated: tuple[str, ...] = ()
     blocks: tuple[str, ...] = ("blocks",)
 
@@ -84,18 +96,6 @@ def _wan_inputs(cfg, text, batch, f, h, w, device, dtype, gen, t=500.0):
                 return_dict=False)
 
 
-def _first(model, kw):
-    return model(**kw)[0]
-
-
-def _set_hidden(kw, x):
-    kw["hidden_states"] = x
-
-
-def _get_hidden(kw):
-    return kw["hidden_states"]
-
-
 def _unipc_flow(shift):
     def make():
         from diffusers import UniPCMultistepScheduler
@@ -125,8 +125,8 @@ WAN = ModelSpec(
     },
     gpu_config="1.3b", layer_keys=("num_layers",), text_tokens={"1.3b": 512, "14b": 512, "tiny": 16},
     gpu_latent=(21, 60, 104), cpu_latent=(2, 16, 16), video=True,
-    make_inputs=_wan_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
-    model_timestep=lambda t: t, scheduler=_unipc_flow(3.0), patch=lambda c: tuple(c["patch_size"]),
+    make_inputs=_wan_inputs, model_timestep=lambda t: t, scheduler=_unipc_flow(3.0),
+    patch=lambda c: tuple(c["patch_size"]),
     heads_key="num_attention_heads", replicated=("condition_embedder", "attn2.to_k", "attn2.to_v", "attn2.norm_k"),
 )
 
@@ -170,8 +170,7 @@ HUNYUAN = ModelSpec(
     },
     gpu_config="13b", layer_keys=("num_layers", "num_single_layers"), text_tokens={"13b": 256, "tiny": 16},
     gpu_latent=(16, 68, 120), cpu_latent=(2, 16, 16), video=True,
-    make_inputs=_hunyuan_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
-    model_timestep=lambda t: t, scheduler=_flow_euler(7.0),
+    make_inputs=_hunyuan_inputs, model_timestep=lambda t: t, scheduler=_flow_euler(7.0),
     patch=lambda c: (c["patch_size_t"], c["patch_size"], c["patch_size"]), heads_key="num_attention_heads",
     replicated=("time_text_embed", "context_embedder"), blocks=("transformer_blocks", "single_transformer_blocks"),
 )
@@ -214,8 +213,8 @@ FLUX = ModelSpec(
     gpu_config="dev", layer_keys=("num_layers", "num_single_layers"),
     text_tokens={"dev": 512, "schnell": 256, "tiny": 7},
     gpu_latent=(1, 128, 128), cpu_latent=(1, 16, 16), video=False,
-    make_inputs=_flux_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
-    model_timestep=lambda t: t / 1000, scheduler=_flow_euler(3.0), patch=lambda c: (1, 2, 2),
+    make_inputs=_flux_inputs, model_timestep=lambda t: t / 1000, scheduler=_flow_euler(3.0),
+    patch=lambda c: (1, 2, 2),
     heads_key="num_attention_heads", replicated=("time_text_embed", "context_embedder", "pos_embed"),
     blocks=("transformer_blocks", "single_transformer_blocks"),
 )
@@ -240,9 +239,8 @@ QWEN = ModelSpec(
     },
     gpu_config="20b", layer_keys=("num_layers",), text_tokens={"20b": 128, "tiny": 7},
     gpu_latent=(1, 166, 166), cpu_latent=(1, 16, 16), video=False,
-    make_inputs=_qwen_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
-    model_timestep=lambda t: t / 1000, scheduler=_flow_euler(3.0), patch=lambda c: (1, 2, 2),
-    heads_key="num_attention_heads", replicated=("time_text_embed", "txt_norm", "txt_in"),
+    make_inputs=_qwen_inputs, model_timestep=lambda t: t / 1000, scheduler=_flow_euler(3.0),
+    patch=lambda c: (1, 2, 2), heads_key="num_attention_heads", replicated=("time_text_embed", "txt_norm", "txt_in"),
     blocks=("transformer_blocks",),
 )
 
@@ -310,9 +308,8 @@ LTX = ModelSpec(
     # latent = pixels / 32 (frames: (n - 1) / 8 + 1): 768x512, 121 frames = 16 x 16 x 24 = 6144 tokens
     gpu_config="2b", layer_keys=("num_layers",), text_tokens={"2b": 128, "tiny": 16},
     gpu_latent=(16, 16, 24), cpu_latent=(2, 8, 8), video=True,
-    make_inputs=_ltx_inputs, predict=_first, set_latents=_set_hidden, get_latents=_get_hidden,
-    model_timestep=lambda t: t, scheduler=_flow_euler(1.0), patch=lambda c: (c["patch_size_t"], c["patch_size"],
-                                                                            c["patch_size"]),
+    make_inputs=_ltx_inputs, model_timestep=lambda t: t, scheduler=_flow_euler(1.0),
+    patch=lambda c: (c["patch_size_t"], c["patch_size"], c["patch_size"]),
     heads_key="num_attention_heads", replicated=("time_embed", "caption_projection"),
     blocks=("transformer_blocks",),
 )
