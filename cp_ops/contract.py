@@ -65,16 +65,9 @@ def _id(key) -> int:
     return v
 
 
-#: What a call's ``extra`` integer means in messages, per call name (default: the number of tensors).
-_EXTRA_LABEL: dict[str, str] = {}
-
-
-def register_op(name: str, extra_label: str = "tensors") -> int:
-    """Add ``name`` to :data:`OPS` (the calls whose signatures are exchanged); returns its id. ``extra_label``
-    names the call's ``extra`` integer in error messages (e.g. 'chunks')."""
+def register_op(name: str) -> int:
+    """Add ``name`` to :data:`OPS` (the calls whose signatures are exchanged); returns its id."""
     OPS[name] = _id(name)
-    if extra_label != "tensors":
-        _EXTRA_LABEL[name] = extra_label
     return OPS[name]
 
 
@@ -708,11 +701,10 @@ def _variant_hints(aspects: list[str], desc: list[dict]) -> list[str]:
 
 def _describe(d: dict, aspects: list[str], everyone: list[dict]) -> str:
     out = f"{d['call']} (call #{d['n']})"
-    label = _EXTRA_LABEL.get(d["call"], "tensors")
     if d["shape"] is not None:
-        out += f" [B, S_local, H, D]={d['shape']} dtype={d['dtype']} {label}={d['tensors']}"
+        out += f" [B, S_local, H, D]={d['shape']} dtype={d['dtype']} tensors={d['tensors']}"
     elif d["tensors"]:
-        out += f" {'count' if label == 'tensors' else label}={d['tensors']}"
+        out += f" count={d['tensors']}"
     if d["inputs"] is not None:
         out += f" inputs={d['inputs']}"
     if d.get("note"):
