@@ -63,9 +63,9 @@ class PeerWait:
         self.warned += 1
         self.next_warn = self.t0 + self.warn_s * _factor(self.warned)
 
-    def error(self, missing: str, details: str = "") -> PeersTimeout:
+    def error(self, missing: str) -> PeersTimeout:
         """The error of a wait that reached ``CP_OPS_TIMEOUT_S``: one line in the user's terms, details after."""
-        more = "".join(f"; {x}" for x in (details, self.after) if x)
+        more = f"; {self.after}" if self.after else ""
         return PeersTimeout(
             f"{self.call}: {missing} did not arrive within CP_OPS_TIMEOUT_S={self.timeout_s:g} s. Check that every "
             f"rank makes this call: {CAUSES}; raise CP_OPS_TIMEOUT_S if a rank is only slow to start.\n"

@@ -80,11 +80,11 @@ def check_heads_divisible(heads: int, world_size: int, mode: str = "ulysses", ot
         + f"a CP group whose size divides {heads})"))
 
 
-def check_seq_divisible(seq: int, world_size: int, what: str = "sequence length", hint: str = "") -> None:
+def check_seq_divisible(seq: int, world_size: int) -> None:
     """Tokens are split evenly: rank r holds the r-th of W equal contiguous blocks."""
     _require(seq % world_size == 0, lambda: (
-        f"the {what} must be divisible by the CP world size to split tokens evenly; got {what}={seq}, "
-        f"world_size={world_size}{hint}"))
+        f"the sequence length must be divisible by the CP world size to split tokens evenly; got sequence "
+        f"length={seq}, world_size={world_size}"))
 
 
 def check_device_for_group(t: torch.Tensor, group: dist.ProcessGroup) -> None:

@@ -28,8 +28,7 @@ except ImportError:  # pragma: no cover - depends on the install
 _MAX_N = 4  # partials per kernel launch
 
 
-def merge_eager(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype | None = None,
-                return_lse: bool = False):
+def merge_eager(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype | None = None):
     """The merge in fp32 torch ops (CPU, or CUDA without Triton). Shapes as :func:`merge`."""
     dtype = outs[0].dtype if dtype is None else dtype
     lse = torch.stack([x.float() for x in lses])  # [n, B, H, S]
@@ -44,10 +43,7 @@ def merge_eager(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch
     acc = wt[0] * outs[0].float()
     for i in range(1, len(outs)):
         acc = acc + wt[i] * outs[i].float()
-    out = acc.to(dtype)
-    if return_lse:
-        return out, m + torch.log(den)
-    return out
+    return acc.to(dtype)
 
 
 if triton is not None:
