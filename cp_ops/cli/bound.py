@@ -67,11 +67,18 @@ def _sides_for(args, heads: int | None, choose_mode) -> list[Side]:
         sides.append(Side(f"cp_ops W{w}", "cp", w, mode=mode))
         if args.cost:
             sides.append(Side(f"plain W{w}", "plain", w, mode=mode))
-        if getattr(args, "compare", None) == "diffusers":
-            from .bound_diffusers import LAYOUTS
+        for peer in compared(args):  # other libraries' CP (cp_ops.cli.bound_peers), each of its layouts
+            from .bound_peers import PEERS
 
-            sides += [Side(f"diffusers {layout} W{w}", "dcp", w, mode=layout) for layout in LAYOUTS]
+            sides += [Side(f"{peer} {layout} W{w}", "dcp", w, mode=layout, peer=peer)
+                      for layout in PEERS[peer].layouts]
     return sides
+
+
+def compared(args) -> list[str]:
+    """The peers ``--compare`` names (a list, or one comma-separated string), in order; [] without it."""
+    names = getattr(args, "compare", None) or []
+    return [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
 
 
 def _mode_args(args, base: str, graphs: bool):
@@ -193,7 +200,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
             for s in sides if not remote else ():
                 try:
                     _prepare(s, base, spec, kw, margs, device, groups, args)
-                except Exception as e:  # noqa: BLE001 - diffusers' CP refusing is a row with its reason
+                except Exception as e:  # noqa: BLE001 - a peer's CP refusing is a row with its reason
                     if s.kind != "dcp":
                         raise
                     s.error, s.call = _reason(e), None
@@ -286,7 +293,7 @@ def _check_outputs(sides: list[Side], filled: bool = False) -> None:
     stand-in's repeated tokens; nor, unfilled, a fake group's untouched gather buffers: uninitialised memory)."""
     ref = next(s.out for s in sides if s.kind == "diffusers")
     for s in sides:
-        if s.kind == "dcp":  # diffusers' own CP: what it returned goes into its row (output_shape, outputs_finite)
+        if s.kind == "dcp":  # a peer's own CP: what it returned goes into its row (output_shape, outputs_finite)
             continue
         if s.out is None or tuple(s.out.shape) != tuple(ref.shape):
             raise RuntimeError(f"bound: side {s.name!r} returned shape {None if s.out is None else tuple(s.out.shape)}, "

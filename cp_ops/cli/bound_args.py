@@ -43,9 +43,11 @@ def add_parser(sub) -> None:
     r.add_argument("--steps", type=int, default=0,
                    help="every side times whole denoising loops of N steps (ms/step, total, bound on the loop; no "
                         "final-latents error: a fake group moves nothing); default 0: one forward")
-    r.add_argument("--compare", choices=["diffusers"], default=None,
-                   help="also diffusers' own context parallelism (enable_parallelism, Ulysses and ring) over the same "
-                        "fake groups, its bound beside cp_ops' (needs an accelerator)")
+    r.add_argument("--compare", type=csv(str, "peers"), default=None, metavar="PEER[,PEER...]",
+                   help="also other libraries' own context parallelism over the same fake groups, each layout's bound "
+                        "beside cp_ops': diffusers (enable_parallelism, needs an accelerator), paraattn (para-attn), "
+                        "xdit (xfuser/yunchang), cache-dit; a peer that refuses the model or is not installed is a "
+                        "row with the reason (docs/measuring.md: peers)")
     r.add_argument("--profile", default=None, metavar="DIR",
                    help="profile one forward of every side (torch.profiler): traces and a kernel summary in DIR")
     r.add_argument("--cost", action="store_true",
@@ -122,6 +124,13 @@ def check(args, device: str) -> None:
     if args.no_overlap and not compiled:
         fail(f"{what}: --no-overlap applies to compiled modes; --compile-modes is {args.bound_compile} (add e.g. "
              "regional)")
+    if args.compare:
+        from .bound_peers import PEERS  # the names (each peer itself is imported when its side is built)
+
+        bad = [p for p in args.compare if p not in PEERS]
+        if bad:
+            fail(f"{what}: --compare takes {','.join(PEERS)}; got {','.join(bad)}")
+        args.compare = list(dict.fromkeys(args.compare))
     heads = cfg.get(spec.heads_key)
     for w in args.bound:
         if heads and args.mode != "auto" and modes.spec(args.mode).needs_heads_divisible and heads % w:

@@ -124,9 +124,9 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
             row.update(plain_ms=plain.ms, plain_fill_ms=plain.fill_ms, cp_ops_cost_ms=cp.ms - plain.ms,
                        cp_ops_cost_pct=100.0 * (cp.ms - plain.ms) / cp.ms, **_host(plain, "plain_", steps))
         rows = [row]
-        for s in (x for x in sides if x.kind == "dcp" and x.world == w):  # diffusers' own CP beside cp_ops'
+        for s in (x for x in sides if x.kind == "dcp" and x.world == w):  # the peers' own CP beside cp_ops'
             if s.error is not None:
-                rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label or s.mode,
+                rows.append(dict(common, world_size=w, impl=f"{s.peer} {s.mode}", mode=s.label or s.mode,
                                  skipped=s.error))
                 continue
             shape_ok = s.out is not None and tuple(s.out.shape) == tuple(ref.shape)
@@ -134,7 +134,7 @@ def _rows(sides, args, spec, cfg, config_name, layers, tokens, base_mode, graphs
             why = ([] if finite else ["the output is not finite or not the full shape: a collective's output was "
                                       "left unwritten (stale memory), so its kernels did not run on real data"]) \
                 + list(_no_time_left(s).values())
-            rows.append(dict(common, world_size=w, impl=f"diffusers {s.mode}", mode=s.label, **timed(s),
+            rows.append(dict(common, world_size=w, impl=f"{s.peer} {s.mode}", mode=s.label, **timed(s),
                              output_shape_ok=shape_ok, outputs_finite=finite,
                              **({"invalid": "; ".join(why)} if why else {}),
                              **({} if base_mode == "eager" else dict(fullgraph=s.fullgraph)),
@@ -186,7 +186,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
           + ("; compiled without the overlap pass (--no-overlap)" if meta.get("overlap_pass") is False else ""))
     has_cost = any("cp_ops_cost_ms" in r for r in rows)  # the column only where --cost measured it
     steps = next((r["steps"] for r in rows if r.get("steps")), 0)
-    has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare diffusers
+    has_impl = any(r.get("impl", "cp_ops") != "cp_ops" for r in rows)  # --compare PEER[,PEER...]
     if steps:
         print(f"a denoising loop of {steps} steps per sample: the times are whole loops (ms), 'ms/step' rank 0's")
     has_host = any("host_ms" in r for r in rows)
@@ -226,8 +226,10 @@ def print_table(rows: list[dict], meta: dict) -> None:
               "(rank 0 raw = rank 0 + fill), so the device waited for the host and that row's time is host time"
               + (" (CPU: host = wall, every row)." if "gpu" not in meta else "."))
     if has_impl:
-        print("impl 'diffusers ulysses|ring' = diffusers' own CP (enable_parallelism) over the same fake group, its "
-              "all-to-alls written like cp_ops' (cp_ops.cli.bound_fill); its bound beside cp_ops'.")
+        print("impl 'PEER ulysses|ring' = that library's own CP (diffusers: enable_parallelism; paraattn, xdit, "
+              "cache-dit: as their READMEs parallelize a diffusers transformer) over the same fake group, its "
+              "collectives written like cp_ops' (cp_ops.cli.bound_fill); its bound beside cp_ops'; a peer that "
+              "refuses the model or layout: failed, with its reason (cp_ops.cli.bound_peers).")
     if steps:
         print(f"--steps: final latents' error vs one device: {STEPS_ERROR_NOTE}.")
         ext = next((r for r in rows if "extrapolated" in r), None)

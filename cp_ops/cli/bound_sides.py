@@ -143,9 +143,11 @@ class Side:
     """One timed variant of the model in one compile mode."""
 
     name: str
-    kind: str  # 'diffusers' | 'group1' | 'cp' | 'plain' | 'dcp' (diffusers' own CP, --compare diffusers)
+    kind: str  # 'diffusers' | 'group1' | 'cp' | 'plain' | 'dcp' (a peer's own CP, --compare: bound_peers)
     world: int
     mode: str | None = None  # the CP attention mode (cp / plain sides); dcp: the layout ('ulysses' | 'ring')
+    peer: str = "diffusers"  # dcp: the library (a name of cp_ops.cli.bound_peers.PEERS)
+    around: Callable | None = None  # dcp: a context manager factory each of its calls runs inside (bound_peers)
     call: Callable[[], object] | None = None
     first_s: float = 0.0
     build_s: float = 0.0  # building the side's model before its first call (copy, parallelize, compile wrappers)
@@ -155,7 +157,7 @@ class Side:
     out: torch.Tensor | None = None
     fills: list = field(default_factory=list)  # one forward's fake collective writes (bound_fill.recording)
     fill_ms: float = 0.0  # their device time, replayed alone (bound_fill.replay_ms)
-    label: str | None = None  # dcp: what diffusers ran ('ulysses', 'ulysses_anything', 'ring')
+    label: str | None = None  # dcp: what the peer ran (diffusers: 'ulysses', 'ulysses_anything', 'ring')
     error: str | None = None  # dcp: why the side could not run (a row with the reason; the others still run)
     step_ms: list = field(default_factory=list)  # --steps: the last timed loop's per-step times
     fullgraph: bool = True  # compiled whole (every side) or, a dcp side Dynamo cannot, with graph breaks
@@ -182,10 +184,11 @@ class Side:
         return None if h is None else h >= HOST_BOUND * self.ms
 
 
-def _make_call(m, spec, kw, margs, device, count=None, step_log=None):
+def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=None):
     """The side's call: one forward, or with ``margs.steps`` a denoising loop of that many steps
     (:func:`cp_ops.cli.run.denoise`: the model's scheduler; returns the final latents, ``step_log`` gets the loop's
-    per-step ms). ``count[0]`` += 1 per Python-level call, when given; eager+graphs and +capture: captured."""
+    per-step ms). ``count[0]`` += 1 per Python-level call, when given; ``around()``: a context manager each
+    Python-level call runs inside (a peer's process-wide state); eager+graphs and +capture: captured."""
     from .run import _forward_fn, denoise
 
     if margs.steps:
@@ -196,6 +199,12 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None):
             return lat
     else:
         fwd = _forward_fn(m, spec, kw, margs)
+    if around is not None:
+        bare = fwd
+
+        def fwd():
+            with around():
+                return bare()
     if count is not None:
         inner = fwd
 
@@ -208,10 +217,10 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None):
 
 
 def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
-    """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain, diffusers' CP for dcp),
+    """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain, a peer's CP for dcp),
     compile it as ``margs`` says, run and time its first call; sets ``side.call``, ``side.first_s`` and ``side.out``.
 
-    A dcp side (diffusers' own CP) that Dynamo cannot compile whole (``fullgraph=True``, as every other side) is
+    A dcp side (a peer's own CP) that Dynamo cannot compile whole (``fullgraph=True``, as every other side) is
     built again and compiled with graph breaks (``fullgraph=False``): ``side.fullgraph_error`` says why."""
     try:
         return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
@@ -227,7 +236,7 @@ def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
 
 def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, fullgraph: bool) -> None:
     from ..integrations.diffusers import parallelize
-    from . import bound_diffusers
+    from . import bound_peers
     from .run import compile_model
 
     t_build = time.perf_counter()
@@ -238,11 +247,12 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
         capture_safe.apply(m)
     eager_fills = None
     if side.kind == "dcp":
-        side.label = bound_diffusers.parallelize(m, side.mode, side.world, spec.heads(base.config), device)
-        if margs.compile:  # compiled, diffusers' collectives are traced: the writes are recorded from one eager call
+        built = bound_peers.parallelize(side.peer, m, side.mode, groups[side.world], spec.heads(base.config), device)
+        side.label, side.around = built.label, built.around
+        if margs.compile:  # compiled, the peer's collectives are traced: the writes are recorded from one eager call
             eager = SimpleNamespace(compile=None, cuda_graphs=False, no_overlap=False, steps=margs.steps, cfg=False)
             with bound_fill.recording() as eager_fills:
-                _make_call(m, spec, kw, eager, device)()
+                _make_call(m, spec, kw, eager, device, around=side.around)()
     elif side.kind != "diffusers":
         parallelize(m, groups[side.world], mode=side.mode, transport="torch", chunks=args.chunks,
                     cuda_graphs=False)  # the bound compiles and captures every side alike itself
@@ -258,7 +268,7 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
     side.build_s = t0 - t_build
     count = [0]
     with bound_fill.recording() as rec:  # the first call runs Python (later graph replays may not): one forward's writes
-        call = _make_call(m, spec, kw, margs, device, count, side.step_ms)
+        call = _make_call(m, spec, kw, margs, device, count, side.step_ms, side.around)
         out = call()
     _sync(device)
     side.first_s = time.perf_counter() - t0
