@@ -85,6 +85,10 @@ class FilledFakeGroup(dist.ProcessGroup):
         self._fill("_allgather_base", out, inp)
         return _completed()
 
+    def all_gather_single(self, out, inp, opts=None):  # torch >= 2.13's name of dist.all_gather_into_tensor's call
+        self._fill("_allgather_base", out, inp)
+        return _completed()
+
     def allgather_into_tensor_coalesced(self, outs, ins, opts=None):
         for out, inp in zip(outs, ins):
             self._fill("allgather_into_tensor_coalesced", out, inp)

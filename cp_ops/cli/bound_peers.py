@@ -102,13 +102,13 @@ def own_class_patches(model: torch.nn.Module):
                     o.__class__ = own
 
 
-def _diffusers(model, layout: str, group, heads: int | None, device: torch.device) -> Built:
+def _diffusers(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     from . import bound_diffusers
 
     return Built(bound_diffusers.parallelize(model, layout, group.size(), heads, device))
 
 
-def _paraattn(model, layout: str, group, heads: int | None, device: torch.device) -> Built:
+def _paraattn(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     """para-attn's README: ``parallelize_pipe(pipe)`` over ``init_context_parallel_mesh(device_type)`` (every rank
     Ulysses; ``max_ring_dim_size`` makes ring dims). Its forward chunks the RoPE ids over the default group at call
     time: each call runs inside :func:`world_of`. Refuses (its own ValueError) a transformer class it has no adapter
@@ -147,7 +147,7 @@ def _paraattn_gqa_compat() -> None:
     pai.ring_attn_func = drop(pai.ring_attn_func)
 
 
-def _cachedit(model, layout: str, group, heads: int | None, device: torch.device) -> Built:
+def _cachedit(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     """cache-dit's README: ``cache_dit.enable_cache(transformer, parallelism_config=ParallelismConfig(ulysses_size=W))``
     (``ring_size=W`` for ring), no cache config: its context parallelism alone (its own copy of diffusers' CP hooks and
     its attention backend, ``'native'``). Its mesh spans the default group: built inside :func:`world_of`."""
@@ -161,19 +161,150 @@ def _cachedit(model, layout: str, group, heads: int | None, device: torch.device
     return Built(layout, around=lambda: world_of(group))
 
 
+#: xfuser's process-wide parallel state (module globals of xfuser.core.distributed.parallel_state)
+_XDIT_GROUPS = ("_WORLD", "_TP", "_SP", "_PP", "_CFG", "_DP", "_FS", "_DIT", "_VAE", "_MODEL_REPLICA")
+
+#: the diffusers transformer class -> xDiT's wrapper class of it (its module under
+#: xfuser.model_executor.models.transformers, its name): what xDiT's model runner loads for FLUX.1, Wan and Qwen-Image
+_XDIT_WRAPPERS = {
+    "FluxTransformer2DModel": ("transformer_flux", "xFuserFlux1Transformer2DWrapper"),
+    "WanTransformer3DModel": ("transformer_wan", "xFuserWanTransformer3DWrapper"),
+    "QwenImageTransformer2DModel": ("transformer_qwen", "xFuserQwenImageTransformerWrapper"),
+}
+
+
+def _xdit_state() -> dict:
+    """xDiT's process-wide state: its groups (parallel_state), yunchang's Ulysses/ring groups, its runtime state."""
+    import xfuser.core.distributed.parallel_state as ps
+    import xfuser.core.distributed.runtime_state as rs
+    from yunchang.globals import PROCESS_GROUP
+
+    return dict(groups={k: getattr(ps, k) for k in _XDIT_GROUPS}, runtime=rs._RUNTIME,
+                yunchang=dict(vars(PROCESS_GROUP)))
+
+
+def _set_xdit_state(state: dict | None) -> None:
+    """Install ``state`` (:func:`_xdit_state`; None: none initialized)."""
+    import xfuser.core.distributed.parallel_state as ps
+    import xfuser.core.distributed.runtime_state as rs
+    from yunchang.globals import PROCESS_GROUP
+
+    for k in _XDIT_GROUPS:
+        setattr(ps, k, None if state is None else state["groups"][k])
+    rs._RUNTIME = None if state is None else state["runtime"]
+    for k in ("ULYSSES_PG", "RING_PG"):
+        setattr(PROCESS_GROUP, k, None)
+    if state is not None:
+        vars(PROCESS_GROUP).update(state["yunchang"])
+
+
+@contextlib.contextmanager
+def _xdit_active(state: dict, group):
+    """While active, ``state`` is xDiT's state and ``group`` the default group (:func:`world_of`)."""
+    prev = _xdit_state()
+    _set_xdit_state(state)
+    try:
+        with world_of(group):
+            yield
+    finally:
+        _set_xdit_state(prev)
+
+
+@contextlib.contextmanager
+def _groups_of_the_default_backend():
+    """xDiT makes each group twice, with the device's backend (NCCL) and with gloo; on the fake group every group is
+    made with the default group's backend instead (a fake group that writes its outputs), so nothing connects."""
+    import torch.distributed.distributed_c10d as c10d
+
+    made = c10d.new_group
+
+    def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        return made(ranks, timeout, None, *args, **kwargs)
+
+    dist.new_group = c10d.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = c10d.new_group = made
+
+
+def _xdit(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
+    """xDiT's model runner (``xdit --model ... --ulysses_degree W``, README "Using model runner"), done on the model
+    in hand: its process-wide groups (``init_distributed_environment``, ``initialize_model_parallel`` through
+    ``initialize_runtime_state`` of an ``xFuserArgs(ulysses_degree=W)`` config; ``ring_degree=W`` for ring), then
+    the model turned into xDiT's wrapper class of it (the class the runner loads the checkpoint into: its forward
+    splits the sequence, its processors call USP), on the same weights. Its groups and runtime state are global:
+    each side keeps its own and installs them around each call (:func:`_xdit_active`). Refuses a transformer class
+    it has no wrapper for; xfuser itself refuses a machine without an accelerator (at import)."""
+    import importlib
+    import inspect
+
+    from xfuser.config import xFuserArgs
+    from xfuser.core.distributed import get_runtime_state, init_distributed_environment, initialize_runtime_state
+
+    name = type(model).__name__
+    if name not in _XDIT_WRAPPERS:
+        raise ValueError(f"xDiT has no wrapper for {name} (it wraps {', '.join(_XDIT_WRAPPERS)} here)")
+    where, wrapper_name = _XDIT_WRAPPERS[name]
+    wrapper = getattr(importlib.import_module(f"xfuser.model_executor.models.transformers.{where}"), wrapper_name)
+    w = group.size()
+    degrees = dict(ulysses_degree=w) if layout == "ulysses" else dict(ring_degree=w)
+    device = torch.device(device)
+    prev = _xdit_state()
+    _set_xdit_state(None)
+    try:
+        with world_of(group), _groups_of_the_default_backend():
+            init_distributed_environment(world_size=w, rank=0, local_rank=device.index or 0)
+            args = xFuserArgs(model=name, **degrees)
+            engine_config, _ = args.create_config()
+            pipe = type(name.split("Transformer")[0] + "Pipeline", (), {})()  # what the runtime state reads of one
+            pipe.transformer, pipe.vae_scale_factor = model, 8
+            pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = 8, 4
+            initialize_runtime_state(pipe, engine_config)
+            text = (inputs or {}).get("encoder_hidden_states")
+            get_runtime_state().set_input_parameters(  # as the runner does before calling the pipeline
+                batch_size=1 if text is None else text.shape[0], num_inference_steps=28,
+                max_condition_sequence_length=None if text is None else text.shape[1],
+                split_text_embed_in_sp=True)
+            init = inspect.signature(wrapper.__init__).parameters
+            kwargs = {k: v for k, v in model.config.items() if k in init}
+            if "attention_kwargs" in init:  # Wan: what the runner passes
+                from xfuser.model_executor.models.runner_models.wan import _build_attention_kwargs
+
+                kwargs["attention_kwargs"] = _build_attention_kwargs(args)
+            base = type(model)
+            model.__class__ = wrapper
+            own_init = base.__dict__["__init__"]
+            base.__init__ = lambda self, *a, **k: None  # the model exists: only the wrapper's own part of __init__
+            try:
+                wrapper.__init__(model, **kwargs)
+            finally:
+                base.__init__ = own_init
+            model.to(device)  # the wrapper's new buffers (the weights are there already: not copied)
+            state = _xdit_state()
+    finally:
+        _set_xdit_state(prev)
+    return Built(layout, around=lambda: _xdit_active(state, group))
+
+
+
 #: the peers --compare takes, in the order their sides are built
 PEERS = {p.name: p for p in (
     Peer("diffusers", "diffusers", "pip install diffusers", ("ulysses", "ring"), _diffusers),
     Peer("paraattn", "para_attn", "pip install --no-deps para-attn==0.3.38 (an sdist: built with setuptools-scm)",
          ("ulysses", "ring"), _paraattn),
+    Peer("xdit", "xfuser", "pip install --no-deps xfuser==0.7.0 yunchang==0.6.4 distvae==0.1.0 einops (--no-deps: "
+         "xfuser's own requirements would move torch/diffusers); it needs an accelerator and triton",
+         ("ulysses", "ring"), _xdit),
     Peer("cache-dit", "cache_dit", "pip install --no-deps cache-dit==1.5.3", ("ulysses", "ring"), _cachedit),
 )}
 
 
 def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.ProcessGroup, heads: int | None,
-                device: torch.device) -> Built:
+                device: torch.device, inputs: dict | None = None) -> Built:
     """Parallelize ``model`` in place with peer ``name``'s ``layout`` over ``group`` (a fake group of W ranks, this
-    process rank 0). Raises RuntimeError naming the install line when the peer is not installed, ValueError for an
+    process rank 0); ``inputs``: the forward's keyword arguments (what a peer's runtime state is told of them).
+    Raises RuntimeError naming the install line when the peer is not installed, ValueError for an
     unknown peer or layout, and whatever the peer raises when it refuses the model."""
     peer = PEERS.get(name)
     if peer is None:
@@ -183,4 +314,4 @@ def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.Proc
     if importlib.util.find_spec(peer.module) is None:
         raise RuntimeError(f"{name} is not installed: {peer.install}")
     with own_class_patches(model):
-        return peer.build(model, layout, group, heads, device)
+        return peer.build(model, layout, group, heads, device, inputs or {})

@@ -247,7 +247,8 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
         capture_safe.apply(m)
     eager_fills = None
     if side.kind == "dcp":
-        built = bound_peers.parallelize(side.peer, m, side.mode, groups[side.world], spec.heads(base.config), device)
+        built = bound_peers.parallelize(side.peer, m, side.mode, groups[side.world], spec.heads(base.config), device,
+                                        kw)
         side.label, side.around = built.label, built.around
         if margs.compile:  # compiled, the peer's collectives are traced: the writes are recorded from one eager call
             eager = SimpleNamespace(compile=None, cuda_graphs=False, no_overlap=False, steps=margs.steps, cfg=False)
