@@ -1,0 +1,187 @@
+"""Other libraries' context parallelism beside cp_ops (cp_ops.cli.bound_peers): ``cp-ops bound MODEL --compare
+PEER[,PEER...]`` on the tiny configs, one CPU, fake groups of 2 ranks — each installed peer's rows, a refusal listed
+with its reason (never raised), a peer's class patches kept to its own model, a missing peer named with its install
+line — and each peer that runs on CPU parallelized on a real 2-rank gloo group against one device.
+
+The peers: ``pip install -e .[test]`` installs para-attn and cache-dit (they run on CPU); xDiT (xfuser) needs an
+accelerator (it raises at import without one): its CPU rows are refusals, its outputs are checked on one GPU
+(tests/test_one_gpu_peers.py)."""
+
+import argparse
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils._python_dispatch
+from dist_util import run_ranks
+
+from cp_ops.cli import bound, bound_fill, bound_peers
+from cp_ops.cli.main import main
+from cp_ops.cli.models import MODELS, build
+
+HAS = {p.name: importlib.util.find_spec(p.module) is not None for p in bound_peers.PEERS.values()}
+
+
+def _needs(peer):
+    return pytest.mark.skipif(not HAS[peer], reason=f"{peer} is not installed: {bound_peers.PEERS[peer].install}")
+
+
+def _args(model, **kw):
+    f, h, w = MODELS[model].cpu_latent
+    base = dict(model=model, config="tiny", checkpoint=None, layers=None, frames=f, height=h, width=w,
+                text_tokens=16, batch=1, dtype="fp32", mode="auto", chunks=1, bound=[2], bound_compile=["eager"],
+                cost=False, no_group1=True, profile=None, warmup=0, repeats=1, out=None, unwritten=False, steps=0,
+                compare=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_compare_peers_rows_and_refusals():
+    """FLUX tiny at W=2 with every peer: one row per peer and layout after cp_ops'. A peer that runs on CPU
+    (para-attn and cache-dit Ulysses) is measured: finite bound, the full output shape, finite outputs, its
+    all-to-alls written (two or more per attention); a refusal (ring on CPU: torch's ring attention and cache-dit's
+    need CUDA; xDiT needs an accelerator or is not installed) is a row with a one-line reason, not an error."""
+    rows = bound.run_bound(_args("flux", compare=["paraattn", "xdit", "cache-dit"]), torch.device("cpu"))
+    assert not dist.is_initialized()
+    assert [r["impl"] for r in rows] == ["cp_ops", "paraattn ulysses", "paraattn ring", "xdit ulysses", "xdit ring",
+                                         "cache-dit ulysses", "cache-dit ring"]
+    spec = MODELS["flux"]
+    attn = sum(spec.configs["tiny"][k] for k in spec.layer_keys)
+    by = {r["impl"]: r for r in rows}
+    for impl in ("paraattn ulysses", "cache-dit ulysses"):
+        r = by[impl]
+        if not HAS[impl.split()[0]]:
+            assert "not installed: pip install" in r["skipped"], r
+            continue
+        assert "skipped" not in r, r
+        assert r["mode"] == "ulysses" and r["output_shape_ok"] and r["outputs_finite"] and "invalid" not in r, r
+        assert math.isfinite(r["bound_speedup"]) and r["bound_speedup"] > 0 and r["fills"] >= 2 * attn, r
+    for impl in ("paraattn ring", "xdit ulysses", "xdit ring", "cache-dit ring"):
+        reason = by[impl]["skipped"]
+        assert reason and "\n" not in reason and len(reason) < 400, by[impl]
+    if not HAS["xdit"]:
+        assert "pip install" in by["xdit ulysses"]["skipped"]
+
+
+@_needs("paraattn")
+def test_refused_model_is_a_row_not_an_error():
+    """Qwen-Image has no para-attn adapter: its sides are rows with para-attn's own reason, cp_ops' row is measured."""
+    rows = bound.run_bound(_args("qwenimage", compare=["paraattn"]), torch.device("cpu"))
+    by = {r["impl"]: r for r in rows}
+    assert math.isfinite(by["cp_ops"]["bound_speedup"])
+    for impl in ("paraattn ulysses", "paraattn ring"):
+        assert "QwenImageTransformer2DModel" in by[impl]["skipped"], by[impl]
+
+
+@pytest.fixture
+def fake_world_2():
+    """The fake group of 2 ranks inside a fake default group of 4 (this process rank 0 of both), as the bound makes."""
+    groups = bound.fake_groups([2, 4])
+    yield groups[2]
+    dist.destroy_process_group()
+
+
+@_needs("cache-dit")
+def test_class_patches_kept_to_the_peers_model(fake_world_2):
+    """cache-dit sets WanAttnProcessor.__call__ for the whole process; parallelize keeps it to its own model: diffusers'
+    class is unchanged after, another Wan model still runs diffusers' processor, the peer's model cache-dit's."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    own = WanAttnProcessor.__call__
+    model, _ = build(MODELS["wan"], "tiny", None, "cpu", torch.float32)
+    other, _ = build(MODELS["wan"], "tiny", None, "cpu", torch.float32)
+    bound_peers.parallelize("cache-dit", model, "ulysses", fake_world_2, 2, torch.device("cpu"))
+    assert WanAttnProcessor.__call__ is own
+    proc = model.blocks[0].attn1.processor
+    assert type(proc) is not WanAttnProcessor and isinstance(proc, WanAttnProcessor)
+    assert type(proc).__call__ is not own
+    assert type(other.blocks[0].attn1.processor) is WanAttnProcessor
+
+
+def test_missing_peer_names_its_install_line(monkeypatch, fake_world_2):
+    fake = bound_peers.Peer("nope", "cp_ops_no_such_module", "pip install nope==1.0", ("ulysses",), None)
+    monkeypatch.setitem(bound_peers.PEERS, "nope", fake)
+    with pytest.raises(RuntimeError, match=r"nope is not installed: pip install nope==1\.0"):
+        bound_peers.parallelize("nope", torch.nn.Linear(2, 2), "ulysses", fake_world_2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="layouts are ulysses; got 'ring'"):
+        bound_peers.parallelize("nope", torch.nn.Linear(2, 2), "ring", fake_world_2, 2, torch.device("cpu"))
+
+
+def test_compare_takes_only_known_peers(capsys):
+    assert main(["bound", "flux", "--device", "cpu", "--worlds", "2", "--compare", "diffusers,ringflash"]) == 2
+    text = capsys.readouterr()
+    assert "--compare takes diffusers,paraattn,xdit,cache-dit; got ringflash" in text.err + text.out, text
+
+
+def test_world_of_makes_the_w_group_the_default(fake_world_2):
+    """While a peer builds or runs, its W-rank fake group is the default group (each README runs the peer on a world of
+    W ranks); groups made inside write their outputs; the real default comes back after."""
+    top = dist.group.WORLD
+    assert dist.get_world_size() == 4
+    with bound_peers.world_of(fake_world_2):
+        assert dist.get_world_size() == 2 and dist.group.WORLD is fake_world_2
+        g = dist.new_group([0, 1])
+        assert bound_fill.is_filled(g)
+    assert dist.group.WORLD is top and dist.get_world_size() == 4
+
+
+def test_all_gather_into_tensor_is_written_and_recorded(fake_world_2):
+    """dist.all_gather_into_tensor on a filled fake group (torch 2.13 calls ProcessGroup.all_gather_single, 2.11
+    _allgather_base): this rank's data in every slot, one recorded write (xDiT gathers its output so)."""
+    x = torch.randn(3, 4)
+    out = torch.full((6, 4), float("nan"))
+    with bound_fill.recording() as rec:
+        dist.all_gather_into_tensor(out, x, group=fake_world_2)
+    assert torch.equal(out[:3], x) and torch.equal(out[3:], x)
+    assert [r[:3] for r in rec] == [("_allgather_base", (6, 4), (3, 4))]
+
+
+class _Collectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the collectives (functional and c10d ops) a block dispatches."""
+
+    def __enter__(self):
+        self.count, self.names = 0, []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if any(w in name for w in ("all_to_all", "alltoall", "all_gather", "allgather")):
+            self.count += 1
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _peer_vs_one_device(rank, world, peer, model_name):
+    """On each of ``world`` real gloo ranks: the tiny model parallelized by ``peer`` (Ulysses, the whole world as its
+    group, as its README runs it) returns the full output of one device, within fp32 rounding (the same SDPA per head,
+    other shapes)."""
+    torch.manual_seed(0)
+    spec = MODELS[model_name]
+    model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+    f, h, w = spec.cpu_latent
+    g = torch.Generator().manual_seed(5)
+    kw = spec.make_inputs(cfg, 16, 1, f, h, w, torch.device("cpu"), torch.float32, g)
+    with torch.no_grad():
+        ref = spec.predict(model, kw)
+        built = bound_peers.parallelize(peer, model, "ulysses", dist.group.WORLD, spec.heads(cfg), torch.device("cpu"),
+                                        kw)
+        with built.around() if built.around else torch.no_grad(), _Collectives() as seen:
+            out = spec.predict(model, kw)
+    attn = sum(cfg[k] for k in spec.layer_keys)
+    assert seen.count >= 2 * attn, (peer, seen.names)  # it did run parallel: an all-to-all in and out per attention
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, (peer, model_name, rank, err)
+
+
+@pytest.mark.parametrize("peer, model_name", [
+    pytest.param("paraattn", "flux", marks=_needs("paraattn")),
+    pytest.param("cache-dit", "flux", marks=_needs("cache-dit")),
+    pytest.param("cache-dit", "wan", marks=_needs("cache-dit")),
+    pytest.param("xdit", "flux", marks=pytest.mark.skip(
+        reason="xfuser needs an accelerator (it raises at import without one): tests/test_one_gpu_peers.py")),
+])
+def test_peer_output_equals_one_device_on_two_gloo_ranks(peer, model_name):
+    run_ranks(_peer_vs_one_device, 2, peer, model_name, timeout=120)
