@@ -261,11 +261,12 @@ def _xdit(model, layout: str, group, heads: int | None, device: torch.device, in
             pipe.transformer, pipe.vae_scale_factor = model, 8
             pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = 8, 4
             initialize_runtime_state(pipe, engine_config)
-            text = (inputs or {}).get("encoder_hidden_states")
-            get_runtime_state().set_input_parameters(  # as the runner does before calling the pipeline
-                batch_size=1 if text is None else text.shape[0], num_inference_steps=28,
-                max_condition_sequence_length=None if text is None else text.shape[1],
-                split_text_embed_in_sp=True)
+            text, latents = inputs.get("encoder_hidden_states"), inputs.get("hidden_states")
+            if latents is None or latents.dim() != 5:  # an image model: as the runner does before calling the pipeline
+                get_runtime_state().set_input_parameters(  # (its video models' runners set nothing)
+                    batch_size=1 if text is None else text.shape[0], num_inference_steps=28,
+                    max_condition_sequence_length=None if text is None else text.shape[1],
+                    split_text_embed_in_sp=True)
             init = inspect.signature(wrapper.__init__).parameters
             kwargs = {k: v for k, v in model.config.items() if k in init}
             if "attention_kwargs" in init:  # Wan: what the runner passes
