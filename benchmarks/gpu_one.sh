@@ -20,7 +20,10 @@
 #           exception between launch and wait, the go-ahead gate, 10 whole-forward graphs freed and recaptured, two
 #           streams) (same JSON);
 #   sharebench — cp-ops bench --share-device (its times are no speed numbers: the run checks the outputs);
-#   nvshmem — whether NVSHMEM starts W PEs on one GPU under CUDA MPS (a daemon started and stopped here).
+#   nvshmem — whether NVSHMEM starts W PEs on one GPU under CUDA MPS (a daemon started and stopped here);
+#   peers — other libraries' CP beside cp_ops (wheels in .whl_peers/): their outputs vs one device, then their bound
+#           (cp-ops bound --compare; PEERS_STEPS of benchmarks/gpu_steps.sh, default "tpeers peers_flux"), JSON in
+#           OUT_DIR/peers/json/ (benchmarks/results/peers/).
 # A section may name its world sizes: shared:w8, wan:w2,w4 (pytest -k "<section's tests> and (w2 or w4)").
 # Lanes: an argument holding '/' runs its parts at once (each part: sections joined by '+', in order, logged to
 # OUT_DIR/log_<n>.txt), e.g.  build 'shared:w2,w4+faults/shared:w8+sharebench/wan'  (keep the parts that hold big
@@ -95,6 +98,8 @@ section() { local s=${1%%:*} w=""; [ "$1" != "$s" ] && w=${1#*:}
            -k "$(kw "${MPS_K:-shared_device and nvshmem}" "$w")"
          echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
          tail -5 /tmp/mps_log/control.log 2>/dev/null | tee -a "$LOG" ;;
+  peers) (OUT=$OUT/peers END=${PEERS_END:-540} STEPS="${PEERS_STEPS:-tpeers peers_flux}" bash benchmarks/gpu_steps.sh) \
+           || status=1 ;;
   bound) DEADLINE=${BOUND_DEADLINE:-200} BOUND_W=${BOUND_W:-2,4,8} STEP_TIMEOUT=${BOUND_STEP_TIMEOUT:-150} \
            bash benchmarks/gpu_bound.sh "$OUT/bound" ${BOUND_STEPS:-zimage@eager wan:1.3b@regional+graphs} \
            || status=1 ;;

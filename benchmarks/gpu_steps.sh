@@ -26,7 +26,7 @@ st() {
   echo "=== $name: rc=${PIPESTATUS[0]} at t=$((SECONDS - T0)) s" | tee -a "$LOG"
 }
 B="python3 -m cp_ops bound"; R="--no-group1 --warmup 1 --repeats 3"; RC="--compile-modes regional+capture,regional+graphs --cost"
-PT="python3 -m pytest -q -rs -p no:cacheprovider"
+PT="python3 -m pytest -q -rs -p no:cacheprovider"; PEERS=${PEERS:-diffusers,paraattn,xdit,cache-dit}
 for s in ${STEPS:?STEPS names the steps}; do case $s in
   # GPU tests: whole-forward capture and one-GPU tests (fake group, the extension's merge); two ranks on one GPU; FP8's fused Triton kernels with a fresh
   # Triton cache (their first-use check); CPU tests of compiled uneven shards under this machine's torch
@@ -46,6 +46,14 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   # diffusers' own CP beside cp_ops (eager and per-block graphs; one capture of the whole forward)
   cmp_flux)  st $s 240 90 $B flux --worlds 2,4,8 --compile-modes eager,regional+graphs --compare diffusers $R --out $W/$s.json ;;
   cmp_flux_rc) st $s 200 90 $B flux --worlds 2,4,8 --compile-modes regional+capture --compare diffusers $R --out $W/$s.json ;;
+  # the peers beside cp_ops (cp-ops bound --compare: diffusers, para-attn, xDiT, cache-dit; their wheels in .whl_peers/):
+  # their outputs vs one device (two ranks sharing the GPU), then eager and the whole forward captured at W = 2, 4, 8,
+  # per-block graphs at W = 4 (every compiled side compiles its blocks: one W keeps it in a call)
+  tpeers)    st $s 300 60 $PT -m gpu tests/test_one_gpu_peers.py ;;
+  peers_flux) st $s 400 120 $B flux --worlds ${PW:-2,4,8} --compile-modes eager,eager+graphs --compare $PEERS $R --out $W/$s.json ;;
+  peers_flux_rg) st $s 400 150 $B flux --worlds ${PW:-4} --compile-modes regional+graphs --compare $PEERS $R --out $W/$s.json ;;
+  peers_wan) st $s 300 90 $B wan --config 1.3b --worlds ${PW:-2,4,8} --compile-modes eager,eager+graphs --compare $PEERS $R --out $W/$s.json ;;
+  peers_qwen) st $s 300 90 $B qwenimage --worlds ${PW:-2,4,8} --compile-modes eager,eager+graphs --compare $PEERS $R --out $W/$s.json ;;
   # the whole forward captured without compile (eager + graphs), with cp_ops' cost
   eg_qwen)   st $s 150 60 $B qwenimage --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
   eg_flux_unev) st $s 110 40 $B flux --height 126 --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;

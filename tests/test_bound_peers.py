@@ -185,3 +185,29 @@ def _peer_vs_one_device(rank, world, peer, model_name):
 ])
 def test_peer_output_equals_one_device_on_two_gloo_ranks(peer, model_name):
     run_ranks(_peer_vs_one_device, 2, peer, model_name, timeout=120)
+
+
+def test_gpu_one_peers_section_runs_the_peer_steps(tmp_path):
+    """benchmarks/gpu_one.sh OUT peers: the carried peer wheels (.whl_peers/) installed with the others in one pip call,
+    then the one-GPU peer tests and the FLUX bound with every peer (benchmarks/gpu_steps.sh's tpeers, peers_flux); run
+    with stand-ins for python3 and nvidia-smi (tests/test_gpu_scripts.py)."""
+    import shutil
+    import subprocess
+
+    from test_gpu_scripts import _installs, _tree
+
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("needs bash and timeout")
+    root, env = _tree(tmp_path)
+    (root / ".whl_peers").mkdir()
+    (root / ".whl_peers" / "para_attn-0.3.38-py3-none-any.whl").write_bytes(b"")
+    r = subprocess.run(["bash", "benchmarks/gpu_one.sh", str(tmp_path / "out"), "peers"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls.log").read_text()
+    assert [i for i in _installs(tmp_path) if ".whl_peers/para_attn" in i and ".whl/fake" in i], calls
+    assert len(_installs(tmp_path)) == 1, calls
+    assert "tests/test_one_gpu_peers.py" in calls, calls
+    assert "-m cp_ops bound flux --worlds 2,4,8 --compile-modes eager,eager+graphs --compare " \
+           "diffusers,paraattn,xdit,cache-dit" in calls, calls
+    assert "out/peers/json/peers_flux.json" in calls, calls
