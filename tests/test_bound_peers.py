@@ -75,6 +75,24 @@ def test_refused_model_is_a_row_not_an_error():
         assert "QwenImageTransformer2DModel" in by[impl]["skipped"], by[impl]
 
 
+@_needs("paraattn")
+def test_refused_side_in_a_compiled_mode_keeps_the_others_compiled(monkeypatch):
+    """A peer side refused in a compiled mode (para-attn's ring on CPU) frees what it built without Dynamo's reset: the
+    sides built before it keep their compiled code (a reset made every one compile again in the timed rounds: on a GPU
+    tens of seconds per side, per refusal). compile_model is stubbed (no Inductor on CPU)."""
+    from cp_ops.cli import run
+
+    monkeypatch.setattr(run, "compile_model", lambda model, spec, args, overlap, kw_in=None: (model, 0))
+    resets, at_rounds = [], []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    rounds = bound._time_sides
+    monkeypatch.setattr(bound, "_time_sides", lambda *a, **k: (at_rounds.append(len(resets)), rounds(*a, **k))[1])
+    rows = bound.run_bound(_args("flux", compare=["paraattn"], bound_compile=["regional"]), torch.device("cpu"))
+    by = {r["impl"]: r for r in rows}
+    assert by["paraattn ring"]["skipped"] and "skipped" not in by["paraattn ulysses"], rows
+    assert at_rounds == [0], (at_rounds, resets)
+
+
 @pytest.fixture
 def fake_world_2():
     """The fake group of 2 ranks inside a fake default group of 4 (this process rank 0 of both), as the bound makes."""

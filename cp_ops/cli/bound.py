@@ -205,7 +205,8 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                         raise
                     s.error, s.call = _reason(e), None
                     print(f"  [{mode_text}] {s.name}: failed: {s.error}", flush=True)
-                    _free(device, reset=base_mode != "eager")
+                    # not Dynamo's reset: the sides built before would all compile again in the rounds
+                    _free(device, reset=False)
                     continue
                 if not margs.steps:  # one more forward, timed alone: a run killed before the rounds keeps it
                     s.second_ms = time_ms(s.call, device, 0, 1)

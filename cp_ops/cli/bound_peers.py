@@ -292,12 +292,11 @@ def _xdit(model, layout: str, group, heads: int | None, device: torch.device, in
 #: the peers --compare takes, in the order their sides are built
 PEERS = {p.name: p for p in (
     Peer("diffusers", "diffusers", "pip install diffusers", ("ulysses", "ring"), _diffusers),
-    Peer("paraattn", "para_attn", "pip install --no-deps para-attn==0.3.38 (an sdist: built with setuptools-scm)",
-         ("ulysses", "ring"), _paraattn),
-    Peer("xdit", "xfuser", "pip install --no-deps xfuser==0.7.0 yunchang==0.6.4 distvae==0.1.0 einops (--no-deps: "
-         "xfuser's own requirements would move torch/diffusers); it needs an accelerator and triton",
+    Peer("paraattn", "para_attn", "pip install para-attn==0.3.38 (or cp_ops[peers])", ("ulysses", "ring"), _paraattn),
+    Peer("xdit", "xfuser", "pip install xfuser==0.7.0 yunchang==0.6.4 (or cp_ops[peers]; it needs an accelerator)",
          ("ulysses", "ring"), _xdit),
-    Peer("cache-dit", "cache_dit", "pip install --no-deps cache-dit==1.5.3", ("ulysses", "ring"), _cachedit),
+    Peer("cache-dit", "cache_dit", "pip install cache-dit[parallelism]==1.5.3 (or cp_ops[peers])", ("ulysses", "ring"),
+         _cachedit),
 )}
 
 
