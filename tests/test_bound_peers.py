@@ -67,12 +67,17 @@ def test_compare_peers_rows_and_refusals():
 
 @_needs("paraattn")
 def test_refused_model_is_a_row_not_an_error():
-    """Qwen-Image has no para-attn adapter: its sides are rows with para-attn's own reason, cp_ops' row is measured."""
+    """Qwen-Image has no para-attn adapter: its sides are rows with para-attn's own reason, cp_ops' row is measured;
+    the results' markdown table (benchmarks/bound_table.py) names each refused side's W and impl."""
+    from cp_ops.cli.bound_report import results_table
+
     rows = bound.run_bound(_args("qwenimage", compare=["paraattn"]), torch.device("cpu"))
     by = {r["impl"]: r for r in rows}
     assert math.isfinite(by["cp_ops"]["bound_speedup"])
     for impl in ("paraattn ulysses", "paraattn ring"):
         assert "QwenImageTransformer2DModel" in by[impl]["skipped"], by[impl]
+    md = results_table(rows).splitlines()[2:]
+    assert len(md) == 3 and all("| 2 | paraattn " in ln and "failed: ValueError" in ln for ln in md[1:]), md
 
 
 @_needs("paraattn")

@@ -272,9 +272,10 @@ def results_table(rows: list[dict]) -> str:
            "cp_ops cost ms (%) |" + (" host ms rank 0 / plain (* host-bound) |" if host else ""),
            "|---|---|---|---|---|---|---|---|" + ("---|" if host else "")]
     for r in rows:
-        if "skipped" in r:
-            out.append(f"| {r['model']} {r['config']} | {r['compile']} | | | failed: {r['skipped']} | | | |"
-                       + (" |" if host else ""))
+        if "skipped" in r:  # a mode that failed (no W), or one side that did (a peer refusing: its W and impl)
+            who = f"{r['impl']} ({r.get('mode', '')})" if r.get("impl", "cp_ops") != "cp_ops" else ""
+            out.append(f"| {r['model']} {r['config']} | {r['compile']} | {r.get('world_size', '')} | {who} | "
+                       f"failed: {r['skipped']} | | | |" + (" |" if host else ""))
             continue
         comp = (r["compile"] or "eager") + (" + capture" if r["cuda_graphs"] == "forward" else
                                             " + graphs" if r["cuda_graphs"] else "")
