@@ -8,8 +8,10 @@ accelerator (it raises at import without one): its CPU rows are refusals, its ou
 (tests/test_one_gpu_peers.py)."""
 
 import argparse
+import copy
 import importlib.util
 import math
+import sys
 
 import pytest
 import torch
@@ -22,6 +24,41 @@ from cp_ops.cli.main import main
 from cp_ops.cli.models import MODELS, build
 
 HAS = {p.name: importlib.util.find_spec(p.module) is not None for p in bound_peers.PEERS.values()}
+
+
+@pytest.fixture(autouse=True)
+def _diffusers_attention_registry_restored():
+    """cache-dit registers its attention backends into diffusers' registry for the whole process (its 'native' replaces
+    diffusers'): each test here undoes what cache-dit registered (other registrations, cp_ops' own, stay), so the tests
+    after it in this process run diffusers' own backends."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry as reg
+
+    tables = ("_backends", "_constraints", "_supported_arg_names")
+    saved = {k: dict(getattr(reg, k)) for k in tables}
+    cp = copy.copy(reg._supports_context_parallel)
+    members = set(AttentionBackendName._member_map_)
+    yield
+    ours = [b for b, fn in reg._backends.items() if getattr(fn, "__module__", "").startswith("cache_dit")]
+    for b in ours:
+        for k in tables:
+            getattr(reg, k).pop(b, None)
+            if b in saved[k]:
+                getattr(reg, k)[b] = saved[k][b]
+        if isinstance(cp, set):
+            reg._supports_context_parallel.discard(b.value)
+            reg._supports_context_parallel.update(cp & {b.value})
+        else:
+            reg._supports_context_parallel.pop(b, None)
+            if b in cp:
+                reg._supports_context_parallel[b] = cp[b]
+        if b.name not in members:  # a member cache-dit added to diffusers' enum
+            type.__delattr__(AttentionBackendName, b.name)  # Enum's own __delattr__ refuses members
+            AttentionBackendName._member_map_.pop(b.name, None)
+            AttentionBackendName._value2member_map_.pop(b.value, None)
+            AttentionBackendName._member_names_.remove(b.name)
+    envs = sys.modules.get("cache_dit.envs")
+    if envs is not None:
+        envs.ENV.CACHE_DIT_CUSTOM_ATTN_ALREADY_DISPATCH = False
 
 
 def _needs(peer):
@@ -96,6 +133,26 @@ def test_refused_side_in_a_compiled_mode_keeps_the_others_compiled(monkeypatch):
     by = {r["impl"]: r for r in rows}
     assert by["paraattn ring"]["skipped"] and "skipped" not in by["paraattn ulysses"], rows
     assert at_rounds == [0], (at_rounds, resets)
+
+
+@_needs("cache-dit")
+def test_cache_dit_registers_its_backends_before_any_side_is_built(monkeypatch):
+    """cache-dit replaces diffusers' 'native' attention backend in diffusers' registry on first use; the bound has it do
+    so before the first side is built (compiled blocks built before would guard on the old registry and compile again
+    in the timed rounds)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    from cp_ops.cli import bound_sides
+
+    order = []
+    registry = _AttentionBackendRegistry._backends
+    real = bound_peers.prepare
+    monkeypatch.setattr(bound_peers, "prepare", lambda names: (order.append(("prepare", list(names))), real(names)))
+    build = bound_sides._prepare
+    monkeypatch.setattr(bound, "_prepare", lambda s, *a, **k: (order.append(("build", s.name)), build(s, *a, **k))[1])
+    bound.run_bound(_args("flux", compare=["cache-dit"]), torch.device("cpu"))
+    assert order[0] == ("prepare", ["cache-dit"]) and order[1] == ("build", "diffusers"), order
+    assert registry[AttentionBackendName("native")].__module__.startswith("cache_dit"), registry
 
 
 @pytest.fixture

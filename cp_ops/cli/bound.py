@@ -144,6 +144,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     # diffusers side compiled), it changed the backend registry that side's compiled blocks guard on, and the side
     # compiled its blocks again at its first timed call
     _private.register_backend(cp_ops_backend)
+    if compared(args):  # the same for what the peers register process-wide (cp_ops.cli.bound_peers)
+        from . import bound_peers
+
+        bound_peers.prepare(compared(args))
     written = bound_fill.is_filled(groups[max(groups)])
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
     layers = [cfg[k] for k in spec.layer_keys]

@@ -300,6 +300,21 @@ PEERS = {p.name: p for p in (
 )}
 
 
+def prepare(names: list[str]) -> None:
+    """What peers ``names`` change process-wide on first use, done before any side is built: cache-dit registers its
+    attention backends into diffusers' registry (replacing its ``native``), which the compiled blocks of sides built
+    before would guard on (each would compile again at its next call, in the timed rounds). A peer that cannot be
+    imported is left alone (its sides say why when they are built)."""
+    for name in names:
+        if name == "cache-dit" and importlib.util.find_spec("cache_dit") is not None:
+            try:
+                from cache_dit.attention import _maybe_register_custom_attn_backends
+
+                _maybe_register_custom_attn_backends()
+            except Exception:  # noqa: BLE001 - its sides report it
+                pass
+
+
 def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.ProcessGroup, heads: int | None,
                 device: torch.device, inputs: dict | None = None) -> Built:
     """Parallelize ``model`` in place with peer ``name``'s ``layout`` over ``group`` (a fake group of W ranks, this
