@@ -180,6 +180,27 @@ def test_class_patches_kept_to_the_peers_model(fake_world_2):
     assert type(other.blocks[0].attn1.processor) is WanAttnProcessor
 
 
+@_needs("paraattn")
+def test_paraattn_on_two_ranks_of_a_fake_world_of_four(fake_world_2):
+    """W below the fake world's size (the bound's W = 2 inside its default group of max(W) ranks): para-attn's forward
+    chunks its RoPE ids over the default group, which is the W-rank group while its side runs (world_of); the output
+    has the full shape and is finite (the fake all-to-alls write real data)."""
+    spec = MODELS["flux"]
+    model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+    f, h, w = spec.cpu_latent
+    kw = spec.make_inputs(cfg, 16, 1, f, h, w, torch.device("cpu"), torch.float32, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = spec.predict(model, kw)
+        built = bound_peers.parallelize("paraattn", model, "ulysses", fake_world_2, 4, torch.device("cpu"), kw)
+        with built.around(), bound_fill.recording() as rec:
+            out = spec.predict(model, kw)
+    assert out.shape == ref.shape and torch.isfinite(out).all(), out.shape
+    # its all-to-alls move W = 2 ranks' blocks: this rank's half of the joint (image + text) sequence, every head
+    joint = (spec.tokens(cfg, f, h, w) + 16) // 2 * cfg["num_attention_heads"] * cfg["attention_head_dim"]
+    a2a = [r for r in rec if r[0] == "alltoall_base"]
+    assert a2a and all(r[2] == (joint,) for r in a2a), (joint, a2a)
+
+
 def test_missing_peer_names_its_install_line(monkeypatch, fake_world_2):
     fake = bound_peers.Peer("nope", "cp_ops_no_such_module", "pip install nope==1.0", ("ulysses",), None)
     monkeypatch.setitem(bound_peers.PEERS, "nope", fake)
