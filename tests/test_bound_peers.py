@@ -75,13 +75,27 @@ def _args(model, **kw):
     return argparse.Namespace(**base)
 
 
-def test_compare_peers_rows_and_refusals():
+def test_compare_peers_rows_and_refusals(monkeypatch):
     """FLUX tiny at W=2 with every peer: one row per peer and layout after cp_ops'. A peer that runs on CPU
     (para-attn and cache-dit Ulysses) is measured: finite bound, the full output shape, finite outputs, its
     all-to-alls written (two or more per attention); a refusal (ring on CPU: torch's ring attention and cache-dit's
-    need CUDA; xDiT needs an accelerator or is not installed) is a row with a one-line reason, not an error."""
+    need CUDA; xDiT needs an accelerator or is not installed) is a row with a one-line reason, not an error.
+    cache-dit replaces diffusers' 'native' attention backend in diffusers' registry on first use: the bound has it do
+    so before the first side is built (compiled blocks built before would guard on the old registry and compile again
+    in the timed rounds)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    order = []
+    real = bound_peers.prepare
+    monkeypatch.setattr(bound_peers, "prepare", lambda names: (order.append(("prepare", list(names))), real(names)))
+    build = bound._prepare
+    monkeypatch.setattr(bound, "_prepare", lambda s, *a, **k: (order.append(("build", s.name)), build(s, *a, **k))[1])
     rows = bound.run_bound(_args("flux", compare=["paraattn", "xdit", "cache-dit"]), torch.device("cpu"))
     assert not dist.is_initialized()
+    assert order[:2] == [("prepare", ["paraattn", "xdit", "cache-dit"]), ("build", "diffusers")], order
+    if HAS["cache-dit"]:
+        native = _AttentionBackendRegistry._backends[AttentionBackendName("native")]
+        assert native.__module__.startswith("cache_dit"), native
     assert [r["impl"] for r in rows] == ["cp_ops", "paraattn ulysses", "paraattn ring", "xdit ulysses", "xdit ring",
                                          "cache-dit ulysses", "cache-dit ring"]
     spec = MODELS["flux"]
@@ -133,26 +147,6 @@ def test_refused_side_in_a_compiled_mode_keeps_the_others_compiled(monkeypatch):
     by = {r["impl"]: r for r in rows}
     assert by["paraattn ring"]["skipped"] and "skipped" not in by["paraattn ulysses"], rows
     assert at_rounds == [0], (at_rounds, resets)
-
-
-@_needs("cache-dit")
-def test_cache_dit_registers_its_backends_before_any_side_is_built(monkeypatch):
-    """cache-dit replaces diffusers' 'native' attention backend in diffusers' registry on first use; the bound has it do
-    so before the first side is built (compiled blocks built before would guard on the old registry and compile again
-    in the timed rounds)."""
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-
-    from cp_ops.cli import bound_sides
-
-    order = []
-    registry = _AttentionBackendRegistry._backends
-    real = bound_peers.prepare
-    monkeypatch.setattr(bound_peers, "prepare", lambda names: (order.append(("prepare", list(names))), real(names)))
-    build = bound_sides._prepare
-    monkeypatch.setattr(bound, "_prepare", lambda s, *a, **k: (order.append(("build", s.name)), build(s, *a, **k))[1])
-    bound.run_bound(_args("flux", compare=["cache-dit"]), torch.device("cpu"))
-    assert order[0] == ("prepare", ["cache-dit"]) and order[1] == ("build", "diffusers"), order
-    assert registry[AttentionBackendName("native")].__module__.startswith("cache_dit"), registry
 
 
 @pytest.fixture
