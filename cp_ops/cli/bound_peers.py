@@ -4,15 +4,13 @@ Each peer parallelizes a copy of the model (sharing its weights) the way its REA
 diffusers transformer, over W ranks of the tool's fake group (:mod:`cp_ops.cli.bound_fill`: this process is rank 0,
 every collective writes this rank's data, nothing moves), and is timed beside cp_ops in the same interleaved rounds:
 
-============  =====================================================================================================
-``diffusers``  ``model.enable_parallelism(config=ContextParallelConfig(...))`` (:mod:`cp_ops.cli.bound_diffusers`)
-``paraattn``   para-attn 0.3.38: ``parallelize_transformer(model, mesh=init_context_parallel_mesh(...))``
-               (FLUX, Wan; Ulysses over every rank, or ring)
-``xdit``       xfuser 0.7.0 / yunchang 0.6.4: xDiT's own groups (``init_distributed_environment``,
-               ``initialize_model_parallel``) and its transformer wrapper class with USP attention processors
-``cache-dit``  cache-dit 1.5.3: ``cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(...))``
-               (no cache: its context parallelism alone)
-============  =====================================================================================================
+- ``diffusers``: ``model.enable_parallelism(config=ContextParallelConfig(...))`` (:mod:`cp_ops.cli.bound_diffusers`);
+- ``paraattn``: para-attn 0.3.38, ``parallelize_transformer(model, mesh=init_context_parallel_mesh(...))`` (FLUX, Wan;
+  Ulysses over every rank, or ring);
+- ``xdit``: xfuser 0.7.0 / yunchang 0.6.4, xDiT's own groups and runtime state (``init_distributed_environment``,
+  ``initialize_runtime_state``) and its wrapper class of the transformer, whose processors call USP;
+- ``cache-dit``: cache-dit 1.5.3, ``cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(...))`` (no
+  cache: its context parallelism alone).
 
 Every peer takes the whole world as its CP group (that is how each README runs it: ``torchrun --nproc_per_node W``),
 so while a peer builds and while its side runs, the default process group is the fake group of W ranks
