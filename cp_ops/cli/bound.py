@@ -3,8 +3,9 @@
 The model is parallelized by :func:`cp_ops.integrations.diffusers.parallelize` over a *fake* process group of W
 ranks (this process is rank 0 of W, collectives move nothing), so one forward does exactly rank 0's work plus cp_ops'
 host path, without any transfer: ``bound(W) = t(one device) / t(rank 0 of W)``. The sides (``diffusers``, ``group of
-1``, ``cp_ops W``, ``plain W`` with ``--cost``, other libraries' CP with ``--compare``: :mod:`cp_ops.cli.bound_peers`), the fake collectives' writes (:mod:`cp_ops.cli.bound_fill`,
-``fill_ms``, ``--unwritten``), the compile modes, the interleaved rounds and the result rows: ``docs/measuring.md``.
+1``, ``cp_ops W``, ``plain W`` with ``--cost``, other libraries' CP with ``--compare``: :mod:`cp_ops.cli.bound_peers`),
+the fake collectives' writes (:mod:`cp_ops.cli.bound_fill`, ``fill_ms``, ``--unwritten``), the compile modes, the
+interleaved rounds and the result rows: ``docs/measuring.md``.
 This module is the command: its arguments, the sides per compile mode (:mod:`cp_ops.cli.bound_sides`), the worker
 processes (:mod:`cp_ops.cli.bound_procs`) and the report (:mod:`cp_ops.cli.bound_report`).
 """
