@@ -128,7 +128,7 @@ def test_refused_model_is_a_row_not_an_error():
     for impl in ("paraattn ulysses", "paraattn ring"):
         assert "QwenImageTransformer2DModel" in by[impl]["skipped"], by[impl]
     md = results_table(rows).splitlines()[2:]
-    assert len(md) == 3 and all("| 2 | paraattn " in ln and "failed: ValueError" in ln for ln in md[1:]), md
+    assert len(md) == 3 and all("| eager | 2 | paraattn " in ln and "failed: ValueError" in ln for ln in md[1:]), md
 
 
 @_needs("paraattn")

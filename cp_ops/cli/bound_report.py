@@ -272,13 +272,13 @@ def results_table(rows: list[dict]) -> str:
            "cp_ops cost ms (%) |" + (" host ms rank 0 / plain (* host-bound) |" if host else ""),
            "|---|---|---|---|---|---|---|---|" + ("---|" if host else "")]
     for r in rows:
+        comp = (r.get("compile") or "eager") + (" + capture" if r.get("cuda_graphs") == "forward" else
+                                                " + graphs" if r.get("cuda_graphs") else "")
         if "skipped" in r:  # a mode that failed (no W), or one side that did (a peer refusing: its W and impl)
             who = f"{r['impl']} ({r.get('mode', '')})" if r.get("impl", "cp_ops") != "cp_ops" else ""
-            out.append(f"| {r['model']} {r['config']} | {r['compile']} | {r.get('world_size', '')} | {who} | "
+            out.append(f"| {r['model']} {r['config']} | {comp} | {r.get('world_size', '')} | {who} | "
                        f"failed: {r['skipped']} | | | |" + (" |" if host else ""))
             continue
-        comp = (r["compile"] or "eager") + (" + capture" if r["cuda_graphs"] == "forward" else
-                                            " + graphs" if r["cuda_graphs"] else "")
         src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
         cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if "cp_ops_cost_ms" in r else ""
         mode = r["mode"] if r.get("impl", "cp_ops") == "cp_ops" else f"{r['impl']} ({r['mode']})"  # --compare
