@@ -68,7 +68,7 @@ def _run(python: str, code: str, cwd: Path) -> str:
     return p.stdout
 
 
-def test_wheel_installs_everything_inside_cp_ops(wheel):
+def _wheel_holds_everything_inside_cp_ops(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     top = {n.split("/")[0] for n in names}
     assert top == {"cp_ops", "cp_ops-0.1.0.dist-info"}, top  # no top-level passes or csrc
@@ -122,9 +122,12 @@ _SMOKE = """
 """
 
 
-def test_fresh_non_editable_install_compiles_with_the_pass_and_finds_the_sources(source, tmp_path):
+def test_wheel_then_its_fresh_install_compiles_with_the_pass_and_finds_the_sources(wheel, tmp_path):
+    """The wheel's contents (everything inside cp_ops), then a fresh install of it (`pip install .` is a build of this
+    wheel and its install: one build serves both checks)."""
+    _wheel_holds_everything_inside_cp_ops(wheel)
     python, site = _fresh_venv(tmp_path / "venv")
-    _pip(python, "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", str(source))  # pip install .
+    _pip(python, "install", "--no-deps", "--no-index", "-q", str(wheel))
     assert (site / "cp_ops" / "passes" / "overlap.py").is_file()
     assert not (site / "passes").exists() and not (site / "csrc").exists(), sorted(os.listdir(site))
     out = _run(python, _SMOKE.format(site=str(site)), tmp_path)
