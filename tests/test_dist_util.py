@@ -128,3 +128,35 @@ def test_fresh_interpreters_when_the_environment_or_device_needs_them():
     assert dist_util.start_method("cpu", False, dict(env, CP_OPS_TESTS_SPAWN="1")) == "spawn: CP_OPS_TESTS_SPAWN=1"
     assert dist_util.start_method("cuda", False, env) == "spawn: device=cuda"
     assert dist_util.start_method("cpu", True, env) == "spawn: fresh=True"
+
+
+def test_a_rendezvous_taken_by_a_test_beside_is_started_again_once(monkeypatch):
+    """A group whose gloo rendezvous failed before the body on every failing rank (its port taken by a test running
+    beside it) is started once more; a body's failure, a second rendezvous failure or a hang is raised as before."""
+    race = "--- rank 0 ---\n(before or after the test body)\n  in init_rank\nRuntimeError: Gloo connectFullMesh failed"
+    calls = []
+    monkeypatch.setattr(dist_util, "STATS", type(dist_util.STATS)())  # the session's summary counts real starts
+
+    def attempts(*results):
+        def attempt(*a):
+            calls.append(a)
+            return results[len(calls) - 1]
+        calls.clear()
+        monkeypatch.setattr(dist_util, "_attempt", attempt)
+
+    attempts(([race], [], [(0, 1)]), ([], [], []))
+    dist_util.run_ranks(_parent_is, 2)
+    assert len(calls) == 2
+    attempts(([race], [], [(0, 1)]), ([race], [], [(0, 1)]))
+    with pytest.raises(AssertionError, match="connectFullMesh"):
+        dist_util.run_ranks(_parent_is, 2)
+    assert len(calls) == 2
+    body = "--- rank 1 ---\nTraceback: in _parent_is\nRuntimeError: Gloo connectFullMesh failed"  # in the body
+    attempts(([body], [], [(1, 1)]),)
+    with pytest.raises(AssertionError, match="in _parent_is"):
+        dist_util.run_ranks(_parent_is, 2)
+    assert len(calls) == 1
+    attempts(([race], [1], [(1, -9)]),)  # a rank hung: not a rendezvous race
+    with pytest.raises(AssertionError, match="connectFullMesh"):
+        dist_util.run_ranks(_parent_is, 2)
+    assert len(calls) == 1
