@@ -339,11 +339,10 @@ def _shared_checks(rank, w, transport, heap):
             inner = " (inner fast)" if transport == "fast" else ""
             checks.append((f"mesh {shape[0]}x{shape[1]}{inner}", lambda shape=shape: mesh(shape)))
 
-    def model(graphs):
-        """A tiny Wan through parallelize: every rank's output = one device (eager); the captured forward = eager."""
+    def tiny_wan():
+        """A tiny Wan (bf16 on the GPU), its inputs, and its one-device output."""
         import copy
 
-        from cp_ops.integrations.diffusers import parallelize
         from diffusers_tiny import build, inputs, sample
 
         torch.manual_seed(0)
@@ -351,7 +350,17 @@ def _shared_checks(rank, w, transport, heap):
         kw = inputs("wan", 1, (2, 8, 8), 8, torch.Generator().manual_seed(7))
         kw = {k_: (v_.to(dev, torch.bfloat16) if v_.is_floating_point() else v_.to(dev)) for k_, v_ in kw.items()}
         with torch.no_grad():
-            want = sample(copy.deepcopy(base)(**kw))
+            return base, kw, sample(copy.deepcopy(base)(**kw))
+
+    def model(graphs):
+        """A tiny Wan through parallelize: every rank's output = one device (eager); the captured forward = eager."""
+        import copy
+
+        from cp_ops.integrations.diffusers import parallelize
+        from diffusers_tiny import sample
+
+        base, kw, want = tiny_wan()
+        with torch.no_grad():
             par = parallelize(copy.deepcopy(base), mode="agkv", transport=transport, chunks=1,
                               cuda_graphs="forward" if graphs else False)
             got = sample(par(**kw))
@@ -368,14 +377,10 @@ def _shared_checks(rank, w, transport, heap):
         import copy
 
         from cp_ops.integrations.diffusers import parallelize
-        from diffusers_tiny import build, inputs, sample
+        from diffusers_tiny import sample
 
-        torch.manual_seed(0)
-        base = build("wan").to(dev, torch.bfloat16)
-        kw = inputs("wan", 1, (2, 8, 8), 8, torch.Generator().manual_seed(7))
-        kw = {k_: (v_.to(dev, torch.bfloat16) if v_.is_floating_point() else v_.to(dev)) for k_, v_ in kw.items()}
+        base, kw, want = tiny_wan()
         with torch.no_grad():
-            want = sample(copy.deepcopy(base)(**kw))
             par = parallelize(copy.deepcopy(base), mode="agkv", transport=transport, chunks=1, compile=True,
                               cuda_graphs=True)
             outs = [sample(par(**kw)) for _ in range(3)]  # warm-up, capture, replay
@@ -731,12 +736,17 @@ def _steps_body(rank, w, transport, heap, out, name, spec_name, config, layers, 
     assert not failed, json.dumps(dict(failed=failed, **info), indent=1)
 
 
-@pytest.mark.parametrize("w,transport,heap", MODELS_SHARED, ids=MODEL_IDS)
-def test_flux_dev_steps_shared(w, transport, heap, monkeypatch, tmp_path):
+def _steps_shared(heap, monkeypatch):
+    """What both 4-step model tests need before their ranks start."""
     if importlib.util.find_spec("diffusers") is None:
         pytest.skip("diffusers is not installed")
     if heap:
         monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
+
+
+@pytest.mark.parametrize("w,transport,heap", MODELS_SHARED, ids=MODEL_IDS)
+def test_flux_dev_steps_shared(w, transport, heap, monkeypatch, tmp_path):
+    _steps_shared(heap, monkeypatch)
     run_ranks(_steps_body, w, transport, heap, _out_dir(tmp_path), "flux", "flux", "dev", FLUX_LAYERS, (1, 128, 128),
               f"flux-dev {FLUX_LAYERS}+{FLUX_LAYERS} blocks 1024x1024", timeout=420, device="one_gpu")
 
@@ -744,9 +754,6 @@ def test_flux_dev_steps_shared(w, transport, heap, monkeypatch, tmp_path):
 @pytest.mark.parametrize("w,transport,heap", MODELS_SHARED, ids=MODEL_IDS)
 def test_wan_steps_shared(w, transport, heap, monkeypatch, tmp_path):
     """Full-depth Wan2.1-1.3B at 480p, 81 frames (32760 tokens), 4 UniPC steps: as the Flux test."""
-    if importlib.util.find_spec("diffusers") is None:
-        pytest.skip("diffusers is not installed")
-    if heap:
-        monkeypatch.setenv("CP_OPS_FAST_HEAP", heap)
+    _steps_shared(heap, monkeypatch)
     run_ranks(_steps_body, w, transport, heap, _out_dir(tmp_path), "wansteps", "wan", "1.3b", None, (21, 60, 104),
               "wan1.3b full depth 480p", timeout=540, device="one_gpu")
