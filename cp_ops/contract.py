@@ -272,7 +272,7 @@ def _setup(st: _Group, op: str) -> None:
             st.shm = _make_shm(st, op)
     except RuntimeError as e:
         gone = peers.exited(range(st.w))
-        why = peers.said(gone) if gone else str(e).splitlines()[0]
+        why = peers.said(gone) if gone else _line(e)
         st.release(f"{op}: setting up the rank contract of {where} failed after every rank had arrived (a peer died, "
                    f"or one that had timed out earlier did not call again): {why}; the group cannot be used by cp_ops "
                    "any more")
@@ -416,7 +416,7 @@ def _gather(st: _Group, op: str) -> bool:
     except PeersTimeout as e:
         # the exchange left posted would pair with a late peer's earlier call: later calls raise at once
         st.release(f"{_call_words(st, op, st.count)} timed out in its rank check; the group cannot be used by cp_ops "
-                   f"any more (make a new group): {(str(e).splitlines() or [''])[0]}")
+                   f"any more (make a new group): {_line(e)}")
         raise
     except RuntimeError as e:
         g = st.pg.group_name
@@ -427,7 +427,7 @@ def _gather(st: _Group, op: str) -> bool:
             raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': {who} while this rank waited for it in the "
                                "rank check") from e
         raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: "
-                           f"{(str(e).splitlines() or [''])[0]}. A peer on another host may have crashed (its log says "
+                           f"{_line(e)}. A peer on another host may have crashed (its log says "
                            "why)") from e
     return st.gbuf == mine * st.w
 
@@ -474,7 +474,7 @@ def call_failed(group: dist.ProcessGroup | str) -> None:
     if st is None or st.peers is None or st.skip:
         return
     e = sys.exc_info()[1]
-    why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}" if e is not None else "an error"
+    why = f"{type(e).__name__}: {_line(e)[:300]}" if e is not None else "an error"
     try:
         st.peers.store.set(f"{st.peers.base}failed/{st.pg.rank()}", f"{st.count}\t{why}")
     except Exception:  # noqa: BLE001 - the body's error is the one raised
@@ -524,7 +524,7 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
             poll(work.is_completed, _collective_check(st))
         work.wait()
     except PeersTimeout as e:
-        st.release(str(e).splitlines()[0] + ": the group cannot be used by cp_ops any more: make a new group")
+        st.release(_line(e) + ": the group cannot be used by cp_ops any more: make a new group")
         raise
     except RuntimeError as e:
         if getattr(e, "_cp_ops_named", False):
@@ -532,7 +532,7 @@ def wait_collective(pg: dist.ProcessGroup, work) -> None:
         _within_grace(lambda e=e: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
         call = _call_words(st, None, st.count)
         st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
-        raise RuntimeError(f"{call}: this call's communication failed: {(str(e).splitlines() or [''])[0]}. A peer on "
+        raise RuntimeError(f"{call}: this call's communication failed: {_line(e)}. A peer on "
                            "another host may have crashed (its log says why); the group cannot be used by cp_ops any "
                            "more: make a new group") from e
 
@@ -569,7 +569,7 @@ def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
     err = RuntimeError(f"{call}: {what} during this call's communication: this rank stops too. Fix that rank's "
                        "error (its log has it); the group cannot be used by cp_ops any more: make a new group")
     err._cp_ops_named = True  # type: ignore[attr-defined]
-    st.release(str(err).splitlines()[0])
+    st.release(_line(err))
     raise err from cause
 
 
@@ -596,6 +596,11 @@ class CallCheck:
                       self.extra, None, None, self.chunks, self.note)
 
 
+def _line(e: BaseException) -> str:
+    """The first line of ``e``'s message ('' for an exception raised without one, e.g. ``KeyboardInterrupt()``)."""
+    return (str(e).splitlines() or [""])[0]
+
+
 # ---- the error on every rank ---------------------------------------------------------------------
 def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, chunks, note=None) -> None:
     """Every rank gets here together (the gathered rows are the same everywhere): exchange descriptions,
@@ -607,7 +612,7 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
         "shape": shape, "dtype": dtype, "tensors": extra, "chunks": chunks,
         "inputs": None if inputs is None else {k: (None if x is None else (list(x.shape), str(x.dtype)))
                                                for k, x in inputs.items()},
-        "error": None if failed is None else f"{type(failed).__name__}: {str(failed).splitlines()[0]}",
+        "error": None if failed is None else f"{type(failed).__name__}: {_line(failed)}",
         "note": note,
     }
     desc = _gather_objects(st, mine)

@@ -331,6 +331,25 @@ def test_bad_seq_lens_on_one_rank_of_the_pipelined_op_fail_every_rank_at_once(ba
     run_ranks(_bad_seq_lens_on_one_rank, 2, bad)
 
 
+def _failed_without_a_message(rank, w):
+    """A rank whose own check failed with an exception that has no message (``KeyboardInterrupt()``,
+    ``ValueError()``): its peers are told within the exchange, naming its error type; it returns to re-raise."""
+    from cp_ops import contract
+
+    q = torch.randn(1, 4, H, D, generator=torch.Generator().manual_seed(rank))
+    t0 = time.monotonic()
+    if rank == w - 1:
+        assert contract.exchange(dist.group.WORLD, "agkv", "torch", q, failed=ValueError()) is None
+    else:
+        with pytest.raises(ValueError, match=r"ValueError"):
+            contract.exchange(dist.group.WORLD, "agkv", "torch", q)
+    assert time.monotonic() - t0 < 5, "a peer waited out the rank check's timeout"
+
+
+def test_a_rank_failing_with_an_empty_message_is_named_at_once():
+    run_ranks(_failed_without_a_message, 2)
+
+
 # ---- the variant words are 64-bit digests: two layers whose 31-bit CRCs collided are told apart ---------------
 #: two module paths whose variant notes had equal 31-bit CRCs ("mode=agkv chunks=1 key_mask=None tag=<path>")
 _COLLIDED = ("single_transformer_blocks.707.attn", "layers.8903.attention")
