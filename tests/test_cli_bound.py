@@ -469,6 +469,8 @@ def test_results_table_host_column():
     assert "host ms" not in old and old.splitlines()[2].count("|") == 9
     new = table([dict(row, host_ms=80.4, host_bound=True, plain_host_ms=30.2, plain_host_bound=False)])
     assert "host ms rank 0 / plain" in new and new.splitlines()[2].rstrip().endswith("| 80.4* / 30.2 |"), new
+    # a row written without --cost holds cp_ops_cost_ms: null (an empty cell, not a format error)
+    assert table([dict(row, cp_ops_cost_ms=None, cp_ops_cost_pct=None)]).splitlines()[2].endswith("| 1.58x |  |")
 
 
 @pytest.mark.parametrize("flag, text", [("--compile-modes", ","), ("--compile-modes", ""), ("--worlds", " , ")])

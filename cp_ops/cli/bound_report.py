@@ -202,7 +202,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
                    if "world_size" in r else "")
             print(f"{name:<17}{who} failed: {r['skipped']}")
             continue
-        cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if "cp_ops_cost_ms" in r else "")
+        cost = (f"{r['cp_ops_cost_ms']:>7.2f} ms {r['cp_ops_cost_pct']:>5.1f}%" if r.get("cp_ops_cost_ms") is not None else "")
         bound_text = f"{r['bound_speedup']:>6.2f}x" if r.get("bound_speedup") is not None else f"{'-':>7}"
         plain = (f" {r['plain_ms']:>9.2f} {_host_text(r, 'plain_'):>10}" if "plain_ms" in r
                  else f" {'':>9} {'':>10}") if has_cost and has_host else ""
@@ -280,7 +280,7 @@ def results_table(rows: list[dict]) -> str:
                        f"failed: {r['skipped']} | | | |" + (" |" if host else ""))
             continue
         src = "diffusers" if r["one_gpu_from"] == "diffusers" else "group of 1"
-        cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if "cp_ops_cost_ms" in r else ""
+        cost = f"{r['cp_ops_cost_ms']:.2f} ({r['cp_ops_cost_pct']:.1f}%)" if r.get("cp_ops_cost_ms") is not None else ""
         mode = r["mode"] if r.get("impl", "cp_ops") == "cp_ops" else f"{r['impl']} ({r['mode']})"  # --compare
         bound = "-" if r.get("bound_speedup") is None else f"{r['bound_speedup']:.2f}x"
         if r.get("invalid"):
