@@ -273,6 +273,9 @@ class CapturedForward:
                 self.go_eager(why)
                 return self._call(*args, **kwargs)
         elif entry is None:
+            if self.refuse is not None and (why := self.refuse(self.module)) is not None:
+                raise ValueError(f"{self.what}: this call's forward cannot be captured: {why}; remove that, or run "
+                                 "the module eagerly (parallelize: cuda_graphs='auto' or False)")
             entry = self._capture(key, leaves, spec)
         else:
             self._entries.move_to_end(key)
@@ -391,11 +394,12 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
             before each new key's capture), turns the module eager for good (its graphs freed) and calls
             ``fallback(reason)`` once: that call and every later one run ``module``'s call as it was (warm-up side effects aside, the
             forward's numbers as eager); a failed warm-up runs the call eagerly (its own error); a call traced by
-            Dynamo (``torch.compiler.is_compiling()``) runs it eagerly too.
+            Dynamo (``torch.compiler.is_compiling()``) runs it eagerly too. Without a fallback, a new key that
+            ``refuse`` refuses raises ValueError (nothing captured).
     Returns: ``module``. Its calls return what the module returns (tensors detached; cloned by default).
     Raises:
         ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
-            argument leaf that is not hashable.
+            argument leaf that is not hashable, or a new key ``refuse`` refuses (no ``fallback``).
         CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed, or the outputs hold
             an object a replay cannot return afresh (with ``group``: on any rank, raised on every rank naming the first
             failing rank and its reason).

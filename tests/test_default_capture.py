@@ -179,3 +179,48 @@ def test_host_hooks_named():
     layer = type("Linear", (torch.nn.Module,), {"__module__": "peft.tuners.lora.layer"})()
     lora.blocks[0].add_module("lora", layer)
     assert host_hooks(lora).startswith("LoRA layers (Linear) read their adapter scales on the host")
+
+
+def test_explicit_forward_capture_refuses_step_caches(monkeypatch):
+    """cuda_graphs='forward' (asked for, no eager fallback) with a step cache, whose decisions a replay would repeat
+    as recorded: refused with an error naming the cache and the way out — at parallelize (nothing installed), at
+    enable_cache after a capture (the cache not enabled; the model's numbers unchanged), at a new key's capture
+    (a hook added some other way)."""
+    import torch.distributed as dist
+    from diffusers import FirstBlockCacheConfig
+    from diffusers.hooks import apply_first_block_cache
+
+    from cp_ops.integrations.diffusers import parallelize
+    from cp_ops.integrations.diffusers.caches import host_hooks
+    from diffusers_tiny import build, inputs, sample
+
+    _one_rank_group("gloo")
+    monkeypatch.setattr(captured, "BACKEND", Recorder())
+    try:
+        kw = inputs("wan", 1, (2, 4, 4), 6, torch.Generator().manual_seed(7))
+        cached = build("wan")
+        cached.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+        with pytest.raises(ValueError, match=r"cuda_graphs='forward'\) cannot capture this WanTransformer3DModel: a "
+                                             r"step cache \(FBCHeadBlockHook\).*cuda_graphs='auto'.*or False"):
+            parallelize(cached, mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
+        assert not hasattr(cached, "_cp_ops_group")  # nothing installed
+
+        base = build("wan")
+        ref = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs=False)
+        model = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
+        with torch.no_grad():
+            want = sample(ref(**kw))
+            assert torch.equal(sample(model(**kw)), want) and captured.captured(model).captures == 1
+            with pytest.raises(ValueError, match=r"enable_cache: its whole forward is captured.*The cache was not "
+                                                 r"enabled"):
+                model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+            assert host_hooks(model) is None and torch.equal(sample(model(**kw)), want)
+
+            other = parallelize(copy.deepcopy(base), mode="agkv", transport="torch", chunks=1, cuda_graphs="forward")
+            apply_first_block_cache(other, FirstBlockCacheConfig(threshold=0.05))
+            with pytest.raises(ValueError, match=r"captured WanTransformer3DModel: this call's forward cannot be "
+                                                 r"captured: a step cache \(FBCHeadBlockHook\)"):
+                other(**kw)
+            assert captured.captured(other).captures == 0
+    finally:
+        dist.destroy_process_group()

@@ -118,6 +118,12 @@ def wrap_enable_cache(model: torch.nn.Module) -> None:
         return
 
     def enable_cache(*args, **kwargs):
+        cf = getattr(model, "_cp_ops_captured", None)
+        if cf is not None and cf.fallback is None:  # captured as asked (cuda_graphs='forward'): no eager to go to
+            raise ValueError(f"{type(model).__name__}.enable_cache: its whole forward is captured in CUDA graphs "
+                             "(parallelize(..., cuda_graphs='forward')), which replay one recorded forward, while a "
+                             "step cache decides on the host at each call; parallelize with cuda_graphs='auto' "
+                             "(captured until a cache is enabled, then eager) or False. The cache was not enabled")
         out = inner(*args, **kwargs)
         agree_step_caches(model)
         return out

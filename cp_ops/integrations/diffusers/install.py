@@ -171,7 +171,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
 
     Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
     made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
-    caches that decide by step or timestep agree already; ``SeaCache`` is refused (ValueError).
+    caches that decide by step or timestep agree already; ``SeaCache`` is refused (ValueError); with
+    ``cuda_graphs="forward"`` every step cache is (a replay would repeat the recorded decisions).
 
     Grad mode: runs with or without ``torch.no_grad()``, eager and under ``torch.compile(fullgraph=True)``; a backward
     raises (cp_ops is forward only).
@@ -229,6 +230,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         spec.check(transformer)
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
     graphs, why = auto_graphs(transformer, transport, pg) if cuda_graphs == "auto" else (cuda_graphs, None)
+    if cuda_graphs == "forward" and (hw := caches.host_hooks(transformer)) is not None:
+        raise ValueError(f"parallelize(cuda_graphs='forward') cannot capture this {name}: {hw}; pass "
+                         "cuda_graphs='auto' (captured where it can be, else eager with a warning) or False")
     if attn_group is not None and mode not in modes.names(dims=2):
         raise ValueError(f"parallelize on a 2-D CP mesh: mode must be one of {modes.names(dims=2)}; got {mode!r}")
     _check_comm_dtype(comm_dtype, mode, attn_group)
@@ -275,8 +279,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
 
         capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
-        auto = dict(fallback=_fell_back(name), refuse=caches.host_hooks) if cuda_graphs == "auto" else {}
-        capture_forward(transformer, group=pg, **auto)
+        # refused: a hook that acts on the host at each call (the default then runs eager, explicit 'forward' raises)
+        auto = dict(fallback=_fell_back(name)) if cuda_graphs == "auto" else {}
+        capture_forward(transformer, group=pg, refuse=caches.host_hooks, **auto)
         if lanes is not None:
             from ...captured import captured
 
