@@ -78,7 +78,7 @@ def _hint(heap: str) -> str:
     return "hint: check that every GPU of the group is P2P-reachable (cp-ops env), or use transport='torch'"
 
 
-def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fabric: str | None = None,
+def start(group: dist.ProcessGroup, device: torch.device, ext, fabric: str | None = None,
           slots_per_key: int = 2, exchange=None, lane_exchange=None) -> Lane:
     """Start the fast lane on ``group`` (collective over the group, and only the group).
 
@@ -94,7 +94,7 @@ def start(group: dist.ProcessGroup, device: torch.device, ext, heap_cls=None, fa
             the library's message and a hint.
     """
     s = config.settings
-    heap_cls = heap_cls or HEAPS[s.fast_heap]
+    heap_cls = HEAPS[s.fast_heap]
     hint = _hint(s.fast_heap)
     w, me = group.size(), group.rank()
     heap = ctrl = ext_lane = None
