@@ -258,7 +258,7 @@ class CapturedForward:
         if self.fallback is not None and (self.eager_why is not None or torch.compiler.is_compiling()):
             return self._call(*args, **kwargs)  # gone eager, or traced by Dynamo (it compiles the eager call)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = _key(leaves, spec)
+        key = _key(leaves, spec) + (self.group,)  # a graph's collectives run on the group it was captured for
         entry = self._entries.get(key)
         if entry is None and self.fallback is not None:
             why = self.refuse(self.module) if self.refuse is not None else None

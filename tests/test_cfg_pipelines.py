@@ -230,6 +230,87 @@ def test_cfg_lanes_in_pipelines_equal_unparallelized(world_size):
     run_ranks(_cfg_pipelines, world_size)
 
 
+def _unpaired_over_all(rank, w):
+    """A call the lanes cannot pair (Qwen-Image without a negative prompt) runs over all W ranks: every attention call
+    CP over W (not W/2), the unparallelized output; unpaired and paired calls in a row each run on their own width,
+    the whole forward captured per width (a graph is replayed only on the group it was captured for); a forward over
+    all ranks that raises leaves the next calls working."""
+    from test_captured import Recorder
+
+    from cp_ops import captured
+    from cp_ops.integrations.diffusers import dispatch, parallelize_pipeline
+
+    widths = []  # the CP group size of every attention call
+    real = dispatch.attention
+
+    def attention(*args, group, **kwargs):
+        widths.append(group.size())
+        return real(*args, group=group, **kwargs)
+
+    dispatch.attention = attention
+    paired = tiny_qwenimage()[1]
+    calls = {"paired": paired, "unpaired": {k: v for k, v in paired.items() if not k.startswith("negative")}}
+    refs = {}
+    for name, call in calls.items():
+        ref_pipe, _ = tiny_qwenimage()
+        ref_pipe.set_progress_bar_config(disable=True)
+        refs[name] = _output(ref_pipe, call)
+
+    class OnItsGroup(Recorder):
+        """Replays only on the group the graph was captured for, as a CUDA graph's collectives run."""
+
+        def capture(self, fn, pool, device):
+            pg = state.pg
+            replay, out = super().capture(fn, pool, device)
+
+            def replay_on_its_group():
+                assert state.pg is pg, f"a graph captured on CP{pg.size()} replayed on CP{state.pg.size()}"
+                replay()
+            return replay_on_its_group, out
+
+    captured.BACKEND = OnItsGroup()
+    pipe, _ = tiny_qwenimage()
+    parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True, cuda_graphs="forward")
+    state = pipe.transformer._cp_ops_state
+    for i, name in enumerate(("unpaired", "paired", "unpaired", "paired", "unpaired")):
+        widths.clear()
+        if i == 0:
+            with pytest.warns(UserWarning, match="QwenImagePipeline runs QwenImageTransformer2DModel where "
+                                                 "classifier-free guidance is off in this call: this forward runs "
+                                                 rf"over all {w} ranks \(CP{w}\)"):
+                out = _output(pipe, calls[name])
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # warned once
+                out = _output(pipe, calls[name])
+        assert set(widths) == {w if name == "unpaired" else w // 2}, (i, name, widths)
+        err = np.abs(out - refs[name]).max()
+        assert err <= 1e-5, (i, name, err)  # joint attention sees its keys in another order: rounding
+    cf = captured.captured(pipe.transformer)
+    assert cf.captures == 2 and "replay" in captured.BACKEND.events, cf.keys()  # its branch's graph, the whole one's
+
+    # a forward over all ranks that raises (on every rank: each rank runs it): the next calls run
+    seen = [0]
+
+    def fail_once(*_):
+        seen[0] += 1
+        if seen[0] == 2:
+            raise RuntimeError("boom over all ranks")
+
+    h = pipe.transformer.register_forward_pre_hook(fail_once)
+    with pytest.raises(RuntimeError, match="^boom over all ranks$"):
+        _output(pipe, calls["unpaired"])
+    h.remove()
+    assert state.pg is pipe.transformer._cp_ops_group  # the lane's group again
+    for name in ("paired", "unpaired"):
+        assert np.abs(_output(pipe, calls[name]) - refs[name]).max() <= 1e-5, name
+    captured.BACKEND = captured.CudaGraphs()
+
+
+def test_a_call_the_lanes_cannot_pair_runs_over_all_ranks():
+    run_ranks(_unpaired_over_all, 4)
+
+
 # ---- GPU (marked gpu; skipped without 2 GPUs): NCCL, one GPU a lane ----
 
 def _on_device(call: dict, dev) -> dict:

@@ -9,6 +9,8 @@ tokens, so all decide on the one-device metric.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import types
 
 import torch
@@ -61,6 +63,23 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
             hook._should_compute_remaining_blocks = types.MethodType(_fbc_should_compute, hook)
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def state_apart(model: torch.nn.Module, suffix: str):
+    """Step caches' state kept apart for the forwards run inside: diffusers keeps a cache's state per
+    ``cache_context`` name; inside, the name in force gets ``suffix`` (a forward over other ranks than the CFG lane's,
+    whose tokens are split otherwise, never compares its residual with a lane's)."""
+    managers = [m for hook in _hooks(model) for m in vars(hook).values()
+                if type(m).__name__ == "StateManager" and getattr(m, "_context", None) is not None]
+    saved = [m._context for m in managers]
+    for m, ctx in zip(managers, saved):
+        m.set_context(dataclasses.replace(ctx, name=ctx.name + suffix))
+    try:
+        yield
+    finally:
+        for m, ctx in zip(managers, saved):
+            m.set_context(ctx)
 
 
 #: diffusers hooks whose per-call work a CUDA graph replays as recorded (layerwise casting: the same casts each call)

@@ -142,7 +142,7 @@ class CPState:
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
             return
-        key = (spec, tuple(sorted(self.totals.items())))
+        key = (spec, self.pg, tuple(sorted(self.totals.items())))  # the group: a CFG lanes' forward over all ranks
         version = None if full.is_inference() else full._version  # an inference tensor has no version: rebuilt
         src = self._mask_src
         if src is not None and version is not None and src[0] is full and src[1] == version and src[2] == key:

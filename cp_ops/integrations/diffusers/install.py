@@ -286,4 +286,35 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             from ...captured import captured
 
             lanes.input_groups.append((captured(transformer), "group"))
+    if lanes is not None:
+        lanes.whole, lanes.whole_why = _whole_group(transformer, state, checks, pg, attn_group, attn_modules)
     return transformer
+
+
+def _whole_group(model, state, checks, pg, mesh, attn_modules):
+    """``(switch, None)``: a context manager that runs a forward of a model with CFG lanes (one that has no CFG pair:
+    :meth:`.lanes.Lanes.call` decides) with CP over all of ``pg``'s ranks — the CP group of the splits, the
+    attention and the gather, the rank checks, the step caches' state; the plan cache and a whole-forward capture
+    key on the group —, or ``(None, why)`` where none can run."""
+    import contextlib
+
+    from ...transport.torch import stage_through_host
+    from .lanes import swapped
+
+    if mesh is not None:
+        return None, "a 3-D mesh gives each lane a 2-D CP mesh, and the whole group none"
+    if state.transport == "fast":
+        return None, "transport='fast' runs on one CP group per process, the lane's"
+    if state.mode == "ulysses":
+        try:
+            _check_heads(attn_modules, pg.size())
+        except ValueError as e:
+            return None, str(e).split(": ", 1)[1].split(" (")[0]
+    values = [(state, "pg", pg), (state, "attn_group", pg), (state, "rank", pg.rank()), (state, "world", pg.size()),
+              (state, "gloo_cuda", stage_through_host(pg, torch.device("cuda"))), (checks, "pg", pg)]
+
+    @contextlib.contextmanager
+    def switch():
+        with swapped(values), caches.state_apart(model, f"/over {pg.size()} ranks"):
+            yield
+    return switch, None

@@ -9,8 +9,10 @@ A pipeline of :data:`PAIRED` calls the transformer once per branch (cache_contex
 :func:`attach_pipeline` runs the cond call on lane 0 while lane 1 returns a NaN placeholder of the output's shape,
 and the uncond call on lane 1 while lane 0 returns at once; the exchange then fills lane 1's placeholder in place and
 hands lane 1's output to lane 0, stream-ordered, before the pipeline reads either (the pipelines in :data:`PAIRED`
-leave the first output untouched, or only sliced, until their second call). Any other batch-1 call runs on both lanes
-alike (one warning says why); a conditional call with no unconditional call after it raises.
+leave the first output untouched, or only sliced, until their second call). Any other call (no CFG pair; outside a
+pipeline call, one that is not a batch of 2) runs over the whole group, every rank one forward with CP over all of
+them (the switch :func:`.install.parallelize` gives; where none can run, on both lanes alike); one warning says why.
+A conditional call with no unconditional call after it raises.
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ class Lanes:
         #: ``(object, attribute)`` holding the group of the ranks that share a forward's inputs (both lanes): set to
         #: :attr:`cp` while this lane runs a forward alone (:meth:`alone`)
         self.input_groups: list[tuple[object, str]] = []
+        #: the switch of a forward over the whole group (a context manager: :func:`.install.parallelize` gives it),
+        #: or why none can run (then an unpaired forward runs on both lanes alike)
+        self.whole, self.whole_why = None, "parallelize gave no switch to the whole group"
         self.run: _PipeCall | None = None  # the pipe(...) call in progress (attach_pipeline)
         self.context: str | None = None  # the model's cache_context name in force ("cond", "uncond")
         self.pending = None  # the conditional output (lane 0) or its placeholder (lane 1) until the uncond call
@@ -244,26 +249,28 @@ class Lanes:
 
     # ---- calls of a pipeline that runs each branch in its own call -------------------------------------------
     @contextlib.contextmanager
-    def alone(self):
-        """A forward this lane runs by itself (one branch, as given): the lane's ranks share its inputs."""
-        saved = [(obj, attr, getattr(obj, attr)) for obj, attr in self.input_groups]
-        for obj, attr, _ in saved:
-            setattr(obj, attr, self.cp)
+    def alone(self, over_all: bool = False):
+        """A forward of one branch, as given (select and gather let it through): this lane runs it by itself (the
+        lane's ranks share its inputs), or, ``over_all``, every rank runs it, CP over the whole group (:attr:`whole`,
+        the switch :func:`.install.parallelize` provides)."""
+        switch = self.whole() if over_all else swapped([(obj, attr, self.cp) for obj, attr in self.input_groups])
         self.branch = True
         try:
-            yield
+            with switch:
+                yield
         finally:
             self.branch = False
-            for obj, attr, value in saved:
-                setattr(obj, attr, value)
 
     def call(self, inner, args: tuple, kwargs: dict):
         """The model's call ``inner(*args, **kwargs)`` as the lanes run it (see the module docstring)."""
         run = self.run
-        if run is None:
-            return inner(*args, **kwargs)  # outside a pipeline call: the batch of 2
         found = self._batch(args, kwargs)
         n = found[1] if found is not None else None
+        if run is None:  # outside a pipeline call: a batch of 2 is split over the lanes
+            if n in (2, None):
+                return inner(*args, **kwargs)
+            return self._unpaired(inner, args, kwargs, f"it is called outside a pipeline call with a batch of {n} "
+                                                       "(the lanes split a batch of 2)")
         if n == 2:
             self._no_pending(f"called {self.name} with a batch of 2")
             return inner(*args, **kwargs)
@@ -281,12 +288,20 @@ class Lanes:
         self._no_pending(f"called {self.name} again")
         if why is None:
             return self._cond(inner, args, kwargs)
+        return self._unpaired(inner, args, kwargs, f"{run.name} runs {self.name} where {why}")
+
+    def _unpaired(self, inner, args, kwargs, why: str):
+        """A forward with no CFG partner: every rank runs it, CP over the whole group (:attr:`whole`), or where
+        that cannot run (:attr:`whole_why`) both lanes run it alike, CP over half the ranks each; one warning."""
         if why not in self.warned:
             self.warned.add(why)
-            warnings.warn(f"cfg_parallel=True: {run.name} runs {self.name} where {why}: both CFG lanes run this "
-                          "forward alike (CP over half the ranks each); parallelize_pipeline(pipe, cfg_parallel=False) "
-                          "runs it over all of them", stacklevel=3)
-        with self.alone():
+            w = self.cp.size() * 2
+            warnings.warn(f"cfg_parallel=True: {why}: this forward runs over all {w} ranks (CP{w}), not on the CFG "
+                          "lanes" if self.whole_why is None else
+                          f"cfg_parallel=True: {why}: both CFG lanes run this forward alike (CP over half the ranks "
+                          f"each; not over all {w}: {self.whole_why}); parallelize_pipeline(pipe, "
+                          "cfg_parallel=False) runs it over all of them", stacklevel=4)
+        with self.alone(over_all=self.whole_why is None):
             return inner(*args, **kwargs)
 
     def _no_pending(self, what: str) -> None:
@@ -558,6 +573,19 @@ class Lanes:
                                    "in an earlier call. Parallelize a new pipeline (or restart the ranks)")
                 self._tell(1, False, err)
                 raise err
+
+
+@contextlib.contextmanager
+def swapped(values: list[tuple[object, str, object]]):
+    """Each ``(object, attribute, value)`` set while the block runs, restored after (also where it raises)."""
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in values]
+    for obj, attr, value in values:
+        setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
 
 
 def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
