@@ -139,13 +139,13 @@ def _calls_a_user_makes(rank, w):
     pipe, call = tiny_qwenimage()
     parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
     tol = 0 if w == 2 else 1e-5
-    # guidance switched per call: paired, then off (both lanes alike, one warning), then paired again
+    # guidance switched per call: paired, then off (over all W ranks, one warning), then paired again
     for scale in (4.0, 1.0, 4.0):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = _output(pipe, {**call, "true_cfg_scale": scale})
         err = np.abs(out - ref_of(true_cfg_scale=scale)).max()
-        assert err <= tol, ("true_cfg_scale", scale, err)
+        assert err <= (tol if scale > 1 else 1e-5), ("true_cfg_scale", scale, err)  # CP W: joint attention rounds
     # two images per prompt: a batch of 2 per branch (each lane one image), equal to rounding
     out = _output(pipe, {**call, "num_images_per_prompt": 2})
     err = np.abs(out - ref_of(num_images_per_prompt=2)).max()

@@ -2,7 +2,7 @@
 Qwen-Image, Flux with true CFG, HunyuanVideo): ``parallelize_pipeline(pipe, cfg_parallel=True)`` runs the conditional
 call on lane 0 and the unconditional one on lane 1 — each lane runs only its branch's forwards — and gives the
 unparallelized pipeline's output, at W = 2 (2 lanes x CP1: bitwise) and W = 4 (2 lanes x CP2). A pipeline that
-batches [uncond, cond] (LTX) keeps the batch split over the lanes. A call with no CFG pair runs on both lanes alike,
+batches [uncond, cond] (LTX) keeps the batch split over the lanes. A call with no CFG pair runs over all W ranks,
 with one warning; a conditional call left without its unconditional call raises on every rank."""
 
 import importlib.util
@@ -191,7 +191,7 @@ def _cfg_pipelines(rank, w):
     assert "replay" in captured.BACKEND.events
     captured.BACKEND = captured.CudaGraphs()  # the CPU again: nothing captured below
 
-    # no true CFG (one call per step): both lanes run it, each over its CP group, with one warning
+    # no true CFG (one call per step): every rank runs it, CP over all W ranks, with one warning
     ref_pipe, call = tiny_flux()
     ref_pipe.set_progress_bar_config(disable=True)
     ref = _output(ref_pipe, call)
@@ -199,11 +199,11 @@ def _cfg_pipelines(rank, w):
     parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
     calls = _count_forwards(pipe, ("transformer",))
     with pytest.warns(UserWarning, match="FluxPipeline runs FluxTransformer2DModel where classifier-free guidance "
-                                         "is off in this call: both CFG lanes run this forward alike .*"
-                                         r"parallelize_pipeline\(pipe, cfg_parallel=False\) runs it over all"):
+                                         rf"is off in this call: this forward runs over all {w} ranks \(CP{w}\)"):
         out = _output(pipe, call)
     assert calls == {"transformer": 2}, calls
-    assert out.shape == ref.shape and np.abs(out - ref).max() <= (0 if w == 2 else 1e-5), np.abs(out - ref).max()
+    # joint attention over CP W sees its keys in another order: equal to rounding
+    assert out.shape == ref.shape and np.abs(out - ref).max() <= 1e-5, np.abs(out - ref).max()
 
     # a rule that says "paired" where the pipeline makes no unconditional call: raises on every rank, and the
     # pipeline stays usable
@@ -272,9 +272,9 @@ def _unpaired_over_all(rank, w):
     pipe, _ = tiny_qwenimage()
     parallelize_pipeline(pipe, mode="agkv", transport="torch", chunks=1, cfg_parallel=True, cuda_graphs="forward")
     state = pipe.transformer._cp_ops_state
-    for i, name in enumerate(("unpaired", "paired", "unpaired", "paired", "unpaired")):
+    for i, name in enumerate(("paired", "unpaired", "paired", "unpaired")):
         widths.clear()
-        if i == 0:
+        if i == 1:
             with pytest.warns(UserWarning, match="QwenImagePipeline runs QwenImageTransformer2DModel where "
                                                  "classifier-free guidance is off in this call: this forward runs "
                                                  rf"over all {w} ranks \(CP{w}\)"):
@@ -307,7 +307,8 @@ def _unpaired_over_all(rank, w):
     captured.BACKEND = captured.CudaGraphs()
 
 
-def test_a_call_the_lanes_cannot_pair_runs_over_all_ranks():
+def test_a_call_the_lanes_cannot_pair_runs_over_all_ranks(monkeypatch):
+    monkeypatch.setenv("CP_OPS_TIMEOUT_S", "20")  # ranks that run different checks fail in seconds, not minutes
     run_ranks(_unpaired_over_all, 4)
 
 

@@ -51,7 +51,8 @@ class RankChecks:
         mode = config.settings.check_ranks
         if mode != "off":
             inputs = dict(self._arg(n, args, kwargs) for n in self.inputs)
-            key = tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values())
+            # per group: each group's ranks check its first forward of a shape (CFG lanes: a lane, or all ranks)
+            key = (self.input_pg, tuple(None if x is None else (tuple(x.shape), x.dtype) for x in inputs.values()))
             if mode == "debug" or key not in self.seen:
                 with waiting_in(f"cp_ops.parallelize inputs of forward #{self.forwards}"):
                     check_inputs_agree(self.input_pg, "cp_ops.parallelize inputs", inputs)
