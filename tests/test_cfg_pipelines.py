@@ -306,6 +306,29 @@ def _unpaired_over_all(rank, w):
         assert np.abs(_output(pipe, calls[name]) - refs[name]).max() <= 1e-5, name
     captured.BACKEND = captured.CudaGraphs()
 
+    # a step cache in a call whose CFG stops after step 1 (a callback): step 1 paired, the steps after over all ranks
+    # with their own FirstBlockCache state (a lane's residual is split otherwise, and only lane 0 ran 'cond')
+    from diffusers import FirstBlockCacheConfig
+
+    from cp_ops.examples.tiny import tiny_wan22
+
+    def cfg_off(p, i, t, kw):
+        p._guidance_scale = 1.0
+        return {}
+
+    outs = []
+    for parallel in (False, True):
+        wan, call = tiny_wan22(steps=3)
+        wan.register_to_config(boundary_ratio=None)  # one expert runs every step
+        wan.set_progress_bar_config(disable=True)
+        if parallel:
+            parallelize_pipeline(wan, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
+        wan.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.01))  # computes every step, as one device
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs.append(_output(wan, {**call, "callback_on_step_end": cfg_off}))
+    assert np.abs(outs[1] - outs[0]).max() <= 1e-5, np.abs(outs[1] - outs[0]).max()
+
 
 def test_a_call_the_lanes_cannot_pair_runs_over_all_ranks(monkeypatch):
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "20")  # ranks that run different checks fail in seconds, not minutes
