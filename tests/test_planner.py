@@ -191,7 +191,7 @@ def test_parallelize_pipeline_plans_lanes_for_true_cfg():
 @pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
 def test_a_guidance_distilled_pipeline_gets_no_lanes():
     """Flux 2 Klein's distilled checkpoints (``is_distilled`` in the pipeline's config) run no CFG at the default
-    ``guidance_scale`` 4: two lanes would run every forward on both lanes at half the CP width."""
+    ``guidance_scale`` 4: two lanes would pair no forward (each runs over all ranks, as without lanes)."""
     import diffusers
     import torch
     from diffusers.configuration_utils import FrozenDict
