@@ -289,6 +289,18 @@ def _unpaired_over_all(rank, w):
     cf = captured.captured(pipe.transformer)
     assert cf.captures == 2 and "replay" in captured.BACKEND.events, cf.keys()  # its branch's graph, the whole one's
 
+    # the transformer called outside pipe(...) with a batch of 1: over all ranks too
+    import diffusers_tiny
+
+    kw = diffusers_tiny.inputs("qwenimage", 1, (1, 2, 4), 8, torch.Generator().manual_seed(5))
+    widths.clear()
+    with torch.no_grad():
+        ref = ref_pipe.transformer(**kw, return_dict=False)[0]
+        with pytest.warns(UserWarning, match="QwenImageTransformer2DModel is called outside a pipeline call with a "
+                                             f"batch of 1 .*: this forward runs over all {w} ranks"):
+            out = pipe.transformer(**kw, return_dict=False)[0]
+    assert set(widths) == {w} and (out - ref).abs().max() <= 1e-5, (widths, (out - ref).abs().max())
+
     # a forward over all ranks that raises (on every rank: each rank runs it): the next calls run
     seen = [0]
 

@@ -156,7 +156,8 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
             rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
             the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
             batch of 2, on every rank. A pipeline that calls the transformer once per branch (batch 1 each) runs
-            its two calls on the two lanes at the same time under :func:`parallelize_pipeline` (:mod:`.lanes`).
+            its two calls on the two lanes at the same time under :func:`parallelize_pipeline` (:mod:`.lanes`);
+            there a call with no CFG pair runs over all the ranks.
         compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
             :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
             path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).

@@ -269,8 +269,8 @@ class Lanes:
         if run is None:  # outside a pipeline call: a batch of 2 is split over the lanes
             if n in (2, None):
                 return inner(*args, **kwargs)
-            return self._unpaired(inner, args, kwargs, f"it is called outside a pipeline call with a batch of {n} "
-                                                       "(the lanes split a batch of 2)")
+            return self._unpaired(inner, args, kwargs, f"{self.name} is called outside a pipeline call with a "
+                                                       f"batch of {n} (the lanes split a batch of 2)")
         if n == 2:
             self._no_pending(f"called {self.name} with a batch of 2")
             return inner(*args, **kwargs)
