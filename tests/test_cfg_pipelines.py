@@ -341,6 +341,19 @@ def _unpaired_over_all(rank, w):
             outs.append(_output(wan, {**call, "callback_on_step_end": cfg_off}))
     assert np.abs(outs[1] - outs[0]).max() <= 1e-5, np.abs(outs[1] - outs[0]).max()
 
+    # CFG lanes of a 3-D mesh: no 2-D mesh spans every rank, so a call with no CFG pair runs on both lanes alike,
+    # the warning says why
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pipe, _ = tiny_qwenimage()
+    mesh = init_device_mesh("cpu", (2, 1, w // 2), mesh_dim_names=("cfg", "agkv", "ulysses"))
+    parallelize_pipeline(pipe, mesh, transport="torch", chunks=1)
+    widths.clear()
+    with pytest.warns(UserWarning, match=r"both CFG lanes run this forward alike \(CP over half the ranks each; not "
+                                         rf"over all {w}: a 3-D mesh gives each lane a 2-D CP mesh"):
+        out = _output(pipe, calls["unpaired"])
+    assert set(widths) == {w // 2} and np.abs(out - refs["unpaired"]).max() <= 1e-5, widths
+
 
 def test_a_call_the_lanes_cannot_pair_runs_over_all_ranks(monkeypatch):
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "20")  # ranks that run different checks fail in seconds, not minutes
