@@ -66,7 +66,7 @@ def main() -> None:
         spec = MODELS[name]
         base, cfg = build(spec, spec.gpu_config, None, dev, dtype)
         f, h, w = spec.gpu_latent
-        gen = torch.Generator().manual_seed(5)
+        gen = torch.Generator(device=dev).manual_seed(5)
         kw = spec.make_inputs(cfg, spec.text_tokens[spec.gpu_config], 1, f, h, w, dev, dtype, gen)
         row = {"model": name, "config": spec.gpu_config, "latent": [f, h, w],
                "tokens": spec.tokens(cfg, f, h, w), "weights_gib": sum(p.numel() * p.element_size()

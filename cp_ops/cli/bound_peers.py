@@ -154,6 +154,8 @@ def _cachedit(model, layout: str, group, heads: int | None, device: torch.device
 
     w = group.size()
     sizes = dict(ulysses_size=w) if layout == "ulysses" else dict(ring_size=w)
+    # cache-dit's CP takes its own registered backends, not the one the tool set on the model (diffusers' cuDNN)
+    model.reset_attention_backend()
     with world_of(group):
         cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(**sizes))
     return Built(layout, around=lambda: world_of(group))
