@@ -44,8 +44,8 @@ export CP_OPS_EXT_DIR=${CP_OPS_EXT_DIR:-/tmp/cp_ops_ext}
 mkdir -p "$OUT"
 LOG=$OUT/log.txt
 T0=$SECONDS
-export CP_OPS_SHARED_DEVICE_OUT=${CP_OPS_SHARED_DEVICE_OUT:-/tmp/shared_device}
-mkdir -p "$CP_OPS_SHARED_DEVICE_OUT"
+export TEST_SHARED_DEVICE_OUT=${TEST_SHARED_DEVICE_OUT:-/tmp/shared_device}
+mkdir -p "$TEST_SHARED_DEVICE_OUT"
 status=0
 step() { local name=$1 limit=$2; shift 2
   if [ -n "${END:-}" ]; then local left=$((END - (SECONDS - T0) - 5))
@@ -56,7 +56,7 @@ step() { local name=$1 limit=$2; shift 2
   echo "=== $name: rc=$rc in $((SECONDS - t)) s" | tee -a "$LOG"; [ "$rc" = 0 ] || status=1; }
 ptest() { local name=$1 limit=$2; shift 2; step "$name" "$limit" python3 -m pytest -q -rs -p no:cacheprovider "$@"; }
 kw() { [ -z "$2" ] && { echo "$1"; return; }; echo "$1 and (${2//,/ or })"; }  # kw 'wan_full' 'w2,w4'
-merge() { python3 - "$CP_OPS_SHARED_DEVICE_OUT" "$OUT/shared_device.json" <<'PY' 2>&1 | tee -a "$LOG"
+merge() { python3 - "$TEST_SHARED_DEVICE_OUT" "$OUT/shared_device.json" <<'PY' 2>&1 | tee -a "$LOG"
 import glob, json, os, sys
 recs = []
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
@@ -94,7 +94,7 @@ section() { local s=${1%%:*} w=""; [ "$1" != "$s" ] && w=${1#*:}
          mkdir -p /tmp/mps_pipe /tmp/mps_log
          export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
          nvidia-cuda-mps-control -d 2>&1 | tee -a "$LOG"
-         CP_OPS_SHARED_DEVICE_TAG=+mps ptest "nvshmem_mps${w:+_$w}" "${MPS_TIMEOUT:-240}" tests/test_one_gpu.py \
+         TEST_SHARED_DEVICE_TAG=+mps ptest "nvshmem_mps${w:+_$w}" "${MPS_TIMEOUT:-240}" tests/test_one_gpu.py \
            -k "$(kw "${MPS_K:-shared_device and nvshmem}" "$w")"
          echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
          tail -5 /tmp/mps_log/control.log 2>/dev/null | tee -a "$LOG" ;;

@@ -178,7 +178,7 @@ def test_extension_merge_matches_the_fp32_reference_and_triton():
 # Each rank is a process of its own on cuda:0 (a ``cpu:gloo,cuda:gloo`` group): separate CUDA contexts, CUDA IPC,
 # flags written by another process; only the link is missing. Each check is compared with one device (bitwise where
 # the same kernel sees the same data) and recorded: ``{world_size, transport, heap, what, passed, max_err}``, written
-# by rank 0 to ``$CP_OPS_SHARED_DEVICE_OUT/shared_<W>_<transport>_<heap>.json`` (a temporary folder when unset). No
+# by rank 0 to ``$TEST_SHARED_DEVICE_OUT/shared_<W>_<transport>_<heap>.json`` (a temporary folder when unset). No
 # timing is recorded: ranks sharing a device say nothing about speed.
 import importlib.util  # noqa: E402
 import json  # noqa: E402
@@ -188,7 +188,7 @@ SHARED = [(w, t, h) for w in (2, 4, 8) for t, h in (("torch", ""), ("fast", "ipc
 
 
 def _out_dir(tmp_path) -> str:
-    out = os.environ.get("CP_OPS_SHARED_DEVICE_OUT") or str(tmp_path)
+    out = os.environ.get("TEST_SHARED_DEVICE_OUT") or str(tmp_path)
     os.makedirs(out, exist_ok=True)
     return out
 
@@ -401,7 +401,7 @@ def _shared_body(rank, w, transport, heap, out):
     import torch.distributed as dist
 
     records = []
-    only = os.environ.get("CP_OPS_SHARED_DEVICE_ONLY")  # a substring of the checks to run (all when unset)
+    only = os.environ.get("TEST_SHARED_DEVICE_ONLY")  # a substring of the checks to run (all when unset)
     for what, fn in _shared_checks(rank, w, transport, heap):
         if only and only not in what:
             continue
@@ -418,7 +418,7 @@ def _shared_body(rank, w, transport, heap, out):
     for i, r in enumerate(records):
         mine = [rr[i] for rr in every]
         errs = [m["max_err"] for m in mine if m["max_err"] is not None]
-        tag = os.environ.get("CP_OPS_SHARED_DEVICE_TAG", "")  # e.g. "+mps": the run's conditions
+        tag = os.environ.get("TEST_SHARED_DEVICE_TAG", "")  # e.g. "+mps": the run's conditions
         rec = dict(world_size=w, transport=transport, heap=(heap + tag) if heap else None, what=r["what"],
                    passed=all(m["passed"] for m in mine), max_err=max(errs) if errs else None)
         bad = [(j, m["error"]) for j, m in enumerate(mine) if "error" in m]
@@ -426,7 +426,7 @@ def _shared_body(rank, w, transport, heap, out):
             rec["error"] = f"rank {bad[0][0]}: {bad[0][1]}"
         merged.append(rec)
     if rank == 0:
-        name = f"shared_{w}_{transport}_{heap or 'none'}{os.environ.get('CP_OPS_SHARED_DEVICE_TAG', '')}.json"
+        name = f"shared_{w}_{transport}_{heap or 'none'}{os.environ.get('TEST_SHARED_DEVICE_TAG', '')}.json"
         with open(os.path.join(out, name), "w") as f:
             json.dump(merged, f, indent=1)
     failed = [r for r in merged if not r["passed"]]
@@ -451,8 +451,8 @@ def test_shared_device_mesh_fast(w, lane, monkeypatch, tmp_path):
     """2-D meshes with transport='fast': the inner dim on the fast lane (its width set), the outer on torch."""
     monkeypatch.setenv("CP_OPS_FAST_HEAP", "ipc")
     monkeypatch.setenv("CP_OPS_FAST_LANE_WIDTH", str(lane))
-    monkeypatch.setenv("CP_OPS_SHARED_DEVICE_ONLY", "mesh")
-    monkeypatch.setenv("CP_OPS_SHARED_DEVICE_TAG", f"+mesh{lane}")
+    monkeypatch.setenv("TEST_SHARED_DEVICE_ONLY", "mesh")
+    monkeypatch.setenv("TEST_SHARED_DEVICE_TAG", f"+mesh{lane}")
     monkeypatch.setenv("CP_OPS_TIMEOUT_S", "60")
     run_ranks(_shared_body, w, "fast", "ipc", _out_dir(tmp_path), timeout=300, device="one_gpu")
 
@@ -486,7 +486,7 @@ def _peer_never_arrives(rank, w, transport):
         took = time.monotonic() - t0
         assert took < bound + 15, took
         assert "rank 1" in str(e.value) or "peer" in str(e.value), str(e.value)
-        out = os.environ.get("CP_OPS_SHARED_DEVICE_OUT")
+        out = os.environ.get("TEST_SHARED_DEVICE_OUT")
         if out:
             with open(os.path.join(out, "never_arrives_fast.json"), "w") as f:
                 json.dump(dict(world_size=w, transport=transport, heap=os.environ.get("CP_OPS_FAST_HEAP"),
@@ -535,7 +535,7 @@ def _killed(rank, w, transport):
     took = time.monotonic() - t0
     assert took < float(os.environ["CP_OPS_TIMEOUT_S"]) + 15, took
     assert "1" in str(e.value), str(e.value)
-    out = os.environ.get("CP_OPS_SHARED_DEVICE_OUT")
+    out = os.environ.get("TEST_SHARED_DEVICE_OUT")
     if out:
         with open(os.path.join(out, f"killed_{transport}.json"), "w") as f:
             json.dump(dict(world_size=w, transport=transport,

@@ -11,7 +11,7 @@ CUDA): each rank a process on cuda:0 in a ``cpu:gloo,cuda:gloo`` group, the fast
 * one launch waited on two streams (tests/test_fast.py's body).
 
 A peer that never arrives and a rank killed mid-call are in tests/test_one_gpu.py. Each test writes its record to
-``$CP_OPS_SHARED_DEVICE_OUT`` (``benchmarks/gpu_one.sh OUT faults``) when that is set.
+``$TEST_SHARED_DEVICE_OUT`` (``benchmarks/gpu_one.sh OUT faults``) when that is set.
 """
 
 import json
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _record(name, w, what, **extra):
-    out = os.environ.get("CP_OPS_SHARED_DEVICE_OUT")
+    out = os.environ.get("TEST_SHARED_DEVICE_OUT")
     if out:
         with open(os.path.join(out, f"fault_{name}_{w}.json"), "w") as f:
             json.dump(dict(world_size=w, transport="fast", heap=os.environ.get("CP_OPS_FAST_HEAP"), what=what,
