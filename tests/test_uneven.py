@@ -224,10 +224,16 @@ def _compiled(rank, w):
     for mode, got, want in zip(("agkv", "ulysses"), compiled, eager):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=mode)
         assert want.numel() == 0 or want.abs().max() > 0
-    # the overlap pass (cp_ops.compile) under dynamic shapes, a rank holding no token: seq_lens reach the launches as
-    # SymInt graph inputs, which the pass's pool-key grouping must not read as tensors; this rank's mask and every
-    # key's. One compile per case: the pass decides per graph, and a graph of several calls on a rank without tokens
-    # may be split differently from its peer's (the rank contract then raises, naming the call)
+    # a rank holding no token, this rank's mask, every key's and none (Ulysses then reads the real rows of each
+    # slot), static and dynamic shapes: compiled = eager, bitwise. One compile per case: a graph of several calls on a
+    # rank without tokens may be split differently from its peer's (the rank contract then raises, naming the call).
+    # Dynamo + AOTAutograd (aot_eager: the ops' fake kernels under static and symbolic shapes, functionalization) for
+    # every case; Inductor with the overlap pass (cp_ops.compile) where the pass has something to get wrong:
+    # - dynamic AGKV with this rank's mask: seq_lens reach the launches (agkv_gather_start, mask_gather_start) as
+    #   SymInt graph inputs, which the pass's pool-key grouping must not read as tensors (the grouping is one
+    #   function for every launch op: test_pass_correctness's dynamic case runs it on Ulysses' launches);
+    # - static Ulysses without a mask: the pass opens the window on uneven shards (the graph:
+    #   test_pass_graph.test_uneven_ulysses_opens_a_window) and changes no bit.
     from torch import _dynamo
 
     seq = (0, 9) if w == 2 else (0,) + layout.shard_sizes(9, w - 1)
@@ -239,14 +245,19 @@ def _compiled(rank, w):
         q, k, v = (t.unflatten(-1, (h, d)) for t in proj(x).chunk(3, dim=-1))
         return cp_ops.attention(q, k, v, mode=mode, seq_lens=seq, key_mask=mask).flatten(-2) * 2
 
+    with_pass = {("agkv", "own", True), ("ulysses", "none", False)}
     for mode in ("agkv", "ulysses"):
-        for m in (own, full, None):  # None: Ulysses reads the real rows of each slot, the pass's window open
+        for name, m in (("own", own), ("full", full), ("none", None)):
             with torch.no_grad():
                 eager = block2(x, m, mode)
                 for dynamic in (False, True):
                     _dynamo.reset()
-                    compiled = cp_ops.compile(block2, fullgraph=True, dynamic=dynamic)(x, m, mode)
-                    assert torch.equal(compiled, eager), (mode, None if m is None else m.shape, dynamic)
+                    if (mode, name, dynamic) in with_pass:
+                        fn = cp_ops.compile(block2, fullgraph=True, dynamic=dynamic)
+                    else:
+                        fn = torch.compile(block2, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+                    compiled = fn(x, m, mode)
+                    assert torch.equal(compiled, eager), (mode, name, dynamic)
 
 
 def _dynamic(rank, w):
