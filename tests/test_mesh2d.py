@@ -105,9 +105,14 @@ def test_degenerate_meshes_equal_1d_modes():
 
 
 def _compiled(rank, w):
+    """Compiled 2-D calls = eager. The variants (key masks, pipelined, uneven shards, a degenerate mesh) through Dynamo
+    + AOTAutograd (aot_eager: the 2-D body traced, the ops' fake kernels, functionalization); Inductor with and
+    without the overlap pass on a block (the 2-D body's launches are the 1-D ops, whose Inductor lowerings the 1-D
+    compiled tests check with masks, uneven shards and pipelined AGKV: test_uneven.test_compiled_equals_eager)."""
     mesh = _mesh((2, 2))
-    f = torch.compile(lambda q, k, v, m: cp_ops.attention(q, k, v, group=mesh, key_mask=m), fullgraph=True)
-    g = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=mesh, chunks=2), fullgraph=True)
+    aot = dict(fullgraph=True, backend="aot_eager")
+    f = torch.compile(lambda q, k, v, m: cp_ops.attention(q, k, v, group=mesh, key_mask=m), **aot)
+    g = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=mesh, chunks=2), **aot)
     for seed in (11, 12):
         q, k, v, mask = _data(1, 16, 4, 8, seed=seed)
         sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
@@ -120,7 +125,7 @@ def _compiled(rank, w):
     # uneven shards, with a mask (chunks 1) and pipelined (chunks 2: the outer AGKV inside one op)
     seq = (5, 2, 0, 6)
     u = torch.compile(lambda q, k, v, m, c: cp_ops.attention(q, k, v, group=mesh, seq_lens=seq, key_mask=m, chunks=c),
-                      fullgraph=True)
+                      **aot)
     q, k, v, mask = _data(1, sum(seq), 4, 8, seed=15)
     sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
     assert torch.equal(u(sh(q), sh(k), sh(v), sh(mask), 1), _ref(q, k, v, mask, (2, 2), rank, seq))
@@ -140,7 +145,7 @@ def _compiled(rank, w):
     torch.testing.assert_close(got, block(sh(q), sh(k), sh(v)), rtol=1e-6, atol=1e-6)
     # a degenerate mesh compiled: the 1-D call on its one dim
     flat = _mesh((1, 4))
-    h = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=flat), fullgraph=True)
+    h = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=flat), **aot)
     q, k, v, _ = _data(1, 16, 4, 8, seed=13)
     sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
     assert torch.equal(h(sh(q), sh(k), sh(v)), cp_ops.attention(sh(q), sh(k), sh(v), group=flat))
