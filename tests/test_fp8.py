@@ -6,6 +6,7 @@ bf16 single-device reference; compiled fullgraph = eager; bitwise the plain call
 dtype; a rank mismatch in comm_dtype raises on every rank; opcheck on the codec ops. Marked gpu (skipped without
 CUDA): the Triton codec against the torch one, and two ranks sharing one GPU."""
 
+import functools
 import math
 import os
 
@@ -333,9 +334,10 @@ COMPILED_CASES = (("agkv", 1, E4), ("agkv", 2, E4), ("ulysses", 1, {"q": E4, "v"
 
 
 def _compiled(rank, w):
-    """Each case of COMPILED_CASES, and Ulysses with uneven shards and a key mask, compiled by ``torch.compile`` and by
-    ``cp_ops.compile`` (the overlap pass) equal eager, bitwise. The cases are calls of one function, so each compiler
-    compiles once for all of them (each call's launches, waits and codecs traced and lowered all the same)."""
+    """Each case of COMPILED_CASES, and Ulysses with uneven shards and a key mask, compiled equal eager, bitwise:
+    through Dynamo + AOTAutograd alone (aot_eager: the codecs and launches traced, the fake kernels) and by
+    ``cp_ops.compile`` (Inductor: the same graph lowered, with the overlap pass). The cases are calls of one function,
+    so each compiler compiles once for all of them."""
     b, h, d, s = 1, 2 * w, 16, 6
     q, k, v, _ = _data(b, w * s, h, d, seed=11)
     sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
@@ -351,7 +353,8 @@ def _compiled(rank, w):
     args = (sh(q), sh(k), sh(v), shu(qu), shu(ku), shu(vu), shu(mask))
     eager = f(*args)
     cases = list(COMPILED_CASES) + [("ulysses", "uneven, key mask", E4)]
-    for comp in (torch.compile, cp_ops.compile):  # cp_ops.compile: with the overlap pass
+    aot_eager = functools.partial(torch.compile, backend="aot_eager")
+    for comp in (aot_eager, cp_ops.compile):  # cp_ops.compile: Inductor with the overlap pass
         torch._dynamo.reset()
         compiled = comp(f, fullgraph=True)(*args)
         assert len(compiled) == len(cases)
@@ -876,7 +879,9 @@ def _auto_with_k_v_apart(rank, w):
     assert torch.equal(out, _same_calls(q, k, v, None, rank, w, None, "ulysses", cd.normalize(c)))
     assert cp_ops.describe(sh(q), comm_dtype=c).mode == "ulysses"
     assert cp_ops.describe(sh(q)).mode == "agkv"  # without it, W = 2 stays AGKV
-    f = torch.compile(lambda a, b, d: cp_ops.attention(a, b, d, comm_dtype=c), fullgraph=True)
+    # traced, 'auto' picks the same mode (Dynamo + AOTAutograd; this call lowered by Inductor: the Ulysses case with
+    # these formats in test_compiled_equals_eager)
+    f = torch.compile(lambda a, b, d: cp_ops.attention(a, b, d, comm_dtype=c), fullgraph=True, backend="aot_eager")
     assert torch.equal(f(sh(q), sh(k), sh(v)), out)
     q3 = q[:, :, :3]
     with pytest.raises(ValueError, match="gathers K and V together"):
