@@ -38,3 +38,19 @@ try:
     _inductor_caches()
 except Exception:  # noqa: BLE001, S110 - see the module docstring
     pass
+
+
+def _fallback_kernels() -> None:
+    """Inductor without C++ kernels in the ranks, as in the test process (tests/conftest.py: _fallback_kernels)."""
+    import os
+
+    if os.environ.get("TEST_INDUCTOR_KERNELS", "0") != "1":
+        import torch._inductor.config as c
+
+        c.fallback_by_default = True
+
+
+try:
+    _fallback_kernels()
+except Exception:  # noqa: BLE001, S110
+    pass

@@ -48,6 +48,7 @@ def _check_q_window(fc: FileCheck, q_gemms: tuple[str, ...]) -> FileCheck:
     return fc.check_regex(r"fused\w*rsqrt").check_regex(r"(neg|stack)\w*\(")
 
 
+@pytest.mark.usefixtures("inductor_kernels")  # where the launches land among fused kernels, the generated code
 class TestOverlapPass(expecttest.TestCase):
     def test_wan_agkv_graph_and_code_order(self):
         model, (_, code, cap, logs) = _wan("agkv")
@@ -426,6 +427,7 @@ addmm_3 = addmm(in11, _scaled_dot_product_flash_attention_for_cpu_0, in12)""")
         self.assertTrue(all(pos[q_gemm] < pos[w] < pos[sdpa] for w in waits))
 
 
+@pytest.mark.usefixtures("inductor_kernels")
 @pytest.mark.parametrize("mode", ["agkv", "ulysses"])
 def test_diffusers_wan_transformer_one_window_per_layer(mode):
     """A real DiT: diffusers' Wan transformer parallelized by cp_ops.integrations.diffusers and compiled whole: its

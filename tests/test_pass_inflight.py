@@ -95,6 +95,7 @@ def test_repro_graph_unbounded_is_caught():
     assert len(bad) == 1 and bad[0].startswith("agkv_gather_start_2 runs before the output of"), bad
 
 
+@pytest.mark.usefixtures("inductor_kernels")  # the order in the generated code
 def test_two_layer_block_order_in_graph_and_code():
     """Compiled with Inductor: in each of two layers the third K/V launch follows the reads of the first two
     (its slot is the first launched's), in the FX graph and in the generated code (the scheduler keeps it:

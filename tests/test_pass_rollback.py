@@ -148,6 +148,7 @@ def _deps(snodes) -> dict[str, tuple]:
                             sorted(getattr(sn, "ancestors", ()) or ())) for sn in snodes}
 
 
+@pytest.mark.usefixtures("inductor_kernels")  # the scheduler nodes the pass pins
 def test_scheduler_pass_failure_removes_the_dependencies_it_added(monkeypatch, caplog, fake_group):
     """Two windows; pinning the second fails after the first was pinned: every scheduler node's dependencies
     (and ancestors) are back to what they were, the nodes come back in their order, with a warning."""

@@ -3,6 +3,8 @@ real gloo groups (W = 2, 3, 4): equal to single-device SDPA on the concatenation
 disagreement and bad inputs raise on every rank, torch.compile(fullgraph=True) = eager, opcheck on the new ops. Marked gpu (skipped
 without 2 GPUs): the same on NCCL, one GPU a rank."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,7 @@ import torch.distributed as dist
 import cp_ops
 from cp_ops import config, layout
 from cp_ops.kernels import local_attention as masked_attention
-from dist_util import run_ranks
+from dist_util import inductor_kernels, run_ranks
 
 # (B, H, D, split): split = a total token count (cp_ops.layout.shard_sizes: a prefix split, the real rows taken as a
 # view) or explicit seq_lens (some not a prefix: (0, 9), (5, 0, 12), (1, 1, 30), (1, 10, 0, 3), (4, 4, 3, 3): the rows selected)
@@ -252,11 +254,13 @@ def _compiled(rank, w):
                 eager = block2(x, m, mode)
                 for dynamic in (False, True):
                     _dynamo.reset()
-                    if (mode, name, dynamic) in with_pass:
+                    kernels = (mode, name, dynamic) in with_pass
+                    if kernels:
                         fn = cp_ops.compile(block2, fullgraph=True, dynamic=dynamic)
                     else:
                         fn = torch.compile(block2, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-                    compiled = fn(x, m, mode)
+                    with inductor_kernels() if kernels else contextlib.nullcontext():
+                        compiled = fn(x, m, mode)
                     assert torch.equal(compiled, eager), (mode, name, dynamic)
 
 
