@@ -45,18 +45,21 @@ PROBE = ("import os, sys; {pre}import cp_ops; {use}"
     ("", "cp_ops.attention; ", True),                       # first use loads the core
 ])
 def test_import_is_light(pre, use, torch_loaded):
-    """Also, in the process that imported torch first (one interpreter fewer): the core, cp_ops.passes included,
-    never imports the tools layer (test_core_never_imports_the_tools_layer reads the sources)."""
+    """Also, in the process that imported torch first (interpreters fewer): the core, cp_ops.passes included,
+    never imports the tools layer (test_core_never_imports_the_tools_layer reads the sources); the fast transport's
+    module and its describe() load neither NVSHMEM nor the CUDA extension (its build is the first fast call's)."""
     code = PROBE.format(pre=pre, use=use)
     if pre:
         code += ("; cp_ops.attention; import cp_ops.passes; "
-                 "print('TOOLS', [m for m in sys.modules if m.startswith('cp_ops.cli')])")
+                 "print('TOOLS', [m for m in sys.modules if m.startswith('cp_ops.cli')]); "
+                 "import cp_ops.transport.fast as f; f.describe(); "
+                 "print('FAST', [m for m in ('nvshmem', 'cp_ops._ext', 'cp_ops_fast_ext') if m in sys.modules])")
     p = _py(code)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     # no compiler modules, no TORCHINDUCTOR_CACHE_DIR set by importing a library; ops registered once torch is
     assert lines[0].split() == ["[]", "None", str(torch_loaded), str(torch_loaded)], p.stdout
-    assert lines[1:] == (["TOOLS []"] if pre else []), p.stdout
+    assert lines[1:] == (["TOOLS []", "FAST []"] if pre else []), p.stdout
 
 
 def test_resolve_is_marked_constant_like_torch_does():
