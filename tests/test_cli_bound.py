@@ -35,13 +35,15 @@ def _args(model, **kw):
 
 @pytest.mark.parametrize("model", ["wan", "flux", "qwenimage", "zimage", "ltx"])
 def test_bound_tiny_fake_groups(model, tmp_path):
-    """W = 2, 4, 8 on one CPU: one row per W, finite positive times and bound, cost = rank 0 - plain, the JSON
-    written; every side's output had the full shape (run_bound raises otherwise); no process group left behind.
-    flux/qwenimage split the text too (joint attention), qwenimage/zimage carry key masks (text, padding)."""
+    """W = 4 and 8 on one CPU (the tiny configs' 4 heads: auto takes Ulysses at W=4, AGKV at W=8): one row per W,
+    finite positive times and bound, cost = rank 0 - plain, the JSON written; every side's output had the full shape
+    (run_bound raises otherwise); no process group left behind. flux/qwenimage split the text too (joint attention),
+    qwenimage/zimage carry key masks (text, padding)."""
     out = tmp_path / "b.json"
-    rows = bound.run_bound(_args(model, out=str(out)), torch.device("cpu"))
+    rows = bound.run_bound(_args(model, out=str(out), bound=[4, 8]), torch.device("cpu"))
     assert not dist.is_initialized()
-    assert [r["world_size"] for r in rows] == [2, 4, 8]
+    assert [r["world_size"] for r in rows] == [4, 8]
+    assert [r["mode"] for r in rows] == ["ulysses", "agkv"]
     for r in rows:
         assert math.isfinite(r["bound_speedup"]) and r["bound_speedup"] > 0
         assert r["rank0_ms"] > 0 and r["one_gpu_ms"] <= min(r["diffusers_ms"], r["group1_ms"])
@@ -64,7 +66,7 @@ def test_bound_tiny_fake_groups(model, tmp_path):
     # every side's build, first call and one more forward, written as each side was built (a killed run keeps them)
     first = saved["first_calls"]["eager"]
     assert sorted(f["side"] for f in first) == sorted(
-        ["diffusers", "group of 1"] + [f"{k} W{w}" for w in (2, 4, 8) for k in ("cp_ops", "plain")])
+        ["diffusers", "group of 1"] + [f"{k} W{w}" for w in (4, 8) for k in ("cp_ops", "plain")])
     for f in first:
         assert f["build_s"] > 0 and f["first_call_s"] > 0 and f["second_call_ms"] > 0, f
 
@@ -233,17 +235,29 @@ def test_bound_cli_end_to_end(tmp_path, capsys):
     assert not dist.is_initialized()
 
 
-def _bound_cli(extra, env):
-    r = subprocess.run([sys.executable, "-m", "cp_ops", "bound", "wan", "--device", "cpu", "--layers", "1", "--worlds",
-                        "2", "--compile-modes", "regional", "--no-group1"] + extra,
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout
+#: the driver of test_bound_compile_workers_then_side_processes: `cp-ops bound` runs, one after another, in one fresh
+#: interpreter. Its top level runs in every child the tool spawns too (multiprocessing imports a script parent's main
+#: file as __mp_main__ before the child's work), so the parent and every child compile alike with Inductor falling
+#: back to ATen for every op: Inductor and its FX graph cache as usual, without its C++ kernels' compiles (seconds
+#: each, and what the tool's orchestration does not depend on). No global named `torch` at its top: with one, the
+#: spawned children's FX graph cache keys differed from the parent's (torch 2.13), and every compile missed.
+_DRIVER = """
+import sys
+import torch._inductor.config as inductor_config
+inductor_config.fallback_by_default = True
+if __name__ == "__main__":
+    import json
+    from cp_ops.cli.main import main
+    for argv in json.loads(sys.argv[1]):
+        print("=== run", flush=True)
+        if main(argv) != 0:
+            sys.exit(1)
+"""
 
 
 def test_bound_compile_workers_then_side_processes(tmp_path):
-    """Fresh processes, as the CLI runs (the compiled graphs name the fake groups, whose names count the groups a
-    process made before), on one cold on-disk cache:
+    """A fresh process, as the CLI runs (the compiled graphs name the fake groups, whose names count the groups a
+    process made before), on one cold on-disk cache, runs two `cp-ops bound` commands:
 
     1. --compile-workers 2: each side of the compiled mode is compiled first in a child process (spawned, its own
        model) into the shared on-disk caches; the run's own compiles of the same sides then all hit Inductor's FX
@@ -251,20 +265,32 @@ def test_bound_compile_workers_then_side_processes(tmp_path):
     2. --side-processes, on the caches run 1 filled (what it checks does not depend on them): each side of the
        compiled mode is built, compiled and timed in its own spawned process on the parent's weights; the parent's
        rounds time them through their pipes, and the rows carry what the processes measured (the fake collectives'
-       writes counted there, the outputs checked here)."""
+       writes counted there, the outputs checked here).
+
+    Both in one interpreter (run 2's parent compiles nothing; its children are fresh), Inductor without C++ kernels
+    (:data:`_DRIVER`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    # a cold cache; Inductor's compile in-process (no pool of compile workers to start in each of the 3 processes)
+    # a cold cache; Inductor's compile in-process (no pool of compile workers to start in each of the processes)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1",
                PYTHONPATH=os.pathsep.join(sys.path))
-    text = _bound_cli(["--repeats", "1", "--warmup", "0", "--compile-workers", "2"], env)
+    driver = tmp_path / "driver.py"
+    driver.write_text(_DRIVER)
+    out = tmp_path / "sp.json"
+    common = ["bound", "wan", "--device", "cpu", "--layers", "1", "--worlds", "2", "--compile-modes", "regional",
+              "--no-group1"]
+    runs = [common + ["--repeats", "1", "--warmup", "0", "--compile-workers", "2"],
+            common + ["--repeats", "2", "--warmup", "1", "--side-processes", "--out", str(out)]]
+    r = subprocess.run([sys.executable, str(driver), json.dumps(runs)], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    _, text, text2 = r.stdout.split("=== run\n")
     assert "precompiling 2 sides in 2 child processes" in text, text
     assert "[precompile] [regional] diffusers:" in text and "[precompile] [regional] cp_ops W2:" in text, text
     assert "failed" not in text, text
     assert "[regional] Inductor's FX graph cache: 2 hits, 0 misses; AOTAutograd's: 2 hits, 0 misses" in text, text
     assert re.search(r"regional\s+2\s+agkv", text), text
 
-    out = tmp_path / "sp.json"
-    text = _bound_cli(["--repeats", "2", "--warmup", "1", "--side-processes", "--out", str(out)], env)
+    text = text2
     assert "[regional] 2 sides in their own processes (--side-processes)" in text, text
     for side in ("diffusers", "cp_ops W2"):
         assert f"[regional] {side}: built in" in text and "(in its process, beside the others' compiles)" in text

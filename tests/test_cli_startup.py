@@ -45,10 +45,21 @@ PROBE = ("import os, sys; {pre}import cp_ops; {use}"
     ("", "cp_ops.attention; ", True),                       # first use loads the core
 ])
 def test_import_is_light(pre, use, torch_loaded):
-    p = _py(PROBE.format(pre=pre, use=use))
+    """Also, in the process that imported torch first (interpreters fewer): the core, cp_ops.passes included,
+    never imports the tools layer (test_core_never_imports_the_tools_layer reads the sources); the fast transport's
+    module and its describe() load neither NVSHMEM nor the CUDA extension (its build is the first fast call's)."""
+    code = PROBE.format(pre=pre, use=use)
+    if pre:
+        code += ("; cp_ops.attention; import cp_ops.passes; "
+                 "print('TOOLS', [m for m in sys.modules if m.startswith('cp_ops.cli')]); "
+                 "import cp_ops.transport.fast as f; f.describe(); "
+                 "print('FAST', [m for m in ('nvshmem', 'cp_ops._ext', 'cp_ops_fast_ext') if m in sys.modules])")
+    p = _py(code)
     assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
     # no compiler modules, no TORCHINDUCTOR_CACHE_DIR set by importing a library; ops registered once torch is
-    assert p.stdout.split() == ["[]", "None", str(torch_loaded), str(torch_loaded)], p.stdout
+    assert lines[0].split() == ["[]", "None", str(torch_loaded), str(torch_loaded)], p.stdout
+    assert lines[1:] == (["TOOLS []", "FAST []"] if pre else []), p.stdout
 
 
 def test_resolve_is_marked_constant_like_torch_does():
@@ -166,9 +177,7 @@ def test_core_never_imports_the_tools_layer():
     bad = {(os.path.relpath(p, ROOT), m) for p in core for m in _imports(p)
            if (m == "cp_ops.cli" or m.startswith("cp_ops.cli.")) and not p.endswith(os.path.join("cp_ops", "__main__.py"))}
     assert not bad, f"the core imports the tools layer: {sorted(bad)}"
-    p = _py("import sys, torch, cp_ops; cp_ops.attention; import cp_ops.passes; "
-            "print([m for m in sys.modules if m.startswith('cp_ops.cli')])")
-    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+    # and at run time: test_import_is_light's process that imports torch first imports cp_ops.passes too
 
 
 _HANGING_DESTROY = r"""
@@ -210,7 +219,11 @@ def test_unknown_cp_ops_variable_warns_with_the_closest_name(caplog):
     assert caplog.text == ""
 
 
-def test_graphs_on_cpu_is_a_usage_error_naming_the_rule():
-    p = _cli("bench", "--device", "cpu", "--graphs", "--seqs", "64")
-    assert p.returncode == 2, p.stderr
-    assert "--graphs needs CUDA GPUs" in p.stderr.strip().splitlines()[-1], p.stderr
+def test_graphs_on_cpu_is_a_usage_error_naming_the_rule(capsys):
+    """In-process (main()): the exit code and the last line (the usage-error path through a process is
+    test_bad_setting_is_one_line_exit_2's)."""
+    from cp_ops.cli.main import main
+
+    assert main(["bench", "--device", "cpu", "--graphs", "--seqs", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--graphs needs CUDA GPUs" in err.strip().splitlines()[-1], err

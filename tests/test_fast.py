@@ -98,14 +98,8 @@ def test_reason_missing_source(monkeypatch, tmp_path):
     monkeypatch.setattr(_ext, "_state", {})
 
 
-def test_import_stays_light():
-    code = (
-        "import sys, cp_ops; import cp_ops.transport.fast as f; f.describe(); "
-        "bad=[m for m in ('nvshmem','cp_ops._ext','cp_ops_fast_ext') if m in sys.modules]; "
-        "assert not bad, bad; print('ok')"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+# importing the fast transport (and its describe()) loads neither NVSHMEM nor the extension: checked in
+# test_cli_startup.py::test_import_is_light's process that imports torch first (one interpreter fewer)
 
 
 def test_configure_validation(monkeypatch):
