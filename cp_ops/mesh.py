@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import layout
 
@@ -27,7 +28,7 @@ def is_mesh(group: Any) -> bool:
     attributes raise)."""
     if group is None or isinstance(group, ProcessGroup):
         return False
-    return getattr(group, "ndim", 1) != 1 and hasattr(group, "mesh_dim_names")
+    return isinstance(group, DeviceMesh) and group.ndim != 1  # (Dynamo of torch 2.11 cannot trace hasattr on a mesh)
 
 
 class MeshInfo(NamedTuple):
