@@ -16,6 +16,8 @@ import types
 import torch
 import torch.distributed as dist
 
+from ...captured import captured
+
 #: cache hook classes that decide from this rank's tokens and that cp_ops cannot (yet) make agree
 _REFUSED = ("SeaCacheRootHook", "SeaCacheLeaderBlockHook", "SeaCacheBlockHook", "SeaCachePostNormHook")
 
@@ -51,7 +53,7 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
     why = refused_cache(model)
     if why:
         raise ValueError(why)
-    cf = getattr(model, "_cp_ops_captured", None)  # parallelize's default whole-forward capture goes eager
+    cf = captured(model)  # parallelize's default whole-forward capture goes eager
     if cf is not None and cf.fallback is not None and (why := host_hooks(model)) is not None:
         cf.go_eager(why)
     n = 0
@@ -137,7 +139,7 @@ def wrap_enable_cache(model: torch.nn.Module) -> None:
         return
 
     def enable_cache(*args, **kwargs):
-        cf = getattr(model, "_cp_ops_captured", None)
+        cf = captured(model)
         if cf is not None and cf.fallback is None:  # captured as asked (cuda_graphs='forward'): no eager to go to
             raise ValueError(f"{type(model).__name__}.enable_cache: its whole forward is captured in CUDA graphs "
                              "(parallelize(..., cuda_graphs='forward')), which replay one recorded forward, while a "

@@ -109,17 +109,25 @@ def _fell_back(name: str):
     return warn
 
 
-def _check_heads(attn_modules, w: int) -> None:
-    """mode='ulysses' splits each attention's heads over the W ranks: refuse here (ValueError) a module whose heads
-    W does not divide, not at the first forward."""
+def _undivided_heads(attn_modules, w: int) -> str | None:
+    """``'PATH has heads=H, which W=w ranks do not divide'`` for the first attention module whose heads (or K/V heads)
+    W does not divide; None when W divides every one."""
     for _, _, modules in attn_modules:
         for path, module in modules:
             for attr in ("heads", "kv_heads"):
                 h = getattr(module, attr, None)
                 if isinstance(h, int) and h % w:
-                    raise ValueError(f"parallelize(mode='ulysses'): {path} has {attr}={h}, which W={w} ranks do not "
-                                     f"divide (Ulysses gives each rank H/W heads): use mode='agkv' or 'auto', or a "
-                                     "group whose size divides the heads")
+                    return f"{path} has {attr}={h}, which W={w} ranks do not divide"
+    return None
+
+
+def _check_heads(attn_modules, w: int) -> None:
+    """mode='ulysses' splits each attention's heads over the W ranks: refuse here (ValueError) a module whose heads
+    W does not divide, not at the first forward."""
+    why = _undivided_heads(attn_modules, w)
+    if why is not None:
+        raise ValueError(f"parallelize(mode='ulysses'): {why} (Ulysses gives each rank H/W heads): use mode='agkv' or "
+                         "'auto', or a group whose size divides the heads")
 
 
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
@@ -306,11 +314,8 @@ def _whole_group(model, state, checks, pg, mesh, attn_modules):
         return None, "a 3-D mesh gives each lane a 2-D CP mesh, and the whole group none"
     if state.transport == "fast":
         return None, "transport='fast' runs on one CP group per process, the lane's"
-    if state.mode == "ulysses":
-        try:
-            _check_heads(attn_modules, pg.size())
-        except ValueError as e:
-            return None, str(e).split(": ", 1)[1].split(" (")[0]
+    if state.mode == "ulysses" and (why := _undivided_heads(attn_modules, pg.size())) is not None:
+        return None, why
     values = [(state, "pg", pg), (state, "attn_group", pg), (state, "rank", pg.rank()), (state, "world", pg.size()),
               (state, "gloo_cuda", stage_through_host(pg, torch.device("cuda"))), (checks, "pg", pg)]
 
