@@ -5,6 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import inductor_mode  # noqa: E402
+
 # Inductor's CPU kernels without SIMD: on CPU the compiled code is only CI's stand-in for the GPUs' Triton kernels, and
 # what the tests check (cp_ops' ops, passes, graphs, numbers against eager) does not depend on the C++ kernels being
 # vectorized; scalar kernels compile faster (-12 % CPU time over the compile-heavy test files, -16 % for
@@ -32,28 +34,13 @@ def _threads_per_worker() -> None:
 _threads_per_worker()
 
 
-def _fallback_kernels() -> None:
-    """Inductor compiles every graph as usual (lowering, cp_ops' lowerings, the overlap pass, scheduling, the FX graph
-    cache) but calls ATen for each op instead of generating C++ kernels: the CPU stand-in for the GPUs' Triton kernels
-    is what the tests check least and Inductor spends most on (a compile-heavy file: -60 % CPU time). The tests of
-    where the pass puts launches among fused kernels, or of the generated code, ask for the kernels (the
-    ``inductor_kernels`` fixture; ``dist_util.inductor_kernels()`` in a rank). Set before the first compile; the rank
-    fork server does the same (tests/rank_preload.py). ``TEST_INDUCTOR_KERNELS=1``: kernels everywhere."""
-    if os.environ.get("TEST_INDUCTOR_KERNELS", "0") != "1":
-        import torch._inductor.config as c
-
-        c.fallback_by_default = True
-
-
-_fallback_kernels()
+inductor_mode.fallback_kernels()  # Inductor without C++ kernels (tests/inductor_mode.py)
 
 
 @pytest.fixture
 def inductor_kernels():
-    """Inductor generating its own (fused) kernels for this test's compiles (see _fallback_kernels)."""
-    from dist_util import inductor_kernels
-
-    with inductor_kernels():
+    """Inductor generating its own (fused) kernels for this test's compiles (tests/inductor_mode.py)."""
+    with inductor_mode.inductor_kernels():
         yield
 
 

@@ -49,15 +49,6 @@ STATS: collections.Counter = collections.Counter()
 _server_env: dict | None = None  # the environment the fork server started with (None: not started)
 
 
-def inductor_kernels():
-    """A context in which Inductor generates its own (fused) kernels: the suite's compiles fall back to ATen ops
-    otherwise (tests/conftest.py: _fallback_kernels); a test of the overlap pass's place among fused kernels or of
-    the generated code needs them."""
-    import torch._inductor.config as c
-
-    return c.patch(fallback_by_default=False)
-
-
 def _body(rank, world_size, device, fn, args, errq):
     try:
         if device.type == "cpu":  # the ranks share the cores, as cp-ops bench/run/generate's CPU ranks do

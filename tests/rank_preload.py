@@ -40,17 +40,9 @@ except Exception:  # noqa: BLE001, S110 - see the module docstring
     pass
 
 
-def _fallback_kernels() -> None:
-    """Inductor without C++ kernels in the ranks, as in the test process (tests/conftest.py: _fallback_kernels)."""
-    import os
+try:  # Inductor without C++ kernels in the ranks, as in the test process (tests/inductor_mode.py)
+    import inductor_mode
 
-    if os.environ.get("TEST_INDUCTOR_KERNELS", "0") != "1":
-        import torch._inductor.config as c
-
-        c.fallback_by_default = True
-
-
-try:
-    _fallback_kernels()
+    inductor_mode.fallback_kernels()
 except Exception:  # noqa: BLE001, S110
     pass

@@ -14,7 +14,7 @@ NEEDS = [m for m in ("transformers",) if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(NEEDS), reason=f"diffusers pipelines need {NEEDS} (pip install transformers)")
 
 from dist_util import run_ranks  # noqa: E402
-from test_cfg_pipelines import _output, tiny_qwenimage  # noqa: E402
+from test_cfg_pipelines import _cfg_off, _output, tiny_qwenimage  # noqa: E402
 
 
 def _fail_at(pipe, rank: int, fail: bool, nth: int, exc=RuntimeError):
@@ -169,13 +169,9 @@ def _calls_a_user_makes(rank, w):
         _output(pipe, {**call, "prompt_embeds": torch.randn(1, 8, 16, generator=g)})
     assert np.abs(_output(pipe, call) - ref_of()).max() <= tol
 
-    # Wan 2.2 (two experts, switched mid-run) with guidance turned off by a callback after step 1 (the pipeline's
-    # own do_classifier_free_guidance then says no): step 1 paired, the steps after on both lanes alike
+    # Wan 2.2 (two experts, switched mid-run) with guidance turned off by a callback after step 1: step 1 paired,
+    # the steps after over all the ranks
     from cp_ops.examples.tiny import tiny_wan22
-
-    def cfg_off(p, i, t, kw):
-        p._guidance_scale = 1.0
-        return {}
 
     outs = []
     for parallel in (False, True):
@@ -185,7 +181,7 @@ def _calls_a_user_makes(rank, w):
             parallelize_pipeline(wan, mode="agkv", transport="torch", chunks=1, cfg_parallel=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            outs.append(_output(wan, {**wcall, "callback_on_step_end": cfg_off}))
+            outs.append(_output(wan, {**wcall, "callback_on_step_end": _cfg_off}))
     assert np.abs(outs[1] - outs[0]).max() <= tol, np.abs(outs[1] - outs[0]).max()
     _shared_components(rank, w)
 

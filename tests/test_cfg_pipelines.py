@@ -109,6 +109,13 @@ def tiny_ltx(steps: int = 2):
     return pipe, call
 
 
+def _cfg_off(pipe, i, t, kwargs):
+    """A step-end callback that turns CFG off after its step (the pipeline's own do_classifier_free_guidance then
+    says no)."""
+    pipe._guidance_scale = 1.0
+    return {}
+
+
 def _output(pipe, call):
     with torch.no_grad():
         out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="np")
@@ -324,10 +331,6 @@ def _unpaired_over_all(rank, w):
 
     from cp_ops.examples.tiny import tiny_wan22
 
-    def cfg_off(p, i, t, kw):
-        p._guidance_scale = 1.0
-        return {}
-
     outs = []
     for parallel in (False, True):
         wan, call = tiny_wan22(steps=3)
@@ -338,7 +341,7 @@ def _unpaired_over_all(rank, w):
         wan.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.01))  # computes every step, as one device
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            outs.append(_output(wan, {**call, "callback_on_step_end": cfg_off}))
+            outs.append(_output(wan, {**call, "callback_on_step_end": _cfg_off}))
     assert np.abs(outs[1] - outs[0]).max() <= 1e-5, np.abs(outs[1] - outs[0]).max()
 
     # CFG lanes of a 3-D mesh: no 2-D mesh spans every rank, so a call with no CFG pair runs on both lanes alike,

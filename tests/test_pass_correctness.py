@@ -8,7 +8,8 @@ import logging
 
 import torch
 
-from dist_util import inductor_kernels, run_ranks
+from dist_util import run_ranks
+from inductor_mode import inductor_kernels
 from pass_util import LogRecords
 
 DIM, HEADS, GRID = 64, 4, (2, 4, 4)  # 32 tokens in all, 16 per rank

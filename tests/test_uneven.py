@@ -12,7 +12,8 @@ import torch.distributed as dist
 import cp_ops
 from cp_ops import config, layout
 from cp_ops.kernels import local_attention as masked_attention
-from dist_util import inductor_kernels, run_ranks
+from dist_util import run_ranks
+from inductor_mode import inductor_kernels
 
 # (B, H, D, split): split = a total token count (cp_ops.layout.shard_sizes: a prefix split, the real rows taken as a
 # view) or explicit seq_lens (some not a prefix: (0, 9), (5, 0, 12), (1, 1, 30), (1, 10, 0, 3), (4, 4, 3, 3): the rows selected)
