@@ -81,7 +81,8 @@ section() { local s=${1%%:*} w=""; [ "$1" != "$s" ] && w=${1#*:}
               --nproc 2 --calls 2000 --out "$OUT/host_old")
            step host_new2 90 python3 benchmarks/host_cost.py --fake --nproc 2 --calls 2000 --out "$OUT/host_new2"
          fi ;;
-  shared) ptest "shared${w:+_$w}" "${SHARED_TIMEOUT:-480}" tests/test_one_gpu.py -k "$(kw "${SHARED_K:-shared_device}" "$w")" ;;
+  shared) TEST_SHARED_DEVICE_ONLY=${SHARED_ONLY:-} ptest "shared${w:+_$w}" "${SHARED_TIMEOUT:-480}" tests/test_one_gpu.py \
+           -k "$(kw "${SHARED_K:-shared_device}" "$w")" ;;  # SHARED_ONLY: a substring of the checks to run
   wan)   ptest "wan${w:+_$w}" "${WAN_TIMEOUT:-300}" tests/test_one_gpu.py -k "$(kw "${WAN_K:-wan_full}" "$w")" ;;
   wansteps) ptest "wansteps${w:+_$w}" "${WANSTEPS_TIMEOUT:-540}" tests/test_one_gpu.py -k "$(kw "${WANSTEPS_K:-wan_steps}" "$w")" ;;
   flux)  ptest "flux${w:+_$w}" "${FLUX_TIMEOUT:-420}" tests/test_one_gpu.py -k "$(kw "${FLUX_K:-flux_dev}" "$w")" ;;

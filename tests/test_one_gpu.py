@@ -674,7 +674,15 @@ def _step_checks(rank, w, transport, spec, dev, dtype, config, layers, size, lab
     from cp_ops.cli import models
     from cp_ops.integrations.diffusers import parallelize
 
-    model, cfg = models.build(spec, config, layers, dev, dtype)  # seed 0: every build has the same weights
+    def build():
+        """One rank at a time: a build holds the fp32 weights until the cast (8 ranks at once would not fit)."""
+        for r in range(w):
+            if r == rank:
+                built = models.build(spec, config, layers, dev, dtype)  # seed 0: every build has the same weights
+            dist.barrier()
+        return built
+
+    model, cfg = build()
     kw = spec.make_inputs(cfg, spec.text_tokens[config], 1, *size, dev, dtype,
                           torch.Generator(device=dev).manual_seed(4))
     ref = [None] * 5
@@ -703,7 +711,7 @@ def _step_checks(rank, w, transport, spec, dev, dtype, config, layers, size, lab
                                 dict(compile=True, cuda_graphs=graphs))]
     for name, kwargs in variants:
         if model is None:
-            model, _ = models.build(spec, config, layers, dev, dtype)
+            model, _ = build()
         par = parallelize(model, mode="agkv", transport=transport, chunks=1, **kwargs)
         got, _ = _steps(par, kw, spec)
         judge(f"parallelize {label} 4 steps {name}", got, want)

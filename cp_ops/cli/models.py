@@ -348,7 +348,10 @@ def build(spec: ModelSpec, config: str, layers: int | None, device, dtype, seed:
     torch.manual_seed(seed)
     with torch.device(device):
         model = getattr(diffusers, spec.cls)(**cfg)
-    return cast_like_from_pretrained(model, dtype).eval(), cfg
+    model = cast_like_from_pretrained(model, dtype).eval()
+    if torch.device(device).type == "cuda":  # the fp32 weights' blocks, freed by the cast: other processes may need them
+        torch.cuda.empty_cache()
+    return model, cfg
 
 
 def checkpoint_folder(path: str) -> str | None:
