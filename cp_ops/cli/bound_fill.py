@@ -113,12 +113,33 @@ class FilledFakeGroup(dist.ProcessGroup):
         return _completed()
 
 
+def _dynamo_knows_the_group() -> None:
+    """Let ``torch.compile`` trace a :class:`FilledFakeGroup` as the process group it is. Dynamo before torch 2.13
+    takes only the exact classes ``ProcessGroup`` / ``FakeProcessGroup`` for groups (``type(g) is ...``) and fails on
+    a subclass's ``size()`` ("Dynamo does not know how to trace method `size`"); its check is widened to this class.
+    Later Dynamo (groups as script objects) needs nothing."""
+    try:
+        from torch._dynamo.variables.distributed import ProcessGroupVariable
+    except ImportError:
+        return
+    check = getattr(ProcessGroupVariable, "is_process_group", None)
+    if check is None or getattr(check, "takes_filled_groups", False):
+        return
+
+    def is_process_group(value) -> bool:
+        return isinstance(value, FilledFakeGroup) or check(value)
+
+    is_process_group.takes_filled_groups = True
+    ProcessGroupVariable.is_process_group = staticmethod(is_process_group)
+
+
 @contextlib.contextmanager
 def filled():
     """While active, every process group made with backend ``'fake'`` in this process is a :class:`FilledFakeGroup`
     (torch's ``'fake'`` backend creator swapped, and restored on exit; groups made before or after are torch's)."""
     from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the 'fake' backend)
 
+    _dynamo_knows_the_group()
     plugins = dist.Backend._plugins
     torch_fake = plugins["FAKE"]
 
