@@ -14,7 +14,6 @@ Both paths' outputs are compared (bitwise: the same kernels on the same data).
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -64,7 +63,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         spec = MODELS[name]
-        base, cfg = build(spec, spec.gpu_config, None, dev, dtype)
+        base, cfg = build(spec, spec.gpu_config, None, dev, dtype)  # seed 0: each build has the same weights
         f, h, w = spec.gpu_latent
         gen = torch.Generator(device=dev).manual_seed(5)
         kw = spec.make_inputs(cfg, spec.text_tokens[spec.gpu_config], 1, f, h, w, dev, dtype, gen)
@@ -73,8 +72,12 @@ def main() -> None:
                                                                     for p in base.parameters()) / 2**30}
         outs = {}
         for path, graphs in (("eager", {"cuda_graphs": False}), ("default", {})):
-            model = parallelize(copy.deepcopy(base), **graphs)
+            # one copy of the model at a time (a 20B model's two copies would not fit 80 GB)
+            model = parallelize(base if base is not None else build(spec, spec.gpu_config, None, dev, dtype)[0],
+                                **graphs)
+            base = None
             row[path], outs[path] = _run(model, kw, spec, args.calls)
+            outs[path] = outs[path].cpu()
             del model
             gc.collect()
             torch.cuda.empty_cache()
