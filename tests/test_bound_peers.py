@@ -389,7 +389,8 @@ def _peers_vs_one_device(rank, world, cases):
 
 def test_peer_outputs_equal_one_device_on_two_gloo_ranks():
     """para-attn (FLUX) and cache-dit (FLUX, Wan, Qwen-Image: called with its pipeline's inputs, the all-ones text
-    mask dropped) Ulysses on a real 2-rank gloo group, in one pair of ranks (each case builds its own model); xDiT needs an accelerator (it raises at import without one): tests/test_one_gpu_peers.py
+    mask dropped) Ulysses on a real 2-rank gloo group, in one pair of ranks (each case builds its own model); xDiT
+    needs an accelerator (it raises at import without one): tests/test_one_gpu_peers.py
     checks it, and every peer, on ranks sharing one GPU."""
     cases = [c for c in ON_CPU if HAS[c[0]]]
     if not cases:

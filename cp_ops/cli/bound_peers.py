@@ -14,9 +14,11 @@ every collective writes this rank's data, nothing moves), and is timed beside cp
 
 Every peer takes the whole world as its CP group (that is how each README runs it: ``torchrun --nproc_per_node W``),
 so while a peer builds and while its side runs, the default process group is the fake group of W ranks
-(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer that refuses a
-model or a layout (an error from the peer, or a package that is not installed) is a row with its reason; the run
-goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is built.
+(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer side is called with
+what the model's pipeline passes (:func:`pipeline_inputs`: Qwen-Image's pipeline has no all-ones text mask). A peer
+that refuses a model or a layout (an error from the peer, or a package that is not installed) is a row with its
+reason; the run goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is
+built.
 """
 
 from __future__ import annotations
@@ -146,9 +148,9 @@ def _paraattn(model, layout: str, group, heads: int | None, device: torch.device
 
 
 def _paraattn_refuses(model) -> None:
-    """Raise ValueError where para-attn's adapter cannot run ``model`` with this diffusers, whatever the pipeline: para-attn
-    <= 0.3.38's Wan adapter takes ``self.rope(hidden_states)`` as one complex tensor ``[1, 1, S, D]`` and chunks it at
-    dim -2, but diffusers >= 0.35 (its #11649, real-valued Wan RoPE: the rope module has ``freqs_cos``) returns a
+    """Raise ValueError where para-attn's adapter cannot run ``model`` with this diffusers, whatever the pipeline:
+    para-attn <= 0.3.38's Wan adapter takes ``self.rope(hidden_states)`` as one complex tensor ``[1, 1, S, D]`` and
+    chunks it at dim -2, but diffusers >= 0.35 (a real-valued Wan RoPE: the rope module has ``freqs_cos``) returns a
     ``(cos, sin)`` pair of ``[1, S, 1, D]``, and every forward fails in para-attn's ``get_assigned_chunk``
     (AttributeError: 'tuple' object has no attribute 'shape')."""
     from importlib.metadata import version
@@ -157,8 +159,8 @@ def _paraattn_refuses(model) -> None:
 
     if type(model).__name__ == "WanTransformer3DModel" and hasattr(getattr(model, "rope", None), "freqs_cos") and \
             Version(version("para_attn")) <= Version("0.3.38"):
-        raise ValueError(f"para-attn {version('para_attn')}'s Wan adapter predates diffusers 0.35's real-valued Wan RoPE "
-                         "(it chunks one complex RoPE tensor; the rope now returns a (cos, sin) tuple): every Wan "
+        raise ValueError(f"para-attn {version('para_attn')}'s Wan adapter predates diffusers 0.35's real-valued Wan "
+                         "RoPE (it chunks one complex RoPE tensor; the rope now returns a (cos, sin) tuple): every Wan "
                          "forward fails with 'tuple' object has no attribute 'shape'")
 
 
