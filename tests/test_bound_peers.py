@@ -290,6 +290,23 @@ def test_uneven_sequence_is_refused_with_its_lengths(fake_world_2):
             spec.predict(model, kw)
 
 
+def test_diffusers_rows_name_the_uneven_lengths(monkeypatch):
+    """diffusers' CP on Qwen-Image with 9 x 9 = 81 image tokens and 7 text tokens (as 1328x1328 and a real prompt give
+    lengths no even W divides), the accelerator count patched to 1 (diffusers' CP runs on the CPU fake groups): both
+    rows are refusals naming the lengths (81 image tokens, 7 text tokens) where diffusers splits them, in one line;
+    cp_ops' row (it pads) is measured."""
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    rows = bound.run_bound(_args("qwenimage", compare=["diffusers"], height=18, width=18, text_tokens=7),
+                           torch.device("cpu"))
+    by = {r["impl"]: r for r in rows}
+    assert math.isfinite(by["cp_ops"]["bound_speedup"]), by["cp_ops"]
+    for impl in ("diffusers ulysses", "diffusers ring"):
+        reason = by[impl]["skipped"]
+        assert reason.startswith("ValueError: diffusers' CP splits each sequence evenly") and "\n" not in reason, reason
+        assert "W=2 does not divide 81 (transformer_blocks.0 hidden_states), 7 (transformer_blocks.0 " \
+               "encoder_hidden_states)" in reason, reason
+
+
 @_needs("cache-dit")
 def test_cachedit_qwen_row_is_measured():
     """cache-dit on Qwen-Image (W = 2, image and text lengths W divides): measured, with the pipeline's inputs (with
