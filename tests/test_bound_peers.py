@@ -195,6 +195,130 @@ def test_paraattn_on_two_ranks_of_a_fake_world_of_four(fake_world_2):
     assert a2a and all(r[2] == (joint,) for r in a2a), (joint, a2a)
 
 
+@_needs("paraattn")
+def test_paraattn_refuses_wan_with_the_reason(fake_world_2):
+    """para-attn 0.3.38's Wan adapter chunks the RoPE as one complex tensor; diffusers >= 0.35 returns a (cos, sin)
+    tuple, so every forward fails in para-attn itself (its adapter run directly, as its README does: AttributeError).
+    The side refuses the model when it is built, with that reason in one line, instead of the bare AttributeError."""
+    from para_attn.context_parallel import init_context_parallel_mesh
+    from para_attn.context_parallel.diffusers_adapters import parallelize_transformer
+
+    spec = MODELS["wan"]
+    model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+    f, h, w = spec.cpu_latent
+    kw = spec.make_inputs(cfg, 16, 1, f, h, w, torch.device("cpu"), torch.float32, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"Wan adapter predates diffusers 0\.35's real-valued Wan RoPE") as e:
+        bound_peers.parallelize("paraattn", model, "ulysses", fake_world_2, 4, torch.device("cpu"), kw)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+    assert not getattr(model, "_is_parallelized", False)
+    with bound_peers.world_of(fake_world_2), torch.no_grad():  # the reason is para-attn's own failure
+        parallelize_transformer(model, mesh=init_context_parallel_mesh("cpu"))
+        with pytest.raises(AttributeError, match="'tuple' object has no attribute 'shape'"):
+            model(**kw)
+
+
+def test_peers_get_the_qwen_pipelines_text_mask():
+    """Qwen-Image's pipeline (encode_prompt) drops an all-ones text mask (one prompt: every token valid): a peer side
+    is called without it, as the pipeline calls the model; a mask with padding (prompts of different lengths) stays,
+    the tool's inputs are not changed, and other models keep theirs."""
+    from types import SimpleNamespace
+
+    from diffusers import QwenImagePipeline
+
+    spec = MODELS["qwenimage"]
+    model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+    for batch in (1, 2):
+        kw = spec.make_inputs(cfg, 16, batch, 1, 16, 16, torch.device("cpu"), torch.float32,
+                              torch.Generator().manual_seed(batch))
+        mask = kw["encoder_hidden_states_mask"]
+        _, want = QwenImagePipeline.encode_prompt(SimpleNamespace(), None, device="cpu",
+                                                  prompt_embeds=kw["encoder_hidden_states"], prompt_embeds_mask=mask)
+        got = bound_peers.pipeline_inputs(model, kw)
+        assert (got["encoder_hidden_states_mask"] is None) == (want is None) == (batch == 1), (batch, want)
+        if want is not None:
+            assert torch.equal(got["encoder_hidden_states_mask"], want)
+        assert kw["encoder_hidden_states_mask"] is mask and set(got) == set(kw)
+    flux, fcfg = build(MODELS["flux"], "tiny", None, "cpu", torch.float32)
+    kw = MODELS["flux"].make_inputs(fcfg, 7, 1, 1, 16, 16, torch.device("cpu"), torch.float32, torch.Generator())
+    assert all(v is kw[k] for k, v in bound_peers.pipeline_inputs(flux, kw).items())
+
+
+def test_split_lengths_are_the_streams_the_plan_splits():
+    """What diffusers' _cp_plan splits, found by a forward stopped before the first block: Qwen-Image's image tokens
+    and text (hidden states and RoPE tables), Wan's video tokens (RoPE and hidden states), FLUX's image and text."""
+    from cp_ops.cli import bound_diffusers
+
+    for name, text, (h, w) in (("qwenimage", 7, (18, 18)), ("wan", 16, (16, 16)), ("flux", 7, (16, 16))):
+        spec = MODELS[name]
+        model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+        f = spec.cpu_latent[0]
+        kw = spec.make_inputs(cfg, text, 1, f, h, w, torch.device("cpu"), torch.float32, torch.Generator())
+        tokens = spec.tokens(cfg, f, h, w)
+        found = bound_diffusers.split_lengths(model, bound_peers.pipeline_inputs(model, kw))
+        want = {"qwenimage": {("transformer_blocks.0 hidden_states", tokens),
+                              ("transformer_blocks.0 encoder_hidden_states", text),
+                              ("pos_embed output 0", tokens), ("pos_embed output 1", text)},
+                "wan": {("rope output 0", tokens), ("rope output 1", tokens), ("blocks.0 hidden_states", tokens)},
+                "flux": {("hidden_states", tokens), ("encoder_hidden_states", text), ("img_ids", tokens),
+                         ("txt_ids", text)}}[name]
+        assert set(found) == want, (name, found)
+
+
+@_needs("cache-dit")
+def test_uneven_sequence_is_refused_with_its_lengths(fake_world_2):
+    """Qwen-Image at 1328x1328 has 83 x 83 image tokens; here 9 x 9 = 81 (latent 18 x 18): cache-dit's and diffusers'
+    even split refuse it (cache-dit's own assertion at the first forward, when it is parallelized as its README does);
+    the sides refuse it when they are built, naming the length and where it is split."""
+    import cache_dit
+    from cache_dit import ParallelismConfig
+
+    from cp_ops.cli import bound_diffusers
+
+    spec = MODELS["qwenimage"]
+    model, cfg = build(spec, "tiny", None, "cpu", torch.float32)
+    kw = spec.make_inputs(cfg, 16, 1, 1, 18, 18, torch.device("cpu"), torch.float32, torch.Generator())
+    kw = bound_peers.pipeline_inputs(model, kw)
+    why = r"W=2 does not divide 81 \(transformer_blocks\.0 hidden_states\): a cache-dit user"
+    with pytest.raises(ValueError, match=why):
+        bound_peers.parallelize("cache-dit", model, "ulysses", fake_world_2, 4, torch.device("cpu"), kw)
+    with pytest.raises(ValueError, match=r"^diffusers' CP splits each sequence evenly.*W=2 does not divide 81"):
+        bound_diffusers.require_even("diffusers", model, kw, 2)
+    bound_diffusers.require_even("diffusers", model, kw, 1)  # a length W divides: nothing raised
+    with bound_peers.world_of(fake_world_2), torch.no_grad():  # cache-dit itself, at the first forward
+        cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(ulysses_size=2))
+        with pytest.raises(AssertionError, match="divisible by mesh size"):
+            spec.predict(model, kw)
+
+
+def test_diffusers_rows_name_the_uneven_lengths(monkeypatch):
+    """diffusers' CP on Qwen-Image with 9 x 9 = 81 image tokens and 7 text tokens (as 1328x1328 and a real prompt give
+    lengths no even W divides), the accelerator count patched to 1 (diffusers' CP runs on the CPU fake groups): both
+    rows are refusals naming the lengths (81 image tokens, 7 text tokens) where diffusers splits them, in one line;
+    cp_ops' row (it pads) is measured."""
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    rows = bound.run_bound(_args("qwenimage", compare=["diffusers"], height=18, width=18, text_tokens=7),
+                           torch.device("cpu"))
+    by = {r["impl"]: r for r in rows}
+    assert math.isfinite(by["cp_ops"]["bound_speedup"]), by["cp_ops"]
+    for impl in ("diffusers ulysses", "diffusers ring"):
+        reason = by[impl]["skipped"]
+        assert reason.startswith("ValueError: diffusers' CP splits each sequence evenly") and "\n" not in reason, reason
+        assert "W=2 does not divide 81 (transformer_blocks.0 hidden_states), 7 (transformer_blocks.0 " \
+               "encoder_hidden_states)" in reason, reason
+
+
+@_needs("cache-dit")
+def test_cachedit_qwen_row_is_measured():
+    """cache-dit on Qwen-Image (W = 2, image and text lengths W divides): measured, with the pipeline's inputs (with
+    the tool's all-ones text mask it failed: its plan does not split the mask); ring refused on CPU."""
+    rows = bound.run_bound(_args("qwenimage", compare=["cache-dit"]), torch.device("cpu"))
+    by = {r["impl"]: r for r in rows}
+    r = by["cache-dit ulysses"]
+    assert "skipped" not in r, r
+    assert r["output_shape_ok"] and r["outputs_finite"] and math.isfinite(r["bound_speedup"]), r
+    assert by["cache-dit ring"]["skipped"], by["cache-dit ring"]
+
+
 def test_missing_peer_names_its_install_line(monkeypatch, fake_world_2):
     fake = bound_peers.Peer("nope", "cp_ops_no_such_module", "pip install nope==1.0", ("ulysses",), None)
     monkeypatch.setitem(bound_peers.PEERS, "nope", fake)
@@ -263,7 +387,7 @@ def _peer_vs_one_device(rank, world, peer, model_name):
         built = bound_peers.parallelize(peer, model, "ulysses", dist.group.WORLD, spec.heads(cfg), torch.device("cpu"),
                                         kw)
         with built.around() if built.around else torch.no_grad(), _Collectives() as seen:
-            out = spec.predict(model, kw)
+            out = spec.predict(model, built.inputs)  # what the pipeline passes (Qwen-Image: no all-ones text mask)
     attn = sum(cfg[k] for k in spec.layer_keys)
     assert seen.count >= 2 * attn, (peer, seen.names)  # it did run parallel: an all-to-all in and out per attention
     assert out.shape == ref.shape, (out.shape, ref.shape)
@@ -272,7 +396,7 @@ def _peer_vs_one_device(rank, world, peer, model_name):
 
 
 #: the peers that run on CPU, and the models each is checked on against one device
-ON_CPU = (("paraattn", "flux"), ("cache-dit", "flux"), ("cache-dit", "wan"))
+ON_CPU = (("paraattn", "flux"), ("cache-dit", "flux"), ("cache-dit", "wan"), ("cache-dit", "qwenimage"))
 
 
 def _peers_vs_one_device(rank, world, cases):
@@ -281,8 +405,9 @@ def _peers_vs_one_device(rank, world, cases):
 
 
 def test_peer_outputs_equal_one_device_on_two_gloo_ranks():
-    """para-attn (FLUX) and cache-dit (FLUX, Wan) Ulysses on a real 2-rank gloo group, in one pair of ranks (each
-    case builds its own model); xDiT needs an accelerator (it raises at import without one): tests/test_one_gpu_peers.py
+    """para-attn (FLUX) and cache-dit (FLUX, Wan, Qwen-Image: called with its pipeline's inputs, the all-ones text
+    mask dropped) Ulysses on a real 2-rank gloo group, in one pair of ranks (each case builds its own model); xDiT
+    needs an accelerator (it raises at import without one): tests/test_one_gpu_peers.py
     checks it, and every peer, on ranks sharing one GPU."""
     cases = [c for c in ON_CPU if HAS[c[0]]]
     if not cases:

@@ -96,6 +96,25 @@ def test_apply_sees_through_compile_and_subclasses(clean):
     assert capture_safe.apply(torch.compile(build("wan"))) == []
 
 
+def test_a_module_that_imported_the_function_by_name_is_fixed_too(clean, monkeypatch):
+    """xDiT's Qwen-Image wrapper (a subclass of diffusers' class in its own module) calls the function through the
+    name it imported (``from ...transformer_qwenimage import compute_text_seq_len_from_mask``): that name gets the
+    replacement too, and undo puts it back."""
+    from diffusers_tiny import build
+
+    orig = qwen.compute_text_seq_len_from_mask
+    mod = types.ModuleType("fake_xfuser_qwen")
+    mod.compute_text_seq_len_from_mask = orig
+    monkeypatch.setitem(sys.modules, "fake_xfuser_qwen", mod)
+    model = build("qwenimage")
+    model.__class__ = type("xFuserQwen", (type(model),), {"__module__": "fake_xfuser_qwen"})
+    key = "diffusers.models.transformers.transformer_qwenimage:compute_text_seq_len_from_mask"
+    assert capture_safe.apply(model) == [key, "fake_xfuser_qwen:compute_text_seq_len_from_mask"]
+    assert mod.compute_text_seq_len_from_mask is capture_safe._text_seq_len_from_mask
+    capture_safe.undo()
+    assert mod.compute_text_seq_len_from_mask is orig and qwen.compute_text_seq_len_from_mask is orig
+
+
 def test_apply_again_after_the_original_was_put_back(clean):
     """A fix reported in force is in force: after its module's function was put back by someone else (a
     monkeypatch undone, the module reloaded), apply replaces it again rather than reporting a stale replacement."""

@@ -49,17 +49,110 @@ def mesh_for(layout: str, world: int, device: torch.device):
                           mesh_dim_names=("ring", "ulysses"))
 
 
-def parallelize(model: torch.nn.Module, layout: str, world: int, heads: int | None, device: torch.device) -> str:
+def parallelize(model: torch.nn.Module, layout: str, world: int, heads: int | None, device: torch.device,
+                inputs: dict | None = None) -> str:
     """``model.enable_parallelism`` with diffusers' ``layout`` over ``world`` ranks (see :func:`mesh_for`); returns
-    a label (``'ulysses'``, ``'ulysses_anything'``, ``'ring'``). Raises what diffusers raises (e.g. on CPU:
-    RuntimeError, no accelerator: diffusers itself would divide by zero) and ValueError for an unknown layout."""
+    a label (``'ulysses'``, ``'ulysses_anything'``, ``'ring'``). ``inputs``: the forward's keyword arguments, checked
+    against diffusers' even split first (:func:`require_even`; not for ``ulysses_anything``). Raises what diffusers
+    raises (e.g. on CPU: RuntimeError, no accelerator: diffusers itself would divide by zero), ValueError for an
+    unknown layout or a sequence W does not divide."""
     logger_compat()
     if torch.accelerator.device_count() == 0:  # what diffusers would do: rank % 0, a ZeroDivisionError
         raise RuntimeError("diffusers' enable_parallelism needs an accelerator (it places rank r on device "
                            "r % torch.accelerator.device_count(), 0 here)")
     cfg = config(layout, world, heads, mesh_for(layout, world, device))
+    if inputs and not getattr(cfg, "ulysses_anything", False):
+        require_even("diffusers", model, inputs, world)
     model.enable_parallelism(config=cfg)
     return "ulysses_anything" if getattr(cfg, "ulysses_anything", False) else layout
+
+
+class _AllSeen(Exception):
+    """Ends :func:`split_lengths`' forward once every entry of the plan was seen."""
+
+
+def split_lengths(model: torch.nn.Module, inputs: dict, plan: dict | None = None) -> list[tuple[str, int]]:
+    """``(where, length)`` of each tensor a CP plan (diffusers' ``_cp_plan`` form; default: ``type(model)._cp_plan``)
+    splits when ``model(**inputs)`` runs: a module's inputs (by name, as diffusers' split hook finds them: keyword, or
+    the position in its ``forward``'s signature) and its outputs (integer keys, ``split_output``), each where it has
+    the plan's ``expected_dims`` (diffusers splits nothing else). Found by a forward of ``model`` (no CP installed)
+    with hooks on the first module of each plan path, stopped as soon as every path was seen (before the first
+    block runs, for the models here). ``where``: ``'transformer_blocks.0 hidden_states'``, ``'pos_embed output 0'``.
+    [] when there is no plan."""
+    import inspect
+
+    from diffusers.hooks.context_parallel import _get_submodule_by_name
+
+    plan = getattr(type(model), "_cp_plan", None) if plan is None else plan
+    found: list[tuple[str, int]] = []
+    pending: set[str] = set()
+    handles = []
+
+    def record(where, t, spec):
+        if isinstance(t, torch.Tensor) and (spec.expected_dims is None or t.dim() == spec.expected_dims):
+            found.append((where, t.shape[spec.split_dim]))
+
+    def done(path):
+        pending.discard(path)
+        if not pending:
+            raise _AllSeen
+
+    for path, entry in (plan or {}).items():
+        if not isinstance(entry, dict):  # an output gather: splits nothing
+            continue
+        mods = _get_submodule_by_name(model, path)
+        mod = mods[0] if isinstance(mods, list) else mods
+        ins = {k: v for k, v in entry.items() if not v.split_output}
+        outs = {k: v for k, v in entry.items() if v.split_output}
+        names = list(inspect.signature(type(mod).forward).parameters)[1:]
+        pending.add(path)
+
+        def pre(m, args, kwargs, path=path, ins=ins, outs=outs, names=names):
+            for key, spec in ins.items():
+                i = names.index(key) if isinstance(key, str) and key in names else key
+                t = kwargs.get(key) if key in kwargs else args[i] if isinstance(i, int) and i < len(args) else None
+                record(f"{path} {key}".strip(), t, spec)
+            if not outs:
+                done(path)
+
+        def post(m, args, kwargs, out, path=path, outs=outs):
+            out = out if isinstance(out, (tuple, list)) else (out,)
+            for i, spec in outs.items():
+                record(f"{path} output {i}".strip(), out[i] if i < len(out) else None, spec)
+            done(path)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        if outs:
+            handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    try:
+        if pending:
+            with torch.no_grad():
+                model(**inputs)
+    except _AllSeen:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def require_even(lib: str, model: torch.nn.Module, inputs: dict, world: int, plan: dict | None = None) -> None:
+    """Raise ValueError (one line, naming each length) where ``world`` does not divide a length ``plan`` splits
+    (:func:`split_lengths`): ``lib``'s even split (diffusers' ``EquipartitionSharder``, cache-dit's copy of it) pads
+    nothing and asserts at the first forward; a user of ``lib`` with the same pipeline and resolution hits the same
+    assertion (e.g. Qwen-Image at 1328x1328: 83 x 83 = 6889 image tokens, which no even W divides). Empty
+    ``inputs``: nothing checked."""
+    if not inputs:
+        return
+    bad: dict[int, str] = {}
+    for where, n in split_lengths(model, inputs, plan):
+        if n % world and (n not in bad or " output " in bad[n]):  # a length named by a module's input, where one is
+            bad[n] = where
+    if bad:
+        what = ", ".join(f"{n} ({where})" for n, where in bad.items())
+        owner = lib + ("'" if lib.endswith("s") else "'s")
+        raise ValueError(f"{owner} CP splits each sequence evenly over the W ranks (no padding) and W={world} does not "
+                         f"divide {what}: a {lib} user at this resolution and text length hits the same AssertionError")
 
 
 def logger_compat() -> None:

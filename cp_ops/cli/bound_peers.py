@@ -14,9 +14,11 @@ every collective writes this rank's data, nothing moves), and is timed beside cp
 
 Every peer takes the whole world as its CP group (that is how each README runs it: ``torchrun --nproc_per_node W``),
 so while a peer builds and while its side runs, the default process group is the fake group of W ranks
-(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer that refuses a
-model or a layout (an error from the peer, or a package that is not installed) is a row with its reason; the run
-goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is built.
+(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer side is called with
+what the model's pipeline passes (:func:`pipeline_inputs`: Qwen-Image's pipeline has no all-ones text mask). A peer
+that refuses a model or a layout (an error from the peer, or a package that is not installed) is a row with its
+reason; the run goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is
+built.
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ class Peer:
 
 @dataclass
 class Built:
-    """What a peer's build returns: a label of what ran (the row's ``mode``) and, where the peer reads process-wide
-    state at call time, a context manager factory every call of the side runs inside (its default group, its own
-    global groups)."""
+    """What a peer's build returns: a label of what ran (the row's ``mode``), where the peer reads process-wide
+    state at call time a context manager factory every call of the side runs inside (its default group, its own
+    global groups), and the inputs the side calls the model with (set by :func:`parallelize`: the pipeline's)."""
 
     label: str
     around: Callable | None = None
+    inputs: dict | None = None  # the forward's keyword arguments the side calls with (:func:`pipeline_inputs`)
 
 
 @contextlib.contextmanager
@@ -100,26 +103,65 @@ def own_class_patches(model: torch.nn.Module):
                     o.__class__ = own
 
 
+#: diffusers transformer class -> the input its pipeline passes as None where it is all ones (every token valid):
+#: QwenImagePipeline.encode_prompt cuts the text to the longest prompt and drops an all-ones mask
+#: (``if prompt_embeds_mask.all(): prompt_embeds_mask = None``), so one prompt's forward never has a text mask
+_ALL_ONES_DROPPED = {"QwenImageTransformer2DModel": "encoder_hidden_states_mask"}
+
+
+def pipeline_inputs(model: torch.nn.Module, inputs: dict) -> dict:
+    """``inputs`` (the tool's forward keyword arguments, the ones cp_ops' sides take) as the model's diffusers pipeline
+    would pass them to a peer: a mask the pipeline drops when it is all ones is None (:data:`_ALL_ONES_DROPPED`;
+    cache-dit's Qwen-Image plan does not split the text mask, and a whole-forward capture of xDiT's Qwen-Image forward
+    refuses the mask's host-to-device copy, so a mask no pipeline passes would fail both). A new dict; ``inputs``
+    unchanged."""
+    out = dict(inputs)
+    key = _ALL_ONES_DROPPED.get(type(model).__name__)
+    mask = out.get(key) if key else None
+    if isinstance(mask, torch.Tensor) and bool(mask.all()):
+        out[key] = None
+    return out
+
+
 def _diffusers(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     from . import bound_diffusers
 
-    return Built(bound_diffusers.parallelize(model, layout, group.size(), heads, device))
+    return Built(bound_diffusers.parallelize(model, layout, group.size(), heads, device, inputs))
 
 
 def _paraattn(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     """para-attn's README: ``parallelize_pipe(pipe)`` over ``init_context_parallel_mesh(device_type)`` (every rank
     Ulysses; ``max_ring_dim_size`` makes ring dims). Its forward chunks the RoPE ids over the default group at call
     time: each call runs inside :func:`world_of`. Refuses (its own ValueError) a transformer class it has no adapter
-    for (Qwen-Image); Ulysses needs W to divide the heads (its AssertionError at the first call)."""
+    for (Qwen-Image), and Wan with diffusers >= 0.35 (:func:`_paraattn_refuses`); Ulysses needs W to divide the heads
+    (its AssertionError at the first call)."""
     from para_attn.context_parallel import init_context_parallel_mesh
     from para_attn.context_parallel.diffusers_adapters import parallelize_transformer
 
+    _paraattn_refuses(model)
     _paraattn_gqa_compat()
     w = group.size()
     with world_of(group):
         mesh = init_context_parallel_mesh(torch.device(device).type, max_ring_dim_size=w if layout == "ring" else None)
         parallelize_transformer(model, mesh=mesh)
     return Built(layout, around=lambda: world_of(group))
+
+
+def _paraattn_refuses(model) -> None:
+    """Raise ValueError where para-attn's adapter cannot run ``model`` with this diffusers, whatever the pipeline:
+    para-attn <= 0.3.38's Wan adapter takes ``self.rope(hidden_states)`` as one complex tensor ``[1, 1, S, D]`` and
+    chunks it at dim -2, but diffusers >= 0.35 (a real-valued Wan RoPE: the rope module has ``freqs_cos``) returns a
+    ``(cos, sin)`` pair of ``[1, S, 1, D]``, and every forward fails in para-attn's ``get_assigned_chunk``
+    (AttributeError: 'tuple' object has no attribute 'shape')."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if type(model).__name__ == "WanTransformer3DModel" and hasattr(getattr(model, "rope", None), "freqs_cos") and \
+            Version(version("para_attn")) <= Version("0.3.38"):
+        raise ValueError(f"para-attn {version('para_attn')}'s Wan adapter predates diffusers 0.35's real-valued Wan "
+                         "RoPE (it chunks one complex RoPE tensor; the rope now returns a (cos, sin) tuple): every Wan "
+                         "forward fails with 'tuple' object has no attribute 'shape'")
 
 
 def _paraattn_gqa_compat() -> None:
@@ -152,7 +194,12 @@ def _cachedit(model, layout: str, group, heads: int | None, device: torch.device
     import cache_dit
     from cache_dit import ParallelismConfig
 
+    from . import bound_diffusers
+
     w = group.size()
+    # its plans split the streams diffusers' _cp_plan splits (Qwen-Image: image and text), with its copy of diffusers'
+    # even sharder: a length W does not divide is refused here, with the lengths, not at the first call
+    bound_diffusers.require_even("cache-dit", model, inputs, w)
     sizes = dict(ulysses_size=w) if layout == "ulysses" else dict(ring_size=w)
     # cache-dit's CP takes its own registered backends, not the one the tool set on the model (diffusers' cuDNN)
     model.reset_attention_backend()
@@ -318,8 +365,9 @@ def prepare(names: list[str]) -> None:
 def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.ProcessGroup, heads: int | None,
                 device: torch.device, inputs: dict | None = None) -> Built:
     """Parallelize ``model`` in place with peer ``name``'s ``layout`` over ``group`` (a fake group of W ranks, this
-    process rank 0); ``inputs``: the forward's keyword arguments (what a peer's runtime state is told of them).
-    Raises RuntimeError naming the install line when the peer is not installed, ValueError for an
+    process rank 0); ``inputs``: the forward's keyword arguments; the side is called with what the model's pipeline
+    would pass instead (:func:`pipeline_inputs`: the returned ``Built.inputs``), and the peer is told of those. Raises
+    RuntimeError naming the install line when the peer is not installed, ValueError for an
     unknown peer or layout, and whatever the peer raises when it refuses the model."""
     peer = PEERS.get(name)
     if peer is None:
@@ -328,5 +376,8 @@ def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.Proc
         raise ValueError(f"{name}'s layouts are {', '.join(peer.layouts)}; got {layout!r}")
     if importlib.util.find_spec(peer.module) is None:
         raise RuntimeError(f"{name} is not installed: {peer.install}")
+    inputs = pipeline_inputs(model, inputs or {})
     with own_class_patches(model):
-        return peer.build(model, layout, group, heads, device, inputs or {})
+        built = peer.build(model, layout, group, heads, device, inputs)
+    built.inputs = inputs
+    return built

@@ -61,7 +61,9 @@ def _class_modules(model: torch.nn.Module) -> set[str]:
 
 def apply(model: torch.nn.Module | None = None) -> list[str]:
     """Apply every fix whose module ``model``'s class (or a base class; a ``torch.compile``'d model: its original)
-    comes from (``None``: every fix whose module is imported). Idempotent. Returns the fixes in force for it, as
+    comes from (``None``: every fix whose module is imported); a module of ``model``'s class that imported the
+    function by name (xDiT's wrapper of Qwen-Image: ``from ...transformer_qwenimage import
+    compute_text_seq_len_from_mask``) gets the same replacement. Idempotent. Returns the fixes in force for it, as
     ``"module:function"``."""
     done = []
     mods = None if model is None else _class_modules(model)
@@ -83,6 +85,13 @@ def apply(model: torch.nn.Module | None = None) -> list[str]:
             _APPLIED[key] = current
             setattr(mod, fn_name, fix)
         done.append(key)
+        orig = _APPLIED.get(key)
+        for other in sorted(mods or ()):  # the model's class from a module that imported the function by name
+            other_mod = sys.modules.get(other)
+            if other != mod_name and orig is not None and getattr(other_mod, fn_name, None) is orig:
+                _APPLIED[f"{other}:{fn_name}"] = orig
+                setattr(other_mod, fn_name, fix)
+                done.append(f"{other}:{fn_name}")
     return done
 
 
