@@ -14,8 +14,7 @@ every collective writes this rank's data, nothing moves), and is timed beside cp
 
 Every peer takes the whole world as its CP group (that is how each README runs it: ``torchrun --nproc_per_node W``),
 so while a peer builds and while its side runs, the default process group is the fake group of W ranks
-(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer side is called with
-what the model's pipeline passes (:func:`pipeline_inputs`: Qwen-Image's pipeline has no all-ones text mask). A peer
+(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer
 that refuses a model or a layout (an error from the peer, or a package that is not installed) is a row with its
 reason; the run goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is
 built.
@@ -48,11 +47,10 @@ class Peer:
 class Built:
     """What a peer's build returns: a label of what ran (the row's ``mode``), where the peer reads process-wide
     state at call time a context manager factory every call of the side runs inside (its default group, its own
-    global groups), and the inputs the side calls the model with (set by :func:`parallelize`: the pipeline's)."""
+    global groups)."""
 
     label: str
     around: Callable | None = None
-    inputs: dict | None = None  # the forward's keyword arguments the side calls with (:func:`pipeline_inputs`)
 
 
 @contextlib.contextmanager
@@ -104,25 +102,6 @@ def own_class_patches(model: torch.nn.Module):
 
 
 #: diffusers transformer class -> the input its pipeline passes as None where it is all ones (every token valid):
-#: QwenImagePipeline.encode_prompt cuts the text to the longest prompt and drops an all-ones mask
-#: (``if prompt_embeds_mask.all(): prompt_embeds_mask = None``), so one prompt's forward never has a text mask
-_ALL_ONES_DROPPED = {"QwenImageTransformer2DModel": "encoder_hidden_states_mask"}
-
-
-def pipeline_inputs(model: torch.nn.Module, inputs: dict) -> dict:
-    """``inputs`` (the tool's forward keyword arguments, the ones cp_ops' sides take) as the model's diffusers pipeline
-    would pass them to a peer: a mask the pipeline drops when it is all ones is None (:data:`_ALL_ONES_DROPPED`;
-    cache-dit's Qwen-Image plan does not split the text mask, and a whole-forward capture of xDiT's Qwen-Image forward
-    refuses the mask's host-to-device copy, so a mask no pipeline passes would fail both). A new dict; ``inputs``
-    unchanged."""
-    out = dict(inputs)
-    key = _ALL_ONES_DROPPED.get(type(model).__name__)
-    mask = out.get(key) if key else None
-    if isinstance(mask, torch.Tensor) and bool(mask.all()):
-        out[key] = None
-    return out
-
-
 def _diffusers(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     from . import bound_diffusers
 
@@ -365,8 +344,7 @@ def prepare(names: list[str]) -> None:
 def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.ProcessGroup, heads: int | None,
                 device: torch.device, inputs: dict | None = None) -> Built:
     """Parallelize ``model`` in place with peer ``name``'s ``layout`` over ``group`` (a fake group of W ranks, this
-    process rank 0); ``inputs``: the forward's keyword arguments; the side is called with what the model's pipeline
-    would pass instead (:func:`pipeline_inputs`: the returned ``Built.inputs``), and the peer is told of those. Raises
+    process rank 0); ``inputs``: the forward's keyword arguments (some peers look at them while they build). Raises
     RuntimeError naming the install line when the peer is not installed, ValueError for an
     unknown peer or layout, and whatever the peer raises when it refuses the model."""
     peer = PEERS.get(name)
@@ -376,8 +354,5 @@ def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.Proc
         raise ValueError(f"{name}'s layouts are {', '.join(peer.layouts)}; got {layout!r}")
     if importlib.util.find_spec(peer.module) is None:
         raise RuntimeError(f"{name} is not installed: {peer.install}")
-    inputs = pipeline_inputs(model, inputs or {})
     with own_class_patches(model):
-        built = peer.build(model, layout, group, heads, device, inputs)
-    built.inputs = inputs
-    return built
+        return peer.build(model, layout, group, heads, device, inputs or {})

@@ -250,7 +250,6 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
         built = bound_peers.parallelize(side.peer, m, side.mode, groups[side.world], spec.heads(base.config), device,
                                         kw)
         side.label, side.around = built.label, built.around
-        kw = built.inputs if built.inputs is not None else kw  # what the model's pipeline passes (bound_peers)
         if whole_capture(margs):  # the peer's class may call diffusers' functions through its own module's names
             from ..integrations.diffusers import capture_safe
 

@@ -221,9 +221,11 @@ FLUX = ModelSpec(
 
 
 def _qwen_inputs(cfg, text, batch, f, h, w, device, dtype, gen, t=500.0):
+    mask = _text_mask(batch, text, device)
     kw = dict(hidden_states=_packed(gen, cfg, batch, h, w, device, dtype),
               encoder_hidden_states=_randn(gen, batch, text, cfg["joint_attention_dim"], device=device, dtype=dtype),
-              encoder_hidden_states_mask=_text_mask(batch, text, device),
+              # as QwenImagePipeline.encode_prompt passes it: no mask when every token is valid (one prompt)
+              encoder_hidden_states_mask=None if bool(mask.all()) else mask,
               timestep=(_t_full(batch, t, device) / 1000).to(dtype),
               img_shapes=[[(1, h // 2, w // 2)]] * batch, return_dict=False)
     return kw
