@@ -153,9 +153,12 @@ atexit.register(stop_server)
 _RENDEZVOUS_RACE = "Gloo connectFullMesh failed"
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu", fresh: bool = False) -> None:
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = "cpu", fresh: bool = False,
+              backend: str | None = None) -> None:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on CPU, NCCL with one GPU
     each on ``device='cuda'``, every rank on cuda:0 over gloo on ``device='one_gpu'``); raise if any rank fails, hangs past ``timeout`` seconds or exits non-zero.
+    ``backend='staged'`` (``device='one_gpu'`` or ``'cpu'``; spawned ranks): the default group is tests/staged_pg.py's,
+    every collective staged through host memory onto gloo (gloo's own CUDA path crashed in other libraries' calls).
 
     ``fn`` must be importable (a module-level function of a test module). ``fresh=True``: spawn new interpreters
     (for a test about what a rank imports); otherwise CPU ranks are forked from the session's fork server (see the
@@ -163,8 +166,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
     ``fn`` ran (:data:`_RENDEZVOUS_RACE`: the port taken by a test beside it) is started once more on a new port.
     """
     os.environ.setdefault("CP_OPS_TIMEOUT_S", "60")
+    if backend not in (None, "staged") or (backend and device not in ("one_gpu", "cpu")):
+        raise ValueError(f"run_ranks: backend='staged' runs on device 'one_gpu' or 'cpu'; got {backend!r} on {device!r}")
     for attempt in (1, 2):
-        errors, hung, bad = _attempt(fn, world_size, args, timeout, device, fresh)
+        errors, hung, bad = _attempt(fn, world_size, args, timeout, device, fresh, backend)
         if attempt == 1 and errors and not hung and all(_RENDEZVOUS_RACE in e and "init_rank" in e for e in errors):
             STATS["started again: the gloo rendezvous failed before the body (" + _RENDEZVOUS_RACE + ")"] += 1
             continue
@@ -177,11 +182,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
         raise AssertionError(f"ranks exited non-zero: {bad}")
 
 
-def _attempt(fn, world_size, args, timeout, device, fresh):
+def _attempt(fn, world_size, args, timeout, device, fresh, backend=None):
     """One start of the group: (the ranks' error reports, the ranks that hung, (rank, exit code) of those that exited
     non-zero)."""
     env = dict(os.environ)
-    how = start_method(device, fresh, env)
+    how = f"spawn: backend={backend}" if backend else start_method(device, fresh, env)
     STATS["forked from the fork server" if how == "forkserver" else how] += 1
     forked = how == "forkserver"
     ctx = _forkserver_context() if forked else mp.get_context("spawn")
@@ -192,9 +197,10 @@ def _attempt(fn, world_size, args, timeout, device, fresh):
         procs = [ctx.Process(target=_forked, args=(r, world_size, device, port, env, removed, (fn, args, errq)))
                  for r in range(world_size)]
     else:
-        if device == "one_gpu":  # the body named, not pickled: the rank imports it after joining the group
+        if device == "one_gpu" or backend:  # the body named, not pickled: the rank imports it after joining the group
             ref = f"{fn.__module__}:{fn.__qualname__}"
-            procs = [ctx.Process(target=one_gpu_rank.worker, args=(r, world_size, port, ref, args, errq))
+            procs = [ctx.Process(target=one_gpu_rank.worker,
+                                 args=(r, world_size, port, ref, args, errq, backend, device == "one_gpu"))
                      for r in range(world_size)]
         else:
             procs = [ctx.Process(target=run_rank, args=(r, world_size, device, port, _body, (fn, args, errq)))

@@ -1,12 +1,22 @@
-"""Other libraries' context parallelism (cp_ops.cli.bound_peers: diffusers, para-attn, xDiT, cache-dit) on two GPUs
-over NCCL (``run_ranks(..., device="cuda")``, real data moved): each peer
-parallelizes FLUX.1-dev's blocks (one double, one single block, the released width and heads, 1024 image + 64 text
-tokens, bf16) the way its README does, over the whole world (W = 2), and its output equals one device's within bf16
-rounding (the same attention per head, other kernels' shapes), having run its collectives. Ulysses must run; a
-ring layout a peer refuses on this machine is skipped with the peer's reason (``cp-ops bound --compare`` lists it
-the same way). Marked gpu; skipped without two GPUs or without the peer (its install line said). Two ranks sharing
-one GPU cannot carry it: the peers' own collectives on a gloo group of CUDA tensors died with SIGSEGV on an H100
-(diffusers, para-attn, xDiT; torch 2.11), the crash cp_ops' own gathers avoid (benchmarks/results/peers)."""
+"""Other libraries' context parallelism (cp_ops.cli.bound_peers: diffusers, para-attn, xDiT, cache-dit) against one
+device: each peer parallelizes FLUX.1-dev's blocks (one double, one single block, the released width and heads, 1024
+image + 64 text tokens, bf16) the way its README does, over the whole world (W = 2), and its output equals one
+device's within bf16 rounding (the same attention per head, other kernels' shapes), having run its collectives.
+Ulysses must run; a ring layout a peer refuses on this machine is skipped with the peer's reason (``cp-ops bound
+--compare`` lists it the same way). Skipped without the peer (its install line said).
+
+Where the ranks run (marked gpu where on GPUs):
+
+- two GPUs over NCCL (``run_ranks(..., device="cuda")``; skipped without two GPUs);
+- two ranks sharing one GPU over tests/staged_pg.py's ``'staged'`` group (``device="one_gpu", backend="staged"``):
+  every collective goes through host memory onto gloo. On a plain ``cpu:gloo,cuda:gloo`` group the peers' own
+  collectives on CUDA tensors died with SIGSEGV on an H100 (diffusers, para-attn, xDiT; torch 2.11: gloo's CUDA path),
+  the crash cp_ops' own gathers avoid (benchmarks/results/peers); the staged group never hands gloo a CUDA tensor;
+- two CPU ranks over the staged group (not gpu; FLUX's tiny config, fp32): the same body, where a peer runs on CPU.
+  A peer that refuses CPU at its build (xDiT: no accelerator) is skipped with its reason; diffusers, which refuses a
+  machine without an accelerator only by dividing by the accelerator count, is told there is one (its CP itself runs
+  on CPU tensors).
+"""
 
 import importlib.util
 import os
@@ -14,8 +24,6 @@ import os
 import pytest
 import torch
 from dist_util import run_ranks
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")]
 
 PEERS = ("diffusers", "paraattn", "xdit", "cache-dit")
 
@@ -27,7 +35,10 @@ def _installed(peer: str):
     return pytest.mark.skipif(importlib.util.find_spec(p.module) is None, reason=f"{peer}: {p.install}")
 
 
-def _peer_body(rank, world, peer, layout, out_dir):
+def _peer_body(rank, world, peer, layout, out_dir, on_cpu=False):
+    import contextlib
+    from unittest import mock
+
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,35 +53,81 @@ def _peer_body(rank, world, peer, layout, out_dir):
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
-    dev = torch.device("cuda", rank)
+    def refused(e):
+        with open(os.path.join(out_dir, f"refused{rank}"), "w") as f:
+            f.write(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+
     spec = MODELS["flux"]
-    model, cfg = build(spec, "dev", 1, dev, torch.bfloat16)
-    model.set_attention_backend("_native_cudnn")  # as the bound sets every side
-    g = torch.Generator(device=dev).manual_seed(7)
-    kw = spec.make_inputs(cfg, 64, 1, 1, 64, 64, dev, torch.bfloat16, g)
-    with torch.no_grad():
+    if on_cpu:
+        dev, dtype, tol = torch.device("cpu"), torch.float32, 1e-5
+        model, cfg = build(spec, "tiny", None, dev, dtype)
+        f, h, w = spec.cpu_latent
+        g = torch.Generator().manual_seed(7)
+        kw = spec.make_inputs(cfg, 16, 1, f, h, w, dev, dtype, g)
+    else:
+        dev, dtype, tol = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 3e-2
+        model, cfg = build(spec, "dev", 1, dev, dtype)
+        model.set_attention_backend("_native_cudnn")  # as the bound sets every side
+        g = torch.Generator(device=dev).manual_seed(7)
+        kw = spec.make_inputs(cfg, 64, 1, 1, 64, 64, dev, dtype, g)
+    staged = dist.get_backend() == "staged"
+    if staged:
+        import staged_pg
+
+        before = sum(staged_pg.CALLS.values())
+    # diffusers on CPU: one "accelerator" (diffusers places rank r on device r % count: cpu here)
+    one = mock.patch.object(torch.accelerator, "device_count", lambda: 1) if on_cpu and peer == "diffusers" else \
+        contextlib.nullcontext()
+    with torch.no_grad(), one:
         ref = spec.predict(model, kw).float()
         seen = Collectives()
         try:
             built = bound_peers.parallelize(peer, model, layout, dist.group.WORLD, spec.heads(cfg), dev, kw)
+        except Exception as e:  # noqa: BLE001 - a ring layout the peer refuses here, or a peer that refuses CPU
+            if layout == "ulysses" and not on_cpu:
+                raise
+            return refused(e)
+        try:
             with built.around() if built.around else torch.no_grad(), seen:
                 out = spec.predict(model, kw).float()
-        except Exception as e:  # noqa: BLE001 - a ring layout the peer refuses here: skipped with its reason
+        except Exception as e:  # noqa: BLE001 - a ring layout the peer refuses at its first call
             if layout == "ulysses":
                 raise
-            with open(os.path.join(out_dir, f"refused{rank}"), "w") as f:
-                f.write(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-            return
-    assert seen.count >= 2 * (cfg["num_layers"] + cfg["num_single_layers"]), (peer, layout, seen.count)
+            return refused(e)
+    assert seen.count >= 2 * sum(cfg[k] for k in spec.layer_keys), (peer, layout, seen.count)
+    if staged:  # the peer's collectives went through the staged group
+        assert sum(staged_pg.CALLS.values()) - before >= seen.count, (dict(staged_pg.CALLS), seen.count)
     assert out.shape == ref.shape, (out.shape, ref.shape)
     err = ((out - ref).abs().max() / ref.abs().max()).item()
-    assert err < 3e-2, (peer, layout, rank, err)
+    assert err < tol, (peer, layout, rank, err)
 
 
+def _skip_refused(tmp_path, peer, layout):
+    refused = sorted(tmp_path.glob("refused*"))
+    if refused:
+        pytest.skip(f"{peer} refuses {layout} here: {refused[0].read_text()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 @pytest.mark.parametrize("peer", [pytest.param(p, marks=_installed(p)) for p in PEERS])
 @pytest.mark.parametrize("layout", ["ulysses", "ring"])
 def test_peer_equals_one_device_on_two_gpus(peer, layout, tmp_path):
     run_ranks(_peer_body, 2, peer, layout, str(tmp_path), timeout=300, device="cuda")
-    refused = sorted(tmp_path.glob("refused*"))
-    if refused:
-        pytest.skip(f"{peer} refuses {layout} here: {refused[0].read_text()}")
+    _skip_refused(tmp_path, peer, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("peer", [pytest.param(p, marks=_installed(p)) for p in PEERS])
+@pytest.mark.parametrize("layout", ["ulysses", "ring"])
+def test_peer_equals_one_device_on_one_gpu_staged(peer, layout, tmp_path):
+    run_ranks(_peer_body, 2, peer, layout, str(tmp_path), timeout=300, device="one_gpu", backend="staged")
+    _skip_refused(tmp_path, peer, layout)
+
+
+@pytest.mark.parametrize("peer", [pytest.param(p, marks=_installed(p)) for p in PEERS])
+@pytest.mark.parametrize("layout", ["ulysses", "ring"])
+def test_peer_equals_one_device_on_cpu_staged(peer, layout, tmp_path):
+    run_ranks(_peer_body, 2, peer, layout, str(tmp_path), True, timeout=300, backend="staged")
+    _skip_refused(tmp_path, peer, layout)
