@@ -167,7 +167,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, device: str = 
     """
     os.environ.setdefault("CP_OPS_TIMEOUT_S", "60")
     if backend not in (None, "staged") or (backend and device not in ("one_gpu", "cpu")):
-        raise ValueError(f"run_ranks: backend='staged' runs on device 'one_gpu' or 'cpu'; got {backend!r} on {device!r}")
+        raise ValueError(f"run_ranks: backend='staged' runs on device 'one_gpu' or 'cpu'; "
+                         f"got backend={backend!r} on {device!r}")
     for attempt in (1, 2):
         errors, hung, bad = _attempt(fn, world_size, args, timeout, device, fresh, backend)
         if attempt == 1 and errors and not hung and all(_RENDEZVOUS_RACE in e and "init_rank" in e for e in errors):
