@@ -150,3 +150,28 @@ def _functional(rank, w, compiled):
 @pytest.mark.parametrize("compiled", [None, "aot_eager"])
 def test_functional_collectives_equal_gloo(compiled):
     run_ranks(_functional, 2, compiled)
+
+
+def _as_default(rank, w):
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import staged_pg
+
+    assert dist.get_backend() == "staged"
+    gloo = dist.new_group(backend="gloo")
+    sub = dist.new_group()  # a group made from the default: staged too
+    mesh = DeviceMesh("cpu", torch.arange(w).view(1, w), mesh_dim_names=("ring", "ulysses"))
+    assert dist.get_backend(sub) == "staged" and isinstance(mesh.get_group("ulysses"), staged_pg.StagedGroup)
+    x = _rand(rank, 4, 3, salt=14)
+    want = funcol.all_to_all_single(x, None, None, gloo).wait()
+    for g in (dist.group.WORLD, sub, mesh.get_group("ulysses")):
+        before = staged_pg.CALLS["alltoall_base"]
+        got = funcol.wait_tensor(funcol.all_to_all_single(x, None, None, g))
+        _same("alltoall_base", staged_pg.CALLS, before, got, want)
+
+
+def test_as_every_ranks_default_group():
+    """``run_ranks(..., backend="staged")``: the default group is staged, and so are the groups made from it
+    (``new_group``, a ``DeviceMesh``'s)."""
+    run_ranks(_as_default, 2, backend="staged", timeout=120)
