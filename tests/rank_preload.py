@@ -10,10 +10,17 @@ dlopens each in a child Python, ~1.5 s a process on an idle core, several under 
 spawned fresh (dist_util.IMPORT_TIME) and decides for itself; ``config.cpp.vec_isa_ok`` patched in a rank is still
 honoured (the ISA's answer is cached per value).
 
+It then compiles a tiny function once (Inductor, the suite's ATen fallbacks), undoes that compile's Dynamo state and
+counters, and ends the progress-bar monitor thread it started: what every process's first compile pays once (the
+modules Inductor imports lazily, its pattern tables: ~0.5 s of CPU) is paid here, not in each rank that compiles.
+Last, the server's objects are moved out of the garbage collector's view (``gc.freeze``): a rank's full collections
+would otherwise walk (and copy-on-write) every object that torch, diffusers and the rest imported.
+
 A module that fails to import, or a cache that fails to fill, is left out here: a rank that needs it does it itself,
 and fails as a spawned rank would.
 """
 
+import gc
 import importlib
 
 MODULES = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "pytest", "cp_ops",
@@ -46,3 +53,32 @@ try:  # Inductor without C++ kernels in the ranks, as in the test process (tests
     inductor_mode.fallback_kernels()
 except Exception:  # noqa: BLE001, S110
     pass
+
+
+def _first_compile() -> None:
+    """One compile, leaving no Dynamo state, counter, thread or OpenMP team behind (see the module docstring)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP team in the server: its forks set their own thread counts
+    try:
+        torch.compile(lambda x: (x.sin() * 2).sum(-1), fullgraph=True)(torch.ones(2, 2))
+    finally:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.set_num_threads(threads)
+        import tqdm  # torch.fx's interpreter made a (disabled) bar, whose class started a monitor thread
+
+        if getattr(tqdm.tqdm, "monitor", None) is not None:
+            tqdm.tqdm.monitor.exit()
+            tqdm.tqdm.monitor = None
+
+
+try:
+    _first_compile()
+except Exception:  # noqa: BLE001, S110 - see the module docstring
+    pass
+
+gc.collect()
+gc.freeze()
