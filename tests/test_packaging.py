@@ -95,8 +95,12 @@ _SMOKE = """
         assert src.is_file() and inside(src), src
         print("source", src)
 
-    # compile with the overlap pass on CPU (a fake 2-rank group: shapes only) and see it open a window
+    # compile with the overlap pass on CPU (a fake 2-rank group: shapes only) and see it open a window; Inductor
+    # without C++ kernels, as in the rest of the suite (tests/inductor_mode.py): the pass and its window do not
+    # depend on them, and this cold cache would compile each kernel
+    import torch._inductor.config as inductor_config
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    inductor_config.fallback_by_default = True
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     records = []
     handler = logging.Handler(logging.DEBUG)
