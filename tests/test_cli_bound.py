@@ -304,12 +304,16 @@ def test_bound_compile_workers_then_side_processes(tmp_path):
     assert {c["side"] for c in d["first_calls"]["regional"]} == {"diffusers", "cp_ops W2"}
 
 
-def test_side_process_failures_are_reported():
+def test_side_process_failures_are_reported(monkeypatch):
     """A side's process that reports an error, dies without answering, or does not answer in time: the parent's wait
-    raises naming the side (the mode becomes a failed row), never waits unbounded. The children are forked (what is
-    checked is the parent's wait; the spawned side processes run in test_bound_compile_workers_then_side_processes):
-    a spawned child would import torch first, seconds each."""
+    raises naming the side (the mode becomes a failed row), never waits unbounded; one that does not end when asked
+    is killed after the grace period (1 s here, not the tool's 10 s). The children are forked (what is checked is the
+    parent's wait; the spawned side processes run in test_bound_compile_workers_then_side_processes): a spawned child
+    would import torch first, seconds each."""
     import multiprocessing
+    import signal
+
+    monkeypatch.setattr(bound_procs, "STOP_GRACE_S", 1.0)
 
     ctx = multiprocessing.get_context("fork")
 
@@ -345,7 +349,9 @@ def test_side_process_failures_are_reported():
     with pytest.raises(TimeoutError, match=r"did not answer in 1 s"):
         bound_procs._recv(s, 1)
     assert time.monotonic() - t0 < 30
-    bound_procs.stop_sides([s])
+    proc, t0 = s.proc, time.monotonic()
+    bound_procs.stop_sides([s])  # asked to stop, still asleep after the grace period: killed
+    assert 1.0 <= time.monotonic() - t0 < 30 and proc.exitcode == -signal.SIGKILL, proc.exitcode
     theirs.close()
     assert s.proc is None and s.conn is None
 

@@ -62,6 +62,10 @@ BUILD_TIMEOUT_S = 3600.0
 
 SAMPLE_TIMEOUT_S = 900.0
 
+#: how long :func:`stop_sides` gives the sides' processes to end when asked, all together (s), before killing those
+#: still busy (e.g. compiling when another side failed)
+STOP_GRACE_S = 10.0
+
 
 def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base, parent_pid, run) -> None:
     """A ``--side-processes`` child: build ``side`` of ``mode_text`` as ``run`` (:func:`cp_ops.cli.bound.run_bound`)
@@ -171,8 +175,8 @@ def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], b
 
 
 def stop_sides(sides: list[Side]) -> None:
-    """End the sides' processes (asked; those still busy after 10 s, e.g. compiling when another side failed, are
-    killed); a no-op for sides in this process."""
+    """End the sides' processes (asked; those still busy after :data:`STOP_GRACE_S`, e.g. compiling when another
+    side failed, are killed); a no-op for sides in this process."""
     any_cuda = torch.cuda.is_available() and any(s.proc is not None for s in sides)
     for s in sides:
         if s.proc is None:
@@ -184,7 +188,7 @@ def stop_sides(sides: list[Side]) -> None:
             s.conn.send(("stop",))
         except (OSError, ValueError):
             pass
-    end = time.monotonic() + 10.0
+    end = time.monotonic() + STOP_GRACE_S
     for s in sides:
         if s.proc is None:
             continue
