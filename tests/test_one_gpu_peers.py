@@ -129,9 +129,12 @@ def test_peer_equals_one_device_on_one_gpu_staged(peer, layout, tmp_path):
     _skip_refused(tmp_path, peer, layout)
 
 
-@pytest.mark.parametrize("peer", [pytest.param(p, marks=_installed(p)) for p in PEERS])
+@pytest.mark.parametrize("peer", [pytest.param("diffusers", marks=_installed("diffusers"))])
 def test_peer_equals_one_device_on_cpu_staged(peer, tmp_path):
-    """Ulysses only: every peer's ring refuses CPU (diffusers' native attention returns no LSE; para-attn's and
-    cache-dit's ring attention need CUDA; xDiT needs an accelerator)."""
+    """The check's plumbing on the staged group, on CPU ranks, with one peer (diffusers' functional all-to-alls and
+    gathers): the other peers run over plain gloo on CPU (tests/test_bound_peers.py), and the staged group gives
+    gloo's results per collective (tests/test_staged_pg.py). Ulysses only: every peer's ring refuses CPU (diffusers'
+    native attention returns no LSE; para-attn's and cache-dit's ring attention need CUDA; xDiT needs an
+    accelerator)."""
     run_ranks(_peer_body, 2, peer, "ulysses", str(tmp_path), True, timeout=300, backend="staged")
     _skip_refused(tmp_path, peer, "ulysses")
