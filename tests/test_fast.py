@@ -788,6 +788,8 @@ def _startup_body(rank, world, scenarios):
         fast.transport._unfit.clear()
         base._group_choice.clear()
         _startup_scenario(rank, world, scenario)
+    # rank 0 hosts the store: it must not exit while a peer still reads the last agreement's keys from it
+    torch.distributed.barrier()
 
 
 def _startup_scenario(rank, world, scenario):
