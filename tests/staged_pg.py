@@ -33,21 +33,10 @@ import collections
 import torch
 import torch.distributed as dist
 
+from cp_ops.cli.bound_fill import completed_work, let_dynamo_trace
+
 #: staged calls by kind (this process)
 CALLS: collections.Counter = collections.Counter()
-_done = None
-
-
-def _completed():
-    """A completed work (``wait()`` returns at once), made once."""
-    global _done
-    if _done is None:
-        fut = torch.futures.Future()
-        fut.set_result(None)
-        _done = torch._C._distributed_c10d._create_work_from_future(fut)
-    return _done
-
-
 def _host(x):
     """``x`` with every tensor (in nested lists) replaced by a fresh contiguous CPU copy; anything else as is."""
     if isinstance(x, torch.Tensor):
@@ -104,7 +93,7 @@ class StagedGroup(dist.ProcessGroup):
         getattr(self._gloo, via or kind)(*host).wait()
         for i in written:
             _back(args[i], host[i])
-        return _completed()
+        return completed_work()
 
     # gathers
     def allgather(self, outs, ins, opts=None):
@@ -119,7 +108,7 @@ class StagedGroup(dist.ProcessGroup):
         for out, inp in zip(outs, ins):
             self._run("allgather_into_tensor_coalesced", (out, inp, opts or dist.AllgatherOptions()), (0,),
                       via="_allgather_base")
-        return _completed()
+        return completed_work()
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -144,7 +133,7 @@ class StagedGroup(dist.ProcessGroup):
         for t, part in zip(outs, recv.split([t.numel() for t in outs])):
             with torch.no_grad():
                 t.copy_(part.view(t.shape))
-        return _completed()
+        return completed_work()
 
     # reductions
     def allreduce(self, tensors, opts=None):
@@ -168,7 +157,7 @@ class StagedGroup(dist.ProcessGroup):
         for out, inp in zip(outs, ins):
             self._run("reduce_scatter_tensor_coalesced", (out, inp, opts or dist.ReduceScatterOptions()), (0,),
                       via="_reduce_scatter_base")
-        return _completed()
+        return completed_work()
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -182,7 +171,7 @@ class StagedGroup(dist.ProcessGroup):
     def barrier(self, opts=None):
         CALLS["barrier"] += 1
         self._gloo.barrier(opts or dist.BarrierOptions()).wait()
-        return _completed()
+        return completed_work()
 
     # point to point
     def send(self, tensors, dst, tag):
@@ -202,27 +191,8 @@ def _create(common_opts, backend_opts):
     return StagedGroup(inner, common_opts.group_rank, common_opts.group_size)
 
 
-def _dynamo_knows_the_group() -> None:
-    """Let ``torch.compile`` trace a :class:`StagedGroup` as the process group it is: Dynamo before torch 2.13 takes
-    only the exact classes ``ProcessGroup`` / ``FakeProcessGroup`` for groups; its check is widened to this class
-    (as ``cp_ops.cli.bound_fill`` does for its own). Later Dynamo needs nothing."""
-    try:
-        from torch._dynamo.variables.distributed import ProcessGroupVariable
-    except ImportError:
-        return
-    check = getattr(ProcessGroupVariable, "is_process_group", None)
-    if check is None or getattr(check, "takes_staged_groups", False):
-        return
-
-    def is_process_group(value) -> bool:
-        return isinstance(value, StagedGroup) or check(value)
-
-    is_process_group.takes_staged_groups = True
-    ProcessGroupVariable.is_process_group = staticmethod(is_process_group)
-
-
 def register() -> None:
     """Register backend ``'staged'`` (CPU and CUDA tensors) in this process; a second call does nothing."""
     if "STAGED" not in dist.Backend._plugins:
         dist.Backend.register_backend("staged", _create, extended_api=True, devices=["cpu", "cuda"])
-    _dynamo_knows_the_group()
+    let_dynamo_trace(StagedGroup)  # torch.compile of functional collectives on it, torch 2.11 too

@@ -29,10 +29,13 @@ KINDS = ("alltoall_base", "_allgather_base", "allgather_into_tensor_coalesced", 
 
 _records: list | None = None
 _done = None
+#: Python ProcessGroup classes Dynamo is told to trace as groups (:func:`let_dynamo_trace`)
+_traced: list[type] = []
 
 
-def _completed():
-    """A completed work (``wait()`` returns at once), made once."""
+def completed_work():
+    """A completed c10d work (``wait()`` returns at once), made once: what a Python group's synchronous collective
+    returns."""
     global _done
     if _done is None:
         fut = torch.futures.Future()
@@ -79,57 +82,60 @@ class FilledFakeGroup(dist.ProcessGroup):
 
     def alltoall_base(self, out, inp, out_splits, in_splits, opts=None):
         self._fill("alltoall_base", out, inp)
-        return _completed()
+        return completed_work()
 
     def _allgather_base(self, out, inp, opts=None):
         self._fill("_allgather_base", out, inp)
-        return _completed()
+        return completed_work()
 
     def all_gather_single(self, out, inp, opts=None):  # torch >= 2.13's name of dist.all_gather_into_tensor's call
         self._fill("_allgather_base", out, inp)
-        return _completed()
+        return completed_work()
 
     def allgather_into_tensor_coalesced(self, outs, ins, opts=None):
         for out, inp in zip(outs, ins):
             self._fill("allgather_into_tensor_coalesced", out, inp)
-        return _completed()
+        return completed_work()
 
     def allgather(self, outs, ins, opts=None):
         for chunks, inp in zip(outs, ins):
             for out in chunks:
                 self._fill("allgather", out, inp)
-        return _completed()
+        return completed_work()
 
     def send(self, tensors, dst, tag):
         for t in tensors:
             self._sent[(tag, tuple(t.shape))] = t
-        return _completed()
+        return completed_work()
 
     def recv(self, tensors, src, tag):
         for t in tensors:
             sent = self._sent.pop((tag, tuple(t.shape)), None)
             if sent is not None:
                 self._fill("recv", t, sent)
-        return _completed()
+        return completed_work()
 
 
-def _dynamo_knows_the_group() -> None:
-    """Let ``torch.compile`` trace a :class:`FilledFakeGroup` as the process group it is. Dynamo before torch 2.13
-    takes only the exact classes ``ProcessGroup`` / ``FakeProcessGroup`` for groups (``type(g) is ...``) and fails on
-    a subclass's ``size()`` ("Dynamo does not know how to trace method `size`"); its check is widened to this class.
-    Later Dynamo (groups as script objects) needs nothing."""
+def let_dynamo_trace(cls: type) -> None:
+    """Let ``torch.compile`` trace instances of ``cls`` (a Python subclass of :class:`torch.distributed.ProcessGroup`)
+    as the process groups they are. Dynamo before torch 2.13 takes only the exact classes ``ProcessGroup`` /
+    ``FakeProcessGroup`` for groups (``type(g) is ...``) and fails on a subclass's ``size()`` ("Dynamo does not know
+    how to trace method `size`"); its check is widened, once, to the classes named here. Later Dynamo (groups as
+    script objects) needs nothing."""
+    if cls not in _traced:
+        _traced.append(cls)
     try:
         from torch._dynamo.variables.distributed import ProcessGroupVariable
     except ImportError:
         return
     check = getattr(ProcessGroupVariable, "is_process_group", None)
-    if check is None or getattr(check, "takes_filled_groups", False):
+    if check is None or getattr(check, "takes_python_groups", False):
         return
 
     def is_process_group(value) -> bool:
-        return isinstance(value, FilledFakeGroup) or check(value)
+        return isinstance(value, tuple(_traced)) or check(value)
 
-    is_process_group.takes_filled_groups = True
+    is_process_group.takes_python_groups = True
     ProcessGroupVariable.is_process_group = staticmethod(is_process_group)
 
 
@@ -139,7 +145,7 @@ def filled():
     (torch's ``'fake'`` backend creator swapped, and restored on exit; groups made before or after are torch's)."""
     from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the 'fake' backend)
 
-    _dynamo_knows_the_group()
+    let_dynamo_trace(FilledFakeGroup)
     plugins = dist.Backend._plugins
     torch_fake = plugins["FAKE"]
 

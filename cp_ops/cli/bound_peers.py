@@ -14,10 +14,9 @@ every collective writes this rank's data, nothing moves), and is timed beside cp
 
 Every peer takes the whole world as its CP group (that is how each README runs it: ``torchrun --nproc_per_node W``),
 so while a peer builds and while its side runs, the default process group is the fake group of W ranks
-(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer
-that refuses a model or a layout (an error from the peer, or a package that is not installed) is a row with its
-reason; the run goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is
-built.
+(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer that refuses a
+model or a layout (an error from the peer, or a package that is not installed) is a row with its reason; the run
+goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is built.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ class Peer:
 
 @dataclass
 class Built:
-    """What a peer's build returns: a label of what ran (the row's ``mode``), where the peer reads process-wide
-    state at call time a context manager factory every call of the side runs inside (its default group, its own
+    """What a peer's build returns: a label of what ran (the row's ``mode``) and, where the peer reads process-wide
+    state at call time, a context manager factory every call of the side runs inside (its default group, its own
     global groups)."""
 
     label: str
@@ -101,7 +100,6 @@ def own_class_patches(model: torch.nn.Module):
                     o.__class__ = own
 
 
-#: diffusers transformer class -> the input its pipeline passes as None where it is all ones (every token valid):
 def _diffusers(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     from . import bound_diffusers
 
