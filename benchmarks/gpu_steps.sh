@@ -50,10 +50,13 @@ for s in ${STEPS:?STEPS names the steps}; do case $s in
   # their outputs vs one device (two ranks sharing the GPU), then eager and the whole forward captured at W = 2, 4, 8,
   # per-block graphs at W = 4 (every compiled side compiles its blocks: one W keeps it in a call)
   tpeers)    st $s 300 60 $PT -m gpu tests/test_one_gpu_peers.py ;;
+  tstaged)   st $s 240 60 $PT -m gpu tests/test_staged_pg.py tests/test_one_gpu_peers.py -k staged ;;
   peers_flux) st $s 400 120 $B flux --worlds ${PW:-2,4,8} --compile-modes eager,eager+graphs --compare $PEERS $R --out $W/$s.json ;;
   peers_flux_rg) st $s 400 150 $B flux --worlds ${PW:-4} --compile-modes regional+graphs --compare $PEERS $R --out $W/$s.json ;;
   peers_wan) st $s 300 90 $B wan --config 1.3b --worlds ${PW:-2,4,8} --compile-modes eager,eager+graphs --compare $PEERS $R --out $W/$s.json ;;
   peers_qwen) st $s 300 90 $B qwenimage --worlds ${PW:-2,4,8} --compile-modes eager,eager+graphs --compare $PEERS $R --out $W/$s.json ;;
+  # GPU memory of parallelize's default (the whole forward captured) beside eager, full size, one copy at a time
+  mem_qwen)  st $s 240 90 python3 benchmarks/capture_memory.py --models qwenimage --out $W/$s.json ;;
   # the whole forward captured without compile (eager + graphs), with cp_ops' cost
   eg_qwen)   st $s 150 60 $B qwenimage --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
   eg_flux_unev) st $s 110 40 $B flux --height 126 --worlds 2,4,8 --compile-modes eager+graphs --cost $R --out $W/$s.json ;;
