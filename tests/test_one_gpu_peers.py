@@ -12,10 +12,7 @@ Where the ranks run (marked gpu where on GPUs):
   every collective goes through host memory onto gloo. On a plain ``cpu:gloo,cuda:gloo`` group the peers' own
   collectives on CUDA tensors died with SIGSEGV on an H100 (diffusers, para-attn, xDiT; torch 2.11: gloo's CUDA path),
   the crash cp_ops' own gathers avoid (benchmarks/results/peers); the staged group never hands gloo a CUDA tensor;
-- two CPU ranks over the staged group (not gpu; FLUX's tiny config, fp32, Ulysses): the same body.
-  A peer that refuses CPU at its build (xDiT: no accelerator) is skipped with its reason; diffusers, which refuses a
-  machine without an accelerator only by dividing by the accelerator count, is told there is one (its CP itself runs
-  on CPU tensors).
+The same peers on two CPU ranks over plain gloo: tests/test_bound_peers.py.
 """
 
 import importlib.util
@@ -26,8 +23,6 @@ import torch
 from dist_util import run_ranks
 
 PEERS = ("diffusers", "paraattn", "xdit", "cache-dit")
-#: the peers that refuse CPU at their build (xDiT raises at import without an accelerator)
-REFUSES_CPU = ("xdit",)
 
 
 def _installed(peer: str):
@@ -37,10 +32,7 @@ def _installed(peer: str):
     return pytest.mark.skipif(importlib.util.find_spec(p.module) is None, reason=f"{peer}: {p.install}")
 
 
-def _peer_body(rank, world, peer, layout, out_dir, on_cpu=False):
-    import contextlib
-    from unittest import mock
-
+def _peer_body(rank, world, peer, layout, out_dir):
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,31 +52,21 @@ def _peer_body(rank, world, peer, layout, out_dir, on_cpu=False):
             f.write(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
 
     spec = MODELS["flux"]
-    if on_cpu:
-        dev, dtype, tol = torch.device("cpu"), torch.float32, 1e-5
-        model, cfg = build(spec, "tiny", None, dev, dtype)
-        f, h, w = spec.cpu_latent
-        g = torch.Generator().manual_seed(7)
-        kw = spec.make_inputs(cfg, 16, 1, f, h, w, dev, dtype, g)
-    else:
-        dev, dtype, tol = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 3e-2
-        model, cfg = build(spec, "dev", 1, dev, dtype)
-        model.set_attention_backend("_native_cudnn")  # as the bound sets every side
-        g = torch.Generator(device=dev).manual_seed(7)
-        kw = spec.make_inputs(cfg, 64, 1, 1, 64, 64, dev, dtype, g)
+    dev, dtype, tol = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, 3e-2
+    model, cfg = build(spec, "dev", 1, dev, dtype)
+    model.set_attention_backend("_native_cudnn")  # as the bound sets every side
+    g = torch.Generator(device=dev).manual_seed(7)
+    kw = spec.make_inputs(cfg, 64, 1, 1, 64, 64, dev, dtype, g)
     staged = dist.get_backend() == "staged"
     if staged:
         import staged_pg
-    # diffusers on CPU: one "accelerator" (diffusers places rank r on device r % count: cpu here)
-    one = mock.patch.object(torch.accelerator, "device_count", lambda: 1) if on_cpu and peer == "diffusers" else \
-        contextlib.nullcontext()
-    with torch.no_grad(), one:
+    with torch.no_grad():
         ref = spec.predict(model, kw).float()
         seen = Collectives()
         try:
             built = bound_peers.parallelize(peer, model, layout, dist.group.WORLD, spec.heads(cfg), dev, kw)
-        except Exception as e:  # noqa: BLE001 - a ring layout the peer refuses here, or xDiT on CPU
-            if layout == "ulysses" and not (on_cpu and peer in REFUSES_CPU):
+        except Exception as e:  # noqa: BLE001 - a ring layout the peer refuses here
+            if layout == "ulysses":
                 raise
             return refused(e)
         before = sum(staged_pg.CALLS.values()) if staged else 0
@@ -129,14 +111,3 @@ def test_peer_equals_one_device_on_two_gpus(peer, layout, tmp_path):
 def test_peer_equals_one_device_on_one_gpu_staged(peer, layout, tmp_path):
     run_ranks(_peer_body, 2, peer, layout, str(tmp_path), timeout=300, device="one_gpu", backend="staged")
     _skip_refused(tmp_path, peer, layout)
-
-
-@pytest.mark.parametrize("peer", [pytest.param("diffusers", marks=_installed("diffusers"))])
-def test_peer_equals_one_device_on_cpu_staged(peer, tmp_path):
-    """The check's plumbing on the staged group, on CPU ranks, with one peer (diffusers' functional all-to-alls and
-    gathers): the other peers run over plain gloo on CPU (tests/test_bound_peers.py), and the staged group gives
-    gloo's results per collective (tests/test_staged_pg.py). Ulysses only: every peer's ring refuses CPU (diffusers'
-    native attention returns no LSE; para-attn's and cache-dit's ring attention need CUDA; xDiT needs an
-    accelerator)."""
-    run_ranks(_peer_body, 2, peer, "ulysses", str(tmp_path), True, timeout=300, backend="staged")
-    _skip_refused(tmp_path, peer, "ulysses")

@@ -207,7 +207,9 @@ def _as_default(rank, w):
         _same("alltoall_base", staged_pg.CALLS, before, got, want)
 
 
-def test_as_every_ranks_default_group():
+@pytest.mark.parametrize("_", [pytest.param(None, marks=on_one_gpu)])
+def test_as_every_ranks_default_group(_):
     """``run_ranks(..., backend="staged")``: the default group is staged, and so are the groups made from it
-    (``new_group``, a ``DeviceMesh``'s)."""
-    run_ranks(_as_default, 2, backend="staged", timeout=120)
+    (``new_group``, a ``DeviceMesh``'s). On one GPU only, where the peers' check uses it: a staged default group means
+    spawned ranks (two interpreter starts), the collectives themselves are checked on CPU ranks above."""
+    run_ranks(_as_default, 2, device="one_gpu", backend="staged", timeout=120)
