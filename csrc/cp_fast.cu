@@ -47,8 +47,12 @@
 // executable made from it) is destroyed, its destructor queues the slot, and `freed_slots()` hands the queue to
 // the host (CallSlots reclaims a slot once every rank saw it freed).
 #include <cuda_runtime.h>
+#ifndef __CUDA_ARCH__  // pybind11 in the host pass only: the device pass compiles the kernels without parsing it
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#else
+#pragma nv_diag_suppress 177  // (the device pass sees the host functions, not the binding that uses them)
+#endif
 
 #include <algorithm>
 #include <array>
@@ -61,7 +65,9 @@
 #include <string>
 #include <vector>
 
+#ifndef __CUDA_ARCH__
 namespace py = pybind11;
+#endif
 
 #define CP_CUDA(expr)                                                                              \
   do {                                                                                             \
@@ -716,6 +722,7 @@ uint64_t ipc_malloc(int device, uint64_t bytes) {
   return reinterpret_cast<uint64_t>(p);
 }
 
+#ifndef __CUDA_ARCH__  // pybind11 types: host pass only
 py::bytes ipc_handle(int device, uint64_t ptr) {
   CP_CUDA(cudaSetDevice(device));
   cudaIpcMemHandle_t h;
@@ -733,6 +740,7 @@ uint64_t ipc_open(int device, py::bytes handle) {
   CP_CUDA(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
   return reinterpret_cast<uint64_t>(p);
 }
+#endif
 
 void ipc_close(int device, uint64_t ptr) {
   cudaSetDevice(device);
@@ -757,6 +765,7 @@ std::vector<int> p2p_attributes(int dev, int peer) {
 
 }  // namespace
 
+#ifndef __CUDA_ARCH__
 void register_lse_merge(pybind11::module_& m);  // csrc/lse_merge.cu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -787,3 +796,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("p2p_attributes", &p2p_attributes);
   register_lse_merge(m);
 }
+#endif  // __CUDA_ARCH__

@@ -14,8 +14,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#ifndef __CUDA_ARCH__  // pybind11 in the host pass only: the device pass compiles the kernels without parsing it
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#else
+#pragma nv_diag_suppress 177  // (the device pass sees the host functions, not the binding that uses them)
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -230,6 +234,8 @@ void lse_merge(uint64_t stream, int device, int dtype, std::vector<uint64_t> out
 
 }  // namespace
 
+#ifndef __CUDA_ARCH__
 void register_lse_merge(pybind11::module_& m) {
   m.def("lse_merge", &lse_merge, "LSE merge of 1..4 partial attention outputs (see csrc/lse_merge.cu)");
 }
+#endif  // __CUDA_ARCH__
