@@ -223,12 +223,10 @@ def _call_words(st: "_Group", op: str | None, n: int) -> str:
     public call in progress on this group (default ``cp_ops.attention``, whose first call makes the agreements)."""
     g = st.pg.group_name
     if _current.label is not None:
-        base = _current.label
-    else:
-        if op is None:
-            op = _current.api if _current.group == g and _current.api else "cp_ops.attention"
-        base = f"{op} call #{n}"
-    return f"{base} on CP group '{g}'"
+        return f"{_current.label} on CP group '{g}'"
+    if op is None:
+        op = _current.api if _current.group == g and _current.api else "cp_ops.attention"
+    return f"{op} call #{n} on CP group '{g}'"
 
 
 #: Exchange through host shared memory when every rank of the group is on one host (else over gloo).
@@ -413,9 +411,8 @@ def _gather(st: _Group, op: str) -> bool:
             st.release(f"{op}: CP group '{g}': {who}; the group cannot be used by cp_ops any more")
             raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': {who} while this rank waited for it in the "
                                "rank check") from e
-        raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: "
-                           f"{_line(e)}. A peer on another host may have crashed (its log says "
-                           "why)") from e
+        raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: {_line(e)}. A peer on "
+                           "another host may have crashed (its log says why)") from e
     return st.gbuf == mine * st.w
 
 
@@ -550,8 +547,7 @@ def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
     if not gone and not failed:
         return
     call = _call_words(st, None, st.count)
-    what = "; ".join(([st.peers.said(gone)] if gone else []) + [f"{st.peers.name(r)} raised {why}"
-                                                                  for r, why in failed])
+    what = "; ".join(([st.peers.said(gone)] if gone else []) + [f"{st.peers.name(r)} raised {w}" for r, w in failed])
     err = RuntimeError(f"{call}: {what} during this call's communication: this rank stops too. Fix that rank's "
                        "error (its log has it); the group cannot be used by cp_ops any more: make a new group")
     err._cp_ops_named = True  # type: ignore[attr-defined]
