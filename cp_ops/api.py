@@ -129,23 +129,18 @@ def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | N
     Local: no collective, no measuring, no file read; any rank may call it alone, at any time.
 
     Args:
-        q: ``[B, S_local, H, D]`` (or ``[B, H, S_local, D]`` with ``layout='bhsd'``), the call's q (shape, dtype and
-            device are read, never the values). The keywords: as :func:`attention` (``comm_dtype`` checked, not read).
+        q: the call's q (shape, dtype and device read, never the values). The keywords: as :func:`attention`.
     Returns:
         :class:`cp_ops.plan.measured.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
-        ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
-        'explicit' (mode and chunks given), 'heuristic' (the rules of :mod:`cp_ops.plan.rules`: measuring off — the
-        default —, a traced call, a group of one rank, uneven shards or a key mask), 'cost' (``mode='auto'`` on a
-        flat group across nodes: the cost model's split, known from the group's first call on; ``why`` lists its
-        predicted ms per layout), 'single' (one candidate left), 'measured' (timed by this process's first call:
-        ``CP_OPS_TUNE_MODES=1``), 'cached' (from the cache file every rank holds), 'pending' (measuring on, no call
-        made yet: the heuristic's until then); ``times_ms`` the candidates' times in ms, max over ranks (empty unless
-        measured or cached); ``transport`` 'torch' or 'fast' ('auto' before the group's first call agreed on one);
-        ``why`` the reason in words. Traced code runs the heuristic's variant (across nodes: the split): to compile a
-        measured one, pass the ``mode`` and ``chunks`` this returns after an eager call.
+        ``source`` one of 'explicit' (mode and chunks given), 'heuristic' (the rules of :mod:`cp_ops.plan.rules`:
+        measuring off — the default —, a traced call, one rank, uneven shards or a key mask), 'cost' (``mode='auto'``
+        on a flat group across nodes: the cost model's split, known from the group's first call on), 'single' (one
+        candidate left), 'measured' (timed by this process's first call: ``CP_OPS_TUNE_MODES=1``), 'cached' (from
+        the cache file), 'pending' (measuring on, no call made yet); ``times_ms`` the candidates' times, max over
+        ranks; ``transport`` 'torch' or 'fast' ('auto' before the group's first call). Traced code runs the
+        heuristic's variant: to compile a measured one, pass the ``mode`` and ``chunks`` this returns.
     Raises:
-        ValueError: the checks :func:`attention` makes on this rank alone (q's shape and dtype, the layout, mode,
-            transport, chunks, ``comm_dtype``; on a mesh its dim names and inner size).
+        ValueError: the checks :func:`attention` makes on this rank alone.
         TypeError: q is not a tensor; a keyword :func:`attention` does not take.
         RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.
     """

@@ -84,12 +84,11 @@ def agkv_gather(
 
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
-        seq_lens: uneven shards (:class:`cp_ops.layout.Shards`): W token counts in rank order, the same on every
-            rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
+        seq_lens: uneven shards, as :func:`cp_ops.attention`'s (``seq_lens[rank] == S_local``).
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
         comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
-            (or their names ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree: K and V
-            travel as FP8 with a fp32 scale per (token, head) and arrive decoded, in k's dtype.
+            (or ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree: K and V travel as FP8
+            and arrive decoded, in k's dtype.
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
         every rank's real tokens), contiguous, tensors of their own.
@@ -126,9 +125,8 @@ def ulysses_all_to_all(
         xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
         seq_lens: uneven shards, as :func:`agkv_gather`'s (``seq_lens[rank] == S_local``).
         layout: 'bshd' (default) or 'bhsd': every tensor in and out in that layout (as :func:`cp_ops.attention`).
-        comm_dtype: None (default) or the tensors' dtype (the plain all-to-all); an FP8 dtype (every tensor; n ≤ 3);
-            or a dict naming ``xs[0], xs[1], xs[2]`` as ``"q", "k", "v"`` (module docstring): those travel as FP8
-            bytes with a fp32 scale per (token, head), one launch per format, and arrive decoded in their dtype.
+        comm_dtype: None (default) or the tensors' dtype; an FP8 dtype (every tensor; n ≤ 3); or a dict naming
+            ``xs[0], xs[1], xs[2]`` as ``"q", "k", "v"``: those travel as FP8 and arrive decoded in their dtype.
     Returns:
         n tensors ``[B, W * S_local, H / W, D]`` (``[B, sum(seq_lens), H / W, D]`` with ``seq_lens``): the full
         sequence, this rank's head group (heads ``[r*H/W, (r+1)*H/W)``). Views of one fresh buffer when B = 1 and
@@ -167,14 +165,12 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     """Ulysses heads → sequence all-to-all, the inverse of :func:`ulysses_all_to_all`.
 
     Args:
-        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S (without
-            ``seq_lens``).
+        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S (no ``seq_lens``).
         seq_lens: uneven shards: W token counts in rank order, the same on every rank, summing to S; rank r
             gets back tokens ``[sum(seq_lens[:r]), sum(seq_lens[:r+1]))``.
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
-        comm_dtype: None (default) or x's dtype (the plain all-to-all); an FP8 dtype, or a dict whose ``"o"`` entry
-            is one (module docstring): x travels as FP8 bytes with a fp32 scale per (token, head) and arrives
-            decoded, x's dtype.
+        comm_dtype: None (default) or x's dtype; an FP8 dtype, or a dict whose ``"o"`` entry is one: x travels as
+            FP8 and arrives decoded, x's dtype.
     Returns:
         ``[B, S / W, W * H_local, D]`` (``[B, seq_lens[rank], W * H_local, D]``): this rank's token block, all
         heads; a new tensor.
