@@ -45,27 +45,23 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repe
     (where it reaches the device time, the run is host-bound)."""
     for _ in range(warmup):
         fn()
-    times = []
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
-        for _ in range(repeats):
+    times = []
+    for _ in range(repeats):
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        if cuda:
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
-            if host is not None:
-                host.append((t1 - t0) * 1e3)
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            if host is not None:
-                host.append(times[-1])
+        times.append(start.elapsed_time(end) if cuda else host_ms)
+        if host is not None:
+            host.append(host_ms)
     return times
 
 
