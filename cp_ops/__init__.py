@@ -16,11 +16,10 @@ Public API:
     compile(model, **torch_compile_kwargs)                                         torch.compile + overlap pass
 The torch.library ops live under ``torch.ops.cp_ops``; see :mod:`cp_ops.ops`.
 
-Importing: when torch is already imported (the usual case), ``import cp_ops`` loads the core at once (it registers
-``torch.ops.cp_ops.*`` and parses the settings: a bad ``CP_OPS_*`` value raises :class:`cp_ops.config.ConfigError`);
-otherwise the first public name used loads it (so the ``cp-ops`` command parses its arguments before torch loads).
-Code that calls ``torch.ops.cp_ops.*`` directly imports torch first (or ``cp_ops.ops``). Neither way imports torch's
-compiler or changes a process-wide setting.
+Importing: with torch already imported, ``import cp_ops`` loads the core at once (registers ``torch.ops.cp_ops.*``,
+parses the settings); otherwise the first public name used loads it (the ``cp-ops`` command parses its arguments
+before torch loads; code calling ``torch.ops.cp_ops.*`` directly imports torch or ``cp_ops.ops`` first). Neither way
+imports torch's compiler or changes a process-wide setting.
 """
 
 import sys as _sys
@@ -46,8 +45,7 @@ __all__ = [
 
 
 def _register_lowerings() -> None:
-    """The compile hook (:mod:`cp_ops._hooks`): register the Inductor lowerings of the cp_ops launches on the first
-    trace. A failure is a warning (tracing goes on; Inductor then lowers the launches as plain kernels)."""
+    """The compile hook: register the Inductor lowerings of the launches on the first trace (a failure warns)."""
     try:
         from .passes.lowering import register
 

@@ -1,17 +1,8 @@
-"""Where cp_ops' two non-core parts live: inside the package once installed, at the repository's top level in a
-checkout.
-
-The repository keeps ``passes/`` (the Inductor pass and lowerings) and ``csrc/`` (the CUDA sources) beside
-``cp_ops/``; a wheel installs them as ``cp_ops/passes`` (the package :mod:`cp_ops.passes`) and ``cp_ops/csrc``
-(package data: ``*.cu``), mapped by ``[tool.setuptools.package-dir]`` in ``pyproject.toml``. Nothing is installed
-at the top level of site-packages.
-
-In a checkout (``PYTHONPATH`` at the repository, or ``pip install -e .``), :func:`install` adds an import finder
-that resolves exactly ``cp_ops.passes`` to ``<root>/passes`` (first in ``sys.meta_path``, so that an editable
-install of *another* checkout does not win), and :func:`part_dir` gives ``<root>/csrc``. A checkout is told
-apart by ``<root>/pyproject.toml`` beside ``cp_ops/`` and the part missing inside ``cp_ops/``: a wheel in
-site-packages is never mistaken for one, even beside another project's top-level ``passes`` or ``csrc``.
-Imports nothing of cp_ops (no cycle); :mod:`cp_ops` runs :func:`install` first thing.
+"""Where cp_ops' two non-core parts live: ``passes/`` and ``csrc/`` beside ``cp_ops/`` in a checkout, installed by a
+wheel as ``cp_ops/passes`` and ``cp_ops/csrc`` (``pyproject.toml``'s package-dir). In a checkout (a ``pyproject.toml``
+beside ``cp_ops/``, the part missing inside it), :func:`install` puts first in ``sys.meta_path`` a finder that
+resolves exactly ``cp_ops.passes`` to ``<root>/passes`` (another checkout's editable install does not win), and
+:func:`part_dir` gives ``<root>/csrc``. Imports nothing of cp_ops; :mod:`cp_ops` runs :func:`install` first.
 """
 
 from __future__ import annotations

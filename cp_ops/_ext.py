@@ -1,13 +1,8 @@
-"""Build and load cp_ops' CUDA extension (``csrc/cp_fast.cu``, the fast transport's lanes and kernels, with the LSE
-merge kernel of ``csrc/lse_merge.cu`` in the same module), once per process, cached on disk. A neutral home below
-both users: the fast transport (:mod:`cp_ops.transport.fast`) and the kernels (:mod:`cp_ops.kernels.lse_merge`)
-import it, and it imports neither.
-
-Built with ninja through ``torch.utils.cpp_extension.load`` for sm_90 on first use on a CUDA machine, into
-``$CP_OPS_EXT_DIR`` (default ``~/.cache/cp_ops/ext/<hash of the sources, torch and CUDA versions>``); never imported on
-CPU-only paths. A failed build leaves its compiler output in ``<build dir>/build.log``; :func:`load` then returns the
-reason naming that file (and does not retry in this process). One build per build folder at a time across processes
-(:func:`build_lock`; ``docs/install.md``).
+"""Build and load cp_ops' CUDA extension (``csrc/cp_fast.cu`` and ``csrc/lse_merge.cu``, one module) once per
+process, for sm_90 through ``torch.utils.cpp_extension.load``, cached in ``$CP_OPS_EXT_DIR`` (default
+``~/.cache/cp_ops/ext/<hash of the sources, torch and CUDA versions>``). Imported by the fast transport and the LSE
+merge kernel, never on CPU-only paths. A failed build leaves ``<build dir>/build.log`` and is not retried in this
+process; one build per folder at a time across processes (:func:`build_lock`; ``docs/install.md``).
 """
 
 from __future__ import annotations
@@ -29,9 +24,7 @@ LOCK_NAME = "cp_ops_build.lock"  # our flock in the build folder
 TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
 
 def _find_source(name: str = "cp_fast.cu") -> Path:
-    """``name`` (a ``.cu`` file of the repository's ``csrc/``): ``cp_ops/csrc/<name>`` in an installed wheel,
-    ``<root>/csrc/<name>`` in a source checkout or an editable install (:func:`cp_ops._checkout.part_dir`).
-    May not exist (cp_ops installed without its sources): :func:`load` reports that."""
+    """``name``, a ``.cu`` file of ``csrc/`` (the wheel's or the checkout's); may not exist: :func:`load` says so."""
     return Path(part_dir("csrc")) / name
 
 
@@ -71,14 +64,9 @@ def build_dir() -> Path:
 
 @contextlib.contextmanager
 def build_lock(bdir: Path, timeout_s: float | None = None) -> Iterator[None]:
-    """Hold the build folder ``bdir``'s lock (one build or load per folder across the host's processes;
-    ``docs/install.md``), waiting at most ``timeout_s`` (default ``CP_OPS_TIMEOUT_S``) for a live holder. While held,
-    torch's ``FileBaton`` file (``bdir/lock``) is stale and removed, so ``cpp_extension.load`` does not wait on it.
-
-    Raises:
-        LockTimeout: a live process held the lock for ``timeout_s`` s (the message names the lock file, the
-            holder's pid and what to do).
-    """
+    """Hold the build folder ``bdir``'s lock, waiting at most ``timeout_s`` (default ``CP_OPS_TIMEOUT_S``) for a live
+    holder. While held, torch's ``FileBaton`` file (``bdir/lock``) is stale and removed. LockTimeout: a live process
+    held it for ``timeout_s`` s (named, with what to do)."""
     from . import config
 
     timeout_s = config.settings.timeout_s if timeout_s is None else timeout_s
@@ -95,9 +83,7 @@ def build_lock(bdir: Path, timeout_s: float | None = None) -> Iterator[None]:
 
 
 def current_stream(device) -> int:
-    """The current CUDA stream of ``device`` (a ``torch.device``) as its ``cudaStream_t``, for the extension's calls
-    (``torch.cuda.current_stream(device).cuda_stream``, without building a Stream object: one C call, as Inductor's
-    ``get_raw_stream``)."""
+    """``torch.cuda.current_stream(device).cuda_stream`` without building a Stream object (one C call)."""
     import torch
 
     idx = torch.cuda.current_device() if device.index is None else device.index

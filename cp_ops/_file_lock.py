@@ -1,10 +1,5 @@
-"""An inter-process lock on a file that the OS releases when its holder dies, with a bounded wait.
-
-``fcntl.flock`` on ``<path>``: held while the file descriptor is open, released by the kernel when the process
-exits or is killed (SIGKILL included), so a crashed holder never leaves a stale lock behind. The wait for a live
-holder polls (``LOCK_NB``) and is bounded: past ``timeout_s`` it raises :class:`LockTimeout` naming the lock file,
-the holder's pid and what to do. Used by the one-per-host CUDA extension build (:mod:`cp_ops._ext`).
-Linux/macOS only (``fcntl``); the lock file must be on a local filesystem (``flock`` over NFS is not reliable).
+"""An inter-process lock on a file (``fcntl.flock``: the kernel releases it when the holder exits, SIGKILL included)
+with a bounded wait for a live holder; used by the CUDA extension build. Linux/macOS, a local filesystem only.
 """
 
 from __future__ import annotations
@@ -33,16 +28,9 @@ def _holder(fd: int) -> str:
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike, timeout_s: float, purpose: str = "the lock",
               hint: str = "") -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if missing, never deleted) for the ``with`` body.
-
-    Args:
-        path: the lock file (its folder must exist). timeout_s: longest wait, seconds, for a live holder (> 0).
-        purpose, hint: what the lock guards and what to do, for the timeout's message.
-    Raises:
-        LockTimeout: another live process held the lock for ``timeout_s`` seconds; the message names ``path``,
-            the holder's pid (written into the file while held) and ``hint``.
-        OSError: the lock file cannot be created or opened.
-    """
+    """Hold an exclusive ``flock`` on ``path`` (created if missing, never deleted; its folder must exist) for the
+    ``with`` body, waiting at most ``timeout_s`` (> 0) for a live holder. ``purpose``, ``hint``: for the message.
+    Raises LockTimeout (naming ``path``, the holder's pid and ``hint``), or OSError (cannot open the file)."""
     path = Path(path)
     if not timeout_s > 0:
         raise ValueError(f"file_lock: timeout_s must be > 0 seconds; got {timeout_s!r}")

@@ -1,11 +1,6 @@
-"""The compile hooks: what runs once, the first time a cp_ops op is traced (``torch.compile``, ``make_fx``,
-opcheck) — the fake kernels of :mod:`cp_ops.ops` call :func:`run_compile_hooks`.
-
-The ops table knows only that hooks exist; the package registers the one it has (``cp_ops/__init__.py``: the
-Inductor lowerings of the launches, :func:`cp_ops.passes.lowering.register`, which import the ops table), so the ops
-import nothing above them. So plain ``torch.compile`` (without :func:`cp_ops.compile`) lowers the launches as
-collectives, whose inputs stay alive until their waits, while ``import cp_ops`` imports neither
-:mod:`cp_ops.passes` nor ``torch._inductor`` (about a second): the import is lazy, in the hook, on the first trace.
+"""The compile hooks: what runs once, the first time a cp_ops op is traced (the fake kernels of :mod:`cp_ops.ops` call
+:func:`run_compile_hooks`). The package registers the Inductor lowerings of the launches here (``cp_ops/__init__.py``),
+so the ops import nothing above them and ``import cp_ops`` imports neither :mod:`cp_ops.passes` nor Inductor (~1 s).
 """
 
 from __future__ import annotations

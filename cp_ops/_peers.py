@@ -1,14 +1,8 @@
 """The peers of a CP group: who they are, whether their processes still run, and a bounded all-gather of short
-strings through the default store — the rendezvous under cp_ops' per-group state (:mod:`cp_ops.contract`).
-
-Keys live in the default store under ``cp_ops/contract/<group name>/``: each rank's **identity** (``id/<rank>``: host
-name, pid namespace, pid, process start time; published by :meth:`Peers.announce` at its first call on the group, or
-earlier by ``parallelize``), from which **liveness** is read: a peer on this host whose process is gone (no such pid,
-a zombie, or its pid now held by a newer process) has *exited*, and a wait for it raises within a check interval,
-naming it; peers on other hosts are not watched (their waits end at the timeout, or when the connection closes).
-:meth:`Peers.gather` sets ``<key>/<rank>`` and polls for the others' until ``settings.timeout_s``; keys are fixed
-per purpose, so a rank that timed out and calls again meets a late peer at the same keys (and a group name is used
-once per default store, so they never meet another group's).
+strings through the default store (keys under ``cp_ops/contract/<group name>/``) — the rendezvous under
+:mod:`cp_ops.contract`. Each rank's **identity** (``id/<rank>``: host, pid namespace, pid, start time) tells whether
+a peer on this host has *exited* (no such pid, a zombie, or its pid reused); peers on other hosts are not watched.
+:meth:`Peers.gather`'s keys are fixed per purpose, so a rank that timed out and calls again meets a late peer there.
 """
 
 from __future__ import annotations
@@ -31,8 +25,7 @@ class PeerExited(RuntimeError):
 
 
 def _proc_stat(pid: int) -> tuple[str, str] | None:
-    """(state letter, start time in clock ticks) of process ``pid`` from ``/proc/<pid>/stat``; None: no such
-    process."""
+    """(state letter, start time in clock ticks) of process ``pid``; None: no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -50,8 +43,7 @@ def node_id() -> str:
 
 
 class Identity(NamedTuple):
-    """Where a rank's process runs: enough to tell, on the same host, whether it still runs; ``node``: its node
-    identity (:func:`node_id`: what decides whether ranks share a node's memory)."""
+    """Where a rank's process runs (enough to tell, on the same host, whether it still runs) and its node."""
 
     host: str
     pidns: str  # '' when unknown (no /proc): not watched
@@ -94,8 +86,7 @@ def exited(peer: Identity, me: Identity) -> str | None:
 
 
 class Peers:
-    """The rendezvous of one CP group ``pg`` (see the module docstring). Blocking calls are bounded by the
-    ``timeout_s`` they are given and by the store's own timeout for one store operation."""
+    """The rendezvous of one CP group ``pg``; blocking calls are bounded by their ``PeerWait``."""
 
     def __init__(self, pg: dist.ProcessGroup):
         from torch.distributed.distributed_c10d import _get_default_store
@@ -154,14 +145,8 @@ class Peers:
         return ", ".join(self.name(r) for r in ranks)
 
     def gather(self, key: str, value: str, wait: PeerWait) -> list[str]:
-        """Every rank's ``value`` for ``key``, in group-rank order. Waits at most ``wait.timeout_s`` seconds, checking
-        every :data:`CHECK_EVERY_S` s that the peers still waited for are alive, and warning as :class:`PeerWait`
-        says while they are not there.
-
-        Raises:
-            PeerExited: a peer waited for has exited. PeersTimeout: some peers did not set ``key`` in time (named,
-                with the call ``wait`` names).
-        """
+        """Every rank's ``value`` for ``key``, in group-rank order; every :data:`CHECK_EVERY_S` s the peers waited for
+        are checked alive and ``wait`` warns. Raises PeerExited (a peer exited) or PeersTimeout (named)."""
         self.announce()
         keys = [f"{self.base}{key}/{r}" for r in range(self.w)]
         self.store.set(keys[self.rank], value)
@@ -181,5 +166,4 @@ class Peers:
                 raise wait.error(self.names(pending))
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
-        out = [self.store.get(k).decode() if r != self.rank else value for r, k in enumerate(keys)]
-        return out
+        return [self.store.get(k).decode() if r != self.rank else value for r, k in enumerate(keys)]

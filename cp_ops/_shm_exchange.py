@@ -1,20 +1,11 @@
-"""Host-memory all-gather of the rank contract's fixed-size signature among the ranks of one node.
+"""Host-memory all-gather of the rank contract's fixed-size signature among the ranks of one node: a few µs per call
+where gloo (localhost TCP) costs ~0.4 ms. Each rank writes its row to a shared file, then reads the peers' rows until
+they carry this call's number.
 
-The rank contract (:mod:`cp_ops.contract`) exchanges a few int64 words on every cp_ops call; over gloo (localhost
-TCP, a worker thread per call) that costs ~0.4 ms per call, more than the whole attention of a 4K-token CP2 layer.
-When every rank of the group runs on one host, the words go through a small shared-memory file instead: each rank
-writes its row, then reads the peers' rows until they carry this call's number (:func:`cp_ops._waits.poll`); a few µs
-when the ranks are in step.
-
-Layout: for each rank, two slots (call-number parity), each ``[call number, crc, word_0 .. word_{n-1}]``
-(int64). A rank can be at most one call ahead of the slowest peer that has not yet read its row (it must
-first see that peer's row of the previous call), so two slots per rank never overwrite an unread row. The crc
-(over the call number and the words) makes a torn read look like "not yet written" on any memory model.
-
-The file's pages are reserved when it is made (``posix_fallocate``; where a file system lacks it, zeros written):
-a full ``/dev/shm`` is an ``OSError`` naming it at :meth:`ShmExchange.create` (the contract then exchanges over
-gloo), never a SIGBUS at the first write through the map. :meth:`ShmExchange.attach` checks the file's size
-before mapping it, for the same reason.
+Layout: per rank two slots (call-number parity), each ``[call number, crc, word_0 .. word_{n-1}]`` (int64): a rank is
+at most one call ahead of a peer that has not read its row, so no unread row is overwritten; the crc makes a torn
+read look "not yet written". The pages are reserved at creation (a full ``/dev/shm`` is an OSError then, never a
+SIGBUS later) and :meth:`ShmExchange.attach` checks the size before mapping.
 """
 
 from __future__ import annotations
@@ -39,8 +30,7 @@ def _unlink(path: str) -> None:
 
 
 def _reserve(fd: int, size: int) -> None:
-    """Allocate ``size`` bytes of the file ``fd`` now (``posix_fallocate``; zeros written where the file system does not
-    support it). Raises OSError (ENOSPC: no room) instead of leaving a sparse file whose pages fail later as SIGBUS."""
+    """Allocate ``size`` bytes of the file ``fd`` now (``posix_fallocate``, else zeros written); OSError: no room."""
     fallocate = getattr(os, "posix_fallocate", None)
     if fallocate is not None:
         try:
@@ -54,11 +44,8 @@ def _reserve(fd: int, size: int) -> None:
 
 
 class ShmExchange:
-    """All-gather of ``n`` int64 words among ``world`` local ranks through one shared file.
-
-    Create with :meth:`create` on one rank and :meth:`attach` on the others (the path is passed by the caller's
-    own channel); :meth:`unlink` once every rank has attached (the mapping outlives the name).
-    """
+    """All-gather of ``n`` int64 words among ``world`` local ranks through one shared file: :meth:`create` on one
+    rank, :meth:`attach` on the others, :meth:`unlink` once every rank has attached."""
 
     def __init__(self, path: str, world: int, rank: int, n: int, create: bool):
         self.path, self.world, self.rank, self.n = path, world, rank, n
@@ -106,11 +93,9 @@ class ShmExchange:
         return (rank * 2 + (call & 1)) * self.slot_bytes
 
     def allgather(self, call: int, words: bytes, out: bytearray, timeout_s: float, on_wait=None) -> bool:
-        """Publish this rank's ``words`` (``n`` packed int64) for call number ``call`` (>= 1, +1 per call) and fill
-        ``out`` (``world * n`` int64) with every rank's words. Returns False when some rank did not publish within
-        ``timeout_s`` seconds (``out`` is then incomplete; :attr:`pending`: the ranks that did not).
-        ``on_wait(pending ranks)``, when given, is called about
-        every ``_waits.CHECK_EVERY_S`` seconds of waiting (after the first spins) and may raise (a peer has exited)."""
+        """Publish this rank's ``words`` for call number ``call`` (>= 1, +1 per call) and fill ``out`` with every
+        rank's. False when some rank did not publish within ``timeout_s`` (:attr:`pending`: those ranks).
+        ``on_wait(pending ranks)`` is called every ``CHECK_EVERY_S`` s of waiting and may raise."""
         vals = self.words.unpack(words)
         crc = zlib.crc32(words, call & 0xFFFFFFFF)
         self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)

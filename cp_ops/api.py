@@ -1,9 +1,5 @@
-"""The public CP attention entry point, :func:`attention`, and the single-device :func:`local_attention`.
-
-Data path (``docs/architecture.md``): :func:`attention` makes the call's :class:`cp_ops.plan.Call` (its arguments
-normalized once) → :mod:`cp_ops.plan` (checks, decisions, the eager plan) → one mode body (:mod:`cp_ops.modes`) →
-:mod:`cp_ops.comm` → op (:mod:`cp_ops.ops`) or transport (:mod:`cp_ops.transport`) → kernels (:mod:`cp_ops.kernels`).
-"""
+"""The public CP attention entry point, :func:`attention`, and the single-device :func:`local_attention`
+(the data path: ``docs/architecture.md``)."""
 
 from __future__ import annotations
 
@@ -36,8 +32,8 @@ def attention(
 ) -> torch.Tensor:
     """Context-parallel dense (non-causal) attention over the tokens of a CP group.
 
-    Each rank passes its local shard — rank r holds the r-th of W equal contiguous token blocks — and
-    gets back the attention output of its own tokens against *all* tokens of the group.
+    Each rank passes its local shard (rank r holds the r-th of W contiguous token blocks) and gets back the
+    attention output of its own tokens against *all* tokens of the group.
 
     Args:
         q, k, v: ``[B, S_local, H, D]`` (BSHD), same shape, dtype (fp32/fp16/bf16) and device.
@@ -51,72 +47,53 @@ def attention(
             On a 2-D mesh: 'auto' or 'agkv_ulysses'. What a call ran: :func:`describe`.
         transport: 'torch' (torch.distributed: NCCL/gloo), 'fast' (NVSHMEM/P2P on one Hopper node), or
             'auto' (fast where it can run, else torch).
-        scale: softmax scale (a Python float or int); default ``1/sqrt(D)``. Part of the rank contract's variant:
-            every rank must pass the same value (ranks that differ raise ValueError on every rank, naming each rank's
-            scale), eager and compiled.
-        chunks: pipeline stages (communication under attention; :mod:`cp_ops.plan.rules`): 1 =
-            transport-then-attend (bitwise equal to one device); k ≥ 2 = the mode's pipelined variant in k
-            stages (AGKV: local K/V first, then the peers' pieces as they land, merged by LSE in fp32; Ulysses:
-            head sub-groups, exact); None = the heuristic :func:`cp_ops.plan.rules.chunks_rule` (2 for AGKV
-            on the fast transport, else 1), or the fastest of 1, 2, 4 measured on first use where measuring is
-            asked for (:mod:`cp_ops.plan.measured`). With ``seq_lens``/``key_mask``, None means 1.
-            Every rank must pass the same value.
-        seq_lens: uneven shards: W token counts in rank order, the same on every rank; rank r holds
-            ``seq_lens[r]`` tokens (``seq_lens[rank] == S_local``; any split, 0 allowed; e.g.
-            :func:`cp_ops.layout.shard_sizes`: its prefix split takes the real rows as views, any other split by a
-            copy). Padded blocks are moved; the real rows are attended (exact), or with a key mask the padding rows
-            masked (:class:`cp_ops.layout.Shards`). None = every rank holds S_local.
+        scale: softmax scale (a Python float or int); default ``1/sqrt(D)``. The same on every rank (else
+            ValueError on every rank, naming each rank's scale).
+        chunks: pipeline stages (communication under attention): 1 = transport-then-attend (bitwise equal to one
+            device); k ≥ 2 = the mode's pipelined variant (AGKV: peers' pieces merged by LSE in fp32 as they land;
+            Ulysses: head sub-groups, exact); None = :func:`cp_ops.plan.rules.chunks_rule` (2 for AGKV on the fast
+            transport, else 1; 1 with ``seq_lens``/``key_mask``), or measured where asked. The same on every rank.
+        seq_lens: uneven shards: W token counts in rank order, the same on every rank (``seq_lens[rank] ==
+            S_local``; any split, 0 allowed; :func:`cp_ops.layout.shard_sizes`' split is the cheapest). Exact
+            (:class:`cp_ops.layout.Shards`). None = every rank holds S_local.
         key_mask: bool ``[B, S_local]`` key-padding mask of this rank's keys (True = attend), gathered with them and
             applied as SDPA's boolean mask over the full key sequence (:class:`cp_ops.layout.Shards`); or bool
             ``[B, S_total]`` (``S_total = sum(seq_lens)``, else ``W * S_local``): every key of the call in rank order,
             the same on every rank, applied as given with no communication (not on a 2-D mesh given as ``group``; when
             this rank holds every token the two shapes are one, read as this rank's). AGKV with a mask runs 1 stage.
-        layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's layout, in
-            and out; transposed views). A 'bshd' call whose dim 2 (read as heads) holds more than 64 entries and more
-            than dim 1 (e.g. ``[1, 8, 512, 64]``) is taken for a BHSD tensor: ValueError naming both layouts; a smaller
-            BHSD tensor looks like a valid BSHD one: pass ``layout=`` whenever your tensors are BHSD.
+        layout: 'bshd' (default: ``[B, S_local, H, D]`` in and out) or 'bhsd' (``[B, H, S_local, D]``, SDPA's; in
+            and out, transposed views). A 'bshd' tensor whose dim 2 holds more than 64 entries and more than dim 1 is
+            taken for BHSD (ValueError); smaller BHSD tensors look like BSHD ones: pass ``layout=`` for BHSD.
         tag: this call site's identity for the rank contract (an int, a str, or a tuple of them; the same on every
             rank), e.g. the layer index: ranks whose calls pair different tags (a rank skipped a layer) raise on every
             rank at the first mispaired call. :func:`cp_ops.parallelize` passes each attention module's layer.
-        comm_dtype: what crosses the link (``docs/fp8.md``, :mod:`cp_ops.comm_dtype`): None (default) or q's dtype =
-            q's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or their names ``'e4m3'`` / ``'e5m2'``, as
-            the CLI's ``--comm-dtype``) = every tensor the mode moves (AGKV: K, V;
-            Ulysses: Q, K, V, O) in FP8 with one fp32 scale per (token, head), carried with the bytes (D + 4 bytes
-            per row instead of 2·D in bf16) and decoded on arrival; a dict ``{"q"|"k"|"v"|"o": fp8 dtype, its name or None}``
-            = per tensor (e.g. ``{"q": e4m3, "v": e4m3, "o": e4m3}``; AGKV and a 2-D mesh: K and V alike; on a 2-D
-            mesh K and V cross both dims, each through the codec). Part of the rank contract's variant (ranks that
-            differ raise on every rank). Not bitwise: its error is in docs/fp8.md.
-            Either transport; on a group of one rank it is ignored unless ``CP_OPS_EMULATE_COMM=1``
-            (:mod:`cp_ops.emulate`). Non-finite input: a (token, head) row holding a NaN or ±inf arrives as a row of
-            NaN (never finite values; inf becomes NaN; docs/fp8.md): check ``torch.isfinite`` upstream if it matters.
+        comm_dtype: what crosses the link (``docs/fp8.md``): None (default) or q's dtype = q's dtype;
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or ``'e4m3'`` / ``'e5m2'``) = every tensor the mode
+            moves in FP8 with one fp32 scale per (token, head) (D + 4 bytes per row), decoded on arrival; a dict
+            ``{"q"|"k"|"v"|"o": fp8 dtype, its name or None}`` = per tensor (AGKV and a 2-D mesh: K and V alike).
+            The same on every rank. Not bitwise (docs/fp8.md); a row holding a NaN or ±inf arrives as NaN. On a
+            group of one rank ignored unless ``CP_OPS_EMULATE_COMM=1``.
 
     Returns:
         ``[B, S_local, H, D]``, dtype of ``q``: this rank's output tokens; a tensor of its own (never a view of
         a transport's pooled buffer, so later calls do not change it).
 
-    Autograd: forward only. Inputs may require grad (e.g. a model whose parameters do, without
-    ``torch.no_grad()``): the forward runs, eager and under ``torch.compile(fullgraph=True)`` alike, saves
-    nothing for backward, and the output requires grad; a backward through it (to q, k or v) raises
-    RuntimeError "cp_ops.attention has no backward ...".
+    Autograd: forward only. Inputs may require grad: the forward runs (eager and compiled), saves nothing, and a
+    backward through the output raises RuntimeError "cp_ops.attention has no backward ...".
 
     Raises:
-        ValueError: not 4-D; q/k/v shape, dtype or device differ; a dtype other than fp32/fp16/bf16; a
-            ``comm_dtype`` that is not an FP8 dtype / 'e4m3' / 'e5m2' / None / q's dtype / such a dict (other strings,
-            e.g. the CLI's 'none' or 'e4m3:qvo', included), or AGKV with K and V apart;
-            mode='ulysses' with H % W != 0; tensors on a device the group's backend cannot move; unknown mode or
-            transport; chunks not None or an int ≥ 1; bad ``seq_lens``/``key_mask`` (length, values, seq_lens[rank] !=
-            S_local, mask dtype/shape; AGKV chunks > 1 with a mask); the ranks of the group disagree on the call (mode,
-            shape, dtype, transport, chunks, scale, comm_dtype, collective settings, call order) or one rank rejected
-            its inputs — raised on every rank, naming each rank's call (:mod:`cp_ops.validate`).
+        ValueError: bad shapes, dtypes or devices; a bad ``comm_dtype``, mode, transport, chunks, ``seq_lens`` or
+            ``key_mask``; mode='ulysses' with H % W != 0; the ranks disagree on the call (mode, shape, dtype,
+            transport, chunks, scale, comm_dtype, collective settings, call order) or one rank rejected its inputs —
+            raised on every rank, naming each rank's call.
         TypeError: ``scale`` not None or a real number; ``tag`` not an int, a str or a tuple of them.
         RuntimeError: transport='fast' cannot run here (the message says why); torch.distributed is not
             initialized; not every rank made the call within ``CP_OPS_TIMEOUT_S``; a backward through the
             output (see Autograd).
 
-    Host cost (eager): the first call with a given key (:mod:`cp_ops.plan`) runs every check and caches its
-    decisions; a repeat call is a dict lookup, one rank-contract exchange and the mode's launches and kernels, without
-    the ``torch.library`` dispatcher. CUDA graphs: capturable (``torch.cuda.graph`` after an eager warm-up,
-    ``torch.compile(mode="reduce-overhead")``); the rank contract is checked at capture, not at replay.
+    Host cost (eager): the first call with a given key runs every check and caches its decisions; a repeat call is
+    a dict lookup, one rank-contract exchange and the mode's launches and kernels. CUDA graphs: capturable; the rank
+    contract is checked at capture, not at replay.
 
     Methods: AGKV (all-gather K/V, as in Megatron-LM's context parallelism and xDiT) and DeepSpeed-Ulysses
     (Jacobs et al., 2023, arXiv:2309.14509).
@@ -148,30 +125,22 @@ _KEYWORDS = ("group", "mode", "transport", "scale", "chunks", "seq_lens", "key_m
 def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, layout: str = "bshd",
              **keywords) -> Choice:
     """What :func:`attention` picked — or, before the first such call, would pick — for a call with these arguments:
-    the mode, the chunk count, the transport and why. Pass the call's own arguments (``k``, ``v`` and
-    :func:`attention`'s keywords; ``k``, ``v``, ``scale`` and ``tag`` are accepted so a call can be copied as is, and
-    not read: the choice depends on ``q``'s shape, dtype and device, the group and the other keywords).
-
+    the mode, the chunk count, the transport and why (``k``, ``v``, ``scale`` and ``tag`` are accepted, not read).
     Local: no collective, no measuring, no file read; any rank may call it alone, at any time.
 
     Args:
-        q: ``[B, S_local, H, D]`` (or ``[B, H, S_local, D]`` with ``layout='bhsd'``), the call's q (shape, dtype and
-            device are read, never the values). The keywords: as :func:`attention` (``comm_dtype`` checked, not read).
+        q: the call's q (shape, dtype and device read, never the values). The keywords: as :func:`attention`.
     Returns:
         :class:`cp_ops.plan.measured.Choice`, a NamedTuple ``(mode, chunks, source, times_ms, transport, why)``:
-        ``mode`` the concrete mode ('agkv', 'ulysses', ...); ``chunks`` the stage count (int ≥ 1); ``source`` one of
-        'explicit' (mode and chunks given), 'heuristic' (the rules of :mod:`cp_ops.plan.rules`: measuring off — the
-        default —, a traced call, a group of one rank, uneven shards or a key mask), 'cost' (``mode='auto'`` on a
-        flat group across nodes: the cost model's split, known from the group's first call on; ``why`` lists its
-        predicted ms per layout), 'single' (one candidate left), 'measured' (timed by this process's first call:
-        ``CP_OPS_TUNE_MODES=1``), 'cached' (from the cache file every rank holds), 'pending' (measuring on, no call
-        made yet: the heuristic's until then); ``times_ms`` the candidates' times in ms, max over ranks (empty unless
-        measured or cached); ``transport`` 'torch' or 'fast' ('auto' before the group's first call agreed on one);
-        ``why`` the reason in words. Traced code runs the heuristic's variant (across nodes: the split): to compile a
-        measured one, pass the ``mode`` and ``chunks`` this returns after an eager call.
+        ``source`` one of 'explicit' (mode and chunks given), 'heuristic' (the rules of :mod:`cp_ops.plan.rules`:
+        measuring off — the default —, a traced call, one rank, uneven shards or a key mask), 'cost' (``mode='auto'``
+        on a flat group across nodes: the cost model's split, known from the group's first call on), 'single' (one
+        candidate left), 'measured' (timed by this process's first call: ``CP_OPS_TUNE_MODES=1``), 'cached' (from
+        the cache file), 'pending' (measuring on, no call made yet); ``times_ms`` the candidates' times, max over
+        ranks; ``transport`` 'torch' or 'fast' ('auto' before the group's first call). Traced code runs the
+        heuristic's variant: to compile a measured one, pass the ``mode`` and ``chunks`` this returns.
     Raises:
-        ValueError: the checks :func:`attention` makes on this rank alone (q's shape and dtype, the layout, mode,
-            transport, chunks, ``comm_dtype``; on a mesh its dim names and inner size).
+        ValueError: the checks :func:`attention` makes on this rank alone.
         TypeError: q is not a tensor; a keyword :func:`attention` does not take.
         RuntimeError: torch.distributed is not initialized; transport='fast' cannot run here.
     """
@@ -187,8 +156,7 @@ def describe(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | N
 
 
 class _ForwardOnly(torch.autograd.Function):
-    """``out`` unchanged (no copy), attached to the autograd graph of ``q, k, v`` by a backward that raises
-    (:func:`cp_ops.ops.refuse_grad`, an op whose fake kernel lets AOTAutograd trace the joint graph)."""
+    """``out`` unchanged, attached to the autograd graph of ``q, k, v`` by a backward that raises."""
 
     @staticmethod
     def forward(ctx, out, q, k, v):

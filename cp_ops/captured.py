@@ -1,16 +1,8 @@
 """Whole-forward CUDA-graph capture of a module's call: ``module(*args, **kwargs)``, its hooks included, one CUDA
-graph per call signature, replayed with no host work.
-
-What ``parallelize(..., cuda_graphs="forward")`` uses (:mod:`cp_ops.integrations.diffusers.install`); works on any
-``torch.nn.Module`` whose forward a CUDA graph can record. Under CP the graph holds the CP split hook, every
-attention's communication and the final gather: a replay launches them all at once. The rules a caller must know —
-the key, cloned outputs, arguments written in place, memory and ``max_keys``, what cannot be captured, the ranks'
-agreement on each capture, the class swap (:func:`uncapture` restores it) — and the measurements:
-``docs/diffusers_compile_caches.md`` ("Whole-forward capture").
-
-Testing without a GPU: the graph mechanism is :data:`BACKEND` (an object with ``check``, ``pool``, ``warmup``,
-``capture``, see :class:`CudaGraphs`); a test may replace it with a recorder that re-runs the call on the static
-inputs.
+graph per call signature, replayed with no host work (``parallelize(..., cuda_graphs="forward")``; any module whose
+forward a CUDA graph can record). The rules — the key, cloned outputs, arguments written in place, ``max_keys``, what
+cannot be captured, the ranks' agreement, the class swap — and measurements: ``docs/diffusers_compile_caches.md``
+("Whole-forward capture"). Tests without a GPU replace :data:`BACKEND` (see :class:`CudaGraphs`).
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ from .transport import base as transport_base
 
 
 def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) -> None:
-    """``n`` calls of ``fn()`` on a side stream that waits for the current one, which then waits for it: the warm-up
-    torch's rule for ``torch.cuda.graph`` asks before a capture (lazy initializations happen outside it)."""
+    """``n`` calls of ``fn()`` on a side stream ordered with the current one: the warm-up torch asks before a
+    ``torch.cuda.graph`` capture."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -40,9 +32,8 @@ def warm_on_side_stream(fn: Callable[[], object], n: int, device: torch.device) 
 
 
 def failed_ranks(group: dist.ProcessGroup | None, reason: str) -> list[tuple[int | None, str]]:
-    """``[(rank, reason)]`` of the ranks whose step failed (``reason`` = this rank's, ``''``: succeeded), gathered
-    over ``group`` (every rank calls) for a step that must succeed on all ranks or none (a CUDA-graph capture); a group
-    of one rank, a fake group or None: this process's own outcome alone (rank None for None)."""
+    """``[(rank, reason)]`` of the ranks whose step failed (``reason``: this rank's, ``''``: succeeded), gathered over
+    ``group`` (every rank calls); one rank, a fake group or None: this process's outcome alone (rank None for None)."""
     if group is not None and group.size() > 1 and str(dist.get_backend(group)) != "fake":
         reasons: list = [None] * group.size()
         dist.all_gather_object(reasons, reason, group=group)
@@ -87,8 +78,8 @@ BACKEND: Any = CudaGraphs()
 
 
 class CaptureError(RuntimeError):
-    """A capture (or its warm-up) failed on some rank; raised on every rank of the group. ``stage``: where the first
-    failing rank failed (``'warm-up'``, ``'capture'``, ``'outputs'``)."""
+    """A capture (or its warm-up) failed on some rank; raised on every rank. ``stage``: where the first failing rank
+    failed (``'warm-up'``, ``'capture'``, ``'outputs'``)."""
 
     def __init__(self, message: str, stage: str = "capture"):
         super().__init__(message)
@@ -96,8 +87,7 @@ class CaptureError(RuntimeError):
 
 
 class _Entry:
-    """One key's graph: its static inputs (the call's leaves, tensors copied), its replay, its outputs' leaves and
-    their structure (flattened once: a call only clones the leaves)."""
+    """One key's graph: its static inputs, its replay, its outputs' leaves and structure (flattened once)."""
     __slots__ = ("statics", "replay", "out_leaves", "out_spec", "mutated")
 
     def __init__(self, statics, replay, out, mutated=()):
@@ -113,7 +103,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 def check_outputs(out) -> None:
     """Raise ValueError when a forward's output holds a leaf a replay cannot return afresh: anything but tensors,
-    immutable values and pytree containers (a plain dataclass is one leaf: every replay would return that object)."""
+    immutable values and pytree containers."""
     for i, x in enumerate(pytree.tree_leaves(out)):
         if not isinstance(x, (torch.Tensor, *_PLAIN)) and not isinstance(x, enum.Enum):
             raise ValueError(
@@ -181,8 +171,7 @@ def _first_line(e: BaseException) -> str:
 
 def _reason(stage: str, e: BaseException) -> str:
     """``'<stage>: <Type>: <first line> (at <model frame>)[ (then: ...)][; known: ...]'`` of the exception that
-    started the failure (a capture failing inside ``torch.cuda.graph`` raises again at its exit: the context is
-    named)."""
+    started the failure (the root of ``e``'s cause/context chain)."""
     chain = [e]
     while (nxt := chain[-1].__cause__ or chain[-1].__context__) is not None and nxt not in chain:
         chain.append(nxt)
@@ -210,8 +199,8 @@ def failure_message(what: str, bad: list[tuple[int | None, str]]) -> str:
 
 
 def _agree(group, reason: str, what: str) -> None:
-    """Every rank of ``group`` learns every rank's ``reason`` ('' = success); raise CaptureError on every rank when
-    any failed. One process standing for a group (the fake backend) or a group of one agrees alone."""
+    """Every rank of ``group`` learns every rank's ``reason`` ('' = success); CaptureError on every rank when any
+    failed."""
     bad = failed_ranks(group, reason)
     if bad:
         raise CaptureError(failure_message(what, bad), bad[0][1].split(":", 1)[0])
@@ -382,27 +371,23 @@ def capture_forward(module: torch.nn.Module, *, group: dist.ProcessGroup | None 
                     fallback: Callable[[str], None] | None = None,
                     refuse: Callable[[torch.nn.Module], str | None] | None = None) -> torch.nn.Module:
     """Make every later ``module(*args, **kwargs)`` run as a CUDA-graph replay of the whole call, hooks included, in
-    place; returns ``module`` (the same object, its class swapped for a same-named subclass).
+    place (the class swapped for a same-named subclass).
 
     Args:
-        module: on CUDA (its parameters' device). group: the ranks whose collectives the forward makes (they agree
-            on each capture's outcome); None: this process alone. warmup: eager calls before each capture (>= 1).
+        module: on CUDA. group: the ranks whose collectives the forward makes (they agree on each capture's
+            outcome); None: this process alone. warmup: eager calls before each capture (>= 1).
         clone_outputs: return clones of the graph's outputs (default); False: the graph's own output tensors, valid
             until the next call with the same key. max_keys: live keys at most (>= 1; LRU eviction past it).
-        fallback: None (default): a failed capture raises (below). A function: a capture that fails (its capture or
-            its outputs, agreed over ``group``), or that ``refuse(module)`` refuses (a reason, None: go on; asked
-            before each new key's capture), turns the module eager for good (its graphs freed) and calls
-            ``fallback(reason)`` once: that call and every later one run ``module``'s call as it was (warm-up side effects aside, the
-            forward's numbers as eager); a failed warm-up runs the call eagerly (its own error); a call traced by
-            Dynamo (``torch.compiler.is_compiling()``) runs it eagerly too. Without a fallback, a new key that
-            ``refuse`` refuses raises ValueError (nothing captured).
+        fallback: None: a failed capture raises. A function: a capture that fails (agreed over ``group``) or that
+            ``refuse(module)`` refuses (a reason; asked before each new key's capture) turns the module eager for
+            good and calls ``fallback(reason)`` once; a failed warm-up runs that call eagerly (its own error); a call
+            traced by Dynamo runs eagerly too. Without a fallback, a key ``refuse`` refuses raises ValueError.
     Returns: ``module``. Its calls return what the module returns (tensors detached; cloned by default).
     Raises:
         ValueError: not on CUDA, already captured, ``warmup`` < 1 or ``max_keys`` < 1; at call time a non-tensor
             argument leaf that is not hashable, or a new key ``refuse`` refuses (no ``fallback``).
         CaptureError (a RuntimeError): at a new key's first call, the warm-up or capture failed, or the outputs hold
-            an object a replay cannot return afresh (with ``group``: on any rank, raised on every rank naming the first
-            failing rank and its reason).
+            an object a replay cannot return afresh (with ``group``: on any rank, raised on every rank).
     """
     if not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"capture_forward: warmup must be an int >= 1 (torch's rule: warm up before capture); "

@@ -1,12 +1,8 @@
-"""The CP collectives as public eager functions: group in, waited tensors out.
-
-For compiled code and overlap, call the launches (``torch.ops.cp_ops.*_start``) and
-``torch.ops._c10d_functional.wait_tensor`` yourself; :func:`cp_ops.attention` does.
-
-``comm_dtype``: what crosses the link, as :func:`cp_ops.attention`'s, through the comm the mode bodies use
-(:class:`cp_ops.comm.OpComm`): :func:`agkv_gather` moves K and V, :func:`ulysses_all_to_all` up to three tensors
-named ``q, k, v`` by position, :func:`ulysses_all_to_all_inverse` the output (``"o"``); what arrives is
-:func:`cp_ops.kernels.fp8.round_trip` of the plain result (``docs/fp8.md``, "The collectives").
+"""The CP collectives as public eager functions: group in, waited tensors out (for overlap, call the launches
+``torch.ops.cp_ops.*_start`` and ``wait_tensor`` yourself). ``comm_dtype`` as :func:`cp_ops.attention`'s:
+:func:`agkv_gather` moves K and V, :func:`ulysses_all_to_all` up to three tensors named ``q, k, v`` by position,
+:func:`ulysses_all_to_all_inverse` the output (``"o"``); what arrives is :func:`cp_ops.kernels.fp8.round_trip` of
+the plain result (``docs/fp8.md``, "The collectives").
 """
 
 from __future__ import annotations
@@ -19,17 +15,15 @@ from . import comm_dtype as cd
 from . import layout as _lay
 from . import ops
 from .comm import OpCodec, OpComm
-from .contract import variant_tag
+from .contract import api_checked, variant_tag
 from .group import resolve_group
 from .transport import base as transport_base
 from .transport.base import resolve as resolve_transport
-from .contract import api_checked
 from .validate import check_device_for_group, check_heads_divisible, check_same, check_seq_divisible
 
 
 def _prepare(api, names, tensors, group, transport, more_checks=None, comm_dtype=None, mode="ulysses"):
-    """Checks (every rank raises when one rank's fail): ``(pg, transport, fmts)``, ``fmts`` the formats of
-    (q, k, v, o) on the link (:func:`cp_ops.comm_dtype.for_mode` of ``mode``)."""
+    """Checks (every rank raises when one rank's fail): ``(pg, transport, fmts)``, ``fmts`` those of (q, k, v, o)."""
     pg = resolve_group(group)
     resolved, fmts = transport, cd.NONE
 
@@ -51,17 +45,14 @@ def _prepare(api, names, tensors, group, transport, more_checks=None, comm_dtype
 
 
 def _fp8_comm(api, pg, transport, fmts, seq_lens=None) -> OpComm:
-    """The comm the mode bodies use, for one FP8 collective: its launches encode, its waits decode; its first launch
-    makes the rank contract's exchange as ``api`` with the formats in the variant tag."""
+    """The mode bodies' comm for one FP8 collective, its exchange named ``api`` with the formats as variant."""
     return OpComm(pg.size(), pg.group_name, transport, api, variant_tag(comm_dtype=cd.tag(fmts)), pg.rank(),
                   seq_lens, OpCodec(fmts))
 
 
 def _pooled(tr: str, pg, t: torch.Tensor) -> bool:
-    """Whether the op's outputs were views of the transport's reused buffers (the op's own choice, cached)."""
-    if t.numel() == 0:
-        return False
-    return transport_base.for_group(tr, pg, t.device).pooled_outputs
+    """Whether the op's outputs were views of the transport's reused buffers."""
+    return t.numel() != 0 and transport_base.for_group(tr, pg, t.device).pooled_outputs
 
 
 def _owned(out: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -93,19 +84,17 @@ def agkv_gather(
 
     Args:
         k, v: ``[B, S_local, H, D]``, same shape/dtype/device.
-        seq_lens: uneven shards (:class:`cp_ops.layout.Shards`): W token counts in rank order, the same on every
-            rank, ``seq_lens[rank] == S_local`` (any split, 0 allowed). None: every rank holds S_local.
+        seq_lens: uneven shards, as :func:`cp_ops.attention`'s (``seq_lens[rank] == S_local``).
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
         comm_dtype: None (default) or k's dtype (the plain gather), ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``
-            (or their names ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree: K and V
-            travel as FP8 with a fp32 scale per (token, head) and arrive decoded, in k's dtype.
+            (or ``'e4m3'`` / ``'e5m2'``), or a dict whose ``"k"`` and ``"v"`` entries agree: K and V travel as FP8
+            and arrive decoded, in k's dtype.
     Returns:
         ``(k_full, v_full)``, each ``[B, W * S_local, H, D]`` (``[B, sum(seq_lens), H, D]`` with ``seq_lens``:
-        every rank's real tokens), contiguous, tensors of their own (a copy of the fast transport's pooled buffers).
+        every rank's real tokens), contiguous, tensors of their own.
     Raises:
-        ValueError / RuntimeError: as :func:`cp_ops.attention` (bad ``seq_lens``: length, values,
-            ``seq_lens[rank] != S_local``, ranks that disagree on it; a bad ``comm_dtype``, K and V in different
-            formats, ranks that disagree on it).
+        ValueError / RuntimeError: as :func:`cp_ops.attention` (bad ``seq_lens`` or ``comm_dtype``, K and V in
+            different formats, ranks that disagree).
     """
     if _layout(layout, (k, v)):
         kf, vf = agkv_gather(_t(k), _t(v), group=group, transport=transport, seq_lens=seq_lens, comm_dtype=comm_dtype)
@@ -136,14 +125,12 @@ def ulysses_all_to_all(
         xs: n tensors ``[B, S_local, H, D]``, same shape/dtype/device; W must divide H.
         seq_lens: uneven shards, as :func:`agkv_gather`'s (``seq_lens[rank] == S_local``).
         layout: 'bshd' (default) or 'bhsd': every tensor in and out in that layout (as :func:`cp_ops.attention`).
-        comm_dtype: None (default) or the tensors' dtype (the plain all-to-all); an FP8 dtype (every tensor; n ≤ 3);
-            or a dict naming ``xs[0], xs[1], xs[2]`` as ``"q", "k", "v"`` (module docstring): those travel as FP8
-            bytes with a fp32 scale per (token, head), one launch per format, and arrive decoded in their dtype.
+        comm_dtype: None (default) or the tensors' dtype; an FP8 dtype (every tensor; n ≤ 3); or a dict naming
+            ``xs[0], xs[1], xs[2]`` as ``"q", "k", "v"``: those travel as FP8 and arrive decoded in their dtype.
     Returns:
-        n tensors ``[B, W * S_local, H / W, D]`` (``[B, sum(seq_lens), H / W, D]`` with ``seq_lens``: the real
-        tokens of every rank in rank order): the full sequence, this rank's head group (rank r gets
-        heads ``[r*H/W, (r+1)*H/W)``). Strided views of one fresh buffer when B = 1 and the shards are even
-        (copies of their own when the transport pools its receive buffers, as the fast one does).
+        n tensors ``[B, W * S_local, H / W, D]`` (``[B, sum(seq_lens), H / W, D]`` with ``seq_lens``): the full
+        sequence, this rank's head group (heads ``[r*H/W, (r+1)*H/W)``). Views of one fresh buffer when B = 1 and
+        the shards are even (copies where the transport pools its receive buffers).
     Raises:
         ValueError: H % W != 0, bad ``seq_lens``, a bad ``comm_dtype`` (or FP8 with more than 3 tensors), and the
             rules of :func:`cp_ops.attention`.
@@ -178,14 +165,12 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
     """Ulysses heads → sequence all-to-all, the inverse of :func:`ulysses_all_to_all`.
 
     Args:
-        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S (without
-            ``seq_lens``).
+        x: ``[B, S, H_local, D]`` — the full sequence, this rank's head group; W must divide S (no ``seq_lens``).
         seq_lens: uneven shards: W token counts in rank order, the same on every rank, summing to S; rank r
             gets back tokens ``[sum(seq_lens[:r]), sum(seq_lens[:r+1]))``.
         layout: 'bshd' (default) or 'bhsd', as :func:`cp_ops.attention`'s.
-        comm_dtype: None (default) or x's dtype (the plain all-to-all); an FP8 dtype, or a dict whose ``"o"`` entry
-            is one (module docstring): x travels as FP8 bytes with a fp32 scale per (token, head) and arrives
-            decoded, x's dtype.
+        comm_dtype: None (default) or x's dtype; an FP8 dtype, or a dict whose ``"o"`` entry is one: x travels as
+            FP8 and arrives decoded, x's dtype.
     Returns:
         ``[B, S / W, W * H_local, D]`` (``[B, seq_lens[rank], W * H_local, D]``): this rank's token block, all
         heads; a new tensor.
@@ -210,7 +195,6 @@ def ulysses_all_to_all_inverse(x: torch.Tensor, *, group: Any = None, transport:
                                                                 _list(seq_lens))))
 
 
-# ---- uneven shards (cp_ops.layout.Shards: pad to max(seq_lens), move with the even ops, take the real rows) ----
 def _shards(seq_lens, pg, s_local: int, device):
     return None if seq_lens is None else _lay.Shards(seq_lens, pg.size(), pg.rank(), s_local, device)
 

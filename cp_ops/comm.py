@@ -1,32 +1,20 @@
-"""The communication interface every mode body is written against, and its two implementations.
+"""The communication interface every mode body is written against, and its two implementations: traced code runs
+:class:`OpComm` (launches are ``torch.ops.cp_ops.*_start`` ops, waits ``wait_tensor``, which a compiler can move),
+eager code :class:`DirectComm` (the transport object called directly, waits ``work.wait()``: no dispatcher).
 
-A mode body (:mod:`cp_ops.modes`) launches through ``comm`` and waits on what the launch returned (it never touches a
-process group, an op or a transport), so the same body runs
-
-* **traced** (``torch.compile``, make_fx, FakeTensor, a dispatch mode, a direct op call) with :class:`OpComm`:
-  every launch is a ``torch.ops.cp_ops.*_start`` op (:mod:`cp_ops.ops`) and every wait is
-  ``torch.ops._c10d_functional.wait_tensor``, which a compiler can move (the overlap pass, :mod:`cp_ops.passes`);
-* **eager** with :class:`DirectComm`: every launch calls the transport object (:mod:`cp_ops.transport`) directly
-  and every wait is ``work.wait()`` — no dispatcher on the hot path.
-
-Launches (each returns a :class:`Pending`; ``pending.wait()`` gives the received tensors, valid on the current
-stream):
+Launches (each returns a :class:`Pending`; ``wait()`` gives the received tensors, valid on the current stream):
 
 * ``agkv(k, v, mask=None)`` — ``[B, S, H, D]`` × 2 → ``(k_full, v_full [B, W*S, H, D], mask_full)``, tokens in
   rank order; ``mask`` (uint8 ``[B, S]``) travels with them → ``[W*B, S]`` (rank-major), else ``mask_full`` None.
 * ``mask(m)`` — uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key mask beside a Ulysses call.
 * ``ulysses(xs, lo=0, hi=None, after=None)`` — n × ``[B, S, H, D]`` → ``buf [W, B, S, n, hi-lo, D]`` (heads
-  ``[lo, hi)`` of every head group; all of them by default).
+  ``[lo, hi)`` of every head group).
 * ``ulysses_inverse(x, after=None)`` — ``[B, S, Hl, D]`` → ``buf [W, B, S/W, Hl, D]``; ``pending.wait_into(out)``
-  writes it into ``out [B, S/W, W, Hl, D]`` instead (pipelined Ulysses' result heads: FP8 decodes straight into it).
-  ``after`` (both): a tensor the launch must follow (traced: an ordering input of the op; eager: ignored).
-* ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only (traced, pipelined AGKV is one op): ``(k_full, v_full,
-  arrivals, work)`` as :func:`cp_ops.transport.base.agkv_start_sources`.
+  writes it into ``out [B, S/W, W, Hl, D]``. ``after``: a tensor the launch must follow (traced only).
+* ``agkv_sources(k, v, pieces)`` — :class:`DirectComm` only: as :func:`cp_ops.transport.base.agkv_start_sources`.
 
-The rank contract's exchange is made by a call's *first* launch in both implementations, with the same signature.
-FP8 (``comm_dtype``, ``docs/fp8.md``): the codec a comm is made with (:class:`OpCodec` / :class:`DirectCodec`)
-encodes what a launch moves and its wait decodes it, so the bodies have no FP8 branch. :meth:`_Comm.drain` settles
-what was launched and not waited when a body raises, so the next call works and no peer is left waiting.
+A call's first launch makes the rank contract's exchange. FP8 (``docs/fp8.md``): the comm's codec encodes what a
+launch moves and its wait decodes it. :meth:`_Comm.drain` settles what a raising body left unwaited.
 """
 
 from __future__ import annotations
@@ -40,8 +28,7 @@ from .transport.base import Arrival, Works, agkv_start_sources, mask_all_gather,
 
 
 class Pending:
-    """A launch not yet waited: ``wait()`` returns its outputs (a tensor, or a tuple of them), valid on the current
-    stream; waiting again returns them again."""
+    """A launch not yet waited: ``wait()`` returns its outputs (again on a second wait)."""
 
     __slots__ = ("outs", "work", "comm", "post", "into")
 
@@ -49,9 +36,8 @@ class Pending:
         self.outs, self.work, self.comm, self.post, self.into = outs, work, comm, post, into
 
     def wait_into(self, out: torch.Tensor) -> torch.Tensor:
-        """An inverse launch's result written into ``out`` ``[B, S, W, Hl, D]`` (any strides; S ≤ the received
-        tokens per block: the first S of each, uneven shards) and returned: the FP8 decode straight into it where the
-        launch has one (``into``: eager FP8), else a copy of the waited ``[W, B, S', Hl, D]``. Once per launch."""
+        """An inverse launch's result written into ``out`` ``[B, S, W, Hl, D]`` (S ≤ the received tokens per block) and
+        returned: decoded straight into it (``into``: eager FP8), else copied. Once per launch."""
         into = self.into
         if into is not None and self.comm is not None:
             self.into = self.post = None
@@ -74,8 +60,7 @@ class Pending:
 
 
 class _OpPending(Pending):
-    """An :class:`OpComm` launch: its ``wait_into`` copies with ``cp_ops::ulysses_inverse_copy_out`` (opaque to
-    Inductor, so the buffer is read there and nowhere later: a pooled slot may be taken by a later launch)."""
+    """An :class:`OpComm` launch: ``wait_into`` copies with an opaque op (a pooled slot is read there, not later)."""
 
     __slots__ = ()
 
@@ -85,8 +70,7 @@ class _OpPending(Pending):
 
 
 class _DirectPending(Pending):
-    """A :class:`DirectComm` launch: its wait is the transport's ``work.wait()`` (no further indirection: the eager
-    hot path)."""
+    """A :class:`DirectComm` launch: its wait is the transport's ``work.wait()`` (the eager hot path)."""
 
     __slots__ = ()
 
@@ -103,9 +87,8 @@ class _DirectPending(Pending):
 
 
 class DirectCodec:
-    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = the input dtype:
-    :func:`cp_ops.comm_dtype.for_mode`) and the kernels that encode and decode them (:mod:`cp_ops.kernels.fp8`,
-    :mod:`cp_ops.kernels.fp8_ulysses`)."""
+    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = the input dtype) and the
+    kernels that encode and decode them."""
 
     __slots__ = ("fmts",)
 
@@ -135,8 +118,7 @@ class OpCodec(DirectCodec):
 
 
 class _Comm:
-    """What both implementations share: the call's identity for the rank contract, the FP8 codec and the pending
-    launches."""
+    """What both implementations share: world, rank, the FP8 codec and the pending launches."""
 
     _codec_type = DirectCodec
 
@@ -173,22 +155,19 @@ class _Comm:
 
     def ulysses_launches_per_key(self) -> int:
         """The most launches one :meth:`ulysses` call of q, k, v makes with one pool key (op, shape, dtype): 2 where
-        two FP8 formats hold one tensor each (two uint8 send buffers of one shape), else 1; pipelined Ulysses keeps
-        fewer sub-groups in flight then (:mod:`cp_ops.modes.ulysses`)."""
+        two FP8 formats hold one tensor each, else 1."""
         sizes = [len(idx) for f, idx in self._groups((None, None, None)) if f]
         return 2 if len(sizes) == 2 and sizes[0] == sizes[1] else 1  # (at most two FP8 groups: two formats)
 
     def _ulysses_sends(self, xs, lo, hi, pack):
-        """The send buffers of a Ulysses launch, one per format group: ``[(fmt, idx, send [W, B, S, m, hs, D'])]``, an
-        FP8 group encoded straight into it (``codec.pack``), another packed by ``pack`` (:mod:`cp_ops.layout`)."""
+        """The send buffers of a Ulysses launch, one per format group: ``[(fmt, idx, send [W, B, S, m, hs, D'])]``."""
         w = self.world
         return [(f, idx, self.codec.pack([xs[i] for i in idx], w, lo, hi, f) if f else pack([xs[i] for i in idx], w, lo, hi))
                 for f, idx in self._groups(xs)]
 
     def _ulysses_decoded(self, groups, bufs, dt):
-        """The wait's decode of a Ulysses launch per format group (``groups``: (fmt, idx); ``bufs``: their receive
-        buffers): ``[W, B, S, n, Hl, D]`` of ``dt``, a permuted view of one new ``[n, B, W*S, Hl, D]`` tensor the FP8
-        groups are decoded straight into, so the body's :meth:`unpack` is views."""
+        """The wait's decode of a Ulysses launch (``groups``: (fmt, idx); ``bufs``: their receive buffers):
+        ``[W, B, S, n, Hl, D]`` of ``dt``, a permuted view of one new ``[n, B, W*S, Hl, D]`` tensor (unpack: views)."""
         f0, _ = groups[0]
         if len(groups) == 1 and not f0:  # q, k, v in the input dtype (only O in FP8): the buffer as received
             return bufs[0]
@@ -212,15 +191,12 @@ class _Comm:
         return torch.stack(slots)
 
     def _inverse_decoded(self, buf, dt, f):
-        """The wait's decode of an FP8 inverse launch: ``[W, B, S, Hl, D]`` of ``dt``, a permuted view of one new
-        ``[B, S, W, Hl, D]`` tensor (so :func:`cp_ops.layout.ulysses_inverse_unpack` is a view)."""
+        """The wait's decode of an FP8 inverse launch: ``[W, B, S, Hl, D]``, a permuted view of a new tensor."""
         return self.codec.inv_unpack(buf, dt, f).permute(2, 0, 1, 3, 4)
 
     def drain(self) -> None:
-        """Settle every launch of this comm that nobody waited (after a body raised): ``work.cancel()`` where the
-        transport's work has it, else a wait (errors dropped: the body's is the one raised). Then tell the peers that
-        this rank's call failed (:func:`cp_ops.contract.call_failed`), so one waiting in a collective this rank will
-        not make raises, naming it."""
+        """Settle every launch nobody waited (after a body raised): ``work.cancel()`` where the work has it, else a wait
+        (errors dropped: the body's is raised). Then tell the peers that this rank's call failed."""
         while self.pending:
             p = self.pending.pop()
             p.comm = None
@@ -236,10 +212,8 @@ class _Comm:
 
 
 class OpComm(_Comm):
-    """Launches as ``torch.ops.cp_ops`` ops, waits as ``wait_tensor``: what traced code (and a compiler) sees.
-    ``call``, ``tag``, ``seq_lens``: the rank contract's words for the call's first launch (:mod:`cp_ops.ops`);
-    ``transport``: the resolved argument (:func:`cp_ops.transport.base.resolve`); ``codec``: :class:`OpCodec` or
-    None (nothing in FP8)."""
+    """Launches as ``torch.ops.cp_ops`` ops, waits as ``wait_tensor``. ``call``, ``tag``, ``seq_lens``: the rank
+    contract's words for the call's first launch; ``transport``: the resolved argument; ``codec``: None: no FP8."""
 
     _pending_type = _OpPending
     _codec_type = OpCodec
@@ -282,11 +256,9 @@ class OpComm(_Comm):
         return self._launched(bufs, None, lambda b: self._ulysses_decoded(groups, b, dt))
 
     def _ulysses_packed(self, xs, lo, hi, after=None) -> Pending:
-        """:meth:`ulysses` in the input dtype: the send buffer packed by traced torch code
-        (:func:`cp_ops.layout.ulysses_pack_traced`: Inductor writes it from the kernels producing the inputs) and
-        moved by ``cp_ops::ulysses_packed_start``: one launch, as the eager path makes (a rank may run a call eager
-        while its peers run it compiled); the overlap pass splits it into K/V and Q launches
-        (:mod:`cp_ops.passes.overlap`). Its exchange carries the eager path's signature (``count`` = the n inputs)."""
+        """:meth:`ulysses` in the input dtype: the send buffer packed by traced code (Inductor writes it from the
+        kernels producing the inputs), one launch with the eager path's signature (a rank may run a call eager while
+        its peers run it compiled); the overlap pass splits it into K/V and Q launches."""
         w = self.world
         buf = torch.ops.cp_ops.ulysses_packed_start(layout.ulysses_pack_traced(xs, w, lo, hi), w, self.group_name,
                                                     self.transport, *self._args(), len(xs), after)
@@ -305,25 +277,17 @@ class OpComm(_Comm):
         return tuple(layout.ulysses_unpack(buf, i) for i in range(buf.shape[3]))
 
     def agkv_attention(self, q, k, v, scale, chunks: int):
-        """Pipelined AGKV attention as one op (``cp_ops::agkv_pipelined_attention``, synchronous): what a 2-D body
-        runs on its outer comm where the direct comm would run :mod:`cp_ops.modes.agkv_pipelined` (``seq_lens``: the
-        outer dim's token counts; K and V travel in ``fmts[1]``). ``[B, S, H, D]`` → ``[B, S, H, D]``."""
+        """Pipelined AGKV attention as one synchronous op (a 2-D body's outer comm), ``[B, S, H, D]`` → the same."""
         call, tag, seq = self._args()
         return torch.ops.cp_ops.agkv_pipelined_attention(q, k, v, self.world, self.group_name, self.transport, scale,
                                                          chunks, seq, call, tag, self.fmts[1])
 
 
 class DirectComm(_Comm):
-    """Launches as the transport object's methods, waits as ``work.wait()``: the eager path, no dispatcher.
-
-    Args:
-        pg: the CP process group. transport: the transport object, or None: ``resolve()`` gives it after the first
-            exchange (choosing it may be collective: :func:`cp_ops.transport.base.for_group`).
-        check: ``check(shape, dtype, extra)`` → the rank contract's check of the calls' first launch
-            (:class:`cp_ops.contract.CallCheck`, made once), or None (the caller exchanged already).
-        codec: the FP8 codec (:class:`DirectCodec`; None: nothing in FP8).
-    Set ``armed = True`` before each call's first launch (the plan does).
-    """
+    """Launches as the transport object's methods, waits as ``work.wait()``: the eager path. ``transport``: the
+    object, or None: ``resolve()`` gives it after the first exchange (the choice may be collective). ``check(shape,
+    dtype, extra)``: makes the :class:`cp_ops.contract.CallCheck` of a call's first launch (once), or None. Set
+    ``armed = True`` before each call's first launch (the plan does)."""
 
     _pending_type = _DirectPending
     #: ``unpack(buf)``: the n slots of a received Ulysses buffer ``[W, B, S, n, Hl, D]`` as n ``[B, W*S, Hl, D]``
@@ -350,8 +314,7 @@ class DirectComm(_Comm):
         return p.outs
 
     def _assemble(self, groups, bufs, dt, shape):
-        """``[n, B, W*S, Hl, D]`` from groups of different formats: each FP8 group decoded straight into its slots
-        (which make a strided view: q, k, v's slots of one format are evenly spaced), the others copied in."""
+        """``[n, B, W*S, Hl, D]`` from groups of different formats: each decoded (or copied) into its slots."""
         n, b, ws, hl, d = shape
         out = torch.empty(shape, dtype=dt, device=bufs[0].device)
         for (f, idx), buf in zip(groups, bufs):
@@ -376,14 +339,11 @@ class DirectComm(_Comm):
         kf, vf, work = self.tr.agkv_start(k, v, self.pg)
         if mask is None:
             return self._launched((kf, vf, None), work, post)
-        mf, mwork = self._mask(mask)
+        mf, mwork = mask_all_gather(mask, self.pg)
         return self._launched((kf, vf, mf), Works((work, mwork)), post)
 
-    def _mask(self, m):
-        return mask_all_gather(m, self.pg)
-
     def mask(self, m) -> Pending:
-        return self._launched(*self._mask(m))
+        return self._launched(*mask_all_gather(m, self.pg))
 
     def agkv_sources(self, k, v, pieces: int):
         if self.armed or self.tr is None:
@@ -416,9 +376,8 @@ class DirectComm(_Comm):
         return self._launched(buf, work)
 
     def _ulysses_fp8(self, xs, lo, hi) -> Pending:
-        """:meth:`ulysses` with FP8 tensors: one launch per format of a send buffer packed (an FP8 group: encoded)
-        here, moved by the transport's ``ulysses_packed_start``; its wait decodes straight into the unpacked layout.
-        The rank contract's signature as the op's: ``[B, S, W*(hi-lo), D']`` of the buffer's dtype."""
+        """:meth:`ulysses` with FP8 tensors: one launch per format group of a send buffer packed here; the wait decodes
+        straight into the unpacked layout. Signature as the op's: ``[B, S, W*(hi-lo), D']`` of the buffer's dtype."""
         dt = xs[0].dtype
         sends = self._ulysses_sends(xs, lo, hi, layout.ulysses_pack)
         bufs, works = [], []
@@ -446,9 +405,8 @@ class DirectComm(_Comm):
 
 
 class MeshComm:
-    """The comm of a 2-D mode body (:mod:`cp_ops.modes.agkv_ulysses`): two comms of the same kind, ``inner`` (the
-    mesh's inner dim, Ulysses) and ``outer`` (AGKV), each bound to its group (its transport, its rank-contract
-    exchange), so the bodies call the 1-D launches unchanged; ``world``: O·I."""
+    """The comm of a 2-D mode body: ``inner`` (Ulysses) and ``outer`` (AGKV), two comms of one kind bound to their
+    groups; ``world``: O·I."""
 
     __slots__ = ("inner", "outer", "world")
 
@@ -463,9 +421,8 @@ class MeshComm:
 
 
 class _Decoding:
-    """Pipelined AGKV with FP8: a work whose wait also decodes its token range ``[lo, hi)`` of each encoded gathered
-    buffer into the caller's full buffer (``pairs``: (encoded, full)), once; ``then``: other decodings the wait
-    completes too (the whole gather's work decodes every piece not yet decoded). Other attributes: the work's."""
+    """Pipelined AGKV with FP8: a work whose wait also decodes rows ``[lo, hi)`` of each (encoded, full) pair, once;
+    ``then``: other decodings the wait completes too. Other attributes: the work's."""
 
     __slots__ = ("work", "pairs", "lo", "hi", "fmt", "then", "done")
 

@@ -1,14 +1,9 @@
 """``comm_dtype``: which tensors of a CP attention call cross the link in FP8, and in which format.
 
-The public argument (:func:`cp_ops.attention`, :func:`cp_ops.parallelize`, ``cp-ops run --comm-dtype``): ``None`` or
-the input dtype (everything in the input dtype, bitwise the call without it); ``torch.float8_e4m3fn`` /
+The argument: ``None`` or the input dtype (bitwise the call without it); ``torch.float8_e4m3fn`` /
 ``torch.float8_e5m2`` or their names ``'e4m3'`` / ``'e5m2'`` (every tensor the mode moves); a dict naming tensors of
-``"q", "k", "v", "o"`` (the others in the input dtype; AGKV needs K and V alike). The table and the errors:
-``docs/fp8.md`` ("The argument").
-
-The normal form (:func:`normalize`) is a 4-tuple of format names for (q, k, v, o), '' = the input dtype: hashable,
-a constant under ``torch.compile``, and what the rank contract's variant tag carries (:func:`tag`). The codec
-itself (per-(token, head) scales carried with the bytes) is :mod:`cp_ops.kernels.fp8`.
+``"q", "k", "v", "o"`` (AGKV needs K and V alike). Table and errors: ``docs/fp8.md`` ("The argument"). The normal
+form (:func:`normalize`) is a hashable 4-tuple of format names for (q, k, v, o), '' = the input dtype.
 """
 
 from __future__ import annotations
@@ -62,13 +57,8 @@ GATHERS_KV = ("agkv", "agkv_ulysses")
 
 
 def for_mode(fmts: tuple, mode: str) -> tuple[str, str, str, str]:
-    """The formats a call of ``mode`` uses: AGKV keeps K and V only (they must agree: one gather moves both); the
-    2-D mode 'agkv_ulysses' keeps all four (Q, K, V, O over its inner dim, K and V again over its outer dim: they
-    must agree).
-
-    Raises:
-        ValueError: AGKV or 'agkv_ulysses' with K and V in different formats.
-    """
+    """The formats a call of ``mode`` uses: AGKV keeps K and V only, 'agkv_ulysses' all four. ValueError: either
+    with K and V in different formats (one gather moves both)."""
     if mode not in GATHERS_KV or fmts == NONE:
         return fmts
     if fmts[1] != fmts[2]:
@@ -96,9 +86,8 @@ ALIASES = {"e4m3": "e4m3", "fp8": "e4m3", "e4m3fn": "e4m3", "float8_e4m3fn": "e4
 
 
 def parse(text: str) -> tuple[str, str, str, str]:
-    """The CLI's form: 'none' (input dtype; also 'bf16' and 'input'), 'e4m3' / 'e5m2' (every tensor), or 'e4m3:qvo'
-    (the tensors named by their letters). The format may also be spelled as :data:`ALIASES` lists ('fp8' = e4m3,
-    'e4m3fn', torch's 'float8_e4m3fn' with or without 'torch.', ...). Raises ValueError naming the forms."""
+    """The CLI's form: 'none' (input dtype; also 'bf16' and 'input'), 'e4m3' / 'e5m2' (every tensor, or spelled as
+    :data:`ALIASES` lists), or 'e4m3:qvo' (the tensors named by their letters). Raises ValueError naming the forms."""
     t = text.strip().lower()
     if t in ("", "none", "bf16", "input"):
         return NONE
@@ -112,9 +101,8 @@ def parse(text: str) -> tuple[str, str, str, str]:
 
 
 def text(fmts: tuple) -> str:
-    """The CLI's canonical spelling of a normal form (the inverse of :func:`parse`): 'none', 'e4m3', 'e5m2', or
-    'FMT:LETTERS' (letters in q, k, v, o order) when only some tensors travel in FP8; mixed formats, which the CLI
-    cannot spell, as :func:`tag` writes them."""
+    """The CLI's spelling of a normal form (the inverse of :func:`parse`): 'none', 'e4m3', 'e5m2', 'FMT:LETTERS';
+    mixed formats, which the CLI cannot spell, as :func:`tag` writes them."""
     used = {f for f in fmts if f}
     if not used:
         return "none"

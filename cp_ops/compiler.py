@@ -1,17 +1,11 @@
-"""``cp_ops.compile``: ``torch.compile`` with the K/V-communication overlap pass on, and without Dynamo's guards on
-cp_ops' own code.
+"""``cp_ops.compile``: ``torch.compile`` with the K/V-communication overlap pass on (each K/V launch moved right after
+K and V are ready, its wait right before attention: the transfer runs under Q's projection, norm and RoPE), and
+without Dynamo's guards on cp_ops' own code. The pass is imported lazily, when :func:`compile` is called.
 
-The pass (:mod:`cp_ops.passes`) moves each K/V communication launch to right after K and V are ready and its wait to
-right before attention, so the transfer runs under the Q projection, Q norm and Q RoPE of any DiT block.
-The pass is imported here, lazily, when :func:`compile` is called: ``import cp_ops`` imports neither it nor
-Inductor.
-
-Guards: Dynamo inlines cp_ops' traced frontend (dispatch, mode choice, layouts, checks) into every compiled block and
-guards the identity of each cp_ops function, class and module it passed through. A block calling ``cp_ops.attention``
-(Ulysses, torch 2.13) has 291 guards, 155 of them on cp_ops' code, against 45 with plain SDPA; they are evaluated at
-every call of the block. :func:`compile` leaves those out (:func:`skip_cp_ops_code_guards`): cp_ops' code is taken to
-stay as imported. Every guard on values stays: the collective settings read while tracing
-(``cp_ops.config.settings``), constants, shapes, tensors, the user's own code. Measured: docs/own_cost.md.
+Guards: a block calling ``cp_ops.attention`` (Ulysses, torch 2.13) has 291 guards, 155 of them on the identity of
+cp_ops' functions, classes and modules, evaluated at every call; :func:`compile` leaves those out (cp_ops' code is
+taken to stay as imported). Every guard on values stays (settings, constants, shapes, tensors, the user's code).
+Measured: docs/own_cost.md.
 """
 
 from __future__ import annotations
@@ -29,10 +23,9 @@ _CP_OPS_GLOBAL = "G['__import_cp_ops"
 
 
 def skip_cp_ops_code_guards(entries: Sequence) -> list[bool]:
-    """A ``guard_filter_fn`` for ``torch.compile(options=...)``: False (leave out) for a guard on the identity of a
-    function, class or module reached from a cp_ops module's globals (:data:`_CODE_GUARDS`), True for every other
-    guard — an identity guard on any other object (a process group, a number) included. Patching a cp_ops function
-    after a compile therefore needs ``torch._dynamo.reset()``."""
+    """A ``guard_filter_fn``: False (leave out) for a guard on the identity of a function, class or module reached
+    from a cp_ops module's globals, True for every other guard. Patching a cp_ops function after a compile therefore
+    needs ``torch._dynamo.reset()``."""
     return [not (e.is_global and e.guard_type in _CODE_GUARDS and e.name.startswith(_CP_OPS_GLOBAL)
                  and e.has_value and isinstance(e.value, _CODE_KINDS)) for e in entries]
 
@@ -57,16 +50,11 @@ def compile(model: Callable | None = None, *, overlap: bool = True, **kwargs: An
     Args:
         model: an ``nn.Module`` or function (``None``: returns a decorator, as ``torch.compile`` does).
         overlap: False compiles without the pass (same lowerings), for A/B comparisons.
-        **kwargs: passed to ``torch.compile`` (``fullgraph``, ``dynamic``, ``mode``, ``options``, ...).
-            The pass rides in ``options`` (Inductor config entries ``post_grad_custom_post_pass`` and
-            ``_pre_fusion_custom_pass``); passes you already set there run first. ``mode`` is turned into
-            the Inductor options it stands for (``torch._inductor.list_mode_options``), since ``mode`` and
-            ``options`` cannot both be given to ``torch.compile``. ``options['guard_filter_fn']`` is
-            :func:`skip_cp_ops_code_guards` (yours, if given, runs too: module docstring).
-
+        **kwargs: passed to ``torch.compile``. The pass rides in ``options`` (passes you set there run first);
+            ``mode`` is turned into the Inductor options it stands for (``mode`` and ``options`` exclude each
+            other); ``options['guard_filter_fn']`` is :func:`skip_cp_ops_code_guards` (yours, if given, runs too).
     Returns:
-        What ``torch.compile`` returns: the compiled module/function.
-
+        What ``torch.compile`` returns.
     Raises:
         ValueError: ``backend`` other than 'inductor' (the pass is an Inductor pass).
         ImportError: ``overlap=True`` and :mod:`cp_ops.passes` does not import (cp_ops installed without it).

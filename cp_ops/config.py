@@ -1,12 +1,7 @@
-"""The one cp_ops settings object: every ``CP_OPS_*`` environment variable is parsed here, once, at import.
-
-Nothing else in cp_ops reads or writes ``CP_OPS_*`` variables: code reads ``cp_ops.config.settings`` and
-changes it with :func:`configure` (the CLI passes its options that way; it never sets environment variables).
-
-Each variable, its field, meaning and default: ``docs/settings.md`` (and :data:`_FIELDS` below).
-
-Settings that change what a collective does (:data:`COLLECTIVE_FIELDS`) must be equal on every rank of a
-group; the rank contract compares them. A bad value raises :class:`ConfigError`.
+"""The one cp_ops settings object: every ``CP_OPS_*`` environment variable is parsed here, once, at import; nothing
+else reads or writes them (code reads ``settings`` and changes it with :func:`configure`). Each variable, its
+meaning and default: ``docs/settings.md``. :data:`COLLECTIVE_FIELDS` must be equal on every rank of a group (the
+rank contract compares them). A bad value raises :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from typing import Any, Callable, Mapping
 
 
 class ConfigError(ValueError):
-    """A ``CP_OPS_*`` value (or a :func:`configure` argument) outside its allowed values: one line naming the
-    variable, the value seen and the values allowed."""
+    """A ``CP_OPS_*`` value (or a :func:`configure` argument) outside its allowed values."""
 
 
 def _flag(name: str, raw: str) -> bool:
@@ -85,8 +79,8 @@ def _path(name: str, raw: str) -> str | None:
 
 
 def _node_id(name: str, raw: str) -> str | None:
-    """A node identity: any printable text (surrounding blanks dropped; empty = unset: the host name). A control
-    character (a tab, a newline) would break the ranks' identity records (tab-separated), so it is refused."""
+    """A node identity: printable text (stripped; empty = unset: the host name); no control character (the ranks'
+    identity records are tab-separated)."""
     v = raw.strip()
     if any(not c.isprintable() for c in v):
         raise ConfigError(f"{name}={raw!r} must be printable text (no tab, newline or other control character): "
@@ -121,8 +115,7 @@ COLLECTIVE_FIELDS = ("check_ranks", "fast_heap", "fast_path", "fast_lane_width",
 
 @dataclass
 class Settings:
-    """Every cp_ops setting; see the module docstring. ``sources[field]`` says where each value came from:
-    ``'default'``, ``'env CP_OPS_X'`` or ``'configure()'``."""
+    """Every cp_ops setting. ``sources[field]``: ``'default'``, ``'env CP_OPS_X'`` or ``'configure()'``."""
 
     blocking: bool = False
     check_ranks: str = "on"
@@ -167,11 +160,7 @@ def _warn_unknown(environ: Mapping[str, str]) -> None:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> Settings:
-    """Parse every ``CP_OPS_*`` variable of ``environ`` (default ``os.environ``).
-
-    Raises:
-        ConfigError: a value outside its allowed values (one line: variable, value, allowed values).
-    """
+    """Parse every ``CP_OPS_*`` variable of ``environ`` (default ``os.environ``); ConfigError for a bad value."""
     environ = os.environ if environ is None else environ
     _warn_unknown(environ)
     values, sources = {}, {}
@@ -185,13 +174,9 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
 
 
 def configure(**changes: Any) -> Settings:
-    """Change settings at run time (field names as in :class:`Settings`, values checked as the environment's);
-    returns the settings object. The fast transport's heap, pool ceiling and lane width apply when its lane is
-    created (:func:`cp_ops.transport.fast.configure` enforces that).
-
-    Raises:
-        ConfigError: an unknown field or a value outside its allowed values.
-    """
+    """Change settings at run time (fields of :class:`Settings`, values checked as the environment's); returns the
+    settings. The fast transport's heap, pool and lane width apply when its lane is created. ConfigError: an unknown
+    field or a bad value."""
     for f, value in changes.items():
         if f not in _FIELDS:
             raise ConfigError(f"unknown cp_ops setting {f!r}; known: {', '.join(_FIELDS)}")

@@ -1,13 +1,11 @@
 """The cross-rank call contract: every rank of a CP group makes the same cp_ops calls, in the same order, with the
 same local shape, dtype, transport argument, collective settings (:data:`cp_ops.config.COLLECTIVE_FIELDS`) and
 variant (:func:`variant_tag`) — else an error on every rank, naming what each rank called, before any data moves.
-Faults, waits and their bounds: ``docs/faults.md``; ``settings.check_ranks``: ``docs/settings.md``.
 
-A rank cannot decide alone whether to check (it would skip the check exactly when the ranks disagree), so every call
-makes one exchange that all ranks make (:func:`exchange`, :class:`CallCheck`): a fixed-size int64 signature
-all-gathered through host shared memory on one host (:mod:`cp_ops._shm_exchange`), else over a gloo side group; a
-second exchange (only on a difference) carries each rank's description for the message. Words that stand for text
-are 64-bit BLAKE2b digests (:func:`_digest`). The exchange is host code: under CUDA graphs it runs at capture.
+Every call makes one exchange all ranks make (a rank alone cannot decide to skip it): a fixed-size int64 signature
+(text as 64-bit BLAKE2b digests) all-gathered through host shared memory on one host, else over a gloo side group; a
+second exchange, only on a difference, carries each rank's description for the message. Host code: under CUDA graphs
+it runs at capture. Faults, waits, bounds: ``docs/faults.md``; ``settings.check_ranks``: ``docs/settings.md``.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ from .validate import dtype_name
 
 log = logging.getLogger("cp_ops")
 
-#: Every call that exchanges a signature: name -> id (a stable hash, equal on every rank). The ops register
-#: themselves (:mod:`cp_ops.ops`), the public API and integrations add the calls they check.
+#: Every call that exchanges a signature: name -> id (a stable hash, equal on every rank).
 OPS: dict[str, int] = {}
 # signature fields (int64 each): what they are called in messages
 _FIELDS = ("call", "group", "call #", "failed", "transport", "settings", "B", "S_local", "H", "D", "dtype", "tensors",
@@ -53,8 +50,7 @@ _collective_values = operator.attrgetter(*config.COLLECTIVE_FIELDS)  # == settin
 
 
 def _digest(text: str) -> int:
-    """A stable nonzero signed 64-bit digest of ``text`` (BLAKE2b): two different texts give equal digests with
-    probability 2**-64 (among n distinct values, about n**2 / 2**65), so ranks whose words differ are told apart."""
+    """A stable nonzero signed 64-bit BLAKE2b digest of ``text`` (a collision: probability 2**-64)."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True) or 1
 
 
@@ -73,8 +69,8 @@ def register_op(name: str) -> int:
 
 # ---- per-group state -----------------------------------------------------------------------------
 class _Group:
-    """Per CP group: the peers' rendezvous, the gloo side group and shared-memory exchange (made at the first
-    exchange), the call count, the signature buffers; ``broken``: why the group cannot be used any more."""
+    """Per CP group: peers, side group and shared memory (made at the first exchange), call count, signature
+    buffers; ``broken``: why the group cannot be used any more."""
 
     __slots__ = ("pg", "w", "gid", "skip", "side", "shm", "peers", "broken", "count", "agreed", "lbuf", "gbuf",
                  "local", "gathered")
@@ -102,7 +98,7 @@ _groups: dict[str, _Group] = {}
 
 def _release_all() -> None:
     """At exit, drop the side groups and shared-memory maps while the interpreter is whole (a gloo group left to the
-    final teardown can abort the process after its store is gone)."""
+    final teardown can abort the process)."""
     for st in _groups.values():
         st.release()
     _groups.clear()
@@ -125,14 +121,13 @@ _on_destroyed: list[Callable[[dist.ProcessGroup], None]] = []
 
 
 def on_group_destroyed(fn: Callable[[dist.ProcessGroup], None]) -> None:
-    """Call ``fn(group)`` when cp_ops notices that ``group`` was destroyed (at the first exchange on a new group), so
-    a per-group cache drops what it holds for it."""
+    """Call ``fn(group)`` when cp_ops notices that ``group`` was destroyed (at the first exchange on a new group)."""
     _on_destroyed.append(fn)
 
 
 def drop_destroyed(cache: dict, at: int) -> None:
-    """Delete the entries of ``cache`` (keyed by tuples holding a process group object at index ``at``: torch reuses
-    a destroyed group's name) whose group torch no longer knows; nothing where this torch does not say."""
+    """Delete the entries of ``cache`` (keys: tuples with a process group at index ``at``; torch reuses a destroyed
+    group's name) whose group torch no longer knows."""
     live = _live_groups()
     if live is None:
         return
@@ -170,8 +165,8 @@ def call_count(group: dist.ProcessGroup) -> int:
 
 
 def announce(group: dist.ProcessGroup) -> None:
-    """Publish this rank's process identity for ``group`` now (one store write), so that a peer waiting for it later
-    can tell that it exited (:mod:`cp_ops._peers`); a rank's first exchange on a group does it anyway."""
+    """Publish this rank's process identity for ``group`` now (one store write), so a peer waiting for it later can
+    tell that it exited; a rank's first exchange on a group does it anyway."""
     st = _state(group)
     if st.skip:
         return
@@ -181,10 +176,9 @@ def announce(group: dist.ProcessGroup) -> None:
 
 
 def agree(group: dist.ProcessGroup, key: str, value: str, what: str) -> list[str]:
-    """Every rank's ``value`` (a short str), in group-rank order, through the default store: the agreement of a rare
-    per-group decision (e.g. ``transport='auto'``'s choice), made by every rank in the same order with the same
-    ``key`` (the n-th meets at ``agree/<n>/<key>``; a failed one is retried at the same n). A group of one rank or of
-    the 'fake' backend: ``[value] * W``.
+    """Every rank's ``value`` (a short str), in group-rank order, through the default store: a rare per-group
+    decision (e.g. ``transport='auto'``'s), made by every rank in the same order with the same ``key`` (the n-th
+    meets at ``agree/<n>/<key>``; a failed one is retried at the same n). One rank or 'fake' backend: ``[value] * W``.
 
     Raises:
         RuntimeError: not every rank reached it within ``settings.timeout_s``, or a peer on this host exited (named).
@@ -206,8 +200,7 @@ def agree(group: dist.ProcessGroup, key: str, value: str, what: str) -> list[str
 
 # ---- the call a wait is in, in the user's words --------------------------------------------------
 class _Current(threading.local):
-    group = None  # the group name of the public call in progress (api_checked), and its name
-    api = None
+    group = api = None  # the group name and API name of the public call in progress (api_checked)
     label = None  # waiting_in(...): the words for the call, replacing '<op> call #n'
 
 
@@ -216,8 +209,8 @@ _current = _Current()
 
 @contextlib.contextmanager
 def waiting_in(label: str):
-    """``with waiting_in("cp_ops.parallelize inputs of forward #3"):`` the rank contract's waits inside name the call
-    so (their warnings and timeout errors), instead of ``<op> call #n``. Nests."""
+    """``with waiting_in("cp_ops.parallelize inputs of forward #3"):`` waits inside name the call so (warnings and
+    timeout errors) instead of ``<op> call #n``. Nests."""
     prev, _current.label = _current.label, label
     try:
         yield
@@ -226,16 +219,14 @@ def waiting_in(label: str):
 
 
 def _call_words(st: "_Group", op: str | None, n: int) -> str:
-    """The call a wait on ``st``'s peers is in, for its warning and error: ``"cp_ops.attention call #3 on CP group
-    '0'"``; ``op`` None: the public call in progress on this group (by default ``cp_ops.attention``, whose first call makes the group's agreements)."""
+    """The call a wait on ``st``'s peers is in: ``"cp_ops.attention call #3 on CP group '0'"``; ``op`` None: the
+    public call in progress on this group (default ``cp_ops.attention``, whose first call makes the agreements)."""
     g = st.pg.group_name
     if _current.label is not None:
-        base = _current.label
-    else:
-        if op is None:
-            op = _current.api if _current.group == g and _current.api else "cp_ops.attention"
-        base = f"{op} call #{n}"
-    return f"{base} on CP group '{g}'"
+        return f"{_current.label} on CP group '{g}'"
+    if op is None:
+        op = _current.api if _current.group == g and _current.api else "cp_ops.attention"
+    return f"{op} call #{n} on CP group '{g}'"
 
 
 #: Exchange through host shared memory when every rank of the group is on one host (else over gloo).
@@ -244,7 +235,7 @@ _USE_SHM = True
 
 def _setup(st: _Group, op: str) -> None:
     """The group's first exchange: meet the peers through the store, then make the gloo side group and (one host)
-    the shared-memory exchange. See the module docstring for the faults and bounds."""
+    the shared-memory exchange."""
     if st.broken:
         raise RuntimeError(st.broken)
     pg, timeout = st.pg, config.settings.timeout_s
@@ -280,8 +271,8 @@ def _setup(st: _Group, op: str) -> None:
 
 
 def _make_shm(st: _Group, op: str):
-    """The shared-memory exchange for a group whose ranks share one host (None: exchange over gloo), agreed by every
-    rank through the store. Rank 0 makes the file and removes its name once every rank mapped it, or on any error."""
+    """The shared-memory exchange of a group on one host (None: over gloo), agreed through the store. Rank 0 makes
+    the file and removes its name once every rank mapped it, or on any error."""
     from ._shm_exchange import ShmExchange
 
     peers, call = st.peers, _call_words(st, op, st.count + 1)
@@ -330,9 +321,8 @@ def _over_gloo(st: _Group, why: str) -> None:
 # ---- the exchange --------------------------------------------------------------------------------
 def _signed(st: _Group, op: str, op_id: int, tid: int, b, s, h, d, dt: int, extra: int, s0: int, s1: int, s2: int,
             chunks: int, tag: int, failed: bool) -> bool:
-    """The one signature packer: this call's words into ``st.lbuf``, then the all-gather. True when every rank's
-    signature equals this rank's (or this call does not exchange: one rank, 'fake' backend, ``check_ranks='off'``
-    after the first call)."""
+    """Pack this call's words into ``st.lbuf`` and all-gather. True when every rank's signature equals this rank's
+    (or no exchange: one rank, 'fake' backend, ``check_ranks='off'`` after the first call)."""
     if st.skip or (st.count and config.settings.check_ranks == "off"):
         return True
     if st.side is None:
@@ -344,9 +334,8 @@ def _signed(st: _Group, op: str, op_id: int, tid: int, b, s, h, d, dt: int, extr
 
 
 class Like(NamedTuple):
-    """The ``[B, S_local, H, D]`` shape and dtype an exchange compares, for a call that holds no tensor of that shape
-    (a packed Ulysses send buffer ``[W, B, S_local, n, H/W, D]``: ``Like((B, S_local, W * H/W, D), dtype)``); cheaper
-    than a meta tensor on the op's per-call path."""
+    """The ``[B, S_local, H, D]`` shape and dtype an exchange compares, for a call holding no such tensor (a packed
+    Ulysses send buffer: ``Like((B, S_local, W * H/W, D), dtype)``); cheaper than a meta tensor per call."""
     shape: tuple
     dtype: torch.dtype
 
@@ -354,14 +343,11 @@ class Like(NamedTuple):
 def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int = 0,
              failed: BaseException | None = None, inputs: dict | None = None, tag: int = 0,
              note: str | None = None) -> None:
-    """Check the rank contract for one call: all ranks of ``pg`` exchange a signature; raise on every rank on
-    any difference (what is compared under each ``settings.check_ranks``: ``docs/settings.md``).
+    """Check the rank contract for one call: all ranks of ``pg`` exchange a signature; raise on every rank on any
+    difference. ``op``: the call's name; ``t``: the ``[B, S_local, H, D]`` tensor (or :class:`Like`) compared, or
+    None; ``extra``: the tensor count; ``failed``: this rank's own input error (peers learn that it stops; the caller
+    re-raises it); ``inputs``: name -> tensor (at most 3) whose checksums must agree; ``tag``, ``note``: the variant.
 
-    Args:
-        op: the call's name (:data:`OPS`, or a new one). transport: as given to the op. t: the ``[B, S_local, H, D]``
-            tensor (or :class:`Like`) whose shape and dtype are compared, or None. extra: the call's tensor count.
-        failed: this rank's own input error (peers learn that it stops; the caller re-raises it). inputs: name ->
-            tensor (at most 3) whose :func:`input_checksum` must agree. tag, note: the variant word and its words.
     Raises:
         ValueError: on every rank (but a rank that passed ``failed``), naming each rank's call and what differs.
         RuntimeError: the ranks did not all reach the exchange within ``settings.timeout_s``, or a peer exited.
@@ -390,8 +376,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
 
 
 def _gather(st: _Group, op: str) -> bool:
-    """All-gather the signature packed in ``st.lbuf`` (a bounded wait: :mod:`cp_ops._waits`); True when every rank's
-    equals this rank's."""
+    """All-gather the signature in ``st.lbuf`` (a bounded wait); True when every rank's equals this rank's."""
     mine = bytes(st.lbuf)
     wait = None
 
@@ -426,15 +411,14 @@ def _gather(st: _Group, op: str) -> bool:
             st.release(f"{op}: CP group '{g}': {who}; the group cannot be used by cp_ops any more")
             raise RuntimeError(f"{op}: call #{st.count} on CP group '{g}': {who} while this rank waited for it in the "
                                "rank check") from e
-        raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: "
-                           f"{_line(e)}. A peer on another host may have crashed (its log says "
-                           "why)") from e
+        raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: {_line(e)}. A peer on "
+                           "another host may have crashed (its log says why)") from e
     return st.gbuf == mine * st.w
 
 
 def _wait_work(st: _Group, work, waiting: Callable[[], PeerWait]) -> None:
-    """Wait for the gloo side group's exchange ``work`` (:func:`cp_ops._waits.poll`). Over gloo this rank cannot see
-    who arrived: after a second it publishes its call number (``at/<rank>``), so warnings name the ranks not seen."""
+    """Wait for the gloo exchange ``work``. Gloo does not say who arrived: after a second this rank publishes its
+    call number (``at/<rank>``), so warnings name the ranks not seen."""
     at = None
 
     def check() -> bool:
@@ -467,8 +451,8 @@ def _not_seen(st: _Group) -> str:
 
 
 def call_failed(group: dist.ProcessGroup | str) -> None:
-    """This rank's call on ``group`` raised between its launches (the comm's drain calls it): publish the failure for
-    the peers waiting in this call's collectives (:func:`wait_collective` names it). One store write."""
+    """This rank's call on ``group`` raised between its launches (the comm's drain calls it): publish the failure
+    for the peers waiting in its collectives (:func:`wait_collective` names it). One store write."""
     name = group if isinstance(group, str) else group.group_name
     st = _groups.get(name)
     if st is None or st.peers is None or st.skip:
@@ -498,8 +482,8 @@ _GRACE_S = 1.0
 
 
 def _within_grace(look: Callable):
-    """``look()`` until it returns something (or :data:`_GRACE_S` passed): a peer that exited closes its sockets a
-    moment before its process shows as ended, so a failed collective looks for it a while before its own error."""
+    """``look()`` until it returns something or :data:`_GRACE_S` passed (an exited peer closes its sockets a moment
+    before its process shows as ended)."""
     t_end = time.monotonic() + _GRACE_S
     while not (found := look()) and time.monotonic() < t_end:
         time.sleep(0.05)
@@ -507,10 +491,9 @@ def _within_grace(look: Callable):
 
 
 def wait_collective(pg: dist.ProcessGroup, work) -> None:
-    """Wait for ``work``, a data collective of this rank's current call on ``pg`` (a CPU gloo group: the host
-    waits), bounded by cp_ops (:func:`cp_ops._waits.poll`): an exited peer or one that published a failure of this
-    call (:func:`call_failed`) is named, a failed collective by the peer that exited; every such error leaves the
-    group unusable for cp_ops (its collectives are out of step). A group without a set-up contract: ``work.wait()``.
+    """Wait for ``work``, a data collective of this rank's call on ``pg`` (gloo: the host waits), bounded: an exited
+    peer or one that published a failure (:func:`call_failed`) is named; every such error leaves the group unusable
+    for cp_ops (its collectives are out of step). A group without a set-up contract: ``work.wait()``.
 
     Raises:
         RuntimeError: naming the failing or exited peer and the call; PeersTimeout at ``settings.timeout_s``.
@@ -564,8 +547,7 @@ def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
     if not gone and not failed:
         return
     call = _call_words(st, None, st.count)
-    what = "; ".join(([st.peers.said(gone)] if gone else []) + [f"{st.peers.name(r)} raised {why}"
-                                                                  for r, why in failed])
+    what = "; ".join(([st.peers.said(gone)] if gone else []) + [f"{st.peers.name(r)} raised {w}" for r, w in failed])
     err = RuntimeError(f"{call}: {what} during this call's communication: this rank stops too. Fix that rank's "
                        "error (its log has it); the group cannot be used by cp_ops any more: make a new group")
     err._cp_ops_named = True  # type: ignore[attr-defined]
@@ -574,10 +556,8 @@ def _peer_trouble(st: _Group, cause: BaseException | None) -> None:
 
 
 class CallCheck:
-    """:func:`exchange` for one repeated call (the eager plan's), its signature packed once; ``check()`` makes the
-    exchange (the collective settings read at each call) and raises as :func:`exchange`. Arguments as
-    :func:`exchange`'s (``shape``, ``dtype``: the compared tensor's; ``chunks``: the pipeline stages, 0: not
-    pipelined)."""
+    """:func:`exchange` for one repeated call (the eager plan's), its words computed once; ``check()`` exchanges and
+    raises as :func:`exchange` (``chunks``: pipeline stages, 0: not pipelined)."""
 
     __slots__ = ("pg", "st", "op", "transport", "shape", "dtype", "extra", "chunks", "tag", "words", "note")
 
@@ -603,8 +583,8 @@ def _line(e: BaseException) -> str:
 
 # ---- the error on every rank ---------------------------------------------------------------------
 def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, chunks, note=None) -> None:
-    """Every rank gets here together (the gathered rows are the same everywhere): exchange descriptions,
-    then raise on every rank — except on a rank whose own checks failed (its caller raises its own error)."""
+    """Every rank gets here together: exchange descriptions, then raise on every rank — except on a rank whose own
+    checks failed (its caller raises its own error)."""
     rows = [_PACK.unpack_from(st.gbuf, i * 8 * _N) for i in range(st.w)]
     mine = {
         "call": op, "n": st.count, "transport": transport,
@@ -643,10 +623,8 @@ def _disagree(st: _Group, op, transport, shape, dtype, extra, failed, inputs, ch
 
 
 def _inputs_hint(rows: list, desc: list[dict], short: bool = False) -> str:
-    """Where an exchange compared inputs (:func:`check_inputs_agree`): each input that differs — its name as the
-    caller gave it (e.g. ``'hidden_states (positional argument 0)'``), its shape and dtype, and which ranks hold the
-    same (shape, dtype, checksum) — so the message says which argument to seed or pass alike. ``short``: only the
-    inputs' names and what differs (the message's first line)."""
+    """Each compared input that differs (:func:`check_inputs_agree`): its name, shape and dtype, and which ranks
+    hold the same (shape, dtype, checksum). ``short``: only the names and what differs (the first line)."""
     if any(d["inputs"] is None or d["call"] != desc[0]["call"] for d in desc):
         return ""
     parts = []
@@ -685,8 +663,8 @@ def _uneven_hint(aspects: list[str], desc: list[dict]) -> str:
 
 
 def _variant_hints(aspects: list[str], desc: list[dict]) -> list[str]:
-    """Where the ranks' variants differ (the words :func:`variant_tag` made): in the caller's ``tag=`` only (a rank
-    skipped or reordered a tagged call, e.g. one layer's attention), in mode and chunks, and in the softmax scale."""
+    """Where the ranks' variants differ: in the caller's ``tag=`` only (a skipped or reordered layer), in mode and
+    chunks, in the softmax scale."""
     if "variant" not in aspects:
         return []
     notes, out = [d.get("note") or "" for d in desc], []
@@ -743,7 +721,7 @@ def _gather_objects(st: _Group, obj) -> list:
 # ---- checks built on the exchange ----------------------------------------------------------------
 def input_checksum(t) -> int:
     """A cheap fingerprint of ``t``'s values: 61 strided samples, index-weighted, summed in fp64 (its bits as an
-    int). Equal tensors give equal checksums on the same device type; a GPU tensor costs one tiny sync."""
+    int); a GPU tensor costs one tiny sync."""
     if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
         return 0
     flat = t.detach().reshape(-1)
@@ -767,9 +745,8 @@ def check_settings_agree(group: dist.ProcessGroup) -> None:
 
 
 def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) -> None:
-    """Run a public function's input checks; if they fail, tell the peers before raising, so no rank is left in a
-    collective (while ``torch.compile`` traces: the checks only). Waits on peers until the next exchange on
-    ``group`` name the call ``api``."""
+    """Run a public function's input checks; if they fail, tell the peers before raising (while ``torch.compile``
+    traces: the checks only). Waits on peers until the next exchange on ``group`` name the call ``api``."""
     _current.group, _current.api = group.group_name, api
     try:
         checks()
@@ -781,9 +758,8 @@ def api_checked(group: dist.ProcessGroup, api: str, checks: Callable[[], None]) 
 
 def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Callable[[], None], extra: int = 0, *,
                call: str = "", tag: int = 0, seq_lens=None) -> None:
-    """An op's real kernel: its input rules, then the exchange, named ``call`` (the op's name when empty) with the
-    variant ``tag`` (``seq_lens`` folded in: :func:`with_seq_lens`); ``call`` '-' (a later launch of a call): the rules
-    only."""
+    """An op's real kernel: its input rules, then the exchange, named ``call`` (empty: the op's name) with the variant
+    ``tag`` (``seq_lens`` folded in); ``call`` '-' (a later launch of a call): the rules only."""
     if call == "-":
         rules()
         return
@@ -803,16 +779,15 @@ def op_checked(group: dist.ProcessGroup, op: str, transport: str, t, rules: Call
         raise
 
 
-#: (group name, variant tag) of a 2-D call's first exchange (its inner dim's) -> the group name of its second (the
-#: outer dim's): :func:`op_checked` tells that group when the first fails, as the eager 2-D plan does
+#: (group name, variant tag) of a 2-D call's first (inner) exchange -> the group of its second (outer), told by
+#: :func:`op_checked` when the first fails
 _partners: dict[tuple[str, int], str] = {}
 
 
 def set_partner(first: str, tag: int, second: str) -> int:
-    """Declare that a compiled call with variant ``tag`` whose first exchange runs on group ``first`` makes its next
-    on ``second`` (a 2-D call: inner, then outer): when the first fails on a rank, the rank tells ``second`` instead
-    of leaving that group's exchange to pair with its next call. Returns ``tag``. Run by Dynamo while tracing (a
-    constant result: a side effect inside a graph would only be applied after the graph ran)."""
+    """Declare that a compiled 2-D call with variant ``tag`` exchanges on ``first``, then on ``second``: when the
+    first fails, the rank tells ``second`` (else that exchange would pair with its next call). Returns ``tag``. Run by
+    Dynamo while tracing (a constant result: a side effect in a graph would apply only after the graph ran)."""
     _partners[(first, tag)] = second
     return tag
 
@@ -836,9 +811,8 @@ _TAG_NOTES: dict[int, str] = {}
 
 
 def variant_tag(**fields) -> int:
-    """A stable 64-bit int (:func:`_digest`) for the rank contract's ``tag`` word, and the fields in words for its
-    error messages (:func:`tag_note`); None values are left out. Values must be ints, strings or tuples of them (the
-    same repr on every rank): TypeError otherwise."""
+    """A stable 64-bit int for the rank contract's ``tag`` word, its fields kept in words for messages
+    (:func:`tag_note`); None values left out. Values: ints, strings or tuples of them, else TypeError."""
     parts = []
     for k, v in fields.items():
         if v is None:
@@ -854,16 +828,14 @@ def variant_tag(**fields) -> int:
 
 
 def scale_field(scale) -> str | None:
-    """The variant tag's field for a call's softmax ``scale``: None for ``None`` (``1/sqrt(D)``), else the exact value
-    as ``repr(float(scale))``. Raises TypeError for a scale that is not a real number (a bool, a str, a tensor)."""
+    """The variant field of a softmax ``scale``: None for ``None``, else ``repr(float(scale))``. TypeError for a
+    scale that is not a real number (a bool, a str, a tensor)."""
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be None (1/sqrt(D)) or a real number (a Python float or int, the same on every "
                         f"rank); got {type(scale).__name__} {scale!r}")
-    # through float.hex: torch.compile traces it for a float it holds as symbolic (a float argument that changed between
-    # calls of one compiled function, or dynamic=True) by specializing the value (one graph per scale); repr() of a
-    # symbolic float is a graph break
+    # through float.hex: Dynamo specializes a symbolic float on it (one graph per scale); repr() of one is a break
     return repr(float.fromhex((scale if isinstance(scale, float) else float(scale)).hex()))
 
 
@@ -874,8 +846,8 @@ def _stable(v) -> bool:
 
 
 def with_seq_lens(tag: int, seq_lens) -> int:
-    """``tag`` with a call's uneven token counts folded in (the ops do this at run time, where the counts are concrete
-    even when the compiled graph's are symbolic; the eager path does it once per plan)."""
+    """``tag`` with a call's uneven token counts folded in (the ops at run time, where the counts are concrete; the
+    eager path once per plan)."""
     if seq_lens is None:
         return tag
     seq = [int(n) for n in seq_lens]

@@ -1,28 +1,13 @@
 """A cost model of one CP attention step: bytes per link and a predicted time for every layout of W = nodes × G ranks.
 
-Pure arithmetic (no torch, no collective): :func:`predict` lists the layouts — every 2-D split ``(O, I)`` that keeps
-each inner (Ulysses) group inside a node or made of whole nodes and whose inner size I divides the heads, which
-includes pure AGKV (``W×1``) and pure Ulysses (``1×W``, where W divides the heads) — plus ring, and :func:`choose`
-picks the fastest feasible one. :func:`cp_ops.mesh.init_cp_mesh` builds the mesh it picks.
-
-**Bytes** (per rank per attention call; one *local tensor* is ``L = B·(S/W)·H·D·bytes``):
-
-* Ulysses over a group of n ranks (Q, K, V there, the output back): ``4·L·(n−1)/n``, of which the part to the m−1 peers
-  on this rank's node (m of the n ranks share it) goes over NVLink, ``4·L·(m−1)/n``, the rest, ``4·L·(n−m)/n``, over
-  the network.
-* AGKV over n ranks: this rank receives K and V of each peer: ``2·L·(n−1)``; ``2·L·(m−1)`` of it over NVLink,
-  ``2·L·(n−m)`` over the network. In the 2-D layout the outer AGKV's blocks are the row's K/V for H/I heads: also
-  ``L`` each, so the same formula with n = O.
-* Ring over W: as AGKV (every K/V block passes every rank), step by step under the attention.
-
-**Time** (ms): a collective costs ``latency + max(NVLink bytes / NVLink GB/s, network bytes / network GB/s)``;
-attention ``4·B·(S/W)·S·H·D`` FLOP at ``attn_tflops`` (or a measured ``attn_ms``). Transport-then-attend: Ulysses-in
-+ AGKV + attention + Ulysses-out; ``overlapped_ms`` (``chunks ≥ 2``'s best case): Ulysses-in + max(AGKV, attention) +
-Ulysses-out; ring: ``max(attention, AGKV bytes) + one step's latency``. Speedup = one-GPU attention ÷ the layout's
-time, of the attention step only.
-
-**Numbers and their sources** (:class:`Links`, all overridable): the table in ``docs/2d.md`` (NVLink measured,
-the network and latencies assumed, attention the low end of the measured TFLOP/s).
+Pure arithmetic: :func:`predict` lists every 2-D split ``(O, I)`` whose inner (Ulysses) groups lie inside a node or
+are whole nodes and whose I divides the heads (pure AGKV ``W×1`` and pure Ulysses ``1×W`` included), plus ring;
+:func:`choose` picks the fastest one cp_ops runs. Bytes per rank per call, with ``L = B·(S/W)·H·D·bytes`` and m of
+a group's n ranks on this rank's node: Ulysses ``4·L·(n−1)/n``, ``4·L·(m−1)/n`` of it over NVLink; AGKV (and ring)
+``2·L·(n−1)``, ``2·L·(m−1)`` over NVLink (2-D: n = O, the row's K/V for H/I heads also ``L`` each). Time: a
+collective is ``latency + max(NVLink bytes / GB/s, network bytes / GB/s)``, attention ``4·B·(S/W)·S·H·D`` FLOP;
+transport-then-attend adds them, ``overlapped_ms`` hides AGKV under attention, ring is ``max(attention, AGKV) +
+one latency``. Speedup: one-GPU attention ÷ the layout's time. The figures (:class:`Links`): ``docs/2d.md``.
 """
 
 from __future__ import annotations
@@ -44,9 +29,7 @@ class Links:
 
 
 def links() -> Links:
-    """The figures cp_ops decides with: :class:`Links`' defaults, the network bandwidth from ``CP_OPS_NETWORK_GBPS``
-    (``cp_ops.config.settings.network_gbps``): the one setting :mod:`cp_ops.plan.split` and
-    :func:`cp_ops.mesh.init_cp_mesh` read."""
+    """The figures cp_ops decides with: :class:`Links`' defaults, the network bandwidth from ``CP_OPS_NETWORK_GBPS``."""
     from . import config
 
     return Links(network_gbps=config.settings.network_gbps)
@@ -108,15 +91,9 @@ def splits(world: int, ranks_per_node: int, heads: int) -> list[tuple[int, int]]
 
 def predict(tokens: int, heads: int, head_dim: int, *, ranks_per_node: int, nodes: int = 1, dtype: str = "bf16",
             batch: int = 1, links: Links = Links(), attn_ms: float | None = None) -> list[Prediction]:
-    """Every layout's :class:`Prediction` for dense attention over ``tokens`` tokens (B = ``batch``, ``heads`` H,
-    ``head_dim`` D, ``dtype``) on ``nodes`` × ``ranks_per_node`` ranks (node-major), fastest first.
-
-    ``attn_ms``: the measured attention time of one rank's share (S/W queries against S keys, all heads) in ms;
-    None = computed from ``links.attn_tflops``.
-
-    Raises:
-        ValueError: a count < 1; an unknown dtype (one of :data:`DTYPE_BYTES`).
-    """
+    """Every layout's :class:`Prediction` for dense attention over ``tokens`` tokens on ``nodes`` ×
+    ``ranks_per_node`` ranks (node-major), fastest first. ``attn_ms``: the measured attention time of one rank's
+    share in ms (None: from ``links.attn_tflops``). ValueError: a count < 1; a dtype not in :data:`DTYPE_BYTES`."""
     if min(tokens, heads, head_dim, ranks_per_node, nodes, batch) < 1:
         raise ValueError(f"predict: tokens, heads, head_dim, ranks_per_node, nodes and batch must be >= 1; got "
                          f"{tokens}, {heads}, {head_dim}, {ranks_per_node}, {nodes}, {batch}")
@@ -161,8 +138,7 @@ def choose(tokens: int, heads: int, head_dim: int, *, ranks_per_node: int, nodes
 
 
 def table(preds: list[Prediction], links: "Links | None" = None) -> str:
-    """A markdown table of predictions, titled with the link figures they assume (:class:`Links` defaults:
-    NVLink measured, the network assumed); ring is listed for comparison only (cp_ops does not run it)."""
+    """A markdown table of predictions, titled with the link figures they assume (ring: for comparison only)."""
     links = links or Links()
     rows = [f"predicted for these links (NVLink {links.nvlink_gbps:g} GB/s per rank measured; network "
             f"{links.network_gbps:g} GB/s per GPU assumed); ring: for comparison, not run by cp_ops",

@@ -1,11 +1,6 @@
-"""FP8 communication on ONE device: what W > 1 ranks compute with ``comm_dtype``, without a second rank.
-
-With ``CP_OPS_EMULATE_COMM=1``, a :func:`cp_ops.attention` call on a group of one rank with FP8 formats round-trips
-every tensor that W > 1 ranks would send through the codec (:func:`cp_ops.kernels.fp8.round_trip`), then attends:
-AGKV decodes K and V after the gather, Ulysses Q, K, V after the all-to-all and O after the way back. Why this is
-the W-rank result at chunks = 1 for any W: docs/fp8.md ("Accuracy on one device"). The pipelined AGKV (chunks ≥ 2)
-keeps the own block exact, so its error is at most this one's.
-"""
+"""FP8 communication on ONE device (``CP_OPS_EMULATE_COMM=1``): a group of one rank round-trips every tensor W > 1
+ranks would send through the codec, then attends — the W-rank result at chunks = 1 (docs/fp8.md, "Accuracy on one
+device")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Resolve the CP group a public function was given into what the ops take (`group_name`, world size).
-
-Public functions accept ``None`` (the default process group), a ``ProcessGroup`` or a 1-D ``DeviceMesh``
-(for a multi-dimensional mesh pass its CP dimension, ``mesh["cp"]``); ops take ``group_name: str`` the way
-``torch.ops._c10d_functional`` does, so a compiled graph names its group by a string.
-"""
+"""Resolve the CP group a public function was given (``None``: the default group, a ``ProcessGroup`` or a 1-D
+``DeviceMesh``) into a ``ProcessGroup``; ops take its ``group_name``, so a compiled graph names it by a string."""
 
 from __future__ import annotations
 
@@ -13,12 +9,8 @@ import torch.distributed as dist
 
 
 def resolve_group(group: Any = None) -> dist.ProcessGroup:
-    """Return the ``ProcessGroup`` for ``group``.
-
-    Raises:
-        RuntimeError: torch.distributed is not initialized.
-        ValueError: ``group`` is a DeviceMesh of more than one dimension, or of an unsupported type.
-    """
+    """The ``ProcessGroup`` for ``group``. RuntimeError: torch.distributed is not initialized; ValueError: a
+    DeviceMesh of more than one dimension, or an unsupported type."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "cp_ops needs an initialized torch.distributed process group: call "

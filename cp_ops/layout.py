@@ -1,15 +1,10 @@
 """Token/head layouts of the CP collectives, as pure view/copy functions (traceable by torch.compile).
 
-Shapes (W = CP world size, n = tensors sent together, Hl = H / W heads per rank after Ulysses):
-
-- AGKV output: ``[B, W * S_local, H, D]`` — tokens in rank order, what attention reads; written in place.
-- Ulysses buffer (sequence → heads): ``[W, B, S_local, n, Hl, D]``; index 0 is the *source rank*, i.e. the
-  token block. Slot ``i`` as ``[B, S, Hl, D]`` is a view for B = 1 (no copy after the all-to-all).
-- Ulysses inverse buffer (heads → sequence): ``[W, B, S_local, Hl, D]``; index 0 is the source rank, i.e.
-  the head group; back to ``[B, S_local, H, D]`` is one permute copy, always (never a view of the buffer,
-  which a transport may pool).
-
-Method: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509).
+W = CP world size, n = tensors sent together, Hl = H / W heads per rank after Ulysses. AGKV output:
+``[B, W * S_local, H, D]``, tokens in rank order. Ulysses buffer (sequence → heads): ``[W, B, S_local, n, Hl, D]``,
+dim 0 the source rank (token block); slot ``i`` as ``[B, S, Hl, D]`` is a view for B = 1. Inverse buffer (heads →
+sequence): ``[W, B, S_local, Hl, D]``, dim 0 the head group; unpacked by one permute copy (never a view of the buffer,
+which a transport may pool). Method: DeepSpeed-Ulysses (Jacobs et al., 2023, arXiv:2309.14509).
 """
 
 from __future__ import annotations
@@ -17,13 +12,13 @@ from __future__ import annotations
 import torch
 
 
-#: More heads than the DiTs we know have (Wan 14B: 40): a 'bshd' tensor whose dim 2 holds more, and more than its dim 1,
-#: is taken for BHSD. Smaller BHSD tensors cannot be told apart from BSHD ones by their shape: pass layout= always.
+#: More heads than the DiTs we know have (Wan 14B: 40): a 'bshd' tensor whose dim 2 holds more, and more than its
+#: dim 1, is taken for BHSD.
 MAX_HEADS = 64
 
 
 def check_not_bhsd(name: str, t) -> None:
-    """Raise ValueError when ``t``, passed as BSHD, is a BHSD tensor by the rule of :func:`cp_ops.attention`'s ``layout``."""
+    """Raise ValueError when ``t``, passed as BSHD, is a BHSD tensor by :func:`cp_ops.attention`'s ``layout`` rule."""
     if isinstance(t, torch.Tensor) and t.dim() == 4:
         s, h = t.shape[1], t.shape[2]
         if isinstance(s, int) and isinstance(h, int) and h > MAX_HEADS and h > s:
@@ -39,16 +34,12 @@ _WIDE = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
 def wide(x: torch.Tensor) -> torch.Tensor:
     """``x`` seen as the widest integer dtype its rows allow (the same bytes, a shorter last dim; ``x`` itself when
-    none is wider than its own; under torch.compile, where Inductor writes its own copy kernels; when ``x`` requires
-    grad, so the autograd graph and cp_ops' "no backward" error go through the copy).
-
-    Why: the layout copies of eager code (Ulysses' pack and unpack) are strided, and a strided copy runs ATen's
-    non-vectorized elementwise kernel one element per lane; moved as int64 a bf16 row takes 4x fewer elements
-    (measured on an H200: 1.9-2.3x faster, ``benchmarks/results/bound/runs/2026-12-01e_pack_ab.json``).
-    The rule is ``Tensor.view(dtype)``'s: last dim contiguous and divisible, storage offset and the other strides
-    divisible by the width ratio. About 1-2 µs of host time per call."""
-    if torch.compiler.is_compiling() or x.requires_grad:  # an integer view would cut the autograd graph (and the
-        return x                                             # "no backward" error raised through it)
+    none is wider, under torch.compile, or when ``x`` requires grad: an integer view would cut the autograd graph).
+    Why: a strided copy (Ulysses' pack and unpack) runs one element per lane; as int64 a bf16 row is 4x fewer
+    elements (1.9-2.3x faster on an H200, ``benchmarks/results/bound/runs/2026-12-01e_pack_ab.json``). The rule is
+    ``Tensor.view(dtype)``'s; about 1-2 µs of host time per call."""
+    if torch.compiler.is_compiling() or x.requires_grad:
+        return x
     shape, stride, size = x.shape, x.stride(), x.element_size()
     if not shape or size >= 8 or (stride[-1] != 1 and shape[-1] != 1):
         return x
@@ -67,14 +58,9 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    """Send buffer ``[W, B, S_local, n, Hl, D]`` (contiguous) from n tensors ``[B, S_local, H, D]`` (any strides);
-    slab w holds head group w. One ``torch.stack`` of the n tensors seen as ``[W, B, S_local, Hl, D]`` (one
-    ``as_strided`` view each): n + 1 calls, one allocation, the copies issued from C++, each moving the rows as
-    the widest integer dtype they allow (:func:`wide`: bitwise the same bytes).
-
-    ``lo``/``hi``: only heads ``[lo, hi)`` of every head group (pipelined Ulysses' sub-groups): the buffer is
-    ``[W, B, S_local, n, hi - lo, D]``, what packing ``x[:, :, w*Hl + lo : w*Hl + hi]`` (over w) would give, without
-    that intermediate copy."""
+    """Send buffer ``[W, B, S_local, n, hi - lo, D]`` (contiguous; slab w holds head group w) from n tensors
+    ``[B, S_local, H, D]`` (any strides): one ``torch.stack`` of ``as_strided`` views, rows moved as :func:`wide`.
+    ``lo``/``hi``: only heads ``[lo, hi)`` of every head group (pipelined Ulysses' sub-groups; default: all)."""
     b, s, h, _ = xs[0].shape
     hl = h // world_size
     hi = hl if hi is None else hi
@@ -91,14 +77,9 @@ def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int |
 
 
 def ulysses_pack_traced(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
-    """:func:`ulysses_pack` as plain torch code for a compiler to see (the same values, bitwise: pure copies): each
-    ``[B, S_local, H, D]`` input seen as ``[W, B, S_local, hi - lo, D]`` by reshape/slice/permute views, then one
-    ``torch.stack`` along dim 3 → ``[W, B, S_local, n, hi - lo, D]`` (contiguous).
-
-    Why: Inductor lowers the stack into the kernels that produce its inputs (e.g. the norm + RoPE of Q and K write
-    their slot of the send buffer directly), where the op's own pack (:func:`ulysses_pack`, inside
-    ``cp_ops::ulysses_start``) copies them once more; no ``as_strided`` here, which would make Inductor write the
-    inputs out first."""
+    """:func:`ulysses_pack` as plain torch views and one stack, bitwise equal, for a compiler: Inductor lowers the
+    stack into the kernels producing the inputs (their norm + RoPE write the send buffer directly); an
+    ``as_strided`` would make it write the inputs out first."""
     b, s, h, d = xs[0].shape
     hl = h // world_size
     hi = hl if hi is None else hi
@@ -112,21 +93,16 @@ def ulysses_pack_traced(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi
 
 
 def ulysses_unpack(buf: torch.Tensor, i: int) -> torch.Tensor:
-    """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1).
-
-    Compiled code reads the slots this way (``select(buf, 3, i)``: the overlap pass looks for it); eager code
-    reads all of them at once with :func:`ulysses_unpack_all`."""
+    """Slot ``i`` of a received Ulysses buffer as ``[B, S, Hl, D]`` (a strided view when B = 1); compiled code reads
+    the slots this way (``select(buf, 3, i)``: the overlap pass looks for it)."""
     w, b, s, _, hl, d = buf.shape
     return buf[:, :, :, i].permute(1, 0, 2, 3, 4).reshape(b, w * s, hl, d)
 
 
 def ulysses_unpack_all(buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Every slot of a received Ulysses buffer ``[W, B, S_local, n, Hl, D]``: n tensors ``[B, W*S_local, Hl, D]``,
-    each equal to :func:`ulysses_unpack` ``(buf, i)`` with the same strides, in three calls instead of 3n.
-
-    B = 1: strided views of ``buf`` (no copy). B > 1: one copy of all n slots into one contiguous
-    ``[n, B, W*S_local, Hl, D]`` tensor whose slices are returned, when each slice starts 256-byte aligned (as a
-    fresh allocation does, so an attention kernel picks the same algorithm); else one copy per slot."""
+    """Every slot of a received Ulysses buffer: n tensors ``[B, W*S_local, Hl, D]``, as :func:`ulysses_unpack`
+    ``(buf, i)`` with the same strides. B = 1: views; B > 1: one copy of all n slots when each slice starts 256-byte
+    aligned (as a fresh allocation, so attention picks the same algorithm), else one copy per slot."""
     w, b, s, n, hl, d = buf.shape
     if b == 1 or (b * w * s * hl * d * buf.element_size()) % 256 == 0:
         return buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * s, hl, d).unbind(0)
@@ -154,13 +130,12 @@ def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
     """``[W, B, S_local, Hl, D]`` (slab w = head group w) → ``[B, S_local, W * Hl, D]``, a new tensor (never a view
-    of ``buf``, which a transport may pool) — except a buffer that is not contiguous while its permute is (the FP8
-    decode's output, :func:`cp_ops.kernels.fp8_ulysses.inverse_decode`), which comes back as that view."""
+    of ``buf``, which a transport may pool) — except the FP8 decode's output (its permute contiguous): that view."""
     w, b, s, hl, _ = buf.shape
     p = buf.permute(1, 2, 0, 3, 4)
     if p.is_contiguous() and not buf.is_contiguous():
         return p.view(b, s, w * hl, buf.shape[4])
-    y = wide(buf)  # the rows moved as wide integers where they allow it (eager; the same bytes)
+    y = wide(buf)
     out = y.permute(1, 2, 0, 3, 4).clone(memory_format=torch.contiguous_format).view(b, s, w * hl, y.shape[4])
     return out if out.dtype == buf.dtype else out.view(buf.dtype)
 
@@ -168,18 +143,11 @@ def ulysses_inverse_unpack(buf: torch.Tensor) -> torch.Tensor:
 # ---- uneven shards: helpers of Shards (below) ---------------------------------------------------------
 def shard_sizes(total: int, world_size: int) -> tuple[int, ...]:
     """The standard split of ``total`` tokens over W ranks, the **prefix split**: every rank holds
-    ``smax = ceil(total / W)`` tokens except the last, which holds the rest (7 tokens on W = 2 → ``(4, 3)``; 10 on
-    W = 4 → ``(3, 3, 3, 1)``; 4481 on W = 4 → ``(1121, 1121, 1121, 1118)``). Where that would leave a rank empty
-    while another holds two tokens or more (``total <= (W - 1) * smax``: small counts, e.g. 9 on W = 4), it is
-    ``torch.tensor_split``'s rule instead (the first ``total % W`` ranks one token more: ``(3, 2, 2, 2)``); fewer
-    tokens than ranks: one each, then empty ranks.
-
-    Why not tensor_split's rule everywhere: the transports move every rank's block padded to ``smax`` rows
-    (:class:`Shards`); under the prefix split the real tokens of the W padded blocks are their first ``total`` rows,
-    so a receiver attends a narrowed view of what arrived (:attr:`Shards.prefix`), where short blocks in the middle
-    cost a copy selecting the real rows of K and V (and of Q, plus one re-padding the output, under Ulysses) per
-    attention call: +1.5 ms of FLUX.1-dev's 39.5 ms forward at 1008² on W = 4 (an H200). The largest block
-    — what the slowest rank computes — is ``smax`` under both rules.
+    ``smax = ceil(total / W)`` tokens except the last, which holds the rest (10 on W = 4 → ``(3, 3, 3, 1)``). Where
+    that would leave a rank empty while another holds two or more (e.g. 9 on W = 4), ``torch.tensor_split``'s rule
+    (``(3, 2, 2, 2)``); fewer tokens than ranks: one each, then empty ranks. Why: under a prefix split the real rows
+    of the padded blocks are their first ``total`` (a view, :attr:`Shards.prefix`); short blocks in the middle cost
+    copies (+1.5 ms of FLUX.1-dev's 39.5 ms forward at 1008² on W = 4, an H200).
 
     Raises:
         ValueError: ``world_size`` < 1 or ``total`` < 0.
@@ -250,19 +218,17 @@ def check_seq_lens(seq_lens, world_size: int, rank: int | None = None, s_local: 
 
 
 def every_key(key_mask, s_local, total, seq_lens=None) -> bool:
-    """Whether ``key_mask`` (``[B, n]``) holds every key of the call (``n = total``, all ranks' keys in rank order)
-    rather than this rank's (``n = S_local``). When one rank holds every token (``total`` in ``seq_lens``) its two
-    masks are one, read as its own (gathered): then every rank's mask is read as its own, a rank holding no token
-    passing ``[B, 0]`` or ``[B, total]`` (its block of it, :meth:`Shards.pad_mask`), so all ranks agree."""
+    """Whether ``key_mask`` (``[B, n]``) holds every key of the call (``n = total``) rather than this rank's
+    (``n = S_local``). When one rank holds every token, every rank's mask is read as its own (a rank holding none
+    passing ``[B, 0]`` or ``[B, total]``: its block of it), so all ranks agree."""
     if key_mask.shape[1] != total or total == s_local:
         return False
     return seq_lens is None or total not in tuple(seq_lens)
 
 
 def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
-    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device (``x``: ``[B, S_local, H, D]``), or, when
-    ``total`` (the call's token count over all ranks) is given, ``[B, total]``: every key of the call, in rank order
-    (:func:`every_key`)."""
+    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device, or with ``total`` given ``[B, total]``
+    (every key of the call, in rank order)."""
     from .validate import _require
 
     if not isinstance(key_mask, torch.Tensor):
@@ -283,8 +249,8 @@ def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
 
 
 def s_max(seq_lens):
-    """``max(seq_lens)`` (``torch.sym_max`` where a count is symbolic: no guard on it; plain ``max`` for ints,
-    which torch 2.11's Dynamo needs: it refuses a ``torch.sym_max`` that returns an int)."""
+    """``max(seq_lens)``: ``torch.sym_max`` where a count is symbolic (no guard), plain ``max`` for ints (Dynamo
+    refuses a ``torch.sym_max`` that returns an int)."""
     m = seq_lens[0]
     for n in seq_lens[1:]:
         m = max(m, n) if isinstance(m, int) and isinstance(n, int) else torch.sym_max(m, n)
@@ -299,28 +265,16 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 class Shards:
     """Uneven shards and/or a key-padding mask of one CP attention call: the layout a mode body moves and selects.
 
-    **The rule.** ``seq_lens``: W non-negative token counts in rank order, the same on every rank; rank r holds
-    ``seq_lens[r]`` consecutive tokens and the full sequence is their concatenation, ``total = sum(seq_lens)``
-    tokens (any split: :func:`shard_sizes`, another, 0 on some ranks). None: every rank holds ``S_local``.
-    ``key_mask`` (given to the body per call): bool ``[B, S_local]``, True = attend this key; it travels with its
-    rank's keys and is applied as SDPA's boolean mask over the full key sequence.
+    ``seq_lens``: W token counts in rank order, the same on every rank (any split, 0 allowed; None: every rank holds
+    ``s_local``); ``total = sum(seq_lens)``. ``key_mask`` (per call): bool ``[B, S_local]``, True = attend; it travels
+    with its rank's keys and is applied as SDPA's boolean mask over the full key sequence.
 
-    **Method.** Every rank pads its block to ``smax = max(seq_lens)`` rows (:meth:`pad`: one copy into a fresh buffer;
-    in traced code a zero ``pad`` the compiler writes with the send buffer) and the transports move the padded blocks
-    with their even layouts. Then, without a key mask (exact: padded keys are never attended), the receiver takes the
-    real rows before attention, so SDPA sees exactly the K/V of one device: bitwise equal to single-device attention
-    where the same kernel sees the same data. Under a **prefix** split (:attr:`prefix`: every block full up to the last
-    non-empty one, as :func:`shard_sizes` splits) the real rows are the first ``total`` of the ``W*smax``: a narrowed
-    view, no copy (and Ulysses re-pads its output for the way back by one zero ``pad`` at the end); any other split
-    selects them (one ``index_select`` with indices computed once here; a ``cat`` of W slices in traced code) and
-    re-pads the output by the inverse selection. With a key mask (SDPA's masked kernel runs anyway) nothing is selected:
-    the padding rows are zeros and attended with the mask False there (:meth:`padded_mask`), so no copy of the real
-    rows, no re-padding of the output: equal to one device up to the order of the kernel's sums (the same keys carry
-    weight; padding keys add exact zeros), not bitwise. Blocks that are all full skip both.
-
-    Args:
-        seq_lens: the W counts, or None (even: every rank ``s_local``). world, rank: W and this rank.
-        s_local: this rank's token count (``q.shape[1]``). device: where the index tensors live.
+    Every rank pads its block to ``smax = max(seq_lens)`` rows and the transports move the padded blocks evenly.
+    Without a key mask the receiver takes the real rows before attention (bitwise equal to one device): under a
+    **prefix** split (:attr:`prefix`, as :func:`shard_sizes` splits) the first ``total`` rows, a view (the output
+    re-padded by one zero ``pad``); else one ``index_select`` (traced: a ``cat`` of slices), the output re-padded by
+    the inverse selection. With a key mask nothing is selected: the padding rows are zeros attended with the mask False
+    (:meth:`padded_mask`), equal to one device up to the order of the kernel's sums. Full blocks skip both.
     """
 
     def __init__(self, seq_lens, world: int, rank: int, s_local: int, device):
@@ -329,8 +283,7 @@ class Shards:
         self.smax = s_max(seq)
         self.total = sum(seq)
         self.full = all(n == self.smax for n in seq)
-        #: the real rows of the W padded blocks are their first ``total`` rows: every block before the last non-empty
-        #: one is full (:func:`shard_sizes`' split; True when ``full``)
+        #: every block before the last non-empty one is full: the real rows are the first ``total``
         self.prefix, short = True, False
         for n in seq:  # (a loop: Dynamo traces it)
             self.prefix = self.prefix and not (short and n != 0)
@@ -338,7 +291,6 @@ class Shards:
         self.device = device
         self._kv = self._inv = None
 
-    # -- indices (built on first use, kept) --
     def kv_index(self) -> torch.Tensor:
         """Row of ``[W*smax]`` (padded blocks in rank order) for each of the ``total`` real tokens."""
         if self._kv is None:
@@ -358,13 +310,10 @@ class Shards:
             self._inv = torch.where(u < n, torch.tensor(shard_offsets(self.seq))[rp] + u, 0).to(self.device)
         return self._inv
 
-    # -- what the bodies call --
     def pad(self, x: torch.Tensor, zero: bool = False) -> torch.Tensor:
-        """``[B, S_local, ...]`` → ``[B, smax, ...]``: a fresh contiguous buffer with x's rows first (x itself, made
-        contiguous, when ``S_local == smax``); the padding rows are left unwritten (never read), or zeros with
-        ``zero`` (padding rows that are attended, masked: :meth:`padded_mask`). Traced: a zero ``pad`` (the
-        compiler writes it with its consumer, e.g. the Ulysses send buffer, where a copy into a fresh buffer is one
-        kernel more)."""
+        """``[B, S_local, ...]`` → ``[B, smax, ...]``: a fresh contiguous buffer with x's rows first, the padding rows
+        unwritten (never read), or zeros with ``zero`` (attended, masked). Traced: a zero ``pad`` (the compiler
+        writes it with its consumer)."""
         if self.s_local == self.smax:
             return x.contiguous()
         if torch.compiler.is_compiling():
@@ -376,18 +325,14 @@ class Shards:
         return out
 
     def pad_mask(self, key_mask: torch.Tensor) -> torch.Tensor:
-        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (what travels; padding rows 0 = not attended). A ``[B, total]``
-        mask that is not read as every key's (:meth:`every_key`: another rank holds every token) gives this rank's
-        block."""
+        """bool ``[B, S_local]`` → uint8 ``[B, smax]`` (padding rows 0); ``[B, total]``: this rank's block of it."""
         if key_mask.shape[1] != self.s_local:
             key_mask = key_mask.narrow(1, sum(self.seq[:self.rank]), self.s_local)
         return self.pad(key_mask.to(torch.uint8), zero=True)
 
     def rows(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """``[.., W*smax, ..]`` (padded blocks in rank order along ``dim``) → ``[.., total, ..]``: the real rows
-        (``full`` itself when every block is full; its first ``total`` rows, a view, under a :attr:`prefix` split).
-        Else, eager: one ``index_select``; traced: ``torch.cat`` of W slices (no index constant in the graph); the
-        same copies, bitwise equal."""
+        """``[.., W*smax, ..]`` (padded blocks along ``dim``) → ``[.., total, ..]``: the real rows (a view where every
+        block is full or the split a prefix; else ``index_select``, traced a ``cat`` of slices: no index constant)."""
         if self.full:
             return full
         if self.prefix:
@@ -401,10 +346,9 @@ class Shards:
         return every_key(key_mask, self.s_local, self.total, self.seq)
 
     def padded_mask(self, key_mask: torch.Tensor, gathered: torch.Tensor | None, batch: int) -> torch.Tensor:
-        """SDPA's bool ``[B, 1, 1, W*smax]`` over the padded blocks in rank order (what a call with a key mask
-        attends: :mod:`cp_ops.modes.agkv`, :mod:`cp_ops.modes.ulysses`): the call's key mask with every padding row
-        False. ``gathered``: the padded masks gathered (``[W*B, smax]`` uint8, rank-major: :meth:`pad_mask` on every
-        rank), or None for an every-key mask ``[B, total]`` (:meth:`every_key`), re-padded here."""
+        """SDPA's bool ``[B, 1, 1, W*smax]`` over the padded blocks: the call's key mask, every padding row False.
+        ``gathered``: the padded masks gathered (``[W*B, smax]`` uint8, rank-major), or None for an every-key mask
+        ``[B, total]``, re-padded here."""
         if gathered is None:
             m = key_mask if self.full else self._repad_blocks(key_mask)
         else:
@@ -412,8 +356,7 @@ class Shards:
         return m.reshape(batch, 1, 1, self.world * self.smax)
 
     def attend_padded(self, key_mask: torch.Tensor, comm, batch: int) -> torch.Tensor:
-        """:meth:`padded_mask` of a call's key mask: an every-key mask as given (no communication); this rank's
-        ``[B, S_local]`` padded and gathered (``comm.mask``, waited at once)."""
+        """:meth:`padded_mask` of a call's key mask: an every-key mask as given, else gathered (waited at once)."""
         gathered = None if self.every_key(key_mask) else comm.mask(self.pad_mask(key_mask)).wait()
         return self.padded_mask(key_mask, gathered, batch)
 
@@ -425,11 +368,8 @@ class Shards:
         return (self.rows(m) != 0).view(batch, 1, 1, self.total)
 
     def ulysses_rows(self, buf: torch.Tensor, unpack) -> tuple[torch.Tensor, ...]:
-        """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``: the real rows
-        (``unpack(buf)`` when every block is full; each slot's first ``total`` rows, views, under a :attr:`prefix`
-        split; else, eager, one copy of all n slots; traced, the real rows of each of ``unpack(buf)``'s slots: the
-        per-slot ``select(buf, 3, i)`` the overlap pass splits a launch's query off by — a copy of the whole buffer
-        would keep the launch whole, no window — the same values, bitwise)."""
+        """A received Ulysses buffer ``[W, B, smax, n, Hl, D]`` → n tensors ``[B, total, Hl, D]``, the real rows: views
+        (full or prefix); traced, per slot (the ``select(buf, 3, i)`` the overlap pass splits by); else one copy."""
         if self.full:
             return tuple(unpack(buf))
         if self.prefix or torch.compiler.is_compiling():
@@ -438,9 +378,8 @@ class Shards:
         return self.rows(buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * smax, hl, d), 2).unbind(0)
 
     def repad(self, out: torch.Tensor) -> torch.Tensor:
-        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]`` (block r at ``r*smax``; padding rows hold any value, never
-        read; zeros where traced or under a :attr:`prefix` split): what the inverse all-to-all sends (``out`` itself
-        when every block is full; one zero ``pad`` at the end under a prefix split)."""
+        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]`` (block r at ``r*smax``; padding rows never read): what the
+        inverse all-to-all sends."""
         if self.full:
             return out
         if self.prefix or torch.compiler.is_compiling():
@@ -448,14 +387,10 @@ class Shards:
         return out.index_select(1, self.inverse_index())
 
     def _repad_blocks(self, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`repad` in slices and pads, no index tensor (what traced code runs: no index constant in the graph), the
-        padding rows zeros (False for a bool ``[B, total]`` mask: :meth:`padded_mask` re-pads an every-key mask with
-        it, eager or traced). A :attr:`prefix` split is one ``pad`` at the end; tensor_split's split (``k`` blocks of
-        ``smax`` rows, then blocks of ``smax - 1``: :func:`shard_sizes` for small counts) is two parts — the full
-        blocks as they are, the short ones padded by one row each (one ``pad`` of a ``[B, W - k, smax - 1, ...]``
-        view) — which Inductor lowers to one or two kernels; any other split is a ``cat`` of its blocks and padding
-        (up to 2W - 1 parts: past Inductor's ``max_pointwise_cat_inputs``, 8, one copy kernel per part, 15 per call
-        on Qwen-Image at W = 8 under CUDA graphs)."""
+        """:meth:`repad` by slices and zero pads, no index tensor (traced code; an every-key mask, eager too). A prefix
+        split is one ``pad``; tensor_split's split (k blocks of ``smax``, then ``smax - 1``) the full blocks and the
+        short ones padded by one ``pad`` (one or two kernels); any other split a ``cat`` of up to 2W - 1 parts (past
+        Inductor's ``max_pointwise_cat_inputs``, 8: one copy kernel per part)."""
         w, smax, seq = self.world, self.smax, self.seq
         if self.prefix:  # the real rows first, the padding after them
             return _pad_rows(out, w * smax - self.total)

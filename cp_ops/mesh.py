@@ -1,12 +1,7 @@
-"""2-D CP meshes: what a ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` means to cp_ops, and its layout.
+"""2-D CP meshes: what a ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` means to cp_ops (``docs/2d.md``).
 
-O rows (the outer dim: AGKV runs over it, between the rows), I ranks per row (the inner dim: Ulysses runs over it,
-inside a row); rank r of the mesh, in row-major order (``r = o·I + i``), holds the r-th block of tokens; the inner
-size must divide the head count; other dim names or orders raise ValueError. Give each row one node's ranks
-(``init_device_mesh("cuda", (nodes, gpus_per_node), ...)``) to keep the all-to-all inside a node: ``docs/2d.md``.
-
-:func:`describe` reads a mesh into plain values (a constant for the compiler); :class:`MeshShards` is the 2-D form of
-:class:`cp_ops.layout.Shards` (uneven ``seq_lens`` / key masks) the 2-D body takes.
+O rows (the outer dim: AGKV between the rows), I ranks per row (the inner dim: Ulysses inside a row); rank
+``r = o·I + i`` holds the r-th block of tokens; I must divide the head count; other dim names raise ValueError.
 """
 
 from __future__ import annotations
@@ -23,17 +18,15 @@ DIM_NAMES = ("agkv", "ulysses")
 
 
 def is_mesh(group: Any) -> bool:
-    """Whether ``group`` is a ``DeviceMesh`` of more than one dim (1-D meshes are 1-D CP groups). Cheap: read on every
-    :func:`cp_ops.attention` call; a ProcessGroup is asked nothing (under Dynamo it is an opaque object whose unknown
-    attributes raise)."""
+    """Whether ``group`` is a ``DeviceMesh`` of more than one dim. Cheap (every :func:`cp_ops.attention` call); a
+    ProcessGroup is asked nothing (under Dynamo its unknown attributes raise)."""
     if group is None or isinstance(group, ProcessGroup):
         return False
     return isinstance(group, DeviceMesh) and group.ndim != 1  # (Dynamo of torch 2.11 cannot trace hasattr on a mesh)
 
 
 class MeshInfo(NamedTuple):
-    """A 2-D mesh as plain values: per dim (outer, inner) the process group's name, size, this rank's index in it and
-    the backend string."""
+    """A 2-D mesh as plain values: per dim (outer, inner) the group's name, size, this rank's index and backend."""
 
     outer_name: str
     outer: int
@@ -94,10 +87,8 @@ def row_lens(seq_lens, outer: int, inner: int) -> tuple:
 
 
 class MeshShards:
-    """Uneven shards and/or a key mask of one 2-D call: ``inner``, a :class:`cp_ops.layout.Shards` of this rank's row
-    (the I counts of its row, this rank's index i in it), and ``outer``, one of the rows (the O row totals; this row o;
-    its ``s_local`` the row's token count). ``seq_lens``: the W counts in mesh rank order, or None (every rank
-    ``s_local`` tokens; a key mask on even shards)."""
+    """:class:`cp_ops.layout.Shards` of one 2-D call: ``inner`` over this rank's row, ``outer`` over the rows (their
+    token totals). ``seq_lens``: the W counts in mesh rank order, or None (every rank ``s_local`` tokens)."""
 
     __slots__ = ("inner", "outer")
 
@@ -111,11 +102,9 @@ class MeshShards:
 
 def init_cp_mesh(tokens: int, heads: int, head_dim: int, *, dtype: str = "bf16", batch: int = 1,
                  device_type: str = "cuda", links=None, overlapped: bool = False):
-    """Build the 2-D CP mesh over every rank (the default process group) that the cost model predicts fastest for
-    attention over ``tokens`` tokens with ``heads`` heads of ``head_dim`` (:func:`cp_ops.cost.choose`), from the ranks'
-    node layout (:mod:`cp_ops.node`: host names or ``CP_OPS_NODE_ID``). ``links``: the cost model's figures; None =
-    :func:`cp_ops.cost.links` (the network bandwidth from ``CP_OPS_NETWORK_GBPS``, as ``mode='auto'``'s split reads
-    it). A prediction, not a measurement. Collective: every rank calls it alike.
+    """Build the 2-D CP mesh over every rank that the cost model predicts fastest for attention over ``tokens``
+    tokens (:func:`cp_ops.cost.choose`), from the ranks' node layout (:mod:`cp_ops.node`). ``links``: the cost
+    model's figures (None: :func:`cp_ops.cost.links`). Collective: every rank calls it alike.
 
     Returns:
         ``(mesh, prediction)``: a ``DeviceMesh`` of shape ``(O, I)`` with ``mesh_dim_names=("agkv", "ulysses")`` (pass

@@ -1,10 +1,5 @@
-"""Which ranks share a node: cp_ops never assumes that every rank of a group runs on one host.
-
-A rank's node identity is ``CP_OPS_NODE_ID`` when set (``cp_ops.config.settings.node_id``, read per rank), else its
-host name; ranks with equal identities share a node. Set it to simulate several nodes on one machine, or where host
-names do not tell nodes apart (``docs/settings.md``). What reads it — the rank contract's shared-memory exchange, the
-fast transport's group probe, ``transport='auto'``, the cost model and ``mode='auto'``'s cross-node split:
-``docs/2d.md``.
+"""Which ranks share a node (cp_ops never assumes one host): ranks with equal node identities, ``CP_OPS_NODE_ID``
+where set (per rank), else the host name (``docs/settings.md``, ``docs/2d.md``).
 """
 
 from __future__ import annotations
@@ -21,13 +16,8 @@ _groups: dict[str, tuple[weakref.ref, tuple[str, ...]]] = {}
 
 
 def group_nodes(group: dist.ProcessGroup) -> tuple[str, ...]:
-    """Each rank's node identity, in group-rank order (collective over ``group`` the first time: every rank calls it;
-    bounded by ``settings.timeout_s`` through the default store, :func:`cp_ops.contract.agree`; cached per group
-    object).
-
-    Raises:
-        RuntimeError: not every rank of the group called it within ``CP_OPS_TIMEOUT_S`` (the message names them).
-    """
+    """Each rank's node identity, in group-rank order (collective the first time, cached per group object).
+    RuntimeError: not every rank of the group called it within ``CP_OPS_TIMEOUT_S`` (named)."""
     got = _groups.get(group.group_name)
     if got is None or got[0]() is not group:
         from .contract import agree

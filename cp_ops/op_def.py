@@ -1,29 +1,14 @@
-"""How a cp_ops ``torch.library`` op is registered: :func:`define`, a lean form of ``torch.library.custom_op``.
+"""How a cp_ops ``torch.library`` op is registered: :func:`define`, a lean form of ``torch.library.custom_op``, whose
+per-call Python layers cost a launch op ~13 µs of host time (17 µs against 4 µs; docs/own_cost.md).
 
-``torch.library.custom_op`` wraps the real kernel in Python layers that run at every call: an autograd kernel that
-packs a metadata object and redispatches, a backend wrapper that checks the outputs for aliasing, a Dynamo-disable
-wrapper. A launch op runs 2-3 times per attention call inside every compiled block, so those layers are host time
-on the critical path of a forward that is not CUDA-graphed (17 µs per call against 4 µs for a trivial kernel
-registered with ``torch.library.Library``; what this saves per call: docs/own_cost.md).
-
-:func:`define` registers the same things with the low-level API (the schema inferred from the annotations by
-``torch.library.infer_schema``, as ``custom_op`` does):
-
-* the real kernel at ``CompositeExplicitAutograd`` (every device), called by the dispatcher directly;
-* an ``Autograd`` kernel that, unless grad mode is on and an input requires grad, calls the real kernel at once
-  (redispatches, where a key below autograd — FakeTensor, functionalization, a dispatch mode — must see the call);
-  only then does it run the op's autograd formula (:meth:`OpDef.register_autograd`) through torch's own generated
-  ``autograd.Function``, the one ``custom_op`` uses (tensor lists included; an op without a formula raises at
-  backward, as under ``custom_op``);
-* the fake kernel (:meth:`OpDef.register_fake` = ``torch.library.register_fake``).
-
-Kept from ``custom_op``: the kernel and the autograd kernel run outside Dynamo (a frame Dynamo runs eagerly, e.g.
-after a graph break inside a ``with`` block, calls the op eagerly: its Python must not be traced, or Dynamo compiles
-the op's body and fails on the process group's C++ objects); here their code is marked skipped, recursively, once
-(:func:`_outside_dynamo`: no wrapper per call); the ``pt2_compliant_tag``; redefinition (a reload of the defining
-module replaces the op: each op has its own ``Library``, destroyed first). Given up: the per-call aliasing check of
-outputs against inputs (every cp_ops op returns fresh tensors; ``torch.library.opcheck`` checks it in the tests).
-Mutating ops stay on ``custom_op`` (it also registers their ``ADInplaceOrView`` kernel).
+:func:`define` registers with the low-level API (schema from ``torch.library.infer_schema``): the real kernel at
+``CompositeExplicitAutograd``; an ``Autograd`` kernel that calls the real kernel at once (or redispatches where a key
+below autograd — FakeTensor, functionalization, a dispatch mode — must see the call) unless grad mode is on and an
+input requires grad, then runs the op's formula through torch's generated ``autograd.Function`` as ``custom_op``
+does; the fake kernel. Kept from ``custom_op``: both kernels run outside Dynamo (their code marked skipped once,
+:func:`_outside_dynamo`: a frame Dynamo runs eagerly must not trace the op's body), the ``pt2_compliant_tag``,
+redefinition on reload. Given up: the per-call aliasing check (every op returns fresh tensors; ``opcheck`` checks it
+in the tests). Mutating ops stay on ``custom_op`` (it also registers their ``ADInplaceOrView`` kernel).
 """
 
 from __future__ import annotations
@@ -33,15 +18,13 @@ from typing import Callable
 import torch
 from torch import _C
 
-#: op name -> the ``torch.library.Library`` holding its definition and kernels (kept across a reload of this module,
-#: so that reloading it does not drop every op)
+#: op name -> the ``torch.library.Library`` holding its definition and kernels (kept across a reload of this module)
 _LIBS: dict[str, torch.library.Library] = globals().get("_LIBS", {})
 
 
 def _outside_dynamo(fn: Callable) -> Callable:
-    """Mark ``fn``'s code, and every frame it calls, as never traced by Dynamo (what ``torch._disable_dynamo`` does
-    for ``custom_op``'s kernels, without a wrapper run at each call); where this torch lacks the frame-strategy API,
-    ``torch._disable_dynamo`` instead."""
+    """Mark ``fn``'s code, and every frame it calls, as never traced by Dynamo, without a per-call wrapper (where
+    this torch lacks the frame-strategy API: ``torch._disable_dynamo``)."""
     ef = getattr(_C._dynamo, "eval_frame", None)
     try:
         ef.set_code_exec_strategy(fn.__code__, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.SKIP))

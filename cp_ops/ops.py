@@ -1,26 +1,15 @@
 """Every cp_ops ``torch.library`` op in one table: schema, fake kernel and real kernel, side by side.
 
-The ops are *launches*: they start the communication and return at once, with their outputs registered so that
-``torch.ops._c10d_functional.wait_tensor(out)`` waits for it (as c10d's functional collectives do) — a compiler can
-then move the launch early and the wait late. Outputs are not valid until waited. Mode bodies reach them through
-:class:`cp_ops.comm.OpComm`; eager calls skip them (:class:`cp_ops.comm.DirectComm`).
-
-Each op takes ``world_size: int`` (so fake kernels need no process group), ``group_name: str`` and an op-level
-``transport`` from :func:`cp_ops.transport.base.resolve`. A launch's real kernel exchanges the call's signature
-(:func:`cp_ops.contract.op_checked`) with ``call``, ``tag`` and ``seq_lens``, which only name and check the call.
-
-Ops (W = world_size; layouts: :mod:`cp_ops.layout`):
-    agkv_gather_start: k, v ``[B, S_local, H, D]`` → ``[B, W*S_local, H, D]`` each, tokens in rank order.
-    mask_gather_start: uint8 ``[B, S]`` → ``[W*B, S]`` (rank-major): a key-padding mask beside its keys.
-    ulysses_start: n tensors ``[B, S_local, H, D]`` → ``[W, B, S_local, n, H/W, D]``.
-    ulysses_packed_start: a send buffer ``[W, B, S_local, n, H/W, D]`` packed by traced code → the same shape; its
-        exchange carries the signature ``ulysses_start`` would (``[B, S_local, H, D]``, ``count`` tensors).
-    ulysses_inverse_start: ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``.
-    ``after`` (the two Ulysses launches above): an ordering input, never read: traced pipelined Ulysses passes what
-        consumed the output of the launch ``slots_per_key`` before it, so Inductor keeps no more launches of one pool
-        key in flight than a pooling transport has slots.
-    agkv_pipelined_attention: ``[B, S_local, H, D]`` → the same; synchronous (see its block below).
-    fp8_*: not launches: the FP8 codec of ``comm_dtype`` for traced code (:mod:`cp_ops.kernels.fp8`, ``fp8_ulysses``).
+The ``*_start`` ops are *launches*: they start the communication and return at once, their outputs registered so
+that ``torch.ops._c10d_functional.wait_tensor(out)`` waits for it — a compiler can move the launch early and the
+wait late. Each takes ``world_size`` (fake kernels need no group), ``group_name`` and a resolved ``transport``; a
+launch's real kernel checks the rank contract with ``call``, ``tag`` and ``seq_lens`` (which only name the call).
+Layouts (W = world_size): agkv_gather_start ``[B, S_local, H, D]`` × 2 → ``[B, W*S_local, H, D]`` × 2;
+mask_gather_start uint8 ``[B, S]`` → ``[W*B, S]``; ulysses_start n × ``[B, S_local, H, D]`` →
+``[W, B, S_local, n, H/W, D]``; ulysses_packed_start that buffer, packed by traced code → the same shape;
+ulysses_inverse_start ``[B, S, H/W, D]`` → ``[W, B, S/W, H/W, D]``. ``after`` (Ulysses launches): an ordering input,
+never read, so Inductor keeps no more launches of one pool key in flight than a pooling transport has slots.
+agkv_pipelined_attention is synchronous; fp8_* are the FP8 codec of ``comm_dtype`` for traced code.
 """
 
 from __future__ import annotations
@@ -36,10 +25,6 @@ from .transport import base as transport_base
 from . import contract, op_def, validate
 from .comm import DirectCodec, DirectComm
 from .kernels import fp8, fp8_ulysses
-
-def _transport(name: str, pg: dist.ProcessGroup, t: torch.Tensor):
-    """The transport object for this call (the one selector: :func:`cp_ops.transport.base.for_group`)."""
-    return transport_base.for_group(name, pg, t.device)
 
 
 def _group(world_size: int, group_name: str) -> dist.ProcessGroup:
@@ -85,7 +70,7 @@ def agkv_gather_start(
     if k.numel() == 0:  # nothing to move (every rank agreed on this shape)
         b, s, h, d = k.shape
         return k.new_empty(b, world_size * s, h, d), v.new_empty(b, world_size * s, h, d)
-    k_full, v_full, work = _transport(transport, pg, k).agkv_start(k, v, pg)
+    k_full, v_full, work = transport_base.for_group(transport, pg, k.device).agkv_start(k, v, pg)
     _register(work, k_full, v_full)
     return k_full, v_full
 
@@ -113,7 +98,7 @@ def ulysses_start(xs: list[torch.Tensor], world_size: int, group_name: str, tran
     if xs[0].numel() == 0:
         b, s, h, d = xs[0].shape
         return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
-    buf, work = _transport(transport, pg, xs[0]).ulysses_start(xs, pg)
+    buf, work = transport_base.for_group(transport, pg, xs[0].device).ulysses_start(xs, pg)
     _register(work, buf)
     return buf
 
@@ -131,18 +116,13 @@ def _(xs, world_size, group_name, transport, call="", tag=0, seq_lens=None):
     return xs[0].new_empty(world_size, b, s, len(xs), h // world_size, d)
 
 
-# ---- Ulysses all-to-all of a send buffer packed by the caller (traced code: Inductor writes it) ----------------
-# Why (the ops table above says what): under torch.compile the pack is traced torch code
-# (:func:`cp_ops.layout.ulysses_pack_traced`) that Inductor fuses into the kernels producing Q, K and V (their
-# norm/RoPE), so they write the send buffer directly; ``ulysses_start`` would copy them again. Moved by
-# :func:`cp_ops.transport.base.ulysses_packed_start`.
+# ---- Ulysses all-to-all of a send buffer packed by traced code (Inductor fuses the pack into Q/K/V's producers) ----
 @op_def.define("cp_ops::ulysses_packed_start")
 def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, transport: str, call: str = "",
                          tag: int = 0, seq_lens: list[int] | None = None, count: int = 0,
                          after: torch.Tensor | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    # the rank contract's signature as the eager path (and ulysses_start) makes it for the call: the inputs'
-    # [B, S_local, W*(heads sent per group), D] and the call's tensor count (``count``; 0: the n slots sent here)
+    # the eager path's signature: [B, S_local, W*(heads sent per group), D], ``count`` tensors (0: the n slots here)
     like = send
     if send.dim() == 6:
         w, b, s, n, hs, d = send.shape
@@ -153,7 +133,7 @@ def ulysses_packed_start(send: torch.Tensor, world_size: int, group_name: str, t
                         seq_lens=seq_lens)
     if send.numel() == 0:
         return torch.empty_like(send, memory_format=torch.contiguous_format)
-    buf, work = transport_base.ulysses_packed_start(_transport(transport, pg, send), send, pg)
+    buf, work = transport_base.ulysses_packed_start(transport_base.for_group(transport, pg, send.device), send, pg)
     _register(work, buf)
     return buf
 
@@ -179,12 +159,12 @@ def ulysses_inverse_start(x: torch.Tensor, world_size: int, group_name: str, tra
                           tag: int = 0, seq_lens: list[int] | None = None,
                           after: torch.Tensor | None = None) -> torch.Tensor:
     pg = _group(world_size, group_name)
-    contract.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x, lambda: _check_ulysses_inverse(x, world_size),
-                        1, call=call, tag=tag, seq_lens=seq_lens)
+    contract.op_checked(pg, "cp_ops::ulysses_inverse_start", transport, x,
+                        lambda: _check_ulysses_inverse(x, world_size), 1, call=call, tag=tag, seq_lens=seq_lens)
     if x.numel() == 0:
         b, s, hl, d = x.shape
         return x.new_empty(world_size, b, s // world_size, hl, d)
-    buf, work = _transport(transport, pg, x).ulysses_inverse_start(x, pg)
+    buf, work = transport_base.for_group(transport, pg, x.device).ulysses_inverse_start(x, pg)
     _register(work, buf)
     return buf
 
@@ -248,8 +228,8 @@ def agkv_pipelined_attention(
     shards = None if seq_lens is None else layout.Shards(seq_lens, world_size, pg.rank(), k.shape[1], k.device)
     if q.numel() == 0 and smax * k.shape[0] * k.shape[2] * k.shape[3] == 0:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
-    comm = DirectComm(pg, _transport(transport, pg, k), codec=DirectCodec(("", comm_fmt, comm_fmt, "")) if comm_fmt
-                      else None)
+    comm = DirectComm(pg, transport_base.for_group(transport, pg, k.device),
+                      codec=DirectCodec(("", comm_fmt, comm_fmt, "")) if comm_fmt else None)
     try:
         return agkv_pipelined(q, k, v, comm, scale=scale, chunks=chunks, shards=shards)
     except BaseException:
@@ -268,10 +248,8 @@ def _(q, k, v, world_size, group_name, transport, scale, chunks, seq_lens=None, 
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-# It communicates (this rank's K/V block goes to every peer) whatever its output: a rank without tokens (uneven shards,
-# ``seq_lens`` with a 0) has an empty output, which a compiler may compute without the op (Inductor did: the graph's
-# ``[B, 0, ...]`` result became one ``empty``, so that rank never sent its block and its peers waited on it). Marked
-# side-effectful, so no dead-code pass (FX's, Inductor's scheduler) removes it.
+# It communicates whatever its output: a rank without tokens has an empty output, which Inductor computed without the
+# op (its peers then waited for its block). Side-effectful: no dead-code pass removes it.
 torch.fx.node.has_side_effect(torch.ops.cp_ops.agkv_pipelined_attention.default)
 
 
@@ -333,11 +311,9 @@ def _(buf, dtype, fmt):
 
 
 # ---- pipelined Ulysses: a sub-group's inverse copied out of its (maybe pooled) buffer ----------------
-# cp_ops::ulysses_inverse_copy_out(back, out): back ``[W, B, S', Hl, D]`` (an inverse launch's waited buffer) →
-#     ``out [B, S, W, Hl, D]`` (S ≤ S': the first S of each block). Why an op: traced, the copy would be pointwise
-#     code Inductor may fuse into a later kernel that reads ``back`` after a later launch of its pool key took the
-#     slot; an opaque op reads ``back`` once, where it stands.
-# (torch.library.custom_op, not op_def.define: a mutating op, whose ADInplaceOrView kernel custom_op registers)
+# back ``[W, B, S', Hl, D]`` → ``out [B, S, W, Hl, D]`` (the first S of each block). An opaque op: Inductor could fuse
+# a traced copy into a later kernel, reading ``back`` after a later launch took its pooled slot. custom_op, not
+# op_def.define: a mutating op, whose ADInplaceOrView kernel custom_op registers.
 @torch.library.custom_op("cp_ops::ulysses_inverse_copy_out", mutates_args=("out",))
 def ulysses_inverse_copy_out(back: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(back.narrow(2, 0, out.shape[1]).permute(1, 2, 0, 3, 4))
@@ -357,9 +333,8 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- autograd: forward-only, with an error that says so ------------------------------------------
-# The error lives in an op of its own, raised by its *real* kernel: a forward with inputs that require grad
-# runs (eager and torch.compile alike: AOTAutograd traces the joint graph through the fake kernel), and only
-# an actual backward raises.
+# The error is an op's *real* kernel: a forward with inputs that require grad runs (AOTAutograd traces the joint
+# graph through the fake kernel); only an actual backward raises.
 def no_backward_message(name: str) -> str:
     return (
         f"cp_ops.{name} has no backward: cp_ops targets DiT inference (forward only). Run the model under "
@@ -384,16 +359,14 @@ def refuse_grad(grad: torch.Tensor, shape, name: str) -> torch.Tensor:
 
 
 def _save_shapes(ctx, inputs, output):
-    # per input, in order: its shape (a tensor list: their shapes), None where it takes no gradient (world_size,
-    # group_name, ..., an absent ``after``); shapes only: the inputs need not stay alive for a backward that only raises
+    # per input: its shape (a tensor list: their shapes), None where it takes no gradient; shapes only
     ctx.shapes = [[x.shape for x in i] if isinstance(i, (list, tuple)) and i and isinstance(i[0], torch.Tensor)
                   else i.shape if isinstance(i, torch.Tensor) else None for i in inputs]
 
 
 def _no_backward(name: str):
     def backward(ctx, *grads):
-        # one entry per input the call passed, in order (an ``after`` that requires grad included): the dispatcher
-        # leaves out trailing inputs equal to their defaults (never tensors), which setup_context saw filled in
+        # one entry per input the call passed: the dispatcher leaves out trailing inputs equal to their defaults
         g = next(x for x in grads if x is not None)
         return tuple(None if shape is None else [refuse_grad(g, s, name) for s in shape] if isinstance(shape, list)
                      else refuse_grad(g, shape, name) for shape in ctx.shapes[:len(ctx.needs_input_grad)])
@@ -410,11 +383,8 @@ for _op in (agkv_gather_start, ulysses_start, ulysses_packed_start, ulysses_inve
 mask_gather_start.register_autograd(_no_backward(mask_gather_start._name), setup_context=_save_shapes)
 
 
-#: Every launch op (the ops table): a compiler integration derives from it what it lowers and reorders.
-#: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each.
-#: A launch whose first argument is a list of tensors packs them; the pass may split such a launch by tensor.
-#: ``ulysses_packed_start`` (traced code, :class:`cp_ops.comm.OpComm`) is one launch of a stacked send buffer; the
-#: pass splits its stack into K/V and Q launches.
+#: The launches that carry attention's inputs (K/V, and Q for Ulysses): the overlap pass opens a window from each
+#: (and may split one by tensor). LAUNCH_OPS: every launch, what a compiler integration lowers and reorders.
 KV_LAUNCH_OPS = (
     torch.ops.cp_ops.agkv_gather_start.default,
     torch.ops.cp_ops.ulysses_start.default,

@@ -25,14 +25,12 @@ def available_cores() -> int:
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
             host: list | None = None) -> float:
-    """Median wall time of ``fn()`` in ms over ``repeats`` runs after ``warmup`` runs (see :func:`samples_ms`;
-    ``host``: a list that gets each run's host time, ms)."""
+    """Median of :func:`samples_ms`."""
     return statistics.median(samples_ms(fn, device, warmup, repeats, host))
 
 
 def summary(samples: list[float]) -> dict:
-    """``{'median', 'min', 'max', 'q1', 'q3'}`` of ``samples`` (ms); q1/q3 are the 25th/75th percentiles
-    (linear interpolation; a single sample gives that value for all five)."""
+    """``{'median', 'min', 'max', 'q1', 'q3'}`` of ``samples`` (q1/q3: inclusive quartiles)."""
     xs = sorted(samples)
     if len(xs) == 1:
         return dict(median=xs[0], min=xs[0], max=xs[0], q1=xs[0], q3=xs[0])
@@ -42,33 +40,28 @@ def summary(samples: list[float]) -> dict:
 
 def samples_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
                host: list | None = None) -> list[float]:
-    """Wall time of each of ``repeats`` runs of ``fn()`` in ms, after ``warmup`` untimed runs; on CUDA between CUDA
-    events on the current stream (the GPU time of the work ``fn`` enqueues, its waits on communication included).
-    ``host`` (a list) gets each run's host time in ms, the ``fn()`` call itself (each run starts on an empty device
-    queue): where it reaches the device time, the run is host-bound."""
+    """Wall time of each of ``repeats`` runs of ``fn()`` in ms, after ``warmup`` untimed runs; on CUDA between events
+    on the current stream, each run on an empty queue. ``host`` (a list) gets each ``fn()`` call's host time in ms
+    (where it reaches the device time, the run is host-bound)."""
     for _ in range(warmup):
         fn()
-    times = []
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
-        for _ in range(repeats):
+    times = []
+    for _ in range(repeats):
+        if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            t0 = time.perf_counter()
-            fn()
-            t1 = time.perf_counter()
+        t0 = time.perf_counter()
+        fn()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        if cuda:
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
-            if host is not None:
-                host.append((t1 - t0) * 1e3)
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            if host is not None:
-                host.append(times[-1])
+        times.append(start.elapsed_time(end) if cuda else host_ms)
+        if host is not None:
+            host.append(host_ms)
     return times
 
 
@@ -103,15 +96,9 @@ def steady_ms(fn: Callable[[], object], device: torch.device, warmup: int, sampl
 def interleaved_rounds(baselines: list[Callable[[], object]], cases: list[Callable[[], object]], rounds: int,
                        sample: Callable[[Callable[[], object]], float], on_round: Callable[[int], None] | None = None
                        ) -> tuple[list[list[float]], list[list[float]]]:
-    """Samples taken in ``rounds`` interleaved rounds, so drift (clocks, temperature) hits every side alike: each
-    round, rank 0 takes one sample of every baseline alone (the other ranks wait at a barrier), then every rank one
-    of every case (collective: the same cases in the same order). ``sample``: ``fn -> ms`` (e.g. one
-    :func:`steady_ms` sample); ``on_round``: called with the round's index before it.
-
-    Returns:
-        ``(baseline samples, case samples)``: one list of ``rounds`` ms per callable (baselines: empty lists on
-        ranks other than 0); this rank's own times (reduce over ranks with :func:`max_over_ranks_each`).
-    """
+    """Samples in ``rounds`` interleaved rounds (drift hits every side alike): each round rank 0 samples every
+    baseline alone (the others wait at a barrier), then every rank every case. ``sample``: ``fn -> ms``.
+    Returns ``(baseline samples, case samples)``, one list per callable (baselines: empty off rank 0), this rank's."""
     rank0 = dist.get_rank() == 0
     base_s, case_s = [[] for _ in baselines], [[] for _ in cases]
     for r in range(rounds):
@@ -133,25 +120,17 @@ def max_over_ranks(value: float, device: torch.device, group: dist.ProcessGroup 
 
 
 def max_over_ranks_each(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
-    """Element-wise maximum of ``values`` over the ranks of ``group`` (same length on every rank): the time of
-    the i-th CP call is the slowest rank's."""
+    """Element-wise maximum of ``values`` over the ranks of ``group`` (same length on every rank)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
 class Graphed:
-    """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph after ``warmup`` calls on a side stream
-    (torch's rule for ``torch.cuda.graph``); ``graphed()`` replays them and returns the last call's output (static:
-    rewritten by each replay). Replays read ``fn``'s inputs as they are at replay time.
-
-    Args:
-        fn: the work to capture (eager PyTorch, cp_ops calls). device: a CUDA device. calls: calls per graph.
-        warmup: eager calls before the capture. group: when given, the ranks agree on the capture's outcome (a
-            replay runs collectives, so every rank must hold a graph or none).
-    Raises:
-        RuntimeError: the capture failed (with ``group``: on any rank, on every rank, naming the first reason).
-    """
+    """``calls`` calls of ``fn()`` back to back, captured in one CUDA graph after ``warmup`` calls on a side stream;
+    ``graphed()`` replays them and returns the last call's (static) output. ``group``: the ranks agree on the
+    capture's outcome (every rank holds a graph or none). RuntimeError: the capture failed (with ``group``: on any
+    rank, raised on every rank)."""
 
     def __init__(self, fn: Callable[[], object], device: torch.device, calls: int = 1, warmup: int = 2,
                  group: dist.ProcessGroup | None = None):

@@ -1,11 +1,6 @@
-"""Input rules, each raising an error that names the rule and the values seen.
-
-:func:`check_same`, :func:`check_heads_divisible`, :func:`check_seq_divisible`, ... run in the public API (eager or
-traced by Dynamo), in the ops' fake kernels (while ``torch.compile`` traces; a symbolic size goes through
-``torch._check_value``: a guard or a runtime assert) and in the ops' real kernels (direct ``torch.ops.cp_ops.*``
-calls). They raise ``ValueError`` (``TypeError`` for a non-tensor). They look at this rank's inputs only; what the
-ranks of a group must agree on, and how a failure here reaches the peers, is the call contract
-(:mod:`cp_ops.contract`).
+"""Input rules, each raising ValueError (TypeError for a non-tensor) that names the rule and the values seen. They run
+in the public API, the ops' fake kernels (a symbolic size through ``torch._check_value``) and real kernels, on this
+rank's inputs only (what the ranks must agree on: :mod:`cp_ops.contract`).
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _require(cond, message: Callable[[], str]) -> None:
-    """``ValueError(message())`` unless ``cond``. Eager and Dynamo-traced code (the public API) check a plain
-    condition (Dynamo guards on it); in a fake kernel a symbolic condition goes through ``torch._check_value``
-    (a guard, or a runtime assert for an unbacked size)."""
+    """``ValueError(message())`` unless ``cond``; in a fake kernel a symbolic condition goes through
+    ``torch._check_value`` (a guard, or a runtime assert for an unbacked size)."""
     if isinstance(cond, bool) or torch.compiler.is_dynamo_compiling():
         if not cond:
             raise ValueError(message())
@@ -49,8 +43,9 @@ def check_bshd(name: str, t: torch.Tensor) -> None:
 
 def check_dtype(name: str, t: torch.Tensor) -> None:
     """``t`` must have a dtype of :data:`SUPPORTED_DTYPES` (float32, float16, bfloat16)."""
-    _require(t.dtype in SUPPORTED_DTYPES, lambda: f"{name} must be float32, float16 or bfloat16 (the dtypes cp_ops "
-                                                  f"supports); got {t.dtype}: convert it with .to(torch.float32) or .to(torch.bfloat16)")
+    _require(t.dtype in SUPPORTED_DTYPES, lambda: (
+        f"{name} must be float32, float16 or bfloat16 (the dtypes cp_ops supports); got {t.dtype}: convert it with "
+        ".to(torch.float32) or .to(torch.bfloat16)"))
 
 
 def check_same(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], wire: bool = False) -> None:
