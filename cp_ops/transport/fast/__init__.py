@@ -1,26 +1,18 @@
 """The fast transport: one Hopper node, direct peer writes over NVLink/P2P into symmetric buffers.
 
 :class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`, with the layouts
-of :mod:`cp_ops.layout`; ``work.wait()`` makes the current CUDA stream wait (no host block).
+of :mod:`cp_ops.layout`; ``work.wait()`` makes the current CUDA stream wait (no host block). Each rank writes its
+chunk straight into every peer's *final* buffer (pitched copies on the copy engine or an SM kernel; Ulysses folds
+the sequence<->head transform into them), then raises a per-call, per-source arrival flag on that peer
+(:meth:`FastTransport.wait_source`). Peers are visited ``rank ^ j`` (``(rank + j) % W`` when W is not a power of
+two), ``inflight`` at once, each over ``split`` streams, measured per shape at its first call and agreed over ranks.
+Modules and fault behaviour: ``docs/fast_transport.md``; settings (``CP_OPS_FAST_*``): ``docs/settings.md``.
 
-Method (this project): each rank writes its own chunk straight into every peer's *final* buffer — for AGKV its K and
-V tokens at its token block (a pitched copy when B > 1), for Ulysses the sequence<->head transform folded into
-pitched copies — then raises a per-call, per-source arrival flag on that peer, so a consumer can wait for one
-source's chunk (:meth:`FastTransport.wait_source`). The copies run on the copy engine or an SM copy kernel; remote
-targets are visited ``rank ^ j`` (``(rank + j) % W`` when W is not a power of two), ``inflight`` at once, each split
-over ``split`` streams; path/inflight/split are measured per shape at its first call and agreed (max over ranks).
-The package's modules and what the transport promises under faults: ``docs/fast_transport.md``; its settings
-(``CP_OPS_FAST_*``): ``docs/settings.md``.
-
-Outputs are views of pooled buffers: valid until the second-next fast call of the same role and shape
-(``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most 256 fast
-calls may be launched and not yet waited. Under CUDA graphs a call can be captured once its shape ran eagerly (lane
-started, buffers allocated, fan-out tuned); each captured call keeps its flag slot while its graph lives and its pool
-buffers until :meth:`FastTransport.shutdown`.
-
-Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
-(0.69-0.78x the NCCL all-gather time), Ulysses 260-344 GB/s (0.49-0.52x the torch transport's
-pack + all_to_all_single); every output bitwise equal to the torch transport
+Outputs are views of pooled buffers, valid until the second-next fast call of the same role and shape
+(``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises. At most 256 fast calls may
+be in flight. Under CUDA graphs a shape can be captured once it ran eagerly; a captured call keeps its flag slot
+while its graph lives and its pool buffers until :meth:`FastTransport.shutdown`. Bitwise equal to the torch
+transport; on 2x H200 AGKV takes 0.69-0.78x the NCCL all-gather's time, Ulysses 0.49-0.52x the torch transport's
 (``benchmarks/results/transfer/table.md``).
 """
 
@@ -71,12 +63,9 @@ class FastTransport:
 
     # ---- availability ---------------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
-        """Why the fast transport cannot run for tensors on ``device``; ``None`` when it can.
-
-        Checked in order: CUDA tensors; a CUDA build of torch with a GPU; compute capability 9.0 (Hopper);
-        nvshmem4py importable (unless ``CP_OPS_FAST_HEAP=ipc``); the CUDA extension built (built here on the
-        first call, ~1 min, then cached; a failure names its build log). Group-level requirements are checked
-        by :meth:`group_reason`.
+        """Why the fast transport cannot run for tensors on ``device``; ``None`` when it can. Checked in order:
+        CUDA tensors; a GPU; compute capability 9.0; nvshmem4py importable (unless ``CP_OPS_FAST_HEAP=ipc``); the
+        CUDA extension built (here on the first call, ~1 min, then cached). Group requirements: :meth:`group_reason`.
         """
         device = torch.device(device)
         if device.type != "cuda":
@@ -108,13 +97,10 @@ class FastTransport:
         return why
 
     def group_reason(self, group, device: torch.device) -> str | None:
-        """Why ``group`` cannot use the fast transport, or None (then the lane exists for it).
-
-        Collective over ``group`` on its first call (cached after): the ranks exchange their own
-        :meth:`unavailable_reason`, probe the group (one node, P2P reach) and start the lane stage by stage,
-        each stage's outcome exchanged, so a failure on one rank is every rank's verdict at once (bounded by
-        the group's timeout). The process has one lane: the first group (of width ``fast_lane_width`` when
-        set) that starts it; every other group gets a reason naming the lane's width and ranks.
+        """Why ``group`` cannot use the fast transport, or None (then the lane exists for it). Collective on its
+        first call (cached after): availability, the group probe and each start stage are agreed over the ranks,
+        so a failure on one rank is every rank's verdict (bounded by the timeout). The process has one lane: the
+        first group (of width ``fast_lane_width`` when set) that starts it; other groups get a reason naming it.
         """
         import torch.distributed as dist
 
@@ -147,8 +133,8 @@ class FastTransport:
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
-        """Start the lane on ``group`` (collective). Every exchange is bounded by ``CP_OPS_TIMEOUT_S`` and agreed,
-        so a rank that fails or is stuck gives every rank the same :class:`~.collective.StartFailed`."""
+        """Start the lane on ``group`` (collective; bounded, agreed exchanges: every rank gets the same
+        :class:`~.collective.StartFailed`)."""
         import torch.distributed as dist
 
         from ... import _ext
@@ -175,8 +161,7 @@ class FastTransport:
                                          f"{dist.get_process_group_ranks(group)}: {e}") from None
 
     def _lane_for(self, group):
-        """The lane for ``group``; starts it (collective) when none exists. Raises RuntimeError naming why the
-        group cannot use the fast transport."""
+        """The lane for ``group``, started (collective) when none exists; RuntimeError naming why it cannot."""
         lane = self.lane
         if lane is not None:
             if group is self._lane_group:  # the group that matched last time (no rank list built per call)
@@ -193,8 +178,7 @@ class FastTransport:
 
     # ---- errors, settings, lifecycle --------------------------------------------------------------
     def check(self) -> None:
-        """Raise RuntimeError if a device-side wait of the lane timed out (names the call, the peer, the flag,
-        the value seen and the value wanted). Also run at every fast launch and wait. No device sync."""
+        """Raise RuntimeError if a device wait of the lane timed out (:meth:`.lane.Lane.check`); no device sync."""
         if self.lane is not None:
             self.lane.check()
 
@@ -205,9 +189,8 @@ class FastTransport:
 
     def configure(self, *, pool_gb: float | None = None, heap: str | None = None, path: str | None = None,
                   lane_width: int | None = None, tune: bool | None = None) -> None:
-        """Change the fast settings (fields ``fast_*`` of :data:`cp_ops.config.settings`). ``pool_gb``/``heap``/
-        ``lane_width`` only while no lane exists (before the first fast call, or after :meth:`shutdown`);
-        ``path``/``tune`` any time (decisions are cached per path).
+        """Change the ``fast_*`` fields of :data:`cp_ops.config.settings`: ``pool_gb``/``heap``/``lane_width`` only
+        while no lane exists (before the first fast call or after :meth:`shutdown`), ``path``/``tune`` any time.
 
         Raises:
             RuntimeError: a heap setting is changed while the lane is live.
@@ -221,8 +204,7 @@ class FastTransport:
         config.configure(**{k: v for k, v in changes.items() if v is not None})
 
     def describe(self) -> dict:
-        """What ``cp-ops env`` prints: availability (and why not), settings, the lane, pool use, tuned decisions.
-        Never builds the extension or touches the GPU beyond what was already done in this process."""
+        """What ``cp-ops env`` prints (availability, settings, lane, pool, decisions); builds and touches nothing."""
         s = config.settings
         out = {
             "settings": {"pool_gb": s.fast_pool_gb, "heap": s.fast_heap, "path": s.fast_path,
@@ -237,8 +219,8 @@ class FastTransport:
         return out
 
     def shutdown(self) -> None:
-        """Release the lane, the pool and the NVSHMEM runtime (collective over the lane's group). A later fast
-        call starts a new lane. Exiting without calling it is safe: nothing collective runs at exit."""
+        """Release the lane, pool and NVSHMEM runtime (collective over the lane's group); a later fast call starts
+        a new lane. Exiting without it is safe: nothing collective runs at exit."""
         if self.lane is None:
             return
         lane, self.lane = self.lane, None
@@ -251,19 +233,15 @@ class FastTransport:
         lane.close()
 
     def wait_source(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Make the current stream wait only for the chunk of group rank ``src`` in the fast output ``t``
-        (``k_full``/``v_full`` of :meth:`agkv_start`, or a Ulysses buffer); returns ``t``.
-
-        Raises:
-            KeyError: ``t`` is not the output of a pending fast call.
-        """
+        """Make the current stream wait only for group rank ``src``'s chunk of the fast output ``t``; returns
+        ``t``. Raises KeyError when ``t`` is not the output of a pending fast call."""
         self._works[t.data_ptr()].wait_source(src)
         return t
 
     # ---- launches -------------------------------------------------------------------------------
     def _launch(self, lane, key, bufs, make_descs, inputs):
-        """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch; on failure give the
-        pool slots back. Returns (outputs, work)."""
+        """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch (on failure the pool slots
+        go back). Returns (outputs, work)."""
         call = lane.next_call()
         capturing = lane.capturing()
         got = []
@@ -293,14 +271,11 @@ class FastTransport:
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group, under_compute: bool = False):
         """All-gather K and V ``[B, S_local, H, D]`` into ``[B, W*S_local, H, D]`` each (tokens in rank order).
 
-        ``under_compute``: the transfer is meant to run under compute the caller issues next (pipelined AGKV):
-        with ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are measured and chosen for it (an SM copy kernel
-        takes SMs from that compute: measured on 2x H200 at 4K, the SM copy ran beside the attention instead of
-        under it), cached apart from the plain call's decision; this rank's own block of ``k_full``/``v_full`` is
-        left unwritten (the caller reads ``k``/``v``).
+        ``under_compute``: the transfer runs under compute the caller issues next (pipelined AGKV): with
+        ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are chosen (on 2x H200 an SM copy ran beside the
+        attention, not under it), cached apart; this rank's own block of the outputs is left unwritten.
 
-        Returns ``(k_full, v_full, work)``; the outputs are pooled (see the module docstring). Bitwise equal to
-        the torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
+        Returns ``(k_full, v_full, work)`` (pooled outputs). Raises RuntimeError when the fast transport cannot run.
         """
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
@@ -331,10 +306,8 @@ class FastTransport:
 
     def ulysses_start_heads(self, xs: list[torch.Tensor], group, lo: int = 0, hi: int | None = None):
         """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, hi - lo, D]``
-        (index 0 = source rank), the layout of :func:`cp_ops.layout.ulysses_pack` after the all-to-all, of heads
-        ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group; ``hi=None``: every head), the pitched
-        copies reading the whole tensors. Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot
-        run (reason given)."""
+        (:func:`cp_ops.layout.ulysses_pack`'s layout after the all-to-all; index 0 = source rank) of heads
+        ``[lo, hi)`` of every head group (``hi=None``: all). Returns ``(buf, work)``; raises as :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         prepped = [_prep(x) for x in xs]
@@ -362,13 +335,9 @@ class FastTransport:
     ulysses_start = ulysses_start_heads
 
     def ulysses_packed_start(self, send: torch.Tensor, group):
-        """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
-        (``cp_ops::ulysses_packed_start``): slab t (head group t) to rank t, one contiguous copy per peer, into
-        ``buf`` of the same shape (slab t = source rank t's tokens). Its own pool role (never the slots of
-        :meth:`ulysses_inverse_start`, whose buffers can have the same shape).
-
-        Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
-        """
+        """All-to-all of a caller-packed send buffer ``[W, B, S_local, n, Hl, D]``: slab t to rank t, one copy per
+        peer, into ``buf`` of the same shape (slab t from rank t). Its own pool role (apart from the same-shape
+        buffers of :meth:`ulysses_inverse_start`). Returns ``(buf, work)``; raises as :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         send, sp = _prep(send)
@@ -384,11 +353,9 @@ class FastTransport:
         return buf, work
 
     def ulysses_inverse_start(self, x: torch.Tensor, group):
-        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source
-        rank = head group), the layout of :func:`cp_ops.layout.ulysses_inverse_pack` after the all-to-all.
-
-        Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
-        """
+        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source rank;
+        the layout of :func:`cp_ops.layout.ulysses_inverse_pack`). Returns ``(buf, work)``; raises as
+        :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         x, xp = _prep(x)
@@ -409,9 +376,9 @@ class FastTransport:
 transport: FastTransport = register(FastTransport(), auto_rank=0)
 
 
-# ---- thin module-level helpers (the CLI, `cp-ops env`, tests and benchmarks call these) ----------
+# ---- module-level helpers (the CLI, `cp-ops env`, tests and benchmarks call these) ----------------
 def unavailable_reason(device_type: str, device_index: int | None = None) -> str | None:
-    """:meth:`FastTransport.unavailable_reason` for ``device_type`` (and index) on the registered transport."""
+    """:meth:`FastTransport.unavailable_reason` for ``device_type`` (and index)."""
     return transport.unavailable_reason(torch.device(device_type, device_index) if device_index is not None
                                         else torch.device(device_type))
 
