@@ -1,18 +1,17 @@
 """The fast transport's pool of symmetric buffers, keyed by (role, shape, dtype), ``slots`` each.
 
-Each key is one symmetric allocation made at its first use. Bounded by ``settings.fast_pool_gb`` (a ceiling, not a
-reservation): a new key that does not fit evicts least-recently-used keys that no rank still needs (no slot in
-flight, no output tensor referenced outside the pool; agreed over the group), else raises naming
-``CP_OPS_FAST_POOL_GB``. A launch that would overwrite a slot whose previous output was not waited yet raises (it
-never overwrites). Every rank makes the same allocation decisions (the same call sequence); each new allocation
-compares its number, key and size over the group and raises on a mismatch. Pure Python: the CPU tests drive it
-with CPU tensors.
+Each key is one symmetric allocation made at its first use, under the ceiling ``settings.fast_pool_gb``: a new key
+that does not fit evicts least-recently-used keys no rank still needs (agreed over the group), else raises naming
+``CP_OPS_FAST_POOL_GB``. A launch never overwrites a slot whose output was not waited (it raises). Each new
+allocation compares its number, key and size over the group (the ranks must make the same calls). Pure Python: the
+CPU tests drive it with CPU tensors.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -44,22 +43,16 @@ class _Entry:
 def _holders(slots: list) -> list:
     """Per slot tensor: (Python references, storage users). Larger than at creation = a caller still holds the
     output or a view of it (the same code path measures both, so the counts compare)."""
-    out = []
-    for i in range(len(slots)):
-        t = slots[i]
-        out.append((sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)))
-    return out
+    return [(sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in slots]
 
 
 class Pool:
     """Symmetric buffers keyed by (role, shape, dtype), ``slots`` each; grows on demand up to ``cap_bytes``.
 
-    ``alloc(nbytes) -> Segment`` and ``free(segment)`` are collective over the group; ``make(ptr, nbytes)``
-    gives a uint8 tensor over local memory; ``agree(obj) -> list`` all-gathers a small object over the group (bounded:
-    :class:`~.collective.Exchange`); ``quiesce()`` waits until no rank's device touches the pool (before a free);
-    ``room(nbytes) -> str | None``: why this rank cannot allocate ``nbytes`` now (e.g. free GPU memory), checked and
-    agreed before every allocation, so a rank short of memory makes every rank raise the same error instead of
-    failing alone inside a collective allocation."""
+    ``alloc(nbytes) -> Segment`` and ``free(segment)`` are collective over the group; ``make(ptr, nbytes)`` gives a
+    uint8 tensor over local memory; ``agree(obj) -> list`` all-gathers a small object over the group (bounded);
+    ``quiesce()`` waits until no rank's device touches the pool; ``room(nbytes) -> str | None``: why this rank cannot
+    allocate ``nbytes`` now, agreed before every allocation (every rank raises the same error, none fails alone)."""
 
     def __init__(self, alloc, free, make, agree, quiesce, cap_bytes: int, cap_gb: float, slots: int = 2, room=None):
         self.alloc_fn, self.free_fn, self.make, self.agree, self.quiesce = alloc, free, make, agree, quiesce
@@ -75,10 +68,9 @@ class Pool:
 
     def get(self, role: str, shape: tuple, dtype: torch.dtype, call: int,
             capturing: bool = False) -> tuple[torch.Tensor, list, tuple]:
-        """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here], ticket); the
-        address list is the pool's own (made once per key): read it, do not change it.
-        ``capturing``: the launch is being captured into a CUDA graph (the key must exist; it is then kept until
-        :meth:`release_all`, since the graph writes its slots at every replay).
+        """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here; the pool's own:
+        read only], ticket). ``capturing``: the launch is being captured into a CUDA graph (the key must exist; it
+        is then kept until :meth:`release_all`: the graph writes its slots at every replay).
 
         Raises:
             RuntimeError: the slot still holds an output that was not waited (more launches of this key in
@@ -147,10 +139,7 @@ class Pool:
         return "referenced, " + "; ".join(refs) if refs else "held on another rank"
 
     def _allocate(self, key, shape, dtype) -> _Entry:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         size = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
         need = self.slots * size
         desc = f"{key[0]} {tuple(shape)} {str(dtype).replace('torch.', '')}"
