@@ -1,12 +1,10 @@
 """The fast lane's call slots: each launched call owns one of ``n`` device flag slots until it is waited or
-cancelled (``csrc/cp_fast.cu`` has the flag protocol); slots are given round-robin, the same sequence on every rank.
+cancelled (the flag protocol: ``csrc/cp_fast.cu``); slots go round-robin, the same sequence on every rank.
 
-CUDA graphs. A slot used inside a capture is *pinned*: the graph raises its generation at every replay, so no eager
-call may use it while the graph lives. When the graph is destroyed, the extension learns it (a CUDA user object the
-graph owns; ``freed()``), but each rank learns it at its own time, and the slot sequence must stay the same on every
-rank; so freed slots are unpinned only by an agreed reclaim (``agree``: the intersection of every rank's freed
-slots), run at points that are the same on every rank: when a capture would pin a slot past ``reclaim_at`` pinned
-slots, and when no unpinned slot is left.
+A slot used inside a CUDA graph capture is *pinned* (the graph raises its generation at every replay) while the
+graph lives. Each rank learns of a destroyed graph at its own time (``freed()``: a CUDA user object the graph owns),
+so freed slots are unpinned only by an agreed reclaim (the intersection of every rank's freed slots) at points that
+are the same on every rank: a capture past ``reclaim_at`` pinned slots, or no unpinned slot left.
 """
 
 from __future__ import annotations
@@ -19,10 +17,8 @@ class CallSlots:
 
     Args:
         n: slots (the most un-waited calls at once).
-        agree: ``obj -> [obj of each group rank]``, a bounded exchange that needs no CUDA (it may run while a graph is
-            being captured); None: this rank alone (tests).
-        freed: ``() -> [slot, ...]``: pinned slots whose CUDA graph was destroyed since the last call (the
-            extension's ``Lane.freed_slots``); None: graphs never give slots back.
+        agree: ``obj -> [obj of each group rank]``, a bounded exchange needing no CUDA; None: this rank alone (tests).
+        freed: ``() -> [slot, ...]``: pinned slots whose CUDA graph was destroyed since the last call; None: never.
     """
 
     def __init__(self, n: int, agree=None, freed=None):
