@@ -13,12 +13,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: The CUDA backend order (the first that accepts the inputs runs).
-CUDA_PRIORITY = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
+CUDA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
 
 # What ``sdpa_kernel(CUDA_PRIORITY, set_priority=True)`` sets, done and undone only where the state differs: the
 # context manager costs ~19 µs of host time per call, this ~2 µs (eager only; Dynamo traces the context manager).

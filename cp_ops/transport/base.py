@@ -281,8 +281,7 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
         if reason is not None:
             raise RuntimeError(
                 f"transport={name!r} cannot run for CP group '{group.group_name}' "
-                f"(ranks {dist.get_process_group_ranks(group)}): {reason}"
-            )
+                f"(ranks {dist.get_process_group_ranks(group)}): {reason}")
         _group_choice[key] = name
         return t
     chosen = _agree_auto(group, device)

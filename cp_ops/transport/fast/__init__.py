@@ -69,11 +69,9 @@ class FastTransport:
         """
         device = torch.device(device)
         if device.type != "cuda":
-            return (
-                f"the tensors are on '{device.type}', and the fast transport moves CUDA tensors between "
-                "Hopper (sm_90) GPUs of one node over NVLink/P2P; on this device use transport='torch' "
-                "(transport='auto' picks it)"
-            )
+            return (f"the tensors are on '{device.type}', and the fast transport moves CUDA tensors between "
+                    "Hopper (sm_90) GPUs of one node over NVLink/P2P; on this device use transport='torch' "
+                    "(transport='auto' picks it)")
         if not torch.cuda.is_available():
             return "torch.cuda.is_available() is False (no GPU, or a CPU-only build of torch)"
         idx = torch.cuda.current_device() if device.index is None else device.index
@@ -87,10 +85,8 @@ class FastTransport:
             name = torch.cuda.get_device_name(idx)
             return f"GPU {idx} ({name}) has compute capability {cap[0]}.{cap[1]}; the fast transport needs 9.0 (Hopper)"
         if config.settings.fast_heap == "nvshmem" and importlib.util.find_spec("nvshmem") is None:
-            return (
-                "nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
-                "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers"
-            )
+            return ("nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
+                    "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers")
         from ... import _ext
 
         _, why = _ext.load()

@@ -326,18 +326,10 @@ class Lane:
         return statistics.median(ms)
 
     def describe(self) -> dict:
-        return {
-            "group_ranks": list(self.ranks),
-            "width": self.world,
-            "device": str(self.device),
-            "fabric": self.fabric,
-            "heap": self.heap.name,
-            "calls": self.calls,
-            "call_slots": self.slots.n,
-            "in_flight": len(self.slots.in_flight()),
-            "pool": self.pool.describe(),
-            "decisions": {"/".join(map(str, k)): d.label() for k, d in self.decisions.items()},
-        }
+        return {"group_ranks": list(self.ranks), "width": self.world, "device": str(self.device),
+                "fabric": self.fabric, "heap": self.heap.name, "calls": self.calls, "call_slots": self.slots.n,
+                "in_flight": len(self.slots.in_flight()), "pool": self.pool.describe(),
+                "decisions": {"/".join(map(str, k)): d.label() for k, d in self.decisions.items()}}
 
     def close(self):
         del self.spare[1:]

@@ -99,8 +99,7 @@ class Pool:
                 f"{str(dtype).replace('torch.', '')}, which still holds the output of call {e.pending[i]} (launched, "
                 f"not waited); at most {self.slots} launches of one shape may be in flight (slots_per_key="
                 f"{self.slots}): wait an output before launching the next one of the same shape, or cancel a launch "
-                "that will not be waited (work.cancel(), e.g. after an exception)"
-            )
+                "that will not be waited (work.cancel(), e.g. after an exception)")
         e.turn = (i + 1) % self.slots
         self.clock += 1
         e.last_use = self.clock
@@ -154,8 +153,7 @@ class Pool:
             raise RuntimeError(
                 "cp_ops fast transport: ranks disagree on the pool allocation (number, buffer, bytes): "
                 + "; ".join(f"rank {r}: {v[:3]}" for r, v in enumerate(views))
-                + ". Every rank must make the same fast calls in the same order"
-            )
+                + ". Every rank must make the same fast calls in the same order")
         short = [(r, v[4]) for r, v in enumerate(views) if len(v) > 4 and v[4] is not None]
         if short:
             raise RuntimeError(
@@ -176,8 +174,7 @@ class Pool:
                 f"cp_ops fast transport pool is full: {desc} needs {self.slots} x {nbytes / 2**20:.1f} MiB; "
                 f"{self.used / 2**20:.1f} of {self.capacity / 2**20:.1f} MiB hold {len(self.entries)} buffers, of which "
                 f"{len(held)} are in use (in flight or referenced: {held[:6]}). Raise CP_OPS_FAST_POOL_GB "
-                f"(now {self.cap_gb:g}) or fast.configure(pool_gb=...) after fast.shutdown()"
-            )
+                f"(now {self.cap_gb:g}) or fast.configure(pool_gb=...) after fast.shutdown()")
         if victims:
             self.quiesce()
             for x in victims:
@@ -217,13 +214,7 @@ class Pool:
         self.used = 0
 
     def describe(self) -> dict:
-        return {
-            "capacity_bytes": self.capacity,
-            "used_bytes": self.used,
-            "allocations": self.allocs,
-            "evictions": self.evictions,
-            "buffers": [
-                {"role": k[0], "shape": list(k[1]), "dtype": dtype_name(k[2]), "slots": self.slots}
-                for k in self.entries
-            ],
-        }
+        buffers = [{"role": k[0], "shape": list(k[1]), "dtype": dtype_name(k[2]), "slots": self.slots}
+                   for k in self.entries]
+        return {"capacity_bytes": self.capacity, "used_bytes": self.used, "allocations": self.allocs,
+                "evictions": self.evictions, "buffers": buffers}

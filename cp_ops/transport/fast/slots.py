@@ -62,8 +62,7 @@ class CallSlots:
                     f"launched and not waited; {len(inflight)} fast calls are in flight (calls {inflight[:8]}"
                     f"{'...' if len(inflight) > 8 else ''}), the most the lane allows is {self.n - len(self.pinned)}. "
                     "Wait each launch (torch.ops._c10d_functional.wait_tensor / work.wait()) before launching more, "
-                    "or cancel a launch that will not be waited (work.cancel(), e.g. after an exception)"
-                )
+                    "or cancel a launch that will not be waited (work.cancel(), e.g. after an exception)")
             self.owner[s] = call
             self.next = (s + 1) % self.n
             if capturing:

@@ -5,6 +5,7 @@ same :class:`~.collective.StartFailed`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -49,8 +50,7 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
             if idx is None:
                 reason = (
                     f"group rank {r}'s GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?), so it is "
-                    "not P2P-reachable; the fast transport needs every GPU of the group visible to every rank"
-                )
+                    "not P2P-reachable; the fast transport needs every GPU of the group visible to every rank")
                 break
             access, atomics, _perf = ext.p2p_attributes(device.index, idx)
             if not access:
@@ -192,19 +192,13 @@ def _bounded(name: str, fn, seconds: float):
 
 
 def _teardown(heap, ctrl, ext_lane, finalize: bool) -> None:
-    """Best effort after a failed start (no collectives: a peer may be gone)."""
-    try:
+    """Best effort after a failed start (no collectives: a peer may be gone); each step's errors are dropped."""
+    with contextlib.suppress(Exception):
         if ext_lane is not None:
             ext_lane.release()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
+    with contextlib.suppress(Exception):
         if heap is not None and ctrl is not None and getattr(heap, "name", "") == "ipc":
             heap.ext.device_free(heap.dev, ctrl.local)
-    except Exception:  # noqa: BLE001
-        pass
     if finalize and heap is not None and getattr(heap, "name", "") == "nvshmem":
-        try:
+        with contextlib.suppress(Exception):
             heap.close()
-        except Exception:  # noqa: BLE001
-            pass
