@@ -60,12 +60,9 @@ _ORDER = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     """Dense non-causal attention of BSHD ``q`` ``[B, Sq, H, D]`` over ``k, v`` ``[B, Skv, H, D]``.
 
-    Returns:
-        ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (natural
-        log of the softmax denominator of the scaled scores; a view, the kernel's strides). ``scale`` default
-        ``1/sqrt(D)``.
-    Raises:
-        RuntimeError: no kernel accepted the inputs (the last kernel's error).
+    Returns ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (natural
+    log of the softmax denominator of the scaled scores; the kernel's strides). ``scale`` default ``1/sqrt(D)``.
+    Raises RuntimeError when no kernel accepted the inputs (with the last kernel's error).
     """
     qt, kt, vt = _dense_rows(q).transpose(1, 2), _dense_rows(k).transpose(1, 2), _dense_rows(v).transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])

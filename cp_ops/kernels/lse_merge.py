@@ -2,12 +2,10 @@
 
 Partials ``o_i`` over key blocks i with ``lse_i = log Σ_{j∈i} exp(s_xj)`` merge to ``Σ_i exp(lse_i - LSE) o_i``,
 ``LSE = log Σ_i exp(lse_i)`` (Milakov & Gimelshein, 2018), computed as ``w_i = exp(lse_i - max_i lse_i)``,
-``out = Σ w_i o_i / Σ w_i`` so no exponent overflows.
-
-On CUDA, one fused kernel per ≤ 4 partials: the CUDA kernel of ``csrc/lse_merge.cu`` when this process already
-loaded cp_ops' extension (the fast transport loads it; a few µs of host time per merge where the Triton launcher
-took 60 µs) and the inputs suit it (2..4 partials in the output dtype, last dim contiguous); else the Triton
-kernel; else eager fp32 torch ops.
+``out = Σ w_i o_i / Σ w_i`` so no exponent overflows. On CUDA, one fused kernel per ≤ 4 partials: the CUDA kernel
+of ``csrc/lse_merge.cu`` when this process already loaded cp_ops' extension (the fast transport does; a few µs of
+host time per merge where the Triton launcher took 60 µs) and the inputs suit it (2..4 partials in the output dtype,
+last dim contiguous); else the Triton kernel; else eager fp32 torch ops.
 """
 
 from __future__ import annotations

@@ -47,15 +47,10 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Single-device dense (non-causal) attention: ``[B, Sq, H, D]`` × ``[B, Skv, H, D]`` → ``[B, Sq, H, D]``.
 
-    Args:
-        q, k, v: BSHD, one dtype (fp32/fp16/bf16) and device. scale: softmax scale, default ``1/sqrt(D)``.
-        key_mask: bool ``[B, Skv]`` or ``[B, 1, 1, Skv]`` key-padding mask (True = attend; the same for every
-            query and head), or None.
-    Returns:
-        ``[B, Sq, H, D]`` in q's dtype (a transposed view of SDPA's ``[B, H, Sq, D]`` output).
-    Raises:
-        TypeError: ``scale`` is a tensor (a mask passed positionally: pass ``key_mask=``).
-        RuntimeError: as ``F.scaled_dot_product_attention``.
+    ``q, k, v``: one dtype (fp32/fp16/bf16) and device; ``scale`` default ``1/sqrt(D)``; ``key_mask``: bool
+    ``[B, Skv]`` or ``[B, 1, 1, Skv]`` (True = attend; the same for every query and head), or None. Returns a
+    transposed view of SDPA's ``[B, H, Sq, D]`` output. Raises TypeError when ``scale`` is a tensor (a mask passed
+    positionally), else as ``F.scaled_dot_product_attention``.
     """
     if isinstance(scale, torch.Tensor):
         raise TypeError("local_attention: the 4th positional argument is scale (a float or None), got a tensor of "

@@ -25,8 +25,7 @@ class Transport(Protocol):
     Attributes:
         name: the registry name ('torch', 'fast', ...).
         pooled_outputs: True when outputs are views of buffers the transport reuses (they must not reach users).
-        slots_per_key: how many launches of one (op, shape, dtype) may be in flight (launched, not yet consumed)
-            at once before a launch would overwrite an unconsumed output; None = unbounded (fresh buffers).
+        slots_per_key: launches of one (op, shape, dtype) that may be in flight at once; None = unbounded.
     """
 
     name: str
@@ -98,16 +97,13 @@ class _SourceWait:
 
 def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                        pieces: int = 1):
-    """Start an AGKV gather of ``k, v [B, S_local, H, D]`` whose peers' chunks can be waited as they land.
+    """Start an AGKV gather of ``k, v [B, S_local, H, D]`` whose peers' chunks can be waited as they land: the
+    transport's own ``agkv_start_sources`` where it has one, else its :meth:`Transport.agkv_start` (waited per
+    source where the work offers ``wait_source(src)``). ``pieces``: arrivals per peer block (a hint).
 
-    The transport's own ``agkv_start_sources(k, v, group, pieces)`` where it has one; else its
-    :meth:`Transport.agkv_start`, waited per source where the work offers ``wait_source(src)``, else whole.
-    ``pieces``: split each peer's block into this many arrivals (a hint; a transport may give fewer).
-
-    Returns:
-        ``(k_full, v_full, arrivals, work)``: ``[B, W*S_local, H, D]`` each in rank order (this rank's own block
-        may be left unwritten: read ``k``/``v``); the :class:`Arrival` list, in expected landing order, covering
-        every peer token once; ``work`` waits for everything (call it last: it orders the reads of ``k``/``v``).
+    Returns ``(k_full, v_full, arrivals, work)``: ``[B, W*S_local, H, D]`` each in rank order (this rank's own block
+    may be left unwritten: read ``k``/``v``); the :class:`Arrival` list, in expected landing order, covering every
+    peer token once; ``work`` waits for everything (call it last: it orders the reads of ``k``/``v``).
     """
     own = getattr(t, "agkv_start_sources", None)
     if own is not None:
@@ -262,12 +258,9 @@ def agreed_name(name: str, group_name: str, device) -> str | None:
 
 
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
-    """The transport an op uses for ``group`` (called inside the op's real kernel): an explicit name if it suits the
+    """The transport an op uses for ``group`` (inside the op's real kernel): an explicit name if it suits the
     group; for 'auto' the first of :data:`AUTO_ORDER` every rank can run (agreed once per group), else torch.
-
-    Raises:
-        RuntimeError: an explicit transport that cannot run here or for this group (every rank of the group
-            raises alike); the message names why.
+    Raises RuntimeError naming why (on every rank alike) when an explicit transport cannot run for this group.
     """
     if name == "torch":
         return _REGISTRY["torch"]

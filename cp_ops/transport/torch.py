@@ -2,7 +2,6 @@
 
 AGKV is one coalesced all-gather per call straight into the final ``[B, S, H, D]`` buffers (per batch row when
 B > 1); Ulysses is one ``all_to_all_single`` over a packed buffer of every tensor of the call. Outputs are fresh.
-
 A group that runs CUDA tensors over gloo (``cpu:gloo,cuda:gloo``, e.g. ranks sharing one GPU) is staged through host
 memory: gloo's coalesced all-gather and send/recv have no CUDA path (a segfault in ``work.wait()`` with torch 2.11),
 so each launch copies its inputs to the host, runs the CPU collective, waits and copies back (synchronous).

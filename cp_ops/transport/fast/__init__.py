@@ -1,12 +1,10 @@
 """The fast transport: one Hopper node, direct peer writes over NVLink/P2P into symmetric buffers.
 
-:class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`, with the layouts
-of :mod:`cp_ops.layout`; ``work.wait()`` makes the current CUDA stream wait (no host block). Each rank writes its
-chunk straight into every peer's *final* buffer (pitched copies on the copy engine or an SM kernel; Ulysses folds
-the sequence<->head transform into them), then raises a per-call, per-source arrival flag on that peer
-(:meth:`FastTransport.wait_source`). Peers are visited ``rank ^ j`` (``(rank + j) % W`` when W is not a power of
-two), ``inflight`` at once, each over ``split`` streams, measured per shape at its first call and agreed over ranks.
-Modules and fault behaviour: ``docs/fast_transport.md``; settings (``CP_OPS_FAST_*``): ``docs/settings.md``.
+:class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`; ``work.wait()``
+makes the current CUDA stream wait (no host block). Each rank writes its chunk straight into every peer's *final*
+buffer (pitched copies on the copy engine or an SM kernel, the fan-out measured per shape at its first call), then
+raises a per-call, per-source arrival flag there (:meth:`FastTransport.wait_source`). Modules and faults:
+``docs/fast_transport.md``; settings (``CP_OPS_FAST_*``): ``docs/settings.md``.
 
 Outputs are views of pooled buffers, valid until the second-next fast call of the same role and shape
 (``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises. At most 256 fast calls may
@@ -41,12 +39,8 @@ def _prep(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class FastTransport:
-    """The fast transport (see the module docstring); the registered instance is :data:`transport`.
-
-    Attributes:
-        lane: the process's one fast lane (:class:`cp_ops.transport.fast.lane.Lane`) or None before the first fast call.
-        slots_per_key: pool slots per (op, shape, dtype): launches of one key that may be in flight at once.
-    """
+    """The fast transport (module docstring); the registered instance is :data:`transport`. ``lane``: the process's
+    one :class:`~.lane.Lane`, None before the first fast call."""
 
     name = "fast"
     device_types = ("cuda",)
@@ -186,12 +180,8 @@ class FastTransport:
     def configure(self, *, pool_gb: float | None = None, heap: str | None = None, path: str | None = None,
                   lane_width: int | None = None, tune: bool | None = None) -> None:
         """Change the ``fast_*`` fields of :data:`cp_ops.config.settings`: ``pool_gb``/``heap``/``lane_width`` only
-        while no lane exists (before the first fast call or after :meth:`shutdown`), ``path``/``tune`` any time.
-
-        Raises:
-            RuntimeError: a heap setting is changed while the lane is live.
-            cp_ops.config.ConfigError: an unknown heap or path name (a ValueError).
-        """
+        while no lane exists (else RuntimeError), ``path``/``tune`` any time. An unknown heap or path name raises
+        :class:`cp_ops.config.ConfigError` (a ValueError)."""
         if self.lane is not None and (pool_gb is not None or heap is not None or lane_width is not None):
             raise RuntimeError("pool_gb, heap and lane_width are fixed while the fast lane is live; call "
                                "fast.shutdown() first")

@@ -54,8 +54,8 @@ class Exchange:
     ones in the same order. Store keys: ``cp_ops/fast/<group name>/<tag>.<k>/<n>/...``.
 
     Raises:
-        PeerTimeout: some rank did not post within ``timeout_s`` (default ``settings.timeout_s``); the message
-            names the group ranks missing and the bound, and is the same on every rank.
+        PeerTimeout: some rank did not post within ``timeout_s`` (default ``settings.timeout_s``); the same
+            message, naming the missing ranks and the bound, on every rank.
     """
 
     def __init__(self, group: dist.ProcessGroup, tag: str, timeout_s: float | None = None, store=None):

@@ -41,11 +41,8 @@ class FastWork(dist.Work):
     arrival flags; a timeout poisons the outputs with NaN) and gives back the flag slot and pool slots; again on
     that stream: a no-op; on another stream: it waits for the first (an event), until the outputs' pool buffers go
     to a later call (RuntimeError). ``wait_source(src)``: group rank ``src``'s chunk only. ``cancel()``: see there.
-    ``is_completed()``: this rank's own copies only (True once waited or cancelled).
-
-    Raises:
-        RuntimeError: a device wait of the lane timed out (see :meth:`Lane.check`); the call was cancelled; the
-            lane was shut down; a second-stream wait after the outputs were recycled.
+    ``is_completed()``: this rank's own copies only (True once waited or cancelled). ``wait`` raises RuntimeError
+    after a device timeout (:meth:`Lane.check`), a cancel, the lane's shutdown, or the outputs' recycling.
     """
 
     def __init__(self, lane: "Lane", call: int, slot: int, tickets: list):

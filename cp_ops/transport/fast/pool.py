@@ -73,9 +73,8 @@ class Pool:
         is then kept until :meth:`release_all`: the graph writes its slots at every replay).
 
         Raises:
-            RuntimeError: the slot still holds an output that was not waited (more launches of this key in
-                flight than ``slots``); the key does not fit under the ceiling; ranks disagree on the allocation;
-                a new key while capturing (allocation is collective and synchronizes: not capturable).
+            RuntimeError: the slot holds an output not waited yet (more than ``slots`` launches of the key in
+                flight); the key does not fit; ranks disagree on the allocation; a new key while capturing.
         """
         key = (role, tuple(shape), dtype)
         e = self.entries.get(key)

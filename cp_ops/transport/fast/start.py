@@ -77,16 +77,14 @@ def _hint(heap: str) -> str:
 
 def start(group: dist.ProcessGroup, device: torch.device, ext, fabric: str | None = None,
           slots_per_key: int = 2, exchange=None, lane_exchange=None) -> Lane:
-    """Start the fast lane on ``group`` (collective over the group only).
-
-    Each stage (heap start-up, control block, lane creation) is tried on every rank and its outcome exchanged at once
-    (``exchange``; a new one when None). A heap's ``stage(name, fn, bounded=True)`` (NVSHMEM init, which a stuck peer
-    can block in its bootstrap) runs in a helper thread and fails on this rank after ``CP_OPS_TIMEOUT_S``.
-    ``lane_exchange``: the lane's own exchange (pool growth, flag-slot reclaim; a new one when None).
+    """Start the fast lane on ``group`` (collective over the group only): each stage (heap start-up, control block,
+    lane creation) is tried on every rank and its outcome exchanged (``exchange``; a new one when None). A heap's
+    ``stage(name, fn, bounded=True)`` (NVSHMEM init, which a stuck peer can block) runs in a helper thread and fails
+    after ``CP_OPS_TIMEOUT_S``. ``lane_exchange``: the lane's own (pool growth, flag-slot reclaim; new when None).
 
     Raises:
-        StartFailed: on every rank when any rank failed or did not take part in time; the message names the ranks,
-            the library's message and a hint.
+        StartFailed: on every rank when any rank failed or did not take part in time (naming the ranks, the
+            library's message and a hint).
     """
     s = config.settings
     heap_cls = HEAPS[s.fast_heap]
