@@ -14,8 +14,6 @@ import torch
 
 aten = torch.ops.aten
 _choice: dict[tuple, str] = {}  # (device type, dtype, D) -> kernel name that worked
-
-
 _HALF = (torch.float16, torch.bfloat16)
 
 

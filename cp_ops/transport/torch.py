@@ -42,13 +42,13 @@ class TorchTransport:
             return k_full, v_full, [Arrival(a.src, a.lo, a.hi, work) for a in arrivals], work
         return _agkv_sources(group, k, v, pieces)
 
-    def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
-        return _all_to_all(ulysses_pack(xs, group.size()), group)
-
-    def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int, hi: int):
-        """:meth:`ulysses_start` of heads ``[lo, hi)`` of every head group: ``(buf [W, B, S_local, n, hi - lo, D],
+    def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int = 0,
+                            hi: int | None = None):
+        """Ulysses of heads ``[lo, hi)`` of every head group (``hi=None``: all): ``(buf [W, B, S_local, n, hi - lo, D],
         work)``."""
         return _all_to_all(ulysses_pack(xs, group.size(), lo, hi), group)
+
+    ulysses_start = ulysses_start_heads
 
     def ulysses_packed_start(self, send: torch.Tensor, group: dist.ProcessGroup):
         """All-to-all of a caller-packed send buffer ``[W, B, S_local, n, Hl, D]``: ``(buf, work)``, same shape."""

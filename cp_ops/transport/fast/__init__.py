@@ -21,9 +21,11 @@ import logging
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from ... import config
-from ..base import register, source_arrivals
+from ..base import forget_groups, register, source_arrivals
+from . import collective
 
 log = logging.getLogger("cp_ops")
 
@@ -92,8 +94,6 @@ class FastTransport:
         so a failure on one rank is every rank's verdict (bounded by the timeout). The process has one lane: the
         first group (of width ``fast_lane_width`` when set) that starts it; other groups get a reason naming it.
         """
-        import torch.distributed as dist
-
         device = torch.device(device)
         if device.type != "cuda":
             return self.unavailable_reason(device)
@@ -114,21 +114,15 @@ class FastTransport:
             try:
                 self.lane = self._start(group, device)
                 return None
-            except RuntimeError as e:
-                from .collective import StartFailed
-
-                if not isinstance(e, StartFailed):
-                    raise
+            except collective.StartFailed as e:
                 self._unfit[key] = str(e)
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
         """Start the lane on ``group`` (collective; bounded, agreed exchanges: every rank gets the same
         :class:`~.collective.StartFailed`)."""
-        import torch.distributed as dist
-
         from ... import _ext
-        from . import collective, start
+        from . import start
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -156,8 +150,6 @@ class FastTransport:
         if lane is not None:
             if group is self._lane_group:  # the group that matched last time (no rank list built per call)
                 return lane
-            import torch.distributed as dist
-
             if lane.ranks == dist.get_process_group_ranks(group):
                 self._lane_group = group
                 return lane
@@ -213,8 +205,6 @@ class FastTransport:
         self._lane_group = None
         self._unfit.clear()
         self._works.clear()
-        from ..base import forget_groups
-
         forget_groups()
         lane.close()
 
