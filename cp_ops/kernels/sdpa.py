@@ -1,9 +1,8 @@
-"""Single-device dense attention on BSHD tensors with cp_ops' backend priority: the local attention every mode
-body runs, and the reference every test compares against. Leaf module: imports torch only.
-
-On CUDA the SDPA backends are tried in the order cuDNN, flash, memory-efficient, math (cuDNN ran about twice as fast
-as flash on a Hopper GPU, bf16, H=40, D=128: ``shared/anchors.md``); SDPA skips one that cannot take the inputs.
-A batch row whose keys are *all* masked gets what SDPA gives (zeros on CPU and from math; a CUDA backend may give NaN).
+"""Single-device dense attention on BSHD tensors with cp_ops' backend priority: the local attention every mode body
+runs, and the reference every test compares against. Leaf module: imports torch only. On CUDA the SDPA backends are
+tried in the order cuDNN, flash, memory-efficient, math (cuDNN ran about twice as fast as flash on a Hopper GPU, bf16,
+H=40, D=128: ``shared/anchors.md``); SDPA skips one that cannot take the inputs. A batch row whose keys are *all* masked
+gets what SDPA gives (zeros on CPU and from math; a CUDA backend may give NaN).
 """
 
 from __future__ import annotations

@@ -215,16 +215,12 @@ resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
-    """The transport a call will use on this device, never 'auto' (for reports and the CLI): 'auto' gives the first
-    of :data:`AUTO_ORDER` that can run here (a group that cannot host it still falls back inside the op). Raises
-    as :func:`resolve`."""
+    """The transport a call will use on this device, never 'auto' (for reports and the CLI): for 'auto' the first of
+    :data:`AUTO_ORDER` that can run here (a group that cannot host it still falls back). Raises as :func:`resolve`."""
     r = resolve(requested, device_type)
     if r != "auto":
         return r
-    for name in AUTO_ORDER:
-        if _REGISTRY[name].unavailable_reason(torch.device(device_type)) is None:
-            return name
-    return "torch"
+    return next((n for n in AUTO_ORDER if _REGISTRY[n].unavailable_reason(torch.device(device_type)) is None), "torch")
 
 
 def concrete_name(name: str, group_name: str, device) -> str:

@@ -184,17 +184,17 @@ class FastTransport:
     def describe(self) -> dict:
         """What ``cp-ops env`` prints (availability, settings, lane, pool, decisions); builds and touches nothing."""
         s = config.settings
-        out = {
+        if torch.cuda.is_available():
+            why = self._reason_cache.get(torch.cuda.current_device(), "not checked yet in this process")
+        else:
+            why = self.unavailable_reason(torch.device("cpu"))
+        return {
             "settings": {"pool_gb": s.fast_pool_gb, "heap": s.fast_heap, "path": s.fast_path,
                          "lane_width": s.fast_lane_width or "first CP group used", "tune": s.fast_tune},
             "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,
+            "unavailable_reason": why,
+            "lane": self.lane.describe() if self.lane is not None else None,
         }
-        if torch.cuda.is_available():
-            out["unavailable_reason"] = self._reason_cache.get(torch.cuda.current_device(), "not checked yet in this process")
-        else:
-            out["unavailable_reason"] = self.unavailable_reason(torch.device("cpu"))
-        out["lane"] = self.lane.describe() if self.lane is not None else None
-        return out
 
     def shutdown(self) -> None:
         """Release the lane, pool and NVSHMEM runtime (collective over the lane's group); a later fast call starts
@@ -273,9 +273,8 @@ class FastTransport:
         return kf, vf, work
 
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group, pieces: int = 1):
-        """:meth:`agkv_start` for pipelined AGKV (``under_compute=True``), each peer's block waited on its own
-        arrival flag (one piece per peer: the fast transport signals whole blocks; ``pieces`` is ignored).
-        Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
+        """:meth:`agkv_start` with ``under_compute=True``, each peer's whole block waited on its own arrival flag
+        (``pieces`` is ignored). Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
         kf, vf, work = self.agkv_start(k, v, group, under_compute=True)
         lane = self._lane_for(group)
         return kf, vf, source_arrivals(work, lane.world, lane.rank, k.shape[1]), work

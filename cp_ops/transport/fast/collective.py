@@ -1,9 +1,8 @@
-"""Host-side collectives of the fast lane over its group: a barrier that also drains the device, and bounded
-exchanges with one agreed outcome (start-up stages, pool growth, the reclaim of flag slots freed with their graph).
-
-:class:`Exchange` goes through the default c10d store: it needs no CUDA (usable while capturing a CUDA graph and after
-a device fault), a missing rank costs the others ``CP_OPS_TIMEOUT_S`` at most, and every rank gets the *same* result
-(the store's compare-and-set decides), so no rank goes on with the lane while another gave up.
+"""Host-side collectives of the fast lane over its group: a barrier that also drains the device, and bounded exchanges
+with one agreed outcome (start-up stages, pool growth, the reclaim of flag slots freed with their graph).
+:class:`Exchange` goes through the default c10d store: it needs no CUDA (usable while capturing a CUDA graph and after a
+device fault), a missing rank costs the others ``CP_OPS_TIMEOUT_S`` at most, and every rank gets the *same* result (the
+store's compare-and-set decides), so no rank goes on with the lane while another gave up.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ def group_barrier(group: dist.ProcessGroup, device) -> None:
     t = torch.ones(1, device=dev)
     dist.all_reduce(t, group=group)
     torch.cuda.synchronize(dev)
-    del t
 
 
 _made: dict = {}  # (group name, tag) -> Exchange objects made (names each one's store keys)

@@ -142,15 +142,8 @@ class IpcHeap:
             raise RuntimeError(f"CUDA IPC allocation of {nbytes} bytes failed on "
                                + "; ".join(f"group rank {r}: {e}" for r, e in bad))
         me = self.group.rank()
-        peers, opened = [], []
-        for r, (h, _) in enumerate(handles):
-            if r == me:
-                peers.append(local)
-            else:
-                p = self.ext.ipc_open(self.dev, h)
-                opened.append(p)
-                peers.append(p)
-        return Segment(local, peers, nbytes, opened)
+        peers = [local if r == me else self.ext.ipc_open(self.dev, h) for r, (h, _) in enumerate(handles)]
+        return Segment(local, peers, nbytes, [p for r, p in enumerate(peers) if r != me])  # handle: the opened ones
 
     def free(self, seg: Segment) -> None:
         for p in seg.handle:

@@ -1,12 +1,11 @@
-"""The fast lane: one CP group on one node, its launches (:meth:`Lane.launch`), their works (:class:`FastWork`),
-the per-shape fan-out decisions (measured once, max over ranks) and the bounded device waits.
-
-CUDA graphs: a replay needs nothing from the host (the begin kernel raises the slot's generation on the device,
-timeouts use ``%globaltimer``, events exist from the lane's start, decisions fall back to the deterministic default
-while capturing); the lane's start and a pool key's first allocation raise a named error inside a capture, and
-pool keys used in one are kept until :meth:`Lane.close`. Bounded waits: every device spin gives up after
-``settings.timeout_s`` and records what it waited for in mapped host memory, which :meth:`Lane.check` (at every
-launch and wait) raises as a RuntimeError naming the call, the peer, the flag and the values.
+"""The fast lane: one CP group on one node, its launches (:meth:`Lane.launch`), their works (:class:`FastWork`), the
+per-shape fan-out decisions (measured once, max over ranks) and the bounded device waits. CUDA graphs: a replay needs
+nothing from the host (the begin kernel raises the slot's generation on the device, timeouts use ``%globaltimer``,
+events exist from the lane's start, decisions fall back to the deterministic default while capturing); the lane's start
+and a pool key's first allocation raise a named error inside a capture, and pool keys used in one are kept until
+:meth:`Lane.close`. Bounded waits: every device spin gives up after ``settings.timeout_s`` and records what it waited
+for in mapped host memory, which :meth:`Lane.check` (at every launch and wait) raises as a RuntimeError naming the call,
+the peer, the flag and the values.
 """
 
 from __future__ import annotations
@@ -249,9 +248,8 @@ class Lane:
         return self._work(call, slot, tickets)
 
     def _work(self, call: int, slot: int, tickets: list) -> FastWork:
-        """The work of a launch: a kept one nobody references any more (no Python name, no c10d registration),
-        reset (cancelled first if never waited); else a new one, kept when there is room. Building a ``dist.Work``
-        subclass through pybind11 was the largest host cost of a fast launch, so the eager paths reuse a few."""
+        """The work of a launch: a kept one nobody references any more, reset (cancelled first if never waited), else
+        a new one, kept when there is room (building a ``dist.Work`` was a fast launch's largest host cost)."""
         spare = self.spare
         base = -1
         for w in spare:  # the sentinel first: its count is the count of an object only this list holds

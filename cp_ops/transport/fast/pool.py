@@ -1,10 +1,8 @@
-"""The fast transport's pool of symmetric buffers, keyed by (role, shape, dtype), ``slots`` each.
-
-Each key is one symmetric allocation made at its first use, under the ceiling ``settings.fast_pool_gb``: a new key
-that does not fit evicts least-recently-used keys no rank still needs (agreed over the group), else raises naming
-``CP_OPS_FAST_POOL_GB``. A launch never overwrites a slot whose output was not waited (it raises). Each new
-allocation compares its number, key and size over the group (the ranks must make the same calls). Pure Python: the
-CPU tests drive it with CPU tensors.
+"""The fast transport's pool of symmetric buffers, keyed by (role, shape, dtype), ``slots`` each. Each key is one
+symmetric allocation made at its first use, under the ceiling ``settings.fast_pool_gb``: a new key that does not fit
+evicts least-recently-used keys no rank still needs (agreed over the group), else raises naming ``CP_OPS_FAST_POOL_GB``.
+A launch never overwrites a slot whose output was not waited (it raises). Each new allocation compares its number, key
+and size over the group (the ranks must make the same calls). Pure Python: the CPU tests drive it with CPU tensors.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""The fast lane's call slots: each launched call owns one of ``n`` device flag slots until it is waited or
-cancelled (the flag protocol: ``csrc/cp_fast.cu``); slots go round-robin, the same sequence on every rank.
-
-A slot used inside a CUDA graph capture is *pinned* (the graph raises its generation at every replay) while the
-graph lives. Each rank learns of a destroyed graph at its own time (``freed()``: a CUDA user object the graph owns),
-so freed slots are unpinned only by an agreed reclaim (the intersection of every rank's freed slots) at points that
-are the same on every rank: a capture past ``reclaim_at`` pinned slots, or no unpinned slot left.
+"""The fast lane's call slots: each launched call owns one of ``n`` device flag slots until it is waited or cancelled
+(the flag protocol: ``csrc/cp_fast.cu``); slots go round-robin, the same sequence on every rank. A slot used inside a
+CUDA graph capture is *pinned* (the graph raises its generation at every replay) while the graph lives. Each rank learns
+of a destroyed graph at its own time (``freed()``: a CUDA user object the graph owns), so freed slots are unpinned only
+by an agreed reclaim (the intersection of every rank's freed slots) at points that are the same on every rank: a capture
+past ``reclaim_at`` pinned slots, or no unpinned slot left.
 """
 
 from __future__ import annotations
