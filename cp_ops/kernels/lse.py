@@ -60,8 +60,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
     Returns ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (natural
     log of the softmax denominator of the scaled scores; the kernel's strides). ``scale`` default ``1/sqrt(D)``.
-    Raises RuntimeError when no kernel accepted the inputs (with the last kernel's error).
-    """
+    Raises RuntimeError when no kernel accepted the inputs (with the last kernel's error)."""
     qt, kt, vt = _dense_rows(q).transpose(1, 2), _dense_rows(k).transpose(1, 2), _dense_rows(v).transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])
     first = _choice.get(key)

@@ -151,12 +151,9 @@ def use_triton(device: torch.device) -> bool:
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """LSE-merge n ≥ 1 partial outputs ``[B, S, H, D]`` with their LSEs ``[B, H, S]`` (fp32) into
-    ``[B, S, H, D]`` of ``dtype`` (default: the partials' dtype), accumulating in fp32.
-
-    Raises:
-        ValueError: no partials, or their count differs from the LSEs'.
-    """
+    """LSE-merge n ≥ 1 partial outputs ``[B, S, H, D]`` with their LSEs ``[B, H, S]`` (fp32) into ``[B, S, H, D]``
+    of ``dtype`` (default: the partials' dtype), accumulating in fp32. Raises ValueError when there are no partials
+    or their count differs from the LSEs'."""
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge needs n >= 1 partial outputs and as many LSEs; got {len(outs)} and {len(lses)}")
     dtype = outs[0].dtype if dtype is None else dtype

@@ -49,8 +49,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     ``q, k, v``: one dtype (fp32/fp16/bf16) and device; ``scale`` default ``1/sqrt(D)``; ``key_mask``: bool
     ``[B, Skv]`` or ``[B, 1, 1, Skv]`` (True = attend; the same for every query and head), or None. Returns a
     transposed view of SDPA's ``[B, H, Sq, D]`` output. Raises TypeError when ``scale`` is a tensor (a mask passed
-    positionally), else as ``F.scaled_dot_product_attention``.
-    """
+    positionally), else as ``F.scaled_dot_product_attention``."""
     if isinstance(scale, torch.Tensor):
         raise TypeError("local_attention: the 4th positional argument is scale (a float or None), got a tensor of "
                         f"shape {list(scale.shape)}; pass the mask as key_mask=mask")

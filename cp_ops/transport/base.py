@@ -256,8 +256,7 @@ def agreed_name(name: str, group_name: str, device) -> str | None:
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The transport an op uses for ``group`` (inside the op's real kernel): an explicit name if it suits the
     group; for 'auto' the first of :data:`AUTO_ORDER` every rank can run (agreed once per group), else torch.
-    Raises RuntimeError naming why (on every rank alike) when an explicit transport cannot run for this group.
-    """
+    Raises RuntimeError naming why (on every rank alike) when an explicit transport cannot run for this group."""
     if name == "torch":
         return _REGISTRY["torch"]
     key = (name, group, device.type)

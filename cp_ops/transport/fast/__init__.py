@@ -61,8 +61,7 @@ class FastTransport:
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the fast transport cannot run for tensors on ``device``; ``None`` when it can. Checked in order:
         CUDA tensors; a GPU; compute capability 9.0; nvshmem4py importable (unless ``CP_OPS_FAST_HEAP=ipc``); the
-        CUDA extension built (here on the first call, ~1 min, then cached). Group requirements: :meth:`group_reason`.
-        """
+        CUDA extension built (here on the first call, ~1 min, then cached). Group requirements: :meth:`group_reason`."""
         device = torch.device(device)
         if device.type != "cuda":
             return (f"the tensors are on '{device.type}', and the fast transport moves CUDA tensors between "
@@ -92,8 +91,7 @@ class FastTransport:
         """Why ``group`` cannot use the fast transport, or None (then the lane exists for it). Collective on its
         first call (cached after): availability, the group probe and each start stage are agreed over the ranks,
         so a failure on one rank is every rank's verdict (bounded by the timeout). The process has one lane: the
-        first group (of width ``fast_lane_width`` when set) that starts it; other groups get a reason naming it.
-        """
+        first group (of width ``fast_lane_width`` when set) that starts it; other groups get a reason naming it."""
         device = torch.device(device)
         if device.type != "cuda":
             return self.unavailable_reason(device)
@@ -251,8 +249,7 @@ class FastTransport:
         ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are chosen (on 2x H200 an SM copy ran beside the
         attention, not under it), cached apart; this rank's own block of the outputs is left unwritten.
 
-        Returns ``(k_full, v_full, work)`` (pooled outputs). Raises RuntimeError when the fast transport cannot run.
-        """
+        Returns ``(k_full, v_full, work)`` (pooled outputs). Raises RuntimeError when the fast transport cannot run."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         b, s, h, d = k.shape

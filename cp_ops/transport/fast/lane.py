@@ -41,8 +41,7 @@ class FastWork(dist.Work):
     that stream: a no-op; on another stream: it waits for the first (an event), until the outputs' pool buffers go
     to a later call (RuntimeError). ``wait_source(src)``: group rank ``src``'s chunk only. ``cancel()``: see there.
     ``is_completed()``: this rank's own copies only (True once waited or cancelled). ``wait`` raises RuntimeError
-    after a device timeout (:meth:`Lane.check`), a cancel, the lane's shutdown, or the outputs' recycling.
-    """
+    after a device timeout (:meth:`Lane.check`), a cancel, the lane's shutdown, or the outputs' recycling."""
 
     def __init__(self, lane: "Lane", call: int, slot: int, tickets: list):
         super().__init__()

@@ -33,12 +33,9 @@ class CallSlots:
         self.next = 0
 
     def acquire(self, call: int, capturing: bool = False) -> int:
-        """The next slot for ``call`` (``capturing``: pin it to the graph being captured).
-
-        Raises:
-            RuntimeError: the next slot still holds an un-waited call (more than ``n`` in flight); or captured
-                graphs still alive hold every slot but ``eager_min`` (8 of 256).
-        """
+        """The next slot for ``call`` (``capturing``: pin it to the graph being captured). Raises RuntimeError when
+        the next slot still holds an un-waited call (more than ``n`` in flight), or when captured graphs still alive
+        hold every slot but ``eager_min`` (8 of 256)."""
         if capturing and len(self.pinned) >= min(self.reclaim_at, self.n - self.eager_min):
             self._reclaim()
         if capturing and len(self.pinned) >= self.n - self.eager_min:
