@@ -6,6 +6,7 @@ same :class:`~.collective.StartFailed`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -120,15 +121,9 @@ def start(group: dist.ProcessGroup, device: torch.device, ext, fabric: str | Non
     streams = [torch.cuda.ExternalStream(x, device=device) for x in ext_lane.streams()]
 
     lane_exchange = lane_exchange or Exchange(group, "lane")
-
-    def agree(obj):
-        return lane_exchange("the pool allocation", obj)
-
-    def agree_slots(obj):
-        return lane_exchange("the reclaim of flag slots freed with their CUDA graphs", obj)
-
-    def quiesce():
-        group_barrier(group, device)
+    agree = functools.partial(lane_exchange, "the pool allocation")
+    agree_slots = functools.partial(lane_exchange, "the reclaim of flag slots freed with their CUDA graphs")
+    quiesce = functools.partial(group_barrier, group, device)
 
     def make(ptr, n):
         return torch.as_tensor(_CudaMemory(ptr, n), device=device)
