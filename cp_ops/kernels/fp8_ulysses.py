@@ -223,6 +223,8 @@ def _first_use(kind: str, key: tuple, device: torch.device, fast, slow, args: tu
         res = got if ok else ref
         return res if out is None else out.copy_(res)
     return (fast if ok else slow)(*args, out)
+
+
 def pack_encode(xs, world: int, lo: int = 0, hi: int | None = None, fmt: str = "e4m3") -> torch.Tensor:
     """n (1 to 3) tensors ``[B, S, H, D]`` (fp32/bf16/fp16, one shape and dtype, any strides) → the contiguous uint8
     send buffer ``[W, B, S, n, hi - lo, D + 4]`` of heads ``[lo, hi)`` of every head group (slab w = head group w)

@@ -180,7 +180,8 @@ class FastTransport:
         config.configure(**{k: v for k, v in changes.items() if v is not None})
 
     def describe(self) -> dict:
-        """What ``cp-ops env`` prints (availability, settings, lane, pool, decisions); builds and touches nothing."""
+        """What ``cp-ops env`` prints (availability, settings, lane, pool, decisions); never builds the extension
+        or touches the GPU anew."""
         s = config.settings
         if torch.cuda.is_available():
             why = self._reason_cache.get(torch.cuda.current_device(), "not checked yet in this process")
