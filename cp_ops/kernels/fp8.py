@@ -79,8 +79,7 @@ def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _scales(buf: torch.Tensor) -> torch.Tensor:
     """The fp32 scales ``[..., 1]`` of an encoded buffer (a view where the bytes are 4-aligned, else a copy)."""
-    d = buf.shape[-1] - SCALE_BYTES
-    raw = buf[..., d:]
+    raw = buf[..., -SCALE_BYTES:]
     try:
         return raw.view(torch.float32)
     except RuntimeError:  # D % 4 != 0 or strided: not 4-aligned in place (contiguous() could keep a slice's offset)
