@@ -1,15 +1,13 @@
 """The FP8 communication codec: a tensor ``[..., D]`` (fp32/bf16/fp16) ↔ one byte buffer ``[..., D + 4]`` (uint8).
 
-Each row of ``D`` values (one (token, head)) is quantized with its own scale, carried with it, so one collective moves
-both and every layout of :mod:`cp_ops.layout` works on the encoded tensor unchanged:
+Each row of ``D`` values (one (token, head)) carries its own scale, so one collective moves both and every layout of
+:mod:`cp_ops.layout` works on the encoded tensor unchanged:
 
     bytes [0, D)      the D values, x / scale rounded to the fp8 format (round to nearest even, saturated)
     bytes [D, D + 4)  scale, fp32 (native byte order), scale = max(amax, 2**-100) / fp8_max
 
 The rule, its error bound and the non-finite rule: docs/fp8.md ("The codec"). :func:`encode` / :func:`decode` run the
-torch version (any device; what CI runs) or, on CUDA with Triton, one fused Triton kernel each, used only where
-:func:`self_test` found it bitwise equal to the torch version on that device. The ops ``cp_ops::fp8_encode`` /
-``cp_ops::fp8_decode`` (:mod:`cp_ops.ops`) wrap them for traced code.
+torch version, or on CUDA one fused Triton kernel each where :func:`self_test` found it bitwise equal on that device.
 """
 
 from __future__ import annotations
@@ -71,11 +69,9 @@ def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x [..., D]`` → uint8 ``[..., D + 4]`` (module docstring), in torch ops."""
     _check_encode(x, fmt)
     dt, fmax = FORMATS[fmt]
-    # max |x| over the row in fp32 (exact: a max), then the scale; x / scale in fp32 (x promoted exactly)
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    # amax / fp8_max as an IEEE division on every device, as the Triton kernel's div_rn: the divisor is a tensor on
-    # x's device, because torch's CUDA division by a Python (CPU) scalar multiplies by its fp32 reciprocal instead,
-    # one ulp off amax / 448 for some amax (46-53 bytes of a self-test's tensor on a Hopper GPU; CPU divides either way)
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # exact: a max
+    # the divisor is a tensor on x's device for an IEEE division (as the Triton kernel's div_rn): CUDA divides by a
+    # Python scalar as a multiply by its fp32 reciprocal, one ulp off amax / 448 for some amax
     scale = amax.clamp_min_(AMAX_FLOOR).div_(amax.new_full((), fmax))  # [..., 1] fp32
     q = torch.div(x, scale).clamp_(-fmax, fmax).to(dt)
     return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
@@ -83,12 +79,10 @@ def encode_torch(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _scales(buf: torch.Tensor) -> torch.Tensor:
     """The fp32 scales ``[..., 1]`` of an encoded buffer (a view where the bytes are 4-aligned, else a copy)."""
-    d = buf.shape[-1] - SCALE_BYTES
-    raw = buf[..., d:]
+    raw = buf[..., -SCALE_BYTES:]
     try:
         return raw.view(torch.float32)
-    except RuntimeError:  # D % 4 != 0, or a strided buffer: the scale bytes are not 4-aligned in place
-        # (a copy: contiguous() would keep the offset of a slice that already counts as contiguous — one row, or none)
+    except RuntimeError:  # D % 4 != 0 or strided: not 4-aligned in place (contiguous() could keep a slice's offset)
         return raw.clone(memory_format=torch.contiguous_format).view(torch.float32)
 
 
@@ -115,8 +109,8 @@ if triton is not None:
 
     @triton.jit
     def _to_fp8_bits(y, E4M3: tl.constexpr):
-        """fp32 ``y`` (|y| <= the format's max, or NaN) → the fp8 byte, round to nearest even, in integer ops (the same
-        rounding as torch's cast; no dependence on how the compiler lowers an fp8 cast); NaN → 0x7F | sign, as torch."""
+        """fp32 ``y`` (|y| <= the format's max, or NaN) → the fp8 byte, round to nearest even in integer ops (torch's
+        cast's rounding, whatever the compiler's fp8 cast does); NaN → 0x7F | sign, as torch."""
         if E4M3:
             MB: tl.constexpr = 3
             BIAS: tl.constexpr = 7
@@ -156,17 +150,16 @@ if triton is not None:
             v = tl.where((b & 0x7F) == 0x7F, _bits_f32(v, 0x7FC00000), v)
         else:
             v = tl.where(ex == 31, tl.where((b & 3) == 0, _bits_f32(v, 0x7F800000), _bits_f32(v, 0x7FC00000)), v)
-        # the sign as a bit: Triton's unary minus is 0 - v, which makes -(+0) +0 where torch's decode of the byte 0x80
-        # (a value that rounded to zero) is -0 (the fused decode's first-use check catches the difference)
+        # the sign as a bit: Triton's unary minus (0 - v) makes -(+0) +0, where torch decodes the byte 0x80 to -0
         return (v.to(tl.uint32, bitcast=True) | ((b & 0x80).to(tl.uint32) << 24)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _quantize(x, FMAX: tl.constexpr, E4M3: tl.constexpr):
-        """An fp32 tile ``[R, BLOCK_D]`` (columns past D loaded as 0) → (its fp8 bytes ``[R, BLOCK_D]`` uint8, each
-        row's fp32 scale ``[R]``): the codec's encode (module docstring), shared by every encoding kernel."""
+        """An fp32 tile ``[R, BLOCK_D]`` (columns past D loaded as 0) → (its fp8 bytes uint8, each row's fp32 scale
+        ``[R]``): the codec's encode, shared by every encoding kernel."""
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 7.888609052210118e-31)  # 2**-100
-        # a NaN in the row makes its scale NaN, as torch's max does (tl.max and tl.maximum may drop NaN on the GPU:
-        # on a Hopper GPU, the rows holding a NaN came out finite); NaN values pass the clamp, as in torch.clamp
+        # a NaN in the row makes its scale NaN, as torch's max does (tl.max / tl.maximum dropped NaN on a Hopper GPU);
+        # NaN values pass the clamp, as in torch.clamp
         amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, _bits_f32(amax, 0x7FC00000), amax)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32))
         y = tl.math.div_rn(x, scale[:, None])
@@ -190,8 +183,8 @@ if triton is not None:
 
     @triton.jit
     def _dequantize(q, scale, E4M3: tl.constexpr, OUT_BF16: tl.constexpr):
-        """fp8 bytes ``[R, BLOCK_D]`` and their rows' scales ``[R]`` → the decoded tile: fp32, or bf16 rounded from the
-        fp32 bits (``OUT_BF16``); the codec's decode (module docstring), shared by every decoding kernel."""
+        """fp8 bytes ``[R, BLOCK_D]`` and their rows' scales ``[R]`` → the decoded fp32 tile (bf16 rounded from the
+        fp32 bits with ``OUT_BF16``); the codec's decode, shared by every decoding kernel."""
         y = _from_fp8_bits(q, E4M3) * scale[:, None]
         if OUT_BF16:  # round to nearest even from the bits, as torch's cast (NaN → 0x7FC0, as torch: the rounding
             u = y.to(tl.uint32, bitcast=True)  # add would carry the GPU's NaN 0x7FFFFFFF into the sign: -0)
@@ -263,23 +256,21 @@ _checked: dict = {}
 
 
 def use_triton(device: torch.device) -> bool:
-    """True when :func:`encode` / :func:`decode` run the fused Triton kernels for tensors on ``device``: CUDA with
-    Triton, once :func:`self_test` found them bitwise equal to the torch version on this device (checked at the
-    first call per device; else the torch version, logged once)."""
+    """True when :func:`encode` / :func:`decode` run the Triton kernels on ``device``: CUDA with Triton, once
+    :func:`self_test` (at the first call per device, outside a capture) found them bitwise equal to torch's."""
     if triton is None or device.type != "cuda":
         return False
     ok = _checked.get(device.index)
     if ok is None:
-        if torch.cuda.is_current_stream_capturing():  # the self-test syncs: not inside a CUDA graph capture
-            return False  # (the torch version, capturable; the test runs at the first call outside a capture)
+        if torch.cuda.is_current_stream_capturing():  # the self-test syncs: the torch version while capturing
+            return False
         ok = _checked[device.index] = self_test(device) is None
     return ok
 
 
 def self_test(device: torch.device) -> str | None:
-    """Compare the Triton kernels with the torch version on ``device`` (values across every binade of both formats,
-    zero and tiny rows, bf16/fp16/fp32): None when bitwise equal, else what differed (then :func:`use_triton`
-    keeps the torch version and logs why). Synchronizes the device (call it outside CUDA graph capture)."""
+    """Compare the Triton kernels with the torch version on ``device`` (every binade of both formats, zero and tiny
+    rows, bf16/fp16/fp32): None when bitwise equal, else what differed (logged). Synchronizes the device."""
     import logging
 
     try:
@@ -317,10 +308,8 @@ def _compare(device) -> list[str]:
 
 
 def nonfinite_rule(enc, dec, dtype: torch.dtype, fmt: str, device) -> str | None:
-    """Check the codec rule for non-finite input on an encode/decode pair (``enc(x, fmt)``, ``dec(buf, dtype, fmt)``):
-    a row holding a NaN or ±inf arrives as a row of NaN (every element: its scale is inf or NaN), finite rows beside
-    it unchanged by it — never finite values where the input was not finite. None when it holds, else what broke
-    (the torch version holds it; :func:`self_test` asks it of the Triton kernels, whose max/clamp may drop NaN)."""
+    """Check the non-finite rule on an encode/decode pair (``enc(x, fmt)``, ``dec(buf, dtype, fmt)``): a row holding
+    a NaN or ±inf arrives all NaN, finite rows beside it stay finite. None when it holds, else what broke."""
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(4, 32, generator=g, device=device).to(dtype)
     x[0, 3], x[1, 7], x[2, 0] = float("nan"), float("inf"), float("-inf")
@@ -333,9 +322,8 @@ def nonfinite_rule(enc, dec, dtype: torch.dtype, fmt: str, device) -> str | None
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x [..., D]`` (fp32/bf16/fp16) → uint8 ``[..., D + 4]``: fp8 values of format ``fmt`` ('e4m3' / 'e5m2') and
-    each row's fp32 scale (module docstring). The Triton kernel on CUDA, else torch ops. Raises ValueError for
-    another dtype or format."""
+    """``x [..., D]`` (fp32/bf16/fp16) → uint8 ``[..., D + 4]`` in format ``fmt`` ('e4m3' / 'e5m2'; module
+    docstring). Raises ValueError for another dtype or format."""
     return encode_triton(x, fmt) if use_triton(x.device) else encode_torch(x, fmt)
 
 
@@ -346,6 +334,5 @@ def decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str) -> torch.Tensor:
 
 
 def round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``decode(encode(x))``: what a tensor that crossed the link in ``fmt`` looks like on arrival (the one-device
-    emulation, :func:`cp_ops.kernels.fp8_emulate`)."""
+    """``decode(encode(x))``: a tensor as it arrives after crossing the link in ``fmt`` (the one-device emulation)."""
     return decode(encode(x, fmt), x.dtype, fmt)

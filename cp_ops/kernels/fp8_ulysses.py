@@ -1,17 +1,14 @@
 """The FP8 codec (:mod:`cp_ops.kernels.fp8`) fused with the Ulysses layouts (:mod:`cp_ops.layout`): one pass each way
-instead of four (encode, pack, decode, unpack). What each function takes and gives, the kernels' grid and their
-measured speed: docs/fp8.md ("Fused with the Ulysses layouts").
+instead of four (encode, pack, decode, unpack); details and speed: docs/fp8.md ("Fused with the Ulysses layouts").
 
 * :func:`pack_encode`: n tensors ``[B, S, H, D]`` → the uint8 send buffer ``[W, B, S, n, hi - lo, D + 4]``;
 * :func:`unpack_decode`: the receive buffer ``[W, B, S, n, Hl, D + 4]`` → ``[n, B, W*S, Hl, D]`` (or into ``out``);
 * :func:`inverse_decode`: the inverse's receive buffer ``[W, B, S, Hl, D + 4]`` → ``[B, S, W, Hl, D]`` (or ``out``).
 
-Every byte equals the unfused torch version's (the contiguous kernels' ``_quantize``/``_dequantize``). Integer
-arguments are not specialized (``do_not_specialize``): one compiled variant per (input dtype, format, D, HL, pointer
-alignment). Each function runs the torch version where :func:`cp_ops.kernels.fp8.use_triton` is false. **Checked
-where it runs**: each kernel variant's first call outside a CUDA graph capture runs the Triton kernel and the torch
-version and compares them (:func:`_first_use`); a variant that differs or raises runs the torch version from then on,
-logged once. Inside a capture an unchecked variant runs the torch version.
+Every byte equals the unfused torch version's, which runs where :func:`cp_ops.kernels.fp8.use_triton` is false. One
+compiled variant per (input dtype, format, D, HL, pointer alignment) (``do_not_specialize``); each variant's first
+call outside a CUDA graph capture runs both versions and compares them (:func:`_first_use`): one that differs or
+raises runs the torch version from then on (logged), as does an unchecked one inside a capture.
 """
 
 from __future__ import annotations
@@ -33,8 +30,7 @@ if triton is not None:
                             E4M3: tl.constexpr):
         """Program (tile, j*N + i, b): rows ``[tile*BLOCK_R, +BLOCK_R)`` of the T*HL (token, head) rows of head group
         j, batch b, of input i (X0..X2: same strides, in D-value rows: x_j per head group, x_b, x_t, x_h) → their
-        encoded rows in OUT (strides in (D+4)-byte rows: o_j, o_i per slot, o_b, o_t; heads adjacent). One tile per
-        program, as the contiguous kernel."""
+        encoded rows in OUT (strides in (D+4)-byte rows: o_j, o_i per slot, o_b, o_t; heads adjacent)."""
         jn = tl.program_id(1)
         j = (jn // N).to(tl.int64)
         i = jn % N
@@ -136,7 +132,7 @@ def check_unpack(buf, dtype, fmt: str, dims: int, out=None) -> None:
 # ---- the Triton launches --------------------------------------------------------------------------------------------
 def _rows(t: torch.Tensor, d: int):
     """``t``'s strides in rows of ``d`` elements, or None where a row is not ``d`` contiguous elements at a multiple
-    of ``d`` from the data pointer (the kernels' addressing; the caller copies such a tensor first)."""
+    of ``d`` from the data pointer (then the caller copies it)."""
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         return None
     st = [0 if n == 1 else s for n, s in zip(t.shape[:-1], t.stride()[:-1])]  # a size-1 dim's stride: any
@@ -146,8 +142,8 @@ def _rows(t: torch.Tensor, d: int):
 
 
 def _encoded_rows(buf: torch.Tensor):
-    """``(buf, its strides in encoded rows)`` — ``buf`` itself when its rows are D + 4 contiguous bytes at a multiple
-    of D + 4 with heads adjacent (a receive buffer, or a token range of one: uneven shards), else a contiguous copy."""
+    """``(buf, its strides in encoded rows)``: ``buf`` itself where its rows are D + 4 contiguous bytes at a multiple
+    of D + 4 with heads adjacent (a receive buffer or a token range of one), else a contiguous copy."""
     rows = _rows(buf, buf.shape[-1])
     if rows is None or rows[-1] not in (0, 1):
         buf = buf.contiguous()
@@ -191,9 +187,8 @@ _variants: dict = {}
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a kernel's result equals the torch version's: encoded buffers row by row where both scales are finite
-    (a row holding NaN/±inf decodes to NaN whatever its bytes: the GPU's NaN is not the CPU's), decoded tensors
-    bitwise where finite and NaN where the other is."""
+    """Whether a kernel's result equals the torch version's: encoded rows bitwise where both scales are finite (a
+    non-finite row decodes to NaN whatever its bytes), decoded tensors bitwise where finite, NaN where the other is."""
     if a.dtype == torch.uint8:
         sa, sb = (t[..., -SCALE_BYTES:].contiguous().view(torch.float32)[..., 0] for t in (a, b))
         keep = sa.isfinite()
@@ -204,9 +199,8 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _first_use(kind: str, key: tuple, device: torch.device, fast, slow, args: tuple, out):
-    """``fast(*args, out)`` (the Triton kernel) where its variant was checked equal to ``slow`` (the torch version),
-    else ``slow(*args, out)``; an unchecked variant is checked here (both run on these inputs, compared: a host sync;
-    not inside a CUDA graph capture, where ``slow`` runs)."""
+    """``fast(*args, out)`` (Triton) where its variant was checked equal to ``slow`` (torch), else ``slow(*args, out)``;
+    an unchecked variant is checked here (both run and are compared: a host sync; inside a capture ``slow`` runs)."""
     if not fp8.use_triton(device):
         return slow(*args, out)
     k = (kind, device.index, key)
@@ -229,11 +223,12 @@ def _first_use(kind: str, key: tuple, device: torch.device, fast, slow, args: tu
         res = got if ok else ref
         return res if out is None else out.copy_(res)
     return (fast if ok else slow)(*args, out)
+
+
 def pack_encode(xs, world: int, lo: int = 0, hi: int | None = None, fmt: str = "e4m3") -> torch.Tensor:
-    """n tensors ``[B, S, H, D]`` (fp32/bf16/fp16, one shape and dtype, any strides) → the uint8 send buffer
-    ``[W, B, S, n, hi - lo, D + 4]`` (contiguous) of heads ``[lo, hi)`` of every head group, each (token, head) row
-    encoded in ``fmt`` ('e4m3' / 'e5m2'): slab w = head group w, bitwise the unfused encode + pack (module docstring).
-    n is 1 to 3. Raises ValueError for other shapes, dtypes, head ranges or formats."""
+    """n (1 to 3) tensors ``[B, S, H, D]`` (fp32/bf16/fp16, one shape and dtype, any strides) → the contiguous uint8
+    send buffer ``[W, B, S, n, hi - lo, D + 4]`` of heads ``[lo, hi)`` of every head group (slab w = head group w)
+    encoded in ``fmt``. Raises ValueError for other shapes, dtypes, head ranges or formats."""
     check_pack(xs, world, lo, hi, fmt)
     key = (xs[0].dtype, fmt, xs[0].shape[3], (xs[0].shape[2] // world if hi is None else hi) - lo,
            tuple(x.data_ptr() % 16 == 0 for x in xs))  # (Triton compiles a variant per pointer alignment)
@@ -242,10 +237,9 @@ def pack_encode(xs, world: int, lo: int = 0, hi: int | None = None, fmt: str = "
 
 
 def unpack_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The receive buffer ``[W, B, S, n, Hl, D + 4]`` (uint8, what :func:`pack_encode` sent; slab w = source rank w)
-    → ``[n, B, W*S, Hl, D]`` of ``dtype`` (fp32/bf16/fp16): slot i is tensor i with every rank's tokens in rank order,
-    bitwise the unfused decode + unpack. A new contiguous tensor, or ``out`` (that shape and dtype, any strides) filled
-    and returned. Raises ValueError for another buffer, dtype, format or ``out``."""
+    """The receive buffer ``[W, B, S, n, Hl, D + 4]`` (uint8 from :func:`pack_encode`; slab w = source rank w) →
+    ``[n, B, W*S, Hl, D]`` of ``dtype`` (fp32/bf16/fp16; slot i = tensor i, tokens in rank order), new or into ``out``
+    (that shape and dtype, any strides). Raises ValueError for another buffer, dtype, format or ``out``."""
     check_unpack(buf, dtype, fmt, 6, out)
     key = (dtype, fmt, buf.shape[-1] - SCALE_BYTES, buf.shape[4], buf.data_ptr() % 16 == 0,
            out is None or out.data_ptr() % 16 == 0)
@@ -255,10 +249,9 @@ def unpack_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.Te
 
 def inverse_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse all-to-all's receive buffer ``[W, B, S, Hl, D + 4]`` (uint8; slab j = head group j) →
-    ``[B, S, W, Hl, D]`` of ``dtype``: this rank's tokens with every head, bitwise the unfused decode +
-    :func:`cp_ops.layout.ulysses_inverse_unpack` (``.view(B, S, W*Hl, D)`` of the new contiguous result gives its
-    shape). ``out``: a ``[B, S, W, Hl, D]`` tensor of ``dtype`` (any strides, e.g. pipelined Ulysses' result heads
-    ``[lo, hi)``) filled and returned. Raises ValueError for another buffer, dtype, format or ``out``."""
+    ``[B, S, W, Hl, D]`` of ``dtype`` (this rank's tokens, every head; as the unfused decode +
+    :func:`cp_ops.layout.ulysses_inverse_unpack`), new or into ``out`` (that shape and dtype, any strides). Raises
+    ValueError for another buffer, dtype, format or ``out``."""
     check_unpack(buf, dtype, fmt, 5, out)
     key = (dtype, fmt, buf.shape[-1] - SCALE_BYTES, buf.shape[3], buf.data_ptr() % 16 == 0,
            out is None or out.data_ptr() % 16 == 0)
@@ -266,7 +259,7 @@ def inverse_decode(buf: torch.Tensor, dtype: torch.dtype, fmt: str, out: torch.T
                       (buf, dtype, fmt), out)
 
 
-# -- the torch version (any device; what CI runs): the unfused codec and layout copies --
+# -- the torch version (any device): the unfused codec and layout copies --
 def pack_encode_torch(xs, world: int, lo: int = 0, hi: int | None = None, fmt: str = "e4m3") -> torch.Tensor:
     """:func:`pack_encode` in torch ops: the encode of each tensor's heads, then the pack."""
     check_pack(xs, world, lo, hi, fmt)

@@ -1,19 +1,11 @@
 """Single-device attention that also returns the log-sum-exp (LSE) of each query row, for LSE merges.
 
-``attention_with_lse(q, k, v, scale)``: ``[B, Sq, H, D]`` × ``[B, Skv, H, D]`` → ``(out [B, Sq, H, D]`` in
-q's dtype, ``lse [B, H, Sq]`` fp32, natural log of the softmax denominator of the scaled scores``)``.
+Kernels, the fastest first (the first that accepts the inputs is remembered per (device, dtype, D)):
 
-Kernels, the fastest first (the first one that accepts the dtype/shape is remembered per (device, dtype, D)):
-
-* CUDA, fp16/bf16: cuDNN, ``aten._scaled_dot_product_cudnn_attention(q, k, v, None, compute_log_sumexp=True,
-  ...)`` (LSE returned as ``[B, H, Sq, 1]`` in torch 2.11 and 2.13; squeezed here); then torch's flash kernel,
-  ``aten._scaled_dot_product_flash_attention`` (LSE ``[B, H, Sq]``). Both are called only for the half dtypes
-  they are written for: called directly (past SDPA's dispatcher, which checks dtypes), the cuDNN op accepted fp32
-  and returned NaN (torch 2.11 on a Hopper GPU: a tiny fp32 Wan under pipelined AGKV).
-* CUDA, any dtype (fp32): torch's memory-efficient kernel, ``aten._scaled_dot_product_efficient_attention(...,
-  compute_log_sumexp=True)`` (LSE ``[B, H, Sq rounded up to 32]``; sliced here); then an fp32 math fallback.
-* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (returns ``(out, logsumexp)``), the kernel that
-  ``F.scaled_dot_product_attention`` runs on CPU; math fallback for dtypes it rejects.
+* CUDA, fp16/bf16 only: cuDNN (its LSE ``[B, H, Sq, 1]`` squeezed), then torch's flash kernel. Called past SDPA's
+  dispatcher, which checks dtypes, the cuDNN op accepted fp32 and returned NaN (torch 2.11, Hopper).
+* CUDA, any dtype: the memory-efficient kernel (its LSE padded to a multiple of 32 queries, sliced), then fp32 math.
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (what SDPA runs on CPU), then fp32 math.
 """
 
 from __future__ import annotations
@@ -22,8 +14,6 @@ import torch
 
 aten = torch.ops.aten
 _choice: dict[tuple, str] = {}  # (device type, dtype, D) -> kernel name that worked
-
-
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -40,8 +30,7 @@ def _cudnn(qt, kt, vt, scale):
 
 def _flash(qt, kt, vt, scale):
     _half_only(qt, "flash")
-    out, lse = aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, False, False, scale=scale)[:2]
-    return out, lse
+    return aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, False, False, scale=scale)[:2]
 
 
 def _efficient(qt, kt, vt, scale):
@@ -69,12 +58,9 @@ _ORDER = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
     """Dense non-causal attention of BSHD ``q`` ``[B, Sq, H, D]`` over ``k, v`` ``[B, Skv, H, D]``.
 
-    Returns:
-        ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (a view;
-        strides are the kernel's). ``scale`` default ``1/sqrt(D)``.
-    Raises:
-        RuntimeError: no kernel accepted the inputs (the last kernel's error).
-    """
+    Returns ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (natural
+    log of the softmax denominator of the scaled scores; the kernel's strides). ``scale`` default ``1/sqrt(D)``.
+    Raises RuntimeError when no kernel accepted the inputs (with the last kernel's error)."""
     qt, kt, vt = _dense_rows(q).transpose(1, 2), _dense_rows(k).transpose(1, 2), _dense_rows(v).transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])
     first = _choice.get(key)
@@ -100,9 +86,8 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with unit stride along its last dim (a copy only where it has not: e.g. q of a fused ``[..., D, 3]`` qkv
-    tensor). The aten kernels here are called past SDPA's dispatcher, which makes the last dim dense for them: the
-    CPU flash kernel read a strided head dim as dense and returned wrong numbers."""
+    """``t`` with unit stride along its last dim (a copy only where not: e.g. q of a fused ``[..., D, 3]`` qkv): past
+    SDPA's dispatcher, the CPU flash kernel read a strided head dim as dense and returned wrong numbers."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 

@@ -1,18 +1,11 @@
 """Merge partial attention outputs by their log-sum-exp (LSE), in fp32.
 
-If query row x attended key blocks 1..n separately, giving ``o_i`` (softmax over block i only) and
-``lse_i = log Σ_{j∈i} exp(s_xj)``, then attention over all blocks is ``Σ_i exp(lse_i - LSE) o_i`` with
-``LSE = log Σ_i exp(lse_i)`` (Milakov & Gimelshein, 2018, "Online normalizer calculation for softmax";
-the merge of ring/flash attention). Computed as ``m = max_i lse_i``, ``w_i = exp(lse_i - m)``,
-``out = Σ w_i o_i / Σ w_i`` so no exponent overflows.
-
-``merge(outs, lses, dtype)``: n partials ``[B, S, H, D]`` (any dtype) and n LSEs ``[B, H, S]`` fp32 →
-``[B, S, H, D]`` in ``dtype``. On CUDA, one fused kernel per ≤ 4 partials (one read of each partial, one write):
-the CUDA kernel of ``csrc/lse_merge.cu`` when this process already loaded cp_ops' extension (the fast
-transport loads it; launched with plain integers through pybind11: measured 60 µs → a few µs of host time per
-merge on a Hopper host, where the Triton launcher's argument binding dominates) and the inputs suit it (2..4
-partials in the output dtype, fp32/bf16/fp16, last dim contiguous); else the Triton kernel (:mod:`triton`, a
-torch dependency on Linux CUDA builds); else eager fp32 torch ops.
+Partials ``o_i`` over key blocks i with ``lse_i = log Σ_{j∈i} exp(s_xj)`` merge to ``Σ_i exp(lse_i - LSE) o_i``,
+``LSE = log Σ_i exp(lse_i)`` (Milakov & Gimelshein, 2018), computed as ``w_i = exp(lse_i - max_i lse_i)``,
+``out = Σ w_i o_i / Σ w_i`` so no exponent overflows. On CUDA, one fused kernel per ≤ 4 partials: the CUDA kernel
+of ``csrc/lse_merge.cu`` when this process already loaded cp_ops' extension (the fast transport does; a few µs of
+host time per merge where the Triton launcher took 60 µs) and the inputs suit it (2..4 partials in the output dtype,
+last dim contiguous); else the Triton kernel; else eager fp32 torch ops.
 """
 
 from __future__ import annotations
@@ -36,9 +29,8 @@ def merge_eager(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # rows with no keys anywhere: -inf everywhere
     w = torch.exp(lse - m)
     den = w.sum(0)
-    # a row whose every partial LSE is -inf attended no key at all: its output is 0 (what SDPA gives on CPU for
-    # an all-masked row), never 0/0
-    # (den is >= 1 wherever some LSE is finite: its largest term is exp(0); clamping only touches den == 0, where w == 0)
+    # a row whose every partial LSE is -inf attended no key: its output is 0 (SDPA's on CPU), never 0/0 (den >= 1
+    # wherever some LSE is finite: the clamp only touches den == 0, where w == 0)
     wt = (w / den.clamp_min(torch.finfo(torch.float32).tiny)).permute(0, 1, 3, 2).unsqueeze(-1)  # [n, B, S, H, 1]
     acc = wt[0] * outs[0].float()
     for i in range(1, len(outs)):
@@ -129,8 +121,7 @@ _EXT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _merge_ext(outs, lses, dtype):
-    """The merge through the extension's CUDA kernel, or None when it is not loaded or the inputs do not suit it
-    (then the caller takes the Triton kernel)."""
+    """The merge through the extension's CUDA kernel, or None when it is not loaded or the inputs do not suit it."""
     from .. import _ext
 
     ext = _ext.loaded()
@@ -160,12 +151,9 @@ def use_triton(device: torch.device) -> bool:
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """LSE-merge n ≥ 1 partial outputs ``[B, S, H, D]`` with their LSEs ``[B, H, S]`` (fp32) into
-    ``[B, S, H, D]`` of ``dtype`` (default: the partials' dtype), accumulating in fp32.
-
-    Raises:
-        ValueError: no partials, or their count differs from the LSEs'.
-    """
+    """LSE-merge n ≥ 1 partial outputs ``[B, S, H, D]`` with their LSEs ``[B, H, S]`` (fp32) into ``[B, S, H, D]``
+    of ``dtype`` (default: the partials' dtype), accumulating in fp32. Raises ValueError when there are no partials
+    or their count differs from the LSEs'."""
     if not outs or len(outs) != len(lses):
         raise ValueError(f"merge needs n >= 1 partial outputs and as many LSEs; got {len(outs)} and {len(lses)}")
     dtype = outs[0].dtype if dtype is None else dtype

@@ -1,16 +1,8 @@
-"""Single-device dense attention on BSHD tensors with cp_ops' backend priority: the local attention every mode
-body runs, and the reference every test compares against.
-
-``local_attention(q, k, v, scale, key_mask)``: ``q [B, Sq, H, D]`` × ``k, v [B, Skv, H, D]`` (→ ``[B, Sq, H, D]``, q's
-dtype) through ``F.scaled_dot_product_attention``. On CUDA the backends are tried in the order cuDNN, flash,
-memory-efficient, math (cuDNN ran about twice as fast as torch's flash backend on a Hopper GPU, bf16, H=40, D=128:
-``shared/anchors.md``); a backend that cannot take the inputs (a mask, a head dim) is skipped by SDPA itself.
-
-``key_mask``: bool ``[B, Skv]`` (True = attend this key) or ``[B, 1, 1, Skv]`` (already in SDPA's broadcast form),
-applied as SDPA's boolean mask, the same for every query and head. A batch row whose keys are *all* masked gets
-what SDPA gives for it (zeros on CPU and from the math backend in torch >= 2.5; a CUDA backend may give NaN).
-
-Leaf module: imports torch only.
+"""Single-device dense attention on BSHD tensors with cp_ops' backend priority: the local attention every mode body
+runs, and the reference every test compares against. Leaf module: imports torch only. On CUDA the SDPA backends are
+tried in the order cuDNN, flash, memory-efficient, math (cuDNN ran about twice as fast as flash on a Hopper GPU, bf16,
+H=40, D=128: ``shared/anchors.md``); SDPA skips one that cannot take the inputs. A batch row whose keys are *all* masked
+gets what SDPA gives (zeros on CPU and from math; a CUDA backend may give NaN).
 """
 
 from __future__ import annotations
@@ -20,16 +12,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: The CUDA backend order (the first that accepts the inputs runs).
-CUDA_PRIORITY = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
+CUDA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
 
-# What ``sdpa_kernel(CUDA_PRIORITY, set_priority=True)`` sets (these backends on, the others off, this order
-# first), done and undone only where the current state differs: the context manager costs ~19 µs of host time
-# per call, this ~2 µs (eager only; Dynamo traces the context manager).
+# What ``sdpa_kernel(CUDA_PRIORITY, set_priority=True)`` sets, done and undone only where the state differs: the
+# context manager costs ~19 µs of host time per call, this ~2 µs (eager only; Dynamo traces the context manager).
 _PRIO = [int(b) for b in CUDA_PRIORITY]
 _FLAGS = [(getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"),
            getattr(SDPBackend, b) in CUDA_PRIORITY)
@@ -59,15 +46,10 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Single-device dense (non-causal) attention: ``[B, Sq, H, D]`` × ``[B, Skv, H, D]`` → ``[B, Sq, H, D]``.
 
-    Args:
-        q, k, v: BSHD, one dtype (fp32/fp16/bf16) and device. scale: softmax scale, default ``1/sqrt(D)``.
-        key_mask: bool ``[B, Skv]`` or ``[B, 1, 1, Skv]`` key-padding mask (True = attend), or None.
-    Returns:
-        ``[B, Sq, H, D]`` in q's dtype (a transposed view of SDPA's ``[B, H, Sq, D]`` output).
-    Raises:
-        TypeError: ``scale`` is a tensor (a mask passed positionally: pass ``key_mask=``).
-        RuntimeError: as ``F.scaled_dot_product_attention``.
-    """
+    ``q, k, v``: one dtype (fp32/fp16/bf16) and device; ``scale`` default ``1/sqrt(D)``; ``key_mask``: bool
+    ``[B, Skv]`` or ``[B, 1, 1, Skv]`` (True = attend; the same for every query and head), or None. Returns a
+    transposed view of SDPA's ``[B, H, Sq, D]`` output. Raises TypeError when ``scale`` is a tensor (a mask passed
+    positionally), else as ``F.scaled_dot_product_attention``."""
     if isinstance(scale, torch.Tensor):
         raise TypeError("local_attention: the 4th positional argument is scale (a float or None), got a tensor of "
                         f"shape {list(scale.shape)}; pass the mask as key_mask=mask")

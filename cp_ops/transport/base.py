@@ -1,10 +1,6 @@
-"""The transport protocol, the registry of transports, and the one selector (auto / explicit / fallback).
-
-Adding a transport is one file that defines a :class:`Transport` and calls :func:`register`; the names the ops, the
-public API and the CLI accept (:func:`names`) derive from this registry. Selection has two steps, both here:
-:func:`resolve` at the public API (name and device; the resolved name is part of the rank contract's signature, so
-'auto' stays 'auto' where a preferred transport may run) and :func:`for_group` in an op's real kernel (the group's
-agreed choice).
+"""The transport protocol, the registry of transports (a new one: one file defining a :class:`Transport` that calls
+:func:`register`; :func:`names` derives from it), and the one selector: :func:`resolve` at the public API ('auto'
+stays 'auto' where a preferred transport may run) and :func:`for_group` in an op's kernel (the group's agreed choice).
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ class Transport(Protocol):
     Attributes:
         name: the registry name ('torch', 'fast', ...).
         pooled_outputs: True when outputs are views of buffers the transport reuses (they must not reach users).
-        slots_per_key: how many launches of one (op, shape, dtype) may be in flight (launched, not yet consumed)
-            at once before a launch would overwrite an unconsumed output; None = unbounded (fresh buffers).
+        slots_per_key: launches of one (op, shape, dtype) that may be in flight at once; None = unbounded.
     """
 
     name: str
@@ -41,10 +36,9 @@ class Transport(Protocol):
         """Why this transport cannot run for tensors on ``device`` in this process (cheap, cached); None if it can."""
 
     def group_reason(self, group: dist.ProcessGroup, device: torch.device) -> str | None:
-        """Why ``group`` cannot use this transport, or None. Includes this process's own
-        :meth:`unavailable_reason`; collective over ``group`` on its first call, so every rank gets the same
-        verdict (a failure on one rank is known to all at once); cached after; prepares the transport's
-        per-group state (lane, pool) when fit. Never waits longer than ``settings.timeout_s``."""
+        """Why ``group`` cannot use this transport (this process's :meth:`unavailable_reason` included), or None.
+        Collective on its first call (every rank gets the same verdict, within ``settings.timeout_s``), cached
+        after; prepares the per-group state (lane, pool) when fit."""
 
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
         """``[B, S_local, H, D]`` × 2 → ``(k_full, v_full, work)``, each ``[B, W*S_local, H, D]`` in rank order."""
@@ -63,9 +57,8 @@ class Transport(Protocol):
 # ---- optional capability: AGKV with per-source arrival (pipelined AGKV) ----------------------------
 @dataclass
 class Arrival:
-    """One piece of a peer's K/V that lands by itself: tokens ``[lo, hi)`` of ``k_full``/``v_full`` (global
-    token positions, inside source rank ``src``'s block); ``work.wait()`` makes the current stream (CPU: the
-    caller) wait for this piece only (it may wait for more)."""
+    """One piece of a peer's K/V that lands by itself: tokens ``[lo, hi)`` of ``k_full``/``v_full`` (inside source
+    rank ``src``'s block); ``work.wait()`` waits for this piece (or more)."""
 
     src: int
     lo: int
@@ -92,8 +85,7 @@ class Works:
 
 
 class _SourceWait:
-    """Wait for one source of a work that signals per source (``work.wait_source(src)``, e.g. the fast
-    transport's); the protocol's generic per-source view of such a work."""
+    """Waits for one source of a work that signals per source (``work.wait_source(src)``: the fast transport's)."""
 
     def __init__(self, work, src: int):
         self.work, self.src = work, src
@@ -105,20 +97,13 @@ class _SourceWait:
 
 def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                        pieces: int = 1):
-    """Start an AGKV gather whose peers' chunks can be waited as they land (pipelined AGKV).
+    """Start an AGKV gather of ``k, v [B, S_local, H, D]`` whose peers' chunks can be waited as they land: the
+    transport's own ``agkv_start_sources`` where it has one, else its :meth:`Transport.agkv_start` (waited per
+    source where the work offers ``wait_source(src)``). ``pieces``: arrivals per peer block (a hint).
 
-    A transport may provide ``agkv_start_sources(k, v, group, pieces)`` itself; else this falls back to its
-    :meth:`Transport.agkv_start`, waiting per source where the work offers ``wait_source(src)`` (the fast
-    transport's), otherwise waiting for everything at the first piece.
-
-    Args:
-        k, v: ``[B, S_local, H, D]``.
-        pieces: split each peer's block into this many arrivals (a hint; a transport may give fewer).
-    Returns:
-        ``(k_full, v_full, arrivals, work)``: ``k_full``/``v_full`` ``[B, W*S_local, H, D]`` in rank order (this
-        rank's own block may be left unwritten: read ``k``/``v``); ``arrivals``: a list of :class:`Arrival`, the
-        peers' pieces in the order they are expected to land, together covering every peer token once; ``work``:
-        waits for everything (call it last: it also keeps the transport's reads of ``k``/``v`` ordered).
+    Returns ``(k_full, v_full, arrivals, work)``: ``[B, W*S_local, H, D]`` each in rank order (this rank's own block
+    may be left unwritten: read ``k``/``v``); the :class:`Arrival` list, in expected landing order, covering every
+    peer token once; ``work`` waits for everything (call it last: it orders the reads of ``k``/``v``).
     """
     own = getattr(t, "agkv_start_sources", None)
     if own is not None:
@@ -128,10 +113,9 @@ def agkv_start_sources(t: "Transport", k: torch.Tensor, v: torch.Tensor, group: 
 
 
 def ulysses_packed_start(t: "Transport", send: torch.Tensor, group: dist.ProcessGroup):
-    """The all-to-all of a Ulysses send buffer packed by the caller, ``send [W, B, S_local, n, hs, D]`` (slab w to
-    rank w; any dtype: FP8 buffers are uint8), into ``buf`` of the same shape (slab w from rank w): the transport's
-    ``ulysses_packed_start(send, group)`` where it has one, else its :meth:`Transport.ulysses_inverse_start` of the
-    buffer seen as ``[1, W * B*S_local*n, hs, D]`` (slab w is token block w of that view). Returns ``(buf, work)``."""
+    """All-to-all of a caller-packed Ulysses send buffer ``[W, B, S_local, n, hs, D]`` (slab w to rank w; any dtype)
+    into ``buf`` of the same shape: the transport's ``ulysses_packed_start`` where it has one, else its
+    :meth:`Transport.ulysses_inverse_start` of the ``[1, W*B*S_local*n, hs, D]`` view. Returns ``(buf, work)``."""
     own = getattr(t, "ulysses_packed_start", None)
     if own is not None:
         return own(send, group)
@@ -144,14 +128,12 @@ def mask_all_gather(mask: torch.Tensor, group: dist.ProcessGroup):
     """A key mask beside its keys: uint8 ``[B, S]`` → ``([W*B, S] rank-major, work)``, one ``_allgather_base`` on
     ``group``."""
     out = mask.new_empty(group.size() * mask.shape[0], mask.shape[1])
-    m = mask.contiguous()
-    return out, group._allgather_base(out, m)
+    return out, group._allgather_base(out, mask.contiguous())
 
 
 def source_arrivals(work, world: int, rank: int, s_local: int) -> list[Arrival]:
-    """One :class:`Arrival` per peer block of an AGKV gather (tokens ``[src·S_local, (src+1)·S_local)``), nearest
-    peer first (``rank − 1``, ``rank − 2``, ...): waited per source where ``work`` offers ``wait_source(src)``,
-    else each waits for the whole ``work``."""
+    """One :class:`Arrival` per peer block of an AGKV gather, nearest peer first (``rank − 1``, ``rank − 2``, ...):
+    waited per source where ``work`` offers ``wait_source(src)``, else each waits for the whole ``work``."""
     per_source = hasattr(work, "wait_source")
     return [Arrival(src, src * s_local, (src + 1) * s_local, _SourceWait(work, src) if per_source else work)
             for src in ((rank - j) % world for j in range(1, world))]
@@ -195,11 +177,9 @@ def _log_once(key, msg: str, *args) -> None:
 
 
 def resolve(requested: str = "auto", device_type: str = "cuda") -> str:
-    """Resolve a public ``transport=`` argument for tensors of ``device_type``: whether a transport can run *here*
-    may differ from rank to rank, so 'auto' stays 'auto' where a preferred transport moves tensors of this device type.
+    """Resolve a public ``transport=`` argument for tensors of ``device_type``: 'auto' (a preferred transport
+    moves this device type; whether it runs may differ by rank, so the group decides in the op), or a registered name.
 
-    Returns:
-        'auto' (a preferred transport may run; the group decides in the op), or a registered name.
     Raises:
         ValueError: ``requested`` is not one of :func:`names`.
         RuntimeError: an explicit transport cannot run on this device; the message says why.
@@ -235,18 +215,12 @@ resolve._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def select_transport(requested: str = "auto", device_type: str = "cuda") -> str:
-    """The transport a call will use on this device, as a name: never 'auto' (for reports and the CLI).
-
-    'auto' resolves to the first transport of :data:`AUTO_ORDER` that can run on ``device_type`` (a group
-    that cannot host it still falls back to 'torch' inside the op). Raises as :func:`resolve`.
-    """
+    """The transport a call will use on this device, never 'auto' (for reports and the CLI): for 'auto' the first of
+    :data:`AUTO_ORDER` that can run here (a group that cannot host it still falls back). Raises as :func:`resolve`."""
     r = resolve(requested, device_type)
     if r != "auto":
         return r
-    for name in AUTO_ORDER:
-        if _REGISTRY[name].unavailable_reason(torch.device(device_type)) is None:
-            return name
-    return "torch"
+    return next((n for n in AUTO_ORDER if _REGISTRY[n].unavailable_reason(torch.device(device_type)) is None), "torch")
 
 
 def concrete_name(name: str, group_name: str, device) -> str:
@@ -265,9 +239,8 @@ concrete_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def agreed_name(name: str, group_name: str, device) -> str | None:
-    """:func:`concrete_name` without a collective (for reports: :func:`cp_ops.describe`): the transport a call with
-    resolved transport ``name`` runs on the group, where it is known without asking the group — an explicit name, a
-    'fake' group's, or 'auto' once the group agreed (its first call did) —, else None."""
+    """:func:`concrete_name` without a collective (for reports): known for an explicit name, a 'fake' group, or
+    'auto' once the group agreed (its first call did); else None."""
     if name != "auto":
         return name
     from ..group import backend_name
@@ -281,13 +254,9 @@ def agreed_name(name: str, group_name: str, device) -> str | None:
 
 
 def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Transport:
-    """The transport an op uses for ``group`` (called inside the op's real kernel): an explicit name if it suits the
+    """The transport an op uses for ``group`` (inside the op's real kernel): an explicit name if it suits the
     group; for 'auto' the first of :data:`AUTO_ORDER` every rank can run (agreed once per group), else torch.
-
-    Raises:
-        RuntimeError: an explicit transport that cannot run here or for this group (every rank of the group
-            raises alike); the message names why.
-    """
+    Raises RuntimeError naming why (on every rank alike) when an explicit transport cannot run for this group."""
     if name == "torch":
         return _REGISTRY["torch"]
     key = (name, group, device.type)
@@ -300,8 +269,7 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
         if reason is not None:
             raise RuntimeError(
                 f"transport={name!r} cannot run for CP group '{group.group_name}' "
-                f"(ranks {dist.get_process_group_ranks(group)}): {reason}"
-            )
+                f"(ranks {dist.get_process_group_ranks(group)}): {reason}")
         _group_choice[key] = name
         return t
     chosen = _agree_auto(group, device)
@@ -310,14 +278,12 @@ def for_group(name: str, group: dist.ProcessGroup, device: torch.device) -> Tran
 
 
 def _agree_auto(group: dist.ProcessGroup, device: torch.device) -> str:
-    """``'auto'``'s choice for ``group``, the same on every rank: the first transport of :data:`AUTO_ORDER` every rank
-    can run and whose :meth:`Transport.group_reason` every rank accepts, else 'torch' (agreed through
-    :func:`cp_ops.contract.agree`, once per group and device type)."""
+    """``'auto'``'s choice for ``group``, the same on every rank (:func:`cp_ops.contract.agree`): the first of
+    :data:`AUTO_ORDER` every rank can run and whose :meth:`Transport.group_reason` every rank accepts, else 'torch'."""
     import json
 
-    from ..contract import agree
-
     from .._peers import node_id
+    from ..contract import agree
 
     cands = [c for c in AUTO_ORDER if c != "torch" and _moves(_REGISTRY[c], device.type)]
     if not cands:
@@ -344,15 +310,15 @@ def _agree_auto(group: dist.ProcessGroup, device: torch.device) -> str:
 
 
 def inflight_limit() -> int | None:
-    """The fewest ``slots_per_key`` over the registered transports (what a compiler pass must respect when it
-    reorders launches: at most this many launches of one key in flight); None when every transport is unbounded."""
+    """The fewest ``slots_per_key`` over the transports (the most launches of one key a compiler pass may keep in
+    flight when it reorders them); None when every transport is unbounded."""
     limits = [t.slots_per_key for t in _REGISTRY.values() if t.slots_per_key is not None]
     return min(limits) if limits else None
 
 
 def check_all() -> None:
-    """Raise a device-side failure a transport recorded and has not raised yet (each transport's ``check()``; no device
-    sync): called at the ``parallelize`` output gather and after a captured forward's replay."""
+    """Raise a device-side failure a transport recorded (each one's ``check()``; no device sync): called at the
+    ``parallelize`` output gather and after a captured forward's replay."""
     for t in _REGISTRY.values():
         check = getattr(t, "check", None)
         if check is not None:

@@ -1,14 +1,10 @@
 """The torch transport: ``torch.distributed`` collectives — NCCL on CUDA, gloo on CPU; works multi-node.
 
-AGKV is one coalesced all-gather per call, written straight into the final ``[B, S, H, D]`` buffers
-(per batch row when B > 1, so no rearranging copy follows). Ulysses is one ``all_to_all_single`` over a
-packed buffer carrying every tensor of the call. Outputs are fresh tensors (never pooled).
-
-A group that runs CUDA tensors over gloo (``cpu:gloo,cuda:gloo``: e.g. two ranks sharing one GPU in the tests) is
-staged through host memory: gloo's coalesced all-gather and its send/recv have no CUDA path (they hand device
-pointers to the host transport: a segfault in ``work.wait()``, seen on CUDA with torch 2.11), so each launch
-copies its inputs to the host, runs the CPU collective there, waits, and copies the outputs back (synchronous: for
-correctness where no GPU-capable backend can run, never for speed).
+AGKV is one coalesced all-gather per call straight into the final ``[B, S, H, D]`` buffers (per batch row when
+B > 1); Ulysses is one ``all_to_all_single`` over a packed buffer of every tensor of the call. Outputs are fresh.
+A group that runs CUDA tensors over gloo (``cpu:gloo,cuda:gloo``, e.g. ranks sharing one GPU) is staged through host
+memory: gloo's coalesced all-gather and send/recv have no CUDA path (a segfault in ``work.wait()`` with torch 2.11),
+so each launch copies its inputs to the host, runs the CPU collective, waits and copies back (synchronous).
 """
 
 from __future__ import annotations
@@ -38,26 +34,24 @@ class TorchTransport:
         return _agkv_gather(group, k, v)
 
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, pieces: int = 1):
-        """AGKV by point-to-point sends, one batch (one work) per (peer, piece), so each piece can be waited as
-        it lands: at step j = 1..W-1 this rank sends to rank+j and receives from rank-j (mod W), its block split
-        into ``pieces`` token ranges; returns as :func:`cp_ops.transport.base.agkv_start_sources`. A group staged
-        through host memory makes the same sends on host copies (so it pairs with a peer that does not stage)."""
+        """AGKV by point-to-point sends, one batch (one work) per (peer, piece) so each piece can be waited as it
+        lands: at step j = 1..W-1 send to rank+j and receive from rank-j (mod W), in ``pieces`` token ranges;
+        returns as :func:`cp_ops.transport.base.agkv_start_sources` (a staged group sends the same on host copies)."""
         if stage_through_host(group, k.device):
             k_full, v_full, arrivals, work = _staged(_agkv_sources, group, k, v, pieces)
             return k_full, v_full, [Arrival(a.src, a.lo, a.hi, work) for a in arrivals], work
         return _agkv_sources(group, k, v, pieces)
 
-    def ulysses_start(self, xs: list[torch.Tensor], group: dist.ProcessGroup):
-        return _all_to_all(ulysses_pack(xs, group.size()), group)
-
-    def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int, hi: int):
-        """:meth:`ulysses_start` of heads ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group):
-        ``(buf [W, B, S_local, n, hi - lo, D], work)``, packed straight from the whole tensors."""
+    def ulysses_start_heads(self, xs: list[torch.Tensor], group: dist.ProcessGroup, lo: int = 0,
+                            hi: int | None = None):
+        """Ulysses of heads ``[lo, hi)`` of every head group (``hi=None``: all): ``(buf [W, B, S_local, n, hi - lo, D],
+        work)``."""
         return _all_to_all(ulysses_pack(xs, group.size(), lo, hi), group)
 
+    ulysses_start = ulysses_start_heads
+
     def ulysses_packed_start(self, send: torch.Tensor, group: dist.ProcessGroup):
-        """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
-        (``cp_ops::ulysses_packed_start``): ``(buf, work)``, ``buf`` of the same shape."""
+        """All-to-all of a caller-packed send buffer ``[W, B, S_local, n, Hl, D]``: ``(buf, work)``, same shape."""
         return _all_to_all(send.contiguous(), group)
 
     def ulysses_inverse_start(self, x: torch.Tensor, group: dist.ProcessGroup):
@@ -107,8 +101,7 @@ def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pi
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
-    """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``, what
-    every Ulysses launch of this transport ends in."""
+    """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``."""
     if stage_through_host(group, send.device):
         return _staged(_alltoall_base, send, group)
     return _alltoall_base(send, group)
@@ -120,14 +113,14 @@ def _alltoall_base(send: torch.Tensor, group: dist.ProcessGroup):
 
 
 def _watched(group: dist.ProcessGroup, t: torch.Tensor, work):
-    """``work``, whose wait is bounded by cp_ops and names a failing peer (:func:`cp_ops.contract.wait_collective`)
-    where the wait is the host's: a CPU tensor (gloo). A GPU collective's wait only orders streams: as it is."""
+    """``work``, for a CPU tensor (gloo: the host waits) with a wait bounded by cp_ops that names a failing peer
+    (:func:`cp_ops.contract.wait_collective`); a GPU collective's wait only orders streams: as it is."""
     return _Watched(group, work) if t.device.type == "cpu" else work
 
 
 class _Watched:
-    """A CPU collective's work whose ``wait()`` is :func:`cp_ops.contract.wait_collective` (a plain object: the eager
-    path waits it as it is; the ops wrap it to register it, :func:`cp_ops.ops._register`)."""
+    """A CPU collective's work whose ``wait()`` is :func:`cp_ops.contract.wait_collective` (the ops wrap it to
+    register it, :func:`cp_ops.ops._register`)."""
 
     __slots__ = ("group", "work")
 
@@ -145,9 +138,8 @@ class _Watched:
 
 
 def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether ``group`` runs ``device``'s tensors over gloo with ``device`` a GPU (``cpu:gloo,cuda:gloo``): then
-    every launch of this transport is staged through host memory (see the module docstring). NCCL, CPU and fake
-    groups: False. Seen through ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper (``_ProcessGroupWrapper.wrapped_pg``)."""
+    """Whether ``group`` runs GPU ``device``'s tensors over gloo (``cpu:gloo,cuda:gloo``): then every launch is
+    staged through host memory (module docstring). Sees through ``TORCH_DISTRIBUTED_DEBUG=DETAIL``'s wrapper."""
     if device.type == "cpu":
         return False
     try:
@@ -171,9 +163,8 @@ def _staged(launch, *args):
 
 
 class _Copied(dist.Work):
-    """The work of a launch staged through host memory: its outputs were copied back on the launching stream;
-    ``wait()`` makes the current stream wait for those copies (an event), so a wait on another stream is ordered.
-    A ``dist.Work`` so the ops can register it with their outputs (``wait_tensor`` under compile)."""
+    """The work of a launch staged through host memory: ``wait()`` makes the current stream wait (an event) for
+    the copies back on the launching stream. A ``dist.Work`` so the ops can register it (``wait_tensor``)."""
 
     def __init__(self, device: torch.device):
         super().__init__()

@@ -1,26 +1,16 @@
 """The fast transport: one Hopper node, direct peer writes over NVLink/P2P into symmetric buffers.
 
-:class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`, with the layouts
-of :mod:`cp_ops.layout`; ``work.wait()`` makes the current CUDA stream wait (no host block).
+:class:`FastTransport` (registered as ``'fast'``) has the contract of :mod:`cp_ops.transport.torch`; ``work.wait()``
+makes the current CUDA stream wait (no host block). Each rank writes its chunk straight into every peer's *final*
+buffer (pitched copies on the copy engine or an SM kernel, the fan-out measured per shape at its first call), then
+raises a per-call, per-source arrival flag there (:meth:`FastTransport.wait_source`). Modules and faults:
+``docs/fast_transport.md``; settings (``CP_OPS_FAST_*``): ``docs/settings.md``.
 
-Method (this project): each rank writes its own chunk straight into every peer's *final* buffer — for AGKV its K and
-V tokens at its token block (a pitched copy when B > 1), for Ulysses the sequence<->head transform folded into
-pitched copies — then raises a per-call, per-source arrival flag on that peer, so a consumer can wait for one
-source's chunk (:meth:`FastTransport.wait_source`). The copies run on the copy engine or an SM copy kernel; remote
-targets are visited ``rank ^ j`` (``(rank + j) % W`` when W is not a power of two), ``inflight`` at once, each split
-over ``split`` streams; path/inflight/split are measured per shape at its first call and agreed (max over ranks).
-The package's modules and what the transport promises under faults: ``docs/fast_transport.md``; its settings
-(``CP_OPS_FAST_*``): ``docs/settings.md``.
-
-Outputs are views of pooled buffers: valid until the second-next fast call of the same role and shape
-(``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises instead. At most 256 fast
-calls may be launched and not yet waited. Under CUDA graphs a call can be captured once its shape ran eagerly (lane
-started, buffers allocated, fan-out tuned); each captured call keeps its flag slot while its graph lives and its pool
-buffers until :meth:`FastTransport.shutdown`.
-
-Measured on 2x H200 (NV18), bf16 K+V of a CP2 shard, S = 4K..75.6K: AGKV 280-373 GB/s per rank
-(0.69-0.78x the NCCL all-gather time), Ulysses 260-344 GB/s (0.49-0.52x the torch transport's
-pack + all_to_all_single); every output bitwise equal to the torch transport
+Outputs are views of pooled buffers, valid until the second-next fast call of the same role and shape
+(``slots_per_key`` = 2); a launch that would overwrite an output not yet waited raises. At most 256 fast calls may
+be in flight. Under CUDA graphs a shape can be captured once it ran eagerly; a captured call keeps its flag slot
+while its graph lives and its pool buffers until :meth:`FastTransport.shutdown`. Bitwise equal to the torch
+transport; on 2x H200 AGKV takes 0.69-0.78x the NCCL all-gather's time, Ulysses 0.49-0.52x the torch transport's
 (``benchmarks/results/transfer/table.md``).
 """
 
@@ -31,9 +21,11 @@ import logging
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from ... import config
-from ..base import register, source_arrivals
+from ..base import forget_groups, register, source_arrivals
+from . import collective
 
 log = logging.getLogger("cp_ops")
 
@@ -49,12 +41,8 @@ def _prep(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 class FastTransport:
-    """The fast transport (see the module docstring); the registered instance is :data:`transport`.
-
-    Attributes:
-        lane: the process's one fast lane (:class:`cp_ops.transport.fast.lane.Lane`) or None before the first fast call.
-        slots_per_key: pool slots per (op, shape, dtype): launches of one key that may be in flight at once.
-    """
+    """The fast transport (module docstring); the registered instance is :data:`transport`. ``lane``: the process's
+    one :class:`~.lane.Lane`, None before the first fast call."""
 
     name = "fast"
     device_types = ("cuda",)
@@ -71,20 +59,14 @@ class FastTransport:
 
     # ---- availability ---------------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device) -> str | None:
-        """Why the fast transport cannot run for tensors on ``device``; ``None`` when it can.
-
-        Checked in order: CUDA tensors; a CUDA build of torch with a GPU; compute capability 9.0 (Hopper);
-        nvshmem4py importable (unless ``CP_OPS_FAST_HEAP=ipc``); the CUDA extension built (built here on the
-        first call, ~1 min, then cached; a failure names its build log). Group-level requirements are checked
-        by :meth:`group_reason`.
-        """
+        """Why the fast transport cannot run for tensors on ``device``; ``None`` when it can. Checked in order:
+        CUDA tensors; a GPU; compute capability 9.0; nvshmem4py importable (unless ``CP_OPS_FAST_HEAP=ipc``); the
+        CUDA extension built (here on the first call, ~1 min, then cached). Group requirements: :meth:`group_reason`."""
         device = torch.device(device)
         if device.type != "cuda":
-            return (
-                f"the tensors are on '{device.type}', and the fast transport moves CUDA tensors between "
-                "Hopper (sm_90) GPUs of one node over NVLink/P2P; on this device use transport='torch' "
-                "(transport='auto' picks it)"
-            )
+            return (f"the tensors are on '{device.type}', and the fast transport moves CUDA tensors between "
+                    "Hopper (sm_90) GPUs of one node over NVLink/P2P; on this device use transport='torch' "
+                    "(transport='auto' picks it)")
         if not torch.cuda.is_available():
             return "torch.cuda.is_available() is False (no GPU, or a CPU-only build of torch)"
         idx = torch.cuda.current_device() if device.index is None else device.index
@@ -98,26 +80,18 @@ class FastTransport:
             name = torch.cuda.get_device_name(idx)
             return f"GPU {idx} ({name}) has compute capability {cap[0]}.{cap[1]}; the fast transport needs 9.0 (Hopper)"
         if config.settings.fast_heap == "nvshmem" and importlib.util.find_spec("nvshmem") is None:
-            return (
-                "nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
-                "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers"
-            )
+            return ("nvshmem4py is not installed: pip install 'cp_ops[fast]' (nvshmem4py-cu13), "
+                    "or set CP_OPS_FAST_HEAP=ipc to use CUDA IPC symmetric buffers")
         from ... import _ext
 
         _, why = _ext.load()
         return why
 
     def group_reason(self, group, device: torch.device) -> str | None:
-        """Why ``group`` cannot use the fast transport, or None (then the lane exists for it).
-
-        Collective over ``group`` on its first call (cached after): the ranks exchange their own
-        :meth:`unavailable_reason`, probe the group (one node, P2P reach) and start the lane stage by stage,
-        each stage's outcome exchanged, so a failure on one rank is every rank's verdict at once (bounded by
-        the group's timeout). The process has one lane: the first group (of width ``fast_lane_width`` when
-        set) that starts it; every other group gets a reason naming the lane's width and ranks.
-        """
-        import torch.distributed as dist
-
+        """Why ``group`` cannot use the fast transport, or None (then the lane exists for it). Collective on its
+        first call (cached after): availability, the group probe and each start stage are agreed over the ranks,
+        so a failure on one rank is every rank's verdict (bounded by the timeout). The process has one lane: the
+        first group (of width ``fast_lane_width`` when set) that starts it; other groups get a reason naming it."""
         device = torch.device(device)
         if device.type != "cuda":
             return self.unavailable_reason(device)
@@ -138,21 +112,15 @@ class FastTransport:
             try:
                 self.lane = self._start(group, device)
                 return None
-            except RuntimeError as e:
-                from .collective import StartFailed
-
-                if not isinstance(e, StartFailed):
-                    raise
+            except collective.StartFailed as e:
                 self._unfit[key] = str(e)
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
-        """Start the lane on ``group`` (collective). Every exchange is bounded by ``CP_OPS_TIMEOUT_S`` and agreed,
-        so a rank that fails or is stuck gives every rank the same :class:`~.collective.StartFailed`."""
-        import torch.distributed as dist
-
+        """Start the lane on ``group`` (collective; bounded, agreed exchanges: every rank gets the same
+        :class:`~.collective.StartFailed`)."""
         from ... import _ext
-        from . import collective, start
+        from . import start
 
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -175,14 +143,11 @@ class FastTransport:
                                          f"{dist.get_process_group_ranks(group)}: {e}") from None
 
     def _lane_for(self, group):
-        """The lane for ``group``; starts it (collective) when none exists. Raises RuntimeError naming why the
-        group cannot use the fast transport."""
+        """The lane for ``group``, started (collective) when none exists; RuntimeError naming why it cannot."""
         lane = self.lane
         if lane is not None:
             if group is self._lane_group:  # the group that matched last time (no rank list built per call)
                 return lane
-            import torch.distributed as dist
-
             if lane.ranks == dist.get_process_group_ranks(group):
                 self._lane_group = group
                 return lane
@@ -193,8 +158,7 @@ class FastTransport:
 
     # ---- errors, settings, lifecycle --------------------------------------------------------------
     def check(self) -> None:
-        """Raise RuntimeError if a device-side wait of the lane timed out (names the call, the peer, the flag,
-        the value seen and the value wanted). Also run at every fast launch and wait. No device sync."""
+        """Raise RuntimeError if a device wait of the lane timed out (:meth:`.lane.Lane.check`); no device sync."""
         if self.lane is not None:
             self.lane.check()
 
@@ -205,14 +169,9 @@ class FastTransport:
 
     def configure(self, *, pool_gb: float | None = None, heap: str | None = None, path: str | None = None,
                   lane_width: int | None = None, tune: bool | None = None) -> None:
-        """Change the fast settings (fields ``fast_*`` of :data:`cp_ops.config.settings`). ``pool_gb``/``heap``/
-        ``lane_width`` only while no lane exists (before the first fast call, or after :meth:`shutdown`);
-        ``path``/``tune`` any time (decisions are cached per path).
-
-        Raises:
-            RuntimeError: a heap setting is changed while the lane is live.
-            cp_ops.config.ConfigError: an unknown heap or path name (a ValueError).
-        """
+        """Change the ``fast_*`` fields of :data:`cp_ops.config.settings`: ``pool_gb``/``heap``/``lane_width`` only
+        while no lane exists (else RuntimeError), ``path``/``tune`` any time. An unknown heap or path name raises
+        :class:`cp_ops.config.ConfigError` (a ValueError)."""
         if self.lane is not None and (pool_gb is not None or heap is not None or lane_width is not None):
             raise RuntimeError("pool_gb, heap and lane_width are fixed while the fast lane is live; call "
                                "fast.shutdown() first")
@@ -221,49 +180,43 @@ class FastTransport:
         config.configure(**{k: v for k, v in changes.items() if v is not None})
 
     def describe(self) -> dict:
-        """What ``cp-ops env`` prints: availability (and why not), settings, the lane, pool use, tuned decisions.
-        Never builds the extension or touches the GPU beyond what was already done in this process."""
+        """What ``cp-ops env`` prints (availability, settings, lane, pool, decisions); never builds the extension
+        or touches the GPU anew."""
         s = config.settings
-        out = {
+        if torch.cuda.is_available():
+            why = self._reason_cache.get(torch.cuda.current_device(), "not checked yet in this process")
+        else:
+            why = self.unavailable_reason(torch.device("cpu"))
+        return {
             "settings": {"pool_gb": s.fast_pool_gb, "heap": s.fast_heap, "path": s.fast_path,
                          "lane_width": s.fast_lane_width or "first CP group used", "tune": s.fast_tune},
             "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,
+            "unavailable_reason": why,
+            "lane": self.lane.describe() if self.lane is not None else None,
         }
-        if torch.cuda.is_available():
-            out["unavailable_reason"] = self._reason_cache.get(torch.cuda.current_device(), "not checked yet in this process")
-        else:
-            out["unavailable_reason"] = self.unavailable_reason(torch.device("cpu"))
-        out["lane"] = self.lane.describe() if self.lane is not None else None
-        return out
 
     def shutdown(self) -> None:
-        """Release the lane, the pool and the NVSHMEM runtime (collective over the lane's group). A later fast
-        call starts a new lane. Exiting without calling it is safe: nothing collective runs at exit."""
+        """Release the lane, pool and NVSHMEM runtime (collective over the lane's group); a later fast call starts
+        a new lane. Exiting without it is safe: nothing collective runs at exit."""
         if self.lane is None:
             return
         lane, self.lane = self.lane, None
         self._lane_group = None
         self._unfit.clear()
         self._works.clear()
-        from ..base import forget_groups
-
         forget_groups()
         lane.close()
 
     def wait_source(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Make the current stream wait only for the chunk of group rank ``src`` in the fast output ``t``
-        (``k_full``/``v_full`` of :meth:`agkv_start`, or a Ulysses buffer); returns ``t``.
-
-        Raises:
-            KeyError: ``t`` is not the output of a pending fast call.
-        """
+        """Make the current stream wait only for group rank ``src``'s chunk of the fast output ``t``; returns
+        ``t``. Raises KeyError when ``t`` is not the output of a pending fast call."""
         self._works[t.data_ptr()].wait_source(src)
         return t
 
     # ---- launches -------------------------------------------------------------------------------
     def _launch(self, lane, key, bufs, make_descs, inputs):
-        """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch; on failure give the
-        pool slots back. Returns (outputs, work)."""
+        """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch (on failure the pool slots
+        go back). Returns (outputs, work)."""
         call = lane.next_call()
         capturing = lane.capturing()
         got = []
@@ -293,15 +246,11 @@ class FastTransport:
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group, under_compute: bool = False):
         """All-gather K and V ``[B, S_local, H, D]`` into ``[B, W*S_local, H, D]`` each (tokens in rank order).
 
-        ``under_compute``: the transfer is meant to run under compute the caller issues next (pipelined AGKV):
-        with ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are measured and chosen for it (an SM copy kernel
-        takes SMs from that compute: measured on 2x H200 at 4K, the SM copy ran beside the attention instead of
-        under it), cached apart from the plain call's decision; this rank's own block of ``k_full``/``v_full`` is
-        left unwritten (the caller reads ``k``/``v``).
+        ``under_compute``: the transfer runs under compute the caller issues next (pipelined AGKV): with
+        ``CP_OPS_FAST_PATH=auto`` only copy-engine fan-outs are chosen (on 2x H200 an SM copy ran beside the
+        attention, not under it), cached apart; this rank's own block of the outputs is left unwritten.
 
-        Returns ``(k_full, v_full, work)``; the outputs are pooled (see the module docstring). Bitwise equal to
-        the torch transport (pure copies). Raises RuntimeError when the fast transport cannot run (reason given).
-        """
+        Returns ``(k_full, v_full, work)`` (pooled outputs). Raises RuntimeError when the fast transport cannot run."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         b, s, h, d = k.shape
@@ -322,19 +271,16 @@ class FastTransport:
         return kf, vf, work
 
     def agkv_start_sources(self, k: torch.Tensor, v: torch.Tensor, group, pieces: int = 1):
-        """:meth:`agkv_start` for pipelined AGKV (``under_compute=True``), each peer's block waited on its own
-        arrival flag (one piece per peer: the fast transport signals whole blocks; ``pieces`` is ignored).
-        Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
+        """:meth:`agkv_start` with ``under_compute=True``, each peer's whole block waited on its own arrival flag
+        (``pieces`` is ignored). Returns as :func:`cp_ops.transport.base.agkv_start_sources`."""
         kf, vf, work = self.agkv_start(k, v, group, under_compute=True)
         lane = self._lane_for(group)
         return kf, vf, source_arrivals(work, lane.world, lane.rank, k.shape[1]), work
 
     def ulysses_start_heads(self, xs: list[torch.Tensor], group, lo: int = 0, hi: int | None = None):
         """Sequence -> heads all-to-all of n tensors ``[B, S_local, H, D]`` into ``[W, B, S_local, n, hi - lo, D]``
-        (index 0 = source rank), the layout of :func:`cp_ops.layout.ulysses_pack` after the all-to-all, of heads
-        ``[lo, hi)`` of every rank's head group (pipelined Ulysses' sub-group; ``hi=None``: every head), the pitched
-        copies reading the whole tensors. Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot
-        run (reason given)."""
+        (:func:`cp_ops.layout.ulysses_pack`'s layout after the all-to-all; index 0 = source rank) of heads
+        ``[lo, hi)`` of every head group (``hi=None``: all). Returns ``(buf, work)``; raises as :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         prepped = [_prep(x) for x in xs]
@@ -362,13 +308,9 @@ class FastTransport:
     ulysses_start = ulysses_start_heads
 
     def ulysses_packed_start(self, send: torch.Tensor, group):
-        """All-to-all of a send buffer ``[W, B, S_local, n, Hl, D]`` packed by the caller
-        (``cp_ops::ulysses_packed_start``): slab t (head group t) to rank t, one contiguous copy per peer, into
-        ``buf`` of the same shape (slab t = source rank t's tokens). Its own pool role (never the slots of
-        :meth:`ulysses_inverse_start`, whose buffers can have the same shape).
-
-        Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
-        """
+        """All-to-all of a caller-packed send buffer ``[W, B, S_local, n, Hl, D]``: slab t to rank t, one copy per
+        peer, into ``buf`` of the same shape (slab t from rank t). Its own pool role (apart from the same-shape
+        buffers of :meth:`ulysses_inverse_start`). Returns ``(buf, work)``; raises as :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         send, sp = _prep(send)
@@ -384,11 +326,9 @@ class FastTransport:
         return buf, work
 
     def ulysses_inverse_start(self, x: torch.Tensor, group):
-        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source
-        rank = head group), the layout of :func:`cp_ops.layout.ulysses_inverse_pack` after the all-to-all.
-
-        Returns ``(buf, work)``. Raises RuntimeError when the fast transport cannot run (reason given).
-        """
+        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source rank;
+        the layout of :func:`cp_ops.layout.ulysses_inverse_pack`). Returns ``(buf, work)``; raises as
+        :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         x, xp = _prep(x)
@@ -409,9 +349,9 @@ class FastTransport:
 transport: FastTransport = register(FastTransport(), auto_rank=0)
 
 
-# ---- thin module-level helpers (the CLI, `cp-ops env`, tests and benchmarks call these) ----------
+# ---- module-level helpers (the CLI, `cp-ops env`, tests and benchmarks call these) ----------------
 def unavailable_reason(device_type: str, device_index: int | None = None) -> str | None:
-    """:meth:`FastTransport.unavailable_reason` for ``device_type`` (and index) on the registered transport."""
+    """:meth:`FastTransport.unavailable_reason` for ``device_type`` (and index)."""
     return transport.unavailable_reason(torch.device(device_type, device_index) if device_index is not None
                                         else torch.device(device_type))
 

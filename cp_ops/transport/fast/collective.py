@@ -1,10 +1,8 @@
-"""Host-side collectives of the fast lane over its group: a barrier that also drains the device, and bounded
-exchanges with one agreed outcome (start-up stages, pool growth, the reclaim of flag slots freed with their graph).
-
-:class:`Exchange` goes through the default c10d store, not through a collective of the group: it needs no CUDA
-(usable while a CUDA graph is being captured, and after a device fault), a rank that never arrives costs the others
-``settings.timeout_s`` (``CP_OPS_TIMEOUT_S``) at most, and every rank gets the *same* result (the first complete view,
-or the first timeout, decided by the store's compare-and-set), so no rank goes on with the lane while another gave up.
+"""Host-side collectives of the fast lane over its group: a barrier that also drains the device, and bounded exchanges
+with one agreed outcome (start-up stages, pool growth, the reclaim of flag slots freed with their graph).
+:class:`Exchange` goes through the default c10d store: it needs no CUDA (usable while capturing a CUDA graph and after a
+device fault), a missing rank costs the others ``CP_OPS_TIMEOUT_S`` at most, and every rank gets the *same* result (the
+store's compare-and-set decides), so no rank goes on with the lane while another gave up.
 """
 
 from __future__ import annotations
@@ -30,10 +28,9 @@ class PeerTimeout(RuntimeError):
 def group_barrier(group: dist.ProcessGroup, device) -> None:
     """Host-side barrier over ``group``: every rank's host reaches it, and the device's prior work is done.
 
-    Not ``dist.barrier``: ProcessGroupNCCL keeps the tensor its barrier reduces alive between calls, so a first
-    barrier inside ``torch.compile(mode="reduce-overhead")``'s warm-up (which runs in the CUDA-graph pool) leaves
-    a tensor there that no graph output tracks, and the CUDA-graph trees refuse to go on ("Detected 1 tensor(s)
-    in the cudagraph pool not tracked as outputs"). A temporary all-reduced and synchronized does the same work.
+    Not ``dist.barrier``: ProcessGroupNCCL keeps its barrier's tensor alive, which inside
+    ``torch.compile(mode="reduce-overhead")``'s warm-up lands in the CUDA-graph pool untracked, and the CUDA-graph
+    trees refuse to go on ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs").
     """
     if dist.get_backend(group) != "nccl":  # the protocol tests' lanes on CPU ranks (gloo): no device memory
         dist.barrier(group=group)
@@ -42,7 +39,6 @@ def group_barrier(group: dist.ProcessGroup, device) -> None:
     t = torch.ones(1, device=dev)
     dist.all_reduce(t, group=group)
     torch.cuda.synchronize(dev)
-    del t
 
 
 _made: dict = {}  # (group name, tag) -> Exchange objects made (names each one's store keys)
@@ -51,14 +47,13 @@ _made: dict = {}  # (group name, tag) -> Exchange objects made (names each one's
 class Exchange:
     """A bounded all-gather of small picklable objects over ``group``'s ranks through the default c10d store.
 
-    ``Exchange(group, tag)(what, obj)`` posts ``obj`` and returns every group rank's object (index = group rank),
-    the same list on every rank. Exchanges are numbered in call order, and the objects made with one ``tag`` for
-    one group in creation order, so every rank must make the same ones in the same order (as the lane's collective
-    steps are). Store keys: ``cp_ops/fast/<group name>/<tag>.<k>/<n>/...``.
+    ``Exchange(group, tag)(what, obj)`` posts ``obj`` and returns every group rank's object, the same list on every
+    rank. Objects (per group and tag) and their exchanges are numbered in order, so every rank must make the same
+    ones in the same order. Store keys: ``cp_ops/fast/<group name>/<tag>.<k>/<n>/...``.
 
     Raises:
-        PeerTimeout: some rank did not post within ``timeout_s`` (default ``settings.timeout_s``); the message
-            names the group ranks missing and the bound, and is the same on every rank.
+        PeerTimeout: some rank did not post within ``timeout_s`` (default ``settings.timeout_s``); the same
+            message, naming the missing ranks and the bound, on every rank.
     """
 
     def __init__(self, group: dist.ProcessGroup, tag: str, timeout_s: float | None = None, store=None):
@@ -96,9 +91,9 @@ class Exchange:
 
 
 def agree_outcome(exchange, stage: str, error: str | None, timeout_s: float | None = None) -> None:
-    """Exchange one start-up stage's outcome (``error``: None = this rank succeeded) over the group, bounded
-    (``timeout_s``, default the exchange's); raise :class:`StartFailed` on every rank, naming the failing (or
-    missing) ranks and their messages, if any rank failed. ``exchange``: an :class:`Exchange`."""
+    """Exchange one start-up stage's outcome (``error``: None = this rank succeeded) through ``exchange``
+    (bounded by ``timeout_s``, default the exchange's); if any rank failed, raise :class:`StartFailed` on every rank
+    naming the failing (or missing) ranks and their messages."""
     try:
         outs = exchange(stage, error, timeout_s)
     except PeerTimeout as e:

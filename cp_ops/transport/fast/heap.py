@@ -1,10 +1,8 @@
-"""The fast transport's symmetric heaps: one allocation per call of :meth:`alloc`, made collectively over the lane's
-group, giving the local address and every group rank's copy as mapped here (a :class:`Segment`).
+"""The fast transport's symmetric heaps: each :meth:`alloc` is collective over the lane's group and gives the local
+address and every group rank's copy as mapped here (a :class:`Segment`).
 
-  * ``nvshmem`` (default): NVSHMEM through nvshmem4py, one runtime per process, bootstrapped by a unique ID shared
-    over the *lane's group* (NVSHMEM ranks = group ranks), so start-up is collective over that group only. Each
-    allocation is an ``nvshmem.core.buffer``; peers' copies are reached through ``nvshmem_ptr``
-    (``get_peer_buffer``), i.e. CUDA P2P loads/stores and copy-engine copies.
+  * ``nvshmem`` (default): nvshmem4py, one runtime per process, bootstrapped over the lane's group only (NVSHMEM
+    ranks = group ranks); peers' copies through ``nvshmem_ptr`` (``get_peer_buffer``), i.e. CUDA P2P.
   * ``ipc``: ``cudaMalloc`` + ``cudaIpcGetMemHandle``, handles exchanged over the lane's group.
 """
 
@@ -23,13 +21,8 @@ class _CudaMemory:
     """A raw device allocation seen by torch through ``__cuda_array_interface__`` (no copy)."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
 
 
 @dataclass
@@ -43,8 +36,7 @@ class Segment:
 
 
 class NvshmemHeap:
-    """NVSHMEM bootstrapped over ``group`` only (unique ID shared over the group; NVSHMEM rank = group rank).
-    The constructor is local (imports, device); :meth:`start` is collective over the group."""
+    """NVSHMEM bootstrapped over ``group`` only. The constructor is local; :meth:`start` is collective."""
 
     name = "nvshmem"
     _initialized = False
@@ -59,9 +51,8 @@ class NvshmemHeap:
         self.dev.set_current()
 
     def start(self, stage, exchange) -> None:
-        """``stage(name, fn, bounded=False)`` runs ``fn`` on every rank and raises on every rank if any rank failed
-        (``bounded``: in a helper thread, failed after ``CP_OPS_TIMEOUT_S``); ``exchange(what, obj) -> list`` is the
-        start's bounded all-gather (:class:`~.collective.Exchange`)."""
+        """``stage(name, fn, bounded=False)`` runs ``fn`` on every rank, raising on every rank if any failed
+        (:func:`.start.start`); ``exchange(what, obj) -> list``: the start's bounded all-gather."""
         if NvshmemHeap._initialized:
             return
         import numpy as np
@@ -151,15 +142,8 @@ class IpcHeap:
             raise RuntimeError(f"CUDA IPC allocation of {nbytes} bytes failed on "
                                + "; ".join(f"group rank {r}: {e}" for r, e in bad))
         me = self.group.rank()
-        peers, opened = [], []
-        for r, (h, _) in enumerate(handles):
-            if r == me:
-                peers.append(local)
-            else:
-                p = self.ext.ipc_open(self.dev, h)
-                opened.append(p)
-                peers.append(p)
-        return Segment(local, peers, nbytes, opened)
+        peers = [local if r == me else self.ext.ipc_open(self.dev, h) for r, (h, _) in enumerate(handles)]
+        return Segment(local, peers, nbytes, [p for r, p in enumerate(peers) if r != me])  # handle: the opened ones
 
     def free(self, seg: Segment) -> None:
         for p in seg.handle:

@@ -1,16 +1,11 @@
-"""The fast lane: one CP group on one node, its launches (:meth:`Lane.launch`), their works (:class:`FastWork`),
-the per-shape fan-out decisions (measured once, max over ranks) and the bounded device waits.
-
-CUDA graphs. Everything a replay needs is on the device: a slot's generation is raised by the begin kernel
-(``gen[s] + 1`` read on the device), every wait compares against it, timeouts use ``%globaltimer``, events are
-made when the lane starts, per-shape decisions fall back to the deterministic default while capturing. What
-cannot be captured raises a named error at capture time: the lane's start and a pool key's first allocation
-(collective, synchronizing). Pool keys used inside a capture are never evicted (the graph writes them at every
-replay) until :meth:`Lane.close`.
-
-Bounded waits. Every device spin gives up after ``settings.timeout_s`` and records what it waited for in
-mapped host memory; :meth:`Lane.check` (called at every launch and wait, and by ``FastTransport.check``)
-raises it as a RuntimeError naming the call, the peer, the flag and the values.
+"""The fast lane: one CP group on one node, its launches (:meth:`Lane.launch`), their works (:class:`FastWork`), the
+per-shape fan-out decisions (measured once, max over ranks) and the bounded device waits. CUDA graphs: a replay needs
+nothing from the host (the begin kernel raises the slot's generation on the device, timeouts use ``%globaltimer``,
+events exist from the lane's start, decisions fall back to the deterministic default while capturing); the lane's start
+and a pool key's first allocation raise a named error inside a capture, and pool keys used in one are kept until
+:meth:`Lane.close`. Bounded waits: every device spin gives up after ``settings.timeout_s`` and records what it waited
+for in mapped host memory, which :meth:`Lane.check` (at every launch and wait) raises as a RuntimeError naming the call,
+the peer, the flag and the values.
 """
 
 from __future__ import annotations
@@ -41,18 +36,12 @@ _FLAGS = {1: "ready", 2: "arrived", 3: "arrived (wait_source)"}
 class FastWork(dist.Work):
     """Completion of one fast call.
 
-    ``wait()``: the first wait makes the current CUDA stream wait for every chunk (no host block: a bounded spin
-    kernel on that stream watches the peers' arrival flags; after a device timeout the call's outputs are poisoned
-    with NaN) and gives back the call's flag slot and pool slots; a later wait on the same stream is a no-op; on
-    another stream, that stream waits for the first one (an event recorded there now), valid while the outputs'
-    pool buffers were not handed to a later call (the second-next call of the same shape), else RuntimeError.
-    ``wait_source(src)``: the chunk of group rank ``src`` only. ``cancel()``: give the call up (see there).
-    ``is_completed()``: this rank's own copies only (True once waited or cancelled).
-
-    Raises:
-        RuntimeError: a device wait of the lane timed out (see :meth:`Lane.check`); the call was cancelled; the
-            lane was shut down; a second-stream wait after the outputs were recycled.
-    """
+    ``wait()``: the first makes the current CUDA stream wait for every chunk (a bounded spin kernel on the peers'
+    arrival flags; a timeout poisons the outputs with NaN) and gives back the flag slot and pool slots; again on
+    that stream: a no-op; on another stream: it waits for the first (an event), until the outputs' pool buffers go
+    to a later call (RuntimeError). ``wait_source(src)``: group rank ``src``'s chunk only. ``cancel()``: see there.
+    ``is_completed()``: this rank's own copies only (True once waited or cancelled). ``wait`` raises RuntimeError
+    after a device timeout (:meth:`Lane.check`), a cancel, the lane's shutdown, or the outputs' recycling."""
 
     def __init__(self, lane: "Lane", call: int, slot: int, tickets: list):
         super().__init__()
@@ -128,13 +117,11 @@ class FastWork(dist.Work):
         lane.ext_lane.wait_source(s, self.slot, src)
 
     def cancel(self) -> None:
-        """Give up a launched call that will not be waited (unwinding after an exception between launch and wait,
-        e.g. an out-of-memory error in the attention issued between them): its flag slot and pool slots are given
-        back at once, its outputs are invalid. Never raises and touches no CUDA state (safe in an ``except`` or
-        ``finally`` block, after a device fault too); a no-op once waited or cancelled. The device stays ordered:
-        the next launch in the same flag slot waits for this call's own copies and signals (``Lane.launch`` in
-        ``csrc/cp_fast.cu``), and the peers, which waited for this call, are unaffected. A later :meth:`wait`
-        raises RuntimeError naming the cancel."""
+        """Give up a launched call that will not be waited (unwinding after an exception between launch and wait):
+        its flag slot and pool slots come back at once, its outputs are invalid. Never raises and touches no CUDA
+        state (safe in ``except``/``finally``, after a device fault too); a no-op once waited or cancelled. The
+        device stays ordered: the next launch in that flag slot waits for this call's own copies and signals
+        (``csrc/cp_fast.cu``). A later :meth:`wait` raises RuntimeError naming the cancel."""
         if self.settled:
             return
         self._cancelled = True
@@ -208,9 +195,8 @@ class Lane:
         return len(self.ranks)
 
     def reclaim_dropped(self) -> None:
-        """Cancel every launch whose work nobody can reach any more and that was never waited (its caller failed
-        between launch and wait and did not cancel it): run when a launch finds its flag slot or pool slot still
-        held, before raising. Collects reference cycles first (a stored exception's traceback can hold the work)."""
+        """Cancel every never-waited launch whose work nobody can reach (run when a launch finds its flag slot or
+        pool slot still held, before raising); collects reference cycles first (a traceback can hold the work)."""
         gc.collect()
         base = -1
         for w in self.spare:  # as in _work: the sentinel's count is that of an object only this list holds
@@ -261,12 +247,8 @@ class Lane:
         return self._work(call, slot, tickets)
 
     def _work(self, call: int, slot: int, tickets: list) -> FastWork:
-        """The work of a launch: a kept one that nobody references any more (no Python name, no c10d
-        registration: ``_register_work`` holds a Python reference until ``wait_tensor``), reset; else a new one
-        (kept when there is room). A ``dist.Work`` subclass is built through pybind11 (measured as the largest
-        single host cost of a fast launch on the GPU host), so the eager paths reuse a handful. A kept work that
-        nobody references but that was never waited (its launch abandoned by an exception) is cancelled first,
-        so its flag slot and pool slots come back (:meth:`FastWork.cancel`)."""
+        """The work of a launch: a kept one nobody references any more, reset (cancelled first if never waited), else
+        a new one, kept when there is room (building a ``dist.Work`` was a fast launch's largest host cost)."""
         spare = self.spare
         base = -1
         for w in spare:  # the sentinel first: its count is the count of an object only this list holds
@@ -284,20 +266,16 @@ class Lane:
         return w
 
     def candidates(self, aligned: bool, ce_only: bool = False) -> list[Decision]:
-        """The fan-outs measured for one shape; ``ce_only``: copy-engine ones only (a transfer meant to run
-        under compute, whose SMs an SM copy kernel would take), unless ``CP_OPS_FAST_PATH=sm`` asks for SM."""
-        w = self.world
-        remote = max(1, w - 1)
+        """The fan-outs measured for one shape; ``ce_only``: copy-engine ones only (a transfer under compute),
+        unless ``CP_OPS_FAST_PATH=sm``."""
+        remote = max(1, self.world - 1)
         infl = [1] if self.fabric == "shared-egress" else sorted({1, remote})
         out = []
         sm_ok = aligned and (config.settings.fast_path == "sm" or (config.settings.fast_path == "auto" and not ce_only))
         if config.settings.fast_path in ("auto", "ce") or not aligned:
-            for i in infl:
-                for s in (1, 2):
-                    out.append(Decision(0, i, s, 0))
+            out += [Decision(0, i, s, 0) for i in infl for s in (1, 2)]
         if sm_ok:
-            for b in (32, 64, 128):
-                out.append(Decision(1, infl[-1], 1, b))
+            out += [Decision(1, infl[-1], 1, b) for b in (32, 64, 128)]
         return out
 
     def default(self, aligned: bool) -> Decision:
@@ -342,18 +320,10 @@ class Lane:
         return statistics.median(ms)
 
     def describe(self) -> dict:
-        return {
-            "group_ranks": list(self.ranks),
-            "width": self.world,
-            "device": str(self.device),
-            "fabric": self.fabric,
-            "heap": self.heap.name,
-            "calls": self.calls,
-            "call_slots": self.slots.n,
-            "in_flight": len(self.slots.in_flight()),
-            "pool": self.pool.describe(),
-            "decisions": {"/".join(map(str, k)): d.label() for k, d in self.decisions.items()},
-        }
+        return {"group_ranks": list(self.ranks), "width": self.world, "device": str(self.device),
+                "fabric": self.fabric, "heap": self.heap.name, "calls": self.calls, "call_slots": self.slots.n,
+                "in_flight": len(self.slots.in_flight()), "pool": self.pool.describe(),
+                "decisions": {"/".join(map(str, k)): d.label() for k, d in self.decisions.items()}}
 
     def close(self):
         del self.spare[1:]
@@ -366,8 +336,5 @@ class Lane:
 
 
 def _aligned(descs: list) -> bool:
-    for ds in descs:
-        for dst, src, width, height, dpitch, spitch in ds:
-            if (dst | src | width | dpitch | spitch) & 15:
-                return False
-    return True
+    return not any((dst | src | width | dpitch | spitch) & 15
+                   for ds in descs for dst, src, width, _height, dpitch, spitch in ds)

@@ -1,18 +1,15 @@
-"""The fast transport's pool of symmetric buffers, keyed by (role, shape, dtype), ``slots`` each.
-
-Each key is one symmetric allocation made at its first use. Bounded by ``settings.fast_pool_gb`` (a ceiling, not a
-reservation): a new key that does not fit evicts least-recently-used keys that no rank still needs (no slot in
-flight, no output tensor referenced outside the pool; agreed over the group), else raises naming
-``CP_OPS_FAST_POOL_GB``. A launch that would overwrite a slot whose previous output was not waited yet raises (it
-never overwrites). Every rank makes the same allocation decisions (the same call sequence); each new allocation
-compares its number, key and size over the group and raises on a mismatch. Pure Python: the CPU tests drive it
-with CPU tensors.
+"""The fast transport's pool of symmetric buffers, keyed by (role, shape, dtype), ``slots`` each. Each key is one
+symmetric allocation made at its first use, under the ceiling ``settings.fast_pool_gb``: a new key that does not fit
+evicts least-recently-used keys no rank still needs (agreed over the group), else raises naming ``CP_OPS_FAST_POOL_GB``.
+A launch never overwrites a slot whose output was not waited (it raises). Each new allocation compares its number, key
+and size over the group (the ranks must make the same calls). Pure Python: the CPU tests drive it with CPU tensors.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -44,22 +41,16 @@ class _Entry:
 def _holders(slots: list) -> list:
     """Per slot tensor: (Python references, storage users). Larger than at creation = a caller still holds the
     output or a view of it (the same code path measures both, so the counts compare)."""
-    out = []
-    for i in range(len(slots)):
-        t = slots[i]
-        out.append((sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)))
-    return out
+    return [(sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)) for t in slots]
 
 
 class Pool:
     """Symmetric buffers keyed by (role, shape, dtype), ``slots`` each; grows on demand up to ``cap_bytes``.
 
-    ``alloc(nbytes) -> Segment`` and ``free(segment)`` are collective over the group; ``make(ptr, nbytes)``
-    gives a uint8 tensor over local memory; ``agree(obj) -> list`` all-gathers a small object over the group (bounded:
-    :class:`~.collective.Exchange`); ``quiesce()`` waits until no rank's device touches the pool (before a free);
-    ``room(nbytes) -> str | None``: why this rank cannot allocate ``nbytes`` now (e.g. free GPU memory), checked and
-    agreed before every allocation, so a rank short of memory makes every rank raise the same error instead of
-    failing alone inside a collective allocation."""
+    ``alloc(nbytes) -> Segment`` and ``free(segment)`` are collective over the group; ``make(ptr, nbytes)`` gives a
+    uint8 tensor over local memory; ``agree(obj) -> list`` all-gathers a small object over the group (bounded);
+    ``quiesce()`` waits until no rank's device touches the pool; ``room(nbytes) -> str | None``: why this rank cannot
+    allocate ``nbytes`` now, agreed before every allocation (every rank raises the same error, none fails alone)."""
 
     def __init__(self, alloc, free, make, agree, quiesce, cap_bytes: int, cap_gb: float, slots: int = 2, room=None):
         self.alloc_fn, self.free_fn, self.make, self.agree, self.quiesce = alloc, free, make, agree, quiesce
@@ -75,15 +66,13 @@ class Pool:
 
     def get(self, role: str, shape: tuple, dtype: torch.dtype, call: int,
             capturing: bool = False) -> tuple[torch.Tensor, list, tuple]:
-        """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here], ticket); the
-        address list is the pool's own (made once per key): read it, do not change it.
-        ``capturing``: the launch is being captured into a CUDA graph (the key must exist; it is then kept until
-        :meth:`release_all`, since the graph writes its slots at every replay).
+        """Next slot of the key for ``call``: (tensor, [slot address on each rank as mapped here; the pool's own:
+        read only], ticket). ``capturing``: the launch is being captured into a CUDA graph (the key must exist; it
+        is then kept until :meth:`release_all`: the graph writes its slots at every replay).
 
         Raises:
-            RuntimeError: the slot still holds an output that was not waited (more launches of this key in
-                flight than ``slots``); the key does not fit under the ceiling; ranks disagree on the allocation;
-                a new key while capturing (allocation is collective and synchronizes: not capturable).
+            RuntimeError: the slot holds an output not waited yet (more than ``slots`` launches of the key in
+                flight); the key does not fit; ranks disagree on the allocation; a new key while capturing.
         """
         key = (role, tuple(shape), dtype)
         e = self.entries.get(key)
@@ -107,8 +96,7 @@ class Pool:
                 f"{str(dtype).replace('torch.', '')}, which still holds the output of call {e.pending[i]} (launched, "
                 f"not waited); at most {self.slots} launches of one shape may be in flight (slots_per_key="
                 f"{self.slots}): wait an output before launching the next one of the same shape, or cancel a launch "
-                "that will not be waited (work.cancel(), e.g. after an exception)"
-            )
+                "that will not be waited (work.cancel(), e.g. after an exception)")
         e.turn = (i + 1) % self.slots
         self.clock += 1
         e.last_use = self.clock
@@ -147,10 +135,7 @@ class Pool:
         return "referenced, " + "; ".join(refs) if refs else "held on another rank"
 
     def _allocate(self, key, shape, dtype) -> _Entry:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         size = max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
         need = self.slots * size
         desc = f"{key[0]} {tuple(shape)} {str(dtype).replace('torch.', '')}"
@@ -165,8 +150,7 @@ class Pool:
             raise RuntimeError(
                 "cp_ops fast transport: ranks disagree on the pool allocation (number, buffer, bytes): "
                 + "; ".join(f"rank {r}: {v[:3]}" for r, v in enumerate(views))
-                + ". Every rank must make the same fast calls in the same order"
-            )
+                + ". Every rank must make the same fast calls in the same order")
         short = [(r, v[4]) for r, v in enumerate(views) if len(v) > 4 and v[4] is not None]
         if short:
             raise RuntimeError(
@@ -187,8 +171,7 @@ class Pool:
                 f"cp_ops fast transport pool is full: {desc} needs {self.slots} x {nbytes / 2**20:.1f} MiB; "
                 f"{self.used / 2**20:.1f} of {self.capacity / 2**20:.1f} MiB hold {len(self.entries)} buffers, of which "
                 f"{len(held)} are in use (in flight or referenced: {held[:6]}). Raise CP_OPS_FAST_POOL_GB "
-                f"(now {self.cap_gb:g}) or fast.configure(pool_gb=...) after fast.shutdown()"
-            )
+                f"(now {self.cap_gb:g}) or fast.configure(pool_gb=...) after fast.shutdown()")
         if victims:
             self.quiesce()
             for x in victims:
@@ -228,13 +211,7 @@ class Pool:
         self.used = 0
 
     def describe(self) -> dict:
-        return {
-            "capacity_bytes": self.capacity,
-            "used_bytes": self.used,
-            "allocations": self.allocs,
-            "evictions": self.evictions,
-            "buffers": [
-                {"role": k[0], "shape": list(k[1]), "dtype": dtype_name(k[2]), "slots": self.slots}
-                for k in self.entries
-            ],
-        }
+        buffers = [{"role": k[0], "shape": list(k[1]), "dtype": dtype_name(k[2]), "slots": self.slots}
+                   for k in self.entries]
+        return {"capacity_bytes": self.capacity, "used_bytes": self.used, "allocations": self.allocs,
+                "evictions": self.evictions, "buffers": buffers}

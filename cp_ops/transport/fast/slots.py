@@ -1,12 +1,9 @@
-"""The fast lane's call slots: each launched call owns one of ``n`` device flag slots until it is waited or
-cancelled (``csrc/cp_fast.cu`` has the flag protocol); slots are given round-robin, the same sequence on every rank.
-
-CUDA graphs. A slot used inside a capture is *pinned*: the graph raises its generation at every replay, so no eager
-call may use it while the graph lives. When the graph is destroyed, the extension learns it (a CUDA user object the
-graph owns; ``freed()``), but each rank learns it at its own time, and the slot sequence must stay the same on every
-rank; so freed slots are unpinned only by an agreed reclaim (``agree``: the intersection of every rank's freed
-slots), run at points that are the same on every rank: when a capture would pin a slot past ``reclaim_at`` pinned
-slots, and when no unpinned slot is left.
+"""The fast lane's call slots: each launched call owns one of ``n`` device flag slots until it is waited or cancelled
+(the flag protocol: ``csrc/cp_fast.cu``); slots go round-robin, the same sequence on every rank. A slot used inside a
+CUDA graph capture is *pinned* (the graph raises its generation at every replay) while the graph lives. Each rank learns
+of a destroyed graph at its own time (``freed()``: a CUDA user object the graph owns), so freed slots are unpinned only
+by an agreed reclaim (the intersection of every rank's freed slots) at points that are the same on every rank: a capture
+past ``reclaim_at`` pinned slots, or no unpinned slot left.
 """
 
 from __future__ import annotations
@@ -19,10 +16,8 @@ class CallSlots:
 
     Args:
         n: slots (the most un-waited calls at once).
-        agree: ``obj -> [obj of each group rank]``, a bounded exchange that needs no CUDA (it may run while a graph is
-            being captured); None: this rank alone (tests).
-        freed: ``() -> [slot, ...]``: pinned slots whose CUDA graph was destroyed since the last call (the
-            extension's ``Lane.freed_slots``); None: graphs never give slots back.
+        agree: ``obj -> [obj of each group rank]``, a bounded exchange needing no CUDA; None: this rank alone (tests).
+        freed: ``() -> [slot, ...]``: pinned slots whose CUDA graph was destroyed since the last call; None: never.
     """
 
     def __init__(self, n: int, agree=None, freed=None):
@@ -38,12 +33,9 @@ class CallSlots:
         self.next = 0
 
     def acquire(self, call: int, capturing: bool = False) -> int:
-        """The next slot for ``call`` (``capturing``: pin it to the graph being captured).
-
-        Raises:
-            RuntimeError: the next slot still holds an un-waited call (more than ``n`` in flight); or captured
-                graphs still alive hold every slot but ``eager_min`` (8 of 256).
-        """
+        """The next slot for ``call`` (``capturing``: pin it to the graph being captured). Raises RuntimeError when
+        the next slot still holds an un-waited call (more than ``n`` in flight), or when captured graphs still alive
+        hold every slot but ``eager_min`` (8 of 256)."""
         if capturing and len(self.pinned) >= min(self.reclaim_at, self.n - self.eager_min):
             self._reclaim()
         if capturing and len(self.pinned) >= self.n - self.eager_min:
@@ -66,8 +58,7 @@ class CallSlots:
                     f"launched and not waited; {len(inflight)} fast calls are in flight (calls {inflight[:8]}"
                     f"{'...' if len(inflight) > 8 else ''}), the most the lane allows is {self.n - len(self.pinned)}. "
                     "Wait each launch (torch.ops._c10d_functional.wait_tensor / work.wait()) before launching more, "
-                    "or cancel a launch that will not be waited (work.cancel(), e.g. after an exception)"
-                )
+                    "or cancel a launch that will not be waited (work.cancel(), e.g. after an exception)")
             self.owner[s] = call
             self.next = (s + 1) % self.n
             if capturing:

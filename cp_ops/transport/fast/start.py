@@ -1,11 +1,12 @@
-"""Starting the fast lane on a group (collective over the group, and only the group): probe the group (one node,
-P2P reach, fabric), start the heap, allocate the control block, create the lane. Each stage is tried on every rank
-and its outcome exchanged through a bounded :class:`~.collective.Exchange`, so a failure, or a rank stuck for longer
-than ``CP_OPS_TIMEOUT_S``, gives every rank the same :class:`~.collective.StartFailed` (then ``transport='auto'``
-uses torch on every rank, and an explicit ``'fast'`` raises the same error on every rank)."""
+"""Starting the fast lane on a group (collective over the group only): probe the group (one node, P2P reach,
+fabric), start the heap, allocate the control block, create the lane. Each stage's outcome is exchanged through a
+bounded :class:`~.collective.Exchange`, so a failure or a rank stuck past ``CP_OPS_TIMEOUT_S`` gives every rank the
+same :class:`~.collective.StartFailed`."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 
@@ -24,12 +25,11 @@ _GB = 1 << 30
 
 
 def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=None) -> tuple[str | None, str]:
-    """(reason the group cannot host a fast lane or None, fabric); agreed by all ranks. Fabric: ``'same-device'``
-    when every rank of the group runs on this one GPU (ranks sharing a device: copies within it, no P2P needed),
-    ``'shared-egress'`` when a peer link has no native atomics (PCIe-like), else ``'nvlink'``. A peer on the same GPU
-    needs no P2P access; a peer on another GPU does (a missing one is "no P2P", named as such).
-    ``exchange``: the start's :class:`~.collective.Exchange` (a new one when None). Raises
-    :class:`~.collective.PeerTimeout` (the same on every rank) when a rank does not take part in time."""
+    """(reason the group cannot host a fast lane or None, fabric), agreed by all ranks. Fabric: ``'same-device'``
+    when every rank runs on this one GPU (no P2P needed), ``'shared-egress'`` when a peer link has no native atomics
+    (PCIe-like), else ``'nvlink'``; a peer on another GPU needs P2P access. ``exchange``: the start's
+    :class:`~.collective.Exchange` (a new one when None). Raises :class:`~.collective.PeerTimeout` (the same on
+    every rank) when a rank does not take part in time."""
     exchange = exchange or Exchange(group, "probe")
     props = torch.cuda.get_device_properties(device)
     me = (node_id(), str(getattr(props, "uuid", device.index)), device.index)
@@ -40,9 +40,8 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
         reason = (f"the CP group spans more than one node (node identities {hosts}: CP_OPS_NODE_ID or the host name, "
                   "cp_ops.node); the fast transport is single-node")
     else:
-        local_by_uuid = {}
-        for i in range(torch.cuda.device_count()):
-            local_by_uuid[str(getattr(torch.cuda.get_device_properties(i), "uuid", i))] = i
+        local_by_uuid = {str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
+                         for i in range(torch.cuda.device_count())}
         if all(uuid == me[1] for _, uuid, _ in infos):
             fabric = "same-device"
         for r, (_, uuid, _) in enumerate(infos):
@@ -52,8 +51,7 @@ def probe_group(group: dist.ProcessGroup, device: torch.device, ext, exchange=No
             if idx is None:
                 reason = (
                     f"group rank {r}'s GPU {uuid} is not visible to this process (CUDA_VISIBLE_DEVICES?), so it is "
-                    "not P2P-reachable; the fast transport needs every GPU of the group visible to every rank"
-                )
+                    "not P2P-reachable; the fast transport needs every GPU of the group visible to every rank")
                 break
             access, atomics, _perf = ext.p2p_attributes(device.index, idx)
             if not access:
@@ -80,18 +78,14 @@ def _hint(heap: str) -> str:
 
 def start(group: dist.ProcessGroup, device: torch.device, ext, fabric: str | None = None,
           slots_per_key: int = 2, exchange=None, lane_exchange=None) -> Lane:
-    """Start the fast lane on ``group`` (collective over the group, and only the group).
-
-    Each stage (heap start-up, control-block allocation, lane creation) is tried on every rank and its outcome
-    exchanged at once (``exchange``, a :class:`~.collective.Exchange`; a new one when None), so a failure on one
-    rank reaches every rank within ``CP_OPS_TIMEOUT_S``. A stage a heap runs with ``stage(name, fn, bounded=True)``
-    (NVSHMEM init, which a stuck peer can block inside its bootstrap) runs in a helper thread and counts as failed
-    on this rank after ``CP_OPS_TIMEOUT_S``. ``lane_exchange``: the lane's own exchange (pool growth, flag-slot
-    reclaim; a new one when None).
+    """Start the fast lane on ``group`` (collective over the group only): each stage (heap start-up, control block,
+    lane creation) is tried on every rank and its outcome exchanged (``exchange``; a new one when None). A heap's
+    ``stage(name, fn, bounded=True)`` (NVSHMEM init, which a stuck peer can block) runs in a helper thread and fails
+    after ``CP_OPS_TIMEOUT_S``. ``lane_exchange``: the lane's own (pool growth, flag-slot reclaim; new when None).
 
     Raises:
-        StartFailed: on every rank when any rank failed or did not take part in time; the message names the ranks,
-            the library's message and a hint.
+        StartFailed: on every rank when any rank failed or did not take part in time (naming the ranks, the
+            library's message and a hint).
     """
     s = config.settings
     heap_cls = HEAPS[s.fast_heap]
@@ -127,15 +121,9 @@ def start(group: dist.ProcessGroup, device: torch.device, ext, fabric: str | Non
     streams = [torch.cuda.ExternalStream(x, device=device) for x in ext_lane.streams()]
 
     lane_exchange = lane_exchange or Exchange(group, "lane")
-
-    def agree(obj):
-        return lane_exchange("the pool allocation", obj)
-
-    def agree_slots(obj):
-        return lane_exchange("the reclaim of flag slots freed with their CUDA graphs", obj)
-
-    def quiesce():
-        group_barrier(group, device)
+    agree = functools.partial(lane_exchange, "the pool allocation")
+    agree_slots = functools.partial(lane_exchange, "the reclaim of flag slots freed with their CUDA graphs")
+    quiesce = functools.partial(group_barrier, group, device)
 
     def make(ptr, n):
         return torch.as_tensor(_CudaMemory(ptr, n), device=device)
@@ -174,9 +162,8 @@ class StageStuck(RuntimeError):
 
 
 def _bounded(name: str, fn, seconds: float):
-    """``fn()`` in a daemon thread, waited at most ``seconds``. A call that does not return by then (NVSHMEM init
-    blocked in its bootstrap by a stuck peer) raises :class:`StageStuck` here; the thread cannot be interrupted and is
-    left behind (the heap refuses to start again in this process, see ``NvshmemHeap.start``)."""
+    """``fn()`` in a daemon thread, waited at most ``seconds``, else :class:`StageStuck`; the thread cannot be
+    interrupted and is left behind (the heap refuses to start again in this process: ``NvshmemHeap.start``)."""
     box: dict = {}
 
     def run():
@@ -198,19 +185,13 @@ def _bounded(name: str, fn, seconds: float):
 
 
 def _teardown(heap, ctrl, ext_lane, finalize: bool) -> None:
-    """Best effort after a failed start (no collectives: a peer may be gone)."""
-    try:
+    """Best effort after a failed start (no collectives: a peer may be gone); each step's errors are dropped."""
+    with contextlib.suppress(Exception):
         if ext_lane is not None:
             ext_lane.release()
-    except Exception:  # noqa: BLE001
-        pass
-    try:
+    with contextlib.suppress(Exception):
         if heap is not None and ctrl is not None and getattr(heap, "name", "") == "ipc":
             heap.ext.device_free(heap.dev, ctrl.local)
-    except Exception:  # noqa: BLE001
-        pass
     if finalize and heap is not None and getattr(heap, "name", "") == "nvshmem":
-        try:
+        with contextlib.suppress(Exception):
             heap.close()
-        except Exception:  # noqa: BLE001
-            pass
