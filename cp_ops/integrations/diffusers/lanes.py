@@ -1,18 +1,15 @@
 """CFG-parallel lanes: the conditional and unconditional branches of classifier-free guidance on two halves of
 the ranks, CP inside each half (docs/pipelines.md, "CFG lanes").
 
-A batch of 2 (``[cond, uncond]`` along dim 0 of every batched input) is split: ranks ``0 .. W/2-1`` (lane 0) run
-the conditional element, ranks ``W/2 .. W-1`` (lane 1) the unconditional one; the lane outputs are all-gathered
-between the ranks of equal CP rank (one pair group per CP rank), so every rank returns the batch-of-2 output.
+A batch of 2 (``[cond, uncond]`` along dim 0 of every batched input) is split: lane 0 (ranks ``0 .. W/2-1``) runs
+the conditional element, lane 1 the unconditional one; the outputs are all-gathered between the ranks of equal CP
+rank (one pair group each), so every rank returns the batch-of-2 output.
 
-A pipeline of :data:`PAIRED` calls the transformer once per branch (cache_context "cond", then "uncond"):
-:func:`attach_pipeline` runs the cond call on lane 0 while lane 1 returns a NaN placeholder of the output's shape,
-and the uncond call on lane 1 while lane 0 returns at once; the exchange then fills lane 1's placeholder in place and
-hands lane 1's output to lane 0, stream-ordered, before the pipeline reads either (the pipelines in :data:`PAIRED`
-leave the first output untouched, or only sliced, until their second call). Any other call (no CFG pair; outside a
-pipeline call, one that is not a batch of 2) runs over the whole group, every rank one forward with CP over all of
-them (the switch :func:`.install.parallelize` gives; where none can run, on both lanes alike); one warning says why.
-A conditional call with no unconditional call after it raises.
+A pipeline of :data:`PAIRED` calls the transformer once per branch: :func:`attach_pipeline` runs the cond call on
+lane 0 (lane 1 returns a NaN placeholder) and the uncond call on lane 1 (lane 0 returns at once); the exchange then
+fills lane 1's placeholder in place and hands lane 1's output to lane 0, stream-ordered, before the pipeline reads
+either. Any other call runs over the whole group (the switch :func:`.install.parallelize` gives; where none can run,
+on both lanes alike), with one warning. A conditional call with no unconditional call after it raises.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ def _true_cfg(pooled: bool):
 
 
 #: diffusers pipelines (class name) whose calls cp_ops pairs over the lanes -> whether a ``pipe(...)`` call makes the
-#: unconditional call after each conditional one. Each was read (diffusers 0.42.1): the conditional output is left
-#: as it is, or sliced (a view), until the unconditional call.
+#: unconditional call after each conditional one. Each read (diffusers 0.42.1): the cond output is left, or sliced.
 PAIRED = {
     **dict.fromkeys(("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "Flux2KleinPipeline"),
                     _guidance_property),
@@ -72,13 +68,10 @@ BATCHED_CFG = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline",
 
 
 def cfg_kind(pipe_cls: type, config=None) -> str | None:
-    """How a pipeline class runs classifier-free guidance with its own defaults (its ``__call__``'s): 'paired' (a
-    class of :data:`PAIRED` whose default scale — ``true_cfg_scale`` where it has one, else ``guidance_scale`` — is
-    above 1: Wan, Qwen-Image, Flux 2 Klein; Qwen-Image's true CFG then runs whenever a negative prompt is given),
-    'batched' (a class of :data:`BATCHED_CFG` whose default ``guidance_scale`` is above 1), else None (Flux and
-    HunyuanVideo: ``true_cfg_scale`` 1 by default; any other pipeline). ``config``: the pipeline's own config,
-    where one is at hand: a guidance-distilled pipeline (``is_distilled``, Flux 2 Klein's distilled checkpoints)
-    runs no CFG at any scale."""
+    """How a pipeline class runs classifier-free guidance with its ``__call__``'s defaults: 'paired' (a class of
+    :data:`PAIRED` whose default ``true_cfg_scale``, else ``guidance_scale``, is above 1), 'batched' (a class of
+    :data:`BATCHED_CFG` whose default ``guidance_scale`` is above 1), else None (Flux, HunyuanVideo: true CFG off by
+    default). ``config``: the pipeline's config where at hand; a distilled one (``is_distilled``) runs no CFG."""
     name = pipe_cls.__name__
     kind = "paired" if name in PAIRED else "batched" if name in BATCHED_CFG else None
     if kind is None or (config is not None and bool(dict(config).get("is_distilled", False))):
@@ -123,8 +116,8 @@ def _shape_key(args: tuple, kwargs: dict) -> str:
 
 
 def _host_waits(tensors) -> bool:
-    """Whether the lanes' exchange of ``tensors`` is waited by the host (CPU tensors over gloo), so cp_ops bounds it
-    and a failed lane can join it with placeholders; on CUDA it is stream-ordered (the host does not wait)."""
+    """Whether the host waits for the lanes' exchange of ``tensors`` (CPU tensors over gloo): cp_ops bounds it and a
+    failed lane can join it with placeholders."""
     return all(x.device.type == "cpu" for x in tensors)
 
 
@@ -427,8 +420,8 @@ class Lanes:
             raise self._named(value["failed"], "in its forward")
 
     def _forward_failed(self, e: BaseException, meta, key: str) -> None:
-        """This lane's forward of a CFG pair raised ``e`` (re-raised by the caller): tell the partner, which waits
-        for this lane in the agreement ``key`` (``meta`` None: the first call of this shape) or in the exchange."""
+        """This lane's forward of a CFG pair raised ``e``: tell the partner, waiting in the agreement ``key`` (``meta``
+        None: the first call of this shape) or in the exchange."""
         if meta is None:
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
             self.told = True
@@ -458,9 +451,8 @@ class Lanes:
 
     def _exchange(self, mine, joining: bool = False) -> list:
         """Exchange ``mine`` (a tuple of tensors) between the lanes: ``[lane 0's; lane 1's]`` along dim 0 each. On
-        the CPU (the host waits), bounded by cp_ops: the partner's published failure, its exit and
-        ``settings.timeout_s`` end the wait, naming it; on CUDA stream-ordered (the host does not wait): a failure
-        the partner told before this exchange raises here, naming it, without making it."""
+        the CPU the wait is bounded (the partner's told failure, its exit, ``settings.timeout_s``); on CUDA it is
+        stream-ordered, and a failure the partner told before this exchange raises here without making it."""
         self.n += 1
         if self.peers is None or not _host_waits(mine):
             told = self._partner_failed(self.n) if not joining else None
@@ -519,9 +511,8 @@ class Lanes:
         return [torch.cat(p) for p in parts]
 
     def _settle(self) -> None:
-        """An exchange this rank left unfinished (interrupted while waiting): wait, bounded, until the partner's
-        part arrives (it made the exchange, or joined it when its own call failed); where the partner said it will
-        not come, or does not within ``settings.timeout_s``, the pair is out of step (:attr:`broken`)."""
+        """An exchange this rank left unfinished (interrupted): wait, bounded, for the partner's part; where it said
+        it will not come, or does not within ``settings.timeout_s``, the pair is out of step (:attr:`broken`)."""
         if self.stale is None:
             return
         (works, k, call), self.stale = self.stale, None
@@ -615,9 +606,8 @@ def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
 
 
 def attach_pipeline(pipe, models: list[torch.nn.Module]) -> None:
-    """Pair the per-branch calls of ``pipe`` over the CFG lanes of ``models`` (parallelized with ``cfg_parallel``):
-    each model's call goes through :meth:`Lanes.call`, and each ``pipe(...)`` call tells the lanes which pipeline
-    call is in progress (its arguments, defaults applied). No-op when no model has lanes."""
+    """Pair the per-branch calls of ``pipe`` over the CFG lanes of ``models``: each model's call goes through
+    :meth:`Lanes.call`, each ``pipe(...)`` call tells the lanes its arguments. No-op when no model has lanes."""
     lanes = [m._cp_ops_lanes for m in models if getattr(m, "_cp_ops_lanes", None) is not None]
     if not lanes:
         return
