@@ -3,19 +3,23 @@ optional compiled path); re-exported by :mod:`cp_ops.integrations.diffusers`."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ... import modes
+from ... import captured, modes
 from ...group import resolve_group
 from ...comm_dtype import NONE as COMM_NONE, for_mode as comm_for_mode, normalize as normalize_comm_dtype
+from ...mesh import DIM_NAMES, check_names, is_mesh
 from ...plan.rules import check_chunks
 from ...transport.base import names as transport_names
-from . import caches, dispatch, hooks
-from .caches import agree_step_caches
+from ...transport.torch import stage_through_host
+from . import caches, capture_safe, compiled, dispatch, hooks
 from .checks import RankChecks
-from .lanes import Lanes
+from .lanes import Lanes, swapped
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
@@ -31,10 +35,6 @@ def mesh_groups(group: Any, cfg_parallel: bool):
     "ulysses")`` mesh of every rank in order, cfg size 2: ``pg`` = the default group (two CFG lanes, the mesh's cfg
     slices), ``attn_group`` = this rank's 2-D slice, ``cfg_parallel`` True. ValueError: any other mesh, or
     ``cfg_parallel=True`` with a 2-D mesh."""
-    import torch.distributed as dist
-
-    from ...mesh import DIM_NAMES, check_names, is_mesh
-
     if not is_mesh(group):
         return resolve_group(group), None, cfg_parallel
     world = resolve_group(None)
@@ -76,9 +76,6 @@ def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
 def auto_graphs(model: torch.nn.Module, transport: str, pg) -> tuple[str | bool, str | None]:
     """``cuda_graphs="auto"``: ``("forward", None)`` where the whole forward can be captured, else ``(False, why)``
     (``why`` None: not on CUDA, eager without a word); what shows only at a call is the capture's fallback."""
-    from ... import captured
-    from ...transport.torch import stage_through_host
-
     device = captured._device_of(model)
     try:
         captured.check_capturable(model)
@@ -92,8 +89,6 @@ def auto_graphs(model: torch.nn.Module, transport: str, pg) -> tuple[str | bool,
 
 def _fell_back(name: str):
     def warn(why: str) -> None:
-        import warnings
-
         warnings.warn(f"cp_ops.parallelize: {name} runs eager, its whole forward not captured in one CUDA graph (the "
                       f"default on CUDA): {why}. Pass cuda_graphs=False to choose eager without this warning",
                       stacklevel=3)
@@ -172,19 +167,14 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
                          "mode='reduce-overhead'); got compile=False (cuda_graphs='forward' captures the whole "
                          "eager forward)")
     if cuda_graphs == "forward":
-        from ...captured import check_capturable
-
         try:
-            check_capturable(transformer)
+            captured.check_capturable(transformer)
         except ValueError as e:
             raise ValueError(f"parallelize(cuda_graphs='forward'): {e}") from None
     if (why := caches.refused_cache(transformer)) is not None:
         raise ValueError(why)
-    if compile:
-        from .compiled import not_compilable
-
-        if (why := not_compilable(transformer)) is not None:
-            raise ValueError(f"parallelize(compile=True): {why}")
+    if compile and (why := compiled.not_compilable(transformer)) is not None:
+        raise ValueError(f"parallelize(compile=True): {why}")
     if getattr(transformer, "_cp_ops_group", None) is not None:
         raise ValueError(
             f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
@@ -234,24 +224,17 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     caches.agree_step_caches(transformer)  # caches enabled before (their decisions reduced over the group) ...
     caches.wrap_enable_cache(transformer)  # ... and after, through model.enable_cache
     if compile:
-        from .compiled import compile_blocks
-
-        compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
+        compiled.compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
     if why is not None:
         _fell_back(name)(why)
     if graphs == "forward":
-        from ...captured import capture_forward
-        from . import capture_safe
-
         capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
         # refused: a hook that acts on the host at each call (the default then runs eager, explicit 'forward' raises)
         auto = dict(fallback=_fell_back(name)) if cuda_graphs == "auto" else {}
-        capture_forward(transformer, group=pg, refuse=caches.host_hooks, **auto)
+        captured.capture_forward(transformer, group=pg, refuse=caches.host_hooks, **auto)
         if lanes is not None:
-            from ...captured import captured
-
-            lanes.input_groups.append((captured(transformer), "group"))
+            lanes.input_groups.append((captured.captured(transformer), "group"))
     if lanes is not None:
         lanes.whole, lanes.whole_why = _whole_group(transformer, state, checks, pg, attn_group, attn_modules)
     return transformer
@@ -261,11 +244,6 @@ def _whole_group(model, state, checks, pg, mesh, attn_modules):
     """``(switch, None)``: a context manager that runs a forward of a model with CFG lanes (one with no CFG pair)
     with CP over all of ``pg``'s ranks (splits, attention, gather, rank checks, step caches' state), or
     ``(None, why)`` where none can run."""
-    import contextlib
-
-    from ...transport.torch import stage_through_host
-    from .lanes import swapped
-
     if mesh is not None:
         return None, "a 3-D mesh gives each lane a 2-D CP mesh, and the whole group none"
     if state.transport == "fast":
