@@ -90,8 +90,7 @@ def _new_group(ranks: list[int], pg: dist.ProcessGroup, mine: bool):
 
 
 class _PipeCall:
-    """One ``pipe(...)`` call in progress: the pipeline, its rule from :data:`PAIRED` (None: not there) and its
-    arguments (defaults applied)."""
+    """One ``pipe(...)`` call in progress: the pipeline, its :data:`PAIRED` rule (or None) and its arguments."""
 
     def __init__(self, pipe, args: dict):
         self.pipe, self.args, self.rule = pipe, args, PAIRED.get(type(pipe).__name__)
@@ -130,8 +129,7 @@ def _placeholders(meta: list, args: tuple, kwargs: dict) -> tuple:
 
 
 def _meta(out) -> list | str:
-    """A forward's output as ``[[shape, dtype], ...]`` (a tuple of tensors: ``return_dict=False``), or why it is not
-    one."""
+    """A forward's output (a tuple of tensors) as ``[[shape, dtype], ...]``, or why it is not one."""
     if isinstance(out, tuple) and out and all(isinstance(x, torch.Tensor) for x in out):
         return [[list(x.shape), str(x.dtype).replace("torch.", "")] for x in out]
     return f"the output is a {type(out).__name__}" + (
@@ -243,9 +241,8 @@ class Lanes:
     # ---- calls of a pipeline that runs each branch in its own call -------------------------------------------
     @contextlib.contextmanager
     def alone(self, over_all: bool = False):
-        """A forward of one branch, as given (select and gather let it through): this lane runs it by itself (the
-        lane's ranks share its inputs), or, ``over_all``, every rank runs it, CP over the whole group (:attr:`whole`,
-        the switch :func:`.install.parallelize` provides)."""
+        """A forward of one branch, as given (select and gather let it through), run by this lane alone or,
+        ``over_all``, by every rank with CP over the whole group (:attr:`whole`)."""
         switch = self.whole() if over_all else swapped([(obj, attr, self.cp) for obj, attr in self.input_groups])
         self.branch = True
         try:
@@ -298,8 +295,8 @@ class Lanes:
             return inner(*args, **kwargs)
 
     def _no_pending(self, what: str) -> None:
-        """Raise (on every rank: they all see the same calls) when a conditional output waits for its unconditional
-        call and the pipeline did ``what`` instead."""
+        """Raise (on every rank alike) where a conditional output waits for its unconditional call and the pipeline
+        did ``what`` instead."""
         if self.pending is not None:
             self.pending = None
             name = self.run.name if self.run is not None else "the pipeline"
@@ -344,8 +341,8 @@ class Lanes:
         return out
 
     def _uncond(self, inner, args, kwargs):
-        """Lane 1 runs the unconditional forward; both exchange: lane 1's placeholder gets lane 0's conditional
-        output (in place), lane 0 returns lane 1's unconditional output."""
+        """Lane 1 runs the unconditional forward, then the exchange fills lane 1's placeholder in place and gives
+        lane 0 lane 1's output."""
         (cond_key, cond), self.pending = self.pending, None
         pair_key = (cond_key, _shape_key(args, kwargs))
         out = None
@@ -382,8 +379,8 @@ class Lanes:
         return f"{self.peers.base}lanes-failed/{lane}"
 
     def _tell(self, k: int, joins: bool, e: BaseException) -> None:
-        """Publish that this rank's pipeline call failed (``e``) at its ``k``-th exchange of this call; ``joins``:
-        it still makes that exchange (with placeholders), so its partner's collectives stay in step."""
+        """Publish that this rank's call failed (``e``) at its ``k``-th exchange; ``joins``: it still makes that
+        exchange (with placeholders), so the partner's collectives stay in step."""
         self.told = True
         if self.peers is None:
             return
@@ -394,8 +391,7 @@ class Lanes:
             pass
 
     def _partner_failed(self, k: int) -> tuple[bool, str, int] | None:
-        """(whether it joins, its error, the exchange it failed at) where the partner told a failure of this call at
-        or before exchange ``k``."""
+        """(joins, error, exchange) where the partner told a failure of this call at or before exchange ``k``."""
         if self.peers is None:
             return None
         key = self._store_key(1 - self.lane)
@@ -434,8 +430,8 @@ class Lanes:
         self._join(e)
 
     def _join(self, e: BaseException) -> None:
-        """Make this call's pending exchange with placeholders (what the partner already holds: lane 0's output
-        or lane 1's placeholder), after telling the partner that ``e`` ends this rank's call."""
+        """Tell the partner that ``e`` ends this rank's call, then make the pending exchange with what this lane
+        holds (lane 0's output or lane 1's placeholder)."""
         held = self.pending[1] if self.pending is not None else None
         self.pending = None
         if held is None or not _host_waits(held):
@@ -536,9 +532,8 @@ class Lanes:
             self.calls = saved
 
     def abandon(self, e: BaseException) -> None:
-        """This rank's ``pipe(...)`` call raised ``e``: a CFG pair still open is exchanged (with what this lane
-        holds) so the partner's collectives stay in step; else the partner, if it waits in this call's next
-        exchange, is told."""
+        """This rank's ``pipe(...)`` call raised ``e``: an open CFG pair is exchanged with what this lane holds;
+        else the partner, should it wait in this call's next exchange, is told."""
         try:
             if self.told:
                 return
@@ -580,8 +575,8 @@ def swapped(values: list[tuple[object, str, object]]):
 
 
 def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
-    """Route ``model(...)`` through :meth:`Lanes.call`, outside everything else the model's call does (its hooks, a
-    whole-forward capture), and record its ``cache_context`` name. The class becomes a same-named subclass."""
+    """Route ``model(...)`` through :meth:`Lanes.call`, outside its hooks and capture, and record its
+    ``cache_context`` name. The class becomes a same-named subclass."""
     cls = type(model)
     if getattr(cls, "_cp_ops_lanes_call", False):  # already routed (a pipeline sharing the model: from_pipe)
         return
