@@ -341,8 +341,7 @@ def _valid_entry(e) -> bool:
     times = e.get("times_ms", {})
     return isinstance(times, dict) and all(
         isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-        for k, t in times.items()
-    )
+        for k, t in times.items())
 
 
 def _read_cache() -> dict:

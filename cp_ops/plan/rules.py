@@ -67,9 +67,7 @@ def mode_rule(mode: str, heads: int, world_size: int) -> tuple[str, str]:
 
 #: The heuristic's stage counts, keyed by (mode, transport as run: 'fast' or 'torch', never 'auto'); a key not listed
 #: gets 1. Source and numbers: :func:`chunks_rule`.
-HEURISTIC_CHUNKS: dict[tuple[str, str], int] = {
-    ("agkv", "fast"): 2,
-}
+HEURISTIC_CHUNKS: dict[tuple[str, str], int] = {("agkv", "fast"): 2}
 
 
 def chunks_rule(mode: str, world_size: int, transport: str, given: int | None = None,

@@ -66,10 +66,8 @@ def route_processor(module: torch.nn.Module, backend_member: Any, parallel_confi
     ``parallel_config`` (processors may be shared between modules; the copy keeps the others untouched)."""
     proc = copy.copy(module.processor)
     if not hasattr(type(proc), "_parallel_config") and not hasattr(proc, "_parallel_config"):
-        raise ValueError(
-            f"{type(module).__name__}'s processor {type(proc).__name__} does not route attention through diffusers' "
-            "dispatch (no _parallel_config); cp_ops cannot plug into it"
-        )
+        raise ValueError(f"{type(module).__name__}'s processor {type(proc).__name__} does not route attention "
+                         "through diffusers' dispatch (no _parallel_config); cp_ops cannot plug into it")
     proc._attention_backend = backend_member
     proc._parallel_config = parallel_config
     module.set_processor(proc)

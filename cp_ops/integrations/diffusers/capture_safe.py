@@ -26,10 +26,8 @@ def _text_seq_len_from_mask(encoder_hidden_states: torch.Tensor, encoder_hidden_
     if encoder_hidden_states_mask is None:
         return text_seq_len, None, None
     if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
-        raise ValueError(
-            f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
-            f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len})."
-        )
+        raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                         f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
     mask = encoder_hidden_states_mask
     if mask.dtype != torch.bool:
         mask = mask.to(torch.bool)

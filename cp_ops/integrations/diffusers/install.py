@@ -176,10 +176,9 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     if compile and (why := compiled.not_compilable(transformer)) is not None:
         raise ValueError(f"parallelize(compile=True): {why}")
     if getattr(transformer, "_cp_ops_group", None) is not None:
-        raise ValueError(
-            f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
-            "parallelize a fresh model (hooks installed twice would split the tokens twice)"
-        )
+        raise ValueError(f"this {name} is already parallelized over CP group "
+                         f"'{transformer._cp_ops_group.group_name}'; parallelize a fresh model (hooks installed "
+                         "twice would split the tokens twice)")
     if spec.check is not None:
         spec.check(transformer)
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)

@@ -131,8 +131,7 @@ def _init_group(device: torch.device) -> None:
 
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
-    timeout = datetime.timedelta(seconds=config.settings.timeout_s)
-    kw: dict[str, Any] = dict(timeout=timeout)
+    kw: dict[str, Any] = dict(timeout=datetime.timedelta(seconds=config.settings.timeout_s))
     if device.type == "cuda":
         kw["device_id"] = device
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
