@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 
 from .. import config, contract
+from .._file_lock import file_lock
+from .._version import __version__
+from ..group import backend_name
 from ..modes import names as mode_names
 from ..modes import spec as mode_spec
 from ..modes.agkv_pipelined import stage_plan
@@ -78,8 +81,6 @@ def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGr
     the first time: RuntimeError past ``CP_OPS_TIMEOUT_S``); ``measuring``: ``settings.tune_modes``."""
     if mode != "auto" and chunks is not None:
         return Choice(chosen, chunks, "explicit", {}, why="mode and chunks given by the caller")
-    from ..group import backend_name
-
     w = pg.size()
     why = ("traced by torch.compile: measuring is eager only" if torch.compiler.is_compiling()
            else "a group of one rank" if w == 1
@@ -291,8 +292,6 @@ def cache_path() -> str | None:
 
 def machine(device: torch.device) -> dict:
     """What a measured time depends on besides the call: device model, driver, torch and cp_ops versions."""
-    from .._version import __version__
-
     if device.type == "cuda":
         dev, driver = torch.cuda.get_device_name(device), _driver_version()
     else:
@@ -374,8 +373,6 @@ def _read_cache() -> dict:
 def _write_cache(key: str, entry: dict) -> None:
     """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock, :func:`cp_ops._file_lock.file_lock`: a
     wait bounded by ``settings.timeout_s``; atomic replace)."""
-    from .._file_lock import file_lock
-
     path = cache_path()
     if path is None:
         return

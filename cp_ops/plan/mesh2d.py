@@ -17,6 +17,7 @@ import torch
 
 from .. import comm_dtype as cd, contract, layout, mesh as meshes, modes, validate
 from ..comm import MeshComm, OpCodec, OpComm
+from ..group import resolve_group
 from ..transport import base as transport_base
 from . import flat, rules
 from .call import Call
@@ -210,8 +211,6 @@ def same_groups(plan, mesh) -> bool:
 
 def build(call: Call):
     """The eager plan of a call on the 2-D mesh ``call.group`` (None: nothing to move). Raises as :func:`decide`."""
-    from ..group import resolve_group
-
     resolve_group(None)  # RuntimeError when torch.distributed is not initialized
     group, q = call.group, call.q
     info = meshes.MeshInfo(*meshes.describe(group))

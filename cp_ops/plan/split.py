@@ -9,11 +9,13 @@ rank. A rank whose call differs from one its peers already cached meets no agree
 
 from __future__ import annotations
 
+import datetime
 import operator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import comm_dtype as cd
 from .. import config, contract, cost, node
@@ -96,8 +98,6 @@ def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, s
            skip: str = "") -> tuple | None:
     """The split of a call (:class:`Split`'s fields), agreed by the group's ranks; None: the 1-D path (one node, or
     this rank takes none: ``skip`` says why, ``shape`` None for invalid inputs). Constant for ``torch.compile``."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     pg = _resolve_process_group(group_name)
     ids = node.group_nodes(pg)
     if len(set(ids)) == 1:
@@ -126,8 +126,6 @@ decide._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch.comp
 def spans_nodes(group_name: str) -> bool:
     """Whether the group's ranks are on more than one node (collective on the group's first call:
     :func:`cp_ops.node.group_nodes`). Marked constant for ``torch.compile``, as :func:`decide`."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     return len(set(node.group_nodes(_resolve_process_group(group_name)))) > 1
 
 
@@ -141,8 +139,6 @@ def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
     got = _meshes.get(key)
     if got is not None:
         return got[0]
-    import datetime
-
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = dist.get_process_group_ranks(pg)
