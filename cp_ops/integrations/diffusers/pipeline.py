@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 import socket
 from typing import Any
@@ -11,7 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import config
+from ...contract import agree, input_checksum, waiting_in
+from ...group import resolve_group
+from ...mesh import is_mesh
 from . import _private
+from .install import parallelize
+from .lanes import attach_pipeline
+from .planner import plan_pipeline
 from .registry import SUPPORTED
 
 
@@ -57,10 +66,6 @@ def _words(x, depth: int = 0) -> str:
     """A pipeline call's argument in words equal on two ranks exactly when they passed the same value: plain values
     by ``repr``; tensors, arrays, images and generators by shape or device and a digest; functions by name;
     containers item by item; any other object by its type."""
-    import hashlib
-
-    from ...contract import input_checksum
-
     if x is None or isinstance(x, (bool, int, float, str)):
         return repr(x)
     if isinstance(x, torch.Tensor):
@@ -85,10 +90,6 @@ def _words(x, depth: int = 0) -> str:
 def _agree_call(pipe, group, n: int, args: tuple, kwargs: dict) -> None:
     """Raise ValueError on every rank of ``group`` naming the arguments of the ``n``-th ``pipe(...)`` call that
     differ between the ranks (:func:`_words`)."""
-    import json
-
-    from ...contract import agree, waiting_in
-
     mine = {f"positional argument {i}": _words(a) for i, a in enumerate(args)}
     mine.update({k: _words(v) for k, v in kwargs.items()})
     what = f"{type(pipe).__name__}(...) call #{n} (parallelize_pipeline)"
@@ -126,10 +127,7 @@ def _init_group(device: torch.device) -> None:
     a group of one rank."""
     if dist.is_initialized():
         return
-    from ... import config
-    from ...config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
-
-    for k, v in SAFE_ENV.items():
+    for k, v in config.SAFE_ENV.items():  # multicast/NVLS off wherever cp_ops starts ranks
         os.environ.setdefault(k, v)
     kw: dict[str, Any] = dict(timeout=datetime.timedelta(seconds=config.settings.timeout_s))
     if device.type == "cuda":
@@ -145,10 +143,6 @@ def _init_group(device: torch.device) -> None:
 def _plan(pipe, model, group, dev: torch.device, mode: str, kwargs: dict):
     """The planned layout (:func:`.planner.plan_pipeline`) over ``group``'s ranks (None for a mesh); ranks per
     node: torchrun's ``LOCAL_WORLD_SIZE``, else every rank."""
-    from ...group import resolve_group
-    from ...mesh import is_mesh
-    from .planner import plan_pipeline
-
     if is_mesh(group):
         return None
     n = resolve_group(group).size()
@@ -187,9 +181,6 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
             ``parallelize`` raises.
         RuntimeError: torch.distributed cannot start.
     """
-    from .install import parallelize
-    from .lanes import attach_pipeline
-
     components = getattr(pipe, "components", None)
     if not isinstance(components, dict):
         raise ValueError(f"parallelize_pipeline takes a diffusers pipeline (a .components dict); got "

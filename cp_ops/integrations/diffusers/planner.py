@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ... import cost, modes
 from ...plan.rules import mode_rule
+from .lanes import cfg_kind
 
 #: The compile paths with measured rows (``parallelize``'s ``compile`` / ``cuda_graphs`` → :func:`path_for`).
 PATHS = ("eager", "eager+graphs", "regional+capture")
@@ -240,8 +241,6 @@ def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, to
 def plan_pipeline(pipe, model, n: int, *, ranks_per_node: int | None, cuda: bool, mode: str = "auto",
                   cfg_parallel: bool | None = None, compile: bool = False, cuda_graphs="auto") -> Plan:  # noqa: A002
     """:func:`plan` for ``model`` (a transformer of ``pipe``) over ``n`` ranks, the facts read from them."""
-    from .lanes import cfg_kind
-
     config = dict(getattr(model, "config", None) or {})
     cfg = cfg_kind(type(pipe), getattr(pipe, "config", None))
     return plan(type(model).__name__, n, cfg=cfg, config=config, ranks_per_node=ranks_per_node,
