@@ -70,9 +70,10 @@ def _layout_key(seq_lens, key_mask):
     """What a ``seq_lens`` / ``key_mask`` call adds to its key; None: the traced path (it raises on a bad one). Ints
     only, by type: ``4.0`` and ``True`` hash like ``4`` and ``1`` but are not token counts."""
     if seq_lens is not None:
-        if type(seq_lens) is not tuple and type(seq_lens) is not list:
-            return None
-        seq_lens = tuple(seq_lens)
+        if type(seq_lens) is not tuple:
+            if type(seq_lens) is not list:
+                return None
+            seq_lens = tuple(seq_lens)
         for n in seq_lens:
             if type(n) is not int:
                 return None
