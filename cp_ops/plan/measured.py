@@ -9,6 +9,7 @@ Why a margin and the heuristic first: a pick by the bare minimum chose AGKV chun
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import math
@@ -308,8 +309,6 @@ def _driver_version() -> str:
     except OSError:
         pass
     try:
-        import ctypes
-
         v = ctypes.c_int()
         ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
         return f"cuda-driver-api-{v.value}"

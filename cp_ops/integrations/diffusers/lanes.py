@@ -146,10 +146,8 @@ class Lanes:
                              "(needs an even number ≥ 2)")
         half = w // 2
         ranks = [dist.get_global_rank(pg, i) for i in range(w)]
-        me = pg.rank()
-        self.lane, cp_rank = divmod(me, half)
-        lanes = [ranks[:half], ranks[half:]]
-        groups = [_new_group(r, pg, self.lane == i) for i, r in enumerate(lanes)]
+        self.lane, cp_rank = divmod(pg.rank(), half)
+        groups = [_new_group(r, pg, self.lane == i) for i, r in enumerate([ranks[:half], ranks[half:]])]
         self.cp = groups[self.lane]
         pairs = [_new_group([ranks[i], ranks[i + half]], pg, cp_rank == i) for i in range(half)]
         self.pair = pairs[cp_rank]
