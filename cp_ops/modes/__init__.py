@@ -1,21 +1,15 @@
 """CP attention modes: a registry of mode bodies, one file per body.
 
-A mode body turns the local shards ``q, k, v`` ``[B, S_local, H, D]`` of W ranks into this rank's attention output
-``[B, S_local, H, D]`` (q's dtype, a tensor of its own: never a view of a transport's pooled buffer). It is one
-function written against the communication interface of :mod:`cp_ops.comm`::
+A body turns the local shards ``q, k, v`` ``[B, S_local, H, D]`` of W > 1 ranks into this rank's output
+``[B, S_local, H, D]`` (q's dtype, never a view of a transport's pooled buffer), written once against
+:mod:`cp_ops.comm` (traced: the ``torch.library`` ops; eager: the transport directly)::
 
     body(q, k, v, comm, *, scale, chunks, shards, key_mask) -> out
 
-``comm`` launches and waits (traced: the ``torch.library`` ops; eager: the transport directly — the same body
-either way), ``chunks`` is the pipeline stage count, ``shards`` a :class:`cp_ops.layout.Shards` for uneven shards or a
-key mask (None for the even, unmasked call), ``key_mask`` the bool ``[B, S_local]`` mask or None. The plan
-(:mod:`cp_ops.plan`) has checked the inputs, resolved the transport and agreed the call's variant; W > 1;
-inputs never require grad there. Bodies import :mod:`cp_ops.kernels`, :mod:`cp_ops.layout` and nothing above.
-
-A new mode is one file here defining its body plus one line in :data:`_BUILTIN` (its name, module, body function,
-properties), so the names are known without importing torch (the CLI lists them before torch loads); the public
-``mode=`` argument, the plan's mode rule (:func:`cp_ops.plan.rules.mode_rule`), the CLI choices and the diffusers
-integration derive from :func:`names`.
+``chunks``: the stage count; ``shards``: a :class:`cp_ops.layout.Shards` for uneven shards or a key mask (else None);
+``key_mask``: bool ``[B, S_local]`` or None. The plan has checked the inputs; bodies import only :mod:`cp_ops.kernels`
+and :mod:`cp_ops.layout`. A new mode: one file here and one line in :data:`_BUILTIN` (names known without importing
+torch); ``mode=``, the mode rule, the CLI and the diffusers integration derive from :func:`names`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Pipelined AGKV: attend the local K/V while the peers' K/V are in flight, then each peer's piece as it lands,
-and merge the partial outputs by their log-sum-exp (LSE) in fp32.
+and merge the partial outputs by their log-sum-exp (LSE) in fp32 (:func:`cp_ops.kernels.lse_merge.merge`).
 
-Stages (``chunks = k``, for k ≥ 2): stage 0 attends the local Q against this rank's own K/V (no communication
-needed); the peers' pieces — each peer's block split into ``ceil((k-1)/(W-1))`` pieces where the transport can
-(the torch transport can; the fast transport lands whole blocks, one signal per source) — are taken in arrival
-order and cut into ``k-1`` consecutive stages; stage i waits for its pieces only and attends the local Q against
-them (one attention per run of adjacent tokens). The ≥ 2 partial outputs are merged once at the end by
-:func:`cp_ops.kernels.lse_merge.merge` (one fused kernel on CUDA). With communication time C and
-attention time A over all W blocks, transport-then-attend costs ``C + A``; this costs about
-``max(A/W, first piece) + ...`` — communication hides under attention except the first piece's remainder.
+Stages (``chunks = k ≥ 2``): stage 0 attends this rank's own K/V; the peers' pieces (each block split into
+``ceil((k-1)/(W-1))`` pieces where the transport can; the fast transport lands whole blocks) are taken in arrival
+order and cut into ``k-1`` stages, each waiting for its pieces only (one attention per run of adjacent tokens).
+Communication hides under attention except the first piece's remainder.
 
-Traced code runs this body inside one ``torch.library`` op, ``cp_ops::agkv_pipelined_attention`` (:mod:`cp_ops.ops`),
-whose real kernel calls it with the direct comm: synchronous for the caller's stream, its fake kernel exact
-(``[B, S_local, H, D]``, contiguous, q's dtype). (Why one op: per-source waits are views of one gathered buffer, and
-c10d's work registry keys waits by storage, one work per storage; a launch/wait split would lose the per-source
-order.) Eager code calls the body directly.
+Traced code runs this body inside one op, ``cp_ops::agkv_pipelined_attention`` (:mod:`cp_ops.ops`), whose real
+kernel calls it with the direct comm: per-source waits are views of one gathered buffer, and c10d keys waits by
+storage, so a launch/wait split would lose the per-source order. Uneven shards: the padded blocks travel, each stage
+attends the real rows that landed. No key mask (the LSE kernels take none: the plan runs chunks = 1).
 
-Uneven shards (``shards``): the padded blocks travel; each stage attends only the real rows of the blocks that
-landed (runs are joined only across full blocks). A key mask is not supported here (the LSE kernels take no mask:
-the plan runs a masked AGKV call with chunks = 1).
-
-Method: AGKV as in Megatron-LM context parallelism / xDiT; the LSE merge as in ring attention (Liu et al.,
-2023, arXiv:2310.01889) and flash-decoding.
+Method: AGKV as in Megatron-LM / xDiT; the LSE merge as in ring attention (arXiv:2310.01889) and flash-decoding.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""2-D CP: Ulysses over the inner dim of a mesh, AGKV of the Ulysses-local K/V over the outer dim (docs/2d.md: the
-mesh, the rule, what it moves and why it is exact).
+"""2-D CP: Ulysses over the inner dim of a mesh, AGKV of the Ulysses-local K/V over the outer dim (docs/2d.md).
 
-``comm`` is a :class:`cp_ops.comm.MeshComm` (``comm.inner``, ``comm.outer``). Steps: (1) Ulysses all-to-all over the
-inner group: this rank gets its row's tokens for H/I heads (head group ``i``); (2) AGKV over the outer group of
-those K/V; (3) attention of the row's Q against all K/V: the 1-D AGKV body (:mod:`.agkv`) run on ``comm.outer``,
-``chunks ≥ 2``: the pipelined one (:mod:`.agkv_pipelined`); (4) the inverse all-to-all over the inner group.
+``comm`` is a :class:`cp_ops.comm.MeshComm`. Steps: (1) Ulysses all-to-all over the inner group (this rank gets its
+row's tokens for H/I heads); (2)-(3) the 1-D AGKV body (:mod:`.agkv`, pipelined for ``chunks ≥ 2``) on
+``comm.outer``; (4) the inverse all-to-all over the inner group. Uneven shards / key mask (a
+:class:`cp_ops.mesh.MeshShards`): each step pads and selects as its 1-D body does; the mask is gathered over the
+inner group beside the Ulysses launch and travels with the K/V over the outer group.
 
-Uneven shards / key mask (``shards``: a :class:`cp_ops.mesh.MeshShards`): the inner step pads to the row's largest
-block and selects the row's real tokens (as 1-D Ulysses does), the outer step pads rows to the largest row and selects
-the real tokens of all rows (as 1-D AGKV does; with a key mask it attends the padded rows, the padding masked); the
-mask is gathered over the inner group beside the Ulysses launch and travels with the K/V over the outer group.
-
-Method: the 2-D Ulysses × all-gather-K/V layout (as TensorRT-LLM's Attention2D and USP's Ulysses × ring, Fang & Zhao,
-2024, arXiv:2405.07719, with AGKV in place of the ring); DeepSpeed-Ulysses (arXiv:2309.14509).
+Method: the 2-D Ulysses × all-gather-K/V layout (TensorRT-LLM's Attention2D; USP, arXiv:2405.07719, with AGKV in
+place of the ring).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Ulysses: all-to-all sequence → heads, attend on H/W heads of the full sequence, all-to-all back
-(DeepSpeed-Ulysses, Jacobs et al., 2023, arXiv:2309.14509). W must divide H. Exact at every ``chunks``.
+(DeepSpeed-Ulysses, arXiv:2309.14509). W must divide H. Exact at every ``chunks``.
 
-``chunks = g ≥ 2`` pipelines it: the heads of each rank's head group are split into ``min(g, H/W)`` sub-groups that
-travel and are attended one after another, so the all-to-all of sub-group i+1 runs while sub-group i is attended,
-and the inverse all-to-all of sub-group i runs under sub-group i+1's attention (each head's attention is computed
-whole; no merge). Sub-group i takes heads ``[lo_i, hi_i)`` (``lo_i = i*Hl//g``) of every destination rank's head
-block. At most two launches of one kind are in flight (the fast transport's pooled buffers: ``slots_per_key`` = 2):
-sub-group i+2 is launched after sub-group i's buffer has been read, and the inverse of sub-group i is copied out
-before sub-group i+2's inverse starts. Where one sub-group already makes two launches of one kind (``comm_dtype`` with
-two FP8 formats of one tensor each, e.g. q e4m3 and v e5m2), sub-group i+1 is launched once sub-group i's buffers
-were waited (decoded): one sub-group in flight.
-
-Uneven shards / key mask (``shards``): q, k, v are padded to ``smax`` rows and this rank keeps the first ``S_local``
-rows of what comes back; :class:`cp_ops.layout.Shards` takes the real rows (or, with a key mask, masks the padding).
-The mask is gathered beside the first sub-group and applied to every one.
-``chunks = 1`` takes the same steps with one group of all heads, unpacking the way back in one copy.
+``chunks = g ≥ 2``: each rank's heads split into ``min(g, H/W)`` sub-groups that travel and are attended one after
+another (sub-group i takes heads ``[i*Hl//g, (i+1)*Hl//g)`` of every destination's block), so the all-to-all of i+1
+and the inverse of i run under i's and i+1's attention; no merge. At most two launches of one kind are in flight
+(the fast transport's ``slots_per_key`` = 2); where one sub-group already makes two launches of one kind (two FP8
+formats of one tensor each), one sub-group is in flight. Uneven shards / key mask: q, k, v padded to ``smax`` rows,
+:class:`cp_ops.layout.Shards` takes the real rows (or masks the padding; the mask gathered beside the first
+sub-group). ``chunks = 1``: one group of all heads, the way back unpacked in one copy.
 """
 
 from __future__ import annotations
@@ -31,9 +24,8 @@ def ulysses(q, k, v, comm, *, scale=None, chunks: int = 1, shards=None, key_mask
     """The Ulysses body (:mod:`cp_ops.modes`): ``[B, S_local, H, D]`` → ``[B, S_local, H, D]`` (contiguous, q's dtype)."""
     w = comm.world
     b, s, h, d = q.shape
-    # heads per rank as an int: under dynamic=True a symbolic head count made the sub-groups' cuts ``i*hl//min(g, hl)``
-    # expressions Inductor could not lower (chunks 4 of 4 heads: "Exponent must be non-negative"); a
-    # model's head count is a constant, so specializing it (a guard) recompiles nothing in practice
+    # heads per rank as an int: a symbolic count (dynamic=True) made cuts Inductor could not lower; a model's head
+    # count is a constant, so the guard recompiles nothing
     hl = operator.index(h // w)
     g = max(1, min(chunks, hl))
     select = shards is not None and key_mask is None  # uneven without a mask: the real rows are selected

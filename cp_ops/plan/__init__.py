@@ -1,9 +1,6 @@
-"""The one home of a call's decision: :func:`run` takes a :class:`~cp_ops.plan.call.Call` (the arguments normalized
-once at the API) to the body that runs it; :func:`describe` says what it runs and why. Its modules and the data path:
-``docs/architecture.md``.
-
-**One cache.** Eager calls look their plan up by :meth:`Call.key` in one dict, 1-D and 2-D alike; a repeat call is
-the dict lookup and the body. Traced calls (``torch.compile``, dispatch modes, empty tensors) decide per call.
+"""The one home of a call's decision: :func:`run` takes a :class:`~cp_ops.plan.call.Call` to the body that runs it;
+:func:`describe` says what it runs and why (``docs/architecture.md``). Eager calls look their plan up by
+:meth:`Call.key` in one dict, 1-D and 2-D alike; traced calls (``torch.compile``, dispatch modes) decide per call.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ def _on_mesh(call: Call, pg, s: split.Split) -> Call:
 
 def _build(call: Call):
     """``(plan, keep)``: the plan of the call's first use (None: nothing to move) and whether to cache it (not where
-    the ranks' calls differed at the split's agreement: the next call agrees again on every rank)."""
+    the ranks' calls differed at the split's agreement)."""
     if is_mesh(call.group):
         return mesh2d.build(call), True
     pg = resolve_group(call.group)
@@ -69,8 +66,7 @@ def _build(call: Call):
 
 
 def _lookup(call: Call):
-    """The plan for this call (built and cached on the first call with its key), or None: take the traced path (as
-    :meth:`Call.key` says, nothing to move, an unhashable key)."""
+    """The plan for this call (built and cached at its key's first call), or None: take the traced path."""
     group = call.group
     try:
         key = call.key()
@@ -117,7 +113,7 @@ def describe(call: Call) -> measured.Choice:
     if s.source != "cost":
         return c._replace(why=s.why + "; " + c.why)
     if s.mode == "agkv_ulysses":
-        mesh = split.mesh_if_built(pg.group_name, s.outer, s.inner, call.q.device.type)
+        mesh = split.mesh_of(pg.group_name, s.outer, s.inner, call.q.device.type)
         if mesh is None:
             return measured.Choice(s.mode, 1 if call.chunks is None else call.chunks, "cost", {}, "auto",
                                    s.why + "; the mesh is built by the first call")
@@ -128,15 +124,13 @@ def describe(call: Call) -> measured.Choice:
 
 
 def forget() -> None:
-    """Drop every cached plan and every stored choice (the next call of each key decides again, as its first; the
-    cache file is left as it is)."""
+    """Drop every cached plan and stored choice (the next call of each key decides again; the cache file stays)."""
     _plans.clear()
     measured._memo.clear()
 
 
 def _destroyed(pg) -> None:
-    """What cp_ops made for a group it notices destroyed: the plans (they hold their group), its stored choices, the
-    split's meshes built from it (their groups destroyed too)."""
+    """Drop what cp_ops made for a group it notices destroyed: plans, stored choices, the split's meshes."""
     _plans.clear()
     measured.drop_destroyed()
     split.release(pg)

@@ -1,8 +1,6 @@
-"""A call of :func:`cp_ops.attention`: its arguments normalized once, at the API, into one value that flows down.
-
-Normalized: the layout (BSHD: a BHSD call's tensors are transposed views before the :class:`Call` is made),
-``comm_dtype`` (its normal form, :func:`cp_ops.comm_dtype.normalize`: ``None`` and ``q.dtype`` are one value; an
-invalid one is kept as given, so the plan's checks raise it on every rank). :meth:`Call.key` is the plan cache's key.
+"""A call of :func:`cp_ops.attention`: its arguments normalized once, at the API, into one value that flows down:
+BSHD tensors (a BHSD call's are transposed views), ``comm_dtype`` in its normal form (an invalid one kept as given,
+so the plan's checks raise it on every rank). :meth:`Call.key`: the plan cache's key.
 """
 
 from __future__ import annotations
@@ -34,11 +32,10 @@ class Call(NamedTuple):
     comm_dtype: Any = cd.NONE  # the normal form, or the caller's value when it is not valid
 
     def key(self):
-        """The plan cache's key of this call, or None: take the traced path (not plain tensors, a torch dispatch mode
-        active, ``seq_lens`` not ints, a key mask not a tensor). Every argument of :func:`cp_ops.attention` is in it
-        (tensors by shape, dtype and device; ``chunks``, ``scale`` and a ``tag`` that is not a str or int by type
-        too: ``True``, ``1`` and ``1.0`` hash alike), and the measuring setting. May raise TypeError/AttributeError:
-        the caller takes the traced path, which raises the error."""
+        """The plan cache's key of this call, or None: take the traced path (not plain tensors, a dispatch mode
+        active, ``seq_lens`` not ints, a key mask not a tensor). Every argument is in it (tensors by shape, dtype and
+        device; ``chunks``, ``scale`` and a non-str/int ``tag`` by type too: ``True``, ``1`` and ``1.0`` hash alike),
+        and the measuring setting. May raise TypeError/AttributeError: the traced path then raises the error."""
         q, k, v = self.q, self.k, self.v
         if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor \
                 or _dispatch_modes():
@@ -59,18 +56,14 @@ class Call(NamedTuple):
 def make(q, k, v, *, group=None, mode="auto", transport="auto", scale=None, chunks=None, seq_lens=None, key_mask=None,
          tag=None, comm_dtype=None) -> Call:
     """The :class:`Call` of :func:`cp_ops.attention`'s keywords (BSHD tensors): ``comm_dtype`` normalized."""
-    fmts = cd.NONE if comm_dtype is None else normal_comm_dtype(comm_dtype, q)
+    fmts = cd.NONE
+    if comm_dtype is not None:
+        try:
+            fmts = cd.normalize(comm_dtype, getattr(q, "dtype", None))
+        except ValueError:  # kept as given: the plan's checks raise it on every rank
+            fmts = comm_dtype
     return Call(q, k, v, group=group, mode=mode, transport=transport, scale=scale, chunks=chunks, seq_lens=seq_lens,
                 key_mask=key_mask, tag=tag, comm_dtype=fmts)
-
-
-def normal_comm_dtype(comm_dtype, q):
-    """``comm_dtype`` in its normal form (hashable, a constant under compile), or as given when it is not valid (the
-    plan's checks raise it on every rank)."""
-    try:
-        return cd.normalize(comm_dtype, getattr(q, "dtype", None))
-    except ValueError:
-        return comm_dtype
 
 
 def _layout_key(seq_lens, key_mask):

@@ -1,7 +1,6 @@
-"""The plan of a call on a flat CP group (a ``ProcessGroup`` or a 1-D mesh): its checks and decisions
-(:func:`decide`: the input rules on every rank, the mode, transport, stages, body, layout and variant tag, each
-rule's reason recorded in :attr:`Decision.why`), and the body run with one comm: *traced* (:func:`traced`, an
-:class:`~cp_ops.comm.OpComm`, decided per call) or *eager* (a :class:`Plan` cached by :mod:`cp_ops.plan`, a
+"""The plan of a call on a flat CP group (a ``ProcessGroup`` or a 1-D mesh): :func:`decide` (the input rules on
+every rank, the mode, transport, stages, body, layout and variant tag, each rule's reason in :attr:`Decision.why`),
+then the body run *traced* (:func:`traced`, an :class:`~cp_ops.comm.OpComm`) or *eager* (a cached :class:`Plan`, a
 :class:`~cp_ops.comm.DirectComm`); the data path: ``docs/architecture.md``.
 """
 
@@ -44,13 +43,8 @@ class Decision(NamedTuple):
 
 
 def decide(call: Call, pg: dist.ProcessGroup, given_why: str = "") -> Decision:
-    """Check a call's inputs (every rank raises if one rank's fail) and make its decisions (module docstring).
-    ``given_why``: for a ``mode`` a rule chose, not the caller (a degenerate mesh), that rule in words (recorded as the
-    mode's reason).
-
-    Raises:
-        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`.
-    """
+    """Check a call's inputs (every rank raises if one rank's fail; errors as :func:`cp_ops.attention`) and make its
+    decisions. ``given_why``: the rule that chose ``mode`` where the caller did not (a degenerate mesh)."""
     q, k, v, mode, transport, scale, chunks = call.q, call.k, call.v, call.mode, call.transport, call.scale, call.chunks
     seq_lens, key_mask, tag, comm_dtype = call.seq_lens, call.key_mask, call.tag, call.comm_dtype
     world = pg.size()
@@ -133,9 +127,8 @@ def _total(q, world: int, seq_lens):
 
 
 def _constant(n):
-    """``n`` as a Python int while Dynamo traces, where an int argument that changed between compiles of the same code
-    can stay symbolic (automatic dynamic; torch 2.11): comparing it with each candidate guards on its value and yields
-    the constant. Raises ValueError past 4096 (no stage count is that large)."""
+    """``n`` as a Python int while Dynamo traces (a symbolic int, automatic dynamic: comparing it with each candidate
+    guards on its value). Raises ValueError past 4096."""
     if type(n) is int:
         return n
     for i in range(1, 4097):
@@ -145,10 +138,8 @@ def _constant(n):
 
 
 def constant(value):
-    """``value`` (an int, or a tuple/list of them, str, ...) with every int made a constant of the trace: Dynamo
-    holds an int that changed between compiles of the same code (``chunks``, ``tag``) as a lazy constant (torch
-    2.13), which ``operator.index`` makes a constant guarded by value, or a symbolic int (automatic dynamic), which
-    stays symbolic (the callers raise): :func:`cp_ops.contract.variant_tag` takes constants only."""
+    """``value`` (an int, a tuple/list of them, str, ...) with every int made a constant of the trace: a lazy constant
+    (torch 2.13) becomes one guarded by value; a symbolic int stays symbolic (the callers raise)."""
     t = type(value)
     if t is tuple or t is list:
         return t(constant(x) for x in value)
@@ -164,9 +155,8 @@ def _symbolic(value) -> bool:
 
 
 def runner(q, pg, transport: str, fmts=cd.NONE):
-    """What the opt-in measured choice times (:func:`cp_ops.plan.measured.measure`): ``runner(mode, chunks)`` → a call
-    with that explicit mode and chunks on random ``q, k, v`` of ``q``'s shape, dtype and device (seeded alike on every
-    rank), moving them in the call's formats ``fmts``."""
+    """What :func:`cp_ops.plan.measured.measure` times: ``runner(mode, chunks)`` → a call with that explicit mode and
+    chunks on random ``q, k, v`` like ``q`` (seeded alike on every rank), in the formats ``fmts``."""
     made: list = []
 
     def make(mode: str, chunks: int):
@@ -181,9 +171,8 @@ def runner(q, pg, transport: str, fmts=cd.NONE):
 
 
 def describe(call: Call, pg, mode_why: str = ""):
-    """What a call with these arguments runs, without a collective (:func:`cp_ops.describe`; ``q`` in BSHD): the
-    rules' reasons, or once the call ran its recorded decision. ``mode_why``: for a ``mode`` a rule chose, not the
-    caller (a degenerate mesh, the cross-node split), that rule in words."""
+    """What a call runs, without a collective (:func:`cp_ops.describe`): the rules' reasons, or once the call ran
+    its recorded decision. ``mode_why``: the rule that chose ``mode`` where the caller did not."""
     q, mode, transport, chunks = call.q, call.mode, call.transport, call.chunks
     world = pg.size()
     rules.check_chunks(chunks)
@@ -244,8 +233,7 @@ def traced(call: Call, pg) -> torch.Tensor:
 
 
 def one_rank(call: Call, fmts, kv_trips: int = 1):
-    """A group (or mesh) of one rank: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, the attention
-    more ranks compute at chunks = 1, every tensor that would cross a link round-tripped through the codec
+    """A group (or mesh) of one rank: local attention; with ``CP_OPS_EMULATE_COMM=1`` and FP8 formats, emulated
     (:mod:`cp_ops.emulate`; ``kv_trips``: the links K and V cross, 2 on a mesh)."""
     if fmts != cd.NONE and config.settings.emulate_comm:
         return emulate.attention(call.q, call.k, call.v, call.scale, call.key_mask, fmts, kv_trips)
@@ -260,7 +248,7 @@ def _shards(d: Decision, pg, q) -> layout.Shards | None:
 
 def direct_comm(pg, transport: str, tag: int, seq_lens, fmts, device) -> DirectComm:
     """The eager plan's comm on ``pg``: its first launch of each call makes the rank contract's exchange with the
-    signature the op would exchange (``tag`` with ``seq_lens`` folded in); the transport chosen at the first call."""
+    op's signature (``seq_lens`` folded into ``tag``)."""
     tag = contract.with_seq_lens(tag, seq_lens)
     check = (lambda shape, dtype, extra: contract.CallCheck(pg, CALL, transport, shape, dtype, extra, 0, tag,
                                                             contract.tag_note(tag)))
@@ -268,9 +256,9 @@ def direct_comm(pg, transport: str, tag: int, seq_lens, fmts, device) -> DirectC
 
 
 class Rerouted:
-    """The eager plan of a call that runs as another call: ``reroute(call)`` (a 1-D mode of the cross-node split, the
-    mesh it built, a degenerate mesh's one dim) run by ``plan``, or by ``traced`` where ``plan`` is None (nothing to
-    move: the traced path's empty case). ``pg``: the group it runs on, ``info``: what chose it (e.g. the split)."""
+    """The eager plan of a call that runs as another: ``reroute(call)`` (the cross-node split's mode or mesh, a
+    degenerate mesh's dim) run by ``plan``, or ``traced`` where ``plan`` is None (nothing to move). ``pg``: its
+    group, ``info``: what chose it."""
 
     __slots__ = ("pg", "info", "reroute", "plan", "traced")
 

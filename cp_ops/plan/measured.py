@@ -1,18 +1,15 @@
 """The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`):
 the candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the
-ranks' agreement on what the file holds). For users: ``docs/measuring.md`` ("Choosing the variant"),
-``docs/settings.md`` (``CP_OPS_TUNE_MODES``, ``CP_OPS_TUNE_CACHE``).
+ranks' agreement on it). For users: ``docs/measuring.md``, ``docs/settings.md`` (``CP_OPS_TUNE_MODES``,
+``CP_OPS_TUNE_CACHE``).
 
-:func:`choose` decides short of timing (explicit, the heuristic, a single candidate) or returns an :class:`Open`
-request, which :func:`decide` takes from memory, from the file every rank holds alike, or times (:func:`measure`:
-warm-up, then interleaved rounds, so drift hits every candidate alike; the median per candidate, max over ranks) and
-:func:`pick`s. Why a margin and the heuristic first: a pick by the bare minimum chose AGKV chunks=2 at 0.615 ms over
-chunks=1 at 0.469 ms in the bench, and at 32K fast AGKV the tuner saw chunks 1 and 2 within 0.2 %
-(``benchmarks/results/cp2_attention/``). The ranks use a cached candidate only when every rank holds the same one.
+Why a margin and the heuristic first: a pick by the bare minimum chose AGKV chunks=2 at 0.615 ms over chunks=1 at
+0.469 ms in the bench (``benchmarks/results/cp2_attention/``). A cached candidate is used only when every rank holds it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import math
@@ -26,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .. import config, contract
+from .._file_lock import file_lock
+from .._version import __version__
+from ..group import backend_name
 from ..modes import names as mode_names
 from ..modes import spec as mode_spec
 from ..modes.agkv_pipelined import stage_plan
@@ -50,13 +50,9 @@ BUDGET_MS = 500.0
 #: A more complex candidate must be faster than a simpler one by more than this fraction to be chosen over it.
 MARGIN = 0.03
 
-#: Where a choice came from (:attr:`Choice.source`).
-SOURCES = ("explicit", "heuristic", "single", "measured", "cached", "pending")
-
-
 class Choice(NamedTuple):
-    """A decision for one request (``source``: one of :data:`SOURCES`, or 'cost'); what each field holds:
-    :func:`cp_ops.describe`. ``transport`` is filled by :func:`cp_ops.describe` ('' elsewhere)."""
+    """A decision for one request (``source``: 'explicit', 'heuristic', 'single', 'measured', 'cached', 'pending' or
+    'cost'); the fields: :func:`cp_ops.describe`, which alone fills ``transport``."""
 
     mode: str
     chunks: int
@@ -80,23 +76,12 @@ Runner = Callable[[str, int], Callable[[], object]]
 
 def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGroup, device, transport: str,
            measuring: bool, mode_why: str = "") -> Choice | Open:
-    """The decision for a request on W ranks, short of timing: explicit, the heuristic (measuring off or
-    unable to run: each reason below), or the only candidate left.
-
-    Args:
-        mode, chunks: as the caller passed them (``'auto'`` / ``None`` = open). chosen, mode_why:
-            :func:`cp_ops.plan.rules.mode_rule`'s mode and reason. shape: this rank's q's. transport: resolved, or
-            'auto' (resolved for the group: collective the first time). measuring: ``settings.tune_modes``.
-    Returns:
-        a :class:`Choice` (source 'explicit', 'heuristic' or 'single'), or an :class:`Open` request: measuring is on
-        and several candidates are left (the caller measures with :func:`measured`, or takes a choice it stored).
-    Raises:
-        RuntimeError: ``transport`` 'auto' and the group did not agree on one within ``CP_OPS_TIMEOUT_S``.
-    """
+    """The decision for a request on W ranks short of timing: a :class:`Choice` (explicit, the heuristic where
+    measuring is off or cannot run, or the only candidate left), else an :class:`Open` request. ``chosen``,
+    ``mode_why``: :func:`cp_ops.plan.rules.mode_rule`'s; ``transport`` 'auto' is resolved for the group (collective
+    the first time: RuntimeError past ``CP_OPS_TIMEOUT_S``); ``measuring``: ``settings.tune_modes``."""
     if mode != "auto" and chunks is not None:
         return Choice(chosen, chunks, "explicit", {}, why="mode and chunks given by the caller")
-    from ..group import backend_name
-
     w = pg.size()
     why = ("traced by torch.compile: measuring is eager only" if torch.compiler.is_compiling()
            else "a group of one rank" if w == 1
@@ -114,11 +99,8 @@ def choose(mode: str, chunks: int | None, chosen: str, shape, pg: dist.ProcessGr
 
 def measured(request: Open, chosen: str, shape, dtype, device, pg: dist.ProcessGroup, transport: str,
              runner: Runner | None) -> Choice:
-    """Time ``request``'s candidates with the caller's ``runner`` (:func:`measure`) and :func:`pick` one: a Choice
-    with source 'measured' and every candidate's time. Collective: every rank of ``pg`` calls it alike.
-
-    Raises:
-        ValueError: no runner. RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S``."""
+    """Time ``request``'s candidates with ``runner`` (:func:`measure`) and :func:`pick` one (source 'measured').
+    Collective. Raises ValueError without a runner, RuntimeError where a rank did not take part in time."""
     cands = request.candidates
     times = measure(cands, shape, dtype, device, pg, transport, runner)
     best = pick(cands, times, chosen, preferred=request.preferred)
@@ -163,8 +145,8 @@ def _chunks(chunks, chosen, pg, device, transport) -> tuple[int, str]:
 
 
 def heuristic(chunks, chosen, pg, device, transport, reason: str, mode_why: str = "") -> Choice:
-    """The heuristic's candidate (``chosen`` and :func:`_chunks`) as a :class:`Choice` (source 'heuristic'), ``why``
-    naming ``reason`` (why nothing is measured) and the reasons the rules gave (``mode_why``: the mode rule's)."""
+    """The heuristic's candidate as a :class:`Choice`, ``why`` naming ``reason`` (why nothing is measured) and the
+    rules' reasons."""
     c, chunks_why = _chunks(chunks, chosen, pg, device, transport)
     return Choice(chosen, c, "heuristic", {},
                   why=f"the heuristic: {reason}" + (f"; {mode_why}" if mode_why else "") + f"; {chunks_why}")
@@ -172,14 +154,9 @@ def heuristic(chunks, chosen, pg, device, transport, reason: str, mode_why: str 
 
 def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, margin: float | None = None,
          preferred: tuple[str, int] | None = None) -> int:
-    """The index of the chosen candidate among those within ``margin`` (default :data:`MARGIN`) of the fastest,
-    i.e. no candidate is faster than it by more than ``margin`` of its time (``min(times) >= times[i] * (1 -
-    margin)``): ``preferred`` (the heuristic's candidate for the call) when it is
-    among them; else the simplest of them.
-
-    Simpler: fewer chunks; at equal chunks, ``default_mode`` (the heuristic's) before another; then the earlier in
-    ``cands``. A pure function of its arguments, so ranks holding the same ``times`` pick the same index.
-    """
+    """The index of the chosen candidate among those within ``margin`` (default :data:`MARGIN`) of the fastest
+    (``min(times) >= times[i] * (1 - margin)``): ``preferred`` (the heuristic's) where it is one, else the simplest:
+    fewer chunks, then ``default_mode`` first, then the earlier in ``cands``. Pure: equal ``times``, equal pick."""
     m = MARGIN if margin is None else margin
     fastest = min(times)
     ok = [i for i, t in enumerate(times) if fastest >= t * (1.0 - m)]
@@ -191,10 +168,8 @@ def pick(cands: list[tuple[str, int]], times: list[float], default_mode: str, ma
 
 
 def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = None) -> list[float]:
-    """Each candidate's time per call in ms: the median of its interleaved samples on this rank, max over the
-    ranks of ``pg`` (the same list on every rank; the rounds: :func:`schedule`). Collective: every rank makes
-    the same calls, ``runner(mode, chunks)()`` (:data:`Runner`: :func:`cp_ops.plan.flat.runner`; ValueError
-    without one)."""
+    """Each candidate's ms per call: the median of its interleaved samples (:func:`schedule`), max over the ranks
+    of ``pg``. Collective: every rank makes the same ``runner(mode, chunks)()`` calls (ValueError without one)."""
     if runner is None:
         raise ValueError("tune.measure needs a runner(mode, chunks) from its caller (cp_ops.plan.flat.runner)")
     runs = [runner(m, c) for m, c in cands]
@@ -211,9 +186,8 @@ def measure(cands, shape, dtype, device, pg, transport, runner: Runner | None = 
 
 
 def schedule(est_ms: list[float]) -> tuple[list[int], int]:
-    """``(calls per sample for each candidate, rounds)`` from the candidates' estimated ms per call (max over
-    ranks, so every rank gets the same): calls = ceil(:data:`SAMPLE_MS` / est) within [1, :data:`MAX_CALLS`];
-    rounds = the number of rounds that fit in :data:`BUDGET_MS`, within [:data:`MIN_ROUNDS`, :data:`ROUNDS`]."""
+    """``(calls per sample of each candidate, rounds)`` from the estimated ms per call (max over ranks): calls =
+    ceil(:data:`SAMPLE_MS` / est), rounds = what fits in :data:`BUDGET_MS`, each clamped to its bounds."""
     calls = [max(1, min(MAX_CALLS, math.ceil(SAMPLE_MS / max(e, 1e-3)))) for e in est_ms]
     per_round = sum(n * max(e, 1e-3) for n, e in zip(calls, est_ms))
     rounds = max(MIN_ROUNDS, min(ROUNDS, int(BUDGET_MS // per_round)))
@@ -242,18 +216,11 @@ _warned: set[tuple[str, str]] = set()
 
 def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
            runner: Runner | None = None, comm: str = "", mode_why: str = "") -> Choice:
-    """``(mode, chunks)`` for a call of :func:`cp_ops.attention` on W > 1 ranks, the same on every rank: the choice
-    stored for the request, else :func:`choose`'s, measured where it leaves the request open.
-
-    Args: as :func:`choose`'s (``q``: this rank's q, only its shape, dtype and device are read; ``group``: the CP
-        group), and ``runner``: what :func:`measure` times (:func:`cp_ops.plan.flat.runner`; required where measuring
-        runs); ``comm``: what crosses the link in another format than q's (:func:`cp_ops.comm_dtype.tag`), part of
-        the request, in memory and in the file.
-    Raises:
-        ValueError: the ranks' collective settings differ (first use only; raised on every rank); measuring runs and
-            no runner was given.
-        RuntimeError: a rank did not take part within ``CP_OPS_TIMEOUT_S`` (first use only).
-    """
+    """``(mode, chunks)`` for a call on W > 1 ranks, the same on every rank: the choice stored for the request, else
+    :func:`choose`'s, measured where it leaves the request open. Arguments as :func:`choose`'s (``q``: only its
+    shape, dtype and device are read), ``runner``: what :func:`measure` times, ``comm``: the FP8 formats' tag
+    (:func:`cp_ops.comm_dtype.tag`), part of the request. First use only: ValueError on every rank where the ranks'
+    collective settings differ, or measuring runs without a runner; RuntimeError where a rank did not take part."""
     shape = tuple(q.shape)
     if mode != "auto" and chunks is not None or torch.compiler.is_compiling():  # explicit, or the heuristic: not stored
         return choose(mode, chunks, chosen, shape, group, q.device, transport, False, mode_why)
@@ -276,9 +243,8 @@ def decide(mode: str, chunks: int | None, chosen: str, q: torch.Tensor, group: d
 
 def lookup(mode: str, chunks: int | None, q: torch.Tensor, group: dist.ProcessGroup, transport: str,
            comm: str = "") -> Choice | None:
-    """The :class:`~cp_ops.modes.Choice` :func:`decide` stored for this request on ``group`` (None before it
-    made one, or for a request it does not store: explicit mode and chunks, traced, captured). ``transport``,
-    ``comm``: as :func:`decide` got them. Local: no collective."""
+    """The :class:`Choice` :func:`decide` stored for this request on ``group``, or None (not yet, or not stored:
+    explicit, traced, captured). Local: no collective."""
     return _memo.get((group, mode, chunks, q.shape, q.dtype, q.device, transport, config.settings.tune_modes, comm))
 
 
@@ -299,8 +265,7 @@ def _agreed_or_measured(request: Open, chosen, shape, dtype, device, pg, transpo
     if entry is not None and [entry.get("mode"), entry.get("chunks")] in cands:
         code = cands.index([entry["mode"], entry["chunks"]]) + 1
     hi, neg_lo = max_over_ranks_each([code, -code], device, pg)  # the highest and the lowest code over the ranks
-    lo = -neg_lo
-    if hi == lo and hi > 0:  # every rank holds the same cached candidate
+    if hi == -neg_lo and hi > 0:  # every rank holds the same cached candidate
         stats["cached"] += 1
         m, c = request.candidates[int(hi) - 1]
         return Choice(m, c, "cached", dict(entry.get("times_ms", {})),
@@ -328,8 +293,6 @@ def cache_path() -> str | None:
 
 def machine(device: torch.device) -> dict:
     """What a measured time depends on besides the call: device model, driver, torch and cp_ops versions."""
-    from .._version import __version__
-
     if device.type == "cuda":
         dev, driver = torch.cuda.get_device_name(device), _driver_version()
     else:
@@ -346,8 +309,6 @@ def _driver_version() -> str:
     except OSError:
         pass
     try:
-        import ctypes
-
         v = ctypes.c_int()
         ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v))
         return f"cuda-driver-api-{v.value}"
@@ -356,10 +317,8 @@ def _driver_version() -> str:
 
 
 def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None, comm: str = "") -> str:
-    """The file's key of a decision (one line of JSON: machine, versions, call, candidates, the margin, the
-    heuristic's candidate :func:`cp_ops.modes.pick` prefers within the margin, so a change of the heuristic's
-    table measures again; ``comm``, the FP8 formats on the link (:func:`decide`), only where there are some: the keys of
-    calls without them are unchanged)."""
+    """The file's key of a decision (one line of JSON: machine, versions, call, candidates, margin, the heuristic's
+    candidate, so a change of the heuristic measures again; ``comm`` only where given: other keys are unchanged)."""
     b, s, h, d = shape
     extra = {"comm": comm} if comm else {}
     return json.dumps(dict(machine(device), W=world_size, B=b, S_local=s, H=h, D=d,
@@ -371,7 +330,7 @@ def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None,
 
 def _valid_entry(e) -> bool:
     """A cache entry as :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, ``times_ms`` (if
-    present) a dict of str -> finite number. Anything else (hand-edited, another tool's, mangled) is ignored."""
+    present) a dict of str -> finite number."""
     if not isinstance(e, dict) or not isinstance(e.get("mode"), str):
         return False
     c = e.get("chunks")
@@ -380,14 +339,12 @@ def _valid_entry(e) -> bool:
     times = e.get("times_ms", {})
     return isinstance(times, dict) and all(
         isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
-        for k, t in times.items()
-    )
+        for k, t in times.items())
 
 
 def _read_cache() -> dict:
-    """The cache file's well-formed entries ({} when off, missing or unreadable; a warning names a file that does
-    not parse or holds malformed entries). Never raises on the file's content: a rank holding a mangled file
-    alone must not fail while its peers wait for it in the agreement's all-reduce."""
+    """The cache file's well-formed entries ({} when off, missing or unreadable; a warning names a bad file). Never
+    raises on the content: a rank with a mangled file must not fail while its peers wait in the agreement."""
     path = cache_path()
     if path is None or not os.path.exists(path):
         return {}
@@ -415,8 +372,6 @@ def _read_cache() -> dict:
 def _write_cache(key: str, entry: dict) -> None:
     """Add ``entry`` under ``key`` (read-modify-write under an exclusive lock, :func:`cp_ops._file_lock.file_lock`: a
     wait bounded by ``settings.timeout_s``; atomic replace)."""
-    from .._file_lock import file_lock
-
     path = cache_path()
     if path is None:
         return

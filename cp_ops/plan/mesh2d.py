@@ -1,17 +1,12 @@
 """The plan of a :func:`cp_ops.attention` call on a 2-D CP mesh (:mod:`cp_ops.mesh`): checks, decisions, one 2-D
-mode body run with a :class:`~cp_ops.comm.MeshComm`. The flat plan (:mod:`cp_ops.plan.flat`) is its model; this
-module adds what a second group changes and reuses the rest. What a mesh call means for users (modes, degenerate
-meshes, transports per dim, chunks, key masks): ``docs/2d.md``; FP8 on a mesh (K and V through the codec on both
-links, one format for both): ``docs/fp8.md``.
+mode body run with a :class:`~cp_ops.comm.MeshComm`; what a second group adds to the flat plan
+(:mod:`cp_ops.plan.flat`). For users: ``docs/2d.md``; FP8 on a mesh: ``docs/fp8.md``.
 
-**Rank contract.** Each dim's comm exchanges at its first launch of the call over its own group (inner, then outer),
-with the call's variant tag (the inner dim's tag carries the W ``seq_lens``, the outer's the O row totals). A rank
-whose inputs fail tells both its groups; a rank whose inner exchange raises (a row peer failed) tells its outer group
-before raising (eager; compiled: :func:`cp_ops.contract.set_partner`), so every rank of the mesh raises instead of
-waiting.
-
-**Paths.** Eager calls take a :class:`MeshPlan` from :mod:`cp_ops.plan`'s cache (the mesh in the group's place);
-traced calls (``torch.compile``, dispatch modes) run the body with two :class:`~cp_ops.comm.OpComm`.
+**Rank contract.** Each dim's comm exchanges at its first launch over its own group (inner, then outer; the inner
+tag carries the W ``seq_lens``, the outer the O row totals). A rank whose inputs fail tells both groups; one whose
+inner exchange raises tells its outer group (eager; compiled: :func:`cp_ops.contract.set_partner`), so every rank
+of the mesh raises instead of waiting. Eager calls take a :class:`MeshPlan` from :mod:`cp_ops.plan`'s cache; traced
+calls run the body with two :class:`~cp_ops.comm.OpComm`.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import torch
 
 from .. import comm_dtype as cd, contract, layout, mesh as meshes, modes, validate
 from ..comm import MeshComm, OpCodec, OpComm
+from ..group import resolve_group
 from ..transport import base as transport_base
 from . import flat, rules
 from .call import Call
@@ -50,14 +46,9 @@ class MeshDecision(NamedTuple):
 
 
 def decide(call: Call, info: meshes.MeshInfo, pgs=None) -> MeshDecision:
-    """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups (eager: a rank
-    whose checks fail tells both, or a degenerate mesh's one); None while tracing.
-
-    Raises:
-        ValueError / TypeError / RuntimeError: as :func:`cp_ops.attention`; besides, a mode that is not 2-D, a
-        head count the inner size does not divide (naming both and the mesh shape), and a ``comm_dtype`` whose K and
-        V differ where the outer dim gathers them (:func:`cp_ops.comm_dtype.for_mode`).
-    """
+    """Check a 2-D call's inputs and make its decisions. ``pgs``: the (outer, inner) process groups a rank whose
+    checks fail tells (None while tracing). Raises as :func:`cp_ops.attention`; besides, for a mode that is not 2-D,
+    heads the inner size does not divide, K and V in different formats (the outer dim gathers both)."""
     q, k, v, mode, transport, scale, chunks = call.q, call.k, call.v, call.mode, call.transport, call.scale, call.chunks
     seq_lens, key_mask, tag, comm_dtype = call.seq_lens, call.key_mask, call.tag, call.comm_dtype
     compiling = torch.compiler.is_compiling()
@@ -220,8 +211,6 @@ def same_groups(plan, mesh) -> bool:
 
 def build(call: Call):
     """The eager plan of a call on the 2-D mesh ``call.group`` (None: nothing to move). Raises as :func:`decide`."""
-    from ..group import resolve_group
-
     resolve_group(None)  # RuntimeError when torch.distributed is not initialized
     group, q = call.group, call.q
     info = meshes.MeshInfo(*meshes.describe(group))

@@ -1,23 +1,21 @@
-"""``mode='auto'`` on a flat CP group whose ranks span several nodes: the cost model picks the split
-(docs/2d.md, "``mode="auto"`` on a flat group across nodes": inputs, outcomes, compile, describe).
-
-For each call shape :func:`route` asks :func:`cp_ops.cost.choose` which split of W = nodes × G ranks is fastest:
-``W×1`` pure AGKV, ``1×W`` pure Ulysses (both over the flat group), ``O×I`` 2-D CP (:mod:`cp_ops.plan.mesh2d`) on a
-mesh built from the group (group rank r = mesh rank r), built once per (group, O, I, device type).
+"""``mode='auto'`` on a flat CP group whose ranks span several nodes: the cost model picks the split (docs/2d.md,
+"``mode="auto"`` on a flat group across nodes"): ``W×1`` pure AGKV, ``1×W`` pure Ulysses (both over the flat
+group), or ``O×I`` 2-D CP on a mesh built from the group (group rank r = mesh rank r), once per (group, O, I, device).
 
 **Every rank meets at the same keys.** Every call's plan on a group across nodes meets the split's agreement (one
-store exchange, :func:`decide`), whatever its mode and ``comm_dtype``; ranks whose values differ all take the 1-D
-path, whose rank contract then raises on every rank. A rank whose call differs from one its peers already planned
-(cached) meets no agreement: that mismatch is raised at ``CP_OPS_TIMEOUT_S``, not at once.
+store exchange, :func:`decide`); ranks whose values differ all take the 1-D path, whose rank contract raises on every
+rank. A rank whose call differs from one its peers already cached meets no agreement: raised at ``CP_OPS_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
+import datetime
 import operator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .. import comm_dtype as cd
 from .. import config, contract, cost, node
@@ -57,10 +55,9 @@ def _request(q, seq_lens, chunks):
 
 def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped: bool = False,
            seq_lens=None) -> Split | None:
-    """The split of a call on a flat group whose ranks have the node identities ``ids`` (group-rank order; W =
-    ``len(ids)``), for q of shape ``[b, s, h, d]`` per rank (``seq_lens``: the W counts of uneven shards; tokens =
-    their sum, else ``s·W``), ``dtype`` one of :data:`cp_ops.cost.DTYPE_BYTES`, ``overlapped``: the call pipelines
-    (``chunks ≥ 2``). None: the ranks are on one node (the 1-D heuristic, silently). Pure: no collective."""
+    """The split of a call on a flat group whose ranks have the node identities ``ids`` (group-rank order), for q of
+    shape ``[b, s, h, d]`` per rank (``seq_lens``: uneven shards), ``overlapped``: ``chunks ≥ 2``. None: one node.
+    Pure: no collective."""
     w, seq = len(ids), seq_lens
     n_nodes = len(set(ids))
     if n_nodes == 1:
@@ -99,11 +96,8 @@ def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped:
 
 def decide(group_name: str, shape: tuple | None, dtype: str, chunks_gt1: bool, seq, device_type: str,
            skip: str = "") -> tuple | None:
-    """The split of a call (:class:`Split`'s fields), agreed by the group's ranks (module docstring); None: the 1-D
-    path as on one node (one node; this rank takes no split, ``skip`` says why; or ``shape`` None: invalid inputs).
-    Marked constant for ``torch.compile`` (run while tracing; the graph holds its result)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
+    """The split of a call (:class:`Split`'s fields), agreed by the group's ranks; None: the 1-D path (one node, or
+    this rank takes none: ``skip`` says why, ``shape`` None for invalid inputs). Constant for ``torch.compile``."""
     pg = _resolve_process_group(group_name)
     ids = node.group_nodes(pg)
     if len(set(ids)) == 1:
@@ -132,8 +126,6 @@ decide._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch.comp
 def spans_nodes(group_name: str) -> bool:
     """Whether the group's ranks are on more than one node (collective on the group's first call:
     :func:`cp_ops.node.group_nodes`). Marked constant for ``torch.compile``, as :func:`decide`."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     return len(set(node.group_nodes(_resolve_process_group(group_name)))) > 1
 
 
@@ -147,8 +139,6 @@ def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
     got = _meshes.get(key)
     if got is not None:
         return got[0]
-    import datetime
-
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = dist.get_process_group_ranks(pg)
@@ -163,19 +153,13 @@ def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
 
 
 def mesh_of(group_name: str, outer: int, inner: int, device_type: str):
-    """The mesh :func:`decide` built for a 2-D split (eager and traced code read it here)."""
-    return _meshes[(group_name, outer, inner, device_type)][0]
-
-
-def mesh_if_built(group_name: str, outer: int, inner: int, device_type: str):
-    """:func:`mesh_of`, or None before the first call built it."""
-    got = _meshes.get((group_name, outer, inner, device_type))
-    return None if got is None else got[0]
+    """The mesh :func:`decide` built for a 2-D split, or None before it did."""
+    return _meshes.get((group_name, outer, inner, device_type), (None,))[0]
 
 
 def local_mask(call, pg):
-    """The key mask a call on the split's mesh takes: a ``[B, S_total]`` mask of every key becomes this rank's
-    ``[B, S_local]`` slice (mesh rank r = group rank r); any other as given (the mesh's checks judge it)."""
+    """The key mask a call on the split's mesh takes: a ``[B, S_total]`` mask becomes this rank's ``[B, S_local]``
+    slice; any other as given (the mesh's checks judge it)."""
     m, q = call.key_mask, call.q
     if not isinstance(m, torch.Tensor) or m.dim() != 2 or not isinstance(q, torch.Tensor) or q.dim() != 4:
         return m
@@ -199,9 +183,8 @@ def _skip(call) -> str:
 
 
 def route(call, pg: dist.ProcessGroup) -> Split | None:
-    """The split a call on the flat group ``pg`` runs: source 'cost' (a 1-D mode or the 2-D mesh), 'mismatch' (the
-    ranks' calls differ: the 1-D path, and the plan is not kept), or None (the 1-D path; a 'heuristic' split too).
-    Every call's plan on a group of several ranks asks, whatever its mode and ``comm_dtype`` (:func:`decide`)."""
+    """The split a call on the flat group ``pg`` runs: source 'cost', 'mismatch' (the ranks' calls differ: the 1-D
+    path, the plan not kept), or None (the 1-D path). Every call's plan on a group across nodes asks."""
     if pg.size() == 1:
         return None
     if torch.compiler.is_compiling():
@@ -232,9 +215,8 @@ def _seq(seq_lens, w: int):
 
 
 def known(call, pg: dist.ProcessGroup) -> Split | None:
-    """What :func:`route` gives for this call without a collective: the :class:`Split` (a 'heuristic' one too, for
-    its reason), or None (one node, a call that takes no split, inputs left to the checks, or the group's node layout
-    not known yet: no call on it so far)."""
+    """What :func:`route` gives for this call without a collective (a 'heuristic' split too, for its reason), or None
+    (one node, no split taken, bad inputs, or the node layout not known before the group's first call)."""
     req = None if _skip(call) else _request(call.q, call.seq_lens, call.chunks)
     if req is None or pg.size() == 1:
         return None

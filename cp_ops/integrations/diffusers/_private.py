@@ -1,16 +1,7 @@
-"""Every private diffusers API cp_ops touches, in one place (diffusers 0.42.x).
-
-- ``diffusers.models.attention_dispatch``: ``AttentionBackendName`` (an Enum; cp_ops adds one member, ``cp_ops``)
-  and ``_AttentionBackendRegistry`` (where the ``cp_ops`` backend function is registered, and the active backend
-  a non-CP call falls back to).
-- ``diffusers.models._modeling_parallel``: ``ContextParallelInput`` / ``ContextParallelOutput`` (the classes'
-  ``_cp_plan`` entries) — experimental in diffusers.
-- attention processors' ``_attention_backend`` and ``_parallel_config`` attributes: what every diffusers attention
-  processor passes to ``dispatch_attention_fn(..., backend=..., parallel_config=...)``.
-- ``diffusers.models.attention.AttentionModuleMixin`` and ``diffusers.models.attention_processor.Attention``: the
-  attention module classes the generic installer looks for.
-
-A diffusers upgrade that renames any of these breaks only this file.
+"""Every private diffusers API cp_ops touches, in one place (diffusers 0.42.x), so an upgrade that renames one breaks
+only this file: ``attention_dispatch``'s ``AttentionBackendName`` (cp_ops adds the member ``cp_ops``) and
+``_AttentionBackendRegistry``; ``_modeling_parallel``'s ``ContextParallelInput`` / ``ContextParallelOutput`` (the
+``_cp_plan`` entries); processors' ``_attention_backend`` / ``_parallel_config``; the attention module classes.
 """
 
 from __future__ import annotations
@@ -75,14 +66,11 @@ def route_processor(module: torch.nn.Module, backend_member: Any, parallel_confi
     ``parallel_config`` (processors may be shared between modules; the copy keeps the others untouched)."""
     proc = copy.copy(module.processor)
     if not hasattr(type(proc), "_parallel_config") and not hasattr(proc, "_parallel_config"):
-        raise ValueError(
-            f"{type(module).__name__}'s processor {type(proc).__name__} does not route attention through diffusers' "
-            "dispatch (no _parallel_config); cp_ops cannot plug into it"
-        )
+        raise ValueError(f"{type(module).__name__}'s processor {type(proc).__name__} does not route attention "
+                         "through diffusers' dispatch (no _parallel_config); cp_ops cannot plug into it")
     proc._attention_backend = backend_member
     proc._parallel_config = parallel_config
     module.set_processor(proc)
-
 
 
 def attention_module_classes() -> tuple[type, ...]:

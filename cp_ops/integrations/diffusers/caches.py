@@ -1,10 +1,7 @@
 """diffusers' step caches on a parallelized model: every rank decides the same (docs/diffusers_compile_caches.md,
-"Step caches": each cache and what cp_ops does with it).
-
-``FirstBlockCache`` decides from the first block's residual — under CP from *this rank's* tokens, so ranks could
-decide differently and their collectives pair wrongly or hang (peers hit exactly this: cache-dit #1094, vllm-omni
-#4814, sglang #19955). :func:`agree_step_caches` all-reduces the metric's two sums over every rank holding part of the
-tokens, so all decide on the one-device metric.
+"Step caches"). ``FirstBlockCache`` decides from the first block's residual, under CP *this rank's* tokens, so ranks
+could decide differently and their collectives pair wrongly or hang (cache-dit #1094, vllm-omni #4814, sglang
+#19955): :func:`agree_step_caches` all-reduces the metric's two sums, so all decide on the one-device metric.
 """
 
 from __future__ import annotations
@@ -30,22 +27,11 @@ def _hooks(model: torch.nn.Module):
 
 
 def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> int:
-    """Make the step caches enabled on ``model`` (``model.enable_cache(...)``) decide alike on every rank; returns how
-    many decision points it changed (0: none enabled, or only caches that agree already). Idempotent.
-    :func:`~cp_ops.integrations.diffusers.parallelize` calls it, and again after each ``model.enable_cache``.
-
-    Args:
-        model: a parallelized diffusers transformer.
-        group: the ranks whose tokens make up the model's input (default: the group ``parallelize`` was given — with
-            CFG lanes, both lanes, so the metric covers the whole batch as on one device).
-
-    A model whose whole forward ``parallelize`` captured by default (``cuda_graphs="auto"``) runs eager from then on
-    (one warning): a CUDA graph cannot replay a step cache's decision.
-
-    Raises:
-        ValueError: a cache that decides from this rank's tokens in a way cp_ops does not reduce (SeaCache); the
-            model is not parallelized and no group is given.
-    """
+    """Make the step caches enabled on the parallelized ``model`` decide alike on every rank; returns how many
+    decision points it changed. Idempotent; ``parallelize`` calls it, and again after each ``model.enable_cache``.
+    ``group``: the ranks whose tokens make up the input (default: both CFG lanes' where there are lanes). A forward
+    captured by default (``cuda_graphs="auto"``) runs eager from then on, with one warning. ValueError: SeaCache
+    (not reduced); a model not parallelized and no group."""
     pg = group if group is not None else getattr(model, "_cp_ops_input_group", None)
     if pg is None:
         raise ValueError("agree_step_caches: the model is not parallelized (cp_ops.integrations.diffusers."
@@ -69,9 +55,8 @@ def agree_step_caches(model: torch.nn.Module, group: dist.ProcessGroup | None = 
 
 @contextlib.contextmanager
 def state_apart(model: torch.nn.Module, suffix: str):
-    """Step caches' state kept apart for the forwards run inside: diffusers keeps a cache's state per
-    ``cache_context`` name; inside, the name in force gets ``suffix`` (a forward over other ranks than the CFG lane's,
-    whose tokens are split otherwise, never compares its residual with a lane's)."""
+    """Step caches' state kept apart for the forwards run inside: the ``cache_context`` name in force gets ``suffix``
+    (a forward over other ranks than the CFG lane's never compares its residual with a lane's)."""
     managers = [m for hook in _hooks(model) for m in vars(hook).values()
                 if type(m).__name__ == "StateManager" and getattr(m, "_context", None) is not None]
     saved = [m._context for m in managers]
@@ -89,10 +74,8 @@ _REPLAYABLE = ("LayerwiseCastingHook", "PeftInputAutocastDisableHook")
 
 
 def host_hooks(model: torch.nn.Module) -> str | None:
-    """Why a whole-forward CUDA graph cannot replay ``model``'s forward because of hooks that decide or move things on
-    the host at each call — diffusers' step caches, group offloading, layer skipping (any diffusers hook but
-    layerwise casting), accelerate's offloading (``_hf_hook``), LoRA layers (peft: their scales are Python numbers,
-    set between calls) — or None when it has none."""
+    """Why a whole-forward CUDA graph cannot replay ``model``'s forward: hooks that act on the host at each call
+    (diffusers' hooks but layerwise casting, accelerate's offloading, peft's LoRA layers), or None."""
     for module in model.modules():
         if getattr(module, "_hf_hook", None) is not None:
             return "accelerate moves its weights at each call (CPU offloading), which a CUDA graph cannot replay"
@@ -121,8 +104,7 @@ def refused_cache(model: torch.nn.Module) -> str | None:
 @torch.compiler.disable
 def _fbc_should_compute(self, hidden_states_residual: torch.Tensor) -> bool:
     """``FBCHeadBlockHook._should_compute_remaining_blocks`` over the whole group: ``mean|r - r_prev| / mean|r_prev|``
-    of all ranks' tokens (sums all-reduced; both means count the same elements, so the ratio of sums is the ratio of
-    means) against the threshold. Every rank has a previous residual or none alike (the first step computes)."""
+    of all ranks' tokens (both sums all-reduced: the ratio of sums is the ratio of means) against the threshold."""
     prev = self.state_manager.get_state().head_block_residual
     if prev is None:
         return True
@@ -132,8 +114,8 @@ def _fbc_should_compute(self, hidden_states_residual: torch.Tensor) -> bool:
 
 
 def wrap_enable_cache(model: torch.nn.Module) -> None:
-    """After ``model.enable_cache(config)`` (diffusers' ``CacheMixin``), call :func:`agree_step_caches` (instance
-    attribute: other models of the class are untouched). No-op for a model without ``enable_cache``."""
+    """After ``model.enable_cache(config)``, call :func:`agree_step_caches` (this instance only). No-op without
+    ``enable_cache``."""
     inner = getattr(model, "enable_cache", None)
     if inner is None or getattr(inner, "_cp_ops_wrapped", False):
         return

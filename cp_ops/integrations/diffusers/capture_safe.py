@@ -1,15 +1,11 @@
-"""diffusers code that a CUDA graph capture of the whole forward refuses, replaced by equivalents before a capture.
+"""diffusers code that a CUDA graph capture of the whole forward refuses, replaced by equivalents before a capture
+(``parallelize(..., cuda_graphs="forward")``, ``cp-ops run`` / ``--bound``). One fix per function, applied only where
+diffusers' source still has the construct it replaces, to the function's module global (the replacement returns what
+the original does, bitwise).
 
-One fix per function, each applied only where diffusers' source still has the construct it replaces (a diffusers
-release that changes the function is left alone), and to the function's module global (every model of the class:
-the replacement returns what the original does, bitwise). Applied by ``parallelize(..., cuda_graphs="forward")`` and
-by ``cp-ops run`` / ``--bound`` when they capture a whole forward (the one-GPU baseline included).
-
-* Qwen-Image (``transformer_qwenimage.compute_text_seq_len_from_mask``, diffusers 0.42.1): with a text mask, every
-  forward makes ``torch.as_tensor(text_seq_len, device=cuda)`` — a copy from pageable host memory, which a capture
-  refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned";
-  benchmarks/results/bound/runs/2026-12-02c.md). The replacement gives ``torch.where``
-  the Python int itself (a scalar operand: no copy).
+* Qwen-Image (``compute_text_seq_len_from_mask``, diffusers 0.42.1): with a text mask every forward makes
+  ``torch.as_tensor(text_seq_len, device=cuda)``, a pageable host copy a capture refuses; the replacement gives
+  ``torch.where`` the Python int itself.
 """
 
 from __future__ import annotations
@@ -23,20 +19,15 @@ _APPLIED: dict[str, object] = {}  # "module:function" -> the original
 
 
 def _text_seq_len_from_mask(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
-    """diffusers 0.42.1's ``compute_text_seq_len_from_mask`` (the RoPE text length and the normalized bool mask),
-    without its host-to-device copy: ``(text_seq_len, per_sample_len [B] int64 | None, bool mask | None)``.
-
-    Raises:
-        ValueError: the mask's shape is not ``encoder_hidden_states``' ``(B, S_text)`` (diffusers' rule and words).
+    """diffusers 0.42.1's ``compute_text_seq_len_from_mask`` without its host-to-device copy: ``(text_seq_len,
+    per_sample_len [B] int64 | None, bool mask | None)``; ValueError (diffusers' words): a mask not ``(B, S_text)``.
     """
     batch_size, text_seq_len = encoder_hidden_states.shape[:2]
     if encoder_hidden_states_mask is None:
         return text_seq_len, None, None
     if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
-        raise ValueError(
-            f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
-            f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len})."
-        )
+        raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                         f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
     mask = encoder_hidden_states_mask
     if mask.dtype != torch.bool:
         mask = mask.to(torch.bool)
@@ -60,11 +51,9 @@ def _class_modules(model: torch.nn.Module) -> set[str]:
 
 
 def apply(model: torch.nn.Module | None = None) -> list[str]:
-    """Apply every fix whose module ``model``'s class (or a base class; a ``torch.compile``'d model: its original)
-    comes from (``None``: every fix whose module is imported); a module of ``model``'s class that imported the
-    function by name (xDiT's wrapper of Qwen-Image: ``from ...transformer_qwenimage import
-    compute_text_seq_len_from_mask``) gets the same replacement. Idempotent. Returns the fixes in force for it, as
-    ``"module:function"``."""
+    """Apply every fix whose module ``model``'s class (or a base; a compiled model's original) comes from (``None``:
+    every imported one), also where a module of its class imported the function by name (xDiT's Qwen-Image wrapper).
+    Idempotent. Returns the fixes in force, as ``"module:function"``."""
     done = []
     mods = None if model is None else _class_modules(model)
     for mod_name, fn_name, construct, fix in FIXES:

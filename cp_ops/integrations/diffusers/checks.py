@@ -1,8 +1,6 @@
-"""The same-call contract at the model level (eager only; compiled code keeps the per-op checks).
-
-The full inputs agree across ranks (a checksum; once per input shape — every forward under
-``CP_OPS_CHECK_RANKS=debug``), and every rank made the same number of cp_ops calls before the output gather
-(a rank that skipped a layer's attention raises on every rank instead of pairing layers off by one).
+"""The same-call contract at the model level (eager only; compiled code keeps the per-op checks): the full inputs
+agree across ranks (a checksum, once per input shape; every forward under ``CP_OPS_CHECK_RANKS=debug``), and every
+rank made the same number of cp_ops calls before the output gather (a skipped layer raises on every rank).
 """
 
 from __future__ import annotations

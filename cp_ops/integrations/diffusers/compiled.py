@@ -1,11 +1,10 @@
 """Regional compilation of a diffusers transformer: every repeated block through :func:`cp_ops.compile`
 (``parallelize(..., compile=True)``, ``cp-ops run --compile regional``; docs/diffusers_compile_caches.md).
 
-Each block's instance ``forward`` becomes ``cp_ops.compile(block.forward, fullgraph=True, dynamic=False)``; the
-blocks of one class share one Dynamo frame (equal options make equal Inductor backends), so a model compiles once per
-block class and shape, as diffusers' ``compile_repeated_blocks``. Module hooks (the CP split/gather, profiler ranges)
-stay eager around the compiled forwards. Which blocks: the classes the model names in ``_repeated_blocks``, else the
-children of the ``blocks`` names given.
+Each block's instance ``forward`` becomes ``cp_ops.compile(block.forward, fullgraph=True, dynamic=False)``; the blocks
+of one class share one Dynamo frame, so a model compiles once per block class and shape, as diffusers'
+``compile_repeated_blocks``. Module hooks stay eager around the compiled forwards. Which blocks: the classes the model
+names in ``_repeated_blocks``, else the children of the ``blocks`` names given.
 """
 
 from __future__ import annotations
@@ -38,20 +37,10 @@ def repeated_blocks(model: torch.nn.Module, blocks: Iterable[str] = ()) -> list[
 def compile_blocks(model: torch.nn.Module, *, cuda_graphs: bool = False, overlap: bool = True,
                    blocks: Iterable[str] = (), **compile_kwargs) -> int:
     """Compile every repeated block of ``model`` in place (regional compilation); returns how many.
-
-    Args:
-        model: a diffusers transformer (parallelized or not).
-        cuda_graphs: ``mode="reduce-overhead"`` (CUDA graphs over each block; CUDA only). Call
-            ``torch.compiler.cudagraph_mark_step_begin()`` before each forward whose previous outputs you no longer
-            read (each denoising step), as for any reduce-overhead model.
-        overlap: the cp_ops overlap pass (False: plain ``torch.compile`` lowering, for A/B comparisons).
-        blocks: ModuleList names to compile when the class has no ``_repeated_blocks`` (see :func:`repeated_blocks`).
-        **compile_kwargs: more ``torch.compile`` options (``fullgraph=True`` and ``dynamic=False`` are the defaults).
-
-    Raises:
-        ValueError: no repeated block found; a block already compiled.
-        RuntimeError: as :func:`cp_ops.compile` (no overlap pass installed).
-    """
+    ``cuda_graphs``: ``mode="reduce-overhead"`` (call ``torch.compiler.cudagraph_mark_step_begin()`` before each
+    step); ``overlap``: the cp_ops overlap pass (False: plain lowering); ``blocks``: see :func:`repeated_blocks`;
+    ``compile_kwargs`` override the defaults. ValueError: no repeated block, or one already compiled; RuntimeError
+    as :func:`cp_ops.compile`."""
     import cp_ops
 
     why = not_compilable(model, blocks)
@@ -62,8 +51,7 @@ def compile_blocks(model: torch.nn.Module, *, cuda_graphs: bool = False, overlap
     if cuda_graphs:
         kw["mode"] = "reduce-overhead"
     for block in found:
-        # the instance's forward (hooks that wrap it, e.g. diffusers' own CP, stay inside); the blocks share
-        # one Dynamo frame: equal cp_ops.compile options make equal Inductor backends (passes' __eq__)
+        # the instance's forward; equal cp_ops.compile options make equal Inductor backends: one Dynamo frame
         block.forward = cp_ops.compile(block.forward, **kw)
         block.__dict__[_HOOK] = block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
     return len(found)
@@ -107,8 +95,7 @@ def canonical(x):
 
 
 def _canonical_strides(module, args, kwargs):
-    """Forward pre-hook of a compiled block: tensor arguments with other than the contiguous strides of their shape
-    are copied to them. The first block's input is a view (diffusers' patch embedding transposes; the CP split
-    narrows the batch-1 sequence), which Dynamo guards by stride even along a size-1 dim: without this, every block
-    class compiles twice, the second time for the first block alone."""
+    """Forward pre-hook of a compiled block: tensor arguments copied to contiguous strides. The first block's input
+    is a view (a transposing patch embedding, the CP split), which Dynamo guards by stride even along a size-1 dim:
+    without this every block class compiles twice."""
     return tuple(canonical(a) for a in args), {k: canonical(v) for k, v in kwargs.items()}

@@ -1,17 +1,11 @@
 """cp_ops attention plugged in at diffusers' attention dispatch.
 
-diffusers' attention processors end in ``dispatch_attention_fn(q, k, v, attn_mask=..., backend=
-processor._attention_backend, parallel_config=processor._parallel_config)``. :func:`route` points a module's
-processor at the ``cp_ops`` backend (registered in diffusers' backend registry, :mod:`._private`) with a
-:class:`CPAttention` as its ``_parallel_config``; the backend calls :func:`cp_ops.attention` with it. The model's
-own processor code (projections, norms, RoPE, joint text+image concatenation) runs unchanged.
-
-Only the modules a model's registry entry names are routed (Wan's cross-attention ``attn2`` is not: it stays on
-its own backend, local). A routed processor that calls dispatch without its ``parallel_config`` (e.g. Flux2's
-reference-token KV-cache path) would attend to this rank's tokens only; the backend raises instead.
-
-**Replicated context** (docs/pipelines.md): a routed module's first attention call of a forward is the CP call over
-its split streams; its later calls (an IP-Adapter's term) attend their K/V locally on the module's own backend.
+:func:`route` points a module's processor at the ``cp_ops`` backend (registered in diffusers' backend registry,
+:mod:`._private`) with a :class:`CPAttention` as its ``_parallel_config``; the backend calls :func:`cp_ops.attention`
+with it, and the model's processor code runs unchanged. Only the modules a registry entry names are routed (Wan's
+cross-attention stays local); a routed processor that dispatches without its ``parallel_config`` raises. A routed
+module's first attention call of a forward is the CP call over its split streams; later calls (an IP-Adapter's)
+attend locally (docs/pipelines.md, "replicated context").
 """
 
 from __future__ import annotations
@@ -31,9 +25,8 @@ _MASK_RULE = ("cp_ops.parallelize: an attention call's key mask differs from thi
 
 
 def _same_shape(shape: tuple, want: tuple) -> bool:
-    """``shape == want`` size by size: under ``torch.compile(dynamic=True)`` a size compared with a symbolic one
-    becomes a guard (a tuple's ``in`` traced by Dynamo returned False for a size Dynamo had specialized — the last
-    rank's one image token, Qwen-Image at W = 4 — against the symbolic count that equals it)."""
+    """``shape == want`` size by size: under ``torch.compile(dynamic=True)`` each comparison becomes a guard (a
+    tuple's ``in`` returned False for a specialized size against the symbolic count equal to it)."""
     return len(shape) == len(want) and all(x == y for x, y in zip(shape, want))
 
 
@@ -54,11 +47,8 @@ class CPAttention:
                 f"chunks={self.state.chunks!r})")
 
     def key_mask(self, attn_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-        """A key-padding mask ``[B, S_local]`` (bool, True = attend) from diffusers' ``attn_mask``.
-
-        Accepted: bool ``[B, S_local]`` or ``[B, 1, 1, S_local]`` (this rank's keys; the plan splits the mask with
-        the tokens). Raises ValueError for any other kind (float/additive masks, per-query masks).
-        """
+        """A key-padding mask ``[B, S_local]`` (bool, True = attend) from diffusers' bool ``attn_mask`` of this
+        rank's keys, ``[B, S_local]`` or ``[B, 1, 1, S_local]``; ValueError for any other kind."""
         if attn_mask is None:
             return None
         b, s = q.shape[0], q.shape[1]
@@ -105,22 +95,15 @@ class CPAttention:
         chunks = st.chunks
         if kwargs and chunks is not None and chunks > 1:  # seq_lens / key_mask: transport-then-attend only
             chunks = 1
-        # tag: the module's path (a rank that skips a layer raises), in eager calls. Under torch.compile a per-module
-        # tag is a constant of each block's graph: every block of a repeated class would compile its own (regional
-        # compilation recompiling per block, and past Dynamo's recompile limit running the rest eager), so compiled
-        # calls carry none: one graph per block class, checked by mode, chunks, mask and shapes.
+        # tag: the module's path (a rank that skips a layer raises), eager only: compiled, a per-module constant
+        # would make every block of a repeated class compile its own graph
         tag = None if torch.compiler.is_compiling() else self.where
         return attention(query, key, value, group=st.attn_group, mode=st.mode, transport=st.transport, scale=scale,
                          chunks=chunks, tag=tag, comm_dtype=st.comm_dtype, **kwargs)
-
-
     def _every_key(self, mask: torch.Tensor) -> torch.Tensor:
-        """The every-key mask ``[B, S_total]`` of this forward for this call (built once per forward from the block's
-        mask input: :meth:`CPState.note_key_mask`), so :func:`cp_ops.attention` gathers nothing; ``mask`` (this
-        rank's ``[B, S_local]``) where there is none. Its block for this rank must equal ``mask``: checked on the
-        device (no host sync; a failure is a device-side assertion naming the rule), so a processor that builds its
-        mask otherwise than from that input (e.g. masks a stream the input does not cover) stops, never attends
-        wrong keys."""
+        """The every-key mask ``[B, S_total]`` of this forward (:meth:`CPState.note_key_mask`), so
+        :func:`cp_ops.attention` gathers nothing; ``mask`` where there is none. Its block for this rank must equal
+        ``mask``: checked on the device (no host sync), so a processor that builds its mask otherwise stops."""
         st = self.state
         every = st.key_masks.get(self.streams)
         b, s = mask.shape
@@ -139,13 +122,9 @@ class CPAttention:
 def cp_ops_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask=None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                    enable_gqa: bool = False, _parallel_config=None) -> torch.Tensor:
-    """diffusers attention backend ``cp_ops``: BSHD ``[B, S_local, H, D]`` in and out, CP attention through
-    :func:`cp_ops.attention` over the group of ``_parallel_config`` (a :class:`CPAttention`).
-
-    Raises:
-        ValueError: ``_parallel_config`` is not a :class:`CPAttention` (a processor path that bypasses CP, or the
-            backend selected globally: it serves only the modules :func:`route` sends to it); enable_gqa.
-    """
+    """diffusers attention backend ``cp_ops``: BSHD in and out, CP attention through the :class:`CPAttention`
+    ``_parallel_config``. ValueError: no CPAttention (a path that bypasses CP, or the backend chosen globally);
+    ``enable_gqa``."""
     if not isinstance(_parallel_config, CPAttention):
         raise ValueError(
             "diffusers attention backend 'cp_ops' was called without its CP config (parallel_config="
@@ -161,6 +140,7 @@ def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], whe
     """Send ``module``'s attention through cp_ops over ``state``'s group; returns its :class:`CPAttention`."""
     member = _private.register_backend(cp_ops_backend)
     config = CPAttention(state, streams, where)
+    config.local_backend = getattr(module.processor, "_attention_backend", None)  # for calls that need no CP
     if streams:
         state.attn_streams.add(tuple(streams))
 
@@ -168,8 +148,7 @@ def route(module: torch.nn.Module, state: CPState, streams: tuple[str, ...], whe
             config.attended = False
 
         module.register_forward_pre_hook(new_forward, with_kwargs=True)
-    config.local_backend = getattr(module.processor, "_attention_backend", None)  # for calls that need no CP
-    if not streams:
+    else:
         generic.watch(module, config)
     _private.route_processor(module, member, config)
     return config

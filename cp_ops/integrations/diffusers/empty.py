@@ -1,14 +1,10 @@
-"""Model code on a rank whose split left it no token of a stream (a text shorter than W, an image smaller than W).
+"""Model code on a rank whose split left it no token of a stream (a text or an image smaller than W).
 
-A rank holding 0 tokens still runs the model's forward (its collectives must meet the peers'), on empty tensors.
-Most of diffusers' code takes them; its RoPE does not: ``x.reshape(*x.shape[:-1], -1, 2)`` (``embeddings.
-apply_rotary_emb``, Qwen-Image's, Z-Image's nested one, ...) raises "cannot reshape tensor of 0 elements ... the
-unspecified dimension size -1 can be any value and is ambiguous". :class:`EmptyShapes` — a torch function mode that
-a split enters only on a rank it leaves empty, for the rest of that forward — gives such a ``reshape``/``view`` of a
-tensor with no element the size the same call has on a non-empty tensor of the same other sizes: the product of the
-input's non-zero sizes over that of the other non-zero sizes asked (``[B, 0, H, D]`` → ``(B, 0, H, -1, 2)``:
-``D / 2``). A tensor with elements, or a shape it cannot resolve, goes through unchanged (torch's own error). No
-number is involved: the tensors are empty.
+Such a rank still runs the forward (its collectives must meet the peers'), on empty tensors. diffusers' RoPE
+``x.reshape(*x.shape[:-1], -1, 2)`` raises on them (the -1 is ambiguous). :class:`EmptyShapes`, a torch function
+mode a split enters on a rank it leaves empty for the rest of that forward, resolves such a ``reshape``/``view`` of
+an empty tensor as for a non-empty one of the same other sizes (``[B, 0, H, D]`` → ``(B, 0, H, -1, 2)``: ``D / 2``);
+anything else goes through unchanged. No number is involved: the tensors are empty.
 """
 
 from __future__ import annotations

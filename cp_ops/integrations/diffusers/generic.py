@@ -1,33 +1,21 @@
 """The generic installer: any diffusers transformer class that ships a ``_cp_plan`` runs under cp_ops without a
-registry line (:func:`~.registry.spec_for` falls back to :func:`spec` for a class :data:`~.registry.SUPPORTED` does
-not name).
+registry line (:func:`~.registry.spec_for` falls back to it). What a registry line states by hand, this finds:
 
-What a registry line states by hand, this finds from the class and its plan:
+- **Streams** (:func:`plan`): an input whose name says text (:data:`TEXT_NAMES`) holds ``"text"`` tokens, every
+  other entry ``"image"`` ones. Per-block gathers a plan lists by index (Helios: ``blocks.0.ffn`` …
+  ``blocks.39.ffn`` beside a ``blocks.*.ffn`` split) become one ``*`` gather, so a model of any depth takes it.
+- **Attention modules** (:func:`attention`): every diffusers attention module inside the plan's split region (the
+  subtree of each module whose inputs the plan splits, block indices widened to ``*``), cross-attention modules
+  (``is_cross_attention``) excepted; modules outside it (a text refiner before the split) are left alone.
+- **The streams of each call** (:func:`call`), from the shapes at run time: K/V whose local length is no split
+  stream's block (or sum of blocks) are replicated, attended locally on the module's own backend; Q and K/V of one
+  such length are CP attention over those streams; cross-attention to split tokens (different lengths, or those of
+  ``hidden_states`` and ``encoder_hidden_states``: :func:`watch`) all-gathers K/V and attends locally. Limit:
+  unsplit tokens inside the region (LTX-2's audio) are told from split ones by length alone; where that is
+  ambiguous the ranks' paths differ and the call check raises on every rank. Two stream combinations that fit
+  this rank's length with different per-rank counts raise (name the streams in a registry line instead).
 
-- **Streams of the plan's tensors** (:func:`plan`): an input whose name says text (``encoder_*``, ``txt*``,
-  ``text*``, ``caption*``, ``prompt*``) is a ``"text"`` token; every other entry (inputs, outputs such as RoPE
-  tables, gathers) an ``"image"`` token. Per-block gathers that a plan lists by index for its full-size model
-  (Helios: ``blocks.0.ffn`` … ``blocks.39.ffn`` beside a ``blocks.*.ffn`` split) become one ``*`` gather, so a
-  model of any depth takes the plan.
-- **Attention modules routed to cp_ops** (:func:`attention`): every diffusers attention module inside the plan's
-  split region — the subtree of each module whose inputs the plan splits, with a block index widened to ``*``
-  (the split at ``blocks.0`` flows through every block), ``""`` = the whole model — except cross-attention modules
-  (``is_cross_attention``), which stay local on their own backend. Modules outside the region (a text refiner
-  that runs before the split) are left alone.
-- **The token streams of each call** (:func:`call`), found from the shapes at run time, against the streams the
-  plan's splits recorded in this forward: K/V whose local length is no split stream's block (or sum of blocks)
-  are replicated tokens, so the call runs locally on the module's own backend; Q and K/V of one such length are
-  CP attention over those streams (uneven blocks: the ``seq_lens`` they give); cross-attention to split tokens
-  (Q and K/V of different lengths, or of the lengths of the module's ``hidden_states`` and
-  ``encoder_hidden_states``: :func:`watch`; e.g. LTX's text) all-gathers K/V (and the mask over them) and attends
-  locally. Limit: tokens left unsplit inside the region (LTX-2's audio) are told from split ones by their length
-  alone; where an unsplit length equals one rank's block of a split stream but not another's, the ranks take
-  different paths and the model-level call check raises on every rank at the output gather. Two stream
-  combinations that give this rank's length but different per-rank counts raise (name the streams in a registry
-  line instead).
-
-A class whose plan cp_ops cannot take raises ``ValueError`` from :func:`~.plan.from_diffusers` or
-:func:`~.hooks.resolve` before any hook goes in.
+A plan cp_ops cannot take raises ``ValueError`` from :func:`~.plan.from_diffusers` or :func:`~.hooks.resolve`.
 """
 
 from __future__ import annotations
@@ -50,8 +38,8 @@ def _is_text(key) -> bool:
 
 
 def _widen_indexed_gathers(plan: Plan) -> Plan:
-    """``prefix.<i>.suffix`` gathers (one per index, all alike) beside a ``prefix.*.suffix`` split entry become one
-    ``prefix.*.suffix`` gather, placed where the first of them was."""
+    """``prefix.<i>.suffix`` gathers (alike) beside a ``prefix.*.suffix`` split become one ``*`` gather, in the
+    first one's place."""
     split_paths = {p for p, e in plan if not isinstance(e, Gather)}
     groups: dict[tuple[str, Gather], list[int]] = {}
     for i, (path, entry) in enumerate(plan):
@@ -60,21 +48,12 @@ def _widen_indexed_gathers(plan: Plan) -> Plan:
             groups.setdefault((f"{m.group(1)}.*{m.group(3)}", entry), []).append(i)
     first = {idx[0]: key for key, idx in groups.items()}
     dropped = {i for idx in groups.values() for i in idx}
-    out: Plan = []
-    for i, pair in enumerate(plan):
-        if i in first:
-            out.append((first[i][0], first[i][1]))
-        elif i not in dropped:
-            out.append(pair)
-    return out
+    return [first.get(i, pair) for i, pair in enumerate(plan) if i in first or i not in dropped]
 
 
 def plan(model) -> Plan:
     """``type(model)._cp_plan`` as a cp_ops :data:`~.plan.Plan`, its text inputs named by :data:`TEXT_NAMES`.
-
-    Raises:
-        ValueError: the class has no ``_cp_plan`` or an entry cp_ops does not handle (:func:`~.plan.from_diffusers`).
-    """
+    ValueError: no ``_cp_plan``, or an entry cp_ops does not handle (:func:`~.plan.from_diffusers`)."""
     cls = type(model)
     source = _private.class_cp_plan(cls) or {}
     text = {(path, key) for path, entry in source.items() if isinstance(entry, dict) for key in entry if _is_text(key)}
@@ -93,8 +72,7 @@ def _inside(name: str, region: list[tuple[str, ...]]) -> bool:
 
 
 def attention(model) -> dict[str, tuple[str, ...]]:
-    """``{module path: ()}`` for every attention module :func:`call` serves (see the module docstring); the empty
-    streams tuple marks a module whose streams are found per call."""
+    """``{module path: ()}`` for every attention module :func:`call` serves (``()``: streams found per call)."""
     region = _region(_private.class_cp_plan(type(model)) or {})
     kinds = _private.attention_module_classes()
     return {name: () for name, m in model.named_modules()
@@ -116,11 +94,7 @@ def _local_sizes(state, n_local, single=False):
 
 def streams_of(state, n_local: int, where: str, single: bool = False) -> tuple[str, ...] | None:
     """The split streams a sequence of ``n_local`` tokens on this rank is made of (``single``: one stream only, as
-    cross-attention keys are); None where it is none of them (replicated tokens).
-
-    Raises:
-        ValueError: two combinations of streams fit ``n_local`` here but give the ranks different counts.
-    """
+    cross-attention keys are); None: replicated tokens. ValueError: two combinations fit with different counts."""
     found = _local_sizes(state, n_local, single)
     if not found:
         return None
@@ -137,9 +111,8 @@ def streams_of(state, n_local: int, where: str, single: bool = False) -> tuple[s
 
 
 def watch(module: torch.nn.Module, config) -> None:
-    """Record, before each forward of ``module``, the token counts of its ``hidden_states`` and
-    ``encoder_hidden_states`` (``config.cross``; None without the latter): a call whose Q and K/V have those counts
-    is cross-attention, whatever the counts happen to be."""
+    """Record before each forward of ``module`` the token counts of its ``hidden_states`` and
+    ``encoder_hidden_states`` (``config.cross``): a call whose Q and K/V have them is cross-attention."""
     params = list(inspect.signature(module.forward).parameters)
 
     def arg(name, args, kwargs):
@@ -158,13 +131,9 @@ def watch(module: torch.nn.Module, config) -> None:
 
 
 def call(config, query, key, value, attn_mask, dropout_p, is_causal, scale):
-    """The attention of a module the generic installer routed (``config``: its
-    :class:`~.dispatch.CPAttention`, with no streams): CP attention over the streams the shapes show, or local
-    attention on the module's own backend where K/V are replicated tokens (see the module docstring).
-
-    Raises:
-        ValueError: the streams cannot be told apart (:func:`streams_of`); as :class:`~.dispatch.CPAttention`.
-    """
+    """The attention of a module the generic installer routed (``config``: its :class:`~.dispatch.CPAttention`, with
+    no streams): CP attention over the streams the shapes show, or local where K/V are replicated. Raises as
+    :func:`streams_of` and :class:`~.dispatch.CPAttention`."""
     st = config.state
     sq, sk = query.shape[1], key.shape[1]
     cross = sq != sk or config.cross == (sq, sk)
@@ -182,8 +151,7 @@ def call(config, query, key, value, attn_mask, dropout_p, is_causal, scale):
 
 def _cross_to_split(config, kv, query, key, value, attn_mask, dropout_p, is_causal, scale):
     """Cross-attention from this rank's queries to keys split over the group (LTX's text): K/V (and a mask over
-    them, along its last dim) all-gathered in rank order — the full key sequence, as one device has it — then
-    local attention on the module's own backend."""
+    them) all-gathered in rank order, then local attention on the module's own backend."""
     st, sk = config.state, key.shape[1]
     if isinstance(attn_mask, torch.Tensor) and attn_mask.shape[-1] == sk:
         attn_mask = hooks.gather_tensor(attn_mask, Gather(attn_mask.dim() - 1, kv[0]), st)

@@ -1,10 +1,9 @@
 """The generic split/gather hooks that carry out a :mod:`plan <cp_ops.integrations.diffusers.plan>` on a model.
 
-Forward pre-hooks split named inputs, forward hooks split outputs or all-gather them (uneven blocks: the prefix split
-of :func:`~cp_ops.integrations.diffusers.plan.shard_sizes`, gathered through :class:`cp_ops.layout.Shards`). Each
-split records its stream's full token count in :class:`CPState`, which the attention (:mod:`.dispatch`) reads; a rank
-left with no token of a stream runs the model on empty tensors (:mod:`.empty`). No host synchronisation: every size
-is computed from shapes, branch-free where the shape may be symbolic.
+Pre-hooks split named inputs, hooks split outputs or all-gather them (uneven blocks: the prefix split of
+:func:`~cp_ops.layout.shard_sizes`). Each split records its stream's full token count in :class:`CPState`, which the
+attention (:mod:`.dispatch`) reads; a rank left with no token runs on empty tensors (:mod:`.empty`). No host sync:
+every size comes from shapes.
 """
 
 from __future__ import annotations
@@ -29,14 +28,10 @@ _all_gather_async = getattr(funcol, "all_gather_single", None) or funcol.all_gat
 
 
 def _all_gather(x: torch.Tensor, gather_dim: int, group, via: str | None = None) -> torch.Tensor:
-    """c10d's functional all-gather, waited at once (the current stream waits for it; the host does not): an
-    unwaited result whose consumer never runs a non-view op (an output the model drops) stays registered with
-    c10d ("unwaited collective calls" at exit), and on NCCL a consumer outside the dispatcher would race it.
-
-    ``via`` (:func:`gather_route`), for a group that moves CUDA tensors with gloo (ranks sharing one GPU), where
-    c10d's functional all-gather of CUDA tensors crashed the process (SIGSEGV, torch 2.11): ``"fast"`` gathers along
-    dim 0 through the fast transport's lane (copies on the device: a CUDA graph can hold it), ``"host"`` gathers a
-    host copy and moves the result back."""
+    """c10d's functional all-gather, waited at once on the stream (an unwaited result the model drops stays
+    registered with c10d; on NCCL a consumer outside the dispatcher would race it). ``via`` (:func:`gather_route`),
+    for CUDA tensors over gloo, where c10d's functional all-gather crashed (SIGSEGV, torch 2.11): ``"fast"`` gathers
+    dim 0 through the fast transport's lane (a CUDA graph can hold it), ``"host"`` through a host copy."""
     if via == "fast" and x.is_cuda and gather_dim == 0:
         return _fast_gather(x, group)
     if via is not None and x.is_cuda:
@@ -71,9 +66,8 @@ def gather_route(pg: dist.ProcessGroup, transport: str) -> str | None:
 
 
 class CPState:
-    """One parallelized model's CP group, its attention settings (mode, transport, chunks: as
-    :func:`~cp_ops.integrations.diffusers.parallelize` got them) and the full token count of each stream seen in the
-    current forward."""
+    """One parallelized model's CP group, its attention settings (as ``parallelize`` got them) and the full token
+    count of each stream seen in the current forward."""
 
     def __init__(self, pg: dist.ProcessGroup, mode: str, transport: str, streams, chunks: int | None = None,
                  comm_dtype=None):
@@ -115,9 +109,8 @@ class CPState:
         self.totals[stream] = total
 
     def forget_totals(self) -> None:
-        """Every stream back to "not recorded" (0), at the start and the end of each forward, so every call enters
-        with the same totals and a whole-model compile does not specialize on the previous call's counts (torch
-        2.11's Dynamo guards on the values found at entry: every model compiled once more at its second call)."""
+        """Every stream back to "not recorded" (0), at the start and end of each forward: a whole-model compile then
+        does not specialize on the previous call's counts (Dynamo guards on the values found at entry)."""
         for s in self.totals:
             self.totals[s] = 0
 
@@ -131,14 +124,11 @@ class CPState:
         return v
 
     def note_key_mask(self, full: torch.Tensor, spec: Split) -> None:
-        """A block's key-mask input ``full`` (bool, every rank's tokens: before its split): build, once per mask (the
-        same tensor and version, split alike, at the same token counts), the every-key mask ``[B, S_total]`` of each
-        routed attention whose streams include the mask's (:func:`_every_key`), which the attention passes to
-        :func:`cp_ops.attention` instead of gathering its own mask at every call
-        (:class:`~cp_ops.integrations.diffusers.dispatch.CPAttention` checks its block on the device). Each is written
-        into one fixed buffer per (streams, mask shape): CUDA graphs of the compiled blocks read it in place at
-        replay, where a new address would make them record again. Traced (a whole-model compile): every call
-        gathers."""
+        """A block's key-mask input ``full`` (bool, before its split): build once per mask (tensor, version, split,
+        counts) the every-key mask ``[B, S_total]`` of each routed attention over its streams (:func:`_every_key`),
+        which the attention passes instead of gathering its own (:class:`.dispatch.CPAttention` checks its block on
+        the device). One fixed buffer per (streams, shape): compiled blocks' CUDA graphs read it in place at replay.
+        Traced (a whole-model compile): every call gathers."""
         if torch.compiler.is_compiling() or self.world == 1 or self.attn_group is not self.pg:
             self.key_masks = {}  # traced (whole-model compile) or a 2-D mesh: every call gathers its own mask
             return
@@ -174,10 +164,9 @@ KEY_MASK_INPUTS = frozenset({"attention_mask", "attn_mask", "encoder_hidden_stat
 
 def _every_key(full: torch.Tensor, spec: Split, state: CPState, streams: tuple[str, ...],
                into: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The every-key mask bool ``[B, S_total]`` of an attention over ``streams`` from the mask input ``full`` (split
-    by ``spec``): rank by rank, its block of each stream (from ``full`` where ``spec`` covers the stream, else all
-    True), written into ``into`` where it has that shape, dtype and device. None where it does not apply (a stream
-    of the mask not in the attention's, a count not recorded, a mask that is not one flag per key)."""
+    """The every-key mask bool ``[B, S_total]`` of an attention over ``streams`` from the mask input ``full``: rank
+    by rank, its block of each stream (all True where ``spec`` does not cover it), into ``into`` where it fits. None
+    where it does not apply (a stream not in the attention's, a count not recorded, not one flag per key)."""
     if not set(spec.streams) <= set(streams) or any(state.totals.get(s, 0) == 0 for s in streams):
         return None
     x = full.movedim(spec.dim % full.dim(), -1)
@@ -253,11 +242,8 @@ def _applies(spec, x) -> bool:
 
 
 def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
-    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of every child of ``a``.
-
-    Raises:
-        ValueError: a path names no module.
-    """
+    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of every child of ``a``. ValueError: a
+    path that names no module."""
     found = [("", model)]
     for atom in [a for a in pattern.split(".") if a] if pattern else []:
         nxt = []
@@ -290,20 +276,13 @@ def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: st
         def pre_hook(mod, args, kwargs):
             args = list(args)
             for name, spec in by_name.items():
-                if name in kwargs:
-                    if _applies(spec, kwargs[name]):
-                        _note(name, kwargs[name], spec)
-                        kwargs[name] = split_tensor(kwargs[name], spec, state, f"{where}.{name}")
-                elif name in params and params.index(name) < len(args):
-                    i = params.index(name)
-                    if _applies(spec, args[i]):
-                        _note(name, args[i], spec)
-                        args[i] = split_tensor(args[i], spec, state, f"{where}.{name}")
+                i = params.index(name) if name in params else len(args)
+                box, at = (kwargs, name) if name in kwargs else (args, i) if i < len(args) else (None, None)
+                if box is not None and _applies(spec, box[at]):
+                    if name in KEY_MASK_INPUTS and box[at].dtype == torch.bool:
+                        state.note_key_mask(box[at], spec)
+                    box[at] = split_tensor(box[at], spec, state, f"{where}.{name}")
             return tuple(args), kwargs
-
-        def _note(name, x, spec):
-            if name in KEY_MASK_INPUTS and x.dtype == torch.bool:
-                state.note_key_mask(x, spec)
 
     if by_output:
 
@@ -333,10 +312,8 @@ def _gather_hook(spec: Gather, state: CPState, before: Callable[[], None]):
 
 def wrap_forward(model: torch.nn.Module, pre: list, post: list, finally_=None) -> None:
     """Run ``pre`` (``(mod, args, kwargs) -> (args, kwargs)``) before and ``post`` (``(mod, args, output) ->
-    output``) after ``model.forward``, inside it. Unlike module hooks of the compiled module itself (which
-    torch.compile traces as frames of their own), this keeps the model's splits, its forward and its gathers in one
-    traced frame: the token counts they share stay symbolic (one graph for every resolution). ``finally_``: called
-    when the forward returns or raises."""
+    output``) after ``model.forward``, inside it: unlike module hooks (frames of their own under torch.compile), the
+    splits, forward and gathers share one traced frame, their token counts symbolic. ``finally_``: always after."""
     if not pre and not post:
         return
     inner = model.forward
@@ -359,10 +336,9 @@ def wrap_forward(model: torch.nn.Module, pre: list, post: list, finally_=None) -
 
 def install(model: torch.nn.Module, plan: Plan, state: CPState, before_gather: Callable[[], None],
             outer_pre: tuple = (), outer_post: tuple = ()) -> None:
-    """Install ``plan`` on ``model``: hooks on submodules; the model's own entries (path ``""``), preceded by
-    ``outer_pre`` and followed by ``outer_post``, wrap its forward (:func:`wrap_forward`), between a first and a last
-    hook that forget the stream totals (:meth:`CPState.forget_totals`). Every path is resolved first, so a bad plan
-    installs nothing."""
+    """Install ``plan`` on ``model``: hooks on submodules; the model's own entries (path ``""``), between
+    ``outer_pre`` and ``outer_post``, wrap its forward (:func:`wrap_forward`) between hooks that forget the stream
+    totals. Every path is resolved first, so a bad plan installs nothing."""
     def forget_before(mod, args, kwargs):
         state.forget_totals()
         return args, kwargs

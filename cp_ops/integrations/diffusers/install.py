@@ -3,19 +3,23 @@ optional compiled path); re-exported by :mod:`cp_ops.integrations.diffusers`."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ... import modes
+from ... import captured, modes
 from ...group import resolve_group
 from ...comm_dtype import NONE as COMM_NONE, for_mode as comm_for_mode, normalize as normalize_comm_dtype
+from ...mesh import DIM_NAMES, check_names, is_mesh
 from ...plan.rules import check_chunks
 from ...transport.base import names as transport_names
-from . import caches, dispatch, hooks
-from .caches import agree_step_caches
+from ...transport.torch import stage_through_host
+from . import caches, capture_safe, compiled, dispatch, hooks
 from .checks import RankChecks
-from .lanes import Lanes
+from .lanes import Lanes, swapped
 from .plan import Gather
 from .registry import SUPPORTED, spec_for
 
@@ -25,24 +29,12 @@ CUDA_GRAPHS = (False, True, "forward", "auto")
 
 def mesh_groups(group: Any, cfg_parallel: bool):
     """``(pg, attn_group, cfg_parallel)`` for :func:`parallelize`'s ``group``: ``pg`` holds the ranks that split the
-    tokens (rank order = token order) and gather the output, ``attn_group`` is what :func:`cp_ops.attention` gets
-    (None: ``pg`` itself, or each CFG lane's CP group).
-
-    * not a mesh of more than one dim: ``(resolve_group(group), None, cfg_parallel)``;
-    * a 2-D ``("agkv", "ulysses")`` mesh: ``pg`` = its ranks in row-major order (the default group when the mesh is
-      every rank in order, else ``mesh._flatten()``, a private torch API present in torch 2.5+);
-    * a 3-D ``("cfg", "agkv", "ulysses")`` mesh over every rank in order with cfg size 2: ``pg`` = the default group
-      (split into two CFG lanes by :class:`.lanes.Lanes`, whose halves are the mesh's cfg slices), ``attn_group`` =
-      this rank's 2-D slice ``mesh["agkv", "ulysses"]``, ``cfg_parallel`` True.
-
-    Raises:
-        ValueError: a mesh of other dims or names; a 3-D mesh whose cfg size is not 2 or that is not every rank in
-            order; ``cfg_parallel=True`` with a 2-D mesh (pass the 3-D mesh).
-    """
-    import torch.distributed as dist
-
-    from ...mesh import DIM_NAMES, check_names, is_mesh
-
+    tokens (rank order = token order) and gather the output; ``attn_group`` is what :func:`cp_ops.attention` gets
+    (None: ``pg``, or each CFG lane's group). A 2-D ``("agkv", "ulysses")`` mesh: ``pg`` = its ranks row-major (the
+    default group when the mesh is every rank in order, else ``mesh._flatten()``). A 3-D ``("cfg", "agkv",
+    "ulysses")`` mesh of every rank in order, cfg size 2: ``pg`` = the default group (two CFG lanes, the mesh's cfg
+    slices), ``attn_group`` = this rank's 2-D slice, ``cfg_parallel`` True. ValueError: any other mesh, or
+    ``cfg_parallel=True`` with a 2-D mesh."""
     if not is_mesh(group):
         return resolve_group(group), None, cfg_parallel
     world = resolve_group(None)
@@ -67,8 +59,8 @@ def mesh_groups(group: Any, cfg_parallel: bool):
 
 
 def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
-    """K and V in different formats where every call would gather them together — mode 'agkv', or a 2-D mesh of more
-    than one row (its outer dim gathers K and V) — raise here (ValueError), not at the first forward."""
+    """K and V in different formats where the calls gather them together (mode 'agkv', a 2-D mesh of more than one
+    row): ValueError here, not at the first forward."""
     if fmts == COMM_NONE:
         return
     rows, cols = (1, 1) if mesh is None else tuple(mesh.mesh.shape)
@@ -83,11 +75,7 @@ def _check_comm_dtype(fmts: tuple, mode: str, mesh) -> None:
 
 def auto_graphs(model: torch.nn.Module, transport: str, pg) -> tuple[str | bool, str | None]:
     """``cuda_graphs="auto"``: ``("forward", None)`` where the whole forward can be captured, else ``(False, why)``
-    (``why`` None: a model not on CUDA, which runs eager without a word). What is known only at a call (a step
-    cache enabled later, a capture that fails) is the capture's fallback (:func:`_fell_back`)."""
-    from ... import captured
-    from ...transport.torch import stage_through_host
-
+    (``why`` None: not on CUDA, eager without a word); what shows only at a call is the capture's fallback."""
     device = captured._device_of(model)
     try:
         captured.check_capturable(model)
@@ -101,8 +89,6 @@ def auto_graphs(model: torch.nn.Module, transport: str, pg) -> tuple[str | bool,
 
 def _fell_back(name: str):
     def warn(why: str) -> None:
-        import warnings
-
         warnings.warn(f"cp_ops.parallelize: {name} runs eager, its whole forward not captured in one CUDA graph (the "
                       f"default on CUDA): {why}. Pass cuda_graphs=False to choose eager without this warning",
                       stacklevel=3)
@@ -121,84 +107,48 @@ def _undivided_heads(attn_modules, w: int) -> str | None:
     return None
 
 
-def _check_heads(attn_modules, w: int) -> None:
-    """mode='ulysses' splits each attention's heads over the W ranks: refuse here (ValueError) a module whose heads
-    W does not divide, not at the first forward."""
-    why = _undivided_heads(attn_modules, w)
-    if why is not None:
-        raise ValueError(f"parallelize(mode='ulysses'): {why} (Ulysses gives each rank H/W heads): use mode='agkv' or "
-                         "'auto', or a group whose size divides the heads")
-
-
 def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = "auto", transport: str = "auto",
                 chunks: int | None = None, cfg_parallel: bool = False, compile: bool = False,  # noqa: A002
                 cuda_graphs: bool | str = "auto", comm_dtype: Any = None) -> torch.nn.Module:
     """Make ``transformer`` run context-parallel over ``group``, in place; returns it.
 
     Every rank runs the same forward on the same full inputs (seed them alike); inside, each rank keeps its block of the
-    tokens (uneven blocks when W does not divide the count: ``ceil(count / W)`` on every rank but the last,
-    :func:`cp_ops.layout.shard_sizes`), the attention gets full context through :func:`cp_ops.attention`, and the output
-    is all-gathered, so every rank returns the full output, equal to the unparallelized model's (bitwise where the same
-    kernel sees the same data; joint attention sees its keys in another order: equal to rounding).
+    tokens (uneven blocks: :func:`cp_ops.layout.shard_sizes`), the attention gets full context through
+    :func:`cp_ops.attention`, and the output is all-gathered: every rank returns the unparallelized model's output
+    (bitwise where the same kernel sees the same data; joint attention: equal to rounding). docs/pipelines.md,
+    docs/diffusers_compile_caches.md (compile, CUDA graphs, step caches) and docs/fp8.md say more.
 
     Args:
-        transformer: a diffusers transformer of a class in :data:`SUPPORTED` (Wan 2.1/2.2, Wan VACE, Flux, Flux2,
-            Qwen-Image, LTX-Video, Z-Image, HunyuanVideo).
-        group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh), or a mesh (:func:`mesh_groups`): a
-            2-D ``DeviceMesh`` with ``mesh_dim_names=("agkv", "ulysses")`` (2-D CP, :mod:`cp_ops.mesh`), or a 3-D one
-            ``("cfg", "agkv", "ulysses")`` with a cfg size of 2 (CFG lanes, each a 2-D CP mesh; implies
-            ``cfg_parallel=True``).
+        transformer: a diffusers transformer of a class in :data:`SUPPORTED`, or with a diffusers ``_cp_plan``.
+        group: the ranks (None = default group, ProcessGroup or 1-D DeviceMesh), or a mesh (:func:`mesh_groups`):
+            2-D ``("agkv", "ulysses")`` (2-D CP) or 3-D ``("cfg", "agkv", "ulysses")`` with cfg size 2 (CFG lanes).
         mode, transport: as :func:`cp_ops.attention`.
-        chunks: pipeline stages of every CP attention call the model makes, as :func:`cp_ops.attention`'s
-            ``chunks`` (None, the default: the rule, 2 stages for AGKV on the fast transport, else 1). Calls that
-            carry ``seq_lens`` or a key mask (uneven shards, bool key-padding masks) run transport-then-attend: they
-            get ``chunks=1`` where ``chunks`` ≥ 2 is asked for, so a model with uneven shards still runs, pipelined
-            only where its shards are even.
-        comm_dtype: what every CP attention call of the model sends over the link, as :func:`cp_ops.attention`'s
-            ``comm_dtype`` (None = the model's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or their names
-            ``'e4m3'`` / ``'e5m2'``; a dict per tensor q/k/v/o):
-            ``docs/fp8.md`` (its error on full models, which default is safe). Works on every group kind (a 2-D mesh
-            too). Checked here (ValueError), K and V in different formats included where the calls gather them
-            together (mode 'agkv', a mesh of more than one row).
-        cfg_parallel: False: ``group`` is the CP group. True: the ranks form two CFG lanes (:mod:`.lanes`): every
-            rank passes a batch of 2 ``[cond, uncond]``; the first half of the ranks runs the conditional sample,
-            the second half the unconditional one, CP over W/2 ranks inside each lane; the returned output is the
-            batch of 2, on every rank. A pipeline that calls the transformer once per branch (batch 1 each) runs
-            its two calls on the two lanes at the same time under :func:`parallelize_pipeline` (:mod:`.lanes`);
-            there a call with no CFG pair runs over all the ranks.
-        compile: also compile every repeated block (regional compilation, :mod:`.compiled`) through
-            :func:`cp_ops.compile`: ``fullgraph=True``, static shapes, the K/V-communication overlap pass — the fastest
-            path in one call. The first forward of each resolution compiles (tens of seconds for a full-size DiT).
-        cuda_graphs: one of :data:`CUDA_GRAPHS` (CUDA only; docs/diffusers_compile_caches.md). ``True``: with
-            ``compile``, CUDA graphs over each block (``mode="reduce-overhead"``): call
-            ``torch.compiler.cudagraph_mark_step_begin()`` before each forward. ``"forward"``: the whole call
-            ``model(...)`` — the CP split, every block, every attention's communication, the final gather — captured
-            in one CUDA graph per call signature and replayed (:func:`cp_ops.captured.capture_forward`; outputs
-            returned cloned; a forward that cannot be captured raises at its first call on every rank). ``False``:
-            none. ``"auto"`` (default): ``"forward"`` on CUDA where the forward can be captured, else eager — on the
-            CPU silently, on CUDA with one warning naming why (never an error, never other numbers than eager's).
+        chunks: pipeline stages of every CP attention call, as :func:`cp_ops.attention`'s; calls with ``seq_lens``
+            or a key mask get ``chunks=1`` where ``chunks`` ≥ 2 is asked for.
+        comm_dtype: what every CP attention call sends over the link, as :func:`cp_ops.attention`'s (None = the
+            model's dtype; ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or ``'e4m3'`` / ``'e5m2'``; a dict per
+            tensor q/k/v/o); checked here, K and V in different formats where the calls gather them together.
+        cfg_parallel: True: the ranks form two CFG lanes (:mod:`.lanes`): every rank passes a batch of 2
+            ``[cond, uncond]``, each half of the ranks runs one sample with CP over W/2 ranks, every rank returns
+            the batch of 2; under :func:`parallelize_pipeline` a pipeline's per-branch calls run on the two lanes.
+        compile: also compile every repeated block (:mod:`.compiled`) through :func:`cp_ops.compile`.
+        cuda_graphs: one of :data:`CUDA_GRAPHS` (CUDA only). ``True``: with ``compile``, CUDA graphs over each block
+            (``mode="reduce-overhead"``). ``"forward"``: the whole call captured in one CUDA graph per call
+            signature (:func:`cp_ops.captured.capture_forward`). ``False``: none. ``"auto"``: ``"forward"`` where
+            it can be captured, else eager (on CUDA with one warning naming why).
 
-    Step caches (diffusers' ``enable_cache``, before or after this call): ``FirstBlockCache``'s skip decision is
-    made over the whole group (its metric's sums all-reduced: :mod:`.caches`), so every rank skips the same steps;
-    caches that decide by step or timestep agree already; ``SeaCache`` is refused (ValueError); with
-    ``cuda_graphs="forward"`` every step cache is (a replay would repeat the recorded decisions).
-
-    Grad mode: runs with or without ``torch.no_grad()``, eager and under ``torch.compile(fullgraph=True)``; a backward
-    raises (cp_ops is forward only).
+    Step caches (``enable_cache``, before or after): ``FirstBlockCache``'s decision is made over the whole group
+    (:mod:`.caches`); ``SeaCache`` is refused, and with ``cuda_graphs="forward"`` every step cache. A backward raises.
 
     Raises:
-        ValueError: unsupported class (the message lists the supported ones and how to add one), unknown
-            mode/transport, ``mode='ulysses'`` on a group whose size does not divide an attention module's heads,
-            ``chunks`` neither None nor an int ≥ 1, model already parallelized, ``cfg_parallel`` on
-            an odd number of ranks, ``cuda_graphs=True`` without ``compile``, ``compile`` on blocks already compiled, K and V
-            in different FP8 formats where the calls gather them together. At run time: a stream with fewer tokens than ranks; a mask CP attention
-            cannot take (only bool key-padding masks);
-            on every rank, when the ranks were given different inputs or made different cp_ops calls in one forward
-            (see :mod:`cp_ops.contract`); cfg_parallel with a batch other than 2 (outside a
-            :func:`parallelize_pipeline` pipeline's call).
-        RuntimeError: torch.distributed not initialized. ``cuda_graphs="forward"``: at a new signature's first call,
-            :class:`cp_ops.captured.CaptureError` when its capture failed on any rank (on every rank, naming the
-            first failing rank, its reason and the model's line).
+        ValueError: an unsupported class, unknown mode/transport, bad ``chunks`` or ``cuda_graphs``,
+            ``mode='ulysses'`` with a group size that does not divide an attention's heads, a model already
+            parallelized, ``cfg_parallel`` on an odd number of ranks, ``cuda_graphs=True`` without ``compile``,
+            blocks already compiled, K and V in different FP8 formats gathered together. At run time: a stream with
+            fewer tokens than ranks, a mask other than a bool key-padding mask, ranks given different inputs or
+            making different cp_ops calls (on every rank: :mod:`cp_ops.contract`), a cfg_parallel batch other than 2.
+        RuntimeError: torch.distributed not initialized; ``cuda_graphs="forward"``: a capture that failed on any rank
+            (:class:`cp_ops.captured.CaptureError`, on every rank).
     """
     spec = spec_for(transformer)
     name = type(transformer).__name__
@@ -217,24 +167,18 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
                          "mode='reduce-overhead'); got compile=False (cuda_graphs='forward' captures the whole "
                          "eager forward)")
     if cuda_graphs == "forward":
-        from ...captured import check_capturable
-
         try:
-            check_capturable(transformer)
+            captured.check_capturable(transformer)
         except ValueError as e:
             raise ValueError(f"parallelize(cuda_graphs='forward'): {e}") from None
     if (why := caches.refused_cache(transformer)) is not None:
         raise ValueError(why)
-    if compile:
-        from .compiled import not_compilable
-
-        if (why := not_compilable(transformer)) is not None:
-            raise ValueError(f"parallelize(compile=True): {why}")
+    if compile and (why := compiled.not_compilable(transformer)) is not None:
+        raise ValueError(f"parallelize(compile=True): {why}")
     if getattr(transformer, "_cp_ops_group", None) is not None:
-        raise ValueError(
-            f"this {name} is already parallelized over CP group '{transformer._cp_ops_group.group_name}'; "
-            "parallelize a fresh model (hooks installed twice would split the tokens twice)"
-        )
+        raise ValueError(f"this {name} is already parallelized over CP group "
+                         f"'{transformer._cp_ops_group.group_name}'; parallelize a fresh model (hooks installed "
+                         "twice would split the tokens twice)")
     if spec.check is not None:
         spec.check(transformer)
     pg, attn_group, cfg_parallel = mesh_groups(group, cfg_parallel)
@@ -251,8 +195,10 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         hooks.resolve(transformer, path)
     attn_modules = [(pattern, streams, hooks.resolve(transformer, pattern))
                     for pattern, streams in spec.attention.items()]
-    if mode == "ulysses" and attn_group is None:
-        _check_heads(attn_modules, pg.size() // 2 if cfg_parallel else pg.size())
+    w = pg.size() // 2 if cfg_parallel else pg.size()
+    if mode == "ulysses" and attn_group is None and (why_heads := _undivided_heads(attn_modules, w)) is not None:
+        raise ValueError(f"parallelize(mode='ulysses'): {why_heads} (Ulysses gives each rank H/W heads): use "
+                         "mode='agkv' or 'auto', or a group whose size divides the heads")
 
     lanes = Lanes(transformer, pg) if cfg_parallel else None
     cp = lanes.cp if lanes is not None else pg
@@ -277,39 +223,26 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
     caches.agree_step_caches(transformer)  # caches enabled before (their decisions reduced over the group) ...
     caches.wrap_enable_cache(transformer)  # ... and after, through model.enable_cache
     if compile:
-        from .compiled import compile_blocks
-
-        compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
+        compiled.compile_blocks(transformer, cuda_graphs=cuda_graphs is True)
     if why is not None:
         _fell_back(name)(why)
     if graphs == "forward":
-        from ...captured import capture_forward
-        from . import capture_safe
-
         capture_safe.apply(transformer)  # diffusers code a capture refuses, replaced by equivalents
         # pg: every rank holding part of the inputs (both CFG lanes): each replay runs collectives over all of them
         # refused: a hook that acts on the host at each call (the default then runs eager, explicit 'forward' raises)
         auto = dict(fallback=_fell_back(name)) if cuda_graphs == "auto" else {}
-        capture_forward(transformer, group=pg, refuse=caches.host_hooks, **auto)
+        captured.capture_forward(transformer, group=pg, refuse=caches.host_hooks, **auto)
         if lanes is not None:
-            from ...captured import captured
-
-            lanes.input_groups.append((captured(transformer), "group"))
+            lanes.input_groups.append((captured.captured(transformer), "group"))
     if lanes is not None:
         lanes.whole, lanes.whole_why = _whole_group(transformer, state, checks, pg, attn_group, attn_modules)
     return transformer
 
 
 def _whole_group(model, state, checks, pg, mesh, attn_modules):
-    """``(switch, None)``: a context manager that runs a forward of a model with CFG lanes (one that has no CFG pair:
-    :meth:`.lanes.Lanes.call` decides) with CP over all of ``pg``'s ranks — the CP group of the splits, the
-    attention and the gather, the rank checks, the step caches' state; the plan cache and a whole-forward capture
-    key on the group —, or ``(None, why)`` where none can run."""
-    import contextlib
-
-    from ...transport.torch import stage_through_host
-    from .lanes import swapped
-
+    """``(switch, None)``: a context manager that runs a forward of a model with CFG lanes (one with no CFG pair)
+    with CP over all of ``pg``'s ranks (splits, attention, gather, rank checks, step caches' state), or
+    ``(None, why)`` where none can run."""
     if mesh is not None:
         return None, "a 3-D mesh gives each lane a 2-D CP mesh, and the whole group none"
     if state.transport == "fast":

@@ -1,18 +1,15 @@
 """CFG-parallel lanes: the conditional and unconditional branches of classifier-free guidance on two halves of
 the ranks, CP inside each half (docs/pipelines.md, "CFG lanes").
 
-A batch of 2 (``[cond, uncond]`` along dim 0 of every batched input) is split: ranks ``0 .. W/2-1`` (lane 0) run
-the conditional element, ranks ``W/2 .. W-1`` (lane 1) the unconditional one; the lane outputs are all-gathered
-between the ranks of equal CP rank (one pair group per CP rank), so every rank returns the batch-of-2 output.
+A batch of 2 (``[cond, uncond]`` along dim 0 of every batched input) is split: lane 0 (ranks ``0 .. W/2-1``) runs
+the conditional element, lane 1 the unconditional one; the outputs are all-gathered between the ranks of equal CP
+rank (one pair group each), so every rank returns the batch-of-2 output.
 
-A pipeline of :data:`PAIRED` calls the transformer once per branch (cache_context "cond", then "uncond"):
-:func:`attach_pipeline` runs the cond call on lane 0 while lane 1 returns a NaN placeholder of the output's shape,
-and the uncond call on lane 1 while lane 0 returns at once; the exchange then fills lane 1's placeholder in place and
-hands lane 1's output to lane 0, stream-ordered, before the pipeline reads either (the pipelines in :data:`PAIRED`
-leave the first output untouched, or only sliced, until their second call). Any other call (no CFG pair; outside a
-pipeline call, one that is not a batch of 2) runs over the whole group, every rank one forward with CP over all of
-them (the switch :func:`.install.parallelize` gives; where none can run, on both lanes alike); one warning says why.
-A conditional call with no unconditional call after it raises.
+A pipeline of :data:`PAIRED` calls the transformer once per branch: :func:`attach_pipeline` runs the cond call on
+lane 0 (lane 1 returns a NaN placeholder) and the uncond call on lane 1 (lane 0 returns at once); the exchange then
+fills lane 1's placeholder in place and hands lane 1's output to lane 0, stream-ordered, before the pipeline reads
+either. Any other call runs over the whole group (the switch :func:`.install.parallelize` gives; where none can run,
+on both lanes alike), with one warning. A conditional call with no unconditional call after it raises.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ def _true_cfg(pooled: bool):
 
 
 #: diffusers pipelines (class name) whose calls cp_ops pairs over the lanes -> whether a ``pipe(...)`` call makes the
-#: unconditional call after each conditional one. Each was read (diffusers 0.42.1): the conditional output is left
-#: as it is, or sliced (a view), until the unconditional call.
+#: unconditional call after each conditional one. Each read (diffusers 0.42.1): the cond output is left, or sliced.
 PAIRED = {
     **dict.fromkeys(("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "Flux2KleinPipeline"),
                     _guidance_property),
@@ -72,13 +68,10 @@ BATCHED_CFG = ("LTXPipeline", "LTXImageToVideoPipeline", "LTXConditionPipeline",
 
 
 def cfg_kind(pipe_cls: type, config=None) -> str | None:
-    """How a pipeline class runs classifier-free guidance with its own defaults (its ``__call__``'s): 'paired' (a
-    class of :data:`PAIRED` whose default scale — ``true_cfg_scale`` where it has one, else ``guidance_scale`` — is
-    above 1: Wan, Qwen-Image, Flux 2 Klein; Qwen-Image's true CFG then runs whenever a negative prompt is given),
-    'batched' (a class of :data:`BATCHED_CFG` whose default ``guidance_scale`` is above 1), else None (Flux and
-    HunyuanVideo: ``true_cfg_scale`` 1 by default; any other pipeline). ``config``: the pipeline's own config,
-    where one is at hand: a guidance-distilled pipeline (``is_distilled``, Flux 2 Klein's distilled checkpoints)
-    runs no CFG at any scale."""
+    """How a pipeline class runs classifier-free guidance with its ``__call__``'s defaults: 'paired' (a class of
+    :data:`PAIRED` whose default ``true_cfg_scale``, else ``guidance_scale``, is above 1), 'batched' (a class of
+    :data:`BATCHED_CFG` whose default ``guidance_scale`` is above 1), else None (Flux, HunyuanVideo: true CFG off by
+    default). ``config``: the pipeline's config where at hand; a distilled one (``is_distilled``) runs no CFG."""
     name = pipe_cls.__name__
     kind = "paired" if name in PAIRED else "batched" if name in BATCHED_CFG else None
     if kind is None or (config is not None and bool(dict(config).get("is_distilled", False))):
@@ -97,8 +90,7 @@ def _new_group(ranks: list[int], pg: dist.ProcessGroup, mine: bool):
 
 
 class _PipeCall:
-    """One ``pipe(...)`` call in progress: the pipeline, its rule from :data:`PAIRED` (None: not there) and its
-    arguments (defaults applied)."""
+    """One ``pipe(...)`` call in progress: the pipeline, its :data:`PAIRED` rule (or None) and its arguments."""
 
     def __init__(self, pipe, args: dict):
         self.pipe, self.args, self.rule = pipe, args, PAIRED.get(type(pipe).__name__)
@@ -123,8 +115,8 @@ def _shape_key(args: tuple, kwargs: dict) -> str:
 
 
 def _host_waits(tensors) -> bool:
-    """Whether the lanes' exchange of ``tensors`` is waited by the host (CPU tensors over gloo), so cp_ops bounds it
-    and a failed lane can join it with placeholders; on CUDA it is stream-ordered (the host does not wait)."""
+    """Whether the host waits for the lanes' exchange of ``tensors`` (CPU tensors over gloo): cp_ops bounds it and a
+    failed lane can join it with placeholders."""
     return all(x.device.type == "cpu" for x in tensors)
 
 
@@ -137,8 +129,7 @@ def _placeholders(meta: list, args: tuple, kwargs: dict) -> tuple:
 
 
 def _meta(out) -> list | str:
-    """A forward's output as ``[[shape, dtype], ...]`` (a tuple of tensors: ``return_dict=False``), or why it is not
-    one."""
+    """A forward's output (a tuple of tensors) as ``[[shape, dtype], ...]``, or why it is not one."""
     if isinstance(out, tuple) and out and all(isinstance(x, torch.Tensor) for x in out):
         return [[list(x.shape), str(x.dtype).replace("torch.", "")] for x in out]
     return f"the output is a {type(out).__name__}" + (
@@ -155,10 +146,8 @@ class Lanes:
                              "(needs an even number ≥ 2)")
         half = w // 2
         ranks = [dist.get_global_rank(pg, i) for i in range(w)]
-        me = pg.rank()
-        self.lane, cp_rank = divmod(me, half)
-        lanes = [ranks[:half], ranks[half:]]
-        groups = [_new_group(r, pg, self.lane == i) for i, r in enumerate(lanes)]
+        self.lane, cp_rank = divmod(pg.rank(), half)
+        groups = [_new_group(r, pg, self.lane == i) for i, r in enumerate([ranks[:half], ranks[half:]])]
         self.cp = groups[self.lane]
         pairs = [_new_group([ranks[i], ranks[i + half]], pg, cp_rank == i) for i in range(half)]
         self.pair = pairs[cp_rank]
@@ -250,9 +239,8 @@ class Lanes:
     # ---- calls of a pipeline that runs each branch in its own call -------------------------------------------
     @contextlib.contextmanager
     def alone(self, over_all: bool = False):
-        """A forward of one branch, as given (select and gather let it through): this lane runs it by itself (the
-        lane's ranks share its inputs), or, ``over_all``, every rank runs it, CP over the whole group (:attr:`whole`,
-        the switch :func:`.install.parallelize` provides)."""
+        """A forward of one branch, as given (select and gather let it through), run by this lane alone or,
+        ``over_all``, by every rank with CP over the whole group (:attr:`whole`)."""
         switch = self.whole() if over_all else swapped([(obj, attr, self.cp) for obj, attr in self.input_groups])
         self.branch = True
         try:
@@ -305,8 +293,8 @@ class Lanes:
             return inner(*args, **kwargs)
 
     def _no_pending(self, what: str) -> None:
-        """Raise (on every rank: they all see the same calls) when a conditional output waits for its unconditional
-        call and the pipeline did ``what`` instead."""
+        """Raise (on every rank alike) where a conditional output waits for its unconditional call and the pipeline
+        did ``what`` instead."""
         if self.pending is not None:
             self.pending = None
             name = self.run.name if self.run is not None else "the pipeline"
@@ -351,8 +339,8 @@ class Lanes:
         return out
 
     def _uncond(self, inner, args, kwargs):
-        """Lane 1 runs the unconditional forward; both exchange: lane 1's placeholder gets lane 0's conditional
-        output (in place), lane 0 returns lane 1's unconditional output."""
+        """Lane 1 runs the unconditional forward, then the exchange fills lane 1's placeholder in place and gives
+        lane 0 lane 1's output."""
         (cond_key, cond), self.pending = self.pending, None
         pair_key = (cond_key, _shape_key(args, kwargs))
         out = None
@@ -389,8 +377,8 @@ class Lanes:
         return f"{self.peers.base}lanes-failed/{lane}"
 
     def _tell(self, k: int, joins: bool, e: BaseException) -> None:
-        """Publish that this rank's pipeline call failed (``e``) at its ``k``-th exchange of this call; ``joins``:
-        it still makes that exchange (with placeholders), so its partner's collectives stay in step."""
+        """Publish that this rank's call failed (``e``) at its ``k``-th exchange; ``joins``: it still makes that
+        exchange (with placeholders), so the partner's collectives stay in step."""
         self.told = True
         if self.peers is None:
             return
@@ -401,8 +389,7 @@ class Lanes:
             pass
 
     def _partner_failed(self, k: int) -> tuple[bool, str, int] | None:
-        """(whether it joins, its error, the exchange it failed at) where the partner told a failure of this call at
-        or before exchange ``k``."""
+        """(joins, error, exchange) where the partner told a failure of this call at or before exchange ``k``."""
         if self.peers is None:
             return None
         key = self._store_key(1 - self.lane)
@@ -427,8 +414,8 @@ class Lanes:
             raise self._named(value["failed"], "in its forward")
 
     def _forward_failed(self, e: BaseException, meta, key: str) -> None:
-        """This lane's forward of a CFG pair raised ``e`` (re-raised by the caller): tell the partner, which waits
-        for this lane in the agreement ``key`` (``meta`` None: the first call of this shape) or in the exchange."""
+        """This lane's forward of a CFG pair raised ``e``: tell the partner, waiting in the agreement ``key`` (``meta``
+        None: the first call of this shape) or in the exchange."""
         if meta is None:
             why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
             self.told = True
@@ -441,8 +428,8 @@ class Lanes:
         self._join(e)
 
     def _join(self, e: BaseException) -> None:
-        """Make this call's pending exchange with placeholders (what the partner already holds: lane 0's output
-        or lane 1's placeholder), after telling the partner that ``e`` ends this rank's call."""
+        """Tell the partner that ``e`` ends this rank's call, then make the pending exchange with what this lane
+        holds (lane 0's output or lane 1's placeholder)."""
         held = self.pending[1] if self.pending is not None else None
         self.pending = None
         if held is None or not _host_waits(held):
@@ -458,9 +445,8 @@ class Lanes:
 
     def _exchange(self, mine, joining: bool = False) -> list:
         """Exchange ``mine`` (a tuple of tensors) between the lanes: ``[lane 0's; lane 1's]`` along dim 0 each. On
-        the CPU (the host waits), bounded by cp_ops: the partner's published failure, its exit and
-        ``settings.timeout_s`` end the wait, naming it; on CUDA stream-ordered (the host does not wait): a failure
-        the partner told before this exchange raises here, naming it, without making it."""
+        the CPU the wait is bounded (the partner's told failure, its exit, ``settings.timeout_s``); on CUDA it is
+        stream-ordered, and a failure the partner told before this exchange raises here without making it."""
         self.n += 1
         if self.peers is None or not _host_waits(mine):
             told = self._partner_failed(self.n) if not joining else None
@@ -519,9 +505,8 @@ class Lanes:
         return [torch.cat(p) for p in parts]
 
     def _settle(self) -> None:
-        """An exchange this rank left unfinished (interrupted while waiting): wait, bounded, until the partner's
-        part arrives (it made the exchange, or joined it when its own call failed); where the partner said it will
-        not come, or does not within ``settings.timeout_s``, the pair is out of step (:attr:`broken`)."""
+        """An exchange this rank left unfinished (interrupted): wait, bounded, for the partner's part; where it said
+        it will not come, or does not within ``settings.timeout_s``, the pair is out of step (:attr:`broken`)."""
         if self.stale is None:
             return
         (works, k, call), self.stale = self.stale, None
@@ -545,9 +530,8 @@ class Lanes:
             self.calls = saved
 
     def abandon(self, e: BaseException) -> None:
-        """This rank's ``pipe(...)`` call raised ``e``: a CFG pair still open is exchanged (with what this lane
-        holds) so the partner's collectives stay in step; else the partner, if it waits in this call's next
-        exchange, is told."""
+        """This rank's ``pipe(...)`` call raised ``e``: an open CFG pair is exchanged with what this lane holds;
+        else the partner, should it wait in this call's next exchange, is told."""
         try:
             if self.told:
                 return
@@ -589,8 +573,8 @@ def swapped(values: list[tuple[object, str, object]]):
 
 
 def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
-    """Route ``model(...)`` through :meth:`Lanes.call`, outside everything else the model's call does (its hooks, a
-    whole-forward capture), and record its ``cache_context`` name. The class becomes a same-named subclass."""
+    """Route ``model(...)`` through :meth:`Lanes.call`, outside its hooks and capture, and record its
+    ``cache_context`` name. The class becomes a same-named subclass."""
     cls = type(model)
     if getattr(cls, "_cp_ops_lanes_call", False):  # already routed (a pipeline sharing the model: from_pipe)
         return
@@ -615,9 +599,8 @@ def _wrap_call(model: torch.nn.Module, lanes: Lanes) -> None:
 
 
 def attach_pipeline(pipe, models: list[torch.nn.Module]) -> None:
-    """Pair the per-branch calls of ``pipe`` over the CFG lanes of ``models`` (parallelized with ``cfg_parallel``):
-    each model's call goes through :meth:`Lanes.call`, and each ``pipe(...)`` call tells the lanes which pipeline
-    call is in progress (its arguments, defaults applied). No-op when no model has lanes."""
+    """Pair the per-branch calls of ``pipe`` over the CFG lanes of ``models``: each model's call goes through
+    :meth:`Lanes.call`, each ``pipe(...)`` call tells the lanes its arguments. No-op when no model has lanes."""
     lanes = [m._cp_ops_lanes for m in models if getattr(m, "_cp_ops_lanes", None) is not None]
     if not lanes:
         return

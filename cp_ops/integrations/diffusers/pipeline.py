@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 import socket
 from typing import Any
@@ -11,7 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import config
+from ...contract import agree, input_checksum, waiting_in
+from ...group import resolve_group
+from ...mesh import is_mesh
 from . import _private
+from .install import parallelize
+from .lanes import attach_pipeline
+from .planner import plan_pipeline
 from .registry import SUPPORTED
 
 
@@ -23,11 +32,8 @@ def is_transformer(module: Any) -> bool:
 
 
 def local_device() -> torch.device:
-    """``cuda:LOCAL_RANK`` where CUDA is available (``LOCAL_RANK`` unset: 0), else the CPU.
-
-    Raises:
-        ValueError: ``LOCAL_RANK`` is not an integer, or names a GPU that is not visible.
-    """
+    """``cuda:LOCAL_RANK`` where CUDA is available (``LOCAL_RANK`` unset: 0), else the CPU. ValueError: a
+    ``LOCAL_RANK`` that is not an integer or names no visible GPU."""
     raw = os.environ.get("LOCAL_RANK", "0")
     try:
         local = int(raw)
@@ -42,12 +48,8 @@ def local_device() -> torch.device:
 
 
 def _device(device) -> torch.device:
-    """``parallelize_pipeline``'s ``device``: None = :func:`local_device`; ``'cuda'`` without an index =
-    ``cuda:LOCAL_RANK``.
-
-    Raises:
-        ValueError: a CUDA device where CUDA is not available, or a bad ``LOCAL_RANK``.
-    """
+    """``parallelize_pipeline``'s ``device``: None = :func:`local_device`; ``'cuda'`` = ``cuda:LOCAL_RANK``.
+    ValueError: a CUDA device without CUDA, or a bad ``LOCAL_RANK``."""
     if device is None:
         return local_device()
     dev = torch.device(device)
@@ -61,14 +63,9 @@ def _device(device) -> torch.device:
 
 
 def _words(x, depth: int = 0) -> str:
-    """A pipeline call's argument in words that are equal on two ranks exactly when the ranks passed the same value:
-    plain values by ``repr``; tensors, arrays and images by shape, dtype and a digest of their bytes (a tensor's
-    :func:`cp_ops.contract.input_checksum`); a generator by its device and a digest of its state; a function by its
-    qualified name; containers element by element; any other object by its type."""
-    import hashlib
-
-    from ...contract import input_checksum
-
+    """A pipeline call's argument in words equal on two ranks exactly when they passed the same value: plain values
+    by ``repr``; tensors, arrays, images and generators by shape or device and a digest; functions by name;
+    containers item by item; any other object by its type."""
     if x is None or isinstance(x, (bool, int, float, str)):
         return repr(x)
     if isinstance(x, torch.Tensor):
@@ -91,12 +88,8 @@ def _words(x, depth: int = 0) -> str:
 
 
 def _agree_call(pipe, group, n: int, args: tuple, kwargs: dict) -> None:
-    """Every rank of ``group`` made the same ``n``-th ``pipe(...)`` call: raise ValueError on every rank naming the
-    arguments that differ (:func:`_words`), else return."""
-    import json
-
-    from ...contract import agree, waiting_in
-
+    """Raise ValueError on every rank of ``group`` naming the arguments of the ``n``-th ``pipe(...)`` call that
+    differ between the ranks (:func:`_words`)."""
     mine = {f"positional argument {i}": _words(a) for i, a in enumerate(args)}
     mine.update({k: _words(v) for k, v in kwargs.items()})
     what = f"{type(pipe).__name__}(...) call #{n} (parallelize_pipeline)"
@@ -112,11 +105,9 @@ def _agree_call(pipe, group, n: int, args: tuple, kwargs: dict) -> None:
 
 
 def check_calls(pipe, group) -> None:
-    """Make each ``pipe(...)`` call first check, on every rank of ``group`` (the ranks that share the pipeline's
-    inputs), that every rank passed the same arguments (:func:`_agree_call`: values, tensors' and generators'
-    digests), so ranks that differ in what the pipeline runs (``guidance_scale``, steps, a seed) raise on every rank
-    before any forward instead of pairing different forwards. ``pipe``'s class becomes a same-named subclass whose
-    ``__call__`` checks, then calls the original."""
+    """Make each ``pipe(...)`` call first check that every rank of ``group`` passed the same arguments
+    (:func:`_agree_call`), so ranks that differ raise before any forward instead of pairing different forwards.
+    ``pipe``'s class becomes a same-named subclass."""
     cls = type(pipe)
     if getattr(cls, "_cp_ops_checks_calls", False):
         return
@@ -132,17 +123,13 @@ def check_calls(pipe, group) -> None:
 
 
 def _init_group(device: torch.device) -> None:
-    """torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): NCCL on CUDA,
-    gloo on the CPU, cp_ops' timeout; without that environment a group of one rank (a plain ``python`` run)."""
+    """torch.distributed from torchrun's environment (NCCL on CUDA, gloo on the CPU, cp_ops' timeout); without it
+    a group of one rank."""
     if dist.is_initialized():
         return
-    from ... import config
-    from ...config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
-
-    for k, v in SAFE_ENV.items():
+    for k, v in config.SAFE_ENV.items():  # multicast/NVLS off wherever cp_ops starts ranks
         os.environ.setdefault(k, v)
-    timeout = datetime.timedelta(seconds=config.settings.timeout_s)
-    kw: dict[str, Any] = dict(timeout=timeout)
+    kw: dict[str, Any] = dict(timeout=datetime.timedelta(seconds=config.settings.timeout_s))
     if device.type == "cuda":
         kw["device_id"] = device
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -154,12 +141,8 @@ def _init_group(device: torch.device) -> None:
 
 
 def _plan(pipe, model, group, dev: torch.device, mode: str, kwargs: dict):
-    """The planned layout (:func:`.planner.plan_pipeline`) over ``group``'s ranks; None for a mesh (its shape is the
-    layout). Ranks per node: torchrun's ``LOCAL_WORLD_SIZE`` (the same on every node), else every rank."""
-    from ...group import resolve_group
-    from ...mesh import is_mesh
-    from .planner import plan_pipeline
-
+    """The planned layout (:func:`.planner.plan_pipeline`) over ``group``'s ranks (None for a mesh); ranks per
+    node: torchrun's ``LOCAL_WORLD_SIZE``, else every rank."""
     if is_mesh(group):
         return None
     n = resolve_group(group).size()
@@ -174,42 +157,30 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
                          **kwargs: Any) -> Any:
     """Make every transformer of a diffusers pipeline run context-parallel, in place; returns ``pipe``.
 
-    What it does and what is checked: docs/pipelines.md ("A whole pipeline in one line"). In short: the device
-    (``device``, else :func:`local_device`), torch.distributed (from torchrun's environment where it is not started;
-    a plain ``python`` run gets a group of one rank), ``pipe.to(device)``, the planned layout where none is given
-    (:mod:`.planner`), then :func:`~cp_ops.integrations.diffusers.parallelize` on every supported transformer
-    component. Sets ``pipe.cp_ops_layout`` (the :class:`.planner.Plan`, None on a mesh), ``pipe.cp_ops_writes_output``
-    (True on global rank 0 only) and ``pipe.cp_ops_transformers``; the progress bar shows on rank 0 only. Every rank
-    must then make the same ``pipe(...)`` calls with the same arguments (a generator seeded alike): each call first
-    compares every argument over the ranks and raises ValueError on every rank naming those that differ.
+    What it does and checks: docs/pipelines.md ("A whole pipeline in one line"): the device, torch.distributed (from
+    torchrun's environment; a plain ``python`` run gets a group of one rank), ``pipe.to(device)``, the planned layout
+    where none is given (:mod:`.planner`), then :func:`~cp_ops.integrations.diffusers.parallelize` on every supported
+    transformer. Sets ``pipe.cp_ops_layout`` (the :class:`.planner.Plan`, None on a mesh), ``cp_ops_writes_output``
+    (True on global rank 0) and ``cp_ops_transformers``. Every ``pipe(...)`` call first compares its arguments over
+    the ranks (ValueError on every rank naming those that differ).
 
     Args:
         pipe: a ``diffusers.DiffusionPipeline`` (anything with ``components`` and ``to``).
         group: the CP group (None = every rank; a ProcessGroup or 1-D DeviceMesh).
         device: where the pipeline runs; None = :func:`local_device`.
-        mode, transport, chunks: as :func:`~cp_ops.integrations.diffusers.parallelize`.
-        comm_dtype: what every CP attention call of every transformer sends over the link, as
-            :func:`~cp_ops.integrations.diffusers.parallelize`'s (None = the model's dtype; ``torch.float8_e4m3fn`` /
-            ``torch.float8_e5m2`` or ``'e4m3'`` / ``'e5m2'``; a dict per tensor q/k/v/o; docs/fp8.md).
-        **kwargs: passed on to :func:`~cp_ops.integrations.diffusers.parallelize` for every transformer
-            (``cfg_parallel``, ``compile``, ``cuda_graphs``, ...). With ``cfg_parallel=True``, a pipeline that calls
-            the transformer once per CFG branch runs the two calls on the two lanes at the same time
-            (:mod:`.lanes`, docs/pipelines.md); not given: the planned layout's. A given ``cfg_parallel``, ``mode``
-            or mesh wins over the plan.
+        mode, transport, chunks, comm_dtype: as :func:`~cp_ops.integrations.diffusers.parallelize`'s (``comm_dtype``:
+            None, ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` or ``'e4m3'`` / ``'e5m2'``, a dict per q/k/v/o).
+        **kwargs: passed on to ``parallelize`` (``cfg_parallel``, ``compile``, ``cuda_graphs``, ...); with
+            ``cfg_parallel=True`` a per-branch pipeline runs its two calls on the two lanes (:mod:`.lanes`). A given
+            ``cfg_parallel``, ``mode`` or mesh wins over the plan.
 
     Raises:
-        ValueError: ``pipe`` has no component :func:`~cp_ops.integrations.diffusers.parallelize` supports (the message
-            lists the components); some of its transformers already parallelized and some not, or layout arguments
-            given for transformers already parallelized (a pipeline sharing them with one this ran on, as
-            ``from_pipe`` makes: ``parallelize_pipeline(pipe)`` with no layout arguments runs it on them as they
-            are, its calls checked and paired like the first's); bad ``LOCAL_RANK``; a CUDA ``device`` where
-            CUDA is not available; anything :func:`~cp_ops.integrations.diffusers.parallelize` raises. Later, at a
-            ``pipe(...)`` call: ranks that passed different arguments (on every rank).
+        ValueError: no supported transformer (the message lists the components); transformers already parallelized
+            alongside others that are not, or with layout arguments (a ``from_pipe`` pipeline: call
+            ``parallelize_pipeline(pipe)`` bare); bad ``LOCAL_RANK``; a CUDA ``device`` without CUDA; anything
+            ``parallelize`` raises.
         RuntimeError: torch.distributed cannot start.
     """
-    from .install import parallelize
-    from .lanes import attach_pipeline
-
     components = getattr(pipe, "components", None)
     if not isinstance(components, dict):
         raise ValueError(f"parallelize_pipeline takes a diffusers pipeline (a .components dict); got "
@@ -225,13 +196,11 @@ def parallelize_pipeline(pipe: Any, group: Any = None, *, device: torch.device |
         given = {k: v for k, v in dict(group=group, device=device, transport=transport, chunks=chunks,
                                        comm_dtype=comm_dtype, **kwargs).items() if v not in (None, "auto")}
         if len(shared) != len(names) or given or mode != "auto":
-            raise ValueError(
-                f"{type(pipe).__name__}'s transformers {shared} are already parallelized (this pipeline shares them "
-                f"with one parallelize_pipeline ran on: from_pipe); {sorted(set(names) - set(shared))} are not"
-                if len(shared) != len(names) else
-                f"{type(pipe).__name__}'s transformers {shared} are already parallelized (this pipeline shares them "
-                f"with one parallelize_pipeline ran on: from_pipe): call parallelize_pipeline(pipe) with no layout "
-                f"arguments to run this pipeline on them as they are; got {sorted(given) or ['mode']}")
+            head = (f"{type(pipe).__name__}'s transformers {shared} are already parallelized (this pipeline shares "
+                    "them with one parallelize_pipeline ran on: from_pipe)")
+            raise ValueError(f"{head}; {sorted(set(names) - set(shared))} are not" if len(shared) != len(names) else
+                             f"{head}: call parallelize_pipeline(pipe) with no layout arguments to run this pipeline "
+                             f"on them as they are; got {sorted(given) or ['mode']}")
         pipe.to(components[names[0]].device if hasattr(components[names[0]], "device") else _device(None))
         pipe.cp_ops_layout = getattr(components[names[0]], "_cp_ops_layout", None)
     else:

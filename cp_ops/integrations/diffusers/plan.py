@@ -1,19 +1,11 @@
 """The CP plan: where a model's tokens are split over the CP group and where they are gathered back.
 
-A plan is a list of ``(module path, entry)`` pairs (paths such as ``"blocks.0"``, ``"transformer_blocks.*"``:
-``*`` = every child; a module may appear in several pairs, whose hooks run in list order), each entry either
-
-- a dict ``{input name or output index: Split}`` — split that forward input (by parameter name) before the
-  module runs, or that output (by index; 0 for a plain tensor) after it runs; or
-- a :class:`Gather` — all-gather the module's output along the token dimension.
-
-Every split tensor belongs to a *stream* (``"image"``, ``"text"``, or a model's own name): the tokens of one
-stream are split by :func:`cp_ops.layout.shard_sizes` over the ranks, rank r holding the r-th contiguous block. A tensor that
-is the concatenation of several full streams (HunyuanVideo's joint mask: ``[image, text]``) names them all and is
-split stream by stream, each rank keeping ``[its image block, its text block]``.
-
-This is diffusers' ``_cp_plan`` (``ContextParallelInput`` / ``ContextParallelOutput``) with the stream made
-explicit; :func:`from_diffusers` converts a class's plan.
+A plan is a list of ``(module path, entry)`` pairs (``"blocks.0"``, ``"transformer_blocks.*"``: ``*`` = every child;
+hooks of a module in several pairs run in list order), each entry a dict ``{input name or output index: Split}``
+(split that input before the module runs, or that output after) or a :class:`Gather` (all-gather the output).
+Every split tensor belongs to a *stream* (``"image"``, ``"text"``, ...), split by :func:`cp_ops.layout.shard_sizes`,
+rank r holding the r-th block; a concatenation of full streams (HunyuanVideo's joint mask) names them all and is
+split stream by stream. This is diffusers' ``_cp_plan`` with the stream made explicit (:func:`from_diffusers`).
 """
 
 from __future__ import annotations
@@ -27,10 +19,8 @@ from . import _private
 @dataclass(frozen=True)
 class Split:
     """Split a tensor along ``dim`` (its token dimension). ``streams``: the stream(s) it holds, in order;
-    ``expected_dims``: split only a tensor of this many dimensions (others pass unchanged, as in diffusers).
-    ``every_rank``: why the model needs at least one token of the stream on every rank (a model whose code cuts the
-    stream off by a negative count, ``x[:, :-n]``, which is every row for ``n = 0``), or None: fewer tokens than ranks
-    leave some ranks none (their tensors empty)."""
+    ``expected_dims``: split only a tensor of this many dimensions (others pass, as in diffusers); ``every_rank``: why
+    the model needs a token of the stream on every rank (it cuts by ``x[:, :-n]``), or None (ranks may hold none)."""
 
     dim: int
     streams: tuple[str, ...] = ("image",)
@@ -52,11 +42,8 @@ Plan = list  # of (path, dict[str | int, Split] | Gather)
 
 def from_diffusers(model_cls: type, text: set[tuple[str, str | int]] = frozenset(),
                    drop: set[tuple[str, str | int]] = frozenset()) -> Plan:
-    """Convert ``model_cls._cp_plan`` into a :data:`Plan`. ``text``: the ``(module path, key)`` entries whose
-    tokens are text (the others are image tokens); ``drop``: entries left out (e.g. text kept replicated).
-
-    Raises:
-        ValueError: the class has no ``_cp_plan``, or an entry of a kind cp_ops does not handle (lists).
+    """Convert ``model_cls._cp_plan`` into a :data:`Plan`. ``text``: the ``(module path, key)`` entries whose tokens
+    are text (else image); ``drop``: entries left out. ValueError: no ``_cp_plan``, or an entry cp_ops does not handle.
     """
     cp_input, cp_output = _private.cp_plan_classes()
     source = _private.class_cp_plan(model_cls)

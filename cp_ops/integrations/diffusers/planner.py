@@ -1,11 +1,7 @@
 """The planned layout of a pipeline on N ranks: CFG lanes or not, the CP width and mode of each lane, and the step
-time each layout is predicted to take. :func:`parallelize_pipeline` (with no ``cfg_parallel`` and no mesh) runs the
-choice; ``cp-ops run MODEL --plan N`` prints it beside the alternatives. The candidates, the predicted step time and
-the choice: docs/pipelines.md, "The planned layout".
-
-Each lane's mode is what ``mode='auto'`` runs there (:func:`cp_ops.plan.rules.mode_rule` on one node,
-:mod:`cp_ops.plan.split` across nodes): this module predicts it, it does not decide it. Rank 0's forward comes from
-:data:`BOUND` (measured, with the token scaling in :func:`_forward_ms`), the link time from :func:`cp_ops.cost.predict`.
+time each layout is predicted to take (docs/pipelines.md, "The planned layout"). :func:`parallelize_pipeline` runs
+the choice; ``cp-ops run MODEL --plan N`` prints it. Each lane's mode is predicted as ``mode='auto'`` runs it, not
+decided here; rank 0's forward comes from :data:`BOUND` (measured), the link time from :func:`cp_ops.cost.predict`.
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from typing import Mapping
 
 from ... import cost, modes
 from ...plan.rules import mode_rule
+from .lanes import cfg_kind
 
 #: The compile paths with measured rows (``parallelize``'s ``compile`` / ``cuda_graphs`` → :func:`path_for`).
 PATHS = ("eager", "eager+graphs", "regional+capture")
@@ -85,9 +82,8 @@ def row_for(cls: str, config: Mapping | None) -> tuple[Row | None, str]:
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: ``lanes`` (1 or 2) × CP ``cp`` ranks per lane running ``mode``; ``forwards`` per step on a
-    lane; ``forward_ms`` (rank 0's, from the bound), ``comm_ms`` (per forward, link model), ``step_ms`` =
-    ``forwards × (forward_ms + comm_ms)``; None where nothing is predicted (a row-less class)."""
+    """One candidate: ``lanes`` (1 or 2) × CP ``cp`` ranks running ``mode``, ``forwards`` per step on a lane,
+    ``forward_ms`` and ``comm_ms`` per forward (None for a row-less class)."""
 
     lanes: int
     cp: int
@@ -163,8 +159,7 @@ def _mode(heads: int, n: int, ranks_per_node: int) -> str:
 
 
 def _comm_ms(row: Row, n: int, mode: str, tokens: int, ranks_per_node: int, links: cost.Links) -> tuple[str, float]:
-    """``(mode, link ms per forward)``; a lane across nodes: the split :mod:`cp_ops.plan.split` picks, named as
-    :attr:`cp_ops.cost.Prediction.name` (``'agkv'``, ``'ulysses'``, ``'OxI'``) after ``'split '``."""
+    """``(mode, link ms per forward)``; across nodes ``'split '`` + the split :mod:`cp_ops.plan.split` picks."""
     if n == 1:
         return mode, 0.0
     g, nodes = _nodes(n, ranks_per_node)
@@ -180,22 +175,12 @@ def _comm_ms(row: Row, n: int, mode: str, tokens: int, ranks_per_node: int, link
 def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, tokens: int | None = None,
          path: str = "eager+graphs", ranks_per_node: int | None = None, mode: str = "auto",
          lanes: int | None = None, links: cost.Links | None = None) -> Plan:
-    """The layout for a transformer of class ``cls`` (``config``: its config, to pick among its class's rows) in a
-    pipeline over ``n`` ranks (module docstring).
-
-    Args:
-        cfg: how the pipeline runs classifier-free guidance: 'paired' (one call per branch), 'batched' (one call of
-            a batch of 2) or None (no CFG: never lanes).
-        tokens: image/video tokens per forward (None: the measured resolution's).
-        path: one of :data:`PATHS`.
-        ranks_per_node: ranks sharing a node (None: all ``n``).
-        mode: the mode the caller gave (``'auto'``: each lane's mode rule); a mode that splits heads is not planned
-            on a lane width that does not divide the model's heads (``config``'s, else the row's).
-        lanes: the caller's choice (``cfg_parallel`` given: 2 or 1): predicted beside the plan's, and kept.
-
-    Raises:
-        ValueError: ``n`` < 1; an unknown ``cfg`` or ``path``.
-    """
+    """The layout for a transformer of class ``cls`` (``config`` picks among its class's rows) in a pipeline over
+    ``n`` ranks. ``cfg``: 'paired' (one call per branch), 'batched' (a batch of 2) or None (no CFG: never lanes);
+    ``tokens``: per forward (None: the measured one's); ``path``: one of :data:`PATHS`; ``ranks_per_node``: None =
+    ``n``; ``mode``: the caller's (a head-splitting mode is not planned on a width that does not divide the heads);
+    ``lanes``: the caller's choice (2 or 1), kept and predicted beside the plan's. ValueError: ``n`` < 1, an unknown
+    ``cfg`` or ``path``."""
     if n < 1 or cfg not in (None, "paired", "batched") or path not in PATHS:
         raise ValueError(f"plan: n must be >= 1, cfg one of None/'paired'/'batched', path one of {PATHS}; got n={n}, "
                          f"cfg={cfg!r}, path={path!r}")
@@ -255,10 +240,7 @@ def plan(cls: str, n: int, *, cfg: str | None, config: Mapping | None = None, to
 
 def plan_pipeline(pipe, model, n: int, *, ranks_per_node: int | None, cuda: bool, mode: str = "auto",
                   cfg_parallel: bool | None = None, compile: bool = False, cuda_graphs="auto") -> Plan:  # noqa: A002
-    """:func:`plan` for ``model`` (a transformer of ``pipe``) over ``n`` ranks, with the facts read from them: its class
-    and config, the pipeline's CFG (:func:`.lanes.cfg_kind`), the compile path (:func:`path_for`)."""
-    from .lanes import cfg_kind
-
+    """:func:`plan` for ``model`` (a transformer of ``pipe``) over ``n`` ranks, the facts read from them."""
     config = dict(getattr(model, "config", None) or {})
     cfg = cfg_kind(type(pipe), getattr(pipe, "config", None))
     return plan(type(model).__name__, n, cfg=cfg, config=config, ranks_per_node=ranks_per_node,

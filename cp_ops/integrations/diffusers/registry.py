@@ -1,15 +1,9 @@
-"""The diffusers transformer classes :func:`~cp_ops.integrations.diffusers.parallelize` supports, and how.
-
-Each entry names: where the CP plan comes from (the class's diffusers ``_cp_plan``, with its text inputs named,
-or an adapter in :mod:`.models`), which attention modules go through cp_ops and which token streams their
-sequence holds (``("text", "image")``: joint attention, the text sharded with the image), and the inputs the
-model-level rank check compares.
-
-A class with a diffusers ``_cp_plan`` and no line here runs through the generic installer (:mod:`.generic`: text
-inputs by name, attention modules and their streams found from the model). Adding a model: one :class:`ModelSpec`
-line here — ``plan=_diffusers(...)`` where the generic installer's guesses are wrong for its class — else a new
-adapter file in ``models/`` with ``plan(model)`` and ``ATTENTION`` — and a tiny-config test in
-``tests/test_diffusers_models.py``.
+"""The diffusers transformer classes :func:`~cp_ops.integrations.diffusers.parallelize` supports, and how: where the
+CP plan comes from (the class's ``_cp_plan`` with its text inputs named, or an adapter in :mod:`.models`), which
+attention modules go through cp_ops over which token streams (``("text", "image")``: joint attention, the text
+sharded with the image), and the inputs the model-level rank check compares. A class with a ``_cp_plan`` and no
+line runs through :mod:`.generic`. Adding a model: one :class:`ModelSpec` line (or an adapter in ``models/``) and a
+tiny-config test in ``tests/test_diffusers_models.py``.
 """
 
 from __future__ import annotations
@@ -68,11 +62,8 @@ SUPPORTED: dict[str, ModelSpec] = {
 
 
 def spec_for(model) -> ModelSpec:
-    """The :class:`ModelSpec` of ``model``'s class: its line in :data:`SUPPORTED`, else, for a class with a diffusers
-    ``_cp_plan``, the generic installer's (:mod:`.generic`; built for this model: its attention modules).
-
-    Raises:
-        ValueError: an unsupported class — listing the supported ones and how to add one.
+    """The :class:`ModelSpec` of ``model``'s class: its line in :data:`SUPPORTED`, else for a class with a diffusers
+    ``_cp_plan`` the generic installer's. ValueError for another class, listing the supported ones and how to add one.
     """
     name = type(model).__name__
     if name not in SUPPORTED and _private.class_cp_plan(type(model)):

@@ -1,13 +1,10 @@
 """HunyuanVideo (``HunyuanVideoTransformer3DModel``): cp_ops's own CP plan (diffusers 0.42 has none).
 
-Joint attention over ``[video, text]`` with the text *sharded with the video*: the video tokens (and their RoPE
-rows) and the text tokens (after the token refiner, which runs on the full text on every rank) are split at the
-first double-stream block; the model's joint key mask ``[B, 1, 1, N_video + N_text]`` (text padding at the end) is
-split stream by stream at every block, each rank keeping ``[its video block, its text block]`` — the order in
-which the processors concatenate this rank's tokens. Every token sits on one rank and counts once in the softmax.
-
-Not supported: the image-to-video "token replace" variant (its first-frame modulation indexes the full sequence); a
-text shorter than the CP world size (ValueError: its single-stream blocks need a text token on every rank).
+Joint attention over ``[video, text]`` with the text sharded with the video: the video tokens (and RoPE rows) and the
+text tokens (after the token refiner, run whole on every rank) are split at the first double-stream block; the joint
+key mask ``[B, 1, 1, N_video + N_text]`` is split stream by stream at every block, each rank keeping ``[its video
+block, its text block]``, the order its processors concatenate. Not supported: the image-to-video "token replace"
+variant; a text shorter than the CP world size (ValueError).
 """
 
 from __future__ import annotations

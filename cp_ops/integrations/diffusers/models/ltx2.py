@@ -1,17 +1,11 @@
-"""LTX-2 (``LTX2VideoTransformer3DModel``): diffusers' ``_cp_plan`` with what it misses, and the attention modules
-named.
+"""LTX-2 (``LTX2VideoTransformer3DModel``): diffusers' ``_cp_plan`` with what it misses, and the attention modules.
 
-The video tokens are split (diffusers' plan: ``hidden_states``, the self-attention RoPE ``rope``, the gather at
-``proj_out``); the audio tokens and both texts stay whole on every rank (short: cp_ops keeps the video text
-replicated, where diffusers' plan splits it, so the text cross-attention stays local). What diffusers' plan misses:
-the audio-video cross-attention RoPE of the video side (``cross_attn_rope``), which the split video queries
-(``audio_to_video_attn``) and keys (``video_to_audio_attn``) need split alike. Per block:
-
-- ``attn1`` (video self-attention): CP attention over the video stream;
-- ``video_to_audio_attn`` (audio queries, whole, against the split video keys): the video K/V (and their mask)
-  all-gathered, attended locally (:func:`~cp_ops.integrations.diffusers.generic.call`);
-- ``audio_attn1``, ``audio_attn2``, ``attn2``, ``audio_to_video_attn`` (queries against whole keys): local, as on one
-  device.
+The video tokens are split (diffusers' plan); the audio tokens and both texts stay whole on every rank (cp_ops keeps
+the video text replicated, so the text cross-attention stays local). Added: the video side's audio-video
+cross-attention RoPE (``cross_attn_rope``), split like the video queries and keys it meets. Per block: ``attn1``
+(video self-attention) is CP attention; ``video_to_audio_attn`` (whole audio queries, split video keys) all-gathers
+the video K/V and attends locally (:func:`~cp_ops.integrations.diffusers.generic.call`); the other attentions
+(queries against whole keys) are local, as on one device.
 """
 
 from __future__ import annotations

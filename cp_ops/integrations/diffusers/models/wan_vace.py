@@ -1,11 +1,9 @@
 """Wan VACE (``WanVACETransformer3DModel``): cp_ops's own CP plan (diffusers 0.42 has none).
 
-The VACE blocks run first on the full video latents and the control latents (same token count, zero-padded by
-the model), producing hints added to the main blocks' hidden states token by token. Plan: RoPE rows, the latents
-at every VACE block and at the first main block, and the control latents at the first VACE block are split over
-the CP group (the hints are then local, like the hidden states they are added to); self-attention (``attn1``) of
-both kinds of block goes through cp_ops; cross-attention to the replicated text stays local. Gathered after
-``proj_out``.
+The VACE blocks run first on the video and control latents (same token count), producing hints added to the main
+blocks' hidden states token by token: RoPE rows, the latents at every VACE block and the first main block, and the
+control latents at the first VACE block are split (the hints then local); both blocks' ``attn1`` go through cp_ops,
+the text cross-attention stays local. Gathered after ``proj_out``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Z-Image (``ZImageTransformer2DModel``): cp_ops's own CP plan (diffusers 0.42 has none).
 
-Z-Image refines the image tokens (``noise_refiner``) and the caption tokens (``context_refiner``) separately, then
-runs its main ``layers`` over one unified sequence ``[image, caption]`` per sample (each part padded to a multiple
-of 32 with learned pad tokens; samples of different lengths padded at the end and masked with a key-padding mask).
-
-- ``noise_refiner``: image self-attention under CP (stream ``x``: its inputs split at the first layer, the mask and
-  RoPE at every layer; the output all-gathered after the last layer, since the unified sequence is built from the
-  full image tokens).
-- ``context_refiner``: caption self-attention, local (the caption is short; every rank runs it on the full caption).
-- ``layers``: joint attention with the caption *sharded with the image*: the unified sequence (stream ``unified``)
-  is split contiguously, so each token sits on exactly one rank and is counted once in the softmax; the batch
-  padding mask is split with it and passed to :func:`cp_ops.attention` as a key mask. Gathered after the final
-  layer.
+Z-Image refines the image tokens (``noise_refiner``) and the caption tokens (``context_refiner``) apart, then runs
+``layers`` over one sequence ``[image, caption]`` per sample (padded, with a key-padding mask). ``noise_refiner``:
+image self-attention under CP (stream ``x``; gathered after its last layer: the unified sequence is built from the
+full image). ``context_refiner``: local (short). ``layers``: joint attention with the caption sharded with the image
+(stream ``unified``, split contiguously, its padding mask a key mask); gathered after the final layer.
 """
 
 from __future__ import annotations
