@@ -1,18 +1,11 @@
-"""The DiTs ``cp-ops run`` / ``cp-ops generate`` know: released configs, input builders, schedulers.
+"""The DiTs ``cp-ops run`` / ``bound`` know: one :class:`ModelSpec` per family (diffusers class, released configs,
+``--layers N`` depth, default latents, input builder, scheduler). ``tiny`` configs are the CPU default (same structure,
+seconds). Latents are VAE space (pixels / 8; image models 1 frame); inputs come from one seeded generator, so every
+rank builds the same full inputs.
 
-One :class:`ModelSpec` per model family: the diffusers transformer class, its released configs (the
-``config.json`` of the transformer in the released checkpoint; ``tiny`` is the CPU default, same structure,
-seconds instead of minutes), how ``--layers N`` cuts depth, default latent sizes, and how to build the inputs
-its ``forward`` takes from a latent ``[frames, height, width]`` (latent = VAE space: pixels / 8 for these
-VAEs; image models have 1 frame). Inputs are random, drawn from one seeded generator, so every rank builds
-the same full inputs.
-
-Sources: configs from the released checkpoints' ``transformer/config.json`` (Wan-AI/Wan2.1-T2V-1.3B/-14B-Diffusers,
-Tongyi-MAI/Z-Image-Turbo, black-forest-labs/FLUX.1-dev/-schnell, Qwen/Qwen-Image,
-hunyuanvideo-community/HunyuanVideo); input layouts and timestep conventions from the matching diffusers
-pipelines (0.42): Flux/Qwen-Image pack 2x2 latent patches into tokens and take ``t / 1000``; Z-Image takes
-lists of ``[C, 1, H, W]`` latents and ``(1000 - t) / 1000`` and predicts the negated velocity; Wan and
-HunyuanVideo take ``[B, C, F, H, W]`` latents and ``t`` in [0, 1000].
+Sources: the released checkpoints' ``transformer/config.json`` (Wan-AI/Wan2.1-T2V-1.3B/-14B-Diffusers,
+Tongyi-MAI/Z-Image-Turbo, black-forest-labs/FLUX.1-dev/-schnell, Qwen/Qwen-Image, hunyuanvideo-community/HunyuanVideo);
+input layouts and timestep conventions from the matching diffusers 0.42 pipelines.
 """
 
 from __future__ import annotations
@@ -357,8 +350,7 @@ def build(spec: ModelSpec, config: str, layers: int | None, device, dtype, seed:
 
 
 def checkpoint_folder(path: str) -> str | None:
-    """The subfolder of a local diffusers checkpoint ``path`` that holds the transformer: ``'transformer'`` for a
-    pipeline folder, None when ``path`` is the transformer folder itself."""
+    """``'transformer'`` when ``path`` is a pipeline folder, None when it is the transformer folder itself."""
     import os
 
     return "transformer" if os.path.isfile(os.path.join(path, "transformer", "config.json")) else None
@@ -391,9 +383,8 @@ def load_checkpoint(spec: ModelSpec, path: str, device, dtype):
 
 
 def dtype_kwarg(dtype) -> dict:
-    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers takes it (the versions that warn that
-    ``torch_dtype`` is deprecated: they have ``diffusers.utils.deprecation_utils._resolve_dtype``), else
-    ``torch_dtype=`` (older diffusers, which would not read ``dtype``)."""
+    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers takes it (it has
+    ``deprecation_utils._resolve_dtype``), else ``torch_dtype=`` (older diffusers)."""
     import importlib
 
     dep = importlib.import_module("diffusers.utils.deprecation_utils")
