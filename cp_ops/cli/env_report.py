@@ -10,11 +10,8 @@ import sys
 
 
 def settings_rows() -> tuple[list[dict], list[str]]:
-    """``(rows, errors)``: one row per setting (field, variable, value, source) as
-    :meth:`cp_ops.config.Settings.describe` gives them, and the one-line error of each bad ``CP_OPS_*`` value.
-
-    ``cp_ops.config`` parses the environment when it is imported and raises on the first bad value; here its
-    definitions are loaded without registering the module, so each variable is checked on its own."""
+    """``(rows, errors)``: one row per setting (:meth:`cp_ops.config.Settings.describe`) and the one-line error of each
+    bad ``CP_OPS_*`` value (``cp_ops.config`` raises on the first at import: here each variable is checked alone)."""
     try:
         from cp_ops import config
 
