@@ -25,10 +25,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def fast_pool_gib(seqs: list[int], batch: int, heads: int, head_dim: int, dtype: torch.dtype, world_size: int,
                   chunks: tuple = (1,)) -> float:
-    """GiB of the fast transport's symmetric pool that a bench over ``seqs`` fills: the pool keeps every shape
-    it has seen, double-buffered — AGKV K and V ``[B, S, H, D]``, the Ulysses buffer (3 tensors) and its
-    inverse (``H / W`` heads each); pipelined Ulysses (a chunk count c > 1 in ``chunks``; None = the measured
-    choice, which tries 2 and 4) adds its head sub-groups' buffers (at most 2 shapes of about 1/c of them)."""
+    """GiB of the fast transport's symmetric pool a bench over ``seqs`` fills: every shape seen, double-buffered
+    (AGKV K and V, the Ulysses buffer and its inverse), plus pipelined Ulysses' head sub-groups for each chunk count
+    c > 1 in ``chunks`` (None: the measured choice, which tries 2 and 4)."""
     esz = torch.empty((), dtype=dtype).element_size()
     counts = {c for c in chunks if c is not None and c > 1} | ({2, 4} if None in chunks else set())
     ulysses = (3 / world_size + 1 / world_size) * (1 + sum(min(1.0, 2 / c) for c in counts))
@@ -74,10 +73,9 @@ def _write_json(path: str, payload: dict, quiet: bool = False) -> None:
 
 def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: torch.device, warmup: int = 2,
               samples: int = 3, calls: int = 3) -> dict:
-    """The P2P bandwidth of this machine as the bench's bound uses it: the AGKV all-gather of ``k, v`` (this
-    rank's ``[B, S_local, H, D]`` shards, the largest S of the run) through each transport's op, steady state
-    (:func:`steady_ms`, max over ranks per sample, median); GB/s = bytes each rank receives ((W−1)·2·|k|) ÷ time.
-    Returns ``{'bytes': ..., 'by_transport': {name: {'ms', 'GBps'}}, 'GBps': best}`` (the same on every rank)."""
+    """The P2P bandwidth the bound uses: the AGKV all-gather of this rank's ``k, v`` through each transport, steady
+    state, max over ranks, median; GB/s = bytes each rank receives ((W−1)·2·|k|) ÷ time. Returns ``{'bytes',
+    'by_transport': {name: {'ms', 'GBps'}}, 'GBps': best}`` (the same on every rank)."""
     w = dist.get_world_size()
     name = dist.group.WORLD.group_name
     recv = (w - 1) * 2 * k.numel() * k.element_size()
@@ -118,9 +116,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     shape = getattr(args, "mesh", None)  # (O, I) with --mesh: 2-D CP on that mesh
     group = mesh_comm.build(shape, device.type) if shape is not None else None
     cases = []
-    for s in args.seqs:
-        if s % world_size:
-            raise ValueError(f"--seqs: S={s} is not divisible by the CP world size {world_size}")
+    for s in args.seqs:  # multiples of W (bench_args.check)
         for mode in args.modes:
             split = shape[1] if shape is not None else world_size  # the heads are split over the (inner) group
             if mode != "auto" and modes.spec(mode).needs_heads_divisible and h % split:
@@ -128,9 +124,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                     what = f"the mesh's inner size {split}" if shape is not None else f"CP world size {world_size}"
                     print(f"skip {mode} at H={h}: {what} does not divide the head count")
                 continue
-            for tr in args.transports:
-                for c in ([None] if mode == "auto" else chunk_list):
-                    cases.append((s, mode, tr, c))
+            cases += [(s, mode, tr, c) for tr in args.transports for c in ([None] if mode == "auto" else chunk_list)]
     if not cases:
         raise ValueError(f"nothing to measure: no (S, mode, transport) case is valid for H={h}, W={world_size}")
     # the bound's bandwidth: the AGKV gather at the largest S, through every transport of the run

@@ -313,14 +313,13 @@ def prepare(names: list[str]) -> None:
     """What peers ``names`` change process-wide on first use, done before any side is built (else the compiled blocks
     of sides built before, guarding on it, compile again in the timed rounds): cache-dit's attention backends in
     diffusers' registry. A peer that cannot be imported is left alone (its sides say why)."""
-    for name in names:
-        if name == "cache-dit" and importlib.util.find_spec("cache_dit") is not None:
-            try:
-                from cache_dit.attention import _maybe_register_custom_attn_backends
+    if "cache-dit" in names and importlib.util.find_spec("cache_dit") is not None:
+        try:
+            from cache_dit.attention import _maybe_register_custom_attn_backends
 
-                _maybe_register_custom_attn_backends()
-            except Exception:  # noqa: BLE001 - its sides report it
-                pass
+            _maybe_register_custom_attn_backends()
+        except Exception:  # noqa: BLE001 - its sides report it
+            pass
 
 
 def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.ProcessGroup, heads: int | None,

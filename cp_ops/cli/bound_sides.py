@@ -173,10 +173,9 @@ class Side:
 
 
 def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=None):
-    """The side's call: one forward, or with ``margs.steps`` a denoising loop of that many steps
-    (:func:`cp_ops.cli.run.denoise`: the model's scheduler; returns the final latents, ``step_log`` gets the loop's
-    per-step ms). ``count[0]`` += 1 per Python-level call, when given; ``around()``: a context manager each
-    Python-level call runs inside (a peer's process-wide state); eager+graphs and +capture: captured."""
+    """The side's call: one forward, or with ``margs.steps`` a denoising loop (:func:`cp_ops.cli.run.denoise`; its
+    per-step ms into ``step_log``). ``count[0]`` += 1 per Python-level call; ``around()``: a context manager each
+    call runs inside (a peer's process-wide state); eager+graphs and +capture: captured."""
     from .run import _forward_fn, denoise
 
     if margs.steps:
@@ -206,10 +205,8 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=Non
 
 def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
     """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain, a peer's CP for dcp),
-    compile it as ``margs`` says, run and time its first call; sets ``side.call``, ``side.first_s`` and ``side.out``.
-
-    A dcp side (a peer's own CP) that Dynamo cannot compile whole (``fullgraph=True``, as every other side) is
-    built again and compiled with graph breaks (``fullgraph=False``): ``side.fullgraph_error`` says why."""
+    compile it as ``margs`` says, run and time its first call (``side.call``, ``first_s``, ``out``). A dcp side Dynamo
+    cannot compile whole is built again with graph breaks (``fullgraph=False``; ``side.fullgraph_error`` says why)."""
     try:
         return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
     except Exception as e:  # noqa: BLE001 - diffusers' CP under Dynamo: retried with graph breaks, the reason kept
@@ -268,10 +265,8 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
 
 
 def _time_sides(sides: list[Side], device, warmup: int, rounds: int) -> None:
-    """``warmup`` untimed forwards of each side, then ``rounds`` interleaved rounds: each takes one sample of every
-    side (the median of ``n`` waited-for forwards; ``n`` from the warm-up's time, so a sample lasts ~SAMPLE_MS),
-    and the median of the same forwards' host times (:func:`cp_ops.timing.samples_ms`: the call's wall time, not
-    waited for)."""
+    """``warmup`` untimed forwards of each side, then ``rounds`` interleaved rounds of one sample of every side: the
+    median of ``n`` waited-for forwards (a sample lasts ~SAMPLE_MS) and of their host times (wall, not waited for)."""
     calls = {}
     for s in sides:
         # n from one forward timed after the untimed warm-up ones (a compile in the first would make n = 1)

@@ -30,12 +30,10 @@ def _get_hidden(kw):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One model family (module docstring). ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA,
-    the model's standard resolution (``cp-ops run --help``: ``--height``); ``cpu_latent``: the tiny configs'.
-    ``layer_keys``: config entries ``--layers N`` sets to N (every block kind). ``text_tokens``: text sequence length
-    per config (the pipeline's ``max_sequence_length`` where it pads, else a typical prompt's valid tokens).
-    ``replicated``: submodule name prefixes whose work every rank repeats on full tensors (timestep and text
-    embeddings), for the ``--profile`` breakdown."""
+    """One model family. ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA (the standard
+    resolution); ``cpu_latent``: the tiny configs'. ``layer_keys``: what ``--layers N`` sets. ``text_tokens``: per
+    config (the pipeline's ``max_sequence_length`` where it pads, else a typical prompt's). ``replicated``: modules
+    whose work every rank repeats on full tensors (timestep and text embeddings), for ``--profile``."""
 
     name: str
     cls: str

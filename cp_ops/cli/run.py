@@ -171,7 +171,6 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
 
     rows = []
     logger_compat()
-
     for label, cpc in (("diffusers ulysses", dict(ulysses_degree=world)), ("diffusers ring", dict(ring_degree=world))):
         reason = None
         if device.type == "cpu":
@@ -199,8 +198,8 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
 
 
 def _can_interleave(model, args, device) -> bool:
-    """Whether the final times come from interleaved rounds (:func:`_interleaved`): one forward per row (no
-    ``--steps``, no ``--cuda-graphs``) and room for the copies on every rank (:func:`_room_for_copies`; agreed)."""
+    """Whether the final times come from interleaved rounds (:func:`_interleaved`): no ``--steps``, no
+    ``--cuda-graphs``, and room for the copies on every rank (agreed)."""
     wanted = not args.steps and not args.cuda_graphs  # the same arguments on every rank
     t = torch.tensor([int(wanted and _room_for_copies(model, args, device))], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -220,10 +219,9 @@ def _room_for_copies(model, args, device) -> bool:
 
 
 def _interleaved(single_row, single_call, cp, args, device, rank: int) -> None:
-    """Time every side again in ``args.repeats`` interleaved rounds (:func:`cp_ops.timing.interleaved_rounds`: the
-    1-rank model on rank 0 alone, then every CP row of ``cp`` = ``[(row, call)]``) and make those the rows' times,
-    so drift hits every side alike; the first, sequential times stay as ``ms_sequential`` (``speedup_sequential``).
-    One untimed forward of each first (a side whose Dynamo cache was reset compiles again there)."""
+    """Time every side again in ``args.repeats`` interleaved rounds (the 1-rank model on rank 0 alone, then every CP
+    row of ``cp`` = ``[(row, call)]``), so drift hits every side alike; the first times stay as ``ms_sequential``
+    (``speedup_sequential``). One untimed forward of each first (a side whose Dynamo cache was reset compiles)."""
     dist.barrier()
     if rank == 0:
         single_call()
