@@ -104,10 +104,15 @@ def _run(rank: int, world_size: int, device: str, fn: Callable, args: tuple) -> 
 
 
 def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
-    """Run ``fn(rank, world_size, device, *args)`` on every rank (under torchrun: its WORLD_SIZE ranks; ``nproc`` and
-    the GPU count are checked by :mod:`.main`)."""
+    """Run ``fn(rank, world_size, device, *args)`` on every rank (under torchrun: its WORLD_SIZE ranks). Raises
+    ValueError when ``nproc < 1`` or ``device='cuda'`` has fewer than ``nproc`` visible GPUs."""
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
     if under_torchrun():
         return _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, fn, args)
+    if device == "cuda" and torch.cuda.device_count() < nproc:
+        raise ValueError(f"--nproc {nproc} needs {nproc} visible GPUs; found {torch.cuda.device_count()} "
+                         "(lower --nproc or use --device cpu)")
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1; got {nproc}")
     mp.spawn(run_rank, args=(nproc, device, free_port(), fn, args), nprocs=nproc, join=True)
