@@ -355,9 +355,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
     for r in rows:
         cp_iqr = f"[{r['cp_ms_q1']:.3f}–{r['cp_ms_q3']:.3f}]"
         sp_iqr = f"[{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}]"
-        mode = r["mode"] if r["requested_mode"] != "auto" else f"auto→{r['mode']}"
-        chunks = str(r["chunks"]) if r["requested_chunks"] != "auto" else f"auto→{r['chunks']}"
-        tr = r["transport"] if r.get("requested_transport") != "auto" else f"auto→{r['transport']}"
+        mode, chunks, tr = (f"auto→{r[k]}" if r.get(f"requested_{k}") == "auto" else str(r[k])
+                            for k in ("mode", "chunks", "transport"))
         print(f"{r['S']:>7} {mode:>13} {chunks:>6} {tr:>10} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
               f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
               f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}"

@@ -28,10 +28,7 @@ HOST_SIDE = ("aten::", "cp_ops::", "c10d::", "_c10d", "Torch-Compiled", "Compile
 
 def category(name: str) -> str:
     n = name.lower()
-    for cat, words in CATEGORIES:
-        if any(w in n for w in words):
-            return cat
-    return "other"
+    return next((cat for cat, words in CATEGORIES if any(w in n for w in words)), "other")
 
 
 def kernel_summary(events, cuda: bool) -> dict:
@@ -60,6 +57,7 @@ def kernel_summary(events, cuda: bool) -> dict:
     host.sort(key=lambda r: -r[1])
     return dict(busy_ms=sum(r[1] for r in rows), by_category=dict(by), top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
                 host_ms=sum(r[1] for r in host), host_top=[[n[:120], ms, c] for n, ms, c in host[:12]])
+
 
 def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
     """One profiled forward of every side, summarised by :func:`kernel_summary` (returned); each side's Chrome trace

@@ -58,8 +58,7 @@ class ModelSpec:
     def config(self, name: str, layers: int | None = None) -> dict:
         cfg = dict(self.configs[name])
         if layers is not None:
-            for k in self.layer_keys:
-                cfg[k] = layers
+            cfg.update(dict.fromkeys(self.layer_keys, layers))
         return cfg
 
     def tokens(self, cfg: dict, frames: int, height: int, width: int) -> int:
@@ -213,13 +212,12 @@ FLUX = ModelSpec(
 
 def _qwen_inputs(cfg, text, batch, f, h, w, device, dtype, gen, t=500.0):
     mask = _text_mask(batch, text, device)
-    kw = dict(hidden_states=_packed(gen, cfg, batch, h, w, device, dtype),
-              encoder_hidden_states=_randn(gen, batch, text, cfg["joint_attention_dim"], device=device, dtype=dtype),
-              # as QwenImagePipeline.encode_prompt passes it: no mask when every token is valid (one prompt)
-              encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-              timestep=(_t_full(batch, t, device) / 1000).to(dtype),
-              img_shapes=[[(1, h // 2, w // 2)]] * batch, return_dict=False)
-    return kw
+    return dict(hidden_states=_packed(gen, cfg, batch, h, w, device, dtype),
+                encoder_hidden_states=_randn(gen, batch, text, cfg["joint_attention_dim"], device=device, dtype=dtype),
+                # as QwenImagePipeline.encode_prompt passes it: no mask when every token is valid (one prompt)
+                encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                timestep=(_t_full(batch, t, device) / 1000).to(dtype),
+                img_shapes=[[(1, h // 2, w // 2)]] * batch, return_dict=False)
 
 
 QWEN = ModelSpec(

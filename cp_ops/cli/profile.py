@@ -112,7 +112,7 @@ KERNEL_CLASSES = ("attn", "merge", "comm", "wait", "other")
 def kernel_class(event: dict) -> str:
     """The class (one of :data:`KERNEL_CLASSES`) of one Chrome-trace GPU event."""
     name = event.get("name", "").lower()
-    if event.get("cat") == "gpu_memcpy" or "nccl" in name or "copy2d_kernel" in name:  # the fast transport's SM copy
+    if event.get("cat") == "gpu_memcpy" or "nccl" in name or "copy2d_kernel" in name:  # copy2d: fast's SM copies
         return "comm"
     if "merge" in name:
         return "merge"
