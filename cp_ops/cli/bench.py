@@ -186,10 +186,10 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
             print(f"cp-ops bench: S={s}: {'/'.join(sorted({m for _, m, _, _ in agkv}))} rows skipped: --comm-dtype "
                   f"{args.comm_dtype} puts K and V in different formats, and AGKV gathers them together", flush=True)
         s_cases = [case for case in s_cases if case not in agkv]
+    wire = None if group is not None else fmts  # a mesh: --comm-dtype refused by the CLI checks (no FP8 mesh rows)
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
-        wire = None if group is not None else fmts  # a mesh: --comm-dtype refused by the CLI checks (mesh rows run without FP8)
         fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, group=group, mode=mode,  # noqa: E731
                                                      transport=tr, chunks=c, comm_dtype=wire)
         out = fn()
@@ -233,10 +233,9 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     n = len(STATS)
     single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
     single["graph"] = vals[-1]
-    by_dim = {}
-    if group is not None:  # each dim's collectives timed alone, per transport (cp_ops.cli.mesh_comm)
-        for tr in sorted({case[2] for case in s_cases}):
-            by_dim[tr] = mesh_comm.dim_times(group, b, sl, h, d, dtype, tr, device, 1, args.repeats, calls)
+    # a mesh: each dim's collectives timed alone, per transport (cp_ops.cli.mesh_comm)
+    by_dim = {tr: mesh_comm.dim_times(group, b, sl, h, d, dtype, tr, device, 1, args.repeats, calls)
+              for tr in sorted({case[2] for case in s_cases})} if group is not None else {}
     rows = []
     for (_, mode, tr, c), fn, err, samples in zip(s_cases, fns, errs, cp_s):
         resolved = select_transport(tr, device.type)

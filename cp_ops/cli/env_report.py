@@ -110,11 +110,10 @@ def print_env() -> int:
     if runtime.get("lane"):
         print(f"fast lane: {runtime['lane']}")
     from cp_ops import config
+    from cp_ops._ext import build_dir
     from cp_ops.plan import measured as choices
 
     print(f"measured mode/chunks choice (CP_OPS_TUNE_MODES): {'on' if config.settings.tune_modes else 'off'}; "
           f"its cache file (CP_OPS_TUNE_CACHE): {choices.cache_path() or 'none'}")
-    from cp_ops._ext import build_dir
-
     print(f"fast transport's CUDA extension folder (CP_OPS_EXT_DIR): {build_dir()}")
     return 0
