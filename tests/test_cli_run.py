@@ -212,8 +212,8 @@ def test_regional_compile_once_per_class(monkeypatch):
     import cp_ops
     from torch._dynamo.testing import CompileCounter
 
-    from cp_ops.cli.run import _restore_blocks, compile_model
-    from cp_ops.integrations.diffusers.compiled import canonical, contiguous_strides
+    from cp_ops.cli.run import compile_model
+    from cp_ops.integrations.diffusers.compiled import canonical, contiguous_strides, uncompile_blocks
 
     seen, counter = [], CompileCounter()
 
@@ -239,7 +239,7 @@ def test_regional_compile_once_per_class(monkeypatch):
             assert contiguous_strides(shape) == torch.empty(shape).stride(), shape
     assert n == 2 and counter.frame_count == 1 and seen == [dict(fullgraph=True, overlap=True, dynamic=False)] * 2
     torch.testing.assert_close(out, ref)
-    _restore_blocks(model, spec)
+    uncompile_blocks(model, spec.blocks)
     assert all("forward" not in b.__dict__ and not b._forward_pre_hooks for b in model.blocks)
     seen.clear()
     compile_model(model, spec, _ns(compile="full", cuda_graphs=True, no_overlap=True), overlap=True)

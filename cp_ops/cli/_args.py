@@ -1,6 +1,5 @@
 """What every ``cp-ops`` command's arguments share, torch-free (``--help`` and a wrong flag answer before torch
-loads): the usage error and how it is reported once (rank 0 under torchrun), the parser class, list/chunk value
-parsers, the options bench and run share, and the output-path check."""
+loads): the usage error, reported once (rank 0), the parser, value parsers, shared options and checks."""
 
 from __future__ import annotations
 
@@ -79,7 +78,6 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-
 def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
@@ -99,13 +97,10 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
                         "no file")
 
 
-
 def check_comm_dtype(args, what: str) -> None:
-    """``--comm-dtype``: the forms :func:`cp_ops.comm_dtype.parse` takes (none, e4m3, e5m2, FMT:LETTERS, the aliases
-    fp8, e4m3fn, float8_e4m3fn, ...), else a UsageError (via :func:`fail`) naming them and the value given. Sets
-    ``args.comm_dtype`` to its canonical spelling (:func:`cp_ops.comm_dtype.text`: 'none', 'e4m3', 'e4m3:qvo'), which
-    the headers, the JSON and the --mesh check read. 'bf16' means the input dtype: with ``args.dtype`` another
-    dtype (``--dtype fp32``, the CPU default) it would silently send fp32, so it is a UsageError there."""
+    """``--comm-dtype``: a form :func:`cp_ops.comm_dtype.parse` takes, else a UsageError naming them and the value;
+    sets ``args.comm_dtype`` to its canonical spelling (:func:`cp_ops.comm_dtype.text`). 'bf16' means the input dtype:
+    with another ``args.dtype`` (fp32, the CPU default) it would silently send that, so it is a UsageError there."""
     from cp_ops.comm_dtype import parse, text
 
     given = str(getattr(args, "comm_dtype", "none"))
@@ -133,8 +128,8 @@ def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
 
 def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", lanes: int = 1) -> None:
     """``--mesh OxI``: two ints >= 1 whose product is the CP world size ``world`` and whose inner one divides ``heads``
-    (None: not known here); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values; a wrong
-    product says how many ranks the mesh needs (``lanes`` CFG lanes of O x I each) and how to launch them."""
+    (None: unknown); sets ``args.mesh = (O, I)``. Else a UsageError naming the rule and the values (a wrong product:
+    how many ranks the mesh needs, ``lanes`` CFG lanes of O x I each, and how to launch them)."""
     text = getattr(args, "mesh", None)
     if text is None:
         return
@@ -193,9 +188,8 @@ def check_out(path: str | None, flag: str) -> None:
             tempfile.TemporaryFile(dir=parent).close()
     except OSError as e:
         fail(f"{flag} {path}: cannot write under {parent} ({e.strerror})")
-    if exists:
-        if rank0():
-            print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
+    if exists and rank0():
+        print(f"cp-ops: {flag} {path} exists; it will be overwritten", flush=True)
 
 
 def per_block_graphs(args) -> bool:

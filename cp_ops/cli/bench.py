@@ -1,12 +1,6 @@
-"""``cp-ops bench``: the standard CP attention microbenchmark (what each column means: ``--help`` and the legend the
-table ends with, :func:`legend`).
-
-For each global sequence length S, mode, chunk count and transport: the CP time in steady state (N calls back to back
-between two events while the host runs ahead, as consecutive layers run; the slowest rank's), the latency of one
-call, the single-device SDPA time measured the same way in interleaved rounds on rank 0 alone, the speedup, the bound
-(max of attention at one rank's share and the bytes each rank receives over the P2P bandwidth measured in the same
-run) and the relative error against the single-device output.
-"""
+"""``cp-ops bench``: the standard CP attention microbenchmark. Per S, mode, chunk count and transport: CP time
+(steady state, the slowest rank), latency, the 1-device SDPA time, speedup, bound and relative error; what each
+column means: ``--help`` and the table's :func:`legend`."""
 
 from __future__ import annotations
 
@@ -18,20 +12,22 @@ import sys
 import torch
 import torch.distributed as dist
 
-from cp_ops import attention, choose_mode, describe, local_attention, modes, select_transport
+from cp_ops import attention, choose_mode, config, describe, local_attention, modes, ops as lib, select_transport
+from cp_ops.comm_dtype import for_mode, parse as parse_comm_dtype, tag as comm_tag
+from cp_ops.group import resolve_group
 
 from ..timing import (Graphed, available_cores, interleaved_rounds, max_over_ranks, max_over_ranks_each, samples_ms,
                       steady_ms, summary)
+from . import mesh_comm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def fast_pool_gib(seqs: list[int], batch: int, heads: int, head_dim: int, dtype: torch.dtype, world_size: int,
                   chunks: tuple = (1,)) -> float:
-    """GiB of the fast transport's symmetric pool that a bench over ``seqs`` fills: the pool keeps every shape
-    it has seen, double-buffered — AGKV K and V ``[B, S, H, D]``, the Ulysses buffer (3 tensors) and its
-    inverse (``H / W`` heads each); pipelined Ulysses (a chunk count c > 1 in ``chunks``; None = the measured
-    choice, which tries 2 and 4) adds its head sub-groups' buffers (at most 2 shapes of about 1/c of them)."""
+    """GiB of the fast transport's symmetric pool a bench over ``seqs`` fills: every shape seen, double-buffered
+    (AGKV K and V, the Ulysses buffer and its inverse), plus pipelined Ulysses' head sub-groups for each chunk count
+    c > 1 in ``chunks`` (None: the measured choice, which tries 2 and 4)."""
     esz = torch.empty((), dtype=dtype).element_size()
     counts = {c for c in chunks if c is not None and c > 1} | ({2, 4} if None in chunks else set())
     ulysses = (3 / world_size + 1 / world_size) * (1 + sum(min(1.0, 2 / c) for c in counts))
@@ -77,12 +73,9 @@ def _write_json(path: str, payload: dict, quiet: bool = False) -> None:
 
 def p2p_probe(k: torch.Tensor, v: torch.Tensor, transports: list[str], device: torch.device, warmup: int = 2,
               samples: int = 3, calls: int = 3) -> dict:
-    """The P2P bandwidth of this machine as the bench's bound uses it: the AGKV all-gather of ``k, v`` (this
-    rank's ``[B, S_local, H, D]`` shards, the largest S of the run) through each transport's op, steady state
-    (:func:`steady_ms`, max over ranks per sample, median); GB/s = bytes each rank receives ((W−1)·2·|k|) ÷ time.
-    Returns ``{'bytes': ..., 'by_transport': {name: {'ms', 'GBps'}}, 'GBps': best}`` (the same on every rank)."""
-    from cp_ops import ops as lib
-
+    """The P2P bandwidth the bound uses: the AGKV all-gather of this rank's ``k, v`` through each transport, steady
+    state, max over ranks, median; GB/s = bytes each rank receives ((W−1)·2·|k|) ÷ time. Returns ``{'bytes',
+    'by_transport': {name: {'ms', 'GBps'}}, 'GBps': best}`` (the same on every rank)."""
     w = dist.get_world_size()
     name = dist.group.WORLD.group_name
     recv = (w - 1) * 2 * k.numel() * k.element_size()
@@ -114,9 +107,6 @@ def received_bytes(mode: str, world_size: int, local_bytes: int, mesh: tuple | N
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     """Rank body of ``cp-ops bench`` (arguments: :mod:`cp_ops.cli.bench_args`): the P2P probe (:func:`p2p_probe`)
     at the largest S, then per S :func:`_bench_one_s` (every rank draws the same full q, k, v), then the report."""
-    from cp_ops import config
-    from cp_ops.group import resolve_group
-
     threads = cpu_threads(rank, world_size, device, "bench", available_cores())
     dtype = DTYPES[args.dtype]
     b, h, d = args.batch, args.heads, args.head_dim
@@ -124,16 +114,9 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
     chunk_list = list(getattr(args, "chunks", None) or [1])
     pg = resolve_group(None)
     shape = getattr(args, "mesh", None)  # (O, I) with --mesh: 2-D CP on that mesh
-    if shape is not None:
-        from .mesh_comm import build
-
-        group = build(shape, device.type)
-    else:
-        group = None
+    group = mesh_comm.build(shape, device.type) if shape is not None else None
     cases = []
-    for s in args.seqs:
-        if s % world_size:
-            raise ValueError(f"--seqs: S={s} is not divisible by the CP world size {world_size}")
+    for s in args.seqs:  # multiples of W (bench_args.check)
         for mode in args.modes:
             split = shape[1] if shape is not None else world_size  # the heads are split over the (inner) group
             if mode != "auto" and modes.spec(mode).needs_heads_divisible and h % split:
@@ -141,9 +124,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                     what = f"the mesh's inner size {split}" if shape is not None else f"CP world size {world_size}"
                     print(f"skip {mode} at H={h}: {what} does not divide the head count")
                 continue
-            for tr in args.transports:
-                for c in ([None] if mode == "auto" else chunk_list):
-                    cases.append((s, mode, tr, c))
+            cases += [(s, mode, tr, c) for tr in args.transports for c in ([None] if mode == "auto" else chunk_list)]
     if not cases:
         raise ValueError(f"nothing to measure: no (S, mode, transport) case is valid for H={h}, W={world_size}")
     # the bound's bandwidth: the AGKV gather at the largest S, through every transport of the run
@@ -174,9 +155,7 @@ def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
                         calls=calls, warmup=args.warmup, threads_per_rank=threads, p2p=probe,
                         tune_modes=config.settings.tune_modes)
             if group is not None:
-                from .mesh_comm import label
-
-                meta["mesh"] = dict(shape=list(shape), dims=list(group.mesh_dim_names), label=label(group))
+                meta["mesh"] = dict(shape=list(shape), dims=list(group.mesh_dim_names), label=mesh_comm.label(group))
             report(rows, meta, args)
         except Exception as e:  # noqa: BLE001 - surface rank 0's error, not a peer's lost connection
             error = e
@@ -199,8 +178,6 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     ql, kl, vl = shard(q), shard(k), shard(v)
     ref_l = shard(local_attention(q, k, v))  # every rank, untimed
     fns, errs = [], []
-    from cp_ops.comm_dtype import for_mode, parse as parse_comm_dtype, tag as comm_tag
-
     fmts = parse_comm_dtype(getattr(args, "comm_dtype", "none"))
     if fmts[1] != fmts[2]:  # AGKV moves K and V in one gather: one format for both (cp_ops.comm_dtype.for_mode)
         # mode='auto' runs Ulysses then where W divides H, else AGKV (cp_ops.plan.rules.fp8_mode): skipped too
@@ -209,10 +186,10 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
             print(f"cp-ops bench: S={s}: {'/'.join(sorted({m for _, m, _, _ in agkv}))} rows skipped: --comm-dtype "
                   f"{args.comm_dtype} puts K and V in different formats, and AGKV gathers them together", flush=True)
         s_cases = [case for case in s_cases if case not in agkv]
+    wire = None if group is not None else fmts  # a mesh: --comm-dtype refused by the CLI checks (no FP8 mesh rows)
     for _, mode, tr, c in s_cases:
         if bar:
             bar.set_postfix_str(f"S={s} {mode}/{tr}/c={'auto' if c is None else c}")
-        wire = None if group is not None else fmts  # a mesh: --comm-dtype refused by the CLI checks (mesh rows run without FP8)
         fn = lambda mode=mode, tr=tr, c=c: attention(ql, kl, vl, group=group, mode=mode,  # noqa: E731
                                                      transport=tr, chunks=c, comm_dtype=wire)
         out = fn()
@@ -256,12 +233,9 @@ def _bench_one_s(s, s_cases, rank, world_size, device, args, pg, probe, graphs, 
     n = len(STATS)
     single, single_lat, share = (dict(zip(STATS, vals[i * n:(i + 1) * n])) for i in range(3))
     single["graph"] = vals[-1]
-    by_dim = {}
-    if group is not None:  # each dim's collectives timed alone, per transport (cp_ops.cli.mesh_comm)
-        from .mesh_comm import dim_times
-
-        for tr in sorted({case[2] for case in s_cases}):
-            by_dim[tr] = dim_times(group, b, sl, h, d, dtype, tr, device, 1, args.repeats, calls)
+    # a mesh: each dim's collectives timed alone, per transport (cp_ops.cli.mesh_comm)
+    by_dim = {tr: mesh_comm.dim_times(group, b, sl, h, d, dtype, tr, device, 1, args.repeats, calls)
+              for tr in sorted({case[2] for case in s_cases})} if group is not None else {}
     rows = []
     for (_, mode, tr, c), fn, err, samples in zip(s_cases, fns, errs, cp_s):
         resolved = select_transport(tr, device.type)
@@ -380,9 +354,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
     for r in rows:
         cp_iqr = f"[{r['cp_ms_q1']:.3f}–{r['cp_ms_q3']:.3f}]"
         sp_iqr = f"[{r['speedup_q1']:.2f}–{r['speedup_q3']:.2f}]"
-        mode = r["mode"] if r["requested_mode"] != "auto" else f"auto→{r['mode']}"
-        chunks = str(r["chunks"]) if r["requested_chunks"] != "auto" else f"auto→{r['chunks']}"
-        tr = r["transport"] if r.get("requested_transport") != "auto" else f"auto→{r['transport']}"
+        mode, chunks, tr = (f"auto→{r[k]}" if r.get(f"requested_{k}") == "auto" else str(r[k])
+                            for k in ("mode", "chunks", "transport"))
         print(f"{r['S']:>7} {mode:>13} {chunks:>6} {tr:>10} {r['cp_ms']:>9.3f} {cp_iqr:>17} "
               f"{r['cp_latency_ms']:>8.3f} {r['single_ms']:>9.3f} {r['speedup']:>7.2f}x {sp_iqr:>13} "
               f"{r['bound_ms']:>9.3f} {r['bound_pct']:>5.0f}% {r['rel_err']:>9.2e}"
@@ -433,13 +406,11 @@ def plot(rows: list[dict], meta: dict, path: str) -> None:
         m = "auto" if r["requested_mode"] == "auto" else r["mode"]
         return (m, str(r["requested_chunks"]), r["transport"])
 
-    for key in sorted({label(r) for r in rows}):
-        pts = sorted((r["S"], r["speedup"]) for r in rows if label(r) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} c={key[1]} / {key[2]}")
-    for key in sorted({label(r) for r in rows if r.get("graph_speedup") is not None}):
-        pts = sorted((r["S"], r["graph_speedup"]) for r in rows if label(r) == key and r.get("graph_speedup") is not None)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="x", ls=":",
-                label=f"{key[0]} c={key[1]} / {key[2]} (CUDA graph)")
+    for col, marker, ls, what in (("speedup", "o", "-", ""), ("graph_speedup", "x", ":", " (CUDA graph)")):
+        for key in sorted({label(r) for r in rows if r.get(col) is not None}):
+            pts = sorted((r["S"], r[col]) for r in rows if label(r) == key and r.get(col) is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ls=ls,
+                    label=f"{key[0]} c={key[1]} / {key[2]}{what}")
     for m in sorted({r["mode"] for r in rows if r["recv_bytes"] is not None}):
         pts = sorted({(r["S"], r["bound_speedup"]) for r in rows if r["mode"] == m})
         ax.plot([p[0] for p in pts], [p[1] for p in pts], ls="--", lw=1.2, color="black" if m == "agkv" else "grey",

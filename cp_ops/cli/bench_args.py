@@ -73,8 +73,6 @@ def check(args, device: str, world: int, settings) -> None:
     args.seqs = (GPU_SEQS if gpu else CPU_SEQS) if args.seqs is None else args.seqs
     args.heads = (40 if gpu else 8) if args.heads is None else args.heads
     args.head_dim = (128 if gpu else 64) if args.head_dim is None else args.head_dim
-    if not args.seqs:
-        fail("bench: --seqs is empty; give comma-separated sequence lengths, e.g. --seqs 4096,8192")
     if min(args.heads, args.head_dim, args.batch) < 1:
         fail(f"bench: --heads, --head-dim and --batch must be >= 1; got {args.heads}, {args.head_dim}, {args.batch}")
     check_comm_dtype(args, "bench")
@@ -111,8 +109,6 @@ def check(args, device: str, world: int, settings) -> None:
     args.chunks = getattr(args, "chunks", [1])
     if args.calls < 1:
         fail(f"bench: --calls must be >= 1; got {args.calls}")
-    if not args.chunks:
-        fail("bench: --chunks is empty; give e.g. --chunks 1,2,4,auto")
     if getattr(args, "graphs", False) and not gpu:
         fail(f"bench: --graphs needs CUDA GPUs (it captures CUDA graphs); this run is on {device}: drop --graphs")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

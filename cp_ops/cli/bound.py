@@ -1,13 +1,9 @@
 """``cp-ops bound MODEL --worlds W[,W...]``: the zero-communication bound of a DiT on ONE device.
 
-The model is parallelized by :func:`cp_ops.integrations.diffusers.parallelize` over a *fake* process group of W
-ranks (this process is rank 0 of W, collectives move nothing), so one forward does exactly rank 0's work plus cp_ops'
-host path, without any transfer: ``bound(W) = t(one device) / t(rank 0 of W)``. The sides (``diffusers``, ``group of
-1``, ``cp_ops W``, ``plain W`` with ``--cost``, other libraries' CP with ``--compare``: :mod:`cp_ops.cli.bound_peers`),
-the fake collectives' writes (:mod:`cp_ops.cli.bound_fill`, ``fill_ms``, ``--unwritten``), the compile modes, the
-interleaved rounds and the result rows: ``docs/measuring.md``.
-This module is the command: its arguments, the sides per compile mode (:mod:`cp_ops.cli.bound_sides`), the worker
-processes (:mod:`cp_ops.cli.bound_procs`) and the report (:mod:`cp_ops.cli.bound_report`).
+The model is parallelized over a *fake* process group of W ranks (this process is rank 0, collectives move nothing),
+so one forward does exactly rank 0's work plus cp_ops' host path: ``bound(W) = t(one device) / t(rank 0 of W)``. The
+sides, fills, compile modes, rounds and rows: ``docs/measuring.md``. This module runs the command; the sides are in
+:mod:`.bound_sides`, the worker processes in :mod:`.bound_procs`, the report in :mod:`.bound_report`.
 """
 
 from __future__ import annotations
@@ -19,12 +15,14 @@ import time
 from types import SimpleNamespace
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 from ..integrations.diffusers import _private
 from ..integrations.diffusers.dispatch import cp_ops_backend
 from ..timing import time_ms
-from . import bound_fill
+from . import bound_fill, bound_peers
+from .bench import DTYPES, _write_json, environment
 from .models import MODELS, build, config_label, load_checkpoint
 from .bound_procs import _serve, precompile, spawn_sides, stop_sides
 from .bound_report import _profile_sides, _rows, print_profiles, print_table
@@ -32,10 +30,9 @@ from .bound_sides import Side, _prepare, _reason, _time_sides, parse_mode
 
 
 def fake_groups(worlds, filled: bool = True) -> dict[int, dist.ProcessGroup]:
-    """A fake process group of each size in ``worlds`` (this process = rank 0 of each): the default group is a
-    fake group of ``max(worlds)`` ranks (created here when torch.distributed is not initialized), the others
-    ``dist.new_group(range(W))`` inside it. ``filled``: groups made here write their collectives' outputs
-    (:mod:`cp_ops.cli.bound_fill`); else torch's fake backend's as they are.
+    """A fake process group of each size in ``worlds`` (this process = rank 0 of each): the default group of
+    ``max(worlds)`` ranks (created here when torch.distributed is not initialized), the others
+    ``dist.new_group(range(W))`` in it. ``filled``: groups made here write their outputs (:mod:`.bound_fill`).
 
     Raises:
         RuntimeError: torch.distributed is already initialized with another backend or a smaller world.
@@ -69,10 +66,8 @@ def _sides_for(args, heads: int | None, choose_mode) -> list[Side]:
         if args.cost:
             sides.append(Side(f"plain W{w}", "plain", w, mode=mode))
         for peer in compared(args):  # other libraries' CP (cp_ops.cli.bound_peers), each of its layouts
-            from .bound_peers import PEERS
-
             sides += [Side(f"{peer} {layout} W{w}", "dcp", w, mode=layout, peer=peer)
-                      for layout in PEERS[peer].layouts]
+                      for layout in bound_peers.PEERS[peer].layouts]
     return sides
 
 
@@ -89,12 +84,9 @@ def _mode_args(args, base: str, graphs: bool):
 
 
 def run_bound(args, device: torch.device) -> list[dict]:
-    """The body of ``cp-ops bound MODEL ...`` (arguments checked by :mod:`cp_ops.cli.bound_args`); one process.
-    Returns the result rows (and prints the table; ``--out`` writes them as JSON with the run's metadata).
-    torch.distributed: a fake default group is created and destroyed here when none is initialized (else the
-    initialized one must be a fake group of >= max(W) ranks with this process as rank 0: :func:`fake_groups`)."""
-    import torch._dynamo
-
+    """The body of ``cp-ops bound MODEL ...`` (arguments checked by :mod:`.bound_args`), in one process: returns the
+    result rows, prints the table, ``--out`` writes them as JSON. A fake default group is created and destroyed here
+    when torch.distributed is not initialized (else: :func:`fake_groups`' rule)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if getattr(args, "compile_workers", 0) and not getattr(args, "only_side", None):
@@ -123,7 +115,6 @@ def _fx_cache_counts() -> tuple[int, int, int, int]:
 
 def _run(args, device: torch.device, groups: dict) -> list[dict]:
     from .. import choose_mode
-    from .bench import DTYPES, environment
 
     spec = MODELS[args.model]
     dtype = DTYPES[args.dtype]
@@ -141,13 +132,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     kw = spec.make_inputs(cfg, args.text_tokens, args.batch, args.frames, args.height, args.width, device, dtype, g)
     if device.type == "cuda":
         base.set_attention_backend("_native_cudnn")
-    # diffusers' backend 'cp_ops' registered before any side compiles: registered by the first parallelize (after the
-    # diffusers side compiled), it changed the backend registry that side's compiled blocks guard on, and the side
-    # compiled its blocks again at its first timed call
+    # diffusers' backend 'cp_ops' registered before any side compiles: registered later (by the first parallelize), it
+    # changes the registry the diffusers side's compiled blocks guard on, and they compile again in the rounds
     _private.register_backend(cp_ops_backend)
     if compared(args):  # the same for what the peers register process-wide (cp_ops.cli.bound_peers)
-        from . import bound_peers
-
         bound_peers.prepare(compared(args))
     written = bound_fill.is_filled(groups[max(groups)])
     tokens = spec.tokens(cfg, args.frames, args.height, args.width)
@@ -163,15 +151,15 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
                 overlap_pass=not getattr(args, "no_overlap", False),
                 fill_timing=("replayed alone in one CUDA graph: device time" if device.type == "cuda"
                              else "replayed alone, launched back to back"),
-                fake_outputs=_fake_outputs(written),
+                fake_outputs=("written: this rank's data in every slot of every data collective's output, one copy "
+                              "per output tensor (cp_ops.cli.bound_fill.FilledFakeGroup)" if written
+                              else "unwritten (--unwritten)"),
                 side_processes=("every side of a compiled mode built, compiled and timed in its own process "
                                 "(--side-processes), on this process's weights (shared, not copied), its forwards "
                                 "when this process asks: one side's at a time" if remote else False))
     if only is None:
         print(f"cp-ops bound {args.model} --worlds {','.join(map(str, args.bound))}: {spec.cls} {config_name}, "
               f"{tokens} tokens (+{args.text_tokens} text), {args.dtype}, on {meta.get('gpu', 'CPU')}", flush=True)
-    from .bench import _write_json
-
     rows, profiles, first_calls = [], {}, {}
     for mode_text in args.bound_compile:
         base_mode, graphs = parse_mode(mode_text)
@@ -190,7 +178,10 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
         def built(s: Side, how: str = "") -> None:
             print(f"  [{mode_text}] {s.name}: built in {s.build_s:.1f} s, first call {s.first_s:.1f} s{how}"
                   + (f", then {s.second_ms:.2f} ms" if s.second_ms is not None else ""), flush=True)
-            first_calls.setdefault(mode_text, []).append(_first_call(s))
+            # in the JSON before the rounds: a run killed while other sides compile still has what each built one took
+            first_calls.setdefault(mode_text, []).append(dict(
+                side=s.name, kind=s.kind, world_size=s.world, mode=s.mode, build_s=s.build_s, first_call_s=s.first_s,
+                second_call_ms=s.second_ms))
             if args.out:  # quietly: the mode's end says where it wrote
                 _write_json(args.out, dict(meta=meta, rows=rows, profiles=profiles, first_calls=first_calls),
                             quiet=True)
@@ -265,28 +256,11 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
     return rows
 
 
-def _fake_outputs(written: bool) -> str:
-    """The run metadata's ``fake_outputs``: who writes the fake collectives' outputs."""
-    if not written:
-        return "unwritten (--unwritten)"
-    return ("written: this rank's data in every slot of every data collective's output, one copy per output tensor "
-            "(cp_ops.cli.bound_fill.FilledFakeGroup)")
-
-
-def _first_call(s: Side) -> dict:
-    """What the JSON's ``first_calls`` keeps of a side as soon as its first call returns (s, ms): written before the
-    interleaved rounds, so a run killed by a time limit while other sides compile (a whole-model compile: minutes
-    per side) still says how long each built side took to build and compile and what one forward took."""
-    return dict(side=s.name, kind=s.kind, world_size=s.world, mode=s.mode, build_s=s.build_s, first_call_s=s.first_s,
-                second_call_ms=s.second_ms)
-
-
 def _free(device, reset: bool) -> None:
     """Free what a mode's sides held, or a side that failed half-way (a compile error, an unwaited collective);
     ``reset``: Dynamo's compiled code too."""
     if reset:
-        torch._dynamo.reset()  # torch._dynamo is imported by run_bound (a local import here would make `torch` a
-        # local name, unbound in the eager branch)
+        torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -140,6 +140,5 @@ def check(args, device: str) -> None:
 
 #: the bound's flags, given to ``cp-ops run`` -> the ``cp-ops bound`` spelling its error names
 MOVED = {"--bound": "cp-ops bound MODEL --worlds W[,W...]", "--bound-compile": "cp-ops bound MODEL --compile-modes",
-         "--cost": "cp-ops bound MODEL --cost", "--unwritten": "cp-ops bound MODEL --unwritten",
-         "--no-group1": "cp-ops bound MODEL --no-group1", "--side-processes": "cp-ops bound MODEL --side-processes",
-         "--compile-workers": "cp-ops bound MODEL --compile-workers"}
+         **{f: f"cp-ops bound MODEL {f}" for f in ("--cost", "--unwritten", "--no-group1", "--side-processes",
+                                                   "--compile-workers")}}

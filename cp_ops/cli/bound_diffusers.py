@@ -1,12 +1,9 @@
-"""diffusers' own context parallelism as a side of ``cp-ops bound MODEL --worlds W --compare diffusers``: a copy of
-the model (sharing its weights) with ``enable_parallelism(config=ContextParallelConfig(...))`` over a device mesh of
-the first W ranks of the fake default group (``("ring", "ulysses")`` dims: ``(1, W)`` for Ulysses, ``(W, 1)`` for
-ring), timed beside cp_ops' in the same rounds; its functional collectives write on the tool's fake groups
-(:mod:`cp_ops.cli.bound_fill`). The side, its rows and its limits: ``docs/measuring.md``.
+"""diffusers' own context parallelism as a side of ``cp-ops bound MODEL --worlds W --compare diffusers``: a
+weight-sharing copy with ``enable_parallelism`` over a ``("ring", "ulysses")`` mesh of the first W ranks of the fake
+default group (:mod:`.bound_fill`), timed beside cp_ops'. The side, its rows and its limits: ``docs/measuring.md``.
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -16,11 +13,8 @@ LAYOUTS = ("ulysses", "ring")
 
 
 def config(layout: str, world: int, heads: int | None, mesh):
-    """The ``ContextParallelConfig`` of ``layout`` at ``world`` ranks on ``mesh``.
-
-    Raises:
-        ValueError: an unknown layout (the accepted ones named).
-    """
+    """The ``ContextParallelConfig`` of ``layout`` at ``world`` ranks on ``mesh``; ValueError naming the layouts for
+    an unknown one."""
     from diffusers import ContextParallelConfig
 
     if layout == "ulysses":
@@ -33,8 +27,7 @@ def config(layout: str, world: int, heads: int | None, mesh):
 
 def mesh_for(layout: str, world: int, device: torch.device):
     """A ``("ring", "ulysses")`` device mesh over ranks ``0 .. world-1`` of the default (fake) group: ``(1, W)`` for
-    Ulysses, ``(W, 1)`` for ring. This process must be rank 0 of a default group of >= ``world`` ranks; the mesh's
-    groups write their outputs where the default group does (:func:`cp_ops.cli.bound_fill.filled`)."""
+    Ulysses, ``(W, 1)`` for ring; its groups write their outputs where the default group does."""
     import contextlib
 
     import torch.distributed as dist
@@ -51,11 +44,10 @@ def mesh_for(layout: str, world: int, device: torch.device):
 
 def parallelize(model: torch.nn.Module, layout: str, world: int, heads: int | None, device: torch.device,
                 inputs: dict | None = None) -> str:
-    """``model.enable_parallelism`` with diffusers' ``layout`` over ``world`` ranks (see :func:`mesh_for`); returns
-    a label (``'ulysses'``, ``'ulysses_anything'``, ``'ring'``). ``inputs``: the forward's keyword arguments, checked
-    against diffusers' even split first (:func:`require_even`; not for ``ulysses_anything``). Raises what diffusers
-    raises (e.g. on CPU: RuntimeError, no accelerator: diffusers itself would divide by zero), ValueError for an
-    unknown layout or a sequence W does not divide."""
+    """``model.enable_parallelism`` with diffusers' ``layout`` over ``world`` ranks (:func:`mesh_for`); returns the
+    label (``'ulysses'``, ``'ulysses_anything'``, ``'ring'``). ``inputs``: checked against diffusers' even split first
+    (:func:`require_even`; not for ``ulysses_anything``). Raises RuntimeError without an accelerator, ValueError for an
+    unknown layout or a sequence W does not divide, and what diffusers raises."""
     logger_compat()
     if torch.accelerator.device_count() == 0:  # what diffusers would do: rank % 0, a ZeroDivisionError
         raise RuntimeError("diffusers' enable_parallelism needs an accelerator (it places rank r on device "
@@ -72,13 +64,10 @@ class _AllSeen(Exception):
 
 
 def split_lengths(model: torch.nn.Module, inputs: dict, plan: dict | None = None) -> list[tuple[str, int]]:
-    """``(where, length)`` of each tensor a CP plan (diffusers' ``_cp_plan`` form; default: ``type(model)._cp_plan``)
-    splits when ``model(**inputs)`` runs: a module's inputs (by name, as diffusers' split hook finds them: keyword, or
-    the position in its ``forward``'s signature) and its outputs (integer keys, ``split_output``), each where it has
-    the plan's ``expected_dims`` (diffusers splits nothing else). Found by a forward of ``model`` (no CP installed)
-    with hooks on the first module of each plan path, stopped as soon as every path was seen (before the first
-    block runs, for the models here). ``where``: ``'transformer_blocks.0 hidden_states'``, ``'pos_embed output 0'``.
-    [] when there is no plan."""
+    """``(where, length)`` of each tensor a CP plan (diffusers' ``_cp_plan`` form; default: the model's) splits when
+    ``model(**inputs)`` runs: a module's inputs (keyword or position, as diffusers' split hook finds them) and outputs
+    (``split_output``), where they have the plan's ``expected_dims``. Found by hooks on a forward of ``model``, stopped
+    once every plan path was seen. ``where``: e.g. ``'transformer_blocks.0 hidden_states'``, ``'pos_embed output 0'``"""
     import inspect
 
     from diffusers.hooks.context_parallel import _get_submodule_by_name
@@ -138,10 +127,8 @@ def split_lengths(model: torch.nn.Module, inputs: dict, plan: dict | None = None
 
 def require_even(lib: str, model: torch.nn.Module, inputs: dict, world: int, plan: dict | None = None) -> None:
     """Raise ValueError (one line, naming each length) where ``world`` does not divide a length ``plan`` splits
-    (:func:`split_lengths`): ``lib``'s even split (diffusers' ``EquipartitionSharder``, cache-dit's copy of it) pads
-    nothing and asserts at the first forward; a user of ``lib`` with the same pipeline and resolution hits the same
-    assertion (e.g. Qwen-Image at 1328x1328: 83 x 83 = 6889 image tokens, which no even W divides). Empty
-    ``inputs``: nothing checked."""
+    (:func:`split_lengths`): ``lib``'s even split pads nothing and asserts at the first forward (e.g. Qwen-Image at
+    1328x1328: 6889 image tokens, which no even W divides). Empty ``inputs``: nothing checked."""
     if not inputs:
         return
     bad: dict[int, str] = {}

@@ -1,19 +1,11 @@
 """The bound tool's process groups: fake groups whose collectives write their outputs.
 
-``cp-ops bound`` (:mod:`cp_ops.cli.bound`) times rank 0 of a W-rank *fake* process group (one process stands for
-every rank). torch 2.11's fake backend leaves ``alltoall_base``'s output unwritten, and kernels on stale memory ran
-13-15 % faster than on real values (``docs/measuring.md``, ``benchmarks/results/bound/``), so the groups this module
-makes write every output themselves: this rank's own data in every source slot, whatever the torch version.
-
-How: :func:`filled` swaps the creator of torch's ``'fake'`` backend while the tool makes its groups, so each is a
-:class:`FilledFakeGroup` — a Python :class:`torch.distributed.ProcessGroup` (as torch's own ``multi_threaded_pg``
-groups are) whose data collectives write their outputs, with torch's fake backend registered under it for everything
-else. The groups still report backend ``'fake'``; nothing in cp_ops knows the difference, and every path that moves
-data through the group — the transports' collectives, the key-mask gathers, the diffusers integration's output
-gathers, functional collectives inside ``torch.compile`` graphs and diffusers' own context parallelism — gets its
-outputs written.
-
-Each write costs one device copy of the collective's output, which the tool accounts for: :func:`recording` lists
+``cp-ops bound`` times rank 0 of a W-rank *fake* process group. torch 2.11's fake backend leaves ``alltoall_base``'s
+output unwritten, and kernels on stale memory ran 13-15 % faster than on real values (``docs/measuring.md``), so these
+groups write every output themselves: this rank's own data in every source slot. :func:`filled` swaps the creator of
+torch's ``'fake'`` backend, so each group made is a :class:`FilledFakeGroup` (a Python ``ProcessGroup`` with torch's
+fake backend under it for everything else, still named ``'fake'``): every path that moves data through it, compiled
+or eager, cp_ops' or diffusers', gets its outputs written. Each write is one device copy: :func:`recording` lists
 them and :func:`replay_ms` times the same copies alone.
 """
 
@@ -23,9 +15,6 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-
-#: the data collectives a :class:`FilledFakeGroup` writes (the kinds its records name)
-KINDS = ("alltoall_base", "_allgather_base", "allgather_into_tensor_coalesced", "allgather", "recv")
 
 _records: list | None = None
 _done = None
@@ -45,9 +34,8 @@ def completed_work():
 
 
 def _write(out: torch.Tensor, inp: torch.Tensor) -> None:
-    """``inp`` into every slot of ``out``: ``out = inp`` for equal shapes, every chunk of ``out`` along dim 0 = ``inp``
-    when ``out`` holds a whole number of ``inp``'s, else ``inp``'s elements repeated to ``out``'s size (uneven
-    all-to-all splits)."""
+    """``inp`` into every slot of ``out``: a copy for equal shapes, every dim-0 chunk when ``out`` holds a whole number
+    of ``inp``'s, else ``inp``'s elements repeated to ``out``'s size (uneven all-to-all splits)."""
     if out.shape == inp.shape:
         out.copy_(inp)
     elif out.dim() and inp.dim() and out.shape[1:] == inp.shape[1:] and inp.shape[0] and \
@@ -88,9 +76,7 @@ class FilledFakeGroup(dist.ProcessGroup):
         self._fill("_allgather_base", out, inp)
         return completed_work()
 
-    def all_gather_single(self, out, inp, opts=None):  # torch >= 2.13's name of dist.all_gather_into_tensor's call
-        self._fill("_allgather_base", out, inp)
-        return completed_work()
+    all_gather_single = _allgather_base  # torch >= 2.13's name of dist.all_gather_into_tensor's call
 
     def allgather_into_tensor_coalesced(self, outs, ins, opts=None):
         for out, inp in zip(outs, ins):
@@ -117,11 +103,9 @@ class FilledFakeGroup(dist.ProcessGroup):
 
 
 def let_dynamo_trace(cls: type) -> None:
-    """Let ``torch.compile`` trace instances of ``cls`` (a Python subclass of :class:`torch.distributed.ProcessGroup`)
-    as the process groups they are. Dynamo before torch 2.13 takes only the exact classes ``ProcessGroup`` /
-    ``FakeProcessGroup`` for groups (``type(g) is ...``) and fails on a subclass's ``size()`` ("Dynamo does not know
-    how to trace method `size`"); its check is widened, once, to the classes named here. Later Dynamo (groups as
-    script objects) needs nothing."""
+    """Let ``torch.compile`` trace instances of ``cls`` (a Python ``ProcessGroup`` subclass) as process groups: Dynamo
+    before torch 2.13 takes only the exact classes (``type(g) is ...``) and fails on a subclass's ``size()``; its check
+    is widened, once, to the classes named here. Later Dynamo needs nothing."""
     if cls not in _traced:
         _traced.append(cls)
     try:
@@ -179,13 +163,9 @@ def recording():
 
 def replay_ms(records: list, device: torch.device, repeats: int = 5, graphed: bool | None = None) -> float:
     """Device time in ms of the writes ``records`` lists (:func:`recording`), replayed alone on ``device`` on
-    standard-normal inputs: what they add to a forward. Writes of one shape share one buffer pair, so the replay needs
-    memory for one write of each shape only.
-
-    ``graphed`` (default: on CUDA): all the writes are captured in one CUDA graph and its replay timed (median of
-    ``repeats``): their device time without the host's launches (launched one by one, an image model's hundreds of
-    ~3 µs copies are launch-bound: ``docs/measuring.md``); their launches stay in rank 0's time, as a real
-    collective's would. ``graphed=False`` (always on CPU): the writes launched back to back, timed as they run.
+    standard-normal inputs (one buffer pair per shape): what they add to a forward. ``graphed`` (default: on CUDA):
+    captured in one CUDA graph, its replay timed (median of ``repeats``), without the host's launches (hundreds of
+    ~3 µs copies are launch-bound: ``docs/measuring.md``); else launched back to back.
 
     Raises:
         RuntimeError: ``graphed=True`` off CUDA, or the capture failed.

@@ -1,22 +1,13 @@
 """Other libraries' context parallelism as sides of ``cp-ops bound MODEL --worlds W --compare PEER[,PEER...]``.
 
-Each peer parallelizes a copy of the model (sharing its weights) the way its README tells a user to parallelize that
-diffusers transformer, over W ranks of the tool's fake group (:mod:`cp_ops.cli.bound_fill`: this process is rank 0,
-every collective writes this rank's data, nothing moves), and is timed beside cp_ops in the same interleaved rounds:
-
-- ``diffusers``: ``model.enable_parallelism(config=ContextParallelConfig(...))`` (:mod:`cp_ops.cli.bound_diffusers`);
-- ``paraattn``: para-attn 0.3.38, ``parallelize_transformer(model, mesh=init_context_parallel_mesh(...))`` (FLUX, Wan;
-  Ulysses over every rank, or ring);
-- ``xdit``: xfuser 0.7.0 / yunchang 0.6.4, xDiT's own groups and runtime state (``init_distributed_environment``,
-  ``initialize_runtime_state``) and its wrapper class of the transformer, whose processors call USP;
-- ``cache-dit``: cache-dit 1.5.3, ``cache_dit.enable_cache(model, parallelism_config=ParallelismConfig(...))`` (no
-  cache: its context parallelism alone).
-
-Every peer takes the whole world as its CP group (that is how each README runs it: ``torchrun --nproc_per_node W``),
-so while a peer builds and while its side runs, the default process group is the fake group of W ranks
-(:func:`world_of`); cp_ops and the other sides name their groups and never see the swap. A peer that refuses a
-model or a layout (an error from the peer, or a package that is not installed) is a row with its reason; the run
-goes on. Nothing here is imported by cp_ops itself, and each peer is imported only when its side is built.
+Each peer parallelizes a weight-sharing copy of the model as its README tells a user to, over W ranks of the tool's
+fake group (:mod:`cp_ops.cli.bound_fill`), timed beside cp_ops in the same rounds: ``diffusers``
+(``enable_parallelism``, :mod:`cp_ops.cli.bound_diffusers`), ``paraattn`` (para-attn 0.3.38,
+``parallelize_transformer``), ``xdit`` (xfuser 0.7.0 / yunchang 0.6.4: its groups, runtime state and wrapper class),
+``cache-dit`` (1.5.3, ``enable_cache`` with a ``ParallelismConfig``, no cache). Every peer takes the whole world as
+its CP group (``torchrun --nproc_per_node W``), so while a peer builds and runs the default group is the fake group
+of W ranks (:func:`world_of`); cp_ops' sides name their groups. A peer that refuses a model or layout, or is not
+installed, is a row with its reason. Each peer is imported only when its side is built.
 """
 
 from __future__ import annotations
@@ -77,10 +68,7 @@ def own_class_patches(model: torch.nn.Module):
     process) to ``model``: the classes of ``model``'s modules and attention processors are snapshotted; on exit every
     class attribute the block changed is restored, and each of ``model``'s objects of a changed class gets a subclass
     that holds the peer's version. Other sides (cp_ops', diffusers' one device) keep diffusers' classes."""
-    objs = list(model.modules())
-    objs += [m.processor for m in objs if getattr(m, "processor", None) is not None]
-    classes = {type(o) for o in objs}
-    before = {c: dict(vars(c)) for c in classes}
+    before = {c: dict(vars(c)) for c in {type(o) for o in _objects(model)}}
     try:
         yield
     finally:
@@ -94,10 +82,15 @@ def own_class_patches(model: torch.nn.Module):
                 else:
                     delattr(cls, k)
             own = type(cls.__name__, (cls,), {k: v for k, v in changed.items() if k not in ("__dict__", "__weakref__")})
-            objs = list(model.modules())
-            for o in objs + [m.processor for m in objs if getattr(m, "processor", None) is not None]:
+            for o in _objects(model):
                 if type(o) is cls:
                     o.__class__ = own
+
+
+def _objects(model: torch.nn.Module) -> list:
+    """``model``'s modules and their attention processors."""
+    mods = list(model.modules())
+    return mods + [m.processor for m in mods if getattr(m, "processor", None) is not None]
 
 
 def _diffusers(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
@@ -107,11 +100,10 @@ def _diffusers(model, layout: str, group, heads: int | None, device: torch.devic
 
 
 def _paraattn(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
-    """para-attn's README: ``parallelize_pipe(pipe)`` over ``init_context_parallel_mesh(device_type)`` (every rank
-    Ulysses; ``max_ring_dim_size`` makes ring dims). Its forward chunks the RoPE ids over the default group at call
-    time: each call runs inside :func:`world_of`. Refuses (its own ValueError) a transformer class it has no adapter
-    for (Qwen-Image), and Wan with diffusers >= 0.35 (:func:`_paraattn_refuses`); Ulysses needs W to divide the heads
-    (its AssertionError at the first call)."""
+    """para-attn's README: ``parallelize_pipe(pipe)`` over ``init_context_parallel_mesh(device_type)`` (Ulysses;
+    ``max_ring_dim_size`` makes ring dims). Its forward chunks the RoPE ids over the default group at call time, so
+    each call runs inside :func:`world_of`. It refuses classes it has no adapter for (Qwen-Image), Wan with diffusers
+    >= 0.35 (:func:`_paraattn_refuses`), and Ulysses where W does not divide the heads (at the first call)."""
     from para_attn.context_parallel import init_context_parallel_mesh
     from para_attn.context_parallel.diffusers_adapters import parallelize_transformer
 
@@ -125,11 +117,9 @@ def _paraattn(model, layout: str, group, heads: int | None, device: torch.device
 
 
 def _paraattn_refuses(model) -> None:
-    """Raise ValueError where para-attn's adapter cannot run ``model`` with this diffusers, whatever the pipeline:
-    para-attn <= 0.3.38's Wan adapter takes ``self.rope(hidden_states)`` as one complex tensor ``[1, 1, S, D]`` and
-    chunks it at dim -2, but diffusers >= 0.35 (a real-valued Wan RoPE: the rope module has ``freqs_cos``) returns a
-    ``(cos, sin)`` pair of ``[1, S, 1, D]``, and every forward fails in para-attn's ``get_assigned_chunk``
-    (AttributeError: 'tuple' object has no attribute 'shape')."""
+    """Raise ValueError where para-attn's adapter cannot run ``model`` with this diffusers: para-attn <= 0.3.38's Wan
+    adapter chunks ``self.rope(hidden_states)`` as one complex tensor, but diffusers >= 0.35's Wan rope (it has
+    ``freqs_cos``) returns a ``(cos, sin)`` pair, and every forward fails in ``get_assigned_chunk``."""
     from importlib.metadata import version
 
     from packaging.version import Version
@@ -142,10 +132,8 @@ def _paraattn_refuses(model) -> None:
 
 
 def _paraattn_gqa_compat() -> None:
-    """diffusers >= 0.35 calls ``F.scaled_dot_product_attention(..., enable_gqa=False)``; para-attn 0.3.38's Ulysses
-    and ring functions (which its attention mode calls with SDPA's keyword arguments) predate the keyword and raise
-    TypeError. Both are wrapped once to drop ``enable_gqa=False`` (the default: nothing changes); ``True`` still
-    reaches para-attn and fails there."""
+    """diffusers >= 0.35 passes SDPA ``enable_gqa=False``, which para-attn 0.3.38's Ulysses and ring functions predate
+    (TypeError): both are wrapped once to drop ``enable_gqa=False`` (the default); ``True`` still reaches them."""
     import para_attn.para_attn_interface as pai
 
     def drop(fn):
@@ -165,9 +153,9 @@ def _paraattn_gqa_compat() -> None:
 
 
 def _cachedit(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
-    """cache-dit's README: ``cache_dit.enable_cache(transformer, parallelism_config=ParallelismConfig(ulysses_size=W))``
-    (``ring_size=W`` for ring), no cache config: its context parallelism alone (its own copy of diffusers' CP hooks and
-    its attention backend, ``'native'``). Its mesh spans the default group: built inside :func:`world_of`."""
+    """cache-dit's README: ``enable_cache(transformer, parallelism_config=ParallelismConfig(ulysses_size=W))``
+    (``ring_size=W`` for ring), no cache: its context parallelism alone. Its mesh spans the default group: built inside
+    :func:`world_of`."""
     import cache_dit
     from cache_dit import ParallelismConfig
 
@@ -253,12 +241,10 @@ def _groups_of_the_default_backend():
 
 
 def _xdit(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
-    """xDiT's model runner (``xdit --model ... --ulysses_degree W``, README "Using model runner"), done on the model
-    in hand: its process-wide groups (``init_distributed_environment``, ``initialize_model_parallel`` through
-    ``initialize_runtime_state`` of an ``xFuserArgs(ulysses_degree=W)`` config; ``ring_degree=W`` for ring), then
-    the model turned into xDiT's wrapper class of it (the class the runner loads the checkpoint into: its forward
-    splits the sequence, its processors call USP), on the same weights. Its groups and runtime state are global:
-    each side keeps its own and installs them around each call (:func:`_xdit_active`). Refuses a transformer class
+    """xDiT's model runner (README "Using model runner") on the model in hand: its process-wide groups and runtime
+    state from an ``xFuserArgs(ulysses_degree=W)`` config (``ring_degree=W`` for ring), then the model turned into
+    xDiT's wrapper class of it (its forward splits the sequence, its processors call USP), on the same weights. The
+    state is global: each side keeps its own and installs it around each call (:func:`_xdit_active`). Refuses a class
     it has no wrapper for; xfuser itself refuses a machine without an accelerator (at import)."""
     import importlib
     import inspect
@@ -312,7 +298,6 @@ def _xdit(model, layout: str, group, heads: int | None, device: torch.device, in
     return Built(layout, around=lambda: _xdit_active(state, group))
 
 
-
 #: the peers --compare takes, in the order their sides are built
 PEERS = {p.name: p for p in (
     Peer("diffusers", "diffusers", "pip install diffusers", ("ulysses", "ring"), _diffusers),
@@ -325,18 +310,16 @@ PEERS = {p.name: p for p in (
 
 
 def prepare(names: list[str]) -> None:
-    """What peers ``names`` change process-wide on first use, done before any side is built: cache-dit registers its
-    attention backends into diffusers' registry (replacing its ``native``), which the compiled blocks of sides built
-    before would guard on (each would compile again at its next call, in the timed rounds). A peer that cannot be
-    imported is left alone (its sides say why when they are built)."""
-    for name in names:
-        if name == "cache-dit" and importlib.util.find_spec("cache_dit") is not None:
-            try:
-                from cache_dit.attention import _maybe_register_custom_attn_backends
+    """What peers ``names`` change process-wide on first use, done before any side is built (else the compiled blocks
+    of sides built before, guarding on it, compile again in the timed rounds): cache-dit's attention backends in
+    diffusers' registry. A peer that cannot be imported is left alone (its sides say why)."""
+    if "cache-dit" in names and importlib.util.find_spec("cache_dit") is not None:
+        try:
+            from cache_dit.attention import _maybe_register_custom_attn_backends
 
-                _maybe_register_custom_attn_backends()
-            except Exception:  # noqa: BLE001 - its sides report it
-                pass
+            _maybe_register_custom_attn_backends()
+        except Exception:  # noqa: BLE001 - its sides report it
+            pass
 
 
 def parallelize(name: str, model: torch.nn.Module, layout: str, group: dist.ProcessGroup, heads: int | None,

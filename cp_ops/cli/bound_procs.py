@@ -1,7 +1,6 @@
-"""``cp-ops bound``'s side processes: ``--side-processes`` (every side of a compiled mode built, compiled and timed in
-its own child process on the parent's shared weights, asked for its forwards through a pipe; every wait bounded and a
-side that ends named with its exit code) and ``--compile-workers`` (each side compiled first in a child process,
-filling torch's on-disk compile caches)."""
+"""``cp-ops bound``'s child processes: ``--side-processes`` (each side of a compiled mode in its own process on the
+parent's shared weights, asked for its forwards through a pipe; every wait bounded) and ``--compile-workers`` (each
+side compiled first in a child, filling torch's on-disk compile caches)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ from .bound_sides import Side, _reason, _timed, parse_mode
 
 
 def _child_run(run, args_dict: dict, device: str, parent_pid: int | None, **changes) -> None:
-    """What a child process runs: ``run`` (:func:`cp_ops.cli.bound.run_bound`) on the parent's arguments with
-    ``changes`` (and no workers, no file, no profile), its stdout silenced; it dies with its parent."""
+    """A child's body: ``run`` (:func:`cp_ops.cli.bound.run_bound`) on the parent's arguments with ``changes`` (no
+    workers, file or profile), stdout silenced; it dies with its parent."""
     import contextlib
     import io
 
@@ -31,8 +30,8 @@ def _child_run(run, args_dict: dict, device: str, parent_pid: int | None, **chan
 
 
 def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, results, run) -> None:
-    """A :func:`precompile` child: build ``side`` of ``mode_text`` and run its first call (the compile) as ``run``
-    (:func:`cp_ops.cli.bound.run_bound`) would; puts ``(mode, side, seconds, error or None)`` on ``results``."""
+    """A :func:`precompile` child: build ``side`` of ``mode_text`` and run its first call (the compile); puts ``(mode,
+    side, seconds, error or None)`` on ``results``."""
     t0 = time.perf_counter()
     err = None
     try:
@@ -43,9 +42,8 @@ def _compile_one(args_dict: dict, device: str, mode_text: str, side: str, result
 
 
 def _die_with_parent(parent_pid: int | None = None) -> None:
-    """This child process gets SIGKILL when its parent dies (Linux: ``PR_SET_PDEATHSIG``), so a killed run leaves
-    no child holding the device's memory; elsewhere the parent's own clean-up only. ``parent_pid``: a parent that
-    died before this call (while the child imported torch) ends the child here."""
+    """SIGKILL this child when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere the parent's clean-up only), so
+    no child keeps the device's memory; ``parent_pid``: a parent already gone ends the child here."""
     import ctypes
     import signal
 
@@ -56,22 +54,18 @@ def _die_with_parent(parent_pid: int | None = None) -> None:
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(1)
 
-#: how long a side's process may take to build and compile its side and run its first call (s), and one timing
-#: request (s): bounds on every wait for a side's process (a process that dies is noticed within a second)
+#: bounds on the waits for a side's process (s): its build, compile and first call; one timing request
 BUILD_TIMEOUT_S = 3600.0
 
 SAMPLE_TIMEOUT_S = 900.0
 
-#: how long :func:`stop_sides` gives the sides' processes to end when asked, all together (s), before killing those
-#: still busy (e.g. compiling when another side failed)
+#: how long :func:`stop_sides` gives the sides' processes to end when asked, all together (s), before killing them
 STOP_GRACE_S = 10.0
 
 
 def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, base, parent_pid, run) -> None:
-    """A ``--side-processes`` child: build ``side`` of ``mode_text`` as ``run`` (:func:`cp_ops.cli.bound.run_bound`)
-    would, on the parent's model ``base`` (its weights shared, not copied), run its first call, then answer the
-    parent's timing requests on ``conn`` (:func:`_serve`) until told to stop; an exception is sent as ``('error',
-    reason)``."""
+    """A ``--side-processes`` child: build ``side`` of ``mode_text`` on the parent's model ``base`` (weights shared),
+    run its first call, then answer requests on ``conn`` (:func:`_serve`); an error is sent as ``('error', why)``."""
     try:
         _child_run(run, args_dict, device, parent_pid, side_processes=False, only_side=(mode_text, side),
                    serve=(conn, base))
@@ -83,11 +77,9 @@ def _serve_side(args_dict: dict, device: str, mode_text: str, side: str, conn, b
 
 
 def _serve(s: Side, device, conn) -> None:
-    """In a side's process, after its first call: report what the parent's rows need, then answer requests until
-    ``('stop',)`` or the pipe closes: ``('time', warmup, n)`` -> ``(median ms, [host ms per run])``
-    (:func:`cp_ops.timing.time_ms` after at least one untimed forward: the first forward after another process ran
-    is slower), ``('fill',)`` -> the fake collectives' writes replayed alone (ms). The parent asks while no other
-    side runs."""
+    """In a side's process, after its first call: report what the parent's rows need, then answer until ``('stop',)``
+    or the pipe closes: ``('time', warmup, n)`` -> ``(median ms, [host ms per run])`` (at least one untimed forward
+    first: the first after another process ran is slower), ``('fill',)`` -> the fills replayed alone (ms)."""
     out = s.out.numpy() if s.out is not None else None  # float32 on the CPU; numpy pickles without shared memory
     conn.send(("built", dict(build_s=s.build_s, first_s=s.first_s, out=out, fill_count=len(s.fills))))
     while True:
@@ -140,10 +132,9 @@ def _recv(s: Side, timeout: float):
 
 
 def spawn_sides(args, device: torch.device, mode_text: str, sides: list[Side], base: torch.nn.Module, run) -> None:
-    """``--side-processes``: start one process per side of ``mode_text`` at once (:func:`_serve_side`), wait for each
-    to report and fill in the sides (``proc``/``conn``, ``build_s``, ``first_s``, ``second_ms``, ``out``,
-    ``fill_count``); :func:`_time_sides` then times them through their pipes. Raises as :func:`_recv` does (the first
-    side to fail; :func:`stop_sides` ends the others)."""
+    """``--side-processes``: start one process per side of ``mode_text`` at once (:func:`_serve_side`) and fill in
+    each side from its report; :func:`_time_sides` then times them through their pipes. Raises as :func:`_recv` does
+    (the first side to fail; :func:`stop_sides` ends the others)."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -204,9 +195,8 @@ def stop_sides(sides: list[Side]) -> None:
 
 def precompile(args, device: torch.device, sides_for, run) -> None:
     """``--compile-workers N``: every side of every compiled mode built and called once in child processes, up to N at
-    a time (one per side, each with its own copy of the weights), so that torch's on-disk compile caches hold what
-    this process then compiles (mostly cache hits; Dynamo still traces). A child that fails or dies is reported and
-    its side built here as usual. Skipped, saying so, where Inductor's FX graph cache is off."""
+    a time (each with its own weights), so this process's own compiles are mostly cache hits. A child that fails or
+    dies is reported (its side is built here as usual). Skipped, saying so, where Inductor's FX graph cache is off."""
     import multiprocessing
     import queue
     from multiprocessing.connection import wait

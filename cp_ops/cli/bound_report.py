@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import defaultdict
 
 import torch
 
@@ -27,18 +28,14 @@ HOST_SIDE = ("aten::", "cp_ops::", "c10d::", "_c10d", "Torch-Compiled", "Compile
 
 def category(name: str) -> str:
     n = name.lower()
-    for cat, words in CATEGORIES:
-        if any(w in n for w in words):
-            return cat
-    return "other"
+    return next((cat for cat, words in CATEGORIES if any(w in n for w in words)), "other")
 
 
 def kernel_summary(events, cuda: bool) -> dict:
     """``{'busy_ms', 'by_category': {cat: ms}, 'top': [[name, ms, calls], ...], 'host_ms', 'host_top'}`` of one
-    profiled forward: on CUDA the device time of kernels and memcpy/memset (events with device time and no children
-    on the device side), on CPU the self CPU time of every op; ``host_*``: the self CPU time of every host event
-    (ops, Python-level ranges, CUDA runtime calls; not the ``cuda*Synchronize`` waits for the device) and the 12
-    largest, where a host-bound forward's time goes (the profiler's own overhead included)."""
+    profiled forward: busy = on CUDA the self device time of kernels and memcpy/memset, on CPU the self CPU time of
+    every op; ``host_*``: the self CPU time of every host event but the ``cuda*Synchronize`` waits (where a
+    host-bound forward's time goes, the profiler's overhead included), and the 12 largest."""
     rows, host = [], []
     for e in events:
         if e.self_cpu_time_total > 0 and "Synchronize" not in e.key:  # a cuda*Synchronize is the host waiting
@@ -53,19 +50,18 @@ def kernel_summary(events, cuda: bool) -> dict:
             t = e.self_cpu_time_total
         if t > 0:
             rows.append((e.key, t / 1e3, e.count))
-    by = {}
+    by: dict = defaultdict(float)
     for name, ms, _ in rows:
-        c = category(name)
-        by[c] = by.get(c, 0.0) + ms
+        by[category(name)] += ms
     rows.sort(key=lambda r: -r[1])
     host.sort(key=lambda r: -r[1])
-    return dict(busy_ms=sum(r[1] for r in rows), by_category=by, top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
+    return dict(busy_ms=sum(r[1] for r in rows), by_category=dict(by), top=[[n[:120], ms, c] for n, ms, c in rows[:12]],
                 host_ms=sum(r[1] for r in host), host_top=[[n[:120], ms, c] for n, ms, c in host[:12]])
 
+
 def _profile_sides(sides: list[Side], device, out_dir: str, tag: str) -> dict:
-    """One profiled forward of every side: GPU kernel time by category (attention, GEMM, copy, Triton/Inductor,
-    other) and the top kernels; on CPU, op time by the same categories. The summary is returned (the caller writes
-    it); each side's Chrome trace goes to ``out_dir/trace_<tag>_<side>.json.gz`` (host gaps, per-op launch times)."""
+    """One profiled forward of every side, summarised by :func:`kernel_summary` (returned); each side's Chrome trace
+    goes to ``out_dir/trace_<tag>_<side>.json.gz``."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

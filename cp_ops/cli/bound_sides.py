@@ -4,6 +4,7 @@ timed in interleaved rounds and profiled; the compile modes (:func:`parse_mode`)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import statistics
@@ -14,8 +15,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
 from ..integrations.diffusers.dispatch import CPAttention
+from ..kernels.sdpa import CUDA_PRIORITY
 from ..timing import Graphed, time_ms
 from . import bound_fill
 from ._args import whole_capture
@@ -68,19 +71,11 @@ def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class PlainAttention(CPAttention):
-    """Stands in for cp_ops' attention of a parallelized model in the ``plain W`` side: plain local attention of
-    the shapes rank 0 of the mode computes, with no cp_ops code (no host path, no collective, no mask or padding
-    handling beyond SDPA's own). Copies stand in for the transfers' writes:
-
-    - AGKV (``mode='agkv'``): local Q ``[B, S_local, H, D]`` against K/V of all S tokens (the local block
-      repeated W times, cut to S);
-    - Ulysses: Q, K, V of all S tokens and ``H / W`` heads (the local block repeated over the sequence, cut to S,
-      the first ``H / W`` heads), and the output's first ``S_local`` tokens repeated over the heads.
-
-    A key-padding mask becomes SDPA's bool ``attn_mask`` over the S keys (repeated like K); S = W x S_local for a
-    model installed from its ``_cp_plan``. Output ``[B, S_local, H, D]``, the query's dtype; its values are not the
-    model's (the copies repeat this rank's tokens): a timing stand-in only.
-    """
+    """Stands in for cp_ops' attention in the ``plain W`` side: plain SDPA of the shapes rank 0 of the mode computes,
+    with no cp_ops code (no host path, no collective), copies standing in for the transfers' writes. AGKV: local Q
+    against K/V of all S tokens (the local block repeated, cut to S); Ulysses: Q, K, V of all S tokens and ``H / W``
+    heads, the output's first ``S_local`` tokens repeated over the heads. A key-padding mask is repeated like K.
+    Output ``[B, S_local, H, D]``; its values are not the model's: a timing stand-in only."""
 
     def __init__(self, cp: CPAttention, mode: str):
         super().__init__(cp.state, cp.streams, cp.where)
@@ -109,16 +104,9 @@ class PlainAttention(CPAttention):
 
 
 def _sdpa(q, k, v, mask, scale):
-    """BSHD SDPA, cuDNN first on CUDA (then flash, memory-efficient, math), as :func:`cp_ops.local_attention`."""
+    """BSHD SDPA in :func:`cp_ops.local_attention`'s CUDA backend order, through torch's own ``sdpa_kernel``."""
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if q.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
-        with sdpa_kernel(order, set_priority=True):
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    else:
+    with sdpa_kernel(CUDA_PRIORITY, set_priority=True) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
 
@@ -185,10 +173,9 @@ class Side:
 
 
 def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=None):
-    """The side's call: one forward, or with ``margs.steps`` a denoising loop of that many steps
-    (:func:`cp_ops.cli.run.denoise`: the model's scheduler; returns the final latents, ``step_log`` gets the loop's
-    per-step ms). ``count[0]`` += 1 per Python-level call, when given; ``around()``: a context manager each
-    Python-level call runs inside (a peer's process-wide state); eager+graphs and +capture: captured."""
+    """The side's call: one forward, or with ``margs.steps`` a denoising loop (:func:`cp_ops.cli.run.denoise`; its
+    per-step ms into ``step_log``). ``count[0]`` += 1 per Python-level call; ``around()``: a context manager each
+    call runs inside (a peer's process-wide state); eager+graphs and +capture: captured."""
     from .run import _forward_fn, denoise
 
     if margs.steps:
@@ -218,10 +205,8 @@ def _make_call(m, spec, kw, margs, device, count=None, step_log=None, around=Non
 
 def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
     """Build ``side``'s model (a shared copy of ``base``, parallelized for group1/cp/plain, a peer's CP for dcp),
-    compile it as ``margs`` says, run and time its first call; sets ``side.call``, ``side.first_s`` and ``side.out``.
-
-    A dcp side (a peer's own CP) that Dynamo cannot compile whole (``fullgraph=True``, as every other side) is
-    built again and compiled with graph breaks (``fullgraph=False``): ``side.fullgraph_error`` says why."""
+    compile it as ``margs`` says, run and time its first call (``side.call``, ``first_s``, ``out``). A dcp side Dynamo
+    cannot compile whole is built again with graph breaks (``fullgraph=False``; ``side.fullgraph_error`` says why)."""
     try:
         return _build_and_run(side, base, spec, kw, margs, device, groups, args, fullgraph=True)
     except Exception as e:  # noqa: BLE001 - diffusers' CP under Dynamo: retried with graph breaks, the reason kept
@@ -235,15 +220,13 @@ def _prepare(side: Side, base, spec, kw, margs, device, groups, args) -> None:
 
 
 def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, fullgraph: bool) -> None:
-    from ..integrations.diffusers import parallelize
+    from ..integrations.diffusers import capture_safe, parallelize
     from . import bound_peers
     from .run import compile_model
 
     t_build = time.perf_counter()
     m = shared_copy(base)
     if whole_capture(margs):  # diffusers code a capture refuses, replaced by equivalents (every side alike)
-        from ..integrations.diffusers import capture_safe
-
         capture_safe.apply(m)
     eager_fills = None
     if side.kind == "dcp":
@@ -251,8 +234,6 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
                                         kw)
         side.label, side.around = built.label, built.around
         if whole_capture(margs):  # the peer's class may call diffusers' functions through its own module's names
-            from ..integrations.diffusers import capture_safe
-
             capture_safe.apply(m)
         if margs.compile:  # compiled, the peer's collectives are traced: the writes are recorded from one eager call
             eager = SimpleNamespace(compile=None, cuda_graphs=False, no_overlap=False, steps=margs.steps, cfg=False)
@@ -284,10 +265,8 @@ def _build_and_run(side: Side, base, spec, kw, margs, device, groups, args, full
 
 
 def _time_sides(sides: list[Side], device, warmup: int, rounds: int) -> None:
-    """``warmup`` untimed forwards of each side, then ``rounds`` interleaved rounds: each takes one sample of every
-    side (the median of ``n`` waited-for forwards; ``n`` from the warm-up's time, so a sample lasts ~SAMPLE_MS),
-    and the median of the same forwards' host times (:func:`cp_ops.timing.samples_ms`: the call's wall time, not
-    waited for)."""
+    """``warmup`` untimed forwards of each side, then ``rounds`` interleaved rounds of one sample of every side: the
+    median of ``n`` waited-for forwards (a sample lasts ~SAMPLE_MS) and of their host times (wall, not waited for)."""
     calls = {}
     for s in sides:
         # n from one forward timed after the untimed warm-up ones (a compile in the first would make n = 1)

@@ -10,11 +10,8 @@ import sys
 
 
 def settings_rows() -> tuple[list[dict], list[str]]:
-    """``(rows, errors)``: one row per setting (field, variable, value, source) as
-    :meth:`cp_ops.config.Settings.describe` gives them, and the one-line error of each bad ``CP_OPS_*`` value.
-
-    ``cp_ops.config`` parses the environment when it is imported and raises on the first bad value; here its
-    definitions are loaded without registering the module, so each variable is checked on its own."""
+    """``(rows, errors)``: one row per setting (:meth:`cp_ops.config.Settings.describe`) and the one-line error of each
+    bad ``CP_OPS_*`` value (``cp_ops.config`` raises on the first at import: here each variable is checked alone)."""
     try:
         from cp_ops import config
 
@@ -113,11 +110,10 @@ def print_env() -> int:
     if runtime.get("lane"):
         print(f"fast lane: {runtime['lane']}")
     from cp_ops import config
+    from cp_ops._ext import build_dir
     from cp_ops.plan import measured as choices
 
     print(f"measured mode/chunks choice (CP_OPS_TUNE_MODES): {'on' if config.settings.tune_modes else 'off'}; "
           f"its cache file (CP_OPS_TUNE_CACHE): {choices.cache_path() or 'none'}")
-    from cp_ops._ext import build_dir
-
     print(f"fast transport's CUDA extension folder (CP_OPS_EXT_DIR): {build_dir()}")
     return 0

@@ -1,17 +1,12 @@
 """``cp-ops generate``: a whole local diffusers pipeline with its transformer under CP.
 
-Every rank loads ``DiffusionPipeline.from_pretrained(--checkpoint)`` (components recorded as ``null`` in
-``model_index.json``, e.g. a text encoder saved without weights, load as None), parallelizes
-``pipe.transformer`` with :func:`cp_ops.integrations.diffusers.parallelize` and runs the same sampling call
-with the same seeded generator (the pipeline's own loop, scheduler and VAE decode; only the transformer's
-tokens are split). Rank 0 shows the pipeline's progress bar and writes the result: an image as PNG; a video
-as MP4 through ``diffusers.utils.export_to_video`` when a video encoder is installed (imageio + imageio-ffmpeg,
-or OpenCV), else as a PNG grid of the frames (the output says which).
+Every rank loads the pipeline (``null`` components as None), parallelizes its transformer and runs the same seeded
+sampling call (only the transformer's tokens are split). Rank 0 shows the progress bar and writes an image as PNG, a
+video as MP4 where an encoder is installed, else as a PNG grid of the frames (the output says which).
 
-``--prompt-embeds FILE``: a ``torch.save``'d tensor ``[B, L, dim]`` (passed as ``prompt_embeds``) or a dict
-of pipeline keyword tensors (``prompt_embeds``, ``negative_prompt_embeds``, ``pooled_prompt_embeds``, ...):
-for pipelines saved without a tokenizer/text encoder. Without negative embeddings the guidance scale is 1
-(no classifier-free guidance), since the pipeline could not encode the empty negative prompt.
+``--prompt-embeds FILE``: a ``torch.save``'d tensor ``[B, L, dim]`` (``prompt_embeds``) or a dict of pipeline keyword
+tensors, for pipelines saved without a text encoder. Without negative embeddings the guidance scale is 1 (the
+pipeline could not encode the empty negative prompt).
 """
 
 from __future__ import annotations
@@ -20,23 +15,25 @@ import inspect
 import json
 import math
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from .bench import DTYPES, available_cores
-from .run import exit_unsupported
+from .run import _sync, exit_unsupported
 
 
 def load_pipeline(path: str, dtype: torch.dtype, device: torch.device):
-    """``DiffusionPipeline.from_pretrained(path, dtype=dtype)`` (``torch_dtype=`` on older diffusers) on ``device``, null components as None."""
+    """``DiffusionPipeline.from_pretrained(path, dtype=dtype)`` (``torch_dtype=`` on older diffusers) on ``device``,
+    null components as None."""
     from diffusers import DiffusionPipeline
+
+    from .models import dtype_kwarg
 
     with open(os.path.join(path, "model_index.json")) as f:
         index = json.load(f)
-    nulls = {k: None for k, v in index.items() if isinstance(v, list) and len(v) == 2 and v == [None, None]}
-    from .models import dtype_kwarg
-
+    nulls = {k: None for k, v in index.items() if v == [None, None]}
     pipe = DiffusionPipeline.from_pretrained(path, **dtype_kwarg(dtype), **nulls)
     return pipe.to(device)
 
@@ -106,9 +103,8 @@ def write(frames, video: bool, out: str) -> str:
 
 
 def parallelize_transformers(pipe, args) -> None:
-    """:func:`cp_ops.integrations.diffusers.parallelize` on ``pipe.transformer`` (and ``pipe.transformer_2`` where there
-    is one: Wan 2.2 A14B's two experts, both under CP) with ``--mode``, ``--transport`` and ``--comm-dtype``
-    (:func:`cp_ops.comm_dtype.parse`'s forms). Raises as ``parallelize``."""
+    """:func:`cp_ops.integrations.diffusers.parallelize` on ``pipe.transformer`` (and ``pipe.transformer_2``: Wan 2.2
+    A14B's second expert) with ``--mode``, ``--transport`` and ``--comm-dtype``. Raises as ``parallelize``."""
     from cp_ops.comm_dtype import parse
     from cp_ops.integrations.diffusers import parallelize
 
@@ -138,15 +134,11 @@ def generate(rank: int, world_size: int, device: torch.device, args) -> None:
                                f"{type(pipe.transformer).__name__} here: {e}")
     pipe.set_progress_bar_config(disable=rank != 0, desc=f"CP{world_size} steps")
     kw = _call_kwargs(pipe, args, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    import time
-
+    _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         result = pipe(**kw)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     seconds = time.perf_counter() - t0
     if rank == 0:
         frames, video = _frames(result)

@@ -1,9 +1,8 @@
 """Start W local ranks (or join a torchrun launch) and run a function on each.
 
-Run under ``torchrun`` (RANK/WORLD_SIZE/LOCAL_RANK set), :func:`launch` joins that group; run standalone,
-it spawns ``nproc`` processes with ``torch.multiprocessing`` on a free localhost port. Backend: NCCL when
-CUDA is used, else gloo; with ``device=SHARED`` every rank runs on ``cuda:0`` over gloo with CUDA tensors (NCCL
-refuses two ranks on one device: W processes sharing one GPU, real peers for correctness checks). Every group gets ``cp_ops.config.settings.timeout_s`` so a collective that cannot
+Under ``torchrun`` :func:`launch` joins its group; standalone it spawns ``nproc`` processes on a free localhost port.
+Backend: NCCL on CUDA, else gloo; ``device=SHARED``: every rank on ``cuda:0`` over gloo with CUDA tensors (NCCL
+refuses two ranks on one device). Every group gets ``cp_ops.config.settings.timeout_s``: a collective that cannot
 complete raises instead of hanging.
 """
 
@@ -24,7 +23,6 @@ import torch.multiprocessing as mp
 
 import cp_ops.ops  # noqa: F401  (every rank this starts has torch.ops.cp_ops.* registered)
 from cp_ops import config
-
 from cp_ops.config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts ranks
 
 from ._args import under_torchrun  # noqa: F401 (main and bound_args import it from here)
@@ -42,9 +40,7 @@ def free_port() -> int:
 
 def init_rank(rank: int, world_size: int, device: str) -> torch.device:
     """Initialize torch.distributed for one rank; returns the rank's device (cuda:local_rank, cuda:0 for
-    :data:`SHARED`, or cpu)."""
-    for k, v in SAFE_ENV.items():
-        os.environ.setdefault(k, v)
+    :data:`SHARED`, or cpu); :func:`launch` has set :data:`SAFE_ENV`."""
     timeout = datetime.timedelta(seconds=config.settings.timeout_s)
     if device == SHARED:
         torch.cuda.set_device(0)
@@ -65,15 +61,10 @@ DESTROY_TIMEOUT_S = 30.0
 
 
 def shutdown(ok: bool, timeout_s: float = DESTROY_TIMEOUT_S) -> None:
-    """End this rank's process group, bounded in time.
-
-    After NCCL work was captured in CUDA graphs (``--cuda-graphs``, ``mode="reduce-overhead"``),
-    ``destroy_process_group`` can wait forever (pytorch/pytorch#115388, open; seen here as a run that printed
-    its results and never exited). So: drop Dynamo's caches and the CUDA-graph trees that hold the captured
-    collectives, synchronize, then destroy on a helper thread; if it is not done within ``timeout_s``, say so on
-    stderr and end the process at once (``os._exit``: exit code 0 when the rank's work succeeded (``ok``), else 1
-    after printing the pending traceback).
-    """
+    """End this rank's process group, bounded in time: after NCCL work was captured in CUDA graphs
+    ``destroy_process_group`` can wait forever (pytorch/pytorch#115388). So drop Dynamo's caches and CUDA-graph trees,
+    synchronize, destroy on a helper thread, and past ``timeout_s`` say so and ``os._exit`` (0 when ``ok``, else 1
+    after the pending traceback)."""
     if not dist.is_initialized():
         return
     if "torch._dynamo" in sys.modules and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -113,20 +104,15 @@ def _run(rank: int, world_size: int, device: str, fn: Callable, args: tuple) -> 
 
 
 def launch(fn: Callable[..., Any], nproc: int, device: str, *args: Any) -> None:
-    """Run ``fn(rank, world_size, device, *args)`` on every rank.
-
-    Under torchrun ``nproc`` is ignored (WORLD_SIZE rules). Raises ``ValueError`` when ``device='cuda'``
-    and fewer than ``nproc`` GPUs are visible.
-    """
+    """Run ``fn(rank, world_size, device, *args)`` on every rank (under torchrun: its WORLD_SIZE ranks). Raises
+    ValueError when ``nproc < 1`` or ``device='cuda'`` has fewer than ``nproc`` visible GPUs."""
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)
     if under_torchrun():
         return _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, fn, args)
     if device == "cuda" and torch.cuda.device_count() < nproc:
-        raise ValueError(
-            f"--nproc {nproc} needs {nproc} visible GPUs; found {torch.cuda.device_count()} "
-            "(lower --nproc or use --device cpu)"
-        )
+        raise ValueError(f"--nproc {nproc} needs {nproc} visible GPUs; found {torch.cuda.device_count()} "
+                         "(lower --nproc or use --device cpu)")
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1; got {nproc}")
     mp.spawn(run_rank, args=(nproc, device, free_port(), fn, args), nprocs=nproc, join=True)

@@ -1,10 +1,9 @@
 """``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, generate, env.
 
-Standalone, ``bench`` and ``run`` spawn ``--nproc`` local ranks themselves (default: every visible GPU, else 2 gloo
-ranks on the CPU); under ``torchrun`` they join its ranks; ``bound`` runs in this one process on one device. Each
-command's parser and checks are a torch-free ``<command>_args`` module (``--help`` and a wrong flag answer before
-torch loads); a wrong argument or a bad ``CP_OPS_*`` value prints one line ``cp-ops: ...`` (rank 0) and exits 2.
-Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
+``bench``, ``run`` and ``generate`` spawn ``--nproc`` local ranks (default: every visible GPU, else 2 gloo ranks) or
+join torchrun's; ``bound`` runs in this process on one device. Parsers and checks are torch-free ``<command>_args``
+modules; a wrong argument or ``CP_OPS_*`` value prints one line ``cp-ops: ...`` (rank 0) and exits 2. Settings reach
+the ranks through :func:`cp_ops.config.configure` (never the environment).
 """
 
 from __future__ import annotations
@@ -161,13 +160,9 @@ def _main(args) -> int:
             return print_plan(args)
         run_args.check(args, device, world)
     check_out(args.out, "--out")
-    if bound:  # one process, this device: no ranks to launch
+    if bound:  # one process, this device: no ranks to launch (no check sets args.settings for it)
         from .bound import run_bound
 
-        if args.settings:
-            from cp_ops import config
-
-            config.configure(**args.settings)
         run_bound(args, torch.device(device, 0) if gpu else torch.device("cpu"))
         return 0
     if shared:

@@ -1,7 +1,5 @@
-"""``--mesh OxI`` of ``cp-ops bench`` / ``cp-ops run``: the 2-D CP mesh, how the header names it, and the
-communication time of each of its dims, timed alone with the call's shapes, group and transport (what is measured
-and why alone: docs/2d.md, "Per-dim communication time").
-"""
+"""``--mesh OxI`` of ``cp-ops bench`` / ``run``: the 2-D CP mesh, its label, and each dim's communication time, timed
+alone with the call's shapes, group and transport (docs/2d.md, "Per-dim communication time")."""
 
 from __future__ import annotations
 
@@ -41,9 +39,8 @@ def label(mesh) -> str:
 def dim_times(mesh, b: int, s_local: int, h: int, d: int, dtype: torch.dtype, transport: str,
               device: torch.device, warmup: int = 1, samples: int = 3, calls: int = 1) -> dict[str, float]:
     """``{'ulysses': ms, 'agkv': ms}``: each dim's collectives of one 2-D call on ``mesh`` for this rank's
-    ``[b, s_local, h, d]`` q/k/v, timed alone (module docstring), the slowest rank's per sample, median of
-    ``samples``. Collective: every rank calls it alike. ``transport``: what the call was given ('torch', 'fast',
-    'auto'). Raises ValueError: the inner size does not divide ``h``."""
+    ``[b, s_local, h, d]`` q/k/v (``transport`` as the call was given), the slowest rank's per sample, median of
+    ``samples``. Collective. Raises ValueError where the inner size does not divide ``h``."""
     from cp_ops import ops as lib
     from cp_ops.transport.base import resolve
 
@@ -78,9 +75,8 @@ def dim_times(mesh, b: int, s_local: int, h: int, d: int, dtype: torch.dtype, tr
 
 def forward_dim_times(model, spec, kw, mesh, transport: str, device: torch.device, samples: int = 3) -> dict:
     """Per-dim communication of one forward of the parallelized ``model`` (``cp-ops run --mesh``): one eager forward
-    records the 2-D attention calls (q's shape, dtype, ``seq_lens``), then each distinct call's dims are timed by
-    :func:`dim_times` and summed over the calls. Returns ``{'ms': {'ulysses': ms, 'agkv': ms}, 'calls': n}``.
-    Collective (every rank runs the same model on its share)."""
+    records the 2-D attention calls, each distinct one is timed by :func:`dim_times`, summed over the calls. Returns
+    ``{'ms': {'ulysses': ms, 'agkv': ms}, 'calls': n}``. Collective."""
     from cp_ops import plan
     from cp_ops.mesh import is_mesh
 

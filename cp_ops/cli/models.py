@@ -1,18 +1,11 @@
-"""The DiTs ``cp-ops run`` / ``cp-ops generate`` know: released configs, input builders, schedulers.
+"""The DiTs ``cp-ops run`` / ``bound`` know: one :class:`ModelSpec` per family (diffusers class, released configs,
+``--layers N`` depth, default latents, input builder, scheduler). ``tiny`` configs are the CPU default (same structure,
+seconds). Latents are VAE space (pixels / 8; image models 1 frame); inputs come from one seeded generator, so every
+rank builds the same full inputs.
 
-One :class:`ModelSpec` per model family: the diffusers transformer class, its released configs (the
-``config.json`` of the transformer in the released checkpoint; ``tiny`` is the CPU default, same structure,
-seconds instead of minutes), how ``--layers N`` cuts depth, default latent sizes, and how to build the inputs
-its ``forward`` takes from a latent ``[frames, height, width]`` (latent = VAE space: pixels / 8 for these
-VAEs; image models have 1 frame). Inputs are random, drawn from one seeded generator, so every rank builds
-the same full inputs.
-
-Sources: configs from the released checkpoints' ``transformer/config.json`` (Wan-AI/Wan2.1-T2V-1.3B/-14B-Diffusers,
-Tongyi-MAI/Z-Image-Turbo, black-forest-labs/FLUX.1-dev/-schnell, Qwen/Qwen-Image,
-hunyuanvideo-community/HunyuanVideo); input layouts and timestep conventions from the matching diffusers
-pipelines (0.42): Flux/Qwen-Image pack 2x2 latent patches into tokens and take ``t / 1000``; Z-Image takes
-lists of ``[C, 1, H, W]`` latents and ``(1000 - t) / 1000`` and predicts the negated velocity; Wan and
-HunyuanVideo take ``[B, C, F, H, W]`` latents and ``t`` in [0, 1000].
+Sources: the released checkpoints' ``transformer/config.json`` (Wan-AI/Wan2.1-T2V-1.3B/-14B-Diffusers,
+Tongyi-MAI/Z-Image-Turbo, black-forest-labs/FLUX.1-dev/-schnell, Qwen/Qwen-Image, hunyuanvideo-community/HunyuanVideo);
+input layouts and timestep conventions from the matching diffusers 0.42 pipelines.
 """
 
 from __future__ import annotations
@@ -37,12 +30,10 @@ def _get_hidden(kw):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One model family (module docstring). ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA,
-    the model's standard resolution (``cp-ops run --help``: ``--height``); ``cpu_latent``: the tiny configs'.
-    ``layer_keys``: config entries ``--layers N`` sets to N (every block kind). ``text_tokens``: text sequence length
-    per config (the pipeline's ``max_sequence_length`` where it pads, else a typical prompt's valid tokens).
-    ``replicated``: submodule name prefixes whose work every rank repeats on full tensors (timestep and text
-    embeddings), for the ``--profile`` breakdown."""
+    """One model family. ``gpu_latent``: the default latent ``[frames, height, width]`` on CUDA (the standard
+    resolution); ``cpu_latent``: the tiny configs'. ``layer_keys``: what ``--layers N`` sets. ``text_tokens``: per
+    config (the pipeline's ``max_sequence_length`` where it pads, else a typical prompt's). ``replicated``: modules
+    whose work every rank repeats on full tensors (timestep and text embeddings), for ``--profile``."""
 
     name: str
     cls: str
@@ -67,8 +58,7 @@ class ModelSpec:
     def config(self, name: str, layers: int | None = None) -> dict:
         cfg = dict(self.configs[name])
         if layers is not None:
-            for k in self.layer_keys:
-                cfg[k] = layers
+            cfg.update(dict.fromkeys(self.layer_keys, layers))
         return cfg
 
     def tokens(self, cfg: dict, frames: int, height: int, width: int) -> int:
@@ -222,13 +212,12 @@ FLUX = ModelSpec(
 
 def _qwen_inputs(cfg, text, batch, f, h, w, device, dtype, gen, t=500.0):
     mask = _text_mask(batch, text, device)
-    kw = dict(hidden_states=_packed(gen, cfg, batch, h, w, device, dtype),
-              encoder_hidden_states=_randn(gen, batch, text, cfg["joint_attention_dim"], device=device, dtype=dtype),
-              # as QwenImagePipeline.encode_prompt passes it: no mask when every token is valid (one prompt)
-              encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-              timestep=(_t_full(batch, t, device) / 1000).to(dtype),
-              img_shapes=[[(1, h // 2, w // 2)]] * batch, return_dict=False)
-    return kw
+    return dict(hidden_states=_packed(gen, cfg, batch, h, w, device, dtype),
+                encoder_hidden_states=_randn(gen, batch, text, cfg["joint_attention_dim"], device=device, dtype=dtype),
+                # as QwenImagePipeline.encode_prompt passes it: no mask when every token is valid (one prompt)
+                encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                timestep=(_t_full(batch, t, device) / 1000).to(dtype),
+                img_shapes=[[(1, h // 2, w // 2)]] * batch, return_dict=False)
 
 
 QWEN = ModelSpec(
@@ -357,8 +346,7 @@ def build(spec: ModelSpec, config: str, layers: int | None, device, dtype, seed:
 
 
 def checkpoint_folder(path: str) -> str | None:
-    """The subfolder of a local diffusers checkpoint ``path`` that holds the transformer: ``'transformer'`` for a
-    pipeline folder, None when ``path`` is the transformer folder itself."""
+    """``'transformer'`` when ``path`` is a pipeline folder, None when it is the transformer folder itself."""
     import os
 
     return "transformer" if os.path.isfile(os.path.join(path, "transformer", "config.json")) else None
@@ -391,9 +379,8 @@ def load_checkpoint(spec: ModelSpec, path: str, device, dtype):
 
 
 def dtype_kwarg(dtype) -> dict:
-    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers takes it (the versions that warn that
-    ``torch_dtype`` is deprecated: they have ``diffusers.utils.deprecation_utils._resolve_dtype``), else
-    ``torch_dtype=`` (older diffusers, which would not read ``dtype``)."""
+    """``from_pretrained``'s dtype keyword: ``dtype=`` where diffusers takes it (it has
+    ``deprecation_utils._resolve_dtype``), else ``torch_dtype=`` (older diffusers)."""
     import importlib
 
     dep = importlib.import_module("diffusers.utils.deprecation_utils")

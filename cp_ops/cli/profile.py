@@ -1,25 +1,18 @@
 """``cp-ops run --profile DIR``: a torch.profiler trace of the CP run and where its time goes, per layer.
 
-:func:`profile_run` marks every transformer block and every replicated module (``ModelSpec.replicated``) with
-``record_function`` ranges, profiles ``--profile-runs`` forwards, writes ``DIR/trace_rank{r}.json.gz`` (a gzipped
-Chrome trace: https://ui.perfetto.dev opens it) and computes :func:`breakdown` from it.
+:func:`profile_run` marks every block and replicated module (``ModelSpec.replicated``) with ``record_function``
+ranges, profiles ``--profile-runs`` forwards into ``DIR/trace_rank{r}.json.gz`` (https://ui.perfetto.dev opens it) and
+computes :func:`breakdown`, per forward (``layers``: the mean block, ``per_layer``: each):
 
-The breakdown (per forward; ``layers`` = the mean over the blocks, ``per_layer`` each block):
-
-- ``span_ms``: on CUDA from the first kernel to the last one launched in the range; on CPU the range's wall time;
-- ``busy_ms`` / ``idle_ms``: the union of the device intervals inside the span / the rest (on CUDA: GPU idle,
-  typically the host not keeping up; on CPU: time outside profiled ops, i.e. Python);
-- ``attention_ms``: intervals under an attention op (``scaled_dot_product``, ``attention``, flash/cuDNN/fmha kernels);
-- ``comm_ms`` and ``exposed_comm_ms``: intervals under a communication op (c10d/NCCL/gloo, ``cp_ops::*_start``,
-  ``wait_tensor``); exposed = the part no other interval of the same range covers;
-- ``replicated_ms``: busy time inside the replicated modules' ranges;
-- ``gather_ms``: communication launched outside every block and replicated range (the output gather);
-- ``host_syncs``: events that make the host wait for the device (``cudaStreamSynchronize``,
-  ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking ``cudaMemcpy``, DtoH copies, ``aten::item`` /
-  ``aten::_local_scalar_dense``), counted per range.
-
-On CPU (gloo) the same numbers are computed over the host's op intervals; communication shows as the ops the host
-waits in, all of it exposed.
+- ``span_ms``: CUDA: first to last kernel launched in the range; CPU: the range's wall time;
+- ``busy_ms`` / ``idle_ms``: the union of device intervals in the span / the rest (CUDA: GPU idle, typically the host
+  not keeping up; CPU: time outside profiled ops, i.e. Python);
+- ``attention_ms``, ``comm_ms``: intervals under an attention / communication op (:data:`_ATTN`, :data:`_COMM`);
+  ``exposed_comm_ms``: the part no other interval of the range covers (CPU: all of it, the host waits in it);
+- ``replicated_ms``: busy time in the replicated modules; ``gather_ms``: communication outside every block and
+  replicated range (the output gather);
+- ``host_syncs``: events that make the host wait for the device (:data:`_SYNC_RUNTIME` but async, DtoH copies,
+  :data:`_SYNC_OPS`), per range.
 """
 
 from __future__ import annotations
@@ -42,6 +35,8 @@ _COMM = ("nccl", "c10d", "all_gather", "allgather", "all_to_all", "alltoall", "r
          "memcpy ptop", "cp_fast")
 _SYNC_RUNTIME = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _SYNC_OPS = ("aten::item", "aten::_local_scalar_dense")
+#: the interval statistics of a range (:func:`breakdown`), ms per forward
+_STATS = ("span_ms", "busy_ms", "idle_ms", "attention_ms", "comm_ms", "exposed_comm_ms")
 
 
 def _has(name: str, words) -> bool:
@@ -117,9 +112,7 @@ KERNEL_CLASSES = ("attn", "merge", "comm", "wait", "other")
 def kernel_class(event: dict) -> str:
     """The class (one of :data:`KERNEL_CLASSES`) of one Chrome-trace GPU event."""
     name = event.get("name", "").lower()
-    if event.get("cat") == "gpu_memcpy":
-        return "comm"
-    if "nccl" in name or "copy2d_kernel" in name:  # NCCL; the fast transport's SM copy kernel
+    if event.get("cat") == "gpu_memcpy" or "nccl" in name or "copy2d_kernel" in name:  # copy2d: fast's SM copies
         return "comm"
     if "merge" in name:
         return "merge"
@@ -212,33 +205,24 @@ def breakdown(trace_path: str) -> dict:
         inner = [e for e in stack if e["name"].startswith((LAYER, REPLICATED))]
         return max(inner, key=lambda e: e["ts"])["name"] if inner else None
 
-    # the intervals: (region, category, start, end) with times in µs
+    # the intervals: (region, category, start, end, forward) with times in µs; CUDA: each kernel, by its launch's
+    # enclosing ops; CPU: every op at any depth, by its own name (unions below: nesting counts once; a compiled
+    # region's wrapper op is compute, the communication/attention ops it calls keep their category)
     items, dtoh = [], defaultdict(int)
-    if cuda:
-        for k in kernels:
-            launch = runtime.get(k.get("args", {}).get("correlation"))
-            if launch is None:
-                continue
-            stack = enclosing((launch["pid"], launch["tid"]), launch["ts"])
-            fid = fwd_of(stack)
-            if fid is None:
-                continue
-            names = [e["name"] for e in stack] + [k["name"]]
-            cat = ("comm" if any(_has(n, _COMM) for n in names) else
-                   "attention" if any(_has(n, _ATTN) for n in names) else "compute")
-            items.append((region(stack), cat, k["ts"], k["ts"] + k["dur"], fid))
-            if "DtoH" in k["name"] or "Device -> Host" in k["name"]:
-                dtoh[region(stack)] += 1
-    else:
-        for o in ops:
-            stack = enclosing((o["pid"], o["tid"]), o["ts"])
-            fid = fwd_of(stack)
-            if fid is None:
-                continue
-            # every op at any depth, by its own name (unions below: nesting counts once; a compiled region's
-            # wrapper op is compute, the communication/attention ops it calls keep their category)
-            cat = "comm" if _has(o["name"], _COMM) else "attention" if _has(o["name"], _ATTN) else "compute"
-            items.append((region(stack), cat, o["ts"], o["ts"] + o["dur"], fid))
+    for ev in kernels if cuda else ops:
+        host = runtime.get(ev.get("args", {}).get("correlation")) if cuda else ev
+        if host is None:
+            continue
+        stack = enclosing((host["pid"], host["tid"]), host["ts"])
+        fid = fwd_of(stack)
+        if fid is None:
+            continue
+        names = [e["name"] for e in stack] + [ev["name"]] if cuda else [ev["name"]]
+        cat = ("comm" if any(_has(n, _COMM) for n in names) else
+               "attention" if any(_has(n, _ATTN) for n in names) else "compute")
+        items.append((region(stack), cat, ev["ts"], ev["ts"] + ev["dur"], fid))
+        if cuda and ("DtoH" in ev["name"] or "Device -> Host" in ev["name"]):
+            dtoh[region(stack)] += 1
     # host syncs, by region
     syncs = defaultdict(int)
     for e in list(runtime.values()) + ops:
@@ -266,46 +250,31 @@ def breakdown(trace_path: str) -> dict:
                     attention_ms=_length([(s, e) for _, c, s, e, _ in sel if c == "attention"]) / 1e3,
                     comm_ms=_length(comm) / 1e3, exposed_comm_ms=exposed / 1e3)
 
-    def per_fwd(d):
-        return None if d is None else {k: v / nfwd for k, v in d.items()}
-
     layer_names = sorted({r for r, *_ in items if r and r.startswith(LAYER)},
                          key=lambda n: (n.split()[-1].rsplit(".", 1)[0], int(n.rsplit(".", 1)[1])))
     per_layer = {}
     for name in layer_names:
         sel = [x for x in items if x[0] == name]
-        if cuda:
-            # per forward: span from the first to the last kernel of this layer in that forward
-            st = defaultdict(float)
-            for i in range(len(forwards)):
-                s = stats([x for x in sel if x[4] == i])
-                for k, v in (s or {}).items():
-                    st[k] += v
-            d = dict(st)
-        else:
-            spans = [a for a in ann if a["name"] == name]
-            d = {k: 0.0 for k in ("span_ms", "busy_ms", "idle_ms", "attention_ms", "comm_ms", "exposed_comm_ms")}
-            for a in spans:
-                s = stats([x for x in sel if a["ts"] <= x[2] <= a["ts"] + a["dur"]], (a["ts"], a["ts"] + a["dur"]))
-                for k, v in (s or {}).items():
-                    d[k] += v
-        d = per_fwd(d)
+        if cuda:  # per forward: span from the first to the last kernel of this layer in that forward
+            parts = [([x for x in sel if x[4] == i], None) for i in range(nfwd)]
+        else:  # per range of this layer
+            parts = [([x for x in sel if a["ts"] <= x[2] <= a["ts"] + a["dur"]], (a["ts"], a["ts"] + a["dur"]))
+                     for a in ann if a["name"] == name]
+        d = dict.fromkeys(_STATS, 0.0)
+        for part, span in parts:
+            for k, v in (stats(part, span) or {}).items():
+                d[k] += v
+        d = {k: v / nfwd for k, v in d.items()}
         d["host_syncs"] = syncs.get(name, 0) / nfwd
         per_layer[name.removeprefix(LAYER)] = d
-    whole = []
-    for i, f in enumerate(forwards):
-        sel = [x for x in items if x[4] == i]
-        span = None if cuda else (f["ts"], f["ts"] + f["dur"])
-        whole.append(stats(sel, span) or {})
+    whole = [stats([x for x in items if x[4] == i], None if cuda else (f["ts"], f["ts"] + f["dur"])) or {}
+             for i, f in enumerate(forwards)]
     total = {k: sum(w.get(k, 0.0) for w in whole) / nfwd for k in (whole[0] if whole else {})}
     rep = [x for x in items if x[0] and x[0].startswith(REPLICATED)]
     total["replicated_ms"] = _length([(s, e) for _, _, s, e, _ in rep]) / 1e3 / nfwd
     total["gather_ms"] = _length([(s, e) for r, c, s, e, _ in items if r is None and c == "comm"]) / 1e3 / nfwd
-    total["host_syncs"] = sum(v for k, v in syncs.items()) / nfwd
-    mean = {}
-    if per_layer:
-        for k in next(iter(per_layer.values())):
-            mean[k] = sum(d[k] for d in per_layer.values()) / len(per_layer)
+    total["host_syncs"] = sum(syncs.values()) / nfwd
+    mean = {k: sum(d[k] for d in per_layer.values()) / len(per_layer) for k in next(iter(per_layer.values()), {})}
     return dict(device="cuda" if cuda else "cpu", forwards=nfwd, trace=os.path.abspath(trace_path), forward=total,
                 layers=mean, per_layer=per_layer,
                 replicated={r.removeprefix(REPLICATED): _length([(s, e) for rr, _, s, e, _ in rep if rr == r]) / 1e3 / nfwd
@@ -359,7 +328,7 @@ def print_breakdown(bd: dict) -> None:
         print("--compile full: one graph, no per-layer ranges (use --compile regional for per-layer rows)")
     elif bd.get("compiled"):
         print("--compile regional: ranges on the blocks and the modules outside them (none inside a compiled block)")
-    cols = ("span_ms", "busy_ms", "idle_ms", "attention_ms", "comm_ms", "exposed_comm_ms", "host_syncs")
+    cols = (*_STATS, "host_syncs")
     print(f"{'':<28}" + "".join(f"{c.removesuffix('_ms'):>14}" for c in cols))
 
     def line(label, d):

@@ -1,11 +1,9 @@
 """``cp-ops run MODEL``: a real diffusers DiT (random seeded weights, or a local checkpoint), one rank vs CP.
 
-On the same model and inputs (every rank draws them from one seeded generator), in this order: the single-rank
-baseline on rank 0 (cuDNN attention on CUDA, the kernel CP attention uses); with ``--compare diffusers`` diffusers'
-own CP (Ulysses W, ring W) on copies of the model, a refused row printed with its reason; cp_ops'
-:func:`~cp_ops.integrations.diffusers.parallelize` in place (``--cfg``: a batch of ``2 * --batch``, cond then uncond
-halves, on two CFG lanes). Each row: time (CP = the slowest rank), speedup and max relative error; the flags as
-``--help`` says. A model ``parallelize`` does not support ends the run with exit code 3 and one line saying so.
+Same model and inputs on every rank: the single-rank baseline on rank 0 (cuDNN attention on CUDA), then with
+``--compare diffusers`` diffusers' own CP (Ulysses W, ring W) on copies, then cp_ops'
+:func:`~cp_ops.integrations.diffusers.parallelize` in place (``--cfg``: cond and uncond halves on two CFG lanes). Each
+row: time (CP = the slowest rank), speedup, max relative error. An unsupported model exits 3 with one line saying so.
 """
 
 from __future__ import annotations
@@ -18,9 +16,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import mesh_comm
 from .bench import DTYPES, _write_json, available_cores, cpu_threads, environment
 from .models import MODELS, build, config_label, load_checkpoint
 from ._args import per_block_graphs, whole_capture
+from ..integrations.diffusers.compiled import compile_blocks, uncompile_blocks
 from ..timing import Graphed, interleaved_rounds, max_over_ranks, max_over_ranks_each, time_ms
 
 #: exit code of a run whose model (or --cfg layout) cp_ops.parallelize does not support
@@ -37,10 +37,6 @@ def exit_unsupported(rank: int, line: str) -> None:
     sys.exit(UNSUPPORTED)
 
 
-class _Skip(Exception):
-    """A comparison row that cannot run here (its reason is the row)."""
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -54,9 +50,8 @@ def compile_model(model, spec, args, overlap: bool, kw_in: dict | None = None):
 
     if not args.compile:
         return model, 0
-    # dynamic=False: every side's graphs static, as the first measurement's; else the 1-rank model compiling again
-    # in the interleaved rounds beside the CP model (other token counts, one Dynamo frame) gets symbolic sizes
-    # fullgraph: True unless args says otherwise (cp-ops bound's diffusers CP side where Dynamo cannot trace it whole)
+    # dynamic=False: else the 1-rank model compiling again in the interleaved rounds beside the CP model gets
+    # symbolic sizes; fullgraph=False only from cp-ops bound (a peer's CP side Dynamo cannot trace whole)
     kw = dict(fullgraph=getattr(args, "fullgraph", True), overlap=overlap and not args.no_overlap, dynamic=False)
     if per_block_graphs(args):
         kw["mode"] = "reduce-overhead"
@@ -65,8 +60,6 @@ def compile_model(model, spec, args, overlap: bool, kw_in: dict | None = None):
             with torch.no_grad():
                 spec.predict(model, kw_in)
         return cp_ops.compile(model, **kw), 1
-    from ..integrations.diffusers.compiled import compile_blocks
-
     return model, compile_blocks(model, cuda_graphs=per_block_graphs(args), overlap=kw["overlap"], blocks=spec.blocks,
                                  fullgraph=kw["fullgraph"])
 
@@ -102,12 +95,7 @@ def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
     marks = []
     with torch.no_grad():
         for t in sched.timesteps:
-            if cuda:
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                marks.append(e)
-            else:
-                marks.append(time.perf_counter())
+            marks.append(_mark(cuda))
             spec.set_latents(kw, torch.cat([lat, lat]) if cfg else lat)
             kw[key] = spec.model_timestep(t.float()).expand(batch).to(tdtype)
             if args is not None:
@@ -117,22 +105,26 @@ def denoise(m, spec, kw, steps: int, device, args=None, guidance: float = 5.0):
                 cond, uncond = pred.chunk(2)
                 pred = uncond + guidance * (cond - uncond)
             lat = sched.step(pred, t, lat, return_dict=False)[0]
-        if cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            marks.append(e)
-            e.synchronize()
-            ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        else:
-            marks.append(time.perf_counter())
-            ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-    return lat.float(), ms
+        marks.append(_mark(cuda))
+    if cuda:
+        marks[-1].synchronize()
+        return lat.float(), [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    return lat.float(), [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
 
 
-def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
+def _mark(cuda: bool):
+    """A point in time: a recorded CUDA event (no host wait), else ``perf_counter()``."""
+    if not cuda:
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _measure(m, spec, kw, args, device, group=None):
     """Time ``m`` as the args say. Returns ``(first call s, per-call or per-step ms list, output fp32, call)``:
     ``call()`` runs one more forward the same way (None with ``--steps``)."""
-    if whole_capture(args) and graphs_ok:  # diffusers code a capture refuses, replaced by equivalents (before the
+    if whole_capture(args):  # diffusers code a capture refuses, replaced by equivalents (before the
         from ..integrations.diffusers import capture_safe  # first call: a compiled forward sees the replacement)
 
         capture_safe.apply(m)
@@ -151,7 +143,7 @@ def _measure(m, spec, kw, args, device, graphs_ok: bool, group=None):
         out, ms = denoise(m, spec, kw, args.steps, device, args)
         return first_s, ms, out, None
     # group: the ranks of a collective forward agree on the capture's outcome (a failure raises on all of them)
-    call = Graphed(fwd, device, group=group) if (whole_capture(args) and graphs_ok) else fwd
+    call = Graphed(fwd, device, group=group) if whole_capture(args) else fwd
     ms = [time_ms(call, device, args.warmup, args.repeats)]
     return first_s, ms, call().float(), call
 
@@ -179,23 +171,19 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
 
     rows = []
     logger_compat()
-
     for label, cpc in (("diffusers ulysses", dict(ulysses_degree=world)), ("diffusers ring", dict(ring_degree=world))):
         reason = None
         if device.type == "cpu":
             reason = ("diffusers' enable_parallelism needs an accelerator (it places rank r on device "
                       "r % torch.accelerator.device_count(), 0 on a CPU-only torch)")
-        try:
-            if reason:
-                raise _Skip(reason)
-            m = copy.deepcopy(base)
-            m.enable_parallelism(config=ContextParallelConfig(**cpc))
-            m, _ = compile_model(m, spec, args, overlap=False, kw_in=kw)
-            first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
-        except _Skip:
-            pass
-        except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
-            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        else:
+            try:
+                m = copy.deepcopy(base)
+                m.enable_parallelism(config=ContextParallelConfig(**cpc))
+                m, _ = compile_model(m, spec, args, overlap=False, kw_in=kw)
+                first_s, ms, out, call = _measure(m, spec, kw, args, device, group=dist.group.WORLD)
+            except Exception as e:  # noqa: BLE001 - diffusers refusing is a row with its reason, not a failed run
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         # any rank failed: every rank skips the row (no rank waits in a collective alone)
         if max_over_ranks(float(reason is not None), device):
             rows.append(dict(name=label, skipped=reason or "refused on another rank"))
@@ -210,8 +198,8 @@ def _diffusers_rows(base, spec, kw, args, device, world, ref, single_ms, keep: l
 
 
 def _can_interleave(model, args, device) -> bool:
-    """Whether the final times come from interleaved rounds (:func:`_interleaved`): one forward per row (no
-    ``--steps``, no ``--cuda-graphs``) and room for the copies on every rank (:func:`_room_for_copies`; agreed)."""
+    """Whether the final times come from interleaved rounds (:func:`_interleaved`): no ``--steps``, no
+    ``--cuda-graphs``, and room for the copies on every rank (agreed)."""
     wanted = not args.steps and not args.cuda_graphs  # the same arguments on every rank
     t = torch.tensor([int(wanted and _room_for_copies(model, args, device))], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -231,10 +219,9 @@ def _room_for_copies(model, args, device) -> bool:
 
 
 def _interleaved(single_row, single_call, cp, args, device, rank: int) -> None:
-    """Time every side again in ``args.repeats`` interleaved rounds (:func:`cp_ops.timing.interleaved_rounds`: the
-    1-rank model on rank 0 alone, then every CP row of ``cp`` = ``[(row, call)]``) and make those the rows' times,
-    so drift hits every side alike; the first, sequential times stay as ``ms_sequential`` (``speedup_sequential``).
-    One untimed forward of each first (a side whose Dynamo cache was reset compiles again there)."""
+    """Time every side again in ``args.repeats`` interleaved rounds (the 1-rank model on rank 0 alone, then every CP
+    row of ``cp`` = ``[(row, call)]``), so drift hits every side alike; the first times stay as ``ms_sequential``
+    (``speedup_sequential``). One untimed forward of each first (a side whose Dynamo cache was reset compiles)."""
     dist.barrier()
     if rank == 0:
         single_call()
@@ -288,12 +275,12 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
             print(f"compiling the single-rank model ({args.compile}) ...", flush=True)
         single_model = copy.deepcopy(model) if interleave else model
         m, _ = compile_model(single_model, spec, args, overlap=False, kw_in=kw)
-        first_s, ms, ref, single_call = _measure(m, spec, kw, args, device, graphs_ok=True)
+        first_s, ms, ref, single_call = _measure(m, spec, kw, args, device)
         single_ms = statistics.median(ms)
         rows.append(dict(name="1 rank", ms=single_ms, first_call_s=first_s, compile_s=max(0.0, first_s - single_ms / 1e3),
                          **(dict(total_ms=sum(ms), step_ms=ms) if args.steps else {})))
-        if args.compile and not interleave:
-            _restore_blocks(model, spec)
+        if args.compile and not interleave:  # undo regional compilation: the CP side compiles afresh
+            uncompile_blocks(model, spec.blocks)
         if args.compile:
             torch._dynamo.reset()
         del m
@@ -305,17 +292,13 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
                                 keep=cp_calls if interleave else None)
     shape, mesh = getattr(args, "mesh", None), None
     if shape is not None:  # 2-D CP (with --cfg: the CFG lanes x 2-D mesh)
-        from .mesh_comm import build as build_mesh
-
-        mesh = build_mesh(shape, device.type, cfg=args.cfg)
+        mesh = mesh_comm.build(shape, device.type, cfg=args.cfg)
         mode = "agkv_ulysses"
-    try:
-        if mesh is not None:
-            parallelize(model, group=mesh, transport=args.transport, chunks=getattr(args, "chunks", None),
-                        cuda_graphs=False)  # run compiles and captures itself
-        else:
-            parallelize(model, mode=mode, transport=args.transport, chunks=getattr(args, "chunks", None),
-                        comm_dtype=fmts, cuda_graphs=False, **({"cfg_parallel": True} if args.cfg else {}))
+    how = dict(group=mesh) if mesh is not None else dict(mode=mode, comm_dtype=fmts)
+    if mesh is None and args.cfg:
+        how["cfg_parallel"] = True
+    try:  # cuda_graphs=False: run compiles and captures itself
+        parallelize(model, transport=args.transport, chunks=getattr(args, "chunks", None), cuda_graphs=False, **how)
     except (ValueError, TypeError) as e:
         if "support" in str(e) or "cfg_parallel" in str(e):
             what = "the CFG-parallel layout (--cfg) of " if args.cfg else ""
@@ -324,13 +307,11 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
         raise
     by_dim = None
     if mesh is not None:  # the attention calls of one eager forward, then each dim's collectives for them, alone
-        from .mesh_comm import forward_dim_times
-
-        by_dim = forward_dim_times(model, spec, kw, mesh, args.transport, device)
+        by_dim = mesh_comm.forward_dim_times(model, spec, kw, mesh, args.transport, device)
     if rank == 0 and args.compile:
         print(f"compiling the CP{world_size} model ({args.compile}) ...", flush=True)
     m, nblocks = compile_model(model, spec, args, overlap=True, kw_in=kw)
-    first_s, ms, out, call = _measure(m, spec, kw, args, device, graphs_ok=True, group=dist.group.WORLD)
+    first_s, ms, out, call = _measure(m, spec, kw, args, device, group=dist.group.WORLD)
     rows.append(_row(f"cp_ops {mode}" + (f" {shape[0]}x{shape[1]}" if mesh is not None else ""), first_s, ms, out,
                      ref, single_ms, device, args.steps))
     if by_dim is not None:
@@ -353,13 +334,6 @@ def run_model(rank: int, world_size: int, device: torch.device, args) -> None:
     dist.barrier()
     if error is not None:
         raise error
-
-
-def _restore_blocks(model, spec):
-    """Undo regional compilation (the instance ``forward`` attributes), so the next side compiles afresh."""
-    from ..integrations.diffusers.compiled import uncompile_blocks
-
-    uncompile_blocks(model, spec.blocks)
 
 
 def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, breakdown, nblocks, mesh=None) -> None:
@@ -386,9 +360,7 @@ def report(args, spec, cfg, device, world_size, tokens, mode, transport, rows, b
     if args.compile:
         meta["compiled_blocks"] = nblocks
     if mesh is not None:
-        from .mesh_comm import label
-
-        meta["mesh"] = dict(shape=list(args.mesh), dims=list(mesh.mesh_dim_names), label=label(mesh))
+        meta["mesh"] = dict(shape=list(args.mesh), dims=list(mesh.mesh_dim_names), label=mesh_comm.label(mesh))
     weights = f"checkpoint {args.checkpoint}" if args.checkpoint else "random weights"
     name = {"wan": "Wan"}.get(args.model, spec.cls)
     print(f"\ncp-ops run {args.model} — {name} {meta['config_label']} architecture, {weights} ({layers_txt} layers, "

@@ -15,7 +15,7 @@ def print_plan(args) -> int:
     for CUDA); returns 0."""
     from ..integrations.diffusers import planner
     from ..integrations.diffusers.lanes import cfg_kind
-    from .models import MODELS, config_label
+    from .models import config_label
     from ._args import fail
     from .run_args import check_model
 
