@@ -273,12 +273,18 @@ def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: st
             raise ValueError(f"cp_ops.parallelize: plan splits inputs {missing} of {where}, whose forward takes "
                              f"{params}")
 
+        position = {n: params.index(n) for n in by_name if n in params}  # where a positional input stands
+
         def pre_hook(mod, args, kwargs):
             args = list(args)
             for name, spec in by_name.items():
-                i = params.index(name) if name in params else len(args)
-                box, at = (kwargs, name) if name in kwargs else (args, i) if i < len(args) else (None, None)
-                if box is not None and _applies(spec, box[at]):
+                if name in kwargs:
+                    box, at = kwargs, name
+                elif position.get(name, len(args)) < len(args):
+                    box, at = args, position[name]
+                else:
+                    continue
+                if _applies(spec, box[at]):
                     if name in KEY_MASK_INPUTS and box[at].dtype == torch.bool:
                         state.note_key_mask(box[at], spec)
                     box[at] = split_tensor(box[at], spec, state, f"{where}.{name}")
