@@ -104,11 +104,15 @@ class StagedGroup(dist.ProcessGroup):
 
     all_gather_single = _allgather_base  # torch >= 2.13's name
 
-    def allgather_into_tensor_coalesced(self, outs, ins, opts=None):
+    def _coalesced(self, kind: str, via: str, outs, ins, opts):
+        """A coalesced call (counted as ``kind``): gloo's ``via`` on each (output, input) pair."""
         for out, inp in zip(outs, ins):
-            self._run("allgather_into_tensor_coalesced", (out, inp, opts or dist.AllgatherOptions()), (0,),
-                      via="_allgather_base")
+            self._run(kind, (out, inp, opts), (0,), via=via)
         return completed_work()
+
+    def allgather_into_tensor_coalesced(self, outs, ins, opts=None):
+        return self._coalesced("allgather_into_tensor_coalesced", "_allgather_base", outs, ins,
+                               opts or dist.AllgatherOptions())
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -154,10 +158,8 @@ class StagedGroup(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outs, ins, opts=None):
-        for out, inp in zip(outs, ins):
-            self._run("reduce_scatter_tensor_coalesced", (out, inp, opts or dist.ReduceScatterOptions()), (0,),
-                      via="_reduce_scatter_base")
-        return completed_work()
+        return self._coalesced("reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outs, ins,
+                               opts or dist.ReduceScatterOptions())
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
