@@ -131,11 +131,15 @@ def parallelize(transformer: torch.nn.Module, group: Any = None, *, mode: str = 
         cfg_parallel: True: the ranks form two CFG lanes (:mod:`.lanes`): every rank passes a batch of 2
             ``[cond, uncond]``, each half of the ranks runs one sample with CP over W/2 ranks, every rank returns
             the batch of 2; under :func:`parallelize_pipeline` a pipeline's per-branch calls run on the two lanes.
-        compile: also compile every repeated block (:mod:`.compiled`) through :func:`cp_ops.compile`.
+        compile: also compile every repeated block (:mod:`.compiled`) through :func:`cp_ops.compile`
+            (``fullgraph=True``, static shapes, the overlap pass); the first forward of each resolution compiles
+            (tens of seconds for a full-size DiT).
         cuda_graphs: one of :data:`CUDA_GRAPHS` (CUDA only). ``True``: with ``compile``, CUDA graphs over each block
-            (``mode="reduce-overhead"``). ``"forward"``: the whole call captured in one CUDA graph per call
-            signature (:func:`cp_ops.captured.capture_forward`). ``False``: none. ``"auto"``: ``"forward"`` where
-            it can be captured, else eager (on CUDA with one warning naming why).
+            (``mode="reduce-overhead"``): call ``torch.compiler.cudagraph_mark_step_begin()`` before each forward.
+            ``"forward"``: the whole call captured in one CUDA graph per call signature and replayed
+            (:func:`cp_ops.captured.capture_forward`; outputs returned cloned). ``False``: none. ``"auto"`` (the
+            default): ``"forward"`` where it can be captured, else eager (on CUDA with one warning naming why; never
+            other numbers than eager's).
 
     Step caches (``enable_cache``, before or after): ``FirstBlockCache``'s decision is made over the whole group
     (:mod:`.caches`); ``SeaCache`` is refused, and with ``cuda_graphs="forward"`` every step cache. A backward raises.
