@@ -224,7 +224,7 @@ def _body(rank, world, device, args):
         from torch._C._distributed_c10d import FakeWork
 
         # a fake collective is done at launch, but FakeWork.is_completed() says False forever: a wait that polls it
-        # (cp_ops.contract.wait_collective, a CPU group's bounded wait) would run to its timeout
+        # (cp_ops.contract.BoundedWork, a CPU group's bounded wait) would run to its timeout
         FakeWork.is_completed = lambda self: True
         group = dist.new_group(list(range(world)), backend="fake")
         validate._state(group).skip = False  # each rank is a real process: the rank contract exchanges as usual

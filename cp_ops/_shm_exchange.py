@@ -11,6 +11,7 @@ SIGBUS later) and :meth:`ShmExchange.attach` checks the size before mapping.
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import struct
@@ -20,6 +21,8 @@ import uuid
 import zlib
 
 from ._waits import poll
+
+_HEAD = struct.Struct("<2q")  # a slot's call number and crc
 
 
 def _unlink(path: str) -> None:
@@ -71,6 +74,9 @@ class ShmExchange:
         finally:
             os.close(fd)
         self.words = struct.Struct(f"<{n}q")
+        #: the peers whose rows this rank reads (:attr:`pending`: those not read yet in the current call)
+        self.others = [r for r in range(world) if r != rank]
+        self.pending = self.others
 
     @classmethod
     def create(cls, world: int, n: int) -> "ShmExchange":
@@ -101,22 +107,10 @@ class ShmExchange:
         self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)
         step = self.words.size
         out[self.rank * step:(self.rank + 1) * step] = words
-        self.pending = [r for r in range(self.world) if r != self.rank]
+        self.pending = self.others
+        if self._read(call, out):  # every peer published already: no wait
+            return True
         deadline = None
-
-        def arrived() -> bool:
-            still = []
-            for r in self.pending:
-                off = self._offset(r, call)
-                got_call, got_crc = struct.unpack_from("<2q", self.mm, off)
-                if got_call == call:
-                    body = self.mm[off + 16: off + 16 + step]
-                    if zlib.crc32(body, call & 0xFFFFFFFF) == got_crc:
-                        out[r * step:(r + 1) * step] = body
-                        continue
-                still.append(r)
-            self.pending = still
-            return not still
 
         def check() -> bool:
             nonlocal deadline
@@ -128,4 +122,20 @@ class ShmExchange:
                 on_wait(self.pending)
             return False
 
-        return poll(arrived, check)
+        return poll(functools.partial(self._read, call, out), check)
+
+    def _read(self, call: int, out: bytearray) -> bool:
+        """Copy into ``out`` the rows of the :attr:`pending` ranks that carry call ``call`` (whole: the crc matches);
+        :attr:`pending` keeps the others. True when none is left."""
+        still, step = [], self.words.size
+        for r in self.pending:
+            off = self._offset(r, call)
+            got_call, got_crc = _HEAD.unpack_from(self.mm, off)
+            if got_call == call:
+                body = self.mm[off + 16: off + 16 + step]
+                if zlib.crc32(body, call & 0xFFFFFFFF) == got_crc:
+                    out[r * step:(r + 1) * step] = body
+                    continue
+            still.append(r)
+        self.pending = still
+        return not still

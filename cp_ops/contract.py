@@ -319,12 +319,16 @@ def _over_gloo(st: _Group, why: str) -> None:
 
 
 # ---- the exchange --------------------------------------------------------------------------------
+def _exchanges(st: _Group) -> bool:
+    """Whether a call on ``st``'s group exchanges its signature: not on one rank or a 'fake' backend (``skip``), nor
+    after the first call with ``check_ranks='off'``."""
+    return not (st.skip or (st.count and config.settings.check_ranks == "off"))
+
+
 def _signed(st: _Group, op: str, op_id: int, tid: int, b, s, h, d, dt: int, extra: int, s0: int, s1: int, s2: int,
             chunks: int, tag: int, failed: bool) -> bool:
-    """Pack this call's words into ``st.lbuf`` and all-gather. True when every rank's signature equals this rank's
-    (or no exchange: one rank, 'fake' backend, ``check_ranks='off'`` after the first call)."""
-    if st.skip or (st.count and config.settings.check_ranks == "off"):
-        return True
+    """Pack this call's words into ``st.lbuf`` and all-gather. True when every rank's signature equals this rank's.
+    Its callers skip it where no exchange is made (:func:`_exchanges` False)."""
     if st.side is None:
         _setup(st, op)
     st.count += 1
@@ -355,7 +359,7 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
     st = _groups.get(pg.group_name)
     if st is None or st.pg is not pg:
         st = _state(pg)
-    if st.skip or (st.count and config.settings.check_ranks == "off"):
+    if not _exchanges(st):
         return
     sums = (0, 0, 0)
     if inputs is not None:
@@ -452,7 +456,7 @@ def _not_seen(st: _Group) -> str:
 
 def call_failed(group: dist.ProcessGroup | str) -> None:
     """This rank's call on ``group`` raised between its launches (the comm's drain calls it): publish the failure
-    for the peers waiting in its collectives (:func:`wait_collective` names it). One store write."""
+    for the peers waiting in its collectives (:class:`BoundedWork` names it). One store write."""
     name = group if isinstance(group, str) else group.group_name
     st = _groups.get(name)
     if st is None or st.peers is None or st.skip:
@@ -490,38 +494,52 @@ def _within_grace(look: Callable):
     return found
 
 
-def wait_collective(pg: dist.ProcessGroup, work) -> None:
-    """Wait for ``work``, a data collective of this rank's call on ``pg`` (gloo: the host waits), bounded: an exited
-    peer or one that published a failure (:func:`call_failed`) is named; every such error leaves the group unusable
-    for cp_ops (its collectives are out of step). A group without a set-up contract: ``work.wait()``.
+class BoundedWork:
+    """``work``, a data collective of this rank's call on ``pg`` run on the host (gloo), whose ``wait()`` is bounded
+    by cp_ops: an exited peer or one that published a failure (:func:`call_failed`) is named; every such error leaves
+    the group unusable for cp_ops (its collectives are out of step). A group without a set-up contract: ``work.wait()``.
+    ``wait()`` raises RuntimeError naming the failing or exited peer and the call; PeersTimeout at
+    ``settings.timeout_s``. The ops wrap it to register it (:func:`cp_ops.ops._register`)."""
 
-    Raises:
-        RuntimeError: naming the failing or exited peer and the call; PeersTimeout at ``settings.timeout_s``.
-    """
-    st = _groups.get(pg.group_name)
-    if st is None or st.pg is not pg or st.peers is None or st.skip:
-        work.wait()
-        return
-    try:
-        if not work.is_completed():  # (done already: no poll)
-            poll(work.is_completed, _collective_check(st))
-        work.wait()
-    except PeersTimeout as e:
-        st.release(_line(e) + ": the group cannot be used by cp_ops any more: make a new group")
-        raise
-    except RuntimeError as e:
-        if getattr(e, "_cp_ops_named", False):
+    __slots__ = ("pg", "work")
+
+    def __init__(self, pg: dist.ProcessGroup, work):
+        self.pg, self.work = pg, work
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work's signature
+        work, pg = self.work, self.pg
+        if work is None:
+            return True
+        self.work = None
+        st = _groups.get(pg.group_name)
+        if st is None or st.pg is not pg or st.peers is None or st.skip:
+            work.wait()
+            return True
+        try:
+            if not work.is_completed():  # (done already: no poll)
+                poll(work.is_completed, _collective_check(st))
+            work.wait()
+        except PeersTimeout as e:
+            st.release(_line(e) + ": the group cannot be used by cp_ops any more: make a new group")
             raise
-        _within_grace(lambda e=e: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
-        call = _call_words(st, None, st.count)
-        st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new group")
-        raise RuntimeError(f"{call}: this call's communication failed: {_line(e)}. A peer on "
-                           "another host may have crashed (its log says why); the group cannot be used by cp_ops any "
-                           "more: make a new group") from e
+        except RuntimeError as e:
+            if getattr(e, "_cp_ops_named", False):
+                raise
+            _within_grace(lambda e=e: _peer_trouble(st, e))  # the collective failed (a connection reset): names the peer
+            call = _call_words(st, None, st.count)
+            st.release(f"{call}: its communication failed; the group cannot be used by cp_ops any more: make a new "
+                       "group")
+            raise RuntimeError(f"{call}: this call's communication failed: {_line(e)}. A peer on another host may have "
+                               "crashed (its log says why); the group cannot be used by cp_ops any more: make a new "
+                               "group") from e
+        return True
 
 
 def _collective_check(st: _Group):
-    """:func:`wait_collective`'s check of the peers while it polls (:func:`cp_ops._waits.poll`)."""
+    """:meth:`BoundedWork.wait`'s check of the peers while it polls (:func:`cp_ops._waits.poll`)."""
     wait = None
 
     def check() -> bool:
@@ -570,8 +588,11 @@ class CallCheck:
         self.words = (OPS.get(op) or register_op(op), _id(transport), b, s, h, d, _id(dtype))
 
     def check(self) -> None:
+        st = self.st
+        if not _exchanges(st):
+            return
         op_id, tid, b, s, h, d, dt = self.words
-        if not _signed(self.st, self.op, op_id, tid, b, s, h, d, dt, self.extra, 0, 0, 0, self.chunks, self.tag, False):
+        if not _signed(st, self.op, op_id, tid, b, s, h, d, dt, self.extra, 0, 0, 0, self.chunks, self.tag, False):
             _disagree(self.st, self.op, self.transport, list(self.shape), dtype_name(self.dtype),
                       self.extra, None, None, self.chunks, self.note)
 

@@ -44,16 +44,21 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     if not shape or size >= 8 or (stride[-1] != 1 and shape[-1] != 1):
         return x
     offset = x.storage_offset()
+    outer = [st for n, st in zip(shape[:-1], stride[:-1]) if n != 1]  # the strides a wider view must keep whole
     for dt, width in _WIDE:
         r = width // size
         if r < 2:
             break
-        if shape[-1] % r or offset % r or any(st % r for n, st in zip(shape[:-1], stride[:-1]) if n != 1):
+        if shape[-1] % r or offset % r:
             continue
-        try:
-            return x.view(dt)
-        except RuntimeError:  # a size-1 dim's stride torch's rule still checks: keep the narrow dtype
-            continue
+        for st in outer:
+            if st % r:
+                break
+        else:
+            try:
+                return x.view(dt)
+            except RuntimeError:  # a size-1 dim's stride torch's rule still checks: keep the narrow dtype
+                continue
     return x
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..contract import wait_collective
+from ..contract import BoundedWork
 from ..layout import ulysses_inverse_pack, ulysses_pack
 from .base import Arrival, Works, register
 
@@ -64,10 +64,9 @@ def _agkv_gather(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor):
     b, s, h, d = k.shape
     k_full = k.new_empty(b, w * s, h, d)
     v_full = v.new_empty(b, w * s, h, d)
-    k_in, v_in = k.contiguous(), v.contiguous()
-    outs = [k_full[i] for i in range(b)] + [v_full[i] for i in range(b)]
-    ins = [k_in[i] for i in range(b)] + [v_in[i] for i in range(b)]
-    return k_full, v_full, _watched(group, k, group.allgather_into_tensor_coalesced(outs, ins))
+    work = group.allgather_into_tensor_coalesced([*k_full.unbind(0), *v_full.unbind(0)],
+                                                 [*k.contiguous().unbind(0), *v.contiguous().unbind(0)])
+    return k_full, v_full, BoundedWork(group, work) if k.is_cpu else work  # a CPU collective: the host waits
 
 
 def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pieces: int):
@@ -109,32 +108,8 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
 
 def _alltoall_base(send: torch.Tensor, group: dist.ProcessGroup):
     recv = torch.empty_like(send)
-    return recv, _watched(group, send, group.alltoall_base(recv, send, [], []))
-
-
-def _watched(group: dist.ProcessGroup, t: torch.Tensor, work):
-    """``work``, for a CPU tensor (gloo: the host waits) with a wait bounded by cp_ops that names a failing peer
-    (:func:`cp_ops.contract.wait_collective`); a GPU collective's wait only orders streams: as it is."""
-    return _Watched(group, work) if t.device.type == "cpu" else work
-
-
-class _Watched:
-    """A CPU collective's work whose ``wait()`` is :func:`cp_ops.contract.wait_collective` (the ops wrap it to
-    register it, :func:`cp_ops.ops._register`)."""
-
-    __slots__ = ("group", "work")
-
-    def __init__(self, group: dist.ProcessGroup, work):
-        self.group, self.work = group, work
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - Work signature
-        if self.work is not None:
-            work, self.work = self.work, None
-            wait_collective(self.group, work)
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+    work = group.alltoall_base(recv, send, [], [])
+    return recv, BoundedWork(group, work) if send.is_cpu else work  # a CPU collective: the host waits
 
 
 def stage_through_host(group: dist.ProcessGroup, device: torch.device) -> bool:
