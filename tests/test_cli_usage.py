@@ -139,3 +139,17 @@ def test_plan_help_says_what_it_prints_and_takes_the_planners_flags():
     flags = {f for a in sub["plan"]._actions for f in a.option_strings} - {"-h", "--help"}
     assert flags == {"--gpus", "--cfg", "--compile", "--config", "--checkpoint", "--layers", "--frames", "--height",
                      "--width", "--batch", "--mode"}, flags
+
+
+def test_run_takes_only_run_flags_and_share_device_is_a_device(capsys):
+    """`run --help` lists at most 27 flags: what runs nothing (the plan) and the shared GPU (a --device value, as for
+    bench) are not flags of their own. The old `--share-device` names its new spelling."""
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    flags = [a for a in sub["run"]._actions if a.option_strings and "-h" not in a.option_strings]
+    assert len(flags) <= 27, [a.option_strings for a in flags]
+    for cmd, argv in (("bench", ["bench"]), ("run", ["run", "wan"])):
+        assert "shared" in sub[cmd]._option_string_actions["--device"].choices, cmd
+        assert "--share-device" not in sub[cmd]._option_string_actions, cmd
+        lines = _error(capsys, argv + ["--share-device", "--nproc", "2"])
+        assert lines[0].startswith(f"usage: cp-ops {cmd} "), lines
+        assert lines[-1] == f"cp-ops {cmd}: error: --share-device is --device shared now (every rank on cuda:0)", lines

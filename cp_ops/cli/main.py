@@ -14,17 +14,21 @@ import os
 import sys
 
 from . import bench_args, bound_args, generate_args, plan_args, run_args
-from ._args import Parser, UsageError, check_out, fail, say_once
+from ._args import RENAMED, Parser, UsageError, check_out, fail, say_once
 
 
 def _device(args) -> str:
+    """``--device``: 'cuda' or 'cpu' (``shared``: 'cuda', its ranks all on cuda:0)."""
     import torch
 
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "shared" and not torch.cuda.is_available():
+        fail("--device shared puts every rank on cuda:0: it needs a CUDA GPU; torch.cuda.is_available() is False "
+             "(use --device cpu)")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but torch.cuda.is_available() is False; use --device cpu")
-    return args.device
+    return "cuda" if args.device == "shared" else args.device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +90,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             if args.cmd == "run" and flag in bound_args.MOVED:
                 sub["run"].error(f"{flag}: the bound is its own command now: {bound_args.MOVED[flag]} "
                                  "(cp-ops bound --help)")
+            if args.cmd in ("bench", "run") and flag in RENAMED:
+                sub[args.cmd].error(f"{flag} is {RENAMED[flag]} now (every rank on cuda:0)")
             if args.cmd == "run" and flag in plan_args.MOVED:
                 sub["run"].error(f"{flag}: the plan is its own command now: {plan_args.moved(flag, args.model, extra)} "
                                  "(cp-ops plan --help)")
@@ -122,17 +128,15 @@ def _main(args) -> int:
 
     from .launch import SHARED, launch, under_torchrun
 
+    shared = args.device == "shared"  # bench and run (common): every rank on cuda:0
     device = _device(args)
     gpu = device == "cuda"
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if gpu else 2
     if args.nproc < 1:
         fail(f"--nproc must be >= 1; got {args.nproc}")
-    shared = getattr(args, "share_device", False)
-    if shared and not gpu:
-        fail("--share-device puts every rank on cuda:0: it needs a CUDA GPU (drop it, or use --device cuda)")
     if shared and under_torchrun():
-        fail("--share-device spawns its own ranks; under torchrun give each rank its own GPU (drop --share-device)")
+        fail("--device shared spawns its own ranks; under torchrun give each rank its own GPU (use --device cuda)")
     if gpu and not shared and not under_torchrun() and torch.cuda.device_count() < args.nproc:
         fail(f"--nproc {args.nproc} needs {args.nproc} visible GPUs; found {torch.cuda.device_count()} "
               "(lower --nproc or use --device cpu)")
@@ -171,7 +175,7 @@ def _main(args) -> int:
         run_bound(args, torch.device(device, 0) if gpu else torch.device("cpu"))
         return 0
     if shared:
-        print(f"cp-ops {args.cmd}: --share-device: {args.nproc} ranks share cuda:0 over gloo; the outputs are checked "
+        print(f"cp-ops {args.cmd}: --device shared: {args.nproc} ranks share cuda:0 over gloo; the outputs are checked "
               "as on separate GPUs, the times are not speed numbers", flush=True)
     try:
         launch(_rank_entry, args.nproc, SHARED if shared else device, body, args)
