@@ -19,7 +19,7 @@
 #   faults — a peer that never arrives, a killed rank (tests/test_one_gpu.py) and tests/test_one_gpu_faults.py (an
 #           exception between launch and wait, the go-ahead gate, 10 whole-forward graphs freed and recaptured, two
 #           streams) (same JSON);
-#   sharebench — cp-ops bench --share-device (its times are no speed numbers: the run checks the outputs);
+#   sharebench — cp-ops bench --device shared (its times are no speed numbers: the run checks the outputs);
 #   nvshmem — whether NVSHMEM starts W PEs on one GPU under CUDA MPS (a daemon started and stopped here);
 #   peers — other libraries' CP beside cp_ops (wheels in .whl_peers/): their outputs vs one device, then their bound
 #           (cp-ops bound --compare; PEERS_STEPS of benchmarks/gpu_steps.sh, default "tpeers peers_flux"), JSON in
@@ -88,7 +88,7 @@ section() { local s=${1%%:*} w=""; [ "$1" != "$s" ] && w=${1#*:}
   flux)  ptest "flux${w:+_$w}" "${FLUX_TIMEOUT:-420}" tests/test_one_gpu.py -k "$(kw "${FLUX_K:-flux_dev}" "$w")" ;;
   faults) ptest faults "${FAULTS_TIMEOUT:-240}" tests/test_one_gpu.py tests/test_one_gpu_faults.py \
            -k "${FAULTS_K:-never_arrives or killed or test_one_gpu_faults}" ;;
-  sharebench) step sharebench 150 python3 -m cp_ops bench --share-device --nproc "${SHAREBENCH_W:-2}" --seqs 8192 \
+  sharebench) step sharebench 150 python3 -m cp_ops bench --device shared --nproc "${SHAREBENCH_W:-2}" --seqs 8192 \
                 --modes agkv,ulysses --transports torch,fast --chunks 1,2 --warmup 1 --repeats 1 ;;
   nvshmem) if [ -n "${END:-}" ] && [ $((END - (SECONDS - T0))) -lt 60 ]; then
            echo "=== nvshmem_mps: skipped (END=$END s: no MPS daemon started)" | tee -a "$LOG"; status=1; return; fi

@@ -22,7 +22,8 @@ def test_flag_of_another_command_names_that_command(capsys):
     lines = _error(capsys, ["bench", "--steps=3", "--compile", "--foo"])
     assert lines[0].startswith("usage: cp-ops bench ")
     assert lines[-1] == ("cp-ops bench: error: unrecognized arguments: --steps=3 --compile --foo (--steps is an option "
-                         "of cp-ops run, cp-ops bound, cp-ops generate; --compile is an option of cp-ops run)"), lines
+                         "of cp-ops run, cp-ops bound, cp-ops generate; --compile is an option of cp-ops run, "
+                         "cp-ops plan)"), lines
 
 
 def test_unknown_flag_and_stray_word(capsys):
@@ -71,7 +72,7 @@ def test_run_help_points_to_bound_for_every_moved_flag():
 
 
 def test_plan_without_diffusers_says_what_to_install(monkeypatch, capsys):
-    """`cp-ops run MODEL --plan N` on the README's install (no diffusers): the one-line install hint that `run` gives,
+    """`cp-ops plan MODEL --gpus N` on the README's install (no diffusers): the one-line install hint that `run` gives,
     exit code 2, not a ModuleNotFoundError traceback."""
     import importlib.util
     import sys
@@ -79,9 +80,9 @@ def test_plan_without_diffusers_says_what_to_install(monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "diffusers" else real(name, *a))
     monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` raises, as where it is not installed
-    assert main(["run", "wan", "--plan", "8"]) == 2
+    assert main(["plan", "wan", "--gpus", "8"]) == 2
     out = capsys.readouterr()
-    assert "run wan --plan needs diffusers: pip install -e '.[diffusers]'" in out.out + out.err, out
+    assert "cp-ops: plan wan needs diffusers: pip install -e '.[diffusers]'" in out.out + out.err, out
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("diffusers") is None, reason="needs diffusers")
@@ -96,17 +97,59 @@ def test_plan_without_transformers_refuses_instead_of_planning_no_cfg(monkeypatc
         _backends = ["torch", "transformers"]
 
     monkeypatch.setattr(diffusers, "WanPipeline", WanPipeline)
-    assert main(["run", "wan", "--plan", "8"]) == 2
+    assert main(["plan", "wan", "--gpus", "8"]) == 2
     out = capsys.readouterr()
-    assert "run wan --plan needs transformers" in out.out + out.err, out
+    assert "cp-ops: plan wan needs transformers" in out.out + out.err, out
     assert "planned layout" not in out.out, out.out
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("transformers") is None, reason="needs transformers")
 def test_plan_with_cfg_on_odd_n_is_a_usage_error(capsys):
-    """`--plan 7 --cfg` asks for a layout parallelize refuses (two equal lanes need an even N): exit code 2 and the
-    rule with the value, not a printed 'planned layout' and exit code 0."""
-    assert main(["run", "wan", "--plan", "7", "--cfg"]) == 2
+    """`plan --gpus 7 --cfg` asks for a layout parallelize refuses (two equal lanes need an even N): exit code 2 and
+    the rule with the value, not a printed 'planned layout' and exit code 0."""
+    assert main(["plan", "wan", "--gpus", "7", "--cfg"]) == 2
     out = capsys.readouterr()
-    assert "--cfg needs an even N; got --plan 7" in out.out + out.err, out
+    assert "cp-ops: plan wan: --cfg needs an even --gpus; got 7" in out.out + out.err, out
     assert "planned layout" not in out.out, out.out
+
+
+def test_run_plan_points_to_the_plan_command(capsys):
+    """`--plan` was a flag of `run` that ran nothing; `cp-ops run wan --plan 8` names the command that prints the plan
+    now, with the model and N filled in (N where none was given)."""
+    for argv, n in ((["run", "wan", "--plan", "8"], "8"), (["run", "flux", "--cfg", "--plan=4"], "4"),
+                    (["run", "wan", "--plan"], "N")):
+        lines = _error(capsys, argv)
+        assert lines[0].startswith("usage: cp-ops run "), lines
+        assert lines[-1] == (f"cp-ops run: error: --plan: the plan is its own command now: cp-ops plan {argv[1]} "
+                             f"--gpus {n} (cp-ops plan --help)"), lines
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    assert "--plan" not in sub["run"]._option_string_actions
+    assert "cp-ops plan MODEL --gpus N" in " ".join(sub["run"].format_help().split())
+
+
+def test_plan_help_says_what_it_prints_and_takes_the_planners_flags():
+    """`cp-ops plan --help`: what it prints and where the numbers come from; it takes the flags the planner reads
+    (no --dtype, --chunks, --text-tokens, --device), with the GPU defaults it uses on any machine (no CPU ones)."""
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    text = " ".join(sub["plan"].format_help().split())
+    for words in ("Runs nothing and needs no GPU", "zero-communication bound measured on one H200", "cp_ops/cost.py",
+                  "needs transformers", "docs/pipelines.md"):
+        assert words in text, words
+    assert "CPU" not in text, text
+    flags = {f for a in sub["plan"]._actions for f in a.option_strings} - {"-h", "--help"}
+    assert flags == {"--gpus", "--cfg", "--compile", "--config", "--checkpoint", "--layers", "--frames", "--height",
+                     "--width", "--batch", "--mode"}, flags
+
+
+def test_run_takes_only_run_flags_and_share_device_is_a_device(capsys):
+    """`run --help` lists at most 27 flags: what runs nothing (the plan) and the shared GPU (a --device value, as for
+    bench) are not flags of their own. The old `--share-device` names its new spelling."""
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    flags = [a for a in sub["run"]._actions if a.option_strings and "-h" not in a.option_strings]
+    assert len(flags) <= 27, [a.option_strings for a in flags]
+    for cmd, argv in (("bench", ["bench"]), ("run", ["run", "wan"])):
+        assert "shared" in sub[cmd]._option_string_actions["--device"].choices, cmd
+        assert "--share-device" not in sub[cmd]._option_string_actions, cmd
+        lines = _error(capsys, argv + ["--share-device", "--nproc", "2"])
+        assert lines[0].startswith(f"usage: cp-ops {cmd} "), lines
+        assert lines[-1] == f"cp-ops {cmd}: error: --share-device is --device shared now (every rank on cuda:0)", lines

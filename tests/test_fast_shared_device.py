@@ -5,7 +5,7 @@
   output equal to one device;
 * a device-wait timeout the fast transport recorded (a stand-in lane whose ``check()`` raises) is raised at the
   ``parallelize`` output gather and after a captured forward's replay, not only at the next fast call;
-* ``--share-device``: accepted by bench and run; refused without a GPU, in the user's terms.
+* ``--device shared``: accepted by bench and run; refused without a GPU, in the user's terms.
 
 The GPU side (W = 2, 4, 8 ranks on one GPU, both transports) is tests/test_one_gpu.py.
 """
@@ -88,10 +88,10 @@ def test_device_timeout_raised_after_a_captured_replay(monkeypatch):
 
 
 @pytest.mark.parametrize("cmd", ["bench", "run"])
-def test_share_device_flag(cmd, monkeypatch, capsys):
+def test_device_shared_flag(cmd, monkeypatch, capsys):
     from cli_util import run_cli
 
-    argv = [cmd] + (["wan"] if cmd == "run" else []) + ["--share-device", "--nproc", "2"]
+    argv = [cmd] + (["wan"] if cmd == "run" else []) + ["--device", "shared", "--nproc", "2"]
     r = run_cli(argv, monkeypatch, capsys)
     assert r.returncode != 0
-    assert "--share-device puts every rank on cuda:0: it needs a CUDA GPU" in r.stderr + r.stdout, r
+    assert "--device shared puts every rank on cuda:0: it needs a CUDA GPU" in r.stderr + r.stdout, r

@@ -118,20 +118,20 @@ def test_across_nodes_a_lane_is_priced_as_the_split():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs diffusers and transformers")
-def test_cli_run_plan_prints_the_choice(capsys):
+def test_cli_plan_prints_the_choice(capsys):
     pytest.importorskip("diffusers")
     from cp_ops.cli.main import main
 
-    assert main(["run", "qwenimage", "--device", "cpu", "--plan", "8"]) == 0
+    assert main(["plan", "qwenimage", "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "(6889 tokens), QwenImagePipeline (CFG: paired), 8 GPUs" in out  # the GPU resolution, on any device
     assert "planned layout: 2 lanes x CP4 (ulysses)" in out and "CP8" in out and "<- chosen" in out
     assert "one GPU: " in out and "ms per step" in out
-    assert main(["run", "flux", "--device", "cpu", "--plan", "4", "--compile"]) == 0
+    assert main(["plan", "flux", "--gpus", "4", "--compile"]) == 0
     out = capsys.readouterr().out
     assert "planned layout: CP4 (ulysses)" in out and "regional+capture" in out
-    assert main(["run", "flux", "--device", "cpu", "--plan", "0"]) == 2
-    assert "--plan takes the GPU count N >= 1; got 0" in capsys.readouterr().err
+    assert main(["plan", "flux", "--gpus", "0"]) == 2
+    assert "cp-ops: plan flux: --gpus takes the GPU count N >= 1; got 0" in capsys.readouterr().err
 
 
 def test_the_docs_table_is_the_planners():

@@ -78,16 +78,19 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+#: a flag of :func:`common` folded into another's value -> the spelling its error names
+RENAMED = {"--share-device": "--device shared"}
+
+
 def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
     p.add_argument("--nproc", type=int, default=None,
                    help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
                         "under torchrun, W is torchrun's --nproc-per-node")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="cuda = NCCL, one GPU per rank; cpu = gloo (default: cuda when available)")
-    p.add_argument("--share-device", action="store_true",
-                   help="every rank on cuda:0 (W processes sharing one GPU: real peers, for correctness checks; "
-                        "their timings are no speed numbers), the group over gloo with CUDA tensors (NCCL refuses two "
-                        "ranks on one device)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu", "shared"], default="auto",
+                   help="cuda = NCCL, one GPU per rank; cpu = gloo; shared = every rank on cuda:0 (W processes "
+                        "sharing one GPU: real peers, for correctness checks; their timings are no speed numbers), the "
+                        "group over gloo with CUDA tensors (NCCL refuses two ranks on one device); default: auto = "
+                        "cuda when available, else cpu")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed runs before timing (default 5 GPU, 2 CPU)")
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)

@@ -96,7 +96,7 @@ def print_env() -> int:
         for i, row in enumerate(info["p2p"]):
             print(f"  {i:>3} " + " ".join(f"{'yes' if ok else ' no':>3}" for ok in row))
         print("  (ranks sharing one GPU need no P2P: the fast transport copies within the device; the torch transport "
-              "runs them over gloo, --share-device: NCCL refuses two ranks on one device)")
+              "runs them over gloo, --device shared: NCCL refuses two ranks on one device)")
     b = info["backends"]
     print(f"backends: gloo={'yes' if b['gloo'] else 'no'}  nccl={'yes ' + info.get('nccl_version', '') if b['nccl'] else 'no'}")
     print(f"nvshmem4py: {'installed' if info['nvshmem4py'] else 'not installed'}")

@@ -28,7 +28,7 @@ from cp_ops.config import SAFE_ENV  # multicast/NVLS off wherever cp_ops starts 
 from ._args import under_torchrun  # noqa: F401 (main and bound_args import it from here)
 
 
-#: the device name :func:`launch` takes for ranks that share cuda:0 (``--share-device``)
+#: the device name :func:`launch` takes for ranks that share cuda:0 (``--device shared``)
 SHARED = "cuda-shared"
 
 

@@ -1,9 +1,10 @@
-"""``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, generate, env.
+"""``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, plan MODEL, generate, env.
 
 ``bench``, ``run`` and ``generate`` spawn ``--nproc`` local ranks (default: every visible GPU, else 2 gloo ranks) or
-join torchrun's; ``bound`` runs in this process on one device. Parsers and checks are torch-free ``<command>_args``
-modules; a wrong argument or ``CP_OPS_*`` value prints one line ``cp-ops: ...`` (rank 0) and exits 2. Settings reach
-the ranks through :func:`cp_ops.config.configure` (never the environment).
+join torchrun's; ``bound`` runs in this process on one device; ``plan`` and ``env`` run nothing on a device. Parsers
+and checks are torch-free ``<command>_args`` modules; a wrong argument or ``CP_OPS_*`` value prints one line
+``cp-ops: ...`` (rank 0) and exits 2. Settings reach the ranks through :func:`cp_ops.config.configure` (never the
+environment).
 """
 
 from __future__ import annotations
@@ -12,29 +13,33 @@ import argparse
 import os
 import sys
 
-from . import bench_args, bound_args, generate_args, run_args
-from ._args import Parser, UsageError, check_out, fail, say_once
+from . import bench_args, bound_args, generate_args, plan_args, run_args
+from ._args import RENAMED, Parser, UsageError, check_out, fail, say_once
 
 
 def _device(args) -> str:
+    """``--device``: 'cuda' or 'cpu' (``shared``: 'cuda', its ranks all on cuda:0)."""
     import torch
 
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "shared" and not torch.cuda.is_available():
+        fail("--device shared puts every rank on cuda:0: it needs a CUDA GPU; torch.cuda.is_available() is False "
+             "(use --device cpu)")
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but torch.cuda.is_available() is False; use --device cpu")
-    return args.device
+    return "cuda" if args.device == "shared" else args.device
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(
         prog="cp-ops",
         description="Context-parallel attention for diffusion transformers: benchmark, run a diffusers DiT "
-                    "(Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo, LTX-Video) under CP, generate with a local pipeline, "
-                    "inspect the environment.",
+                    "(Wan, Z-Image, Flux, Qwen-Image, HunyuanVideo, LTX-Video) under CP, bound it on one device, "
+                    "plan its layout on N GPUs, generate with a local pipeline, inspect the environment.",
         epilog="examples:  cp-ops bench   |   cp-ops bench --seqs 4096,8192 --modes agkv   |   "
                "cp-ops run wan --config 1.3b --frames 16 --height 64 --width 64   |   cp-ops run flux --steps 4   |   "
-               "cp-ops bound flux --worlds 2,4,8   |   "
+               "cp-ops bound flux --worlds 2,4,8   |   cp-ops plan wan --gpus 8   |   "
                "cp-ops generate --checkpoint DIR --prompt '...'   |   cp-ops env   |   "
                "torchrun --nproc-per-node 2 -m cp_ops bench",
     )
@@ -42,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_args.add_parser(sub)
     run_args.add_parser(sub)
     bound_args.add_parser(sub)
+    plan_args.add_parser(sub)
     generate_args.add_parser(sub)
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not",
                    description="Print cp_ops' settings (the CP_OPS_* variables), this machine's devices, their "
@@ -84,6 +90,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             if args.cmd == "run" and flag in bound_args.MOVED:
                 sub["run"].error(f"{flag}: the bound is its own command now: {bound_args.MOVED[flag]} "
                                  "(cp-ops bound --help)")
+            if args.cmd in ("bench", "run") and flag in RENAMED:
+                sub[args.cmd].error(f"{flag} is {RENAMED[flag]} now (every rank on cuda:0)")
+            if args.cmd == "run" and flag in plan_args.MOVED:
+                sub["run"].error(f"{flag}: the plan is its own command now: {plan_args.moved(flag, args.model, extra)} "
+                                 "(cp-ops plan --help)")
             owners = [f"cp-ops {n}" for n, p in sub.items() if n != args.cmd and flag in p._option_string_actions]
             if owners:
                 hints.append(f"{flag} is an option of {', '.join(owners)}")
@@ -108,22 +119,24 @@ def _main(args) -> int:
 
         return print_env()
     settings = load_settings()
+    if args.cmd == "plan":  # nothing runs: the planned layout for N GPUs
+        from .plan import print_plan
+
+        return print_plan(args)
     import torch
     import torch.multiprocessing as mp
 
     from .launch import SHARED, launch, under_torchrun
 
+    shared = args.device == "shared"  # bench and run (common): every rank on cuda:0
     device = _device(args)
     gpu = device == "cuda"
     if args.nproc is None:
         args.nproc = torch.cuda.device_count() if gpu else 2
     if args.nproc < 1:
         fail(f"--nproc must be >= 1; got {args.nproc}")
-    shared = getattr(args, "share_device", False)
-    if shared and not gpu:
-        fail("--share-device puts every rank on cuda:0: it needs a CUDA GPU (drop it, or use --device cuda)")
     if shared and under_torchrun():
-        fail("--share-device spawns its own ranks; under torchrun give each rank its own GPU (drop --share-device)")
+        fail("--device shared spawns its own ranks; under torchrun give each rank its own GPU (use --device cuda)")
     if gpu and not shared and not under_torchrun() and torch.cuda.device_count() < args.nproc:
         fail(f"--nproc {args.nproc} needs {args.nproc} visible GPUs; found {torch.cuda.device_count()} "
               "(lower --nproc or use --device cpu)")
@@ -154,10 +167,6 @@ def _main(args) -> int:
     else:
         from .run import run_model as body
 
-        if args.plan is not None:  # nothing runs: the planned layout for N GPUs
-            from .run_plan import print_plan
-
-            return print_plan(args)
         run_args.check(args, device, world)
     check_out(args.out, "--out")
     if bound:  # one process, this device: no ranks to launch (no check sets args.settings for it)
@@ -166,7 +175,7 @@ def _main(args) -> int:
         run_bound(args, torch.device(device, 0) if gpu else torch.device("cpu"))
         return 0
     if shared:
-        print(f"cp-ops {args.cmd}: --share-device: {args.nproc} ranks share cuda:0 over gloo; the outputs are checked "
+        print(f"cp-ops {args.cmd}: --device shared: {args.nproc} ranks share cuda:0 over gloo; the outputs are checked "
               "as on separate GPUs, the times are not speed numbers", flush=True)
     try:
         launch(_rank_entry, args.nproc, SHARED if shared else device, body, args)

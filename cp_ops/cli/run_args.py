@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
                                    "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1). The zero-communication "
                                    "bound on one device (--bound, --cost, --unwritten, --no-group1, --side-processes, "
                                    "--compile-workers) is its own command: cp-ops bound MODEL --worlds W[,W...] "
-                                   "(cp-ops bound --help).")
+                                   "(cp-ops bound --help); so is the layout planned for N GPUs, which runs nothing: "
+                                   "cp-ops plan MODEL --gpus N (cp-ops plan --help).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
                "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with "
@@ -53,11 +54,6 @@ def add_parser(sub) -> None:
     r.add_argument("--steps", type=int, default=0,
                    help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
                         "times): time per step and total (default 0: one forward)")
-    r.add_argument("--plan", type=int, default=None, metavar="N",
-                   help="run nothing: print the layout parallelize_pipeline plans for the model's pipeline on N GPUs "
-                        "(CFG lanes x CP width) and its predicted step time beside the alternatives (from the "
-                        "measured bound and the link model; docs/pipelines.md). Reads the pipeline's CFG defaults: needs "
-                        "transformers (pip install -e '.[generate]')")
     r.add_argument("--cfg", action="store_true",
                    help="CFG-parallel layout: conditional and unconditional batch halves on two halves of the "
                         "ranks, CP inside each (parallelize(..., cfg_parallel=True); W even)")

@@ -1,6 +1,6 @@
 """The planned layout of a pipeline on N ranks: CFG lanes or not, the CP width and mode of each lane, and the step
 time each layout is predicted to take (docs/pipelines.md, "The planned layout"). :func:`parallelize_pipeline` runs
-the choice; ``cp-ops run MODEL --plan N`` prints it. Each lane's mode is predicted as ``mode='auto'`` runs it, not
+the choice; ``cp-ops plan MODEL --gpus N`` prints it. Each lane's mode is predicted as ``mode='auto'`` runs it, not
 decided here; rank 0's forward comes from :data:`BOUND` (measured), the link time from :func:`cp_ops.cost.predict`.
 """
 
