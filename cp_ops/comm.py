@@ -330,7 +330,9 @@ class DirectComm(_Comm):
         return out
 
     def agkv(self, k, v, mask=None) -> Pending:
-        k, v, post = self._agkv_codec(k, v)
+        post = None
+        if self.fmts[1]:  # FP8 K/V
+            k, v, post = self._agkv_codec(k, v)
         if self.armed or self.tr is None:
             self._first(k, 2)
         if mask is not None and getattr(self.tr, "gathers_masks", False):

@@ -38,7 +38,14 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     Why: a strided copy (Ulysses' pack and unpack) runs one element per lane; as int64 a bf16 row is 4x fewer
     elements (1.9-2.3x faster on an H200, ``benchmarks/results/bound/runs/2026-12-01e_pack_ab.json``). The rule is
     ``Tensor.view(dtype)``'s; about 1-2 µs of host time per call."""
-    if torch.compiler.is_compiling() or x.requires_grad:
+    if torch.compiler.is_compiling():
+        return x
+    return _wide(x)
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """:func:`wide` in code that is never traced (a transport's launch packing its send buffer)."""
+    if x.requires_grad:
         return x
     shape, stride, size = x.shape, x.stride(), x.element_size()
     if not shape or size >= 8 or (stride[-1] != 1 and shape[-1] != 1):
@@ -69,9 +76,11 @@ def ulysses_pack(xs: list[torch.Tensor], world_size: int, lo: int = 0, hi: int |
     b, s, h, _ = xs[0].shape
     hl = h // world_size
     hi = hl if hi is None else hi
-    ws = [wide(x) for x in xs]
-    if len({t.dtype for t in ws}) != 1:  # not all widened alike: pack in the inputs' own dtype
-        ws = list(xs)
+    ws = list(map(_wide, xs))  # (run by a launch, never traced)
+    for t in ws:
+        if t.dtype != ws[0].dtype:  # not all widened alike: pack in the inputs' own dtype
+            ws = xs
+            break
     views = []
     for x in ws:
         sb, ss, sh, sd = x.stride()
@@ -128,7 +137,7 @@ def ulysses_heads(x: torch.Tensor, world_size: int, lo: int = 0, hi: int | None 
 def ulysses_inverse_pack(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """Send buffer ``[W, B, S_local, Hl, D]`` from ``[B, S, Hl, D]``; slab w holds token block w."""
     b, s, hl, _ = x.shape
-    y = wide(x)  # the rows moved as wide integers where they allow it (the same bytes)
+    y = _wide(x)  # the rows moved as wide integers where they allow it (the same bytes; run by a launch, never traced)
     out = y.reshape(b, world_size, s // world_size, hl, y.shape[3]).transpose(0, 1).contiguous()
     return out if out.dtype == x.dtype else out.view(x.dtype)
 

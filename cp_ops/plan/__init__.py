@@ -24,8 +24,16 @@ def run(call: Call) -> torch.Tensor:
     """Run one CP attention call (inputs detached by the caller): its eager plan where it applies, else the traced
     path. Shapes and errors as :func:`cp_ops.attention`."""
     if not torch.compiler.is_compiling():
-        plan = _lookup(call)
-        if plan is not None:
+        try:
+            key = call.key()
+            e = _plans.get(key) if key is not None else None
+        except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
+            key = e = None
+        if e is not None and e[1] is (dist.group.WORLD if call.group is None else call.group):
+            plan = e[0]  # a repeated call on its plan's group
+        else:
+            plan = None if key is None else _lookup(call, key, e)
+        if plan is not None:  # (None: nothing to move, or the traced path)
             return plan.run(call)
     return _traced(call)
 
@@ -65,19 +73,11 @@ def _build(call: Call):
     return flat.Rerouted(pg, s, as_mode, flat.build(as_mode(call), pg), _traced), True
 
 
-def _lookup(call: Call):
-    """The plan for this call (built and cached at its key's first call), or None: take the traced path."""
+def _lookup(call: Call, key, e):
+    """The plan for this call under ``key`` (built and cached at its key's first call; ``e``: the cache's entry, a
+    plan for another group object), or None: take the traced path."""
     group = call.group
-    try:
-        key = call.key()
-        if key is None:
-            return None
-        e = _plans.get(key)
-    except (AttributeError, TypeError):  # not tensors, an unhashable group: the traced path raises the error
-        return None
     if e is not None:
-        if e[1] is (dist.group.WORLD if group is None else group):
-            return e[0]
         if not _same_groups(e[0], group):
             _plans.pop(key, None)
             return None

@@ -29,7 +29,7 @@ class TorchTransport:
         return None
 
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
-        if stage_through_host(group, k.device):
+        if not k.is_cpu and stage_through_host(group, k.device):  # (a CPU tensor: never; no call per launch)
             return _staged(_agkv_gather, group, k, v)
         return _agkv_gather(group, k, v)
 
@@ -37,7 +37,7 @@ class TorchTransport:
         """AGKV by point-to-point sends, one batch (one work) per (peer, piece) so each piece can be waited as it
         lands: at step j = 1..W-1 send to rank+j and receive from rank-j (mod W), in ``pieces`` token ranges;
         returns as :func:`cp_ops.transport.base.agkv_start_sources` (a staged group sends the same on host copies)."""
-        if stage_through_host(group, k.device):
+        if not k.is_cpu and stage_through_host(group, k.device):
             k_full, v_full, arrivals, work = _staged(_agkv_sources, group, k, v, pieces)
             return k_full, v_full, [Arrival(a.src, a.lo, a.hi, work) for a in arrivals], work
         return _agkv_sources(group, k, v, pieces)
@@ -64,8 +64,10 @@ def _agkv_gather(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor):
     b, s, h, d = k.shape
     k_full = k.new_empty(b, w * s, h, d)
     v_full = v.new_empty(b, w * s, h, d)
-    work = group.allgather_into_tensor_coalesced([*k_full.unbind(0), *v_full.unbind(0)],
-                                                 [*k.contiguous().unbind(0), *v.contiguous().unbind(0)])
+    k_in, v_in = k.contiguous(), v.contiguous()
+    rows = range(b)  # per batch row (indexing: no comprehension frames, and unlike unbind the GIL stays held)
+    work = group.allgather_into_tensor_coalesced([*map(k_full.__getitem__, rows), *map(v_full.__getitem__, rows)],
+                                                 [*map(k_in.__getitem__, rows), *map(v_in.__getitem__, rows)])
     return k_full, v_full, BoundedWork(group, work) if k.is_cpu else work  # a CPU collective: the host waits
 
 
@@ -101,7 +103,7 @@ def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pi
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
     """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``."""
-    if stage_through_host(group, send.device):
+    if not send.is_cpu and stage_through_host(group, send.device):
         return _staged(_alltoall_base, send, group)
     return _alltoall_base(send, group)
 
