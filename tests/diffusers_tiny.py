@@ -8,48 +8,53 @@ length) where the model takes a text mask.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 H, D = 4, 8  # heads, head dim: W=2,4 divide H (Ulysses), W=3 runs AGKV
 AX3 = (2, 2, 4)
 
 
-def build(name: str) -> torch.nn.Module:
+#: name -> (diffusers class, tiny constructor arguments)
+_CONFIGS = {
+    "wan": ("WanTransformer3DModel", dict(patch_size=(1, 2, 2), num_attention_heads=H, attention_head_dim=D,
+                                          in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
+                                          num_layers=2)),
+    "wan_vace": ("WanVACETransformer3DModel", dict(patch_size=(1, 2, 2), num_attention_heads=H, attention_head_dim=D,
+                                                   in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
+                                                   num_layers=2, vace_layers=[0], vace_in_channels=4)),
+    "flux": ("FluxTransformer2DModel", dict(in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=D,
+                                            num_attention_heads=H, joint_attention_dim=16, pooled_projection_dim=8,
+                                            axes_dims_rope=AX3)),
+    "flux2": ("Flux2Transformer2DModel", dict(in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=D,
+                                              num_attention_heads=H, joint_attention_dim=16,
+                                              timestep_guidance_channels=16, axes_dims_rope=(2, 2, 2, 2),
+                                              guidance_embeds=False)),
+    "qwenimage": ("QwenImageTransformer2DModel", dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                                      attention_head_dim=D, num_attention_heads=H,
+                                                      joint_attention_dim=16, axes_dims_rope=AX3)),
+    "ltx": ("LTXVideoTransformer3DModel", dict(in_channels=8, out_channels=8, num_attention_heads=H,
+                                               attention_head_dim=D, cross_attention_dim=H * D, num_layers=2,
+                                               caption_channels=16)),
+    "zimage": ("ZImageTransformer2DModel", dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4,
+                                                dim=H * D, n_layers=2, n_refiner_layers=1, n_heads=H, n_kv_heads=H,
+                                                cap_feat_dim=16, axes_dims=list(AX3), axes_lens=[128, 64, 64])),
+    "hunyuanvideo": ("HunyuanVideoTransformer3DModel", dict(in_channels=4, out_channels=4, num_attention_heads=H,
+                                                            attention_head_dim=D, num_layers=1, num_single_layers=1,
+                                                            num_refiner_layers=1, patch_size=2, text_embed_dim=16,
+                                                            pooled_projection_dim=8, rope_axes_dim=AX3)),
+}
+
+
+def build(name: str, **config) -> torch.nn.Module:
+    """The tiny ``name`` model; ``config``: constructor arguments that replace the tiny ones (e.g. ``num_layers=1``
+    where a test's subject is one layer's, and more layers only add compile time)."""
     import diffusers as d
 
     torch.manual_seed(0)
-    if name == "wan":
-        m = d.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=H, attention_head_dim=D, in_channels=4,
-                                    out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2)
-    elif name == "wan_vace":
-        m = d.WanVACETransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=H, attention_head_dim=D,
-                                        in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
-                                        num_layers=2, vace_layers=[0], vace_in_channels=4)
-    elif name == "flux":
-        m = d.FluxTransformer2DModel(in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=D,
-                                     num_attention_heads=H, joint_attention_dim=16, pooled_projection_dim=8,
-                                     axes_dims_rope=AX3)
-    elif name == "flux2":
-        m = d.Flux2Transformer2DModel(in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=D,
-                                      num_attention_heads=H, joint_attention_dim=16, timestep_guidance_channels=16,
-                                      axes_dims_rope=(2, 2, 2, 2), guidance_embeds=False)
-    elif name == "qwenimage":
-        m = d.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
-                                          attention_head_dim=D, num_attention_heads=H, joint_attention_dim=16,
-                                          axes_dims_rope=AX3)
-    elif name == "ltx":
-        m = d.LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=H, attention_head_dim=D,
-                                         cross_attention_dim=H * D, num_layers=2, caption_channels=16)
-    elif name == "zimage":
-        m = d.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=H * D,
-                                       n_layers=2, n_refiner_layers=1, n_heads=H, n_kv_heads=H, cap_feat_dim=16,
-                                       axes_dims=list(AX3), axes_lens=[128, 64, 64])
-    elif name == "hunyuanvideo":
-        m = d.HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=H, attention_head_dim=D,
-                                             num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
-                                             text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=AX3)
-    else:
-        raise KeyError(name)
+    cls, kw = _CONFIGS[name]
+    m = getattr(d, cls)(**copy.deepcopy({**kw, **config}))  # (the table's lists stay its own)
     for p in m.parameters():  # some zero-initialised layers (modulation, out projections) would hide errors
         if p.abs().max() == 0:
             torch.nn.init.normal_(p, std=0.1)

@@ -98,13 +98,17 @@ class LogRecords(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def compile_and_get(model, args, overlap: bool = True):
-    """Compile ``model`` (Inductor, fullgraph, no FX graph cache), run it once on ``args`` under no_grad.
+def compile_and_get(model, args, overlap: bool = True, run: bool = False):
+    """Compile ``model`` (Inductor, fullgraph, no FX graph cache) on ``args`` under no_grad: Dynamo, AOTAutograd, the
+    post-grad passes (the overlap pass), lowering, scheduling and code generation as usual, but the generated module
+    is neither built (its C++ kernels: a compiler process each, the most of a cold cache's time here) nor run, since
+    the tests using this read the graphs, the code and the logs only; running compiled code with the pass is the
+    real-rank tests' (tests/test_pass_correctness.py, test_uneven.py, ...). ``run=True``: built and run once.
 
-    Returns (output, generated code of the call(), CaptureGraphs, log messages of ``cp_ops.passes``).
+    Returns (output or None, generated code of the call(), CaptureGraphs, log messages of ``cp_ops.passes``).
     """
     import torch._inductor.config as cfg
-    from torch._inductor.utils import run_and_get_code
+    from torch._inductor.utils import get_code, run_and_get_code
 
     from cp_ops import passes
     import cp_ops.passes.overlap  # noqa: F401 - binds passes.overlap
@@ -122,7 +126,7 @@ def compile_and_get(model, args, overlap: bool = True):
         torch._dynamo.reset()
         with torch.no_grad(), cfg.patch(fx_graph_cache=False):
             compiled = torch.compile(model, fullgraph=True, options=opts)
-            out, codes = run_and_get_code(compiled, *args)
+            out, codes = run_and_get_code(compiled, *args) if run else (None, get_code(compiled, *args))
     finally:
         log.removeHandler(records)
         log.setLevel(old_level)

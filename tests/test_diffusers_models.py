@@ -78,10 +78,11 @@ def _dynamic_last_rank_one_token(rank, w):
     """Qwen-Image (text mask) compiled with dynamic shapes where the prefix split leaves the last rank one image and
     one text token ((1, 1, 3) = 3 image tokens, 3 text tokens on 2 ranks: (2, 1) each; first seen at W = 4, 10 and
     10 tokens as (3, 3, 3, 1)): the key mask's check compared Dynamo's specialized size with the symbolic count
-    equal to it and raised on the last rank only; equal to the unparallelized model."""
+    equal to it and raised on the last rank only; equal to the unparallelized model. One layer: the check runs in
+    every layer's attention alike, and each further layer only adds to the dynamic trace."""
     from cp_ops.integrations.diffusers import parallelize
 
-    model = build("qwenimage")
+    model = build("qwenimage", num_layers=1)
     compiled = torch.compile(parallelize(copy.deepcopy(model), mode="agkv", transport="torch"), backend="eager",
                              dynamic=True, fullgraph=True)
     kw = inputs("qwenimage", 2, (1, 1, 3), 3, torch.Generator().manual_seed(1), mask=True)
