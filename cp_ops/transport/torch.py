@@ -29,7 +29,7 @@ class TorchTransport:
         return None
 
     def agkv_start(self, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup):
-        if not k.is_cpu and stage_through_host(group, k.device):  # (a CPU tensor: never; no call per launch)
+        if stage_through_host(group, k.device):
             return _staged(_agkv_gather, group, k, v)
         return _agkv_gather(group, k, v)
 
@@ -37,7 +37,7 @@ class TorchTransport:
         """AGKV by point-to-point sends, one batch (one work) per (peer, piece) so each piece can be waited as it
         lands: at step j = 1..W-1 send to rank+j and receive from rank-j (mod W), in ``pieces`` token ranges;
         returns as :func:`cp_ops.transport.base.agkv_start_sources` (a staged group sends the same on host copies)."""
-        if not k.is_cpu and stage_through_host(group, k.device):
+        if stage_through_host(group, k.device):
             k_full, v_full, arrivals, work = _staged(_agkv_sources, group, k, v, pieces)
             return k_full, v_full, [Arrival(a.src, a.lo, a.hi, work) for a in arrivals], work
         return _agkv_sources(group, k, v, pieces)
@@ -103,7 +103,7 @@ def _agkv_sources(group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, pi
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup):
     """One ``alltoall_base`` of a contiguous send buffer of W equal slabs (slab t to rank t): ``(recv, work)``."""
-    if not send.is_cpu and stage_through_host(group, send.device):
+    if stage_through_host(group, send.device):
         return _staged(_alltoall_base, send, group)
     return _alltoall_base(send, group)
 
