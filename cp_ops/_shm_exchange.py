@@ -98,18 +98,21 @@ class ShmExchange:
     def _offset(self, rank: int, call: int) -> int:
         return (rank * 2 + (call & 1)) * self.slot_bytes
 
-    def allgather(self, call: int, words: bytes, out: bytearray, timeout_s: float, on_wait=None) -> bool:
-        """Publish this rank's ``words`` for call number ``call`` (>= 1, +1 per call) and fill ``out`` with every
-        rank's. False when some rank did not publish within ``timeout_s`` (:attr:`pending`: those ranks).
-        ``on_wait(pending ranks)`` is called every ``CHECK_EVERY_S`` s of waiting and may raise."""
+    def allgather(self, call: int, words: bytes, out: bytearray) -> bool:
+        """Publish this rank's ``words`` for call number ``call`` (>= 1, +1 per call) and fill ``out`` with the rows
+        of every rank that published it already: True when that is every rank, else :meth:`wait` for the rest."""
         vals = self.words.unpack(words)
         crc = zlib.crc32(words, call & 0xFFFFFFFF)
         self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)
         step = self.words.size
         out[self.rank * step:(self.rank + 1) * step] = words
         self.pending = self.others
-        if self._read(call, out):  # every peer published already: no wait
-            return True
+        return self._read(call, out)
+
+    def wait(self, call: int, out: bytearray, timeout_s: float, on_wait=None) -> bool:
+        """After :meth:`allgather` returned False: the rows of the :attr:`pending` ranks into ``out`` as they come.
+        False when some rank did not publish within ``timeout_s`` (:attr:`pending`: those ranks). ``on_wait(pending
+        ranks)`` is called every ``CHECK_EVERY_S`` s of waiting and may raise."""
         deadline = None
 
         def check() -> bool:

@@ -382,26 +382,12 @@ def exchange(pg: dist.ProcessGroup, op: str, transport: str, t=None, extra: int 
 def _gather(st: _Group, op: str) -> bool:
     """All-gather the signature in ``st.lbuf`` (a bounded wait); True when every rank's equals this rank's."""
     mine = bytes(st.lbuf)
-    wait = None
-
-    def waiting() -> PeerWait:
-        nonlocal wait
-        if wait is None:
-            wait = PeerWait(_call_words(st, op, st.count), "this call's rank check (the exchange of each rank's call)",
-                            "this rank's exchange stays posted, so a later call would pair with a peer's earlier one: "
-                            "the group cannot be used by cp_ops any more (make a new group)")
-        return wait
-
     try:
         if st.shm is not None:
-            def on_wait(pending):
-                st.peers.check_alive(pending)
-                waiting().tick(lambda: st.peers.names(pending))
-
-            if not st.shm.allgather(st.count, mine, st.gbuf, config.settings.timeout_s, on_wait):
-                raise waiting().error(st.peers.names(st.shm.pending))
+            if not st.shm.allgather(st.count, mine, st.gbuf):  # (True: every peer's row was there: no wait)
+                _wait_shm(st, op)
         else:
-            _wait_work(st, st.side._allgather_base(st.gathered, st.local), waiting)
+            _wait_work(st, st.side._allgather_base(st.gathered, st.local), _waiting(st, op))
     except PeersTimeout as e:
         # the exchange left posted would pair with a late peer's earlier call: later calls raise at once
         st.release(f"{_call_words(st, op, st.count)} timed out in its rank check; the group cannot be used by cp_ops "
@@ -418,6 +404,34 @@ def _gather(st: _Group, op: str) -> bool:
         raise RuntimeError(f"{_call_words(st, op, st.count)}: this call's rank check failed: {_line(e)}. A peer on "
                            "another host may have crashed (its log says why)") from e
     return st.gbuf == mine * st.w
+
+
+def _waiting(st: _Group, op: str) -> Callable[[], PeerWait]:
+    """The rank check's :class:`PeerWait` of this call, made at its first use."""
+    wait = None
+
+    def waiting() -> PeerWait:
+        nonlocal wait
+        if wait is None:
+            wait = PeerWait(_call_words(st, op, st.count), "this call's rank check (the exchange of each rank's call)",
+                            "this rank's exchange stays posted, so a later call would pair with a peer's earlier one: "
+                            "the group cannot be used by cp_ops any more (make a new group)")
+        return wait
+
+    return waiting
+
+
+def _wait_shm(st: _Group, op: str) -> None:
+    """The shared-memory exchange's wait for the peers' rows (after its first read found some missing): bounded,
+    the peers' liveness checked and the warnings given as it waits."""
+    waiting = _waiting(st, op)
+
+    def on_wait(pending):
+        st.peers.check_alive(pending)
+        waiting().tick(lambda: st.peers.names(pending))
+
+    if not st.shm.wait(st.count, st.gbuf, config.settings.timeout_s, on_wait):
+        raise waiting().error(st.peers.names(st.shm.pending))
 
 
 def _wait_work(st: _Group, work, waiting: Callable[[], PeerWait]) -> None:
