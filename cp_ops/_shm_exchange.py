@@ -54,6 +54,8 @@ class ShmExchange:
         self.path, self.world, self.rank, self.n = path, world, rank, n
         self.row = struct.Struct(f"<{n + 2}q")
         self.slot_bytes = self.row.size
+        #: the byte offset of rank r's slot for an even call (``offsets[0][r]``) and an odd one (``offsets[1][r]``)
+        self.offsets = tuple([(2 * r + parity) * self.slot_bytes for r in range(world)] for parity in (0, 1))
         size = world * 2 * self.slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
@@ -95,15 +97,12 @@ class ShmExchange:
         """Unmap the file (the exchange cannot be used after)."""
         self.mm.close()
 
-    def _offset(self, rank: int, call: int) -> int:
-        return (rank * 2 + (call & 1)) * self.slot_bytes
-
     def allgather(self, call: int, words: bytes, out: bytearray) -> bool:
         """Publish this rank's ``words`` for call number ``call`` (>= 1, +1 per call) and fill ``out`` with the rows
         of every rank that published it already: True when that is every rank, else :meth:`wait` for the rest."""
         vals = self.words.unpack(words)
         crc = zlib.crc32(words, call & 0xFFFFFFFF)
-        self.row.pack_into(self.mm, self._offset(self.rank, call), call, crc, *vals)
+        self.row.pack_into(self.mm, self.offsets[call & 1][self.rank], call, crc, *vals)
         step = self.words.size
         out[self.rank * step:(self.rank + 1) * step] = words
         self.pending = self.others
@@ -130,9 +129,9 @@ class ShmExchange:
     def _read(self, call: int, out: bytearray) -> bool:
         """Copy into ``out`` the rows of the :attr:`pending` ranks that carry call ``call`` (whole: the crc matches);
         :attr:`pending` keeps the others. True when none is left."""
-        still, step = [], self.words.size
+        still, step, offsets = [], self.words.size, self.offsets[call & 1]
         for r in self.pending:
-            off = self._offset(r, call)
+            off = offsets[r]
             got_call, got_crc = _HEAD.unpack_from(self.mm, off)
             if got_call == call:
                 body = self.mm[off + 16: off + 16 + step]
