@@ -74,17 +74,21 @@ def _compiled_pipelined(rank, w):
     out of their inverse buffers into one kernel after the third inverse launch — three in flight ("slot ... still
     holds an output"); with the waits ordered alone, that kernel re-read the first buffer after the third launch had
     taken its slot (wrong values). Now each launch is ordered after what read the slot's previous output (``after``)
-    and the copies out are an opaque op. With the overlap pass (cp_ops.compile), on the same transport and sub-groups
-    with uneven shards and a key mask besides: the next test, one Inductor compile for both."""
+    and the copies out are an opaque op. On uneven shards, with two FP8 formats holding one tensor each (q e4m3,
+    v e5m2: two uint8 send buffers of one shape per sub-group, so sub-groups 0 and 1 in flight are 4 launches of one
+    key: test_fp8's test_slotted_transport_pipelined_mixed_formats, eager). With the overlap pass (cp_ops.compile),
+    on the same transport and sub-groups with uneven shards and a key mask: the next test."""
     from pooled_transport import install_slotted
 
     install_slotted()
     from cp_ops import layout
 
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    seq = layout.shard_sizes(6 * w + 1, w)
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 6 * w, 3 * w, 8, generator=g) for _ in range(3))
-    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
-    kw = dict(mode="ulysses", chunks=3)
+    q, k, v = (torch.randn(1, sum(seq), 3 * w, 8, generator=g) for _ in range(3))
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    kw = dict(mode="ulysses", chunks=3, seq_lens=seq, comm_dtype={"q": e4, "v": e5})
     with torch.no_grad():
         ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
         f = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, transport="slotted_test", **kw), fullgraph=True)
