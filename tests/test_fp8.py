@@ -412,8 +412,10 @@ def test_pooled_transport_carries_fp8():
 def _slotted(rank, w):
     """Pipelined Ulysses with two FP8 formats holding one tensor each (q e4m3, v e5m2: two uint8 send buffers of one
     shape per sub-group) on a transport with the fast one's pool (2 slots per (op, shape, dtype), a launch onto a
-    slot not yet waited raises: tests/pooled_transport.py SlottedTestTransport): equal to the torch transport, eager
-    and compiled, outputs owned. Failed before (2026-12-02): sub-groups 0 and 1 in flight made 4 launches of one key."""
+    slot not yet waited raises: tests/pooled_transport.py SlottedTestTransport): equal to the torch transport, outputs
+    owned. Failed before (2026-12-02): sub-groups 0 and 1 in flight made 4 launches of one key. Compiled (Inductor,
+    q e4m3 and v e5m2, 3 sub-groups on uneven shards, two calls): test_pooled's
+    test_compiled_pipelined_ulysses_keeps_pool_slots."""
     from pooled_transport import install_slotted
 
     install_slotted()
@@ -427,12 +429,6 @@ def _slotted(rank, w):
             out = cp_ops.attention(sh(q), sh(k), sh(v), transport="slotted_test", **kw)
             cp_ops.attention(sh(q) * 2, sh(k), sh(v) + 1, transport="slotted_test", **kw)
             assert torch.equal(out, ref), (hl, chunks, c)
-    c = {"q": E4, "v": E5}
-    kw = dict(mode="ulysses", chunks=2, comm_dtype=c, seq_lens=seq, transport="slotted_test")
-    with torch.no_grad():
-        eager = cp_ops.attention(sh(q), sh(k), sh(v), **kw)
-        compiled = torch.compile(lambda a, b_, c_: cp_ops.attention(a, b_, c_, **kw), fullgraph=True)(sh(q), sh(k), sh(v))
-    assert torch.equal(compiled, eager)
 
 
 def test_slotted_transport_pipelined_mixed_formats():

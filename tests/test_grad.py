@@ -62,10 +62,13 @@ def _compiled_forward_runs(rank, w):
         block = _Block(4, 8, mode)  # parameters require grad; no torch.no_grad() anywhere below
         eager = block(x)
         assert eager.requires_grad
-        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x)  # AOTAutograd's joint graph: the
-        assert compiled.requires_grad                                             # point here (CPU CI time)
-        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-        for out in (eager, compiled):
+        outs = [eager]
+        if mode == "agkv":  # Ulysses compiled with grad: the Wan transformer below (= the unparallelized model)
+            compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(x)  # AOTAutograd's joint graph:
+            assert compiled.requires_grad                                             # the point (CPU CI time)
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+            outs.append(compiled)
+        for out in outs:
             with pytest.raises(RuntimeError, match=ERR.format("attention")):
                 out.sum().backward()
 

@@ -111,17 +111,15 @@ def _compiled(rank, w):
     compiled tests check with masks, uneven shards and pipelined AGKV: test_uneven.test_compiled_equals_eager)."""
     mesh = _mesh((2, 2))
     aot = dict(fullgraph=True, backend="aot_eager")
+    # even shards with a key mask (two inputs, one graph). Traced elsewhere, one compile each: the 2-D body without
+    # a mask by Inductor below (and with FP8 codecs, chunks 1 and 2, bitwise: test_fp8_mesh), pipelined on uneven
+    # shards below
     f = torch.compile(lambda q, k, v, m: cp_ops.attention(q, k, v, group=mesh, key_mask=m), **aot)
-    g = torch.compile(lambda q, k, v: cp_ops.attention(q, k, v, group=mesh, chunks=2), **aot)
     for seed in (11, 12):
         q, k, v, mask = _data(1, 16, 4, 8, seed=seed)
         sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
-        for m in (None, mask):
-            km = None if m is None else sh(m)
-            eager = cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, key_mask=km)
-            assert torch.equal(f(sh(q), sh(k), sh(v), km), eager)
-        eager = cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, chunks=2)
-        torch.testing.assert_close(g(sh(q), sh(k), sh(v)), eager, rtol=1e-6, atol=1e-6)
+        eager = cp_ops.attention(sh(q), sh(k), sh(v), group=mesh, key_mask=sh(mask))
+        assert torch.equal(f(sh(q), sh(k), sh(v), sh(mask)), eager)
     # uneven shards, with a mask (chunks 1) and pipelined (chunks 2: the outer AGKV inside one op)
     seq = (5, 2, 0, 6)
     u = torch.compile(lambda q, k, v, m, c: cp_ops.attention(q, k, v, group=mesh, seq_lens=seq, key_mask=m, chunks=c),

@@ -1,4 +1,6 @@
-"""The launch ops on real gloo groups: async + wait_tensor, layouts, opcheck, torch.compile, blocking mode."""
+"""The launch ops on real gloo groups: async + wait_tensor, layouts, opcheck, blocking mode. Compiled by Inductor:
+tests/test_uneven.py (torch.compile of both modes in one graph, uneven shards and a key mask) and
+tests/test_pass_correctness.py (a fused-QKV block, overlap pass off and on, bitwise, = eager = single device)."""
 
 import pytest
 import torch
@@ -100,35 +102,3 @@ def _opcheck(rank, w):
 
 def test_opcheck_every_op():
     run_ranks(_opcheck, 2)
-
-
-def _compiled_block(rank, w):
-    import torch.distributed as dist
-
-    torch.manual_seed(0)
-    b, h, d, s_local = 1, 4, 16, 32
-    proj = torch.nn.Linear(h * d, 3 * h * d)
-    norm = torch.nn.RMSNorm(h * d)
-    out_proj = torch.nn.Linear(h * d, h * d)
-
-    def block(x, mode):
-        q, k, v = proj(x).chunk(3, dim=-1)
-        q, k = norm(q), norm(k)
-        q, k, v = (t.unflatten(-1, (h, d)) for t in (q, k, v))
-        o = cp_ops.attention(q, k, v, group=dist.group.WORLD, mode=mode)
-        return out_proj(o.flatten(-2))
-
-    def both(x):  # the modes are calls of one function: one Inductor compile for both
-        return [block(x, mode) for mode in ("agkv", "ulysses")]
-
-    x = torch.randn(b, s_local, h * d, generator=torch.Generator().manual_seed(rank + 5))
-    with torch.no_grad():
-        eager = both(x)
-        compiled = torch.compile(both, fullgraph=True)(x)
-    for mode, got, want in zip(("agkv", "ulysses"), compiled, eager):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=mode)
-        assert want.abs().max() > 0, mode
-
-
-def test_torch_compile_fullgraph_equals_eager():
-    run_ranks(_compiled_block, 2)

@@ -112,11 +112,12 @@ def _all_cases(rank: int, w: int) -> None:
     log = logging.getLogger("cp_ops.passes")
     log.setLevel(logging.DEBUG)
     log.addHandler(records)
-    # (AGKV's WanBlock is checked as the Stack's layers: the same block and checks, two windows in one graph)
+    # (AGKV's WanBlock is checked as the Stack's layers: the same block and checks, two windows in one graph; Ulysses'
+    # fp32 window, split and bits on the ATen fallbacks as FluxBlock's, whose joint text + image sequence adds to
+    # what a WanBlock would check: one Inductor compile pair per mode, dtype and kernel kind)
     # kernels: Inductor's fused kernels (the pass pinned in the scheduler among them, bf16 bits kept across fusion),
     # once per mode; the others with the suite's ATen fallbacks (tests/conftest.py: the window, the split, the bits)
     for block_cls, mode, dtype, kernels in [
-        (pb.WanBlock, "ulysses", torch.float32, False),
         (pb.FusedQKVBlock, "ulysses", torch.bfloat16, True),
         (pb.FluxBlock, "ulysses", torch.float32, False),
         (pb.Stack, "agkv", torch.float32, True),

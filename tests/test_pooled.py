@@ -68,29 +68,33 @@ def test_public_outputs_never_alias_pooled_buffers():
 
 
 def _compiled_pipelined(rank, w):
-    """Pipelined Ulysses with three sub-groups (one head each), compiled — with and without the overlap pass — on a
+    """Pipelined Ulysses with three sub-groups (one head each), compiled by Inductor without the overlap pass on a
     transport with the fast one's pool (2 slots per key; a launch onto a slot not yet waited raises): equal to eager
-    on the torch transport. Failed before (2026-12-02): Inductor fused the three sub-groups' copies out of their
-    inverse buffers into one kernel after the third inverse launch — three in flight ("slot ... still holds an
-    output"); with the waits ordered alone, that kernel re-read the first buffer after the third launch had taken its
-    slot (wrong values). Now each launch is ordered after what read the slot's previous output (``after``) and the
-    copies out are an opaque op."""
+    on the torch transport, over two calls. Failed before (2026-12-02): Inductor fused the three sub-groups' copies
+    out of their inverse buffers into one kernel after the third inverse launch — three in flight ("slot ... still
+    holds an output"); with the waits ordered alone, that kernel re-read the first buffer after the third launch had
+    taken its slot (wrong values). Now each launch is ordered after what read the slot's previous output (``after``)
+    and the copies out are an opaque op. On uneven shards, with two FP8 formats holding one tensor each (q e4m3,
+    v e5m2: two uint8 send buffers of one shape per sub-group, so sub-groups 0 and 1 in flight are 4 launches of one
+    key: test_fp8's test_slotted_transport_pipelined_mixed_formats, eager). With the overlap pass (cp_ops.compile),
+    on the same transport and sub-groups with uneven shards and a key mask: the next test."""
     from pooled_transport import install_slotted
 
     install_slotted()
     from cp_ops import layout
 
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
+    seq = layout.shard_sizes(6 * w + 1, w)
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 6 * w, 3 * w, 8, generator=g) for _ in range(3))
-    sh = lambda t: layout.shard(t, 1, rank, w)  # noqa: E731
-    kw = dict(mode="ulysses", chunks=3)
+    q, k, v = (torch.randn(1, sum(seq), 3 * w, 8, generator=g) for _ in range(3))
+    sh = lambda t: layout.shard(t, 1, rank, w, seq_lens=seq)  # noqa: E731
+    kw = dict(mode="ulysses", chunks=3, seq_lens=seq, comm_dtype={"q": e4, "v": e5})
     with torch.no_grad():
         ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
-        for compile_ in (torch.compile, cp_ops.compile):
-            f = compile_(lambda a, b, c: cp_ops.attention(a, b, c, transport="slotted_test", **kw), fullgraph=True)
-            assert torch.equal(f(sh(q), sh(k), sh(v)), ref), compile_
-            assert torch.equal(f(sh(q) + 1, sh(k), sh(v)), cp_ops.attention(sh(q) + 1, sh(k), sh(v), transport="torch",
-                                                                            **kw)), compile_
+        f = torch.compile(lambda a, b, c: cp_ops.attention(a, b, c, transport="slotted_test", **kw), fullgraph=True)
+        assert torch.equal(f(sh(q), sh(k), sh(v)), ref)
+        again = cp_ops.attention(sh(q + 1), sh(k), sh(v), transport="torch", **kw)
+        assert torch.equal(f(sh(q + 1), sh(k), sh(v)), again)
 
 
 def test_compiled_pipelined_ulysses_keeps_pool_slots():
@@ -99,7 +103,9 @@ def test_compiled_pipelined_ulysses_keeps_pool_slots():
 
 def _compiled_pipelined_uneven_masked(rank, w):
     """cp_ops.compile of pipelined Ulysses on uneven shards with a key mask of this rank's keys (3 sub-groups of 2
-    heads; rank 0 holds 5 tokens, rank 1 3: only rank 1 pads, so the two ranks' graphs differ) = eager, bitwise.
+    heads; rank 0 holds 5 tokens, rank 1 3: only rank 1 pads, so the two ranks' graphs differ) = eager, bitwise, over
+    two calls (the second launches onto the slots the first one's outputs took: the previous test's bug, here with
+    the overlap pass moving the launches).
     Failed before (2026-12-02): the overlap pass moved launches by each graph's dependencies, so rank 1 sent sub-group
     1's K/V before sub-group 0's Q while rank 0 kept the traced order (gloo aborted rank 0: "Received data size
     doesn't match expected size"). Now a launch is never moved past another collective."""
@@ -119,6 +125,8 @@ def _compiled_pipelined_uneven_masked(rank, w):
         ref = cp_ops.attention(sh(q), sh(k), sh(v), transport="torch", **kw)
         f = cp_ops.compile(lambda a, b, c: cp_ops.attention(a, b, c, transport="slotted_test", **kw), fullgraph=True)
         assert torch.equal(f(sh(q), sh(k), sh(v)), ref)
+        again = cp_ops.attention(sh(q + 1), sh(k), sh(v), transport="torch", **kw)
+        assert torch.equal(f(sh(q + 1), sh(k), sh(v)), again)
 
 
 def test_compiled_pipelined_ulysses_uneven_masked_keeps_collective_order():
