@@ -62,7 +62,6 @@ def _id(key) -> int:
 
 
 def register_op(name: str) -> int:
-    """Add ``name`` to :data:`OPS` (the calls whose signatures are exchanged); returns its id."""
     OPS[name] = _id(name)
     return OPS[name]
 
@@ -682,7 +681,6 @@ def _inputs_hint(rows: list, desc: list[dict], short: bool = False) -> str:
 
 
 def _shape_dtype(meta) -> str:
-    """``(shape, dtype)`` of a compared input in words, or 'no tensor'."""
     return "no tensor" if meta is None else f"shape {meta[0]} {str(meta[1]).replace('torch.', '')}"
 
 
@@ -900,7 +898,6 @@ _SEQ_TAGS: dict = {}
 
 
 def tag_note(tag: int) -> str | None:
-    """The words :func:`variant_tag` made ``tag`` from (None for an unknown tag)."""
     return _TAG_NOTES.get(tag)
 
 

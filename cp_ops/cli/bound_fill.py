@@ -145,7 +145,6 @@ def filled():
 
 
 def is_filled(group) -> bool:
-    """Whether ``group`` writes its collectives' outputs (a :class:`FilledFakeGroup`)."""
     return isinstance(group, FilledFakeGroup)
 
 

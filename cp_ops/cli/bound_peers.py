@@ -88,7 +88,6 @@ def own_class_patches(model: torch.nn.Module):
 
 
 def _objects(model: torch.nn.Module) -> list:
-    """``model``'s modules and their attention processors."""
     mods = list(model.modules())
     return mods + [m.processor for m in mods if getattr(m, "processor", None) is not None]
 

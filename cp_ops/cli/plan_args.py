@@ -47,10 +47,5 @@ class _Only:
             self.parser.add_argument(flag, **kw)
 
 
-#: the plan's flag, given to ``cp-ops run`` -> the ``cp-ops plan`` spelling its error names
+#: the plan's flag, given to ``cp-ops run`` -> the ``cp-ops plan`` spelling its error names (MODEL filled in)
 MOVED = {"--plan": "cp-ops plan MODEL --gpus N"}
-
-
-def moved(flag: str, model: str, extra: list[str]) -> str:
-    """The ``cp-ops plan`` command that replaces ``cp-ops run MODEL --plan``."""
-    return MOVED[flag].replace("MODEL", model)

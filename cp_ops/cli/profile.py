@@ -101,7 +101,6 @@ def _length(iv) -> float:
 
 
 def _minus(a, b) -> float:
-    """Length of union(a) not covered by union(b)."""
     return _length(a) - _intersect(_union(a), _union(b))
 
 

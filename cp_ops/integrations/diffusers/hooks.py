@@ -98,7 +98,6 @@ class CPState:
             self._empty.__enter__()
 
     def end_forward(self) -> None:
-        """Leave what :meth:`allow_empty` entered (the forward ended or raised)."""
         mode, self._empty = self._empty, None
         if mode is not None:
             mode.__exit__(None, None, None)

@@ -409,7 +409,6 @@ class Lanes:
                             + ("" if self.broken else "; the next pipe(...) call runs again"))
 
     def _check_told(self, value) -> None:
-        """An agreement's value from the partner that says its forward failed: raise naming it."""
         if isinstance(value, dict) and "failed" in value:
             raise self._named(value["failed"], "in its forward")
 
