@@ -30,9 +30,7 @@ def part_dir(name: str) -> str:
         raise ValueError(f"cp_ops._checkout.part_dir: {name!r} is not one of {PARTS}")
     inside = os.path.join(_PKG, name)
     root = checkout_root()
-    if os.path.isdir(inside) or root is None:
-        return inside
-    return os.path.join(root, name)
+    return inside if os.path.isdir(inside) or root is None else os.path.join(root, name)
 
 
 class _CheckoutFinder(importlib.abc.MetaPathFinder):

@@ -873,9 +873,7 @@ def scale_field(scale) -> str | None:
 
 
 def _stable(v) -> bool:
-    if isinstance(v, (tuple, list)):
-        return all(_stable(x) for x in v)
-    return isinstance(v, (int, str))
+    return all(_stable(x) for x in v) if isinstance(v, (tuple, list)) else isinstance(v, (int, str))
 
 
 def with_seq_lens(tag: int, seq_lens) -> int:
