@@ -13,8 +13,7 @@ LAYOUTS = ("ulysses", "ring")
 
 
 def config(layout: str, world: int, heads: int | None, mesh):
-    """The ``ContextParallelConfig`` of ``layout`` at ``world`` ranks on ``mesh``; ValueError naming the layouts for
-    an unknown one."""
+    """The ``ContextParallelConfig`` of ``layout`` at ``world`` ranks on ``mesh``; an unknown layout: ValueError."""
     from diffusers import ContextParallelConfig
 
     if layout == "ulysses":

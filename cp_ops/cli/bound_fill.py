@@ -23,8 +23,7 @@ _traced: list[type] = []
 
 
 def completed_work():
-    """A completed c10d work (``wait()`` returns at once), made once: what a Python group's synchronous collective
-    returns."""
+    """A completed c10d work (``wait()`` returns at once), made once: a Python group's synchronous collective's."""
     global _done
     if _done is None:
         fut = torch.futures.Future()

@@ -1,10 +1,9 @@
 """``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, plan MODEL, generate, env.
 
 ``bench``, ``run`` and ``generate`` spawn ``--nproc`` local ranks (default: every visible GPU, else 2 gloo ranks) or
-join torchrun's; ``bound`` runs in this process on one device; ``plan`` and ``env`` run nothing on a device. Parsers
-and checks are torch-free ``<command>_args`` modules; a wrong argument or ``CP_OPS_*`` value prints one line
-``cp-ops: ...`` (rank 0) and exits 2. Settings reach the ranks through :func:`cp_ops.config.configure` (never the
-environment).
+join torchrun's; ``bound`` runs in this process on one device; ``plan`` and ``env`` run nothing on a device. Parsers and
+checks are torch-free ``<command>_args`` modules; a wrong argument or ``CP_OPS_*`` value prints one line ``cp-ops: ...``
+(rank 0) and exits 2. Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
 """
 
 from __future__ import annotations

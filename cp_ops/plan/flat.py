@@ -147,9 +147,7 @@ def constant(value):
 
 
 def _symbolic(value) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_symbolic(x) for x in value)
-    return isinstance(value, torch.SymInt)
+    return any(_symbolic(x) for x in value) if isinstance(value, (tuple, list)) else isinstance(value, torch.SymInt)
 
 
 def runner(q, pg, transport: str, fmts=cd.NONE):

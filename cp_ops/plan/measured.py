@@ -1,7 +1,6 @@
-"""The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`):
-the candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the
-ranks' agreement on it). For users: ``docs/measuring.md``, ``docs/settings.md`` (``CP_OPS_TUNE_MODES``,
-``CP_OPS_TUNE_CACHE``).
+"""The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`): the
+candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the ranks'
+agreement on it). For users: ``docs/measuring.md``, ``docs/settings.md`` (``CP_OPS_TUNE_MODES``, ``CP_OPS_TUNE_CACHE``).
 
 Why a margin and the heuristic first: a pick by the bare minimum chose AGKV chunks=2 at 0.615 ms over chunks=1 at
 0.469 ms in the bench (``benchmarks/results/cp2_attention/``). A cached candidate is used only when every rank holds it.

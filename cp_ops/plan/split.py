@@ -237,7 +237,6 @@ def _release(key) -> None:
 
 
 def release(pg: Any) -> None:
-    """Destroy the meshes built from the flat group ``pg`` (:mod:`cp_ops.plan` calls it when cp_ops notices ``pg``
-    destroyed)."""
+    """Destroy the meshes built from the flat group ``pg`` (:mod:`cp_ops.plan`, once it notices ``pg`` destroyed)."""
     for key in [k for k in _meshes if k[0] == getattr(pg, "group_name", None)]:
         _release(key)

@@ -25,8 +25,7 @@ from .registry import SUPPORTED
 
 
 def is_transformer(module: Any) -> bool:
-    """Whether :func:`~cp_ops.integrations.diffusers.parallelize` takes ``module``: a class with a registry line or a
-    diffusers ``_cp_plan``."""
+    """Whether :func:`~.install.parallelize` takes ``module``: a class with a registry line or a ``_cp_plan``."""
     return isinstance(module, torch.nn.Module) and (
         type(module).__name__ in SUPPORTED or bool(_private.class_cp_plan(type(module))))
 

@@ -326,9 +326,8 @@ class FastTransport:
         return buf, work
 
     def ulysses_inverse_start(self, x: torch.Tensor, group):
-        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source rank;
-        the layout of :func:`cp_ops.layout.ulysses_inverse_pack`). Returns ``(buf, work)``; raises as
-        :meth:`agkv_start`."""
+        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source rank; the
+        layout of :func:`cp_ops.layout.ulysses_inverse_pack`). Returns ``(buf, work)``; raises as :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         x, xp = _prep(x)
