@@ -407,8 +407,7 @@ class DirectComm(_Comm):
 
 
 class MeshComm:
-    """The comm of a 2-D mode body: ``inner`` (Ulysses) and ``outer`` (AGKV), two comms of one kind bound to their
-    groups; ``world``: O·I."""
+    """The comm of a 2-D mode body: ``inner`` (Ulysses) and ``outer`` (AGKV), two comms of one kind; ``world``: O·I."""
 
     __slots__ = ("inner", "outer", "world")
 

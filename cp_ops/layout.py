@@ -390,8 +390,7 @@ class Shards:
         return self.rows(buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * smax, hl, d), 2).unbind(0)
 
     def repad(self, out: torch.Tensor) -> torch.Tensor:
-        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]`` (block r at ``r*smax``; padding rows never read): what the
-        inverse all-to-all sends."""
+        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]``, block r at ``r*smax``, padding unread: the inverse's send."""
         if self.full:
             return out
         if self.prefix or torch.compiler.is_compiling():

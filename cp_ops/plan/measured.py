@@ -144,8 +144,7 @@ def _chunks(chunks, chosen, pg, device, transport) -> tuple[int, str]:
 
 
 def heuristic(chunks, chosen, pg, device, transport, reason: str, mode_why: str = "") -> Choice:
-    """The heuristic's candidate as a :class:`Choice`, ``why`` naming ``reason`` (why nothing is measured) and the
-    rules' reasons."""
+    """The heuristic's candidate as a :class:`Choice`, ``why`` naming ``reason`` (nothing measured) and the rules'."""
     c, chunks_why = _chunks(chunks, chosen, pg, device, transport)
     return Choice(chosen, c, "heuristic", {},
                   why=f"the heuristic: {reason}" + (f"; {mode_why}" if mode_why else "") + f"; {chunks_why}")

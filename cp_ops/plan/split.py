@@ -55,9 +55,8 @@ def _request(q, seq_lens, chunks):
 
 def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped: bool = False,
            seq_lens=None) -> Split | None:
-    """The split of a call on a flat group whose ranks have the node identities ``ids`` (group-rank order), for q of
-    shape ``[b, s, h, d]`` per rank (``seq_lens``: uneven shards), ``overlapped``: ``chunks ≥ 2``. None: one node.
-    Pure: no collective."""
+    """The split of a call on a flat group whose ranks have node identities ``ids`` (group-rank order), per-rank q
+    ``[b, s, h, d]`` (``seq_lens``: uneven), ``overlapped``: ``chunks ≥ 2``. None: one node. Pure: no collective."""
     w, seq = len(ids), seq_lens
     n_nodes = len(set(ids))
     if n_nodes == 1:

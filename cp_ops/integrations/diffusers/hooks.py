@@ -258,8 +258,7 @@ def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Mo
 
 
 def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: str):
-    """(pre, post): a forward pre-hook splitting named inputs and a forward hook splitting outputs (None where the
-    entry has none)."""
+    """(pre, post): a forward pre-hook splitting named inputs, a forward hook splitting outputs (None: none)."""
     pre_hook = out_hook = None
     by_name = {k: v for k, v in specs.items() if isinstance(k, str)}
     by_output = {k: v for k, v in specs.items() if isinstance(k, int)}

@@ -337,8 +337,7 @@ class Lanes:
         return out
 
     def _uncond(self, inner, args, kwargs):
-        """Lane 1 runs the unconditional forward, then the exchange fills lane 1's placeholder in place and gives
-        lane 0 lane 1's output."""
+        """Lane 1 runs the unconditional forward; the exchange fills its placeholder and gives lane 0 its output."""
         (cond_key, cond), self.pending = self.pending, None
         pair_key = (cond_key, _shape_key(args, kwargs))
         out = None

@@ -122,8 +122,7 @@ def check_calls(pipe, group) -> None:
 
 
 def _init_group(device: torch.device) -> None:
-    """torch.distributed from torchrun's environment (NCCL on CUDA, gloo on the CPU, cp_ops' timeout); without it
-    a group of one rank."""
+    """torch.distributed from torchrun's environment (NCCL on CUDA, else gloo; cp_ops' timeout), else a group of one."""
     if dist.is_initialized():
         return
     for k, v in config.SAFE_ENV.items():  # multicast/NVLS off wherever cp_ops starts ranks
