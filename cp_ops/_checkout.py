@@ -18,8 +18,7 @@ PARTS = ("passes", "csrc")  # top-level folders of the repository that the wheel
 
 
 def checkout_root() -> str | None:
-    """The repository root when cp_ops runs from a checkout (``<root>/pyproject.toml`` beside ``cp_ops/``),
-    else None (an installed wheel)."""
+    """The repository root when cp_ops runs from a checkout (``pyproject.toml`` beside ``cp_ops/``), else None."""
     return _ROOT if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) else None
 
 

@@ -87,8 +87,7 @@ class _DirectPending(Pending):
 
 
 class DirectCodec:
-    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = the input dtype) and the
-    kernels that encode and decode them."""
+    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = input dtype), their kernels."""
 
     __slots__ = ("fmts",)
 

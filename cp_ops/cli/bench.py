@@ -388,8 +388,7 @@ def _graph_cell(r: dict) -> str:
 
 
 def plot(rows: list[dict], meta: dict, path: str) -> None:
-    """Speedup over one device vs global S, a line per mode/chunks/transport, and per mode the bound's speedup
-    (1-device ÷ bound, dashed) (PNG)."""
+    """PNG: speedup over one device vs global S, a line per mode/chunks/transport, per mode the bound's (dashed)."""
     try:
         import matplotlib
 

@@ -149,8 +149,7 @@ def is_filled(group) -> bool:
 
 @contextlib.contextmanager
 def recording():
-    """Collect ``(kind, out_shape, in_shape, dtype, device)`` of every write a :class:`FilledFakeGroup` makes inside
-    the block; yields the list."""
+    """Yield the list of ``(kind, out_shape, in_shape, dtype, device)`` of the writes a FilledFakeGroup makes inside."""
     global _records
     prev, _records = _records, []
     try:

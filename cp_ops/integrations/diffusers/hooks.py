@@ -241,8 +241,7 @@ def _applies(spec, x) -> bool:
 
 
 def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
-    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of every child of ``a``. ValueError: a
-    path that names no module."""
+    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of each child of ``a``; none: ValueError."""
     found = [("", model)]
     for atom in [a for a in pattern.split(".") if a] if pattern else []:
         nxt = []

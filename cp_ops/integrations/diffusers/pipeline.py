@@ -87,8 +87,7 @@ def _words(x, depth: int = 0) -> str:
 
 
 def _agree_call(pipe, group, n: int, args: tuple, kwargs: dict) -> None:
-    """Raise ValueError on every rank of ``group`` naming the arguments of the ``n``-th ``pipe(...)`` call that
-    differ between the ranks (:func:`_words`)."""
+    """ValueError on every rank of ``group`` naming the arguments of the ``n``-th ``pipe(...)`` that differ."""
     mine = {f"positional argument {i}": _words(a) for i, a in enumerate(args)}
     mine.update({k: _words(v) for k, v in kwargs.items()})
     what = f"{type(pipe).__name__}(...) call #{n} (parallelize_pipeline)"

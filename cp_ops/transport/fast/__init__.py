@@ -117,8 +117,7 @@ class FastTransport:
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
-        """Start the lane on ``group`` (collective; bounded, agreed exchanges: every rank gets the same
-        :class:`~.collective.StartFailed`)."""
+        """Start the lane on ``group`` (collective, bounded; every rank gets the same ``collective.StartFailed``)."""
         from ... import _ext
         from . import start
 
@@ -215,8 +214,7 @@ class FastTransport:
 
     # ---- launches -------------------------------------------------------------------------------
     def _launch(self, lane, key, bufs, make_descs, inputs):
-        """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch (on failure the pool slots
-        go back). Returns (outputs, work)."""
+        """A pool slot per buffer (role, shape, dtype), descriptors, launch (failed: slots back) -> (outputs, work)."""
         call = lane.next_call()
         capturing = lane.capturing()
         got = []
