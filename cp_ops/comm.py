@@ -145,8 +145,7 @@ class _Comm:
         return enc(k, f), enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
 
     def _groups(self, xs) -> list[tuple[str, list[int]]]:
-        """The Ulysses inputs by their format ('' = input dtype), in order of first appearance: one launch each
-        (inputs are named q, k, v by position)."""
+        """The Ulysses inputs (q, k, v by position) by format ('' = input dtype), first seen first: one launch each."""
         groups: dict[str, list[int]] = {}
         for i in range(len(xs)):
             groups.setdefault(self.fmts[i] if i < 3 else "", []).append(i)

@@ -233,8 +233,7 @@ _USE_SHM = True
 
 
 def _setup(st: _Group, op: str) -> None:
-    """The group's first exchange: meet the peers through the store, then make the gloo side group and (one host)
-    the shared-memory exchange."""
+    """The group's first exchange: meet the peers (store), make the gloo side group and (one host) the shm exchange."""
     if st.broken:
         raise RuntimeError(st.broken)
     pg, timeout = st.pg, config.settings.timeout_s
@@ -877,8 +876,7 @@ def _stable(v) -> bool:
 
 
 def with_seq_lens(tag: int, seq_lens) -> int:
-    """``tag`` with a call's uneven token counts folded in (the ops at run time, where the counts are concrete; the
-    eager path once per plan)."""
+    """``tag`` with a call's uneven token counts folded in (by the ops at run time; by the eager path once per plan)."""
     if seq_lens is None:
         return tag
     seq = [int(n) for n in seq_lens]

@@ -239,8 +239,7 @@ def every_key(key_mask, s_local, total, seq_lens=None) -> bool:
 
 
 def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
-    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device, or with ``total`` given ``[B, total]``
-    (every key of the call, in rank order)."""
+    """``key_mask``: bool ``[B, S_local]`` on ``x``'s device (given ``total``: ``[B, total]``, keys in rank order)."""
     from .validate import _require
 
     if not isinstance(key_mask, torch.Tensor):

@@ -327,8 +327,7 @@ def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None,
 
 
 def _valid_entry(e) -> bool:
-    """A cache entry as :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, ``times_ms`` (if
-    present) a dict of str -> finite number."""
+    """As :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, any ``times_ms`` str -> finite."""
     if not isinstance(e, dict) or not isinstance(e.get("mode"), str):
         return False
     c = e.get("chunks")

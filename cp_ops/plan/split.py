@@ -132,8 +132,7 @@ spans_nodes._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch
 
 
 def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
-    """The 2-D ``('agkv', 'ulysses')`` mesh of ``pg`` split ``outer × inner`` (group rank r = mesh rank r; built once,
-    its two groups destroyed with ``pg``)."""
+    """``pg``'s ``('agkv', 'ulysses')`` mesh, ``outer × inner`` (rank r = mesh rank r); built once, freed with pg."""
     key = (pg.group_name, outer, inner, device_type)
     got = _meshes.get(key)
     if got is not None:
