@@ -18,8 +18,7 @@ PARTS = ("passes", "csrc")  # top-level folders of the repository that the wheel
 
 
 def checkout_root() -> str | None:
-    """The repository root when cp_ops runs from a checkout (``<root>/pyproject.toml`` beside ``cp_ops/``),
-    else None (an installed wheel)."""
+    """The repository root when cp_ops runs from a checkout (``pyproject.toml`` beside ``cp_ops/``), else None."""
     return _ROOT if os.path.isfile(os.path.join(_ROOT, "pyproject.toml")) else None
 
 
@@ -30,9 +29,7 @@ def part_dir(name: str) -> str:
         raise ValueError(f"cp_ops._checkout.part_dir: {name!r} is not one of {PARTS}")
     inside = os.path.join(_PKG, name)
     root = checkout_root()
-    if os.path.isdir(inside) or root is None:
-        return inside
-    return os.path.join(root, name)
+    return inside if os.path.isdir(inside) or root is None else os.path.join(root, name)
 
 
 class _CheckoutFinder(importlib.abc.MetaPathFinder):

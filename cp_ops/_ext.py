@@ -33,7 +33,6 @@ _MERGE_SOURCE = _find_source("lse_merge.cu")  # the LSE merge kernel (its own co
 
 
 def _sources() -> list[Path]:
-    """Every source of the extension."""
     return [_SOURCE, _MERGE_SOURCE]
 
 

@@ -87,8 +87,7 @@ class _DirectPending(Pending):
 
 
 class DirectCodec:
-    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = the input dtype) and the
-    kernels that encode and decode them."""
+    """FP8 on the link for the direct comm: the formats of (q, k, v, o) (``fmts``, '' = input dtype), their kernels."""
 
     __slots__ = ("fmts",)
 
@@ -146,8 +145,7 @@ class _Comm:
         return enc(k, f), enc(v, f), lambda o: (dec(o[0], dt, f), dec(o[1], dt, f), o[2])
 
     def _groups(self, xs) -> list[tuple[str, list[int]]]:
-        """The Ulysses inputs by their format ('' = input dtype), in order of first appearance: one launch each
-        (inputs are named q, k, v by position)."""
+        """The Ulysses inputs (q, k, v by position) by format ('' = input dtype), first seen first: one launch each."""
         groups: dict[str, list[int]] = {}
         for i in range(len(xs)):
             groups.setdefault(self.fmts[i] if i < 3 else "", []).append(i)
@@ -407,8 +405,7 @@ class DirectComm(_Comm):
 
 
 class MeshComm:
-    """The comm of a 2-D mode body: ``inner`` (Ulysses) and ``outer`` (AGKV), two comms of one kind bound to their
-    groups; ``world``: O·I."""
+    """The comm of a 2-D mode body: ``inner`` (Ulysses) and ``outer`` (AGKV), two comms of one kind; ``world``: O·I."""
 
     __slots__ = ("inner", "outer", "world")
 

@@ -31,8 +31,7 @@ def skip_cp_ops_code_guards(entries: Sequence) -> list[bool]:
 
 
 def _guard_filter(options: dict | None) -> dict:
-    """``options`` with :func:`skip_cp_ops_code_guards` as its ``guard_filter_fn``; a filter already there runs too
-    (a guard stays where both keep it)."""
+    """``options`` with :func:`skip_cp_ops_code_guards` as ``guard_filter_fn``, and any filter already there (AND)."""
     opts = dict(options or {})
     theirs = opts.get("guard_filter_fn")
     if theirs is None:

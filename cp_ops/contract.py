@@ -62,7 +62,6 @@ def _id(key) -> int:
 
 
 def register_op(name: str) -> int:
-    """Add ``name`` to :data:`OPS` (the calls whose signatures are exchanged); returns its id."""
     OPS[name] = _id(name)
     return OPS[name]
 
@@ -234,8 +233,7 @@ _USE_SHM = True
 
 
 def _setup(st: _Group, op: str) -> None:
-    """The group's first exchange: meet the peers through the store, then make the gloo side group and (one host)
-    the shared-memory exchange."""
+    """The group's first exchange: meet the peers (store), make the gloo side group and (one host) the shm exchange."""
     if st.broken:
         raise RuntimeError(st.broken)
     pg, timeout = st.pg, config.settings.timeout_s
@@ -682,7 +680,6 @@ def _inputs_hint(rows: list, desc: list[dict], short: bool = False) -> str:
 
 
 def _shape_dtype(meta) -> str:
-    """``(shape, dtype)`` of a compared input in words, or 'no tensor'."""
     return "no tensor" if meta is None else f"shape {meta[0]} {str(meta[1]).replace('torch.', '')}"
 
 
@@ -875,14 +872,11 @@ def scale_field(scale) -> str | None:
 
 
 def _stable(v) -> bool:
-    if isinstance(v, (tuple, list)):
-        return all(_stable(x) for x in v)
-    return isinstance(v, (int, str))
+    return all(_stable(x) for x in v) if isinstance(v, (tuple, list)) else isinstance(v, (int, str))
 
 
 def with_seq_lens(tag: int, seq_lens) -> int:
-    """``tag`` with a call's uneven token counts folded in (the ops at run time, where the counts are concrete; the
-    eager path once per plan)."""
+    """``tag`` with a call's uneven token counts folded in (by the ops at run time; by the eager path once per plan)."""
     if seq_lens is None:
         return tag
     seq = [int(n) for n in seq_lens]
@@ -900,7 +894,6 @@ _SEQ_TAGS: dict = {}
 
 
 def tag_note(tag: int) -> str | None:
-    """The words :func:`variant_tag` made ``tag`` from (None for an unknown tag)."""
     return _TAG_NOTES.get(tag)
 
 

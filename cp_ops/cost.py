@@ -4,10 +4,9 @@ Pure arithmetic: :func:`predict` lists every 2-D split ``(O, I)`` whose inner (U
 are whole nodes and whose I divides the heads (pure AGKV ``W×1`` and pure Ulysses ``1×W`` included), plus ring;
 :func:`choose` picks the fastest one cp_ops runs. Bytes per rank per call, with ``L = B·(S/W)·H·D·bytes`` and m of
 a group's n ranks on this rank's node: Ulysses ``4·L·(n−1)/n``, ``4·L·(m−1)/n`` of it over NVLink; AGKV (and ring)
-``2·L·(n−1)``, ``2·L·(m−1)`` over NVLink (2-D: n = O, the row's K/V for H/I heads also ``L`` each). Time: a
-collective is ``latency + max(NVLink bytes / GB/s, network bytes / GB/s)``, attention ``4·B·(S/W)·S·H·D`` FLOP;
-transport-then-attend adds them, ``overlapped_ms`` hides AGKV under attention, ring is ``max(attention, AGKV) +
-one latency``. Speedup: one-GPU attention ÷ the layout's time. The figures (:class:`Links`): ``docs/2d.md``.
+``2·L·(n−1)``, ``2·L·(m−1)`` over NVLink (2-D: n = O, the row's K/V for H/I heads also ``L`` each). The time rule
+and the figures (:class:`Links`): ``docs/2d.md``; ``overlapped_ms`` hides AGKV under attention, ring is
+``max(attention, AGKV) + one latency``.
 """
 
 from __future__ import annotations
@@ -58,16 +57,12 @@ class Prediction:
             return "ring"
         if self.inner == 1:
             return "agkv"
-        if self.outer == 1:
-            return "ulysses"
-        return f"{self.outer}x{self.inner}"
+        return "ulysses" if self.outer == 1 else f"{self.outer}x{self.inner}"
 
 
 def _sharing(n: int, stride: int, ranks_per_node: int) -> int:
     """How many ranks of a group of ``n`` (ranks ``stride`` apart in node-major order) share a node with one of them."""
-    if stride >= ranks_per_node:
-        return 1
-    return min(n, ranks_per_node // stride)
+    return 1 if stride >= ranks_per_node else min(n, ranks_per_node // stride)
 
 
 def _coll(nv_bytes: float, net_bytes: float, links: Links) -> float:

@@ -1,6 +1,5 @@
-"""FP8 communication on ONE device (``CP_OPS_EMULATE_COMM=1``): a group of one rank round-trips every tensor W > 1
-ranks would send through the codec, then attends — the W-rank result at chunks = 1 (docs/fp8.md, "Accuracy on one
-device")."""
+"""FP8 communication on ONE device (``CP_OPS_EMULATE_COMM=1``): a group of one rank round-trips every tensor W > 1 ranks
+would send through the codec, then attends — the W-rank result at chunks = 1 (docs/fp8.md, "Accuracy on one device")."""
 
 from __future__ import annotations
 

@@ -38,9 +38,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     Why: a strided copy (Ulysses' pack and unpack) runs one element per lane; as int64 a bf16 row is 4x fewer
     elements (1.9-2.3x faster on an H200, ``benchmarks/results/bound/runs/2026-12-01e_pack_ab.json``). The rule is
     ``Tensor.view(dtype)``'s; about 1-2 µs of host time per call."""
-    if torch.compiler.is_compiling():
-        return x
-    return _wide(x)
+    return x if torch.compiler.is_compiling() else _wide(x)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -241,8 +239,7 @@ def every_key(key_mask, s_local, total, seq_lens=None) -> bool:
 
 
 def check_key_mask(key_mask, x: torch.Tensor, total=None) -> None:
-    """``key_mask`` must be a bool ``[B, S_local]`` tensor on ``x``'s device, or with ``total`` given ``[B, total]``
-    (every key of the call, in rank order)."""
+    """``key_mask``: bool ``[B, S_local]`` on ``x``'s device (given ``total``: ``[B, total]``, keys in rank order)."""
     from .validate import _require
 
     if not isinstance(key_mask, torch.Tensor):
@@ -392,8 +389,7 @@ class Shards:
         return self.rows(buf.permute(3, 1, 0, 2, 4, 5).reshape(n, b, w * smax, hl, d), 2).unbind(0)
 
     def repad(self, out: torch.Tensor) -> torch.Tensor:
-        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]`` (block r at ``r*smax``; padding rows never read): what the
-        inverse all-to-all sends."""
+        """``[B, total, Hl, D]`` → ``[B, W*smax, Hl, D]``, block r at ``r*smax``, padding unread: the inverse's send."""
         if self.full:
             return out
         if self.prefix or torch.compiler.is_compiling():

@@ -87,17 +87,13 @@ def common(p: argparse.ArgumentParser, repeats_help: str) -> None:
                    help="CP world size W: local ranks to spawn (default: all visible GPUs on CUDA, 2 on CPU); "
                         "under torchrun, W is torchrun's --nproc-per-node")
     p.add_argument("--device", choices=["auto", "cuda", "cpu", "shared"], default="auto",
-                   help="cuda = NCCL, one GPU per rank; cpu = gloo; shared = every rank on cuda:0 (W processes "
-                        "sharing one GPU: real peers, for correctness checks; their timings are no speed numbers), the "
-                        "group over gloo with CUDA tensors (NCCL refuses two ranks on one device); default: auto = "
-                        "cuda when available, else cpu")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed runs before timing (default 5 GPU, 2 CPU)")
+                   help="cuda = NCCL, one GPU per rank; cpu = gloo; shared = every rank on cuda:0 over gloo (for "
+                        "correctness checks, no speed numbers); default: auto = cuda when available, else cpu")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 5 GPU, 2 CPU)")
     p.add_argument("--repeats", type=int, default=None, help=repeats_help)
     p.add_argument("--out", default=None,
-                   help="write the results as JSON to this path (its missing folders are created and it is checked for "
-                        "writability before the run; an existing file is overwritten and the output says so); default: "
-                        "no file")
+                   help="write the results as JSON to this path (its missing folders are created, an existing file "
+                        "is overwritten); default: no file")
 
 
 def check_comm_dtype(args, what: str) -> None:
@@ -125,8 +121,8 @@ def add_mesh(p: argparse.ArgumentParser, extra: str = "") -> None:
     p.add_argument("--mesh", default=None, metavar="OxI",
                    help="2-D CP on an O x I DeviceMesh ('agkv', 'ulysses'): O = outer AGKV degree (rows, e.g. nodes), "
                         "I = inner Ulysses degree (ranks of a row, e.g. a node's GPUs); O x I must equal the CP world "
-                        "size and I must divide the heads. The header prints the mesh; each dim's communication time "
-                        "(its collectives timed alone, docs/2d.md) is reported and saved in the JSON" + extra)
+                        "size and I must divide the heads. Each dim's communication time is reported (docs/2d.md)"
+                        + extra)
 
 
 def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", lanes: int = 1) -> None:
@@ -155,8 +151,7 @@ def check_mesh(args, what: str, world: int, heads: int | None, per: str = "", la
         fail(f"{what}: --mesh {text}: the inner (Ulysses) degree must divide the heads; got heads={heads}, inner={i}")
     if str(getattr(args, "comm_dtype", "none")).lower() not in ("none", "", "bf16", "input"):
         fail(f"{what}: --mesh rows run without FP8 for now (cp_ops.attention takes comm_dtype on a mesh; the CLI's mesh "
-             f"rows do not yet, docs/fp8.md); got --mesh "
-             f"{text} with --comm-dtype {args.comm_dtype}: drop one")
+             f"rows do not yet, docs/fp8.md); got --mesh {text} with --comm-dtype {args.comm_dtype}: drop one")
     args.mesh = (o, i)
 
 

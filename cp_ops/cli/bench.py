@@ -99,9 +99,7 @@ def received_bytes(mode: str, world_size: int, local_bytes: int, mesh: tuple | N
         return 4 * (i - 1) * local_bytes // i + 2 * (o - 1) * local_bytes
     if mode == "agkv":
         return 2 * (world_size - 1) * local_bytes
-    if mode == "ulysses":
-        return 4 * (world_size - 1) * local_bytes // world_size
-    return None
+    return 4 * (world_size - 1) * local_bytes // world_size if mode == "ulysses" else None
 
 
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:
@@ -390,8 +388,7 @@ def _graph_cell(r: dict) -> str:
 
 
 def plot(rows: list[dict], meta: dict, path: str) -> None:
-    """Speedup over one device vs global S, a line per mode/chunks/transport, and per mode the bound's speedup
-    (1-device ÷ bound, dashed) (PNG)."""
+    """PNG: speedup over one device vs global S, a line per mode/chunks/transport, per mode the bound's (dashed)."""
     try:
         import matplotlib
 

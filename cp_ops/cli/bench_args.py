@@ -16,12 +16,9 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="CP attention microbenchmark: time, speedup over one device, bound, error",
                        description="Dense non-causal attention, BSHD, global S split evenly over W ranks. For each "
                                    "S, mode, chunk count and transport: CP time in steady state (calls back to back, "
-                                   "median, max over ranks) and per-call latency, single-device SDPA time measured "
-                                   "the same way on rank 0 alone (per S, --repeats rounds: each times the "
-                                   "single-device baseline, then one sample of every case), speedup, the bound "
-                                   "(max of attention at one rank's share and the bytes to receive over the "
-                                   "measured P2P bandwidth) and % of it reached, and "
-                                   "relative error against the single-device output.")
+                                   "median, max over ranks) and per-call latency, single-device SDPA time on rank 0 "
+                                   "(per S, --repeats rounds: each times the single-device baseline, then one sample "
+                                   "of every case), speedup, the bound and % of it reached, relative error.")
     common(b, "interleaved rounds per S, each one steady-state sample (--calls calls back to back) of the "
                "single-device baseline and of every case; and, separately, as many single waited-for calls "
                "(latency); medians and p25-p75 are reported (default 5)")
@@ -41,20 +38,17 @@ def add_parser(sub) -> None:
                    help="calls back to back per steady-state sample (default 10 GPU; 1 CPU, where gloo calls run "
                         "one after another anyway)")
     b.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
-                   help="what the CP attention sends (cp_ops.attention(comm_dtype=)): none = the input dtype; e4m3/e5m2 "
-                        "= FP8 for every tensor the mode moves; FMT:LETTERS = those of q,k,v,o (docs/fp8.md). recv_bytes "
-                        "and the bound count the FP8 bytes; rel_err shows the FP8 error")
+                   help="what the CP attention sends (cp_ops.attention(comm_dtype=)): none (default) = the input "
+                        "dtype; e4m3/e5m2 = FP8; FMT:LETTERS = only those of q,k,v,o (docs/fp8.md)")
     b.add_argument("--batch", type=int, default=1, help="batch B (default 1)")
     b.add_argument("--heads", type=int, default=None, help="heads H (default 40 GPU, 8 CPU)")
     b.add_argument("--head-dim", type=int, default=None, help="head dim D (default 128 GPU, 64 CPU)")
     b.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default bf16 GPU, fp32 CPU")
     b.add_argument("--plot", default=None, help="write a PNG of speedup vs S to this path (needs matplotlib)")
     b.add_argument("--graphs", action="store_true",
-                   help="CUDA only: also time each case replayed from a CUDA graph (one call captured, replays back "
-                        "to back), the 1-device baseline captured the same way: the GPU-bound speedup, without "
-                        "the host's launch cost (what torch.compile(mode='reduce-overhead') or explicit capture "
-                        "gets). Captured fast-transport calls keep their symmetric buffers until exit, so keep "
-                        "--seqs small (e.g. 4096,8192)")
+                   help="CUDA only: also time each case (and the 1-device baseline) replayed from a CUDA graph: the "
+                        "speedup without the host's launch cost. Captured fast-transport calls keep their symmetric "
+                        "buffers until exit, so keep --seqs small (e.g. 4096,8192)")
     add_mesh(b, "; rows gain ulysses_comm_ms and agkv_comm_ms")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,

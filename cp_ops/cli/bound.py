@@ -257,8 +257,7 @@ def _run(args, device: torch.device, groups: dict) -> list[dict]:
 
 
 def _free(device, reset: bool) -> None:
-    """Free what a mode's sides held, or a side that failed half-way (a compile error, an unwaited collective);
-    ``reset``: Dynamo's compiled code too."""
+    """Free what a mode's sides (or a side that failed half-way) held; ``reset``: Dynamo's compiled code too."""
     if reset:
         torch._dynamo.reset()
     gc.collect()

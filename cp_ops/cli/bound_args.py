@@ -23,8 +23,7 @@ def add_parser(sub) -> None:
                    help="the CP world sizes W whose rank 0 is timed (a fake group of each)")
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="the one device (default: cuda when available)")
-    r.add_argument("--warmup", type=int, default=None, help="untimed forwards per side before timing (default 2 GPU, "
-                                                               "1 CPU)")
+    r.add_argument("--warmup", type=int, default=None, help="untimed forwards per side (default 2 GPU, 1 CPU)")
     r.add_argument("--repeats", type=int, default=None,
                    help="interleaved rounds, each one sample of every side; the median is reported (default 5)")
     r.add_argument("--out", default=None,
@@ -33,11 +32,9 @@ def add_parser(sub) -> None:
     add_model(r)
     r.add_argument("--compile-modes", dest="bound_compile", type=csv(str, "compile modes"), default=None,
                    metavar="MODE[,MODE...]",
-                   help="compile modes, each eager|regional|full, optionally +graphs (CUDA graphs: "
-                        "eager+graphs = the whole forward captured in one graph; regional/full+graphs = "
-                        "mode='reduce-overhead') or, compiled, +capture (compiled without reduce-overhead, then the "
-                        "whole forward captured in one graph) (default eager,regional,regional+graphs on CUDA, eager "
-                        "on CPU)")
+                   help="compile modes, each eager|regional|full, optionally +graphs (eager: the whole forward in "
+                        "one graph; compiled: mode='reduce-overhead') or, compiled, +capture (the whole forward in "
+                        "one graph) (default eager,regional,regional+graphs on CUDA, eager on CPU)")
     r.add_argument("--no-overlap", action="store_true",
                    help="compiled modes: plain torch.compile(fullgraph=True), without cp_ops' overlap pass")
     r.add_argument("--steps", type=int, default=0,
@@ -54,25 +51,19 @@ def add_parser(sub) -> None:
                    help="also time each W with cp_ops' attention replaced by plain local attention of the same "
                         "shapes: rank 0's time minus that = cp_ops' own cost inside the bound")
     r.add_argument("--unwritten", action="store_true",
-                   help="leave the fake collectives' outputs as torch's fake backend leaves them (unwritten on torch "
-                        "2.11: kernels then run on stale memory, faster than on real data); default: every fake "
-                        "collective writes this rank's own data into every slot, its copies timed alone and taken "
-                        "out of rank 0's time (cp_ops.cli.bound_fill, docs/measuring.md)")
+                   help="leave the fake collectives' outputs unwritten, as torch's fake backend does (kernels then "
+                        "run on stale memory); default: written with this rank's data, the copies' time taken out "
+                        "(docs/measuring.md)")
     r.add_argument("--no-group1", action="store_true",
                    help="skip the 'group of 1' side (cp_ops over a 1-rank group); the 1-device time is then "
                         "diffusers' alone")
     r.add_argument("--side-processes", action="store_true",
-                   help="compiled modes only: every side (diffusers, each W, ...) built, compiled and timed in its "
-                        "own child process, all at once, on this process's weights (shared with the children, not "
-                        "copied); this process asks each side's process for its forwards in the same interleaved "
-                        "rounds (one side's forwards on the device at a time). A whole-model compile then costs one "
-                        "compile time for all sides instead of one per side; each side's process adds its own CUDA "
-                        "context and activations")
+                   help="compiled modes only: every side built, compiled and timed in its own child process, all "
+                        "at once, on shared weights, timed in the same interleaved rounds: one compile time for all "
+                        "sides instead of one per side (docs/measuring.md)")
     r.add_argument("--compile-workers", type=int, default=0, metavar="N",
-                   help="compiled modes: first compile every side in up to N child processes at once (each holds "
-                        "its own copy of the weights on the device: mind its memory), filling torch's on-disk "
-                        "compile caches, so that this process's own compiles of the same sides are mostly cache "
-                        "hits; default 0: off")
+                   help="compiled modes: first compile every side in up to N child processes at once (each with "
+                        "its own copy of the weights), filling torch's compile caches; default 0: off")
     r.set_defaults(nproc=1, compile=None, cuda_graphs=False, cfg=False, transport="torch", comm_dtype="none",
                    mesh=None, profile_runs=1)
 

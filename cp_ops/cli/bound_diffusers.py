@@ -13,8 +13,7 @@ LAYOUTS = ("ulysses", "ring")
 
 
 def config(layout: str, world: int, heads: int | None, mesh):
-    """The ``ContextParallelConfig`` of ``layout`` at ``world`` ranks on ``mesh``; ValueError naming the layouts for
-    an unknown one."""
+    """The ``ContextParallelConfig`` of ``layout`` at ``world`` ranks on ``mesh``; an unknown layout: ValueError."""
     from diffusers import ContextParallelConfig
 
     if layout == "ulysses":
@@ -143,8 +142,7 @@ def require_even(lib: str, model: torch.nn.Module, inputs: dict, world: int, pla
 
 
 def logger_compat() -> None:
-    """diffusers 0.42.1's CP hooks call ``logger.warning_once`` (added by transformers); without transformers the
-    same message through ``warning``."""
+    """diffusers 0.42.1's CP hooks call ``logger.warning_once`` (transformers adds it); without it: ``warning``."""
     try:
         import transformers  # noqa: F401
     except ImportError:

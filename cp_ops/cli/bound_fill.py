@@ -23,8 +23,7 @@ _traced: list[type] = []
 
 
 def completed_work():
-    """A completed c10d work (``wait()`` returns at once), made once: what a Python group's synchronous collective
-    returns."""
+    """A completed c10d work (``wait()`` returns at once), made once: a Python group's synchronous collective's."""
     global _done
     if _done is None:
         fut = torch.futures.Future()
@@ -145,14 +144,12 @@ def filled():
 
 
 def is_filled(group) -> bool:
-    """Whether ``group`` writes its collectives' outputs (a :class:`FilledFakeGroup`)."""
     return isinstance(group, FilledFakeGroup)
 
 
 @contextlib.contextmanager
 def recording():
-    """Collect ``(kind, out_shape, in_shape, dtype, device)`` of every write a :class:`FilledFakeGroup` makes inside
-    the block; yields the list."""
+    """Yield the list of ``(kind, out_shape, in_shape, dtype, device)`` of the writes a FilledFakeGroup makes inside."""
     global _records
     prev, _records = _records, []
     try:

@@ -36,8 +36,7 @@ class Peer:
 @dataclass
 class Built:
     """What a peer's build returns: a label of what ran (the row's ``mode``) and, where the peer reads process-wide
-    state at call time, a context manager factory every call of the side runs inside (its default group, its own
-    global groups)."""
+    state at call time, a context manager factory every call of the side runs inside (its default or global groups)."""
 
     label: str
     around: Callable | None = None
@@ -88,7 +87,6 @@ def own_class_patches(model: torch.nn.Module):
 
 
 def _objects(model: torch.nn.Module) -> list:
-    """``model``'s modules and their attention processors."""
     mods = list(model.modules())
     return mods + [m.processor for m in mods if getattr(m, "processor", None) is not None]
 
@@ -154,8 +152,8 @@ def _paraattn_gqa_compat() -> None:
 
 def _cachedit(model, layout: str, group, heads: int | None, device: torch.device, inputs: dict) -> Built:
     """cache-dit's README: ``enable_cache(transformer, parallelism_config=ParallelismConfig(ulysses_size=W))``
-    (``ring_size=W`` for ring), no cache: its context parallelism alone. Its mesh spans the default group: built inside
-    :func:`world_of`."""
+    (``ring_size=W`` for ring), no cache: its context parallelism alone, built inside :func:`world_of` (its mesh spans
+    the default group)."""
     import cache_dit
     from cache_dit import ParallelismConfig
 

@@ -166,8 +166,7 @@ class Side:
 
     @property
     def host_bound(self) -> bool | None:
-        """Host-bound: enqueuing a forward takes at least :data:`HOST_BOUND` of its measured time (the device
-        waited for the host)."""
+        """Enqueuing a forward takes >= :data:`HOST_BOUND` of its measured time (the device waited for the host)."""
         h = self.host_ms
         return None if h is None else h >= HOST_BOUND * self.ms
 

@@ -25,8 +25,7 @@ from .run import _sync, exit_unsupported
 
 
 def load_pipeline(path: str, dtype: torch.dtype, device: torch.device):
-    """``DiffusionPipeline.from_pretrained(path, dtype=dtype)`` (``torch_dtype=`` on older diffusers) on ``device``,
-    null components as None."""
+    """``DiffusionPipeline.from_pretrained(path, dtype=dtype)`` (older: ``torch_dtype=``) on ``device``; nulls: None."""
     from diffusers import DiffusionPipeline
 
     from .models import dtype_kwarg

@@ -40,9 +40,8 @@ def add_parser(sub) -> None:
     gen.add_argument("--mode", choices=modes.names(), default="auto", help="CP attention mode (as in run)")
     gen.add_argument("--transport", choices=["auto", "torch", "fast"], default="auto", help="as in run")
     gen.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
-                     help="what CP attention sends over the link (parallelize(..., comm_dtype=)), as in run: none = the "
-                          "pipeline's dtype; e4m3/e5m2 = FP8 with per-(token, head) scales for every tensor the mode "
-                          "moves; FMT:LETTERS = only those of q,k,v,o (e.g. e4m3:qvo). docs/fp8.md")
+                     help="what CP attention sends over the link, as in run (default none: the pipeline's dtype; "
+                          "docs/fp8.md)")
 
 
 def check(args, device: str, world: int) -> None:

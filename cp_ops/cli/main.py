@@ -1,10 +1,9 @@
 """``cp-ops`` / ``python -m cp_ops``: bench, run MODEL, bound MODEL, plan MODEL, generate, env.
 
 ``bench``, ``run`` and ``generate`` spawn ``--nproc`` local ranks (default: every visible GPU, else 2 gloo ranks) or
-join torchrun's; ``bound`` runs in this process on one device; ``plan`` and ``env`` run nothing on a device. Parsers
-and checks are torch-free ``<command>_args`` modules; a wrong argument or ``CP_OPS_*`` value prints one line
-``cp-ops: ...`` (rank 0) and exits 2. Settings reach the ranks through :func:`cp_ops.config.configure` (never the
-environment).
+join torchrun's; ``bound`` runs in this process on one device; ``plan`` and ``env`` run nothing on a device. Parsers and
+checks are torch-free ``<command>_args`` modules; a wrong argument or ``CP_OPS_*`` value prints one line ``cp-ops: ...``
+(rank 0) and exits 2. Settings reach the ranks through :func:`cp_ops.config.configure` (never the environment).
 """
 
 from __future__ import annotations
@@ -50,10 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_args.add_parser(sub)
     generate_args.add_parser(sub)
     sub.add_parser("env", help="devices, P2P matrix, backends, which transports would run and why not",
-                   description="Print cp_ops' settings (the CP_OPS_* variables), this machine's devices, their "
-                               "peer-to-peer (P2P) access matrix, the torch.distributed backends, and which cp_ops "
-                               "transports (torch, fast) would run here and, for those that would not, why. Takes no "
-                               "options; runs on CPU-only machines too.")
+                   description="Print cp_ops' settings (CP_OPS_*), the devices and their P2P access matrix, the "
+                               "torch.distributed backends, and which transports would run here (or why not). Takes "
+                               "no options; runs on CPU-only machines too.")
     return ap
 
 
@@ -93,8 +91,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             if args.cmd in ("bench", "run") and flag in RENAMED:
                 sub[args.cmd].error(f"{flag} is {RENAMED[flag]} now (every rank on cuda:0)")
             if args.cmd == "run" and flag in plan_args.MOVED:
-                sub["run"].error(f"{flag}: the plan is its own command now: {plan_args.moved(flag, args.model, extra)} "
-                                 "(cp-ops plan --help)")
+                sub["run"].error(f"{flag}: the plan is its own command now: "
+                                 f"{plan_args.MOVED[flag].replace('MODEL', args.model)} (cp-ops plan --help)")
             owners = [f"cp-ops {n}" for n, p in sub.items() if n != args.cmd and flag in p._option_string_actions]
             if owners:
                 hints.append(f"{flag} is an option of {', '.join(owners)}")

@@ -13,8 +13,7 @@ DIMS = ("agkv", "ulysses")
 
 def build(shape: tuple[int, int], device_type: str, cfg: bool = False):
     """The ``(O, I)`` mesh with ``mesh_dim_names=('agkv', 'ulysses')`` over every rank (row-major: rank r = o·I + i);
-    ``cfg=True``: the 3-D ``('cfg', 'agkv', 'ulysses')`` mesh of 2 CFG lanes (``cp_ops.parallelize`` takes either).
-    Collective."""
+    ``cfg=True``: the 3-D ``('cfg', 'agkv', 'ulysses')`` mesh of 2 CFG lanes (parallelize takes either). Collective."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if cfg:

@@ -11,8 +11,7 @@ PIPELINES = {"wan": "WanPipeline", "qwenimage": "QwenImagePipeline", "flux": "Fl
 
 
 def print_plan(args) -> int:
-    """Print the plan for ``args.model`` on ``args.gpus`` GPUs (``args`` as :func:`.run_args.check_model` fills them
-    for CUDA); returns 0."""
+    """Print the plan for ``args.model`` on ``args.gpus`` GPUs (``args`` filled for CUDA by check_model); returns 0."""
     from ..integrations.diffusers import planner
     from ..integrations.diffusers.lanes import cfg_kind
     from .models import config_label

@@ -9,22 +9,12 @@ from .run_args import MODEL_NAMES, add_model
 def add_parser(sub) -> None:
     r = sub.add_parser("plan", help="runs nothing: the layout parallelize_pipeline plans for a diffusers DiT's "
                                     "pipeline on N GPUs and its predicted step time",
-                       description="Runs nothing and needs no GPU. Prints the layout parallelize_pipeline(pipe) "
-                                   "(given no layout arguments) plans for the model's diffusers pipeline on N GPUs of "
-                                   "one node - one CP group of N, or two CFG lanes of N / 2 with CP inside each, and "
-                                   "each lane's attention mode - and why; then every candidate layout's predicted time "
-                                   "per denoising step: forwards per step x (rank 0's forward + its communication); "
-                                   "then one GPU's step time and the speedup. Where the numbers come from: rank 0's "
-                                   "forward is the zero-communication bound measured on one H200 (cp-ops bound; kept "
-                                   "per transformer class in cp_ops/integrations/diffusers/planner.py, scaled to the "
-                                   "tokens asked for), a ceiling; the communication is the link model's "
-                                   "(cp_ops/cost.py: H200 NVLink, measured), counted in full, none of it hidden under "
-                                   "compute. Whether the pipeline runs CFG (two forwards per step on one lane) is read "
-                                   "from its own defaults: this needs transformers (pip install -e '.[generate]'). "
-                                   "The sizes default to the model's GPU config and resolution on any machine; the "
-                                   "path priced is the one parallelize takes on CUDA: the whole forward captured in "
-                                   "one CUDA graph (--compile: regional compile + capture). See docs/pipelines.md "
-                                   "(The planned layout).")
+                       description="Runs nothing and needs no GPU. Prints the layout parallelize_pipeline(pipe) plans "
+                                   "on N GPUs of one node and why, then every candidate's predicted step time. Rank "
+                                   "0's forward is the zero-communication bound measured on one H200 (a ceiling); the "
+                                   "communication is cp_ops/cost.py's link model, none hidden under compute. CFG is "
+                                   "read from the pipeline's defaults: needs transformers (pip install -e "
+                                   "'.[generate]'). See docs/pipelines.md (The planned layout).")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     r.add_argument("--gpus", type=int, required=True, metavar="N", help="the GPU count N >= 1 (one node) to plan for")
     r.add_argument("--cfg", action="store_true",
@@ -57,16 +47,5 @@ class _Only:
             self.parser.add_argument(flag, **kw)
 
 
-#: the plan's flag, given to ``cp-ops run`` -> the ``cp-ops plan`` spelling its error names
+#: the plan's flag, given to ``cp-ops run`` -> the ``cp-ops plan`` spelling its error names (MODEL filled in)
 MOVED = {"--plan": "cp-ops plan MODEL --gpus N"}
-
-
-def moved(flag: str, model: str, extra: list[str]) -> str:
-    """The ``cp-ops plan`` command for ``cp-ops run MODEL --plan N``'s ``extra`` arguments (N where it was given)."""
-    n = "N"
-    for i, a in enumerate(extra):
-        if a.startswith(flag + "="):
-            n = a.split("=", 1)[1]
-        elif a == flag and i + 1 < len(extra) and not extra[i + 1].startswith("-"):
-            n = extra[i + 1]
-    return MOVED[flag].replace("MODEL", model).replace(" N", f" {n}")

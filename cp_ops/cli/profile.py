@@ -101,7 +101,6 @@ def _length(iv) -> float:
 
 
 def _minus(a, b) -> float:
-    """Length of union(a) not covered by union(b)."""
     return _length(a) - _intersect(_union(a), _union(b))
 
 
@@ -118,9 +117,7 @@ def kernel_class(event: dict) -> str:
         return "merge"
     if any(w in name for w in ("wait_kernel", "wait_all_kernel", "begin_kernel", "signal_kernel")):
         return "wait"  # the fast transport's flag protocol (csrc/cp_fast.cu): spins and one-thread flag writes
-    if any(w in name for w in ("cudnn", "flash", "fmha", "sdpa", "attention", "attn")):
-        return "attn"
-    return "other"
+    return "attn" if any(w in name for w in ("cudnn", "flash", "fmha", "sdpa", "attention", "attn")) else "other"
 
 
 def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:

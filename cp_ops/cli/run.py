@@ -28,8 +28,7 @@ UNSUPPORTED = 3
 
 
 def exit_unsupported(rank: int, line: str) -> None:
-    """A model (or layout) ``parallelize`` does not support: rank 0 prints ``line``, every rank exits
-    :data:`UNSUPPORTED`."""
+    """A model or layout parallelize does not support: rank 0 prints ``line``, every rank exits :data:`UNSUPPORTED`."""
     if rank == 0:
         print(line, file=sys.stderr, flush=True)
     dist.barrier()

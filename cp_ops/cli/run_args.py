@@ -18,14 +18,12 @@ def add_parser(sub) -> None:
                                    "--checkpoint): one forward or --steps N, single rank vs CP",
                        description="The model's released config with random seeded weights (or a local checkpoint's "
                                    "transformer), the same inputs on every rank: the single-rank model on rank 0, "
-                                   "then (--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time (one "
-                                   "forward per row: re-timed at the end in --repeats interleaved rounds, every side "
-                                   "once per round), speedup, max relative error. Sizes are latent (VAE space, "
-                                   "pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1). The zero-communication "
-                                   "bound on one device (--bound, --cost, --unwritten, --no-group1, --side-processes, "
-                                   "--compile-workers) is its own command: cp-ops bound MODEL --worlds W[,W...] "
-                                   "(cp-ops bound --help); so is the layout planned for N GPUs, which runs nothing: "
-                                   "cp-ops plan MODEL --gpus N (cp-ops plan --help).")
+                                   "(--compare diffusers) diffusers' own CP, then cp_ops.parallelize; time (re-timed "
+                                   "at the end in --repeats interleaved rounds), speedup, max relative error. Sizes "
+                                   "are latent (pixels / 8; LTX-Video: pixels / 32, frames (n - 1) / 8 + 1). The "
+                                   "zero-communication bound (--bound, --cost, --unwritten, --no-group1, "
+                                   "--side-processes, --compile-workers) is its own command: cp-ops bound MODEL "
+                                   "--worlds W[,W...]; so is the planned layout: cp-ops plan MODEL --gpus N.")
     r.add_argument("model", choices=list(MODEL_NAMES), help="the model family")
     common(r, "timed forwards per side, and the interleaved rounds that give the final times (without --steps "
                "and --cuda-graphs); the median is reported (default 20 GPU, 10 CPU; with "
@@ -35,9 +33,8 @@ def add_parser(sub) -> None:
                    help="torch (torch.distributed: NCCL/gloo), fast (NVSHMEM/P2P, one Hopper node), "
                         "auto (fast where it can run, else torch; `cp-ops env` says which)")
     r.add_argument("--comm-dtype", default="none", metavar="{none,e4m3,e5m2,e4m3:qvo,...}",
-                   help="what CP attention sends over the link (parallelize(..., comm_dtype=)): none = the model's "
-                        "dtype; e4m3/e5m2 = FP8 with per-(token, head) scales for every tensor the mode moves; "
-                        "FMT:LETTERS = only those of q,k,v,o (e.g. e4m3:qvo). Error and when to use: docs/fp8.md")
+                   help="what CP attention sends over the link (parallelize(..., comm_dtype=)): none (default) = the "
+                        "model's dtype; e4m3/e5m2 = FP8; FMT:LETTERS = only those of q,k,v,o (e4m3:qvo). docs/fp8.md")
     r.add_argument("--compile", nargs="?", const="regional", choices=["regional", "full"], default=None,
                    help="compile every side with cp_ops.compile (torch.compile(fullgraph=True) + the K/V overlap "
                         "pass): regional (default) = each repeated block, as diffusers' compile_repeated_blocks "
@@ -45,12 +42,9 @@ def add_parser(sub) -> None:
     r.add_argument("--no-overlap", action="store_true",
                    help="with --compile: plain torch.compile(fullgraph=True), without the overlap pass")
     r.add_argument("--cuda-graphs", nargs="?", const=True, default=False, choices=["forward"],
-                   help="CUDA-graph replay (CUDA only). Bare: with --compile, per-block graphs "
-                        "(mode='reduce-overhead' on each compiled block; the split, gather and the code between "
-                        "blocks stay eager); without --compile, the whole eager forward captured in one graph. "
-                        "'forward': the whole forward (split, every block, every attention's communication, "
-                        "gather) captured in one graph, also after --compile (compiled without reduce-overhead). "
-                        "Give it after MODEL (a bare --cuda-graphs before MODEL would take MODEL as its value)")
+                   help="CUDA-graph replay (CUDA only). Bare: with --compile, per-block graphs (mode='reduce-overhead'"
+                        "); without, the whole eager forward in one graph. 'forward': the whole forward in one graph, "
+                        "also after --compile. Give it after MODEL (before MODEL it would take MODEL as its value)")
     r.add_argument("--steps", type=int, default=0,
                    help="a denoising loop of N steps (the model's diffusers scheduler, the transformer called N "
                         "times): time per step and total (default 0: one forward)")
@@ -64,7 +58,7 @@ def add_parser(sub) -> None:
                         "on the same model and inputs; rows beside cp_ops'")
     r.add_argument("--profile", default=None, metavar="DIR",
                    help="profile the CP run (torch.profiler): Chrome traces DIR/trace_rank*.json.gz and a per-layer "
-                        "breakdown (GPU busy/idle, attention, exposed communication, replicated work, gather, host syncs)")
+                        "breakdown")
     r.add_argument("--profile-runs", type=int, default=3, help="forwards in the --profile trace (default 3)")
 
 

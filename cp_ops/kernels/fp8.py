@@ -44,7 +44,6 @@ def format_name(dtype) -> str:
 
 
 def encoded_shape(shape) -> tuple[int, ...]:
-    """The encoded buffer's shape for a tensor of ``shape``: the last dim grows by :data:`SCALE_BYTES`."""
     return (*shape[:-1], shape[-1] + SCALE_BYTES)
 
 

@@ -97,8 +97,7 @@ def body(name: str, chunks: int) -> Callable:
 
 
 def load_builtin() -> None:
-    """Import every built-in body (the core calls this when it loads, so that no import happens inside code that
-    ``torch.compile`` traces)."""
+    """Import every built-in body (the core does when it loads: no import happens inside code torch.compile traces)."""
     for m in list(_REGISTRY.values()):
         for ref in (m.body, m.pipelined):
             if ref is not None:

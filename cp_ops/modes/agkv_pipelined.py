@@ -24,8 +24,7 @@ from ..kernels import attention_with_lse, merge
 
 
 def stage_plan(world_size: int, chunks: int) -> tuple[int, int]:
-    """``(pieces per peer, stages after the local one)`` for ``chunks`` ≥ 1 on W ranks (chunks 1 and 2 alike:
-    local, then all peers)."""
+    """``(pieces per peer, stages after the local one)`` for ``chunks`` ≥ 1 on W ranks (1 and 2: local, then peers)."""
     peers = world_size - 1
     later = max(1, chunks - 1)
     return max(1, math.ceil(later / peers)), later

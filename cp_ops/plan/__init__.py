@@ -96,9 +96,7 @@ def _same_groups(plan, group) -> bool:
     replaced; a DeviceMesh compares by its layout, so a new one equals a destroyed one)."""
     if group is None or plan is None:
         return False
-    if is_mesh(group):
-        return mesh2d.same_groups(plan, group)
-    return getattr(plan, "pg", None) is resolve_group(group)
+    return mesh2d.same_groups(plan, group) if is_mesh(group) else getattr(plan, "pg", None) is resolve_group(group)
 
 
 def describe(call: Call) -> measured.Choice:

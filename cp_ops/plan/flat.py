@@ -143,15 +143,11 @@ def constant(value):
     t = type(value)
     if t is tuple or t is list:
         return t(constant(x) for x in value)
-    if t is int:
-        return operator.index(value)
-    return value
+    return operator.index(value) if t is int else value
 
 
 def _symbolic(value) -> bool:
-    if isinstance(value, (tuple, list)):
-        return any(_symbolic(x) for x in value)
-    return isinstance(value, torch.SymInt)
+    return any(_symbolic(x) for x in value) if isinstance(value, (tuple, list)) else isinstance(value, torch.SymInt)
 
 
 def runner(q, pg, transport: str, fmts=cd.NONE):
@@ -303,6 +299,4 @@ def build(call: Call, pg, given_why: str = "") -> Plan | None:
     shards = _shards(d, pg, q) if d.world > 1 else None
     b, s, h, hd = q.shape
     rows = shards.smax if shards is not None else s
-    if d.world > 1 and b * rows * h * hd == 0:
-        return None
-    return Plan(pg, d, shards, q.device)
+    return None if d.world > 1 and b * rows * h * hd == 0 else Plan(pg, d, shards, q.device)

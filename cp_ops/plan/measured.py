@@ -1,7 +1,6 @@
-"""The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`):
-the candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the
-ranks' agreement on it). For users: ``docs/measuring.md``, ``docs/settings.md`` (``CP_OPS_TUNE_MODES``,
-``CP_OPS_TUNE_CACHE``).
+"""The opt-in measured choice of ``mode='auto'`` / ``chunks=None``, beside the rules (:mod:`cp_ops.plan.rules`): the
+candidates, the timing with the caller's runner, the pick, and what was chosen (memory, the cache file, the ranks'
+agreement on it). For users: ``docs/measuring.md``, ``docs/settings.md`` (``CP_OPS_TUNE_MODES``, ``CP_OPS_TUNE_CACHE``).
 
 Why a margin and the heuristic first: a pick by the bare minimum chose AGKV chunks=2 at 0.615 ms over chunks=1 at
 0.469 ms in the bench (``benchmarks/results/cp2_attention/``). A cached candidate is used only when every rank holds it.
@@ -145,8 +144,7 @@ def _chunks(chunks, chosen, pg, device, transport) -> tuple[int, str]:
 
 
 def heuristic(chunks, chosen, pg, device, transport, reason: str, mode_why: str = "") -> Choice:
-    """The heuristic's candidate as a :class:`Choice`, ``why`` naming ``reason`` (why nothing is measured) and the
-    rules' reasons."""
+    """The heuristic's candidate as a :class:`Choice`, ``why`` naming ``reason`` (nothing measured) and the rules'."""
     c, chunks_why = _chunks(chunks, chosen, pg, device, transport)
     return Choice(chosen, c, "heuristic", {},
                   why=f"the heuristic: {reason}" + (f"; {mode_why}" if mode_why else "") + f"; {chunks_why}")
@@ -329,8 +327,7 @@ def disk_key(shape, dtype, device, world_size, transport, cands, preferred=None,
 
 
 def _valid_entry(e) -> bool:
-    """A cache entry as :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, ``times_ms`` (if
-    present) a dict of str -> finite number."""
+    """As :func:`_write_cache` writes it: ``mode`` a str, ``chunks`` an int >= 1, any ``times_ms`` str -> finite."""
     if not isinstance(e, dict) or not isinstance(e.get("mode"), str):
         return False
     c = e.get("chunks")

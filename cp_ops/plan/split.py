@@ -55,9 +55,8 @@ def _request(q, seq_lens, chunks):
 
 def choose(ids, b: int, s: int, h: int, d: int, dtype: str = "bf16", overlapped: bool = False,
            seq_lens=None) -> Split | None:
-    """The split of a call on a flat group whose ranks have the node identities ``ids`` (group-rank order), for q of
-    shape ``[b, s, h, d]`` per rank (``seq_lens``: uneven shards), ``overlapped``: ``chunks ≥ 2``. None: one node.
-    Pure: no collective."""
+    """The split of a call on a flat group whose ranks have node identities ``ids`` (group-rank order), per-rank q
+    ``[b, s, h, d]`` (``seq_lens``: uneven), ``overlapped``: ``chunks ≥ 2``. None: one node. Pure: no collective."""
     w, seq = len(ids), seq_lens
     n_nodes = len(set(ids))
     if n_nodes == 1:
@@ -133,8 +132,7 @@ spans_nodes._dynamo_marked_constant = True  # type: ignore[attr-defined] - torch
 
 
 def _mesh(pg: dist.ProcessGroup, outer: int, inner: int, device_type: str):
-    """The 2-D ``('agkv', 'ulysses')`` mesh of ``pg`` split ``outer × inner`` (group rank r = mesh rank r; built once,
-    its two groups destroyed with ``pg``)."""
+    """``pg``'s ``('agkv', 'ulysses')`` mesh, ``outer × inner`` (rank r = mesh rank r); built once, freed with pg."""
     key = (pg.group_name, outer, inner, device_type)
     got = _meshes.get(key)
     if got is not None:
@@ -237,7 +235,6 @@ def _release(key) -> None:
 
 
 def release(pg: Any) -> None:
-    """Destroy the meshes built from the flat group ``pg`` (:mod:`cp_ops.plan` calls it when cp_ops notices ``pg``
-    destroyed)."""
+    """Destroy the meshes built from the flat group ``pg`` (:mod:`cp_ops.plan`, once it notices ``pg`` destroyed)."""
     for key in [k for k in _meshes if k[0] == getattr(pg, "group_name", None)]:
         _release(key)

@@ -125,8 +125,7 @@ def ulysses_packed_start(t: "Transport", send: torch.Tensor, group: dist.Process
 
 
 def mask_all_gather(mask: torch.Tensor, group: dist.ProcessGroup):
-    """A key mask beside its keys: uint8 ``[B, S]`` → ``([W*B, S] rank-major, work)``, one ``_allgather_base`` on
-    ``group``."""
+    """A key mask beside its keys: uint8 ``[B, S]`` → ``([W*B, S] rank-major, work)``, one ``_allgather_base``."""
     out = mask.new_empty(group.size() * mask.shape[0], mask.shape[1])
     return out, group._allgather_base(out, mask.contiguous())
 

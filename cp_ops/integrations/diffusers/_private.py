@@ -22,14 +22,12 @@ def _dispatch():
 
 
 def cp_plan_classes():
-    """``(ContextParallelInput, ContextParallelOutput)`` from diffusers."""
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
     return ContextParallelInput, ContextParallelOutput
 
 
 def class_cp_plan(model_cls: type) -> dict | None:
-    """The model class's own CP plan (``_cp_plan``), or None where diffusers has none."""
     return getattr(model_cls, "_cp_plan", None)
 
 

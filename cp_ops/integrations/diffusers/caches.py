@@ -114,8 +114,7 @@ def _fbc_should_compute(self, hidden_states_residual: torch.Tensor) -> bool:
 
 
 def wrap_enable_cache(model: torch.nn.Module) -> None:
-    """After ``model.enable_cache(config)``, call :func:`agree_step_caches` (this instance only). No-op without
-    ``enable_cache``."""
+    """After ``model.enable_cache(config)``, call :func:`agree_step_caches` (this instance only; else a no-op)."""
     inner = getattr(model, "enable_cache", None)
     if inner is None or getattr(inner, "_cp_ops_wrapped", False):
         return

@@ -36,11 +36,10 @@ def repeated_blocks(model: torch.nn.Module, blocks: Iterable[str] = ()) -> list[
 
 def compile_blocks(model: torch.nn.Module, *, cuda_graphs: bool = False, overlap: bool = True,
                    blocks: Iterable[str] = (), **compile_kwargs) -> int:
-    """Compile every repeated block of ``model`` in place (regional compilation); returns how many.
-    ``cuda_graphs``: ``mode="reduce-overhead"`` (call ``torch.compiler.cudagraph_mark_step_begin()`` before each
-    step); ``overlap``: the cp_ops overlap pass (False: plain lowering); ``blocks``: see :func:`repeated_blocks`;
-    ``compile_kwargs`` override the defaults. ValueError: no repeated block, or one already compiled; RuntimeError
-    as :func:`cp_ops.compile`."""
+    """Compile every repeated block of ``model`` in place (regional compilation); returns how many. ``cuda_graphs``:
+    ``mode="reduce-overhead"`` (call ``torch.compiler.cudagraph_mark_step_begin()`` before each step); ``overlap``: the
+    cp_ops overlap pass (False: plain lowering); ``blocks``: see :func:`repeated_blocks`; ``compile_kwargs`` override
+    the defaults. ValueError: no repeated block, or one already compiled; RuntimeError as :func:`cp_ops.compile`."""
     import cp_ops
 
     why = not_compilable(model, blocks)
@@ -87,8 +86,7 @@ def contiguous_strides(shape) -> tuple:
 
 
 def canonical(x):
-    """``x`` itself when its strides are :func:`contiguous_strides` of its shape (or not a tensor), else a copy
-    with those strides."""
+    """``x`` itself when its strides are :func:`contiguous_strides` of its shape (or not a tensor), else such a copy."""
     if not isinstance(x, torch.Tensor) or x.stride() == contiguous_strides(x.shape):
         return x
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)

@@ -80,8 +80,7 @@ def attention(model) -> dict[str, tuple[str, ...]]:
 
 
 def _local_sizes(state, n_local, single=False):
-    """The split streams recorded so far whose block on this rank (or sum of blocks) holds ``n_local`` tokens:
-    ``[(streams, per-rank counts)]``."""
+    """``[(streams, per-rank counts)]``: recorded split streams whose block here (or sum of blocks) is ``n_local``."""
     recorded = [s for s, t in state.totals.items() if not (isinstance(t, int) and t == 0)]
     found = []
     for k in range(1, 2 if single else len(recorded) + 1):

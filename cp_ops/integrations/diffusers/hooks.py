@@ -98,7 +98,6 @@ class CPState:
             self._empty.__enter__()
 
     def end_forward(self) -> None:
-        """Leave what :meth:`allow_empty` entered (the forward ended or raised)."""
         mode, self._empty = self._empty, None
         if mode is not None:
             mode.__exit__(None, None, None)
@@ -242,8 +241,7 @@ def _applies(spec, x) -> bool:
 
 
 def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Module]]:
-    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of every child of ``a``. ValueError: a
-    path that names no module."""
+    """The modules a plan path names: ``""`` = the model, ``a.*.b`` = ``b`` of each child of ``a``; none: ValueError."""
     found = [("", model)]
     for atom in [a for a in pattern.split(".") if a] if pattern else []:
         nxt = []
@@ -259,8 +257,7 @@ def resolve(model: torch.nn.Module, pattern: str) -> list[tuple[str, torch.nn.Mo
 
 
 def _split_hooks(module: torch.nn.Module, specs: dict, state: CPState, where: str):
-    """(pre, post): a forward pre-hook splitting named inputs and a forward hook splitting outputs (None where the
-    entry has none)."""
+    """(pre, post): a forward pre-hook splitting named inputs, a forward hook splitting outputs (None: none)."""
     pre_hook = out_hook = None
     by_name = {k: v for k, v in specs.items() if isinstance(k, str)}
     by_output = {k: v for k, v in specs.items() if isinstance(k, int)}

@@ -197,9 +197,7 @@ class Lanes:
     def _pick(self, name, x):
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 2:
             return x[self.lane:self.lane + 1]
-        if isinstance(x, (list, tuple)) and len(x) == 2:
-            return type(x)([x[self.lane]])
-        return x
+        return type(x)([x[self.lane]]) if isinstance(x, (list, tuple)) and len(x) == 2 else x
 
     def select(self, mod, args, kwargs):
         """Keep this lane's sample of every batched input (hidden input's batch must be 2)."""
@@ -339,8 +337,7 @@ class Lanes:
         return out
 
     def _uncond(self, inner, args, kwargs):
-        """Lane 1 runs the unconditional forward, then the exchange fills lane 1's placeholder in place and gives
-        lane 0 lane 1's output."""
+        """Lane 1 runs the unconditional forward; the exchange fills its placeholder and gives lane 0 its output."""
         (cond_key, cond), self.pending = self.pending, None
         pair_key = (cond_key, _shape_key(args, kwargs))
         out = None
@@ -396,9 +393,7 @@ class Lanes:
         if not self.peers.store.check([key]):
             return None
         call, at, joins, why = self.peers.store.get(key).decode().split("\t", 3)
-        if int(call) != self.calls or int(at) > k:
-            return None
-        return joins == "1", why, int(at)
+        return None if int(call) != self.calls or int(at) > k else (joins == "1", why, int(at))
 
     def _named(self, why: str, where: str) -> RuntimeError:
         """The error of a rank whose partner failed: one line naming it and its error, what to do after."""
@@ -409,7 +404,6 @@ class Lanes:
                             + ("" if self.broken else "; the next pipe(...) call runs again"))
 
     def _check_told(self, value) -> None:
-        """An agreement's value from the partner that says its forward failed: raise naming it."""
         if isinstance(value, dict) and "failed" in value:
             raise self._named(value["failed"], "in its forward")
 

@@ -25,8 +25,7 @@ from .registry import SUPPORTED
 
 
 def is_transformer(module: Any) -> bool:
-    """Whether :func:`~cp_ops.integrations.diffusers.parallelize` takes ``module``: a class with a registry line or a
-    diffusers ``_cp_plan``."""
+    """Whether :func:`~.install.parallelize` takes ``module``: a class with a registry line or a ``_cp_plan``."""
     return isinstance(module, torch.nn.Module) and (
         type(module).__name__ in SUPPORTED or bool(_private.class_cp_plan(type(module))))
 
@@ -88,8 +87,7 @@ def _words(x, depth: int = 0) -> str:
 
 
 def _agree_call(pipe, group, n: int, args: tuple, kwargs: dict) -> None:
-    """Raise ValueError on every rank of ``group`` naming the arguments of the ``n``-th ``pipe(...)`` call that
-    differ between the ranks (:func:`_words`)."""
+    """ValueError on every rank of ``group`` naming the arguments of the ``n``-th ``pipe(...)`` that differ."""
     mine = {f"positional argument {i}": _words(a) for i, a in enumerate(args)}
     mine.update({k: _words(v) for k, v in kwargs.items()})
     what = f"{type(pipe).__name__}(...) call #{n} (parallelize_pipeline)"
@@ -123,8 +121,7 @@ def check_calls(pipe, group) -> None:
 
 
 def _init_group(device: torch.device) -> None:
-    """torch.distributed from torchrun's environment (NCCL on CUDA, gloo on the CPU, cp_ops' timeout); without it
-    a group of one rank."""
+    """torch.distributed from torchrun's environment (NCCL on CUDA, else gloo; cp_ops' timeout), else a group of one."""
     if dist.is_initialized():
         return
     for k, v in config.SAFE_ENV.items():  # multicast/NVLS off wherever cp_ops starts ranks

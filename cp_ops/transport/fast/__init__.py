@@ -117,8 +117,7 @@ class FastTransport:
         return self._unfit[key]
 
     def _start(self, group, device: torch.device):
-        """Start the lane on ``group`` (collective; bounded, agreed exchanges: every rank gets the same
-        :class:`~.collective.StartFailed`)."""
+        """Start the lane on ``group`` (collective, bounded; every rank gets the same ``collective.StartFailed``)."""
         from ... import _ext
         from . import start
 
@@ -215,8 +214,7 @@ class FastTransport:
 
     # ---- launches -------------------------------------------------------------------------------
     def _launch(self, lane, key, bufs, make_descs, inputs):
-        """Take a pool slot per buffer (role, shape, dtype), build descriptors, launch (on failure the pool slots
-        go back). Returns (outputs, work)."""
+        """A pool slot per buffer (role, shape, dtype), descriptors, launch (failed: slots back) -> (outputs, work)."""
         call = lane.next_call()
         capturing = lane.capturing()
         got = []
@@ -326,9 +324,8 @@ class FastTransport:
         return buf, work
 
     def ulysses_inverse_start(self, x: torch.Tensor, group):
-        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source rank;
-        the layout of :func:`cp_ops.layout.ulysses_inverse_pack`). Returns ``(buf, work)``; raises as
-        :meth:`agkv_start`."""
+        """Heads -> sequence all-to-all of ``[B, S, H/W, D]`` into ``[W, B, S/W, H/W, D]`` (index 0 = source rank; the
+        layout of :func:`cp_ops.layout.ulysses_inverse_pack`). Returns ``(buf, work)``; raises as :meth:`agkv_start`."""
         lane = self._lane_for(group)
         w, r = lane.world, lane.rank
         x, xp = _prep(x)

@@ -33,7 +33,6 @@ ATTENTION = {"transformer_blocks.*.attn": _JOINT, "single_transformer_blocks.*.a
 
 
 def check(model) -> None:
-    """Raises ValueError for the token-replace (image-to-video) variant."""
     if model.config.image_condition_type == "token_replace":
         raise ValueError("cp_ops.parallelize: HunyuanVideo with image_condition_type='token_replace' is not supported "
                          "(its first-frame modulation indexes the full token sequence)")
