@@ -29,7 +29,9 @@ def part_dir(name: str) -> str:
         raise ValueError(f"cp_ops._checkout.part_dir: {name!r} is not one of {PARTS}")
     inside = os.path.join(_PKG, name)
     root = checkout_root()
-    return inside if os.path.isdir(inside) or root is None else os.path.join(root, name)
+    if os.path.isdir(inside) or root is None:
+        return inside
+    return os.path.join(root, name)
 
 
 class _CheckoutFinder(importlib.abc.MetaPathFinder):

@@ -75,7 +75,9 @@ def outer(fmts: tuple) -> tuple[str, str, str, str]:
 
 def tag(fmts: tuple) -> str | None:
     """The variant tag's field for the rank contract (None when nothing travels in FP8: the tag is unchanged)."""
-    return None if fmts == NONE else ",".join(f"{n}={f}" for n, f in zip(NAMES, fmts) if f)
+    if fmts == NONE:
+        return None
+    return ",".join(f"{n}={f}" for n, f in zip(NAMES, fmts) if f)
 
 
 #: the CLI's spellings of the two formats (lower case; a leading 'torch.' is dropped first)

@@ -166,7 +166,10 @@ def from_env(environ: Mapping[str, str] | None = None) -> Settings:
     values, sources = {}, {}
     for f, (var, parse, default) in _FIELDS.items():
         raw = environ.get(var)
-        values[f], sources[f] = (default, "default") if raw is None else (parse(var, raw), f"env {var}")
+        if raw is None:
+            values[f], sources[f] = default, "default"
+        else:
+            values[f], sources[f] = parse(var, raw), f"env {var}"
     return Settings(**values, sources=sources)
 
 

@@ -872,7 +872,9 @@ def scale_field(scale) -> str | None:
 
 
 def _stable(v) -> bool:
-    return all(_stable(x) for x in v) if isinstance(v, (tuple, list)) else isinstance(v, (int, str))
+    if isinstance(v, (tuple, list)):
+        return all(_stable(x) for x in v)
+    return isinstance(v, (int, str))
 
 
 def with_seq_lens(tag: int, seq_lens) -> int:

@@ -57,12 +57,16 @@ class Prediction:
             return "ring"
         if self.inner == 1:
             return "agkv"
-        return "ulysses" if self.outer == 1 else f"{self.outer}x{self.inner}"
+        if self.outer == 1:
+            return "ulysses"
+        return f"{self.outer}x{self.inner}"
 
 
 def _sharing(n: int, stride: int, ranks_per_node: int) -> int:
     """How many ranks of a group of ``n`` (ranks ``stride`` apart in node-major order) share a node with one of them."""
-    return 1 if stride >= ranks_per_node else min(n, ranks_per_node // stride)
+    if stride >= ranks_per_node:
+        return 1
+    return min(n, ranks_per_node // stride)
 
 
 def _coll(nv_bytes: float, net_bytes: float, links: Links) -> float:

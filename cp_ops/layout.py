@@ -38,7 +38,9 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     Why: a strided copy (Ulysses' pack and unpack) runs one element per lane; as int64 a bf16 row is 4x fewer
     elements (1.9-2.3x faster on an H200, ``benchmarks/results/bound/runs/2026-12-01e_pack_ab.json``). The rule is
     ``Tensor.view(dtype)``'s; about 1-2 µs of host time per call."""
-    return x if torch.compiler.is_compiling() else _wide(x)
+    if torch.compiler.is_compiling():
+        return x
+    return _wide(x)
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,9 @@ def received_bytes(mode: str, world_size: int, local_bytes: int, mesh: tuple | N
         return 4 * (i - 1) * local_bytes // i + 2 * (o - 1) * local_bytes
     if mode == "agkv":
         return 2 * (world_size - 1) * local_bytes
-    return 4 * (world_size - 1) * local_bytes // world_size if mode == "ulysses" else None
+    if mode == "ulysses":
+        return 4 * (world_size - 1) * local_bytes // world_size
+    return None
 
 
 def run_bench(rank: int, world_size: int, device: torch.device, args) -> None:

@@ -239,7 +239,9 @@ def print_table(rows: list[dict], meta: dict) -> None:
 def _host_text(r: dict, prefix: str = "") -> str:
     """A row's host time (ms) with ``*`` when host-bound, 9 wide; blank where not timed."""
     h = r.get(prefix + "host_ms")
-    return f"{'':>9}" if h is None else f"{h:>8.2f}" + ("*" if r.get(prefix + "host_bound") else " ")
+    if h is None:
+        return f"{'':>9}"
+    return f"{h:>8.2f}" + ("*" if r.get(prefix + "host_bound") else " ")
 
 
 def print_profiles(profiles: dict) -> None:
@@ -253,7 +255,9 @@ def print_profiles(profiles: dict) -> None:
 
 
 def _samples_spread(samples) -> str:
-    return "" if not samples or len(samples) < 2 else f"{min(samples):.0f}–{max(samples):.0f}"
+    if not samples or len(samples) < 2:
+        return ""
+    return f"{min(samples):.0f}–{max(samples):.0f}"
 
 
 def results_table(rows: list[dict]) -> str:

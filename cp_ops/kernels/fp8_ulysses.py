@@ -136,7 +136,9 @@ def _rows(t: torch.Tensor, d: int):
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         return None
     st = [0 if n == 1 else s for n, s in zip(t.shape[:-1], t.stride()[:-1])]  # a size-1 dim's stride: any
-    return None if any(s % d for s in st) else tuple(s // d for s in st)
+    if any(s % d for s in st):
+        return None
+    return tuple(s // d for s in st)
 
 
 def _encoded_rows(buf: torch.Tensor):

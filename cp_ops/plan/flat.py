@@ -143,7 +143,9 @@ def constant(value):
     t = type(value)
     if t is tuple or t is list:
         return t(constant(x) for x in value)
-    return operator.index(value) if t is int else value
+    if t is int:
+        return operator.index(value)
+    return value
 
 
 def _symbolic(value) -> bool:
@@ -299,4 +301,6 @@ def build(call: Call, pg, given_why: str = "") -> Plan | None:
     shards = _shards(d, pg, q) if d.world > 1 else None
     b, s, h, hd = q.shape
     rows = shards.smax if shards is not None else s
-    return None if d.world > 1 and b * rows * h * hd == 0 else Plan(pg, d, shards, q.device)
+    if d.world > 1 and b * rows * h * hd == 0:
+        return None
+    return Plan(pg, d, shards, q.device)

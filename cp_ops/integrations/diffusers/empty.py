@@ -26,7 +26,9 @@ def _resolved(x: torch.Tensor, shape) -> tuple | None:
         have = have * n if n != 0 else have
     for n in shape:
         asked = asked * n if n not in (0, -1) else asked
-    return None if asked == 0 or have % asked else tuple(have // asked if n == -1 else n for n in shape)
+    if asked == 0 or have % asked:
+        return None
+    return tuple(have // asked if n == -1 else n for n in shape)
 
 
 #: Tensor methods written in Python that call ``super()`` (torch/_tensor.py), which Dynamo cannot trace from inside a

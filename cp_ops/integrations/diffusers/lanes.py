@@ -197,7 +197,9 @@ class Lanes:
     def _pick(self, name, x):
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 2:
             return x[self.lane:self.lane + 1]
-        return type(x)([x[self.lane]]) if isinstance(x, (list, tuple)) and len(x) == 2 else x
+        if isinstance(x, (list, tuple)) and len(x) == 2:
+            return type(x)([x[self.lane]])
+        return x
 
     def select(self, mod, args, kwargs):
         """Keep this lane's sample of every batched input (hidden input's batch must be 2)."""
@@ -393,7 +395,9 @@ class Lanes:
         if not self.peers.store.check([key]):
             return None
         call, at, joins, why = self.peers.store.get(key).decode().split("\t", 3)
-        return None if int(call) != self.calls or int(at) > k else (joins == "1", why, int(at))
+        if int(call) != self.calls or int(at) > k:
+            return None
+        return joins == "1", why, int(at)
 
     def _named(self, why: str, where: str) -> RuntimeError:
         """The error of a rank whose partner failed: one line naming it and its error, what to do after."""

@@ -67,7 +67,9 @@ class NvshmemHeap:
             if NvshmemHeap._in_init:
                 raise RuntimeError("an earlier NVSHMEM init of this process never returned (stuck in its bootstrap); "
                                    "NVSHMEM cannot start again in this process")
-            return None if me != 0 else bytes(nvshmem.get_unique_id()._data.view(np.int8).tobytes())
+            if me != 0:
+                return None
+            return bytes(nvshmem.get_unique_id()._data.view(np.int8).tobytes())
 
         payload = stage("NVSHMEM unique-ID creation", make_uid)
         uid_bytes = exchange("NVSHMEM unique-ID exchange", payload)[0]
