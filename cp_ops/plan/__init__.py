@@ -47,14 +47,14 @@ def _traced(call: Call) -> torch.Tensor:
         return flat.traced(call, pg)
     if s.mode == "agkv_ulysses":
         return mesh2d.traced(_on_mesh(call, pg, s))
-    return flat.traced(call._replace(mode=s.mode), pg)
+    return flat.traced(call.replace(mode=s.mode), pg)
 
 
 def _on_mesh(call: Call, pg, s: split.Split) -> Call:
     """``call`` on the 2-D mesh the split built from its flat group ``pg``: a ``[B, S_total]`` key mask becomes this
     rank's ``[B, S_local]`` slice (mesh rank r = group rank r holds the r-th token block)."""
     mesh = split.mesh_of(pg.group_name, s.outer, s.inner, call.q.device.type)
-    return call._replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg))
+    return call.replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg))
 
 
 def _build(call: Call):
@@ -69,7 +69,7 @@ def _build(call: Call):
     if s.mode == "agkv_ulysses":
         on_mesh = lambda c: _on_mesh(c, pg, s)  # noqa: E731
         return flat.Rerouted(pg, s, on_mesh, mesh2d.build(on_mesh(call)), _traced), True
-    as_mode = lambda c: c._replace(mode=s.mode)  # noqa: E731
+    as_mode = lambda c: c.replace(mode=s.mode)  # noqa: E731
     return flat.Rerouted(pg, s, as_mode, flat.build(as_mode(call), pg), _traced), True
 
 
@@ -115,9 +115,9 @@ def describe(call: Call) -> measured.Choice:
         if mesh is None:
             return measured.Choice(s.mode, 1 if call.chunks is None else call.chunks, "cost", {}, "auto",
                                    s.why + "; the mesh is built by the first call")
-        c = mesh2d.describe(call._replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg)))
+        c = mesh2d.describe(call.replace(group=mesh, mode="auto", key_mask=split.local_mask(call, pg)))
     else:
-        c = flat.describe(call._replace(mode=s.mode), pg)
+        c = flat.describe(call.replace(mode=s.mode), pg)
     return c._replace(source="cost", why=s.why + "; " + c.why)
 
 

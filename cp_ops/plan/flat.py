@@ -18,7 +18,7 @@ from ..comm import DirectCodec, DirectComm, OpCodec, OpComm
 from ..kernels import local_attention
 from ..transport import base as transport_base
 from . import measured, rules
-from .call import Call
+from .call import Call, make
 
 #: The rank contract's name of an attention call (its messages say "cp_ops.attention (call #n)").
 CALL = "cp_ops.attention"
@@ -157,15 +157,15 @@ def runner(q, pg, transport: str, fmts=cd.NONE):
     chunks on random ``q, k, v`` like ``q`` (seeded alike on every rank), in the formats ``fmts``."""
     made: list = []
 
-    def make(mode: str, chunks: int):
+    def timed(mode: str, chunks: int):
         if not made:
             g = torch.Generator(device=q.device).manual_seed(0x5EED)
             made.extend(torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype) for _ in range(3))
-        call = Call(*made, group=pg, mode=mode, transport=transport, chunks=chunks, comm_dtype=fmts)
+        call = make(*made, group=pg, mode=mode, transport=transport, chunks=chunks, comm_dtype=fmts)
         plan = build(call, pg)  # the eager plan the call would run (W > 1, explicit mode and chunks: nothing measured)
         return lambda: plan.run(call)
 
-    return make
+    return timed
 
 
 def describe(call: Call, pg, mode_why: str = ""):

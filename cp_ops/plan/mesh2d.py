@@ -125,7 +125,7 @@ def traced(call: Call) -> torch.Tensor:
     eager = not torch.compiler.is_compiling()
     d = decide(call, info, meshes.groups(group) if eager else None)
     if d.flat is not None:
-        return flat.traced(call._replace(group=group[d.flat[0]], mode=d.flat[1]), group[d.flat[0]].get_group())
+        return flat.traced(call.replace(group=group[d.flat[0]], mode=d.flat[1]), group[d.flat[0]].get_group())
     if info.world == 1:
         return flat.one_rank(call, d.fmts, kv_trips=2)
     tag = contract.set_partner(info.inner_name, d.tag, info.outer_name)  # a failed row exchange tells the column
@@ -142,10 +142,10 @@ def describe(call: Call):
     mesh's 1-D call, else mode 'agkv_ulysses' with the caller's chunks or 1 and the inner dim's transport."""
     group, q, mode, chunks = call.group, call.q, call.mode, call.chunks
     info = meshes.MeshInfo(*meshes.describe(group))
-    d = decide(call._replace(k=q, v=q, tag=None, scale=None), info)
+    d = decide(call.replace(k=q, v=q, tag=None, scale=None), info)
     if d.flat is not None:
         sub = group[d.flat[0]]
-        return flat.describe(call._replace(group=sub, mode=d.flat[1]), sub.get_group(), mode_why=d.why)
+        return flat.describe(call.replace(group=sub, mode=d.flat[1]), sub.get_group(), mode_why=d.why)
     if info.world == 1:
         return flat.measured.Choice(MODE, 1, "heuristic", {}, d.inner_transport, d.why)
     shown = transport_base.agreed_name(d.inner_transport, info.inner_name, q.device) or "auto"
@@ -219,8 +219,8 @@ def build(call: Call):
     if d.flat is not None:
         sub = group[d.flat[0]]
         pg = pgs[0] if d.flat[0] == "agkv" else pgs[1]
-        plan = flat.build(call._replace(group=sub, mode=d.flat[1]), pg, d.why)
-        return flat.Rerouted(pg, d.flat, lambda c: c._replace(group=sub, mode=d.flat[1]), plan,
+        plan = flat.build(call.replace(group=sub, mode=d.flat[1]), pg, d.why)
+        return flat.Rerouted(pg, d.flat, lambda c: c.replace(group=sub, mode=d.flat[1]), plan,
                              lambda c: flat.traced(c, pg))
     if info.world == 1:
         return _Local(d.fmts)
