@@ -61,7 +61,7 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     Returns ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (natural
     log of the softmax denominator of the scaled scores; the kernel's strides). ``scale`` default ``1/sqrt(D)``.
     Raises RuntimeError when no kernel accepted the inputs (with the last kernel's error)."""
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # (rare: no call per tensor on the hot path)
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):  # (is_contiguous: the cheapest call)
         q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])
