@@ -55,14 +55,16 @@ _KERNELS = {"cudnn": _cudnn, "flash": _flash, "efficient": _efficient, "cpu_flas
 _ORDER = {"cuda": ("cudnn", "flash", "efficient", "math"), "cpu": ("cpu_flash", "math")}
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                       dense: bool = False):
     """Dense non-causal attention of BSHD ``q`` ``[B, Sq, H, D]`` over ``k, v`` ``[B, Skv, H, D]``.
 
     Returns ``(out, lse)``: ``out`` ``[B, Sq, H, D]`` (a BSHD view, dtype of q), ``lse`` ``[B, H, Sq]`` fp32 (natural
     log of the softmax denominator of the scaled scores; the kernel's strides). ``scale`` default ``1/sqrt(D)``.
+    ``dense=True``: the caller made every last dim unit-stride (:func:`dense_rows`), not checked again.
     Raises RuntimeError when no kernel accepted the inputs (with the last kernel's error)."""
-    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):  # (is_contiguous: the cheapest call)
-        q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
+    if not dense:
+        q, k, v = dense_rows(q, k, v)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     key = (q.device.type, q.dtype, q.shape[-1])
     first = _choice.get(key)
@@ -87,9 +89,16 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     raise RuntimeError(f"cp_ops: no attention kernel with LSE accepted {q.dtype} D={q.shape[-1]} on {q.device}: {err}")
 
 
+def dense_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``(q, k, v)``, each with unit stride along its last dim (a copy only where not: e.g. q of a fused
+    ``[..., D, 3]`` qkv): the kernels here are called past SDPA's dispatcher, and the CPU flash kernel read a strided
+    head dim as dense and returned wrong numbers."""
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():  # the usual case (is_contiguous: the cheapest)
+        return q, k, v
+    return _dense_rows(q), _dense_rows(k), _dense_rows(v)
+
+
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with unit stride along its last dim (a copy only where not: e.g. q of a fused ``[..., D, 3]`` qkv): past
-    SDPA's dispatcher, the CPU flash kernel read a strided head dim as dense and returned wrong numbers."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 

@@ -21,6 +21,7 @@ import math
 import torch
 
 from ..kernels import attention_with_lse, merge
+from ..kernels.lse import dense_rows
 
 
 def stage_plan(world_size: int, chunks: int) -> tuple[int, int]:
@@ -66,9 +67,10 @@ def agkv_pipelined(q, k, v, comm, *, scale=None, chunks: int = 2, shards=None, k
     if q.shape[1] == 0:  # a rank without tokens (uneven shards) still sends its block: nothing to attend
         work.wait()
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+    q, k, v = dense_rows(q, k, v)  # once for every kernel call below (the transport's buffers are dense)
     outs, lses = [], []
     if k.shape[1]:
-        o, lse = attention_with_lse(q, k, v, scale)  # own block: under the transfer
+        o, lse = attention_with_lse(q, k, v, scale, dense=True)  # own block: under the transfer
         outs.append(o)
         lses.append(lse)
     stages = _split(arrivals, later)
@@ -79,7 +81,7 @@ def agkv_pipelined(q, k, v, comm, *, scale=None, chunks: int = 2, shards=None, k
         else:  # the last stage waits for everything that is left: one wait (it also orders the reads of k, v)
             work.wait()
         for lo, hi in _runs(stage, shards):
-            o, lse = attention_with_lse(q, k_full[:, lo:hi], v_full[:, lo:hi], scale)
+            o, lse = attention_with_lse(q, k_full[:, lo:hi], v_full[:, lo:hi], scale, dense=True)
             outs.append(o)
             lses.append(lse)
     if not stages:
