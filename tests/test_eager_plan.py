@@ -66,3 +66,18 @@ def _plans(rank, w):
 
 def test_repeat_calls_use_the_plan_and_still_exchange_every_call():
     run_ranks(_plans, 2)
+
+
+def test_call_replace_copies_and_names_an_unknown_field():
+    """``Call.replace`` gives a changed copy (the original unchanged) and raises TypeError naming a field a Call has
+    not, instead of setting it."""
+    from cp_ops.plan import make
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 2, 8, generator=g) for _ in range(3))
+    call = make(q, k, v, mode="agkv", chunks=2, tag=3)
+    other = call.replace(mode="ulysses", chunks=1)
+    assert (other.mode, other.chunks, other.tag, other.q) == ("ulysses", 1, 3, q)
+    assert (call.mode, call.chunks) == ("agkv", 2)
+    with pytest.raises(TypeError, match=r"Call.replace: no fields \['chunk'\]"):
+        call.replace(chunk=1)
